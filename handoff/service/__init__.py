@@ -1,0 +1,1 @@
+"""HTTP plumbing shared by the three services: errors, auth, limits, logs, serving."""

@@ -1,0 +1,168 @@
+"""The error envelope every handoff process answers with.
+
+Every error is ``{"error": {"type": ..., "message": ..., **extra}}`` with the
+status code SPEC section 6 names. Each service derives its own small exception
+tree from :class:`ServiceError`; :func:`install_error_handlers` turns those, and
+FastAPI's own validation and routing errors, into the envelope. A user's mistake
+never becomes a 500.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any, Mapping
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import JSONResponse, Response
+
+log = logging.getLogger(__name__)
+
+
+class ServiceError(Exception):
+    """An error with a status code and an envelope type.
+
+    Subclasses set ``status`` and ``type``; ``extra`` fields go inside the
+    ``error`` object (for example ``in_flight`` on a drain timeout).
+    """
+
+    status: int = 500
+    type: str = "internal_error"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        status: int | None = None,
+        type: str | None = None,
+        extra: Mapping[str, Any] | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        if status is not None:
+            self.status = status
+        if type is not None:
+            self.type = type
+        self.extra = dict(extra or {})
+        self.headers = dict(headers or {})
+
+    def envelope(self) -> dict[str, Any]:
+        return error_envelope(self.type, self.message, **self.extra)
+
+    def to_response(self) -> JSONResponse:
+        return JSONResponse(self.envelope(), status_code=self.status, headers=self.headers or None)
+
+
+class InvalidRequest(ServiceError):
+    status = 400
+    type = "invalid_request"
+
+
+class Unauthorized(ServiceError):
+    status = 401
+    type = "unauthorized"
+
+    def __init__(self, message: str = "missing or wrong bearer token") -> None:
+        super().__init__(message, headers={"WWW-Authenticate": "Bearer"})
+
+
+class NotFound(ServiceError):
+    status = 404
+    type = "not_found"
+
+
+class Conflict(ServiceError):
+    status = 409
+    type = "conflict"
+
+
+class PayloadTooLarge(ServiceError):
+    status = 413
+    type = "payload_too_large"
+
+
+class Unavailable(ServiceError):
+    """503; ``retry_after`` seconds go into a ``Retry-After`` header."""
+
+    status = 503
+    type = "unavailable"
+
+    def __init__(self, message: str, *, type: str | None = None, retry_after: float | None = None,
+                 extra: Mapping[str, Any] | None = None) -> None:
+        headers = {"Retry-After": str(max(1, round(retry_after)))} if retry_after is not None else None
+        super().__init__(message, type=type, extra=extra, headers=headers)
+
+
+class InsufficientMemory(ServiceError):
+    status = 507
+    type = "insufficient_memory"
+
+
+def error_envelope(type: str, message: str, **extra: Any) -> dict[str, Any]:
+    return {"error": {"type": type, "message": message, **extra}}
+
+
+def error_response(status: int, type: str, message: str, headers: Mapping[str, str] | None = None,
+                   **extra: Any) -> JSONResponse:
+    return JSONResponse(error_envelope(type, message, **extra), status_code=status, headers=headers)
+
+
+_STATUS_TYPES = {
+    400: "invalid_request",
+    401: "unauthorized",
+    403: "forbidden",
+    404: "not_found",
+    405: "method_not_allowed",
+    413: "payload_too_large",
+    415: "unsupported_media_type",
+    422: "invalid_request",
+}
+
+
+def _describe_validation(exc: RequestValidationError) -> str:
+    parts = []
+    for err in exc.errors()[:5]:
+        loc = ".".join(str(p) for p in err.get("loc", ()) if p != "body") or "body"
+        parts.append(f"{loc}: {err.get('msg', 'invalid')}")
+    return "; ".join(parts) or "invalid request body"
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Route every error of ``app`` through the envelope."""
+
+    async def on_service_error(_: Request, exc: ServiceError) -> Response:
+        return exc.to_response()
+
+    async def on_validation(_: Request, exc: RequestValidationError) -> Response:
+        return error_response(400, "invalid_request", _describe_validation(exc))
+
+    async def on_http(_: Request, exc: StarletteHTTPException) -> Response:
+        type_ = _STATUS_TYPES.get(exc.status_code, "error")
+        message = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
+        return error_response(exc.status_code, type_, message, headers=getattr(exc, "headers", None))
+
+    async def on_unexpected(request: Request, exc: Exception) -> Response:
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return error_response(500, "internal_error", f"{type(exc).__name__}: internal error")
+
+    app.add_exception_handler(ServiceError, on_service_error)  # type: ignore[arg-type]
+    app.add_exception_handler(RequestValidationError, on_validation)  # type: ignore[arg-type]
+    app.add_exception_handler(StarletteHTTPException, on_http)  # type: ignore[arg-type]
+    app.add_exception_handler(Exception, on_unexpected)
+
+
+async def read_json_object(request: Request) -> dict[str, Any]:
+    """Read a JSON object body; an empty body is ``{}``. Anything else is a 400."""
+    raw = await request.body()
+    if not raw.strip():
+        return {}
+    try:
+        value = json.loads(raw)
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise InvalidRequest(f"body is not valid JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise InvalidRequest(f"body must be a JSON object, got {type(value).__name__}")
+    return value

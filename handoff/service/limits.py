@@ -1,0 +1,61 @@
+"""Request body limit (413) as a thin ASGI middleware.
+
+A declared ``Content-Length`` above the limit is refused before the body is
+read; a chunked body is counted as it arrives and refused as soon as it passes
+the limit, so nothing larger than the limit is ever buffered.
+"""
+
+from __future__ import annotations
+
+import json
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from handoff.service.errors import PayloadTooLarge, error_envelope
+
+DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
+
+
+class BodyLimitMiddleware:
+    def __init__(self, app: ASGIApp, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        limit = self.max_body_bytes
+        for name, value in scope["headers"]:
+            if name == b"content-length":
+                try:
+                    declared = int(value)
+                except ValueError:
+                    declared = 0
+                if declared > limit:
+                    await _send_413(send, limit)
+                    return
+                break
+        num_received = 0
+
+        async def limited_receive() -> Message:
+            nonlocal num_received
+            message = await receive()
+            if message["type"] == "http.request":
+                num_received += len(message.get("body", b""))
+                if num_received > limit:
+                    raise PayloadTooLarge(f"request body is larger than {limit} bytes")
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+
+async def _send_413(send: Send, limit: int) -> None:
+    body = json.dumps(error_envelope("payload_too_large", f"request body is larger than {limit} bytes")).encode()
+    await send({
+        "type": "http.response.start",
+        "status": 413,
+        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                    (b"connection", b"close")],
+    })
+    await send({"type": "http.response.body", "body": body})

@@ -1,0 +1,30 @@
+"""Prometheus metrics of the load balancer (``handoff_lb_*``), one registry per app."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_FANOUT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+class LBMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter("handoff_lb_requests", "Requests answered by the LB, by route and status code.",
+                                ["route", "code"], registry=r)
+        self.fanout_seconds = Histogram("handoff_lb_fanout_seconds", "Duration of a control fan-out, by path.",
+                                        ["path"], registry=r, buckets=_FANOUT_BUCKETS)
+        self.fanout_node_failures = Counter("handoff_lb_fanout_node_failures",
+                                            "Nodes that failed a control fan-out, by path and reason.",
+                                            ["path", "reason"], registry=r)
+        self.node_healthy = Gauge("handoff_lb_node_healthy", "1 while a node answers its health checks.",
+                                  ["node", "role"], registry=r)
+        self.node_serving = Gauge("handoff_lb_node_serving", "1 while a node can take generation.",
+                                  ["node", "role"], registry=r)
+        self.node_inflight = Gauge("handoff_lb_node_inflight", "Generation requests the LB has in flight per node.",
+                                   ["node", "role"], registry=r)
+        self.generate_retries = Counter("handoff_lb_generate_retries",
+                                        "Generation requests retried on another node after a refused connection.",
+                                        registry=r)
+        self.nodes = Gauge("handoff_lb_nodes", "Nodes in the membership, by role.", ["role"], registry=r)

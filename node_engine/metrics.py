@@ -1,0 +1,34 @@
+"""Prometheus metrics of the engine (``handoff_engine_*``), one registry per app."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+
+class EngineMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter("handoff_engine_requests", "Generation requests finished, by finish reason.",
+                                ["finish_reason"], registry=r)
+        self.rejected_requests = Counter("handoff_engine_rejected_requests",
+                                         "Generation requests refused before running, by error type.",
+                                         ["reason"], registry=r)
+        self.prompt_tokens = Counter("handoff_engine_prompt_tokens", "Prompt tokens prefilled.", registry=r)
+        self.generated_tokens = Counter("handoff_engine_generated_tokens", "Tokens generated.", registry=r)
+        self.running_requests = Gauge("handoff_engine_running_requests", "Requests in the running batch.",
+                                      registry=r)
+        self.queued_requests = Gauge("handoff_engine_queued_requests", "Requests waiting to be scheduled.",
+                                     registry=r)
+        self.kv_slots_used = Gauge("handoff_engine_kv_slots_used", "KV token slots in use (requests and cache).",
+                                   registry=r)
+        self.kv_slots_total = Gauge("handoff_engine_kv_slots_total", "KV token slots in the pool.", registry=r)
+        self.memory_bytes = Gauge("handoff_engine_memory_bytes", "Bytes of each memory tag, by state.",
+                                  ["tag", "state"], registry=r)
+        self.step_seconds = Histogram("handoff_engine_step_seconds", "Duration of one scheduler step.",
+                                      ["kind"], registry=r,
+                                      buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5))
+        self.release_seconds = Histogram("handoff_engine_release_seconds", "Duration of a memory release.",
+                                         registry=r)
+        self.resume_seconds = Histogram("handoff_engine_resume_seconds", "Duration of a memory resume.",
+                                        registry=r)

@@ -1,0 +1,39 @@
+"""Prometheus metrics of the sidecar (``handoff_node_*``), one registry per app.
+
+The sidecar's ``/metrics`` also relays the engine's own text (``handoff_engine_*``),
+because in Kubernetes the engine listens on localhost only.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_CONTROL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class SidecarMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.memory_bytes = Gauge("handoff_node_memory_bytes", "Bytes of each memory tag, by state.",
+                                  ["tag", "state"], registry=r)
+        self.serving = Gauge("handoff_node_serving", "1 while the node serves generation.", registry=r)
+        self.engine_up = Gauge("handoff_node_engine_up", "1 while the engine answers.", registry=r)
+        self.release_seconds = Histogram("handoff_node_release_seconds", "Duration of a release, drain included.",
+                                         registry=r, buckets=_CONTROL_BUCKETS)
+        self.resume_seconds = Histogram("handoff_node_resume_seconds", "Duration of a resume.",
+                                        registry=r, buckets=_CONTROL_BUCKETS)
+        self.inflight_requests = Gauge("handoff_node_inflight_requests", "Generation requests in flight.",
+                                       registry=r)
+        self.held_requests = Gauge("handoff_node_held_requests", "Generation requests held while not serving.",
+                                   registry=r)
+        self.drained_requests = Counter("handoff_node_drained_requests", "Requests waited for by a drain.",
+                                        registry=r)
+        self.aborted_requests = Counter("handoff_node_aborted_requests", "Requests aborted by a drain.",
+                                        registry=r)
+        self.rejected_requests = Counter("handoff_node_rejected_requests",
+                                         "Generation requests answered 503, by reason.", ["reason"], registry=r)
+        self.control_calls = Counter("handoff_node_control_calls", "Control calls, by path and status code.",
+                                     ["path", "code"], registry=r)
+        self.requests = Counter("handoff_node_requests", "Proxied generation requests, by route and status code.",
+                                ["route", "code"], registry=r)

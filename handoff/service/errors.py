@@ -159,10 +159,17 @@ async def read_json_object(request: Request) -> dict[str, Any]:
     raw = await request.body()
     if not raw.strip():
         return {}
-    try:
-        value = json.loads(raw)
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise InvalidRequest(f"body is not valid JSON: {exc}") from exc
+    value = parse_json_bytes(raw)
     if not isinstance(value, dict):
         raise InvalidRequest(f"body must be a JSON object, got {type(value).__name__}")
     return value
+
+
+def parse_json_bytes(raw: bytes) -> Any:
+    """Parse a request body; malformed, non-UTF-8 or absurdly nested JSON is a 400."""
+    try:
+        return json.loads(raw)
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise InvalidRequest(f"body is not valid JSON: {exc}") from exc
+    except RecursionError as exc:
+        raise InvalidRequest("body is nested too deeply") from exc

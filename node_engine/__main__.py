@@ -1,0 +1,93 @@
+"""``python -m node_engine``: load a model and serve it (SPEC section 5)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from handoff.service.logs import setup_logging
+from handoff.service.serve import add_server_args, serve
+from node_engine.config import ConfigError, EngineConfig
+from node_engine.memory.tags import BackupMode
+from node_engine.model.arch import ModelConfigError
+
+log = logging.getLogger("node_engine")
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m node_engine", description="handoff LLM engine")
+    p.add_argument("--model-path", required=True, help="a Hugging Face model folder, or builtin:tiny")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default=None,
+                   help="default: float32 on CPU, bfloat16 on CUDA")
+    p.add_argument("--seed", type=int, default=0, help="seed of the built-in model's weights")
+    p.add_argument("--model-override", default=None,
+                   help='JSON object overriding a built-in model\'s shape, e.g. {"hidden_size": 1024}')
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--weight-version", default="default")
+    p.add_argument("--max-total-tokens", type=int, default=None, help="KV pool size in tokens")
+    p.add_argument("--max-batch-tokens", type=int, default=2048, help="tokens per prefill step (chunk size)")
+    p.add_argument("--max-running-requests", type=int, default=64)
+    p.add_argument("--context-length", type=int, default=None)
+    p.add_argument("--enable-memory-saver", action="store_true",
+                   help="allow /release_memory_occupation and /resume_memory_occupation")
+    p.add_argument("--weights-backup", choices=[m.value for m in BackupMode], default="none")
+    p.add_argument("--backup-dir", type=Path, default=None, help="where weight backups are spilled (CPU/disk)")
+    p.add_argument("--disable-cuda-graph", action="store_true")
+    p.add_argument("--cuda-graph-max-bs", type=int, default=32)
+    p.add_argument("--mem-fraction", type=float, default=0.85, help="share of free GPU memory for the KV pool")
+    p.add_argument("--num-threads", type=int, default=None, help="CPU threads for torch (default: torch's)")
+    p.add_argument("--role", default="mixed", help="only mixed is available today")
+    p.add_argument("--free-memory-override-file", type=Path, default=None,
+                   help="testing hook: free bytes for the resume check are read from this file when it exists")
+    p.add_argument("--max-body-bytes", type=int, default=64 * 1024 * 1024)
+    add_server_args(p, default_host="127.0.0.1", default_port=30000)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    setup_logging("node_engine", fmt=args.log_format, level=args.log_level)
+    try:
+        config = EngineConfig(
+            model_path=args.model_path, device=args.device, dtype=args.dtype, seed=args.seed,
+            max_total_tokens=args.max_total_tokens, max_batch_tokens=args.max_batch_tokens,
+            max_running_requests=args.max_running_requests, context_length=args.context_length,
+            enable_memory_saver=args.enable_memory_saver, weights_backup=BackupMode(args.weights_backup),
+            backup_dir=args.backup_dir, disable_cuda_graph=args.disable_cuda_graph,
+            cuda_graph_max_bs=args.cuda_graph_max_bs, mem_fraction=args.mem_fraction,
+            model_override=args.model_override, served_model_name=args.served_model_name,
+            weight_version=args.weight_version, free_memory_override_file=args.free_memory_override_file,
+            role=args.role)
+    except ConfigError as exc:
+        log.error("%s", exc)
+        return 2
+    if config.device == "cuda" and config.enable_memory_saver:
+        from node_engine.launch import ensure_memory_saver_preload
+
+        ensure_memory_saver_preload(argv)
+    import torch
+
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
+    if config.device == "cuda" and not torch.cuda.is_available():
+        log.error("--device cuda but CUDA is not available")
+        return 2
+    from node_engine.engine import Engine
+    from node_engine.server.app import create_app
+
+    try:
+        engine = Engine(config)
+    except (ConfigError, ModelConfigError) as exc:
+        log.error("cannot start: %s", exc)
+        return 2
+    serve(create_app(engine, max_body_bytes=args.max_body_bytes), host=args.host, port=args.port,
+          port_file=args.port_file)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

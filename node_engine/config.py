@@ -1,0 +1,104 @@
+"""Engine configuration: one frozen dataclass, validated on construction.
+
+Values computed at run time (the KV pool size, the context length actually
+used) are not written back here; they live in the runner's ``KVPlan``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from node_engine.memory.tags import BackupMode
+
+DEFAULT_CPU_MAX_TOTAL_TOKENS = 8192
+DEFAULT_WEIGHT_VERSION = "default"
+
+
+class ConfigError(ValueError):
+    """A configuration value is wrong; the message names the flag."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_path: str
+    device: str = "cpu"
+    dtype: str | None = None                 # None: float32 on CPU, bfloat16 on CUDA
+    seed: int = 0
+    max_total_tokens: int | None = None      # None: CPU fixed default, CUDA sized from free memory
+    max_batch_tokens: int = 2048
+    max_running_requests: int = 64
+    context_length: int | None = None        # None: the model's max_position_embeddings
+    enable_memory_saver: bool = False
+    weights_backup: BackupMode = BackupMode.NONE
+    backup_dir: Path | None = None
+    disable_cuda_graph: bool = False
+    cuda_graph_max_bs: int = 32
+    mem_fraction: float = 0.85
+    model_override: str | None = None        # JSON object, built-in models only
+    served_model_name: str | None = None
+    weight_version: str = DEFAULT_WEIGHT_VERSION
+    free_memory_override_file: Path | None = None
+    role: str = "mixed"
+
+    def __post_init__(self) -> None:
+        if self.device not in ("cpu", "cuda"):
+            raise ConfigError(f"--device must be cpu or cuda, got {self.device!r}")
+        if self.dtype is not None and self.dtype not in ("float32", "float16", "bfloat16"):
+            raise ConfigError(f"--dtype must be float32, float16 or bfloat16, got {self.dtype!r}")
+        if self.role != "mixed":
+            raise ConfigError(
+                f"--role {self.role} is not available yet: moving KV from a prefill engine to a decode engine is a "
+                "later milestone. Run engines as mixed; the LB's PD routing works with PD-capable engines.")
+        for name in ("max_batch_tokens", "max_running_requests", "cuda_graph_max_bs"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        for name in ("max_total_tokens", "context_length"):
+            value = getattr(self, name)
+            if value is not None and value < 2:
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= 2, got {value}")
+        if not 0 < self.mem_fraction <= 1:
+            raise ConfigError(f"--mem-fraction must be in (0, 1], got {self.mem_fraction}")
+        if self.weights_backup is not BackupMode.NONE and not self.enable_memory_saver:
+            raise ConfigError("--weights-backup needs --enable-memory-saver")
+        if not self.weight_version:
+            raise ConfigError("--weight-version must not be empty")
+        self.model_override_dict()  # validates the JSON
+
+    @property
+    def resolved_dtype(self) -> str:
+        return self.dtype or ("bfloat16" if self.device == "cuda" else "float32")
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model_path.rstrip("/").split("/")[-1] or self.model_path
+
+    def model_override_dict(self) -> dict[str, Any]:
+        if not self.model_override:
+            return {}
+        try:
+            value = json.loads(self.model_override)
+        except ValueError as exc:
+            raise ConfigError(f"--model-override is not valid JSON: {exc}") from exc
+        if not isinstance(value, dict):
+            raise ConfigError("--model-override must be a JSON object")
+        return value
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 30000
+    port_file: Path | None = None
+    max_body_bytes: int = 64 * 1024 * 1024
+    log_format: str = "text"
+    log_level: str = "info"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"--port must be in [0, 65535], got {self.port}")
+        if self.max_body_bytes < 1024:
+            raise ConfigError(f"--max-body-bytes must be >= 1024, got {self.max_body_bytes}")

@@ -1,0 +1,407 @@
+"""The engine: a thread that owns the scheduler and the runner.
+
+Everything that touches device tensors runs on this one thread. The HTTP side
+talks to it through an inbox: ``submit`` a request, ``abort`` one, or ``call``
+a control command (release, resume, reload, flush), which runs between two
+steps with exclusive access. Outputs go back to the event loop once per step.
+
+The engine defends itself: it refuses a release or a reload while requests
+are queued or running, refuses generation while memory is released or the
+weights are not valid, and never runs a step on released memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import random
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import psutil
+import torch
+
+from node_engine.config import EngineConfig
+from node_engine.errors import (EngineStopped, InsufficientMemory, InvalidRequest, MemoryReleased,
+                                MemorySaverDisabledError, NoWeightsBackupError, RequestsInFlight, WeightsCorrupted,
+                                WeightsNotLoaded, WeightsReleased)
+from node_engine.kv_cache import RowAllocator, SlotAllocator
+from node_engine.memory.info import CudaMemoryInfo, FileOverrideMemoryInfo, HostMemoryInfo, MemoryInfo
+from node_engine.memory.manager import MemoryManager, NotEnoughMemory, NoWeightsBackup
+from node_engine.memory.saver import CpuSaver, DisabledSaver, MemorySaver, MemorySaverDisabled
+from node_engine.memory.tags import ALL_TAGS, MemoryTag
+from node_engine.metrics import EngineMetrics
+from node_engine.model.arch import ModelConfigError
+from node_engine.request import FinishReason, Request, RequestOutput, RequestState
+from node_engine.runner import ModelRunner, load_model_source
+from node_engine.sampling import SamplingParams
+from node_engine.scheduler import Scheduler, SchedulerConfig
+from node_engine.tokenizer import IncrementalDetokenizer
+
+log = logging.getLogger(__name__)
+
+
+def make_saver(config: EngineConfig) -> MemorySaver:
+    if not config.enable_memory_saver:
+        return DisabledSaver()
+    backup_dir = config.backup_dir or Path(f"/tmp/handoff-backup-{uuid.uuid4().hex[:8]}")
+    if config.device == "cuda":
+        from node_engine.memory.saver_cuda import CudaSaver
+
+        return CudaSaver(config.weights_backup, backup_dir)
+    return CpuSaver(backup_dir)
+
+
+def make_memory_info(config: EngineConfig) -> MemoryInfo:
+    info: MemoryInfo = CudaMemoryInfo() if config.device == "cuda" else HostMemoryInfo()
+    if config.free_memory_override_file is not None:
+        info = FileOverrideMemoryInfo(config.free_memory_override_file, info)
+    return info
+
+
+class RequestHandle:
+    """The event-loop side of one request: its outputs, in order."""
+
+    def __init__(self, rid: str) -> None:
+        self.rid = rid
+        self._queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+
+    def _put(self, output: RequestOutput) -> None:
+        self._queue.put_nowait(output)
+
+    async def next(self) -> RequestOutput:
+        return await self._queue.get()
+
+
+@dataclass
+class _Add:
+    request: Request
+
+
+@dataclass
+class _Abort:
+    rid: str | None  # None: all
+
+
+@dataclass
+class _Call:
+    fn: Callable[[], Any]
+    future: asyncio.Future
+    loop: asyncio.AbstractEventLoop
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, metrics: EngineMetrics | None = None) -> None:
+        self.config = config
+        self.metrics = metrics or EngineMetrics()
+        self.arch, self.tokenizer = load_model_source(config)
+        self.saver = make_saver(config)
+        started = time.perf_counter()
+        self.runner = ModelRunner(config, self.saver, self.arch)
+        log.info("model %s loaded in %.2fs (%d parameters, %s on %s)", config.model_path,
+                 time.perf_counter() - started, self.arch.num_params(), config.resolved_dtype, config.device)
+        self.memory = MemoryManager(self.saver, make_memory_info(config), config.weights_backup)
+        plan = self.runner.kv_plan
+        self.scheduler = Scheduler(
+            SchedulerConfig(max_running_requests=config.max_running_requests,
+                            max_batch_tokens=config.max_batch_tokens, context_len=plan.context_len,
+                            eos_token_ids=tuple(self.tokenizer.eos_token_ids) or self.arch.eos_token_ids),
+            SlotAllocator(plan.num_slots), RowAllocator(config.max_running_requests))
+        self.weight_version = config.weight_version
+        self._inbox: queue.SimpleQueue[_Add | _Abort | _Call | None] = queue.SimpleQueue()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._num_rids = 0
+        self.metrics.kv_slots_total.set(self.scheduler.slots.capacity)
+        self._update_memory_metrics()
+
+    # -- lifecycle ---------------------------------------------------------------
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._inbox.put(None)
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # -- event-loop side -----------------------------------------------------------
+    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raise 400 for a request that can never run, 409/503 while it cannot run now."""
+        if not prompt_ids:
+            raise InvalidRequest("the prompt is empty")
+        vocab = self.arch.vocab_size
+        bad = [t for t in prompt_ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequest(f"token ids out of range [0, {vocab}): {bad[:5]}")
+        bad_stop = [t for t in params.stop_token_ids if not 0 <= t < vocab]
+        if bad_stop:
+            raise InvalidRequest(f"stop_token_ids out of range [0, {vocab}): {bad_stop[:5]}")
+        limit = self.scheduler.max_request_tokens()
+        if len(prompt_ids) + params.max_new_tokens > limit:
+            raise InvalidRequest(
+                f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds the "
+                f"{limit} tokens a request can use (context {self.runner.kv_plan.context_len}, "
+                f"pool {self.scheduler.slots.capacity})")
+        self.check_can_generate()
+
+    def check_can_generate(self) -> None:
+        released = self.memory.released_tags()
+        if released:
+            raise MemoryReleased(f"memory is released ({', '.join(t.value for t in released)}); resume it first",
+                                 retry_after=1, extra={"released": [t.value for t in released]})
+        if not self.memory.weights_valid:
+            raise WeightsNotLoaded("weights were resumed without a backup; call /update_weights_from_disk first")
+
+    def default_max_new_tokens(self, num_prompt_tokens: int) -> int:
+        return max(0, min(128, self.scheduler.max_request_tokens() - num_prompt_tokens))
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams, rid: str | None = None) -> RequestHandle:
+        """Queue a checked request; its outputs arrive on the returned handle."""
+        self._num_rids += 1
+        rid = rid or f"req-{uuid.uuid4().hex[:16]}"
+        handle = RequestHandle(rid)
+        seed = params.seed if params.seed is not None else random.getrandbits(63)
+        generator = None if params.is_greedy else torch.Generator(device=self.runner.device).manual_seed(seed)
+        request = Request(rid=rid, prompt_ids=list(prompt_ids), params=params,
+                          detokenizer=IncrementalDetokenizer(self.tokenizer, params.stop), on_output=handle._put,
+                          generator=generator)
+        self._inbox.put(_Add(request))
+        return handle
+
+    def abort(self, rid: str | None) -> None:
+        """Abort one request (or all with ``None``); it finishes with ``abort`` and the tokens it had."""
+        self._inbox.put(_Abort(rid))
+
+    async def call(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` on the engine thread between two steps; its exception is raised here."""
+        if self._stopping or not self.is_alive:
+            raise EngineStopped("the engine is stopping")
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._inbox.put(_Call(fn, future, loop))
+        return await future
+
+    # -- engine thread -------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self._stopping:
+                self._drain_inbox(block=not self.scheduler.has_work)
+                if self._stopping:
+                    break
+                if self.scheduler.has_work:
+                    self._step()
+        except Exception:
+            log.exception("engine thread crashed")
+            self._fail_all("the engine failed")
+            raise
+
+    def _drain_inbox(self, *, block: bool) -> None:
+        try:
+            item = self._inbox.get(block=block)
+        except queue.Empty:
+            return
+        while True:
+            if item is None:
+                return
+            self._handle(item)
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _handle(self, item: _Add | _Abort | _Call) -> None:
+        if isinstance(item, _Add):
+            self._admit(item.request)
+        elif isinstance(item, _Abort):
+            self._abort(item.rid)
+        else:
+            try:
+                result = item.fn()
+            except BaseException as exc:  # handed to the caller, who raises it
+                item.loop.call_soon_threadsafe(_set_exception, item.future, exc)
+            else:
+                item.loop.call_soon_threadsafe(_set_result, item.future, result)
+            self._update_memory_metrics()
+
+    def _admit(self, request: Request) -> None:
+        try:
+            self.check_can_generate()
+        except (MemoryReleased, WeightsNotLoaded) as exc:
+            self.metrics.rejected_requests.labels(exc.type).inc()
+            self._deliver([(request, RequestOutput(request.rid, "", [], len(request.prompt_ids), 0,
+                                                   error_type=exc.type, error=exc.message))])
+            request.transition(RequestState.FINISHED)
+            return
+        if request.params.max_new_tokens == 0:
+            request.transition(RequestState.FINISHED)
+            request.finish_reason = FinishReason.LENGTH
+            self._deliver([(request, request.take_output())])
+            return
+        self.scheduler.add(request)
+        self._update_queue_metrics()
+
+    def _abort(self, rid: str | None) -> None:
+        targets = list(self.scheduler.running) + list(self.scheduler.waiting) if rid is None else \
+            [r for r in [self.scheduler.find(rid)] if r is not None]
+        outputs = []
+        for request in targets:
+            self.scheduler.finish(request, FinishReason.ABORT)
+            self.metrics.requests.labels(FinishReason.ABORT.value).inc()
+            outputs.append((request, request.take_output()))
+        self._deliver(outputs)
+        self._update_queue_metrics()
+
+    def _step(self) -> None:
+        step = self.scheduler.schedule()
+        if step is None:
+            return
+        started = time.perf_counter()
+        tokens = self.runner.run(step)
+        changed = self.scheduler.postprocess(step, tokens)
+        self.metrics.step_seconds.labels(step.kind.value).observe(time.perf_counter() - started)
+        if step.kind.value == "prefill":
+            self.metrics.prompt_tokens.inc(step.num_tokens)
+        self.metrics.generated_tokens.inc(len(tokens))
+        outputs = []
+        for request in changed:
+            if request.finish_reason is not None:
+                self.metrics.requests.labels(request.finish_reason.value).inc()
+            outputs.append((request, request.take_output()))
+        self._deliver(outputs)
+        self._update_queue_metrics()
+
+    def _deliver(self, outputs: list[tuple[Request, RequestOutput]]) -> None:
+        if outputs and self._loop is not None:
+            self._loop.call_soon_threadsafe(_dispatch, outputs)
+
+    def _fail_all(self, message: str) -> None:
+        outputs = []
+        for request in list(self.scheduler.running) + list(self.scheduler.waiting):
+            outputs.append((request, RequestOutput(request.rid, "", [], len(request.prompt_ids),
+                                                   len(request.output_ids), error_type="engine_failed",
+                                                   error=message)))
+        self._deliver(outputs)
+
+    def _update_queue_metrics(self) -> None:
+        m = self.metrics
+        m.running_requests.set(len(self.scheduler.running))
+        m.queued_requests.set(len(self.scheduler.waiting))
+        m.kv_slots_used.set(self.scheduler.slots.num_used)
+
+    def _update_memory_metrics(self) -> None:
+        for tag, info in self.memory.occupation().items():
+            for state in ("resident", "released"):
+                self.metrics.memory_bytes.labels(tag, state).set(info["bytes"] if info["state"] == state else 0)
+
+    # -- control commands (run on the engine thread through ``call``) --------------
+    def _require_idle(self, what: str) -> None:
+        num = self.scheduler.num_requests
+        if num:
+            raise RequestsInFlight(f"{num} request(s) running or queued; {what} needs an idle engine "
+                                   "(the sidecar drains first)", extra={"in_flight": num})
+
+    def release(self, tags: list[MemoryTag] | None, stage_to_cpu: bool | None) -> dict[str, Any]:
+        self._require_idle("a release")
+        try:
+            result = self.memory.release(tags, stage_to_cpu=stage_to_cpu)
+        except MemorySaverDisabled as exc:
+            raise MemorySaverDisabledError(str(exc)) from exc
+        except NoWeightsBackup as exc:
+            raise NoWeightsBackupError(str(exc)) from exc
+        self.metrics.release_seconds.observe(result.duration_s)
+        log.info("released %s (%d bytes) in %.3fs; already released: %s", result.released,
+                 sum(result.bytes_freed.values()), result.duration_s, result.already_released)
+        return {"success": True, "released": result.released, "already_released": result.already_released,
+                "bytes_freed": result.bytes_freed, "duration_s": round(result.duration_s, 6)}
+
+    def resume(self, tags: list[MemoryTag] | None) -> dict[str, Any]:
+        if isinstance(self.saver, DisabledSaver):
+            raise MemorySaverDisabledError("memory saver is off: start the engine with --enable-memory-saver")
+        try:
+            result = self.memory.resume(tags)
+        except NotEnoughMemory as exc:
+            raise InsufficientMemory(str(exc), extra={"needed_bytes": exc.needed_bytes,
+                                                      "free_bytes": exc.free_bytes}) from exc
+        resumed = set(result.resumed)
+        if MemoryTag.KV_CACHE.value in resumed:
+            self.scheduler.slots.reset()
+            self.scheduler.rows.reset()
+        if MemoryTag.WORKSPACE.value in resumed:
+            self.runner.reset_workspace()
+        self.metrics.resume_seconds.observe(result.duration_s)
+        log.info("resumed %s in %.3fs; weights_valid=%s", result.resumed, result.duration_s, result.weights_valid)
+        return {"success": True, "resumed": result.resumed, "already_resident": result.already_resident,
+                "bytes_restored": result.bytes_restored, "weights_valid": result.weights_valid,
+                "duration_s": round(result.duration_s, 6)}
+
+    def update_weights_from_disk(self, model_path: str, weight_version: str | None) -> dict[str, Any]:
+        self._require_idle("a weight reload")
+        if MemoryTag.WEIGHTS in self.memory.released_tags():
+            raise WeightsReleased("the weights are released; resume them first, then reload")
+        started = time.perf_counter()
+        try:
+            entries = self.runner.check_weights_update(Path(model_path))
+        except ModelConfigError as exc:
+            raise InvalidRequest(f"cannot load {model_path}: {exc}") from exc
+        try:
+            self.runner.apply_weights_update(entries)
+        except Exception as exc:
+            self.memory.mark_weights_invalid()
+            raise WeightsCorrupted(f"reload of {model_path} failed part way ({exc}); generation is refused until "
+                                   "a reload succeeds") from exc
+        self.memory.mark_weights_valid()
+        self.weight_version = weight_version or model_path
+        self._flush()
+        duration = time.perf_counter() - started
+        log.info("weights reloaded from %s in %.2fs, weight_version=%s", model_path, duration, self.weight_version)
+        return {"success": True, "message": f"weights loaded from {model_path}", "weight_version": self.weight_version,
+                "duration_s": round(duration, 6)}
+
+    def flush_cache(self) -> dict[str, Any]:
+        return {"success": True, "num_cached_tokens_dropped": self._flush()}
+
+    def _flush(self) -> int:
+        return 0  # no prefix cache yet: every request's KV is freed when it ends
+
+    def occupation(self) -> dict[str, Any]:
+        device = self.memory.info.read()
+        return {
+            "tags": self.memory.occupation(),
+            "weights_valid": self.memory.weights_valid,
+            "weight_version": self.weight_version,
+            "memory_saver": self.saver.name,
+            "weights_backup": self.config.weights_backup.value,
+            "device": {"type": device.device_type, "free_bytes": device.free_bytes,
+                       "total_bytes": device.total_bytes},
+            "process_rss_bytes": psutil.Process().memory_info().rss,
+            "running_requests": len(self.scheduler.running),
+            "queued_requests": len(self.scheduler.waiting),
+        }
+
+
+def _dispatch(outputs: list[tuple[Request, RequestOutput]]) -> None:
+    for request, output in outputs:
+        request.on_output(output)
+
+
+def _set_result(future: asyncio.Future, result: Any) -> None:
+    if not future.done():
+        future.set_result(result)
+
+
+def _set_exception(future: asyncio.Future, exc: BaseException) -> None:
+    if not future.done():
+        future.set_exception(exc)

@@ -1,0 +1,1 @@
+"""Tagged memory regions: what the engine can give back and take again."""

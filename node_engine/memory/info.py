@@ -1,0 +1,57 @@
+"""Where the free-memory figure for the resume check comes from (injectable for tests)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import psutil
+import torch
+
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    device_type: str
+    free_bytes: int
+    total_bytes: int
+
+
+class MemoryInfo(Protocol):
+    def read(self) -> DeviceMemory: ...
+
+
+class HostMemoryInfo:
+    """CPU: ``MemAvailable`` and total RAM."""
+
+    def read(self) -> DeviceMemory:
+        vm = psutil.virtual_memory()
+        return DeviceMemory("cpu", int(vm.available), int(vm.total))
+
+
+class CudaMemoryInfo:
+    def read(self) -> DeviceMemory:
+        free, total = torch.cuda.mem_get_info()
+        return DeviceMemory("cuda", int(free), int(total))
+
+
+class FileOverrideMemoryInfo:
+    """Reads the free bytes from a file when it holds a number, else defers to ``inner``.
+
+    A testing and fault-drill hook (``--free-memory-override-file``): write a
+    small number to the file and the next resume sees too little memory.
+    """
+
+    def __init__(self, path: Path, inner: MemoryInfo) -> None:
+        self._path = path
+        self._inner = inner
+
+    def read(self) -> DeviceMemory:
+        real = self._inner.read()
+        try:
+            text = self._path.read_text().strip()
+        except FileNotFoundError:
+            return real
+        if not text:
+            return real
+        return DeviceMemory(real.device_type, int(text), real.total_bytes)

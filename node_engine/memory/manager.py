@@ -1,0 +1,137 @@
+"""Per-tag memory state of the engine: release, resume, and what they report.
+
+Rules (SPEC section 2):
+- Release and resume are idempotent per tag: a tag already in the asked
+  state is reported (``already_released`` / ``already_resident``) and not
+  touched.
+- A resume first checks that the device has the bytes it needs plus a
+  margin; if not it raises :class:`NotEnoughMemory` and changes nothing.
+- Weights resumed without a kept copy are invalid until a reload succeeds;
+  the engine refuses generation until then.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from node_engine.memory.info import DeviceMemory, MemoryInfo
+from node_engine.memory.saver import MemorySaver
+from node_engine.memory.tags import ALL_TAGS, BackupMode, MemoryTag, TagState
+
+MIN_RESUME_MARGIN_BYTES = 16 * 1024 * 1024
+
+
+class NotEnoughMemory(RuntimeError):
+    def __init__(self, needed_bytes: int, free_bytes: int) -> None:
+        super().__init__(f"resume needs {needed_bytes} bytes (margin included), the device has {free_bytes} free")
+        self.needed_bytes = needed_bytes
+        self.free_bytes = free_bytes
+
+
+class NoWeightsBackup(RuntimeError):
+    pass
+
+
+@dataclass
+class ReleaseResult:
+    released: list[str]
+    already_released: list[str]
+    bytes_freed: dict[str, int]
+    duration_s: float
+
+
+@dataclass
+class ResumeResult:
+    resumed: list[str]
+    already_resident: list[str]
+    bytes_restored: dict[str, int]
+    weights_valid: bool
+    duration_s: float
+
+
+@dataclass
+class MemoryState:
+    states: dict[MemoryTag, TagState] = field(default_factory=lambda: {t: TagState.RESIDENT for t in ALL_TAGS})
+    weights_valid: bool = True
+
+
+class MemoryManager:
+    def __init__(self, saver: MemorySaver, info: MemoryInfo, weights_backup: BackupMode) -> None:
+        self.saver = saver
+        self.info = info
+        self.weights_backup = weights_backup
+        self.state = MemoryState()
+        self._weights_kept = False
+
+    @property
+    def weights_valid(self) -> bool:
+        return self.state.weights_valid
+
+    def mark_weights_valid(self) -> None:
+        self.state.weights_valid = True
+
+    def mark_weights_invalid(self) -> None:
+        self.state.weights_valid = False
+
+    def released_tags(self) -> list[MemoryTag]:
+        return [t for t in ALL_TAGS if self.state.states[t] is TagState.RELEASED]
+
+    @property
+    def is_all_resident(self) -> bool:
+        return not self.released_tags()
+
+    def release(self, tags: list[MemoryTag] | None, *, stage_to_cpu: bool | None) -> ReleaseResult:
+        """Release ``tags`` (None: all). ``stage_to_cpu``: None uses the configured backup."""
+        has_backup = self.weights_backup is not BackupMode.NONE
+        if stage_to_cpu and not has_backup:
+            raise NoWeightsBackup("stage_to_cpu needs a weights backup: start the engine with "
+                                  "--weights-backup cpu or disk")
+        keep_weights = has_backup if stage_to_cpu is None else stage_to_cpu
+        start = time.perf_counter()
+        wanted = list(ALL_TAGS) if tags is None else tags
+        released, already, freed = [], [], {}
+        for tag in wanted:
+            if self.state.states[tag] is TagState.RELEASED:
+                already.append(tag.value)
+                continue
+            is_weights = tag is MemoryTag.WEIGHTS
+            freed[tag.value] = self.saver.release(tag, keep_contents=is_weights and keep_weights)
+            if is_weights:
+                self._weights_kept = keep_weights and self.state.weights_valid
+            self.state.states[tag] = TagState.RELEASED
+            released.append(tag.value)
+        return ReleaseResult(released, already, freed, time.perf_counter() - start)
+
+    def bytes_to_resume(self, tags: list[MemoryTag]) -> int:
+        return sum(self.saver.tag_bytes(t) for t in tags if self.state.states[t] is TagState.RELEASED)
+
+    def check_fits(self, tags: list[MemoryTag]) -> DeviceMemory:
+        device = self.info.read()
+        needed = self.bytes_to_resume(tags)
+        if needed == 0:
+            return device
+        with_margin = needed + max(MIN_RESUME_MARGIN_BYTES, needed // 20)
+        if device.free_bytes < with_margin:
+            raise NotEnoughMemory(with_margin, device.free_bytes)
+        return device
+
+    def resume(self, tags: list[MemoryTag] | None) -> ResumeResult:
+        """Resume ``tags`` (None: every released tag), after checking the memory fits."""
+        start = time.perf_counter()
+        wanted = self.released_tags() if tags is None else tags
+        self.check_fits(wanted)
+        resumed, already, restored = [], [], {}
+        for tag in wanted:
+            if self.state.states[tag] is TagState.RESIDENT:
+                already.append(tag.value)
+                continue
+            restored[tag.value] = self.saver.resume(tag)
+            self.state.states[tag] = TagState.RESIDENT
+            resumed.append(tag.value)
+            if tag is MemoryTag.WEIGHTS and not self._weights_kept:
+                self.state.weights_valid = False
+        return ResumeResult(resumed, already, restored, self.state.weights_valid, time.perf_counter() - start)
+
+    def occupation(self) -> dict[str, dict[str, object]]:
+        return {t.value: {"state": self.state.states[t].value, "bytes": self.saver.tag_bytes(t)} for t in ALL_TAGS}

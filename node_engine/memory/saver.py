@@ -1,0 +1,179 @@
+"""Memory-saver backends: make a tag's memory go away and come back, same tensors.
+
+The interface the engine sees:
+
+- ``region(tag)``: allocations made inside belong to ``tag`` (needed by the
+  CUDA backend, whose allocator hook routes them into a pausable pool).
+- ``register(tag, tensors)``: tell the backend which tensors a tag holds, so it
+  can free them (CPU) and report their bytes (all backends).
+- ``release(tag, keep_contents)`` / ``resume(tag)``: give the tag's memory
+  back / take it again at the same shapes, without touching the objects that
+  hold the tensors. Contents survive only with ``keep_contents`` (a backup).
+
+Backends: ``off`` (no ``--enable-memory-saver``: release and resume refuse),
+``cpu`` (our own; frees tensor storages and returns the pages to the OS), and
+``cuda`` (torch_memory_saver in preload hook mode, in ``saver_cuda``).
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import ctypes
+import ctypes.util
+import logging
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import torch
+
+from node_engine.memory.tags import MemoryTag
+
+log = logging.getLogger(__name__)
+
+
+class MemorySaverDisabled(RuntimeError):
+    """Release/resume asked of an engine started without ``--enable-memory-saver``."""
+
+
+class MemorySaver(abc.ABC):
+    name: str
+
+    def __init__(self) -> None:
+        self._bytes: dict[MemoryTag, int] = {tag: 0 for tag in MemoryTag}
+
+    @contextlib.contextmanager
+    def region(self, tag: MemoryTag) -> Iterator[None]:
+        yield
+
+    def register(self, tag: MemoryTag, tensors: Iterable[torch.Tensor]) -> None:
+        """Record ``tensors`` as belonging to ``tag`` (shared storages are counted once)."""
+        for storage in _unique_storages(tensors):
+            self._bytes[tag] += storage.nbytes()
+            self._track(tag, storage)
+
+    def add_bytes(self, tag: MemoryTag, num_bytes: int) -> None:
+        """Account memory that is not a tensor we hold (a CUDA graph's private pool)."""
+        self._bytes[tag] += num_bytes
+
+    def tag_bytes(self, tag: MemoryTag) -> int:
+        return self._bytes[tag]
+
+    def _track(self, tag: MemoryTag, storage: torch.UntypedStorage) -> None:
+        pass
+
+    @abc.abstractmethod
+    def release(self, tag: MemoryTag, *, keep_contents: bool) -> int:
+        """Free the tag's memory; returns bytes freed."""
+
+    @abc.abstractmethod
+    def resume(self, tag: MemoryTag) -> int:
+        """Allocate the tag's memory again (restoring contents if they were kept); returns bytes."""
+
+
+def _unique_storages(tensors: Iterable[torch.Tensor]) -> list[torch.UntypedStorage]:
+    seen: set[int] = set()
+    storages = []
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        key = storage.data_ptr()
+        if storage.nbytes() and key not in seen:
+            seen.add(key)
+            storages.append(storage)
+    return storages
+
+
+class DisabledSaver(MemorySaver):
+    name = "off"
+
+    def release(self, tag: MemoryTag, *, keep_contents: bool) -> int:
+        raise MemorySaverDisabled("memory saver is off: start the engine with --enable-memory-saver")
+
+    def resume(self, tag: MemoryTag) -> int:
+        raise MemorySaverDisabled("memory saver is off: start the engine with --enable-memory-saver")
+
+
+class CpuSaver(MemorySaver):
+    """Frees the storages of a tag in place (``resize_(0)``) and gives the pages back to the OS.
+
+    Tensors, views and the modules holding them stay the same objects: a
+    storage resized back to its size is visible through every view of it.
+    Contents are kept, when asked, by spilling each storage to a file under
+    ``backup_dir`` and reading it back on resume.
+    """
+
+    name = "cpu"
+
+    def __init__(self, backup_dir: Path) -> None:
+        super().__init__()
+        self._storages: dict[MemoryTag, list[tuple[torch.UntypedStorage, int]]] = {tag: [] for tag in MemoryTag}
+        self._backup_dir = backup_dir
+        self._backed_up: dict[MemoryTag, list[Path]] = {}
+        self._libc = _load_libc()
+
+    def _track(self, tag: MemoryTag, storage: torch.UntypedStorage) -> None:
+        if not storage.resizable():
+            raise ValueError(f"a {tag.value} tensor has a storage that cannot be freed in place")
+        self._storages[tag].append((storage, storage.nbytes()))
+
+    def release(self, tag: MemoryTag, *, keep_contents: bool) -> int:
+        entries = self._storages[tag]
+        if keep_contents:
+            self._backed_up[tag] = self._spill(tag, entries)
+        num_bytes = 0
+        for storage, nbytes in entries:
+            storage.resize_(0)
+            num_bytes += nbytes
+        self._trim()
+        return num_bytes
+
+    def resume(self, tag: MemoryTag) -> int:
+        entries = self._storages[tag]
+        num_bytes = 0
+        for storage, nbytes in entries:
+            storage.resize_(nbytes)
+            num_bytes += nbytes
+        paths = self._backed_up.pop(tag, None)
+        if paths is not None:
+            for (storage, nbytes), path in zip(entries, paths, strict=True):
+                with open(path, "rb") as f:
+                    num_read = f.readinto(memoryview(_as_bytes(storage)))
+                if num_read != nbytes:
+                    raise OSError(f"backup {path} is {num_read} bytes, expected {nbytes}")
+                path.unlink()
+        return num_bytes
+
+    def has_backup(self, tag: MemoryTag) -> bool:
+        return tag in self._backed_up
+
+    def _spill(self, tag: MemoryTag, entries: list[tuple[torch.UntypedStorage, int]]) -> list[Path]:
+        folder = self._backup_dir / tag.value
+        folder.mkdir(parents=True, exist_ok=True)
+        paths = []
+        for n, (storage, _) in enumerate(entries):
+            path = folder / f"{n:05d}.bin"
+            with open(path, "wb") as f:
+                f.write(memoryview(_as_bytes(storage)))
+            paths.append(path)
+        return paths
+
+    def _trim(self) -> None:
+        # Large blocks are unmapped by free(); smaller ones stay in malloc's arenas until trimmed.
+        if self._libc is not None:
+            self._libc.malloc_trim(0)
+
+
+def _as_bytes(storage: torch.UntypedStorage):
+    """A writable numpy view of a storage's bytes (no copy)."""
+    return torch.empty(0, dtype=torch.uint8).set_(storage).numpy()
+
+
+def _load_libc() -> ctypes.CDLL | None:
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return None
+    libc = ctypes.CDLL(name)
+    if not hasattr(libc, "malloc_trim"):
+        return None
+    libc.malloc_trim.argtypes = [ctypes.c_size_t]
+    return libc

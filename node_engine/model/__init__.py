@@ -1,0 +1,1 @@
+"""Model definition and weight loading (Llama and Qwen2 families)."""

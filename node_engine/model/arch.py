@@ -1,0 +1,182 @@
+"""The architecture of a checkpoint, read from its ``config.json``.
+
+Only what the forward pass needs is kept, in one frozen dataclass validated on
+construction. Anything the engine cannot run faithfully (an unknown
+architecture, an unsupported ``rope_scaling`` type) fails here, at start, with a
+message that names it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
+
+
+class ModelConfigError(ValueError):
+    """A checkpoint folder or config the engine cannot load; the message names the problem."""
+
+
+@dataclass(frozen=True)
+class Llama3RopeScaling:
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+    def __post_init__(self) -> None:
+        for name in ("factor", "low_freq_factor", "high_freq_factor"):
+            if getattr(self, name) <= 0:
+                raise ModelConfigError(f"rope_scaling.{name} must be > 0, got {getattr(self, name)}")
+        if self.high_freq_factor <= self.low_freq_factor:
+            raise ModelConfigError("rope_scaling.high_freq_factor must be > low_freq_factor")
+
+
+@dataclass(frozen=True)
+class ModelArch:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    rope_scaling: Llama3RopeScaling | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ModelConfigError(
+                f"architecture {self.architecture!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                     "head_dim", "max_position_embeddings"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ModelConfigError(f"config field {name} must be a positive integer, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ModelConfigError(
+                f"num_attention_heads ({self.num_heads}) must be a multiple of num_key_value_heads "
+                f"({self.num_kv_heads})")
+        if self.rms_norm_eps <= 0 or self.rope_theta <= 0:
+            raise ModelConfigError("rms_norm_eps and rope_theta must be > 0")
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def num_params(self) -> int:
+        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
+        if self.attention_bias:
+            attn += self.q_size + 2 * self.kv_size
+        per_layer = attn + 3 * h * i + 2 * h
+        head = 0 if self.tie_word_embeddings else v * h
+        return v * h + self.num_layers * per_layer + h + head
+
+    @classmethod
+    def from_hf_config(cls, config: dict[str, Any]) -> "ModelArch":
+        archs = config.get("architectures") or []
+        if len(archs) != 1:
+            raise ModelConfigError(f"config.json must name exactly one architecture, got {archs!r}")
+        arch = archs[0]
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ModelConfigError(
+                f"architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        try:
+            num_heads = int(config["num_attention_heads"])
+            hidden = int(config["hidden_size"])
+            arch_fields = dict(
+                architecture=arch,
+                vocab_size=int(config["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(config["intermediate_size"]),
+                num_layers=int(config["num_hidden_layers"]),
+                num_heads=num_heads,
+                num_kv_heads=int(config.get("num_key_value_heads") or num_heads),
+                head_dim=int(config.get("head_dim") or hidden // num_heads),
+                rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+                rope_theta=float(_rope_theta(config)),
+                max_position_embeddings=int(config.get("max_position_embeddings", 4096)),
+                tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+                # Qwen2 always has q/k/v biases; Llama has them only with attention_bias.
+                attention_bias=arch == "Qwen2ForCausalLM" or bool(config.get("attention_bias", False)),
+            )
+        except KeyError as exc:
+            raise ModelConfigError(f"config.json is missing the field {exc.args[0]!r}") from exc
+        except (TypeError, ValueError) as exc:
+            raise ModelConfigError(f"config.json has a field of the wrong type: {exc}") from exc
+        if config.get("mlp_bias"):
+            raise ModelConfigError("config field mlp_bias=true is not supported")
+        if arch == "Qwen2ForCausalLM" and config.get("use_sliding_window"):
+            raise ModelConfigError("Qwen2 use_sliding_window=true is not supported")
+        return cls(**arch_fields, rope_scaling=_parse_rope_scaling(config),
+                   bos_token_id=_optional_int(config.get("bos_token_id")),
+                   eos_token_ids=_int_tuple(config.get("eos_token_id")))
+
+    @classmethod
+    def from_folder(cls, folder: Path) -> "ModelArch":
+        path = folder / "config.json"
+        if not path.is_file():
+            raise ModelConfigError(f"{path} is missing")
+        try:
+            config = json.loads(path.read_text())
+        except ValueError as exc:
+            raise ModelConfigError(f"{path} is not valid JSON: {exc}") from exc
+        return cls.from_hf_config(config)
+
+
+def _rope_theta(config: dict[str, Any]) -> float:
+    params = config.get("rope_parameters")
+    if isinstance(params, dict) and "rope_theta" in params:
+        return params["rope_theta"]
+    return config.get("rope_theta", 10000.0)
+
+
+def _parse_rope_scaling(config: dict[str, Any]) -> Llama3RopeScaling | None:
+    scaling = config.get("rope_scaling")
+    if scaling is None:
+        params = config.get("rope_parameters")
+        if isinstance(params, dict) and params.get("rope_type", "default") != "default":
+            scaling = params
+    if not scaling:
+        return None
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "default":
+        return None
+    if kind != "llama3":
+        raise ModelConfigError(f"rope_scaling type {kind!r} is not supported; supported: llama3")
+    try:
+        return Llama3RopeScaling(
+            factor=float(scaling["factor"]),
+            low_freq_factor=float(scaling["low_freq_factor"]),
+            high_freq_factor=float(scaling["high_freq_factor"]),
+            original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
+        )
+    except KeyError as exc:
+        raise ModelConfigError(f"rope_scaling of type llama3 is missing {exc.args[0]!r}") from exc
+
+
+def _optional_int(value: Any) -> int | None:
+    return int(value) if isinstance(value, int) else None
+
+
+def _int_tuple(value: Any) -> tuple[int, ...]:
+    if isinstance(value, int):
+        return (value,)
+    if isinstance(value, list):
+        return tuple(int(v) for v in value if isinstance(v, int))
+    return ()

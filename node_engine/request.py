@@ -1,0 +1,115 @@
+"""One generation request inside the engine, and its lifecycle.
+
+``WAITING`` → ``RUNNING`` → ``FINISHED``; a running request may be preempted
+back to ``WAITING`` (its KV is dropped and recomputed later, its tokens kept).
+Any other move is a bug and raises, naming the state it was in.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from node_engine.sampling import SamplingParams
+from node_engine.tokenizer import IncrementalDetokenizer
+
+
+class RequestState(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+_ALLOWED = {
+    RequestState.WAITING: {RequestState.RUNNING, RequestState.FINISHED},
+    RequestState.RUNNING: {RequestState.WAITING, RequestState.FINISHED},
+    RequestState.FINISHED: set(),
+}
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
+class IllegalTransition(RuntimeError):
+    pass
+
+
+@dataclass
+class RequestOutput:
+    """What a request produced since its last output (the engine sends one per step)."""
+
+    rid: str
+    text_delta: str
+    token_ids_delta: list[int]
+    num_prompt_tokens: int
+    num_output_tokens: int
+    finish_reason: FinishReason | None = None
+    matched_stop: str | int | None = None
+    error_type: str | None = None  # set (with ``error``) when the request failed instead of finishing
+    error: str | None = None
+
+    @property
+    def is_final(self) -> bool:
+        return self.finish_reason is not None or self.error is not None
+
+
+@dataclass(eq=False)
+class Request:
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    detokenizer: IncrementalDetokenizer
+    on_output: Callable[[RequestOutput], None]
+    generator: torch.Generator | None = None
+    state: RequestState = RequestState.WAITING
+    output_ids: list[int] = field(default_factory=list)
+    row: int | None = None            # row of the request-to-slot table while running
+    num_cached: int = 0               # tokens of all_ids whose KV is in the pool
+    slots: list[torch.Tensor] = field(default_factory=list)  # slot chunks owned by this request, in order
+    finish_reason: FinishReason | None = None
+    matched_stop: str | int | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    num_emitted_tokens: int = 0
+
+    def transition(self, new_state: RequestState) -> None:
+        if new_state not in _ALLOWED[self.state]:
+            raise IllegalTransition(f"request {self.rid}: cannot go from {self.state.value} to {new_state.value}")
+        self.state = new_state
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """``all_ids[start:end]`` without building ``all_ids``."""
+        num_prompt = len(self.prompt_ids)
+        if end <= num_prompt:
+            return self.prompt_ids[start:end]
+        if start >= num_prompt:
+            return self.output_ids[start - num_prompt:end - num_prompt]
+        return self.prompt_ids[start:] + self.output_ids[:end - num_prompt]
+
+    @property
+    def num_uncached(self) -> int:
+        return self.num_tokens - self.num_cached
+
+    def take_output(self) -> RequestOutput:
+        """The tokens and text produced since the last call."""
+        is_final = self.finish_reason is not None
+        new_ids = self.output_ids[self.num_emitted_tokens:]
+        self.num_emitted_tokens = len(self.output_ids)
+        return RequestOutput(
+            rid=self.rid, text_delta=self.detokenizer.take_delta(is_final=is_final), token_ids_delta=new_ids,
+            num_prompt_tokens=len(self.prompt_ids), num_output_tokens=len(self.output_ids),
+            finish_reason=self.finish_reason, matched_stop=self.matched_stop)

@@ -1,0 +1,273 @@
+"""The model runner: owns every device tensor and runs one scheduler step.
+
+Steady-state memory is allocated in exactly one method per tag, each inside
+its memory region:
+
+- ``_allocate_weights``: the model's parameters (``weights``);
+- ``_allocate_workspace``: the request-to-slot table and the CUDA graph static
+  buffers (``workspace``);
+- ``_allocate_kv_cache``: the KV pool (``kv_cache``), sized into ``KVPlan``;
+- ``DecodeGraphs``: captured decode graphs and their private pool (``cuda_graph``).
+
+What stays outside every region: the rotary cos/sin tables (built once, needed
+to recompute nothing after a resume), small per-step tensors, and on CUDA the
+context itself. ``docs/memory.md`` lists them with sizes.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from node_engine.config import DEFAULT_CPU_MAX_TOTAL_TOKENS, ConfigError, EngineConfig
+from node_engine.kv_cache import PADDING_SLOT
+from node_engine.memory.saver import MemorySaver
+from node_engine.memory.tags import MemoryTag
+from node_engine.model.arch import ModelArch, ModelConfigError
+from node_engine.model.builtin import builtin_arch, builtin_weights, is_builtin
+from node_engine.model.layers import AttentionBatch, RotaryTable
+from node_engine.model.llama import CausalLM
+from node_engine.model.loader import apply_update, check_update, checkpoint_files, load_tensors, load_weights
+from node_engine.sampling import sample
+from node_engine.scheduler import Step, StepKind
+from node_engine.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class KVPlan:
+    """The KV pool as sized at start (a run-time result, not configuration)."""
+
+    num_slots: int
+    bytes_per_slot: int
+    context_len: int
+
+    @property
+    def num_bytes(self) -> int:
+        return self.num_slots * self.bytes_per_slot
+
+
+def load_model_source(config: EngineConfig) -> tuple[ModelArch, Tokenizer]:
+    """Architecture and tokenizer of the configured model; fails early, naming what is wrong."""
+    if is_builtin(config.model_path):
+        return builtin_arch(config.model_path, config.model_override_dict()), Tokenizer.builtin_bytes()
+    if config.model_override:
+        raise ConfigError("--model-override applies to built-in models only")
+    folder = Path(config.model_path)
+    arch = ModelArch.from_folder(folder)
+    checkpoint_files(folder)
+    tokenizer = Tokenizer.from_folder(folder, extra_eos_ids=arch.eos_token_ids)
+    if tokenizer.vocab_size > arch.vocab_size:
+        raise ModelConfigError(f"the tokenizer has {tokenizer.vocab_size} tokens, the model only {arch.vocab_size}")
+    return arch, tokenizer
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, saver: MemorySaver, arch: ModelArch) -> None:
+        self.config = config
+        self.saver = saver
+        self.arch = arch
+        self.device = torch.device(config.device)
+        self.dtype = DTYPES[config.resolved_dtype]
+        context_len = config.context_length or arch.max_position_embeddings
+        if context_len > arch.max_position_embeddings:
+            raise ConfigError(f"--context-length {context_len} exceeds the model's max_position_embeddings "
+                              f"({arch.max_position_embeddings})")
+        self.rotary = RotaryTable(arch.head_dim, context_len, arch.rope_theta, arch.rope_scaling,
+                                  device=self.device, dtype=self.dtype)
+        self.model = self._allocate_weights()
+        self.model.bind_rotary(self.rotary)
+        self._allocate_workspace(context_len)
+        self.kv_plan = self._plan_kv(context_len)
+        self._allocate_kv_cache()
+        self.graphs = None
+        if self.device.type == "cuda" and not config.disable_cuda_graph:
+            from node_engine.cuda_graph import DecodeGraphs
+
+            self.graphs = DecodeGraphs(self, max_bs=min(config.cuda_graph_max_bs, config.max_running_requests))
+
+    # -- allocation sites ------------------------------------------------------
+    def _allocate_weights(self) -> CausalLM:
+        with self.saver.region(MemoryTag.WEIGHTS):
+            model = CausalLM(self.arch, device=self.device, dtype=self.dtype)
+        self.saver.register(MemoryTag.WEIGHTS, model.parameters())
+        if is_builtin(self.config.model_path):
+            self.source_dtypes = load_tensors(model, builtin_weights(self.arch, self.config.seed))
+        else:
+            self.source_dtypes = load_weights(model, Path(self.config.model_path))
+        return model
+
+    def _allocate_workspace(self, context_len: int) -> None:
+        with self.saver.region(MemoryTag.WORKSPACE):
+            self.req_to_token = torch.zeros(self.config.max_running_requests, context_len, dtype=torch.int32,
+                                            device=self.device)
+        self.saver.register(MemoryTag.WORKSPACE, [self.req_to_token])
+
+    def _plan_kv(self, context_len: int) -> KVPlan:
+        arch = self.arch
+        bytes_per_slot = 2 * arch.num_layers * arch.kv_size * self.dtype.itemsize
+        if self.config.max_total_tokens is not None:
+            num_slots = self.config.max_total_tokens
+        elif self.device.type == "cpu":
+            num_slots = DEFAULT_CPU_MAX_TOTAL_TOKENS
+        else:
+            num_slots = self._slots_from_free_memory(bytes_per_slot)
+        return KVPlan(num_slots=num_slots + 1, bytes_per_slot=bytes_per_slot, context_len=context_len)
+
+    def _slots_from_free_memory(self, bytes_per_slot: int) -> int:
+        """CUDA: size the pool from free memory after a warm-up forward of a full prefill chunk."""
+        num_warm = self.config.max_batch_tokens
+        kv = torch.zeros(self.arch.num_layers, 2, num_warm + 1, self.arch.num_kv_heads, self.arch.head_dim,
+                         dtype=self.dtype, device=self.device)
+        self.model.bind_kv_cache(list(kv[:, 0]), list(kv[:, 1]))
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        ids = torch.zeros(num_warm, dtype=torch.int64, device=self.device)
+        positions = torch.arange(num_warm, device=self.device) % self.rotary.cos.shape[0]
+        slots = torch.arange(1, num_warm + 1, device=self.device)
+        batch = AttentionBatch(slot_mapping=slots, kv_indices=slots.view(1, -1), mask=None, num_seqs=1,
+                               max_query_len=num_warm, is_causal_self_only=True)
+        self.model.compute_logits(self.model(ids, positions, batch))
+        torch.cuda.synchronize()
+        activation_bytes = torch.cuda.max_memory_allocated() - before
+        del kv, ids, positions, slots, batch
+        torch.cuda.empty_cache()
+        free, _ = torch.cuda.mem_get_info()
+        budget = free * self.config.mem_fraction - 2 * activation_bytes
+        num_slots = int(budget // bytes_per_slot)
+        if num_slots < 16:
+            raise ConfigError(f"not enough free GPU memory for a KV pool: {free} bytes free after the weights")
+        log.info("KV pool sized from free memory: %d slots (%.2f GiB), activations %.2f GiB", num_slots,
+                 num_slots * bytes_per_slot / 2**30, activation_bytes / 2**30)
+        return num_slots
+
+    def _allocate_kv_cache(self) -> None:
+        arch, plan = self.arch, self.kv_plan
+        with self.saver.region(MemoryTag.KV_CACHE):
+            self.kv_cache = torch.zeros(arch.num_layers, 2, plan.num_slots, arch.num_kv_heads, arch.head_dim,
+                                        dtype=self.dtype, device=self.device)
+        self.saver.register(MemoryTag.KV_CACHE, [self.kv_cache])
+        self.model.bind_kv_cache(list(self.kv_cache[:, 0]), list(self.kv_cache[:, 1]))
+
+    # -- one step --------------------------------------------------------------
+    def run(self, step: Step) -> list[int]:
+        """Compute the step's tokens; returns one sampled token per entry that samples."""
+        entries = step.entries
+        sampling = [e for e in entries if e.samples]
+        if step.kind is StepKind.DECODE and self.graphs is not None and self.graphs.can_run(len(entries)):
+            hidden = self.graphs.run(entries)
+            sample_index = None
+        else:
+            hidden, sample_index = self._forward_eager(step)
+        if not sampling:
+            return []
+        if sample_index is not None:
+            hidden = hidden.index_select(0, sample_index)
+        logits = self.model.compute_logits(hidden)
+        return sample(logits, [e.request.params for e in sampling], [e.request.generator for e in sampling])
+
+    def write_slots(self, step: Step) -> torch.Tensor:
+        """Record the step's new slots in the request-to-slot table; returns the flat slot mapping."""
+        slot_mapping = torch.cat([e.slots for e in step.entries]).to(self.device)
+        if step.kind is StepKind.DECODE:
+            rows = torch.tensor([e.request.row for e in step.entries], device=self.device)
+            cols = torch.tensor([e.start for e in step.entries], device=self.device)
+            self.req_to_token[rows, cols] = slot_mapping.to(torch.int32)
+        else:
+            offset = 0
+            for e in step.entries:
+                n = e.end - e.start
+                self.req_to_token[e.request.row, e.start:e.end] = slot_mapping[offset:offset + n].to(torch.int32)
+                offset += n
+        return slot_mapping
+
+    def _forward_eager(self, step: Step) -> tuple[torch.Tensor, torch.Tensor]:
+        entries = step.entries
+        dev = self.device
+        slot_mapping = self.write_slots(step)
+        tokens: list[int] = []
+        positions: list[int] = []
+        last_index: list[int] = []
+        for e in entries:
+            tokens.extend(e.request.token_slice(e.start, e.end))
+            positions.extend(range(e.start, e.end))
+            if e.samples:
+                last_index.append(len(tokens) - 1)
+        input_ids = torch.tensor(tokens, dtype=torch.int64, device=dev)
+        position_t = torch.tensor(positions, dtype=torch.int64, device=dev)
+        batch = self._attention_batch(step, slot_mapping)
+        hidden = self.model(input_ids, position_t, batch)
+        return hidden, torch.tensor(last_index, dtype=torch.int64, device=dev)
+
+    def _attention_batch(self, step: Step, slot_mapping: torch.Tensor) -> AttentionBatch:
+        entries = step.entries
+        dev = self.device
+        num_seqs = len(entries)
+        if num_seqs == 1 and entries[0].start == 0:
+            n = entries[0].end
+            return AttentionBatch(slot_mapping=slot_mapping, kv_indices=slot_mapping.view(1, n), mask=None,
+                                  num_seqs=1, max_query_len=n, is_causal_self_only=True)
+        rows = torch.tensor([e.request.row for e in entries], device=dev)
+        ends = torch.tensor([e.end for e in entries], device=dev)
+        max_len = max(e.end for e in entries)
+        kv_indices = self.req_to_token[rows, :max_len]
+        key_pos = torch.arange(max_len, device=dev)
+        if step.kind is StepKind.DECODE:
+            mask = (key_pos[None, :] < ends[:, None]).view(num_seqs, 1, 1, max_len)
+            return AttentionBatch(slot_mapping=slot_mapping, kv_indices=kv_indices, mask=mask, num_seqs=num_seqs,
+                                  max_query_len=1)
+        lengths = [e.end - e.start for e in entries]
+        max_q = max(lengths)
+        starts = torch.tensor([e.start for e in entries], device=dev)
+        lens_t = torch.tensor(lengths, device=dev)
+        q_i = torch.arange(max_q, device=dev)
+        is_real = q_i[None, :] < lens_t[:, None]                                   # [B, N]
+        q_pos = torch.where(is_real, starts[:, None] + q_i[None, :], 0)            # padded rows see key 0
+        mask = (key_pos[None, None, :] <= q_pos[:, :, None]) & (key_pos[None, None, :] < ends[:, None, None])
+        if num_seqs == 1:
+            return AttentionBatch(slot_mapping=slot_mapping, kv_indices=kv_indices, mask=mask.unsqueeze(1),
+                                  num_seqs=1, max_query_len=max_q)
+        offsets = torch.cumsum(lens_t, 0) - lens_t
+        q_pad_index = torch.where(is_real, offsets[:, None] + q_i[None, :], 0).reshape(-1)
+        q_unpad_index = (torch.arange(num_seqs, device=dev)[:, None] * max_q + q_i[None, :])[is_real]
+        return AttentionBatch(slot_mapping=slot_mapping, kv_indices=kv_indices, mask=mask.unsqueeze(1),
+                              num_seqs=num_seqs, max_query_len=max_q, q_pad_index=q_pad_index,
+                              q_unpad_index=q_unpad_index)
+
+    @torch.inference_mode()
+    def score(self, token_ids: list[int]) -> torch.Tensor:
+        """Logits [T, V] of every position of one prompt (tests and debugging; the engine must be idle).
+
+        Uses KV slots 1..T of the pool, which an idle engine does not hold.
+        """
+        n = len(token_ids)
+        slots = torch.arange(1, n + 1, device=self.device)
+        batch = AttentionBatch(slot_mapping=slots, kv_indices=slots.view(1, n), mask=None, num_seqs=1,
+                               max_query_len=n, is_causal_self_only=True)
+        hidden = self.model(torch.tensor(token_ids, device=self.device), torch.arange(n, device=self.device), batch)
+        return self.model.compute_logits(hidden)
+
+    def reset_workspace(self) -> None:
+        """After the workspace was resumed without its contents: make every index valid again."""
+        self.req_to_token.zero_()
+        if self.graphs is not None:
+            self.graphs.reset_buffers()
+
+    # -- weights ---------------------------------------------------------------
+    def check_weights_update(self, folder: Path):
+        return check_update(self.model, folder, self.source_dtypes)
+
+    def apply_weights_update(self, entries) -> None:
+        apply_update(self.model, entries)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    @property
+    def padding_slot(self) -> int:
+        return PADDING_SLOT

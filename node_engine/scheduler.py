@@ -1,0 +1,214 @@
+"""Continuous batching with chunked prefill: which tokens to compute next.
+
+Each step either prefills (chunks of prompts, at most ``max_batch_tokens``
+tokens, new requests admitted as soon as there is room) or decodes (one token
+for every request whose only uncached token is its last sampled one). A
+request whose prefill chunk ends exactly one token short simply decodes next:
+there is one rule, "compute ``all_ids[num_cached:end]``, sample if ``end`` is
+the last token".
+
+When the pool runs dry during decode the most recently admitted request is
+preempted: its KV is freed and recomputed later; its tokens are kept. The
+scheduler is CPU bookkeeping only; it never touches device tensors.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from node_engine.kv_cache import RowAllocator, SlotAllocator
+from node_engine.request import FinishReason, Request, RequestState
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_running_requests: int
+    max_batch_tokens: int
+    context_len: int
+    eos_token_ids: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        for name in ("max_running_requests", "max_batch_tokens", "context_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+class StepKind(enum.Enum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+@dataclass
+class StepEntry:
+    request: Request
+    start: int             # index into all_ids of the first token computed
+    end: int               # one past the last
+    slots: torch.Tensor    # new slots for tokens start..end
+
+    @property
+    def samples(self) -> bool:
+        return self.end == self.request.num_tokens
+
+
+@dataclass
+class Step:
+    kind: StepKind
+    entries: list[StepEntry]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(e.end - e.start for e in self.entries)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, slots: SlotAllocator, rows: RowAllocator) -> None:
+        self.config = config
+        self.slots = slots
+        self.rows = rows
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order
+        self.num_preemptions = 0
+
+    # -- queue -----------------------------------------------------------------
+    def max_request_tokens(self) -> int:
+        """The most tokens (prompt + new) one request may ever need."""
+        return min(self.config.context_len, self.slots.capacity)
+
+    def add(self, request: Request) -> None:
+        assert request.num_tokens + request.params.max_new_tokens <= self.max_request_tokens(), \
+            "request was not validated against the context and the pool"
+        self.waiting.append(request)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def find(self, rid: str) -> Request | None:
+        for request in self.running:
+            if request.rid == rid:
+                return request
+        for request in self.waiting:
+            if request.rid == rid:
+                return request
+        return None
+
+    # -- planning --------------------------------------------------------------
+    def schedule(self) -> Step | None:
+        while True:
+            step = self._schedule_prefill() or self._schedule_decode()
+            if step is not None or not self.running:
+                return step
+            # Partial prefills hold the whole pool and none can go on: make room.
+            self.preempt(self.running[-1])
+
+    def _schedule_prefill(self) -> Step | None:
+        budget = self.config.max_batch_tokens
+        entries: list[StepEntry] = []
+        num_decoding = sum(1 for r in self.running if r.num_uncached == 1)
+        for request in self.running:
+            if budget == 0:
+                break
+            if request.num_uncached > 1:
+                num = min(request.num_uncached, budget)
+                if not self.slots.can_allocate(num):
+                    break
+                entries.append(self._take(request, num))
+                budget -= num
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_running_requests:
+            request = self.waiting[0]
+            num = min(request.num_uncached, budget)
+            # Leave one decode step's worth of slots to the requests already decoding.
+            if not self.rows.can_allocate() or not self.slots.can_allocate(num + num_decoding):
+                break
+            self.waiting.popleft()
+            request.transition(RequestState.RUNNING)
+            request.row = self.rows.allocate()
+            self.running.append(request)
+            entries.append(self._take(request, num))
+            budget -= num
+        return Step(StepKind.PREFILL, entries) if entries else None
+
+    def _schedule_decode(self) -> Step | None:
+        decoding = [r for r in self.running if r.num_uncached == 1]
+        while decoding and not self.slots.can_allocate(len(decoding)):
+            victim = self.running[-1]
+            self.preempt(victim)
+            if victim in decoding:
+                decoding.remove(victim)
+        if not decoding:
+            return None
+        return Step(StepKind.DECODE, [self._take(r, 1) for r in decoding])
+
+    def _take(self, request: Request, num: int) -> StepEntry:
+        start = request.num_cached
+        slots = self.slots.allocate(num)
+        request.slots.append(slots)
+        request.num_cached += num
+        return StepEntry(request, start, start + num, slots)
+
+    # -- results ---------------------------------------------------------------
+    def postprocess(self, step: Step, next_token_ids: list[int]) -> list[Request]:
+        """Append sampled tokens, finish requests that are done; returns requests with new output."""
+        changed: list[Request] = []
+        sampled = [e for e in step.entries if e.samples]
+        for entry, token in zip(sampled, next_token_ids, strict=True):
+            request = entry.request
+            if request.state is not RequestState.RUNNING:
+                continue  # aborted while the step ran
+            request.output_ids.append(token)
+            request.detokenizer.add(token)
+            reason, matched = self._finish_check(request, token)
+            if reason is not None:
+                self.finish(request, reason, matched)
+            changed.append(request)
+        return changed
+
+    def _finish_check(self, request: Request, token: int) -> tuple[FinishReason | None, str | int | None]:
+        params = request.params
+        if not params.ignore_eos and token in self.config.eos_token_ids:
+            return FinishReason.STOP, token
+        if token in params.stop_token_ids:
+            return FinishReason.STOP, token
+        if request.detokenizer.matched_stop is not None:
+            return FinishReason.STOP, request.detokenizer.matched_stop
+        if len(request.output_ids) >= params.max_new_tokens or request.num_tokens >= self.config.context_len:
+            return FinishReason.LENGTH, None
+        return None, None
+
+    # -- lifecycle -------------------------------------------------------------
+    def finish(self, request: Request, reason: FinishReason, matched: str | int | None = None) -> None:
+        """End a request (any state but finished) and give back its slots and row."""
+        if request.state is RequestState.WAITING:
+            self.waiting.remove(request)
+        elif request.state is RequestState.RUNNING:
+            self._free_kv(request)
+            self.running.remove(request)
+        request.transition(RequestState.FINISHED)
+        request.finish_reason = reason
+        request.matched_stop = matched
+        if request.detokenizer.matched_stop is None:
+            request.detokenizer.finish()
+
+    def preempt(self, request: Request) -> None:
+        self._free_kv(request)
+        self.running.remove(request)
+        request.num_cached = 0
+        request.transition(RequestState.WAITING)
+        self.waiting.appendleft(request)
+        self.num_preemptions += 1
+
+    def _free_kv(self, request: Request) -> None:
+        for chunk in request.slots:
+            self.slots.free(chunk)
+        request.slots.clear()
+        if request.row is not None:
+            self.rows.free(request.row)
+            request.row = None

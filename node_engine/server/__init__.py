@@ -1,0 +1,1 @@
+"""The engine's HTTP server (SPEC section 5)."""

@@ -1,0 +1,38 @@
+"""The engine's FastAPI app; the engine thread starts and stops with the app's lifespan."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import AsyncIterator
+
+from fastapi import FastAPI
+
+from handoff import __version__
+from handoff.service.bodies import install_schemas
+from handoff.service.errors import install_error_handlers
+from handoff.service.limits import BodyLimitMiddleware
+from node_engine.engine import Engine
+from node_engine.server import protocol, routes_control, routes_generate, routes_openai
+
+
+def create_app(engine: Engine, *, max_body_bytes: int) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        engine.start(asyncio.get_running_loop())
+        try:
+            yield
+        finally:
+            engine.stop()
+
+    app = FastAPI(title="handoff node_engine", version=__version__, lifespan=lifespan,
+                  description="LLM engine with releasable, tagged memory regions.")
+    app.state.engine = engine
+    install_error_handlers(app)
+    app.add_middleware(BodyLimitMiddleware, max_body_bytes=max_body_bytes)
+    app.include_router(routes_generate.router)
+    app.include_router(routes_openai.router)
+    app.include_router(routes_control.router)
+    install_schemas(app, [protocol.GenerateBody, protocol.CompletionBody, protocol.ChatCompletionBody,
+                          protocol.TagsBody, protocol.UpdateWeightsBody, protocol.AbortBody])
+    return app

@@ -1,0 +1,110 @@
+"""Memory, weights and introspection endpoints of the engine."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.responses import JSONResponse, Response
+
+from handoff.service.bodies import openapi_body, parse_body
+from handoff.service.errors import InvalidRequest, NotFound
+from node_engine.engine import Engine
+from node_engine.memory.tags import MemoryTag, parse_tags
+from node_engine.server.protocol import AbortBody, TagsBody, UpdateWeightsBody
+
+router = APIRouter()
+
+
+def _engine(request: Request) -> Engine:
+    return request.app.state.engine
+
+
+def _tags(body: TagsBody) -> list[MemoryTag] | None:
+    try:
+        return parse_tags(body.tags)
+    except ValueError as exc:
+        raise InvalidRequest(str(exc)) from exc
+
+
+@router.post("/release_memory_occupation", openapi_extra=openapi_body(TagsBody, required=False))
+async def release_memory_occupation(request: Request) -> JSONResponse:
+    engine = _engine(request)
+    body = await parse_body(request, TagsBody, empty_ok=True)
+    tags = _tags(body)
+    return JSONResponse(await engine.call(lambda: engine.release(tags, body.stage_to_cpu)))
+
+
+@router.post("/resume_memory_occupation", openapi_extra=openapi_body(TagsBody, required=False))
+async def resume_memory_occupation(request: Request) -> JSONResponse:
+    engine = _engine(request)
+    body = await parse_body(request, TagsBody, empty_ok=True)
+    if body.stage_to_cpu is not None or body.mode is not None or body.drain_timeout is not None:
+        raise InvalidRequest("resume takes only tags")
+    tags = _tags(body)
+    return JSONResponse(await engine.call(lambda: engine.resume(tags)))
+
+
+@router.post("/update_weights_from_disk", openapi_extra=openapi_body(UpdateWeightsBody))
+async def update_weights_from_disk(request: Request) -> JSONResponse:
+    engine = _engine(request)
+    body = await parse_body(request, UpdateWeightsBody)
+    if body.load_format not in (None, "auto", "safetensors"):
+        raise InvalidRequest(f"load_format {body.load_format!r} is not supported; use safetensors")
+    return JSONResponse(await engine.call(lambda: engine.update_weights_from_disk(body.model_path,
+                                                                                 body.weight_version)))
+
+
+@router.api_route("/flush_cache", methods=["GET", "POST"])
+async def flush_cache(request: Request) -> JSONResponse:
+    engine = _engine(request)
+    return JSONResponse(await engine.call(engine.flush_cache))
+
+
+@router.post("/abort_request", openapi_extra=openapi_body(AbortBody))
+async def abort_request(request: Request) -> JSONResponse:
+    engine = _engine(request)
+    body = await parse_body(request, AbortBody)
+    if body.abort_all == (body.rid is not None):
+        raise InvalidRequest("give either rid or abort_all: true")
+    if body.rid is not None:
+        if engine.scheduler.find(body.rid) is None:
+            raise NotFound(f"no running or queued request {body.rid!r}")
+        engine.abort(body.rid)
+        return JSONResponse({"success": True, "aborted": [body.rid]})
+    engine.abort(None)
+    return JSONResponse({"success": True, "aborted": "all"})
+
+
+@router.get("/memory_occupation")
+async def memory_occupation(request: Request) -> JSONResponse:
+    return JSONResponse(_engine(request).occupation())
+
+
+@router.get("/get_server_info")
+async def get_server_info(request: Request) -> JSONResponse:
+    engine = _engine(request)
+    config = engine.config
+    arch = engine.arch
+    return JSONResponse({
+        "model_path": config.model_path, "served_model_name": config.model_name, "device": config.device,
+        "dtype": config.resolved_dtype, "role": config.role, "weight_version": engine.weight_version,
+        "architecture": arch.architecture, "num_parameters": arch.num_params(),
+        "context_length": engine.runner.kv_plan.context_len, "max_total_tokens": engine.scheduler.slots.capacity,
+        "max_batch_tokens": config.max_batch_tokens, "max_running_requests": config.max_running_requests,
+        "memory_saver": engine.saver.name, "weights_backup": config.weights_backup.value,
+        "cuda_graph": engine.runner.graphs is not None,
+        "memory": engine.occupation(),
+    })
+
+
+@router.get("/health")
+async def health(request: Request) -> JSONResponse:
+    engine = _engine(request)
+    if not engine.is_alive:
+        return JSONResponse({"status": "engine thread stopped"}, status_code=503)
+    return JSONResponse({"status": "ok"})
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    return Response(generate_latest(_engine(request).metrics.registry), media_type=CONTENT_TYPE_LATEST)

@@ -1,0 +1,189 @@
+"""OpenAI-compatible ``/v1/completions``, ``/v1/chat/completions`` and ``/v1/models``."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+from fastapi import APIRouter, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from handoff.service.bodies import openapi_body, parse_body
+from handoff.service.errors import InvalidRequest, ServiceError
+from node_engine.engine import Engine
+from node_engine.request import RequestOutput
+from node_engine.sampling import SamplingParams
+from node_engine.server.generation import (DONE_EVENT, GenerationRun, collect_unless_disconnected,
+                                           first_unless_disconnected, sse_event, stream_with_abort)
+from node_engine.server.protocol import MAX_BATCH, ChatCompletionBody, CompletionBody
+from node_engine.server.routes_generate import CLIENT_CLOSED
+from node_engine.tokenizer import ChatTemplateError
+
+router = APIRouter()
+
+
+def _params(engine: Engine, body: CompletionBody | ChatCompletionBody, num_prompt: int,
+            max_tokens: int | None) -> SamplingParams:
+    stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+    try:
+        return SamplingParams(
+            max_new_tokens=engine.default_max_new_tokens(num_prompt) if max_tokens is None else max_tokens,
+            temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, stop=stop,
+            stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos, seed=body.seed)
+    except ValueError as exc:
+        raise InvalidRequest(str(exc)) from exc
+
+
+def _check_model(engine: Engine, model: str | None) -> None:
+    if model is not None and model != engine.config.model_name:
+        raise InvalidRequest(f"model {model!r} is not served here; this engine serves {engine.config.model_name!r}")
+
+
+def _usage(prompt: int, completion: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+@router.post("/v1/completions", openapi_extra=openapi_body(CompletionBody))
+async def completions(request: Request) -> Response:
+    engine: Engine = request.app.state.engine
+    body = await parse_body(request, CompletionBody)
+    _check_model(engine, body.model)
+    prompt = body.prompt
+    if isinstance(prompt, str):
+        id_lists = [engine.tokenizer.encode(prompt)] if prompt else []
+    elif prompt and isinstance(prompt[0], str):
+        id_lists = [engine.tokenizer.encode(p) for p in prompt]  # type: ignore[arg-type]
+    elif prompt and isinstance(prompt[0], list):
+        id_lists = list(prompt)  # type: ignore[arg-type]
+    else:
+        id_lists = [list(prompt)] if prompt else []  # type: ignore[arg-type]
+    if not id_lists or any(not ids for ids in id_lists):
+        raise InvalidRequest("prompt must not be empty")
+    if len(id_lists) > MAX_BATCH:
+        raise InvalidRequest(f"at most {MAX_BATCH} prompts per request, got {len(id_lists)}")
+    prompts = [(ids, _params(engine, body, len(ids), body.max_tokens)) for ids in id_lists]
+    run = GenerationRun(engine, prompts)
+    created = int(time.time())
+    completion_id = f"cmpl-{uuid.uuid4().hex}"
+    meta = {"weight_version": engine.weight_version}
+    if body.stream:
+        first = await first_unless_disconnected(request, run)
+        if first is None:
+            return Response(status_code=CLIENT_CLOSED)
+        include_usage = bool((body.stream_options or {}).get("include_usage"))
+
+        async def chunks() -> AsyncIterator[bytes]:
+            events, head = first
+            totals = [(0, 0)] * run.num_prompts
+
+            def chunk(index: int, out: RequestOutput) -> bytes:
+                totals[index] = (out.num_prompt_tokens, out.num_output_tokens)
+                return sse_event({"id": completion_id, "object": "text_completion", "created": created,
+                                  "model": engine.config.model_name, "metadata": meta,
+                                  "choices": [{"index": index, "text": out.text_delta, "logprobs": None,
+                                               "finish_reason": out.finish_reason.value if out.finish_reason
+                                               else None}]})
+            yield chunk(*head)
+            try:
+                async for index, out in events:
+                    yield chunk(index, out)
+            except ServiceError as exc:
+                yield sse_event(exc.envelope())
+            if include_usage:
+                yield sse_event({"id": completion_id, "object": "text_completion", "created": created,
+                                 "model": engine.config.model_name, "choices": [],
+                                 "usage": _usage(sum(p for p, _ in totals), sum(c for _, c in totals))})
+            yield DONE_EVENT
+
+        return StreamingResponse(stream_with_abort(run, chunks()), media_type="text/event-stream")
+    results = await collect_unless_disconnected(request, run)
+    if results is None:
+        return Response(status_code=CLIENT_CLOSED)
+    return JSONResponse({
+        "id": completion_id, "object": "text_completion", "created": created, "model": engine.config.model_name,
+        "metadata": meta,
+        "choices": [{"index": i, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason,
+                     "matched_stop": c.matched_stop} for i, c in enumerate(results)],
+        "usage": _usage(sum(c.prompt_tokens for c in results), sum(c.completion_tokens for c in results)),
+    })
+
+
+def _messages(body: ChatCompletionBody) -> list[dict[str, Any]]:
+    messages = []
+    for n, message in enumerate(body.messages):
+        content = message.content
+        if isinstance(content, list):
+            parts = []
+            for part in content:
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise InvalidRequest(f"messages.{n}.content: only text parts are supported")
+                parts.append(part["text"])
+            content = "".join(parts)
+        messages.append({**message.model_dump(exclude_none=True), "content": content or ""})
+    return messages
+
+
+@router.post("/v1/chat/completions", openapi_extra=openapi_body(ChatCompletionBody))
+async def chat_completions(request: Request) -> Response:
+    engine: Engine = request.app.state.engine
+    body = await parse_body(request, ChatCompletionBody)
+    _check_model(engine, body.model)
+    try:
+        ids = engine.tokenizer.apply_chat_template(_messages(body))
+    except ChatTemplateError as exc:
+        raise InvalidRequest(str(exc)) from exc
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    run = GenerationRun(engine, [(ids, _params(engine, body, len(ids), max_tokens))])
+    created = int(time.time())
+    chat_id = f"chatcmpl-{uuid.uuid4().hex}"
+    meta = {"weight_version": engine.weight_version}
+    if body.stream:
+        first = await first_unless_disconnected(request, run)
+        if first is None:
+            return Response(status_code=CLIENT_CLOSED)
+        include_usage = bool((body.stream_options or {}).get("include_usage"))
+
+        async def chunks() -> AsyncIterator[bytes]:
+            events, head = first
+
+            def chunk(delta: dict[str, Any], finish_reason: str | None) -> bytes:
+                return sse_event({"id": chat_id, "object": "chat.completion.chunk", "created": created,
+                                  "model": engine.config.model_name, "metadata": meta,
+                                  "choices": [{"index": 0, "delta": delta, "logprobs": None,
+                                               "finish_reason": finish_reason}]})
+            yield chunk({"role": "assistant", "content": ""}, None)
+            last = head[1]
+            yield chunk({"content": last.text_delta}, last.finish_reason.value if last.finish_reason else None)
+            try:
+                async for _, out in events:
+                    last = out
+                    yield chunk({"content": out.text_delta}, out.finish_reason.value if out.finish_reason else None)
+            except ServiceError as exc:
+                yield sse_event(exc.envelope())
+            if include_usage:
+                yield sse_event({"id": chat_id, "object": "chat.completion.chunk", "created": created,
+                                 "model": engine.config.model_name, "choices": [],
+                                 "usage": _usage(last.num_prompt_tokens, last.num_output_tokens)})
+            yield DONE_EVENT
+
+        return StreamingResponse(stream_with_abort(run, chunks()), media_type="text/event-stream")
+    results = await collect_unless_disconnected(request, run)
+    if results is None:
+        return Response(status_code=CLIENT_CLOSED)
+    c = results[0]
+    return JSONResponse({
+        "id": chat_id, "object": "chat.completion", "created": created, "model": engine.config.model_name,
+        "metadata": meta,
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": c.text}, "logprobs": None,
+                     "finish_reason": c.finish_reason, "matched_stop": c.matched_stop}],
+        "usage": _usage(c.prompt_tokens, c.completion_tokens),
+    })
+
+
+@router.get("/v1/models")
+async def models(request: Request) -> JSONResponse:
+    engine: Engine = request.app.state.engine
+    return JSONResponse({"object": "list", "data": [{
+        "id": engine.config.model_name, "object": "model", "created": 0, "owned_by": "handoff",
+        "max_model_len": engine.runner.kv_plan.context_len}]})

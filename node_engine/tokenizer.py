@@ -1,0 +1,204 @@
+"""Tokenization, chat templates and incremental detokenization.
+
+One class serves both Hugging Face folders (``tokenizer.json`` +
+``tokenizer_config.json``) and the built-in model, whose byte-level tokenizer
+is an ordinary ``tokenizers`` object (id = byte value, then ``<bos>``,
+``<eos>``), so a saved built-in checkpoint is a normal HF folder.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers, processors
+
+from node_engine.model.arch import ModelConfigError
+from node_engine.model.builtin import BYTE_BOS_ID, BYTE_EOS_ID, BYTE_VOCAB_SIZE
+
+BUILTIN_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+class ChatTemplateError(ValueError):
+    """The messages cannot be rendered (no template, or the template refused them)."""
+
+
+class Tokenizer:
+    def __init__(self, hf: HFTokenizer, *, bos_token: str | None, eos_token: str | None,
+                 eos_token_ids: tuple[int, ...], chat_template: str | None) -> None:
+        self._hf = hf
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+        self.eos_token_ids = eos_token_ids
+        self.chat_template = chat_template
+        self.vocab_size = hf.get_vocab_size(with_added_tokens=True)
+
+    @classmethod
+    def from_folder(cls, folder: Path, extra_eos_ids: tuple[int, ...] = ()) -> "Tokenizer":
+        missing = [name for name in ("tokenizer.json", "tokenizer_config.json") if not (folder / name).is_file()]
+        if missing:
+            raise ModelConfigError(f"model folder {folder} is missing {', '.join(missing)}")
+        try:
+            hf = HFTokenizer.from_file(str(folder / "tokenizer.json"))
+            config = json.loads((folder / "tokenizer_config.json").read_text())
+        except Exception as exc:  # tokenizers raises its own exception type for bad files
+            raise ModelConfigError(f"cannot load the tokenizer of {folder}: {exc}") from exc
+        bos = _token_content(config.get("bos_token"))
+        eos = _token_content(config.get("eos_token"))
+        eos_ids = set(extra_eos_ids)
+        gen_config = folder / "generation_config.json"
+        if gen_config.is_file():
+            value = json.loads(gen_config.read_text()).get("eos_token_id")
+            eos_ids.update([value] if isinstance(value, int) else [v for v in value or [] if isinstance(v, int)])
+        if eos is not None and hf.token_to_id(eos) is not None:
+            eos_ids.add(hf.token_to_id(eos))
+        template = config.get("chat_template")
+        if isinstance(template, list):  # named templates: take the default one
+            template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+        if template is None and (folder / "chat_template.jinja").is_file():
+            template = (folder / "chat_template.jinja").read_text()
+        return cls(hf, bos_token=bos, eos_token=eos, eos_token_ids=tuple(sorted(eos_ids)), chat_template=template)
+
+    @classmethod
+    def builtin_bytes(cls) -> "Tokenizer":
+        return cls(build_byte_tokenizer(), bos_token="<bos>", eos_token="<eos>", eos_token_ids=(BYTE_EOS_ID,),
+                   chat_template=BUILTIN_CHAT_TEMPLATE)
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        return self._hf.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], *, skip_special_tokens: bool = True) -> str:
+        return self._hf.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True) -> list[int]:
+        if not self.chat_template:
+            raise ChatTemplateError("this model has no chat template; use /v1/completions or /generate")
+        try:
+            text = _compile_template(self.chat_template).render(
+                messages=messages, add_generation_prompt=add_generation_prompt, bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "", tools=None, documents=None)
+        except jinja2.TemplateError as exc:
+            raise ChatTemplateError(f"the chat template rejected the messages: {exc}") from exc
+        return self.encode(text, add_special_tokens=False)
+
+
+def _token_content(value: Any) -> str | None:
+    if isinstance(value, dict):
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.TemplateError(message)
+
+
+@lru_cache(maxsize=8)
+def _compile_template(source: str) -> jinja2.Template:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    env.filters["tojson"] = lambda value, indent=None: json.dumps(value, ensure_ascii=False, indent=indent)
+    return env.from_string(source)
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """The GPT-2 byte-level alphabet: a printable character for every byte."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
+        list(range(ord("®"), ord("ÿ") + 1))
+    chars = list(printable)
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return dict(zip(printable, (chr(c) for c in chars)))
+
+
+def build_byte_tokenizer() -> HFTokenizer:
+    """Byte-level tokenizer of the built-in model: token id = byte value."""
+    alphabet = _bytes_to_unicode()
+    vocab = {alphabet[b]: b for b in range(256)}
+    tok = HFTokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<bos>", "<eos>"] + [f"<reserved_{i}>" for i in range(BYTE_VOCAB_SIZE - 258)]
+    tok.add_special_tokens(specials)
+    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", BYTE_BOS_ID)])
+    return tok
+
+
+def write_byte_tokenizer(folder: Path) -> None:
+    build_byte_tokenizer().save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<bos>", "eos_token": "<eos>",
+        "chat_template": BUILTIN_CHAT_TEMPLATE,
+    }, indent=2))
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas.
+
+    Text is released only once it is stable: not the tail of an incomplete
+    UTF-8 sequence, and (with stop strings) not a possible start of a stop
+    string. The full text of a request is, by construction, the concatenation
+    of its deltas, so a stream and a non-stream answer always agree.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...] = ()) -> None:
+        self._tokenizer = tokenizer
+        self._stop = stop
+        self._hold = max((len(s) for s in stop), default=1) - 1
+        self._ids: list[int] = []
+        self._prefix_offset = 0
+        self._read_offset = 0
+        self.text = ""          # stable text so far (stop strings cut away)
+        self._emitted = 0       # characters of ``text`` already handed out
+        self.matched_stop: str | None = None
+
+    def add(self, token_id: int) -> None:
+        """Append one token; sets ``matched_stop`` when a stop string appears."""
+        self._ids.append(token_id)
+        prefix = self._tokenizer.decode(self._ids[self._prefix_offset:self._read_offset])
+        full = self._tokenizer.decode(self._ids[self._prefix_offset:])
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            self._append(full[len(prefix):])
+            # The previous chunk stays as context, so merges across the boundary render right.
+            self._prefix_offset = self._read_offset
+            self._read_offset = len(self._ids)
+
+    def finish(self) -> None:
+        """Flush whatever is left (an incomplete character becomes U+FFFD)."""
+        if self.matched_stop is None and self._read_offset < len(self._ids):
+            prefix = self._tokenizer.decode(self._ids[self._prefix_offset:self._read_offset])
+            full = self._tokenizer.decode(self._ids[self._prefix_offset:])
+            self._append(full[len(prefix):])
+            self._read_offset = len(self._ids)
+
+    def _append(self, delta: str) -> None:
+        if self.matched_stop is not None:
+            return
+        start = max(0, len(self.text) - self._hold)
+        self.text += delta
+        found = [(at, stop) for stop in self._stop if (at := self.text.find(stop, start)) != -1]
+        if found:
+            at, stop = min(found)
+            self.text = self.text[:at]
+            self.matched_stop = stop
+
+    def take_delta(self, *, is_final: bool) -> str:
+        """Text not yet handed out; holds back a possible stop-string prefix unless final."""
+        end = len(self.text) if is_final or self.matched_stop is not None else max(self._emitted,
+                                                                                      len(self.text) - self._hold)
+        delta = self.text[self._emitted:end]
+        self._emitted = end
+        return delta

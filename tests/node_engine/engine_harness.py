@@ -1,0 +1,34 @@
+"""Run a real Engine in-process (no HTTP) inside an async test."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import AsyncIterator
+
+from node_engine.config import EngineConfig
+from node_engine.engine import Engine
+from node_engine.request import RequestOutput
+from node_engine.sampling import SamplingParams
+
+
+@contextlib.asynccontextmanager
+async def running_engine(config: EngineConfig) -> AsyncIterator[Engine]:
+    engine = Engine(config)
+    engine.start(asyncio.get_running_loop())
+    try:
+        yield engine
+    finally:
+        engine.stop()
+
+
+async def generate(engine: Engine, prompt_ids: list[int], params: SamplingParams) -> tuple[list[int], list[RequestOutput]]:
+    engine.check_request(prompt_ids, params)
+    handle = engine.submit(prompt_ids, params)
+    outputs = []
+    while True:
+        out = await asyncio.wait_for(handle.next(), timeout=60)
+        outputs.append(out)
+        if out.is_final:
+            break
+    return [t for o in outputs for t in o.token_ids_delta], outputs

@@ -1,0 +1,128 @@
+"""Scheduler planning on CPU: admission, chunked prefill, decode, preemption, finishing."""
+
+from __future__ import annotations
+
+import pytest
+
+from node_engine.kv_cache import RowAllocator, SlotAllocator
+from node_engine.request import FinishReason, IllegalTransition, Request, RequestState
+from node_engine.sampling import SamplingParams
+from node_engine.scheduler import Scheduler, SchedulerConfig, StepKind
+from node_engine.tokenizer import IncrementalDetokenizer, Tokenizer
+
+TOKENIZER = Tokenizer.builtin_bytes()
+
+
+def make_scheduler(*, num_slots: int = 65, max_running: int = 4, max_batch_tokens: int = 16,
+                   context_len: int = 64) -> Scheduler:
+    return Scheduler(SchedulerConfig(max_running_requests=max_running, max_batch_tokens=max_batch_tokens,
+                                     context_len=context_len, eos_token_ids=(257,)),
+                     SlotAllocator(num_slots), RowAllocator(max_running))
+
+
+def make_request(rid: str, num_prompt: int, max_new: int = 8, **params) -> Request:
+    return Request(rid=rid, prompt_ids=[65] * num_prompt, params=SamplingParams(max_new_tokens=max_new, **params),
+                   detokenizer=IncrementalDetokenizer(TOKENIZER, tuple(params.get("stop", ()))),
+                   on_output=lambda _: None)
+
+
+def test_prefill_is_chunked_by_the_token_budget() -> None:
+    s = make_scheduler(max_batch_tokens=16)
+    r = make_request("a", 40)
+    s.add(r)
+    spans = []
+    while True:
+        step = s.schedule()
+        assert step is not None
+        spans.append((step.kind, step.entries[0].start, step.entries[0].end))
+        if step.entries[0].samples:
+            break
+    assert spans == [(StepKind.PREFILL, 0, 16), (StepKind.PREFILL, 16, 32), (StepKind.PREFILL, 32, 40)]
+
+
+def test_new_requests_join_at_the_next_step() -> None:
+    s = make_scheduler()
+    a = make_request("a", 4)
+    s.add(a)
+    step = s.schedule()
+    s.postprocess(step, [70])
+    step = s.schedule()
+    assert step.kind is StepKind.DECODE  # a decodes
+    s.postprocess(step, [72])
+    b = make_request("b", 4)
+    s.add(b)
+    step = s.schedule()
+    assert step.kind is StepKind.PREFILL and [e.request.rid for e in step.entries] == ["b"]
+    s.postprocess(step, [71])
+    step = s.schedule()
+    assert step.kind is StepKind.DECODE and {e.request.rid for e in step.entries} == {"a", "b"}
+
+
+def test_max_running_requests_bounds_admission() -> None:
+    s = make_scheduler(max_running=2)
+    for rid in "abc":
+        s.add(make_request(rid, 2))
+    step = s.schedule()
+    assert [e.request.rid for e in step.entries] == ["a", "b"]
+    assert [r.rid for r in s.waiting] == ["c"]
+
+
+def test_finish_on_length_eos_stop_token_and_stop_string() -> None:
+    s = make_scheduler()
+    length = make_request("len", 2, max_new=2)
+    eos = make_request("eos", 2)
+    stop_tok = make_request("tok", 2, stop_token_ids=(99,))
+    stop_str = make_request("str", 2, stop=("bc",))
+    for r in (length, eos, stop_tok, stop_str):
+        s.add(r)
+    step = s.schedule()
+    s.postprocess(step, [70, 257, 99, ord("a")])
+    assert eos.finish_reason is FinishReason.STOP and eos.matched_stop == 257
+    assert stop_tok.finish_reason is FinishReason.STOP and stop_tok.matched_stop == 99
+    step = s.schedule()
+    assert {e.request.rid for e in step.entries} == {"len", "str"}
+    s.postprocess(step, [71, ord("b")])
+    assert length.finish_reason is FinishReason.LENGTH
+    step = s.schedule()
+    s.postprocess(step, [ord("c")])
+    assert stop_str.finish_reason is FinishReason.STOP and stop_str.matched_stop == "bc"
+    assert stop_str.detokenizer.text == "a"
+    assert not s.has_work and s.slots.num_used == 0 and s.rows.num_free == 4
+
+
+def test_decode_preempts_the_newest_request_when_the_pool_is_full() -> None:
+    s = make_scheduler(num_slots=11, max_batch_tokens=64)  # 10 usable slots
+    a, b = make_request("a", 4, max_new=6), make_request("b", 4, max_new=6)
+    s.add(a)
+    s.add(b)
+    s.postprocess(s.schedule(), [70, 70])           # 8 slots used, both decoding
+    s.postprocess(s.schedule(), [71, 71])           # 10 used
+    step = s.schedule()                              # no room for 2: b is preempted
+    assert [e.request.rid for e in step.entries] == ["a"]
+    assert b.state is RequestState.WAITING and b.num_cached == 0 and b.output_ids == [70, 71]
+    assert s.num_preemptions == 1
+
+
+def test_partial_prefills_holding_the_pool_do_not_deadlock() -> None:
+    s = make_scheduler(num_slots=21, max_batch_tokens=8, context_len=64)  # 20 usable slots
+    a, b = make_request("a", 16, max_new=2), make_request("b", 16, max_new=2)
+    s.add(a)
+    s.add(b)
+    for _ in range(20):
+        step = s.schedule()
+        if step is None:
+            break
+        s.postprocess(step, [70] * sum(e.samples for e in step.entries))
+    assert a.state is RequestState.FINISHED and b.state is RequestState.FINISHED
+
+
+def test_abort_frees_everything() -> None:
+    s = make_scheduler()
+    r = make_request("a", 10)
+    s.add(r)
+    s.schedule()
+    assert s.slots.num_used == 10
+    s.finish(r, FinishReason.ABORT)
+    assert s.slots.num_used == 0 and s.rows.num_free == 4 and r.finish_reason is FinishReason.ABORT
+    with pytest.raises(IllegalTransition, match="finished"):
+        r.transition(RequestState.RUNNING)

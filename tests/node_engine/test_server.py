@@ -1,0 +1,246 @@
+"""The engine's HTTP API against a real engine process on loopback (builtin:tiny, CPU)."""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from tests.support.procs import ServerProcess, wait_until
+from tests.support.sse import read_stream
+
+GREEDY = {"temperature": 0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def engine(proc_log_dir):
+    proc = ServerProcess("node_engine", ["--model-path", "builtin:tiny", "--max-total-tokens", "4096",
+                                         "--max-running-requests", "16"], log_dir=proc_log_dir)
+    proc.start()
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture
+def client(engine):
+    with httpx.Client(base_url=engine.url, timeout=30) as c:
+        yield c
+
+
+def metric(client: httpx.Client, name: str) -> float:
+    text = client.get("/metrics").text
+    match = re.search(rf"^{re.escape(name)} ([0-9.e+-]+)$", text, re.M)
+    assert match, f"{name} not in /metrics"
+    return float(match.group(1))
+
+
+def gen(client: httpx.Client, body: dict) -> dict:
+    r = client.post("/generate", json=body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_batch_gives_the_same_tokens_as_each_prompt_alone(client) -> None:
+    prompts = ["The quick brown fox", "Hello", "A much longer prompt that spans more tokens than the others do"]
+    for params in (dict(GREEDY, max_new_tokens=24), {"temperature": 0.9, "top_p": 0.9, "seed": 11,
+                                                      "max_new_tokens": 24, "ignore_eos": True}):
+        batch = gen(client, {"text": prompts, "sampling_params": params})
+        alone = [gen(client, {"text": p, "sampling_params": params}) for p in prompts]
+        assert [b["output_ids"] for b in batch] == [a["output_ids"] for a in alone]
+        assert all(len(b["output_ids"]) == 24 for b in batch)
+
+
+def test_concurrent_requests_match_sequential_ones(client) -> None:
+    bodies = [{"input_ids": [256] + list(range(i, i + 5 + i)), "sampling_params": dict(GREEDY, max_new_tokens=16)}
+              for i in range(1, 9)]
+    sequential = [gen(client, b)["output_ids"] for b in bodies]
+    with ThreadPoolExecutor(8) as pool:
+        concurrent = list(pool.map(lambda b: gen(client, b)["output_ids"], bodies))
+    assert concurrent == sequential
+
+
+def test_stream_concatenation_equals_the_non_stream_answer(client) -> None:
+    body = {"text": "Once upon a time", "sampling_params": dict(GREEDY, max_new_tokens=40)}
+    whole = gen(client, body)
+    events, saw_done = read_stream(client, "/generate", {**body, "stream": True})
+    assert saw_done
+    assert "".join(e["text"] for e in events) == whole["text"]
+    assert [t for e in events for t in e["output_ids"]] == whole["output_ids"]
+    assert events[-1]["meta_info"]["finish_reason"] == "length"
+    assert all(e["meta_info"]["finish_reason"] is None for e in events[:-1])
+
+
+def test_batch_stream_carries_indices(client) -> None:
+    events, saw_done = read_stream(client, "/generate", {"text": ["a", "b"], "stream": True,
+                                                          "sampling_params": dict(GREEDY, max_new_tokens=5)})
+    assert saw_done and {e["index"] for e in events} == {0, 1}
+    assert sum(1 for e in events if e["meta_info"]["finish_reason"]) == 2
+
+
+def test_same_seed_same_output_different_seed_differs(client) -> None:
+    def sampled(seed: int) -> list[int]:
+        return gen(client, {"text": "seeded", "sampling_params": {"temperature": 1.0, "seed": seed,
+                                                                  "max_new_tokens": 32, "ignore_eos": True}})["output_ids"]
+    assert sampled(5) == sampled(5)
+    assert sampled(5) != sampled(6)
+
+
+def test_stop_string_and_stop_token(client) -> None:
+    free = gen(client, {"text": "x", "sampling_params": dict(GREEDY, max_new_tokens=30)})
+    ids = free["output_ids"]
+    stop_id = ids[5]
+    cut = gen(client, {"text": "x", "sampling_params": dict(GREEDY, max_new_tokens=30, stop_token_ids=[stop_id])})
+    assert cut["output_ids"] == ids[:ids.index(stop_id) + 1]
+    assert cut["meta_info"]["finish_reason"] == "stop" and cut["meta_info"]["matched_stop"] == stop_id
+    text = free["text"]
+    stop = next((text[i:i + 2] for i in range(3, len(text) - 2) if text[i:i + 2].isprintable()), None)
+    if stop:
+        s = gen(client, {"text": "x", "sampling_params": dict(GREEDY, max_new_tokens=30, stop=stop)})
+        assert s["meta_info"]["finish_reason"] == "stop" and stop not in s["text"]
+        assert text.startswith(s["text"])
+
+
+def test_abort_ends_the_stream_and_frees_slots(client, engine) -> None:
+    events: list[dict] = []
+    done = threading.Event()
+
+    def run() -> None:
+        with httpx.Client(base_url=engine.url, timeout=30) as c:
+            evs, saw_done = read_stream(c, "/generate", {"text": "long", "stream": True, "rid": "to-abort",
+                                                         "sampling_params": dict(GREEDY, max_new_tokens=3000)})
+            events.extend(evs)
+            assert saw_done
+        done.set()
+
+    t = threading.Thread(target=run)
+    t.start()
+    wait_until(lambda: metric(client, "handoff_engine_running_requests") == 1, timeout=10)
+    r = client.post("/abort_request", json={"rid": "to-abort"})
+    assert r.status_code == 200
+    assert done.wait(10)
+    t.join()
+    assert events[-1]["meta_info"]["finish_reason"] == "abort"
+    assert 0 < sum(len(e["output_ids"]) for e in events) < 3000
+    wait_until(lambda: metric(client, "handoff_engine_kv_slots_used") == 0, timeout=5)
+    assert client.post("/abort_request", json={"rid": "to-abort"}).status_code == 404
+
+
+def test_client_disconnect_aborts_the_request(client, engine) -> None:
+    before = metric(client, 'handoff_engine_requests_total{finish_reason="abort"}') if "abort" in client.get(
+        "/metrics").text else 0.0
+    with httpx.Client(base_url=engine.url, timeout=30) as c:
+        with c.stream("POST", "/generate", json={"text": "bye", "stream": True,
+                                                  "sampling_params": dict(GREEDY, max_new_tokens=3000)}) as r:
+            next(r.iter_bytes())  # the stream started; now walk away
+    wait_until(lambda: metric(client, "handoff_engine_running_requests") == 0, timeout=10)
+    wait_until(lambda: metric(client, "handoff_engine_kv_slots_used") == 0, timeout=5)
+    after = metric(client, 'handoff_engine_requests_total{finish_reason="abort"}')
+    assert after == before + 1
+    # a non-streaming request whose client leaves is aborted too
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(engine.url + "/generate", json={"text": "bye", "sampling_params": dict(GREEDY, max_new_tokens=3000)},
+                   timeout=0.5)
+    wait_until(lambda: metric(client, 'handoff_engine_requests_total{finish_reason="abort"}') == before + 2,
+               timeout=10)
+    wait_until(lambda: metric(client, "handoff_engine_kv_slots_used") == 0, timeout=5)
+
+
+def test_late_request_joins_without_waiting_for_the_batch(client, engine) -> None:
+    """Continuous batching: a request arriving mid-batch gets its first token within a few steps."""
+    finished_at: list[float] = []
+
+    def long_request(i: int) -> None:
+        with httpx.Client(base_url=engine.url, timeout=60) as c:
+            gen(c, {"input_ids": [256, 65 + i], "sampling_params": dict(GREEDY, max_new_tokens=600)})
+        finished_at.append(time.monotonic())
+
+    with ThreadPoolExecutor(8) as pool:
+        futures = [pool.submit(long_request, i) for i in range(8)]
+        wait_until(lambda: metric(client, "handoff_engine_running_requests") == 8, timeout=10)
+        tokens_before = metric(client, "handoff_engine_generated_tokens_total")
+        wait_until(lambda: metric(client, "handoff_engine_generated_tokens_total") > tokens_before + 400, timeout=30)
+        arrived = time.monotonic()
+        events, _ = read_stream(client, "/generate", {"text": "late", "stream": True,
+                                                       "sampling_params": dict(GREEDY, max_new_tokens=4)})
+        ttft = time.monotonic() - arrived  # upper bound: the whole (4-token) late request
+        for f in futures:
+            f.result()
+    remaining = max(finished_at) - arrived
+    assert events and remaining > 0.3, f"the batch ended too soon to judge ({remaining:.2f}s)"
+    assert ttft < remaining / 4, f"late request took {ttft:.3f}s while the batch ran {remaining:.3f}s more"
+
+
+@pytest.mark.parametrize("body,fragment", [
+    ({"text": ""}, "empty"),
+    ({"text": 5}, "text"),
+    ({"input_ids": []}, "empty"),
+    ({"input_ids": [1, 2, 999999]}, "out of range"),
+    ({"input_ids": [1, "a"]}, "input_ids"),
+    ({"text": "x", "input_ids": [1]}, "exactly one"),
+    ({}, "exactly one"),
+    ({"text": "x", "sampling_params": {"max_new_tokens": -1}}, "max_new_tokens"),
+    ({"text": "x", "sampling_params": {"max_new_tokens": 10**9}}, "exceeds"),
+    ({"text": "x", "sampling_params": {"max_new_tokens": "5"}}, "max_new_tokens"),
+    ({"text": "x", "sampling_params": {"temperature": -1}}, "temperature"),
+    ({"text": "x", "sampling_params": {"top_p": 0}}, "top_p"),
+    ({"text": "x", "sampling_params": {"frequency_penalty": 1}}, "unknown field"),
+    ({"text": "x", "surprise": 1}, "unknown field"),
+    ({"text": "x" * 5000}, "exceeds"),
+    ({"text": "x", "sampling_params": {"stop_token_ids": [10**7]}}, "stop_token_ids"),
+    ({"text": ["a", ""]}, "empty"),
+])
+def test_bad_input_is_a_400_and_the_engine_keeps_serving(client, body: dict, fragment: str) -> None:
+    r = client.post("/generate", json=body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request" and fragment in error["message"]
+    assert gen(client, {"text": "ok", "sampling_params": dict(GREEDY, max_new_tokens=2)})["output_ids"]
+
+
+@pytest.mark.parametrize("raw", [b"{", b"[1,2]", b"\xff\xfe", b"[" * 100000 + b"]" * 100000, b"null"])
+def test_malformed_bodies_are_400(client, raw: bytes) -> None:
+    r = client.post("/generate", content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request"
+
+
+def test_oversized_body_is_413(engine) -> None:
+    r = httpx.post(engine.url + "/generate", content=b"x" * (65 * 1024 * 1024), timeout=30)
+    assert r.status_code == 413 and r.json()["error"]["type"] == "payload_too_large"
+
+
+def test_openai_completions_and_chat(client) -> None:
+    r = client.post("/v1/completions", json={"prompt": ["hi", "there"], "max_tokens": 5, "temperature": 0})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "text_completion" and len(body["choices"]) == 2
+    assert body["usage"]["completion_tokens"] <= 10 and body["metadata"]["weight_version"] == "default"
+    events, saw_done = read_stream(client, "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "hello"}], "max_tokens": 6, "temperature": 0, "stream": True,
+        "stream_options": {"include_usage": True}})
+    assert saw_done and events[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert events[-1]["usage"]["completion_tokens"] <= 6
+    chat = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hello"}],
+                                                     "max_tokens": 6, "temperature": 0}).json()
+    streamed = "".join(e["choices"][0]["delta"].get("content", "") for e in events if e["choices"])
+    assert chat["choices"][0]["message"]["content"] == streamed
+    assert client.post("/v1/completions", json={"prompt": "x", "n": 2}).status_code == 400
+    assert client.post("/v1/completions", json={"prompt": "x", "model": "other"}).status_code == 400
+    models = client.get("/v1/models").json()
+    assert models["data"][0]["id"] == "builtin:tiny"
+
+
+def test_info_health_metrics_and_openapi(client) -> None:
+    info = client.get("/get_server_info").json()
+    assert info["model_path"] == "builtin:tiny" and info["max_total_tokens"] == 4096
+    assert client.get("/health").json() == {"status": "ok"}
+    text = client.get("/metrics").text
+    for name in ("handoff_engine_requests_total", "handoff_engine_generated_tokens_total",
+                 "handoff_engine_running_requests", "handoff_engine_queued_requests", "handoff_engine_kv_slots_used"):
+        assert name in text
+    schema = client.get("/openapi.json").json()
+    assert "/generate" in schema["paths"] and "GenerateBody" in schema["components"]["schemas"]
+    assert client.get("/nope").json()["error"]["type"] == "not_found"

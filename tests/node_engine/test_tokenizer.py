@@ -1,0 +1,45 @@
+from __future__ import annotations
+
+from node_engine.tokenizer import IncrementalDetokenizer, Tokenizer
+
+TOK = Tokenizer.builtin_bytes()
+
+
+def test_byte_tokenizer_round_trip() -> None:
+    text = "héllo, wörld ✓"
+    ids = TOK.encode(text)
+    assert ids[0] == 256 and ids[1:] == list(text.encode())
+    assert TOK.decode(ids) == text
+
+
+def _feed(detok: IncrementalDetokenizer, ids: list[int]) -> list[str]:
+    deltas = []
+    for token in ids:
+        detok.add(token)
+        if detok.matched_stop is not None:
+            break
+        deltas.append(detok.take_delta(is_final=False))
+    detok.finish()
+    deltas.append(detok.take_delta(is_final=True))
+    return deltas
+
+
+def test_multibyte_characters_are_released_whole() -> None:
+    text = "a✓b€"
+    deltas = _feed(IncrementalDetokenizer(TOK), list(text.encode()))
+    assert "".join(deltas) == text
+    assert all("\ufffd" not in d for d in deltas)
+
+
+def test_stop_string_is_cut_and_never_leaked_in_a_stream() -> None:
+    detok = IncrementalDetokenizer(TOK, ("STOP",))
+    deltas = _feed(detok, list("abcSTOPdef".encode()))
+    assert detok.matched_stop == "STOP"
+    assert "".join(deltas) == "abc"
+    assert not any("S" in d for d in deltas)
+
+
+def test_chat_template_renders_messages() -> None:
+    ids = TOK.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert TOK.decode(ids) == "<|user|>hi\n<|assistant|>"
+    assert ids[0] == 256

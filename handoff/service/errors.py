@@ -17,6 +17,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 log = logging.getLogger(__name__)
 
@@ -144,14 +145,43 @@ def install_error_handlers(app: FastAPI) -> None:
         message = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
         return error_response(exc.status_code, type_, message, headers=getattr(exc, "headers", None))
 
-    async def on_unexpected(request: Request, exc: Exception) -> Response:
-        log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return error_response(500, "internal_error", f"{type(exc).__name__}: internal error")
-
     app.add_exception_handler(ServiceError, on_service_error)  # type: ignore[arg-type]
     app.add_exception_handler(RequestValidationError, on_validation)  # type: ignore[arg-type]
     app.add_exception_handler(StarletteHTTPException, on_http)  # type: ignore[arg-type]
-    app.add_exception_handler(Exception, on_unexpected)
+    app.add_middleware(UnexpectedErrorMiddleware)
+
+
+class UnexpectedErrorMiddleware:
+    """Answer a bug with a logged 500 envelope, and keep the connection.
+
+    Starlette's own handler for ``Exception`` re-raises after answering, which
+    makes uvicorn close the connection: a pooled keep-alive client then fails
+    its next request on that socket. Here the error stops.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception as exc:
+            log.exception("unhandled error on %s %s", scope.get("method"), scope.get("path"))
+            if started:
+                raise  # half a response is out: only closing the connection is honest
+            response = error_response(500, "internal_error", f"{type(exc).__name__}: internal error")
+            await response(scope, receive, send)
 
 
 async def read_json_object(request: Request) -> dict[str, Any]:

@@ -37,17 +37,26 @@ class BodyLimitMiddleware:
                     return
                 break
         num_received = 0
+        is_exceeded = False
 
         async def limited_receive() -> Message:
-            nonlocal num_received
+            nonlocal num_received, is_exceeded
             message = await receive()
             if message["type"] == "http.request":
                 num_received += len(message.get("body", b""))
                 if num_received > limit:
+                    is_exceeded = True
                     raise PayloadTooLarge(f"request body is larger than {limit} bytes")
             return message
 
-        await self.app(scope, limited_receive, send)
+        async def checked_send(message: Message) -> None:
+            # Whatever the app made of the interrupted read (FastAPI turns it into a 400), the answer is 413.
+            if not is_exceeded:
+                await send(message)
+            elif message["type"] == "http.response.start":
+                await _send_413(send, limit)
+
+        await self.app(scope, limited_receive, checked_send)
 
 
 async def _send_413(send: Send, limit: int) -> None:

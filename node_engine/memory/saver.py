@@ -130,10 +130,13 @@ class CpuSaver(MemorySaver):
     def resume(self, tag: MemoryTag) -> int:
         entries = self._storages[tag]
         num_bytes = 0
+        paths = self._backed_up.pop(tag, None)
         for storage, nbytes in entries:
             storage.resize_(nbytes)
+            if paths is None:
+                # Touch the pages: a resume takes the memory back for real, as it does on a GPU.
+                torch.empty(0, dtype=torch.uint8).set_(storage).zero_()
             num_bytes += nbytes
-        paths = self._backed_up.pop(tag, None)
         if paths is not None:
             for (storage, nbytes), path in zip(entries, paths, strict=True):
                 with open(path, "rb") as f:
@@ -163,9 +166,13 @@ class CpuSaver(MemorySaver):
             self._libc.malloc_trim(0)
 
 
-def _as_bytes(storage: torch.UntypedStorage):
-    """A writable numpy view of a storage's bytes (no copy)."""
-    return torch.empty(0, dtype=torch.uint8).set_(storage).numpy()
+def _as_bytes(storage: torch.UntypedStorage) -> ctypes.Array:
+    """A writable view of a storage's bytes, without a copy.
+
+    Not ``.numpy()``: exporting to numpy marks the storage non-resizable for good,
+    and the next release could not free it.
+    """
+    return (ctypes.c_char * storage.nbytes()).from_address(storage.data_ptr())
 
 
 def _load_libc() -> ctypes.CDLL | None:

@@ -1,0 +1,244 @@
+{{/*
+The chart name, or nameOverride.
+*/}}
+{{- define "handoff.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/*
+The release's full name, prefix of every resource. Truncated to 40 characters so that
+"<fullname>-<role>-<ordinal>" and the StatefulSet's controller-revision-hash label stay
+within Kubernetes' limits.
+*/}}
+{{- define "handoff.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 40 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 40 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 40 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/*
+Chart name and version, for the helm.sh/chart label.
+*/}}
+{{- define "handoff.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/*
+Labels of every resource.
+*/}}
+{{- define "handoff.labels" -}}
+helm.sh/chart: {{ include "handoff.chart" . }}
+{{ include "handoff.selectorLabels" . }}
+{{- if .Chart.AppVersion }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+{{- end }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: handoff
+{{- end }}
+
+{{/*
+Labels of pod templates: like handoff.labels without helm.sh/chart, so that a chart
+version bump alone does not restart GPU nodes.
+*/}}
+{{- define "handoff.podLabels" -}}
+{{ include "handoff.selectorLabels" . }}
+{{- if .Chart.AppVersion }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+{{- end }}
+app.kubernetes.io/part-of: handoff
+{{- end }}
+
+{{/*
+Labels that select this release's objects.
+*/}}
+{{- define "handoff.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "handoff.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{/*
+Selector labels of the LB pods.
+*/}}
+{{- define "handoff.lb.selectorLabels" -}}
+{{ include "handoff.selectorLabels" . }}
+app.kubernetes.io/component: lb
+{{- end }}
+
+{{/*
+Names and labels of one role's nodes. Called with (dict "root" $ "role" "mixed").
+*/}}
+{{- define "handoff.node.fullname" -}}
+{{- printf "%s-%s" (include "handoff.fullname" .root) .role }}
+{{- end }}
+
+{{- define "handoff.node.selectorLabels" -}}
+{{ include "handoff.selectorLabels" .root }}
+app.kubernetes.io/component: node
+handoff/role: {{ .role }}
+{{- end }}
+
+{{/*
+The roles, in a fixed order.
+*/}}
+{{- define "handoff.roleNames" -}}
+mixed prefill decode
+{{- end }}
+
+{{/*
+The enabled roles, space separated. Fails when none is, or when prefill and decode
+are not enabled together.
+*/}}
+{{- define "handoff.enabledRoles" -}}
+{{- $enabled := list }}
+{{- range $role := splitList " " (include "handoff.roleNames" .) }}
+{{- if (index $.Values.roles $role).enabled }}
+{{- $enabled = append $enabled $role }}
+{{- end }}
+{{- end }}
+{{- if not $enabled }}
+{{- fail "handoff: no node role is enabled; set roles.mixed.enabled=true, or roles.prefill.enabled and roles.decode.enabled" }}
+{{- end }}
+{{- if ne (has "prefill" $enabled) (has "decode" $enabled) }}
+{{- fail "handoff: roles.prefill and roles.decode must be enabled together (a prefill/decode split needs both)" }}
+{{- end }}
+{{- join " " $enabled }}
+{{- end }}
+
+{{/*
+The address the LB resolves for a role: its headless Service's cluster DNS name and
+the sidecar port. Called with (dict "root" $ "role" "mixed").
+*/}}
+{{- define "handoff.node.discoveryAddress" -}}
+{{- printf "%s.%s.svc.%s:%d" (include "handoff.node.fullname" .) .root.Release.Namespace .root.Values.clusterDomain (int .root.Values.node.sidecar.port) }}
+{{- end }}
+
+{{/*
+The image of every container.
+*/}}
+{{- define "handoff.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- end }}
+
+{{/*
+The ServiceAccount's name.
+*/}}
+{{- define "handoff.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "handoff.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{/*
+The Secret holding the tokens: the existing one, or the one the chart creates.
+*/}}
+{{- define "handoff.secretName" -}}
+{{- if .Values.auth.existingSecret }}
+{{- .Values.auth.existingSecret }}
+{{- else }}
+{{- printf "%s-auth" (include "handoff.fullname" .) }}
+{{- end }}
+{{- end }}
+
+{{/*
+The token environment variables, from the Secret only (SPEC section 6).
+*/}}
+{{- define "handoff.tokenEnv" -}}
+{{- if eq .Values.auth.adminTokenKey .Values.auth.apiKeyKey }}
+{{- fail "handoff: auth.adminTokenKey and auth.apiKeyKey must differ" }}
+{{- end -}}
+- name: HANDOFF_ADMIN_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "handoff.secretName" . }}
+      key: {{ .Values.auth.adminTokenKey }}
+- name: HANDOFF_API_KEY
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "handoff.secretName" . }}
+      key: {{ .Values.auth.apiKeyKey }}
+{{- end }}
+
+{{/*
+Environment shared by every container: a writable HOME on the /tmp emptyDir, since the
+root filesystem is read-only.
+*/}}
+{{- define "handoff.commonEnv" -}}
+- name: HOME
+  value: /tmp
+- name: XDG_CACHE_HOME
+  value: /tmp/.cache
+{{- end }}
+
+{{/*
+A number as a flag value: integers without a decimal point or exponent (values arrive
+as float64), other numbers as written.
+*/}}
+{{- define "handoff.num" -}}
+{{- if eq (float64 .) (float64 (int64 .)) }}
+{{- int64 . }}
+{{- else }}
+{{- . }}
+{{- end }}
+{{- end }}
+
+{{/*
+Refuse extra flags that would move the engine off localhost or away from its port.
+Called with (dict "args" LIST "where" "node.engine.extraArgs").
+*/}}
+{{- define "handoff.checkEngineArgs" -}}
+{{- range $arg := .args }}
+{{- if or (eq $arg "--host") (hasPrefix "--host=" $arg) (eq $arg "--port") (hasPrefix "--port=" $arg) }}
+{{- fail (printf "handoff: %s must not set %s: the engine listens on 127.0.0.1:node.engine.port only" $.where $arg) }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/*
+Checks of the model volume the schema cannot express.
+*/}}
+{{- define "handoff.checkModelVolume" -}}
+{{- $model := .Values.model }}
+{{- $vol := $model.volume }}
+{{- if and (eq $vol.type "hostPath") (not $vol.hostPath.path) }}
+{{- fail "handoff: model.volume.hostPath.path must be set when model.volume.type is hostPath" }}
+{{- end }}
+{{- if and (eq $vol.type "hostPath") (not (hasPrefix "/" $vol.hostPath.path)) }}
+{{- fail (printf "handoff: model.volume.hostPath.path must be absolute, got %q" $vol.hostPath.path) }}
+{{- end }}
+{{- if and (eq $vol.type "existingClaim") (not $vol.existingClaim.claimName) }}
+{{- fail "handoff: model.volume.existingClaim.claimName must be set when model.volume.type is existingClaim" }}
+{{- end }}
+{{- $mount := trimSuffix "/" $model.mountPath }}
+{{- if and (ne $vol.type "none") (not (hasPrefix "builtin:" $model.path)) (ne $model.path $mount) (not (hasPrefix (printf "%s/" $mount) $model.path)) }}
+{{- fail (printf "handoff: model.path %q is not under model.mountPath %q, where the model volume is mounted" $model.path $model.mountPath) }}
+{{- end }}
+{{- end }}
+
+{{/*
+The name of the model's claim (pvc or existingClaim).
+*/}}
+{{- define "handoff.modelClaimName" -}}
+{{- if eq .Values.model.volume.type "existingClaim" }}
+{{- .Values.model.volume.existingClaim.claimName }}
+{{- else }}
+{{- printf "%s-models" (include "handoff.fullname" .) }}
+{{- end }}
+{{- end }}
+
+{{/*
+The engine's health check, run inside the engine container: its /health on localhost.
+*/}}
+{{- define "handoff.engineHealthCommand" -}}
+- python
+- -c
+- {{ printf "import urllib.request; urllib.request.urlopen('http://127.0.0.1:%d/health', timeout=5)" (int .Values.node.engine.port) | quote }}
+{{- end }}

@@ -1,0 +1,654 @@
+"""The Helm chart ``helm/handoff``, checked without a cluster (issue 7, SPEC section 8).
+
+The chart is rendered in-process by Helm's Go SDK (helm-python-sdk) once per value set;
+every object is validated against the Kubernetes OpenAPI schemas (kubernetes-validate,
+strict), and the invariants the deployment depends on are checked on the objects.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+from typing import Any
+
+import helm_python as helm
+import kubernetes_validate
+import pytest
+import yaml
+from jsonschema import Draft202012Validator
+from yamllint import linter
+from yamllint.config import YamlLintConfig
+
+from tests.helm.chart import (
+    CHART_DIR,
+    METRICS_MODULES,
+    ROLES,
+    YAMLLINT_CONFIG,
+    Manifest,
+    Obj,
+    Rendered,
+    b64,
+    container,
+    dashboard_from,
+    declared_metrics,
+    deep_merge,
+    env_entries,
+    exported_series,
+    flag_value,
+    flag_values,
+    lint,
+    panels,
+    pod_labels,
+    pod_spec,
+    queried_metrics,
+    render,
+    resolve_port,
+    selects,
+    template_output,
+)
+
+# Tokens set in the values of every set that does not use an existing Secret: none of them
+# may appear in plain text anywhere in what the chart renders.
+ADMIN_TOKEN = "adm-Zq8v3N1kX7pW2mR9tL4cY6bH0sJ5gD"
+API_KEY = "key-Hn4Tq7Wz1Lp9Vx3Rk6Bm2Cy8Fs5Gd0J"
+TOKENS: Obj = {"auth": {"adminToken": ADMIN_TOKEN, "apiKey": API_KEY}}
+
+VALUE_SETS: dict[str, Obj] = {
+    # The chart's defaults, untouched (tokens generated).
+    "default": {},
+    # Defaults with tokens given.
+    "tokens": TOKENS,
+    # A prefill/decode split, no mixed nodes.
+    "pd": deep_merge(TOKENS, {"roles": {
+        "mixed": {"enabled": False},
+        "prefill": {"enabled": True, "replicas": 2, "engineExtraArgs": ["--seed", "7"]},
+        "decode": {"enabled": True, "replicas": 3, "nodeSelector": {"pool": "decode-gpus"}},
+    }}),
+    # Many mixed nodes on CPU, every optional engine and sidecar flag, another cluster domain.
+    "mixed": deep_merge(TOKENS, {
+        "clusterDomain": "k8s.internal",
+        "logFormat": "text",
+        "lb": {"replicas": 1, "policy": "power_of_two", "discoverInterval": 2.5, "controlTimeout": 30,
+               "maxControlTimeout": 1800},
+        "roles": {"mixed": {"replicas": 4}},
+        "node": {
+            "engine": {"device": "cpu", "weightsBackup": "disk", "backupSizeLimit": "20Gi",
+                       "maxTotalTokens": 1048576, "maxBatchTokens": 8192, "dtype": "float32",
+                       "livenessProbe": {"enabled": False}},
+            "sidecar": {"holdRequests": True, "holdMax": 64, "holdTimeout": 30.5, "drainTimeout": 45},
+        },
+    }),
+    # Tokens from a Secret that already exists, under other keys.
+    "existing-secret": {"auth": {"existingSecret": "rl-tokens", "adminTokenKey": "admin", "apiKeyKey": "key"}},
+    # ServiceMonitor and dashboard on, every role at once.
+    "monitoring": deep_merge(TOKENS, {
+        "roles": {"prefill": {"enabled": True}, "decode": {"enabled": True}},
+        "metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "kube-prometheus-stack"}},
+                    "dashboard": {"enabled": True}},
+    }),
+    # The model on a claim the chart creates.
+    "volume-pvc": deep_merge(TOKENS, {"model": {
+        "path": "/models/Qwen2.5-7B-Instruct",
+        "volume": {"type": "pvc", "pvc": {"size": "200Gi", "storageClassName": "fast-rwx"}},
+    }}),
+    # The model on a directory of the Kubernetes node.
+    "volume-hostpath": deep_merge(TOKENS, {"model": {
+        "path": "/models/llama-3-8b",
+        "volume": {"type": "hostPath", "hostPath": {"path": "/mnt/nvme/models"}},
+    }}),
+    # The model on a claim that already exists, mounted elsewhere, writable.
+    "volume-existing-claim": deep_merge(TOKENS, {"model": {
+        "path": "/checkpoints/step-0",
+        "mountPath": "/checkpoints",
+        "readOnly": False,
+        "volume": {"type": "existingClaim", "existingClaim": {"claimName": "rl-checkpoints"}},
+    }}),
+}
+
+# Kubernetes versions the objects are validated against: the chart's floor and the newest
+# the validator knows.
+KUBE_FLOOR = "1.29"
+KUBE_VERSIONS = (KUBE_FLOOR, kubernetes_validate.utils.latest_version())
+
+
+@pytest.fixture(scope="module", params=list(VALUE_SETS))
+def rendered(request: pytest.FixtureRequest) -> Rendered:
+    return render(VALUE_SETS[request.param])
+
+
+@pytest.fixture(scope="module")
+def monitoring() -> Rendered:
+    return render(VALUE_SETS["monitoring"])
+
+
+def _workloads(r: Rendered) -> list[Manifest]:
+    return r.of_kind("Deployment") + r.of_kind("StatefulSet")
+
+
+def _lb(r: Rendered) -> Manifest:
+    (lb,) = r.of_kind("Deployment")
+    return lb
+
+
+def _role_of(m: Manifest) -> str:
+    return m.labels["handoff/role"]
+
+
+def _node_sets(r: Rendered) -> dict[str, Manifest]:
+    return {_role_of(s): s for s in r.of_kind("StatefulSet")}
+
+
+def _headless(r: Rendered) -> dict[str, Manifest]:
+    return {_role_of(s): s for s in r.of_kind("Service") if s.obj["spec"].get("clusterIP") == "None"}
+
+
+# ---- the chart itself ----
+
+def test_chart_passes_helm_lint_strict() -> None:
+    for values in (VALUE_SETS["default"], VALUE_SETS["pd"], VALUE_SETS["monitoring"]):
+        report = lint(values, kube_version=f"v{KUBE_FLOOR}.0")
+        problems = [m for m in report["messages"] if m["severity"] >= 2]
+        assert report["total_charts_linted"] == 1
+        assert not report["errors"] and not problems, (report["errors"], problems)
+    # And it does look at the values: a bad one is an error.
+    report = lint({"lb": {"replicas": -1}}, kube_version=f"v{KUBE_FLOOR}.0")
+    assert any(m["severity"] == 3 and "/lb/replicas" in m["error"] for m in report["messages"])
+
+
+def test_chart_yaml_files_pass_yamllint() -> None:
+    config = YamlLintConfig(file=str(YAMLLINT_CONFIG))
+    for path in (CHART_DIR / "Chart.yaml", CHART_DIR / "values.yaml", YAMLLINT_CONFIG):
+        problems = list(linter.run(path.read_text(), config, str(path)))
+        assert not problems, "\n".join(f"{path.name}:{p.line}:{p.column} {p.rule} {p.desc}" for p in problems)
+
+
+def test_values_yaml_is_documented_line_by_line() -> None:
+    lines = (CHART_DIR / "values.yaml").read_text().splitlines()
+    key = re.compile(r"^\s*([A-Za-z_][\w.-]*):")
+    undocumented = []
+    for i, line in enumerate(lines):
+        if not key.match(line):
+            continue
+        above = lines[i - 1].strip() if i else ""
+        if not above.startswith("#") and "#" not in line:
+            undocumented.append(f"values.yaml:{i + 1}: {line.strip()}")
+    assert not undocumented, "keys without a comment:\n" + "\n".join(undocumented)
+
+
+def test_default_values_match_the_schema_and_the_schema_is_closed() -> None:
+    schema = json.loads((CHART_DIR / "values.schema.json").read_text())
+    defaults = yaml.safe_load((CHART_DIR / "values.yaml").read_text())
+    # draft-07 keywords used here mean the same under the 2020-12 validator.
+    Draft202012Validator(schema).validate(defaults)
+
+    def open_objects(node: Any, path: str) -> list[str]:
+        found: list[str] = []
+        if isinstance(node, dict):
+            if node.get("type") == "object" and "properties" in node and node.get("additionalProperties") is not False:
+                found.append(path)
+            for k, v in node.items():
+                found += open_objects(v, f"{path}/{k}")
+        elif isinstance(node, list):
+            for i, v in enumerate(node):
+                found += open_objects(v, f"{path}/{i}")
+        return found
+
+    assert not open_objects(schema, ""), "objects with properties must reject unknown keys"
+
+
+@pytest.mark.parametrize(("values", "message"), [
+    pytest.param({"roles": {"mixed": {"replicas": -1}}},
+                 "at '/roles/mixed/replicas': minimum: got -1, want 0", id="negative-replicas"),
+    pytest.param({"lb": {"replicas": -2}}, "at '/lb/replicas': minimum: got -2, want 0", id="negative-lb-replicas"),
+    pytest.param({"roles": {"bogus": {"enabled": True, "replicas": 1}}},
+                 "at '/roles': additional properties 'bogus' not allowed", id="unknown-role"),
+    pytest.param({"lb": {"replicas": "two"}}, "at '/lb/replicas': got string, want integer", id="string-replicas"),
+    pytest.param({"lb": {"controlTimeout": "60s"}},
+                 "at '/lb/controlTimeout': got string, want number", id="string-timeout"),
+    pytest.param({"node": {"engine": {"maxTotalTokens": "lots"}}},
+                 "at '/node/engine/maxTotalTokens': got string, want integer", id="string-tokens"),
+    pytest.param({"replicaCount": 3}, "additional properties 'replicaCount' not allowed", id="unknown-top-level"),
+    pytest.param({"lb": {"policy": "fastest"}}, "at '/lb/policy': value must be one of", id="unknown-policy"),
+    pytest.param({"node": {"engine": {"device": "tpu"}}},
+                 "at '/node/engine/device': value must be one of 'cuda', 'cpu'", id="unknown-device"),
+    pytest.param({"node": {"sidecar": {"port": 70000}}},
+                 "at '/node/sidecar/port': maximum: got 70,000, want 65,535", id="port-range"),
+])
+def test_schema_rejects_bad_values_with_a_clear_message(values: Obj, message: str) -> None:
+    with pytest.raises(helm.HelmValuesError) as caught:
+        render(values)
+    assert message in str(caught.value)
+    assert "values don't meet the specifications of the schema" in str(caught.value)
+
+
+@pytest.mark.parametrize(("values", "message"), [
+    pytest.param({"roles": {"mixed": {"enabled": False}}}, "no node role is enabled", id="no-role"),
+    pytest.param({"roles": {"prefill": {"enabled": True}}},
+                 "roles.prefill and roles.decode must be enabled together", id="prefill-without-decode"),
+    pytest.param({"model": {"path": "/models/x", "volume": {"type": "hostPath"}}},
+                 "model.volume.hostPath.path must be set when model.volume.type is hostPath", id="hostpath-no-path"),
+    pytest.param({"model": {"path": "/models/x", "volume": {"type": "existingClaim"}}},
+                 "model.volume.existingClaim.claimName must be set", id="claim-no-name"),
+    pytest.param({"model": {"path": "/data/x", "volume": {"type": "pvc"}}},
+                 'model.path "/data/x" is not under model.mountPath "/models"', id="path-outside-volume"),
+    pytest.param({"node": {"engine": {"extraArgs": ["--host", "0.0.0.0"]}}},
+                 "node.engine.extraArgs must not set --host", id="engine-host-override"),
+    pytest.param({"roles": {"mixed": {"engineExtraArgs": ["--port=1234"]}}},
+                 "roles.mixed.engineExtraArgs must not set --port=1234", id="engine-port-override"),
+    pytest.param({"auth": {"apiKeyKey": "admin-token"}}, "auth.adminTokenKey and auth.apiKeyKey must differ",
+                 id="same-secret-keys"),
+])
+def test_template_rejects_inconsistent_values_with_a_clear_message(values: Obj, message: str) -> None:
+    with pytest.raises(helm.HelmRenderError) as caught:
+        render(values)
+    assert message in str(caught.value)
+
+
+# ---- every value set: Kubernetes validity ----
+
+def test_every_object_validates_against_kubernetes_strict(rendered: Rendered) -> None:
+    unknown = []
+    for m in rendered.manifests:
+        for version in KUBE_VERSIONS:
+            try:
+                kubernetes_validate.validate(m.obj, version, strict=True)
+            except kubernetes_validate.SchemaNotFoundError:
+                unknown.append(m.kind)
+            except kubernetes_validate.ValidationError as e:
+                path = ".".join(str(p) for p in e.path)
+                pytest.fail(f"{m.source}: {m.kind}/{m.name} invalid for Kubernetes {version}: {path}: {e.message}")
+    # Only the Prometheus Operator's CRD has no schema in Kubernetes (checked separately).
+    assert set(unknown) <= {"ServiceMonitor"}, unknown
+
+
+def test_strict_validation_catches_an_unknown_field(rendered: Rendered) -> None:
+    """Guard against a validator that accepts anything: break a rendered object on purpose."""
+    broken = json.loads(json.dumps(_lb(rendered).obj))
+    broken["spec"]["template"]["spec"]["containers"][0]["listenAddress"] = "0.0.0.0"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(broken, KUBE_VERSIONS[-1], strict=True)
+
+
+def test_rendered_manifests_pass_yamllint(rendered: Rendered) -> None:
+    # Rendered YAML mixes toYaml's sequence style with the templates'; long JSON lines
+    # of the dashboard are fine. Duplicate keys, trailing spaces and bad indents are not.
+    config = YamlLintConfig(f"extends: {YAMLLINT_CONFIG}\nrules:\n  line-length: disable\n"
+                            "  indentation: {spaces: 2, indent-sequences: whatever}\n  comments-indentation: disable\n")
+    text = template_output(rendered)
+    problems = list(linter.run(text, config))
+    lines = text.splitlines()
+    assert not problems, "\n".join(f"{p.line}:{p.column} {p.rule} {p.desc}: {lines[p.line - 1]!r}" for p in problems)
+
+
+def test_objects_have_unique_names_labels_and_the_release_namespace(rendered: Rendered) -> None:
+    seen = set()
+    for m in rendered.manifests:
+        key = (m.kind, m.name)
+        assert key not in seen, f"{m.kind}/{m.name} rendered twice"
+        seen.add(key)
+        assert m.obj["metadata"]["namespace"] == rendered.namespace
+        for label in ("app.kubernetes.io/name", "app.kubernetes.io/instance", "app.kubernetes.io/managed-by",
+                      "helm.sh/chart"):
+            assert m.labels.get(label), f"{m.kind}/{m.name} lacks label {label}"
+        assert m.labels["app.kubernetes.io/instance"] == rendered.release
+
+
+# ---- selectors, roles and discovery ----
+
+def test_workload_selectors_match_their_pod_labels(rendered: Rendered) -> None:
+    for w in _workloads(rendered):
+        selector = w.obj["spec"]["selector"]["matchLabels"]
+        assert selects(selector, pod_labels(w)), f"{w.kind}/{w.name}: {selector} vs {pod_labels(w)}"
+        others = [o for o in _workloads(rendered) if o is not w]
+        assert not any(selects(selector, pod_labels(o)) for o in others), f"{w.kind}/{w.name} selects others' pods"
+
+
+def test_every_service_and_pdb_selects_exactly_one_workload(rendered: Rendered) -> None:
+    for m in rendered.of_kind("Service") + rendered.of_kind("PodDisruptionBudget"):
+        spec = m.obj["spec"]
+        selector = spec["selector"] if m.kind == "Service" else spec["selector"]["matchLabels"]
+        chosen = [w for w in _workloads(rendered) if selects(selector, pod_labels(w))]
+        assert len(chosen) == 1, f"{m.kind}/{m.name} selects {[w.name for w in chosen]}"
+        if m.kind == "Service":
+            for port in spec["ports"]:
+                target = port["targetPort"]
+                named = [p for c in pod_spec(chosen[0])["containers"] for p in c.get("ports") or []
+                         if p["name"] == target or p["containerPort"] == target]
+                assert named, f"Service/{m.name} targets port {target!r} no container declares"
+
+
+def test_one_statefulset_headless_service_and_pdb_per_enabled_role(rendered: Rendered) -> None:
+    roles = rendered.enabled_roles
+    sets, headless = _node_sets(rendered), _headless(rendered)
+    assert sorted(sets) == sorted(roles) == sorted(headless)
+    pdbs = {_role_of(p) for p in rendered.of_kind("PodDisruptionBudget") if "handoff/role" in p.labels}
+    assert pdbs == set(roles)
+    for role in roles:
+        sts, svc = sets[role], headless[role]
+        assert sts.obj["spec"]["replicas"] == rendered.merged["roles"][role]["replicas"]
+        assert sts.obj["spec"]["serviceName"] == svc.name
+        assert svc.obj["spec"]["publishNotReadyAddresses"] is True, "a released (not ready) node must stay discoverable"
+        assert flag_value(container(sts, "sidecar")["args"], "--role") == role
+    assert set(roles) <= set(ROLES)
+
+
+def test_default_values_render_mixed_nodes_only() -> None:
+    r = render({})
+    assert r.enabled_roles == ["mixed"]
+    assert list(_node_sets(r)) == ["mixed"]
+
+
+def test_lb_discovers_exactly_the_headless_services(rendered: Rendered) -> None:
+    args = container(_lb(rendered), "lb")["args"]
+    domain = rendered.merged["clusterDomain"]
+    expected = set()
+    for role, svc in _headless(rendered).items():
+        (port,) = svc.obj["spec"]["ports"]
+        sidecar = container(_node_sets(rendered)[role], "sidecar")
+        assert port["port"] == resolve_port(sidecar, port["targetPort"])
+        expected.add(f"{role}={svc.name}.{rendered.namespace}.svc.{domain}:{port['port']}")
+    assert set(flag_values(args, "--discover-dns")) == expected
+    assert len(flag_values(args, "--discover-dns")) == len(expected)
+    assert not flag_values(args, "--node") and not flag_values(args, "--prefill")
+
+
+def test_lb_flags_follow_the_values(rendered: Rendered) -> None:
+    lb_values = rendered.merged["lb"]
+    lb = container(_lb(rendered), "lb")
+    args = lb["args"]
+    assert args[0] == "lb", "the image's entrypoint takes the process name first"
+    assert flag_value(args, "--host") == "0.0.0.0"
+    assert int(flag_value(args, "--port")) == lb_values["port"] == resolve_port(lb, "http")
+    assert float(flag_value(args, "--discover-interval")) == lb_values["discoverInterval"]
+    assert float(flag_value(args, "--control-timeout")) == lb_values["controlTimeout"]
+    assert float(flag_value(args, "--max-control-timeout")) == lb_values["maxControlTimeout"]
+    assert flag_value(args, "--policy") == lb_values["policy"]
+    assert flag_values(args, "--log-format") == (["json"] if rendered.merged["logFormat"] == "json" else [])
+    assert _lb(rendered).obj["spec"]["replicas"] == lb_values["replicas"]
+    assert all(re.fullmatch(r"[0-9.]+", flag_value(args, f)) for f in ("--control-timeout", "--max-control-timeout"))
+
+
+# ---- the node pod: engine on localhost, sidecar the only port ----
+
+def test_engine_listens_on_localhost_only_and_sidecar_is_the_only_port(rendered: Rendered) -> None:
+    for sts in _node_sets(rendered).values():
+        spec = pod_spec(sts)
+        assert not spec.get("hostNetwork"), "hostNetwork would put the engine's localhost on the node"
+        assert [c["name"] for c in spec["containers"]] == ["engine", "sidecar"]
+        engine, sidecar = container(sts, "engine"), container(sts, "sidecar")
+        assert engine["args"][0] == "node_engine" and sidecar["args"][0] == "node_sidecar"
+        assert flag_value(engine["args"], "--host") == "127.0.0.1"
+        assert "ports" not in engine, "the engine must declare no containerPort"
+        engine_port = int(flag_value(engine["args"], "--port"))
+        assert engine_port == rendered.merged["node"]["engine"]["port"]
+        assert flag_value(sidecar["args"], "--engine-url") == f"http://127.0.0.1:{engine_port}"
+        assert flag_value(sidecar["args"], "--host") == "0.0.0.0"
+        (port,) = sidecar["ports"]
+        assert port["containerPort"] == int(flag_value(sidecar["args"], "--port")) != engine_port
+        assert "--enable-memory-saver" in engine["args"]
+
+
+def test_probes_point_at_health_and_ready(rendered: Rendered) -> None:
+    lb = container(_lb(rendered), "lb")
+    for probe in ("livenessProbe", "readinessProbe"):
+        assert lb[probe]["httpGet"]["path"] == "/health"
+        assert resolve_port(lb, lb[probe]["httpGet"]["port"]) == int(flag_value(lb["args"], "--port"))
+    for sts in _node_sets(rendered).values():
+        sidecar, engine = container(sts, "sidecar"), container(sts, "engine")
+        sidecar_port = int(flag_value(sidecar["args"], "--port"))
+        assert sidecar["livenessProbe"]["httpGet"]["path"] == "/health"
+        assert sidecar["readinessProbe"]["httpGet"]["path"] == "/ready"
+        for probe in ("livenessProbe", "readinessProbe"):
+            assert resolve_port(sidecar, sidecar[probe]["httpGet"]["port"]) == sidecar_port
+        # The engine is only reachable from inside its pod: its probes (when on) run there.
+        engine_probes = [engine[p] for p in ("startupProbe", "livenessProbe") if p in engine]
+        assert "readinessProbe" not in engine
+        assert len(engine_probes) == (2 if rendered.merged["node"]["engine"]["livenessProbe"]["enabled"] else 0)
+        engine_url = f"http://127.0.0.1:{flag_value(engine['args'], '--port')}/health"
+        for probe in engine_probes:
+            assert "httpGet" not in probe and "tcpSocket" not in probe
+            assert engine_url in " ".join(probe["exec"]["command"])
+
+
+def test_gpus_are_requested_by_the_engine_only(rendered: Rendered) -> None:
+    engine_values = rendered.merged["node"]["engine"]
+    gpu = engine_values["gpuResourceName"]
+    for sts in _node_sets(rendered).values():
+        engine = container(sts, "engine")
+        assert flag_value(engine["args"], "--device") == engine_values["device"]
+        resources = engine["resources"]
+        if engine_values["device"] == "cuda":
+            assert resources["limits"][gpu] == resources["requests"][gpu] == engine_values["gpus"] == 1
+        else:
+            assert gpu not in resources.get("limits", {}) and gpu not in resources.get("requests", {})
+        assert gpu not in json.dumps(container(sts, "sidecar").get("resources", {}))
+    assert gpu not in json.dumps(container(_lb(rendered), "lb").get("resources", {}))
+
+
+def test_engine_and_sidecar_flags_follow_the_values(rendered: Rendered) -> None:
+    engine_values, sidecar_values = rendered.merged["node"]["engine"], rendered.merged["node"]["sidecar"]
+    for role, sts in _node_sets(rendered).items():
+        engine, sidecar = container(sts, "engine")["args"], container(sts, "sidecar")["args"]
+        assert flag_value(engine, "--model-path") == rendered.merged["model"]["path"]
+        assert flag_value(engine, "--weights-backup") == engine_values["weightsBackup"]
+        for flag, key in (("--max-total-tokens", "maxTotalTokens"), ("--max-batch-tokens", "maxBatchTokens")):
+            expected = [str(engine_values[key])] if engine_values[key] else []
+            assert flag_values(engine, flag) == expected, "integers must render without exponent or decimals"
+        assert flag_values(engine, "--dtype") == ([engine_values["dtype"]] if engine_values["dtype"] else [])
+        assert flag_values(engine, "--role") == ([] if role == "mixed" else [role])
+        for args in (engine, sidecar):
+            assert flag_values(args, "--log-format") == (["json"] if rendered.merged["logFormat"] == "json" else [])
+        assert float(flag_value(sidecar, "--drain-timeout")) == sidecar_values["drainTimeout"]
+        if sidecar_values["holdRequests"]:
+            assert "--hold-requests" in sidecar
+            assert int(flag_value(sidecar, "--hold-max")) == sidecar_values["holdMax"]
+            assert float(flag_value(sidecar, "--hold-timeout")) == sidecar_values["holdTimeout"]
+        else:
+            assert not {"--hold-requests", "--hold-max", "--hold-timeout"} & set(sidecar)
+        for extra in rendered.merged["roles"][role]["engineExtraArgs"]:
+            assert extra in engine
+        grace = pod_spec(sts)["terminationGracePeriodSeconds"]
+        assert grace > sidecar_values["drainTimeout"], "a stopping node must get time to drain"
+
+
+def test_weights_backup_dir_is_a_mounted_volume(rendered: Rendered) -> None:
+    engine_values = rendered.merged["node"]["engine"]
+    for sts in _node_sets(rendered).values():
+        engine = container(sts, "engine")
+        volumes = {v["name"]: v for v in pod_spec(sts)["volumes"]}
+        mounts = {m["mountPath"]: m["name"] for m in engine["volumeMounts"]}
+        if engine_values["weightsBackup"] == "none":
+            assert not flag_values(engine["args"], "--backup-dir") and "backup" not in volumes
+        else:
+            backup_dir = flag_value(engine["args"], "--backup-dir")
+            assert "emptyDir" in volumes[mounts[backup_dir]]
+            if engine_values["backupSizeLimit"]:
+                assert volumes[mounts[backup_dir]]["emptyDir"]["sizeLimit"] == engine_values["backupSizeLimit"]
+
+
+def test_model_volume_follows_the_values(rendered: Rendered) -> None:
+    model = rendered.merged["model"]
+    kind = model["volume"]["type"]
+    pvcs = rendered.of_kind("PersistentVolumeClaim")
+    for sts in _node_sets(rendered).values():
+        volumes = {v["name"]: v for v in pod_spec(sts)["volumes"]}
+        engine = container(sts, "engine")
+        mounts = {m["name"]: m for m in engine["volumeMounts"]}
+        assert "model" not in {m["name"] for m in container(sts, "sidecar").get("volumeMounts", [])}
+        if kind == "none":
+            assert "model" not in volumes and "model" not in mounts and not pvcs
+            continue
+        assert mounts["model"]["mountPath"] == model["mountPath"]
+        assert mounts["model"]["readOnly"] is model["readOnly"]
+        assert flag_value(engine["args"], "--model-path").startswith(model["mountPath"] + "/")
+        if kind == "hostPath":
+            assert volumes["model"]["hostPath"] == model["volume"]["hostPath"] and not pvcs
+        elif kind == "existingClaim":
+            claim = model["volume"]["existingClaim"]["claimName"]
+            assert volumes["model"]["persistentVolumeClaim"]["claimName"] == claim
+            assert not pvcs
+        else:
+            (pvc,) = pvcs
+            assert volumes["model"]["persistentVolumeClaim"]["claimName"] == pvc.name
+            assert pvc.obj["spec"]["resources"]["requests"]["storage"] == model["volume"]["pvc"]["size"]
+            assert pvc.obj["spec"]["accessModes"] == model["volume"]["pvc"]["accessModes"]
+            assert pvc.obj["spec"].get("storageClassName") == (model["volume"]["pvc"]["storageClassName"] or None)
+            assert pvc.obj["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+
+
+def test_pods_run_as_non_root_without_api_credentials(rendered: Rendered) -> None:
+    for w in _workloads(rendered):
+        spec = pod_spec(w)
+        assert spec["securityContext"]["runAsNonRoot"] is True
+        assert spec["automountServiceAccountToken"] is False
+        for c in spec["containers"]:
+            assert c["securityContext"]["allowPrivilegeEscalation"] is False
+            assert c["securityContext"]["capabilities"]["drop"] == ["ALL"]
+            assert c["image"].endswith(":0.1.0")
+
+
+# ---- tokens ----
+
+def test_no_token_appears_in_plain_text(rendered: Rendered) -> None:
+    given = rendered.merged["auth"]
+    tokens = [t for t in (given["adminToken"], given["apiKey"]) if t]
+    everything = rendered.all_text
+    for token in tokens:
+        assert token not in everything
+        holders = [m for m in rendered.manifests if b64(token) in json.dumps(m.obj)]
+        assert [m.kind for m in holders] == ["Secret"], "the token may only be in the Secret's data"
+    for w in _workloads(rendered):
+        for c in pod_spec(w)["containers"]:
+            assert not {"--admin-token", "--api-key"} & {a.split("=")[0] for a in c["args"]}
+            for e in c.get("env") or []:
+                if e["name"].startswith("HANDOFF_"):
+                    assert "value" not in e and "secretKeyRef" in e["valueFrom"], f"{w.name}/{c['name']}: {e}"
+
+
+def test_tokens_reach_the_lb_and_sidecars_from_the_secret(rendered: Rendered) -> None:
+    auth = rendered.merged["auth"]
+    secret_name = auth["existingSecret"] or f"{rendered.release}-handoff-auth"
+    secrets = rendered.of_kind("Secret")
+    if auth["existingSecret"]:
+        assert not secrets, "with auth.existingSecret the chart creates no Secret"
+    else:
+        (secret,) = secrets
+        assert secret.name == secret_name
+        assert set(secret.obj["data"]) == {auth["adminTokenKey"], auth["apiKeyKey"]}
+        for key, given in ((auth["adminTokenKey"], auth["adminToken"]), (auth["apiKeyKey"], auth["apiKey"])):
+            decoded = base64.b64decode(secret.obj["data"][key]).decode()
+            assert decoded == given if given else re.fullmatch(r"[A-Za-z0-9]{32}", decoded)
+    holders = [container(_lb(rendered), "lb")] + [container(s, "sidecar") for s in _node_sets(rendered).values()]
+    for c in holders:
+        env = env_entries(c)
+        for var, key in (("HANDOFF_ADMIN_TOKEN", auth["adminTokenKey"]), ("HANDOFF_API_KEY", auth["apiKeyKey"])):
+            assert env[var]["valueFrom"]["secretKeyRef"] == {"name": secret_name, "key": key}
+    for sts in _node_sets(rendered).values():
+        assert not [n for n in env_entries(container(sts, "engine")) if n.startswith("HANDOFF_")], \
+            "the engine is on localhost behind the sidecar and gets no token"
+
+
+# ---- monitoring ----
+
+SERVICE_MONITOR_SCHEMA: Obj = {
+    "type": "object",
+    "required": ["apiVersion", "kind", "metadata", "spec"],
+    "properties": {
+        "apiVersion": {"const": "monitoring.coreos.com/v1"},
+        "kind": {"const": "ServiceMonitor"},
+        "metadata": {"type": "object", "required": ["name"]},
+        "spec": {
+            "type": "object",
+            "required": ["selector", "endpoints"],
+            "additionalProperties": False,
+            "properties": {
+                "selector": {"type": "object", "required": ["matchLabels"], "additionalProperties": False,
+                             "properties": {"matchLabels": {"type": "object",
+                                                            "additionalProperties": {"type": "string"}}}},
+                "podTargetLabels": {"type": "array", "items": {"type": "string"}},
+                "endpoints": {"type": "array", "minItems": 1, "items": {
+                    "type": "object", "required": ["port"], "additionalProperties": False,
+                    "properties": {"port": {"type": "string"}, "path": {"type": "string", "pattern": "^/"},
+                                   "interval": {"type": "string", "pattern": "^[0-9]+(ms|s|m|h)$"},
+                                   "scrapeTimeout": {"type": "string", "pattern": "^[0-9]+(ms|s|m|h)$"}}}},
+            },
+        },
+    },
+}
+
+
+def test_monitoring_is_off_by_default() -> None:
+    r = render({})
+    assert not r.of_kind("ServiceMonitor") and not r.of_kind("ConfigMap")
+
+
+def test_service_monitor_scrapes_the_lb_and_every_node(monitoring: Rendered) -> None:
+    (sm,) = monitoring.of_kind("ServiceMonitor")
+    Draft202012Validator(SERVICE_MONITOR_SCHEMA).validate(sm.obj)
+    assert sm.labels["release"] == "kube-prometheus-stack"
+    selector = sm.obj["spec"]["selector"]["matchLabels"]
+    scraped = {s.name for s in monitoring.of_kind("Service") if selects(selector, s.labels)}
+    assert scraped == {s.name for s in monitoring.of_kind("Service")}
+    assert len(scraped) == 1 + len(ROLES)
+    (endpoint,) = sm.obj["spec"]["endpoints"]
+    assert endpoint["path"] == "/metrics"
+    for svc in monitoring.of_kind("Service"):
+        assert endpoint["port"] in {p["name"] for p in svc.obj["spec"]["ports"]}
+
+
+def test_dashboard_queries_only_metrics_the_processes_export(monitoring: Rendered) -> None:
+    declared = declared_metrics()
+    assert len(declared) >= 30, f"parsed too few metrics from {METRICS_MODULES}: {sorted(declared)}"
+    exported = exported_series(declared)
+    dashboard = dashboard_from(monitoring)
+    queried = queried_metrics(dashboard)
+    assert queried, "the dashboard queries nothing"
+    assert not queried - exported, f"queried but never exported: {sorted(queried - exported)}"
+    # The panels issue 7 asks for.
+    for needed in ("handoff_node_memory_bytes", "handoff_node_release_seconds_bucket",
+                   "handoff_node_resume_seconds_bucket", "handoff_lb_fanout_node_failures_total",
+                   "handoff_node_inflight_requests", "handoff_node_held_requests",
+                   "handoff_engine_generated_tokens_total"):
+        assert needed in queried, needed
+
+
+def test_dashboard_is_well_formed(monitoring: Rendered) -> None:
+    dashboard = dashboard_from(monitoring)
+    on_disk = json.loads((CHART_DIR / "files" / "dashboards" / "handoff.json").read_text())
+    assert dashboard == on_disk
+    assert dashboard["uid"] and dashboard["title"] and isinstance(dashboard["schemaVersion"], int)
+    variables = {v["name"] for v in dashboard["templating"]["list"]}
+    ids = []
+    for panel in panels(dashboard):
+        ids.append(panel["id"])
+        if panel["type"] == "row":
+            continue
+        assert panel["datasource"]["uid"] == "${datasource}"
+        assert panel["targets"], panel["title"]
+        grid = panel["gridPos"]
+        assert grid["x"] + grid["w"] <= 24
+        for target in panel["targets"]:
+            expr = target["expr"]
+            for open_, close in ("()", "{}", "[]"):
+                assert expr.count(open_) == expr.count(close), f"{panel['title']}: unbalanced {open_}{close}"
+            for var in re.findall(r"\$(\w+)", expr):
+                assert var in variables or var.startswith("__"), f"{panel['title']}: unknown variable ${var}"
+    assert len(ids) == len(set(ids)), "panel ids must be unique"
+    titles = " ".join(p["title"].lower() for p in panels(dashboard))
+    for topic in ("memory by tag and state", "release latency", "resume latency", "fan-out failures",
+                  "in-flight", "held", "tokens per second"):
+        assert topic in titles, topic
+
+
+# ---- NOTES.txt ----
+
+def test_notes_show_generate_release_and_resume_through_the_lb(rendered: Rendered) -> None:
+    notes = rendered.notes
+    lb_service = next(s for s in rendered.of_kind("Service") if s.labels["app.kubernetes.io/component"] == "lb")
+    port = lb_service.obj["spec"]["ports"][0]["port"]
+    assert f"http://{lb_service.name}.{rendered.namespace}.svc.{rendered.merged['clusterDomain']}:{port}" in notes
+    for path in ("/generate", "/release_memory_occupation", "/resume_memory_occupation"):
+        assert re.search(rf'curl [^\n]*"\$HANDOFF_URL{path}"', notes), path
+    secret = rendered.merged["auth"]["existingSecret"] or f"{rendered.release}-handoff-auth"
+    assert f"get secret {secret}" in notes

@@ -14,6 +14,7 @@ from typing import Any, AsyncIterator
 
 from starlette.requests import Request
 
+from handoff.service.disconnect import ClientGone, unless_disconnected
 from handoff.service.errors import ServiceError
 from node_engine.engine import Engine, RequestHandle
 from node_engine.errors import EngineStopped, MemoryReleased, WeightsNotLoaded
@@ -126,26 +127,13 @@ class GenerationRun:
         return completions
 
 
-async def wait_for_disconnect(request: Request) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
 async def collect_unless_disconnected(request: Request, run: GenerationRun) -> list[Completion] | None:
     """Collect ``run``; if the client leaves first, abort it and return ``None``."""
-    collect = asyncio.ensure_future(run.collect())
-    gone = asyncio.ensure_future(wait_for_disconnect(request))
     try:
-        await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        gone.cancel()
-    if collect.done():
-        return collect.result()
-    run.abort_unfinished()
-    collect.cancel()
-    return None
+        return await unless_disconnected(request, run.collect())
+    except ClientGone:
+        run.abort_unfinished()
+        return None
 
 
 async def stream_with_abort(run: GenerationRun, body: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
@@ -165,14 +153,8 @@ async def first_unless_disconnected(
     Returns the event iterator and its first item, or ``None`` (run aborted) if the client left first.
     """
     events = run.events()
-    first = asyncio.ensure_future(events.__anext__())
-    gone = asyncio.ensure_future(wait_for_disconnect(request))
     try:
-        await asyncio.wait({first, gone}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        gone.cancel()
-    if first.done():
-        return events, first.result()
-    run.abort_unfinished()
-    first.cancel()
-    return None
+        return events, await unless_disconnected(request, events.__anext__())
+    except ClientGone:
+        run.abort_unfinished()
+        return None

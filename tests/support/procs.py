@@ -39,6 +39,14 @@ def wait_until(predicate: Callable[[], T], *, timeout: float, interval: float = 
         time.sleep(interval)
 
 
+_SECRET_FLAGS = ("--admin-token", "--api-key")
+
+
+def _redacted(argv: list[str]) -> list[str]:
+    """The command line with token values hidden, so logs searched for tokens see only the process's own."""
+    return ["***" if i and argv[i - 1] in _SECRET_FLAGS else arg for i, arg in enumerate(argv)]
+
+
 class ServerProcess:
     """One project server (``python -m MODULE ...``) running as a real process."""
 
@@ -76,7 +84,7 @@ class ServerProcess:
                 "--port", str(use_port), "--port-file", str(port_file)]
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **(self.env or {})}
         log = open(self.log_path, "ab")
-        log.write(f"\n=== start #{self._num_starts}: {' '.join(argv)}\n".encode())
+        log.write(f"\n=== start #{self._num_starts}: {' '.join(_redacted(argv))}\n".encode())
         log.flush()
         self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT,
                                      start_new_session=True)

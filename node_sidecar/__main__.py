@@ -1,0 +1,62 @@
+"""``python -m node_sidecar``: the door in front of one engine (SPEC section 3)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from handoff.service.auth import token_from
+from handoff.service.logs import setup_logging
+from handoff.service.serve import add_server_args, serve
+from node_sidecar.config import ROLES, ConfigError, SidecarConfig
+
+log = logging.getLogger("node_sidecar")
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m node_sidecar", description="handoff node sidecar")
+    p.add_argument("--engine-url", required=True, help="the engine's URL, e.g. http://127.0.0.1:30000")
+    p.add_argument("--role", choices=ROLES, default="mixed")
+    p.add_argument("--admin-token", default=None, help="bearer token for control calls (or HANDOFF_ADMIN_TOKEN)")
+    p.add_argument("--api-key", default=None, help="bearer token for generation (or HANDOFF_API_KEY)")
+    p.add_argument("--hold-requests", action="store_true",
+                   help="hold generation while not serving (bounded) instead of answering 503")
+    p.add_argument("--hold-max", type=int, default=256)
+    p.add_argument("--hold-timeout", type=float, default=60.0)
+    p.add_argument("--drain-timeout", type=float, default=60.0, help="default drain bound of a release (s)")
+    p.add_argument("--max-drain-timeout", type=float, default=3600.0)
+    p.add_argument("--generate-timeout", type=float, default=3600.0)
+    p.add_argument("--control-timeout", type=float, default=600.0)
+    p.add_argument("--engine-poll-interval", type=float, default=1.0)
+    p.add_argument("--retry-after", type=int, default=2, help="Retry-After seconds on 503s")
+    p.add_argument("--max-body-bytes", type=int, default=64 * 1024 * 1024)
+    add_server_args(p, default_host="0.0.0.0", default_port=8080)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    admin_token = token_from(args.admin_token, "HANDOFF_ADMIN_TOKEN")
+    api_key = token_from(args.api_key, "HANDOFF_API_KEY")
+    setup_logging("node_sidecar", fmt=args.log_format, level=args.log_level,
+                  secrets=[s for s in (admin_token, api_key) if s])
+    try:
+        config = SidecarConfig(
+            engine_url=args.engine_url, role=args.role, admin_token=admin_token, api_key=api_key,
+            hold_requests=args.hold_requests, hold_max=args.hold_max, hold_timeout=args.hold_timeout,
+            drain_timeout=args.drain_timeout, max_drain_timeout=args.max_drain_timeout,
+            generate_timeout=args.generate_timeout, control_timeout=args.control_timeout,
+            engine_poll_interval=args.engine_poll_interval, retry_after_s=args.retry_after,
+            max_body_bytes=args.max_body_bytes)
+    except ConfigError as exc:
+        log.error("%s", exc)
+        return 2
+    from node_sidecar.app import create_app
+
+    serve(create_app(config), host=args.host, port=args.port, port_file=args.port_file)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,125 @@
+"""Admission of generation requests: count them in flight, close for drains, hold or refuse.
+
+Rules:
+- While open, a request enters at once and is counted until its last byte.
+- While closed, a request is held in a FIFO queue (with ``--hold-requests``,
+  at most ``hold_max`` of them, each at most ``hold_timeout`` seconds) or
+  refused; reopening admits the held requests in arrival order.
+- ``drain`` waits, with a deadline, until nothing is in flight; it wakes the
+  moment the last request leaves (no polling).
+
+Entering and counting happen in one synchronous step of the event loop, so a
+drain never misses a request that was admitted just before admission closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+from collections import deque
+from typing import Callable
+
+from handoff.service.errors import Unavailable
+
+
+class AdmissionState(str, enum.Enum):
+    OPEN = "open"
+    CLOSED = "closed"
+
+
+class Admission:
+    def __init__(self, *, hold_max: int | None, hold_timeout: float, refuse: Callable[[], Unavailable]) -> None:
+        """``hold_max`` None: refuse while closed. ``refuse`` builds the 503 for the current reason."""
+        self.state = AdmissionState.CLOSED
+        self.hold_max = hold_max
+        self.hold_timeout = hold_timeout
+        self._refuse = refuse
+        self.num_in_flight = 0
+        self._held: deque[asyncio.Future[None]] = deque()
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    @property
+    def is_open(self) -> bool:
+        return self.state is AdmissionState.OPEN
+
+    @property
+    def num_held(self) -> int:
+        return sum(1 for f in self._held if not f.done())
+
+    def try_enter(self) -> bool:
+        """Enter now if open (counted in flight); never waits."""
+        if self.state is not AdmissionState.OPEN:
+            return False
+        self._count_in()
+        return True
+
+    async def enter(self, *, may_hold: bool = True) -> None:
+        """Enter, waiting in the hold queue if allowed; raises the 503 otherwise."""
+        if self.try_enter():
+            return
+        if self.hold_max is None or not may_hold:
+            raise self._refuse()
+        if self.num_held >= self.hold_max:
+            raise self._refuse()
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._held.append(waiter)
+        try:
+            await asyncio.wait_for(asyncio.shield(waiter), self.hold_timeout)
+        except asyncio.TimeoutError:
+            if waiter.done() and not waiter.cancelled():
+                return  # admitted at the very deadline: it was counted, so it runs
+            waiter.cancel()
+            raise self._refuse() from None
+        except asyncio.CancelledError:
+            if waiter.done() and not waiter.cancelled():
+                self.leave()  # admitted, but the client went away before running
+            else:
+                waiter.cancel()
+            raise
+        finally:
+            self._prune()
+
+    def leave(self) -> None:
+        if self.num_in_flight <= 0:
+            raise RuntimeError("admission: leave() without a matching enter()")
+        self.num_in_flight -= 1
+        if self.num_in_flight == 0:
+            self._idle.set()
+
+    def close(self) -> None:
+        self.state = AdmissionState.CLOSED
+
+    def open(self) -> None:
+        """Open and admit the held requests, oldest first."""
+        self.state = AdmissionState.OPEN
+        while self._held:
+            waiter = self._held.popleft()
+            if not waiter.done():
+                self._count_in()
+                waiter.set_result(None)
+
+    def refuse_held(self) -> None:
+        """Refuse every held request now (the node cannot serve for a while)."""
+        while self._held:
+            waiter = self._held.popleft()
+            if not waiter.done():
+                waiter.set_exception(self._refuse())
+
+    async def drain(self, timeout: float) -> bool:
+        """Wait until nothing is in flight; False if ``timeout`` passed first."""
+        if self.num_in_flight == 0:
+            return True
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        except asyncio.TimeoutError:
+            return False
+        return True
+
+    def _count_in(self) -> None:
+        self.num_in_flight += 1
+        self._idle.clear()
+
+    def _prune(self) -> None:
+        while self._held and self._held[0].done():
+            self._held.popleft()

@@ -1,0 +1,228 @@
+"""The sidecar's HTTP app: the node's only door (SPEC section 3)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from typing import AsyncIterator
+
+import psutil
+from fastapi import APIRouter, FastAPI, Request
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.responses import JSONResponse, Response
+
+from handoff import __version__
+from handoff.service.auth import BearerToken
+from handoff.service.bodies import install_schemas, openapi_body, parse_body, parse_value
+from handoff.service.errors import InvalidRequest, install_error_handlers, parse_json_bytes
+from handoff.service.limits import BodyLimitMiddleware
+from handoff.service.upstream import UpstreamClient, UpstreamError
+from node_sidecar.config import SidecarConfig
+from node_sidecar.control import ControlPlane
+from node_sidecar.errors import EngineUnavailable
+from node_sidecar.metrics import SidecarMetrics
+from node_sidecar.node import Node
+from node_sidecar.protocol import PauseBody, ReleaseBody, ResumeBody, UpdateWeightsBody
+from node_sidecar.proxy import forward, relay_generation
+from node_sidecar.state import TAGS, TagState
+
+GENERATION_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions")
+
+
+def _tags(value: list[str] | None) -> list[str] | None:
+    if value is None:
+        return None
+    unknown = [t for t in value if t not in TAGS]
+    if unknown:
+        raise InvalidRequest(f"unknown memory tag(s) {unknown}; known: {list(TAGS)}")
+    return [t for t in TAGS if t in set(value)]
+
+
+def create_app(config: SidecarConfig) -> FastAPI:
+    metrics = SidecarMetrics()
+    admin = BearerToken(config.admin_token)
+    api_key = BearerToken(config.api_key)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        client = UpstreamClient()
+        node = Node(config, client, metrics)
+        app.state.node = node
+        app.state.control = ControlPlane(node)
+        node.start()
+        try:
+            yield
+        finally:
+            await node.stop()
+            await client.aclose()
+
+    app = FastAPI(title="handoff node_sidecar", version=__version__, lifespan=lifespan,
+                  description="The node's only door: memory release serialized against generation.")
+    install_error_handlers(app)
+    app.add_middleware(BodyLimitMiddleware, max_body_bytes=config.max_body_bytes)
+    router = APIRouter()
+
+    def node_of(request: Request) -> Node:
+        return request.app.state.node
+
+    def control_of(request: Request) -> ControlPlane:
+        return request.app.state.control
+
+    def drain_bound(value: float | None) -> float:
+        if value is None:
+            return config.drain_timeout
+        if value > config.max_drain_timeout:
+            raise InvalidRequest(f"drain_timeout must be at most {config.max_drain_timeout:g} s")
+        return value
+
+    # -- generation ------------------------------------------------------------
+    def generation_route(path: str) -> None:
+        route = path.strip("/").replace("/", "_") or "root"
+
+        async def handler(request: Request) -> Response:
+            api_key.check(request)
+            response = await relay_generation(node_of(request), request, path,
+                                              lambda code: metrics.requests.labels(route, str(code)).inc())
+            return response
+
+        router.add_api_route(path, handler, methods=["POST"], name=route)
+
+    for generation_path in GENERATION_PATHS:
+        generation_route(generation_path)
+
+    @router.get("/health_generate")
+    async def health_generate(request: Request) -> JSONResponse:
+        """One-token generation while serving; while not serving, the reason, without touching the engine."""
+        api_key.check(request)
+        node = node_of(request)
+        if not node.admission.try_enter():
+            released = [t for t in TAGS if node.state.tags[t] is not TagState.RESIDENT]
+            status = 503 if not node.state.is_engine_reachable else 200
+            return JSONResponse({"serving": False, "reason": node.state.not_serving_reason(),
+                                 "released": released}, status_code=status)
+        try:
+            answer = await node.engine.call("POST", "/generate", {"input_ids": [0], "sampling_params": {
+                "max_new_tokens": 1, "temperature": 0}}, timeout=30)
+        finally:
+            node.admission.leave()
+        return JSONResponse({"serving": True, "success": True, "weight_version": answer["meta_info"]["weight_version"]})
+
+    # -- control -----------------------------------------------------------------
+    @router.post("/release_memory_occupation", openapi_extra=openapi_body(ReleaseBody, required=False))
+    async def release(request: Request) -> JSONResponse:
+        admin.check(request)
+        body = await parse_body(request, ReleaseBody, empty_ok=True)
+        tags = _tags(body.tags) or list(TAGS)
+        answer = await control_of(request).release(tags, mode=body.mode, drain_timeout=drain_bound(body.drain_timeout),
+                                                   stage_to_cpu=body.stage_to_cpu)
+        metrics.control_calls.labels("release_memory_occupation", "200").inc()
+        return JSONResponse(answer)
+
+    @router.post("/resume_memory_occupation", openapi_extra=openapi_body(ResumeBody, required=False))
+    async def resume(request: Request) -> JSONResponse:
+        admin.check(request)
+        body = await parse_body(request, ResumeBody, empty_ok=True)
+        answer = await control_of(request).resume(_tags(body.tags))
+        metrics.control_calls.labels("resume_memory_occupation", "200").inc()
+        return JSONResponse(answer)
+
+    @router.post("/update_weights_from_disk", openapi_extra=openapi_body(UpdateWeightsBody))
+    async def update_weights(request: Request) -> JSONResponse:
+        admin.check(request)
+        raw = await request.body()
+        body = parse_value(parse_json_bytes(raw) if raw.strip() else None, UpdateWeightsBody)
+        engine_body = json.dumps(body.model_dump(exclude={"drain_timeout"}, exclude_none=True)).encode()
+        answer = await control_of(request).update_weights(engine_body, drain_timeout=drain_bound(body.drain_timeout))
+        metrics.control_calls.labels("update_weights_from_disk", "200").inc()
+        return JSONResponse(answer)
+
+    @router.post("/pause_generation", openapi_extra=openapi_body(PauseBody, required=False))
+    async def pause_generation(request: Request) -> JSONResponse:
+        admin.check(request)
+        body = await parse_body(request, PauseBody, empty_ok=True)
+        return JSONResponse(await control_of(request).pause(mode=body.mode,
+                                                            drain_timeout=drain_bound(body.drain_timeout)))
+
+    @router.post("/continue_generation")
+    async def continue_generation(request: Request) -> JSONResponse:
+        admin.check(request)
+        return JSONResponse(await control_of(request).resume_generation())
+
+    @router.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache(request: Request) -> JSONResponse:
+        admin.check(request)
+        return JSONResponse(await control_of(request).flush_cache())
+
+    @router.post("/abort_request")
+    async def abort_request(request: Request) -> Response:
+        admin.check(request)
+        return await forward(node_of(request), request, "/abort_request")
+
+    # -- views ---------------------------------------------------------------------
+    @router.get("/v1/models")
+    async def models(request: Request) -> Response:
+        return await forward(node_of(request), request, "/v1/models")
+
+    @router.get("/get_server_info")
+    async def get_server_info(request: Request) -> Response:
+        return await forward(node_of(request), request, "/get_server_info")
+
+    @router.get("/memory_occupation")
+    async def memory_occupation(request: Request) -> JSONResponse:
+        node = node_of(request)
+        engine_view: dict = {}
+        if node.state.is_engine_reachable:
+            try:
+                engine_view = await node.engine.call("GET", "/memory_occupation", timeout=5)
+            except EngineUnavailable:
+                engine_view = {}
+        state = node.state
+        bytes_by_tag = {t: engine_view["tags"][t]["bytes"] for t in TAGS} if engine_view else state.tag_bytes
+        return JSONResponse({
+            "role": config.role,
+            "serving": state.is_serving and node.admission.is_open,
+            "admission": node.admission_view(),
+            "engine_reachable": state.is_engine_reachable,
+            "paused": state.is_paused,
+            "tags": {t: {"state": state.tags[t].value, "bytes": bytes_by_tag[t]} for t in TAGS},
+            "weights_valid": state.weights_valid,
+            "weight_version": state.weight_version,
+            "weights_backup": state.weights_backup,
+            "device": engine_view.get("device"),
+            "process_rss_bytes": engine_view.get("process_rss_bytes"),
+            "sidecar_rss_bytes": psutil.Process().memory_info().rss,
+            "in_flight": node.admission.num_in_flight,
+            "held": node.admission.num_held,
+            "last_error": node.last_error,
+        })
+
+    @router.get("/health")
+    async def health() -> JSONResponse:
+        return JSONResponse({"status": "ok"})
+
+    @router.get("/ready")
+    async def ready(request: Request) -> JSONResponse:
+        node = node_of(request)
+        if node.admission.is_open:
+            return JSONResponse({"ready": True})
+        return JSONResponse({"ready": False, "reason": node.state.not_serving_reason()}, status_code=503)
+
+    @router.get("/metrics")
+    async def metrics_view(request: Request) -> Response:
+        node = node_of(request)
+        metrics.inflight_requests.set(node.admission.num_in_flight)
+        metrics.held_requests.set(node.admission.num_held)
+        text = generate_latest(metrics.registry)
+        if node.state.is_engine_reachable:
+            try:
+                engine = await node.engine.open("GET", "/metrics", timeout=5)
+                async with engine:
+                    if engine.status == 200:
+                        text += await engine.read(8 * 1024 * 1024)
+            except (EngineUnavailable, UpstreamError) as exc:  # the node's own metrics still answer
+                node.last_error = f"engine /metrics: {exc}"
+        return Response(text, media_type=CONTENT_TYPE_LATEST)
+
+    app.include_router(router)
+    install_schemas(app, [ReleaseBody, ResumeBody, PauseBody, UpdateWeightsBody])
+    return app

@@ -1,0 +1,48 @@
+"""Sidecar configuration: one frozen dataclass, validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+ROLES = ("mixed", "prefill", "decode")
+
+
+class ConfigError(ValueError):
+    """A configuration value is wrong; the message names the flag."""
+
+
+@dataclass(frozen=True)
+class SidecarConfig:
+    engine_url: str
+    role: str = "mixed"
+    admin_token: str | None = field(default=None, repr=False)
+    api_key: str | None = field(default=None, repr=False)
+    hold_requests: bool = False
+    hold_max: int = 256                 # requests waiting at most, with --hold-requests
+    hold_timeout: float = 60.0          # seconds a held request waits at most
+    drain_timeout: float = 60.0         # default drain bound of a release / reload / pause
+    max_drain_timeout: float = 3600.0   # largest drain_timeout a body may ask for
+    generate_timeout: float = 3600.0    # one generation through the engine, end to end
+    control_timeout: float = 600.0      # one control call to the engine (a reload can be slow)
+    engine_poll_interval: float = 1.0   # how often the engine's health is polled
+    retry_after_s: int = 2              # Retry-After on 503s
+    max_body_bytes: int = 64 * 1024 * 1024
+
+    def __post_init__(self) -> None:
+        if not self.engine_url.startswith("http://"):
+            raise ConfigError(f"--engine-url must be an http:// URL, got {self.engine_url!r}")
+        if self.role not in ROLES:
+            raise ConfigError(f"--role must be one of {', '.join(ROLES)}, got {self.role!r}")
+        for name in ("hold_max", "retry_after_s"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        for name in ("hold_timeout", "drain_timeout", "max_drain_timeout", "generate_timeout", "control_timeout",
+                     "engine_poll_interval"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
+        if self.drain_timeout > self.max_drain_timeout:
+            raise ConfigError("--drain-timeout must not exceed --max-drain-timeout")
+
+    @property
+    def engine_base(self) -> str:
+        return self.engine_url.rstrip("/")

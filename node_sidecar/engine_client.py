@@ -1,0 +1,61 @@
+"""The sidecar's calls to its engine, over the process's one pooled client.
+
+Transport failures become :class:`EngineUnavailable` (503) raised ``from`` the
+transport error and reported to ``on_unreachable``; an error the engine
+answers becomes :class:`EngineRefused` with the engine's own status and
+envelope.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Callable
+
+from handoff.service.upstream import UpstreamClient, UpstreamError, UpstreamResponse
+from node_sidecar.errors import EngineRefused, EngineUnavailable
+
+_JSON = {"Content-Type": "application/json"}
+MAX_CONTROL_ANSWER_BYTES = 4 * 1024 * 1024
+
+
+class EngineClient:
+    def __init__(self, base_url: str, client: UpstreamClient, *, control_timeout: float,
+                 on_unreachable: Callable[[UpstreamError], None]) -> None:
+        self.base_url = base_url
+        self.client = client
+        self.control_timeout = control_timeout
+        self._on_unreachable = on_unreachable
+
+    async def open(self, method: str, path: str, *, body: bytes = b"", headers: dict[str, str] | None = None,
+                   timeout: float) -> UpstreamResponse:
+        """Send a request; the caller reads (or relays) the response."""
+        try:
+            return await self.client.request(method, self.base_url + path, headers=headers, body=body,
+                                             timeout=timeout)
+        except UpstreamError as exc:
+            self._on_unreachable(exc)
+            raise EngineUnavailable(f"engine unreachable: {exc}", retry_after=1) from exc
+
+    async def call(self, method: str, path: str, body: dict[str, Any] | bytes | None = None, *,
+                   timeout: float | None = None) -> dict[str, Any]:
+        """A JSON call (``body`` as an object, or bytes passed as they are); returns the engine's JSON
+        object on 2xx, raises otherwise."""
+        payload = body if isinstance(body, bytes) else b"" if body is None else json.dumps(body).encode()
+        response = await self.open(method, path, body=payload, headers=_JSON if body is not None else None,
+                                   timeout=timeout or self.control_timeout)
+        try:
+            raw = await response.read(MAX_CONTROL_ANSWER_BYTES)
+        except UpstreamError as exc:
+            self._on_unreachable(exc)
+            raise EngineUnavailable(f"engine failed while answering {path}: {exc}", retry_after=1) from exc
+        finally:
+            response.close()
+        try:
+            value = json.loads(raw) if raw else {}
+        except ValueError:
+            value = {"error": {"type": "engine_error", "message": raw[:200].decode("utf-8", "replace")}}
+        if not 200 <= response.status < 300:
+            retry_after = response.header("retry-after")
+            raise EngineRefused(response.status, value if isinstance(value, dict) else {},
+                                headers={"Retry-After": retry_after} if retry_after else None)
+        return value if isinstance(value, dict) else {"value": value}

@@ -1,0 +1,145 @@
+"""One node as the sidecar sees it: state, admission, the engine, and the engine's liveness.
+
+Admission is open exactly while the node serves (every tag resident, weights
+valid, not paused, engine reachable) and no control call is draining it. The
+engine is polled; when it stops answering, generation is refused with
+``engine_unavailable`` and held requests are released with that 503; when it
+answers again, the state is re-read from the engine, not assumed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from handoff.service.upstream import UpstreamClient, UpstreamError
+from node_sidecar.admission import Admission
+from node_sidecar.config import SidecarConfig
+from node_sidecar.engine_client import EngineClient
+from node_sidecar.errors import EngineUnavailable, NotServing
+from node_sidecar.metrics import SidecarMetrics
+from node_sidecar.state import TAGS, NodeState, TagState
+
+log = logging.getLogger(__name__)
+
+HEALTH_TIMEOUT_S = 5.0
+
+
+class Node:
+    def __init__(self, config: SidecarConfig, client: UpstreamClient, metrics: SidecarMetrics) -> None:
+        self.config = config
+        self.metrics = metrics
+        self.state = NodeState()
+        self.admission = Admission(hold_max=config.hold_max if config.hold_requests else None,
+                                   hold_timeout=config.hold_timeout, refuse=self._refusal)
+        self.engine = EngineClient(config.engine_base, client, control_timeout=config.control_timeout,
+                                   on_unreachable=self.mark_unreachable)
+        self.control_lock = asyncio.Lock()  # control calls run one at a time, in arrival order (FIFO lock)
+        self.is_draining = False             # a control call holds admission closed
+        self.last_error: str | None = None
+        self._poke = asyncio.Event()
+        self._monitor: asyncio.Task[None] | None = None
+
+    # -- admission -------------------------------------------------------------
+    def _refusal(self) -> NotServing:
+        reason = self.state.not_serving_reason()
+        self.metrics.rejected_requests.labels(reason).inc()
+        released = [t for t in TAGS if self.state.tags[t] is not TagState.RESIDENT]
+        return NotServing(f"the node is not serving ({reason})", type=reason,
+                          retry_after=self.config.retry_after_s, extra={"released": released})
+
+    def refresh_admission(self) -> None:
+        """Open admission iff the node serves and no drain holds it closed."""
+        if self.state.is_serving and not self.is_draining:
+            self.admission.open()
+        else:
+            self.admission.close()
+        self.metrics.serving.set(1 if self.admission.is_open else 0)
+
+    def require_engine(self) -> None:
+        if not (self.state.is_engine_reachable and self.state.is_synced):
+            raise EngineUnavailable("the engine is unreachable; its state will be re-read when it is back",
+                                    retry_after=self.config.retry_after_s)
+
+    # -- engine liveness -------------------------------------------------------
+    def mark_unreachable(self, exc: UpstreamError | str) -> None:
+        if self.state.is_engine_reachable:
+            log.warning("engine unreachable: %s", exc)
+        self.last_error = str(exc)
+        self.state.is_engine_reachable = False
+        self.state.is_synced = False
+        self.metrics.engine_up.set(0)
+        self.refresh_admission()
+        self.admission.refuse_held()
+        self._poke.set()
+
+    async def sync(self) -> None:
+        """Re-read the node's state from the engine (raises EngineUnavailable)."""
+        occupation = await self.engine.call("GET", "/memory_occupation", timeout=HEALTH_TIMEOUT_S)
+        was_reachable = self.state.is_engine_reachable
+        self.state.sync(occupation)
+        self.state.is_engine_reachable = True
+        self.metrics.engine_up.set(1)
+        if not was_reachable:
+            log.info("engine reachable; state read from it: %s, weights_valid=%s, weight_version=%s",
+                     {t: s.value for t, s in self.state.tags.items()}, self.state.weights_valid,
+                     self.state.weight_version)
+        self.update_memory_metrics()
+        self.refresh_admission()
+
+    async def resync_quietly(self) -> None:
+        """After a control call failed: the engine's view wins, if it can be read."""
+        try:
+            await self.sync()
+        except EngineUnavailable:
+            pass  # mark_unreachable already recorded it; the monitor re-syncs when the engine is back
+
+    def start(self) -> None:
+        self._monitor = asyncio.create_task(self._watch(), name="engine-monitor")
+
+    async def stop(self) -> None:
+        if self._monitor is not None:
+            self._monitor.cancel()
+            try:
+                await self._monitor
+            except asyncio.CancelledError:
+                pass
+
+    async def _watch(self) -> None:
+        while True:
+            try:
+                if not self.state.is_synced:
+                    async with self.control_lock:
+                        if not self.state.is_synced:
+                            await self.sync()
+                else:
+                    response = await self.engine.open("GET", "/health", timeout=HEALTH_TIMEOUT_S)
+                    await response.read(4096)
+                    if response.status != 200:
+                        self.mark_unreachable(f"engine /health answered {response.status}")
+            except EngineUnavailable:
+                pass  # already marked; retry after the interval
+            except UpstreamError as exc:
+                self.mark_unreachable(exc)
+            self._poke.clear()
+            try:
+                await asyncio.wait_for(self._poke.wait(), self.config.engine_poll_interval)
+            except asyncio.TimeoutError:
+                pass  # the normal tick
+
+    # -- views -----------------------------------------------------------------
+    def update_memory_metrics(self) -> None:
+        for tag in TAGS:
+            current = self.state.tags[tag]
+            for state in TagState:
+                self.metrics.memory_bytes.labels(tag, state.value).set(
+                    self.state.tag_bytes[tag] if current is state else 0)
+
+    def admission_view(self) -> str:
+        if self.admission.is_open:
+            return "open"
+        return "holding" if self.config.hold_requests else "closed"
+
+    def timestamp(self) -> float:
+        return time.time()

@@ -1,0 +1,90 @@
+"""The node's memory state per tag, as the sidecar knows it.
+
+Each tag moves ``resident → releasing → released → resuming → resident``; a
+release that fails goes back ``releasing → resident`` and a resume that fails
+``resuming → released``. Any other move is a bug and raises, naming the state
+it was in. After the engine was unreachable the whole view is rebuilt from
+the engine's ``/memory_occupation`` (:meth:`NodeState.sync`), never assumed.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+TAGS = ("weights", "kv_cache", "cuda_graph", "workspace")
+
+
+class TagState(str, enum.Enum):
+    RESIDENT = "resident"
+    RELEASING = "releasing"
+    RELEASED = "released"
+    RESUMING = "resuming"
+
+
+_ALLOWED = {
+    TagState.RESIDENT: {TagState.RELEASING},
+    TagState.RELEASING: {TagState.RELEASED, TagState.RESIDENT},
+    TagState.RELEASED: {TagState.RESUMING},
+    TagState.RESUMING: {TagState.RESIDENT, TagState.RELEASED},
+}
+
+
+class IllegalTransition(RuntimeError):
+    pass
+
+
+@dataclass
+class NodeState:
+    tags: dict[str, TagState] = field(default_factory=lambda: {t: TagState.RESIDENT for t in TAGS})
+    tag_bytes: dict[str, int] = field(default_factory=lambda: {t: 0 for t in TAGS})
+    weights_valid: bool = False
+    weight_version: str | None = None
+    weights_backup: str = "none"
+    memory_saver: str = "off"
+    is_engine_reachable: bool = False
+    is_synced: bool = False          # the view was read from the engine since it (re)appeared
+    is_paused: bool = False          # pause_generation without a continue
+
+    def transition(self, tag: str, new: TagState) -> None:
+        old = self.tags[tag]
+        if new not in _ALLOWED[old]:
+            raise IllegalTransition(f"tag {tag}: cannot go from {old.value} to {new.value}")
+        self.tags[tag] = new
+
+    def sync(self, occupation: dict[str, Any]) -> None:
+        """Adopt the engine's own view (``GET /memory_occupation`` of the engine)."""
+        for tag in TAGS:
+            info = occupation["tags"][tag]
+            self.tags[tag] = TagState(info["state"])
+            self.tag_bytes[tag] = int(info["bytes"])
+        self.weights_valid = bool(occupation["weights_valid"])
+        self.weight_version = occupation.get("weight_version")
+        self.weights_backup = occupation.get("weights_backup", "none")
+        self.memory_saver = occupation.get("memory_saver", "off")
+        self.is_synced = True
+
+    def tags_in(self, state: TagState) -> list[str]:
+        return [t for t in TAGS if self.tags[t] is state]
+
+    @property
+    def is_all_resident(self) -> bool:
+        return all(s is TagState.RESIDENT for s in self.tags.values())
+
+    @property
+    def is_serving(self) -> bool:
+        return (self.is_engine_reachable and self.is_synced and self.is_all_resident and self.weights_valid
+                and not self.is_paused)
+
+    def not_serving_reason(self) -> str:
+        """The 503 type a generation gets while the node is not serving."""
+        if not self.is_engine_reachable or not self.is_synced:
+            return "engine_unavailable"
+        if not self.is_all_resident:
+            return "node_released"
+        if not self.weights_valid:
+            return "weights_not_loaded"
+        if self.is_paused:
+            return "generation_paused"
+        return "node_released"  # serving, but admission is closed for a drain in progress

@@ -1,0 +1,322 @@
+"""The sidecar in front of a real engine, both processes on loopback (issue 4's interleavings)."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.support.procs import ServerProcess, wait_until
+from tests.support.streams import GenerationClient, start_clients
+
+ALL = ["weights", "kv_cache", "cuda_graph", "workspace"]
+GREEDY = {"temperature": 0, "ignore_eos": True}
+
+
+def stream_body(max_new_tokens: int) -> dict:
+    return {"text": "stream me", "stream": True, "sampling_params": dict(GREEDY, max_new_tokens=max_new_tokens)}
+
+
+@pytest.fixture(scope="module")
+def engine(proc_log_dir: Path):
+    proc = ServerProcess("node_engine", ["--model-path", "builtin:tiny", "--enable-memory-saver",
+                                         "--weights-backup", "disk", "--backup-dir", str(proc_log_dir / "bk")],
+                         log_dir=proc_log_dir, name="engine")
+    proc.start()
+    yield proc
+    proc.stop()
+
+
+class Sidecars:
+    """Starts sidecars (with any flags) in front of the module's engine; stops them after the test."""
+
+    def __init__(self, engine: ServerProcess, log_dir: Path) -> None:
+        self.engine = engine
+        self.log_dir = log_dir
+        self.started: list[ServerProcess] = []
+
+    def start(self, *flags: str, name: str = "sidecar") -> ServerProcess:
+        proc = ServerProcess("node_sidecar", ["--engine-url", self.engine.url, "--engine-poll-interval", "0.2",
+                                              *flags], log_dir=self.log_dir, name=f"{name}{len(self.started)}")
+        proc.start()
+        wait_until(lambda: httpx.get(proc.url + "/ready").status_code == 200, timeout=10, what="sidecar ready")
+        self.started.append(proc)
+        return proc
+
+    def stop(self) -> None:
+        for proc in self.started:
+            with httpx.Client(base_url=proc.url, timeout=30) as c:
+                c.post("/continue_generation")
+                c.post("/resume_memory_occupation", json={})
+            proc.stop()
+
+
+@pytest.fixture
+def sidecars(engine: ServerProcess, proc_log_dir: Path):
+    s = Sidecars(engine, proc_log_dir)
+    yield s
+    s.stop()
+
+
+def occupation(sidecar: ServerProcess) -> dict:
+    return httpx.get(sidecar.url + "/memory_occupation", timeout=10).json()
+
+
+def greedy(sidecar: ServerProcess) -> list[list[int]]:
+    r = httpx.post(sidecar.url + "/generate", timeout=30, json={
+        "text": ["probe one", "probe two"], "sampling_params": dict(GREEDY, max_new_tokens=10)})
+    assert r.status_code == 200, r.text
+    return [item["output_ids"] for item in r.json()]
+
+
+def test_release_wait_drains_running_streams_first(sidecars: Sidecars) -> None:
+    sidecar = sidecars.start()
+    clients = start_clients(sidecar.url + "/generate", stream_body(800), 8)
+    wait_until(lambda: occupation(sidecar)["in_flight"] == 8, timeout=10, what="8 streams in flight")
+    r = httpx.post(sidecar.url + "/release_memory_occupation", json={"mode": "wait"}, timeout=60)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["drained_requests"] == 8 and body["aborted_requests"] == 0 and body["released"] == ALL
+    assert sum(body["bytes_freed"].values()) > 0
+    for c in clients:
+        result = c.finish()
+        assert result.status == 200 and result.saw_done
+        assert result.finish_reason == "length" and result.num_tokens == 800
+    assert all(t["state"] == "released" for t in occupation(sidecar)["tags"].values())
+
+
+def test_release_abort_ends_every_stream_at_once(sidecars: Sidecars) -> None:
+    sidecar = sidecars.start()
+    clients = start_clients(sidecar.url + "/generate", stream_body(3000), 8)
+    wait_until(lambda: occupation(sidecar)["in_flight"] == 8, timeout=10, what="8 streams in flight")
+    for c in clients:
+        assert c.started_streaming.wait(10)
+    started = time.monotonic()
+    r = httpx.post(sidecar.url + "/release_memory_occupation", json={"mode": "abort"}, timeout=60)
+    elapsed = time.monotonic() - started
+    assert r.status_code == 200, r.text
+    assert r.json()["aborted_requests"] == 8 and elapsed < 1.0
+    for c in clients:
+        result = c.finish(10)
+        assert result.saw_done and result.finish_reason == "abort"
+        assert 0 < result.num_tokens < 3000
+
+
+def test_generation_during_drain_or_release_gets_503_with_retry_after(sidecars: Sidecars) -> None:
+    sidecar = sidecars.start()
+    clients = start_clients(sidecar.url + "/generate", stream_body(1000), 4)
+    wait_until(lambda: occupation(sidecar)["in_flight"] == 4, timeout=10)
+    with ThreadPoolExecutor(1) as pool:
+        release = pool.submit(httpx.post, sidecar.url + "/release_memory_occupation", json={"mode": "wait"},
+                              timeout=60)
+        wait_until(lambda: occupation(sidecar)["admission"] == "closed", timeout=10, what="drain started")
+        during = httpx.post(sidecar.url + "/generate", json={"text": "late"}, timeout=10)
+        assert release.result().status_code == 200
+    assert during.status_code == 503 and during.headers["retry-after"] == "2"
+    assert during.json()["error"]["type"] == "node_released"
+    after = httpx.post(sidecar.url + "/generate", json={"text": "late"}, timeout=10)
+    assert after.status_code == 503 and after.json()["error"]["released"] == ALL
+    assert httpx.get(sidecar.url + "/ready").status_code == 503
+    assert httpx.get(sidecar.url + "/health").status_code == 200
+    health = httpx.get(sidecar.url + "/health_generate").json()
+    assert health["serving"] is False and health["released"] == ALL
+    for c in clients:
+        assert c.finish().finish_reason == "length"
+
+
+def test_held_requests_run_after_resume_and_time_out_at_their_bound(sidecars: Sidecars) -> None:
+    sidecar = sidecars.start("--hold-requests", "--hold-timeout", "30", "--hold-max", "4")
+    assert httpx.post(sidecar.url + "/release_memory_occupation", json={}, timeout=30).status_code == 200
+    held = [GenerationClient(sidecar.url + "/generate", {"text": f"held {i}", "sampling_params":
+                                                         dict(GREEDY, max_new_tokens=5)}) for i in range(4)]
+    for c in held:
+        c.start()
+    wait_until(lambda: occupation(sidecar)["held"] == 4, timeout=10, what="4 held")
+    assert occupation(sidecar)["admission"] == "holding"
+    over = httpx.post(sidecar.url + "/generate", json={"text": "one too many"}, timeout=10)
+    assert over.status_code == 503  # the hold queue is bounded
+    assert httpx.post(sidecar.url + "/resume_memory_occupation", json={}, timeout=30).json()["weights_valid"]
+    for c in held:
+        result = c.finish(30)
+        assert result.status == 200 and result.num_tokens == 5
+    short = sidecars.start("--hold-requests", "--hold-timeout", "0.5")
+    assert httpx.post(short.url + "/release_memory_occupation", json={"tags": ["kv_cache"]},
+                      timeout=30).status_code == 200
+    started = time.monotonic()
+    r = httpx.post(short.url + "/generate", json={"text": "x"}, timeout=10)
+    waited = time.monotonic() - started
+    assert r.status_code == 503 and r.headers.get("retry-after") and 0.4 < waited < 5
+
+
+def test_drain_timeout_is_409_and_releases_nothing(sidecars: Sidecars) -> None:
+    sidecar = sidecars.start()
+    clients = start_clients(sidecar.url + "/generate", stream_body(700), 3)
+    wait_until(lambda: occupation(sidecar)["in_flight"] == 3, timeout=10)
+    r = httpx.post(sidecar.url + "/release_memory_occupation", json={"mode": "wait", "drain_timeout": 0.2},
+                   timeout=30)
+    assert r.status_code == 409
+    error = r.json()["error"]
+    assert error["type"] == "drain_timeout" and error["in_flight"] == 3
+    assert all(t["state"] == "resident" for t in occupation(sidecar)["tags"].values())
+    new = httpx.post(sidecar.url + "/generate", json={"text": "new", "sampling_params": dict(GREEDY, max_new_tokens=3)},
+                     timeout=30)
+    assert new.status_code == 200  # admission reopened at once
+    for c in clients:
+        result = c.finish()
+        assert result.saw_done and result.finish_reason == "length" and result.num_tokens == 700
+
+
+def test_concurrent_identical_releases_and_ordered_release_resume(sidecars: Sidecars) -> None:
+    sidecar = sidecars.start()
+    url = sidecar.url
+    with ThreadPoolExecutor(2) as pool:
+        answers = list(pool.map(lambda _: httpx.post(url + "/release_memory_occupation", json={"tags": ALL},
+                                                     timeout=30), range(2)))
+    assert [a.status_code for a in answers] == [200, 200]
+    bodies = sorted((a.json() for a in answers), key=lambda b: len(b["released"]))
+    assert bodies[0]["released"] == [] and bodies[0]["already_released"] == ALL
+    assert bodies[1]["released"] == ALL
+    # a release and a resume sent together run in arrival order
+    with httpx.Client(base_url=url, timeout=30) as c:
+        c.post("/resume_memory_occupation", json={})
+    with ThreadPoolExecutor(2) as pool:
+        release = pool.submit(httpx.post, url + "/release_memory_occupation", json={"tags": ["kv_cache"]}, timeout=30)
+        time.sleep(0.05)  # only to fix the arrival order of the two calls; the assertion is on their results
+        resume = pool.submit(httpx.post, url + "/resume_memory_occupation", json={"tags": ["kv_cache"]}, timeout=30)
+        assert release.result().json()["released"] == ["kv_cache"]
+        assert resume.result().json()["resumed"] == ["kv_cache"]
+    assert occupation(sidecar)["serving"] is True
+
+
+def test_greedy_outputs_survive_a_cycle_with_backup(sidecars: Sidecars) -> None:
+    sidecar = sidecars.start()
+    expected = greedy(sidecar)
+    for mode in ("wait", "abort"):
+        assert httpx.post(sidecar.url + "/release_memory_occupation", json={"mode": mode, "stage_to_cpu": True},
+                          timeout=30).status_code == 200
+        resumed = httpx.post(sidecar.url + "/resume_memory_occupation", json={"tags": None}, timeout=30).json()
+        assert resumed["weights_valid"] is True and resumed["serving"] is True
+        assert greedy(sidecar) == expected
+
+
+def test_pause_and_continue(sidecars: Sidecars) -> None:
+    sidecar = sidecars.start()
+    clients = start_clients(sidecar.url + "/generate", stream_body(3000), 2)
+    wait_until(lambda: occupation(sidecar)["in_flight"] == 2, timeout=10)
+    paused = httpx.post(sidecar.url + "/pause_generation", json={"mode": "abort"}, timeout=30).json()
+    assert paused["aborted_requests"] == 2
+    assert [c.finish(10).finish_reason for c in clients] == ["abort", "abort"]
+    r = httpx.post(sidecar.url + "/generate", json={"text": "x"}, timeout=10)
+    assert r.status_code == 503 and r.json()["error"]["type"] == "generation_paused"
+    assert all(t["state"] == "resident" for t in occupation(sidecar)["tags"].values())
+    assert httpx.post(sidecar.url + "/continue_generation", timeout=10).json()["serving"] is True
+    assert httpx.post(sidecar.url + "/generate", json={"text": "x"}, timeout=10).status_code == 200
+
+
+def test_update_weights_drains_then_reports_the_version(sidecars: Sidecars, tmp_path: Path) -> None:
+    from node_engine.model.builtin import builtin_arch, builtin_weights, save_checkpoint
+
+    sidecar = sidecars.start()
+    before = greedy(sidecar)
+    arch = builtin_arch("builtin:tiny")
+    save_checkpoint(tmp_path / "v2", arch, builtin_weights(arch, seed=123))
+    save_checkpoint(tmp_path / "v1", arch, builtin_weights(arch, seed=0))
+    clients = start_clients(sidecar.url + "/generate", stream_body(1500), 2)
+    wait_until(lambda: occupation(sidecar)["in_flight"] == 2, timeout=10)
+    r = httpx.post(sidecar.url + "/update_weights_from_disk", json={"model_path": str(tmp_path / "v2"),
+                                                                     "weight_version": "step-2"}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["weight_version"] == "step-2" and r.json()["drained_requests"] == 2
+    assert all(c.finish().finish_reason == "length" for c in clients)
+    assert greedy(sidecar) != before
+    assert occupation(sidecar)["weight_version"] == "step-2"
+    bad = httpx.post(sidecar.url + "/update_weights_from_disk", json={"model_path": str(tmp_path / "nope")},
+                     timeout=60)
+    assert bad.status_code == 400 and occupation(sidecar)["serving"] is True
+    assert httpx.post(sidecar.url + "/update_weights_from_disk", json={"model_path": str(tmp_path / "v1"),
+                                                                       "weight_version": "default"},
+                      timeout=60).status_code == 200
+    assert greedy(sidecar) == before
+
+
+@pytest.mark.parametrize("body", [{"tags": ["weights", "vram"]}, {"mode": "later"}, {"drain_timeout": -1},
+                                  {"drain_timeout": "5"}, {"tags": "weights"}, {"surprise": True},
+                                  {"drain_timeout": 10**9}])
+def test_bad_control_bodies_are_400_and_change_nothing(sidecars: Sidecars, body: dict) -> None:
+    sidecar = sidecars.start()
+    r = httpx.post(sidecar.url + "/release_memory_occupation", json=body, timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request"
+    view = occupation(sidecar)
+    assert view["serving"] and all(t["state"] == "resident" for t in view["tags"].values())
+
+
+def test_tokens_guard_control_and_generation(sidecars: Sidecars) -> None:
+    sidecar = sidecars.start("--admin-token", "adm-secret-1", "--api-key", "gen-secret-2")
+    for path in ("/release_memory_occupation", "/resume_memory_occupation", "/flush_cache", "/pause_generation",
+                 "/continue_generation", "/update_weights_from_disk", "/abort_request"):
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Bearer gen-secret-2"}):
+            r = httpx.post(sidecar.url + path, json={}, headers=headers, timeout=10)
+            assert r.status_code == 401, (path, headers)
+            assert r.json()["error"]["type"] == "unauthorized"
+    assert httpx.post(sidecar.url + "/generate", json={"text": "x"}, timeout=10).status_code == 401
+    ok = httpx.post(sidecar.url + "/generate", json={"text": "x", "sampling_params": {"max_new_tokens": 2}},
+                    headers={"Authorization": "Bearer gen-secret-2"}, timeout=10)
+    assert ok.status_code == 200
+    assert httpx.post(sidecar.url + "/flush_cache", headers={"Authorization": "Bearer adm-secret-1"},
+                      timeout=10).status_code == 200
+    assert httpx.get(sidecar.url + "/health").status_code == 200  # probes stay open
+    log = sidecar.log_path.read_text()
+    assert "adm-secret-1" not in log and "gen-secret-2" not in log
+
+
+def test_metrics_relay_the_engine_and_count_the_node(sidecars: Sidecars) -> None:
+    sidecar = sidecars.start()
+    httpx.post(sidecar.url + "/release_memory_occupation", json={"tags": ["kv_cache"]}, timeout=30)
+    httpx.post(sidecar.url + "/generate", json={"text": "x"}, timeout=10)
+    text = httpx.get(sidecar.url + "/metrics", timeout=10).text
+    assert 'handoff_node_memory_bytes{state="released",tag="kv_cache"}' in text
+    assert 'handoff_node_rejected_requests_total{reason="node_released"} 1.0' in text
+    assert "handoff_node_release_seconds_count 1.0" in text
+    assert "handoff_engine_generated_tokens_total" in text  # the engine's own, relayed
+
+
+@pytest.fixture
+def own_engine(proc_log_dir: Path):
+    proc = ServerProcess("node_engine", ["--model-path", "builtin:tiny", "--enable-memory-saver"],
+                         log_dir=proc_log_dir, name="killable_engine")
+    proc.start()
+    yield proc
+    proc.stop()
+
+
+def test_engine_killed_and_restarted(own_engine: ServerProcess, proc_log_dir: Path) -> None:
+    sidecars = Sidecars(own_engine, proc_log_dir)
+    sidecar = sidecars.start(name="sidecar_killed_engine")
+    try:
+        httpx.post(sidecar.url + "/release_memory_occupation", json={"tags": ["kv_cache"]}, timeout=30)
+        stream = GenerationClient(sidecar.url + "/generate", stream_body(4000))
+        own_engine.kill()
+        wait_until(lambda: occupation(sidecar)["engine_reachable"] is False, timeout=10)
+        r = httpx.post(sidecar.url + "/generate", json={"text": "x"}, timeout=10)
+        assert r.status_code == 503 and r.json()["error"]["type"] == "engine_unavailable"
+        r = httpx.post(sidecar.url + "/release_memory_occupation", json={}, timeout=10)
+        assert r.status_code == 503 and r.json()["error"]["type"] == "engine_unavailable"
+        assert httpx.get(sidecar.url + "/health").status_code == 200
+        assert httpx.get(sidecar.url + "/ready").status_code == 503
+        own_engine.start()  # same port; a fresh engine has everything resident
+        wait_until(lambda: httpx.get(sidecar.url + "/ready").status_code == 200, timeout=20, what="back")
+        view = occupation(sidecar)
+        assert view["tags"]["kv_cache"]["state"] == "resident"  # re-read, not remembered as released
+        assert httpx.post(sidecar.url + "/generate", json={"text": "x"}, timeout=10).status_code == 200
+        # and a stream cut by a crash ends with an error event
+        stream.start()
+        assert stream.started_streaming.wait(10)
+        own_engine.kill()
+        result = stream.finish(20)
+        assert result.saw_done and result.events[-1]["error"]["type"] == "engine_unavailable"
+        own_engine.start()
+    finally:
+        sidecars.stop()

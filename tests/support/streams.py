@@ -1,0 +1,95 @@
+"""Generation clients in background threads, recording exactly how each request ended."""
+
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from tests.support.sse import DONE, iter_events
+
+
+@dataclass
+class ClientResult:
+    status: int | None = None
+    events: list[dict[str, Any]] = field(default_factory=list)
+    body: Any = None
+    saw_done: bool = False
+    error: str | None = None
+    retry_after: str | None = None
+
+    @property
+    def finish_reason(self) -> str | None:
+        if self.body is not None and isinstance(self.body, dict):
+            return self.body.get("meta_info", {}).get("finish_reason")
+        for event in reversed(self.events):
+            reason = event.get("meta_info", {}).get("finish_reason")
+            if reason:
+                return reason
+        return None
+
+    @property
+    def num_tokens(self) -> int:
+        if isinstance(self.body, dict):
+            return len(self.body.get("output_ids", []))
+        return sum(len(e.get("output_ids", [])) for e in self.events)
+
+
+class GenerationClient(threading.Thread):
+    """One request (stream or not) to ``url``; ``result`` tells how it ended."""
+
+    def __init__(self, url: str, body: dict[str, Any], *, headers: dict[str, str] | None = None,
+                 timeout: float = 60.0) -> None:
+        super().__init__(daemon=True)
+        self.url = url
+        self.body = body
+        self.headers = headers or {}
+        self.timeout = timeout
+        self.result = ClientResult()
+        self.started_streaming = threading.Event()
+
+    def run(self) -> None:
+        try:
+            with httpx.Client(timeout=self.timeout) as client:
+                if self.body.get("stream"):
+                    self._stream(client)
+                else:
+                    r = client.post(self.url, json=self.body, headers=self.headers)
+                    self.result.status = r.status_code
+                    self.result.retry_after = r.headers.get("retry-after")
+                    self.result.body = r.json()
+        except httpx.HTTPError as exc:
+            self.result.error = f"{type(exc).__name__}: {exc}"
+        finally:
+            self.started_streaming.set()
+
+    def _stream(self, client: httpx.Client) -> None:
+        with client.stream("POST", self.url, json=self.body, headers=self.headers) as r:
+            self.result.status = r.status_code
+            self.result.retry_after = r.headers.get("retry-after")
+            if r.status_code != 200:
+                r.read()
+                self.result.body = r.json()
+                return
+            for data in iter_events(r):
+                self.started_streaming.set()
+                if data == DONE:
+                    self.result.saw_done = True
+                else:
+                    self.result.events.append(json.loads(data))
+
+    def finish(self, timeout: float = 60.0) -> ClientResult:
+        self.join(timeout)
+        if self.is_alive():
+            raise TimeoutError(f"request to {self.url} still running after {timeout}s")
+        return self.result
+
+
+def start_clients(url: str, body: dict[str, Any], num: int, **kwargs: Any) -> list[GenerationClient]:
+    clients = [GenerationClient(url, body, **kwargs) for _ in range(num)]
+    for c in clients:
+        c.start()
+    return clients

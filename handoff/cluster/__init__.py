@@ -1,0 +1,1 @@
+"""Local clusters: processes of the three services on loopback (``handoff up``, the demo, the tests)."""

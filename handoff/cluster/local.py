@@ -1,0 +1,168 @@
+"""A cluster on this machine: N nodes (engine + sidecar) and one LB, all on loopback.
+
+Engines start in parallel (loading a model is the slow part), then their
+sidecars, then the LB with every sidecar as a node. ``stop`` stops the LB, the
+sidecars and the engines in that order and leaves no process behind.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from handoff.cluster.process import ServerProcess
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    num_mixed: int = 2
+    num_prefill: int = 0
+    num_decode: int = 0
+    model_path: str = "builtin:tiny"
+    model_override: str | None = None
+    device: str = "cpu"
+    weights_backup: str = "none"
+    lb_port: int = 0
+    admin_token: str | None = field(default=None, repr=False)
+    api_key: str | None = field(default=None, repr=False)
+    hold_requests: bool = False
+    engine_args: tuple[str, ...] = ()
+    sidecar_args: tuple[str, ...] = ()
+    lb_args: tuple[str, ...] = ()
+    host: str = "127.0.0.1"
+
+    def __post_init__(self) -> None:
+        for name in ("num_mixed", "num_prefill", "num_decode"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0")
+        if self.num_nodes == 0:
+            raise ValueError("a cluster needs at least one node")
+        if (self.num_prefill == 0) != (self.num_decode == 0):
+            raise ValueError("prefill and decode nodes come together: give both --prefill and --decode")
+        if self.weights_backup not in ("none", "cpu", "disk"):
+            raise ValueError(f"weights_backup must be none, cpu or disk, got {self.weights_backup!r}")
+
+    @property
+    def num_nodes(self) -> int:
+        return self.num_mixed + self.num_prefill + self.num_decode
+
+    def roles(self) -> list[str]:
+        return ["mixed"] * self.num_mixed + ["prefill"] * self.num_prefill + ["decode"] * self.num_decode
+
+
+@dataclass
+class NodeProcesses:
+    name: str
+    role: str
+    engine: ServerProcess
+    sidecar: ServerProcess
+
+    @property
+    def url(self) -> str:
+        return self.sidecar.url
+
+
+class LocalCluster:
+    def __init__(self, spec: ClusterSpec, log_dir: Path) -> None:
+        self.spec = spec
+        self.log_dir = log_dir
+        self.nodes: list[NodeProcesses] = []
+        self.lb: ServerProcess | None = None
+        self._launched: list[ServerProcess] = []  # everything started, in start order
+
+    @property
+    def url(self) -> str:
+        assert self.lb is not None, "cluster not started"
+        return self.lb.url
+
+    def processes(self) -> list[ServerProcess]:
+        return list(self._launched)
+
+    def _token_env(self) -> dict[str, str]:
+        env = {}
+        if self.spec.admin_token:
+            env["HANDOFF_ADMIN_TOKEN"] = self.spec.admin_token
+        if self.spec.api_key:
+            env["HANDOFF_API_KEY"] = self.spec.api_key
+        return env
+
+    def _engine_args(self, index: int) -> tuple[list[str], dict[str, str]]:
+        spec = self.spec
+        args = ["--model-path", spec.model_path, "--device", spec.device, "--enable-memory-saver",
+                "--weights-backup", spec.weights_backup, "--backup-dir", str(self.log_dir / f"backup-node{index}")]
+        if spec.model_override:
+            args += ["--model-override", spec.model_override]
+        env: dict[str, str] = {}
+        if spec.device == "cpu":
+            # N engines on one machine: split the cores instead of each taking them all.
+            args += ["--num-threads", str(max(1, (os.cpu_count() or 1) // spec.num_nodes))]
+        else:
+            env["CUDA_VISIBLE_DEVICES"] = str(index % max(1, _num_gpus()))
+        return args + list(spec.engine_args), env
+
+    def start(self, *, timeout: float = 300.0) -> "LocalCluster":
+        spec = self.spec
+        try:
+            engines = []
+            for index, role in enumerate(spec.roles()):
+                args, env = self._engine_args(index)
+                engine = ServerProcess("node_engine", args, log_dir=self.log_dir, name=f"node{index}-engine",
+                                       env=env, host=spec.host)
+                self._launched.append(engine.launch())
+                engines.append((index, role, engine))
+            for index, role, engine in engines:
+                engine.wait_ready(timeout=timeout)
+                sidecar_args = ["--engine-url", engine.url, "--role", role, *spec.sidecar_args]
+                if spec.hold_requests:
+                    sidecar_args.append("--hold-requests")
+                sidecar = ServerProcess("node_sidecar", sidecar_args, log_dir=self.log_dir,
+                                        name=f"node{index}-sidecar", env=self._token_env(), host=spec.host)
+                self._launched.append(sidecar.launch())
+                self.nodes.append(NodeProcesses(f"node{index}", role, engine, sidecar))
+            for node in self.nodes:
+                node.sidecar.wait_ready(timeout=timeout)
+            lb_args = ["--health-interval", "1", *spec.lb_args]
+            for node in self.nodes:
+                flag = {"mixed": "--node", "prefill": "--prefill", "decode": "--decode"}[node.role]
+                lb_args += [flag, node.url]
+            self.lb = ServerProcess("lb", lb_args, log_dir=self.log_dir, name="lb", env=self._token_env(),
+                                    host=spec.host)
+            self._launched.append(self.lb.launch(port=spec.lb_port or None))
+            self.lb.wait_ready(timeout=timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def dead_processes(self) -> list[ServerProcess]:
+        """Processes that were started and are no longer running."""
+        return [p for p in self.processes() if p.proc is not None and not p.is_running()]
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop everything, front to back (LB, sidecars, engines); SIGKILL whatever outlives ``timeout``."""
+        rank = {"lb": 0, "node_sidecar": 1, "node_engine": 2}
+        for level in range(3):
+            group = [p for p in self._launched if rank[p.module] == level]
+            for proc in group:
+                proc.terminate()
+            for proc in group:
+                proc.stop(timeout)
+
+    def __enter__(self) -> "LocalCluster":
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+
+def _num_gpus() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count()
+    except ImportError:
+        return 0

@@ -1,0 +1,170 @@
+"""One service process (``python -m MODULE ...``) started for real, with deadlines.
+
+Every service is started with ``--port 0 --port-file F`` (or a fixed port on a
+restart, so peers find it again), its output captured to a log file whose tail
+is shown when it fails. ``launch`` returns at once so many processes can start
+in parallel; ``wait_ready`` waits for the port and a healthy ``/health``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Sequence, TypeVar
+
+import httpx
+
+T = TypeVar("T")
+
+_SECRET_FLAGS = ("--admin-token", "--api-key")
+
+
+def wait_until(predicate: Callable[[], T], *, timeout: float, interval: float = 0.02,
+               what: str = "condition") -> T:
+    """Poll ``predicate`` until it returns something truthy; raise ``TimeoutError`` on the deadline."""
+    deadline = time.monotonic() + timeout
+    last_exc: BaseException | None = None
+    while True:
+        try:
+            value = predicate()
+            if value:
+                return value
+        except (OSError, httpx.HTTPError, ValueError) as exc:  # polled predicates may fail until ready
+            last_exc = exc
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout}s waiting for {what}"
+                               + (f" (last error: {last_exc!r})" if last_exc else ""))
+        time.sleep(interval)
+
+
+def _redacted(argv: list[str]) -> list[str]:
+    """The command line with token values hidden, so a log holds only what the process itself wrote."""
+    return ["***" if i and argv[i - 1] in _SECRET_FLAGS else arg for i, arg in enumerate(argv)]
+
+
+class ProcessFailed(RuntimeError):
+    """A service did not start, or exited; the message ends with the tail of its log."""
+
+
+class ServerProcess:
+    """One service process on ``host``, found through its port file."""
+
+    def __init__(self, module: str, args: Sequence[str], *, log_dir: Path, name: str | None = None,
+                 env: dict[str, str] | None = None, host: str = "127.0.0.1", health_path: str = "/health",
+                 cwd: Path | None = None) -> None:
+        self.module = module
+        self.args = list(args)
+        self.name = name or module
+        self.host = host
+        self.health_path = health_path
+        self.log_dir = log_dir
+        self.env = env
+        self.cwd = cwd
+        self.port: int | None = None
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._num_starts = 0
+
+    @property
+    def url(self) -> str:
+        if self.port is None:
+            raise RuntimeError(f"{self.name} has not started")
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def log_path(self) -> Path:
+        return self.log_dir / f"{self.name}.log"
+
+    @property
+    def _port_file(self) -> Path:
+        return self.log_dir / f"{self.name}.port"
+
+    def launch(self, *, port: int | None = None) -> "ServerProcess":
+        """Start the process (on ``port``, or its previous port on a restart) without waiting."""
+        self._num_starts += 1
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self._port_file.unlink(missing_ok=True)
+        use_port = port if port is not None else (self.port or 0)
+        argv = [sys.executable, "-m", self.module, *self.args, "--host", self.host,
+                "--port", str(use_port), "--port-file", str(self._port_file)]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **(self.env or {})}
+        with open(self.log_path, "ab") as log:
+            log.write(f"\n=== start #{self._num_starts}: {' '.join(_redacted(argv))}\n".encode())
+            log.flush()
+            self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=self.cwd,
+                                         start_new_session=True)
+        return self
+
+    def wait_ready(self, *, timeout: float = 120.0) -> "ServerProcess":
+        """Wait for the port file and a 200 on the health path; kill and raise on the deadline."""
+        try:
+            text = wait_until(self._read_port_file, timeout=timeout, what=f"{self.name} to bind")
+            self.port = int(text)
+            wait_until(self._is_healthy, timeout=timeout, what=f"{self.name} {self.health_path}")
+        except TimeoutError as exc:
+            self.kill()
+            raise ProcessFailed(f"{self.name} did not start: {exc}\n{self.log_tail()}") from exc
+        return self
+
+    def start(self, *, timeout: float = 120.0, port: int | None = None) -> "ServerProcess":
+        return self.launch(port=port).wait_ready(timeout=timeout)
+
+    def _check_alive(self) -> None:
+        if self.proc is not None and self.proc.poll() is not None:
+            raise ProcessFailed(f"{self.name} exited with {self.proc.returncode}\n{self.log_tail()}")
+
+    def _read_port_file(self) -> str | None:
+        self._check_alive()
+        path = self._port_file
+        return path.read_text().strip() if path.exists() else None
+
+    def _is_healthy(self) -> bool:
+        self._check_alive()
+        return httpx.get(self.url + self.health_path, timeout=2.0).status_code == 200
+
+    @property
+    def pid(self) -> int:
+        if self.proc is None:
+            raise RuntimeError(f"{self.name} has not started")
+        return self.proc.pid
+
+    def is_running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    @property
+    def returncode(self) -> int | None:
+        return None if self.proc is None else self.proc.poll()
+
+    def terminate(self) -> None:
+        """Ask the process to stop (SIGTERM) without waiting."""
+        if self.is_running():
+            assert self.proc is not None
+            self.proc.send_signal(signal.SIGTERM)
+
+    def stop(self, timeout: float = 10.0) -> int | None:
+        """SIGTERM, then SIGKILL past ``timeout``; returns the exit code."""
+        if self.proc is None:
+            return None
+        self.terminate()
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(5)
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        """SIGKILL the process (a crash, as far as its peers can tell)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(5)
+
+    def log_tail(self, num_lines: int = 40) -> str:
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except FileNotFoundError:
+            return f"(no log for {self.name})"
+        return f"--- last lines of {self.log_path} ---\n" + "\n".join(lines[-num_lines:])

@@ -1,0 +1,68 @@
+"""``handoff up``: a local cluster in the foreground until Ctrl-C or SIGTERM."""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import TextIO
+
+from handoff.cluster.local import ClusterSpec, LocalCluster
+from handoff.cluster.process import ProcessFailed, ServerProcess
+
+
+def banner(cluster: LocalCluster, out: TextIO) -> None:
+    spec = cluster.spec
+    lb = cluster.url
+    auth = ' -H "Authorization: Bearer $HANDOFF_ADMIN_TOKEN"' if spec.admin_token else ""
+    gen_auth = ' -H "Authorization: Bearer $HANDOFF_API_KEY"' if spec.api_key else ""
+    print(f"\nhandoff cluster up: {spec.num_nodes} node(s), model {spec.model_path} on {spec.device}, "
+          f"weights backup {spec.weights_backup}", file=out)
+    print(f"  LB        {lb}", file=out)
+    for node in cluster.nodes:
+        print(f"  {node.name:<9} {node.sidecar.url}  (role {node.role}; engine {node.engine.url})", file=out)
+    print(f"  logs      {cluster.log_dir}\n", file=out)
+    print("try:", file=out)
+    print(f"  curl -s {lb}/generate{gen_auth} -d '{{\"text\": \"Hello\", \"sampling_params\": "
+          f"{{\"max_new_tokens\": 16}}}}'", file=out)
+    print(f"  curl -s {lb}/release_memory_occupation{auth} -d '{{\"mode\": \"wait\"}}'", file=out)
+    print(f"  curl -s {lb}/resume_memory_occupation{auth} -d '{{}}'", file=out)
+    print(f"  curl -s {lb}/nodes", file=out)
+    print(f"  curl -s {lb}/memory_occupation\n", file=out)
+    print("Ctrl-C stops every process.", file=out, flush=True)
+
+
+def report_death(proc: ServerProcess, out: TextIO) -> None:
+    print(f"\n!! {proc.name} (pid {proc.pid}) exited with code {proc.returncode}\n{proc.log_tail(20)}\n",
+          file=out, flush=True)
+
+
+def run_up(spec: ClusterSpec, log_dir: Path, *, out: TextIO = sys.stdout) -> int:
+    stop = threading.Event()
+
+    def on_signal(signum: int, _frame: object) -> None:
+        stop.set()
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    cluster = LocalCluster(spec, log_dir)
+    try:
+        print(f"starting {spec.num_nodes} node(s) and the LB (logs in {log_dir}) ...", file=out, flush=True)
+        try:
+            cluster.start()
+        except ProcessFailed as exc:
+            print(f"cannot start the cluster: {exc}", file=out, flush=True)
+            return 1
+        banner(cluster, out)
+        reported: set[int] = set()
+        while not stop.wait(0.5):
+            for proc in cluster.dead_processes():
+                if proc.pid not in reported:
+                    reported.add(proc.pid)
+                    report_death(proc, out)
+        print("\nstopping ...", file=out, flush=True)
+        return 0
+    finally:
+        cluster.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

@@ -1,0 +1,237 @@
+"""``handoff demo``: one RL step through the LB on a local cluster, shown as it happens.
+
+1. rollout (some streaming); 2. release everything in ``wait`` mode while
+streams run; 3. "train" in the freed memory; 4. resume weights, reload a new
+checkpoint, resume the rest, flush; 5. rollout again on the new weights;
+6. a release/resume with the weights backup, outputs identical; 7. a node
+fails a release: the LB's 502 names it, the node comes back.
+Every step checks what it shows; any surprise ends the demo with exit code 1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import psutil
+
+from handoff.client import AsyncHandoffClient, FanoutFailed, HandoffError
+from handoff.cluster.local import ClusterSpec, LocalCluster
+
+# A built-in model big enough for memory figures to mean something (~70 MB of weights, ~100 MB of KV).
+DEMO_MODEL = json.dumps({"hidden_size": 512, "intermediate_size": 1408, "num_layers": 6, "num_heads": 8,
+                         "num_kv_heads": 4, "head_dim": 64})
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "RL is",
+           "The weather today", "Q: 2+2=? A:", "import torch", "Hello, my name is"]
+GREEDY = {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True}
+MiB = 2**20
+
+
+class DemoFailed(RuntimeError):
+    pass
+
+
+def check(condition: bool, message: str) -> None:
+    if not condition:
+        raise DemoFailed(message)
+
+
+@dataclass
+class StepReport:
+    name: str
+    outcome: str
+    seconds: float
+
+
+class Demo:
+    def __init__(self, cluster: LocalCluster, client: AsyncHandoffClient, workdir: Path,
+                 say: Callable[[str], None]) -> None:
+        self.cluster = cluster
+        self.client = client
+        self.workdir = workdir
+        self.say = say
+        self.reports: list[StepReport] = []
+
+    async def step(self, name: str, run: Callable[[], Any]) -> None:
+        self.say(f"\n== {name}")
+        started = time.perf_counter()
+        outcome = await run()
+        self.reports.append(StepReport(name, outcome, time.perf_counter() - started))
+        self.say(f"   -> {outcome}")
+
+    # -- helpers ---------------------------------------------------------------
+    def rss(self) -> dict[str, int]:
+        return {n.name: psutil.Process(n.engine.pid).memory_info().rss for n in self.cluster.nodes}
+
+    async def greedy_outputs(self) -> tuple[list[list[int]], set[str]]:
+        answers = await self.client.generate(PROMPTS[:4], sampling_params=GREEDY)
+        return [a["output_ids"] for a in answers], {a["meta_info"]["weight_version"] for a in answers}
+
+    async def stream(self, prompt: str, max_new_tokens: int) -> dict[str, Any]:
+        events = [e async for e in self.client.stream_generate(prompt, sampling_params={
+            "temperature": 0.8, "max_new_tokens": max_new_tokens, "ignore_eos": True})]
+        return events[-1]["meta_info"]
+
+    async def wait_in_flight(self, minimum: int) -> None:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            nodes = await self.client.nodes()
+            if sum(n.get("in_flight") or 0 for n in nodes) >= minimum:
+                return
+            await asyncio.sleep(0.02)
+        raise DemoFailed(f"the streams did not start (wanted {minimum} in flight)")
+
+    # -- the steps -------------------------------------------------------------
+    async def rollout(self) -> str:
+        streams = [asyncio.create_task(self.stream(p, 24)) for p in PROMPTS[:3]]
+        answers = await self.client.generate(PROMPTS[3:], sampling_params={"temperature": 0.8, "max_new_tokens": 24})
+        metas = await asyncio.gather(*streams)
+        for prompt, answer in zip(PROMPTS[3:6], answers):
+            self.say(f"   {prompt!r} -> {answer['text'][:40]!r}")
+        self.baseline, versions = await self.greedy_outputs()
+        check(all(m["finish_reason"] == "length" for m in metas), "a streamed rollout did not finish")
+        return f"{len(answers)} answers + {len(metas)} streams, weight_version {sorted(versions)}"
+
+    async def release_under_load(self) -> str:
+        before = self.rss()
+        streams = [asyncio.create_task(self.stream(p, 300)) for p in PROMPTS[:4]]
+        await self.wait_in_flight(2)
+        result = await self.client.release(mode="wait", stage_to_cpu=False)
+        metas = await asyncio.gather(*streams)
+        after = self.rss()
+        check(all(m["finish_reason"] == "length" for m in metas), "a stream was cut by the release")
+        self.freed = 0
+        for node in result.results:
+            body = node.body
+            freed = sum(body["bytes_freed"].values())
+            self.freed += freed
+            name = next(n.name for n in self.cluster.nodes if n.url == node.node)
+            tags = ", ".join(f"{t} {b / MiB:.1f}" for t, b in body["bytes_freed"].items())
+            self.say(f"   {name}: drained {body['drained_requests']}, freed {freed / MiB:.1f} MiB ({tags}); "
+                     f"engine RSS {before[name] / MiB:.0f} -> {after[name] / MiB:.0f} MiB")
+            check(before[name] - after[name] > 0.8 * freed, f"{name}'s RSS did not drop by what it freed")
+        return f"released on {result.total} nodes while 4 streams ran; all streams completed; " \
+               f"{self.freed / MiB:.0f} MiB freed"
+
+    async def train(self) -> str:
+        started = time.perf_counter()
+        block = bytearray(self.freed)   # the memory the nodes gave back, taken and touched
+        for offset in range(0, len(block), 4096):
+            block[offset] = 1
+        del block
+        return f"allocated and touched {self.freed / MiB:.0f} MiB in {time.perf_counter() - started:.2f}s"
+
+    async def reload(self) -> str:
+        from node_engine.model.builtin import builtin_arch, builtin_weights, save_checkpoint
+
+        arch = builtin_arch("builtin:tiny", json.loads(DEMO_MODEL))
+        weights = builtin_weights(arch, seed=0)
+        for name, tensor in weights.items():
+            if name.endswith("proj.weight"):
+                tensor.add_(0.02 * tensor.std() * (tensor.sign()))  # a "training step"
+        self.checkpoint = self.workdir / "step-1"
+        save_checkpoint(self.checkpoint, arch, weights)
+        await self.client.resume(tags=["weights"])
+        refused = await self._generation_refused()
+        await self.client.update_weights_from_disk(str(self.checkpoint), weight_version="step-1")
+        await self.client.resume(tags=["kv_cache", "cuda_graph", "workspace"])
+        await self.client.flush_cache()
+        return f"weights resumed (generation refused meanwhile: {refused}), step-1 loaded, rest resumed, flushed"
+
+    async def _generation_refused(self) -> str:
+        try:
+            await self.client.generate("x", sampling_params={"max_new_tokens": 1})
+        except HandoffError as exc:
+            return f"{exc.status} {exc.type}"
+        raise DemoFailed("a node served generation with unloaded weights")
+
+    async def rollout_new_weights(self) -> str:
+        outputs, versions = await self.greedy_outputs()
+        check(versions == {"step-1"}, f"expected weight_version step-1, got {versions}")
+        num_changed = sum(a != b for a, b in zip(outputs, self.baseline))
+        check(num_changed > 0, "outputs did not change after the reload")
+        self.step1_outputs = outputs
+        return f"weight_version step-1; {num_changed}/{len(outputs)} greedy outputs changed"
+
+    async def backup_cycle(self) -> str:
+        started = time.perf_counter()
+        await self.client.release(mode="wait", stage_to_cpu=True)
+        result = await self.client.resume()
+        check(all(r.body["weights_valid"] for r in result.results), "weights not restored from the backup")
+        outputs, _ = await self.greedy_outputs()
+        check(outputs == self.step1_outputs, "outputs differ after a cycle with the weights backup")
+        return f"release + resume with backup in {time.perf_counter() - started:.2f}s; greedy outputs identical"
+
+    async def partial_failure(self) -> str:
+        victim = self.cluster.nodes[0]
+        victim.engine.kill()
+        self.say(f"   killed {victim.name}'s engine (pid {victim.engine.pid})")
+        try:
+            await self.client.release(mode="wait", timeout=10)
+        except FanoutFailed as exc:
+            failure = exc.failures[0]
+            self.say(f"   LB answered 502: {exc.message}")
+            self.say(f"   failed: {failure['node']} ({failure.get('error') or failure.get('status')}); "
+                     f"succeeded: {[s.node for s in exc.succeeded]}")
+            check(exc.failed_nodes == [victim.url], f"502 should name {victim.url}, named {exc.failed_nodes}")
+            check(len(exc.succeeded) == len(self.cluster.nodes) - 1, "the other nodes should have succeeded")
+        else:
+            raise DemoFailed("a release with a dead engine did not fail")
+        victim.engine.start()
+        await self._wait_serving(victim.url)
+        await self.client.resume()  # the others were released; the restarted node is already resident
+        await self.client.update_weights_from_disk(str(self.checkpoint), weight_version="step-1")
+        _, versions = await self.greedy_outputs()
+        check(versions == {"step-1"}, f"nodes disagree on weights after recovery: {versions}")
+        return f"502 named {victim.name}; engine restarted, state re-read, all nodes back on step-1"
+
+    async def _wait_serving(self, url: str) -> None:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if any(n["url"] == url and n.get("serving") for n in await self.client.nodes()):
+                return
+            await asyncio.sleep(0.1)
+        raise DemoFailed(f"{url} did not come back after its engine restarted")
+
+
+async def _play(cluster: LocalCluster, workdir: Path, say: Callable[[str], None]) -> list[StepReport]:
+    async with AsyncHandoffClient(cluster.url, timeout=120) as client:
+        demo = Demo(cluster, client, workdir, say)
+        await demo.step("1. rollout", demo.rollout)
+        await demo.step("2. release all tags (wait) while streams run", demo.release_under_load)
+        await demo.step("3. train in the freed memory", demo.train)
+        await demo.step("4. resume weights, reload step-1, resume the rest, flush", demo.reload)
+        await demo.step("5. rollout on the new weights", demo.rollout_new_weights)
+        await demo.step("6. release/resume with the weights backup", demo.backup_cycle)
+        await demo.step("7. a node fails a release, then comes back", demo.partial_failure)
+        return demo.reports
+
+
+def run_demo(num_nodes: int = 2, *, log_dir: Path | None = None, say: Callable[[str], None] = print) -> int:
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="handoff-demo-") as tmp:
+        workdir = Path(tmp)
+        logs = log_dir or workdir / "logs"
+        spec = ClusterSpec(num_mixed=num_nodes, model_override=DEMO_MODEL, weights_backup="disk")
+        say(f"starting {num_nodes} nodes (engine + sidecar each) and the LB; logs in {logs}")
+        cluster = LocalCluster(spec, logs)
+        try:
+            cluster.start()
+            say(f"LB at {cluster.url}; nodes: {', '.join(n.url for n in cluster.nodes)}")
+            reports = asyncio.run(_play(cluster, workdir, say))
+        except DemoFailed as exc:
+            say(f"\nDEMO FAILED: {exc}\n(logs: {logs})")
+            return 1
+        finally:
+            cluster.stop()
+    say("\nsummary")
+    width = max(len(r.name) for r in reports)
+    for r in reports:
+        say(f"  {r.name:<{width}}  {r.seconds:6.2f}s  {r.outcome}")
+    say(f"\nall steps passed in {time.perf_counter() - started:.1f}s")
+    return 0

@@ -1,0 +1,101 @@
+"""HandoffClient against a scripted server: typed errors, the retry policy, tokens, both clients."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+
+from handoff.client import (AsyncHandoffClient, FanoutFailed, HandoffClient, HandoffError, RetryPolicy,
+                            ServiceUnavailable)
+from tests.support.procs import ServerProcess
+
+FANOUT_OK = {"success": True, "total": 2, "results": [
+    {"node": "http://a", "role": "mixed", "status": 200, "body": {"released": ["kv_cache"]}},
+    {"node": "http://b", "role": "mixed", "status": 200, "body": {"released": []}}]}
+FANOUT_502 = {"success": False, "message": "/release_memory_occupation failed on 1/2 nodes", "total": 2,
+              "failed": 1, "failures": [{"node": "http://a", "role": "mixed", "error": "connect_failed"}],
+              "succeeded": [{"node": "http://b", "role": "mixed", "status": 200, "body": {"released": ["weights"]}}]}
+UNAVAILABLE = {"status": 503, "headers": {"Retry-After": "1"},
+               "body": {"error": {"type": "no_available_node", "message": "all released"}}}
+
+
+@pytest.fixture(scope="module")
+def server(proc_log_dir):
+    proc = ServerProcess("tests.support.scripted_app", [], log_dir=proc_log_dir, name="scripted")
+    proc.start()
+    yield proc
+    proc.stop()
+
+
+def script(server: ServerProcess, *answers: dict) -> None:
+    httpx.post(server.url + "/_script", json=list(answers))
+
+
+def received(server: ServerProcess) -> list[dict]:
+    return httpx.get(server.url + "/_requests").json()
+
+
+def test_fanout_results_and_failures(server) -> None:
+    with HandoffClient(server.url, admin_token="adm", api_key="gen") as client:
+        script(server, {"body": FANOUT_OK})
+        result = client.release(tags=["kv_cache"], mode="abort", role="mixed", timeout=7)
+        assert result.total == 2 and result.bodies()["http://a"] == {"released": ["kv_cache"]}
+        last = received(server)[-1]
+        assert last["path"] == "/release_memory_occupation" and "role=mixed" in last["query"]
+        assert "timeout=7" in last["query"] and last["headers"]["authorization"] == "Bearer adm"
+        script(server, {"status": 502, "body": FANOUT_502})
+        with pytest.raises(FanoutFailed) as info:
+            client.resume()
+        exc = info.value
+        assert exc.failed_nodes == ["http://a"] and exc.succeeded[0].node == "http://b" and exc.failed == 1
+        script(server, {"body": {"text": "ok"}})
+        client.generate("hi")
+        assert received(server)[-1]["headers"]["authorization"] == "Bearer gen"
+
+
+def test_errors_carry_status_and_type(server) -> None:
+    script(server, {"status": 400, "body": {"error": {"type": "invalid_request", "message": "bad tags"}}})
+    with HandoffClient(server.url) as client:
+        with pytest.raises(HandoffError) as info:
+            client.release(tags=["x"])
+    assert info.value.status == 400 and info.value.type == "invalid_request" and "bad tags" in str(info.value)
+
+
+def test_503_is_retried_only_as_the_policy_allows(server) -> None:
+    with HandoffClient(server.url) as client:
+        script(server, UNAVAILABLE)
+        with pytest.raises(ServiceUnavailable) as info:
+            client.generate("hi")  # the default policy retries nothing
+        assert info.value.retry_after == 1.0
+    policy = RetryPolicy(max_attempts=3, max_wait_s=5)
+    with HandoffClient(server.url, retry=policy) as client:
+        script(server, UNAVAILABLE, UNAVAILABLE, {"body": {"text": "finally"}})
+        started = time.monotonic()
+        assert client.generate("hi") == {"text": "finally"}
+        assert 1.9 < time.monotonic() - started < 5  # waited Retry-After twice
+        script(server, UNAVAILABLE, UNAVAILABLE, UNAVAILABLE, {"body": {"text": "too late"}})
+        with pytest.raises(ServiceUnavailable):
+            client.generate("hi")  # three attempts, all refused
+    with HandoffClient(server.url, retry=RetryPolicy(max_attempts=5, max_wait_s=0.5)) as client:
+        script(server, UNAVAILABLE, {"body": {}})
+        started = time.monotonic()
+        with pytest.raises(ServiceUnavailable):
+            client.generate("hi")  # Retry-After 1 s is beyond the 0.5 s budget: no wait at all
+        assert time.monotonic() - started < 0.5
+
+
+async def test_async_client_same_contract(server) -> None:
+    async with AsyncHandoffClient(server.url, admin_token="adm", retry=RetryPolicy(max_attempts=2)) as client:
+        script(server, {"status": 502, "body": FANOUT_502})
+        with pytest.raises(FanoutFailed):
+            await client.release()
+        script(server, UNAVAILABLE, {"body": FANOUT_OK})
+        assert (await client.flush_cache()).total == 2
+        assert received(server)[-1]["path"] == "/flush_cache"
+
+
+def test_retry_policy_validates() -> None:
+    with pytest.raises(ValueError, match="max_attempts"):
+        RetryPolicy(max_attempts=0)

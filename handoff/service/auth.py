@@ -25,13 +25,20 @@ class BearerToken:
     def is_enabled(self) -> bool:
         return self._expected is not None
 
-    def check(self, request: Request) -> None:
-        """Raise :class:`Unauthorized` unless the request carries the token."""
+    def matches(self, request: Request) -> bool:
+        """Whether the request carries this token (False when no token is configured)."""
+        if self._expected is None:
+            return False
+        given = request.headers.get("authorization", "").encode("latin-1", "replace")
+        return hmac.compare_digest(given, self._expected)
+
+    def check(self, request: Request, *, also: "BearerToken | None" = None) -> None:
+        """Raise :class:`Unauthorized` unless the request carries the token (or ``also``'s, if given)."""
         if self._expected is None:
             return
-        given = request.headers.get("authorization", "").encode("latin-1", "replace")
-        if not hmac.compare_digest(given, self._expected):
-            raise Unauthorized()
+        if self.matches(request) or (also is not None and also.matches(request)):
+            return
+        raise Unauthorized()
 
     def header(self) -> dict[str, str]:
         """The Authorization header to send to a peer that expects this token."""

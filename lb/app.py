@@ -1,0 +1,226 @@
+"""The LB's HTTP surface (SPEC section 4): routes, auth, limits, request metrics.
+
+Hot paths take the raw :class:`Request` and forward bytes; pydantic parses only
+the bodies the LB itself interprets (``POST /nodes``). The three generation
+paths are served by :class:`GenerationEndpoints`, a middleware in front of
+FastAPI's router: the router's matching, exit stacks and dependency solving
+cost about 70 us of the LB's CPU per request (0.23 -> 0.15 ms for a PD
+``/generate``, bench/lb_bench.py), and these paths need none of it.
+"""
+
+from __future__ import annotations
+
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+from fastapi import Depends, FastAPI, Request
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, ConfigDict
+from starlette.requests import ClientDisconnect
+from starlette.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from handoff.service.auth import BearerToken
+from handoff.service.errors import (
+    InvalidRequest,
+    ServiceError,
+    UnexpectedErrorMiddleware,
+    install_error_handlers,
+    read_json_object,
+)
+from handoff.service.limits import BodyLimitMiddleware
+from lb.cluster import Cluster
+from lb.config import LBConfig, NodeSpec, Role
+from lb.discovery import Resolver
+from lb.fanout import CONTROL_ROUTES
+from lb.metrics import LBMetrics
+from lb.proxy import GENERATION_PATHS
+from lb.relay import client_gone_response
+from lb.views import cluster_occupation, node_view
+
+VIEW_PATHS = ("/health", "/nodes", "/memory_occupation", "/metrics")
+
+
+class AddNode(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    url: str
+    role: Role = Role.MIXED
+    bootstrap_port: int | None = None
+
+
+class RequestMetrics:
+    """Counts every answered request by route and status code (unknown paths as ``other``)."""
+
+    def __init__(self, app: ASGIApp, metrics: LBMetrics) -> None:
+        self.app = app
+        self._counter = metrics.requests
+        self._routes = frozenset((*CONTROL_ROUTES, *GENERATION_PATHS, *VIEW_PATHS))
+        self._children: dict[tuple[str, int], Any] = {}
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 500
+
+        async def send_and_note_status(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_note_status)
+        finally:
+            path = scope["path"]
+            key = (path if path in self._routes else "other", status)
+            child = self._children.get(key)
+            if child is None:
+                child = self._children[key] = self._counter.labels(route=key[0], code=str(status))
+            child.inc()
+
+
+class GenerationEndpoints:
+    """``POST /generate``, ``/v1/completions``, ``/v1/chat/completions``, straight to the proxy.
+
+    Everything else goes on to FastAPI. Errors become the envelope here, as
+    FastAPI's handlers would make them.
+    """
+
+    def __init__(self, app: ASGIApp, *, handle: Callable[[Request, str], Awaitable[Response]],
+                 api_key: BearerToken, admin: BearerToken) -> None:
+        self.app = app
+        self._handle = handle
+        self._api_key = api_key
+        self._admin = admin
+        self._endpoint = UnexpectedErrorMiddleware(self._serve)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] in GENERATION_PATHS:
+            await self._endpoint(scope, receive, send)
+        else:
+            await self.app(scope, receive, send)
+
+    async def _serve(self, scope: Scope, receive: Receive, send: Send) -> None:
+        request = Request(scope, receive, send)
+        try:
+            if scope["method"] != "POST":
+                raise ServiceError(f"{scope['path']} takes POST", status=405, type="method_not_allowed",
+                                   headers={"Allow": "POST"})
+            self._api_key.check(request, also=self._admin)  # the admin token authorizes everything
+            response = await self._handle(request, scope["path"])
+        except ServiceError as exc:
+            response = exc.to_response()
+        await response(scope, receive, send)
+
+
+def _role_param(request: Request) -> Role | None:
+    value = request.query_params.get("role")
+    if value is None:
+        return None
+    try:
+        return Role(value)
+    except ValueError:
+        raise InvalidRequest(f"role must be one of {', '.join(r.value for r in Role)}, got {value!r}") from None
+
+
+def _timeout_param(request: Request, config: LBConfig) -> float:
+    value = request.query_params.get("timeout")
+    if value is None:
+        return config.control_timeout_s
+    try:
+        timeout_s = float(value)
+    except ValueError:
+        raise InvalidRequest(f"timeout must be a number of seconds, got {value!r}") from None
+    if not 0 < timeout_s <= config.max_control_timeout_s:
+        raise InvalidRequest(f"timeout must be > 0 and at most {config.max_control_timeout_s:g} s "
+                             f"(--max-control-timeout), got {value}")
+    return timeout_s
+
+
+def create_app(config: LBConfig, *, resolver: Resolver | None = None) -> FastAPI:
+    """The LB as an ASGI app; its cluster starts and stops with the app's lifespan."""
+    metrics = LBMetrics()
+    cluster = Cluster(config, metrics, resolver=resolver)
+    admin = BearerToken(config.admin_token)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await cluster.start()
+        try:
+            yield
+        finally:
+            await cluster.stop()
+
+    app = FastAPI(title="handoff lb", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    install_error_handlers(app)
+    # the last added is the outermost: metrics, then the body limit, then generation, then FastAPI's router
+
+    async def generate(request: Request, path: str) -> Response:
+        return await cluster.proxy.handle(request, path)
+
+    app.add_middleware(GenerationEndpoints, handle=generate, api_key=BearerToken(config.api_key), admin=admin)
+    app.add_middleware(BodyLimitMiddleware, max_body_bytes=config.max_body_bytes)
+    app.add_middleware(RequestMetrics, metrics=metrics)
+
+    def control_route(path: str) -> Callable[[Request], Awaitable[Response]]:
+        async def control(request: Request) -> Response:
+            admin.check(request)
+            role = _role_param(request)
+            timeout_s = _timeout_param(request, config)
+            try:
+                body = await request.body()
+            except ClientDisconnect:
+                return client_gone_response()
+            status, payload = await cluster.fanout.run(request.method, path, body,
+                                                       request.headers.get("content-type"), role, timeout_s)
+            return JSONResponse(payload, status_code=status)
+        return control
+
+    for path, methods in CONTROL_ROUTES.items():
+        app.add_api_route(path, control_route(path), methods=list(methods))
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        nodes = cluster.membership.nodes()
+        return {"status": "ok", "num_nodes": len(nodes), "num_routable": sum(n.is_routable for n in nodes)}
+
+    @app.get("/nodes")
+    async def list_nodes() -> dict[str, Any]:
+        return {"nodes": [node_view(node) for node in cluster.membership.nodes()]}
+
+    def require_admin(request: Request) -> None:
+        admin.check(request)
+
+    @app.post("/nodes", status_code=201, dependencies=[Depends(require_admin)])
+    async def add_node(body: AddNode) -> dict[str, Any]:
+        try:
+            spec = NodeSpec(body.url, body.role, body.bootstrap_port)
+        except ValueError as exc:
+            raise InvalidRequest(str(exc)) from exc
+        return {"node": node_view(await cluster.add_node(spec))}
+
+    @app.delete("/nodes")
+    async def remove_node(request: Request) -> dict[str, Any]:
+        admin.check(request)
+        url = request.query_params.get("url") or (await read_json_object(request)).get("url")
+        if not isinstance(url, str) or not url:
+            raise InvalidRequest("give the node as ?url=URL or a JSON body {\"url\": URL}")
+        try:
+            url = NodeSpec(url).url
+        except ValueError as exc:
+            raise InvalidRequest(str(exc)) from exc
+        return {"removed": node_view(cluster.membership.remove(url, "removed by DELETE /nodes"))}
+
+    @app.get("/memory_occupation")
+    async def memory_occupation() -> dict[str, Any]:
+        nodes = cluster.membership.nodes()
+        await cluster.health.check_many(nodes)
+        return cluster_occupation(nodes)
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app

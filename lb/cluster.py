@@ -1,0 +1,117 @@
+"""The LB's parts wired together, with one lifecycle: created, running, stopped.
+
+Starting opens the process's one upstream client, checks every configured
+node once (so the first request is routed by real state), runs the first DNS
+lookup, then leaves the health and discovery loops running; stopping cancels
+the loops and closes the client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import logging
+from dataclasses import dataclass
+
+from handoff.service.auth import BearerToken
+from handoff.service.upstream import UpstreamClient
+from lb.config import LBConfig, NodeSpec
+from lb.discovery import DnsDiscovery, Resolver
+from lb.fanout import FanOut
+from lb.health import HealthMonitor
+from lb.membership import Membership, Node
+from lb.metrics import LBMetrics
+from lb.proxy import GenerationProxy
+from lb.relay import NodeCaller
+from lb.routing import Router
+
+log = logging.getLogger(__name__)
+
+
+class ClusterState(enum.Enum):
+    CREATED = "created"
+    RUNNING = "running"
+    STOPPED = "stopped"
+
+
+@dataclass(frozen=True)
+class _Parts:
+    """What exists only while running (it needs the event loop)."""
+
+    client: UpstreamClient
+    health: HealthMonitor
+    fanout: FanOut
+    proxy: GenerationProxy
+
+
+class Cluster:
+    """Membership, health, fan-out and generation routing over one pooled client."""
+
+    def __init__(self, config: LBConfig, metrics: LBMetrics, *, resolver: Resolver | None = None) -> None:
+        self.config = config
+        self.metrics = metrics
+        self.state = ClusterState.CREATED
+        self.node_headers = BearerToken(config.admin_token).header()
+        self.membership = Membership(metrics)
+        for spec in config.nodes:
+            self.membership.add(spec, "flag")
+        self.router = Router(self.membership, config.policy, retry_after_s=max(1.0, config.health_interval_s))
+        self._resolver = resolver
+        self._tasks: list[asyncio.Task[None]] = []
+        self._parts: _Parts | None = None
+
+    def _running(self) -> _Parts:
+        if self.state is not ClusterState.RUNNING or self._parts is None:
+            raise RuntimeError(f"the cluster is {self.state.value}, not running")
+        return self._parts
+
+    @property
+    def health(self) -> HealthMonitor:
+        return self._running().health
+
+    @property
+    def fanout(self) -> FanOut:
+        return self._running().fanout
+
+    @property
+    def proxy(self) -> GenerationProxy:
+        return self._running().proxy
+
+    async def start(self) -> None:
+        if self.state is not ClusterState.CREATED:
+            raise RuntimeError(f"the cluster is {self.state.value}; it starts only once")
+        config = self.config
+        client = UpstreamClient()
+        health = HealthMonitor(client, self.membership, config, self.node_headers)
+        caller = NodeCaller(client, health, self.metrics, config.generate_timeout_s)
+        self._parts = _Parts(client, health,
+                             FanOut(client, self.membership, health, self.metrics, self.node_headers),
+                             GenerationProxy(self.membership, self.router, caller, self.node_headers))
+        self.state = ClusterState.RUNNING
+        await health.check_many(self.membership.nodes())
+        self._tasks.append(asyncio.ensure_future(health.run()))
+        if config.discover_dns:
+            discovery = DnsDiscovery(config.discover_dns, self.membership, config.discover_interval_s,
+                                     self._resolver, on_added=health.check_many)
+            await discovery.refresh()
+            self._tasks.append(asyncio.ensure_future(discovery.run()))
+        log.info("load balancer running with %d node(s), policy %s", len(self.membership), config.policy.value)
+
+    async def stop(self) -> None:
+        if self.state is ClusterState.STOPPED:
+            return
+        self.state = ClusterState.STOPPED
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self._parts is not None:
+            await self._parts.client.aclose()
+
+    async def add_node(self, spec: NodeSpec) -> Node:
+        """Add a node at run time and check it once before answering."""
+        node = self.membership.add(spec, "admin")
+        await self.health.check(node)
+        return node

@@ -1,0 +1,145 @@
+"""The LB's configuration: one frozen dataclass, validated once, naming the bad field."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from handoff.service.limits import DEFAULT_MAX_BODY_BYTES
+
+
+class Role(str, enum.Enum):
+    MIXED = "mixed"
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+class Policy(str, enum.Enum):
+    LEAST_INFLIGHT = "least_inflight"
+    ROUND_ROBIN = "round_robin"
+    RANDOM = "random"
+    POWER_OF_TWO = "power_of_two"
+
+
+def normalize_node_url(url: str) -> str:
+    """``http://host:port`` with no trailing slash; a path, query or other scheme is a ``ValueError``."""
+    url = url.strip().rstrip("/")
+    if not url.startswith("http://"):
+        raise ValueError(f"node URL must start with http://, got {url!r}")
+    authority = url[len("http://"):]
+    if not authority or any(c in authority for c in "/?#@ "):
+        raise ValueError(f"node URL must be http://HOST[:PORT] with no path, got {url!r}")
+    host, sep, port = authority.rpartition(":") if not authority.endswith("]") else (authority, "", "")
+    if sep and (not port.isdigit() or not 0 < int(port) < 65536 or not host):
+        raise ValueError(f"bad port in node URL {url!r}")
+    return url
+
+
+def _parse_port(text: str, what: str) -> int:
+    if not text.isdigit() or not 0 < int(text) < 65536:
+        raise ValueError(f"{what} must be a port number, got {text!r}")
+    return int(text)
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    """A node as configured: where it is, its role and, for prefill, its bootstrap port."""
+
+    url: str
+    role: Role = Role.MIXED
+    bootstrap_port: int | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "url", normalize_node_url(self.url))
+        object.__setattr__(self, "role", Role(self.role))
+        if self.bootstrap_port is not None:
+            if self.role is not Role.PREFILL:
+                raise ValueError(f"bootstrap_port is only for prefill nodes, {self.url} is {self.role.value}")
+            if not 0 < self.bootstrap_port < 65536:
+                raise ValueError(f"bootstrap_port must be a port number, got {self.bootstrap_port}")
+
+    @classmethod
+    def parse(cls, text: str, role: Role) -> NodeSpec:
+        """``URL`` or, for prefill, ``URL@BOOTSTRAP_PORT``."""
+        url, sep, port = text.rpartition("@")
+        if sep and role is Role.PREFILL:
+            return cls(url, role, _parse_port(port, "bootstrap port"))
+        return cls(text, role)
+
+
+@dataclass(frozen=True)
+class DnsTarget:
+    """``ROLE=HOST:PORT[@BOOTSTRAP_PORT]``: every address of HOST is a node of ROLE on PORT."""
+
+    role: Role
+    host: str
+    port: int
+    bootstrap_port: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.host:
+            raise ValueError("discover_dns host is empty")
+        if self.bootstrap_port is not None and self.role is not Role.PREFILL:
+            raise ValueError(f"discover_dns: a bootstrap port is only for prefill, not {self.role.value}")
+
+    @classmethod
+    def parse(cls, text: str) -> DnsTarget:
+        role_text, sep, rest = text.partition("=")
+        if not sep:
+            raise ValueError(f"discover_dns must be ROLE=HOST:PORT, got {text!r}")
+        try:
+            role = Role(role_text.strip())
+        except ValueError:
+            raise ValueError(f"discover_dns role must be one of "
+                             f"{', '.join(r.value for r in Role)}, got {role_text!r}") from None
+        rest, at, bootstrap = rest.partition("@")
+        host, colon, port = rest.rpartition(":")
+        if not colon:
+            raise ValueError(f"discover_dns must be ROLE=HOST:PORT, got {text!r}")
+        return cls(role, host.strip("[]"), _parse_port(port, "discover_dns port"),
+                   _parse_port(bootstrap, "discover_dns bootstrap port") if at else None)
+
+    def __str__(self) -> str:
+        return f"{self.role.value}={self.host}:{self.port}"
+
+
+@dataclass(frozen=True)
+class LBConfig:
+    """Everything the LB needs besides its listening address. Durations in seconds."""
+
+    nodes: tuple[NodeSpec, ...] = ()
+    discover_dns: tuple[DnsTarget, ...] = ()
+    discover_interval_s: float = 10.0
+    policy: Policy = Policy.LEAST_INFLIGHT
+    control_timeout_s: float = 120.0
+    max_control_timeout_s: float = 3600.0
+    generate_timeout_s: float = 3600.0
+    health_interval_s: float = 2.0
+    health_timeout_s: float = 2.0
+    unhealthy_threshold: int = 2
+    healthy_threshold: int = 1
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    admin_token: str | None = field(default=None, repr=False)
+    api_key: str | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "nodes", tuple(self.nodes))
+        object.__setattr__(self, "discover_dns", tuple(self.discover_dns))
+        object.__setattr__(self, "policy", Policy(self.policy))
+        for name in ("discover_interval_s", "control_timeout_s", "max_control_timeout_s",
+                     "generate_timeout_s", "health_interval_s", "health_timeout_s"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+        if self.max_control_timeout_s < self.control_timeout_s:
+            raise ValueError(f"max_control_timeout_s ({self.max_control_timeout_s}) must be at least "
+                             f"control_timeout_s ({self.control_timeout_s})")
+        for name in ("unhealthy_threshold", "healthy_threshold", "max_body_bytes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        seen: set[str] = set()
+        for spec in self.nodes:
+            if spec.url in seen:
+                raise ValueError(f"nodes: {spec.url} is listed twice")
+            seen.add(spec.url)

@@ -1,0 +1,143 @@
+"""Health checks: poll each node's ``/memory_occupation`` (``/health`` for plain servers).
+
+A handoff sidecar answers ``/memory_occupation`` with its per-tag state and
+whether it serves; a node that answers 404 there (a plain SGLang server) is
+checked with ``GET /health`` from then on. A node that answers is healthy,
+released or not: released only means not routable. ``unhealthy_threshold``
+failures in a row make a healthy node unhealthy, ``healthy_threshold``
+successes bring it back; a node never checked becomes either at its first check.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import Any, Iterable, Mapping
+
+from handoff.service.upstream import UpstreamClient, UpstreamError
+from lb.config import LBConfig
+from lb.membership import Membership, Node, NodeHealth
+
+log = logging.getLogger(__name__)
+
+MAX_PROBE_BODY_BYTES = 64 * 1024
+TAGS = ("weights", "kv_cache", "cuda_graph", "workspace")
+
+
+class HealthMonitor:
+    def __init__(self, client: UpstreamClient, membership: Membership, config: LBConfig,
+                 node_headers: Mapping[str, str]) -> None:
+        self._client = client
+        self._membership = membership
+        self._config = config
+        self._headers = dict(node_headers)
+
+    async def run(self) -> None:
+        """Check every member every ``health_interval_s`` until cancelled."""
+        while True:
+            await asyncio.sleep(self._config.health_interval_s)
+            try:
+                await self.check_many(self._membership.nodes())
+            except Exception:  # a bug here must not stop health checking for good
+                log.exception("health check round failed")
+
+    async def check_many(self, nodes: Iterable[Node]) -> None:
+        await asyncio.gather(*(self.check(node) for node in nodes))
+
+    async def check(self, node: Node) -> None:
+        """One check of ``node``; the outcome is applied to it. Never raises for the node's fault."""
+        try:
+            outcome = await self._probe(node)
+        except UpstreamError as exc:
+            self._record_failure(node, str(exc))
+            return
+        if isinstance(outcome, str):
+            self._record_failure(node, outcome)
+        else:
+            self._record_success(node, outcome)
+
+    async def _probe(self, node: Node) -> dict[str, Any] | str:
+        """The node's state as a dict, or a string saying why the check failed."""
+        timeout = self._config.health_timeout_s
+        if node.is_sidecar is not False:
+            response = await self._client.request("GET", node.url + "/memory_occupation",
+                                                  headers=self._headers, timeout=timeout)
+            body = await response.read(MAX_PROBE_BODY_BYTES)
+            if response.status in (404, 405):
+                node.is_sidecar = False
+            elif response.status != 200:
+                return f"GET /memory_occupation answered {response.status}"
+            else:
+                return _parse_occupation(body)
+        response = await self._client.request("GET", node.url + "/health", headers=self._headers,
+                                              timeout=timeout)
+        await response.read(MAX_PROBE_BODY_BYTES)
+        if response.status != 200:
+            return f"GET /health answered {response.status}"
+        return {"serving": True}
+
+    def _record_failure(self, node: Node, error: str) -> None:
+        if node.is_removed:
+            return
+        node.num_successes_in_row = 0
+        node.num_failures_in_row += 1
+        node.record_error(error)
+        if node.health is not NodeHealth.UNHEALTHY and (
+                node.health is NodeHealth.UNKNOWN or node.num_failures_in_row >= self._config.unhealthy_threshold):
+            log.warning("node %s failed %d health check(s): %s", node.url, node.num_failures_in_row, error)
+            node.set_health(NodeHealth.UNHEALTHY)
+
+    def _record_success(self, node: Node, state: dict[str, Any]) -> None:
+        if node.is_removed:
+            return
+        node.num_failures_in_row = 0
+        node.num_successes_in_row += 1
+        node.mark_seen()
+        if "tags" in state:
+            node.is_sidecar = True
+        node.occupation = state
+        node.set_serving(_is_serving(state), state.get("admission") if isinstance(state.get("admission"), str)
+                         else None)
+        if node.health is NodeHealth.UNKNOWN or (
+                node.health is NodeHealth.UNHEALTHY and node.num_successes_in_row >= self._config.healthy_threshold):
+            node.set_health(NodeHealth.HEALTHY)
+
+    def mark_unreachable(self, node: Node, error: str) -> None:
+        """A refused connection seen on the request path: stop routing there until a check succeeds."""
+        if node.is_removed:
+            return
+        node.num_successes_in_row = 0
+        node.record_error(error)
+        if node.health is not NodeHealth.UNHEALTHY:
+            log.warning("node %s refused a connection, unhealthy until its next good check: %s", node.url, error)
+            node.set_health(NodeHealth.UNHEALTHY)
+
+    def mark_not_serving(self, node: Node, error: str) -> None:
+        """The node said it does not serve (503 ``node_released``): believe it until the next check."""
+        if not node.is_removed:
+            node.record_error(error)
+            node.set_serving(False, node.admission)
+
+
+def _parse_occupation(body: bytes) -> dict[str, Any] | str:
+    try:
+        state = json.loads(body)
+    except (UnicodeDecodeError, ValueError):
+        return "GET /memory_occupation answered 200 with a body that is not JSON"
+    if not isinstance(state, dict):
+        return "GET /memory_occupation answered 200 with JSON that is not an object"
+    return state
+
+
+def _is_serving(state: Mapping[str, Any]) -> bool:
+    """A sidecar says ``serving``; an engine answered directly is judged by its tags and weights."""
+    serving = state.get("serving")
+    if isinstance(serving, bool):
+        return serving
+    tags = state.get("tags")
+    if isinstance(tags, Mapping):
+        for tag in tags.values():
+            if isinstance(tag, Mapping) and tag.get("state", "resident") != "resident":
+                return False
+    return state.get("weights_valid", True) is not False

@@ -1,0 +1,174 @@
+"""Which nodes the LB knows, and what it last learned about each one.
+
+A :class:`Node` is created when a flag, DNS discovery or ``POST /nodes`` adds
+it and is ``REMOVED`` for good when it leaves; requests already running on it
+finish. Health is a lifecycle with guarded transitions; whether a node may
+take generation (:attr:`Node.is_routable`) is derived from health, the last
+``/memory_occupation`` answer and control fan-outs in progress.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from typing import Any, Iterable
+
+from lb.config import NodeSpec, Role
+from lb.errors import NodeExists, NodeNotFound
+from lb.metrics import LBMetrics
+
+log = logging.getLogger(__name__)
+
+
+class NodeHealth(enum.Enum):
+    UNKNOWN = "unknown"      # not checked yet; not routable
+    HEALTHY = "healthy"      # answers its health checks
+    UNHEALTHY = "unhealthy"  # failed ``unhealthy_threshold`` checks in a row, or refused a connection
+    REMOVED = "removed"      # left the membership; final
+
+
+_HEALTH_MOVES = {
+    NodeHealth.UNKNOWN: {NodeHealth.HEALTHY, NodeHealth.UNHEALTHY, NodeHealth.REMOVED},
+    NodeHealth.HEALTHY: {NodeHealth.UNHEALTHY, NodeHealth.REMOVED},
+    NodeHealth.UNHEALTHY: {NodeHealth.HEALTHY, NodeHealth.REMOVED},
+    NodeHealth.REMOVED: set(),
+}
+
+
+class Node:
+    """One member. Mutated only on the event loop, so no locks."""
+
+    def __init__(self, spec: NodeSpec, source: str, metrics: LBMetrics) -> None:
+        self.url = spec.url
+        self.role = spec.role
+        self.bootstrap_port = spec.bootstrap_port
+        self.source = source
+        self.health = NodeHealth.UNKNOWN
+        self.is_sidecar: bool | None = None  # None until /memory_occupation answered or 404ed
+        self.is_serving = False
+        self.admission: str | None = None
+        self.occupation: dict[str, Any] = {}
+        self.num_inflight = 0
+        self.num_fences = 0  # release/pause fan-outs in progress that target this node
+        self.num_failures_in_row = 0
+        self.num_successes_in_row = 0
+        self.last_error: str | None = None
+        self.last_seen: float | None = None
+        labels = {"node": self.url, "role": self.role.value}
+        self._inflight_gauge = metrics.node_inflight.labels(**labels)
+        self._healthy_gauge = metrics.node_healthy.labels(**labels)
+        self._serving_gauge = metrics.node_serving.labels(**labels)
+
+    @property
+    def is_removed(self) -> bool:
+        return self.health is NodeHealth.REMOVED
+
+    @property
+    def is_routable(self) -> bool:
+        """May take generation now: healthy, serving and not being released or paused."""
+        return self.health is NodeHealth.HEALTHY and self.is_serving and self.num_fences == 0
+
+    @property
+    def is_holding(self) -> bool:
+        """Not serving but queues requests until it serves again (a sidecar with ``--hold-requests``)."""
+        return (self.health is NodeHealth.HEALTHY and not self.is_serving and self.admission == "holding"
+                and self.num_fences == 0)
+
+    def set_health(self, new: NodeHealth) -> None:
+        if new is self.health:
+            return
+        if new not in _HEALTH_MOVES[self.health]:
+            raise RuntimeError(f"node {self.url} is {self.health.value}, cannot become {new.value}")
+        log.info("node %s (%s): %s -> %s", self.url, self.role.value, self.health.value, new.value)
+        self.health = new
+        self._update_gauges()
+
+    def set_serving(self, is_serving: bool, admission: str | None) -> None:
+        self.is_serving = is_serving
+        self.admission = admission
+        self._update_gauges()
+
+    def record_error(self, message: str) -> None:
+        self.last_error = message
+
+    def begin_request(self) -> None:
+        self.num_inflight += 1
+        self._inflight_gauge.inc()
+
+    def end_request(self) -> None:
+        self.num_inflight -= 1
+        self._inflight_gauge.dec()
+
+    def fence(self) -> None:
+        """Stop routing here while a release or pause is under way."""
+        self.num_fences += 1
+        self._update_gauges()
+
+    def unfence(self) -> None:
+        self.num_fences = max(0, self.num_fences - 1)
+        self._update_gauges()
+
+    def _update_gauges(self) -> None:
+        if self.is_removed:
+            return
+        self._healthy_gauge.set(1 if self.health is NodeHealth.HEALTHY else 0)
+        self._serving_gauge.set(1 if self.is_routable else 0)
+
+    def mark_seen(self) -> None:
+        self.last_seen = time.time()
+
+
+class Membership:
+    """The nodes by URL, in the order they joined, with per-role lists kept for routing."""
+
+    def __init__(self, metrics: LBMetrics) -> None:
+        self._metrics = metrics
+        self._nodes: dict[str, Node] = {}
+        self._by_role: dict[Role, list[Node]] = {role: [] for role in Role}
+        for role in Role:
+            metrics.nodes.labels(role=role.value).set(0)
+
+    def __len__(self) -> int:
+        return len(self._nodes)
+
+    def nodes(self, role: Role | None = None) -> list[Node]:
+        """Members (of ``role``), in joining order. A role's list is shared: do not mutate it."""
+        return list(self._nodes.values()) if role is None else self._by_role[role]
+
+    def get(self, url: str) -> Node | None:
+        return self._nodes.get(url)
+
+    def add(self, spec: NodeSpec, source: str) -> Node:
+        if spec.url in self._nodes:
+            raise NodeExists(f"{spec.url} is already a member", extra={"node": spec.url})
+        node = Node(spec, source, self._metrics)
+        self._nodes[node.url] = node
+        self._reindex()
+        log.info("node %s (%s) added by %s", node.url, node.role.value, source)
+        return node
+
+    def remove(self, url: str, reason: str) -> Node:
+        node = self._nodes.pop(url, None)
+        if node is None:
+            raise NodeNotFound(f"{url} is not a member", extra={"node": url})
+        node.set_health(NodeHealth.REMOVED)
+        labels = {"node": node.url, "role": node.role.value}
+        for gauge in (self._metrics.node_healthy, self._metrics.node_serving, self._metrics.node_inflight):
+            gauge.remove(*labels.values())
+        self._reindex()
+        log.info("node %s (%s) removed: %s", node.url, node.role.value, reason)
+        return node
+
+    def sync(self, source: str, specs: Iterable[NodeSpec]) -> tuple[list[Node], list[Node]]:
+        """Make the members added by ``source`` exactly ``specs``; returns (added, removed)."""
+        wanted = {spec.url: spec for spec in specs}
+        removed = [self.remove(node.url, f"no longer listed by {source}") for node in list(self._nodes.values())
+                   if node.source == source and node.url not in wanted]
+        added = [self.add(spec, source) for url, spec in wanted.items() if url not in self._nodes]
+        return added, removed
+
+    def _reindex(self) -> None:
+        for role in Role:
+            self._by_role[role] = [node for node in self._nodes.values() if node.role is role]
+            self._metrics.nodes.labels(role=role.value).set(len(self._by_role[role]))

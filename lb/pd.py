@@ -1,0 +1,277 @@
+"""Prefill/decode routing: the SGLang PD protocol, as SGLang's own mini load balancer speaks it.
+
+The request body gets ``bootstrap_host`` (the prefill node's host),
+``bootstrap_port`` (its ``@PORT``, or null) and a random ``bootstrap_room``,
+each a list of the batch's size for a batch, and goes to a prefill and a
+decode node at once. The client gets the decode node's answer; for
+``/generate`` with ``return_logprob`` the prefill node's input logprobs are
+put in front of the decode node's in ``meta_info``. The prefill answer is
+always read to its end (closing it early would abort the KV transfer).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+from typing import Any, Callable, Mapping
+
+from starlette.responses import Response
+
+from handoff.service.errors import InvalidRequest, ServiceError, parse_json_bytes
+from handoff.service.upstream import UpstreamResponse
+from lb.config import Role
+from lb.errors import UpstreamFailed
+from lb.membership import Node
+from lb.relay import (
+    ChunkTransform,
+    DisconnectWatch,
+    NodeCaller,
+    RelayResponse,
+    Reroute,
+    buffered_response,
+    is_event_stream,
+    read_body,
+)
+from lb.routing import Router
+
+log = logging.getLogger(__name__)
+
+INPUT_LOGPROB_KEYS = ("input_token_logprobs", "input_top_logprobs", "input_token_ids_logprobs")
+Outcome = Any  # UpstreamResponse | Response | Reroute | ServiceError: what one side of a pair did
+
+
+def bootstrap_host(node: Node) -> str:
+    authority = node.url[len("http://"):]
+    if authority.startswith("["):
+        return authority[:authority.index("]") + 1]
+    return authority.partition(":")[0]
+
+
+def batch_size(payload: Mapping[str, Any]) -> int | None:
+    """The batch size of a ``/generate`` body, or None for a single request (SGLang's rule)."""
+    text = payload.get("text")
+    if text is not None:
+        return None if isinstance(text, str) else len(text)
+    input_ids = payload.get("input_ids")
+    if isinstance(input_ids, list) and input_ids:
+        return None if isinstance(input_ids[0], int) else len(input_ids)
+    return None
+
+
+def with_bootstrap(payload: dict[str, Any], prefill: Node) -> dict[str, Any]:
+    """A copy of ``payload`` with the bootstrap fields of ``prefill`` (lists for a batch)."""
+    host, port = bootstrap_host(prefill), prefill.bootstrap_port
+    size = batch_size(payload)
+    if size is None:
+        return {**payload, "bootstrap_host": host, "bootstrap_port": port, "bootstrap_room": random.getrandbits(63)}
+    return {**payload, "bootstrap_host": [host] * size, "bootstrap_port": [port] * size,
+            "bootstrap_room": [random.getrandbits(63) for _ in range(size)]}
+
+
+def merge_input_logprobs(prefill: Any, decode: Any) -> None:
+    """Put the prefill answer's input logprobs in front of the decode answer's, in place (batches too)."""
+    if isinstance(prefill, list) and isinstance(decode, list):
+        for prefill_item, decode_item in zip(prefill, decode):
+            merge_input_logprobs(prefill_item, decode_item)
+        return
+    if not isinstance(prefill, dict) or not isinstance(decode, dict):
+        return
+    prefill_meta, decode_meta = prefill.get("meta_info"), decode.get("meta_info")
+    if not isinstance(prefill_meta, dict) or not isinstance(decode_meta, dict):
+        return
+    for key in INPUT_LOGPROB_KEYS:
+        if isinstance(prefill_meta.get(key), list):
+            decode_meta[key] = prefill_meta[key] + (decode_meta.get(key) or [])
+
+
+def first_event(raw: bytes) -> Any:
+    """The JSON of the first ``data:`` event of an SSE body, or None."""
+    for event in raw.split(b"\n\n"):
+        if event.startswith(b"data:") and event[5:].strip() != b"[DONE]":
+            try:
+                return json.loads(event[5:])
+            except (UnicodeDecodeError, ValueError):
+                return None
+    return None
+
+
+class MergeInputLogprobs(ChunkTransform):
+    """Rewrites each ``data:`` event of the decode stream to carry the prefill's input logprobs."""
+
+    def __init__(self, prefill_event: Any) -> None:
+        self._prefill_event = prefill_event
+        self._pending = b""
+
+    def feed(self, chunk: bytes) -> bytes:
+        self._pending += chunk
+        out = []
+        while (end := self._pending.find(b"\n\n")) >= 0:
+            event, self._pending = self._pending[:end + 2], self._pending[end + 2:]
+            out.append(self._rewrite(event))
+        return b"".join(out)
+
+    def finish(self) -> bytes:
+        rest, self._pending = self._pending, b""
+        return rest
+
+    def _rewrite(self, event: bytes) -> bytes:
+        if not event.startswith(b"data:") or event[5:].strip() == b"[DONE]":
+            return event
+        try:
+            data = json.loads(event[5:])
+        except (UnicodeDecodeError, ValueError):
+            return event
+        merge_input_logprobs(self._prefill_event, data)
+        return b"data: " + json.dumps(data).encode() + b"\n\n"
+
+
+class PDDispatcher:
+    def __init__(self, router: Router, caller: NodeCaller) -> None:
+        self._router = router
+        self._caller = caller
+        self._drains: set[asyncio.Task[None]] = set()
+
+    async def dispatch(self, path: str, body: bytes, headers: Mapping[str, str], watch: DisconnectWatch) -> Response:
+        payload = _parse_object(body)
+        wants_logprobs = path == "/generate" and bool(payload.get("return_logprob"))
+        tried: dict[Role, list[Node]] = {Role.PREFILL: [], Role.DECODE: []}
+        while True:
+            prefill = self._router.pick(Role.PREFILL, tried[Role.PREFILL])
+            decode = self._router.pick(Role.DECODE, tried[Role.DECODE])
+            data = json.dumps(with_bootstrap(payload, prefill)).encode()
+            prefill.begin_request()
+            decode.begin_request()
+            ends_both = True
+            try:
+                prefill_out, decode_out = await self._call_pair(prefill, decode, path, data, headers)
+                if not (isinstance(prefill_out, UpstreamResponse) and isinstance(decode_out, UpstreamResponse)):
+                    final = _settle_failed_pair(prefill_out, decode_out)
+                    if final is not None:
+                        return final
+                    for node, out in ((prefill, prefill_out), (decode, decode_out)):
+                        if isinstance(out, Reroute):
+                            tried[node.role].append(node)
+                    continue
+                ends_both = False
+                return await self._answer(path, prefill, prefill_out, decode, decode_out, wants_logprobs, watch)
+            finally:
+                if ends_both:
+                    prefill.end_request()
+                    decode.end_request()
+
+    async def _call_pair(self, prefill: Node, decode: Node, path: str, data: bytes,
+                         headers: Mapping[str, str]) -> tuple[Outcome, Outcome]:
+        """Both calls at once (the prefill one in a task of its own); a failure is returned, not raised.
+
+        If this task is cancelled meanwhile, the prefill call is cancelled, or its response closed.
+        """
+        prefill_call = asyncio.ensure_future(self._caller.call(prefill, path, data, headers))
+        try:
+            try:
+                decode_out: Outcome = await self._caller.call(decode, path, data, headers)
+            except ServiceError as exc:
+                decode_out = exc
+            try:
+                prefill_out: Outcome = await prefill_call
+            except ServiceError as exc:
+                prefill_out = exc
+        except BaseException:
+            if not prefill_call.done():
+                prefill_call.cancel()
+            elif (not prefill_call.cancelled() and prefill_call.exception() is None
+                  and isinstance(prefill_call.result(), UpstreamResponse)):
+                prefill_call.result().close()
+            raise
+        return prefill_out, decode_out
+
+    async def _answer(self, path: str, prefill: Node, prefill_up: UpstreamResponse, decode: Node,
+                      decode_up: UpstreamResponse, wants_logprobs: bool, watch: DisconnectWatch) -> Response:
+        """Both nodes took the request; owns both responses and their in-flight counts from here."""
+        if is_event_stream(decode_up):
+            transform = None
+            on_close = None
+            try:
+                if wants_logprobs:
+                    transform = MergeInputLogprobs(first_event(await self._read_prefill(prefill, prefill_up, path)))
+                else:
+                    drain = asyncio.ensure_future(self._drain(prefill, prefill_up, path))
+                    self._drains.add(drain)
+                    drain.add_done_callback(self._drains.discard)
+                    on_close = _cancel_if_aborted(drain)
+            except BaseException:
+                decode_up.close()
+                decode.end_request()
+                raise
+            return RelayResponse(decode_up, decode, path, watch, transform=transform, on_close=on_close)
+        # both bodies are already streaming into their connections: reading one after the other costs no time
+        try:
+            try:
+                prefill_raw: bytes | ServiceError = await self._read_prefill(prefill, prefill_up, path)
+            except ServiceError as exc:
+                prefill_raw = exc
+            decode_raw = await read_body(decode, decode_up, path, self._caller.timeout_s)
+        finally:
+            prefill_up.close()
+            decode_up.close()
+            decode.end_request()
+        if isinstance(prefill_raw, ServiceError) and not wants_logprobs:
+            log.warning("prefill answer lost, answering with the decode node's: %s", prefill_raw)
+        if not wants_logprobs or not 200 <= decode_up.status < 300:
+            return buffered_response(decode_up, decode_raw)
+        if isinstance(prefill_raw, ServiceError):
+            raise prefill_raw
+        try:
+            merged = json.loads(decode_raw)
+            merge_input_logprobs(json.loads(prefill_raw), merged)
+        except (UnicodeDecodeError, ValueError) as exc:
+            raise UpstreamFailed(f"cannot merge input logprobs of {prefill.url} and {decode.url}: {exc}") from exc
+        return Response(json.dumps(merged).encode(), status_code=decode_up.status,
+                        media_type="application/json")
+
+    async def _read_prefill(self, node: Node, upstream: UpstreamResponse, path: str) -> bytes:
+        try:
+            raw = await read_body(node, upstream, path, self._caller.timeout_s)
+        finally:
+            node.end_request()
+        if not 200 <= upstream.status < 300:
+            raise UpstreamFailed(f"prefill node {node.url} answered {upstream.status} on {path}: "
+                                 f"{raw[:512].decode('utf-8', 'replace')}", extra={"node": node.url})
+        return raw
+
+    async def _drain(self, node: Node, upstream: UpstreamResponse, path: str) -> None:
+        try:
+            await self._read_prefill(node, upstream, path)
+        except ServiceError as exc:  # the client already has the decode stream: log, nothing to answer
+            log.warning("prefill answer lost while the decode stream went on: %s", exc.message)
+        finally:
+            upstream.close()
+
+
+def _settle_failed_pair(prefill_out: Outcome, decode_out: Outcome) -> Response | None:
+    """One side did not take the request: close the other side; raise, answer, or None to re-pick."""
+    for out in (prefill_out, decode_out):
+        if isinstance(out, UpstreamResponse):
+            out.close()
+    for out in (decode_out, prefill_out):
+        if isinstance(out, ServiceError):
+            raise out
+    for out in (decode_out, prefill_out):
+        if isinstance(out, Response):
+            return out
+    return None
+
+
+def _cancel_if_aborted(drain: asyncio.Task[None]) -> Callable[[bool], None]:
+    def on_close(is_aborted: bool) -> None:
+        if is_aborted:
+            drain.cancel()
+    return on_close
+
+
+def _parse_object(body: bytes) -> dict[str, Any]:
+    payload = parse_json_bytes(body)
+    if not isinstance(payload, dict):
+        raise InvalidRequest(f"body must be a JSON object, got {type(payload).__name__}")
+    return payload

@@ -1,0 +1,100 @@
+"""Generation routing: ``/generate``, ``/v1/completions``, ``/v1/chat/completions``.
+
+Mixed nodes get the request body untouched, chosen by the policy; with no
+routable mixed node and prefill/decode members, the PD protocol (:mod:`lb.pd`)
+takes over. A node that refuses the connection or says it does not serve is
+replaced by another before anything reached the client; a streamed answer
+(``text/event-stream``) is relayed as it arrives, anything else is read whole
+and answered with the node's status, type and bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response
+
+from handoff.service.upstream import UpstreamResponse
+from lb.config import Role
+from lb.membership import Membership, Node
+from lb.pd import PDDispatcher
+from lb.relay import (
+    DisconnectWatch,
+    NodeCaller,
+    RelayResponse,
+    Reroute,
+    buffered_response,
+    client_gone_response,
+    headers_to_node,
+    is_event_stream,
+    read_body,
+)
+from lb.routing import Router
+
+log = logging.getLogger(__name__)
+
+GENERATION_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions")
+
+
+class GenerationProxy:
+    def __init__(self, membership: Membership, router: Router, caller: NodeCaller,
+                 node_headers: dict[str, str]) -> None:
+        self._membership = membership
+        self._router = router
+        self._caller = caller
+        self._node_headers = node_headers
+        self._pd = PDDispatcher(router, caller)
+
+    def _is_pd(self) -> bool:
+        has_pd_members = bool(self._membership.nodes(Role.PREFILL) or self._membership.nodes(Role.DECODE))
+        return has_pd_members and not self._router.has_routable(Role.MIXED)
+
+    async def handle(self, request: Request, path: str) -> Response:
+        """Route one generation request; a client that leaves cancels it (answered 499, never sent)."""
+        try:
+            body = await request.body()
+        except ClientDisconnect:
+            return client_gone_response()
+        headers = headers_to_node(request.scope["headers"], self._node_headers)
+        watch = DisconnectWatch(request.receive)
+        is_handed_over = False
+        try:
+            if self._is_pd():
+                response = await self._pd.dispatch(path, body, headers, watch)
+            else:
+                response = await self._dispatch_mixed(path, body, headers, watch)
+            is_handed_over = isinstance(response, RelayResponse)
+            return response
+        except asyncio.CancelledError:
+            if not watch.is_disconnected:
+                raise
+            watch.absorb_cancel()
+            return client_gone_response()
+        finally:
+            if not is_handed_over:
+                watch.stop()
+
+    async def _dispatch_mixed(self, path: str, body: bytes, headers: dict[str, str],
+                              watch: DisconnectWatch) -> Response:
+        tried: list[Node] = []
+        while True:
+            node = self._router.pick(Role.MIXED, tried)
+            tried.append(node)
+            node.begin_request()
+            is_handed_over = False
+            try:
+                outcome = await self._caller.call(node, path, body, headers)
+                if isinstance(outcome, Reroute):
+                    continue
+                if isinstance(outcome, UpstreamResponse):
+                    if is_event_stream(outcome):
+                        is_handed_over = True
+                        return RelayResponse(outcome, node, path, watch)
+                    return buffered_response(outcome, await read_body(node, outcome, path, self._caller.timeout_s))
+                return outcome
+            finally:
+                if not is_handed_over:
+                    node.end_request()
+

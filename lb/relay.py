@@ -1,0 +1,238 @@
+"""Relaying one generation request to a node and its answer back, byte for byte.
+
+- :class:`DisconnectWatch` cancels the task serving a request when the client
+  goes away, which closes the upstream connections it holds: the node sees the
+  disconnect and aborts the request.
+- :class:`NodeCaller` sends the request to one node and sorts the outcome:
+  a response to relay, a final answer, or "try another node" (the connection
+  was refused, or a sidecar answered 503 ``node_released`` /
+  ``engine_unavailable``: in both cases the node ran nothing).
+- :class:`RelayResponse` streams the node's body to the client chunk by chunk
+  as it arrives; a node failing mid-stream ends it with an SSE error event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import json
+import logging
+from typing import Callable, Mapping, Sequence
+
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from handoff.service.upstream import (
+    ConnectFailed,
+    UpstreamClient,
+    UpstreamError,
+    UpstreamResponse,
+    UpstreamTimeout,
+)
+from lb.errors import UpstreamFailed, UpstreamTimedOut
+from lb.health import HealthMonitor
+from lb.membership import Node
+from lb.metrics import LBMetrics
+
+log = logging.getLogger(__name__)
+
+REQUEST_HEADERS_TO_NODE = frozenset({b"content-type", b"accept", b"x-request-id"})
+RESPONSE_HEADERS_TO_CLIENT = frozenset({b"content-type", b"cache-control", b"retry-after", b"x-request-id"})
+NOT_SERVING_ERRORS = frozenset({"node_released", "engine_unavailable"})
+MAX_REFUSAL_BYTES = 4096
+CLIENT_CLOSED_REQUEST = 499  # nginx's code for "the client went away first": only the metrics see it
+
+
+class DisconnectWatch:
+    """While active, a client disconnect cancels the task that serves the request.
+
+    Start it after the request body was read (it consumes ``receive``); call
+    :meth:`finish` before the last body message is sent and :meth:`stop` when done.
+    """
+
+    def __init__(self, receive: Receive) -> None:
+        self._task = asyncio.current_task()
+        self.is_disconnected = False
+        self._is_finished = False
+        self._watcher = asyncio.ensure_future(self._watch(receive))
+
+    async def _watch(self, receive: Receive) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        if not self._is_finished and self._task is not None:
+            self.is_disconnected = True
+            self._task.cancel()
+
+    def finish(self) -> None:
+        """The response is complete: from now on a disconnect is the normal end."""
+        self._is_finished = True
+
+    def stop(self) -> None:
+        self._is_finished = True
+        self._watcher.cancel()
+
+    def absorb_cancel(self) -> None:
+        """Swallow the cancellation this watch caused (the task goes on to clean up and return)."""
+        uncancel = getattr(self._task, "uncancel", None)  # Python 3.11+
+        if uncancel is not None:
+            uncancel()
+
+
+def client_gone_response() -> Response:
+    return Response(status_code=CLIENT_CLOSED_REQUEST)
+
+
+def headers_to_node(scope_headers: Sequence[tuple[bytes, bytes]], node_headers: Mapping[str, str]) -> dict[str, str]:
+    """The client's headers a node needs (content type, accept, request id) plus the LB's own token."""
+    headers = dict(node_headers)
+    for name, value in scope_headers:
+        if name in REQUEST_HEADERS_TO_NODE:
+            headers[name.decode("latin-1")] = value.decode("latin-1")
+    return headers
+
+
+def headers_to_client(upstream: UpstreamResponse) -> list[tuple[bytes, bytes]]:
+    """The node's response headers the client gets (type, caching, Retry-After, request id)."""
+    return [(name, value) for name, value in upstream.headers if name in RESPONSE_HEADERS_TO_CLIENT]
+
+
+def buffered_response(upstream: UpstreamResponse, body: bytes) -> Response:
+    """The node's answer, read whole, with its status and the headers the client gets."""
+    headers = {name.decode("latin-1"): value.decode("latin-1") for name, value in headers_to_client(upstream)}
+    return Response(body, status_code=upstream.status, headers=headers)
+
+
+async def read_body(node: Node, upstream: UpstreamResponse, path: str, timeout_s: float) -> bytes:
+    """The node's whole body; a failure midway is a 502/504 naming the node."""
+    try:
+        return await upstream.read()
+    except UpstreamError as exc:
+        node.record_error(str(exc))
+        raise translate(node, path, exc, timeout_s) from exc
+
+
+def is_event_stream(upstream: UpstreamResponse) -> bool:
+    return upstream.content_type.startswith("text/event-stream")
+
+
+def sse_error_event(error_type: str, message: str) -> bytes:
+    return b"data: " + json.dumps({"error": {"type": error_type, "message": message}}).encode() + b"\n\n"
+
+
+def translate(node: Node, path: str, exc: UpstreamError, timeout_s: float) -> UpstreamFailed | UpstreamTimedOut:
+    """A node's failure after it may have started the work: 504 on timeout, else 502."""
+    if isinstance(exc, UpstreamTimeout):
+        return UpstreamTimedOut(f"{node.url} did not complete {path} within {timeout_s:g} s",
+                                extra={"node": node.url})
+    return UpstreamFailed(f"{node.url} failed on {path}: {exc}", extra={"node": node.url})
+
+
+class Reroute(enum.Enum):
+    """Why a request goes to another node: this one ran nothing."""
+
+    REFUSED = "refused"          # the connection was refused or the node unreachable
+    NOT_SERVING = "not_serving"  # a sidecar answered 503 node_released / engine_unavailable
+
+
+class NodeCaller:
+    """Sends one generation request to one node and sorts out what came back."""
+
+    def __init__(self, client: UpstreamClient, health: HealthMonitor, metrics: LBMetrics,
+                 timeout_s: float) -> None:
+        self._client = client
+        self._health = health
+        self._metrics = metrics
+        self.timeout_s = timeout_s
+
+    async def call(self, node: Node, path: str, body: bytes,
+                   headers: Mapping[str, str]) -> UpstreamResponse | Response | Reroute:
+        """The node's response (headers in), a final :class:`Response`, or :class:`Reroute`.
+
+        Raises :class:`UpstreamFailed` / :class:`UpstreamTimedOut` when the node
+        failed after it may have started the work.
+        """
+        try:
+            upstream = await self._client.request("POST", node.url + path, headers=headers, body=body,
+                                                  timeout=self.timeout_s)
+        except ConnectFailed as exc:
+            self._health.mark_unreachable(node, str(exc))
+            self._metrics.generate_retries.inc()
+            return Reroute.REFUSED
+        except UpstreamError as exc:
+            node.record_error(str(exc))
+            raise translate(node, path, exc, self.timeout_s) from exc
+        if upstream.status != 503:
+            return upstream
+        try:
+            raw = await upstream.read(MAX_REFUSAL_BYTES)
+        except UpstreamError as exc:
+            raise translate(node, path, exc, self.timeout_s) from exc
+        error_type = _error_type(raw)
+        if error_type in NOT_SERVING_ERRORS:
+            self._health.mark_not_serving(node, f"answered 503 {error_type}")
+            self._metrics.generate_not_serving_retries.inc()
+            return Reroute.NOT_SERVING
+        return buffered_response(upstream, raw)
+
+
+def _error_type(raw: bytes) -> str | None:
+    try:
+        error = json.loads(raw).get("error")
+    except (UnicodeDecodeError, ValueError, AttributeError):
+        return None
+    return error.get("type") if isinstance(error, dict) else None
+
+
+class ChunkTransform:
+    """Rewrites a relayed body on the way (PD logprob merging); the default passes bytes through."""
+
+    def feed(self, chunk: bytes) -> bytes:
+        return chunk
+
+    def finish(self) -> bytes:
+        return b""
+
+
+class RelayResponse(Response):
+    """Streams ``upstream`` to the client as it arrives; owns the upstream and the watch from here on."""
+
+    def __init__(self, upstream: UpstreamResponse, node: Node, path: str, watch: DisconnectWatch, *,
+                 transform: ChunkTransform | None = None,
+                 on_close: Callable[[bool], None] | None = None) -> None:
+        self.status_code = upstream.status
+        self.raw_headers = headers_to_client(upstream)
+        self.background = None
+        self._upstream = upstream
+        self._node = node
+        self._path = path
+        self._watch = watch
+        self._transform = transform or ChunkTransform()
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        upstream, transform = self._upstream, self._transform
+        try:
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            while chunk := await upstream.next_chunk():
+                out = transform.feed(chunk)
+                if out:
+                    await send({"type": "http.response.body", "body": out, "more_body": True})
+            self._watch.finish()
+            await send({"type": "http.response.body", "body": transform.finish(), "more_body": False})
+        except UpstreamError as exc:
+            log.warning("%s failed mid-stream on %s: %s", self._node.url, self._path, exc)
+            self._node.record_error(str(exc))
+            self._watch.finish()
+            message = f"{self._node.url} failed after the stream started: {exc}"
+            await send({"type": "http.response.body", "body": sse_error_event("upstream_error", message),
+                        "more_body": False})
+        except asyncio.CancelledError:
+            if not self._watch.is_disconnected:
+                raise
+            self._watch.absorb_cancel()
+        finally:
+            self._watch.stop()
+            upstream.close()
+            self._node.end_request()
+            if self._on_close is not None:
+                self._on_close(self._watch.is_disconnected)

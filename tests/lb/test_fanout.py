@@ -1,0 +1,232 @@
+"""Control fan-out through a real LB process to real fake nodes (SPEC section 4)."""
+
+from __future__ import annotations
+
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from tests.lb.behaviours import Gate, drop, endless, hang, refused_url, reply, stall_after_headers
+from tests.lb.fakes import FakeCluster
+from tests.lb.lbproc import LB, node_args, set_members
+from tests.support.procs import wait_until
+
+pytestmark = pytest.mark.timeout(30)
+
+RELEASE_BODY = b'{"tags": ["weights", "kv_cache"], "mode": "wait"}'
+
+
+def assert_failure_shape(answer: httpx.Response, path: str, *, failed: int, total: int) -> dict:
+    assert answer.status_code == 502
+    body = answer.json()
+    assert body["success"] is False
+    assert body["message"] == f"{path} failed on {failed}/{total} nodes"
+    assert (body["total"], body["failed"]) == (total, failed)
+    assert len(body["failures"]) == failed and len(body["succeeded"]) == total - failed
+    assert body["error"]["type"] == "fanout_failed"
+    for failure in body["failures"]:
+        assert {"node", "role"} <= failure.keys()
+        assert "status" in failure or "error" in failure
+    for success in body["succeeded"]:
+        assert set(success) == {"node", "role", "status", "body"}
+    return body
+
+
+def test_all_ok_forwards_the_body_byte_for_byte(module_fakes: FakeCluster, shared_lb: LB) -> None:
+    nodes = module_fakes.start(3)
+    set_members(shared_lb, *(n.url for n in nodes))
+    answer = shared_lb.http.post("/release_memory_occupation", content=RELEASE_BODY,
+                                 headers={"Content-Type": "application/json; charset=utf-8"})
+    assert answer.status_code == 200, answer.text
+    body = answer.json()
+    assert body["success"] is True and body["total"] == 3
+    assert [r["node"] for r in body["results"]] == [n.url for n in nodes]
+    for result, node in zip(body["results"], nodes):
+        assert result["role"] == "mixed" and result["status"] == 200
+        assert result["body"]["success"] is True and result["body"]["node"] == node.url
+        [seen] = node.requests_to("/release_memory_occupation")
+        assert seen.method == "POST" and seen.body == RELEASE_BODY
+        assert seen.headers["content-type"] == "application/json; charset=utf-8"
+
+
+@pytest.mark.parametrize("path", ["/release_memory_occupation", "/resume_memory_occupation", "/flush_cache"])
+def test_one_node_answering_500(module_fakes: FakeCluster, shared_lb: LB, path: str) -> None:
+    good, bad, good2 = module_fakes.start(3)
+    bad.handlers[path] = reply(500, {"error": {"type": "internal", "message": "boom"}})
+    set_members(shared_lb, good.url, bad.url, good2.url)
+    body = assert_failure_shape(shared_lb.http.post(path, json={}), path, failed=1, total=3)
+    [failure] = body["failures"]
+    assert failure["node"] == bad.url and failure["status"] == 500 and failure["reason"] == "http_status"
+    assert json.loads(failure["detail"])["error"]["message"] == "boom"
+    assert {s["node"] for s in body["succeeded"]} == {good.url, good2.url}
+
+
+@pytest.mark.parametrize("handler", [reply(500, b"y" * (1 << 20)), endless(500)], ids=["1MiB", "endless"])
+def test_large_failing_bodies_are_capped(module_fakes: FakeCluster, shared_lb: LB, handler) -> None:
+    good, bad = module_fakes.start(2)
+    bad.handlers["/flush_cache"] = handler
+    set_members(shared_lb, good.url, bad.url)
+    started = time.monotonic()
+    answer = shared_lb.http.post("/flush_cache", params={"timeout": "20"})
+    assert time.monotonic() - started < 5
+    body = assert_failure_shape(answer, "/flush_cache", failed=1, total=2)
+    assert len(body["failures"][0]["detail"].encode()) <= 512
+    assert len(answer.content) < 2048
+
+
+def test_non_utf8_failing_body_is_decoded_with_replacement(module_fakes: FakeCluster, shared_lb: LB) -> None:
+    node = module_fakes.start_one()
+    node.handlers["/flush_cache"] = reply(500, b"bad \xff\xfe\xc3 bytes", content_type="text/plain")
+    set_members(shared_lb, node.url)
+    answer = shared_lb.http.post("/flush_cache")
+    detail = assert_failure_shape(answer, "/flush_cache", failed=1, total=1)["failures"][0]["detail"]
+    assert detail == "bad \ufffd\ufffd\ufffd bytes"
+
+
+def test_success_false_is_a_failure(module_fakes: FakeCluster, shared_lb: LB) -> None:
+    good, bad = module_fakes.start(2)
+    bad.handlers["/update_weights_from_disk"] = reply(200, {"success": False, "message": "no such checkpoint"})
+    set_members(shared_lb, good.url, bad.url)
+    answer = shared_lb.http.post("/update_weights_from_disk", json={"model_path": "/nope"})
+    [failure] = assert_failure_shape(answer, "/update_weights_from_disk", failed=1, total=2)["failures"]
+    assert failure["reason"] == "success_false" and failure["status"] == 200
+    assert "no such checkpoint" in failure["detail"]
+
+
+def test_refused_hung_stalled_and_dropped_nodes_each_cost_the_timeout(module_fakes: FakeCluster,
+                                                                     shared_lb: LB) -> None:
+    good, hung, stalled, dropped = module_fakes.start(4)
+    hung.handlers["/pause_generation"] = hang()
+    stalled.handlers["/pause_generation"] = stall_after_headers()
+    dropped.handlers["/pause_generation"] = drop()
+    refused = refused_url()
+    set_members(shared_lb, good.url, hung.url, stalled.url, dropped.url, refused)
+    started = time.monotonic()
+    answer = shared_lb.http.post("/pause_generation", params={"timeout": "1"}, json={"mode": "abort"})
+    elapsed = time.monotonic() - started
+    assert 0.9 < elapsed < 2.5, elapsed
+    body = assert_failure_shape(answer, "/pause_generation", failed=4, total=5)
+    reasons = {f["node"]: f["reason"] for f in body["failures"]}
+    assert reasons == {hung.url: "timeout", stalled.url: "timeout", dropped.url: "dropped", refused: "unreachable"}
+    assert all(f["error"] for f in body["failures"])
+    assert shared_lb.metric("handoff_lb_fanout_node_failures_total", path="/pause_generation",
+                            reason="timeout") >= 2
+
+
+def test_all_nodes_failing(module_fakes: FakeCluster, shared_lb: LB) -> None:
+    nodes = module_fakes.start(3)
+    for node in nodes:
+        node.handlers["/continue_generation"] = reply(409, {"error": {"type": "conflict", "message": "no"}})
+    set_members(shared_lb, *(n.url for n in nodes))
+    body = assert_failure_shape(shared_lb.http.post("/continue_generation"), "/continue_generation",
+                                failed=3, total=3)
+    assert [f["status"] for f in body["failures"]] == [409, 409, 409]
+
+
+def test_parallel_four_nodes_taking_a_second_each(module_fakes: FakeCluster, shared_lb: LB) -> None:
+    nodes = module_fakes.start(4)
+    for node in nodes:
+        node.handlers["/flush_cache"] = reply(200, {"success": True}, delay=1.0)
+    set_members(shared_lb, *(n.url for n in nodes))
+    started = time.monotonic()
+    answer = shared_lb.http.post("/flush_cache")
+    elapsed = time.monotonic() - started
+    assert answer.status_code == 200 and answer.json()["total"] == 4
+    assert elapsed < 1.8, elapsed
+
+
+def test_role_narrows_and_an_empty_role_is_no_nodes(module_fakes: FakeCluster, shared_lb: LB) -> None:
+    mixed, decode = module_fakes.start(2)
+    set_members(shared_lb, mixed.url, (decode.url, "decode"))
+    answer = shared_lb.http.post("/flush_cache", params={"role": "decode"})
+    assert answer.status_code == 200
+    assert [r["node"] for r in answer.json()["results"]] == [decode.url]
+    assert not mixed.requests_to("/flush_cache")
+    empty = shared_lb.http.post("/flush_cache", params={"role": "prefill"})
+    assert empty.status_code == 503 and empty.json()["error"]["type"] == "no_nodes"
+    set_members(shared_lb)
+    none = shared_lb.http.post("/release_memory_occupation")
+    assert none.status_code == 503 and none.json()["error"]["type"] == "no_nodes"
+
+
+def test_get_and_post_flush_and_empty_bodies(module_fakes: FakeCluster, shared_lb: LB) -> None:
+    node = module_fakes.start_one()
+    set_members(shared_lb, node.url)
+    assert shared_lb.http.get("/flush_cache").status_code == 200
+    assert shared_lb.http.post("/flush_cache").status_code == 200
+    seen = node.requests_to("/flush_cache")
+    assert [(r.method, r.body) for r in seen] == [("GET", b""), ("POST", b"")]
+    assert seen[1].headers.get("content-length") == "0"
+
+
+def test_chunked_request_body_is_forwarded_intact(module_fakes: FakeCluster, shared_lb: LB) -> None:
+    nodes = module_fakes.start(2)
+    set_members(shared_lb, *(n.url for n in nodes))
+    pieces = [b'{"model_path": "/ckpt/', b"step-12", b'", "weight_version": "step-12", ', b'"pad": "\xc3\xa9"}']
+    answer = shared_lb.http.post("/update_weights_from_disk", content=iter(pieces),
+                                 headers={"Content-Type": "application/json"})
+    assert answer.status_code == 200, answer.text
+    for node in nodes:
+        [seen] = node.requests_to("/update_weights_from_disk")
+        assert seen.body == b"".join(pieces) and seen.headers["content-type"] == "application/json"
+
+
+def test_bad_role_and_timeout_parameters(module_fakes: FakeCluster, shared_lb: LB) -> None:
+    set_members(shared_lb, module_fakes.start_one().url)
+    for params in ({"role": "gpu"}, {"timeout": "-1"}, {"timeout": "abc"}, {"timeout": "99999"}):
+        answer = shared_lb.http.post("/flush_cache", params=params)
+        assert answer.status_code == 400 and answer.json()["error"]["type"] == "invalid_request", params
+
+
+def test_150_nodes_answering_in_200ms(fakes: FakeCluster, start_lb) -> None:
+    nodes = fakes.start(150)
+    for node in nodes:
+        node.handlers["/flush_cache"] = reply(200, {"success": True}, delay=0.2)
+    lb = start_lb(*node_args(*(n.url for n in nodes)), fast_health=False)
+    timings = []
+    for _ in range(3):
+        started = time.monotonic()
+        answer = lb.http.post("/flush_cache")
+        timings.append(time.monotonic() - started)
+        assert answer.status_code == 200 and answer.json()["total"] == 150
+    assert max(timings) < 0.6, timings  # measured: about 0.21 s each, the first included
+
+
+def test_release_stops_routing_at_once_and_resume_restores_it(fakes: FakeCluster, start_lb) -> None:
+    """With health checks 60 s apart, only the fan-out itself can change what the LB routes to."""
+    nodes = fakes.start(2)
+    lb = start_lb(*node_args(*(n.url for n in nodes)), "--health-interval", "60", fast_health=False)
+    assert all(n["routable"] for n in lb.nodes())
+    assert lb.http.post("/release_memory_occupation").status_code == 200
+    assert not any(n["routable"] for n in lb.nodes())
+    assert all(n["tags"]["weights"]["state"] == "released" for n in lb.nodes())
+    assert lb.http.post("/generate", json={"text": "x"}).status_code == 503
+    assert lb.http.post("/resume_memory_occupation").status_code == 200
+    assert all(n["routable"] for n in lb.nodes())
+    assert lb.http.post("/generate", json={"text": "x"}).status_code == 200
+    assert lb.metric("handoff_lb_fanout_seconds_count", path="/release_memory_occupation") == 1
+
+
+def test_nodes_stop_taking_generation_as_soon_as_a_release_starts(module_fakes: FakeCluster, shared_lb: LB) -> None:
+    node = module_fakes.start_one()
+    gate = Gate(module_fakes)
+
+    async def slow_release(fake, ex) -> None:
+        await gate.wait()
+        fake.set_released(True)
+        ex.respond(200, {"success": True})
+
+    node.handlers["/release_memory_occupation"] = slow_release
+    set_members(shared_lb, node.url)
+    with ThreadPoolExecutor(1) as pool:
+        release = pool.submit(shared_lb.http.post, "/release_memory_occupation", json={"mode": "wait"})
+        wait_until(lambda: node.requests_to("/release_memory_occupation"), timeout=5, what="release sent")
+        assert shared_lb.node(node.url)["routable"] is False  # still serving, but fenced
+        refused = shared_lb.http.post("/generate", json={"text": "x"})
+        assert refused.status_code == 503 and "release or pause in progress" in refused.json()["error"]["message"]
+        gate.open()
+        assert release.result(timeout=10).status_code == 200
+    assert not node.requests_to("/generate")

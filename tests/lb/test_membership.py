@@ -1,0 +1,111 @@
+"""Membership, health checks and the cluster views of a real LB process."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.lb.behaviours import reply
+from tests.lb.fakes import FakeCluster
+from tests.lb.lbproc import LB, node_args, set_members
+from tests.support.procs import wait_until
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def test_nodes_from_flags(fakes: FakeCluster, start_lb) -> None:
+    mixed, prefill, decode = fakes.start(3)
+    plain = fakes.start_one(is_sidecar=False)
+    lb = start_lb("--node", mixed.url, "--prefill", f"{prefill.url}@8998", "--decode", decode.url,
+                  "--node", plain.url)
+    views = {n["url"]: n for n in lb.nodes()}
+    assert [(views[n.url]["role"], views[n.url]["kind"]) for n in (mixed, prefill, decode, plain)] == [
+        ("mixed", "sidecar"), ("prefill", "sidecar"), ("decode", "sidecar"), ("mixed", "plain")]
+    assert views[prefill.url]["bootstrap_port"] == 8998
+    sidecar = views[mixed.url]
+    assert sidecar["health"] == "healthy" and sidecar["routable"] and sidecar["source"] == "flag"
+    assert sidecar["tags"]["weights"] == {"state": "resident", "bytes": 1000}
+    assert sidecar["weight_version"] == "default" and sidecar["in_flight"] == 0
+    assert sidecar["last_seen"] is not None and sidecar["last_error"] is None
+    assert views[plain.url]["health"] == "healthy" and views[plain.url]["routable"]
+    assert plain.requests_to("/health")
+    assert lb.metric("handoff_lb_nodes", role="mixed") == 2
+    assert lb.metric("handoff_lb_node_healthy", node=mixed.url, role="mixed") == 1
+    health = lb.http.get("/health").json()
+    assert health == {"status": "ok", "num_nodes": 4, "num_routable": 4}
+
+
+def test_admin_api_adds_and_removes_nodes(module_fakes: FakeCluster, shared_lb: LB) -> None:
+    node = module_fakes.start_one()
+    set_members(shared_lb)
+    added = shared_lb.http.post("/nodes", json={"url": node.url + "/", "role": "decode"})
+    assert added.status_code == 201
+    assert added.json()["node"]["url"] == node.url and added.json()["node"]["health"] == "healthy"
+    again = shared_lb.http.post("/nodes", json={"url": node.url, "role": "mixed"})
+    assert again.status_code == 409 and again.json()["error"]["type"] == "node_exists"
+    for bad in ({"url": "ftp://x"}, {"url": "http://h:1/path"}, {"url": node.url, "role": "gpu"},
+                {"url": node.url, "extra": 1}, {"url": "http://h:1", "bootstrap_port": 9}):
+        answer = shared_lb.http.post("/nodes", json=bad)
+        assert answer.status_code == 400 and answer.json()["error"]["type"] == "invalid_request", bad
+    removed = shared_lb.http.request("DELETE", "/nodes", json={"url": node.url})
+    assert removed.status_code == 200 and removed.json()["removed"]["url"] == node.url
+    missing = shared_lb.http.delete("/nodes", params={"url": node.url})
+    assert missing.status_code == 404 and missing.json()["error"]["type"] == "node_not_found"
+    assert shared_lb.http.delete("/nodes").status_code == 400
+    assert shared_lb.nodes() == []
+
+
+def test_health_goes_down_and_comes_back(module_fakes: FakeCluster, shared_lb: LB) -> None:
+    node = module_fakes.start_one()
+    set_members(shared_lb, node.url)
+    node.handlers["/memory_occupation"] = reply(500, b"oops")
+    wait_until(lambda: shared_lb.node(node.url)["health"] == "unhealthy", timeout=10, what="unhealthy")
+    assert "500" in shared_lb.node(node.url)["last_error"]
+    assert shared_lb.metric("handoff_lb_node_healthy", node=node.url, role="mixed") == 0
+    del node.handlers["/memory_occupation"]
+    wait_until(lambda: shared_lb.node(node.url)["routable"], timeout=10, what="healthy again")
+
+
+def test_memory_occupation_is_aggregated_from_a_fresh_check(fakes: FakeCluster, start_lb) -> None:
+    nodes = fakes.start(3)
+    lb = start_lb(*node_args(*(n.url for n in nodes)), "--health-interval", "60", fast_health=False)
+    nodes[0].set_released()
+    nodes[1].state["weight_version"] = "step-12"
+    view = lb.http.get("/memory_occupation").json()
+    assert view["total"] == 3 and view["healthy"] == 3 and view["serving"] == 2
+    assert view["tags"]["weights"] == {"resident": 2, "releasing": 0, "released": 1, "resuming": 0,
+                                       "unknown": 0, "bytes": 2000}
+    assert view["weight_versions"] == {"default": 2, "step-12": 1}
+    assert view["device"] == {"free_bytes": 3, "total_bytes": 6}
+
+
+def test_dns_discovery_adds_and_removes_nodes(fakes: FakeCluster, start_lb, tmp_path: Path) -> None:
+    first = fakes.start_one(host="127.0.0.1")
+    second = fakes.start_one(host="127.0.0.2", port=first.port)
+    third = fakes.start_one(host="127.0.0.3", port=first.port)
+    answers = tmp_path / "dns.json"
+
+    def publish(hosts: dict[str, list[str]]) -> None:
+        tmp = answers.with_suffix(".tmp")
+        tmp.write_text(json.dumps(hosts))
+        tmp.replace(answers)
+
+    publish({"nodes.test": ["127.0.0.1", "127.0.0.2"]})
+    lb = start_lb("--discover-dns", f"mixed=nodes.test:{first.port}", "--discover-interval", "0.2",
+                  module="tests.lb.dns_lb", env={"HANDOFF_TEST_DNS_FILE": str(answers)})
+
+    def members() -> set[str]:
+        return {n["url"] for n in lb.nodes()}
+
+    assert members() == {first.url, second.url}
+    assert {n["source"] for n in lb.nodes()} == {f"dns mixed=nodes.test:{first.port}"}
+    publish({"nodes.test": ["127.0.0.2", "127.0.0.3"]})
+    wait_until(lambda: members() == {second.url, third.url}, timeout=10, what="membership to follow DNS")
+    wait_until(lambda: lb.node(third.url)["routable"], timeout=10, what="the new node checked")
+    publish({})  # the lookup fails: keep what we have
+    wait_until(lambda: "lookup failed" in lb.log(), timeout=10, what="a failed lookup")
+    assert members() == {second.url, third.url}
+    log = lb.log()
+    assert f"added ['{third.url}']" in log and f"removed ['{first.url}']" in log

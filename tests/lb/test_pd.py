@@ -1,0 +1,126 @@
+"""Prefill/decode routing through a real LB process: the SGLang PD protocol against fake nodes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.lb.behaviours import reply, sse
+from tests.lb.fakes import FakeCluster, FakeNode
+from tests.lb.lbproc import LB, node_args, set_members
+
+pytestmark = pytest.mark.timeout(30)
+
+DECODE_ANSWER = {"text": "out", "meta_info": {"input_token_logprobs": [[-0.3, 3, None]], "completion_tokens": 2}}
+PREFILL_ANSWER = {"text": "", "meta_info": {"input_token_logprobs": [[None, 1, None], [-1.5, 2, None]]}}
+
+
+def pd_pair(fakes: FakeCluster) -> tuple[FakeNode, FakeNode]:
+    prefill, decode = fakes.start(2)
+    prefill.handlers["/generate"] = reply(200, PREFILL_ANSWER)
+    decode.handlers["/generate"] = reply(200, DECODE_ANSWER)
+    return prefill, decode
+
+
+def test_single_request_gets_bootstrap_fields_and_the_decode_answer(module_fakes: FakeCluster,
+                                                                     shared_lb: LB) -> None:
+    prefill, decode = pd_pair(module_fakes)
+    lb = shared_lb
+    set_members(lb, (prefill.url, "prefill", 8998), (decode.url, "decode"))
+    answer = lb.http.post("/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 2}})
+    assert answer.status_code == 200 and answer.json() == DECODE_ANSWER
+    [to_prefill], [to_decode] = prefill.requests_to("/generate"), decode.requests_to("/generate")
+    assert to_prefill.body == to_decode.body
+    sent = to_decode.json()
+    assert sent["text"] == "hi" and sent["sampling_params"] == {"max_new_tokens": 2}
+    assert sent["bootstrap_host"] == "127.0.0.1" and sent["bootstrap_port"] == 8998
+    assert isinstance(sent["bootstrap_room"], int) and 0 <= sent["bootstrap_room"] < 2 ** 63
+
+
+@pytest.mark.parametrize("payload,size", [({"text": ["a", "b", "c"]}, 3), ({"input_ids": [[1, 2], [3]]}, 2),
+                                          ({"input_ids": [1, 2, 3]}, None)])
+def test_batches_get_lists(module_fakes: FakeCluster, shared_lb: LB, payload: dict, size: int | None) -> None:
+    prefill, decode = pd_pair(module_fakes)
+    lb = shared_lb
+    set_members(lb, (prefill.url, "prefill"), (decode.url, "decode"))
+    assert lb.http.post("/generate", json=payload).status_code == 200
+    sent = decode.requests_to("/generate")[0].json()
+    if size is None:
+        assert sent["bootstrap_port"] is None and isinstance(sent["bootstrap_room"], int)
+        return
+    assert sent["bootstrap_host"] == ["127.0.0.1"] * size and sent["bootstrap_port"] == [None] * size
+    assert len(set(sent["bootstrap_room"])) == size
+
+
+def test_input_logprobs_are_merged_when_asked(module_fakes: FakeCluster, shared_lb: LB) -> None:
+    prefill, decode = pd_pair(module_fakes)
+    lb = shared_lb
+    set_members(lb, (prefill.url, "prefill"), (decode.url, "decode"))
+    merged = lb.http.post("/generate", json={"text": "hi", "return_logprob": True}).json()
+    assert merged["meta_info"]["input_token_logprobs"] == [[None, 1, None], [-1.5, 2, None], [-0.3, 3, None]]
+    assert merged["meta_info"]["completion_tokens"] == 2
+    plain = lb.http.post("/generate", json={"text": "hi"}).json()
+    assert plain == DECODE_ANSWER
+
+
+def test_streams_relay_the_decode_bytes_and_merge_logprobs_when_asked(module_fakes: FakeCluster,
+                                                                      shared_lb: LB) -> None:
+    prefill, decode = module_fakes.start(2)
+    prefill.handlers["/generate"] = sse([b"data: " + json.dumps(PREFILL_ANSWER).encode() + b"\n\n",
+                                         b"data: [DONE]\n\n"])
+    events = [b'data: {"text": "a", "meta_info": {"input_token_logprobs": []}}\n\n',
+              b'data: {"text": "ab", "meta_info": {"input_token_logprobs": []}}\n\n', b"data: [DONE]\n\n"]
+    decode.handlers["/generate"] = sse([events[0][:20], events[0][20:], *events[1:]])
+    lb = shared_lb
+    set_members(lb, (prefill.url, "prefill"), (decode.url, "decode"))
+    plain = lb.http.post("/generate", json={"text": "hi", "stream": True})
+    assert plain.content == b"".join(events)
+    merged = lb.http.post("/generate", json={"text": "hi", "stream": True, "return_logprob": True})
+    data = [line for line in merged.content.split(b"\n\n") if line]
+    assert data[-1] == b"data: [DONE]"
+    for event in data[:-1]:
+        logprobs = json.loads(event.removeprefix(b"data: "))["meta_info"]["input_token_logprobs"]
+        assert logprobs == PREFILL_ANSWER["meta_info"]["input_token_logprobs"]
+
+
+def test_chat_completions_get_bootstrap_fields(module_fakes: FakeCluster, shared_lb: LB) -> None:
+    prefill, decode = module_fakes.start(2)
+    lb = shared_lb
+    set_members(lb, (prefill.url, "prefill", 9000), (decode.url, "decode"))
+    answer = lb.http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+    assert answer.status_code == 200 and answer.json()["node"] == decode.url
+    sent = prefill.requests_to("/v1/chat/completions")[0].json()
+    assert sent["bootstrap_port"] == 9000 and sent["messages"][0]["content"] == "hi"
+
+
+def test_a_refusing_prefill_node_is_replaced(fakes: FakeCluster, start_lb) -> None:
+    gone, prefill, decode = fakes.start(3)
+    prefill.handlers["/generate"] = reply(200, PREFILL_ANSWER)
+    decode.handlers["/generate"] = reply(200, DECODE_ANSWER)
+    lb = start_lb(*node_args(gone.url, prefill.url, flag="--prefill"), "--decode", decode.url,
+                  "--policy", "round_robin", "--health-interval", "60", fast_health=False)
+    gone.stop()
+    for _ in range(3):
+        assert lb.http.post("/generate", json={"text": "hi"}).json() == DECODE_ANSWER
+    assert lb.metric("handoff_lb_generate_retries_total") >= 1
+    rooms = [r.json()["bootstrap_room"] for r in decode.requests_to("/generate")]
+    assert len(rooms) >= 3 and len(set(rooms)) == len(rooms)  # each attempt is a new pair with a new room
+
+
+def test_no_decode_node_serving_is_503(module_fakes: FakeCluster, shared_lb: LB) -> None:
+    prefill, decode = pd_pair(module_fakes)
+    decode.set_released()
+    lb = shared_lb
+    set_members(lb, (prefill.url, "prefill"), (decode.url, "decode"))
+    answer = lb.http.post("/generate", json={"text": "hi"})
+    assert answer.status_code == 503 and answer.json()["error"]["type"] == "no_available_node"
+    assert "decode" in answer.json()["error"]["message"] and "retry-after" in answer.headers
+
+
+def test_a_body_that_is_not_json_is_400_in_pd_mode(module_fakes: FakeCluster, shared_lb: LB) -> None:
+    prefill, decode = pd_pair(module_fakes)
+    lb = shared_lb
+    set_members(lb, (prefill.url, "prefill"), (decode.url, "decode"))
+    answer = lb.http.post("/generate", content=b"\xff not json")
+    assert answer.status_code == 400 and answer.json()["error"]["type"] == "invalid_request"

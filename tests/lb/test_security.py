@@ -1,0 +1,102 @@
+"""Auth (SPEC 6), body limits, the error envelope, JSON logs and flag errors of a real LB process."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from lb.__main__ import main as lb_main
+from tests.lb.fakes import FakeCluster
+from tests.support.procs import REPO_ROOT
+
+pytestmark = pytest.mark.timeout(30)
+
+ADMIN = "admin-s3cret-token"
+API_KEY = "api-k3y-value"
+
+
+def bearer(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
+@pytest.mark.parametrize("via", ["flags", "env"])
+def test_admin_token_and_api_key(fakes: FakeCluster, start_lb, via: str) -> None:
+    node = fakes.start_one()
+    if via == "flags":
+        lb = start_lb("--node", node.url, "--admin-token", ADMIN, "--api-key", API_KEY, "--log-format", "json")
+    else:
+        lb = start_lb("--node", node.url, "--log-format", "json",
+                      env={"HANDOFF_ADMIN_TOKEN": ADMIN, "HANDOFF_API_KEY": API_KEY})
+    http = lb.http
+    for headers in ({}, bearer("wrong"), bearer(API_KEY)):
+        answer = http.post("/release_memory_occupation", headers=headers)
+        assert answer.status_code == 401 and answer.json()["error"]["type"] == "unauthorized"
+        assert answer.headers["www-authenticate"] == "Bearer"
+        assert http.post("/nodes", json={"url": "http://127.0.0.1:9"}, headers=headers).status_code == 401
+        assert http.delete("/nodes", params={"url": node.url}, headers=headers).status_code == 401
+        assert http.get("/flush_cache", headers=headers).status_code == 401
+    assert http.post("/release_memory_occupation", headers=bearer(ADMIN)).status_code == 200
+    for headers in ({}, bearer("wrong")):
+        assert http.post("/generate", json={"text": "x"}, headers=headers).status_code == 401
+    assert http.post("/resume_memory_occupation", headers=bearer(ADMIN)).status_code == 200
+    assert http.post("/generate", json={"text": "x"}, headers=bearer(API_KEY)).status_code == 200
+    # the admin token authorizes everything, generation included (the LB uses it towards the nodes)
+    assert http.post("/generate", json={"text": "x"}, headers=bearer(ADMIN)).status_code == 200
+    for view in ("/health", "/nodes", "/memory_occupation", "/metrics"):
+        assert http.get(view).status_code == 200, view
+    # the LB's own token goes to the node on every call; the client's key never does
+    seen = {r.path: r.headers.get("authorization") for r in node.requests}
+    assert seen["/release_memory_occupation"] == seen["/memory_occupation"] == f"Bearer {ADMIN}"
+    assert seen["/generate"] == f"Bearer {ADMIN}"
+    # the harness writes the command line into the log first; everything else is the LB's own output
+    output = [line for line in lb.log().splitlines() if line and not line.startswith("=== start")]
+    assert not any(ADMIN in line or API_KEY in line for line in output)
+    events = [json.loads(line) for line in output]
+    assert events and all({"ts", "level", "service", "msg"} <= e.keys() for e in events)
+
+
+def test_oversized_bodies_are_413(fakes: FakeCluster, start_lb) -> None:
+    node = fakes.start_one()
+    lb = start_lb("--node", node.url, "--max-body-bytes", "1000")
+    for path in ("/generate", "/release_memory_occupation"):
+        declared = lb.http.post(path, content=b"x" * 2000)
+        assert declared.status_code == 413 and declared.json()["error"]["type"] == "payload_too_large"
+        chunked = lb.http.post(path, content=iter([b"y" * 600, b"y" * 600]))
+        assert chunked.status_code == 413 and chunked.json()["error"]["type"] == "payload_too_large"
+    assert not node.requests_to("/generate") and not node.requests_to("/release_memory_occupation")
+    assert lb.http.post("/generate", content=b'{"text": "small"}').status_code == 200
+
+
+def test_every_error_is_the_envelope(fakes: FakeCluster, start_lb) -> None:
+    lb = start_lb()
+    for method, path, status in (("GET", "/nope", 404), ("GET", "/generate", 405), ("PUT", "/flush_cache", 405),
+                                 ("POST", "/nodes", 400), ("POST", "/generate", 503)):
+        answer = lb.http.request(method, path, content=b"{}")
+        assert answer.status_code == status, (method, path)
+        assert set(answer.json()["error"]) >= {"type", "message"}, (method, path)
+    assert lb.metric("handoff_lb_requests_total", route="other", code="404") == 1
+    assert lb.metric("handoff_lb_requests_total", route="/generate", code="503") == 1
+
+
+@pytest.mark.parametrize("args,field", [
+    (["--control-timeout", "0"], "control_timeout_s"),
+    (["--control-timeout", "100", "--max-control-timeout", "10"], "max_control_timeout_s"),
+    (["--node", "localhost:8000"], "http://"),
+    (["--prefill", "http://127.0.0.1:8000@notaport"], "bootstrap port"),
+    (["--discover-dns", "gpu=svc:8000"], "discover_dns role"),
+    (["--node", "http://127.0.0.1:1", "--node", "http://127.0.0.1:1/"], "listed twice"),
+    (["--unhealthy-threshold", "0"], "unhealthy_threshold"),
+])
+def test_bad_flags_exit_naming_the_field(args: list[str], field: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        lb_main([*args, "--port", "0"])  # fails in flag parsing, before anything is served
+    assert info.value.code == 2 and field in capsys.readouterr().err
+
+
+def test_the_module_entry_point_reports_bad_flags() -> None:
+    done = subprocess.run([sys.executable, "-m", "lb", "--control-timeout", "-1"], cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=20)
+    assert done.returncode == 2 and "control_timeout_s" in done.stderr, done.stderr

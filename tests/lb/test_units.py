@@ -1,0 +1,190 @@
+"""The LB's pure parts, in process: config validation, policies, PD helpers, discovery, views."""
+
+from __future__ import annotations
+
+import json
+import socket
+from collections import Counter
+
+import pytest
+
+from lb.config import DnsTarget, LBConfig, NodeSpec, Policy, Role
+from lb.discovery import DnsDiscovery, node_url
+from lb.errors import NoAvailableNode, NodeExists
+from lb.membership import Membership, Node, NodeHealth
+from lb.metrics import LBMetrics
+from lb.pd import MergeInputLogprobs, batch_size, bootstrap_host, merge_input_logprobs, with_bootstrap
+from lb.routing import LeastInflight, PowerOfTwo, Router
+from lb.views import cluster_occupation
+
+pytestmark = pytest.mark.timeout(10)
+
+
+def make_nodes(*urls: str, role: Role = Role.MIXED, serving: bool = True) -> tuple[Membership, list[Node]]:
+    membership = Membership(LBMetrics())
+    nodes = []
+    for url in urls:
+        node = membership.add(NodeSpec(url, role), "test")
+        node.set_health(NodeHealth.HEALTHY)
+        node.set_serving(serving, "open" if serving else "closed")
+        nodes.append(node)
+    return membership, nodes
+
+
+# -- config ---------------------------------------------------------------------
+
+def test_node_specs_parse_and_normalize() -> None:
+    assert NodeSpec.parse("http://10.0.0.1:30000/", Role.MIXED).url == "http://10.0.0.1:30000"
+    spec = NodeSpec.parse("http://10.0.0.2:30000@8998", Role.PREFILL)
+    assert (spec.url, spec.bootstrap_port) == ("http://10.0.0.2:30000", 8998)
+    assert NodeSpec.parse("http://[::1]:8000", Role.DECODE).url == "http://[::1]:8000"
+    for bad in ("10.0.0.1:80", "https://h:1", "http://h:1/x", "http://h:0", "http://", "http://h:1?q"):
+        with pytest.raises(ValueError):
+            NodeSpec(bad)
+    with pytest.raises(ValueError, match="only for prefill"):
+        NodeSpec("http://h:1", Role.DECODE, 8998)
+
+
+def test_dns_targets_parse() -> None:
+    target = DnsTarget.parse("prefill=nodes.ns.svc:30000@8998")
+    assert (target.role, target.host, target.port, target.bootstrap_port) == (Role.PREFILL, "nodes.ns.svc",
+                                                                               30000, 8998)
+    assert str(DnsTarget.parse("mixed=svc:1")) == "mixed=svc:1"
+    for bad in ("svc:1", "gpu=svc:1", "mixed=svc", "mixed=svc:x", "decode=svc:1@2"):
+        with pytest.raises(ValueError):
+            DnsTarget.parse(bad)
+
+
+@pytest.mark.parametrize("field,value", [("control_timeout_s", 0), ("health_interval_s", -1),
+                                         ("healthy_threshold", 0), ("max_body_bytes", 0),
+                                         ("discover_interval_s", "1")])
+def test_config_errors_name_the_field(field: str, value: object) -> None:
+    with pytest.raises(ValueError, match=field):
+        LBConfig(**{field: value})
+
+
+def test_config_hides_its_secrets() -> None:
+    config = LBConfig(admin_token="tok-1", api_key="key-2", policy="round_robin")
+    assert config.policy is Policy.ROUND_ROBIN
+    assert "tok-1" not in repr(config) and "key-2" not in repr(config)
+
+
+# -- membership and routing -------------------------------------------------------
+
+def test_health_transitions_are_guarded() -> None:
+    membership, [node] = make_nodes("http://h:1")
+    membership.remove(node.url, "test")
+    with pytest.raises(RuntimeError, match="removed"):
+        node.set_health(NodeHealth.HEALTHY)
+    membership.add(NodeSpec("http://h:2"), "a")
+    with pytest.raises(NodeExists):
+        membership.add(NodeSpec("http://h:2"), "b")
+
+
+def test_least_inflight_picks_the_least_busy_and_rotates_ties() -> None:
+    _, nodes = make_nodes("http://a:1", "http://b:1", "http://c:1")
+    picker = LeastInflight()
+    assert Counter(picker.pick(nodes).url for _ in range(30)) == {n.url: 10 for n in nodes}
+    nodes[0].begin_request()
+    nodes[1].begin_request()
+    assert {picker.pick(nodes).url for _ in range(10)} == {"http://c:1"}
+
+
+def test_power_of_two_never_picks_the_busiest_of_two() -> None:
+    _, nodes = make_nodes("http://a:1", "http://b:1")
+    for _ in range(5):
+        nodes[0].begin_request()
+    assert {PowerOfTwo().pick(nodes).url for _ in range(20)} == {"http://b:1"}
+
+
+def test_router_skips_fenced_and_released_and_falls_back_to_holding_nodes() -> None:
+    membership, (fenced, released, holding) = make_nodes("http://a:1", "http://b:1", "http://c:1")
+    router = Router(membership, Policy.ROUND_ROBIN, retry_after_s=2)
+    fenced.fence()
+    released.set_serving(False, "closed")
+    holding.set_serving(False, "holding")
+    assert router.pick(Role.MIXED) is holding
+    with pytest.raises(NoAvailableNode) as info:
+        router.pick(Role.MIXED, exclude=[holding])
+    assert info.value.headers["Retry-After"] == "2"
+    assert "release or pause in progress" in info.value.message
+    fenced.unfence()
+    assert router.pick(Role.MIXED) is fenced
+
+
+# -- PD -------------------------------------------------------------------------------
+
+def test_batch_size_follows_sglang() -> None:
+    assert batch_size({"text": "a"}) is None and batch_size({"text": ["a", "b"]}) == 2
+    assert batch_size({"input_ids": [1, 2]}) is None and batch_size({"input_ids": [[1], [2], [3]]}) == 3
+    assert batch_size({"messages": []}) is None
+
+
+def test_bootstrap_fields() -> None:
+    _, [node] = make_nodes("http://[fd00::1]:30000", role=Role.PREFILL)
+    assert bootstrap_host(node) == "[fd00::1]"
+    payload = {"text": ["a", "b"]}
+    out = with_bootstrap(payload, node)
+    assert payload == {"text": ["a", "b"]}  # the caller's dict is not changed
+    assert out["bootstrap_host"] == ["[fd00::1]"] * 2 and out["bootstrap_port"] == [None, None]
+    assert len(set(out["bootstrap_room"])) == 2
+
+
+def test_merge_input_logprobs_of_batches() -> None:
+    prefill = [{"meta_info": {"input_token_logprobs": [1], "input_top_logprobs": [["p"]]}},
+               {"meta_info": {"input_token_logprobs": [2]}}]
+    decode = [{"meta_info": {"input_token_logprobs": [9]}}, {"meta_info": {"input_token_logprobs": None}}]
+    merge_input_logprobs(prefill, decode)
+    assert decode == [{"meta_info": {"input_token_logprobs": [1, 9], "input_top_logprobs": [["p"]]}},
+                      {"meta_info": {"input_token_logprobs": [2]}}]
+
+
+def test_merging_stream_handles_events_split_anywhere() -> None:
+    events = b'data: {"meta_info": {"input_token_logprobs": [3]}}\n\n: comment\n\ndata: [DONE]\n\n'
+    for cut in range(1, len(events)):
+        merge = MergeInputLogprobs({"meta_info": {"input_token_logprobs": [1, 2]}})
+        out = merge.feed(events[:cut]) + merge.feed(events[cut:]) + merge.finish()
+        first, comment, done, _ = out.split(b"\n\n")
+        assert json.loads(first[5:])["meta_info"]["input_token_logprobs"] == [1, 2, 3]
+        assert (comment, done) == (b": comment", b"data: [DONE]")
+
+
+# -- discovery and views --------------------------------------------------------------
+
+async def test_discovery_follows_the_resolver_and_survives_failures() -> None:
+    membership = Membership(LBMetrics())
+    membership.add(NodeSpec("http://10.0.0.9:80"), "flag")
+    answers: dict[str, list[str]] = {"svc": ["10.0.0.1", "fd00::2"]}
+    added_batches: list[list[str]] = []
+
+    async def resolver(host: str, port: int) -> list[str]:
+        if host not in answers:
+            raise socket.gaierror(socket.EAI_NONAME, "unknown")
+        return answers[host]
+
+    async def on_added(nodes: list[Node]) -> None:
+        added_batches.append([n.url for n in nodes])
+
+    discovery = DnsDiscovery([DnsTarget.parse("decode=svc:80")], membership, 1.0, resolver, on_added)
+    await discovery.refresh()
+    assert [n.url for n in membership.nodes(Role.DECODE)] == ["http://10.0.0.1:80", "http://[fd00::2]:80"]
+    answers["svc"] = ["10.0.0.1", "10.0.0.3"]
+    await discovery.refresh()
+    assert [n.url for n in membership.nodes(Role.DECODE)] == ["http://10.0.0.1:80", "http://10.0.0.3:80"]
+    assert added_batches == [["http://10.0.0.1:80", "http://[fd00::2]:80"], ["http://10.0.0.3:80"]]
+    del answers["svc"]
+    await discovery.refresh()
+    assert len(membership.nodes(Role.DECODE)) == 2
+    answers["svc"] = []
+    await discovery.refresh()
+    assert membership.nodes(Role.DECODE) == [] and len(membership) == 1  # the flag's node stays
+    assert node_url("fd00::1", 5) == "http://[fd00::1]:5"
+
+
+def test_unhealthy_nodes_count_as_unknown_in_the_aggregate() -> None:
+    _, (good, down) = make_nodes("http://a:1", "http://b:1")
+    good.occupation = {"tags": {"weights": {"state": "released", "bytes": 0}}}
+    down.occupation = {"tags": {"weights": {"state": "resident", "bytes": 7}}}
+    down.set_health(NodeHealth.UNHEALTHY)
+    weights = cluster_occupation([good, down])["tags"]["weights"]
+    assert (weights["released"], weights["unknown"], weights["bytes"]) == (1, 1, 0)

@@ -1,0 +1,355 @@
+"""The pooled upstream client against real loopback servers that misbehave on purpose."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from typing import Awaitable, Callable
+
+import pytest
+
+from handoff.service.upstream import (
+    ClientClosed,
+    ConnectFailed,
+    ConnectionDropped,
+    ProtocolError,
+    UpstreamClient,
+    UpstreamTimeout,
+)
+
+pytestmark = pytest.mark.timeout(20)
+
+Handler = Callable[["Conn"], Awaitable[None]]
+
+
+class Conn:
+    """One accepted connection of a :class:`ScriptedServer`, read request by request."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader = reader
+        self.writer = writer
+
+    async def read_request(self) -> tuple[str, dict[str, str], bytes] | None:
+        """(request line, headers, body) or None at EOF."""
+        try:
+            head = await self.reader.readuntil(b"\r\n\r\n")
+        except (asyncio.IncompleteReadError, ConnectionError):
+            return None
+        lines = head.decode("latin-1").split("\r\n")
+        headers = {}
+        for line in lines[1:]:
+            if line:
+                name, _, value = line.partition(":")
+                headers[name.strip().lower()] = value.strip()
+        body = await self.reader.readexactly(int(headers.get("content-length", "0")))
+        return lines[0], headers, body
+
+    async def respond(self, status: int = 200, body: bytes = b"ok", extra: str = "") -> None:
+        self.writer.write(f"HTTP/1.1 {status} X\r\nContent-Length: {len(body)}\r\n{extra}\r\n".encode() + body)
+        await self.writer.drain()
+
+
+class ScriptedServer:
+    """A loopback TCP server running ``handler`` for each connection; counts connections."""
+
+    def __init__(self, handler: Handler) -> None:
+        self.handler = handler
+        self.num_connections = 0
+        self.closed_by_peer = asyncio.Event()
+        self.server: asyncio.Server | None = None
+
+    async def __aenter__(self) -> ScriptedServer:
+        self.server = await asyncio.start_server(self._on_connection, "127.0.0.1", 0, backlog=1024)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self.server is not None
+        self.server.close()
+
+    @property
+    def url(self) -> str:
+        assert self.server is not None
+        return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+
+    async def _on_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.num_connections += 1
+        try:
+            await self.handler(Conn(reader, writer))
+        except (ConnectionError, asyncio.IncompleteReadError):
+            self.closed_by_peer.set()
+        finally:
+            writer.close()
+
+
+async def serve_ok(conn: Conn) -> None:
+    while (request := await conn.read_request()) is not None:
+        line, headers, body = request
+        await conn.respond(200, f"{line}|{headers.get('x-tag', '')}|".encode() + body)
+
+
+@pytest.fixture
+async def client():
+    c = UpstreamClient()
+    yield c
+    await c.aclose()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def test_get_and_post_reuse_one_keepalive_connection(client: UpstreamClient) -> None:
+    async with ScriptedServer(serve_ok) as server:
+        r1 = await client.request("GET", server.url + "/a?x=1", headers={"X-Tag": "t"}, timeout=5)
+        assert r1.status == 200 and await r1.read() == b"GET /a?x=1 HTTP/1.1|t|"
+        r2 = await client.request("POST", server.url + "/b", body=b"\x00\xffpayload", timeout=5)
+        assert await r2.read() == b"POST /b HTTP/1.1||\x00\xffpayload"
+        r3 = await client.request("POST", server.url + "/empty", timeout=5)
+        assert await r3.read() == b"POST /empty HTTP/1.1||"
+        assert server.num_connections == 1
+        assert client.num_idle == 1
+
+
+async def test_chunked_body_is_streamed_as_it_arrives(client: UpstreamClient) -> None:
+    release_second = asyncio.Event()
+
+    async def handler(conn: Conn) -> None:
+        await conn.read_request()
+        conn.writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nfirst\r\n")
+        await conn.writer.drain()
+        await release_second.wait()
+        conn.writer.write(b"6\r\nsecond\r\n0\r\n\r\n")
+        await conn.writer.drain()
+        await conn.read_request()
+
+    async with ScriptedServer(handler) as server:
+        response = await client.request("GET", server.url + "/s", timeout=5)
+        chunks = response.aiter_bytes()
+        assert await chunks.__anext__() == b"first"  # arrives before the server sends the rest
+        release_second.set()
+        assert [c async for c in chunks] == [b"second"]
+        assert client.num_idle == 1
+
+
+async def test_body_read_until_close(client: UpstreamClient) -> None:
+    async def handler(conn: Conn) -> None:
+        await conn.read_request()
+        conn.writer.write(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\nuntil the end")
+        await conn.writer.drain()
+
+    async with ScriptedServer(handler) as server:
+        response = await client.request("GET", server.url, timeout=5)
+        assert await response.read() == b"until the end"
+        assert client.num_connections == 0
+
+
+async def test_no_content_statuses_have_no_body(client: UpstreamClient) -> None:
+    async def handler(conn: Conn) -> None:
+        while await conn.read_request() is not None:
+            conn.writer.write(b"HTTP/1.1 204 No Content\r\n\r\n")
+
+    async with ScriptedServer(handler) as server:
+        for _ in range(2):
+            response = await client.request("DELETE", server.url + "/x", timeout=5)
+            assert response.status == 204 and await response.read() == b""
+        assert server.num_connections == 1
+
+
+@pytest.mark.parametrize("endless", [False, True])
+async def test_capped_read_stops_and_closes_the_connection(client: UpstreamClient, endless: bool) -> None:
+    async def handler(conn: Conn) -> None:
+        await conn.read_request()
+        if endless:
+            conn.writer.write(b"HTTP/1.1 500 X\r\nTransfer-Encoding: chunked\r\n\r\n")
+            while True:
+                conn.writer.write(b"4000\r\n" + b"e" * 0x4000 + b"\r\n")
+                await conn.writer.drain()
+        else:
+            await conn.respond(500, b"x" * (1 << 20))
+            await conn.reader.read()
+
+    async with ScriptedServer(handler) as server:
+        response = await client.request("POST", server.url, timeout=5)
+        body = await response.read(max_bytes=512)
+        assert len(body) == 512 and response.is_truncated
+        assert client.num_connections == 0
+        if endless:
+            await asyncio.wait_for(server.closed_by_peer.wait(), 5)
+
+
+async def test_capped_read_of_a_short_body_keeps_the_connection(client: UpstreamClient) -> None:
+    async with ScriptedServer(serve_ok) as server:
+        response = await client.request("GET", server.url + "/", timeout=5)
+        body = await response.read(max_bytes=512)
+        assert body.startswith(b"GET / ") and not response.is_truncated
+        assert client.num_idle == 1
+
+
+async def test_refused_connection_is_connect_failed(client: UpstreamClient) -> None:
+    url = f"http://127.0.0.1:{free_port()}/x"
+    with pytest.raises(ConnectFailed) as info:
+        await client.request("POST", url, timeout=5)
+    assert isinstance(info.value.__cause__, OSError) and info.value.url == url
+
+
+async def test_hung_peer_costs_the_deadline(client: UpstreamClient) -> None:
+    async def handler(conn: Conn) -> None:
+        await conn.reader.read()
+
+    async with ScriptedServer(handler) as server:
+        started = asyncio.get_running_loop().time()
+        with pytest.raises(UpstreamTimeout):
+            await client.request("GET", server.url, timeout=0.3)
+        assert asyncio.get_running_loop().time() - started < 2.0
+        assert client.num_connections == 0
+
+
+async def test_headers_then_stall_times_out_on_the_body(client: UpstreamClient) -> None:
+    async def handler(conn: Conn) -> None:
+        await conn.read_request()
+        conn.writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\npartial")
+        await conn.reader.read()
+
+    async with ScriptedServer(handler) as server:
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        response = await client.request("GET", server.url, timeout=0.4)
+        with pytest.raises(UpstreamTimeout):
+            await response.read()
+        assert 0.3 < loop.time() - started < 2.0
+
+
+@pytest.mark.parametrize("when", ["before headers", "in body"])
+async def test_dropped_connection(client: UpstreamClient, when: str) -> None:
+    async def handler(conn: Conn) -> None:
+        await conn.read_request()
+        if when == "in body":
+            conn.writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\npartial")
+            await conn.writer.drain()
+        conn.writer.transport.abort()
+
+    async with ScriptedServer(handler) as server:
+        with pytest.raises(ConnectionDropped):
+            response = await client.request("POST", server.url, timeout=5)
+            await response.read()
+
+
+async def test_garbage_is_a_protocol_error(client: UpstreamClient) -> None:
+    async def handler(conn: Conn) -> None:
+        await conn.read_request()
+        conn.writer.write(b"SSH-2.0-OpenSSH\r\n\r\n")
+        await conn.reader.read()
+
+    async with ScriptedServer(handler) as server:
+        with pytest.raises(ProtocolError) as info:
+            await client.request("GET", server.url, timeout=5)
+        assert info.value.__cause__ is not None
+
+
+async def test_cancelled_request_closes_its_connection(client: UpstreamClient) -> None:
+    got_request = asyncio.Event()
+
+    async def handler(conn: Conn) -> None:
+        await conn.read_request()
+        got_request.set()
+        await conn.reader.read()
+        raise ConnectionResetError("peer went away")
+
+    async with ScriptedServer(handler) as server:
+        task = asyncio.create_task(client.request("GET", server.url, timeout=10))
+        await asyncio.wait_for(got_request.wait(), 5)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.wait_for(server.closed_by_peer.wait(), 5)
+        assert client.num_connections == 0
+
+
+async def test_unread_body_closes_instead_of_pooling(client: UpstreamClient) -> None:
+    async with ScriptedServer(serve_ok) as server:
+        async with await client.request("GET", server.url, timeout=5):
+            pass
+        assert client.num_connections == 0
+        await (await client.request("GET", server.url, timeout=5)).read()
+        assert server.num_connections == 2
+
+
+async def test_idle_connection_closed_by_peer_is_not_reused(client: UpstreamClient) -> None:
+    async def handler(conn: Conn) -> None:
+        await conn.read_request()
+        await conn.respond(200, b"once")  # keep-alive promised, then closed while idle
+
+    async with ScriptedServer(handler) as server:
+        assert await (await client.request("POST", server.url, timeout=5)).read() == b"once"
+        await asyncio.wait_for(_until(lambda: client.num_connections == 0), 5)
+        assert await (await client.request("POST", server.url, timeout=5)).read() == b"once"
+        assert server.num_connections == 2
+
+
+@pytest.mark.parametrize("method", ["GET", "POST"])
+async def test_peer_closing_a_reused_connection_at_send(client: UpstreamClient, method: str) -> None:
+    """The peer reads the second request and closes without a byte: GET is retried, POST is not."""
+    async def handler(conn: Conn) -> None:
+        await conn.read_request()
+        await conn.respond(200, b"first")
+        await conn.read_request()
+
+    async with ScriptedServer(handler) as server:
+        await (await client.request(method, server.url, timeout=5)).read()
+        if method == "GET":
+            assert await (await client.request(method, server.url, timeout=5)).read() == b"first"
+            assert server.num_connections == 2
+        else:
+            with pytest.raises(ConnectionDropped):
+                await client.request(method, server.url, timeout=5)
+            assert server.num_connections == 1
+
+
+async def test_no_connection_limit(client: UpstreamClient) -> None:
+    """150 requests held by the server until all 150 arrived: a pool limit would deadlock."""
+    num_requests = 150
+    arrived = 0
+    all_arrived = asyncio.Event()
+
+    async def handler(conn: Conn) -> None:
+        nonlocal arrived
+        await conn.read_request()
+        arrived += 1
+        if arrived == num_requests:
+            all_arrived.set()
+        await all_arrived.wait()
+        await conn.respond(200, b"go")
+        await conn.read_request()
+
+    async with ScriptedServer(handler) as server:
+        async def one() -> bytes:
+            return await (await client.request("GET", server.url, timeout=10)).read()
+
+        bodies = await asyncio.gather(*(one() for _ in range(num_requests)))
+        assert bodies == [b"go"] * num_requests
+
+
+async def test_aclose_closes_everything_and_refuses_new_requests() -> None:
+    client = UpstreamClient()
+    async with ScriptedServer(serve_ok) as server:
+        await (await client.request("GET", server.url, timeout=5)).read()
+        assert client.num_idle == 1
+        await client.aclose()
+        assert client.num_connections == 0
+        with pytest.raises(ClientClosed):
+            await client.request("GET", server.url, timeout=5)
+
+
+async def test_bad_urls_are_value_errors(client: UpstreamClient) -> None:
+    for url in ("https://127.0.0.1/", "http:///x", "http://h:99999/"):
+        with pytest.raises(ValueError):
+            await client.request("GET", url, timeout=1)
+    with pytest.raises(ValueError):
+        await client.request("GET", "http://127.0.0.1:1/", headers={"X": "a\r\nB: c"}, timeout=1)
+
+
+async def _until(predicate: Callable[[], bool]) -> None:
+    while not predicate():
+        await asyncio.sleep(0.005)

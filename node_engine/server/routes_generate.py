@@ -114,6 +114,8 @@ async def _sse(engine: Engine, run: GenerationRun, first: tuple[AsyncIterator, t
     try:
         async for index, out in events:
             yield event(index, out)
-    except ServiceError as exc:  # a failure mid-stream becomes an error event, never a silent cut
+    except ServiceError as exc:
+        # A failure mid-stream ends with an error event and no [DONE]: [DONE] means complete.
         yield sse_event(exc.envelope())
+        return
     yield DONE_EVENT

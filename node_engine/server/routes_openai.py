@@ -88,8 +88,9 @@ async def completions(request: Request) -> Response:
             try:
                 async for index, out in events:
                     yield chunk(index, out)
-            except ServiceError as exc:
+            except ServiceError as exc:  # an error event and no [DONE]: [DONE] means complete
                 yield sse_event(exc.envelope())
+                return
             if include_usage:
                 yield sse_event({"id": completion_id, "object": "text_completion", "created": created,
                                  "model": engine.config.model_name, "choices": [],
@@ -159,8 +160,9 @@ async def chat_completions(request: Request) -> Response:
                 async for _, out in events:
                     last = out
                     yield chunk({"content": out.text_delta}, out.finish_reason.value if out.finish_reason else None)
-            except ServiceError as exc:
+            except ServiceError as exc:  # an error event and no [DONE]: [DONE] means complete
                 yield sse_event(exc.envelope())
+                return
             if include_usage:
                 yield sse_event({"id": chat_id, "object": "chat.completion.chunk", "created": created,
                                  "model": engine.config.model_name, "choices": [],

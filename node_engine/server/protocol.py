@@ -48,13 +48,12 @@ class GenerateBody(BaseModel):
     bootstrap_room: Any = None
 
 
-class CompletionBody(BaseModel):
-    """``POST /v1/completions`` (OpenAI shape; ``top_k``/``ignore_eos``/``stop_token_ids`` are extensions)."""
+class _OpenAIRequest(BaseModel):
+    """Fields shared by the two OpenAI bodies. ``top_k``, ``ignore_eos``, ``stop_token_ids`` are extensions;
+    features the engine lacks (``n`` > 1, logprobs, penalties) are refused, never silently ignored."""
 
     model_config = _STRICT
     model: str | None = None
-    prompt: Union[str, list[str], list[int], list[list[int]]]
-    max_tokens: int | None = 16
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -66,10 +65,17 @@ class CompletionBody(BaseModel):
     seed: int | None = None
     ignore_eos: bool = False
     user: str | None = None
-    logprobs: None = None
-    echo: Literal[False] = False
     presence_penalty: Literal[0] = 0
     frequency_penalty: Literal[0] = 0
+
+
+class CompletionBody(_OpenAIRequest):
+    """``POST /v1/completions``."""
+
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    max_tokens: int | None = 16
+    logprobs: None = None
+    echo: Literal[False] = False
 
 
 class ChatMessage(BaseModel):
@@ -78,26 +84,13 @@ class ChatMessage(BaseModel):
     content: Union[str, list[dict[str, Any]], None] = None
 
 
-class ChatCompletionBody(BaseModel):
-    model_config = _STRICT
-    model: str | None = None
+class ChatCompletionBody(_OpenAIRequest):
+    """``POST /v1/chat/completions``."""
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    n: Literal[1] = 1
-    stream: bool = False
-    stream_options: dict[str, bool] | None = None
-    stop: Union[str, list[str], None] = None
-    stop_token_ids: list[int] | None = None
-    seed: int | None = None
-    ignore_eos: bool = False
-    user: str | None = None
     logprobs: Literal[False] | None = None
-    presence_penalty: Literal[0] = 0
-    frequency_penalty: Literal[0] = 0
 
 
 class TagsBody(BaseModel):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from fastapi import APIRouter, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -44,6 +44,55 @@ def _usage(prompt: int, completion: int) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
+def _finish(out: RequestOutput) -> str | None:
+    return out.finish_reason.value if out.finish_reason else None
+
+
+class _Answer:
+    """The OpenAI envelope of one answer (``object``, id, model, weight version), whole or streamed."""
+
+    def __init__(self, engine: Engine, obj: str, id_prefix: str) -> None:
+        self.engine = engine
+        self.obj = obj
+        self.id = f"{id_prefix}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+
+    def payload(self, choices: list[dict[str, Any]], usage: dict[str, int] | None = None,
+                obj: str | None = None) -> dict[str, Any]:
+        body: dict[str, Any] = {"id": self.id, "object": obj or self.obj, "created": self.created,
+                                "model": self.engine.config.model_name,
+                                "metadata": {"weight_version": self.engine.weight_version}, "choices": choices}
+        if usage is not None:
+            body["usage"] = usage
+        return body
+
+    async def stream(self, first: tuple[AsyncIterator[tuple[int, RequestOutput]], tuple[int, RequestOutput]],
+                     num_prompts: int, choice: Callable[[int, RequestOutput], dict[str, Any]],
+                     include_usage: bool, chunk_obj: str, preamble: dict[str, Any] | None = None,
+                     ) -> AsyncIterator[bytes]:
+        """The SSE body: one chunk per output; usage last if asked; an error event (and no [DONE]) on failure."""
+        events, head = first
+        totals = [(0, 0)] * num_prompts
+
+        def chunk(index: int, out: RequestOutput) -> bytes:
+            totals[index] = (out.num_prompt_tokens, out.num_output_tokens)
+            return sse_event(self.payload([choice(index, out)], obj=chunk_obj))
+
+        if preamble is not None:
+            yield sse_event(self.payload([preamble], obj=chunk_obj))
+        yield chunk(*head)
+        try:
+            async for index, out in events:
+                yield chunk(index, out)
+        except ServiceError as exc:
+            yield sse_event(exc.envelope())
+            return
+        if include_usage:
+            totals_usage = _usage(sum(p for p, _ in totals), sum(c for _, c in totals))
+            yield sse_event(self.payload([], totals_usage, obj=chunk_obj))
+        yield DONE_EVENT
+
+
 @router.post("/v1/completions", openapi_extra=openapi_body(CompletionBody))
 async def completions(request: Request) -> Response:
     engine: Engine = request.app.state.engine
@@ -64,50 +113,22 @@ async def completions(request: Request) -> Response:
         raise InvalidRequest(f"at most {MAX_BATCH} prompts per request, got {len(id_lists)}")
     prompts = [(ids, _params(engine, body, len(ids), body.max_tokens)) for ids in id_lists]
     run = GenerationRun(engine, prompts)
-    created = int(time.time())
-    completion_id = f"cmpl-{uuid.uuid4().hex}"
-    meta = {"weight_version": engine.weight_version}
+    answer = _Answer(engine, "text_completion", "cmpl")
     if body.stream:
         first = await first_unless_disconnected(request, run)
         if first is None:
             return Response(status_code=CLIENT_CLOSED)
-        include_usage = bool((body.stream_options or {}).get("include_usage"))
-
-        async def chunks() -> AsyncIterator[bytes]:
-            events, head = first
-            totals = [(0, 0)] * run.num_prompts
-
-            def chunk(index: int, out: RequestOutput) -> bytes:
-                totals[index] = (out.num_prompt_tokens, out.num_output_tokens)
-                return sse_event({"id": completion_id, "object": "text_completion", "created": created,
-                                  "model": engine.config.model_name, "metadata": meta,
-                                  "choices": [{"index": index, "text": out.text_delta, "logprobs": None,
-                                               "finish_reason": out.finish_reason.value if out.finish_reason
-                                               else None}]})
-            yield chunk(*head)
-            try:
-                async for index, out in events:
-                    yield chunk(index, out)
-            except ServiceError as exc:  # an error event and no [DONE]: [DONE] means complete
-                yield sse_event(exc.envelope())
-                return
-            if include_usage:
-                yield sse_event({"id": completion_id, "object": "text_completion", "created": created,
-                                 "model": engine.config.model_name, "choices": [],
-                                 "usage": _usage(sum(p for p, _ in totals), sum(c for _, c in totals))})
-            yield DONE_EVENT
-
-        return StreamingResponse(stream_with_abort(run, chunks()), media_type="text/event-stream")
+        chunks = answer.stream(first, run.num_prompts, lambda i, out: {
+            "index": i, "text": out.text_delta, "logprobs": None, "finish_reason": _finish(out)},
+            include_usage=bool((body.stream_options or {}).get("include_usage")), chunk_obj="text_completion")
+        return StreamingResponse(stream_with_abort(run, chunks), media_type="text/event-stream")
     results = await collect_unless_disconnected(request, run)
     if results is None:
         return Response(status_code=CLIENT_CLOSED)
-    return JSONResponse({
-        "id": completion_id, "object": "text_completion", "created": created, "model": engine.config.model_name,
-        "metadata": meta,
-        "choices": [{"index": i, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason,
-                     "matched_stop": c.matched_stop} for i, c in enumerate(results)],
-        "usage": _usage(sum(c.prompt_tokens for c in results), sum(c.completion_tokens for c in results)),
-    })
+    return JSONResponse(answer.payload(
+        [{"index": i, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason,
+          "matched_stop": c.matched_stop} for i, c in enumerate(results)],
+        _usage(sum(c.prompt_tokens for c in results), sum(c.completion_tokens for c in results))))
 
 
 def _messages(body: ChatCompletionBody) -> list[dict[str, Any]]:
@@ -136,51 +157,25 @@ async def chat_completions(request: Request) -> Response:
         raise InvalidRequest(str(exc)) from exc
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     run = GenerationRun(engine, [(ids, _params(engine, body, len(ids), max_tokens))])
-    created = int(time.time())
-    chat_id = f"chatcmpl-{uuid.uuid4().hex}"
-    meta = {"weight_version": engine.weight_version}
+    answer = _Answer(engine, "chat.completion", "chatcmpl")
     if body.stream:
         first = await first_unless_disconnected(request, run)
         if first is None:
             return Response(status_code=CLIENT_CLOSED)
-        include_usage = bool((body.stream_options or {}).get("include_usage"))
-
-        async def chunks() -> AsyncIterator[bytes]:
-            events, head = first
-
-            def chunk(delta: dict[str, Any], finish_reason: str | None) -> bytes:
-                return sse_event({"id": chat_id, "object": "chat.completion.chunk", "created": created,
-                                  "model": engine.config.model_name, "metadata": meta,
-                                  "choices": [{"index": 0, "delta": delta, "logprobs": None,
-                                               "finish_reason": finish_reason}]})
-            yield chunk({"role": "assistant", "content": ""}, None)
-            last = head[1]
-            yield chunk({"content": last.text_delta}, last.finish_reason.value if last.finish_reason else None)
-            try:
-                async for _, out in events:
-                    last = out
-                    yield chunk({"content": out.text_delta}, out.finish_reason.value if out.finish_reason else None)
-            except ServiceError as exc:  # an error event and no [DONE]: [DONE] means complete
-                yield sse_event(exc.envelope())
-                return
-            if include_usage:
-                yield sse_event({"id": chat_id, "object": "chat.completion.chunk", "created": created,
-                                 "model": engine.config.model_name, "choices": [],
-                                 "usage": _usage(last.num_prompt_tokens, last.num_output_tokens)})
-            yield DONE_EVENT
-
-        return StreamingResponse(stream_with_abort(run, chunks()), media_type="text/event-stream")
+        chunks = answer.stream(first, 1, lambda i, out: {
+            "index": i, "delta": {"content": out.text_delta}, "logprobs": None, "finish_reason": _finish(out)},
+            include_usage=bool((body.stream_options or {}).get("include_usage")), chunk_obj="chat.completion.chunk",
+            preamble={"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                      "finish_reason": None})
+        return StreamingResponse(stream_with_abort(run, chunks), media_type="text/event-stream")
     results = await collect_unless_disconnected(request, run)
     if results is None:
         return Response(status_code=CLIENT_CLOSED)
     c = results[0]
-    return JSONResponse({
-        "id": chat_id, "object": "chat.completion", "created": created, "model": engine.config.model_name,
-        "metadata": meta,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": c.text}, "logprobs": None,
-                     "finish_reason": c.finish_reason, "matched_stop": c.matched_stop}],
-        "usage": _usage(c.prompt_tokens, c.completion_tokens),
-    })
+    return JSONResponse(answer.payload(
+        [{"index": 0, "message": {"role": "assistant", "content": c.text}, "logprobs": None,
+          "finish_reason": c.finish_reason, "matched_stop": c.matched_stop}],
+        _usage(c.prompt_tokens, c.completion_tokens)))
 
 
 @router.get("/v1/models")

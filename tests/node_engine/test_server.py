@@ -222,6 +222,7 @@ def test_openai_completions_and_chat(client) -> None:
         "messages": [{"role": "user", "content": "hello"}], "max_tokens": 6, "temperature": 0, "stream": True,
         "stream_options": {"include_usage": True}})
     assert saw_done and events[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert {e["object"] for e in events} == {"chat.completion.chunk"}
     assert events[-1]["usage"]["completion_tokens"] <= 6
     chat = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hello"}],
                                                      "max_tokens": 6, "temperature": 0}).json()

@@ -9,21 +9,21 @@ mid-stream ends the stream with an error event, never a silent cut.
 
 from __future__ import annotations
 
+import asyncio
 import json
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from handoff.service.disconnect import ClientGone, unless_disconnected
+from handoff.service.disconnect import ClientGone, wait_for_disconnect
 from handoff.service.upstream import UpstreamError, UpstreamResponse
 from node_sidecar.errors import EngineUnavailable
 from node_sidecar.node import Node
 
 CLIENT_CLOSED = 499
 MAX_ANSWER_BYTES = 256 * 1024 * 1024
-_DONE = b"data: [DONE]\n\n"
 
 
 def _answer_headers(upstream: UpstreamResponse) -> dict[str, str]:
@@ -49,62 +49,132 @@ class _CountedResponse(Response):
 
 
 class _RelayedStream(StreamingResponse):
-    """The engine's stream, relayed; ``on_done`` runs after the last byte or the client's disconnect."""
+    """The engine's stream, relayed; ``on_done`` runs after the last byte or the client's disconnect.
+
+    Starlette's own ``__call__`` hears a disconnect (under ASGI 2.3, which
+    uvicorn speaks) through an anyio task group per stream, a large share of
+    the sidecar's CPU per stream. Here one watcher task waits for the
+    disconnect and closes the engine connection, which ends the relay.
+    """
 
     def __init__(self, node: Node, upstream: UpstreamResponse, on_done: Callable[[], None]) -> None:
         super().__init__(self._chunks(), status_code=upstream.status, headers=_answer_headers(upstream))
         self._node = node
         self._upstream = upstream
         self._on_done = on_done
+        self._is_client_gone = False
 
     async def _chunks(self) -> AsyncIterator[bytes]:
         try:
             async for chunk in self._upstream.aiter_bytes():
                 yield chunk
         except UpstreamError as exc:
+            if self._is_client_gone:
+                return  # the watcher closed the engine connection; the engine is fine
             self._node.mark_unreachable(exc)
+            # An error event and no [DONE]: [DONE] means the answer is complete.
             error = {"error": {"type": "engine_unavailable", "message": f"the engine failed mid-stream: {exc}"}}
-            yield b"data: " + json.dumps(error).encode() + b"\n\n" + _DONE
+            yield b"data: " + json.dumps(error).encode() + b"\n\n"
+
+    async def _close_on_disconnect(self, receive: Receive) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        self._is_client_gone = True
+        self._upstream.close()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        watcher = asyncio.ensure_future(self._close_on_disconnect(receive))
         try:
-            await super().__call__(scope, receive, send)
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            async for chunk in self.body_iterator:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            if not self._is_client_gone:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
+            watcher.cancel()
             self._upstream.close()  # a stream cut short closes the engine connection: the engine aborts
             self._on_done()
+
+
+class _DisconnectGuard:
+    """Watches for the client's disconnect while the engine's answer is awaited (headers, then body).
+
+    A non-stream answer's headers arrive only with the whole answer, so the
+    wait for them must be watched too: on a disconnect the pending request is
+    cancelled (or the response closed), which closes the engine connection,
+    which makes the engine abort the request. One watcher task per request.
+    """
+
+    def __init__(self, request: Request) -> None:
+        self.is_gone = False
+        self._target: asyncio.Future[UpstreamResponse] | UpstreamResponse | None = None
+        self._watcher = asyncio.ensure_future(self._watch(request))
+
+    async def _watch(self, request: Request) -> None:
+        await wait_for_disconnect(request)
+        self.is_gone = True
+        if isinstance(self._target, UpstreamResponse):
+            self._target.close()
+        elif self._target is not None:
+            self._target.cancel()
+
+    async def open(self, pending: Awaitable[UpstreamResponse]) -> UpstreamResponse:
+        task = asyncio.ensure_future(pending)
+        self._target = task
+        try:
+            response = await task
+        except asyncio.CancelledError:
+            if self.is_gone:
+                raise ClientGone() from None
+            raise
+        self._target = response
+        return response
+
+    async def read(self, upstream: UpstreamResponse) -> bytes:
+        try:
+            return await upstream.read(MAX_ANSWER_BYTES)
+        except UpstreamError:
+            if self.is_gone:
+                raise ClientGone() from None
+            raise
+
+    def stop(self) -> None:
+        self._watcher.cancel()
 
 
 async def relay_generation(node: Node, request: Request, path: str, on_status: Callable[[int], None]) -> Response:
     """Admit (hold or 503), forward to the engine, and relay its answer."""
     admission = node.admission
     await admission.enter()
+    guard: _DisconnectGuard | None = None
     try:
         body = await request.body()
-        target = path + (f"?{request.url.query}" if request.url.query else "")
-        upstream = await node.engine.open(
+        query = request.scope.get("query_string", b"")
+        target = f"{path}?{query.decode()}" if query else path
+        guard = _DisconnectGuard(request)
+        upstream = await guard.open(node.engine.open(
             "POST", target, body=body, timeout=node.config.generate_timeout,
-            headers={"Content-Type": request.headers.get("content-type", "application/json")})
-    except BaseException:
-        admission.leave()
-        raise
-    on_status(upstream.status)
-    if upstream.content_type.startswith("text/event-stream"):
-        return _RelayedStream(node, upstream, admission.leave)
-    try:
-        content = await unless_disconnected(request, upstream.read(MAX_ANSWER_BYTES))
+            headers={"Content-Type": request.headers.get("content-type", "application/json")}))
+        on_status(upstream.status)
+        if upstream.content_type.startswith("text/event-stream"):
+            guard.stop()  # the stream's own watcher takes over
+            return _RelayedStream(node, upstream, admission.leave)
+        try:
+            content = await guard.read(upstream)
+        except UpstreamError as exc:
+            node.mark_unreachable(exc)
+            raise EngineUnavailable(f"the engine failed while answering: {exc}", retry_after=1) from exc
+        finally:
+            upstream.close()
     except ClientGone:
-        upstream.close()
         admission.leave()
         return Response(status_code=CLIENT_CLOSED)
-    except UpstreamError as exc:
-        upstream.close()
-        admission.leave()
-        node.mark_unreachable(exc)
-        raise EngineUnavailable(f"the engine failed while answering: {exc}", retry_after=1) from exc
     except BaseException:
-        upstream.close()
         admission.leave()
         raise
+    finally:
+        if guard is not None:
+            guard.stop()
     return _CountedResponse(content, upstream.status, _answer_headers(upstream), admission.leave)
 
 

@@ -19,6 +19,7 @@ from typing import Any, Callable, Mapping
 
 from starlette.responses import Response
 
+from handoff.service.disconnect import DisconnectWatch
 from handoff.service.errors import InvalidRequest, ServiceError, parse_json_bytes
 from handoff.service.upstream import UpstreamResponse
 from lb.config import Role
@@ -26,7 +27,6 @@ from lb.errors import UpstreamFailed
 from lb.membership import Node
 from lb.relay import (
     ChunkTransform,
-    DisconnectWatch,
     NodeCaller,
     RelayResponse,
     Reroute,

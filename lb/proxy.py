@@ -16,12 +16,12 @@ import logging
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
+from handoff.service.disconnect import DisconnectWatch
 from handoff.service.upstream import UpstreamResponse
 from lb.config import Role
 from lb.membership import Membership, Node
 from lb.pd import PDDispatcher
 from lb.relay import (
-    DisconnectWatch,
     NodeCaller,
     RelayResponse,
     Reroute,

@@ -1,8 +1,8 @@
 """Relaying one generation request to a node and its answer back, byte for byte.
 
-- :class:`DisconnectWatch` cancels the task serving a request when the client
-  goes away, which closes the upstream connections it holds: the node sees the
-  disconnect and aborts the request.
+- ``DisconnectWatch`` (from ``handoff.service.disconnect``) cancels the task
+  serving a request when the client goes away, which closes the upstream
+  connections it holds: the node sees the disconnect and aborts the request.
 - :class:`NodeCaller` sends the request to one node and sorts the outcome:
   a response to relay, a final answer, or "try another node" (the connection
   was refused, or a sidecar answered 503 ``node_released`` /
@@ -22,6 +22,7 @@ from typing import Callable, Mapping, Sequence
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from handoff.service.disconnect import DisconnectWatch
 from handoff.service.upstream import (
     ConnectFailed,
     UpstreamClient,
@@ -41,41 +42,6 @@ RESPONSE_HEADERS_TO_CLIENT = frozenset({b"content-type", b"cache-control", b"ret
 NOT_SERVING_ERRORS = frozenset({"node_released", "engine_unavailable"})
 MAX_REFUSAL_BYTES = 4096
 CLIENT_CLOSED_REQUEST = 499  # nginx's code for "the client went away first": only the metrics see it
-
-
-class DisconnectWatch:
-    """While active, a client disconnect cancels the task that serves the request.
-
-    Start it after the request body was read (it consumes ``receive``); call
-    :meth:`finish` before the last body message is sent and :meth:`stop` when done.
-    """
-
-    def __init__(self, receive: Receive) -> None:
-        self._task = asyncio.current_task()
-        self.is_disconnected = False
-        self._is_finished = False
-        self._watcher = asyncio.ensure_future(self._watch(receive))
-
-    async def _watch(self, receive: Receive) -> None:
-        while (await receive())["type"] != "http.disconnect":
-            pass
-        if not self._is_finished and self._task is not None:
-            self.is_disconnected = True
-            self._task.cancel()
-
-    def finish(self) -> None:
-        """The response is complete: from now on a disconnect is the normal end."""
-        self._is_finished = True
-
-    def stop(self) -> None:
-        self._is_finished = True
-        self._watcher.cancel()
-
-    def absorb_cancel(self) -> None:
-        """Swallow the cancellation this watch caused (the task goes on to clean up and return)."""
-        uncancel = getattr(self._task, "uncancel", None)  # Python 3.11+
-        if uncancel is not None:
-            uncancel()
 
 
 def client_gone_response() -> Response:

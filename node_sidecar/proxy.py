@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any, AsyncIterator, Callable
 
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from handoff.service.disconnect import ClientGone, wait_for_disconnect
+from handoff.service.disconnect import DisconnectWatch
 from handoff.service.upstream import UpstreamError, UpstreamResponse
 from node_sidecar.errors import EngineUnavailable
 from node_sidecar.node import Node
@@ -53,8 +53,8 @@ class _RelayedStream(StreamingResponse):
 
     Starlette's own ``__call__`` hears a disconnect (under ASGI 2.3, which
     uvicorn speaks) through an anyio task group per stream, a large share of
-    the sidecar's CPU per stream. Here one watcher task waits for the
-    disconnect and closes the engine connection, which ends the relay.
+    the sidecar's CPU per stream. Here a :class:`DisconnectWatch` cancels the
+    relay instead, and the engine connection is closed on the way out.
     """
 
     def __init__(self, node: Node, upstream: UpstreamResponse, on_done: Callable[[], None]) -> None:
@@ -62,119 +62,76 @@ class _RelayedStream(StreamingResponse):
         self._node = node
         self._upstream = upstream
         self._on_done = on_done
-        self._is_client_gone = False
 
     async def _chunks(self) -> AsyncIterator[bytes]:
         try:
             async for chunk in self._upstream.aiter_bytes():
                 yield chunk
         except UpstreamError as exc:
-            if self._is_client_gone:
-                return  # the watcher closed the engine connection; the engine is fine
             self._node.mark_unreachable(exc)
             # An error event and no [DONE]: [DONE] means the answer is complete.
             error = {"error": {"type": "engine_unavailable", "message": f"the engine failed mid-stream: {exc}"}}
             yield b"data: " + json.dumps(error).encode() + b"\n\n"
 
-    async def _close_on_disconnect(self, receive: Receive) -> None:
-        while (await receive())["type"] != "http.disconnect":
-            pass
-        self._is_client_gone = True
-        self._upstream.close()
-
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        watcher = asyncio.ensure_future(self._close_on_disconnect(receive))
+        watch = DisconnectWatch(receive)
         try:
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
             async for chunk in self.body_iterator:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            if not self._is_client_gone:
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
+            watch.finish()
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except asyncio.CancelledError:
+            if not watch.is_disconnected:
+                raise
+            watch.absorb_cancel()
         finally:
-            watcher.cancel()
+            watch.stop()
             self._upstream.close()  # a stream cut short closes the engine connection: the engine aborts
             self._on_done()
 
 
-class _DisconnectGuard:
-    """Watches for the client's disconnect while the engine's answer is awaited (headers, then body).
-
-    A non-stream answer's headers arrive only with the whole answer, so the
-    wait for them must be watched too: on a disconnect the pending request is
-    cancelled (or the response closed), which closes the engine connection,
-    which makes the engine abort the request. One watcher task per request.
-    """
-
-    def __init__(self, request: Request) -> None:
-        self.is_gone = False
-        self._target: asyncio.Future[UpstreamResponse] | UpstreamResponse | None = None
-        self._watcher = asyncio.ensure_future(self._watch(request))
-
-    async def _watch(self, request: Request) -> None:
-        await wait_for_disconnect(request)
-        self.is_gone = True
-        if isinstance(self._target, UpstreamResponse):
-            self._target.close()
-        elif self._target is not None:
-            self._target.cancel()
-
-    async def open(self, pending: Awaitable[UpstreamResponse]) -> UpstreamResponse:
-        task = asyncio.ensure_future(pending)
-        self._target = task
-        try:
-            response = await task
-        except asyncio.CancelledError:
-            if self.is_gone:
-                raise ClientGone() from None
-            raise
-        self._target = response
-        return response
-
-    async def read(self, upstream: UpstreamResponse) -> bytes:
-        try:
-            return await upstream.read(MAX_ANSWER_BYTES)
-        except UpstreamError:
-            if self.is_gone:
-                raise ClientGone() from None
-            raise
-
-    def stop(self) -> None:
-        self._watcher.cancel()
-
-
 async def relay_generation(node: Node, request: Request, path: str, on_status: Callable[[int], None]) -> Response:
-    """Admit (hold or 503), forward to the engine, and relay its answer."""
+    """Admit (hold or 503), forward to the engine, and relay its answer.
+
+    From the body's end until the answer is in hand, a client disconnect
+    cancels the wait (a non-stream answer's headers come only with the whole
+    answer), which closes the engine connection: the engine aborts.
+    """
     admission = node.admission
     await admission.enter()
-    guard: _DisconnectGuard | None = None
+    watch: DisconnectWatch | None = None
     try:
         body = await request.body()
         query = request.scope.get("query_string", b"")
         target = f"{path}?{query.decode()}" if query else path
-        guard = _DisconnectGuard(request)
-        upstream = await guard.open(node.engine.open(
+        watch = DisconnectWatch(request.receive)
+        upstream = await node.engine.open(
             "POST", target, body=body, timeout=node.config.generate_timeout,
-            headers={"Content-Type": request.headers.get("content-type", "application/json")}))
+            headers={"Content-Type": request.headers.get("content-type", "application/json")})
         on_status(upstream.status)
         if upstream.content_type.startswith("text/event-stream"):
-            guard.stop()  # the stream's own watcher takes over
+            watch.stop()  # the stream's own watcher takes over
             return _RelayedStream(node, upstream, admission.leave)
         try:
-            content = await guard.read(upstream)
+            content = await upstream.read(MAX_ANSWER_BYTES)
         except UpstreamError as exc:
             node.mark_unreachable(exc)
             raise EngineUnavailable(f"the engine failed while answering: {exc}", retry_after=1) from exc
         finally:
             upstream.close()
-    except ClientGone:
+    except asyncio.CancelledError:
         admission.leave()
+        if watch is None or not watch.is_disconnected:
+            raise
+        watch.absorb_cancel()
         return Response(status_code=CLIENT_CLOSED)
     except BaseException:
         admission.leave()
         raise
     finally:
-        if guard is not None:
-            guard.stop()
+        if watch is not None:
+            watch.stop()
     return _CountedResponse(content, upstream.status, _answer_headers(upstream), admission.leave)
 
 

@@ -1,4 +1,10 @@
-"""Noticing that the client of a request went away while we wait on something else."""
+"""Noticing that the client of a request went away while we wait on something else.
+
+:class:`DisconnectWatch` is the one mechanism: a watcher task that cancels the
+task serving the request when the client disconnects. Cancelling the serving
+task cancels whatever it awaits (an upstream call, a queue), and an upstream
+connection closed that way is how a node or an engine learns to abort.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +12,7 @@ import asyncio
 from typing import Awaitable, TypeVar
 
 from starlette.requests import Request
+from starlette.types import Receive
 
 T = TypeVar("T")
 
@@ -14,26 +21,57 @@ class ClientGone(Exception):
     """The client disconnected before the awaited work finished (the work was cancelled)."""
 
 
-async def wait_for_disconnect(request: Request) -> None:
+async def wait_for_disconnect(receive: Receive) -> None:
     """Returns when the client disconnects (call only after the body was read)."""
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+class DisconnectWatch:
+    """While active, a client disconnect cancels the task that serves the request.
+
+    Start it after the request body was read (it consumes ``receive``); call
+    :meth:`finish` before the last body message is sent and :meth:`stop` when
+    done. A cancellation it caused is recognised with :attr:`is_disconnected`
+    and swallowed with :meth:`absorb_cancel`.
+    """
+
+    def __init__(self, receive: Receive) -> None:
+        self._task = asyncio.current_task()
+        self.is_disconnected = False
+        self._is_finished = False
+        self._watcher = asyncio.ensure_future(self._watch(receive))
+
+    async def _watch(self, receive: Receive) -> None:
+        await wait_for_disconnect(receive)
+        if not self._is_finished and self._task is not None:
+            self.is_disconnected = True
+            self._task.cancel()
+
+    def finish(self) -> None:
+        """The response is complete: from now on a disconnect is the normal end."""
+        self._is_finished = True
+
+    def stop(self) -> None:
+        self._is_finished = True
+        self._watcher.cancel()
+
+    def absorb_cancel(self) -> None:
+        """Swallow the cancellation this watch caused (the task goes on to clean up and return)."""
+        uncancel = getattr(self._task, "uncancel", None)  # Python 3.11+
+        if uncancel is not None:
+            uncancel()
 
 
 async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
-    """Await ``work``; if the client leaves first, cancel it and raise :class:`ClientGone`."""
-    task = asyncio.ensure_future(work)
-    gone = asyncio.ensure_future(wait_for_disconnect(request))
+    """Await ``work``; if the client leaves first, it is cancelled and :class:`ClientGone` is raised."""
+    watch = DisconnectWatch(request.receive)
     try:
-        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
-    except BaseException:
-        task.cancel()
-        raise
+        return await work
+    except asyncio.CancelledError:
+        if not watch.is_disconnected:
+            raise
+        watch.absorb_cancel()
+        raise ClientGone() from None
     finally:
-        gone.cancel()
-    if task.done():
-        return task.result()
-    task.cancel()
-    raise ClientGone()
+        watch.stop()

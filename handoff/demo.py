@@ -91,8 +91,9 @@ class Demo:
         streams = [asyncio.create_task(self.stream(p, 24)) for p in PROMPTS[:3]]
         answers = await self.client.generate(PROMPTS[3:], sampling_params={"temperature": 0.8, "max_new_tokens": 24})
         metas = await asyncio.gather(*streams)
+        self.say("   (builtin:tiny has random weights: its text is noise; the demo is about what happens around it)")
         for prompt, answer in zip(PROMPTS[3:6], answers):
-            self.say(f"   {prompt!r} -> {answer['text'][:40]!r}")
+            self.say(f"   {prompt!r} -> {len(answer['output_ids'])} tokens {answer['text'][:24]!r}")
         self.baseline, versions = await self.greedy_outputs()
         check(all(m["finish_reason"] == "length" for m in metas), "a streamed rollout did not finish")
         return f"{len(answers)} answers + {len(metas)} streams, weight_version {sorted(versions)}"
@@ -176,7 +177,7 @@ class Demo:
         except FanoutFailed as exc:
             failure = exc.failures[0]
             self.say(f"   LB answered 502: {exc.message}")
-            self.say(f"   failed: {failure['node']} ({failure.get('error') or failure.get('status')}); "
+            self.say(f"   failed: {failure['node']} ({_failure_cause(failure)}); "
                      f"succeeded: {[s.node for s in exc.succeeded]}")
             check(exc.failed_nodes == [victim.url], f"502 should name {victim.url}, named {exc.failed_nodes}")
             check(len(exc.succeeded) == len(self.cluster.nodes) - 1, "the other nodes should have succeeded")
@@ -197,6 +198,17 @@ class Demo:
                 return
             await asyncio.sleep(0.1)
         raise DemoFailed(f"{url} did not come back after its engine restarted")
+
+
+def _failure_cause(failure: dict[str, Any]) -> str:
+    """``503 engine_unavailable`` from a failure entry of the LB's 502."""
+    if failure.get("error"):
+        return str(failure["error"])
+    try:
+        error_type = json.loads(failure.get("detail") or "{}").get("error", {}).get("type", "")
+    except ValueError:
+        error_type = ""
+    return f"{failure.get('status')} {error_type}".strip()
 
 
 async def _play(cluster: LocalCluster, workdir: Path, say: Callable[[str], None]) -> list[StepReport]:

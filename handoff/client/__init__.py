@@ -1,0 +1,29 @@
+"""``HandoffClient`` / ``AsyncHandoffClient``: what an RL orchestrator imports to drive a cluster.
+
+::
+
+    from handoff.client import HandoffClient, FanoutFailed
+
+    with HandoffClient("http://lb:8000", admin_token=TOKEN) as cluster:
+        rollouts = cluster.generate(text=prompts, sampling_params={"max_new_tokens": 256})
+        cluster.release(mode="wait")                 # every node drains, then frees its memory
+        ...                                           # train
+        cluster.resume(tags=["weights"])
+        cluster.update_weights_from_disk("/ckpt/step-12", weight_version="step-12")
+        cluster.resume(tags=["kv_cache", "cuda_graph", "workspace"])
+        cluster.flush_cache()
+
+Errors: a 502 from the LB (some nodes failed a control call) raises
+:class:`FanoutFailed` with the failures and the successes per node; a 503
+raises :class:`ServiceUnavailable` carrying ``retry_after``, after the
+retries the caller's :class:`RetryPolicy` allows; anything else non-2xx
+raises :class:`HandoffError` with the status and the envelope's type.
+"""
+
+from handoff.client.aio import AsyncHandoffClient
+from handoff.client.calls import RetryPolicy
+from handoff.client.errors import FanoutFailed, FanoutResult, HandoffError, NodeResult, ServiceUnavailable
+from handoff.client.sync import HandoffClient
+
+__all__ = ["AsyncHandoffClient", "FanoutFailed", "FanoutResult", "HandoffClient", "HandoffError", "NodeResult",
+           "RetryPolicy", "ServiceUnavailable"]

@@ -1,0 +1,157 @@
+"""The API's calls, described once, sent by either client; decoding, retries and SSE parsing."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from handoff.client.errors import FanoutFailed, FanoutResult, HandoffError, ServiceUnavailable, _node_result
+
+DEFAULT_CONTROL_TIMEOUT_S = 120.0
+_MARGIN_S = 10.0  # the LB answers within the per-node timeout; give its answer time to arrive
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Retries of 503 answers (``no_available_node``, ``node_released``...): bounded by attempts and time.
+
+    The default retries nothing. ``max_attempts`` counts the first try.
+    """
+
+    max_attempts: int = 1
+    max_wait_s: float = 60.0
+    default_retry_after_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.max_attempts < 1:
+            raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
+        if self.max_wait_s < 0 or self.default_retry_after_s <= 0:
+            raise ValueError("max_wait_s must be >= 0 and default_retry_after_s > 0")
+
+
+@dataclass
+class _Call:
+    """One HTTP call, described independently of the sync/async client that sends it."""
+
+    method: str
+    path: str
+    auth: str | None = None                  # "admin", "api" or None
+    body: dict[str, Any] | None = None
+    params: dict[str, Any] = field(default_factory=dict)
+    timeout: float | None = None
+    decode: str = "json"                     # "json" or "fanout"
+
+
+def _drop_none(values: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in values.items() if v is not None}
+
+
+def _control(path: str, body: dict[str, Any] | None, role: str | None, timeout: float | None) -> _Call:
+    params = _drop_none({"role": role, "timeout": timeout})
+    client_timeout = (timeout or DEFAULT_CONTROL_TIMEOUT_S) + _MARGIN_S
+    return _Call("POST", path, auth="admin", body=body, params=params, timeout=client_timeout, decode="fanout")
+
+
+class _Calls:
+    """The calls of the API, shared by both clients."""
+
+    @staticmethod
+    def generate(text: str | list[str] | None, input_ids: list[int] | list[list[int]] | None,
+                 sampling_params: dict[str, Any] | None, stream: bool, extra: dict[str, Any]) -> _Call:
+        body = _drop_none({"text": text, "input_ids": input_ids, "sampling_params": sampling_params, **extra})
+        if stream:
+            body["stream"] = True
+        return _Call("POST", "/generate", auth="api", body=body)
+
+    @staticmethod
+    def release(tags: list[str] | None, mode: str, drain_timeout: float | None, stage_to_cpu: bool | None,
+                role: str | None, timeout: float | None) -> _Call:
+        body = _drop_none({"tags": tags, "mode": mode, "drain_timeout": drain_timeout, "stage_to_cpu": stage_to_cpu})
+        return _control("/release_memory_occupation", body, role, timeout)
+
+    @staticmethod
+    def resume(tags: list[str] | None, role: str | None, timeout: float | None) -> _Call:
+        return _control("/resume_memory_occupation", _drop_none({"tags": tags}), role, timeout)
+
+    @staticmethod
+    def update_weights(model_path: str, weight_version: str | None, role: str | None, timeout: float | None) -> _Call:
+        body = _drop_none({"model_path": model_path, "weight_version": weight_version})
+        return _control("/update_weights_from_disk", body, role, timeout)
+
+    @staticmethod
+    def pause(mode: str, role: str | None, timeout: float | None) -> _Call:
+        return _control("/pause_generation", {"mode": mode}, role, timeout)
+
+
+def _raise_for(response: httpx.Response) -> None:
+    if response.is_success:
+        return
+    try:
+        body = response.json()
+    except ValueError:
+        body = {"error": {"type": "http_error", "message": response.text[:500]}}
+    if response.status_code == 502 and isinstance(body, dict) and "failures" in body:
+        raise FanoutFailed(body)
+    error = body.get("error", {}) if isinstance(body, dict) else {}
+    type_ = str(error.get("type", "http_error"))
+    message = str(error.get("message", response.reason_phrase))
+    if response.status_code == 503:
+        retry_after = response.headers.get("retry-after")
+        raise ServiceUnavailable(503, type_, message, body, float(retry_after) if retry_after else None)
+    raise HandoffError(response.status_code, type_, message, body)
+
+
+def _decode(call: _Call, response: httpx.Response) -> Any:
+    _raise_for(response)
+    body = response.json()
+    if call.decode == "fanout":
+        return FanoutResult(total=int(body.get("total", 0)),
+                            results=tuple(_node_result(r) for r in body.get("results", [])))
+    return body
+
+
+def _retry_delay(policy: RetryPolicy, exc: ServiceUnavailable, attempt: int, waited: float) -> float | None:
+    """Seconds to wait before the next attempt, or None when the policy says stop."""
+    if attempt >= policy.max_attempts:
+        return None
+    delay = exc.retry_after if exc.retry_after is not None else policy.default_retry_after_s
+    if waited + delay > policy.max_wait_s:
+        return None
+    return delay
+
+
+_END = object()
+
+
+def _parse_line(line: str) -> Any:
+    """An SSE line: its event, ``None`` (nothing to yield) or ``_END`` at ``[DONE]``; error events raise."""
+    if not line.startswith("data: "):
+        return None
+    data = line[len("data: "):]
+    if data == "[DONE]":
+        return _END
+    event = json.loads(data)
+    if "error" in event:
+        error = event["error"]
+        raise HandoffError(200, error.get("type", "stream_error"), error.get("message", ""), event)
+    return event
+
+
+class _Base:
+    def __init__(self, base_url: str, *, admin_token: str | None, api_key: str | None,
+                 retry: RetryPolicy | None) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.retry = retry or RetryPolicy()
+        self._headers = {"admin": {"Authorization": f"Bearer {admin_token}"} if admin_token else {},
+                         "api": {"Authorization": f"Bearer {api_key}"} if api_key else {}}
+
+    def _request_args(self, call: _Call) -> dict[str, Any]:
+        args: dict[str, Any] = {"headers": self._headers.get(call.auth or "", {}), "params": call.params}
+        if call.body is not None:
+            args["json"] = call.body
+        if call.timeout is not None:
+            args["timeout"] = call.timeout
+        return args

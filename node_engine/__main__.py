@@ -38,7 +38,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--disable-cuda-graph", action="store_true")
     p.add_argument("--cuda-graph-max-bs", type=int, default=32)
     p.add_argument("--mem-fraction", type=float, default=0.85, help="share of free GPU memory for the KV pool")
-    p.add_argument("--num-threads", type=int, default=None, help="CPU threads for torch (default: torch's)")
+    p.add_argument("--num-threads", type=int, default=None,
+                   help="CPU threads for torch (default on CPU: torch's default minus one, at least 1)")
     p.add_argument("--role", default="mixed", help="only mixed is available today")
     p.add_argument("--free-memory-override-file", type=Path, default=None,
                    help="testing hook: free bytes for the resume check are read from this file when it exists")
@@ -73,6 +74,9 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
+    elif config.device == "cpu":
+        # Leave a core to the HTTP thread: the two contend for the GIL and the cores (measured in bench/).
+        torch.set_num_threads(max(1, torch.get_num_threads() - 1))
     if config.device == "cuda" and not torch.cuda.is_available():
         log.error("--device cuda but CUDA is not available")
         return 2

@@ -16,7 +16,7 @@ import torch
 
 from node_engine.memory.tags import MemoryTag
 from node_engine.model.layers import AttentionBatch
-from node_engine.scheduler import StepEntry
+from node_engine.scheduler import Step
 
 if TYPE_CHECKING:
     from node_engine.runner import ModelRunner
@@ -56,6 +56,7 @@ class DecodeGraphs:
                                num_seqs=bs, max_query_len=1)
         return self.runner.model(self.input_ids[:bs], self.positions[:bs], batch)
 
+    @torch.inference_mode()
     def _capture_all(self) -> None:
         saver = self.runner.saver
         free_before, _ = torch.cuda.mem_get_info()
@@ -93,22 +94,16 @@ class DecodeGraphs:
     def can_run(self, num_seqs: int) -> bool:
         return num_seqs <= self.max_bs
 
-    def run(self, entries: list[StepEntry]) -> torch.Tensor:
-        """Hidden states [B, hidden] of a decode step of ``len(entries)`` sequences."""
-        num_seqs = len(entries)
+    def run(self, step: Step) -> torch.Tensor:
+        """Hidden states [B, hidden] of a decode step of ``len(step.entries)`` sequences."""
+        num_seqs = len(step.entries)
         bs = next(b for b in self.batch_sizes if b >= num_seqs)
         runner = self.runner
-        dev = runner.device
-        from node_engine.scheduler import Step, StepKind
-
-        slot_mapping = runner.write_slots(Step(StepKind.DECODE, entries))
-        rows = torch.tensor([e.request.row for e in entries], device=dev)
-        tokens = [e.request.token_slice(e.start, e.end)[0] for e in entries]
-        starts = [e.start for e in entries]
-        self.input_ids[:num_seqs].copy_(torch.tensor(tokens, device=dev))
-        self.positions[:num_seqs].copy_(torch.tensor(starts, device=dev))
-        self.slot_mapping[:num_seqs].copy_(slot_mapping)
-        self.kv_indices[:num_seqs].copy_(runner.req_to_token.index_select(0, rows))
+        inputs = runner.prepare_decode(step)
+        self.input_ids[:num_seqs].copy_(inputs.input_ids)
+        self.positions[:num_seqs].copy_(inputs.positions)
+        self.slot_mapping[:num_seqs].copy_(inputs.slot_mapping)
+        self.kv_indices[:num_seqs].copy_(runner.req_to_token.index_select(0, inputs.rows))
         self.lengths[:num_seqs].copy_(self.positions[:num_seqs] + 1)
         if bs > num_seqs:
             self.input_ids[num_seqs:bs].zero_()

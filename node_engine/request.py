@@ -75,6 +75,7 @@ class Request:
     slots: list[torch.Tensor] = field(default_factory=list)  # slot chunks owned by this request, in order
     finish_reason: FinishReason | None = None
     matched_stop: str | int | None = None
+    is_streaming: bool = False        # outputs every step (else only the final one)
     arrival_time: float = field(default_factory=time.monotonic)
     num_emitted_tokens: int = 0
 

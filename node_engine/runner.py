@@ -41,6 +41,18 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 
 
 @dataclass(frozen=True)
+class DecodeInputs:
+    """Per-sequence tensors of one decode step (on the device), and what the attention batch needs to know."""
+
+    input_ids: torch.Tensor     # [B] the token each sequence computes
+    positions: torch.Tensor     # [B] its position
+    rows: torch.Tensor          # [B] the sequence's row of the request-to-slot table
+    slot_mapping: torch.Tensor  # [B] the slot its KV goes to
+    max_len: int                # keys of the longest sequence
+    is_ragged: bool             # sequences differ in length (the attention needs a mask)
+
+
+@dataclass(frozen=True)
 class KVPlan:
     """The KV pool as sized at start (a run-time result, not configuration)."""
 
@@ -129,11 +141,12 @@ class ModelRunner:
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated()
         ids = torch.zeros(num_warm, dtype=torch.int64, device=self.device)
-        positions = torch.arange(num_warm, device=self.device) % self.rotary.cos.shape[0]
+        positions = torch.arange(num_warm, device=self.device) % self.rotary.num_positions
         slots = torch.arange(1, num_warm + 1, device=self.device)
         batch = AttentionBatch(slot_mapping=slots, kv_indices=slots.view(1, -1), mask=None, num_seqs=1,
                                max_query_len=num_warm, is_causal_self_only=True)
-        self.model.compute_logits(self.model(ids, positions, batch))
+        with torch.inference_mode():
+            self.model.compute_logits(self.model(ids, positions, batch))
         torch.cuda.synchronize()
         activation_bytes = torch.cuda.max_memory_allocated() - before
         del kv, ids, positions, slots, batch
@@ -156,56 +169,78 @@ class ModelRunner:
         self.model.bind_kv_cache(list(self.kv_cache[:, 0]), list(self.kv_cache[:, 1]))
 
     # -- one step --------------------------------------------------------------
+    @torch.inference_mode()
     def run(self, step: Step) -> list[int]:
         """Compute the step's tokens; returns one sampled token per entry that samples."""
-        entries = step.entries
-        sampling = [e for e in entries if e.samples]
-        if step.kind is StepKind.DECODE and self.graphs is not None and self.graphs.can_run(len(entries)):
-            hidden = self.graphs.run(entries)
-            sample_index = None
+        if step.kind is StepKind.DECODE:
+            sampling = step.entries  # every decode entry ends at its last token
+            if self.graphs is not None and self.graphs.can_run(len(sampling)):
+                hidden = self.graphs.run(step)
+            else:
+                hidden = self._forward_decode(step)
         else:
-            hidden, sample_index = self._forward_eager(step)
-        if not sampling:
-            return []
-        if sample_index is not None:
-            hidden = hidden.index_select(0, sample_index)
+            sampling = [e for e in step.entries if e.samples]
+            hidden = self._forward_prefill(step)
+            if not sampling:
+                return []
         logits = self.model.compute_logits(hidden)
         return sample(logits, [e.request.params for e in sampling], [e.request.generator for e in sampling])
 
-    def write_slots(self, step: Step) -> torch.Tensor:
-        """Record the step's new slots in the request-to-slot table; returns the flat slot mapping."""
-        slot_mapping = torch.cat([e.slots for e in step.entries]).to(self.device)
-        if step.kind is StepKind.DECODE:
-            rows = torch.tensor([e.request.row for e in step.entries], device=self.device)
-            cols = torch.tensor([e.start for e in step.entries], device=self.device)
-            self.req_to_token[rows, cols] = slot_mapping.to(torch.int32)
-        else:
-            offset = 0
-            for e in step.entries:
-                n = e.end - e.start
-                self.req_to_token[e.request.row, e.start:e.end] = slot_mapping[offset:offset + n].to(torch.int32)
-                offset += n
-        return slot_mapping
+    def prepare_decode(self, step: Step) -> DecodeInputs:
+        """The per-sequence tensors of a decode step, built in one pass; records the new slots."""
+        tokens: list[int] = []
+        positions: list[int] = []
+        rows: list[int] = []
+        for e in step.entries:
+            request = e.request
+            num_prompt = len(request.prompt_ids)
+            tokens.append(request.prompt_ids[e.start] if e.start < num_prompt
+                          else request.output_ids[e.start - num_prompt])
+            positions.append(e.start)
+            rows.append(request.row)
+        input_ids, position_t, rows_t = torch.tensor([tokens, positions, rows], device=self.device).unbind(0)
+        slot_mapping = step.slot_mapping.to(self.device)
+        self.req_to_token[rows_t, position_t] = slot_mapping.to(torch.int32)
+        max_position = max(positions)
+        return DecodeInputs(input_ids=input_ids, positions=position_t, rows=rows_t, slot_mapping=slot_mapping,
+                            max_len=max_position + 1, is_ragged=min(positions) != max_position)
 
-    def _forward_eager(self, step: Step) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward_decode(self, step: Step) -> torch.Tensor:
+        """Hidden states [B, hidden] of one token per sequence."""
+        inputs = self.prepare_decode(step)
+        num_seqs, max_len = len(step.entries), inputs.max_len
+        kv_indices = self.req_to_token[:, :max_len].index_select(0, inputs.rows)
+        mask = None  # sequences of one length: no padding in kv_indices, nothing to hide
+        if inputs.is_ragged:
+            key_pos = torch.arange(max_len, device=self.device)
+            mask = (key_pos.unsqueeze(0) <= inputs.positions.unsqueeze(1)).view(num_seqs, 1, 1, max_len)
+        batch = AttentionBatch(slot_mapping=inputs.slot_mapping, kv_indices=kv_indices, mask=mask, num_seqs=num_seqs,
+                               max_query_len=1)
+        return self.model(inputs.input_ids, inputs.positions, batch)
+
+    def _forward_prefill(self, step: Step) -> torch.Tensor:
+        """Hidden states of the step's sampling positions (the last token of each entry that samples)."""
         entries = step.entries
         dev = self.device
-        slot_mapping = self.write_slots(step)
+        slot_mapping = step.slot_mapping.to(dev)
         tokens: list[int] = []
         positions: list[int] = []
         last_index: list[int] = []
         for e in entries:
+            num = e.end - e.start
+            self.req_to_token[e.request.row, e.start:e.end] = slot_mapping[len(tokens):len(tokens) + num]
             tokens.extend(e.request.token_slice(e.start, e.end))
             positions.extend(range(e.start, e.end))
             if e.samples:
                 last_index.append(len(tokens) - 1)
         input_ids = torch.tensor(tokens, dtype=torch.int64, device=dev)
         position_t = torch.tensor(positions, dtype=torch.int64, device=dev)
-        batch = self._attention_batch(step, slot_mapping)
-        hidden = self.model(input_ids, position_t, batch)
-        return hidden, torch.tensor(last_index, dtype=torch.int64, device=dev)
+        hidden = self.model(input_ids, position_t, self._prefill_batch(step, slot_mapping))
+        if len(last_index) == len(tokens):
+            return hidden
+        return hidden.index_select(0, torch.tensor(last_index, dtype=torch.int64, device=dev))
 
-    def _attention_batch(self, step: Step, slot_mapping: torch.Tensor) -> AttentionBatch:
+    def _prefill_batch(self, step: Step, slot_mapping: torch.Tensor) -> AttentionBatch:
         entries = step.entries
         dev = self.device
         num_seqs = len(entries)
@@ -216,12 +251,8 @@ class ModelRunner:
         rows = torch.tensor([e.request.row for e in entries], device=dev)
         ends = torch.tensor([e.end for e in entries], device=dev)
         max_len = max(e.end for e in entries)
-        kv_indices = self.req_to_token[rows, :max_len]
+        kv_indices = self.req_to_token[:, :max_len].index_select(0, rows)
         key_pos = torch.arange(max_len, device=dev)
-        if step.kind is StepKind.DECODE:
-            mask = (key_pos[None, :] < ends[:, None]).view(num_seqs, 1, 1, max_len)
-            return AttentionBatch(slot_mapping=slot_mapping, kv_indices=kv_indices, mask=mask, num_seqs=num_seqs,
-                                  max_query_len=1)
         lengths = [e.end - e.start for e in entries]
         max_q = max(lengths)
         starts = torch.tensor([e.start for e in entries], device=dev)

@@ -58,6 +58,7 @@ class StepEntry:
 class Step:
     kind: StepKind
     entries: list[StepEntry]
+    slot_mapping: torch.Tensor  # every entry's new slots, flat, in entry order (CPU)
 
     @property
     def num_tokens(self) -> int:
@@ -79,8 +80,8 @@ class Scheduler:
         return min(self.config.context_len, self.slots.capacity)
 
     def add(self, request: Request) -> None:
-        assert request.num_tokens + request.params.max_new_tokens <= self.max_request_tokens(), \
-            "request was not validated against the context and the pool"
+        if request.num_tokens + request.params.max_new_tokens > self.max_request_tokens():
+            raise ValueError(f"request {request.rid} was not validated against the context and the pool")
         self.waiting.append(request)
 
     @property
@@ -112,16 +113,21 @@ class Scheduler:
     def _schedule_prefill(self) -> Step | None:
         budget = self.config.max_batch_tokens
         entries: list[StepEntry] = []
-        num_decoding = sum(1 for r in self.running if r.num_uncached == 1)
+        num_decoding = 0
+        is_blocked = False  # a partial prefill found no room (or no budget): later ones wait too
         for request in self.running:
-            if budget == 0:
-                break
-            if request.num_uncached > 1:
-                num = min(request.num_uncached, budget)
-                if not self.slots.can_allocate(num):
-                    break
-                entries.append(self._take(request, num))
-                budget -= num
+            num_uncached = request.num_uncached
+            if num_uncached == 1:
+                num_decoding += 1
+                continue
+            if is_blocked or budget == 0:
+                continue
+            num = min(num_uncached, budget)
+            if not self.slots.can_allocate(num):
+                is_blocked = True
+                continue
+            entries.append(self._take(request, num))
+            budget -= num
         while self.waiting and budget > 0 and len(self.running) < self.config.max_running_requests:
             request = self.waiting[0]
             num = min(request.num_uncached, budget)
@@ -134,7 +140,10 @@ class Scheduler:
             self.running.append(request)
             entries.append(self._take(request, num))
             budget -= num
-        return Step(StepKind.PREFILL, entries) if entries else None
+        if not entries:
+            return None
+        slot_mapping = entries[0].slots if len(entries) == 1 else torch.cat([e.slots for e in entries])
+        return Step(StepKind.PREFILL, entries, slot_mapping)
 
     def _schedule_decode(self) -> Step | None:
         decoding = [r for r in self.running if r.num_uncached == 1]
@@ -145,7 +154,15 @@ class Scheduler:
                 decoding.remove(victim)
         if not decoding:
             return None
-        return Step(StepKind.DECODE, [self._take(r, 1) for r in decoding])
+        # One allocation for the whole step; each request keeps a one-slot view of it.
+        slot_mapping = self.slots.allocate(len(decoding))
+        entries = []
+        for request, slot in zip(decoding, slot_mapping.split(1), strict=True):
+            start = request.num_cached
+            request.slots.append(slot)
+            request.num_cached = start + 1
+            entries.append(StepEntry(request, start, start + 1, slot))
+        return Step(StepKind.DECODE, entries, slot_mapping)
 
     def _take(self, request: Request, num: int) -> StepEntry:
         start = request.num_cached

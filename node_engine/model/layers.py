@@ -2,13 +2,19 @@
 
 Parameters are created with ``torch.empty`` on the target device and dtype (no
 random init): the loader fills them, and the engine allocates them inside the
-``weights`` memory region.
+``weights`` memory region. A parameter never changes identity afterwards
+(reloads copy into it, the memory saver frees and re-allocates its storage in
+place), so the hot path keeps direct references to them (``Projection``, the
+norm weights a ``DecoderLayer`` holds) instead of going through ``nn.Module``
+attribute lookups on every call: for a small model those cost as much as the
+arithmetic.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -16,9 +22,44 @@ from torch import nn
 
 from node_engine.model.arch import Llama3RopeScaling
 
+# On CPU in float32, oneDNN's GEMM beats MKL's sgemm on large weight matrices (1.4-2x for the
+# ~100M model of docs/benchmarks.md, at every batch size) and loses on small ones (up to 1.8x
+# slower on builtin:tiny's), where a call's fixed cost dominates.
+ONEDNN_MIN_WEIGHT_NUMEL = 1 << 19
+
+
+def _find_onednn_linear() -> Callable[..., torch.Tensor] | None:
+    if not torch.backends.mkldnn.is_available():
+        return None
+    return getattr(torch.ops.mkldnn, "_linear_pointwise", None)
+
+
+_ONEDNN_LINEAR = _find_onednn_linear()
+
 
 def _param(*shape: int, device: torch.device, dtype: torch.dtype) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, device=device, dtype=dtype), requires_grad=False)
+
+
+class Projection:
+    """``x @ weight.T + bias`` for 2-D ``x``, over parameters owned by a module.
+
+    Large CPU float32 weights (at least ``ONEDNN_MIN_WEIGHT_NUMEL`` elements) go
+    through oneDNN when torch has it, everything else through ``F.linear``.
+    """
+
+    __slots__ = ("weight", "bias", "is_onednn")
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.weight = weight
+        self.bias = bias
+        self.is_onednn = (_ONEDNN_LINEAR is not None and weight.device.type == "cpu"
+                          and weight.dtype == torch.float32 and weight.numel() >= ONEDNN_MIN_WEIGHT_NUMEL)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.is_onednn:
+            return _ONEDNN_LINEAR(x, self.weight, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
 
 
 class Linear(nn.Module):
@@ -27,9 +68,19 @@ class Linear(nn.Module):
         super().__init__()
         self.weight = _param(out_features, in_features, device=device, dtype=dtype)
         self.bias = _param(out_features, device=device, dtype=dtype) if bias else None
+        self.project = Projection(self.weight, self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.project(x)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Same order of operations as transformers' LlamaRMSNorm, for bitwise-close logits.
+    if x.dtype is torch.float32:  # the up- and down-casts would be no-ops: skip their dispatch
+        return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
 
 
 class RMSNorm(nn.Module):
@@ -39,11 +90,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Same order of operations as transformers' LlamaRMSNorm, for bitwise-close logits.
-        dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: Llama3RopeScaling | None) -> torch.Tensor:
@@ -65,7 +112,10 @@ class RotaryTable:
     """cos/sin for every position up to the context length.
 
     A small buffer built once and kept outside every memory region: it must
-    survive a release of the weights.
+    survive a release of the weights. ``sin`` carries the sign of
+    ``rotate_half`` (its first half is negated), so applying the rotation needs
+    a ``roll`` of the input instead of a negate-and-concatenate; the products
+    are bitwise those of transformers' ``q * cos + rotate_half(q) * sin``.
     """
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: Llama3RopeScaling | None,
@@ -74,25 +124,29 @@ class RotaryTable:
         positions = torch.arange(max_positions, dtype=torch.int64).float()
         freqs = torch.outer(positions, inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
+        self.head_dim = head_dim
         self.cos = emb.cos().to(device=device, dtype=dtype)
-        self.sin = emb.sin().to(device=device, dtype=dtype)
+        sin = emb.sin()
+        sin[:, :head_dim // 2].neg_()
+        self.sin = sin.to(device=device, dtype=dtype)
+
+    @property
+    def num_positions(self) -> int:
+        return self.cos.shape[0]
 
     @property
     def nbytes(self) -> int:
         return self.cos.nbytes + self.sin.nbytes
 
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin [T, 1, D] of ``positions``, broadcastable over heads."""
+        return (self.cos.index_select(0, positions).unsqueeze(1),
+                self.sin.index_select(0, positions).unsqueeze(1))
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
-
-def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``q``: [T, Hq, D], ``k``: [T, Hkv, D], ``cos``/``sin``: [T, D] for the tokens' positions."""
-    cos = cos.unsqueeze(1)
-    sin = sin.unsqueeze(1)
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` [T, H, D] by the [T, 1, D] tables of :meth:`RotaryTable.lookup`."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
 
 
 @dataclass
@@ -103,9 +157,10 @@ class AttentionBatch:
     flat (``T`` of them, sequences back to back). ``kv_indices`` lists, per
     sequence, the slots of its whole context (cached prefix and the new tokens),
     padded to the longest; ``mask`` hides the padding and, for prefill, the
-    future. When every sequence contributes one token (decode) the queries need
-    no padding; otherwise ``q_pad_index``/``q_unpad_index`` move them between
-    the flat and the padded layout.
+    future (``None`` when there is neither: every sequence has the same length
+    and one query). When every sequence contributes one token (decode) the
+    queries need no padding; otherwise ``q_pad_index``/``q_unpad_index`` move
+    them between the flat and the padded layout.
     """
 
     slot_mapping: torch.Tensor        # [T] slot of each new token
@@ -116,6 +171,10 @@ class AttentionBatch:
     q_pad_index: torch.Tensor | None = None    # [B*N] flat token index of each padded query
     q_unpad_index: torch.Tensor | None = None  # [T] padded index of each flat token
     is_causal_self_only: bool = False          # one sequence, no cached prefix: plain causal attention
+    kv_flat: torch.Tensor = field(init=False)  # [B*L] ``kv_indices`` flattened once for every layer's gather
+
+    def __post_init__(self) -> None:
+        self.kv_flat = self.kv_indices.reshape(-1)
 
 
 class Attention(nn.Module):
@@ -129,23 +188,24 @@ class Attention(nn.Module):
         self.kv_size = num_kv_heads * head_dim
         self.qkv_proj = Linear(hidden_size, self.q_size + 2 * self.kv_size, bias=bias, device=device, dtype=dtype)
         self.o_proj = Linear(self.q_size, hidden_size, bias=False, device=device, dtype=dtype)
+        self.qkv = self.qkv_proj.project
+        self.o = self.o_proj.project
         self.scale = head_dim ** -0.5
-        self.k_cache: torch.Tensor | None = None  # [num_slots, Hkv, D], set by the runner
-        self.v_cache: torch.Tensor | None = None
+        # [num_slots, Hkv, D] views of the KV pool; the runner binds them before the first forward.
+        self.k_cache = torch.empty(0)
+        self.v_cache = torch.empty(0)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
         num_tokens = x.shape[0]
-        qkv = self.qkv_proj(x)
-        q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = apply_rotary(q, k, cos, sin)
-        assert self.k_cache is not None and self.v_cache is not None, "KV cache not bound"
+        num_heads = self.num_heads
+        num_qk_heads = num_heads + self.num_kv_heads
+        qkv = self.qkv(x).view(num_tokens, num_qk_heads + self.num_kv_heads, self.head_dim)
+        # q and k are adjacent in the fused projection: one rotation covers both.
+        qk = apply_rotary(qkv[:, :num_qk_heads], cos, sin)
+        q, k, v = qk[:, :num_heads], qk[:, num_heads:], qkv[:, num_qk_heads:]
         self.k_cache.index_copy_(0, batch.slot_mapping, k)
         self.v_cache.index_copy_(0, batch.slot_mapping, v)
-        out = self._attend(q, k, v, batch)
-        return self.o_proj(out)
+        return self.o(self._attend(q, k, v, batch))
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
         num_tokens = q.shape[0]
@@ -155,10 +215,15 @@ class Attention(nn.Module):
                 is_causal=True, scale=self.scale, enable_gqa=True)
             return out.squeeze(0).transpose(0, 1).reshape(num_tokens, self.q_size)
         num_seqs, max_len = batch.kv_indices.shape
-        flat = batch.kv_indices.reshape(-1)
-        keys = self.k_cache.index_select(0, flat).view(num_seqs, max_len, self.num_kv_heads, self.head_dim)
-        values = self.v_cache.index_select(0, flat).view(num_seqs, max_len, self.num_kv_heads, self.head_dim)
+        keys = self.k_cache.index_select(0, batch.kv_flat).view(num_seqs, max_len, self.num_kv_heads, self.head_dim)
+        values = self.v_cache.index_select(0, batch.kv_flat).view(num_seqs, max_len, self.num_kv_heads,
+                                                                  self.head_dim)
         n = batch.max_query_len
+        if n == 1:  # decode: one query per sequence, no padding
+            out = F.scaled_dot_product_attention(
+                q.unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=batch.mask,
+                scale=self.scale, enable_gqa=True)
+            return out.reshape(num_seqs, self.q_size)
         if batch.q_pad_index is not None:
             q = q.index_select(0, batch.q_pad_index)
         queries = q.view(num_seqs, n, self.num_heads, self.head_dim).transpose(1, 2)
@@ -177,7 +242,9 @@ class MLP(nn.Module):
         self.intermediate_size = intermediate_size
         self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=False, device=device, dtype=dtype)
         self.down_proj = Linear(intermediate_size, hidden_size, bias=False, device=device, dtype=dtype)
+        self.gate_up = self.gate_up_proj.project
+        self.down = self.down_proj.project
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)

@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from node_engine.model.arch import ModelArch
-from node_engine.model.layers import MLP, Attention, AttentionBatch, RMSNorm, RotaryTable, _param
+from node_engine.model.layers import (MLP, Attention, AttentionBatch, Projection, RMSNorm, RotaryTable, _param,
+                                      rms_norm)
 
 
 class DecoderLayer(nn.Module):
@@ -24,10 +25,16 @@ class DecoderLayer(nn.Module):
                                    bias=arch.attention_bias, device=device, dtype=dtype)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, device=device, dtype=dtype)
         self.mlp = MLP(arch.hidden_size, arch.intermediate_size, device=device, dtype=dtype)
+        # Plain references for the hot path (see layers.py).
+        self.eps = arch.rms_norm_eps
+        self.norm_weights = (self.input_layernorm.weight, self.post_attention_layernorm.weight)
+        self.attention = self.self_attn.forward
+        self.feed_forward = self.mlp.forward
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        input_norm_weight, post_norm_weight = self.norm_weights
+        x = x + self.attention(rms_norm(x, input_norm_weight, self.eps), cos, sin, batch)
+        return x + self.feed_forward(rms_norm(x, post_norm_weight, self.eps))
 
 
 class DecoderStack(nn.Module):
@@ -61,6 +68,7 @@ class CausalLM(nn.Module):
             self.lm_head = nn.Module()
             self.lm_head.weight = _param(arch.vocab_size, arch.hidden_size, device=device, dtype=dtype)
             self.lm_head_weight = self.lm_head.weight
+        self.logits_head = Projection(self.lm_head_weight, None)
         self.rotary: RotaryTable | None = None  # bound by the runner, outside every memory region
 
     def bind_rotary(self, rotary: RotaryTable) -> None:
@@ -71,20 +79,23 @@ class CausalLM(nn.Module):
             layer.self_attn.k_cache = k_cache
             layer.self_attn.v_cache = v_cache
 
-    @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
-        """Hidden states [T, hidden] of the flat tokens ``input_ids`` at ``positions``."""
-        assert self.rotary is not None, "rotary table not bound"
-        cos = self.rotary.cos.index_select(0, positions)
-        sin = self.rotary.sin.index_select(0, positions)
+        """Hidden states [T, hidden] of the flat tokens ``input_ids`` at ``positions``.
+
+        Callers run it under ``torch.inference_mode`` (the runner enters it once per step).
+        """
+        if self.rotary is None:
+            raise RuntimeError("the rotary table is not bound: call bind_rotary first")
+        cos, sin = self.rotary.lookup(positions)
         x = F.embedding(input_ids, self.model.embed_tokens.weight)
         for layer in self.model.layers:
             x = layer(x, cos, sin, batch)
         return self.model.norm(x)
 
-    @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head_weight).float()
+        """Float32 logits [T, V] of hidden states [T, hidden]."""
+        logits = self.logits_head(hidden)
+        return logits if logits.dtype is torch.float32 else logits.float()
 
     def hf_weight_map(self) -> dict[str, WeightTarget]:
         """Every Hugging Face key this model needs, mapped to where it is stored."""

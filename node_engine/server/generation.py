@@ -64,13 +64,13 @@ class GenerationRun:
     """The engine requests of one HTTP request (one per prompt)."""
 
     def __init__(self, engine: Engine, prompts: list[tuple[list[int], SamplingParams]],
-                 rids: list[str | None] | None = None) -> None:
+                 rids: list[str | None] | None = None, *, stream: bool = False) -> None:
         for ids, params in prompts:
             engine.check_request(ids, params)
         self.engine = engine
         self.started = time.monotonic()
         rids = rids or [None] * len(prompts)
-        self.handles: list[RequestHandle] = [engine.submit(ids, params, rid) for (ids, params), rid
+        self.handles: list[RequestHandle] = [engine.submit(ids, params, rid, stream=stream) for (ids, params), rid
                                              in zip(prompts, rids, strict=True)]
         self._finished = [False] * len(self.handles)
 

@@ -54,10 +54,13 @@ async def update_weights_from_disk(request: Request) -> JSONResponse:
                                                                                  body.weight_version)))
 
 
-@router.api_route("/flush_cache", methods=["GET", "POST"])
 async def flush_cache(request: Request) -> JSONResponse:
     engine = _engine(request)
     return JSONResponse(await engine.call(engine.flush_cache))
+
+
+for _method in ("GET", "POST"):  # one route per method: one operation id each in the schema
+    router.add_api_route("/flush_cache", flush_cache, methods=[_method], name=f"flush_cache_{_method.lower()}")
 
 
 @router.post("/abort_request", openapi_extra=openapi_body(AbortBody))

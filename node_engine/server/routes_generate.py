@@ -33,8 +33,9 @@ def build_prompts(engine: Engine, body: GenerateBody) -> tuple[list[tuple[list[i
         if any(not t for t in texts):
             raise InvalidRequest("text must not be empty")
         id_lists = [engine.tokenizer.encode(t) for t in texts]
+    elif body.input_ids is None:  # unreachable after the check above; an explicit 400, not an assert
+        raise InvalidRequest("give exactly one of text or input_ids")
     else:
-        assert body.input_ids is not None
         is_batch = bool(body.input_ids) and isinstance(body.input_ids[0], list)
         id_lists = body.input_ids if is_batch else [body.input_ids]  # type: ignore[list-item]
     if not id_lists:
@@ -81,7 +82,7 @@ async def generate(request: Request) -> Response:
     engine: Engine = request.app.state.engine
     body = await parse_body(request, GenerateBody)
     prompts, is_batch = build_prompts(engine, body)
-    run = GenerationRun(engine, prompts, _rids(body))
+    run = GenerationRun(engine, prompts, _rids(body), stream=body.stream)
     if body.stream:
         first = await first_unless_disconnected(request, run)
         if first is None:

@@ -112,7 +112,7 @@ async def completions(request: Request) -> Response:
     if len(id_lists) > MAX_BATCH:
         raise InvalidRequest(f"at most {MAX_BATCH} prompts per request, got {len(id_lists)}")
     prompts = [(ids, _params(engine, body, len(ids), body.max_tokens)) for ids in id_lists]
-    run = GenerationRun(engine, prompts)
+    run = GenerationRun(engine, prompts, stream=body.stream)
     answer = _Answer(engine, "text_completion", "cmpl")
     if body.stream:
         first = await first_unless_disconnected(request, run)
@@ -156,7 +156,7 @@ async def chat_completions(request: Request) -> Response:
     except ChatTemplateError as exc:
         raise InvalidRequest(str(exc)) from exc
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    run = GenerationRun(engine, [(ids, _params(engine, body, len(ids), max_tokens))])
+    run = GenerationRun(engine, [(ids, _params(engine, body, len(ids), max_tokens))], stream=body.stream)
     answer = _Answer(engine, "chat.completion", "chatcmpl")
     if body.stream:
         first = await first_unless_disconnected(request, run)

@@ -68,3 +68,29 @@ async def test_greedy_continuation_matches_generate(checkpoint, max_batch_tokens
                                                                         ignore_eos=True))
     assert tokens == expected
     assert outputs[-1].finish_reason is not None and outputs[-1].finish_reason.value == "length"
+
+
+@pytest.fixture
+def onednn_everywhere(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Send every CPU float32 projection through oneDNN (normally only large products go there)."""
+    from node_engine.model import layers
+
+    if layers._ONEDNN_LINEAR is None:
+        pytest.skip("this torch build has no oneDNN linear")
+    monkeypatch.setattr(layers, "ONEDNN_MIN_WEIGHT_NUMEL", 1)
+
+
+async def test_onednn_projections_match_transformers(checkpoint, onednn_everywhere) -> None:
+    folder, reference = checkpoint
+    config = EngineConfig(model_path=str(folder), max_total_tokens=512)
+    arch, _ = load_model_source(config)
+    runner = ModelRunner(config, DisabledSaver(), arch)
+    assert runner.model.model.layers[0].self_attn.qkv.is_onednn
+    with torch.no_grad():
+        theirs = reference(torch.tensor([PROMPT])).logits[0].float()
+        expected = reference.generate(torch.tensor([PROMPT]), max_new_tokens=32, do_sample=False,
+                                      eos_token_id=None, pad_token_id=0, min_new_tokens=32)[0, len(PROMPT):].tolist()
+    assert (runner.score(PROMPT) - theirs).abs().max().item() < 1e-4
+    async with running_engine(config) as engine:
+        tokens, _ = await generate(engine, PROMPT, SamplingParams(max_new_tokens=32, temperature=0, ignore_eos=True))
+    assert tokens == expected

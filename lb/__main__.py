@@ -38,6 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
                          help="the largest ?timeout= a caller may ask for (default 3600)")
     routing.add_argument("--generate-timeout", type=float, default=3600.0, metavar="S",
                          help="deadline of one generation request, stream included (default 3600)")
+    routing.add_argument("--connect-timeout", type=float, default=5.0, metavar="S",
+                         help="deadline of opening a connection to a node; past it the node counts as unreachable "
+                              "(a generation request moves to another node) (default 5)")
     routing.add_argument("--health-interval", type=float, default=2.0, metavar="S",
                          help="seconds between two health checks of every node (default 2)")
     routing.add_argument("--health-timeout", type=float, default=2.0, metavar="S",
@@ -69,6 +72,7 @@ def config_from_args(args: argparse.Namespace) -> LBConfig:
         control_timeout_s=args.control_timeout,
         max_control_timeout_s=args.max_control_timeout,
         generate_timeout_s=args.generate_timeout,
+        connect_timeout_s=args.connect_timeout,
         health_interval_s=args.health_interval,
         health_timeout_s=args.health_timeout,
         unhealthy_threshold=args.unhealthy_threshold,

@@ -5,7 +5,9 @@ the bodies the LB itself interprets (``POST /nodes``). The three generation
 paths are served by :class:`GenerationEndpoints`, a middleware in front of
 FastAPI's router: the router's matching, exit stacks and dependency solving
 cost about 70 us of the LB's CPU per request (0.23 -> 0.15 ms for a PD
-``/generate``, bench/lb_bench.py), and these paths need none of it.
+``/generate``, bench/lb_bench.py), and these paths need none of it. Their
+FastAPI routes exist for ``GET /openapi.json`` (every route of the LB is
+documented there, bodies from :mod:`lb.openapi`); the middleware answers first.
 """
 
 from __future__ import annotations
@@ -17,10 +19,12 @@ from fastapi import Depends, FastAPI, Request
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict
 from starlette.requests import ClientDisconnect
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from handoff.service.auth import BearerToken
+from handoff.service.bodies import install_schemas, openapi_body
+from handoff.service.generation_schema import GENERATION_RESPONSES
 from handoff.service.errors import (
     InvalidRequest,
     ServiceError,
@@ -29,16 +33,18 @@ from handoff.service.errors import (
     read_json_object,
 )
 from handoff.service.limits import BodyLimitMiddleware
+from handoff import __version__
 from lb.cluster import Cluster
 from lb.config import LBConfig, NodeSpec, Role
 from lb.discovery import Resolver
 from lb.fanout import CONTROL_ROUTES
 from lb.metrics import LBMetrics
+from lb.openapi import CONTROL_BODIES, CONTROL_PARAMETERS, DELETE_NODE_PARAMETERS, GENERATION_BODIES, SCHEMA_MODELS
 from lb.proxy import GENERATION_PATHS
 from lb.relay import client_gone_response
 from lb.views import cluster_occupation, node_view
 
-VIEW_PATHS = ("/health", "/nodes", "/memory_occupation", "/metrics")
+VIEW_PATHS = ("/health", "/nodes", "/memory_occupation", "/metrics", "/openapi.json")
 
 
 class AddNode(BaseModel):
@@ -153,14 +159,17 @@ def create_app(config: LBConfig, *, resolver: Resolver | None = None) -> FastAPI
         finally:
             await cluster.stop()
 
-    app = FastAPI(title="handoff lb", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="handoff lb", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
+                  description="One URL for the cluster: control calls fanned out to every node, generation "
+                              "routed to one.")
     install_error_handlers(app)
     # the last added is the outermost: metrics, then the body limit, then generation, then FastAPI's router
 
     async def generate(request: Request, path: str) -> Response:
         return await cluster.proxy.handle(request, path)
 
-    app.add_middleware(GenerationEndpoints, handle=generate, api_key=BearerToken(config.api_key), admin=admin)
+    api_key = BearerToken(config.api_key)
+    app.add_middleware(GenerationEndpoints, handle=generate, api_key=api_key, admin=admin)
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=config.max_body_bytes)
     app.add_middleware(RequestMetrics, metrics=metrics)
 
@@ -179,7 +188,23 @@ def create_app(config: LBConfig, *, resolver: Resolver | None = None) -> FastAPI
         return control
 
     for path, methods in CONTROL_ROUTES.items():
-        app.add_api_route(path, control_route(path), methods=list(methods))
+        extra: dict[str, Any] = {"parameters": CONTROL_PARAMETERS}
+        if path in CONTROL_BODIES:
+            extra.update(openapi_body(CONTROL_BODIES[path], required=False))
+        for method in methods:  # one route per method: one operation id each in the schema
+            app.add_api_route(path, control_route(path), methods=[method], openapi_extra=extra,
+                              name=f"{method.lower()}_{path.strip('/')}")
+
+    def generation_route(path: str) -> Callable[[Request], Awaitable[Response]]:
+        async def generation(request: Request) -> Response:
+            """Never reached while GenerationEndpoints answers this path first; routes it the same way."""
+            api_key.check(request, also=admin)
+            return await generate(request, path)
+        return generation
+
+    for path in GENERATION_PATHS:  # in the schema; served by the GenerationEndpoints middleware
+        app.add_api_route(path, generation_route(path), methods=["POST"],
+                          openapi_extra={**openapi_body(GENERATION_BODIES[path]), **GENERATION_RESPONSES})
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
@@ -201,7 +226,7 @@ def create_app(config: LBConfig, *, resolver: Resolver | None = None) -> FastAPI
             raise InvalidRequest(str(exc)) from exc
         return {"node": node_view(await cluster.add_node(spec))}
 
-    @app.delete("/nodes")
+    @app.delete("/nodes", openapi_extra={"parameters": DELETE_NODE_PARAMETERS})
     async def remove_node(request: Request) -> dict[str, Any]:
         admin.check(request)
         url = request.query_params.get("url") or (await read_json_object(request)).get("url")
@@ -219,8 +244,9 @@ def create_app(config: LBConfig, *, resolver: Resolver | None = None) -> FastAPI
         await cluster.health.check_many(nodes)
         return cluster_occupation(nodes)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def prometheus_metrics() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    install_schemas(app, SCHEMA_MODELS)
     return app

@@ -82,7 +82,7 @@ class Cluster:
         if self.state is not ClusterState.CREATED:
             raise RuntimeError(f"the cluster is {self.state.value}; it starts only once")
         config = self.config
-        client = UpstreamClient()
+        client = UpstreamClient(connect_timeout_s=config.connect_timeout_s)
         health = HealthMonitor(client, self.membership, config, self.node_headers)
         caller = NodeCaller(client, health, self.metrics, config.generate_timeout_s)
         self._parts = _Parts(client, health,

@@ -114,6 +114,7 @@ class LBConfig:
     control_timeout_s: float = 120.0
     max_control_timeout_s: float = 3600.0
     generate_timeout_s: float = 3600.0
+    connect_timeout_s: float = 5.0
     health_interval_s: float = 2.0
     health_timeout_s: float = 2.0
     unhealthy_threshold: int = 2
@@ -127,7 +128,7 @@ class LBConfig:
         object.__setattr__(self, "discover_dns", tuple(self.discover_dns))
         object.__setattr__(self, "policy", Policy(self.policy))
         for name in ("discover_interval_s", "control_timeout_s", "max_control_timeout_s",
-                     "generate_timeout_s", "health_interval_s", "health_timeout_s"):
+                     "generate_timeout_s", "connect_timeout_s", "health_interval_s", "health_timeout_s"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")

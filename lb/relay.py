@@ -5,8 +5,9 @@
   connections it holds: the node sees the disconnect and aborts the request.
 - :class:`NodeCaller` sends the request to one node and sorts the outcome:
   a response to relay, a final answer, or "try another node" (the connection
-  was refused, or a sidecar answered 503 ``node_released`` /
-  ``engine_unavailable``: in both cases the node ran nothing).
+  was refused or could not be made in time, or a sidecar's admission refused
+  it with 503 ``node_released``, ``engine_unavailable``, ``weights_not_loaded``
+  or ``generation_paused``: in every case the node ran nothing).
 - :class:`RelayResponse` streams the node's body to the client chunk by chunk
   as it arrives; a node failing mid-stream ends it with an SSE error event.
 """
@@ -39,7 +40,9 @@ log = logging.getLogger(__name__)
 
 REQUEST_HEADERS_TO_NODE = frozenset({b"content-type", b"accept", b"x-request-id"})
 RESPONSE_HEADERS_TO_CLIENT = frozenset({b"content-type", b"cache-control", b"retry-after", b"x-request-id"})
-NOT_SERVING_ERRORS = frozenset({"node_released", "engine_unavailable"})
+# the 503 types a sidecar's admission answers when the node does not serve (node_sidecar.state's
+# not_serving_reason): the request never reached the engine, so another node may run it
+NOT_SERVING_ERRORS = frozenset({"node_released", "engine_unavailable", "weights_not_loaded", "generation_paused"})
 MAX_REFUSAL_BYTES = 4096
 CLIENT_CLOSED_REQUEST = 499  # nginx's code for "the client went away first": only the metrics see it
 
@@ -96,8 +99,8 @@ def translate(node: Node, path: str, exc: UpstreamError, timeout_s: float) -> Up
 class Reroute(enum.Enum):
     """Why a request goes to another node: this one ran nothing."""
 
-    REFUSED = "refused"          # the connection was refused or the node unreachable
-    NOT_SERVING = "not_serving"  # a sidecar answered 503 node_released / engine_unavailable
+    REFUSED = "refused"          # the connection was refused, the node unreachable, or no connection in time
+    NOT_SERVING = "not_serving"  # a sidecar's admission refused it (503, one of NOT_SERVING_ERRORS)
 
 
 class NodeCaller:

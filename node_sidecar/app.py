@@ -9,12 +9,13 @@ from typing import AsyncIterator, Awaitable, Callable
 import psutil
 from fastapi import APIRouter, FastAPI, Request
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from handoff import __version__
 from handoff.service.auth import BearerToken
 from handoff.service.bodies import install_schemas, openapi_body, parse_body, parse_value
+from handoff.service.generation_schema import GENERATION_BODIES, GENERATION_RESPONSES
 from handoff.service.errors import InvalidRequest, ServiceError, install_error_handlers, parse_json_bytes
 from handoff.service.limits import BodyLimitMiddleware
 from handoff.service.upstream import UpstreamClient, UpstreamError
@@ -23,7 +24,7 @@ from node_sidecar.control import ControlPlane
 from node_sidecar.errors import EngineUnavailable
 from node_sidecar.metrics import SidecarMetrics
 from node_sidecar.node import Node
-from node_sidecar.protocol import PauseBody, ReleaseBody, ResumeBody, UpdateWeightsBody
+from node_sidecar.protocol import AbortBody, PauseBody, ReleaseBody, ResumeBody, UpdateWeightsBody
 from node_sidecar.proxy import forward, relay_generation
 from node_sidecar.state import TAGS, TagState
 
@@ -124,7 +125,8 @@ def create_app(config: SidecarConfig) -> FastAPI:
                 response = exc.to_response()
             await response(scope, receive, send)
 
-        router.add_api_route(path, handler, methods=["POST"], name=route)
+        router.add_api_route(path, handler, methods=["POST"], name=route,
+                             openapi_extra={**openapi_body(GENERATION_BODIES[path]), **GENERATION_RESPONSES})
         fast_handlers[path] = fast_handler
 
     for generation_path in GENERATION_PATHS:
@@ -188,12 +190,14 @@ def create_app(config: SidecarConfig) -> FastAPI:
         admin.check(request)
         return JSONResponse(await control_of(request).resume_generation())
 
-    @router.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache(request: Request) -> JSONResponse:
         admin.check(request)
         return JSONResponse(await control_of(request).flush_cache())
 
-    @router.post("/abort_request")
+    for method in ("GET", "POST"):  # one route per method: one operation id each in the schema
+        router.add_api_route("/flush_cache", flush_cache, methods=[method], name=f"flush_cache_{method.lower()}")
+
+    @router.post("/abort_request", openapi_extra=openapi_body(AbortBody))
     async def abort_request(request: Request) -> Response:
         admin.check(request)
         return await forward(node_of(request), request, "/abort_request")
@@ -218,13 +222,17 @@ def create_app(config: SidecarConfig) -> FastAPI:
                 engine_view = {}
         state = node.state
         bytes_by_tag = {t: engine_view["tags"][t]["bytes"] for t in TAGS} if engine_view else state.tag_bytes
+        # until the engine's own view was read (at start, and again after it was unreachable) the tags'
+        # states are not known: a restarted sidecar or engine must not report what it merely assumes
+        tags = ({t: {"state": state.tags[t].value, "bytes": bytes_by_tag[t]} for t in TAGS} if state.is_synced
+                else {t: {"state": "unknown", "bytes": None} for t in TAGS})
         return JSONResponse({
             "role": config.role,
             "serving": state.is_serving and node.admission.is_open,
             "admission": node.admission_view(),
             "engine_reachable": state.is_engine_reachable,
             "paused": state.is_paused,
-            "tags": {t: {"state": state.tags[t].value, "bytes": bytes_by_tag[t]} for t in TAGS},
+            "tags": tags,
             "weights_valid": state.weights_valid,
             "weight_version": state.weight_version,
             "weights_backup": state.weights_backup,
@@ -247,7 +255,7 @@ def create_app(config: SidecarConfig) -> FastAPI:
             return JSONResponse({"ready": True})
         return JSONResponse({"ready": False, "reason": node.state.not_serving_reason()}, status_code=503)
 
-    @router.get("/metrics")
+    @router.get("/metrics", response_class=PlainTextResponse)
     async def metrics_view(request: Request) -> Response:
         node = node_of(request)
         metrics.inflight_requests.set(node.admission.num_in_flight)
@@ -264,5 +272,6 @@ def create_app(config: SidecarConfig) -> FastAPI:
         return Response(text, media_type=CONTENT_TYPE_LATEST)
 
     app.include_router(router)
-    install_schemas(app, [ReleaseBody, ResumeBody, PauseBody, UpdateWeightsBody])
+    install_schemas(app, [ReleaseBody, ResumeBody, PauseBody, UpdateWeightsBody, AbortBody,
+                          *GENERATION_BODIES.values()])
     return app

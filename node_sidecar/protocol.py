@@ -39,3 +39,11 @@ class UpdateWeightsBody(BaseModel):
     model_path: str = Field(min_length=1)
     weight_version: str | None = Field(default=None, min_length=1)
     drain_timeout: float | None = Field(default=None, gt=0)
+
+
+class AbortBody(BaseModel):
+    """``POST /abort_request``: one ``rid`` or ``abort_all: true``. Documented here; the engine validates it."""
+
+    model_config = _STRICT
+    rid: str | None = None
+    abort_all: bool = False

@@ -7,8 +7,8 @@ from typing import Any, AsyncIterator
 
 import httpx
 
-from handoff.client.calls import (_END, RetryPolicy, _Base, _Call, _Calls, _control, _decode, _parse_line,
-                                  _raise_for, _retry_delay)
+from handoff.client.calls import (RetryPolicy, _Base, _Call, _Calls, _control, _decode, _raise_for, _retry_delay,
+                                  _SseDecoder)
 from handoff.client.errors import FanoutResult, ServiceUnavailable
 
 
@@ -46,12 +46,13 @@ class AsyncHandoffClient(_Base):
             if not response.is_success:
                 await response.aread()
                 _raise_for(response)
-            async for line in response.aiter_lines():
-                event = _parse_line(line)
-                if event is _END:
-                    return
-                if event is not None:
+            decoder = _SseDecoder()
+            async for text in response.aiter_text():
+                for event in decoder.feed(text):
                     yield event
+                if decoder.is_done:
+                    return
+            decoder.finish()
 
     async def release(self, tags: list[str] | None = None, *, mode: str = "wait", drain_timeout: float | None = None,
                       stage_to_cpu: bool | None = None, role: str | None = None,

@@ -7,8 +7,8 @@ from typing import Any, Iterator
 
 import httpx
 
-from handoff.client.calls import (_END, RetryPolicy, _Base, _Call, _Calls, _control, _decode, _parse_line,
-                                  _raise_for, _retry_delay)
+from handoff.client.calls import (RetryPolicy, _Base, _Call, _Calls, _control, _decode, _raise_for, _retry_delay,
+                                  _SseDecoder)
 from handoff.client.errors import FanoutResult, ServiceUnavailable
 
 
@@ -47,12 +47,12 @@ class HandoffClient(_Base):
             if not response.is_success:
                 response.read()
                 _raise_for(response)
-            for line in response.iter_lines():
-                event = _parse_line(line)
-                if event is _END:
+            decoder = _SseDecoder()
+            for text in response.iter_text():
+                yield from decoder.feed(text)
+                if decoder.is_done:
                     return
-                if event is not None:
-                    yield event
+            decoder.finish()
 
     def release(self, tags: list[str] | None = None, *, mode: str = "wait", drain_timeout: float | None = None,
                 stage_to_cpu: bool | None = None, role: str | None = None,

@@ -19,6 +19,11 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class ClusterSpec:
+    """What to start. ``free_memory_override_files``: a fault-drill hook, one entry per node (by index,
+    ``None`` for none): the engine of that node is started with ``--free-memory-override-file PATH``, so
+    writing a small number of bytes to the file makes its next resume see too little free memory (507)
+    and emptying the file restores the real figure. Shorter than the node count: the rest get none."""
+
     num_mixed: int = 2
     num_prefill: int = 0
     num_decode: int = 0
@@ -34,6 +39,7 @@ class ClusterSpec:
     sidecar_args: tuple[str, ...] = ()
     lb_args: tuple[str, ...] = ()
     host: str = "127.0.0.1"
+    free_memory_override_files: tuple[str | None, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("num_mixed", "num_prefill", "num_decode"):
@@ -45,6 +51,9 @@ class ClusterSpec:
             raise ValueError("prefill and decode nodes come together: give both --prefill and --decode")
         if self.weights_backup not in ("none", "cpu", "disk"):
             raise ValueError(f"weights_backup must be none, cpu or disk, got {self.weights_backup!r}")
+        if len(self.free_memory_override_files) > self.num_nodes:
+            raise ValueError(f"free_memory_override_files has {len(self.free_memory_override_files)} entries "
+                             f"for {self.num_nodes} nodes")
 
     @property
     def num_nodes(self) -> int:
@@ -96,6 +105,9 @@ class LocalCluster:
                 "--weights-backup", spec.weights_backup, "--backup-dir", str(self.log_dir / f"backup-node{index}")]
         if spec.model_override:
             args += ["--model-override", spec.model_override]
+        drills = spec.free_memory_override_files
+        if index < len(drills) and drills[index] is not None:
+            args += ["--free-memory-override-file", str(drills[index])]
         env: dict[str, str] = {}
         if spec.device == "cpu":
             # N engines on one machine: split the cores instead of each taking them all.

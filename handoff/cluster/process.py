@@ -51,12 +51,17 @@ class ProcessFailed(RuntimeError):
 
 
 class ServerProcess:
-    """One service process on ``host``, found through its port file."""
+    """One service process on ``host``, found through its port file.
+
+    ``wrapper`` is a command the process is started under (``["ip", "netns", "exec", "ns1"]`` runs it in a
+    network namespace); it must ``exec`` the service, so that the pid is the service's own.
+    """
 
     def __init__(self, module: str, args: Sequence[str], *, log_dir: Path, name: str | None = None,
                  env: dict[str, str] | None = None, host: str = "127.0.0.1", health_path: str = "/health",
-                 cwd: Path | None = None) -> None:
+                 cwd: Path | None = None, wrapper: Sequence[str] = ()) -> None:
         self.module = module
+        self.wrapper = list(wrapper)
         self.args = list(args)
         self.name = name or module
         self.host = host
@@ -88,7 +93,7 @@ class ServerProcess:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self._port_file.unlink(missing_ok=True)
         use_port = port if port is not None else (self.port or 0)
-        argv = [sys.executable, "-m", self.module, *self.args, "--host", self.host,
+        argv = [*self.wrapper, sys.executable, "-m", self.module, *self.args, "--host", self.host,
                 "--port", str(use_port), "--port-file", str(self._port_file)]
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **(self.env or {})}
         with open(self.log_path, "ab") as log:

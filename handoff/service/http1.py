@@ -33,6 +33,11 @@ class ConnectFailed(UpstreamError):
     """The connection could not be made (refused, unreachable, unresolvable): the peer saw nothing."""
 
 
+class ConnectTimedOut(ConnectFailed):
+    """The connection was not made within the client's connect timeout (a partition, a dead host that
+    drops packets): nothing was sent, so the peer saw nothing either."""
+
+
 class UpstreamTimeout(UpstreamError):
     """The request's deadline passed before the response was complete."""
 

@@ -2,7 +2,10 @@
 
 A declared ``Content-Length`` above the limit is refused before the body is
 read; a chunked body is counted as it arrives and refused as soon as it passes
-the limit, so nothing larger than the limit is ever buffered.
+the limit, so nothing larger than the limit is ever buffered. A route that
+answers without reading the body (``/continue_generation``, the views) has the
+rest of it read, counted and dropped before its answer goes out, so a body over
+the limit is a 413 there too, not a 200 that ignored it.
 """
 
 from __future__ import annotations
@@ -38,18 +41,29 @@ class BodyLimitMiddleware:
                 break
         num_received = 0
         is_exceeded = False
+        is_body_read = False
 
         async def limited_receive() -> Message:
-            nonlocal num_received, is_exceeded
+            nonlocal num_received, is_exceeded, is_body_read
             message = await receive()
             if message["type"] == "http.request":
                 num_received += len(message.get("body", b""))
+                if not message.get("more_body", False):
+                    is_body_read = True
                 if num_received > limit:
                     is_exceeded = True
                     raise PayloadTooLarge(f"request body is larger than {limit} bytes")
+            elif message["type"] == "http.disconnect":
+                is_body_read = True
             return message
 
         async def checked_send(message: Message) -> None:
+            if message["type"] == "http.response.start" and not is_body_read and not is_exceeded:
+                try:  # the app answers without having read the body: count the rest before answering
+                    while not is_body_read:
+                        await limited_receive()
+                except PayloadTooLarge:
+                    pass  # is_exceeded: the answer becomes the 413 below
             # Whatever the app made of the interrupted read (FastAPI turns it into a 400), the answer is 413.
             if not is_exceeded:
                 await send(message)

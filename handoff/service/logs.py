@@ -1,8 +1,10 @@
 """Logging for every handoff process: one line per event, text or JSON.
 
 Secrets (admin token, API key) are registered with :func:`setup_logging` and
-replaced by ``***`` in any record that would contain them, as a last line of
-defence: the code never formats a token into a message in the first place.
+replaced by ``***`` in every line written, as a last line of defence: the code
+never formats a token into a message in the first place. The whole formatted
+line is redacted (message, extra fields, traceback), in JSON in its escaped
+form too.
 """
 
 from __future__ import annotations
@@ -30,6 +32,23 @@ class _Redactor(logging.Filter):
             if redacted != message:
                 record.msg, record.args = redacted, None
         return True
+
+
+class _RedactingFormatter(logging.Formatter):
+    """Formats with ``inner``, then hides every secret in the finished line (tracebacks and extra fields
+    included, which a filter on the record's message cannot reach)."""
+
+    def __init__(self, inner: logging.Formatter, secrets: Iterable[str]) -> None:
+        super().__init__()
+        self._inner = inner
+        forms = {form for secret in secrets if secret for form in (secret, json.dumps(secret)[1:-1])}
+        self._forms = sorted(forms, key=len, reverse=True)
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = self._inner.format(record)
+        for form in self._forms:
+            line = line.replace(form, "***")
+        return line
 
 
 class JsonFormatter(logging.Formatter):
@@ -69,8 +88,10 @@ class TextFormatter(logging.Formatter):
 def setup_logging(service: str, *, fmt: str = "text", level: str = "info",
                   secrets: Iterable[str] = ()) -> None:
     """Configure the root logger (and uvicorn's) for one process."""
+    secrets = [s for s in secrets if s]
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonFormatter(service) if fmt == "json" else TextFormatter(service))
+    formatter: logging.Formatter = JsonFormatter(service) if fmt == "json" else TextFormatter(service)
+    handler.setFormatter(_RedactingFormatter(formatter, secrets) if secrets else formatter)
     handler.addFilter(_Redactor(secrets))
     root = logging.getLogger()
     root.handlers[:] = [handler]

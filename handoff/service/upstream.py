@@ -35,7 +35,10 @@ Semantics:
   written, or the method is idempotent and no byte of a response came back.
 - Errors are :class:`UpstreamError` subclasses raised ``from`` the transport's
   own error. :class:`ConnectFailed` means the peer got nothing (refused,
-  unreachable, name not resolved), so the request may go to another peer.
+  unreachable, name not resolved, or, with ``connect_timeout_s``, no connection
+  within that time: :class:`ConnectTimedOut`), so the request may go to another
+  peer. Without a connect timeout, a connection that never comes (a peer behind
+  a partition drops the SYN) costs the whole deadline.
 
 Only ``http://`` URLs; ``HEAD`` is not supported (its response has no body and
 the parser cannot tell).
@@ -52,6 +55,7 @@ from typing import AsyncIterator, Callable
 from handoff.service.http1 import (
     ClientClosed,
     ConnectFailed,
+    ConnectTimedOut,
     Connection,
     ConnectionDropped,
     ConnState,
@@ -65,7 +69,7 @@ from handoff.service.http1 import (
 )
 
 __all__ = [
-    "ClientClosed", "ConnectFailed", "ConnectionDropped", "Headers", "ProtocolError", "UpstreamClient",
+    "ClientClosed", "ConnectFailed", "ConnectTimedOut", "ConnectionDropped", "Headers", "ProtocolError", "UpstreamClient",
     "UpstreamError", "UpstreamResponse", "UpstreamTimeout",
 ]
 
@@ -192,11 +196,18 @@ class UpstreamClient:
     ``max_idle_s`` is how long an idle connection is reused: keep it below the
     peers' keep-alive timeout (uvicorn closes idle connections after 5 s by
     default) so the client almost never races a peer's close.
+    ``connect_timeout_s`` bounds making a new connection (within the request's
+    own deadline); past it the request fails with :class:`ConnectTimedOut`.
+    ``None``: only the request's deadline bounds it.
     """
 
-    def __init__(self, *, max_idle_per_origin: int = 256, max_idle_s: float = 4.0) -> None:
+    def __init__(self, *, max_idle_per_origin: int = 256, max_idle_s: float = 4.0,
+                 connect_timeout_s: float | None = None) -> None:
+        if connect_timeout_s is not None and not connect_timeout_s > 0:
+            raise ValueError(f"connect_timeout_s must be > 0, got {connect_timeout_s}")
         self.max_idle_per_origin = max_idle_per_origin
         self.max_idle_s = max_idle_s
+        self.connect_timeout_s = connect_timeout_s
         self.state = ClientState.OPEN
         self._loop = asyncio.get_running_loop()
         self._idle: dict[str, deque[Connection]] = {}
@@ -265,12 +276,21 @@ class UpstreamClient:
     async def _connect(self, origin: Origin, url: str, deadline: float | None) -> Connection:
         connect = self._loop.create_connection(lambda: Connection(origin, self._loop, self._forget),
                                                origin.host, origin.port)
+        now = self._loop.time()
+        connect_deadline = deadline
+        is_connect_timeout_first = False
+        if self.connect_timeout_s is not None and (deadline is None or now + self.connect_timeout_s < deadline):
+            connect_deadline = now + self.connect_timeout_s
+            is_connect_timeout_first = True
         try:
-            if deadline is None:
+            if connect_deadline is None:
                 _, conn = await connect
             else:
-                _, conn = await asyncio.wait_for(connect, max(0.0, deadline - self._loop.time()))
+                _, conn = await asyncio.wait_for(connect, max(0.0, connect_deadline - now))
         except asyncio.TimeoutError as exc:
+            if is_connect_timeout_first:
+                raise ConnectTimedOut(f"cannot connect to {origin.host_header}: no connection within "
+                                      f"{self.connect_timeout_s:g} s", url=url) from exc
             raise UpstreamTimeout(f"connecting to {origin.host_header} timed out", url=url) from exc
         except OSError as exc:
             raise ConnectFailed(f"cannot connect to {origin.host_header}: {exc.strerror or exc}",

@@ -14,11 +14,13 @@ from handoff.service.errors import install_error_handlers
 from handoff.service.limits import BodyLimitMiddleware
 from node_engine.engine import Engine
 from node_engine.server import protocol, routes_control, routes_generate, routes_openai
+from node_engine.server.generation import longest_token_chars
 
 
 def create_app(engine: Engine, *, max_body_bytes: int) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        longest_token_chars(engine.tokenizer)  # once, before requests (the prompt length guard needs it)
         engine.start(asyncio.get_running_loop())
         try:
             yield

@@ -2,6 +2,10 @@
 
 Every prompt is checked before any is submitted, so a bad item in a batch
 changes nothing. A client that goes away aborts whatever is still running.
+Prompts too long to ever fit are refused before they are tokenized, and the
+others are tokenized off the event loop (:func:`tokenize`): a megabyte prompt
+costs the tokenizer seconds, and the loop must keep answering ``/health``
+meanwhile, or the sidecar takes the engine for dead.
 """
 
 from __future__ import annotations
@@ -9,19 +13,57 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from starlette.requests import Request
 
 from handoff.service.disconnect import ClientGone, unless_disconnected
-from handoff.service.errors import ServiceError
+from handoff.service.errors import InvalidRequest, ServiceError
 from node_engine.engine import Engine, RequestHandle
 from node_engine.errors import EngineStopped, MemoryReleased, WeightsNotLoaded
 from node_engine.request import RequestOutput
 from node_engine.sampling import SamplingParams
+from node_engine.tokenizer import Tokenizer
 
 DONE_EVENT = b"data: [DONE]\n\n"
+_LONGEST_TOKEN_CHARS: "weakref.WeakKeyDictionary[Tokenizer, int]" = weakref.WeakKeyDictionary()
+
+
+def longest_token_chars(tokenizer: Tokenizer) -> int:
+    """The most characters one token of ``tokenizer`` decodes to (computed once per tokenizer: call it at
+    start, a large vocabulary takes a fraction of a second)."""
+    longest = _LONGEST_TOKEN_CHARS.get(tokenizer)
+    if longest is None:
+        longest = max((len(tokenizer.decode([i], skip_special_tokens=False)) for i in range(tokenizer.vocab_size)),
+                      default=1)
+        _LONGEST_TOKEN_CHARS[tokenizer] = longest
+    return longest
+
+
+def max_prompt_chars(engine: Engine) -> int:
+    """More characters than any prompt that fits the context can have: every token stands for at most the
+    longest token's characters (one more for a leading space a decoder drops, doubled for normalizers that
+    shrink text)."""
+    return engine.runner.kv_plan.context_len * (longest_token_chars(engine.tokenizer) + 1) * 2
+
+
+def check_prompt_length(engine: Engine, texts: list[str]) -> None:
+    """400 for a text that cannot fit the context whatever it tokenizes to, before any tokenizing: a
+    megabyte prompt costs the tokenizer seconds, and it holds the event loop meanwhile."""
+    limit = max_prompt_chars(engine)
+    for text in texts:
+        if len(text) > limit:
+            raise InvalidRequest(f"a prompt of {len(text)} characters can never fit the context of "
+                                 f"{engine.runner.kv_plan.context_len} tokens (at most {limit} characters)")
+
+
+async def tokenize(engine: Engine, texts: list[str]) -> list[list[int]]:
+    """The token ids of ``texts`` (each checked with :func:`check_prompt_length` first), computed in a worker
+    thread so that the event loop is free whenever the tokenizer releases the GIL."""
+    check_prompt_length(engine, texts)
+    return await asyncio.to_thread(lambda: [engine.tokenizer.encode(text) for text in texts])
 
 
 def sse_event(payload: Any) -> bytes:

@@ -14,14 +14,14 @@ from node_engine.engine import Engine
 from node_engine.request import RequestOutput
 from node_engine.sampling import SamplingParams
 from node_engine.server.generation import (DONE_EVENT, Completion, GenerationRun, collect_unless_disconnected,
-                                           first_unless_disconnected, sse_event, stream_with_abort)
+                                           first_unless_disconnected, sse_event, stream_with_abort, tokenize)
 from node_engine.server.protocol import MAX_BATCH, GenerateBody
 
 router = APIRouter()
 CLIENT_CLOSED = 499
 
 
-def build_prompts(engine: Engine, body: GenerateBody) -> tuple[list[tuple[list[int], SamplingParams]], bool]:
+async def build_prompts(engine: Engine, body: GenerateBody) -> tuple[list[tuple[list[int], SamplingParams]], bool]:
     """Tokenized prompts with their sampling params, and whether the request is a batch."""
     if (body.text is None) == (body.input_ids is None):
         raise InvalidRequest("give exactly one of text or input_ids")
@@ -32,7 +32,9 @@ def build_prompts(engine: Engine, body: GenerateBody) -> tuple[list[tuple[list[i
         texts = body.text if is_batch else [body.text]
         if any(not t for t in texts):
             raise InvalidRequest("text must not be empty")
-        id_lists = [engine.tokenizer.encode(t) for t in texts]
+        if len(texts) > MAX_BATCH:  # before any tokenizing
+            raise InvalidRequest(f"a batch holds at most {MAX_BATCH} prompts, got {len(texts)}")
+        id_lists = await tokenize(engine, texts)
     elif body.input_ids is None:  # unreachable after the check above; an explicit 400, not an assert
         raise InvalidRequest("give exactly one of text or input_ids")
     else:
@@ -81,7 +83,7 @@ def _result(engine: Engine, c: Completion, started: float) -> dict[str, Any]:
 async def generate(request: Request) -> Response:
     engine: Engine = request.app.state.engine
     body = await parse_body(request, GenerateBody)
-    prompts, is_batch = build_prompts(engine, body)
+    prompts, is_batch = await build_prompts(engine, body)
     run = GenerationRun(engine, prompts, _rids(body), stream=body.stream)
     if body.stream:
         first = await first_unless_disconnected(request, run)

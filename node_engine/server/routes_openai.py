@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from typing import Any, AsyncIterator, Callable
@@ -14,8 +15,8 @@ from handoff.service.errors import InvalidRequest, ServiceError
 from node_engine.engine import Engine
 from node_engine.request import RequestOutput
 from node_engine.sampling import SamplingParams
-from node_engine.server.generation import (DONE_EVENT, GenerationRun, collect_unless_disconnected,
-                                           first_unless_disconnected, sse_event, stream_with_abort)
+from node_engine.server.generation import (DONE_EVENT, GenerationRun, check_prompt_length, collect_unless_disconnected,
+                                           first_unless_disconnected, sse_event, stream_with_abort, tokenize)
 from node_engine.server.protocol import MAX_BATCH, ChatCompletionBody, CompletionBody
 from node_engine.server.routes_generate import CLIENT_CLOSED
 from node_engine.tokenizer import ChatTemplateError
@@ -100,9 +101,11 @@ async def completions(request: Request) -> Response:
     _check_model(engine, body.model)
     prompt = body.prompt
     if isinstance(prompt, str):
-        id_lists = [engine.tokenizer.encode(prompt)] if prompt else []
+        id_lists = await tokenize(engine, [prompt]) if prompt else []
     elif prompt and isinstance(prompt[0], str):
-        id_lists = [engine.tokenizer.encode(p) for p in prompt]  # type: ignore[arg-type]
+        if len(prompt) > MAX_BATCH:  # before any tokenizing
+            raise InvalidRequest(f"at most {MAX_BATCH} prompts per request, got {len(prompt)}")
+        id_lists = await tokenize(engine, prompt)  # type: ignore[arg-type]
     elif prompt and isinstance(prompt[0], list):
         id_lists = list(prompt)  # type: ignore[arg-type]
     else:
@@ -151,8 +154,10 @@ async def chat_completions(request: Request) -> Response:
     engine: Engine = request.app.state.engine
     body = await parse_body(request, ChatCompletionBody)
     _check_model(engine, body.model)
-    try:
-        ids = engine.tokenizer.apply_chat_template(_messages(body))
+    messages = _messages(body)
+    check_prompt_length(engine, ["".join(str(m.get("content", "")) for m in messages)])
+    try:  # rendered and tokenized off the event loop, like every prompt
+        ids = await asyncio.to_thread(engine.tokenizer.apply_chat_template, messages)
     except ChatTemplateError as exc:
         raise InvalidRequest(str(exc)) from exc
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens

@@ -99,3 +99,36 @@ async def test_async_client_same_contract(server) -> None:
 def test_retry_policy_validates() -> None:
     with pytest.raises(ValueError, match="max_attempts"):
         RetryPolicy(max_attempts=0)
+
+
+# Event text as the engine writes it (``ensure_ascii=False``): characters str.splitlines (and httpx's
+# iter_lines) would cut a line at, though SSE lines end only at CR and LF.
+ODD_TEXT = "a\u2028b\x85c\u2029d"  # as json.dumps(..., ensure_ascii=False) leaves them
+STREAM = ('data: {"text": "' + ODD_TEXT + '", "output_ids": [1]}\r\n\r\n'
+          'data:{"text": "no space after the colon", "output_ids": [2]}\n\n'
+          'data: [DONE]\n\n')
+SSE = {"Content-Type": "text/event-stream"}
+
+
+def test_streams_split_lines_only_where_sse_does(server) -> None:
+    with HandoffClient(server.url) as client:
+        script(server, {"raw": STREAM, "headers": SSE})
+        events = list(client.stream_generate("hi"))
+    assert [e["text"] for e in events] == [ODD_TEXT, "no space after the colon"]
+
+
+async def test_async_streams_split_lines_only_where_sse_does(server) -> None:
+    async with AsyncHandoffClient(server.url) as client:
+        script(server, {"raw": STREAM, "headers": SSE})
+        events = [e async for e in client.stream_generate("hi")]
+    assert [e["text"] for e in events] == [ODD_TEXT, "no space after the colon"]
+
+
+@pytest.mark.parametrize("cut", ["no [DONE]", "mid-event"])
+def test_a_stream_that_ends_without_done_raises(server, cut: str) -> None:
+    body = STREAM.split("data: [DONE]")[0] if cut == "no [DONE]" else STREAM[:40]
+    with HandoffClient(server.url) as client:
+        script(server, {"raw": body, "headers": SSE})
+        with pytest.raises(HandoffError) as info:
+            list(client.stream_generate("hi"))
+    assert info.value.type == "incomplete_stream"

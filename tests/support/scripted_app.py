@@ -1,6 +1,8 @@
 """A real HTTP server whose answers a test scripts: for client tests and fault injection.
 
-``POST /_script`` with ``[{"status": 503, "headers": {...}, "body": {...}}, ...]`` replaces the queued answers;
+``POST /_script`` with ``[{"status": 503, "headers": {...}, "body": {...}}, ...]`` replaces the queued answers
+(``"raw": "text"`` instead of ``"body"`` sends that text as it is, e.g. an SSE stream with its own
+``Content-Type`` header);
 every other request takes the next one (or ``{"ok": true}`` when the queue is empty) and is recorded;
 ``GET /_requests`` returns what was received (method, path, query, headers, body).
 """
@@ -40,7 +42,8 @@ def create_app() -> Starlette:
         received.append({"method": request.method, "path": request.url.path, "query": request.url.query,
                          "headers": dict(request.headers), "body": body.decode("utf-8", "replace")})
         answer = script.popleft() if script else {"status": 200, "body": {"ok": True}}
-        return Response(json.dumps(answer.get("body", {})), status_code=answer.get("status", 200),
+        content = answer["raw"] if "raw" in answer else json.dumps(answer.get("body", {}))
+        return Response(content, status_code=answer.get("status", 200),
                         headers=answer.get("headers", {}), media_type="application/json")
 
     return Starlette(routes=[

@@ -17,7 +17,7 @@ def iter_events(response: httpx.Response) -> Iterator[str]:
         buffer += chunk
         while "\n\n" in buffer:
             frame, buffer = buffer.split("\n\n", 1)
-            for line in frame.splitlines():
+            for line in frame.replace("\r\n", "\n").split("\n"):  # not splitlines: U+2028 and co. are text
                 if line.startswith("data: "):
                     yield line[len("data: "):]
     if buffer.strip():

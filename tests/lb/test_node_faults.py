@@ -1,0 +1,167 @@
+"""Misbehaving nodes the other LB tests do not cover (issue 8): slow, resetting, truncating, unreachable
+in silence, and nodes that refuse generation for a reason the LB's view has not caught up with yet."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from tests.lb.behaviours import Gate, drop, reply
+from tests.lb.fakes import Exchange, FakeCluster, FakeNode
+from tests.lb.lbproc import LB, node_args, set_members
+from tests.support.procs import wait_until
+
+pytestmark = pytest.mark.timeout(30)
+
+FIRST_EVENT = b'data: {"text": "a"}\n\n'
+
+
+def test_a_slow_node_does_not_hold_up_the_others(module_fakes: FakeCluster, shared_lb: LB) -> None:
+    slow, fast = module_fakes.start(2)
+    gate = Gate(module_fakes)
+
+    async def slow_answer(node: FakeNode, ex: Exchange) -> None:
+        await gate.wait()  # the node takes as long as the test wants
+        ex.respond(200, {"text": "late but whole", "node": node.url})
+
+    slow.handlers["/generate"] = slow_answer
+    fast.handlers["/generate"] = reply(200, {"node": fast.url})
+    set_members(shared_lb, slow.url, fast.url)
+    with ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(shared_lb.http.post, "/generate", json={"text": "x"})
+        wait_until(lambda: slow.requests_to("/generate") or fast.requests_to("/generate"), timeout=5,
+                   what="the first request to reach a node")
+        if fast.requests_to("/generate"):  # the policy sent the first one to the fast node: send another
+            waiting.result(5)
+            waiting = pool.submit(shared_lb.http.post, "/generate", json={"text": "y"})
+            wait_until(lambda: slow.requests_to("/generate"), timeout=5, what="a request on the slow node")
+        started = time.monotonic()
+        for _ in range(5):  # least_inflight: everything else goes to the idle node at once
+            assert shared_lb.http.post("/generate", json={"text": "z"}).json()["node"] == fast.url
+        assert time.monotonic() - started < 2
+        gate.open()
+        late = waiting.result(10)
+    assert late.status_code == 200 and late.json() == {"text": "late but whole", "node": slow.url}
+
+
+def test_a_node_too_slow_for_its_health_checks_is_routed_around(module_fakes: FakeCluster, shared_lb: LB) -> None:
+    slow, well = module_fakes.start(2)
+    set_members(shared_lb, slow.url, well.url)
+    slow.handlers["/memory_occupation"] = reply(200, slow.state, delay=3.0)  # the LB's checks time out at 1 s
+    wait_until(lambda: shared_lb.node(slow.url)["health"] == "unhealthy", timeout=10, what="slow node unhealthy")
+    assert "in time" in shared_lb.node(slow.url)["last_error"]
+    for _ in range(4):
+        assert shared_lb.http.post("/generate", json={"text": "x"}).json()["node"] == well.url
+    del slow.handlers["/memory_occupation"]
+    wait_until(lambda: shared_lb.node(slow.url)["routable"], timeout=10, what="back once it answers in time")
+
+
+def test_a_node_resetting_every_connection(module_fakes: FakeCluster, shared_lb: LB) -> None:
+    resetting, well = module_fakes.start(2)
+    for path in ("/memory_occupation", "/generate", "/release_memory_occupation"):
+        resetting.handlers[path] = drop()
+    set_members(shared_lb, resetting.url, well.url)
+    assert shared_lb.node(resetting.url)["health"] == "unhealthy"  # its first check was reset
+    for _ in range(4):
+        answer = shared_lb.http.post("/generate", json={"text": "x"})
+        assert answer.status_code == 200 and answer.json()["node"] == well.url
+    fanout = shared_lb.http.post("/release_memory_occupation", json={})
+    assert fanout.status_code == 502
+    [failure] = fanout.json()["failures"]
+    assert failure["node"] == resetting.url and failure["reason"] == "dropped"
+    assert [s["node"] for s in fanout.json()["succeeded"]] == [well.url]
+    set_members(shared_lb)
+
+
+def test_a_stream_cut_by_a_clean_close_ends_with_an_error_event(module_fakes: FakeCluster, shared_lb: LB) -> None:
+    """The node closes its side (FIN, not a reset) in the middle of an event, without the last chunk."""
+    node = module_fakes.start_one()
+
+    async def half_an_event_then_close(fake: FakeNode, ex: Exchange) -> None:
+        ex.start_chunked()
+        ex.chunk(FIRST_EVENT)
+        ex.chunk(b'data: {"text": "b')
+        ex.conn.transport.close()
+
+    node.handlers["/generate"] = half_an_event_then_close
+    set_members(shared_lb, node.url)
+    with shared_lb.http.stream("POST", "/generate", json={"stream": True}) as answer:
+        body = answer.read()  # the LB's chunked body ends properly
+    assert body.startswith(FIRST_EVENT + b'data: {"text": "b')
+    last = body.rsplit(b"\n\n", 2)[-2].rsplit(b"data: ", 1)[-1]
+    error = json.loads(last)["error"]
+    assert error["type"] == "upstream_error" and node.url in error["message"]
+    assert not body.rstrip().endswith(b"[DONE]")
+
+
+def test_a_truncated_answer_is_a_502_naming_the_node(module_fakes: FakeCluster, shared_lb: LB) -> None:
+    node = module_fakes.start_one()
+
+    async def short_body_then_close(fake: FakeNode, ex: Exchange) -> None:
+        ex.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n"
+                 b'{"text": "trunc')
+        ex.conn.transport.close()
+
+    node.handlers["/generate"] = short_body_then_close
+    set_members(shared_lb, node.url)
+    answer = shared_lb.http.post("/generate", json={"text": "x"})
+    assert answer.status_code == 502 and answer.json()["error"]["type"] == "upstream_error"
+    assert answer.json()["error"]["node"] == node.url
+
+
+@pytest.mark.parametrize("error_type", ["weights_not_loaded", "generation_paused", "node_released",
+                                        "engine_unavailable"])
+def test_every_admission_refusal_moves_the_request(fakes: FakeCluster, start_lb, error_type: str) -> None:
+    """A node reloaded or paused behind the LB's back answers 503 from its admission: it ran nothing, so the
+    request goes to another node instead of failing while that one serves."""
+    refusing, serving = fakes.start(2)
+    refusing.handlers["/generate"] = reply(503, {"error": {"type": error_type, "message": "not now"}})
+    lb = start_lb(*node_args(refusing.url, serving.url), "--policy", "round_robin", "--health-interval", "60",
+                  fast_health=False)
+    for _ in range(3):
+        answer = lb.http.post("/generate", json={"text": "x"})
+        assert answer.status_code == 200 and answer.json()["node"] == serving.url
+    assert lb.metric("handoff_lb_generate_not_serving_retries_total") == 1
+    assert lb.node(refusing.url)["routable"] is False
+
+
+def silence(port: int) -> list[socket.socket]:
+    """Listen on ``port`` with a full accept queue: the kernel drops new SYNs there, as behind a partition."""
+    listener = socket.socket()
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(("127.0.0.1", port))
+    listener.listen(0)
+    return [listener, socket.create_connection(("127.0.0.1", port), timeout=1)]
+
+
+def test_a_node_that_cannot_be_connected_to_costs_the_connect_timeout(fakes: FakeCluster, start_lb) -> None:
+    """The LB still believes the node healthy (no check for a minute) when it goes silent: a new connection
+    cannot be made, which means the node saw nothing, so the request moves on after the connect timeout
+    instead of waiting out the whole generation deadline for a 504."""
+    going_silent, serving = fakes.start(2)
+    lb = start_lb(*node_args(going_silent.url, serving.url), "--connect-timeout", "0.5",
+                  "--generate-timeout", "20", "--policy", "round_robin", "--health-interval", "60",
+                  fast_health=False)
+    assert all(n["routable"] for n in lb.nodes())
+    going_silent.stop()  # resets the LB's pooled connection: the next request there must connect anew
+    sockets = silence(going_silent.port)
+    try:
+        started = time.monotonic()
+        for _ in range(2):  # round robin: one of them is sent to the silent node first
+            answer = lb.http.post("/generate", json={"text": "x"})
+            assert answer.status_code == 200 and answer.json()["node"] == serving.url
+        assert time.monotonic() - started < 5  # the connect timeout, not the 20 s generation deadline
+        assert lb.metric("handoff_lb_generate_retries_total") == 1
+        view = lb.node(going_silent.url)
+        assert view["health"] == "unhealthy" and "no connection within 0.5 s" in view["last_error"]
+        fanout = lb.http.post("/flush_cache", params={"timeout": "10"})
+        reasons = {f["node"]: f["reason"] for f in fanout.json()["failures"]}
+        assert fanout.status_code == 502 and reasons == {going_silent.url: "unreachable"}
+        assert time.monotonic() - started < 8
+    finally:
+        for sock in sockets:
+            sock.close()

@@ -1,0 +1,86 @@
+"""A node under faults (issue 8): a sidecar that has not read its engine yet does not guess its state; a
+huge prompt does not stall the node."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.support.procs import ServerProcess, wait_until
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_state_is_unknown_until_read_from_the_engine(proc_log_dir: Path) -> None:
+    """Started before its engine, a sidecar reports every tag ``unknown`` (not ``resident``), serves nothing,
+    and reports the engine's real state once it is up."""
+    port = free_port()
+    sidecar = ServerProcess("node_sidecar", ["--engine-url", f"http://127.0.0.1:{port}", "--engine-poll-interval",
+                                             "0.2"], log_dir=proc_log_dir, name="sidecar-before-engine").start()
+    engine = ServerProcess("node_engine", ["--model-path", "builtin:tiny", "--enable-memory-saver"],
+                           log_dir=proc_log_dir, name="late-engine")
+    try:
+        view = httpx.get(sidecar.url + "/memory_occupation", timeout=10).json()
+        assert view["engine_reachable"] is False and view["serving"] is False
+        assert {tag: t["state"] for tag, t in view["tags"].items()} == dict.fromkeys(
+            ["weights", "kv_cache", "cuda_graph", "workspace"], "unknown")
+        refused = httpx.post(sidecar.url + "/generate", json={"text": "x"}, timeout=10)
+        assert refused.status_code == 503 and refused.json()["error"]["type"] == "engine_unavailable"
+        engine.start(port=port)
+        wait_until(lambda: httpx.get(sidecar.url + "/ready").status_code == 200, timeout=20, what="synced")
+        view = httpx.get(sidecar.url + "/memory_occupation", timeout=10).json()
+        assert all(t["state"] == "resident" for t in view["tags"].values())
+        assert sum(t["bytes"] for t in view["tags"].values()) > 0
+    finally:
+        sidecar.stop()
+        engine.stop()
+
+
+def test_a_huge_prompt_does_not_stall_the_node(proc_log_dir: Path) -> None:
+    """A prompt of megabytes used to hold the engine's event loop while it was tokenized (4 s for 4 MB here,
+    a minute for 30 MB), long enough for the sidecar to take the engine for dead and stop the node serving. A
+    prompt that cannot fit the context is now refused before it is tokenized, and the node keeps serving."""
+    engine = ServerProcess("node_engine", ["--model-path", "builtin:tiny"], log_dir=proc_log_dir,
+                           name="engine-huge-prompt").start()
+    sidecar = ServerProcess("node_sidecar", ["--engine-url", engine.url, "--engine-poll-interval", "0.2"],
+                            log_dir=proc_log_dir, name="sidecar-huge-prompt").start()
+    try:
+        wait_until(lambda: httpx.get(sidecar.url + "/ready").status_code == 200, timeout=20, what="ready")
+        answers: list[httpx.Response] = []
+        body = b'{"text": "' + b"a" * 4_000_000 + b'"}'
+        worker = threading.Thread(target=lambda: answers.append(
+            httpx.post(sidecar.url + "/generate", content=body, timeout=120)))
+        started = time.monotonic()
+        worker.start()
+        slowest = 0.0
+        with httpx.Client(timeout=30) as probe:
+            while worker.is_alive():
+                asked = time.monotonic()
+                assert probe.get(engine.url + "/health").status_code == 200
+                slowest = max(slowest, time.monotonic() - asked)
+                assert probe.get(sidecar.url + "/ready").status_code == 200  # never taken for dead
+        worker.join()
+        assert answers[0].status_code == 400 and "can never fit" in answers[0].json()["error"]["message"]
+        assert time.monotonic() - started < 2 and slowest < 1, (time.monotonic() - started, slowest)
+        # the guard is generous: a prompt that may fit is still judged by its tokens
+        judged = httpx.post(sidecar.url + "/generate", json={"text": "b" * 20_000}, timeout=60)
+        assert judged.status_code == 400 and "exceeds" in judged.json()["error"]["message"]
+        chat = httpx.post(sidecar.url + "/v1/chat/completions", timeout=60,
+                          json={"messages": [{"role": "user", "content": "c" * 4_000_000}]})
+        assert chat.status_code == 400 and "can never fit" in chat.json()["error"]["message"]
+        assert httpx.post(sidecar.url + "/generate", json={"text": "fine", "sampling_params": {
+            "max_new_tokens": 2}}, timeout=30).status_code == 200
+    finally:
+        sidecar.stop()
+        engine.stop()

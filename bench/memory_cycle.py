@@ -131,25 +131,25 @@ def cpu_child(model: str, repeats: int) -> dict[str, Any]:
             runs = []
             for _ in range(repeats):
                 before = rss()
-                released = engine.release([tag], stage_to_cpu=None)
+                released = engine.control.release([tag], stage_to_cpu=None)
                 after_release = rss()
-                resumed = engine.resume([tag])
+                resumed = engine.control.resume([tag])
                 after_resume = rss()
                 runs.append({"dropped": before - after_release, "regained": after_resume - after_release,
                              "release_s": released["duration_s"], "resume_s": resumed["duration_s"]})
             per_tag[tag.value] = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
 
         before = rss()
-        released = engine.release(None, stage_to_cpu=None)
+        released = engine.control.release(None, stage_to_cpu=None)
         all_dropped = before - rss()
-        engine.resume(None)
+        engine.control.resume(None)
         is_restored = bool(torch.equal(engine.runner.score(PROMPT), reference_logits))
 
         weights_bytes = tag_bytes[MemoryTag.WEIGHTS.value]
         no_backup = []
         for _ in range(repeats):
-            released = engine.release([MemoryTag.WEIGHTS], stage_to_cpu=False)
-            resumed = engine.resume([MemoryTag.WEIGHTS])
+            released = engine.control.release([MemoryTag.WEIGHTS], stage_to_cpu=False)
+            resumed = engine.control.resume([MemoryTag.WEIGHTS])
             no_backup.append((released["duration_s"], resumed["duration_s"]))
         plain_write_s, plain_read_s = plain_file_copy(Path(tmp), weights_bytes, repeats)
         weights_with_backup = per_tag[MemoryTag.WEIGHTS.value]

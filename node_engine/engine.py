@@ -23,20 +23,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-import psutil
 import torch
 
 from node_engine.config import EngineConfig
-from node_engine.errors import (EngineStopped, InsufficientMemory, InvalidRequest, MemoryReleased,
-                                MemorySaverDisabledError, NoWeightsBackupError, RequestsInFlight, WeightsCorrupted,
-                                WeightsNotLoaded, WeightsReleased)
+from node_engine.control import EngineControl
+from node_engine.errors import EngineStopped, InvalidRequest, MemoryReleased, WeightsNotLoaded
 from node_engine.kv_cache import RowAllocator, SlotAllocator
 from node_engine.memory.info import CudaMemoryInfo, FileOverrideMemoryInfo, HostMemoryInfo, MemoryInfo
-from node_engine.memory.manager import MemoryManager, NotEnoughMemory, NoWeightsBackup
-from node_engine.memory.saver import CpuSaver, DisabledSaver, MemorySaver, MemorySaverDisabled
-from node_engine.memory.tags import ALL_TAGS, MemoryTag
+from node_engine.memory.manager import MemoryManager
+from node_engine.memory.saver import CpuSaver, DisabledSaver, MemorySaver
 from node_engine.metrics import EngineMetrics
-from node_engine.model.arch import ModelConfigError
 from node_engine.request import FinishReason, Request, RequestOutput, RequestState
 from node_engine.runner import ModelRunner, load_model_source
 from node_engine.sampling import SamplingParams
@@ -118,6 +114,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._num_rids = 0
+        self.control = EngineControl(self)
         self.metrics.kv_slots_total.set(self.scheduler.slots.capacity)
         self._update_memory_metrics()
 
@@ -313,91 +310,6 @@ class Engine:
         for tag, info in self.memory.occupation().items():
             for state in ("resident", "released"):
                 self.metrics.memory_bytes.labels(tag, state).set(info["bytes"] if info["state"] == state else 0)
-
-    # -- control commands (run on the engine thread through ``call``) --------------
-    def _require_idle(self, what: str) -> None:
-        num = self.scheduler.num_requests
-        if num:
-            raise RequestsInFlight(f"{num} request(s) running or queued; {what} needs an idle engine "
-                                   "(the sidecar drains first)", extra={"in_flight": num})
-
-    def release(self, tags: list[MemoryTag] | None, stage_to_cpu: bool | None) -> dict[str, Any]:
-        self._require_idle("a release")
-        try:
-            result = self.memory.release(tags, stage_to_cpu=stage_to_cpu)
-        except MemorySaverDisabled as exc:
-            raise MemorySaverDisabledError(str(exc)) from exc
-        except NoWeightsBackup as exc:
-            raise NoWeightsBackupError(str(exc)) from exc
-        self.metrics.release_seconds.observe(result.duration_s)
-        log.info("released %s (%d bytes) in %.3fs; already released: %s", result.released,
-                 sum(result.bytes_freed.values()), result.duration_s, result.already_released)
-        return {"success": True, "released": result.released, "already_released": result.already_released,
-                "bytes_freed": result.bytes_freed, "duration_s": round(result.duration_s, 6)}
-
-    def resume(self, tags: list[MemoryTag] | None) -> dict[str, Any]:
-        if isinstance(self.saver, DisabledSaver):
-            raise MemorySaverDisabledError("memory saver is off: start the engine with --enable-memory-saver")
-        try:
-            result = self.memory.resume(tags)
-        except NotEnoughMemory as exc:
-            raise InsufficientMemory(str(exc), extra={"needed_bytes": exc.needed_bytes,
-                                                      "free_bytes": exc.free_bytes}) from exc
-        resumed = set(result.resumed)
-        if MemoryTag.KV_CACHE.value in resumed:
-            self.scheduler.slots.reset()
-            self.scheduler.rows.reset()
-        if MemoryTag.WORKSPACE.value in resumed:
-            self.runner.reset_workspace()
-        self.metrics.resume_seconds.observe(result.duration_s)
-        log.info("resumed %s in %.3fs; weights_valid=%s", result.resumed, result.duration_s, result.weights_valid)
-        return {"success": True, "resumed": result.resumed, "already_resident": result.already_resident,
-                "bytes_restored": result.bytes_restored, "weights_valid": result.weights_valid,
-                "duration_s": round(result.duration_s, 6)}
-
-    def update_weights_from_disk(self, model_path: str, weight_version: str | None) -> dict[str, Any]:
-        self._require_idle("a weight reload")
-        if MemoryTag.WEIGHTS in self.memory.released_tags():
-            raise WeightsReleased("the weights are released; resume them first, then reload")
-        started = time.perf_counter()
-        try:
-            entries = self.runner.check_weights_update(Path(model_path))
-        except ModelConfigError as exc:
-            raise InvalidRequest(f"cannot load {model_path}: {exc}") from exc
-        try:
-            self.runner.apply_weights_update(entries)
-        except Exception as exc:
-            self.memory.mark_weights_invalid()
-            raise WeightsCorrupted(f"reload of {model_path} failed part way ({exc}); generation is refused until "
-                                   "a reload succeeds") from exc
-        self.memory.mark_weights_valid()
-        self.weight_version = weight_version or model_path
-        self._flush()
-        duration = time.perf_counter() - started
-        log.info("weights reloaded from %s in %.2fs, weight_version=%s", model_path, duration, self.weight_version)
-        return {"success": True, "message": f"weights loaded from {model_path}", "weight_version": self.weight_version,
-                "duration_s": round(duration, 6)}
-
-    def flush_cache(self) -> dict[str, Any]:
-        return {"success": True, "num_cached_tokens_dropped": self._flush()}
-
-    def _flush(self) -> int:
-        return 0  # no prefix cache yet: every request's KV is freed when it ends
-
-    def occupation(self) -> dict[str, Any]:
-        device = self.memory.info.read()
-        return {
-            "tags": self.memory.occupation(),
-            "weights_valid": self.memory.weights_valid,
-            "weight_version": self.weight_version,
-            "memory_saver": self.saver.name,
-            "weights_backup": self.config.weights_backup.value,
-            "device": {"type": device.device_type, "free_bytes": device.free_bytes,
-                       "total_bytes": device.total_bytes},
-            "process_rss_bytes": psutil.Process().memory_info().rss,
-            "running_requests": len(self.scheduler.running),
-            "queued_requests": len(self.scheduler.waiting),
-        }
 
 
 def _dispatch(outputs: list[tuple[Request, RequestOutput]]) -> None:

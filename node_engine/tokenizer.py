@@ -28,6 +28,9 @@ BUILTIN_CHAT_TEMPLATE = (
 )
 
 
+_GIL_FREE_ENCODE_CHARS = 16 * 1024
+
+
 class ChatTemplateError(ValueError):
     """The messages cannot be rendered (no template, or the template refused them)."""
 
@@ -74,6 +77,10 @@ class Tokenizer:
                    chat_template=BUILTIN_CHAT_TEMPLATE)
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        if len(text) > _GIL_FREE_ENCODE_CHARS:
+            # encode_batch releases the GIL while it works; encode does not. A long prompt
+            # tokenized in a worker thread must not freeze the event loop.
+            return self._hf.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return self._hf.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int], *, skip_special_tokens: bool = True) -> str:

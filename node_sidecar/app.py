@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
 from typing import AsyncIterator, Awaitable, Callable
 
 import psutil
@@ -173,7 +172,7 @@ def create_app(config: SidecarConfig) -> FastAPI:
         admin.check(request)
         raw = await request.body()
         body = parse_value(parse_json_bytes(raw) if raw.strip() else None, UpdateWeightsBody)
-        engine_body = json.dumps(body.model_dump(exclude={"drain_timeout"}, exclude_none=True)).encode()
+        engine_body = body.model_dump(exclude={"drain_timeout"}, exclude_none=True)
         answer = await control_of(request).update_weights(engine_body, drain_timeout=drain_bound(body.drain_timeout))
         metrics.control_calls.labels("update_weights_from_disk", "200").inc()
         return JSONResponse(answer)

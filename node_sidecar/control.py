@@ -130,11 +130,16 @@ class ControlPlane:
                 "bytes_restored": answer.get("bytes_restored", {}), "weights_valid": state.weights_valid,
                 "serving": state.is_serving, "duration_s": round(duration, 6)}
 
-    async def update_weights(self, body: bytes, *, drain_timeout: float) -> dict[str, Any]:
-        """Reload weights from disk, after draining generation like a release in wait mode."""
+    async def update_weights(self, body: dict[str, Any], *, drain_timeout: float) -> dict[str, Any]:
+        """Reload weights from disk, after draining generation like a release in wait mode.
+
+        The checkpoint is checked first (the engine's dry run), so a wrong path or
+        shape is a 400 while the node keeps serving, not after a drain.
+        """
         node, state = self.node, self.node.state
         async with node.control_lock:
             node.require_engine()
+            await node.engine.call("POST", "/update_weights_from_disk", {**body, "dry_run": True})
             async with self._draining():
                 drained, _ = await self._drain("wait", drain_timeout)
                 try:

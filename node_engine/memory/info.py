@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -9,6 +10,7 @@ from typing import Protocol
 import psutil
 import torch
 
+log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class DeviceMemory:
@@ -52,6 +54,10 @@ class FileOverrideMemoryInfo:
             text = self._path.read_text().strip()
         except FileNotFoundError:
             return real
-        if not text:
+        try:
+            free_bytes = int(text)
+        except ValueError:
+            if text:
+                log.warning("ignoring %s: %r is not a number of bytes", self._path, text[:40])
             return real
-        return DeviceMemory(real.device_type, int(text), real.total_bytes)
+        return DeviceMemory(real.device_type, free_bytes, real.total_bytes)

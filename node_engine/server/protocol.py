@@ -104,11 +104,14 @@ class TagsBody(BaseModel):
 
 
 class UpdateWeightsBody(BaseModel):
+    """``dry_run``: check the checkpoint (files, keys, shapes, dtypes) without loading it or needing an idle engine."""
+
     model_config = _STRICT
     model_path: str = Field(min_length=1)
     weight_version: str | None = Field(default=None, min_length=1)
     load_format: str | None = None
     flush_cache: bool | None = None
+    dry_run: bool = False
 
 
 class AbortBody(BaseModel):

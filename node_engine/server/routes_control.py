@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from fastapi import APIRouter, Request
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.responses import JSONResponse, Response
@@ -31,7 +33,7 @@ async def release_memory_occupation(request: Request) -> JSONResponse:
     engine = _engine(request)
     body = await parse_body(request, TagsBody, empty_ok=True)
     tags = _tags(body)
-    return JSONResponse(await engine.call(lambda: engine.release(tags, body.stage_to_cpu)))
+    return JSONResponse(await engine.call(lambda: engine.control.release(tags, body.stage_to_cpu)))
 
 
 @router.post("/resume_memory_occupation", openapi_extra=openapi_body(TagsBody, required=False))
@@ -41,7 +43,7 @@ async def resume_memory_occupation(request: Request) -> JSONResponse:
     if body.stage_to_cpu is not None or body.mode is not None or body.drain_timeout is not None:
         raise InvalidRequest("resume takes only tags")
     tags = _tags(body)
-    return JSONResponse(await engine.call(lambda: engine.resume(tags)))
+    return JSONResponse(await engine.call(lambda: engine.control.resume(tags)))
 
 
 @router.post("/update_weights_from_disk", openapi_extra=openapi_body(UpdateWeightsBody))
@@ -50,13 +52,15 @@ async def update_weights_from_disk(request: Request) -> JSONResponse:
     body = await parse_body(request, UpdateWeightsBody)
     if body.load_format not in (None, "auto", "safetensors"):
         raise InvalidRequest(f"load_format {body.load_format!r} is not supported; use safetensors")
-    return JSONResponse(await engine.call(lambda: engine.update_weights_from_disk(body.model_path,
-                                                                                 body.weight_version)))
+    if body.dry_run:
+        return JSONResponse(await asyncio.to_thread(engine.control.check_weights, body.model_path))
+    return JSONResponse(await engine.call(lambda: engine.control.update_weights_from_disk(body.model_path,
+                                                                                         body.weight_version)))
 
 
 async def flush_cache(request: Request) -> JSONResponse:
     engine = _engine(request)
-    return JSONResponse(await engine.call(engine.flush_cache))
+    return JSONResponse(await engine.call(engine.control.flush_cache))
 
 
 for _method in ("GET", "POST"):  # one route per method: one operation id each in the schema
@@ -80,7 +84,7 @@ async def abort_request(request: Request) -> JSONResponse:
 
 @router.get("/memory_occupation")
 async def memory_occupation(request: Request) -> JSONResponse:
-    return JSONResponse(_engine(request).occupation())
+    return JSONResponse(_engine(request).control.occupation())
 
 
 @router.get("/get_server_info")
@@ -96,7 +100,7 @@ async def get_server_info(request: Request) -> JSONResponse:
         "max_batch_tokens": config.max_batch_tokens, "max_running_requests": config.max_running_requests,
         "memory_saver": engine.saver.name, "weights_backup": config.weights_backup.value,
         "cuda_graph": engine.runner.graphs is not None,
-        "memory": engine.occupation(),
+        "memory": engine.control.occupation(),
     })
 
 

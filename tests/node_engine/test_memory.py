@@ -160,6 +160,17 @@ def test_without_backup_weights_must_be_reloaded(big, big_checkpoint: Path) -> N
     assert big.get("/memory_occupation").json()["weights_valid"] is True
 
 
+def test_dry_run_checks_without_loading(big, big_checkpoint: Path, tmp_path: Path) -> None:
+    arch = builtin_arch("builtin:tiny", json.loads(BIG))
+    save_checkpoint(tmp_path / "other", arch, builtin_weights(arch, seed=9))
+    expected = greedy_outputs(big)
+    r = big.post("/update_weights_from_disk", json={"model_path": str(tmp_path / "other"), "dry_run": True})
+    assert r.status_code == 200 and r.json()["dry_run"] is True
+    assert greedy_outputs(big) == expected  # nothing was loaded
+    r = big.post("/update_weights_from_disk", json={"model_path": str(tmp_path / "none"), "dry_run": True})
+    assert r.status_code == 400
+
+
 def test_bad_reloads_are_400_and_keep_the_old_weights(big, tmp_path: Path) -> None:
     expected = greedy_outputs(big)
     r = big.post("/update_weights_from_disk", json={"model_path": str(tmp_path / "missing")})

@@ -39,3 +39,16 @@ def test_resume_without_backup_zero_fills_and_rss_follows(tmp_path: Path) -> Non
     saver.resume(MemoryTag.KV_CACHE)
     assert proc.memory_info().rss - released >= 0.9 * kv.nbytes
     assert int(kv.sum()) == 0
+
+
+def test_free_memory_override_file_falls_back_when_absent_or_not_a_number(tmp_path: Path) -> None:
+    from node_engine.memory.info import FileOverrideMemoryInfo, HostMemoryInfo
+
+    path = tmp_path / "free"
+    info = FileOverrideMemoryInfo(path, HostMemoryInfo())
+    real = info.read().free_bytes
+    assert real > 0
+    path.write_text("1234")
+    assert info.read().free_bytes == 1234
+    path.write_text("not a number")
+    assert info.read().free_bytes > 1234

@@ -43,3 +43,8 @@ def test_chat_template_renders_messages() -> None:
     ids = TOK.apply_chat_template([{"role": "user", "content": "hi"}])
     assert TOK.decode(ids) == "<|user|>hi\n<|assistant|>"
     assert ids[0] == 256
+
+
+def test_long_texts_encode_the_same_on_the_gil_free_path() -> None:
+    text = "héllo wörld " * 4000  # over the threshold where encode_batch is used
+    assert TOK.encode(text) == [256] + list(text.encode())

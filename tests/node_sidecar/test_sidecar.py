@@ -345,3 +345,16 @@ def test_engine_killed_and_restarted(own_engine: ServerProcess, proc_log_dir: Pa
         own_engine.start()
     finally:
         sidecars.stop()
+
+
+def test_a_bad_reload_is_refused_before_any_drain(sidecars: Sidecars, tmp_path: Path) -> None:
+    sidecar = sidecars.start()
+    stream = GenerationClient(sidecar.url + "/generate", stream_body(3000))
+    stream.start()
+    wait_until(lambda: occupation(sidecar)["in_flight"] == 1, timeout=10)
+    r = httpx.post(sidecar.url + "/update_weights_from_disk", json={"model_path": str(tmp_path / "typo")}, timeout=30)
+    assert r.status_code == 400 and "typo" in r.json()["error"]["message"]
+    view = occupation(sidecar)
+    assert view["in_flight"] == 1 and view["admission"] == "open"  # the running stream was never drained
+    httpx.post(sidecar.url + "/abort_request", json={"abort_all": True}, timeout=10)
+    assert stream.finish(10).finish_reason == "abort"

@@ -36,6 +36,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--weights-backup", choices=[m.value for m in BackupMode], default="none")
     p.add_argument("--backup-dir", type=Path, default=None, help="where weight backups are spilled (CPU/disk)")
     p.add_argument("--disable-cuda-graph", action="store_true")
+    p.add_argument("--disable-prefix-cache", action="store_true",
+                   help="do not keep finished requests' KV for reuse by later requests with the same prefix")
     p.add_argument("--cuda-graph-max-bs", type=int, default=32)
     p.add_argument("--mem-fraction", type=float, default=0.85, help="share of free GPU memory for the KV pool")
     p.add_argument("--num-threads", type=int, default=None,
@@ -62,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
             cuda_graph_max_bs=args.cuda_graph_max_bs, mem_fraction=args.mem_fraction,
             model_override=args.model_override, served_model_name=args.served_model_name,
             weight_version=args.weight_version, free_memory_override_file=args.free_memory_override_file,
-            role=args.role)
+            role=args.role, enable_prefix_cache=not args.disable_prefix_cache)
     except ConfigError as exc:
         log.error("%s", exc)
         return 2

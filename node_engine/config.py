@@ -42,6 +42,7 @@ class EngineConfig:
     weight_version: str = DEFAULT_WEIGHT_VERSION
     free_memory_override_file: Path | None = None
     role: str = "mixed"
+    enable_prefix_cache: bool = True
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda"):

@@ -65,9 +65,11 @@ class EngineControl:
                                                       "free_bytes": exc.free_bytes}) from exc
         resumed = set(result.resumed)
         if MemoryTag.KV_CACHE.value in resumed:
-            # The KV contents are gone: every slot is free again.
+            # The KV contents are gone: every slot is free again and no cached prefix survives.
             engine.scheduler.slots.reset()
             engine.scheduler.rows.reset()
+            if engine.scheduler.cache is not None:
+                engine.scheduler.cache.reset()
         if MemoryTag.WORKSPACE.value in resumed:
             engine.runner.reset_workspace()
         engine.metrics.resume_seconds.observe(result.duration_s)
@@ -116,7 +118,9 @@ class EngineControl:
         return {"success": True, "num_cached_tokens_dropped": self._flush()}
 
     def _flush(self) -> int:
-        return 0  # no prefix cache yet: every request's KV is freed when it ends
+        """Drop every cached prefix (in-use ones are freed when their requests end); returns tokens dropped."""
+        cache = self.engine.scheduler.cache
+        return cache.flush() if cache is not None else 0
 
     def occupation(self) -> dict[str, Any]:
         engine = self.engine

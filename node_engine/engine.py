@@ -33,6 +33,7 @@ from node_engine.memory.info import CudaMemoryInfo, FileOverrideMemoryInfo, Host
 from node_engine.memory.manager import MemoryManager
 from node_engine.memory.saver import CpuSaver, DisabledSaver, MemorySaver
 from node_engine.metrics import EngineMetrics
+from node_engine.prefix_cache import PrefixCache
 from node_engine.request import FinishReason, Request, RequestOutput, RequestState
 from node_engine.runner import ModelRunner, load_model_source
 from node_engine.sampling import SamplingParams
@@ -103,11 +104,13 @@ class Engine:
                  time.perf_counter() - started, self.arch.num_params(), config.resolved_dtype, config.device)
         self.memory = MemoryManager(self.saver, make_memory_info(config), config.weights_backup)
         plan = self.runner.kv_plan
+        slots = SlotAllocator(plan.num_slots)
         self.scheduler = Scheduler(
             SchedulerConfig(max_running_requests=config.max_running_requests,
                             max_batch_tokens=config.max_batch_tokens, context_len=plan.context_len,
                             eos_token_ids=tuple(self.tokenizer.eos_token_ids) or self.arch.eos_token_ids),
-            SlotAllocator(plan.num_slots), RowAllocator(config.max_running_requests))
+            slots, RowAllocator(config.max_running_requests),
+            PrefixCache(slots) if config.enable_prefix_cache else None)
         self.weight_version = config.weight_version
         self._inbox: queue.SimpleQueue[_Add | _Abort | _Call | None] = queue.SimpleQueue()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -238,6 +241,7 @@ class Engine:
             else:
                 item.loop.call_soon_threadsafe(_set_result, item.future, result)
             self._update_memory_metrics()
+            self._update_queue_metrics()
 
     def _admit(self, request: Request) -> None:
         try:
@@ -305,6 +309,9 @@ class Engine:
         m.running_requests.set(len(self.scheduler.running))
         m.queued_requests.set(len(self.scheduler.waiting))
         m.kv_slots_used.set(self.scheduler.slots.num_used)
+        cache = self.scheduler.cache
+        m.cached_tokens.set(cache.num_cached_tokens if cache is not None else 0)
+        m.prefix_hit_tokens.set(self.scheduler.num_prefix_hit_tokens)
 
     def _update_memory_metrics(self) -> None:
         for tag, info in self.memory.occupation().items():

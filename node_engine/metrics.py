@@ -22,6 +22,11 @@ class EngineMetrics:
                                      registry=r)
         self.kv_slots_used = Gauge("handoff_engine_kv_slots_used", "KV token slots in use (requests and cache).",
                                    registry=r)
+        self.cached_tokens = Gauge("handoff_engine_cached_tokens",
+                                   "Tokens whose KV the prefix cache keeps for reuse.", registry=r)
+        self.prefix_hit_tokens = Gauge("handoff_engine_prefix_hit_tokens",
+                                       "Prompt tokens taken from the prefix cache instead of computed, since start.",
+                                       registry=r)
         self.kv_slots_total = Gauge("handoff_engine_kv_slots_total", "KV token slots in the pool.", registry=r)
         self.memory_bytes = Gauge("handoff_engine_memory_bytes", "Bytes of each memory tag, by state.",
                                   ["tag", "state"], registry=r)

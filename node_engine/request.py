@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -73,6 +73,9 @@ class Request:
     row: int | None = None            # row of the request-to-slot table while running
     num_cached: int = 0               # tokens of all_ids whose KV is in the pool
     slots: list[torch.Tensor] = field(default_factory=list)  # slot chunks owned by this request, in order
+    prefix_slots: torch.Tensor | None = None  # slots of a cached prefix it reuses (owned by the prefix cache)
+    prefix_node: Any = None                   # the prefix cache node it locks while it runs
+    cache_epoch: int = 0                      # the prefix cache's epoch when it was admitted
     finish_reason: FinishReason | None = None
     matched_stop: str | int | None = None
     is_streaming: bool = False        # outputs every step (else only the final one)

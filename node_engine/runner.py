@@ -228,6 +228,8 @@ class ModelRunner:
         last_index: list[int] = []
         for e in entries:
             num = e.end - e.start
+            if e.prefix is not None:  # a reused cached prefix: its slots open the request's row
+                self.req_to_token[e.request.row, :e.start] = e.prefix.to(device=dev, dtype=torch.int32)
             self.req_to_token[e.request.row, e.start:e.end] = slot_mapping[len(tokens):len(tokens) + num]
             tokens.extend(e.request.token_slice(e.start, e.end))
             positions.extend(range(e.start, e.end))
@@ -273,9 +275,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def score(self, token_ids: list[int]) -> torch.Tensor:
-        """Logits [T, V] of every position of one prompt (tests and debugging; the engine must be idle).
+        """Logits [T, V] of every position of one prompt (tests and debugging only).
 
-        Uses KV slots 1..T of the pool, which an idle engine does not hold.
+        Uses KV slots 1..T of the pool: only for a runner that serves nothing (no
+        requests, no cached prefixes), as the tests build it.
         """
         n = len(token_ids)
         slots = torch.arange(1, n + 1, device=self.device)

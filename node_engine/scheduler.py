@@ -7,9 +7,13 @@ request whose prefill chunk ends exactly one token short simply decodes next:
 there is one rule, "compute ``all_ids[num_cached:end]``, sample if ``end`` is
 the last token".
 
-When the pool runs dry during decode the most recently admitted request is
-preempted: its KV is freed and recomputed later; its tokens are kept. The
-scheduler is CPU bookkeeping only; it never touches device tensors.
+With a prefix cache, an admitted request starts after the longest cached
+prefix of its tokens (always leaving its last token to compute), and a
+finished request leaves its computed KV to the cache. When slots run short,
+unused cached prefixes are evicted first; if that is not enough during
+decode, the most recently admitted request is preempted: its KV is freed and
+recomputed later; its tokens are kept. The scheduler is CPU bookkeeping only;
+it never touches device tensors.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from node_engine.kv_cache import RowAllocator, SlotAllocator
+from node_engine.prefix_cache import PrefixCache
 from node_engine.request import FinishReason, Request, RequestState
 
 
@@ -48,6 +53,7 @@ class StepEntry:
     start: int             # index into all_ids of the first token computed
     end: int               # one past the last
     slots: torch.Tensor    # new slots for tokens start..end
+    prefix: torch.Tensor | None = None  # on admission: slots of a reused cached prefix (tokens 0..start)
 
     @property
     def samples(self) -> bool:
@@ -66,10 +72,13 @@ class Step:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, slots: SlotAllocator, rows: RowAllocator) -> None:
+    def __init__(self, config: SchedulerConfig, slots: SlotAllocator, rows: RowAllocator,
+                 cache: PrefixCache | None = None) -> None:
         self.config = config
         self.slots = slots
         self.rows = rows
+        self.cache = cache
+        self.num_prefix_hit_tokens = 0
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order
         self.num_preemptions = 0
@@ -123,31 +132,64 @@ class Scheduler:
             if is_blocked or budget == 0:
                 continue
             num = min(num_uncached, budget)
-            if not self.slots.can_allocate(num):
+            if not self._make_room(num):
                 is_blocked = True
                 continue
             entries.append(self._take(request, num))
             budget -= num
         while self.waiting and budget > 0 and len(self.running) < self.config.max_running_requests:
             request = self.waiting[0]
-            num = min(request.num_uncached, budget)
+            if not self.rows.can_allocate():
+                break
+            prefix, node = self._match(request)
+            num = min(request.num_tokens - prefix.numel(), budget)
+            if node is not None:
+                self.cache.lock(node)  # type: ignore[union-attr]  # before any eviction can take it
             # Leave one decode step's worth of slots to the requests already decoding.
-            if not self.rows.can_allocate() or not self.slots.can_allocate(num + num_decoding):
+            if not self._make_room(num + num_decoding):
+                if node is not None:
+                    self.cache.unlock(node)  # type: ignore[union-attr]
                 break
             self.waiting.popleft()
             request.transition(RequestState.RUNNING)
             request.row = self.rows.allocate()
+            if self.cache is not None:
+                request.prefix_node = node
+                request.prefix_slots = prefix
+                request.cache_epoch = self.cache.epoch
+                request.num_cached = prefix.numel()
+                self.num_prefix_hit_tokens += prefix.numel()
             self.running.append(request)
-            entries.append(self._take(request, num))
+            entry = self._take(request, num)
+            entry.prefix = prefix if prefix.numel() else None
+            entries.append(entry)
             budget -= num
         if not entries:
             return None
         slot_mapping = entries[0].slots if len(entries) == 1 else torch.cat([e.slots for e in entries])
         return Step(StepKind.PREFILL, entries, slot_mapping)
 
+    _NO_PREFIX = torch.empty(0, dtype=torch.int64)
+
+    def _match(self, request: Request) -> tuple[torch.Tensor, object | None]:
+        """The cached prefix a waiting request can reuse (its last token is always computed)."""
+        if self.cache is None:
+            return self._NO_PREFIX, None
+        prefix, node = self.cache.match(request.token_slice(0, request.num_tokens - 1))
+        return prefix, (node if prefix.numel() else None)
+
+    def _make_room(self, num: int) -> bool:
+        """Whether ``num`` slots can be allocated, evicting unused cached prefixes if that is what it takes."""
+        if self.slots.can_allocate(num):
+            return True
+        if self.cache is None:
+            return False
+        self.cache.evict(num - self.slots.num_free)
+        return self.slots.can_allocate(num)
+
     def _schedule_decode(self) -> Step | None:
         decoding = [r for r in self.running if r.num_uncached == 1]
-        while decoding and not self.slots.can_allocate(len(decoding)):
+        while decoding and not self._make_room(len(decoding)):
             victim = self.running[-1]
             self.preempt(victim)
             if victim in decoding:
@@ -206,7 +248,7 @@ class Scheduler:
         if request.state is RequestState.WAITING:
             self.waiting.remove(request)
         elif request.state is RequestState.RUNNING:
-            self._free_kv(request)
+            self._free_kv(request, keep_in_cache=True)
             self.running.remove(request)
         request.transition(RequestState.FINISHED)
         request.finish_reason = reason
@@ -222,10 +264,24 @@ class Scheduler:
         self.waiting.appendleft(request)
         self.num_preemptions += 1
 
-    def _free_kv(self, request: Request) -> None:
-        for chunk in request.slots:
-            self.slots.free(chunk)
+    def _free_kv(self, request: Request, *, keep_in_cache: bool = False) -> None:
+        """Give back a request's slots and row; with ``keep_in_cache``, its computed KV goes to the prefix cache."""
+        own = torch.cat(request.slots) if len(request.slots) > 1 else request.slots[0] if request.slots else None
+        cache = self.cache
+        if own is not None:
+            if keep_in_cache and cache is not None and request.cache_epoch == cache.epoch:
+                prefix = request.prefix_slots if request.prefix_slots is not None else self._NO_PREFIX
+                num_prefix = prefix.numel()
+                num_cached_before = cache.insert(request.token_slice(0, request.num_cached), torch.cat([prefix, own]))
+                if num_cached_before > num_prefix:  # someone cached the same tokens meanwhile: ours are spares
+                    self.slots.free(own[:num_cached_before - num_prefix])
+            else:
+                self.slots.free(own)
         request.slots.clear()
+        if request.prefix_node is not None and cache is not None:
+            cache.unlock(request.prefix_node)
+        request.prefix_node = None
+        request.prefix_slots = None
         if request.row is not None:
             self.rows.free(request.row)
             request.row = None

@@ -1,0 +1,184 @@
+"""The prefix cache: KV of finished requests, kept by token ids in a radix tree, reused by later ones.
+
+Rules:
+- :meth:`PrefixCache.match` finds the longest cached prefix of a token list;
+  the request that uses it :meth:`lock`\\ s it, so it cannot be evicted, and
+  :meth:`unlock`\\ s it when done.
+- :meth:`insert` hands a finished request's computed KV to the cache; the
+  leading tokens the cache already held are reported, so the caller frees its
+  own duplicate slots.
+- :meth:`evict` frees the least recently used unlocked leaves until enough
+  slots are free; entries in use are never evicted.
+- :meth:`flush` drops everything at once. Entries locked by running requests
+  are detached with the old tree: never matched again, freed when their last
+  user unlocks them. Requests admitted before a flush (an older ``epoch``)
+  never insert: their KV may come from old weights. A flush never fails and
+  never waits.
+- :meth:`reset` forgets everything without freeing slots, for when the slot
+  allocator itself was reset (the KV pool was resumed empty).
+
+CPU bookkeeping only: slot ids are CPU tensors; the KV itself lives in the
+runner's pool.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+
+import torch
+
+from node_engine.kv_cache import SlotAllocator
+
+
+class _Node:
+    __slots__ = ("key", "slots", "children", "parent", "lock_ref", "last_use", "is_detached")
+
+    def __init__(self, key: tuple[int, ...], slots: torch.Tensor, parent: "_Node | None") -> None:
+        self.key = key
+        self.slots = slots
+        self.children: dict[int, _Node] = {}
+        self.parent = parent
+        self.lock_ref = 0
+        self.last_use = 0
+        self.is_detached = False  # flushed while locked: freed when the last user unlocks it
+
+
+def _common_length(a: tuple[int, ...], b: list[int], offset: int) -> int:
+    n = min(len(a), len(b) - offset)
+    i = 0
+    while i < n and a[i] == b[offset + i]:
+        i += 1
+    return i
+
+
+class PrefixCache:
+    def __init__(self, slots: SlotAllocator) -> None:
+        self.slots = slots
+        self._root = _Node((), torch.empty(0, dtype=torch.int64), None)
+        self._clock = itertools.count(1)
+        self.num_cached_tokens = 0   # tokens whose slots the cache holds (detached ones included)
+        self.epoch = 0               # bumped by every flush and reset
+
+    @property
+    def root(self) -> _Node:
+        return self._root
+
+    def match(self, token_ids: list[int]) -> tuple[torch.Tensor, _Node]:
+        """The slots of the longest cached prefix of ``token_ids``, and the node it ends in."""
+        node = self._root
+        parts: list[torch.Tensor] = []
+        offset = 0
+        now = next(self._clock)
+        while offset < len(token_ids):
+            child = node.children.get(token_ids[offset])
+            if child is None:
+                break
+            num = _common_length(child.key, token_ids, offset)
+            if num < len(child.key):
+                child = self._split(child, num)
+            child.last_use = now
+            parts.append(child.slots)
+            offset += num
+            node = child
+        slots = torch.cat(parts) if len(parts) > 1 else parts[0] if parts else self._root.slots
+        return slots, node
+
+    def _split(self, node: _Node, num: int) -> _Node:
+        """Cut ``node``'s edge after ``num`` tokens; returns the new upper part."""
+        assert node.parent is not None, "the root is never split"
+        upper = _Node(node.key[:num], node.slots[:num], node.parent)
+        upper.lock_ref = node.lock_ref
+        upper.last_use = node.last_use
+        upper.is_detached = node.is_detached
+        node.parent.children[node.key[0]] = upper
+        node.key, node.slots, node.parent = node.key[num:], node.slots[num:], upper
+        upper.children[node.key[0]] = node
+        return upper
+
+    def lock(self, node: _Node) -> None:
+        while node.parent is not None:  # up to the root of whichever tree it is in
+            node.lock_ref += 1
+            node = node.parent
+
+    def unlock(self, node: _Node) -> None:
+        while node.parent is not None:
+            node.lock_ref -= 1
+            parent = node.parent
+            if node.is_detached and node.lock_ref == 0 and not node.children:
+                self._drop(node)
+            node = parent
+
+    def insert(self, token_ids: list[int], slots: torch.Tensor) -> int:
+        """Cache ``slots`` as the KV of ``token_ids``; returns how many leading tokens were cached already."""
+        assert len(token_ids) == slots.numel(), "one slot per token"
+        node = self._root
+        offset = 0
+        now = next(self._clock)
+        while offset < len(token_ids):
+            child = node.children.get(token_ids[offset])
+            if child is None:
+                break
+            num = _common_length(child.key, token_ids, offset)
+            if num < len(child.key):
+                child = self._split(child, num)
+            child.last_use = now
+            offset += num
+            node = child
+        if offset < len(token_ids):
+            leaf = _Node(tuple(token_ids[offset:]), slots[offset:], node)
+            leaf.last_use = now
+            node.children[leaf.key[0]] = leaf
+            self.num_cached_tokens += leaf.slots.numel()
+        return offset
+
+    def evict(self, num_tokens: int) -> int:
+        """Free at least ``num_tokens`` slots from unlocked leaves, oldest first; returns slots freed."""
+        leaves = [(n.last_use, id(n), n) for n in self._nodes() if not n.children and n.lock_ref == 0]
+        heapq.heapify(leaves)
+        num_freed = 0
+        while leaves and num_freed < num_tokens:
+            _, _, node = heapq.heappop(leaves)
+            parent = node.parent
+            num_freed += node.slots.numel()
+            self._drop(node)
+            if parent is not self._root and parent is not None and not parent.children and parent.lock_ref == 0:
+                heapq.heappush(leaves, (parent.last_use, id(parent), parent))
+        return num_freed
+
+    def flush(self) -> int:
+        """Drop every cached prefix; returns the tokens dropped (in-use ones are freed when unlocked)."""
+        num_before = self.num_cached_tokens
+        self.evict(self.num_cached_tokens)
+        for node in self._nodes():  # still locked: detached with the old root, freed on their last unlock
+            node.is_detached = True
+        self._root = _Node((), self._root.slots, None)
+        self.epoch += 1
+        return num_before
+
+    def reset(self) -> None:
+        """Forget every entry without freeing slots (the slot allocator was reset); nothing may be locked."""
+        assert all(n.lock_ref == 0 for n in self._nodes()), "reset with prefixes in use"
+        self._root = _Node((), self._root.slots, None)
+        self.num_cached_tokens = 0
+        self.epoch += 1
+
+    @property
+    def num_evictable_tokens(self) -> int:
+        return sum(n.slots.numel() for n in self._nodes() if n.lock_ref == 0)
+
+    def _nodes(self) -> list[_Node]:
+        out, stack = [], list(self._root.children.values())
+        while stack:
+            node = stack.pop()
+            out.append(node)
+            stack.extend(node.children.values())
+        return out
+
+    def _drop(self, node: _Node) -> None:
+        parent = node.parent
+        assert parent is not None and not node.children and node.lock_ref == 0, "only free leaves are dropped"
+        del parent.children[node.key[0]]
+        self.slots.free(node.slots)
+        self.num_cached_tokens -= node.slots.numel()
+        node.parent = None

@@ -182,7 +182,9 @@ class Engine:
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         generator = None if params.is_greedy else torch.Generator(device=self.runner.device).manual_seed(seed)
         request = Request(rid=rid, prompt_ids=list(prompt_ids), params=params,
-                          detokenizer=IncrementalDetokenizer(self.tokenizer, params.stop), on_output=handle._put,
+                          detokenizer=IncrementalDetokenizer(self.tokenizer, params.stop,
+                                                             is_lazy=not stream and not params.stop),
+                          on_output=handle._put,
                           generator=generator, is_streaming=stream)
         self._inbox.put(_Add(request))
         return handle

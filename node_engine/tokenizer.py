@@ -159,10 +159,17 @@ class IncrementalDetokenizer:
     UTF-8 sequence, and (with stop strings) not a possible start of a stop
     string. The full text of a request is, by construction, the concatenation
     of its deltas, so a stream and a non-stream answer always agree.
+
+    ``is_lazy`` (a request nobody reads before its end, with no stop strings
+    to watch): tokens are only collected, and :meth:`finish` decodes them all
+    at once, the same decode the last step of the incremental path makes.
     """
 
-    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...] = ()) -> None:
+    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...] = (), *, is_lazy: bool = False) -> None:
+        if is_lazy and stop:
+            raise ValueError("stop strings need incremental detokenization")
         self._tokenizer = tokenizer
+        self._is_lazy = is_lazy
         self._stop = stop
         self._hold = max((len(s) for s in stop), default=1) - 1
         self._ids: list[int] = []
@@ -175,6 +182,8 @@ class IncrementalDetokenizer:
     def add(self, token_id: int) -> None:
         """Append one token; sets ``matched_stop`` when a stop string appears."""
         self._ids.append(token_id)
+        if self._is_lazy:
+            return
         prefix = self._tokenizer.decode(self._ids[self._prefix_offset:self._read_offset])
         full = self._tokenizer.decode(self._ids[self._prefix_offset:])
         if len(full) > len(prefix) and not full.endswith("\ufffd"):

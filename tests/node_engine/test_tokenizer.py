@@ -48,3 +48,13 @@ def test_chat_template_renders_messages() -> None:
 def test_long_texts_encode_the_same_on_the_gil_free_path() -> None:
     text = "héllo wörld " * 4000  # over the threshold where encode_batch is used
     assert TOK.encode(text) == [256] + list(text.encode())
+
+
+def test_lazy_detokenization_gives_the_same_text() -> None:
+    ids = list("naïve ✓ done".encode()) + [257] + list("€".encode())[:2]  # ends inside a character
+    eager, lazy = IncrementalDetokenizer(TOK), IncrementalDetokenizer(TOK, is_lazy=True)
+    streamed = "".join(_feed(eager, ids))
+    for token in ids:
+        lazy.add(token)
+    lazy.finish()
+    assert lazy.take_delta(is_final=True) == streamed == eager.text

@@ -36,6 +36,7 @@ import psutil
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
+from bench.common import call, timed_calls  # noqa: E402
 from handoff.service.upstream import UpstreamClient  # noqa: E402
 
 NUM_FANOUT_NODES = 128
@@ -160,28 +161,7 @@ class LBProcess:
 # -- measuring ----------------------------------------------------------------------------
 
 async def read_all(client: UpstreamClient, method: str, url: str, body: bytes = b"") -> bytes:
-    response = await client.request(method, url, headers={"Content-Type": "application/json"}, body=body,
-                                    timeout=30)
-    data = await response.read()
-    if response.status != 200:
-        raise RuntimeError(f"{method} {url} answered {response.status}: {data[:200]!r}")
-    return data
-
-
-async def timed_calls(call: Callable[[], Awaitable[Any]], num_calls: int, concurrency: int) -> list[float]:
-    latencies: list[float] = []
-    remaining = num_calls
-
-    async def worker() -> None:
-        nonlocal remaining
-        while remaining > 0:
-            remaining -= 1
-            started = time.perf_counter()
-            await call()
-            latencies.append(time.perf_counter() - started)
-
-    await asyncio.gather(*(worker() for _ in range(concurrency)))
-    return latencies
+    return await call(client, method, url, body, timeout=30)
 
 
 def p50_ms(latencies: list[float]) -> float:

@@ -51,13 +51,14 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 import psutil
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
+from bench.common import call, timed_calls  # noqa: E402
 from handoff.service.upstream import UpstreamClient  # noqa: E402
 
 CPU_TARGET_MS = 0.3
@@ -108,35 +109,8 @@ class Server:
 
 # -- client helpers --------------------------------------------------------------------------
 
-async def call(client: UpstreamClient, method: str, url: str, body: bytes = b"", *,
-               expect: int = 200) -> bytes:
-    """One request, read to the end; raises unless the status is ``expect``."""
-    response = await client.request(method, url, headers=JSON_HEADERS if body else None, body=body, timeout=60)
-    data = await response.read()
-    if response.status != expect:
-        raise RuntimeError(f"{method} {url} answered {response.status}: {data[:300]!r}")
-    return data
-
-
 async def call_json(client: UpstreamClient, method: str, url: str, body: Any = None) -> Any:
     return json.loads(await call(client, method, url, b"" if body is None else json.dumps(body).encode()))
-
-
-async def timed_calls(one: Callable[[], Awaitable[None]], num_calls: int, concurrency: int) -> list[float]:
-    """``num_calls`` calls of ``one``, ``concurrency`` at a time; each call's latency in seconds."""
-    latencies: list[float] = []
-    remaining = num_calls
-
-    async def worker() -> None:
-        nonlocal remaining
-        while remaining > 0:
-            remaining -= 1
-            started = time.perf_counter()
-            await one()
-            latencies.append(time.perf_counter() - started)
-
-    await asyncio.gather(*(worker() for _ in range(concurrency)))
-    return latencies
 
 
 async def wait_ready(client: UpstreamClient, sidecar: Server) -> None:

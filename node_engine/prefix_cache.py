@@ -66,8 +66,18 @@ class PrefixCache:
 
     def match(self, token_ids: list[int]) -> tuple[torch.Tensor, _Node]:
         """The slots of the longest cached prefix of ``token_ids``, and the node it ends in."""
+        path, _ = self._walk(token_ids)
+        parts = [node.slots for node in path]
+        slots = torch.cat(parts) if len(parts) > 1 else parts[0] if parts else self._root.slots
+        return slots, path[-1] if path else self._root
+
+    def _walk(self, token_ids: list[int]) -> tuple[list[_Node], int]:
+        """The nodes along the longest cached prefix (edges split to end exactly there), and its length.
+
+        Marks them used now, for the LRU order of eviction.
+        """
         node = self._root
-        parts: list[torch.Tensor] = []
+        path: list[_Node] = []
         offset = 0
         now = next(self._clock)
         while offset < len(token_ids):
@@ -78,11 +88,10 @@ class PrefixCache:
             if num < len(child.key):
                 child = self._split(child, num)
             child.last_use = now
-            parts.append(child.slots)
+            path.append(child)
             offset += num
             node = child
-        slots = torch.cat(parts) if len(parts) > 1 else parts[0] if parts else self._root.slots
-        return slots, node
+        return path, offset
 
     def _split(self, node: _Node, num: int) -> _Node:
         """Cut ``node``'s edge after ``num`` tokens; returns the new upper part."""
@@ -112,22 +121,11 @@ class PrefixCache:
     def insert(self, token_ids: list[int], slots: torch.Tensor) -> int:
         """Cache ``slots`` as the KV of ``token_ids``; returns how many leading tokens were cached already."""
         assert len(token_ids) == slots.numel(), "one slot per token"
-        node = self._root
-        offset = 0
-        now = next(self._clock)
-        while offset < len(token_ids):
-            child = node.children.get(token_ids[offset])
-            if child is None:
-                break
-            num = _common_length(child.key, token_ids, offset)
-            if num < len(child.key):
-                child = self._split(child, num)
-            child.last_use = now
-            offset += num
-            node = child
+        path, offset = self._walk(token_ids)
+        node = path[-1] if path else self._root
         if offset < len(token_ids):
             leaf = _Node(tuple(token_ids[offset:]), slots[offset:], node)
-            leaf.last_use = now
+            leaf.last_use = next(self._clock)
             node.children[leaf.key[0]] = leaf
             self.num_cached_tokens += leaf.slots.numel()
         return offset

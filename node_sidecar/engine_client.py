@@ -36,6 +36,20 @@ class EngineClient:
             self._on_unreachable(exc)
             raise EngineUnavailable(f"engine unreachable: {exc}", retry_after=1) from exc
 
+    async def read(self, response: UpstreamResponse, max_bytes: int) -> bytes:
+        """The body of an engine answer (the connection is released either way).
+
+        A failure mid-answer is reported to ``on_unreachable`` and raised as
+        :class:`EngineUnavailable`.
+        """
+        try:
+            return await response.read(max_bytes)
+        except UpstreamError as exc:
+            self._on_unreachable(exc)
+            raise EngineUnavailable(f"the engine failed while answering: {exc}", retry_after=1) from exc
+        finally:
+            response.close()
+
     async def call(self, method: str, path: str, body: dict[str, Any] | bytes | None = None, *,
                    timeout: float | None = None) -> dict[str, Any]:
         """A JSON call (``body`` as an object, or bytes passed as they are); returns the engine's JSON
@@ -43,13 +57,7 @@ class EngineClient:
         payload = body if isinstance(body, bytes) else b"" if body is None else json.dumps(body).encode()
         response = await self.open(method, path, body=payload, headers=_JSON if body is not None else None,
                                    timeout=timeout or self.control_timeout)
-        try:
-            raw = await response.read(MAX_CONTROL_ANSWER_BYTES)
-        except UpstreamError as exc:
-            self._on_unreachable(exc)
-            raise EngineUnavailable(f"engine failed while answering {path}: {exc}", retry_after=1) from exc
-        finally:
-            response.close()
+        raw = await self.read(response, MAX_CONTROL_ANSWER_BYTES)
         try:
             value = json.loads(raw) if raw else {}
         except ValueError:

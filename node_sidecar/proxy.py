@@ -19,7 +19,6 @@ from starlette.types import Receive, Scope, Send
 
 from handoff.service.disconnect import DisconnectWatch
 from handoff.service.upstream import UpstreamError, UpstreamResponse
-from node_sidecar.errors import EngineUnavailable
 from node_sidecar.node import Node
 
 CLIENT_CLOSED = 499
@@ -113,13 +112,7 @@ async def relay_generation(node: Node, request: Request, path: str, on_status: C
         if upstream.content_type.startswith("text/event-stream"):
             watch.stop()  # the stream's own watcher takes over
             return _RelayedStream(node, upstream, admission.leave)
-        try:
-            content = await upstream.read(MAX_ANSWER_BYTES)
-        except UpstreamError as exc:
-            node.mark_unreachable(exc)
-            raise EngineUnavailable(f"the engine failed while answering: {exc}", retry_after=1) from exc
-        finally:
-            upstream.close()
+        content = await node.engine.read(upstream, MAX_ANSWER_BYTES)
     except asyncio.CancelledError:
         admission.leave()
         if watch is None or not watch.is_disconnected:
@@ -141,11 +134,5 @@ async def forward(node: Node, request: Request, path: str, *, timeout: float = 3
     target = path + (f"?{request.url.query}" if request.url.query else "")
     headers: dict[str, Any] = {"Content-Type": request.headers.get("content-type", "application/json")} if body else {}
     upstream = await node.engine.open(request.method, target, body=body, headers=headers, timeout=timeout)
-    try:
-        content = await upstream.read(MAX_ANSWER_BYTES)
-    except UpstreamError as exc:
-        node.mark_unreachable(exc)
-        raise EngineUnavailable(f"the engine failed while answering: {exc}", retry_after=1) from exc
-    finally:
-        upstream.close()
+    content = await node.engine.read(upstream, MAX_ANSWER_BYTES)
     return Response(content, status_code=upstream.status, headers=_answer_headers(upstream))

@@ -3,10 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import tempfile
 import time
+from pathlib import Path
 from typing import Any, Awaitable, Callable
 
+import psutil
+
+from handoff.cluster.process import ServerProcess
 from handoff.service.upstream import UpstreamClient
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 JSON_HEADERS = {"Content-Type": "application/json"}
 
@@ -36,3 +43,15 @@ async def timed_calls(one: Callable[[], Awaitable[Any]], num_calls: int, concurr
 
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     return latencies
+
+
+def start_server(module: str, args: list[str], name: str) -> ServerProcess:
+    """A project server (``python -m module``) on a free loopback port, healthy when this returns."""
+    log_dir = Path(tempfile.mkdtemp(prefix=f"bench-{name}-"))
+    return ServerProcess(module, args, log_dir=log_dir, name=name, cwd=REPO_ROOT).start(timeout=120)
+
+
+def cpu_seconds(server: ServerProcess) -> float:
+    """User + system CPU seconds the server's process has used so far."""
+    times = psutil.Process(server.pid).cpu_times()
+    return times.user + times.system

@@ -21,22 +21,18 @@ import argparse
 import asyncio
 import json
 import multiprocessing
-import os
 import statistics
-import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
 import httptools
-import psutil
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-from bench.common import call, timed_calls  # noqa: E402
+from bench.common import call, cpu_seconds, start_server, timed_calls  # noqa: E402
+from handoff.cluster.process import ServerProcess  # noqa: E402
 from handoff.service.upstream import UpstreamClient  # noqa: E402
 
 NUM_FANOUT_NODES = 128
@@ -134,28 +130,8 @@ def serve_nodes(modes: list[str], conn: Any) -> None:
 
 # -- the LB process ---------------------------------------------------------------------
 
-class LBProcess:
-    def __init__(self, args: list[str]) -> None:
-        self.port_file = Path(tempfile.mkdtemp()) / "lb.port"
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "lb", *args, "--host", "127.0.0.1", "--port", "0", "--port-file",
-             str(self.port_file), "--log-level", "warning", "--health-interval", "60"],
-            cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
-        deadline = time.monotonic() + 60
-        while not self.port_file.exists():
-            if time.monotonic() > deadline or self.proc.poll() is not None:
-                raise RuntimeError("the LB did not start")
-            time.sleep(0.05)
-        self.url = f"http://127.0.0.1:{self.port_file.read_text().strip()}"
-        self.ps = psutil.Process(self.proc.pid)
-
-    def cpu_s(self) -> float:
-        times = self.ps.cpu_times()
-        return times.user + times.system
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(10)
+def start_lb(args: list[str]) -> ServerProcess:
+    return start_server("lb", [*args, "--log-level", "warning", "--health-interval", "60"], "lb")
 
 
 # -- measuring ----------------------------------------------------------------------------
@@ -168,7 +144,7 @@ def p50_ms(latencies: list[float]) -> float:
     return statistics.median(latencies) * 1000
 
 
-async def bench_generate(client: UpstreamClient, lb: LBProcess, prefill: str, decode: str, body: bytes,
+async def bench_generate(client: UpstreamClient, lb: ServerProcess, prefill: str, decode: str, body: bytes,
                          num_requests: int, concurrency: int) -> dict[str, float]:
     expected = (await read_all(client, "POST", decode + "/generate", body))
 
@@ -181,15 +157,15 @@ async def bench_generate(client: UpstreamClient, lb: LBProcess, prefill: str, de
                              read_all(client, "POST", decode + "/generate", body))
 
     await timed_calls(through_lb, 300, concurrency)  # warm-up: connections, caches
-    cpu_before = lb.cpu_s()
+    cpu_before = cpu_seconds(lb)
     latencies = await timed_calls(through_lb, num_requests, concurrency)
-    cpu_ms = (lb.cpu_s() - cpu_before) / num_requests * 1000
+    cpu_ms = (cpu_seconds(lb) - cpu_before) / num_requests * 1000
     await timed_calls(direct, 300, concurrency)
     direct_latencies = await timed_calls(direct, num_requests, concurrency)
     return {"cpu_ms": cpu_ms, "lb_p50": p50_ms(latencies), "direct_p50": p50_ms(direct_latencies)}
 
 
-async def bench_fanout(client: UpstreamClient, lb: LBProcess, urls: list[str], role: str,
+async def bench_fanout(client: UpstreamClient, lb: ServerProcess, urls: list[str], role: str,
                        num_rounds: int) -> dict[str, float]:
     async def through_lb() -> None:
         answer = json.loads(await read_all(client, "POST", f"{lb.url}/flush_cache?role={role}"))
@@ -202,11 +178,11 @@ async def bench_fanout(client: UpstreamClient, lb: LBProcess, urls: list[str], r
     await timed_calls(through_lb, 5, 1)
     await timed_calls(direct, 5, 1)
     lb_latencies, direct_latencies = [], []
-    cpu_before = lb.cpu_s()
+    cpu_before = cpu_seconds(lb)
     for _ in range(num_rounds):  # interleaved, so both see the same machine
         lb_latencies += await timed_calls(through_lb, 1, 1)
         direct_latencies += await timed_calls(direct, 1, 1)
-    cpu_ms = (lb.cpu_s() - cpu_before) / num_rounds * 1000
+    cpu_ms = (cpu_seconds(lb) - cpu_before) / num_rounds * 1000
     lb_p50, direct_p50 = p50_ms(lb_latencies), p50_ms(direct_latencies)
     return {"cpu_ms": cpu_ms, "lb_p50": lb_p50, "direct_p50": direct_p50, "overhead_p50": lb_p50 - direct_p50}
 
@@ -223,7 +199,7 @@ async def run(args: argparse.Namespace, ports: list[int]) -> list[tuple[str, dic
     instant, slow = urls[3:3 + NUM_FANOUT_NODES], urls[3 + NUM_FANOUT_NODES:]
     rows = []
     client = UpstreamClient()
-    lb = LBProcess(["--prefill", f"{prefill}@8998", "--decode", decode])
+    lb = start_lb(["--prefill", f"{prefill}@8998", "--decode", decode])
     try:
         rows.append(("PD /generate, non-stream", await repeated(args.repeat, lambda: bench_generate(
             client, lb, prefill, decode, REQUEST, args.requests, args.concurrency)), "CPU <= 0.25 ms"))
@@ -232,14 +208,14 @@ async def run(args: argparse.Namespace, ports: list[int]) -> list[tuple[str, dic
                                                 args.concurrency)), "CPU <= 0.45 ms"))
     finally:
         lb.stop()
-    lb = LBProcess(["--prefill", f"{prefill}@8998", "--decode", decode_paced])
+    lb = start_lb(["--prefill", f"{prefill}@8998", "--decode", decode_paced])
     try:
         rows.append(("PD /generate, stream, chunks 1 ms apart", await repeated(args.repeat, lambda: bench_generate(
             client, lb, prefill, decode_paced, STREAM_REQUEST, args.requests // 2, args.concurrency)), "-"))
     finally:
         lb.stop()
     node_args = [a for url in instant for a in ("--node", url)] + [a for url in slow for a in ("--decode", url)]
-    lb = LBProcess(node_args)
+    lb = start_lb(node_args)
     try:
         rows.append((f"fan-out to {NUM_FANOUT_NODES} instant nodes", await repeated(
             args.repeat, lambda: bench_fanout(client, lb, instant, "mixed", args.rounds)), "overhead p50 <= 6 ms"))

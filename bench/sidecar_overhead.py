@@ -43,11 +43,8 @@ import asyncio
 import json
 import os
 import platform
-import shutil
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,10 +52,12 @@ from typing import Any
 
 import psutil
 
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-from bench.common import call, timed_calls  # noqa: E402
+from bench.common import call, cpu_seconds, start_server, timed_calls  # noqa: E402
+from handoff.cluster.process import ServerProcess  # noqa: E402
 from handoff.service.upstream import UpstreamClient  # noqa: E402
 
 CPU_TARGET_MS = 0.3
@@ -73,47 +72,13 @@ JSON_HEADERS = {"Content-Type": "application/json"}
 
 # -- processes -------------------------------------------------------------------------------
 
-class Server:
-    """A server process started with ``--port 0 --port-file``; ``url`` once it listens."""
-
-    def __init__(self, name: str, argv: list[str]) -> None:
-        self.name = name
-        self.port_file = Path(tempfile.mkdtemp(prefix=f"bench-{name}-")) / "port"
-        self.proc = subprocess.Popen([sys.executable, *argv, "--host", "127.0.0.1", "--port", "0", "--port-file",
-                                      str(self.port_file)],
-                                     cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
-        deadline = time.monotonic() + 60
-        while not self.port_file.exists():
-            if time.monotonic() > deadline or self.proc.poll() is not None:
-                self.stop()
-                raise RuntimeError(f"{name} did not start")
-            time.sleep(0.05)
-        self.url = f"http://127.0.0.1:{self.port_file.read_text().strip()}"
-        self.ps = psutil.Process(self.proc.pid)
-
-    def cpu_s(self) -> float:
-        """User + system CPU seconds of the process so far."""
-        times = self.ps.cpu_times()
-        return times.user + times.system
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        shutil.rmtree(self.port_file.parent, ignore_errors=True)
-
-
 # -- client helpers --------------------------------------------------------------------------
 
 async def call_json(client: UpstreamClient, method: str, url: str, body: Any = None) -> Any:
     return json.loads(await call(client, method, url, b"" if body is None else json.dumps(body).encode()))
 
 
-async def wait_ready(client: UpstreamClient, sidecar: Server) -> None:
+async def wait_ready(client: UpstreamClient, sidecar: ServerProcess) -> None:
     deadline = time.monotonic() + 30
     while True:
         response = await client.request("GET", sidecar.url + "/ready", timeout=5)
@@ -157,7 +122,7 @@ class CaseFigures:
     direct_p99_ms: float
 
 
-async def measure_case(client: UpstreamClient, sidecar: Server, engine_url: str, case: Case,
+async def measure_case(client: UpstreamClient, sidecar: ServerProcess, engine_url: str, case: Case,
                        num_requests: int, num_warmup: int) -> CaseFigures:
     via_url = f"{sidecar.url}/generate{case.query}"
     direct_url = f"{engine_url}/generate{case.query}"
@@ -171,15 +136,15 @@ async def measure_case(client: UpstreamClient, sidecar: Server, engine_url: str,
         await call(client, "POST", direct_url, case.body)
 
     await timed_calls(via_sidecar, num_warmup, case.concurrency)
-    before = sidecar.ps.cpu_times()
+    before = psutil.Process(sidecar.pid).cpu_times()
     via = await timed_calls(via_sidecar, num_requests, case.concurrency)
-    after = sidecar.ps.cpu_times()
+    after = psutil.Process(sidecar.pid).cpu_times()
     cpu_ms = (after.user - before.user + after.system - before.system) / num_requests * 1000
     sys_ms = (after.system - before.system) / num_requests * 1000
     await timed_calls(direct, num_warmup, case.concurrency)
-    cpu_before = sidecar.cpu_s()
+    cpu_before = cpu_seconds(sidecar)
     straight = await timed_calls(direct, num_requests, case.concurrency)
-    idle_cpu_ms = (sidecar.cpu_s() - cpu_before) / num_requests * 1000
+    idle_cpu_ms = (cpu_seconds(sidecar) - cpu_before) / num_requests * 1000
     return CaseFigures(cpu_ms, sys_ms, idle_cpu_ms, percentile(via, 50) * 1000, percentile(via, 99) * 1000,
                        percentile(straight, 50) * 1000, percentile(straight, 99) * 1000)
 
@@ -191,7 +156,7 @@ def median_figures(rounds: list[CaseFigures]) -> CaseFigures:
 
 # -- part 2: release start latency ----------------------------------------------------------
 
-async def release_once(client: UpstreamClient, sidecar: Server, engine_url: str, num_streams: int,
+async def release_once(client: UpstreamClient, sidecar: ServerProcess, engine_url: str, num_streams: int,
                        gap_ms: float) -> float:
     """One held-streams + wait-mode release run; the latency in ms on the fake engine's clock."""
     await call(client, "POST", engine_url + "/_bench/reset")
@@ -237,7 +202,7 @@ async def release_once(client: UpstreamClient, sidecar: Server, engine_url: str,
 
 # -- running and printing --------------------------------------------------------------------
 
-async def run(args: argparse.Namespace, sidecar: Server, engine: Server) -> tuple[dict[Case, CaseFigures],
+async def run(args: argparse.Namespace, sidecar: ServerProcess, engine: ServerProcess) -> tuple[dict[Case, CaseFigures],
                                                                                  dict[float, list[float]]]:
     client = UpstreamClient()
     try:
@@ -309,11 +274,10 @@ def main() -> None:
     parser.add_argument("--release-streams", type=int, default=8, help="streams in flight when a release comes")
     parser.add_argument("--release-gap-ms", type=float, default=2.0, help="gap between stream ends, second pattern")
     args = parser.parse_args()
-    engine = Server("fake_engine", [str(REPO_ROOT / "bench" / "fake_engine.py"),
-                                    "--stream-chunks", str(NUM_STREAM_CHUNKS)])
+    engine = start_server("bench.fake_engine", ["--stream-chunks", str(NUM_STREAM_CHUNKS)], "fake_engine")
     try:
-        sidecar = Server("sidecar", ["-m", "node_sidecar", "--engine-url", engine.url, "--log-level", "warning",
-                                     "--engine-poll-interval", "60"])
+        sidecar = start_server("node_sidecar", ["--engine-url", engine.url, "--log-level", "warning",
+                                                "--engine-poll-interval", "60"], "sidecar")
         try:
             import uvloop
 

@@ -19,7 +19,7 @@ import psutil
 from node_engine.errors import (InsufficientMemory, InvalidRequest, MemorySaverDisabledError, NoWeightsBackupError,
                                 RequestsInFlight, WeightsCorrupted, WeightsReleased)
 from node_engine.memory.manager import NotEnoughMemory, NoWeightsBackup
-from node_engine.memory.saver import DisabledSaver, MemorySaverDisabled
+from node_engine.memory.saver import MemorySaverDisabled
 from node_engine.memory.tags import MemoryTag
 from node_engine.model.arch import ModelConfigError
 
@@ -56,7 +56,7 @@ class EngineControl:
 
     def resume(self, tags: list[MemoryTag] | None) -> dict[str, Any]:
         engine = self.engine
-        if isinstance(engine.saver, DisabledSaver):
+        if not engine.saver.is_enabled:
             raise MemorySaverDisabledError("memory saver is off: start the engine with --enable-memory-saver")
         try:
             result = engine.memory.resume(tags)

@@ -37,7 +37,7 @@ from node_engine.prefix_cache import PrefixCache
 from node_engine.request import FinishReason, Request, RequestOutput, RequestState
 from node_engine.runner import ModelRunner, load_model_source
 from node_engine.sampling import SamplingParams
-from node_engine.scheduler import Scheduler, SchedulerConfig
+from node_engine.scheduler import Scheduler, SchedulerConfig, StepKind
 from node_engine.tokenizer import IncrementalDetokenizer
 
 log = logging.getLogger(__name__)
@@ -102,7 +102,8 @@ class Engine:
         self.runner = ModelRunner(config, self.saver, self.arch)
         log.info("model %s loaded in %.2fs (%d parameters, %s on %s)", config.model_path,
                  time.perf_counter() - started, self.arch.num_params(), config.resolved_dtype, config.device)
-        self.memory = MemoryManager(self.saver, make_memory_info(config), config.weights_backup)
+        self.memory = MemoryManager(self.saver, make_memory_info(config), config.weights_backup,
+                                    weights_listener=self.runner.packing)
         plan = self.runner.kv_plan
         slots = SlotAllocator(plan.num_slots)
         self.scheduler = Scheduler(
@@ -119,6 +120,8 @@ class Engine:
         self._num_rids = 0
         self.control = EngineControl(self)
         self.metrics.kv_slots_total.set(self.scheduler.slots.capacity)
+        self.metrics.read_queues_from(self.scheduler)
+        self._step_seconds = {kind: self.metrics.step_seconds.labels(kind.value) for kind in StepKind}
         self._update_memory_metrics()
 
     # -- lifecycle ---------------------------------------------------------------
@@ -204,6 +207,9 @@ class Engine:
 
     # -- engine thread -------------------------------------------------------------
     def _run(self) -> None:
+        # OpenMP thread counts are per thread: a new thread starts at the machine's default, not at
+        # what the process set, and MKL and oneDNN would fork that many threads for every product.
+        torch.set_num_threads(torch.get_num_threads())
         try:
             while not self._stopping:
                 self._drain_inbox(block=not self.scheduler.has_work)
@@ -243,7 +249,6 @@ class Engine:
             else:
                 item.loop.call_soon_threadsafe(_set_result, item.future, result)
             self._update_memory_metrics()
-            self._update_queue_metrics()
 
     def _admit(self, request: Request) -> None:
         try:
@@ -260,7 +265,6 @@ class Engine:
             self._deliver([(request, request.take_output())])
             return
         self.scheduler.add(request)
-        self._update_queue_metrics()
 
     def _abort(self, rid: str | None) -> None:
         targets = list(self.scheduler.running) + list(self.scheduler.waiting) if rid is None else \
@@ -271,7 +275,6 @@ class Engine:
             self.metrics.requests.labels(FinishReason.ABORT.value).inc()
             outputs.append((request, request.take_output()))
         self._deliver(outputs)
-        self._update_queue_metrics()
 
     def _step(self) -> None:
         step = self.scheduler.schedule()
@@ -280,8 +283,8 @@ class Engine:
         started = time.perf_counter()
         tokens = self.runner.run(step)
         changed = self.scheduler.postprocess(step, tokens)
-        self.metrics.step_seconds.labels(step.kind.value).observe(time.perf_counter() - started)
-        if step.kind.value == "prefill":
+        self._step_seconds[step.kind].observe(time.perf_counter() - started)
+        if step.kind is StepKind.PREFILL:
             self.metrics.prompt_tokens.inc(step.num_tokens)
         self.metrics.generated_tokens.inc(len(tokens))
         outputs = []
@@ -292,7 +295,6 @@ class Engine:
                 continue
             outputs.append((request, request.take_output()))
         self._deliver(outputs)
-        self._update_queue_metrics()
 
     def _deliver(self, outputs: list[tuple[Request, RequestOutput]]) -> None:
         if outputs and self._loop is not None:
@@ -305,15 +307,6 @@ class Engine:
                                                    len(request.output_ids), error_type="engine_failed",
                                                    error=message)))
         self._deliver(outputs)
-
-    def _update_queue_metrics(self) -> None:
-        m = self.metrics
-        m.running_requests.set(len(self.scheduler.running))
-        m.queued_requests.set(len(self.scheduler.waiting))
-        m.kv_slots_used.set(self.scheduler.slots.num_used)
-        cache = self.scheduler.cache
-        m.cached_tokens.set(cache.num_cached_tokens if cache is not None else 0)
-        m.prefix_hit_tokens.set(self.scheduler.num_prefix_hit_tokens)
 
     def _update_memory_metrics(self) -> None:
         for tag, info in self.memory.occupation().items():

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+if TYPE_CHECKING:
+    from node_engine.scheduler import Scheduler
 
 
 class EngineMetrics:
@@ -37,3 +42,15 @@ class EngineMetrics:
                                          registry=r)
         self.resume_seconds = Histogram("handoff_engine_resume_seconds", "Duration of a memory resume.",
                                         registry=r)
+
+    def read_queues_from(self, scheduler: "Scheduler") -> None:
+        """Have the queue and KV gauges read ``scheduler`` when scraped, not be set on every step.
+
+        The engine thread changes these values every step; reading them at scrape time
+        (plain ints and list lengths) costs the step nothing.
+        """
+        self.running_requests.set_function(lambda: len(scheduler.running))
+        self.queued_requests.set_function(lambda: len(scheduler.waiting))
+        self.kv_slots_used.set_function(lambda: scheduler.slots.num_used)
+        self.cached_tokens.set_function(lambda: 0 if scheduler.cache is None else scheduler.cache.num_cached_tokens)
+        self.prefix_hit_tokens.set_function(lambda: scheduler.num_prefix_hit_tokens)

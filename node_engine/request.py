@@ -72,7 +72,8 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     row: int | None = None            # row of the request-to-slot table while running
     num_cached: int = 0               # tokens of all_ids whose KV is in the pool
-    slots: list[torch.Tensor] = field(default_factory=list)  # slot chunks owned by this request, in order
+    slots: list[torch.Tensor] = field(default_factory=list)  # prefill slot chunks owned by this request, in order
+    decode_slots: list[int] = field(default_factory=list)    # then one slot per decoded token
     prefix_slots: torch.Tensor | None = None  # slots of a cached prefix it reuses (owned by the prefix cache)
     prefix_node: Any = None                   # the prefix cache node it locks while it runs
     cache_epoch: int = 0                      # the prefix cache's epoch when it was admitted
@@ -103,6 +104,20 @@ class Request:
         if start >= num_prompt:
             return self.output_ids[start - num_prompt:end - num_prompt]
         return self.prompt_ids[start:] + self.output_ids[:end - num_prompt]
+
+    @property
+    def num_owned_slots(self) -> int:
+        return sum(chunk.numel() for chunk in self.slots) + len(self.decode_slots)
+
+    def take_slots(self) -> torch.Tensor | None:
+        """Every slot this request owns, in token order (None if it owns none); it owns none afterwards."""
+        parts = self.slots
+        if self.decode_slots:
+            parts = parts + [torch.tensor(self.decode_slots, dtype=torch.int64)]
+        own = None if not parts else parts[0] if len(parts) == 1 else torch.cat(parts)
+        self.slots = []
+        self.decode_slots = []
+        return own
 
     @property
     def num_uncached(self) -> int:

@@ -31,6 +31,7 @@ from node_engine.model.builtin import builtin_arch, builtin_weights, is_builtin
 from node_engine.model.layers import AttentionBatch, RotaryTable
 from node_engine.model.llama import CausalLM
 from node_engine.model.loader import apply_update, check_update, checkpoint_files, load_tensors, load_weights
+from node_engine.model.packing import WeightPacking
 from node_engine.sampling import sample
 from node_engine.scheduler import Step, StepKind
 from node_engine.tokenizer import Tokenizer
@@ -95,6 +96,8 @@ class ModelRunner:
                                   device=self.device, dtype=self.dtype)
         self.model = self._allocate_weights()
         self.model.bind_rotary(self.rotary)
+        self.packing = WeightPacking(self.model.packable_projections())
+        self.packing.pack()
         self._allocate_workspace(context_len)
         self.kv_plan = self._plan_kv(context_len)
         self._allocate_kv_cache()
@@ -135,9 +138,9 @@ class ModelRunner:
     def _slots_from_free_memory(self, bytes_per_slot: int) -> int:
         """CUDA: size the pool from free memory after a warm-up forward of a full prefill chunk."""
         num_warm = self.config.max_batch_tokens
-        kv = torch.zeros(self.arch.num_layers, 2, num_warm + 1, self.arch.num_kv_heads, self.arch.head_dim,
+        kv = torch.zeros(self.arch.num_layers, num_warm + 1, 2 * self.arch.num_kv_heads, self.arch.head_dim,
                          dtype=self.dtype, device=self.device)
-        self.model.bind_kv_cache(list(kv[:, 0]), list(kv[:, 1]))
+        self.model.bind_kv_cache(list(kv))
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated()
         ids = torch.zeros(num_warm, dtype=torch.int64, device=self.device)
@@ -163,10 +166,11 @@ class ModelRunner:
     def _allocate_kv_cache(self) -> None:
         arch, plan = self.arch, self.kv_plan
         with self.saver.region(MemoryTag.KV_CACHE):
-            self.kv_cache = torch.zeros(arch.num_layers, 2, plan.num_slots, arch.num_kv_heads, arch.head_dim,
+            # Per layer and slot, the keys then the values: a token's KV is one contiguous row.
+            self.kv_cache = torch.zeros(arch.num_layers, plan.num_slots, 2 * arch.num_kv_heads, arch.head_dim,
                                         dtype=self.dtype, device=self.device)
         self.saver.register(MemoryTag.KV_CACHE, [self.kv_cache])
-        self.model.bind_kv_cache(list(self.kv_cache[:, 0]), list(self.kv_cache[:, 1]))
+        self.model.bind_kv_cache(list(self.kv_cache))
 
     # -- one step --------------------------------------------------------------
     @torch.inference_mode()
@@ -298,7 +302,11 @@ class ModelRunner:
         return check_update(self.model, folder, self.source_dtypes)
 
     def apply_weights_update(self, entries) -> None:
-        apply_update(self.model, entries)
+        self.packing.unpack()
+        try:
+            apply_update(self.model, entries)
+        finally:
+            self.packing.pack()
         if self.device.type == "cuda":
             torch.cuda.synchronize()
 

@@ -47,12 +47,12 @@ class StepKind(enum.Enum):
     DECODE = "decode"
 
 
-@dataclass
+@dataclass(slots=True)
 class StepEntry:
     request: Request
     start: int             # index into all_ids of the first token computed
     end: int               # one past the last
-    slots: torch.Tensor    # new slots for tokens start..end
+    slots: torch.Tensor | None  # prefill: new slots for tokens start..end (decode: see Step.slot_mapping)
     prefix: torch.Tensor | None = None  # on admission: slots of a reused cached prefix (tokens 0..start)
 
     @property
@@ -166,7 +166,8 @@ class Scheduler:
             budget -= num
         if not entries:
             return None
-        slot_mapping = entries[0].slots if len(entries) == 1 else torch.cat([e.slots for e in entries])
+        slots = [e.slots for e in entries if e.slots is not None]
+        slot_mapping = slots[0] if len(slots) == 1 else torch.cat(slots)
         return Step(StepKind.PREFILL, entries, slot_mapping)
 
     _NO_PREFIX = torch.empty(0, dtype=torch.int64)
@@ -196,17 +197,18 @@ class Scheduler:
                 decoding.remove(victim)
         if not decoding:
             return None
-        # One allocation for the whole step; each request keeps a one-slot view of it.
+        # One allocation for the whole step; each request records its slot as a plain int.
         slot_mapping = self.slots.allocate(len(decoding))
         entries = []
-        for request, slot in zip(decoding, slot_mapping.split(1), strict=True):
+        for request, slot in zip(decoding, slot_mapping.tolist(), strict=True):
             start = request.num_cached
-            request.slots.append(slot)
+            request.decode_slots.append(slot)
             request.num_cached = start + 1
-            entries.append(StepEntry(request, start, start + 1, slot))
+            entries.append(StepEntry(request, start, start + 1, None))
         return Step(StepKind.DECODE, entries, slot_mapping)
 
     def _take(self, request: Request, num: int) -> StepEntry:
+        assert not request.decode_slots, "a request prefills only before it decodes"
         start = request.num_cached
         slots = self.slots.allocate(num)
         request.slots.append(slots)
@@ -266,7 +268,7 @@ class Scheduler:
 
     def _free_kv(self, request: Request, *, keep_in_cache: bool = False) -> None:
         """Give back a request's slots and row; with ``keep_in_cache``, its computed KV goes to the prefix cache."""
-        own = torch.cat(request.slots) if len(request.slots) > 1 else request.slots[0] if request.slots else None
+        own = request.take_slots()
         cache = self.cache
         if own is not None:
             if keep_in_cache and cache is not None and request.cache_epoch == cache.epoch:
@@ -277,7 +279,6 @@ class Scheduler:
                     self.slots.free(own[:num_cached_before - num_prefix])
             else:
                 self.slots.free(own)
-        request.slots.clear()
         if request.prefix_node is not None and cache is not None:
             cache.unlock(request.prefix_node)
         request.prefix_node = None

@@ -8,18 +8,27 @@ Rules (SPEC section 2):
   margin; if not it raises :class:`NotEnoughMemory` and changes nothing.
 - Weights resumed without a kept copy are invalid until a reload succeeds;
   the engine refuses generation until then.
+- A ``WeightsListener`` (the runner's weight packing) hears just before the
+  weights are released and just after they are resumed.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from node_engine.memory.info import DeviceMemory, MemoryInfo
-from node_engine.memory.saver import MemorySaver
+from node_engine.memory.saver import MemorySaver, MemorySaverDisabled
 from node_engine.memory.tags import ALL_TAGS, BackupMode, MemoryTag, TagState
 
 MIN_RESUME_MARGIN_BYTES = 16 * 1024 * 1024
+
+
+class WeightsListener(Protocol):
+    def before_release(self, *, keep_contents: bool) -> None: ...
+
+    def after_resume(self, *, is_valid: bool) -> None: ...
 
 
 class NotEnoughMemory(RuntimeError):
@@ -57,10 +66,12 @@ class MemoryState:
 
 
 class MemoryManager:
-    def __init__(self, saver: MemorySaver, info: MemoryInfo, weights_backup: BackupMode) -> None:
+    def __init__(self, saver: MemorySaver, info: MemoryInfo, weights_backup: BackupMode,
+                 weights_listener: WeightsListener | None = None) -> None:
         self.saver = saver
         self.info = info
         self.weights_backup = weights_backup
+        self.weights_listener = weights_listener
         self.state = MemoryState()
         self._weights_kept = False
 
@@ -83,6 +94,8 @@ class MemoryManager:
 
     def release(self, tags: list[MemoryTag] | None, *, stage_to_cpu: bool | None) -> ReleaseResult:
         """Release ``tags`` (None: all). ``stage_to_cpu``: None uses the configured backup."""
+        if not self.saver.is_enabled:  # before the listener hears anything
+            raise MemorySaverDisabled("memory saver is off: start the engine with --enable-memory-saver")
         has_backup = self.weights_backup is not BackupMode.NONE
         if stage_to_cpu and not has_backup:
             raise NoWeightsBackup("stage_to_cpu needs a weights backup: start the engine with "
@@ -96,6 +109,8 @@ class MemoryManager:
                 already.append(tag.value)
                 continue
             is_weights = tag is MemoryTag.WEIGHTS
+            if is_weights and self.weights_listener is not None:
+                self.weights_listener.before_release(keep_contents=keep_weights)
             freed[tag.value] = self.saver.release(tag, keep_contents=is_weights and keep_weights)
             if is_weights:
                 self._weights_kept = keep_weights and self.state.weights_valid
@@ -129,8 +144,11 @@ class MemoryManager:
             restored[tag.value] = self.saver.resume(tag)
             self.state.states[tag] = TagState.RESIDENT
             resumed.append(tag.value)
-            if tag is MemoryTag.WEIGHTS and not self._weights_kept:
-                self.state.weights_valid = False
+            if tag is MemoryTag.WEIGHTS:
+                if not self._weights_kept:
+                    self.state.weights_valid = False
+                if self.weights_listener is not None:
+                    self.weights_listener.after_resume(is_valid=self.state.weights_valid)
         return ResumeResult(resumed, already, restored, self.state.weights_valid, time.perf_counter() - start)
 
     def occupation(self) -> dict[str, dict[str, object]]:

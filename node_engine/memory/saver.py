@@ -38,6 +38,7 @@ class MemorySaverDisabled(RuntimeError):
 
 class MemorySaver(abc.ABC):
     name: str
+    is_enabled = True  # False: release and resume refuse (nothing is touched)
 
     def __init__(self) -> None:
         self._bytes: dict[MemoryTag, int] = {tag: 0 for tag in MemoryTag}
@@ -85,6 +86,7 @@ def _unique_storages(tensors: Iterable[torch.Tensor]) -> list[torch.UntypedStora
 
 class DisabledSaver(MemorySaver):
     name = "off"
+    is_enabled = False
 
     def release(self, tag: MemoryTag, *, keep_contents: bool) -> int:
         raise MemorySaverDisabled("memory saver is off: start the engine with --enable-memory-saver")

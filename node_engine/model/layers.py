@@ -46,17 +46,22 @@ class Projection:
 
     Large CPU float32 weights (at least ``ONEDNN_MIN_WEIGHT_NUMEL`` elements) go
     through oneDNN when torch has it, everything else through ``F.linear``.
+    While ``packed`` is set (``packing.WeightPacking`` owns it) the product uses
+    that copy of the weight in oneDNN's layout and ``weight`` holds no memory.
     """
 
-    __slots__ = ("weight", "bias", "is_onednn")
+    __slots__ = ("weight", "bias", "is_onednn", "packed")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         self.weight = weight
         self.bias = bias
+        self.packed: torch.Tensor | None = None
         self.is_onednn = (_ONEDNN_LINEAR is not None and weight.device.type == "cpu"
                           and weight.dtype == torch.float32 and weight.numel() >= ONEDNN_MIN_WEIGHT_NUMEL)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return _ONEDNN_LINEAR(x, self.packed, self.bias, "none", [], "")
         if self.is_onednn:
             return _ONEDNN_LINEAR(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
@@ -76,8 +81,8 @@ class Linear(nn.Module):
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # Same order of operations as transformers' LlamaRMSNorm, for bitwise-close logits.
-    if x.dtype is torch.float32:  # the up- and down-casts would be no-ops: skip their dispatch
-        return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+    if x.dtype is torch.float32:  # torch's own op: the same arithmetic (bitwise), one dispatch
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(x.dtype)
@@ -144,9 +149,9 @@ class RotaryTable:
                 self.sin.index_select(0, positions).unsqueeze(1))
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` [T, H, D] by the [T, 1, D] tables of :meth:`RotaryTable.lookup`."""
-    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
+def rotate_into(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotate ``x`` [T, H, D] in place by the [T, 1, D] tables of :meth:`RotaryTable.lookup`."""
+    torch.add(x * cos, x.roll(x.shape[-1] // 2, -1) * sin, out=x)
 
 
 @dataclass
@@ -191,45 +196,43 @@ class Attention(nn.Module):
         self.qkv = self.qkv_proj.project
         self.o = self.o_proj.project
         self.scale = head_dim ** -0.5
-        # [num_slots, Hkv, D] views of the KV pool; the runner binds them before the first forward.
-        self.k_cache = torch.empty(0)
-        self.v_cache = torch.empty(0)
+        # [num_slots, 2 * Hkv, D] view of the KV pool (keys, then values, of each slot); bound by the runner.
+        self.kv_cache = torch.empty(0)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
         num_tokens = x.shape[0]
         num_heads = self.num_heads
-        num_qk_heads = num_heads + self.num_kv_heads
-        qkv = self.qkv(x).view(num_tokens, num_qk_heads + self.num_kv_heads, self.head_dim)
-        # q and k are adjacent in the fused projection: one rotation covers both.
-        qk = apply_rotary(qkv[:, :num_qk_heads], cos, sin)
-        q, k, v = qk[:, :num_heads], qk[:, num_heads:], qkv[:, num_qk_heads:]
-        self.k_cache.index_copy_(0, batch.slot_mapping, k)
-        self.v_cache.index_copy_(0, batch.slot_mapping, v)
-        return self.o(self._attend(q, k, v, batch))
+        qkv = self.qkv(x).view(num_tokens, num_heads + 2 * self.num_kv_heads, self.head_dim)
+        # q and k are adjacent in the fused projection: one rotation covers both. It is written back in
+        # place so that k and v stay adjacent too, and one copy stores both into the pool.
+        qk = qkv[:, :num_heads + self.num_kv_heads]
+        rotate_into(qk, cos, sin)
+        self.kv_cache.index_copy_(0, batch.slot_mapping, qkv[:, num_heads:])
+        return self.o(self._attend(qkv, batch))
 
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
-        num_tokens = q.shape[0]
+    def _attend(self, qkv: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
+        num_tokens = qkv.shape[0]
+        num_heads, num_kv_heads = self.num_heads, self.num_kv_heads
+        q = qkv[:, :num_heads]
         if batch.is_causal_self_only:
+            k, v = qkv[:, num_heads:num_heads + num_kv_heads], qkv[:, num_heads + num_kv_heads:]
             out = F.scaled_dot_product_attention(
                 q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
                 is_causal=True, scale=self.scale, enable_gqa=True)
             return out.squeeze(0).transpose(0, 1).reshape(num_tokens, self.q_size)
         num_seqs, max_len = batch.kv_indices.shape
-        keys = self.k_cache.index_select(0, batch.kv_flat).view(num_seqs, max_len, self.num_kv_heads, self.head_dim)
-        values = self.v_cache.index_select(0, batch.kv_flat).view(num_seqs, max_len, self.num_kv_heads,
-                                                                  self.head_dim)
+        kv = self.kv_cache.index_select(0, batch.kv_flat).view(num_seqs, max_len, 2 * num_kv_heads, self.head_dim)
+        keys, values = kv[:, :, :num_kv_heads].transpose(1, 2), kv[:, :, num_kv_heads:].transpose(1, 2)
         n = batch.max_query_len
         if n == 1:  # decode: one query per sequence, no padding
-            out = F.scaled_dot_product_attention(
-                q.unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=batch.mask,
-                scale=self.scale, enable_gqa=True)
+            out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=batch.mask,
+                                                 scale=self.scale, enable_gqa=True)
             return out.reshape(num_seqs, self.q_size)
         if batch.q_pad_index is not None:
             q = q.index_select(0, batch.q_pad_index)
-        queries = q.view(num_seqs, n, self.num_heads, self.head_dim).transpose(1, 2)
-        out = F.scaled_dot_product_attention(
-            queries, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=batch.mask, scale=self.scale,
-            enable_gqa=True)
+        queries = q.reshape(num_seqs, n, self.num_heads, self.head_dim).transpose(1, 2)
+        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=batch.mask, scale=self.scale,
+                                             enable_gqa=True)
         out = out.transpose(1, 2).reshape(num_seqs * n, self.q_size)
         if batch.q_unpad_index is not None:
             out = out.index_select(0, batch.q_unpad_index)

@@ -74,10 +74,10 @@ class CausalLM(nn.Module):
     def bind_rotary(self, rotary: RotaryTable) -> None:
         self.rotary = rotary
 
-    def bind_kv_cache(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]) -> None:
-        for layer, k_cache, v_cache in zip(self.model.layers, k_caches, v_caches, strict=True):
-            layer.self_attn.k_cache = k_cache
-            layer.self_attn.v_cache = v_cache
+    def bind_kv_cache(self, kv_caches: list[torch.Tensor]) -> None:
+        """Give each layer its [num_slots, 2 * num_kv_heads, head_dim] part of the KV pool."""
+        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+            layer.self_attn.kv_cache = kv_cache
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
         """Hidden states [T, hidden] of the flat tokens ``input_ids`` at ``positions``.
@@ -96,6 +96,19 @@ class CausalLM(nn.Module):
         """Float32 logits [T, V] of hidden states [T, hidden]."""
         logits = self.logits_head(hidden)
         return logits if logits.dtype is torch.float32 else logits.float()
+
+    def packable_projections(self) -> list[Projection]:
+        """The oneDNN projections whose weights only the forward pass reads (see ``packing.py``).
+
+        A tied LM head is left out: its weight is also the embedding table, which is read as is.
+        """
+        projections = []
+        for layer in self.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            projections += [attn.qkv, attn.o, mlp.gate_up, mlp.down]
+        if not self.arch.tie_word_embeddings:
+            projections.append(self.logits_head)
+        return [p for p in projections if p.is_onednn]
 
     def hf_weight_map(self) -> dict[str, WeightTarget]:
         """Every Hugging Face key this model needs, mapped to where it is stored."""

@@ -106,11 +106,19 @@ def _target_view(params: dict[str, torch.Tensor], target: WeightTarget) -> torch
     return param[target.row_start:target.row_end]
 
 
+def _target_shape(params: dict[str, torch.Tensor], target: WeightTarget) -> tuple[int, ...]:
+    """The shape of a target from metadata alone: a released or packed parameter has no storage to slice."""
+    shape = tuple(params[target.param_name].shape)
+    if target.row_start is None or target.row_end is None:
+        return shape
+    return (target.row_end - target.row_start,) + shape[1:]
+
+
 def _check_shapes(model: CausalLM, entries: dict[str, TensorEntry], targets: dict[str, WeightTarget]) -> None:
     params = dict(model.named_parameters(remove_duplicate=False))
     wrong = []
     for key, target in targets.items():
-        expected = tuple(_target_view(params, target).shape)
+        expected = _target_shape(params, target)
         if entries[key].shape != expected:
             wrong.append(f"{key} has shape {list(entries[key].shape)}, expected {list(expected)}")
     if wrong:

@@ -119,7 +119,7 @@ def test_slots_always_balance(prompts: list[list[int]], max_new: int, num_slots:
         s.postprocess(step, [n % 4] * sum(e.samples for e in step.entries))
         if n % abort_every == 0 and s.running:
             s.finish(s.running[0], FinishReason.ABORT)
-        held = sum(sum(c.numel() for c in r.slots) for r in s.running)
+        held = sum(r.num_owned_slots for r in s.running)
         assert slots.num_free + held + cache.num_cached_tokens == slots.capacity
     assert not s.has_work
     cache.flush()

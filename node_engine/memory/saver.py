@@ -20,13 +20,13 @@ from __future__ import annotations
 import abc
 import contextlib
 import ctypes
-import ctypes.util
 import logging
 from pathlib import Path
 from typing import Iterable, Iterator
 
 import torch
 
+from node_engine.memory.host_heap import trim_host_heap
 from node_engine.memory.tags import MemoryTag
 
 log = logging.getLogger(__name__)
@@ -111,7 +111,6 @@ class CpuSaver(MemorySaver):
         self._storages: dict[MemoryTag, list[tuple[torch.UntypedStorage, int]]] = {tag: [] for tag in MemoryTag}
         self._backup_dir = backup_dir
         self._backed_up: dict[MemoryTag, list[Path]] = {}
-        self._libc = _load_libc()
 
     def _track(self, tag: MemoryTag, storage: torch.UntypedStorage) -> None:
         if not storage.resizable():
@@ -126,7 +125,7 @@ class CpuSaver(MemorySaver):
         for storage, nbytes in entries:
             storage.resize_(0)
             num_bytes += nbytes
-        self._trim()
+        trim_host_heap()
         return num_bytes
 
     def resume(self, tag: MemoryTag) -> int:
@@ -162,11 +161,6 @@ class CpuSaver(MemorySaver):
             paths.append(path)
         return paths
 
-    def _trim(self) -> None:
-        # Large blocks are unmapped by free(); smaller ones stay in malloc's arenas until trimmed.
-        if self._libc is not None:
-            self._libc.malloc_trim(0)
-
 
 def _as_bytes(storage: torch.UntypedStorage) -> ctypes.Array:
     """A writable view of a storage's bytes, without a copy.
@@ -175,14 +169,3 @@ def _as_bytes(storage: torch.UntypedStorage) -> ctypes.Array:
     and the next release could not free it.
     """
     return (ctypes.c_char * storage.nbytes()).from_address(storage.data_ptr())
-
-
-def _load_libc() -> ctypes.CDLL | None:
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return None
-    libc = ctypes.CDLL(name)
-    if not hasattr(libc, "malloc_trim"):
-        return None
-    libc.malloc_trim.argtypes = [ctypes.c_size_t]
-    return libc

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import torch
 
+from node_engine.memory.host_heap import trim_host_heap
 from node_engine.model.layers import Projection
 
 # The decode batch oneDNN picks its blocked layout for. Any batch runs on it;
@@ -58,6 +59,7 @@ class WeightPacking:
             weight = projection.weight
             projection.packed = torch.ops.mkldnn._reorder_linear_weight(weight, self.batch_hint)
             weight.untyped_storage().resize_(0)
+        trim_host_heap()  # the parked weights' pages, else the process keeps them
         self.is_packed = True
 
     def unpack(self) -> None:

@@ -76,6 +76,8 @@ def test_release_frees_host_memory_and_resume_takes_it_back(big, big_engine) -> 
     assert body["released"] == ["weights", "kv_cache"] and freed > 400 * 2**20
     after_release = rss(big_engine)
     assert before - after_release >= 0.9 * freed, (before, after_release, freed)
+    # and no more: the engine was not holding freed pages it had never given back (packing parks weights)
+    assert before - after_release <= 1.1 * freed, (before, after_release, freed)
     occupation = big.get("/memory_occupation").json()
     assert occupation["tags"]["weights"]["state"] == "released"
     r = big.post("/resume_memory_occupation", json={"tags": ["weights", "kv_cache"]})
@@ -236,3 +238,28 @@ def test_saver_off_refuses_release_and_resume(plain_engine) -> None:
             error = r.json()["error"]
             assert error["type"] == "memory_saver_disabled" and "--enable-memory-saver" in error["message"]
         assert all(t["state"] == "resident" for t in c.get("/memory_occupation").json()["tags"].values())
+
+
+def test_packed_weights_cycle_through_a_backup_holding_them_once(proc_log_dir: Path) -> None:
+    """The big model's projections are packed (oneDNN layout): a backup cycle gives back and takes
+    back the weights' bytes, no more (parked plain weights must not linger in the heap)."""
+    proc = ServerProcess("node_engine", ["--model-path", "builtin:tiny", "--model-override", BIG,
+                                         "--enable-memory-saver", "--weights-backup", "disk",
+                                         "--backup-dir", str(proc_log_dir / "big_backup")],
+                         log_dir=proc_log_dir, name="big_backup_engine")
+    proc.start(timeout=120)
+    try:
+        with httpx.Client(base_url=proc.url, timeout=60) as c:
+            expected = greedy_outputs(c)
+            for _ in range(2):
+                before = rss(proc)
+                r = c.post("/release_memory_occupation", json={"tags": ["weights"]})
+                assert r.status_code == 200, r.text
+                freed = r.json()["bytes_freed"]["weights"]
+                after_release = rss(proc)
+                assert 0.9 * freed <= before - after_release <= 1.1 * freed, (before, after_release, freed)
+                assert c.post("/resume_memory_occupation", json={"tags": None}).json()["weights_valid"] is True
+                assert 0.9 * freed <= rss(proc) - after_release <= 1.1 * freed, (after_release, rss(proc), freed)
+                assert greedy_outputs(c) == expected
+    finally:
+        proc.stop()

@@ -171,6 +171,11 @@ def test_dry_run_checks_without_loading(big, big_checkpoint: Path, tmp_path: Pat
     assert greedy_outputs(big) == expected  # nothing was loaded
     r = big.post("/update_weights_from_disk", json={"model_path": str(tmp_path / "none"), "dry_run": True})
     assert r.status_code == 400
+    # The check reads shapes, never the weights: it answers while they are released, and changes nothing.
+    assert big.post("/release_memory_occupation", json={"tags": ["weights"]}).status_code == 200
+    r = big.post("/update_weights_from_disk", json={"model_path": str(tmp_path / "other"), "dry_run": True})
+    assert r.status_code == 200 and r.json()["dry_run"] is True, r.text
+    assert big.get("/memory_occupation").json()["tags"]["weights"]["state"] == "released"
 
 
 def test_bad_reloads_are_400_and_keep_the_old_weights(big, tmp_path: Path) -> None:

@@ -29,8 +29,8 @@ def pack_everything(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(layers, "ONEDNN_MIN_WEIGHT_NUMEL", 1)
 
 
-def tiny_runner(saver=None) -> ModelRunner:
-    config = EngineConfig(model_path="builtin:tiny", max_total_tokens=512)
+def tiny_runner(saver=None, model_override: str | None = None) -> ModelRunner:
+    config = EngineConfig(model_path="builtin:tiny", max_total_tokens=512, model_override=model_override)
     arch, _ = load_model_source(config)
     return ModelRunner(config, saver or DisabledSaver(), arch)
 
@@ -45,8 +45,9 @@ def test_packed_model_holds_its_weights_once() -> None:
         assert projection.weight.untyped_storage().nbytes() == 0
 
 
-def test_packed_and_plain_projections_give_the_same_logits() -> None:
-    runner = tiny_runner()
+@pytest.mark.parametrize("model_override", [None, '{"attention_bias": true}'])
+def test_packed_and_plain_projections_give_the_same_logits(model_override: str | None) -> None:
+    runner = tiny_runner(model_override=model_override)
     packed = runner.score(PROMPT)
     runner.packing.unpack()
     assert not runner.packing.is_packed

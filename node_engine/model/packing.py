@@ -36,50 +36,69 @@ from node_engine.model.layers import Projection
 PACK_BATCH_HINT = 16
 
 
+def _reorder(weight: torch.Tensor, batch_hint: int) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint)
+
+
+def can_pack() -> bool:
+    """Whether this torch build has oneDNN's weight reorder (x86 CPU builds do)."""
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
 class WeightPacking:
-    """The packed state of a model's oneDNN projections (see the module docstring)."""
+    """The packed state of a model's oneDNN projections (see the module docstring).
+
+    The state is kept per projection (``packed`` set or not), so a pack or unpack
+    that fails part way (out of memory) leaves every projection either packed with
+    its plain storage parked, or plain and resident: both run correctly.
+    """
 
     def __init__(self, projections: list[Projection], batch_hint: int = PACK_BATCH_HINT) -> None:
         for projection in projections:
             if not projection.is_onednn:
                 raise ValueError("only projections that run through oneDNN can be packed")
-        self.projections = projections
+        self.projections = projections if can_pack() else []
         self.batch_hint = batch_hint
-        self.is_packed = False
 
     @property
     def num_projections(self) -> int:
         return len(self.projections)
 
+    @property
+    def is_packed(self) -> bool:
+        return bool(self.projections) and all(p.packed is not None for p in self.projections)
+
     def pack(self) -> None:
-        """Build every packed copy and park the plain parameters; no-op when already packed."""
-        if self.is_packed:
-            return
+        """Build the packed copies and park the plain parameters; packed projections are left as they are."""
+        num_packed = 0
         for projection in self.projections:
+            if projection.packed is not None:
+                continue
             weight = projection.weight
-            projection.packed = torch.ops.mkldnn._reorder_linear_weight(weight, self.batch_hint)
+            projection.packed = _reorder(weight, self.batch_hint)
             weight.untyped_storage().resize_(0)
-        trim_host_heap()  # the parked weights' pages, else the process keeps them
-        self.is_packed = True
+            num_packed += 1
+        if num_packed:
+            trim_host_heap()  # the parked weights' pages, else the process keeps them
 
     def unpack(self) -> None:
-        """Write the plain parameters back from the packed copies, then drop those; no-op when unpacked."""
-        if not self.is_packed:
-            return
+        """Write the plain parameters back from the packed copies, then drop those."""
         for projection in self.projections:
             weight, packed = projection.weight, projection.packed
             if packed is None:
-                raise RuntimeError("a projection lost its packed weight while the model was packed")
+                continue
             weight.untyped_storage().resize_(weight.numel() * weight.element_size())
             weight.copy_(packed.to_dense())
             projection.packed = None
-        self.is_packed = False
 
     def discard(self) -> None:
-        """Drop the packed copies without writing the plain weights back (their contents are lost)."""
+        """Drop the packed copies without writing the plain weights back (their contents are lost).
+
+        Only right before the weights are released without a backup: a discarded
+        projection has no memory until the saver resumes its storage.
+        """
         for projection in self.projections:
             projection.packed = None
-        self.is_packed = False
 
     # -- memory manager hooks ----------------------------------------------------
     def before_release(self, *, keep_contents: bool) -> None:

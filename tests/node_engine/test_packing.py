@@ -58,6 +58,31 @@ def test_packed_and_plain_projections_give_the_same_logits(model_override: str |
     assert torch.equal(runner.score(PROMPT), packed)
 
 
+def test_a_pack_that_fails_part_way_leaves_a_working_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    from node_engine.model import packing
+
+    runner = tiny_runner()
+    expected = runner.score(PROMPT)
+    runner.packing.unpack()
+    calls = []
+
+    def fail_on_the_third(weight: torch.Tensor, batch_hint: int) -> torch.Tensor:
+        calls.append(weight)
+        if len(calls) == 3:
+            raise MemoryError("no memory for a packed copy")
+        return torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint)
+
+    monkeypatch.setattr(packing, "_reorder", fail_on_the_third)
+    with pytest.raises(MemoryError):
+        runner.packing.pack()
+    num_packed = sum(p.packed is not None for p in runner.packing.projections)
+    assert num_packed == 2 and not runner.packing.is_packed
+    assert (runner.score(PROMPT) - expected).abs().max().item() < 1e-5
+    monkeypatch.undo()
+    runner.packing.pack()  # finishes the job
+    assert runner.packing.is_packed and torch.equal(runner.score(PROMPT), expected)
+
+
 def test_a_tied_lm_head_stays_unpacked() -> None:
     config = EngineConfig(model_path="builtin:tiny", max_total_tokens=512,
                           model_override='{"tie_word_embeddings": true}')

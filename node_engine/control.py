@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 import psutil
 
-from node_engine.errors import (InsufficientMemory, InvalidRequest, MemorySaverDisabledError, NoWeightsBackupError,
-                                RequestsInFlight, WeightsCorrupted, WeightsReleased)
+from node_engine.errors import (BackupFailed, InsufficientMemory, InvalidRequest, MemorySaverDisabledError,
+                                NoWeightsBackupError, RequestsInFlight, WeightsCorrupted, WeightsReleased)
 from node_engine.memory.manager import NotEnoughMemory, NoWeightsBackup
 from node_engine.memory.saver import MemorySaverDisabled
 from node_engine.memory.tags import MemoryTag
@@ -48,6 +48,10 @@ class EngineControl:
             raise MemorySaverDisabledError(str(exc)) from exc
         except NoWeightsBackup as exc:
             raise NoWeightsBackupError(str(exc)) from exc
+        except OSError as exc:  # only the weights backup does I/O
+            released = [t.value for t in engine.memory.released_tags()]
+            raise BackupFailed(f"could not write the weights backup ({exc}); the weights stay resident",
+                               extra={"released": released}) from exc
         engine.metrics.release_seconds.observe(result.duration_s)
         log.info("released %s (%d bytes) in %.3fs; already released: %s", result.released,
                  sum(result.bytes_freed.values()), result.duration_s, result.already_released)

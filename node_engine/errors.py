@@ -6,7 +6,7 @@ from handoff.service.errors import Conflict, InsufficientMemory, InvalidRequest,
 
 __all__ = ["EngineError", "InvalidRequest", "RequestsInFlight", "MemorySaverDisabledError", "NoWeightsBackupError",
            "WeightsNotLoaded", "WeightsReleased", "MemoryReleased", "InsufficientMemory", "EngineStopped",
-           "WeightsCorrupted"]
+           "WeightsCorrupted", "BackupFailed"]
 
 
 class EngineError(ServiceError):
@@ -46,3 +46,10 @@ class WeightsCorrupted(ServiceError):
 
     status = 500
     type = "weights_corrupted"
+
+
+class BackupFailed(ServiceError):
+    """The weights backup could not be written (disk full, bad ``--backup-dir``): the weights stay resident."""
+
+    status = 507
+    type = "backup_failed"

@@ -152,6 +152,7 @@ class ModelRunner:
             self.model.compute_logits(self.model(ids, positions, batch))
         torch.cuda.synchronize()
         activation_bytes = torch.cuda.max_memory_allocated() - before
+        self.model.bind_kv_cache([torch.empty(0, device=self.device)] * self.arch.num_layers)  # else layers keep it
         del kv, ids, positions, slots, batch
         torch.cuda.empty_cache()
         free, _ = torch.cuda.mem_get_info()
@@ -302,11 +303,12 @@ class ModelRunner:
         return check_update(self.model, folder, self.source_dtypes)
 
     def apply_weights_update(self, entries) -> None:
-        self.packing.unpack()
+        # Every weight is overwritten (and a failure part way marks them invalid): nothing to write back.
+        self.packing.unpack(keep_contents=False)
         try:
             apply_update(self.model, entries)
         finally:
-            self.packing.pack()
+            self.packing.try_pack()
         if self.device.type == "cuda":
             torch.cuda.synchronize()
 

@@ -26,6 +26,8 @@ MIN_RESUME_MARGIN_BYTES = 16 * 1024 * 1024
 
 
 class WeightsListener(Protocol):
+    """Hears about the weights tag; ``after_resume`` must not raise (it runs inside a resume)."""
+
     def before_release(self, *, keep_contents: bool) -> None: ...
 
     def after_resume(self, *, is_valid: bool) -> None: ...
@@ -111,7 +113,12 @@ class MemoryManager:
             is_weights = tag is MemoryTag.WEIGHTS
             if is_weights and self.weights_listener is not None:
                 self.weights_listener.before_release(keep_contents=keep_weights)
-            freed[tag.value] = self.saver.release(tag, keep_contents=is_weights and keep_weights)
+            try:
+                freed[tag.value] = self.saver.release(tag, keep_contents=is_weights and keep_weights)
+            except BaseException:
+                if is_weights and self.weights_listener is not None:  # still resident: as after a resume
+                    self.weights_listener.after_resume(is_valid=self.state.weights_valid)
+                raise
             if is_weights:
                 self._weights_kept = keep_weights and self.state.weights_valid
             self.state.states[tag] = TagState.RELEASED

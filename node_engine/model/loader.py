@@ -109,9 +109,10 @@ def _target_view(params: dict[str, torch.Tensor], target: WeightTarget) -> torch
 def _target_shape(params: dict[str, torch.Tensor], target: WeightTarget) -> tuple[int, ...]:
     """The shape of a target from metadata alone: a released or packed parameter has no storage to slice."""
     shape = tuple(params[target.param_name].shape)
-    if target.row_start is None or target.row_end is None:
+    if target.row_start is None:
         return shape
-    return (target.row_end - target.row_start,) + shape[1:]
+    row_end = shape[0] if target.row_end is None else target.row_end
+    return (row_end - target.row_start,) + shape[1:]
 
 
 def _check_shapes(model: CausalLM, entries: dict[str, TensorEntry], targets: dict[str, WeightTarget]) -> None:

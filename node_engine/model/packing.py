@@ -26,10 +26,14 @@ no-op.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from node_engine.memory.host_heap import trim_host_heap
 from node_engine.model.layers import Projection
+
+log = logging.getLogger(__name__)
 
 # The decode batch oneDNN picks its blocked layout for. Any batch runs on it;
 # 8, 16 and 32 measured within noise of each other for the ~100M model at batches 1 to 32.
@@ -81,14 +85,35 @@ class WeightPacking:
         if num_packed:
             trim_host_heap()  # the parked weights' pages, else the process keeps them
 
-    def unpack(self) -> None:
-        """Write the plain parameters back from the packed copies, then drop those."""
+    def try_pack(self) -> bool:
+        """:meth:`pack`, but a failure (out of memory) only leaves projections plain, and is logged.
+
+        Plain projections compute the same outputs, only slower; this is what runs
+        where a failure must not stop anything else (a resume, the end of a reload).
+        """
+        try:
+            self.pack()
+        except (RuntimeError, MemoryError) as exc:
+            num_plain = sum(p.packed is None for p in self.projections)
+            log.warning("%d of %d projections stay unpacked (slower decode on CPU): %s", num_plain,
+                        len(self.projections), exc)
+            return False
+        return True
+
+    def unpack(self, *, keep_contents: bool = True) -> None:
+        """Give the plain parameters their memory back, then drop the packed copies.
+
+        With ``keep_contents`` the plain parameters get the weights back from the
+        packed copies; without, their contents are undefined (for a reload, which
+        overwrites every weight).
+        """
         for projection in self.projections:
             weight, packed = projection.weight, projection.packed
             if packed is None:
                 continue
             weight.untyped_storage().resize_(weight.numel() * weight.element_size())
-            weight.copy_(packed.to_dense())
+            if keep_contents:
+                weight.copy_(packed.to_dense())
             projection.packed = None
 
     def discard(self) -> None:
@@ -111,4 +136,4 @@ class WeightPacking:
     def after_resume(self, *, is_valid: bool) -> None:
         """The weights are resident again; pack them if they hold real weights (else a reload will)."""
         if is_valid:
-            self.pack()
+            self.try_pack()

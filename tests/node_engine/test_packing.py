@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from node_engine.config import EngineConfig
+from node_engine.errors import BackupFailed
 from node_engine.memory.saver import CpuSaver, DisabledSaver
 from node_engine.memory.tags import BackupMode, MemoryTag
 from node_engine.model import layers
@@ -159,3 +160,40 @@ async def test_a_reload_of_other_weights_changes_the_packed_outputs(tmp_path: Pa
         assert engine.runner.packing.is_packed
         after, _ = await generate(engine, PROMPT, GREEDY)
     assert after != before and after == expected_other
+
+
+async def test_a_failed_backup_release_leaves_the_weights_resident_and_packed(tmp_path: Path) -> None:
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("the backup cannot go under a file")
+    config = EngineConfig(model_path="builtin:tiny", enable_memory_saver=True, weights_backup=BackupMode.DISK,
+                          backup_dir=not_a_dir / "backup")
+    async with running_engine(config) as engine:
+        expected, _ = await generate(engine, PROMPT, GREEDY)
+        with pytest.raises(BackupFailed) as failure:
+            await engine.call(lambda: engine.control.release([MemoryTag.WEIGHTS], None))
+        assert failure.value.status == 507 and failure.value.extra == {"released": []}
+        assert engine.memory.released_tags() == [] and engine.runner.packing.is_packed
+        tokens, _ = await generate(engine, PROMPT, GREEDY)
+    assert tokens == expected
+
+
+async def test_a_pack_failure_after_a_resume_degrades_to_plain_weights(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    from node_engine.model import packing
+
+    config = EngineConfig(model_path="builtin:tiny", enable_memory_saver=True, weights_backup=BackupMode.DISK,
+                          backup_dir=tmp_path / "backup")
+    async with running_engine(config) as engine:
+        expected, _ = await generate(engine, PROMPT, GREEDY)
+        await engine.call(lambda: engine.control.release(ALL_TAGS, None))
+
+        def out_of_memory(weight: torch.Tensor, batch_hint: int) -> torch.Tensor:
+            raise RuntimeError("DefaultCPUAllocator: can't allocate memory")
+
+        monkeypatch.setattr(packing, "_reorder", out_of_memory)
+        result = await engine.call(lambda: engine.control.resume(None))
+        # every tag came back; the weights are valid, only unpacked
+        assert result["resumed"] == [t.value for t in ALL_TAGS] and result["weights_valid"]
+        assert not any(p.packed is not None for p in engine.runner.packing.projections)
+        tokens, _ = await generate(engine, PROMPT, GREEDY)
+    assert tokens == expected

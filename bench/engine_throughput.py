@@ -14,10 +14,12 @@ transformers' reads a logits processor called once per generated token. Every
 figure is the median of ``--repeats`` runs after one warm-up run; runs
 alternate engine, transformers, engine, ... and the ratio is the median over
 those pairs of engine / transformers, so both sides of a ratio saw the same
-machine load. With ``--http`` the engine is
-also started as a server process and measured through ``POST /generate`` at
-one batch size (decode rate from the difference between ``--new-tokens`` and 1
-new token).
+machine load. Each engine mode of ``--modes`` gets its own rows: ``eager`` (the
+default engine) and ``compile`` (``--enable-torch-compile``: decode through a
+graph compiled at start, whose compile time is not counted). With
+``--http-batch`` the engine is also started as a server process, in each mode,
+and measured through ``POST /generate`` at that batch size (decode rate from
+the difference between ``--new-tokens`` and 1 new token).
 
     .venv/bin/python bench/engine_throughput.py            # the table of docs/benchmarks.md
     .venv/bin/python bench/engine_throughput.py --models tiny --batch-sizes 8 --repeats 5
@@ -152,13 +154,15 @@ def http_generate_s(client: httpx.Client, prompts: list[list[int]], num_new: int
 
 
 def http_decode_rate(folder: Path, prompts: list[list[int]], num_new: int, repeats: int,
-                     num_threads: int | None) -> float:
+                     num_threads: int | None, mode: str) -> float:
     """Decode tokens/s through HTTP: (time for num_new tokens - time for 1) over the tokens in between."""
     with tempfile.TemporaryDirectory() as log_dir:
         argv = ["--model-path", str(folder), "--log-level", "warning",
                 "--max-running-requests", str(max(64, len(prompts)))]
         if num_threads:
             argv += ["--num-threads", str(num_threads)]
+        if mode == "compile":
+            argv.append("--enable-torch-compile")
         server = ServerProcess("node_engine", argv, log_dir=Path(log_dir), name="engine",
                                cwd=REPO_ROOT).start(timeout=300)
         try:
@@ -179,6 +183,39 @@ def median_rate(runs: list[Measurement]) -> float:
     return statistics.median(m.tokens_per_s for m in runs)
 
 
+async def bench_engine_mode(name: str, mode: str, folder: Path, num_params: int, reference: Any,
+                            args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
+    """The in-process rows of one engine mode (eager, or decode through torch.compile)."""
+    max_batch = max(args.batch_sizes)
+    engine = Engine(EngineConfig(model_path=str(folder), max_running_requests=max(64, max_batch),
+                                 max_batch_tokens=max(2048, max_batch * args.prompt_len),
+                                 enable_torch_compile=mode == "compile"))
+    engine.start(asyncio.get_running_loop())
+    try:
+        for batch in args.batch_sizes:
+            prompts = make_prompts(batch, args.prompt_len, seed=batch)
+            await engine_decode(engine, prompts, args.new_tokens)  # warm-up
+            hf_decode(reference, prompts, args.new_tokens)
+            ours, theirs = [], []
+            for _ in range(args.repeats):
+                ours.append(await engine_decode(engine, prompts, args.new_tokens))
+                theirs.append(hf_decode(reference, prompts, args.new_tokens))
+            num_same = sum(a == b for a, b in zip(ours[-1].output_ids, theirs[-1].output_ids, strict=True))
+            row = {"model": name, "params_m": num_params / 1e6, "batch": batch, "mode": mode,
+                   "engine_tok_s": median_rate(ours), "hf_tok_s": median_rate(theirs),
+                   "same_greedy": f"{num_same}/{batch}",
+                   "engine_runs": [round(m.tokens_per_s, 1) for m in ours],
+                   "hf_runs": [round(m.tokens_per_s, 1) for m in theirs]}
+            # Each engine run is paired with the transformers run right after it: the median of the
+            # pairs' ratios cancels most of the load the machine's other users put on both.
+            row["ratio"] = statistics.median(a.tokens_per_s / b.tokens_per_s for a, b in zip(ours, theirs))
+            rows.append(row)
+            print(f"  {name} {mode} batch {batch}: engine {row['engine_runs']} tok/s, "
+                  f"transformers {row['hf_runs']} tok/s", flush=True)
+    finally:
+        engine.stop()
+
+
 async def bench_model(name: str, args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
     from transformers import LlamaForCausalLM
 
@@ -186,41 +223,18 @@ async def bench_model(name: str, args: argparse.Namespace, rows: list[dict[str, 
         folder = Path(tmp) / name
         num_params = write_model(folder, MODELS[name])
         reference = LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-        max_batch = max(args.batch_sizes)
-        engine = Engine(EngineConfig(model_path=str(folder), max_running_requests=max(64, max_batch),
-                                     max_batch_tokens=max(2048, max_batch * args.prompt_len)))
-        engine.start(asyncio.get_running_loop())
-        try:
-            for batch in args.batch_sizes:
-                prompts = make_prompts(batch, args.prompt_len, seed=batch)
-                await engine_decode(engine, prompts, args.new_tokens)  # warm-up
-                hf_decode(reference, prompts, args.new_tokens)
-                ours, theirs = [], []
-                for _ in range(args.repeats):
-                    ours.append(await engine_decode(engine, prompts, args.new_tokens))
-                    theirs.append(hf_decode(reference, prompts, args.new_tokens))
-                num_same = sum(a == b for a, b in zip(ours[-1].output_ids, theirs[-1].output_ids, strict=True))
-                row = {"model": name, "params_m": num_params / 1e6, "batch": batch,
-                       "engine_tok_s": median_rate(ours), "hf_tok_s": median_rate(theirs),
-                       "same_greedy": f"{num_same}/{batch}",
-                       "engine_runs": [round(m.tokens_per_s, 1) for m in ours],
-                       "hf_runs": [round(m.tokens_per_s, 1) for m in theirs]}
-                # Each engine run is paired with the transformers run right after it: the median of the
-                # pairs' ratios cancels most of the load the machine's other users put on both.
-                row["ratio"] = statistics.median(a.tokens_per_s / b.tokens_per_s for a, b in zip(ours, theirs))
-                rows.append(row)
-                print(f"  {name} batch {batch}: engine {row['engine_runs']} tok/s, "
-                      f"transformers {row['hf_runs']} tok/s", flush=True)
-        finally:
-            engine.stop()
+        for mode in args.modes:
+            await bench_engine_mode(name, mode, folder, num_params, reference, args, rows)
         if args.http_batch:
             prompts = make_prompts(args.http_batch, args.prompt_len, seed=args.http_batch)
-            in_process = next((r for r in rows if r["model"] == name and r["batch"] == args.http_batch), None)
-            rate = http_decode_rate(folder, prompts, args.new_tokens, args.repeats, args.threads)
-            rows.append({"model": name, "params_m": num_params / 1e6, "batch": args.http_batch, "http": True,
-                         "engine_tok_s": rate, "hf_tok_s": in_process["hf_tok_s"] if in_process else float("nan"),
-                         "same_greedy": "-"})
-            rows[-1]["ratio"] = rows[-1]["engine_tok_s"] / rows[-1]["hf_tok_s"]
+            for mode in args.modes:
+                in_process = next((r for r in rows if r["model"] == name and r["batch"] == args.http_batch
+                                   and r["mode"] == mode and not r.get("http")), None)
+                rate = http_decode_rate(folder, prompts, args.new_tokens, args.repeats, args.threads, mode)
+                hf_tok_s = in_process["hf_tok_s"] if in_process else float("nan")
+                rows.append({"model": name, "params_m": num_params / 1e6, "batch": args.http_batch, "http": True,
+                             "mode": mode, "engine_tok_s": rate, "hf_tok_s": hf_tok_s,
+                             "ratio": rate / hf_tok_s, "same_greedy": "-"})
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
@@ -230,6 +244,8 @@ def print_table(rows: list[dict[str, Any]]) -> None:
     print("|---|---:|---:|---|---:|---:|---:|---:|")
     for r in rows:
         path = "HTTP /generate" if r.get("http") else "in-process"
+        if r["mode"] == "compile":
+            path += ", torch.compile"
         print(f"| {r['model']} | {r['params_m']:.1f}M | {r['batch']} | {path} | {r['engine_tok_s']:.0f} "
               f"| {r['hf_tok_s']:.0f} | {r['ratio']:.2f}x | {r['same_greedy']} |")
 
@@ -241,12 +257,17 @@ def main() -> int:
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--modes", default="eager,compile",
+                   help="engine modes, comma-separated: eager, compile (decode through torch.compile)")
     p.add_argument("--http-batch", type=int, default=8, help="batch size measured through HTTP; 0: skip")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--json", type=Path, default=None, help="also write the rows here")
     args = p.parse_args()
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     models = args.models.split(",")
+    args.modes = args.modes.split(",")
+    if not set(args.modes) <= {"eager", "compile"}:
+        p.error(f"--modes takes eager and compile, got {args.modes}")
     unknown = [m for m in models if m not in MODELS]
     if unknown:
         p.error(f"unknown models {unknown}; known: {sorted(MODELS)}")

@@ -36,6 +36,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--weights-backup", choices=[m.value for m in BackupMode], default="none")
     p.add_argument("--backup-dir", type=Path, default=None, help="where weight backups are spilled (CPU/disk)")
     p.add_argument("--disable-cuda-graph", action="store_true")
+    p.add_argument("--enable-torch-compile", action="store_true",
+                   help="CPU: run decode through torch.compile, compiled at start (needs a C++ compiler)")
     p.add_argument("--disable-prefix-cache", action="store_true",
                    help="do not keep finished requests' KV for reuse by later requests with the same prefix")
     p.add_argument("--cuda-graph-max-bs", type=int, default=32)
@@ -61,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
             max_running_requests=args.max_running_requests, context_length=args.context_length,
             enable_memory_saver=args.enable_memory_saver, weights_backup=BackupMode(args.weights_backup),
             backup_dir=args.backup_dir, disable_cuda_graph=args.disable_cuda_graph,
+            enable_torch_compile=args.enable_torch_compile,
             cuda_graph_max_bs=args.cuda_graph_max_bs, mem_fraction=args.mem_fraction,
             model_override=args.model_override, served_model_name=args.served_model_name,
             weight_version=args.weight_version, free_memory_override_file=args.free_memory_override_file,

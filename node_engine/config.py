@@ -35,6 +35,7 @@ class EngineConfig:
     weights_backup: BackupMode = BackupMode.NONE
     backup_dir: Path | None = None
     disable_cuda_graph: bool = False
+    enable_torch_compile: bool = False       # CPU: decode through torch.compile (compiled at start)
     cuda_graph_max_bs: int = 32
     mem_fraction: float = 0.85
     model_override: str | None = None        # JSON object, built-in models only
@@ -62,6 +63,8 @@ class EngineConfig:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 2, got {value}")
         if not 0 < self.mem_fraction <= 1:
             raise ConfigError(f"--mem-fraction must be in (0, 1], got {self.mem_fraction}")
+        if self.enable_torch_compile and self.device != "cpu":
+            raise ConfigError("--enable-torch-compile is for CPU engines; on CUDA, decode runs through CUDA graphs")
         if self.weights_backup is not BackupMode.NONE and not self.enable_memory_saver:
             raise ConfigError("--weights-backup needs --enable-memory-saver")
         if not self.weight_version:

@@ -121,6 +121,9 @@ class Engine:
         self.control = EngineControl(self)
         self.metrics.kv_slots_total.set(self.scheduler.slots.capacity)
         self.metrics.read_queues_from(self.scheduler)
+        compiled = self.runner.compiled_decode
+        if compiled is not None:
+            self.metrics.decode_graphs_compiled.set_function(lambda: compiled.num_graphs)
         self._step_seconds = {kind: self.metrics.step_seconds.labels(kind.value) for kind in StepKind}
         self._update_memory_metrics()
 

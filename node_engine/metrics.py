@@ -33,6 +33,9 @@ class EngineMetrics:
                                        "Prompt tokens taken from the prefix cache instead of computed, since start.",
                                        registry=r)
         self.kv_slots_total = Gauge("handoff_engine_kv_slots_total", "KV token slots in the pool.", registry=r)
+        self.decode_graphs_compiled = Gauge(
+            "handoff_engine_decode_graphs_compiled",
+            "Decode graphs compiled by torch.compile (--enable-torch-compile): 1 after start, 0 without.", registry=r)
         self.memory_bytes = Gauge("handoff_engine_memory_bytes", "Bytes of each memory tag, by state.",
                                   ["tag", "state"], registry=r)
         self.step_seconds = Histogram("handoff_engine_step_seconds", "Duration of one scheduler step.",

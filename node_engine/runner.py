@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -35,6 +36,9 @@ from node_engine.model.packing import WeightPacking
 from node_engine.sampling import sample
 from node_engine.scheduler import Step, StepKind
 from node_engine.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from node_engine.compiled_decode import CompiledDecode, DecodeForward
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +105,13 @@ class ModelRunner:
         self._allocate_workspace(context_len)
         self.kv_plan = self._plan_kv(context_len)
         self._allocate_kv_cache()
+        self.compiled_decode: CompiledDecode | None = None
+        self.decode_forward: DecodeForward = self._decode_forward
+        if config.enable_torch_compile:
+            from node_engine.compiled_decode import CompiledDecode
+
+            self.compiled_decode = CompiledDecode(self, self._decode_forward)
+            self.decode_forward = self.compiled_decode
         self.graphs = None
         if self.device.type == "cuda" and not config.disable_cuda_graph:
             from node_engine.cuda_graph import DecodeGraphs
@@ -204,7 +215,9 @@ class ModelRunner:
             positions.append(e.start)
             rows.append(request.row)
         input_ids, position_t, rows_t = torch.tensor([tokens, positions, rows], device=self.device).unbind(0)
-        slot_mapping = step.slot_mapping.to(self.device)
+        # A copy even on CPU: made here, under inference mode, like the other inputs. A compiled decode
+        # graph is specialized on that (the scheduler's tensor is an ordinary one).
+        slot_mapping = step.slot_mapping.to(self.device, copy=True)
         self.req_to_token[rows_t, position_t] = slot_mapping.to(torch.int32)
         max_position = max(positions)
         return DecodeInputs(input_ids=input_ids, positions=position_t, rows=rows_t, slot_mapping=slot_mapping,
@@ -219,9 +232,14 @@ class ModelRunner:
         if inputs.is_ragged:
             key_pos = torch.arange(max_len, device=self.device)
             mask = (key_pos.unsqueeze(0) <= inputs.positions.unsqueeze(1)).view(num_seqs, 1, 1, max_len)
-        batch = AttentionBatch(slot_mapping=inputs.slot_mapping, kv_indices=kv_indices, mask=mask, num_seqs=num_seqs,
-                               max_query_len=1)
-        return self.model(inputs.input_ids, inputs.positions, batch)
+        return self.decode_forward(inputs.input_ids, inputs.positions, inputs.slot_mapping, kv_indices, mask)
+
+    def _decode_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+                        kv_indices: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """The model over one decode step's tensors (what ``--enable-torch-compile`` compiles)."""
+        batch = AttentionBatch(slot_mapping=slot_mapping, kv_indices=kv_indices, mask=mask,
+                               num_seqs=kv_indices.shape[0], max_query_len=1)
+        return self.model(input_ids, positions, batch)
 
     def _forward_prefill(self, step: Step) -> torch.Tensor:
         """Hidden states of the step's sampling positions (the last token of each entry that samples)."""

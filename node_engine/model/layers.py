@@ -12,7 +12,9 @@ arithmetic.
 
 from __future__ import annotations
 
+import itertools
 import math
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -36,6 +38,27 @@ def _find_onednn_linear() -> Callable[..., torch.Tensor] | None:
 
 _ONEDNN_LINEAR = _find_onednn_linear()
 
+# oneDNN projections by id, for ``handoff::onednn_project`` (weak: a dropped model frees its weights).
+_ONEDNN_PROJECTIONS: weakref.WeakValueDictionary[int, Projection] = weakref.WeakValueDictionary()
+_projection_ids = itertools.count()
+
+
+@torch.library.custom_op("handoff::onednn_project", mutates_args=())
+def onednn_project(x: torch.Tensor, projection_id: int) -> torch.Tensor:
+    """A oneDNN projection as one opaque op, for ``torch.compile``.
+
+    Inductor lowers oneDNN's linear only for weights frozen into the graph as
+    constants, and a packed weight is an opaque tensor it cannot trace; the
+    weights here change in place (reloads, the memory saver). The compiled
+    graph passes the projection's id instead, and this op runs the eager call.
+    """
+    return _ONEDNN_PROJECTIONS[projection_id].onednn(x)
+
+
+@onednn_project.register_fake
+def _(x: torch.Tensor, projection_id: int) -> torch.Tensor:
+    return x.new_empty((x.shape[0], _ONEDNN_PROJECTIONS[projection_id].weight.shape[0]))
+
 
 def _param(*shape: int, device: torch.device, dtype: torch.dtype) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, device=device, dtype=dtype), requires_grad=False)
@@ -48,9 +71,10 @@ class Projection:
     through oneDNN when torch has it, everything else through ``F.linear``.
     While ``packed`` is set (``packing.WeightPacking`` owns it) the product uses
     that copy of the weight in oneDNN's layout and ``weight`` holds no memory.
+    Under ``torch.compile`` a oneDNN product is one ``handoff::onednn_project``.
     """
 
-    __slots__ = ("weight", "bias", "is_onednn", "packed")
+    __slots__ = ("weight", "bias", "is_onednn", "packed", "projection_id", "__weakref__")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         self.weight = weight
@@ -58,13 +82,20 @@ class Projection:
         self.packed: torch.Tensor | None = None
         self.is_onednn = (_ONEDNN_LINEAR is not None and weight.device.type == "cpu"
                           and weight.dtype == torch.float32 and weight.numel() >= ONEDNN_MIN_WEIGHT_NUMEL)
+        self.projection_id = next(_projection_ids)
+        if self.is_onednn:
+            _ONEDNN_PROJECTIONS[self.projection_id] = self
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:
-            return _ONEDNN_LINEAR(x, self.packed, self.bias, "none", [], "")
         if self.is_onednn:
-            return _ONEDNN_LINEAR(x, self.weight, self.bias, "none", [], "")
+            if torch.compiler.is_compiling():
+                return torch.ops.handoff.onednn_project(x, self.projection_id)
+            return self.onednn(x)
         return F.linear(x, self.weight, self.bias)
+
+    def onednn(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight if self.packed is None else self.packed
+        return _ONEDNN_LINEAR(x, weight, self.bias, "none", [], "")
 
 
 class Linear(nn.Module):
@@ -151,7 +182,7 @@ class RotaryTable:
 
 def rotate_into(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """Rotate ``x`` [T, H, D] in place by the [T, 1, D] tables of :meth:`RotaryTable.lookup`."""
-    torch.add(x * cos, x.roll(x.shape[-1] // 2, -1) * sin, out=x)
+    x.copy_(x * cos + x.roll(x.shape[-1] // 2, -1) * sin)  # not ``out=x``: torch.compile refuses a strided out
 
 
 @dataclass

@@ -99,7 +99,7 @@ async def get_server_info(request: Request) -> JSONResponse:
         "context_length": engine.runner.kv_plan.context_len, "max_total_tokens": engine.scheduler.slots.capacity,
         "max_batch_tokens": config.max_batch_tokens, "max_running_requests": config.max_running_requests,
         "memory_saver": engine.saver.name, "weights_backup": config.weights_backup.value,
-        "cuda_graph": engine.runner.graphs is not None,
+        "cuda_graph": engine.runner.graphs is not None, "torch_compile": config.enable_torch_compile,
         "memory": engine.control.occupation(),
     })
 

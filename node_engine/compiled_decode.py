@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
 
+from node_engine.config import ConfigError
 from node_engine.kv_cache import PADDING_SLOT
 
 if TYPE_CHECKING:
@@ -71,7 +72,12 @@ class CompiledDecode:
         self._forward = forward
         self._compiled = torch.compile(self._masked_forward, fullgraph=True, options=_INDUCTOR_OPTIONS)
         self.device = runner.device
-        self.compile_s = self._warm_up()
+        try:
+            self.compile_s = self._warm_up()
+        except torch._dynamo.exc.TorchDynamoException as exc:
+            reason = next((line for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+            raise ConfigError(f"--enable-torch-compile: compiling the decode graph failed: {reason}. It needs a "
+                              "C++ compiler and the Python headers; without the flag the engine runs eager") from exc
         log.info("decode compiled with torch.compile in %.1f s", self.compile_s)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,

@@ -64,6 +64,19 @@ def test_compile_is_refused_on_cuda() -> None:
         EngineConfig(model_path="builtin:tiny", device="cuda", enable_torch_compile=True)
 
 
+@pytest.mark.filterwarnings("ignore:dynamo_pgo force disabled")
+def test_compile_failure_is_a_clear_start_error() -> None:
+    import torch._inductor.config as inductor_config
+
+    from node_engine.memory.saver import DisabledSaver
+    from node_engine.runner import ModelRunner
+
+    config = EngineConfig(model_path="builtin:tiny", enable_torch_compile=True)
+    with inductor_config.patch({"cpp.cxx": ("/nonexistent/c++",), "force_disable_caches": True}):
+        with pytest.raises(ConfigError, match="--enable-torch-compile: .*C\\+\\+ compiler"):
+            ModelRunner(config, DisabledSaver(), builtin_arch("builtin:tiny"))
+
+
 def test_server_info_says_decode_is_compiled(engines) -> None:
     compiled, eager = engines
     assert compiled.get("/get_server_info").json()["torch_compile"] is True

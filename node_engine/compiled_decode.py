@@ -52,8 +52,10 @@ _INDUCTOR_OPTIONS = {
     "compile_threads": 1,  # compile in this process: a worker pool would outlive an engine killed by a signal
 }
 
-# Warm-up context length: any value of at least 2 gives the same symbolic graphs (a size of 1 would be
-# specialized; decode always attends to at least the prompt's first token and itself).
+# Warm-up shapes. Both must be at least 2 (a size of 1 is specialized; a decode step has at least two
+# sequences after padding, and attends to at least the prompt's first token and itself), and they must
+# differ: torch gives dimensions of equal size one symbol, which would tie the batch size to the length.
+_WARM_UP_SEQS = 2
 _WARM_UP_LEN = 4
 
 
@@ -109,7 +111,7 @@ class CompiledDecode:
     @torch.inference_mode()
     def _warm_up(self) -> float:
         started = time.perf_counter()
-        self._compiled(*self._example(2))
+        self._compiled(*self._example(_WARM_UP_SEQS))
         return time.perf_counter() - started
 
     def _example(self, num_seqs: int) -> tuple[torch.Tensor, ...]:

@@ -31,10 +31,12 @@ from __future__ import annotations
 
 import logging
 import time
+import types
 from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+from torch._inductor.exc import CppCompileError, InvalidCxxCompiler
 
 from node_engine.config import ConfigError
 from node_engine.kv_cache import PADDING_SLOT
@@ -72,14 +74,18 @@ class CompiledDecode:
         if runner.device.type != "cpu":
             raise RuntimeError(f"torch.compile decode is for CPU engines, this one runs on {runner.device}")
         self._forward = forward
-        self._compiled = torch.compile(self._masked_forward, fullgraph=True, options=_INDUCTOR_OPTIONS)
+        # Dynamo keeps compiled graphs on the function's code object, shared by every instance: a copy of the
+        # code per engine keeps each engine's graph, its count and its recompile limit its own.
+        masked_forward = _with_own_code(CompiledDecode._masked_forward)
+        self._code = masked_forward.__code__
+        self._compiled = torch.compile(types.MethodType(masked_forward, self), fullgraph=True,
+                                       options=_INDUCTOR_OPTIONS)
         self.device = runner.device
         try:
             self.compile_s = self._warm_up()
         except torch._dynamo.exc.TorchDynamoException as exc:
-            reason = next((line for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
-            raise ConfigError(f"--enable-torch-compile: compiling the decode graph failed: {reason}. It needs a "
-                              "C++ compiler and the Python headers; without the flag the engine runs eager") from exc
+            raise ConfigError(f"--enable-torch-compile: compiling the decode graph failed: {_explain(exc)}; "
+                              "without the flag the engine runs eager") from exc
         log.info("decode compiled with torch.compile in %.1f s", self.compile_s)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
@@ -106,7 +112,7 @@ class CompiledDecode:
     @property
     def num_graphs(self) -> int:
         """Graphs compiled so far: 1 after start; more means a decode step stopped to compile."""
-        return len(_debug_get_cache_entry_list(CompiledDecode._masked_forward.__code__))
+        return len(_debug_get_cache_entry_list(self._code))
 
     @torch.inference_mode()
     def _warm_up(self) -> float:
@@ -118,10 +124,27 @@ class CompiledDecode:
         """Inputs of a decode step of ``num_seqs`` sequences, all on the padding slot, marked symbolic."""
         dev, length = self.device, _WARM_UP_LEN
         input_ids = torch.zeros(num_seqs, dtype=torch.int64, device=dev)
-        positions = torch.full((num_seqs,), length - 1, dtype=torch.int64, device=dev)
+        # Position 1 whatever the length: the rotary table may hold only 2 positions (--context-length 2).
+        positions = torch.ones(num_seqs, dtype=torch.int64, device=dev)
         slot_mapping = torch.full((num_seqs,), PADDING_SLOT, dtype=torch.int64, device=dev)
         kv_indices = torch.full((num_seqs, length), PADDING_SLOT, dtype=torch.int32, device=dev)
         for tensor in (input_ids, positions, slot_mapping, kv_indices):
             torch._dynamo.mark_dynamic(tensor, 0)
         torch._dynamo.mark_dynamic(kv_indices, 1)
         return input_ids, positions, slot_mapping, kv_indices
+
+
+def _with_own_code(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """``fn`` with a copy of its code object (same behaviour, a distinct Dynamo cache)."""
+    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+
+
+def _explain(exc: BaseException) -> str:
+    """The first line of a compile failure, and what to install when it is the C++ toolchain."""
+    reason = next((line for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+    cause: BaseException | None = exc
+    while cause is not None:
+        if isinstance(cause, (InvalidCxxCompiler, CppCompileError)):
+            return f"{reason} (Inductor needs a C++ compiler and the Python headers)"
+        cause = cause.__cause__ or cause.__context__
+    return reason

@@ -33,6 +33,7 @@ from node_engine.model.layers import AttentionBatch, RotaryTable
 from node_engine.model.llama import CausalLM
 from node_engine.model.loader import apply_update, check_update, checkpoint_files, load_tensors, load_weights
 from node_engine.model.packing import WeightPacking
+from node_engine.prefill_batch import prefill_batch
 from node_engine.sampling import sample
 from node_engine.scheduler import Step, StepKind
 from node_engine.tokenizer import Tokenizer
@@ -260,41 +261,10 @@ class ModelRunner:
                 last_index.append(len(tokens) - 1)
         input_ids = torch.tensor(tokens, dtype=torch.int64, device=dev)
         position_t = torch.tensor(positions, dtype=torch.int64, device=dev)
-        hidden = self.model(input_ids, position_t, self._prefill_batch(step, slot_mapping))
+        hidden = self.model(input_ids, position_t, prefill_batch(step.entries, slot_mapping, self.req_to_token))
         if len(last_index) == len(tokens):
             return hidden
         return hidden.index_select(0, torch.tensor(last_index, dtype=torch.int64, device=dev))
-
-    def _prefill_batch(self, step: Step, slot_mapping: torch.Tensor) -> AttentionBatch:
-        entries = step.entries
-        dev = self.device
-        num_seqs = len(entries)
-        if num_seqs == 1 and entries[0].start == 0:
-            n = entries[0].end
-            return AttentionBatch(slot_mapping=slot_mapping, kv_indices=slot_mapping.view(1, n), mask=None,
-                                  num_seqs=1, max_query_len=n, is_causal_self_only=True)
-        rows = torch.tensor([e.request.row for e in entries], device=dev)
-        ends = torch.tensor([e.end for e in entries], device=dev)
-        max_len = max(e.end for e in entries)
-        kv_indices = self.req_to_token[:, :max_len].index_select(0, rows)
-        key_pos = torch.arange(max_len, device=dev)
-        lengths = [e.end - e.start for e in entries]
-        max_q = max(lengths)
-        starts = torch.tensor([e.start for e in entries], device=dev)
-        lens_t = torch.tensor(lengths, device=dev)
-        q_i = torch.arange(max_q, device=dev)
-        is_real = q_i[None, :] < lens_t[:, None]                                   # [B, N]
-        q_pos = torch.where(is_real, starts[:, None] + q_i[None, :], 0)            # padded rows see key 0
-        mask = (key_pos[None, None, :] <= q_pos[:, :, None]) & (key_pos[None, None, :] < ends[:, None, None])
-        if num_seqs == 1:
-            return AttentionBatch(slot_mapping=slot_mapping, kv_indices=kv_indices, mask=mask.unsqueeze(1),
-                                  num_seqs=1, max_query_len=max_q)
-        offsets = torch.cumsum(lens_t, 0) - lens_t
-        q_pad_index = torch.where(is_real, offsets[:, None] + q_i[None, :], 0).reshape(-1)
-        q_unpad_index = (torch.arange(num_seqs, device=dev)[:, None] * max_q + q_i[None, :])[is_real]
-        return AttentionBatch(slot_mapping=slot_mapping, kv_indices=kv_indices, mask=mask.unsqueeze(1),
-                              num_seqs=num_seqs, max_query_len=max_q, q_pad_index=q_pad_index,
-                              q_unpad_index=q_unpad_index)
 
     @torch.inference_mode()
     def score(self, token_ids: list[int]) -> torch.Tensor:

@@ -94,6 +94,7 @@ class Projection:
         return F.linear(x, self.weight, self.bias)
 
     def onednn(self, x: torch.Tensor) -> torch.Tensor:
+        """The oneDNN product, eager: on the packed weight while there is one, else on the plain one."""
         weight = self.weight if self.packed is None else self.packed
         return _ONEDNN_LINEAR(x, weight, self.bias, "none", [], "")
 

@@ -2,8 +2,9 @@
 
 The compiled engine must answer what the eager one answers: ragged batches (one
 graph with a mask), a lone request (padded to two rows), after a release and
-resume of every tag, and after a reload of other weights, with no compile
-after start.
+resume of every tag, after a reload of other weights, and with packed oneDNN
+weights, with no compile after start. The in-process runners reuse the engine
+processes' kernels from Inductor's disk cache.
 """
 
 from __future__ import annotations
@@ -15,8 +16,10 @@ import pytest
 import torch
 
 from node_engine.config import ConfigError, EngineConfig
+from node_engine.memory.saver import DisabledSaver
 from node_engine.model import layers
 from node_engine.model.builtin import builtin_arch, builtin_weights, save_checkpoint
+from node_engine.runner import ModelRunner
 from tests.support.procs import ServerProcess
 
 # Different lengths in one batch, and past the first token of the context.
@@ -65,12 +68,10 @@ def test_compile_is_refused_on_cuda() -> None:
 
 
 @pytest.mark.filterwarnings("ignore:dynamo_pgo force disabled")
-def test_compile_failure_is_a_clear_start_error() -> None:
+def test_compile_failure_is_a_clear_start_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import torch._inductor.config as inductor_config
 
-    from node_engine.memory.saver import DisabledSaver
-    from node_engine.runner import ModelRunner
-
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # a failed compile leaves its files there
     config = EngineConfig(model_path="builtin:tiny", enable_torch_compile=True)
     with inductor_config.patch({"cpp.cxx": ("/nonexistent/c++",), "force_disable_caches": True}):
         with pytest.raises(ConfigError, match="--enable-torch-compile: .*C\\+\\+ compiler"):
@@ -114,6 +115,49 @@ def test_compiled_decode_after_reload(engines, other_checkpoint: Path) -> None:
     assert after != before
     assert after == greedy(eager, PROMPTS)
     assert compile_count(compiled) == 1
+
+
+def decode_inputs(num_seqs: int, max_len: int) -> tuple[torch.Tensor, ...]:
+    """A ragged decode step over distinct slots (the first sequence is shorter)."""
+    positions = torch.full((num_seqs,), max_len - 1)
+    positions[0] = max_len // 2
+    kv_indices = torch.arange(1, num_seqs * max_len + 1, dtype=torch.int32).view(num_seqs, max_len)
+    slot_mapping = kv_indices.gather(1, positions[:, None].to(torch.int64)).squeeze(1).to(torch.int64)
+    mask = (torch.arange(max_len)[None, :] <= positions[:, None]).view(num_seqs, 1, 1, max_len)
+    return torch.arange(num_seqs) + 65, positions, slot_mapping, kv_indices, mask
+
+
+@torch.inference_mode()
+def test_each_runner_has_its_own_graph() -> None:
+    """Compiled runners of two models in one process: each serves from its own graph, counted on its own."""
+    def runner(overrides: str | None, is_compiled: bool) -> ModelRunner:
+        config = EngineConfig(model_path="builtin:tiny", model_override=overrides, enable_torch_compile=is_compiled)
+        return ModelRunner(config, DisabledSaver(), builtin_arch("builtin:tiny", config.model_override_dict()))
+
+    for overrides in (None, '{"num_layers": 2}'):
+        compiled, eager = runner(overrides, True), runner(overrides, False)
+        for num_seqs, max_len in ((3, 9), (1, 5), (6, 2)):
+            inputs = decode_inputs(num_seqs, max_len)
+            torch.testing.assert_close(compiled.decode_forward(*inputs), eager.decode_forward(*inputs),
+                                       rtol=1e-5, atol=1e-5)
+        assert compiled.compiled_decode.num_graphs == 1
+
+
+@torch.inference_mode()
+def test_packed_onednn_model_compiles_and_answers_as_eager(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every projection on oneDNN and packed: the compiled decode calls handoff::onednn_project."""
+    if layers._ONEDNN_LINEAR is None:
+        pytest.skip("this torch build has no oneDNN linear")
+    monkeypatch.setattr(layers, "ONEDNN_MIN_WEIGHT_NUMEL", 1)
+    arch = builtin_arch("builtin:tiny")
+    compiled = ModelRunner(EngineConfig(model_path="builtin:tiny", enable_torch_compile=True), DisabledSaver(), arch)
+    eager = ModelRunner(EngineConfig(model_path="builtin:tiny"), DisabledSaver(), arch)
+    assert compiled.model.model.layers[0].mlp.gate_up.is_onednn
+    for num_seqs, max_len in ((4, 7), (1, 3)):
+        inputs = decode_inputs(num_seqs, max_len)
+        torch.testing.assert_close(compiled.decode_forward(*inputs), eager.decode_forward(*inputs),
+                                   rtol=1e-5, atol=1e-5)
+    assert compiled.compiled_decode.num_graphs == 1
 
 
 def test_onednn_projection_compiles_as_one_op(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -17,6 +17,14 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 JSON_HEADERS = {"Content-Type": "application/json"}
 
+# The engine benchmarks' models: ``builtin:tiny`` with these shape overrides. "100m" has ~104M parameters
+# (vocabulary 320: the byte tokenizer's, so the LM head is negligible).
+MODELS: dict[str, dict[str, Any]] = {
+    "tiny": {},
+    "100m": {"hidden_size": 768, "intermediate_size": 3072, "num_layers": 12, "num_heads": 12, "num_kv_heads": 4,
+             "head_dim": 64},
+}
+
 
 async def call(client: UpstreamClient, method: str, url: str, body: bytes = b"", *, expect: int = 200,
                timeout: float = 60) -> bytes:

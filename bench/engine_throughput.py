@@ -46,18 +46,13 @@ sys.path.insert(0, str(REPO_ROOT))
 import httpx  # noqa: E402
 import torch  # noqa: E402
 
+from bench.common import MODELS  # noqa: E402
 from handoff.cluster.process import ServerProcess  # noqa: E402
 from node_engine.config import EngineConfig  # noqa: E402
 from node_engine.engine import Engine  # noqa: E402
 from node_engine.model.builtin import BYTE_BOS_ID, builtin_arch, builtin_weights, save_checkpoint  # noqa: E402
 from node_engine.sampling import SamplingParams  # noqa: E402
 
-# ~104M parameters (vocabulary 320: the byte tokenizer's, so the LM head is negligible).
-MODELS: dict[str, dict[str, Any]] = {
-    "tiny": {},
-    "100m": {"hidden_size": 768, "intermediate_size": 3072, "num_layers": 12, "num_heads": 12, "num_kv_heads": 4,
-             "head_dim": 64},
-}
 
 
 @dataclass

@@ -46,15 +46,11 @@ sys.path.insert(0, str(REPO_ROOT))
 import psutil  # noqa: E402
 import torch  # noqa: E402
 
+from bench.common import MODELS  # noqa: E402
 from node_engine.memory.tags import ALL_TAGS, MemoryTag  # noqa: E402
 from node_engine.model.arch import ModelArch  # noqa: E402
 from node_engine.model.builtin import builtin_arch  # noqa: E402
 
-CPU_MODELS: dict[str, dict[str, Any]] = {
-    "tiny": {},
-    "100m": {"hidden_size": 768, "intermediate_size": 3072, "num_layers": 12, "num_heads": 12, "num_kv_heads": 4,
-             "head_dim": 64},
-}
 # ~0.51B parameters: the GPU figures need a model of at least 0.5B.
 CUDA_MODEL = {"hidden_size": 1024, "intermediate_size": 4352, "num_layers": 32, "num_heads": 16, "num_kv_heads": 4,
               "head_dim": 64}
@@ -112,7 +108,7 @@ def cpu_child(model: str, repeats: int) -> dict[str, Any]:
     trim_heap()
     rss_tokenizer = rss() - rss_runtime
     del tokenizer
-    overrides = CPU_MODELS[model]
+    overrides = MODELS[model]
     with tempfile.TemporaryDirectory(prefix="handoff-memory-cycle-") as tmp:
         backup_dir = Path(tmp) / "backup"
         config = EngineConfig(model_path="builtin:tiny", model_override=json.dumps(overrides) if overrides else None,
@@ -390,7 +386,7 @@ def print_cuda(r: dict[str, Any]) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--models", default="tiny,100m", help=f"CPU models, from {sorted(CPU_MODELS)}")
+    p.add_argument("--models", default="tiny,100m", help=f"CPU models, from {sorted(MODELS)}")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--cuda-dtype", default="float32", choices=("float32", "bfloat16"),
                    help="dtype of the CUDA engines (float32 lets graph and eager decode agree exactly)")
@@ -402,11 +398,11 @@ def main() -> int:
         print(json.dumps(cpu_child(args.cpu_child, args.repeats)))
         return 0
     models = args.models.split(",")
-    unknown = [m for m in models if m not in CPU_MODELS]
+    unknown = [m for m in models if m not in MODELS]
     if unknown:
-        p.error(f"unknown models {unknown}; known: {sorted(CPU_MODELS)}")
+        p.error(f"unknown models {unknown}; known: {sorted(MODELS)}")
     for m in models:
-        arch = builtin_arch("builtin:tiny", CPU_MODELS[m])
+        arch = builtin_arch("builtin:tiny", MODELS[m])
         print(f"{m}: {arch.num_params() / 1e6:.1f}M parameters")
     results: dict[str, Any] = {"cpu": run_cpu(models, args.repeats)}
     print_cpu(results["cpu"])

@@ -109,9 +109,9 @@ class ModelRunner:
         self.compiled_decode: CompiledDecode | None = None
         self.decode_forward: DecodeForward = self._decode_forward
         if config.enable_torch_compile:
-            from node_engine.compiled_decode import CompiledDecode
+            from node_engine import compiled_decode  # imports Dynamo and Inductor: only when asked for
 
-            self.compiled_decode = CompiledDecode(self, self._decode_forward)
+            self.compiled_decode = compiled_decode.CompiledDecode(self, self._decode_forward)
             self.decode_forward = self.compiled_decode
         self.graphs = None
         if self.device.type == "cuda" and not config.disable_cuda_graph:

@@ -9,6 +9,8 @@ processes' kernels from Inductor's disk cache.
 
 from __future__ import annotations
 
+import os
+import shutil
 from pathlib import Path
 
 import httpx
@@ -21,6 +23,10 @@ from node_engine.model import layers
 from node_engine.model.builtin import builtin_arch, builtin_weights, save_checkpoint
 from node_engine.runner import ModelRunner
 from tests.support.procs import ServerProcess
+
+# Inductor's CPU backend compiles C++ (the flag needs a compiler, docs/operations.md): skipped without one.
+needs_cxx = pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is None,
+                               reason="torch.compile on CPU needs a C++ compiler")
 
 # Different lengths in one batch, and past the first token of the context.
 PROMPTS = ["a", "The second prompt is longer than the first", "third: mid-size prompt"]
@@ -78,12 +84,14 @@ def test_compile_failure_is_a_clear_start_error(tmp_path: Path, monkeypatch: pyt
             ModelRunner(config, DisabledSaver(), builtin_arch("builtin:tiny"))
 
 
+@needs_cxx
 def test_server_info_says_decode_is_compiled(engines) -> None:
     compiled, eager = engines
     assert compiled.get("/get_server_info").json()["torch_compile"] is True
     assert eager.get("/get_server_info").json()["torch_compile"] is False
 
 
+@needs_cxx
 def test_compiled_decode_answers_as_eager(engines) -> None:
     compiled, eager = engines
     compiles = compile_count(compiled)
@@ -93,6 +101,7 @@ def test_compiled_decode_answers_as_eager(engines) -> None:
     assert compile_count(compiled) == compiles
 
 
+@needs_cxx
 def test_compiled_decode_after_release_and_resume(engines) -> None:
     compiled, eager = engines
     expected = greedy(eager, PROMPTS)
@@ -105,6 +114,7 @@ def test_compiled_decode_after_release_and_resume(engines) -> None:
     assert compile_count(compiled) == 1
 
 
+@needs_cxx
 def test_compiled_decode_after_reload(engines, other_checkpoint: Path) -> None:
     compiled, eager = engines
     before = greedy(compiled, PROMPTS)
@@ -127,6 +137,7 @@ def decode_inputs(num_seqs: int, max_len: int) -> tuple[torch.Tensor, ...]:
     return torch.arange(num_seqs) + 65, positions, slot_mapping, kv_indices, mask
 
 
+@needs_cxx
 @torch.inference_mode()
 def test_each_runner_has_its_own_graph() -> None:
     """Compiled runners of two models in one process: each serves from its own graph, counted on its own."""
@@ -143,6 +154,7 @@ def test_each_runner_has_its_own_graph() -> None:
         assert compiled.compiled_decode.num_graphs == 1
 
 
+@needs_cxx
 @torch.inference_mode()
 def test_packed_onednn_model_compiles_and_answers_as_eager(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every projection on oneDNN and packed: the compiled decode calls handoff::onednn_project."""
@@ -160,6 +172,7 @@ def test_packed_onednn_model_compiles_and_answers_as_eager(monkeypatch: pytest.M
     assert compiled.compiled_decode.num_graphs == 1
 
 
+@needs_cxx
 def test_onednn_projection_compiles_as_one_op(monkeypatch: pytest.MonkeyPatch) -> None:
     """A oneDNN projection, packed or plain, runs under torch.compile through handoff::onednn_project."""
     if layers._ONEDNN_LINEAR is None:

@@ -22,6 +22,7 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from handoff.protocol import errors as E
 from handoff.service.auth import BearerToken
 from handoff.service.bodies import install_schemas, openapi_body
 from handoff.service.generation_schema import GENERATION_RESPONSES
@@ -112,7 +113,7 @@ class GenerationEndpoints:
         request = Request(scope, receive, send)
         try:
             if scope["method"] != "POST":
-                raise ServiceError(f"{scope['path']} takes POST", status=405, type="method_not_allowed",
+                raise ServiceError(f"{scope['path']} takes POST", kind=E.METHOD_NOT_ALLOWED,
                                    headers={"Allow": "POST"})
             self._api_key.check(request, also=self._admin)  # the admin token authorizes everything
             response = await self._handle(request, scope["path"])

@@ -2,36 +2,35 @@
 
 from __future__ import annotations
 
+from handoff.protocol import errors as E
 from handoff.service.errors import Conflict, NotFound, ServiceError, Unavailable
 
 
 class NoNodes(Unavailable):
     """A control fan-out has no node to go to."""
 
-    type = "no_nodes"
+    kind = E.NO_NODES
 
 
 class NoAvailableNode(Unavailable):
     """No node can take a generation request now (released, draining, unhealthy, refused)."""
 
-    type = "no_available_node"
+    kind = E.NO_AVAILABLE_NODE
 
 
 class UpstreamFailed(ServiceError):
     """The node chosen for a generation request failed after it may have started the work."""
 
-    status = 502
-    type = "upstream_error"
+    kind = E.UPSTREAM_ERROR
 
 
 class UpstreamTimedOut(ServiceError):
-    status = 504
-    type = "upstream_timeout"
+    kind = E.UPSTREAM_TIMEOUT
 
 
 class NodeExists(Conflict):
-    type = "node_exists"
+    kind = E.NODE_EXISTS
 
 
 class NodeNotFound(NotFound):
-    type = "node_not_found"
+    kind = E.NODE_NOT_FOUND

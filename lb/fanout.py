@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from handoff.protocol import errors as E
 from handoff.service.upstream import (
     ConnectFailed,
     ConnectionDropped,
@@ -178,7 +179,7 @@ class FanOut:
             "failed": len(failures),
             "failures": [r.as_json() for r in failures],
             "succeeded": [r.as_json() for r in results if r.is_ok],
-            "error": {"type": "fanout_failed", "message": message},
+            "error": {"type": E.FANOUT_FAILED.name, "message": message},
         }
 
 

@@ -22,7 +22,6 @@ from lb.membership import Membership, Node, NodeHealth
 log = logging.getLogger(__name__)
 
 MAX_PROBE_BODY_BYTES = 64 * 1024
-TAGS = ("weights", "kv_cache", "cuda_graph", "workspace")
 
 
 class HealthMonitor:

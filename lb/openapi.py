@@ -1,57 +1,23 @@
 """What ``GET /openapi.json`` of the LB says about the bodies and parameters it does not parse itself.
 
 The LB forwards generation and control bodies byte for byte, so FastAPI cannot
-infer them. These models describe what a handoff node accepts (the sidecar and
-the engine validate; extra fields are passed on, so they are allowed here) and
-are used for the schema only. Generation bodies: :mod:`handoff.service.generation_schema`.
+infer them. The schema documents what a handoff node accepts with the nodes'
+own models (:mod:`handoff.protocol.control`); the nodes validate. Generation
+bodies: :mod:`handoff.service.generation_schema`.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel
 
+from handoff.protocol.control import CONTROL_BODIES as PROTOCOL_BODIES
 from handoff.service.generation_schema import GENERATION_BODIES
 
-_FORWARDED = ConfigDict(extra="allow")
-
-
-class ReleaseRequest(BaseModel):
-    """``tags`` null or absent: all four; ``mode``: ``wait`` drains, ``abort`` ends running requests."""
-
-    model_config = _FORWARDED
-    tags: list[Literal["weights", "kv_cache", "cuda_graph", "workspace"]] | None = None
-    mode: Literal["wait", "abort"] = "wait"
-    drain_timeout: float | None = Field(default=None, gt=0)
-    stage_to_cpu: bool | None = None
-
-
-class ResumeRequest(BaseModel):
-    """``tags`` null or absent: every released tag."""
-
-    model_config = _FORWARDED
-    tags: list[Literal["weights", "kv_cache", "cuda_graph", "workspace"]] | None = None
-
-
-class UpdateWeightsRequest(BaseModel):
-    model_config = _FORWARDED
-    model_path: str = Field(min_length=1)
-    weight_version: str | None = Field(default=None, min_length=1)
-
-
-class PauseRequest(BaseModel):
-    model_config = _FORWARDED
-    mode: Literal["abort", "wait"] = "abort"
-    drain_timeout: float | None = Field(default=None, gt=0)
-
-
 CONTROL_BODIES: dict[str, type[BaseModel]] = {
-    "/release_memory_occupation": ReleaseRequest,
-    "/resume_memory_occupation": ResumeRequest,
-    "/update_weights_from_disk": UpdateWeightsRequest,
-    "/pause_generation": PauseRequest,
-}
+    path: model for path, model in PROTOCOL_BODIES.items() if path != "/abort_request"}
+
 __all__ = ["CONTROL_BODIES", "CONTROL_PARAMETERS", "DELETE_NODE_PARAMETERS", "GENERATION_BODIES", "SCHEMA_MODELS"]
 
 SCHEMA_MODELS: list[type[BaseModel]] = [*GENERATION_BODIES.values(), *CONTROL_BODIES.values()]

@@ -6,8 +6,8 @@
 - :class:`NodeCaller` sends the request to one node and sorts the outcome:
   a response to relay, a final answer, or "try another node" (the connection
   was refused or could not be made in time, or a sidecar's admission refused
-  it with 503 ``node_released``, ``engine_unavailable``, ``weights_not_loaded``
-  or ``generation_paused``: in every case the node ran nothing).
+  it with a 503 of :data:`handoff.protocol.errors.NOT_SERVING_TYPES`: in every
+  case the node ran nothing).
 - :class:`RelayResponse` streams the node's body to the client chunk by chunk
   as it arrives; a node failing mid-stream ends it with an SSE error event.
 """
@@ -23,6 +23,8 @@ from typing import Callable, Mapping, Sequence
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from handoff.protocol import errors as E
+from handoff.protocol.errors import NOT_SERVING_TYPES
 from handoff.service.disconnect import DisconnectWatch
 from handoff.service.upstream import (
     ConnectFailed,
@@ -40,9 +42,6 @@ log = logging.getLogger(__name__)
 
 REQUEST_HEADERS_TO_NODE = frozenset({b"content-type", b"accept", b"x-request-id"})
 RESPONSE_HEADERS_TO_CLIENT = frozenset({b"content-type", b"cache-control", b"retry-after", b"x-request-id"})
-# the 503 types a sidecar's admission answers when the node does not serve (node_sidecar.state's
-# not_serving_reason): the request never reached the engine, so another node may run it
-NOT_SERVING_ERRORS = frozenset({"node_released", "engine_unavailable", "weights_not_loaded", "generation_paused"})
 MAX_REFUSAL_BYTES = 4096
 CLIENT_CLOSED_REQUEST = 499  # nginx's code for "the client went away first": only the metrics see it
 
@@ -100,7 +99,7 @@ class Reroute(enum.Enum):
     """Why a request goes to another node: this one ran nothing."""
 
     REFUSED = "refused"          # the connection was refused, the node unreachable, or no connection in time
-    NOT_SERVING = "not_serving"  # a sidecar's admission refused it (503, one of NOT_SERVING_ERRORS)
+    NOT_SERVING = "not_serving"  # a sidecar's admission refused it (503, one of NOT_SERVING_TYPES)
 
 
 class NodeCaller:
@@ -137,7 +136,7 @@ class NodeCaller:
         except UpstreamError as exc:
             raise translate(node, path, exc, self.timeout_s) from exc
         error_type = _error_type(raw)
-        if error_type in NOT_SERVING_ERRORS:
+        if error_type in NOT_SERVING_TYPES:
             self._health.mark_not_serving(node, f"answered 503 {error_type}")
             self._metrics.generate_not_serving_retries.inc()
             return Reroute.NOT_SERVING
@@ -193,7 +192,7 @@ class RelayResponse(Response):
             self._node.record_error(str(exc))
             self._watch.finish()
             message = f"{self._node.url} failed after the stream started: {exc}"
-            await send({"type": "http.response.body", "body": sse_error_event("upstream_error", message),
+            await send({"type": "http.response.body", "body": sse_error_event(E.UPSTREAM_ERROR.name, message),
                         "more_body": False})
         except asyncio.CancelledError:
             if not self._watch.is_disconnected:

@@ -5,10 +5,9 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any, Iterable, Mapping
 
-from lb.health import TAGS
+from handoff.protocol.tags import TAG_NAMES as TAGS
+from handoff.protocol.tags import TAG_STATE_NAMES as TAG_STATES
 from lb.membership import Node, NodeHealth
-
-TAG_STATES = ("resident", "releasing", "released", "resuming")
 
 
 def _kind(node: Node) -> str:

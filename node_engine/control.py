@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 import psutil
 
@@ -39,8 +39,11 @@ class EngineControl:
             raise RequestsInFlight(f"{num} request(s) running or queued; {what} needs an idle engine "
                                    "(the sidecar drains first)", extra={"in_flight": num})
 
-    def release(self, tags: list[MemoryTag] | None, stage_to_cpu: bool | None) -> dict[str, Any]:
+    def release(self, tags: Sequence[MemoryTag] | None, stage_to_cpu: bool | None) -> dict[str, Any]:
+        """Release ``tags`` (None: all; empty: nothing, answered at once)."""
         engine = self.engine
+        if tags is not None and not tags:
+            return {"success": True, "released": [], "already_released": [], "bytes_freed": {}, "duration_s": 0.0}
         self._require_idle("a release")
         try:
             result = engine.memory.release(tags, stage_to_cpu=stage_to_cpu)
@@ -58,9 +61,10 @@ class EngineControl:
         return {"success": True, "released": result.released, "already_released": result.already_released,
                 "bytes_freed": result.bytes_freed, "duration_s": round(result.duration_s, 6)}
 
-    def resume(self, tags: list[MemoryTag] | None) -> dict[str, Any]:
+    def resume(self, tags: Sequence[MemoryTag] | None) -> dict[str, Any]:
+        """Resume ``tags`` (None: all, resident ones reported in ``already_resident``; empty: nothing)."""
         engine = self.engine
-        if not engine.saver.is_enabled:
+        if not engine.saver.is_enabled and (tags is None or tags):
             raise MemorySaverDisabledError("memory saver is off: start the engine with --enable-memory-saver")
         try:
             result = engine.memory.resume(tags)

@@ -25,6 +25,7 @@ from typing import Any, Callable
 
 import torch
 
+from handoff.protocol import errors as E
 from node_engine.config import EngineConfig
 from node_engine.control import EngineControl
 from node_engine.errors import EngineStopped, InvalidRequest, MemoryReleased, WeightsNotLoaded
@@ -307,7 +308,7 @@ class Engine:
         outputs = []
         for request in list(self.scheduler.running) + list(self.scheduler.waiting):
             outputs.append((request, RequestOutput(request.rid, "", [], len(request.prompt_ids),
-                                                   len(request.output_ids), error_type="engine_failed",
+                                                   len(request.output_ids), error_type=E.ENGINE_FAILED.name,
                                                    error=message)))
         self._deliver(outputs)
 

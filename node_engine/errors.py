@@ -1,12 +1,24 @@
-"""The engine's exception tree (statuses and types per SPEC sections 5 and 6)."""
+"""The engine's exception tree (statuses and types per SPEC sections 5 and 6, from :mod:`handoff.protocol.errors`)."""
 
 from __future__ import annotations
 
-from handoff.service.errors import Conflict, InsufficientMemory, InvalidRequest, ServiceError, Unavailable
+from typing import Any, Mapping
 
-__all__ = ["EngineError", "InvalidRequest", "RequestsInFlight", "MemorySaverDisabledError", "NoWeightsBackupError",
-           "WeightsNotLoaded", "WeightsReleased", "MemoryReleased", "InsufficientMemory", "EngineStopped",
-           "WeightsCorrupted", "BackupFailed"]
+from handoff.protocol import errors as E
+from handoff.protocol.errors import NotServingReason
+from handoff.service.errors import (
+    Conflict,
+    InsufficientMemory,
+    InvalidRequest,
+    NotServing,
+    ServiceError,
+    Unavailable,
+    Unsupported,
+)
+
+__all__ = ["EngineError", "InvalidRequest", "Unsupported", "RequestsInFlight", "MemorySaverDisabledError",
+           "NoWeightsBackupError", "WeightsNotLoaded", "WeightsReleased", "MemoryReleased", "InsufficientMemory",
+           "EngineStopped", "WeightsCorrupted", "BackupFailed", "StepFailed"]
 
 
 class EngineError(ServiceError):
@@ -14,42 +26,58 @@ class EngineError(ServiceError):
 
 
 class RequestsInFlight(Conflict):
-    type = "requests_in_flight"
+    kind = E.REQUESTS_IN_FLIGHT
 
 
 class MemorySaverDisabledError(Conflict):
-    type = "memory_saver_disabled"
+    kind = E.MEMORY_SAVER_DISABLED
 
 
 class NoWeightsBackupError(Conflict):
-    type = "no_weights_backup"
-
-
-class WeightsNotLoaded(Conflict):
-    type = "weights_not_loaded"
+    kind = E.NO_WEIGHTS_BACKUP
 
 
 class WeightsReleased(Conflict):
-    type = "weights_released"
+    kind = E.WEIGHTS_RELEASED
 
 
-class MemoryReleased(Unavailable):
-    type = "memory_released"
+class WeightsNotLoaded(NotServing):
+    """Generation refused: the weights were resumed without a backup and not reloaded since."""
+
+    kind = E.WEIGHTS_NOT_LOADED
+
+    def __init__(self, message: str, *, retry_after: float | None = 1,
+                 extra: Mapping[str, Any] | None = None) -> None:
+        super().__init__(message, NotServingReason.WEIGHTS_NOT_LOADED, retry_after=retry_after, extra=extra)
+
+
+class MemoryReleased(NotServing):
+    """Generation refused: a memory tag is released."""
+
+    kind = E.MEMORY_RELEASED
+
+    def __init__(self, message: str, *, retry_after: float | None = 1,
+                 extra: Mapping[str, Any] | None = None) -> None:
+        super().__init__(message, NotServingReason.MEMORY_RELEASED, retry_after=retry_after, extra=extra)
 
 
 class EngineStopped(Unavailable):
-    type = "engine_stopped"
+    kind = E.ENGINE_STOPPED
 
 
-class WeightsCorrupted(ServiceError):
+class StepFailed(EngineError):
+    """A model step raised: the requests in that step failed; the engine goes on."""
+
+    kind = E.ENGINE_FAILED
+
+
+class WeightsCorrupted(EngineError):
     """A reload failed after it began copying: the node refuses generation until a reload succeeds."""
 
-    status = 500
-    type = "weights_corrupted"
+    kind = E.WEIGHTS_CORRUPTED
 
 
-class BackupFailed(ServiceError):
+class BackupFailed(EngineError):
     """The weights backup could not be written (disk full, bad ``--backup-dir``): the weights stay resident."""
 
-    status = 507
-    type = "backup_failed"
+    kind = E.BACKUP_FAILED

@@ -12,6 +12,8 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from handoff import __version__
+from handoff.protocol.control import AbortBody, PauseBody, ReleaseBody, ResumeBody, UpdateWeightsFromDiskBody
+from handoff.protocol.tags import UnknownTag, parse_tags
 from handoff.service.auth import BearerToken
 from handoff.service.bodies import install_schemas, openapi_body, parse_body, parse_value
 from handoff.service.generation_schema import GENERATION_BODIES, GENERATION_RESPONSES
@@ -23,7 +25,6 @@ from node_sidecar.control import ControlPlane
 from node_sidecar.errors import EngineUnavailable
 from node_sidecar.metrics import SidecarMetrics
 from node_sidecar.node import Node
-from node_sidecar.protocol import AbortBody, PauseBody, ReleaseBody, ResumeBody, UpdateWeightsBody
 from node_sidecar.proxy import forward, relay_generation
 from node_sidecar.state import TAGS, TagState
 
@@ -57,13 +58,13 @@ class GenerationFastPath:
         await self.app(scope, receive, send)
 
 
-def _tags(value: list[str] | None) -> list[str] | None:
-    if value is None:
-        return None
-    unknown = [t for t in value if t not in TAGS]
-    if unknown:
-        raise InvalidRequest(f"unknown memory tag(s) {unknown}; known: {list(TAGS)}")
-    return [t for t in TAGS if t in set(value)]
+def _tags(names: list[str] | None) -> list[str] | None:
+    """Tag names in canonical order; None (all) stays None, ``[]`` is no tag."""
+    try:
+        tags = parse_tags(names)
+    except UnknownTag as exc:
+        raise InvalidRequest(str(exc)) from exc
+    return None if tags is None else [tag.value for tag in tags]
 
 
 def create_app(config: SidecarConfig) -> FastAPI:
@@ -139,7 +140,7 @@ def create_app(config: SidecarConfig) -> FastAPI:
         if not node.admission.try_enter():
             released = [t for t in TAGS if node.state.tags[t] is not TagState.RESIDENT]
             status = 503 if not node.state.is_engine_reachable else 200
-            return JSONResponse({"serving": False, "reason": node.state.not_serving_reason(),
+            return JSONResponse({"serving": False, "reason": node.state.not_serving_reason().value,
                                  "released": released}, status_code=status)
         try:
             answer = await node.engine.call("POST", "/generate", {"input_ids": [0], "sampling_params": {
@@ -153,8 +154,8 @@ def create_app(config: SidecarConfig) -> FastAPI:
     async def release(request: Request) -> JSONResponse:
         admin.check(request)
         body = await parse_body(request, ReleaseBody, empty_ok=True)
-        tags = _tags(body.tags) or list(TAGS)
-        answer = await control_of(request).release(tags, mode=body.mode, drain_timeout=drain_bound(body.drain_timeout),
+        answer = await control_of(request).release(_tags(body.tags), mode=body.mode,
+                                                   drain_timeout=drain_bound(body.drain_timeout),
                                                    stage_to_cpu=body.stage_to_cpu)
         metrics.control_calls.labels("release_memory_occupation", "200").inc()
         return JSONResponse(answer)
@@ -167,12 +168,15 @@ def create_app(config: SidecarConfig) -> FastAPI:
         metrics.control_calls.labels("resume_memory_occupation", "200").inc()
         return JSONResponse(answer)
 
-    @router.post("/update_weights_from_disk", openapi_extra=openapi_body(UpdateWeightsBody))
+    @router.post("/update_weights_from_disk", openapi_extra=openapi_body(UpdateWeightsFromDiskBody))
     async def update_weights(request: Request) -> JSONResponse:
         admin.check(request)
         raw = await request.body()
-        body = parse_value(parse_json_bytes(raw) if raw.strip() else None, UpdateWeightsBody)
-        engine_body = body.model_dump(exclude={"drain_timeout"}, exclude_none=True)
+        body = parse_value(parse_json_bytes(raw) if raw.strip() else None, UpdateWeightsFromDiskBody)
+        engine_body = body.model_dump(exclude={"drain_timeout", "dry_run"}, exclude_none=True)
+        if body.dry_run:  # only the check: nothing drains, nothing loads
+            return JSONResponse(await node_of(request).engine.call("POST", "/update_weights_from_disk",
+                                                                   {**engine_body, "dry_run": True}))
         answer = await control_of(request).update_weights(engine_body, drain_timeout=drain_bound(body.drain_timeout))
         metrics.control_calls.labels("update_weights_from_disk", "200").inc()
         return JSONResponse(answer)
@@ -271,6 +275,6 @@ def create_app(config: SidecarConfig) -> FastAPI:
         return Response(text, media_type=CONTENT_TYPE_LATEST)
 
     app.include_router(router)
-    install_schemas(app, [ReleaseBody, ResumeBody, PauseBody, UpdateWeightsBody, AbortBody,
+    install_schemas(app, [ReleaseBody, ResumeBody, PauseBody, UpdateWeightsFromDiskBody, AbortBody,
                           *GENERATION_BODIES.values()])
     return app

@@ -15,6 +15,7 @@ import logging
 import time
 from typing import Any, AsyncIterator
 
+from handoff.protocol import errors as E
 from handoff.service.errors import Conflict
 from node_sidecar.errors import DrainTimeout, EngineRefused, EngineUnavailable
 from node_sidecar.node import Node
@@ -55,10 +56,14 @@ class ControlPlane:
         self.metrics.drained_requests.inc(num_in_flight)
         return num_in_flight, 0
 
-    async def release(self, tags: list[str], *, mode: str, drain_timeout: float,
+    async def release(self, tags: list[str] | None, *, mode: str, drain_timeout: float,
                       stage_to_cpu: bool | None) -> dict[str, Any]:
+        """Release ``tags`` (None: all four; ``[]``: nothing, answered at once)."""
         node, state = self.node, self.node.state
         started = time.perf_counter()
+        if tags is not None and not tags:
+            return _release_answer([], [], {}, 0, 0, started)
+        tags = list(TAGS) if tags is None else tags
         async with node.control_lock:
             node.require_engine()
             already = [t for t in tags if state.tags[t] is TagState.RELEASED]
@@ -67,10 +72,10 @@ class ControlPlane:
                 return _release_answer([], already, {}, 0, 0, started)
             if state.memory_saver == "off":
                 raise Conflict("memory saver is off: start the engine with --enable-memory-saver",
-                               type="memory_saver_disabled")
+                               kind=E.MEMORY_SAVER_DISABLED)
             if stage_to_cpu and state.weights_backup == "none":
                 raise Conflict("stage_to_cpu needs a weights backup: start the engine with --weights-backup "
-                               "cpu or disk", type="no_weights_backup")
+                               "cpu or disk", kind=E.NO_WEIGHTS_BACKUP)
             async with self._draining():
                 drained, aborted = await self._drain(mode, drain_timeout)
                 drain_done = time.perf_counter()
@@ -98,11 +103,15 @@ class ControlPlane:
                                answer.get("bytes_freed", {}), drained, aborted, started)
 
     async def resume(self, tags: list[str] | None) -> dict[str, Any]:
+        """Resume ``tags`` (None: all four, the resident ones reported in ``already_resident``; ``[]``: none)."""
         node, state = self.node, self.node.state
         started = time.perf_counter()
+        wanted = list(TAGS) if tags is None else tags
+        if not wanted:
+            return {"success": True, "resumed": [], "already_resident": [], "bytes_restored": {},
+                    "weights_valid": state.weights_valid, "serving": state.is_serving, "duration_s": 0.0}
         async with node.control_lock:
             node.require_engine()
-            wanted = list(TAGS) if tags is None else tags
             already = [t for t in wanted if state.tags[t] is TagState.RESIDENT]
             todo = [t for t in wanted if state.tags[t] is TagState.RELEASED]
             answer: dict[str, Any] = {}

@@ -1,26 +1,25 @@
-"""The sidecar's exception tree (SPEC sections 3 and 6)."""
+"""The sidecar's exception tree (SPEC sections 3 and 6, types from :mod:`handoff.protocol.errors`)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from handoff.service.errors import Conflict, ServiceError, Unavailable
+from handoff.protocol import errors as E
+from handoff.service.errors import Conflict, NotServing, ServiceError, Unavailable
+
+__all__ = ["SidecarError", "NotServing", "EngineUnavailable", "DrainTimeout", "EngineRefused"]
 
 
 class SidecarError(ServiceError):
     pass
 
 
-class NotServing(Unavailable):
-    """503 for generation while the node cannot serve; ``type`` says why."""
-
-
 class EngineUnavailable(Unavailable):
-    type = "engine_unavailable"
+    kind = E.ENGINE_UNAVAILABLE
 
 
 class DrainTimeout(Conflict):
-    type = "drain_timeout"
+    kind = E.DRAIN_TIMEOUT
 
 
 class EngineRefused(ServiceError):

@@ -44,9 +44,9 @@ class Node:
     # -- admission -------------------------------------------------------------
     def _refusal(self) -> NotServing:
         reason = self.state.not_serving_reason()
-        self.metrics.rejected_requests.labels(reason).inc()
+        self.metrics.rejected_requests.labels(reason.value).inc()
         released = [t for t in TAGS if self.state.tags[t] is not TagState.RESIDENT]
-        return NotServing(f"the node is not serving ({reason})", type=reason,
+        return NotServing(f"the node is not serving ({reason.value})", reason,
                           retry_after=self.config.retry_after_s, extra={"released": released})
 
     def refresh_admission(self) -> None:

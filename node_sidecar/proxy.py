@@ -17,7 +17,9 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from handoff.protocol import errors as E
 from handoff.service.disconnect import DisconnectWatch
+from handoff.service.errors import error_envelope
 from handoff.service.upstream import UpstreamError, UpstreamResponse
 from node_sidecar.node import Node
 
@@ -69,7 +71,7 @@ class _RelayedStream(StreamingResponse):
         except UpstreamError as exc:
             self._node.mark_unreachable(exc)
             # An error event and no [DONE]: [DONE] means the answer is complete.
-            error = {"error": {"type": "engine_unavailable", "message": f"the engine failed mid-stream: {exc}"}}
+            error = error_envelope(E.ENGINE_UNAVAILABLE.name, f"the engine failed mid-stream: {exc}")
             yield b"data: " + json.dumps(error).encode() + b"\n\n"
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

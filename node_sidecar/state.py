@@ -9,18 +9,12 @@ the engine's ``/memory_occupation`` (:meth:`NodeState.sync`), never assumed.
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-TAGS = ("weights", "kv_cache", "cuda_graph", "workspace")
-
-
-class TagState(str, enum.Enum):
-    RESIDENT = "resident"
-    RELEASING = "releasing"
-    RELEASED = "released"
-    RESUMING = "resuming"
+from handoff.protocol.errors import NotServingReason
+from handoff.protocol.tags import TAG_NAMES as TAGS
+from handoff.protocol.tags import TagState
 
 
 _ALLOWED = {
@@ -77,14 +71,14 @@ class NodeState:
         return (self.is_engine_reachable and self.is_synced and self.is_all_resident and self.weights_valid
                 and not self.is_paused)
 
-    def not_serving_reason(self) -> str:
-        """The 503 type a generation gets while the node is not serving."""
+    def not_serving_reason(self) -> NotServingReason:
+        """Why a generation gets a 503 while the node is not serving."""
         if not self.is_engine_reachable or not self.is_synced:
-            return "engine_unavailable"
+            return NotServingReason.ENGINE_UNAVAILABLE
         if not self.is_all_resident:
-            return "node_released"
+            return NotServingReason.NODE_RELEASED
         if not self.weights_valid:
-            return "weights_not_loaded"
+            return NotServingReason.WEIGHTS_NOT_LOADED
         if self.is_paused:
-            return "generation_paused"
-        return "node_released"  # serving, but admission is closed for a drain in progress
+            return NotServingReason.GENERATION_PAUSED
+        return NotServingReason.NODE_RELEASED  # serving, but admission is closed for a drain in progress

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from handoff.protocol import errors as E
+
 class HandoffError(Exception):
     """A call answered with an error: ``status``, ``type`` and ``message`` from the envelope."""
 
@@ -36,7 +38,7 @@ class FanoutFailed(HandoffError):
     """502: a control call failed on some nodes. Nodes are idempotent: retrying the whole call is safe."""
 
     def __init__(self, body: dict[str, Any]) -> None:
-        super().__init__(502, "fanout_failed", str(body.get("message", "control call failed on some nodes")), body)
+        super().__init__(E.FANOUT_FAILED.status, E.FANOUT_FAILED.name, str(body.get("message", "control call failed on some nodes")), body)
         self.total: int = int(body.get("total", 0))
         self.failed: int = int(body.get("failed", 0))
         self.failures: list[dict[str, Any]] = list(body.get("failures", []))

@@ -19,30 +19,43 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from handoff.protocol import errors as E
+
 log = logging.getLogger(__name__)
 
 
 class ServiceError(Exception):
     """An error with a status code and an envelope type.
 
-    Subclasses set ``status`` and ``type``; ``extra`` fields go inside the
+    Subclasses set ``kind``, an entry of :mod:`handoff.protocol.errors`, which
+    gives their ``type`` and ``status``; ``extra`` fields go inside the
     ``error`` object (for example ``in_flight`` on a drain timeout).
     """
 
-    status: int = 500
-    type: str = "internal_error"
+    kind: E.ErrorType = E.INTERNAL_ERROR
+    status: int = E.INTERNAL_ERROR.status
+    type: str = E.INTERNAL_ERROR.name
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "kind" in cls.__dict__:
+            cls.type, cls.status = cls.kind.name, cls.kind.status
 
     def __init__(
         self,
         message: str,
         *,
+        kind: E.ErrorType | None = None,
         status: int | None = None,
         type: str | None = None,
         extra: Mapping[str, Any] | None = None,
         headers: Mapping[str, str] | None = None,
     ) -> None:
+        """``kind`` (or ``status`` and ``type`` for a peer's own answer passed on) overrides the class's."""
         super().__init__(message)
         self.message = message
+        if kind is not None:
+            self.kind, self.status, self.type = kind, kind.status, kind.name
         if status is not None:
             self.status = status
         if type is not None:
@@ -58,38 +71,32 @@ class ServiceError(Exception):
 
 
 class InvalidRequest(ServiceError):
-    status = 400
-    type = "invalid_request"
+    kind = E.INVALID_REQUEST
 
 
 class Unauthorized(ServiceError):
-    status = 401
-    type = "unauthorized"
+    kind = E.UNAUTHORIZED
 
     def __init__(self, message: str = "missing or wrong bearer token") -> None:
         super().__init__(message, headers={"WWW-Authenticate": "Bearer"})
 
 
 class NotFound(ServiceError):
-    status = 404
-    type = "not_found"
+    kind = E.NOT_FOUND
 
 
 class Conflict(ServiceError):
-    status = 409
-    type = "conflict"
+    kind = E.CONFLICT
 
 
 class PayloadTooLarge(ServiceError):
-    status = 413
-    type = "payload_too_large"
+    kind = E.PAYLOAD_TOO_LARGE
 
 
 class Unavailable(ServiceError):
     """503; ``retry_after`` seconds go into a ``Retry-After`` header."""
 
-    status = 503
-    type = "unavailable"
+    kind = E.UNAVAILABLE
 
     def __init__(self, message: str, *, type: str | None = None, retry_after: float | None = None,
                  extra: Mapping[str, Any] | None = None) -> None:
@@ -98,8 +105,25 @@ class Unavailable(ServiceError):
 
 
 class InsufficientMemory(ServiceError):
-    status = 507
-    type = "insufficient_memory"
+    kind = E.INSUFFICIENT_MEMORY
+
+
+class Unsupported(ServiceError):
+    """A valid field asks for what this engine cannot do (a LoRA, constrained decoding, ...): never ignored."""
+
+    kind = E.UNSUPPORTED
+
+
+class NotServing(Unavailable):
+    """503 + ``Retry-After`` for generation while a node cannot serve; ``reason`` is the type.
+
+    Nothing ran, so a router may send the request to another node.
+    """
+
+    def __init__(self, message: str, reason: E.NotServingReason, *, retry_after: float | None = None,
+                 extra: Mapping[str, Any] | None = None) -> None:
+        super().__init__(message, type=reason.value, retry_after=retry_after, extra=extra)
+        self.reason = reason
 
 
 def error_envelope(type: str, message: str, **extra: Any) -> dict[str, Any]:
@@ -112,14 +136,14 @@ def error_response(status: int, type: str, message: str, headers: Mapping[str, s
 
 
 _STATUS_TYPES = {
-    400: "invalid_request",
-    401: "unauthorized",
+    400: E.INVALID_REQUEST.name,
+    401: E.UNAUTHORIZED.name,
     403: "forbidden",
-    404: "not_found",
-    405: "method_not_allowed",
-    413: "payload_too_large",
+    404: E.NOT_FOUND.name,
+    405: E.METHOD_NOT_ALLOWED.name,
+    413: E.PAYLOAD_TOO_LARGE.name,
     415: "unsupported_media_type",
-    422: "invalid_request",
+    422: E.INVALID_REQUEST.name,
 }
 
 
@@ -138,7 +162,7 @@ def install_error_handlers(app: FastAPI) -> None:
         return exc.to_response()
 
     async def on_validation(_: Request, exc: RequestValidationError) -> Response:
-        return error_response(400, "invalid_request", _describe_validation(exc))
+        return error_response(400, E.INVALID_REQUEST.name, _describe_validation(exc))
 
     async def on_http(_: Request, exc: StarletteHTTPException) -> Response:
         type_ = _STATUS_TYPES.get(exc.status_code, "error")
@@ -180,7 +204,7 @@ class UnexpectedErrorMiddleware:
             log.exception("unhandled error on %s %s", scope.get("method"), scope.get("path"))
             if started:
                 raise  # half a response is out: only closing the connection is honest
-            response = error_response(500, "internal_error", f"{type(exc).__name__}: internal error")
+            response = error_response(500, E.INTERNAL_ERROR.name, f"{type(exc).__name__}: internal error")
             await response(scope, receive, send)
 
 

@@ -14,6 +14,7 @@ import json
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from handoff.protocol import errors as E
 from handoff.service.errors import PayloadTooLarge, error_envelope
 
 DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
@@ -74,7 +75,7 @@ class BodyLimitMiddleware:
 
 
 async def _send_413(send: Send, limit: int) -> None:
-    body = json.dumps(error_envelope("payload_too_large", f"request body is larger than {limit} bytes")).encode()
+    body = json.dumps(error_envelope(E.PAYLOAD_TOO_LARGE.name, f"request body is larger than {limit} bytes")).encode()
     await send({
         "type": "http.response.start",
         "status": 413,

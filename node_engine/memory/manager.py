@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, Sequence
 
 from node_engine.memory.info import DeviceMemory, MemoryInfo
 from node_engine.memory.saver import MemorySaver, MemorySaverDisabled
@@ -94,8 +94,11 @@ class MemoryManager:
     def is_all_resident(self) -> bool:
         return not self.released_tags()
 
-    def release(self, tags: list[MemoryTag] | None, *, stage_to_cpu: bool | None) -> ReleaseResult:
-        """Release ``tags`` (None: all). ``stage_to_cpu``: None uses the configured backup."""
+    def release(self, tags: Sequence[MemoryTag] | None, *, stage_to_cpu: bool | None) -> ReleaseResult:
+        """Release ``tags`` (None: all; empty: none). ``stage_to_cpu``: None uses the configured backup."""
+        wanted = list(ALL_TAGS) if tags is None else list(tags)
+        if not wanted:
+            return ReleaseResult([], [], {}, 0.0)
         if not self.saver.is_enabled:  # before the listener hears anything
             raise MemorySaverDisabled("memory saver is off: start the engine with --enable-memory-saver")
         has_backup = self.weights_backup is not BackupMode.NONE
@@ -104,7 +107,6 @@ class MemoryManager:
                                   "--weights-backup cpu or disk")
         keep_weights = has_backup if stage_to_cpu is None else stage_to_cpu
         start = time.perf_counter()
-        wanted = list(ALL_TAGS) if tags is None else tags
         released, already, freed = [], [], {}
         for tag in wanted:
             if self.state.states[tag] is TagState.RELEASED:
@@ -125,10 +127,10 @@ class MemoryManager:
             released.append(tag.value)
         return ReleaseResult(released, already, freed, time.perf_counter() - start)
 
-    def bytes_to_resume(self, tags: list[MemoryTag]) -> int:
+    def bytes_to_resume(self, tags: Sequence[MemoryTag]) -> int:
         return sum(self.saver.tag_bytes(t) for t in tags if self.state.states[t] is TagState.RELEASED)
 
-    def check_fits(self, tags: list[MemoryTag]) -> DeviceMemory:
+    def check_fits(self, tags: Sequence[MemoryTag]) -> DeviceMemory:
         device = self.info.read()
         needed = self.bytes_to_resume(tags)
         if needed == 0:
@@ -138,10 +140,11 @@ class MemoryManager:
             raise NotEnoughMemory(with_margin, device.free_bytes)
         return device
 
-    def resume(self, tags: list[MemoryTag] | None) -> ResumeResult:
-        """Resume ``tags`` (None: every released tag), after checking the memory fits."""
+    def resume(self, tags: Sequence[MemoryTag] | None) -> ResumeResult:
+        """Resume ``tags`` (None: all, the resident ones reported as already resident; empty: none), after
+        checking the memory fits."""
         start = time.perf_counter()
-        wanted = self.released_tags() if tags is None else tags
+        wanted = list(ALL_TAGS) if tags is None else list(tags)
         self.check_fits(wanted)
         resumed, already, restored = [], [], {}
         for tag in wanted:

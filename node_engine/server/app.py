@@ -9,6 +9,7 @@ from typing import AsyncIterator
 from fastapi import FastAPI
 
 from handoff import __version__
+from handoff.protocol.control import AbortBody, ReleaseBody, ResumeBody, UpdateWeightsFromDiskBody
 from handoff.service.bodies import install_schemas
 from handoff.service.errors import install_error_handlers
 from handoff.service.limits import BodyLimitMiddleware
@@ -36,5 +37,5 @@ def create_app(engine: Engine, *, max_body_bytes: int) -> FastAPI:
     app.include_router(routes_openai.router)
     app.include_router(routes_control.router)
     install_schemas(app, [protocol.GenerateBody, protocol.CompletionBody, protocol.ChatCompletionBody,
-                          protocol.TagsBody, protocol.UpdateWeightsBody, protocol.AbortBody])
+                          ReleaseBody, ResumeBody, UpdateWeightsFromDiskBody, AbortBody])
     return app

@@ -91,30 +91,3 @@ class ChatCompletionBody(_OpenAIRequest):
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: Literal[False] | None = None
-
-
-class TagsBody(BaseModel):
-    """Release/resume bodies. ``mode`` and ``drain_timeout`` belong to the sidecar; the engine ignores them."""
-
-    model_config = _STRICT
-    tags: list[str] | None = None
-    stage_to_cpu: bool | None = None
-    mode: Literal["wait", "abort"] | None = None
-    drain_timeout: float | None = None
-
-
-class UpdateWeightsBody(BaseModel):
-    """``dry_run``: check the checkpoint (files, keys, shapes, dtypes) without loading it or needing an idle engine."""
-
-    model_config = _STRICT
-    model_path: str = Field(min_length=1)
-    weight_version: str | None = Field(default=None, min_length=1)
-    load_format: str | None = None
-    flush_cache: bool | None = None
-    dry_run: bool = False
-
-
-class AbortBody(BaseModel):
-    model_config = _STRICT
-    rid: str | None = None
-    abort_all: bool = False

@@ -11,8 +11,8 @@ from starlette.responses import JSONResponse, Response
 from handoff.service.bodies import openapi_body, parse_body
 from handoff.service.errors import InvalidRequest, NotFound
 from node_engine.engine import Engine
-from node_engine.memory.tags import MemoryTag, parse_tags
-from node_engine.server.protocol import AbortBody, TagsBody, UpdateWeightsBody
+from handoff.protocol.control import AbortBody, ReleaseBody, ResumeBody, UpdateWeightsFromDiskBody
+from node_engine.memory.tags import MemoryTag, UnknownTag, parse_tags
 
 router = APIRouter()
 
@@ -21,35 +21,34 @@ def _engine(request: Request) -> Engine:
     return request.app.state.engine
 
 
-def _tags(body: TagsBody) -> list[MemoryTag] | None:
+def _tags(names: list[str] | None) -> tuple[MemoryTag, ...] | None:
     try:
-        return parse_tags(body.tags)
-    except ValueError as exc:
+        return parse_tags(names)
+    except UnknownTag as exc:
         raise InvalidRequest(str(exc)) from exc
 
 
-@router.post("/release_memory_occupation", openapi_extra=openapi_body(TagsBody, required=False))
+@router.post("/release_memory_occupation", openapi_extra=openapi_body(ReleaseBody, required=False))
 async def release_memory_occupation(request: Request) -> JSONResponse:
+    """``mode`` and ``drain_timeout`` are the sidecar's: the engine itself never drains, it refuses (409)."""
     engine = _engine(request)
-    body = await parse_body(request, TagsBody, empty_ok=True)
-    tags = _tags(body)
+    body = await parse_body(request, ReleaseBody, empty_ok=True)
+    tags = _tags(body.tags)
     return JSONResponse(await engine.call(lambda: engine.control.release(tags, body.stage_to_cpu)))
 
 
-@router.post("/resume_memory_occupation", openapi_extra=openapi_body(TagsBody, required=False))
+@router.post("/resume_memory_occupation", openapi_extra=openapi_body(ResumeBody, required=False))
 async def resume_memory_occupation(request: Request) -> JSONResponse:
     engine = _engine(request)
-    body = await parse_body(request, TagsBody, empty_ok=True)
-    if body.stage_to_cpu is not None or body.mode is not None or body.drain_timeout is not None:
-        raise InvalidRequest("resume takes only tags")
-    tags = _tags(body)
+    body = await parse_body(request, ResumeBody, empty_ok=True)
+    tags = _tags(body.tags)
     return JSONResponse(await engine.call(lambda: engine.control.resume(tags)))
 
 
-@router.post("/update_weights_from_disk", openapi_extra=openapi_body(UpdateWeightsBody))
+@router.post("/update_weights_from_disk", openapi_extra=openapi_body(UpdateWeightsFromDiskBody))
 async def update_weights_from_disk(request: Request) -> JSONResponse:
     engine = _engine(request)
-    body = await parse_body(request, UpdateWeightsBody)
+    body = await parse_body(request, UpdateWeightsFromDiskBody)
     if body.load_format not in (None, "auto", "safetensors"):
         raise InvalidRequest(f"load_format {body.load_format!r} is not supported; use safetensors")
     if body.dry_run:

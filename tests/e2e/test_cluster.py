@@ -161,3 +161,16 @@ def test_client_errors_are_typed(cluster: LocalCluster, client: HandoffClient) -
     client.resume()
     events = list(client.stream_generate("streamed", sampling_params={"max_new_tokens": 5, "ignore_eos": True}))
     assert events[-1]["meta_info"]["finish_reason"] == "length"
+
+
+def test_tag_lists_follow_sglang(cluster: LocalCluster, client: HandoffClient) -> None:
+    """``tags: []`` is no tag on every node (nothing released, nothing resumed); ``null`` is every tag."""
+    nothing = client.release(tags=[])
+    assert [body["released"] for body in nothing.bodies().values()] == [[], []]
+    assert all(node["serving"] for node in client.nodes())
+    resumed = client.resume()  # nothing released: every tag is reported as already resident
+    assert [body["already_resident"] for body in resumed.bodies().values()] == [ALL, ALL]
+    client.release(tags=["kv_cache"])
+    assert [body["resumed"] for body in client.resume(tags=[]).bodies().values()] == [[], []]
+    assert not any(node["serving"] for node in client.nodes())
+    assert [body["resumed"] for body in client.resume().bodies().values()] == [["kv_cache"], ["kv_cache"]]

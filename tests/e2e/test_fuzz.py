@@ -33,7 +33,7 @@ from pydantic import BaseModel, ValidationError
 from handoff.cluster.local import ClusterSpec, LocalCluster
 from lb.app import AddNode
 from node_engine.server.protocol import ChatCompletionBody, CompletionBody, GenerateBody
-from node_sidecar.protocol import PauseBody, ReleaseBody
+from handoff.protocol.control import PauseBody, ReleaseBody
 
 pytestmark = pytest.mark.timeout(300)
 

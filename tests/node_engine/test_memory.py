@@ -152,7 +152,9 @@ def test_without_backup_weights_must_be_reloaded(big, big_checkpoint: Path) -> N
     assert big.post("/generate", json={"text": "x"}).status_code == 503
     assert big.post("/resume_memory_occupation", json={"tags": None}).json()["weights_valid"] is False
     r = big.post("/generate", json={"text": "x"})
-    assert r.status_code == 409 and r.json()["error"]["type"] == "weights_not_loaded"
+    # one status per refusal in every process: 503 + Retry-After, so a router sends the request elsewhere
+    assert r.status_code == 503 and r.json()["error"]["type"] == "weights_not_loaded"
+    assert r.headers["retry-after"] == "1"
     r = big.post("/update_weights_from_disk", json={"model_path": str(big_checkpoint), "weight_version": "v2"})
     assert r.status_code == 200, r.text
     assert r.json()["weight_version"] == "v2"

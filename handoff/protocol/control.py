@@ -1,0 +1,77 @@
+"""Bodies of the control calls (SPEC sections 3 and 5), strict: a wrong type or an unknown field is a 400.
+
+The LB forwards these bodies byte for byte and documents them with these
+models; the sidecar parses them and sends the engine the same shapes.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+STRICT = ConfigDict(extra="forbid", strict=True)
+
+ReleaseMode = Literal["wait", "abort"]
+PauseMode = Literal["abort", "wait"]
+
+
+class ReleaseBody(BaseModel):
+    """``POST /release_memory_occupation``.
+
+    ``tags``: null or absent means all four, ``[]`` means none (a no-op).
+    ``mode``: ``wait`` drains in-flight generation (at most ``drain_timeout``
+    seconds), ``abort`` ends it at once. ``stage_to_cpu`` asks for the weights
+    backup configured at start.
+    """
+
+    model_config = STRICT
+    tags: list[str] | None = None
+    mode: ReleaseMode = "wait"
+    drain_timeout: float | None = Field(default=None, gt=0)
+    stage_to_cpu: bool | None = None
+
+
+class ResumeBody(BaseModel):
+    """``POST /resume_memory_occupation``: ``tags`` null or absent means every released tag, ``[]`` none."""
+
+    model_config = STRICT
+    tags: list[str] | None = None
+
+
+class PauseBody(BaseModel):
+    """``POST /pause_generation``."""
+
+    model_config = STRICT
+    mode: PauseMode = "abort"
+    drain_timeout: float | None = Field(default=None, gt=0)
+
+
+class UpdateWeightsFromDiskBody(BaseModel):
+    """``POST /update_weights_from_disk``. ``drain_timeout`` is the sidecar's; ``dry_run`` (the sidecar to
+    its engine) checks the checkpoint without loading it."""
+
+    model_config = STRICT
+    model_path: str = Field(min_length=1)
+    weight_version: str | None = Field(default=None, min_length=1)
+    load_format: str | None = None
+    flush_cache: bool | None = None
+    drain_timeout: float | None = Field(default=None, gt=0)
+    dry_run: bool = False
+
+
+class AbortBody(BaseModel):
+    """``POST /abort_request``: one ``rid``, or ``abort_all: true``."""
+
+    model_config = STRICT
+    rid: str | None = None
+    abort_all: bool = False
+
+
+CONTROL_BODIES: dict[str, type[BaseModel]] = {
+    "/release_memory_occupation": ReleaseBody,
+    "/resume_memory_occupation": ResumeBody,
+    "/update_weights_from_disk": UpdateWeightsFromDiskBody,
+    "/pause_generation": PauseBody,
+    "/abort_request": AbortBody,
+}

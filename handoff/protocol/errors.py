@@ -1,0 +1,83 @@
+"""Every error type a handoff process answers, with its HTTP status (SPEC section 6).
+
+An error answer is ``{"error": {"type": ..., "message": ..., **extra}}``. The
+types are grouped by what the caller must do:
+
+- fix the request (4xx): nothing changed, repeating it fails the same way;
+- wait and retry (503 with ``Retry-After``, 409 state conflicts): the node is
+  busy or not serving; the same call later may succeed;
+- look at the nodes (502, 504, 507, 500): something failed on a peer or device.
+
+A process raises the exception classes of :mod:`handoff.service.errors` and of
+its own ``errors`` module; each of those names one entry here, so a type has
+one status wherever it is answered.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import NamedTuple
+
+
+class ErrorType(NamedTuple):
+    name: str
+    status: int
+
+
+# -- fix the request -------------------------------------------------------------
+INVALID_REQUEST = ErrorType("invalid_request", 400)
+UNSUPPORTED = ErrorType("unsupported", 400)          # a valid field asking for what this engine cannot do
+UNAUTHORIZED = ErrorType("unauthorized", 401)
+NOT_FOUND = ErrorType("not_found", 404)
+METHOD_NOT_ALLOWED = ErrorType("method_not_allowed", 405)
+PAYLOAD_TOO_LARGE = ErrorType("payload_too_large", 413)
+NODE_NOT_FOUND = ErrorType("node_not_found", 404)
+NODE_EXISTS = ErrorType("node_exists", 409)
+
+# -- state conflicts: the node is in a state where this call cannot run now ---------
+CONFLICT = ErrorType("conflict", 409)
+REQUESTS_IN_FLIGHT = ErrorType("requests_in_flight", 409)
+DRAIN_TIMEOUT = ErrorType("drain_timeout", 409)
+MEMORY_SAVER_DISABLED = ErrorType("memory_saver_disabled", 409)
+NO_WEIGHTS_BACKUP = ErrorType("no_weights_backup", 409)
+WEIGHTS_RELEASED = ErrorType("weights_released", 409)
+
+# -- not serving: 503 + Retry-After; nothing ran, so a router may send the request elsewhere --
+UNAVAILABLE = ErrorType("unavailable", 503)
+NODE_RELEASED = ErrorType("node_released", 503)
+MEMORY_RELEASED = ErrorType("memory_released", 503)
+WEIGHTS_NOT_LOADED = ErrorType("weights_not_loaded", 503)
+GENERATION_PAUSED = ErrorType("generation_paused", 503)
+ENGINE_UNAVAILABLE = ErrorType("engine_unavailable", 503)
+ENGINE_STOPPED = ErrorType("engine_stopped", 503)
+NO_AVAILABLE_NODE = ErrorType("no_available_node", 503)
+NO_NODES = ErrorType("no_nodes", 503)
+
+# -- something failed on a peer or the device ----------------------------------------
+INTERNAL_ERROR = ErrorType("internal_error", 500)
+ENGINE_FAILED = ErrorType("engine_failed", 500)        # a model step raised; the request's work is lost
+WEIGHTS_CORRUPTED = ErrorType("weights_corrupted", 500)
+UPSTREAM_ERROR = ErrorType("upstream_error", 502)
+FANOUT_FAILED = ErrorType("fanout_failed", 502)
+UPSTREAM_TIMEOUT = ErrorType("upstream_timeout", 504)
+INSUFFICIENT_MEMORY = ErrorType("insufficient_memory", 507)
+BACKUP_FAILED = ErrorType("backup_failed", 507)
+
+
+class NotServingReason(str, enum.Enum):
+    """Why a node refuses generation with 503: the request reached no model, so it may go elsewhere.
+
+    The sidecar answers the first four; an engine reached directly answers
+    ``memory_released``, ``weights_not_loaded`` or ``engine_stopped``. The LB
+    reroutes a generation request that got any of them.
+    """
+
+    NODE_RELEASED = NODE_RELEASED.name
+    ENGINE_UNAVAILABLE = ENGINE_UNAVAILABLE.name
+    WEIGHTS_NOT_LOADED = WEIGHTS_NOT_LOADED.name
+    GENERATION_PAUSED = GENERATION_PAUSED.name
+    MEMORY_RELEASED = MEMORY_RELEASED.name
+    ENGINE_STOPPED = ENGINE_STOPPED.name
+
+
+NOT_SERVING_TYPES: frozenset[str] = frozenset(reason.value for reason in NotServingReason)

@@ -1,0 +1,76 @@
+"""The shared contract: one definition of every wire name, used by all three processes."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from handoff.protocol import errors as E
+from handoff.protocol.tags import ALL_TAGS, TAG_NAMES, Tag, UnknownTag, parse_tags
+from handoff.service.errors import ServiceError
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_tag_lists_follow_sglang() -> None:
+    assert parse_tags(None) is None
+    assert parse_tags([]) == ()
+    assert parse_tags(["workspace", "weights", "weights"]) == (Tag.WEIGHTS, Tag.WORKSPACE)
+    with pytest.raises(UnknownTag, match="vram"):
+        parse_tags(["weights", "vram"])
+    assert TAG_NAMES == tuple(t.value for t in ALL_TAGS) == ("weights", "kv_cache", "cuda_graph", "workspace")
+
+
+def _catalog() -> dict[str, E.ErrorType]:
+    return {value.name: value for value in vars(E).values() if isinstance(value, E.ErrorType)}
+
+
+def test_each_error_type_has_one_status() -> None:
+    names = [value.name for value in vars(E).values() if isinstance(value, E.ErrorType)]
+    assert len(names) == len(set(names))
+    for reason in E.NotServingReason:
+        assert _catalog()[reason.value].status == 503
+
+
+def _all_subclasses(cls: type) -> list[type]:
+    out = []
+    for sub in cls.__subclasses__():
+        out.append(sub)
+        out.extend(_all_subclasses(sub))
+    return out
+
+
+def test_every_process_error_names_a_catalog_entry() -> None:
+    import lb.errors  # noqa: F401
+    import node_engine.errors  # noqa: F401
+    import node_sidecar.errors  # noqa: F401
+
+    catalog = _catalog()
+    for cls in _all_subclasses(ServiceError):
+        if cls.__name__ == "EngineRefused":  # passes the engine's own envelope on
+            continue
+        assert cls.type in catalog, f"{cls.__module__}.{cls.__name__} answers {cls.type!r}, not in the catalog"
+        assert catalog[cls.type].status == cls.status, f"{cls.__name__}: {cls.status} != catalog"
+
+
+def test_no_process_spells_a_tag_tuple_or_an_error_type_of_its_own() -> None:
+    """The processes take tag names and error types from handoff/protocol (the demo and the client are user code
+    and may spell tags as a user would)."""
+    offenders = []
+    for package in ("lb", "node_sidecar", "node_engine", "handoff/service"):
+        for path in (ROOT / package).rglob("*.py"):
+            tree = ast.parse(path.read_text())
+            for node in ast.walk(tree):
+                if isinstance(node, (ast.Tuple, ast.List)) and len(node.elts) >= 3 and all(
+                        isinstance(e, ast.Constant) and e.value in TAG_NAMES for e in node.elts):
+                    offenders.append(f"{path.relative_to(ROOT)}:{node.lineno} spells the tag list")
+                if (isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "type"
+                                                         for t in node.targets)
+                        and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)):
+                    offenders.append(f"{path.relative_to(ROOT)}:{node.lineno} defines an error type")
+                if (isinstance(node, ast.keyword) and node.arg in ("type", "error_type")
+                        and isinstance(node.value, ast.Constant) and node.value.value in _catalog()):
+                    offenders.append(f"{path.relative_to(ROOT)}:{node.value.lineno} spells an error type")
+    assert not offenders, offenders

@@ -11,10 +11,10 @@ successes bring it back; a node never checked becomes either at its first check.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from typing import Any, Iterable, Mapping
 
+from handoff.service.peer_json import PeerJSONError, loads_bounded
 from handoff.service.upstream import UpstreamClient, UpstreamError
 from lb.config import LBConfig
 from lb.membership import Membership, Node, NodeHealth
@@ -121,9 +121,9 @@ class HealthMonitor:
 
 def _parse_occupation(body: bytes) -> dict[str, Any] | str:
     try:
-        state = json.loads(body)
-    except (UnicodeDecodeError, ValueError):
-        return "GET /memory_occupation answered 200 with a body that is not JSON"
+        state = loads_bounded(body)
+    except PeerJSONError as exc:
+        return f"GET /memory_occupation answered 200 with a body that cannot be read: {exc}"
     if not isinstance(state, dict):
         return "GET /memory_occupation answered 200 with JSON that is not an object"
     return state

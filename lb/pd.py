@@ -19,8 +19,10 @@ from typing import Any, Callable, Mapping
 
 from starlette.responses import Response
 
+from handoff.protocol.sse import DONE, EventSplitter, data_event, event_data
 from handoff.service.disconnect import DisconnectWatch
 from handoff.service.errors import InvalidRequest, ServiceError, parse_json_bytes
+from handoff.service.peer_json import PeerJSONError, loads_bounded
 from handoff.service.upstream import UpstreamResponse
 from lb.config import Role
 from lb.errors import UpstreamFailed
@@ -88,11 +90,15 @@ def merge_input_logprobs(prefill: Any, decode: Any) -> None:
 
 def first_event(raw: bytes) -> Any:
     """The JSON of the first ``data:`` event of an SSE body, or None."""
-    for event in raw.split(b"\n\n"):
-        if event.startswith(b"data:") and event[5:].strip() != b"[DONE]":
+    splitter = EventSplitter()
+    events = splitter.feed(raw)
+    events += splitter.finish()[0]
+    for event in events:
+        data = event_data(event)
+        if data is not None and data.strip() != DONE:
             try:
-                return json.loads(event[5:])
-            except (UnicodeDecodeError, ValueError):
+                return loads_bounded(data)
+            except PeerJSONError:
                 return None
     return None
 
@@ -102,29 +108,25 @@ class MergeInputLogprobs(ChunkTransform):
 
     def __init__(self, prefill_event: Any) -> None:
         self._prefill_event = prefill_event
-        self._pending = b""
+        self._splitter = EventSplitter()
 
     def feed(self, chunk: bytes) -> bytes:
-        self._pending += chunk
-        out = []
-        while (end := self._pending.find(b"\n\n")) >= 0:
-            event, self._pending = self._pending[:end + 2], self._pending[end + 2:]
-            out.append(self._rewrite(event))
-        return b"".join(out)
+        return b"".join(self._rewrite(event) for event in self._splitter.feed(chunk))
 
     def finish(self) -> bytes:
-        rest, self._pending = self._pending, b""
-        return rest
+        events, rest = self._splitter.finish()
+        return b"".join(self._rewrite(event) for event in events) + rest
 
     def _rewrite(self, event: bytes) -> bytes:
-        if not event.startswith(b"data:") or event[5:].strip() == b"[DONE]":
+        data = event_data(event)
+        if data is None or data.strip() == DONE:
             return event
         try:
-            data = json.loads(event[5:])
-        except (UnicodeDecodeError, ValueError):
+            payload = loads_bounded(data)
+        except PeerJSONError:
             return event
-        merge_input_logprobs(self._prefill_event, data)
-        return b"data: " + json.dumps(data).encode() + b"\n\n"
+        merge_input_logprobs(self._prefill_event, payload)
+        return data_event(json.dumps(payload).encode())
 
 
 class PDDispatcher:
@@ -223,9 +225,9 @@ class PDDispatcher:
         if isinstance(prefill_raw, ServiceError):
             raise prefill_raw
         try:
-            merged = json.loads(decode_raw)
-            merge_input_logprobs(json.loads(prefill_raw), merged)
-        except (UnicodeDecodeError, ValueError) as exc:
+            merged = loads_bounded(decode_raw)
+            merge_input_logprobs(loads_bounded(prefill_raw), merged)
+        except PeerJSONError as exc:
             raise UpstreamFailed(f"cannot merge input logprobs of {prefill.url} and {decode.url}: {exc}") from exc
         return Response(json.dumps(merged).encode(), status_code=decode_up.status,
                         media_type="application/json")

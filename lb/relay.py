@@ -26,6 +26,7 @@ from starlette.types import Receive, Scope, Send
 from handoff.protocol import errors as E
 from handoff.protocol.errors import NOT_SERVING_TYPES
 from handoff.service.disconnect import DisconnectWatch
+from handoff.service.peer_json import PeerJSONError, loads_bounded
 from handoff.service.upstream import (
     ConnectFailed,
     UpstreamClient,
@@ -145,9 +146,10 @@ class NodeCaller:
 
 def _error_type(raw: bytes) -> str | None:
     try:
-        error = json.loads(raw).get("error")
-    except (UnicodeDecodeError, ValueError, AttributeError):
+        answer = loads_bounded(raw)
+    except PeerJSONError:
         return None
+    error = answer.get("error") if isinstance(answer, dict) else None
     return error.get("type") if isinstance(error, dict) else None
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any, Callable
 
+from handoff.service.peer_json import PeerJSONError, loads_bounded
 from handoff.service.upstream import UpstreamClient, UpstreamError, UpstreamResponse
 from node_sidecar.errors import EngineRefused, EngineUnavailable
 
@@ -59,8 +60,11 @@ class EngineClient:
                                    timeout=timeout or self.control_timeout)
         raw = await self.read(response, MAX_CONTROL_ANSWER_BYTES)
         try:
-            value = json.loads(raw) if raw else {}
-        except ValueError:
+            value = loads_bounded(raw) if raw else {}
+        except PeerJSONError as exc:
+            if 200 <= response.status < 300:
+                raise EngineUnavailable(f"the engine's answer to {method} {path} cannot be read: {exc}",
+                                        retry_after=1) from exc
             value = {"error": {"type": "engine_error", "message": raw[:200].decode("utf-8", "replace")}}
         if not 200 <= response.status < 300:
             retry_after = response.header("retry-after")

@@ -47,12 +47,13 @@ class AsyncHandoffClient(_Base):
                 await response.aread()
                 _raise_for(response)
             decoder = _SseDecoder()
-            async for text in response.aiter_text():
-                for event in decoder.feed(text):
+            async for chunk in response.aiter_bytes():
+                for event in decoder.feed(chunk):
                     yield event
                 if decoder.is_done:
                     return
-            decoder.finish()
+            for event in decoder.finish():
+                yield event
 
     async def release(self, tags: list[str] | None = None, *, mode: str = "wait", drain_timeout: float | None = None,
                       stage_to_cpu: bool | None = None, role: str | None = None,

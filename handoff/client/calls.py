@@ -8,6 +8,7 @@ from typing import Any
 
 import httpx
 
+from handoff.protocol.sse import DONE, EventSplitter, event_data
 from handoff.client.errors import FanoutFailed, FanoutResult, HandoffError, ServiceUnavailable, _node_result
 
 DEFAULT_CONTROL_TIMEOUT_S = 120.0
@@ -123,65 +124,51 @@ def _retry_delay(policy: RetryPolicy, exc: ServiceUnavailable, attempt: int, wai
     return delay
 
 
-_END = object()
-
-
 class _SseDecoder:
-    """Turns an SSE body, fed as it arrives, into its events, up to ``[DONE]``; error events raise.
+    """Turns an SSE body, fed as bytes as they arrive, into its events, up to ``[DONE]``; error events raise.
 
-    Lines end at CRLF, LF or CR only (the SSE grammar), not where ``str.splitlines`` (and httpx's
-    ``iter_lines``, built on it) would also cut: at U+2028, U+0085, form feeds... which the engine's events
-    carry raw inside their JSON strings (``ensure_ascii=False``), so a generated text holding one of them would
-    cut its event in two. :meth:`finish` raises if the body ended without ``[DONE]``: a stream cut short is
-    never taken for a complete one.
+    Framing is :class:`handoff.protocol.sse.EventSplitter`'s: events end at a blank line made of CRLF, LF or
+    CR line ends, never at U+2028, U+0085, form feeds... which the engine's events carry raw inside their JSON
+    strings. :meth:`finish` raises if the body ended without ``[DONE]``: a stream cut short is never taken for
+    a complete one.
     """
 
     def __init__(self) -> None:
-        self._rest = ""
+        self._splitter = EventSplitter()
         self.is_done = False
 
-    def feed(self, text: str) -> list[dict[str, Any]]:
-        """The events completed by ``text`` (none once ``[DONE]`` was seen)."""
-        text = self._rest + text
-        keep = "\r" if text.endswith("\r") else ""  # maybe the first half of a CRLF: decide with the next piece
-        lines = text[:len(text) - len(keep)].replace("\r\n", "\n").replace("\r", "\n").split("\n")
-        self._rest = lines.pop() + keep
-        return self._events(lines)
+    def feed(self, chunk: bytes) -> list[dict[str, Any]]:
+        """The events completed by ``chunk`` (none once ``[DONE]`` was seen)."""
+        return self._events(self._splitter.feed(chunk))
 
-    def _events(self, lines: list[str]) -> list[dict[str, Any]]:
+    def _events(self, raw_events: list[bytes]) -> list[dict[str, Any]]:
         events = []
-        for line in lines:
+        for raw in raw_events:
             if self.is_done:
                 break
-            event = _parse_line(line)
-            if event is _END:
+            data = event_data(raw)
+            if data is None:
+                continue
+            if data == DONE:
                 self.is_done = True
-            elif event is not None:
-                events.append(event)
+                continue
+            event = json.loads(data)
+            if isinstance(event, dict) and "error" in event:
+                error = event["error"] if isinstance(event["error"], dict) else {}
+                raise HandoffError(200, error.get("type", "stream_error"), error.get("message", ""), event)
+            events.append(event)
         return events
 
-    def finish(self) -> None:
-        """The body ended: raises ``incomplete_stream`` unless ``[DONE]`` came (a last line without its line
-        end is an event cut short, never parsed; only a final ``[DONE]`` is accepted without it)."""
-        rest, self._rest = self._rest.strip(), ""
-        if rest in ("data: [DONE]", "data:[DONE]"):
+    def finish(self) -> list[dict[str, Any]]:
+        """The body ended: the last events, or ``incomplete_stream`` unless ``[DONE]`` came (an event without
+        its blank line is cut short, never parsed; only a final ``[DONE]`` is accepted without it)."""
+        last, rest = self._splitter.finish()
+        events = self._events(last)
+        if not self.is_done and event_data(rest.strip()) == DONE:
             self.is_done = True
         if not self.is_done:
             raise HandoffError(200, "incomplete_stream", "the stream ended without [DONE]")
-
-
-def _parse_line(line: str) -> Any:
-    """An SSE line: its event, ``None`` (nothing to yield) or ``_END`` at ``[DONE]``; error events raise."""
-    if not line.startswith("data:"):
-        return None
-    data = line[len("data:"):].removeprefix(" ")
-    if data == "[DONE]":
-        return _END
-    event = json.loads(data)
-    if "error" in event:
-        error = event["error"]
-        raise HandoffError(200, error.get("type", "stream_error"), error.get("message", ""), event)
-    return event
+        return events
 
 
 class _Base:

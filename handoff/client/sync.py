@@ -48,11 +48,11 @@ class HandoffClient(_Base):
                 response.read()
                 _raise_for(response)
             decoder = _SseDecoder()
-            for text in response.iter_text():
-                yield from decoder.feed(text)
+            for chunk in response.iter_bytes():
+                yield from decoder.feed(chunk)
                 if decoder.is_done:
                     return
-            decoder.finish()
+            yield from decoder.finish()
 
     def release(self, tags: list[str] | None = None, *, mode: str = "wait", drain_timeout: float | None = None,
                 stage_to_cpu: bool | None = None, role: str | None = None,

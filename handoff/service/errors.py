@@ -20,6 +20,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from handoff.protocol import errors as E
+from handoff.service.peer_json import PeerJSONError, loads_bounded
 
 log = logging.getLogger(__name__)
 
@@ -222,8 +223,6 @@ async def read_json_object(request: Request) -> dict[str, Any]:
 def parse_json_bytes(raw: bytes) -> Any:
     """Parse a request body; malformed, non-UTF-8 or absurdly nested JSON is a 400."""
     try:
-        return json.loads(raw)
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise InvalidRequest(f"body is not valid JSON: {exc}") from exc
-    except RecursionError as exc:
-        raise InvalidRequest("body is nested too deeply") from exc
+        return loads_bounded(raw)
+    except PeerJSONError as exc:
+        raise InvalidRequest(f"body: {exc}") from exc

@@ -1,0 +1,59 @@
+"""JSON from a peer (a node's answer, an engine's answer), parsed within bounds.
+
+A peer is not trusted: its answer may be huge, malformed, or nested deeply
+enough to exhaust the interpreter's recursion (``[[[[...`` a million deep).
+:func:`loads_bounded` refuses all of it with :class:`PeerJSONError`, one clear
+error for that peer, so the caller can count the peer as failed and go on
+with the others.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+MAX_DEPTH = 64
+# a string, or an unterminated one to the end; possessive, so no input makes it backtrack
+_STRING = re.compile(rb'"(?:[^"\\]++|\\.)*+(?:"|\\?\Z)', re.DOTALL)
+_BRACKETS_ONLY = bytes.maketrans(b"{}", b"[]")
+_NOT_BRACKETS = bytes(set(range(256)) - set(b"[]{}"))
+_OPENERS = re.compile(rb"\[+")
+
+
+class PeerJSONError(ValueError):
+    """A peer's body is not JSON within bounds (too large, too deep, or malformed)."""
+
+
+def nests_deeper_than(raw: bytes, limit: int) -> bool:
+    """Whether ``raw``'s arrays and objects nest more than ``limit`` deep.
+
+    Strings are cut out, the brackets kept, and innermost pairs removed one
+    level per pass: every step is a C loop over the bytes, and a document of
+    depth d costs d passes (a million-deep one, ``limit + 1``). Unbalanced
+    brackets stop the pairing; the JSON parser refuses them afterwards.
+    """
+    if raw.count(b"[") + raw.count(b"{") <= limit:
+        return False  # cannot nest deeper than its brackets: no scan needed
+    brackets = _STRING.sub(b"", raw).translate(_BRACKETS_ONLY, _NOT_BRACKETS)
+    depth = 0
+    while brackets and depth <= limit:
+        inner = brackets.replace(b"[]", b"")
+        if len(inner) == len(brackets):  # unbalanced: its longest run of openers still counts
+            return depth + max(map(len, _OPENERS.findall(brackets)), default=0) > limit
+        brackets = inner
+        depth += 1
+    return depth > limit
+
+
+def loads_bounded(raw: bytes | str, *, max_bytes: int | None = None, max_depth: int = MAX_DEPTH) -> Any:
+    """``json.loads`` for a peer's body; raises :class:`PeerJSONError` naming what is wrong."""
+    data = raw.encode() if isinstance(raw, str) else raw
+    if max_bytes is not None and len(data) > max_bytes:
+        raise PeerJSONError(f"answer of {len(data)} bytes is over the {max_bytes}-byte limit")
+    if nests_deeper_than(data, max_depth):
+        raise PeerJSONError(f"answer nests arrays or objects more than {max_depth} deep")
+    try:
+        return json.loads(data)
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise PeerJSONError(f"answer is not valid JSON: {exc}") from exc

@@ -1,0 +1,61 @@
+"""A peer's JSON is parsed within bounds: the depth check agrees with the parsed value's real depth."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from handoff.service.peer_json import PeerJSONError, loads_bounded, nests_deeper_than
+
+# strings full of brackets, quotes and backslashes: the check must skip them
+TRICKY_TEXT = st.text(alphabet='[]{}"\\ab\u2028', max_size=6)
+VALUES = st.recursive(st.none() | st.integers() | TRICKY_TEXT,
+                      lambda inner: st.lists(inner, max_size=3) | st.dictionaries(TRICKY_TEXT, inner, max_size=3),
+                      max_leaves=40)
+
+
+def depth(value: object) -> int:
+    if isinstance(value, list):
+        return 1 + max((depth(v) for v in value), default=0)
+    if isinstance(value, dict):
+        return 1 + max((depth(v) for v in value.values()), default=0)
+    return 0
+
+
+@settings(max_examples=400, deadline=None)
+@given(VALUES)
+def test_depth_check_matches_the_value(value: object) -> None:
+    raw = json.dumps(value).encode()
+    real = depth(value)
+    assert not nests_deeper_than(raw, real)
+    if real:
+        assert nests_deeper_than(raw, real - 1)
+    assert loads_bounded(raw, max_depth=max(real, 1)) == value
+
+
+@pytest.mark.parametrize("raw", [b"[" * 1_000_000 + b"]" * 1_000_000, b'{"a":' * 200_000 + b"1" + b"}" * 200_000,
+                                 b"[" * 5000])
+def test_deep_or_broken_nesting_is_one_clear_error(raw: bytes) -> None:
+    with pytest.raises(PeerJSONError, match="more than 64 deep"):
+        loads_bounded(raw)
+
+
+def test_size_and_syntax_are_checked() -> None:
+    with pytest.raises(PeerJSONError, match="over the 10-byte limit"):
+        loads_bounded(b'{"success": false}', max_bytes=10)
+    for bad in (b"{", b"\xff", b"nan!", b"[1]]"):
+        with pytest.raises(PeerJSONError, match="not valid JSON"):
+            loads_bounded(bad)
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize("raw", [b'["' + b"a" * 2_000_000, b"[" * 70 + b'"\\' * 1_000_000,
+                                 b"[" * 70 + b'"[' * 1_000_000, b"[" * 70 + b'a"' * 1_000_000],
+                         ids=["unterminated", "quote-backslash", "openers-in-strings", "alternating"])
+def test_no_input_makes_the_check_quadratic(raw: bytes) -> None:
+    """Megabytes of quotes and backslashes are refused in one linear pass (a backtracking scan took minutes)."""
+    with pytest.raises(PeerJSONError):
+        loads_bounded(raw)

@@ -13,13 +13,16 @@ from handoff.service.errors import Unauthorized
 class BearerToken:
     """One configured token; ``None`` means the endpoints it guards are open.
 
-    ``repr`` never shows the secret, so logging the object is safe.
+    ``Authorization: <scheme> <token>`` matches when the scheme is ``Bearer`` in
+    any case (RFC 9110: schemes are case-insensitive) and the token, with the
+    whitespace around it dropped, is this one; the token is compared in
+    constant time. ``repr`` never shows the secret, so logging the object is safe.
     """
 
     __slots__ = ("_expected",)
 
     def __init__(self, token: str | None) -> None:
-        self._expected = f"Bearer {token}".encode() if token else None
+        self._expected = token.strip().encode() if token and token.strip() else None
 
     @property
     def is_enabled(self) -> bool:
@@ -29,8 +32,9 @@ class BearerToken:
         """Whether the request carries this token (False when no token is configured)."""
         if self._expected is None:
             return False
-        given = request.headers.get("authorization", "").encode("latin-1", "replace")
-        return hmac.compare_digest(given, self._expected)
+        scheme, _, given = request.headers.get("authorization", "").strip().partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode("latin-1", "replace"),
+                                                                  self._expected)
 
     def check(self, request: Request, *, also: "BearerToken | None" = None) -> None:
         """Raise :class:`Unauthorized` unless the request carries the token (or ``also``'s, if given)."""
@@ -44,7 +48,7 @@ class BearerToken:
         """The Authorization header to send to a peer that expects this token."""
         if self._expected is None:
             return {}
-        return {"Authorization": self._expected.decode()}
+        return {"Authorization": f"Bearer {self._expected.decode()}"}
 
     def __repr__(self) -> str:
         return f"BearerToken(enabled={self.is_enabled})"

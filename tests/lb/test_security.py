@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 
@@ -100,3 +101,29 @@ def test_the_module_entry_point_reports_bad_flags() -> None:
     done = subprocess.run([sys.executable, "-m", "lb", "--control-timeout", "-1"], cwd=REPO_ROOT,
                           capture_output=True, text=True, timeout=20)
     assert done.returncode == 2 and "control_timeout_s" in done.stderr, done.stderr
+
+
+def raw_status(url: str, request: bytes) -> int:
+    """Send ``request`` as it is (clients like httpx refuse odd header spellings) and return the status."""
+    host, port = url[len("http://"):].rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=10) as conn:
+        conn.sendall(request)
+        head = b""
+        while b"\r\n" not in head:
+            piece = conn.recv(4096)
+            if not piece:
+                break
+            head += piece
+    return int(head.split(b" ", 2)[1])
+
+
+def test_bearer_scheme_and_token_spacing(fakes: FakeCluster, start_lb) -> None:
+    """The scheme is case-insensitive and whitespace around the token is not part of it (RFC 9110)."""
+    node = fakes.start_one()
+    lb = start_lb("--node", node.url, "--admin-token", ADMIN)
+    for value in (f"bearer {ADMIN}", f"BEARER {ADMIN}", f"Bearer {ADMIN}  ", f"Bearer  {ADMIN}", f"bEaReR {ADMIN}\t"):
+        request = f"POST /flush_cache HTTP/1.1\r\nHost: x\r\nAuthorization: {value}\r\nContent-Length: 0\r\n\r\n"
+        assert raw_status(lb.url, request.encode()) == 200, repr(value)
+    for value in (f"Bearer{ADMIN}", f"Bearer {ADMIN}x", f"Basic {ADMIN}", ADMIN, f"Bearer {ADMIN} {ADMIN}"):
+        request = f"POST /flush_cache HTTP/1.1\r\nHost: x\r\nAuthorization: {value}\r\nContent-Length: 0\r\n\r\n"
+        assert raw_status(lb.url, request.encode()) == 401, repr(value)

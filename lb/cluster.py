@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from handoff.service.auth import BearerToken
 from handoff.service.upstream import UpstreamClient
+from lb.addresses import resolve, split_canonical
 from lb.config import LBConfig, NodeSpec
 from lb.discovery import DnsDiscovery, Resolver
 from lb.fanout import FanOut
@@ -111,7 +112,12 @@ class Cluster:
             await self._parts.client.aclose()
 
     async def add_node(self, spec: NodeSpec) -> Node:
-        """Add a node at run time and check it once before answering."""
-        node = self.membership.add(spec, "admin")
-        await self.health.check(node)
+        """Add a node at run time (one node under two spellings of its address is one node) and check it once
+        before answering."""
+        node = self.membership.add(spec, "admin", await resolve(split_canonical(spec.url)[0]))
+        try:
+            await self.health.check(node)
+        except BaseException:  # a member must never be left behind by a call that failed
+            self.membership.remove(node.url, "its first check failed")
+            raise
         return node

@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 
 from handoff.service.limits import DEFAULT_MAX_BODY_BYTES
+from lb.addresses import canonical_url, literal_addresses, split_canonical
 
 
 class Role(str, enum.Enum):
@@ -19,20 +20,6 @@ class Policy(str, enum.Enum):
     ROUND_ROBIN = "round_robin"
     RANDOM = "random"
     POWER_OF_TWO = "power_of_two"
-
-
-def normalize_node_url(url: str) -> str:
-    """``http://host:port`` with no trailing slash; a path, query or other scheme is a ``ValueError``."""
-    url = url.strip().rstrip("/")
-    if not url.startswith("http://"):
-        raise ValueError(f"node URL must start with http://, got {url!r}")
-    authority = url[len("http://"):]
-    if not authority or any(c in authority for c in "/?#@ "):
-        raise ValueError(f"node URL must be http://HOST[:PORT] with no path, got {url!r}")
-    host, sep, port = authority.rpartition(":") if not authority.endswith("]") else (authority, "", "")
-    if sep and (not port.isdigit() or not 0 < int(port) < 65536 or not host):
-        raise ValueError(f"bad port in node URL {url!r}")
-    return url
 
 
 def _parse_port(text: str, what: str) -> int:
@@ -50,7 +37,7 @@ class NodeSpec:
     bootstrap_port: int | None = None
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "url", normalize_node_url(self.url))
+        object.__setattr__(self, "url", canonical_url(self.url))
         object.__setattr__(self, "role", Role(self.role))
         if self.bootstrap_port is not None:
             if self.role is not Role.PREFILL:
@@ -139,8 +126,12 @@ class LBConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        seen: set[str] = set()
+        seen: dict[tuple[str, int], str] = {}
         for spec in self.nodes:
-            if spec.url in seen:
-                raise ValueError(f"nodes: {spec.url} is listed twice")
-            seen.add(spec.url)
+            host, port = split_canonical(spec.url)
+            for address in literal_addresses(host) or {host}:
+                if (address, port) in seen:
+                    other = seen[(address, port)]
+                    twice = "listed twice" if other == spec.url else f"the same address and port as {other}"
+                    raise ValueError(f"nodes: {spec.url} is {twice}")
+                seen[(address, port)] = spec.url

@@ -14,6 +14,7 @@ import logging
 import time
 from typing import Any, Iterable
 
+from lb.addresses import literal_addresses, split_canonical
 from lb.config import NodeSpec, Role
 from lb.errors import NodeExists, NodeNotFound
 from lb.metrics import LBMetrics
@@ -39,8 +40,11 @@ _HEALTH_MOVES = {
 class Node:
     """One member. Mutated only on the event loop, so no locks."""
 
-    def __init__(self, spec: NodeSpec, source: str, metrics: LBMetrics) -> None:
+    def __init__(self, spec: NodeSpec, source: str, metrics: LBMetrics,
+                 addresses: frozenset[str] = frozenset()) -> None:
         self.url = spec.url
+        self.host, self.port = split_canonical(spec.url)
+        self.addresses = addresses  # what the host stood for when the node joined (may be empty: not resolved)
         self.role = spec.role
         self.bootstrap_port = spec.bootstrap_port
         self.source = source
@@ -139,10 +143,25 @@ class Membership:
     def get(self, url: str) -> Node | None:
         return self._nodes.get(url)
 
-    def add(self, spec: NodeSpec, source: str) -> Node:
+    def same_address(self, spec: NodeSpec, addresses: frozenset[str]) -> Node | None:
+        """The member at ``spec``'s URL, or at one of ``addresses`` on its port (another spelling of it)."""
         if spec.url in self._nodes:
-            raise NodeExists(f"{spec.url} is already a member", extra={"node": spec.url})
-        node = Node(spec, source, self._metrics)
+            return self._nodes[spec.url]
+        host, port = split_canonical(spec.url)
+        mine = addresses | (literal_addresses(host) or frozenset())
+        for node in self._nodes.values():
+            if node.port == port and (mine & (node.addresses | (literal_addresses(node.host) or frozenset()))):
+                return node
+        return None
+
+    def add(self, spec: NodeSpec, source: str, addresses: frozenset[str] = frozenset()) -> Node:
+        """Add a member; ``addresses`` are what its host resolved to. Raises :class:`NodeExists` for a URL or an
+        address and port that already is a member."""
+        existing = self.same_address(spec, addresses)
+        if existing is not None:
+            same = "" if existing.url == spec.url else f" (as {existing.url}: the same address and port)"
+            raise NodeExists(f"{spec.url} is already a member{same}", extra={"node": existing.url})
+        node = Node(spec, source, self._metrics, addresses)
         self._nodes[node.url] = node
         self._reindex()
         log.info("node %s (%s) added by %s", node.url, node.role.value, source)
@@ -165,7 +184,14 @@ class Membership:
         wanted = {spec.url: spec for spec in specs}
         removed = [self.remove(node.url, f"no longer listed by {source}") for node in list(self._nodes.values())
                    if node.source == source and node.url not in wanted]
-        added = [self.add(spec, source) for url, spec in wanted.items() if url not in self._nodes]
+        added = []
+        for spec in wanted.values():
+            existing = self.same_address(spec, frozenset())
+            if existing is None:
+                added.append(self.add(spec, source))
+            elif existing.source != source:
+                log.debug("%s: %s is already a member as %s (added by %s)", source, spec.url, existing.url,
+                          existing.source)
         return added, removed
 
     def _reindex(self) -> None:

@@ -109,3 +109,31 @@ def test_dns_discovery_adds_and_removes_nodes(fakes: FakeCluster, start_lb, tmp_
     assert members() == {second.url, third.url}
     log = lb.log()
     assert f"added ['{third.url}']" in log and f"removed ['{first.url}']" in log
+
+
+@pytest.mark.parametrize("url", ["http://[::1", "http://h\u00e9llo:8000", "http://h\x00st:8000", "http://[::1]x:80",
+                                 "http://[fe80::1%25eth0]:80", "http://a..b:1", "http://h:0"])
+def test_a_url_the_lb_cannot_use_never_joins(module_fakes: FakeCluster, shared_lb: LB, url: str) -> None:
+    """A bad URL is a 400 naming the problem and no member: later fan-outs still answer for the real nodes."""
+    node = module_fakes.start_one()
+    set_members(shared_lb, node.url)
+    answer = shared_lb.http.post("/nodes", json={"url": url})
+    assert answer.status_code == 400 and answer.json()["error"]["type"] == "invalid_request", answer.text
+    assert "node URL" in answer.json()["error"]["message"]
+    assert [n["url"] for n in shared_lb.nodes()] == [node.url]
+    flushed = shared_lb.http.post("/flush_cache")
+    assert flushed.status_code == 200 and flushed.json()["total"] == 1
+
+
+def test_one_address_under_two_spellings_is_one_node(module_fakes: FakeCluster, shared_lb: LB) -> None:
+    node = module_fakes.start_one()
+    port = node.url.rsplit(":", 1)[1]
+    set_members(shared_lb, f"http://LOCALHOST.:{port}/")
+    assert [n["url"] for n in shared_lb.nodes()] == [f"http://localhost:{port}"]
+    for spelling in (node.url, f"http://[::ffff:127.0.0.1]:{port}", f"http://localhost:{port}"):
+        again = shared_lb.http.post("/nodes", json={"url": spelling})
+        assert again.status_code == 409 and again.json()["error"]["type"] == "node_exists", spelling
+        assert again.json()["error"]["node"] == f"http://localhost:{port}"
+    before = len(node.requests_to("/flush_cache"))
+    assert shared_lb.http.post("/flush_cache").json()["total"] == 1
+    assert len(node.requests_to("/flush_cache")) == before + 1  # the node got the call once

@@ -89,6 +89,9 @@ def test_every_error_is_the_envelope(fakes: FakeCluster, start_lb) -> None:
     (["--prefill", "http://127.0.0.1:8000@notaport"], "bootstrap port"),
     (["--discover-dns", "gpu=svc:8000"], "discover_dns role"),
     (["--node", "http://127.0.0.1:1", "--node", "http://127.0.0.1:1/"], "listed twice"),
+    (["--node", "http://localhost:1", "--decode", "http://[::ffff:127.0.0.1]:1"], "same address and port as"),
+    (["--node", "http://[::1"], "unterminated IPv6"),
+    (["--node", "http://h\u00e9:1"], "printable ASCII"),
     (["--unhealthy-threshold", "0"], "unhealthy_threshold"),
 ])
 def test_bad_flags_exit_naming_the_field(args: list[str], field: str, capsys: pytest.CaptureFixture[str]) -> None:

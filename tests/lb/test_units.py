@@ -179,6 +179,10 @@ async def test_discovery_follows_the_resolver_and_survives_failures() -> None:
     await discovery.refresh()
     assert membership.nodes(Role.DECODE) == [] and len(membership) == 1  # the flag's node stays
     assert node_url("fd00::1", 5) == "http://[fd00::1]:5"
+    answers["svc"] = ["10.0.0.9", "::ffff:10.0.0.9", "10.0.0.4"]  # the flag's node, twice, and a new one
+    await discovery.refresh()
+    assert [n.url for n in membership.nodes()] == ["http://10.0.0.9:80", "http://10.0.0.4:80"]
+    assert membership.get("http://10.0.0.9:80").source == "flag"
 
 
 def test_unhealthy_nodes_count_as_unknown_in_the_aggregate() -> None:

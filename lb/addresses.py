@@ -1,0 +1,117 @@
+"""Node addresses: URLs checked and spelled one way when they enter the membership, and what they resolve to.
+
+Every way a node enters (``--node``/``--prefill``/``--decode``, ``POST /nodes``,
+DNS discovery) goes through :func:`canonical_url`, so a URL the LB cannot use
+(a broken IPv6 literal, a non-ASCII or NUL host, a path, credentials) is a 400
+or a flag error naming the problem, never a member that breaks every later
+call. Two spellings of one address (``localhost`` and ``127.0.0.1``,
+``HOST.`` and ``host``, ``[::ffff:10.0.0.1]`` and ``10.0.0.1``) are one node:
+:func:`resolve` gives the addresses a host stands for, and the membership
+refuses a second member on an address and port it already has.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+import re
+import socket
+
+log = logging.getLogger(__name__)
+
+RESOLVE_TIMEOUT_S = 2.0
+_LABEL = re.compile(r"[a-z0-9_]([a-z0-9_-]{0,61}[a-z0-9_])?")
+_LOOPBACK_NAMES = {"localhost": frozenset({"127.0.0.1", "::1"})}
+
+
+def _canonical_ip(text: str) -> str:
+    address = ipaddress.ip_address(text)
+    if isinstance(address, ipaddress.IPv6Address) and address.scope_id:
+        raise ValueError(f"{text!r}: IPv6 zone ids are not supported")
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        return str(address.ipv4_mapped)
+    return str(address)
+
+
+def _canonical_host(host: str, url: str) -> str:
+    """An IP literal in its compressed form (IPv6 without brackets) or a lowercase DNS name."""
+    if not host:
+        raise ValueError(f"node URL {url!r} has no host")
+    if host.startswith("["):
+        if not host.endswith("]"):
+            raise ValueError(f"node URL {url!r}: unterminated IPv6 literal {host!r}")
+        try:
+            return _canonical_ip(host[1:-1])
+        except ValueError as exc:
+            raise ValueError(f"node URL {url!r}: {host[1:-1]!r} is not an IPv6 address ({exc})") from None
+    if not host.isascii() or not host.isprintable():
+        raise ValueError(f"node URL {url!r}: the host must be printable ASCII (write an international "
+                         "name in its xn-- form)")
+    try:
+        return _canonical_ip(host)
+    except ValueError:
+        pass
+    name = host.lower().removesuffix(".")
+    if len(name) > 253 or not all(_LABEL.fullmatch(label) for label in name.split(".")):
+        raise ValueError(f"node URL {url!r}: {host!r} is not a host name or an IP address")
+    return name
+
+
+def canonical_url(url: str) -> str:
+    """``http://HOST:PORT``: lowercase name or compressed IP, explicit port. Raises ``ValueError`` naming the
+    problem (scheme, credentials, path, query, host, port)."""
+    if not isinstance(url, str):
+        raise ValueError(f"node URL must be a string, got {type(url).__name__}")
+    text = url.strip()
+    scheme, sep, rest = text.partition("://")
+    if not sep or scheme.lower() != "http":
+        raise ValueError(f"node URL must start with http://, got {url!r}")
+    authority = rest.removesuffix("/")
+    for char, what in (("/", "a path"), ("?", "a query"), ("#", "a fragment"), ("@", "credentials")):
+        if char in authority:
+            raise ValueError(f"node URL must be http://HOST[:PORT] without {what}, got {url!r}")
+    if authority.startswith("["):
+        end = authority.find("]")
+        host, port_text = (authority, "") if end < 0 else (authority[:end + 1], authority[end + 1:])
+        if port_text and not port_text.startswith(":"):
+            raise ValueError(f"node URL {url!r}: unexpected {port_text!r} after the IPv6 literal")
+        port_text = port_text[1:]
+    else:
+        host, _, port_text = authority.partition(":")
+    canonical = _canonical_host(host, url)
+    if port_text and (not port_text.isdigit() or not 0 < int(port_text) < 65536):
+        raise ValueError(f"node URL {url!r}: the port must be a number in 1-65535, got {port_text!r}")
+    port = int(port_text) if port_text else 80
+    return f"http://[{canonical}]:{port}" if ":" in canonical else f"http://{canonical}:{port}"
+
+
+def split_canonical(url: str) -> tuple[str, int]:
+    """(host, port) of a URL made by :func:`canonical_url` (IPv6 without brackets)."""
+    authority = url[len("http://"):]
+    host, _, port = authority.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+def literal_addresses(host: str) -> frozenset[str] | None:
+    """The addresses of an IP literal or a loopback name, known without a lookup; None for other names."""
+    if host in _LOOPBACK_NAMES:
+        return _LOOPBACK_NAMES[host]
+    try:
+        return frozenset({_canonical_ip(host)})
+    except ValueError:
+        return None
+
+
+async def resolve(host: str, timeout_s: float = RESOLVE_TIMEOUT_S) -> frozenset[str]:
+    """Every address ``host`` stands for; a name that does not resolve in time stands for none known yet."""
+    known = literal_addresses(host)
+    if known is not None:
+        return known
+    try:
+        infos = await asyncio.wait_for(asyncio.get_running_loop().getaddrinfo(host, None, type=socket.SOCK_STREAM),
+                                       timeout_s)
+    except (OSError, asyncio.TimeoutError, UnicodeError) as exc:
+        log.info("%s does not resolve now (%s); it is a member under its name only", host, exc)
+        return frozenset()
+    return frozenset(_canonical_ip(str(info[4][0]).partition("%")[0]) for info in infos)

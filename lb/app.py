@@ -38,7 +38,7 @@ from handoff import __version__
 from lb.cluster import Cluster
 from lb.config import LBConfig, NodeSpec, Role
 from lb.discovery import Resolver
-from lb.fanout import CONTROL_ROUTES
+from handoff.protocol.control import CONTROL_ROUTES
 from lb.metrics import LBMetrics
 from lb.openapi import CONTROL_BODIES, CONTROL_PARAMETERS, DELETE_NODE_PARAMETERS, GENERATION_BODIES, SCHEMA_MODELS
 from lb.proxy import GENERATION_PATHS

@@ -1,54 +1,66 @@
 """Control fan-out: one call sent to every node at once, one result per node (SPEC section 4).
 
 Each node gets the same body, byte for byte, and at most ``timeout`` seconds
-for everything. A node fails when it is unreachable, times out, drops the
-connection, answers a non-2xx status, or answers 2xx with JSON
-``"success": false``; a failing body is read at most 512 bytes. Nothing is
-retried: nodes are idempotent and the caller may repeat the whole call.
+for everything; the whole answer, any follow-up included, is in within that
+time. A node fails when it is unreachable, times out, drops the connection,
+answers a non-2xx status, answers 2xx with JSON ``"success": false``, or
+answers something that cannot be judged (a 2xx body over the result cap, or a
+JSON answer that does not parse within bounds); a failing body is read at most
+512 bytes. Nothing is retried: nodes are idempotent and the caller may repeat
+the whole call.
 
-While a release or pause is under way its nodes take no new generation
-(:meth:`Node.fence`); after a call that may change whether a node serves, each
-node that answered (2xx or not) is checked at once, so the answer means the LB
-already routes by the new state; nodes that did not answer (unreachable, hung,
-dropped) are checked in the background, so they cost their timeout and no more.
+One request per node: a sidecar answers every control call with its state in
+:data:`~handoff.protocol.control.NODE_STATE_HEADER`, which the LB adopts as a
+health check, so the answer means the LB already routes by the node's new
+state. A node without that header (a plain server) is checked once more within
+what is left of the deadline. While a release or pause is under way its nodes
+take no new generation (a :class:`~lb.membership.Fence`); a node that did not
+answer stays fenced until a check in the background has seen it.
+
+A body with a ``drain_timeout`` the per-node deadline cannot cover is refused
+(400, naming both); the deadline also goes to the node in
+:data:`~handoff.protocol.control.DEADLINE_HEADER`, so a sidecar ends a drain in
+time to answer instead of being reported timed out while it drains.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from dataclasses import dataclass
 from typing import Any, Mapping
 
 from handoff.protocol import errors as E
+from handoff.protocol.control import (
+    DEADLINE_HEADER,
+    DRAINING_PATHS,
+    FENCING_PATHS,
+    MAX_NODE_STATE_HEADER_BYTES,
+    NODE_STATE_HEADER,
+    STATE_CHANGING_PATHS,
+)
+from handoff.service.errors import InvalidRequest
+from handoff.service.peer_json import PeerJSONError, loads_bounded
 from handoff.service.upstream import (
     ConnectFailed,
     ConnectionDropped,
     ProtocolError,
     UpstreamClient,
     UpstreamError,
+    UpstreamResponse,
     UpstreamTimeout,
 )
 from lb.config import Role
 from lb.errors import NoNodes
 from lb.health import HealthMonitor
-from lb.membership import Membership, Node
+from lb.membership import Fence, Membership, Node
 from lb.metrics import LBMetrics
 
 log = logging.getLogger(__name__)
 
-CONTROL_ROUTES: dict[str, tuple[str, ...]] = {
-    "/release_memory_occupation": ("POST",),
-    "/resume_memory_occupation": ("POST",),
-    "/flush_cache": ("GET", "POST"),
-    "/update_weights_from_disk": ("POST",),
-    "/pause_generation": ("POST",),
-    "/continue_generation": ("POST",),
-}
-FENCING_PATHS = frozenset({"/release_memory_occupation", "/pause_generation"})
-STATE_CHANGING_PATHS = frozenset(CONTROL_ROUTES) - {"/flush_cache"}
+__all__ = ["FanOut", "NodeResult", "check_drain_fits"]
+
 MAX_FAILURE_DETAIL_BYTES = 512
 MAX_RESULT_BODY_BYTES = 64 * 1024
 
@@ -88,6 +100,23 @@ class NodeResult:
         return out
 
 
+def check_drain_fits(path: str, body: bytes, timeout_s: float) -> None:
+    """400 for a ``drain_timeout`` the per-node deadline cannot cover (the node would be reported timed out
+    while it still drains). Bodies that are not JSON objects go on: the node refuses them itself."""
+    if path not in DRAINING_PATHS or b"drain_timeout" not in body:
+        return
+    try:
+        payload = loads_bounded(body)
+    except PeerJSONError:
+        return
+    drain = payload.get("drain_timeout") if isinstance(payload, dict) else None
+    if isinstance(drain, (int, float)) and not isinstance(drain, bool) and drain >= timeout_s:
+        raise InvalidRequest(f"drain_timeout ({drain:g} s) must be shorter than the per-node timeout "
+                             f"({timeout_s:g} s, from ?timeout= or --control-timeout): a node still draining "
+                             "when the LB stops waiting would be reported as timed out",
+                             extra={"drain_timeout": drain, "timeout": timeout_s})
+
+
 class FanOut:
     def __init__(self, client: UpstreamClient, membership: Membership, health: HealthMonitor,
                  metrics: LBMetrics, node_headers: Mapping[str, str]) -> None:
@@ -104,61 +133,75 @@ class FanOut:
         nodes = list(self._membership.nodes(role))
         if not nodes:
             raise NoNodes(f"no {role.value + ' ' if role else ''}nodes to send {path} to")
-        headers = dict(self._node_headers)
+        check_drain_fits(path, body, timeout_s)
+        headers = {**self._node_headers, DEADLINE_HEADER: f"{timeout_s:g}"}
         if content_type:
             headers["Content-Type"] = content_type
-        is_fencing = path in FENCING_PATHS
-        if is_fencing:
-            for node in nodes:
-                node.fence()
         started = time.perf_counter()
-        results = await asyncio.gather(*(self._call_and_settle(node, method, path, body, headers, timeout_s,
-                                                               is_fencing) for node in nodes))
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        fences = [node.fence() if path in FENCING_PATHS else None for node in nodes]
+        results = await asyncio.gather(*(self._call_and_settle(node, fence, method, path, body, headers, timeout_s,
+                                                               deadline) for node, fence in zip(nodes, fences)))
         duration_s = time.perf_counter() - started
         self._metrics.fanout_seconds.labels(path=path).observe(duration_s)
         return self._answer(method, path, results, duration_s)
 
-    async def _call_and_settle(self, node: Node, method: str, path: str, body: bytes,
-                               headers: Mapping[str, str], timeout_s: float, is_fencing: bool) -> NodeResult:
+    async def _call_and_settle(self, node: Node, fence: Fence | None, method: str, path: str, body: bytes,
+                               headers: Mapping[str, str], timeout_s: float, deadline: float) -> NodeResult:
+        """One node's call, then its state: from its answer, or a check within the deadline, or (for a node that
+        did not answer, or whose check does not fit) a check in the background that the fence waits for."""
         try:
-            result = await self._call(node, method, path, body, headers, timeout_s)
+            result, state = await self._call(node, method, path, body, headers, timeout_s)
         except BaseException:
-            if is_fencing:
-                node.unfence()
+            if fence is not None:
+                fence.lift()
             raise
-        if result.status is not None and path in STATE_CHANGING_PATHS:  # it answered: checking is quick
-            try:
-                await self._health.check(node)
-            finally:
-                if is_fencing:
-                    node.unfence()
-        elif is_fencing or path in STATE_CHANGING_PATHS:
-            task = asyncio.ensure_future(self._settle_later(node, is_fencing))
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
+        if state is not None:
+            self._health.apply_state(node, state)
+        elif result.status is not None and path in STATE_CHANGING_PATHS:
+            check = asyncio.ensure_future(self._health.check(node))
+            remaining = deadline - asyncio.get_running_loop().time()
+            done, _ = await asyncio.wait({check}, timeout=max(0.0, remaining))
+            if not done:
+                self._finish_in_background(check, fence)
+                return result
+        elif fence is not None or path in STATE_CHANGING_PATHS:
+            self._finish_in_background(asyncio.ensure_future(self._health.check(node)), fence)
+            return result
+        if fence is not None:
+            fence.lift()
         return result
 
-    async def _settle_later(self, node: Node, is_fencing: bool) -> None:
-        try:
-            await self._health.check(node)
-        finally:
-            if is_fencing:
-                node.unfence()
+    def _finish_in_background(self, check: asyncio.Future[None], fence: Fence | None) -> None:
+        async def settle() -> None:
+            try:
+                await check
+            finally:
+                if fence is not None:
+                    fence.lift()
+
+        task = asyncio.ensure_future(settle())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def _call(self, node: Node, method: str, path: str, body: bytes, headers: Mapping[str, str],
-                    timeout_s: float) -> NodeResult:
+                    timeout_s: float) -> tuple[NodeResult, dict[str, Any] | None]:
+        """The node's result and the state its answer carried (None: no answer, or no state header)."""
         try:
             response = await self._client.request(method, node.url + path, headers=headers, body=body,
                                                   timeout=timeout_s)
-            if not 200 <= response.status < 300:
-                raw = await response.read(MAX_FAILURE_DETAIL_BYTES)
-                return NodeResult(node, status=response.status, reason="http_status", detail=_capped_text(raw))
-            raw = await response.read(MAX_RESULT_BODY_BYTES)
+            async with response:
+                state = _node_state(response)
+                if not 200 <= response.status < 300:
+                    raw = await response.read(MAX_FAILURE_DETAIL_BYTES)
+                    return NodeResult(node, status=response.status, reason="http_status",
+                                      detail=_capped_text(raw)), state
+                raw = await response.read(MAX_RESULT_BODY_BYTES)
         except UpstreamError as exc:
             reason = next((name for cls, name in _REASONS if isinstance(exc, cls)), "error")
             error = f"no complete answer within {timeout_s:g} s" if reason == "timeout" else str(exc)
-            return NodeResult(node, reason=reason, error=error)
-        return _judge_success(node, response.status, raw, response.is_truncated)
+            return NodeResult(node, reason=reason, error=error), None
+        return _judge_success(node, response, raw), state
 
     def _answer(self, method: str, path: str, results: list[NodeResult],
                 duration_s: float) -> tuple[int, dict[str, Any]]:
@@ -187,13 +230,39 @@ def _capped_text(raw: bytes) -> str:
     return raw[:MAX_FAILURE_DETAIL_BYTES].decode("utf-8", "replace")
 
 
-def _judge_success(node: Node, status: int, raw: bytes, is_truncated: bool) -> NodeResult:
-    """A 2xx answer: JSON ``"success": false`` makes it a failure; the body is kept as JSON or text."""
-    if is_truncated:
-        return NodeResult(node, status=status, body=_capped_text(raw))
+def _node_state(response: UpstreamResponse) -> dict[str, Any] | None:
+    """The state a sidecar put in its answer's header, if it is there and readable."""
+    value = response.header(NODE_STATE_HEADER)
+    if value is None:
+        return None
     try:
-        body = json.loads(raw) if raw.strip() else None
-    except (UnicodeDecodeError, ValueError):
+        state = loads_bounded(value.encode("latin-1"), max_bytes=MAX_NODE_STATE_HEADER_BYTES)
+    except (PeerJSONError, UnicodeEncodeError):
+        return None
+    return state if isinstance(state, dict) else None
+
+
+def _judge_success(node: Node, response: UpstreamResponse, raw: bytes) -> NodeResult:
+    """A 2xx answer: JSON ``"success": false`` makes it a failure; an answer that cannot be judged is one too.
+
+    Over the result cap, a ``"success": false`` could be past what was read;
+    a JSON answer that does not parse within bounds says nothing. A text
+    answer (SGLang's ``/flush_cache`` says "Cache flushed." in plain text)
+    counts as success.
+    """
+    status = response.status
+    if response.is_truncated:
+        return NodeResult(node, status=status, reason="oversized_answer",
+                          error=f"answer longer than {MAX_RESULT_BODY_BYTES} bytes: cannot tell whether it succeeded",
+                          detail=_capped_text(raw))
+    if not raw.strip():
+        return NodeResult(node, status=status, body=None)
+    try:
+        body = loads_bounded(raw)
+    except PeerJSONError as exc:
+        if "json" in response.content_type.lower():
+            return NodeResult(node, status=status, reason="unreadable_answer", error=str(exc),
+                              detail=_capped_text(raw))
         return NodeResult(node, status=status, body=_capped_text(raw))
     if isinstance(body, dict) and body.get("success") is False:
         return NodeResult(node, status=status, reason="success_false", detail=_capped_text(raw))

@@ -76,6 +76,10 @@ class HealthMonitor:
             return f"GET /health answered {response.status}"
         return {"serving": True}
 
+    def apply_state(self, node: Node, state: dict[str, Any]) -> None:
+        """A node's answer carried its state (a sidecar's control answers do): it counts as a good check."""
+        self._record_success(node, state)
+
     def _record_failure(self, node: Node, error: str) -> None:
         if node.is_removed:
             return

@@ -104,13 +104,14 @@ class Node:
         self.num_inflight -= 1
         self._inflight_gauge.dec()
 
-    def fence(self) -> None:
-        """Stop routing here while a release or pause is under way."""
+    def fence(self) -> Fence:
+        """Stop routing here while a release or pause is under way, until the returned fence is lifted."""
         self.num_fences += 1
         self._update_gauges()
+        return Fence(self)
 
-    def unfence(self) -> None:
-        self.num_fences = max(0, self.num_fences - 1)
+    def _lift_fence(self) -> None:
+        self.num_fences -= 1
         self._update_gauges()
 
     def _update_gauges(self) -> None:
@@ -121,6 +122,31 @@ class Node:
 
     def mark_seen(self) -> None:
         self.last_seen = time.time()
+
+
+class Fence:
+    """One reason not to route generation to a node; :meth:`lift` (once, idempotent) removes it.
+
+    A fence travels with the work that needs it (a fan-out call, then perhaps a
+    check of the node in the background) and is lifted when that work ends.
+    """
+
+    __slots__ = ("_node", "_is_lifted")
+
+    def __init__(self, node: Node) -> None:
+        self._node = node
+        self._is_lifted = False
+
+    def lift(self) -> None:
+        if not self._is_lifted:
+            self._is_lifted = True
+            self._node._lift_fence()
+
+    def __enter__(self) -> Fence:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.lift()
 
 
 class Membership:

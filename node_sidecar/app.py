@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from typing import AsyncIterator, Awaitable, Callable
 
@@ -9,10 +10,19 @@ import psutil
 from fastapi import APIRouter, FastAPI, Request
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.responses import JSONResponse, PlainTextResponse, Response
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from handoff import __version__
-from handoff.protocol.control import AbortBody, PauseBody, ReleaseBody, ResumeBody, UpdateWeightsFromDiskBody
+from handoff.protocol.control import (
+    CONTROL_ROUTES,
+    DEADLINE_HEADER,
+    NODE_STATE_HEADER,
+    AbortBody,
+    PauseBody,
+    ReleaseBody,
+    ResumeBody,
+    UpdateWeightsFromDiskBody,
+)
 from handoff.protocol.tags import UnknownTag, parse_tags
 from handoff.service.auth import BearerToken
 from handoff.service.bodies import install_schemas, openapi_body, parse_body, parse_value
@@ -21,7 +31,7 @@ from handoff.service.errors import InvalidRequest, ServiceError, install_error_h
 from handoff.service.limits import BodyLimitMiddleware
 from handoff.service.upstream import UpstreamClient, UpstreamError
 from node_sidecar.config import SidecarConfig
-from node_sidecar.control import ControlPlane
+from node_sidecar.control import ControlPlane, DrainLimit
 from node_sidecar.errors import EngineUnavailable
 from node_sidecar.metrics import SidecarMetrics
 from node_sidecar.node import Node
@@ -58,6 +68,46 @@ class GenerationFastPath:
         await self.app(scope, receive, send)
 
 
+def answer_by(request: Request) -> float | None:
+    """When the caller stops waiting (event-loop time), from :data:`DEADLINE_HEADER`, less a margin for the work
+    after the drain and the answer's way back; None without a usable header."""
+    try:
+        deadline = float(request.headers.get(DEADLINE_HEADER, "nan"))
+    except ValueError:
+        return None
+    if not 0 < deadline < float("inf"):
+        return None
+    margin = min(max(0.5, 0.1 * deadline), deadline / 2)
+    return asyncio.get_running_loop().time() + deadline - margin
+
+
+class NodeStateHeader:
+    """Every answer to a control call (success or error) carries the node's state in :data:`NODE_STATE_HEADER`,
+    read when the answer starts, after the call did its work: the LB routes by it without asking again."""
+
+    def __init__(self, app: ASGIApp, node: Callable[[], Node], paths: frozenset[str]) -> None:
+        self.app = app
+        self._node = node
+        self._paths = paths
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] not in self._paths:
+            await self.app(scope, receive, send)
+            return
+
+        async def send_with_state(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                value = self._node().state_header()
+                if value is not None:
+                    message = {**message, "headers": [*message.get("headers", []), (_STATE_HEADER, value)]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_state)
+
+
+_STATE_HEADER = NODE_STATE_HEADER.encode()
+
+
 def _tags(names: list[str] | None) -> list[str] | None:
     """Tag names in canonical order; None (all) stays None, ``[]`` is no tag."""
     try:
@@ -90,6 +140,8 @@ def create_app(config: SidecarConfig) -> FastAPI:
     fast_handlers: dict[str, AsgiHandler] = {}
     app.add_middleware(GenerationFastPath, handlers=fast_handlers)  # added first: the innermost middleware
     install_error_handlers(app)
+    app.add_middleware(NodeStateHeader, node=lambda: app.state.node,
+                       paths=frozenset(CONTROL_ROUTES) | {"/abort_request"})
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=config.max_body_bytes)
     router = APIRouter()
 
@@ -99,12 +151,11 @@ def create_app(config: SidecarConfig) -> FastAPI:
     def control_of(request: Request) -> ControlPlane:
         return request.app.state.control
 
-    def drain_bound(value: float | None) -> float:
-        if value is None:
-            return config.drain_timeout
-        if value > config.max_drain_timeout:
+    def drain_limit(request: Request, value: float | None) -> DrainLimit:
+        """The body's ``drain_timeout`` (or the default), cut to what the caller's deadline header leaves."""
+        if value is not None and value > config.max_drain_timeout:
             raise InvalidRequest(f"drain_timeout must be at most {config.max_drain_timeout:g} s")
-        return value
+        return DrainLimit(config.drain_timeout if value is None else value, answer_by(request))
 
     # -- generation ------------------------------------------------------------
     def generation_route(path: str) -> None:
@@ -155,7 +206,7 @@ def create_app(config: SidecarConfig) -> FastAPI:
         admin.check(request)
         body = await parse_body(request, ReleaseBody, empty_ok=True)
         answer = await control_of(request).release(_tags(body.tags), mode=body.mode,
-                                                   drain_timeout=drain_bound(body.drain_timeout),
+                                                   drain=drain_limit(request, body.drain_timeout),
                                                    stage_to_cpu=body.stage_to_cpu)
         metrics.control_calls.labels("release_memory_occupation", "200").inc()
         return JSONResponse(answer)
@@ -177,7 +228,7 @@ def create_app(config: SidecarConfig) -> FastAPI:
         if body.dry_run:  # only the check: nothing drains, nothing loads
             return JSONResponse(await node_of(request).engine.call("POST", "/update_weights_from_disk",
                                                                    {**engine_body, "dry_run": True}))
-        answer = await control_of(request).update_weights(engine_body, drain_timeout=drain_bound(body.drain_timeout))
+        answer = await control_of(request).update_weights(engine_body, drain=drain_limit(request, body.drain_timeout))
         metrics.control_calls.labels("update_weights_from_disk", "200").inc()
         return JSONResponse(answer)
 
@@ -186,7 +237,7 @@ def create_app(config: SidecarConfig) -> FastAPI:
         admin.check(request)
         body = await parse_body(request, PauseBody, empty_ok=True)
         return JSONResponse(await control_of(request).pause(mode=body.mode,
-                                                            drain_timeout=drain_bound(body.drain_timeout)))
+                                                            drain=drain_limit(request, body.drain_timeout)))
 
     @router.post("/continue_generation")
     async def continue_generation(request: Request) -> JSONResponse:
@@ -223,29 +274,16 @@ def create_app(config: SidecarConfig) -> FastAPI:
                 engine_view = await node.engine.call("GET", "/memory_occupation", timeout=5)
             except EngineUnavailable:
                 engine_view = {}
-        state = node.state
-        bytes_by_tag = {t: engine_view["tags"][t]["bytes"] for t in TAGS} if engine_view else state.tag_bytes
-        # until the engine's own view was read (at start, and again after it was unreachable) the tags'
-        # states are not known: a restarted sidecar or engine must not report what it merely assumes
-        tags = ({t: {"state": state.tags[t].value, "bytes": bytes_by_tag[t]} for t in TAGS} if state.is_synced
-                else {t: {"state": "unknown", "bytes": None} for t in TAGS})
-        return JSONResponse({
-            "role": config.role,
-            "serving": state.is_serving and node.admission.is_open,
-            "admission": node.admission_view(),
-            "engine_reachable": state.is_engine_reachable,
-            "paused": state.is_paused,
-            "tags": tags,
-            "weights_valid": state.weights_valid,
-            "weight_version": state.weight_version,
-            "weights_backup": state.weights_backup,
-            "device": engine_view.get("device"),
-            "process_rss_bytes": engine_view.get("process_rss_bytes"),
-            "sidecar_rss_bytes": psutil.Process().memory_info().rss,
-            "in_flight": node.admission.num_in_flight,
-            "held": node.admission.num_held,
-            "last_error": node.last_error,
-        })
+        view = node.state_view()
+        engine_tags = engine_view.get("tags")
+        if node.state.is_synced and isinstance(engine_tags, dict):
+            for tag, row in view["tags"].items():
+                engine_row = engine_tags.get(tag)
+                if isinstance(engine_row, dict) and isinstance(engine_row.get("bytes"), int):
+                    row["bytes"] = engine_row["bytes"]
+        view.update(device=engine_view.get("device"), process_rss_bytes=engine_view.get("process_rss_bytes"),
+                    sidecar_rss_bytes=psutil.Process().memory_info().rss)
+        return JSONResponse(view)
 
     @router.get("/health")
     async def health() -> JSONResponse:

@@ -10,9 +10,11 @@ where they were, and the engine's own view is re-read.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 from handoff.protocol import errors as E
@@ -22,6 +24,20 @@ from node_sidecar.node import Node
 from node_sidecar.state import TAGS, TagState
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DrainLimit:
+    """How long a drain may wait: the asked (or default) seconds, cut short so that the caller, who stops waiting
+    at ``answer_by`` (event-loop time, its margin taken), still gets the answer (409 ``drain_timeout``)."""
+
+    seconds: float
+    answer_by: float | None = None
+
+    def remaining(self) -> float:
+        if self.answer_by is None:
+            return self.seconds
+        return max(0.0, min(self.seconds, self.answer_by - asyncio.get_running_loop().time()))
 
 
 class ControlPlane:
@@ -41,8 +57,9 @@ class ControlPlane:
             node.is_draining = False
             node.refresh_admission()
 
-    async def _drain(self, mode: str, timeout: float) -> tuple[int, int]:
+    async def _drain(self, mode: str, limit: DrainLimit) -> tuple[int, int]:
         """Empty the node of generation; returns (drained, aborted). Raises DrainTimeout."""
+        timeout = limit.remaining()
         admission = self.node.admission
         num_in_flight = admission.num_in_flight
         if mode == "abort" and num_in_flight:
@@ -56,7 +73,7 @@ class ControlPlane:
         self.metrics.drained_requests.inc(num_in_flight)
         return num_in_flight, 0
 
-    async def release(self, tags: list[str] | None, *, mode: str, drain_timeout: float,
+    async def release(self, tags: list[str] | None, *, mode: str, drain: DrainLimit,
                       stage_to_cpu: bool | None) -> dict[str, Any]:
         """Release ``tags`` (None: all four; ``[]``: nothing, answered at once)."""
         node, state = self.node, self.node.state
@@ -77,7 +94,7 @@ class ControlPlane:
                 raise Conflict("stage_to_cpu needs a weights backup: start the engine with --weights-backup "
                                "cpu or disk", kind=E.NO_WEIGHTS_BACKUP)
             async with self._draining():
-                drained, aborted = await self._drain(mode, drain_timeout)
+                drained, aborted = await self._drain(mode, drain)
                 drain_done = time.perf_counter()
                 for tag in todo:
                     state.transition(tag, TagState.RELEASING)
@@ -139,7 +156,7 @@ class ControlPlane:
                 "bytes_restored": answer.get("bytes_restored", {}), "weights_valid": state.weights_valid,
                 "serving": state.is_serving, "duration_s": round(duration, 6)}
 
-    async def update_weights(self, body: dict[str, Any], *, drain_timeout: float) -> dict[str, Any]:
+    async def update_weights(self, body: dict[str, Any], *, drain: DrainLimit) -> dict[str, Any]:
         """Reload weights from disk, after draining generation like a release in wait mode.
 
         The checkpoint is checked first (the engine's dry run), so a wrong path or
@@ -150,7 +167,7 @@ class ControlPlane:
             node.require_engine()
             await node.engine.call("POST", "/update_weights_from_disk", {**body, "dry_run": True})
             async with self._draining():
-                drained, _ = await self._drain("wait", drain_timeout)
+                drained, _ = await self._drain("wait", drain)
                 try:
                     answer = await node.engine.call("POST", "/update_weights_from_disk", body)
                 except (EngineRefused, EngineUnavailable):
@@ -161,13 +178,13 @@ class ControlPlane:
         log.info("weights reloaded, weight_version=%s (drained %d)", state.weight_version, drained)
         return {**answer, "drained_requests": drained, "serving": state.is_serving}
 
-    async def pause(self, *, mode: str, drain_timeout: float) -> dict[str, Any]:
+    async def pause(self, *, mode: str, drain: DrainLimit) -> dict[str, Any]:
         node = self.node
         async with node.control_lock:
             node.state.is_paused = True
             try:
                 async with self._draining():
-                    drained, aborted = await self._drain(mode, drain_timeout)
+                    drained, aborted = await self._drain(mode, drain)
             except DrainTimeout:
                 node.state.is_paused = False
                 node.refresh_admission()

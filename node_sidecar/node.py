@@ -10,9 +10,12 @@ answers again, the state is re-read from the engine, not assumed.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
+from typing import Any
 
+from handoff.protocol.control import MAX_NODE_STATE_HEADER_BYTES
 from handoff.service.upstream import UpstreamClient, UpstreamError
 from node_sidecar.admission import Admission
 from node_sidecar.config import SidecarConfig
@@ -129,6 +132,38 @@ class Node:
                 pass  # the normal tick
 
     # -- views -----------------------------------------------------------------
+    def state_view(self) -> dict[str, Any]:
+        """What the node knows of itself without asking the engine; the LB routes by it.
+
+        Until the engine's own view was read (at start, and again after it was
+        unreachable) the tags' states are not known: a restarted sidecar or
+        engine must not report what it merely assumes.
+        """
+        state = self.state
+        tags = ({t: {"state": state.tags[t].value, "bytes": state.tag_bytes[t]} for t in TAGS} if state.is_synced
+                else {t: {"state": "unknown", "bytes": None} for t in TAGS})
+        return {
+            "role": self.config.role,
+            "serving": state.is_serving and self.admission.is_open,
+            "admission": self.admission_view(),
+            "engine_reachable": state.is_engine_reachable,
+            "paused": state.is_paused,
+            "tags": tags,
+            "weights_valid": state.weights_valid,
+            "weight_version": state.weight_version,
+            "weights_backup": state.weights_backup,
+            "in_flight": self.admission.num_in_flight,
+            "held": self.admission.num_held,
+            "last_error": self.last_error,
+        }
+
+    def state_header(self) -> bytes | None:
+        """:meth:`state_view` for :data:`NODE_STATE_HEADER` (routing fields only), or None if too large."""
+        view = self.state_view()
+        del view["last_error"]
+        value = json.dumps(view, separators=(",", ":")).encode()  # ASCII: a valid header value
+        return value if len(value) <= MAX_NODE_STATE_HEADER_BYTES else None
+
     def update_memory_metrics(self) -> None:
         for tag in TAGS:
             current = self.state.tags[tag]

@@ -12,6 +12,13 @@ from pydantic import BaseModel, ConfigDict, Field
 
 STRICT = ConfigDict(extra="forbid", strict=True)
 
+# On every answer to a control call a sidecar says where the node stands (the ``GET /memory_occupation`` fields
+# that routing needs: serving, admission, tags, weights), as compact JSON, so the LB needs no second request.
+NODE_STATE_HEADER = "x-handoff-node-state"
+MAX_NODE_STATE_HEADER_BYTES = 4096
+# The LB tells a node how long it will wait for this call (seconds, relative): a drain ends in time to answer.
+DEADLINE_HEADER = "x-handoff-deadline"
+
 ReleaseMode = Literal["wait", "abort"]
 PauseMode = Literal["abort", "wait"]
 
@@ -67,6 +74,22 @@ class AbortBody(BaseModel):
     rid: str | None = None
     abort_all: bool = False
 
+
+# The calls the LB sends to every node (SPEC section 4), with their methods. A sidecar answers each with
+# NODE_STATE_HEADER; a call that may change whether a node serves is in STATE_CHANGING_PATHS, and one during
+# which the LB routes no generation to the node in FENCING_PATHS.
+CONTROL_ROUTES: dict[str, tuple[str, ...]] = {
+    "/release_memory_occupation": ("POST",),
+    "/resume_memory_occupation": ("POST",),
+    "/flush_cache": ("GET", "POST"),
+    "/update_weights_from_disk": ("POST",),
+    "/pause_generation": ("POST",),
+    "/continue_generation": ("POST",),
+}
+FENCING_PATHS = frozenset({"/release_memory_occupation", "/pause_generation"})
+STATE_CHANGING_PATHS = frozenset(CONTROL_ROUTES) - {"/flush_cache"}
+# Calls whose body may carry a drain_timeout that must fit in the LB's per-node deadline.
+DRAINING_PATHS = frozenset({"/release_memory_occupation", "/pause_generation", "/update_weights_from_disk"})
 
 CONTROL_BODIES: dict[str, type[BaseModel]] = {
     "/release_memory_occupation": ReleaseBody,

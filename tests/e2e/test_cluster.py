@@ -174,3 +174,24 @@ def test_tag_lists_follow_sglang(cluster: LocalCluster, client: HandoffClient) -
     assert [body["resumed"] for body in client.resume(tags=[]).bodies().values()] == [[], []]
     assert not any(node["serving"] for node in client.nodes())
     assert [body["resumed"] for body in client.resume().bodies().values()] == [["kv_cache"], ["kv_cache"]]
+
+
+def test_a_drain_ends_in_time_to_answer_the_lb(cluster: LocalCluster, client: HandoffClient) -> None:
+    """A release under a short ?timeout with a stream running: each node's drain ends before the LB stops
+    waiting, so the node answers 409 drain_timeout (nothing released, still serving) instead of being
+    reported as timed out while it drains."""
+    stream = GenerationClient(cluster.nodes[0].url + "/generate", {"text": "long", "stream": True, "sampling_params": {
+        "max_new_tokens": 3000, "ignore_eos": True}})
+    stream.start()
+    assert stream.started_streaming.wait(10)
+    try:
+        with pytest.raises(FanoutFailed) as info:
+            client.release(mode="wait", timeout=3)
+        [failure] = info.value.failures
+        assert failure["node"] == cluster.nodes[0].url and failure["status"] == 409, failure
+        assert "drain_timeout" in failure["detail"]
+        assert [s.node for s in info.value.succeeded] == [cluster.nodes[1].url]
+    finally:
+        httpx.post(cluster.nodes[0].url + "/abort_request", json={"abort_all": True})
+    reason = stream.finish(10).events[-1]["meta_info"]["finish_reason"]
+    assert (reason if isinstance(reason, str) else reason["type"]) == "abort"

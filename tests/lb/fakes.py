@@ -3,7 +3,8 @@
 All fake nodes of a test run on one asyncio loop in a background thread, so a
 test can start 150 of them cheaply and talk to the LB with plain blocking
 ``httpx``. A node answers like a sidecar (``/memory_occupation``, control
-endpoints with ``"success": true``, ``/generate`` JSON or SSE) unless a path
+endpoints with ``"success": true`` and the node's state in a header,
+``/generate`` JSON or SSE) unless a path
 has its own handler (see :mod:`tests.lb.behaviours` for ``reply``, ``hang``,
 ``stall_after_headers``, ``drop``, ``endless``, ``sse``...).
 """
@@ -17,6 +18,8 @@ from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
 import httptools
+
+from handoff.protocol.control import CONTROL_ROUTES, NODE_STATE_HEADER
 
 
 @dataclass
@@ -50,7 +53,11 @@ class Exchange:
                 headers: dict[str, str] | None = None) -> None:
         if not isinstance(body, bytes):
             body = json.dumps(body).encode()
-        extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
+        headers = dict(headers or {})
+        node = self.conn.node
+        if node.is_sidecar and node.sends_state_header and self.request.path in CONTROL_ROUTES:
+            headers.setdefault(NODE_STATE_HEADER, json.dumps(node.state, separators=(",", ":")))
+        extra = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
         self.write(f"HTTP/1.1 {status} X\r\nContent-Type: {content_type}\r\nContent-Length: {len(body)}\r\n"
                    f"{extra}\r\n".encode() + body)
 
@@ -138,10 +145,12 @@ def sidecar_state(*, serving: bool = True, admission: str = "open", tag_state: s
 class FakeNode:
     """One fake node on its own port. Attributes may be changed from the test thread."""
 
-    def __init__(self, cluster: FakeCluster, *, is_sidecar: bool = True, host: str = "127.0.0.1") -> None:
+    def __init__(self, cluster: FakeCluster, *, is_sidecar: bool = True, host: str = "127.0.0.1",
+                 sends_state_header: bool = True) -> None:
         self.cluster = cluster
         self.host = host
         self.is_sidecar = is_sidecar
+        self.sends_state_header = sends_state_header  # a sidecar's control answers carry its state
         self.state = sidecar_state()
         self.handlers: dict[str, Handler] = {}
         self.requests: list[Recorded] = []

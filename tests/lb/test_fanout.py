@@ -230,3 +230,81 @@ def test_nodes_stop_taking_generation_as_soon_as_a_release_starts(module_fakes: 
         gate.open()
         assert release.result(timeout=10).status_code == 200
     assert not node.requests_to("/generate")
+
+
+# -- one request per node, deadlines, answers that cannot be judged (issue: the wire) --------------------------
+
+def test_a_sidecar_answer_carries_its_state_so_one_request_per_node(fakes: FakeCluster, start_lb) -> None:
+    """Checks of /memory_occupation hang from now on: the release still answers at once and the LB routes by
+    the state the answers carried (before, each node was asked again after its answer, doubling the latency)."""
+    nodes = fakes.start(3)
+    lb = start_lb(*node_args(*(n.url for n in nodes)), "--health-interval", "60", fast_health=False)
+    for node in nodes:
+        node.handlers["/memory_occupation"] = hang()
+    before = [len(n.requests_to("/memory_occupation")) for n in nodes]
+    started = time.monotonic()
+    answer = lb.http.post("/release_memory_occupation", json={"mode": "wait"})
+    assert answer.status_code == 200 and time.monotonic() - started < 1.0
+    assert [len(n.requests_to("/memory_occupation")) for n in nodes] == before
+    assert not any(n["routable"] for n in lb.nodes())
+    assert all(n["tags"]["kv_cache"]["state"] == "released" for n in lb.nodes())
+    assert lb.http.post("/resume_memory_occupation").status_code == 200
+    assert all(n["routable"] for n in lb.nodes())
+
+
+def test_the_whole_answer_fits_in_the_timeout(module_fakes: FakeCluster, shared_lb: LB) -> None:
+    """A node without the state header is checked again, within what is left of ?timeout (asked 2 s, the
+    answer took 4.85 s when the check ran outside it); the check goes on in the background, fenced."""
+    plain = module_fakes.start_one(is_sidecar=False)
+    set_members(shared_lb, plain.url)
+    plain.handlers["/health"] = hang()
+    started = time.monotonic()
+    answer = shared_lb.http.post("/release_memory_occupation", params={"timeout": "2"}, json={})
+    elapsed = time.monotonic() - started
+    assert answer.status_code == 200, answer.text
+    assert elapsed < 2.8, elapsed
+    assert plain.requests_to("/release_memory_occupation")[0].headers["x-handoff-deadline"] == "2"
+
+
+def test_a_drain_longer_than_the_node_timeout_is_refused(module_fakes: FakeCluster, shared_lb: LB) -> None:
+    node = module_fakes.start_one()
+    set_members(shared_lb, node.url)
+    for path in ("/release_memory_occupation", "/pause_generation", "/update_weights_from_disk"):
+        answer = shared_lb.http.post(path, params={"timeout": "5"},
+                                     json={"drain_timeout": 30, "model_path": "/ckpt"})
+        assert answer.status_code == 400, answer.text
+        error = answer.json()["error"]
+        assert error["type"] == "invalid_request" and "30 s" in error["message"] and "5 s" in error["message"]
+        assert not node.requests_to(path)
+    assert shared_lb.http.post("/release_memory_occupation", params={"timeout": "5"},
+                               json={"drain_timeout": 4}).status_code == 200
+
+
+def test_a_long_answer_ending_in_success_false_is_a_failure(module_fakes: FakeCluster, shared_lb: LB) -> None:
+    good, long = module_fakes.start(2)
+    long.handlers["/flush_cache"] = reply(200, b'{"padding": "' + b"x" * 70_000 + b'", "success": false}')
+    set_members(shared_lb, good.url, long.url)
+    body = assert_failure_shape(shared_lb.http.post("/flush_cache"), "/flush_cache", failed=1, total=2)
+    [failure] = body["failures"]
+    assert failure["node"] == long.url and failure["reason"] == "oversized_answer"
+    assert len(failure["detail"]) <= 512
+
+
+def test_deeply_nested_answers_fail_one_node_never_the_call(module_fakes: FakeCluster, shared_lb: LB) -> None:
+    good, deep = module_fakes.start(2)
+    nested = b"[" * 30_000 + b"]" * 30_000  # within the result cap, beyond any recursion limit
+    deep.handlers["/flush_cache"] = reply(200, nested)
+    set_members(shared_lb, good.url, deep.url)
+    body = assert_failure_shape(shared_lb.http.post("/flush_cache"), "/flush_cache", failed=1, total=2)
+    assert body["failures"][0]["reason"] == "unreadable_answer" and body["succeeded"][0]["node"] == good.url
+    deep.handlers["/memory_occupation"] = reply(200, nested)
+    deep.handlers["/generate"] = reply(503, b'{"error": ' + nested + b"}")
+    cluster = shared_lb.http.get("/memory_occupation")
+    assert cluster.status_code == 200 and cluster.json()["total"] == 2
+    shared_lb.wait_routable([deep.url], expected=False)
+    assert "cannot be read" in shared_lb.node(deep.url)["last_error"]
+    for _ in range(4):
+        assert shared_lb.http.post("/generate", json={"text": "x"}).status_code == 200
+    shared_lb.http.delete("/nodes", params={"url": deep.url})
+    added = shared_lb.http.post("/nodes", json={"url": deep.url})
+    assert added.status_code == 201 and added.json()["node"]["health"] == "unhealthy"

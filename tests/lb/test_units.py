@@ -100,7 +100,7 @@ def test_power_of_two_never_picks_the_busiest_of_two() -> None:
 def test_router_skips_fenced_and_released_and_falls_back_to_holding_nodes() -> None:
     membership, (fenced, released, holding) = make_nodes("http://a:1", "http://b:1", "http://c:1")
     router = Router(membership, Policy.ROUND_ROBIN, retry_after_s=2)
-    fenced.fence()
+    fence = fenced.fence()
     released.set_serving(False, "closed")
     holding.set_serving(False, "holding")
     assert router.pick(Role.MIXED) is holding
@@ -108,7 +108,9 @@ def test_router_skips_fenced_and_released_and_falls_back_to_holding_nodes() -> N
         router.pick(Role.MIXED, exclude=[holding])
     assert info.value.headers["Retry-After"] == "2"
     assert "release or pause in progress" in info.value.message
-    fenced.unfence()
+    fence.lift()
+    fence.lift()  # lifting twice lifts once
+    assert fenced.num_fences == 0
     assert router.pick(Role.MIXED) is fenced
 
 

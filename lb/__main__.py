@@ -11,7 +11,7 @@ from handoff.service.limits import DEFAULT_MAX_BODY_BYTES
 from handoff.service.logs import setup_logging
 from handoff.service.serve import add_server_args, serve
 from lb.app import create_app
-from lb.config import DnsTarget, LBConfig, NodeSpec, Policy, Role
+from lb.config import DEFAULT_MAX_ANSWER_BYTES, DnsTarget, LBConfig, NodeSpec, Policy, Role
 from lb.discovery import Resolver
 
 log = logging.getLogger("lb")
@@ -56,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     security.add_argument("--api-key", default=None, help="bearer token for generation (or HANDOFF_API_KEY)")
     security.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, metavar="N",
                           help="larger request bodies get 413 (default 64 MiB)")
+    security.add_argument("--max-answer-bytes", type=int, default=DEFAULT_MAX_ANSWER_BYTES, metavar="N",
+                          help="a node's non-stream generation answer larger than this is a 502 (streams are "
+                               "relayed as they come and are not limited) (default 256 MiB)")
     return parser
 
 
@@ -78,6 +81,7 @@ def config_from_args(args: argparse.Namespace) -> LBConfig:
         unhealthy_threshold=args.unhealthy_threshold,
         healthy_threshold=args.healthy_threshold,
         max_body_bytes=args.max_body_bytes,
+        max_answer_bytes=args.max_answer_bytes,
         admin_token=token_from(args.admin_token, "HANDOFF_ADMIN_TOKEN"),
         api_key=token_from(args.api_key, "HANDOFF_API_KEY"),
     )

@@ -85,7 +85,7 @@ class Cluster:
         config = self.config
         client = UpstreamClient(connect_timeout_s=config.connect_timeout_s)
         health = HealthMonitor(client, self.membership, config, self.node_headers)
-        caller = NodeCaller(client, health, self.metrics, config.generate_timeout_s)
+        caller = NodeCaller(client, health, self.metrics, config.generate_timeout_s, config.max_answer_bytes)
         self._parts = _Parts(client, health,
                              FanOut(client, self.membership, health, self.metrics, self.node_headers),
                              GenerationProxy(self.membership, self.router, caller, self.node_headers))

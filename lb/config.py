@@ -8,6 +8,9 @@ from dataclasses import dataclass, field
 from handoff.service.limits import DEFAULT_MAX_BODY_BYTES
 from lb.addresses import canonical_url, literal_addresses, split_canonical
 
+# a node's non-stream generation answer is buffered (so a failure midway is a status): this bounds it
+DEFAULT_MAX_ANSWER_BYTES = 256 * 1024 * 1024
+
 
 class Role(str, enum.Enum):
     MIXED = "mixed"
@@ -107,6 +110,7 @@ class LBConfig:
     unhealthy_threshold: int = 2
     healthy_threshold: int = 1
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_answer_bytes: int = DEFAULT_MAX_ANSWER_BYTES
     admin_token: str | None = field(default=None, repr=False)
     api_key: str | None = field(default=None, repr=False)
 
@@ -122,7 +126,7 @@ class LBConfig:
         if self.max_control_timeout_s < self.control_timeout_s:
             raise ValueError(f"max_control_timeout_s ({self.max_control_timeout_s}) must be at least "
                              f"control_timeout_s ({self.control_timeout_s})")
-        for name in ("unhealthy_threshold", "healthy_threshold", "max_body_bytes"):
+        for name in ("unhealthy_threshold", "healthy_threshold", "max_body_bytes", "max_answer_bytes"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")

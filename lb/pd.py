@@ -34,7 +34,6 @@ from lb.relay import (
     Reroute,
     buffered_response,
     is_event_stream,
-    read_body,
 )
 from lb.routing import Router
 
@@ -213,7 +212,7 @@ class PDDispatcher:
                 prefill_raw: bytes | ServiceError = await self._read_prefill(prefill, prefill_up, path)
             except ServiceError as exc:
                 prefill_raw = exc
-            decode_raw = await read_body(decode, decode_up, path, self._caller.timeout_s)
+            decode_raw = await self._caller.read_body(decode, decode_up, path)
         finally:
             prefill_up.close()
             decode_up.close()
@@ -234,7 +233,7 @@ class PDDispatcher:
 
     async def _read_prefill(self, node: Node, upstream: UpstreamResponse, path: str) -> bytes:
         try:
-            raw = await read_body(node, upstream, path, self._caller.timeout_s)
+            raw = await self._caller.read_body(node, upstream, path)
         finally:
             node.end_request()
         if not 200 <= upstream.status < 300:

@@ -29,7 +29,6 @@ from lb.relay import (
     client_gone_response,
     headers_to_node,
     is_event_stream,
-    read_body,
 )
 from lb.routing import Router
 
@@ -92,7 +91,7 @@ class GenerationProxy:
                     if is_event_stream(outcome):
                         is_handed_over = True
                         return RelayResponse(outcome, node, path, watch)
-                    return buffered_response(outcome, await read_body(node, outcome, path, self._caller.timeout_s))
+                    return buffered_response(outcome, await self._caller.read_body(node, outcome, path))
                 return outcome
             finally:
                 if not is_handed_over:

@@ -27,6 +27,7 @@ from handoff.protocol import errors as E
 from handoff.protocol.errors import NOT_SERVING_TYPES
 from handoff.service.disconnect import DisconnectWatch
 from handoff.service.peer_json import PeerJSONError, loads_bounded
+from handoff.service.relay import relayed_headers
 from handoff.service.upstream import (
     ConnectFailed,
     UpstreamClient,
@@ -42,7 +43,6 @@ from lb.metrics import LBMetrics
 log = logging.getLogger(__name__)
 
 REQUEST_HEADERS_TO_NODE = frozenset({b"content-type", b"accept", b"x-request-id"})
-RESPONSE_HEADERS_TO_CLIENT = frozenset({b"content-type", b"cache-control", b"retry-after", b"x-request-id"})
 MAX_REFUSAL_BYTES = 4096
 CLIENT_CLOSED_REQUEST = 499  # nginx's code for "the client went away first": only the metrics see it
 
@@ -60,24 +60,11 @@ def headers_to_node(scope_headers: Sequence[tuple[bytes, bytes]], node_headers: 
     return headers
 
 
-def headers_to_client(upstream: UpstreamResponse) -> list[tuple[bytes, bytes]]:
-    """The node's response headers the client gets (type, caching, Retry-After, request id)."""
-    return [(name, value) for name, value in upstream.headers if name in RESPONSE_HEADERS_TO_CLIENT]
-
-
 def buffered_response(upstream: UpstreamResponse, body: bytes) -> Response:
     """The node's answer, read whole, with its status and the headers the client gets."""
-    headers = {name.decode("latin-1"): value.decode("latin-1") for name, value in headers_to_client(upstream)}
-    return Response(body, status_code=upstream.status, headers=headers)
-
-
-async def read_body(node: Node, upstream: UpstreamResponse, path: str, timeout_s: float) -> bytes:
-    """The node's whole body; a failure midway is a 502/504 naming the node."""
-    try:
-        return await upstream.read()
-    except UpstreamError as exc:
-        node.record_error(str(exc))
-        raise translate(node, path, exc, timeout_s) from exc
+    response = Response(body, status_code=upstream.status)
+    response.raw_headers = [*relayed_headers(upstream), (b"content-length", str(len(body)).encode())]
+    return response
 
 
 def is_event_stream(upstream: UpstreamResponse) -> bool:
@@ -107,11 +94,12 @@ class NodeCaller:
     """Sends one generation request to one node and sorts out what came back."""
 
     def __init__(self, client: UpstreamClient, health: HealthMonitor, metrics: LBMetrics,
-                 timeout_s: float) -> None:
+                 timeout_s: float, max_answer_bytes: int) -> None:
         self._client = client
         self._health = health
         self._metrics = metrics
         self.timeout_s = timeout_s
+        self.max_answer_bytes = max_answer_bytes
 
     async def call(self, node: Node, path: str, body: bytes,
                    headers: Mapping[str, str]) -> UpstreamResponse | Response | Reroute:
@@ -144,6 +132,22 @@ class NodeCaller:
         return buffered_response(upstream, raw)
 
 
+    async def read_body(self, node: Node, upstream: UpstreamResponse, path: str) -> bytes:
+        """The node's whole answer, at most ``max_answer_bytes``; past that, or on a failure midway, a 502/504
+        naming the node (the answer is buffered to turn such failures into a status, so it is bounded)."""
+        try:
+            raw = await upstream.read(self.max_answer_bytes)
+        except UpstreamError as exc:
+            node.record_error(str(exc))
+            raise translate(node, path, exc, self.timeout_s) from exc
+        if upstream.is_truncated:
+            message = (f"{node.url} answered {path} with more than {self.max_answer_bytes} bytes "
+                       "(--max-answer-bytes); stream it (\"stream\": true) or raise the limit")
+            node.record_error(message)
+            raise UpstreamFailed(message, extra={"node": node.url})
+        return raw
+
+
 def _error_type(raw: bytes) -> str | None:
     try:
         answer = loads_bounded(raw)
@@ -170,7 +174,7 @@ class RelayResponse(Response):
                  transform: ChunkTransform | None = None,
                  on_close: Callable[[bool], None] | None = None) -> None:
         self.status_code = upstream.status
-        self.raw_headers = headers_to_client(upstream)
+        self.raw_headers = relayed_headers(upstream)
         self.background = None
         self._upstream = upstream
         self._node = node

@@ -20,6 +20,7 @@ from starlette.types import Receive, Scope, Send
 from handoff.protocol import errors as E
 from handoff.service.disconnect import DisconnectWatch
 from handoff.service.errors import error_envelope
+from handoff.service.relay import relayed_headers
 from handoff.service.upstream import UpstreamError, UpstreamResponse
 from node_sidecar.node import Node
 
@@ -27,19 +28,24 @@ CLIENT_CLOSED = 499
 MAX_ANSWER_BYTES = 256 * 1024 * 1024
 
 
-def _answer_headers(upstream: UpstreamResponse) -> dict[str, str]:
-    headers = {"Content-Type": upstream.content_type or "application/json"}
-    retry_after = upstream.header("retry-after")
-    if retry_after:
-        headers["Retry-After"] = retry_after
-    return headers
+def _answer(upstream: UpstreamResponse, content: bytes) -> Response:
+    """The engine's answer, read whole, with the headers a relay passes on."""
+    response = Response(content, status_code=upstream.status)
+    response.raw_headers = _whole_answer_headers(upstream, content)
+    return response
+
+
+def _whole_answer_headers(upstream: UpstreamResponse, content: bytes) -> list[tuple[bytes, bytes]]:
+    return [*relayed_headers(upstream, default_type=b"application/json"),
+            (b"content-length", str(len(content)).encode())]
 
 
 class _CountedResponse(Response):
-    """A response that runs ``on_done`` once it was sent (or failed to be)."""
+    """The engine's answer, read whole, that runs ``on_done`` once it was sent (or failed to be)."""
 
-    def __init__(self, content: bytes, status_code: int, headers: dict[str, str], on_done: Callable[[], None]) -> None:
-        super().__init__(content, status_code=status_code, headers=headers)
+    def __init__(self, upstream: UpstreamResponse, content: bytes, on_done: Callable[[], None]) -> None:
+        super().__init__(content, status_code=upstream.status)
+        self.raw_headers = _whole_answer_headers(upstream, content)
         self._on_done = on_done
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -59,7 +65,8 @@ class _RelayedStream(StreamingResponse):
     """
 
     def __init__(self, node: Node, upstream: UpstreamResponse, on_done: Callable[[], None]) -> None:
-        super().__init__(self._chunks(), status_code=upstream.status, headers=_answer_headers(upstream))
+        super().__init__(self._chunks(), status_code=upstream.status)
+        self.raw_headers = relayed_headers(upstream, default_type=b"application/json")
         self._node = node
         self._upstream = upstream
         self._on_done = on_done
@@ -127,7 +134,7 @@ async def relay_generation(node: Node, request: Request, path: str, on_status: C
     finally:
         if watch is not None:
             watch.stop()
-    return _CountedResponse(content, upstream.status, _answer_headers(upstream), admission.leave)
+    return _CountedResponse(upstream, content, admission.leave)
 
 
 async def forward(node: Node, request: Request, path: str, *, timeout: float = 30.0) -> Response:
@@ -137,4 +144,4 @@ async def forward(node: Node, request: Request, path: str, *, timeout: float = 3
     headers: dict[str, Any] = {"Content-Type": request.headers.get("content-type", "application/json")} if body else {}
     upstream = await node.engine.open(request.method, target, body=body, headers=headers, timeout=timeout)
     content = await node.engine.read(upstream, MAX_ANSWER_BYTES)
-    return Response(content, status_code=upstream.status, headers=_answer_headers(upstream))
+    return _answer(upstream, content)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 from collections import Counter
 
@@ -217,3 +218,33 @@ def test_other_503s_are_relayed_not_retried(module_fakes: FakeCluster, shared_lb
     answer = shared_lb.http.post("/generate", json={"text": "x"})
     assert answer.status_code == 503 and answer.json()["error"]["type"] == "queue_full"
     assert len(busy.requests_to("/generate")) + len(other.requests_to("/generate")) == 1
+
+
+def test_a_non_stream_answer_over_the_cap_is_a_502(fakes: FakeCluster, start_lb) -> None:
+    """A non-stream answer is buffered (a failure midway becomes a status), so it is bounded: past
+    --max-answer-bytes the client gets a 502 naming the node, and the LB never holds more than the cap."""
+    node = fakes.start_one()
+    node.handlers["/generate"] = reply(200, b'{"text": "' + b"x" * 3_000_000 + b'"}')
+    lb = start_lb("--node", node.url, "--max-answer-bytes", "1000000")
+    answer = lb.http.post("/generate", json={"text": "x"})
+    assert answer.status_code == 502, answer.text
+    error = answer.json()["error"]
+    assert error["type"] == "upstream_error" and error["node"] == node.url and "--max-answer-bytes" in error["message"]
+    node.handlers["/generate"] = reply(200, b'{"text": "' + b"x" * 900_000 + b'"}')
+    assert lb.http.post("/generate", json={"text": "x"}).status_code == 200
+
+
+def test_content_encoding_travels_with_the_bytes(module_fakes: FakeCluster, shared_lb: LB) -> None:
+    """A gzip answer keeps its Content-Encoding through the LB (it was dropped: clients got gzip bytes they
+    took for JSON)."""
+    node = module_fakes.start_one()
+    packed = gzip.compress(b'{"text": "hello"}')
+
+    async def gzipped(fake, ex) -> None:
+        ex.respond(200, packed, headers={"Content-Encoding": "gzip"})
+
+    node.handlers["/generate"] = gzipped
+    set_members(shared_lb, node.url)
+    answer = shared_lb.http.post("/generate", json={"text": "x"})
+    assert answer.headers["content-encoding"] == "gzip"
+    assert answer.json() == {"text": "hello"}  # httpx decodes it because the header came along

@@ -82,6 +82,7 @@ def config_from_args(args: argparse.Namespace) -> LBConfig:
         healthy_threshold=args.healthy_threshold,
         max_body_bytes=args.max_body_bytes,
         max_answer_bytes=args.max_answer_bytes,
+        body_timeout_s=args.body_timeout,
         admin_token=token_from(args.admin_token, "HANDOFF_ADMIN_TOKEN"),
         api_key=token_from(args.api_key, "HANDOFF_API_KEY"),
     )
@@ -98,7 +99,8 @@ def main(argv: Sequence[str] | None = None, *, resolver: Resolver | None = None)
     setup_logging("lb", fmt=args.log_format, level=args.log_level,
                   secrets=[s for s in (config.admin_token, config.api_key) if s])
     log.info("starting: %r", config)
-    serve(create_app(config, resolver=resolver), host=args.host, port=args.port, port_file=args.port_file)
+    serve(create_app(config, resolver=resolver), host=args.host, port=args.port, port_file=args.port_file,
+          header_timeout_s=args.header_timeout)
 
 
 if __name__ == "__main__":

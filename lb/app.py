@@ -171,7 +171,7 @@ def create_app(config: LBConfig, *, resolver: Resolver | None = None) -> FastAPI
 
     api_key = BearerToken(config.api_key)
     app.add_middleware(GenerationEndpoints, handle=generate, api_key=api_key, admin=admin)
-    app.add_middleware(BodyLimitMiddleware, max_body_bytes=config.max_body_bytes)
+    app.add_middleware(BodyLimitMiddleware, max_body_bytes=config.max_body_bytes, body_timeout_s=config.body_timeout_s)
     app.add_middleware(RequestMetrics, metrics=metrics)
 
     def control_route(path: str) -> Callable[[Request], Awaitable[Response]]:

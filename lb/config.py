@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from handoff.service.limits import DEFAULT_MAX_BODY_BYTES
+from handoff.service.limits import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES
 from lb.addresses import canonical_url, literal_addresses, split_canonical
 
 # a node's non-stream generation answer is buffered (so a failure midway is a status): this bounds it
@@ -111,6 +111,7 @@ class LBConfig:
     healthy_threshold: int = 1
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_answer_bytes: int = DEFAULT_MAX_ANSWER_BYTES
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
     admin_token: str | None = field(default=None, repr=False)
     api_key: str | None = field(default=None, repr=False)
 
@@ -119,7 +120,8 @@ class LBConfig:
         object.__setattr__(self, "discover_dns", tuple(self.discover_dns))
         object.__setattr__(self, "policy", Policy(self.policy))
         for name in ("discover_interval_s", "control_timeout_s", "max_control_timeout_s",
-                     "generate_timeout_s", "connect_timeout_s", "health_interval_s", "health_timeout_s"):
+                     "generate_timeout_s", "connect_timeout_s", "health_interval_s", "health_timeout_s",
+                     "body_timeout_s"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")

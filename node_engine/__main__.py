@@ -93,8 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ModelConfigError) as exc:
         log.error("cannot start: %s", exc)
         return 2
-    serve(create_app(engine, max_body_bytes=args.max_body_bytes), host=args.host, port=args.port,
-          port_file=args.port_file)
+    serve(create_app(engine, max_body_bytes=args.max_body_bytes, body_timeout_s=args.body_timeout), host=args.host,
+          port=args.port, port_file=args.port_file, header_timeout_s=args.header_timeout)
     return 0
 
 

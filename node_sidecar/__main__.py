@@ -48,13 +48,14 @@ def main(argv: list[str] | None = None) -> int:
             drain_timeout=args.drain_timeout, max_drain_timeout=args.max_drain_timeout,
             generate_timeout=args.generate_timeout, control_timeout=args.control_timeout,
             engine_poll_interval=args.engine_poll_interval, retry_after_s=args.retry_after,
-            max_body_bytes=args.max_body_bytes)
+            max_body_bytes=args.max_body_bytes, body_timeout=args.body_timeout)
     except ConfigError as exc:
         log.error("%s", exc)
         return 2
     from node_sidecar.app import create_app
 
-    serve(create_app(config), host=args.host, port=args.port, port_file=args.port_file)
+    serve(create_app(config), host=args.host, port=args.port, port_file=args.port_file,
+          header_timeout_s=args.header_timeout)
     return 0
 
 

@@ -1,7 +1,9 @@
 """Admission of generation requests: count them in flight, close for drains, hold or refuse.
 
 Rules:
-- While open, a request enters at once and is counted until its last byte.
+- While open, a request enters at once and is counted until its last byte:
+  entering gives an :class:`InFlight` lease, and the count drops when the
+  lease is released (once, however many times it is called).
 - While closed, a request is held in a FIFO queue (with ``--hold-requests``,
   at most ``hold_max`` of them, each at most ``hold_timeout`` seconds) or
   refused; reopening admits the held requests in arrival order.
@@ -27,6 +29,21 @@ class AdmissionState(str, enum.Enum):
     CLOSED = "closed"
 
 
+class InFlight:
+    """One admitted request's place in the in-flight count; :meth:`release` gives it back (idempotent)."""
+
+    __slots__ = ("_admission", "_is_released")
+
+    def __init__(self, admission: Admission) -> None:
+        self._admission = admission
+        self._is_released = False
+
+    def release(self) -> None:
+        if not self._is_released:
+            self._is_released = True
+            self._admission._count_out()
+
+
 class Admission:
     def __init__(self, *, hold_max: int | None, hold_timeout: float, refuse: Callable[[], Unavailable]) -> None:
         """``hold_max`` None: refuse while closed. ``refuse`` builds the 503 for the current reason."""
@@ -47,17 +64,18 @@ class Admission:
     def num_held(self) -> int:
         return sum(1 for f in self._held if not f.done())
 
-    def try_enter(self) -> bool:
-        """Enter now if open (counted in flight); never waits."""
+    def try_enter(self) -> InFlight | None:
+        """Enter now if open (counted in flight until the lease is released); never waits."""
         if self.state is not AdmissionState.OPEN:
-            return False
+            return None
         self._count_in()
-        return True
+        return InFlight(self)
 
-    async def enter(self, *, may_hold: bool = True) -> None:
+    async def enter(self, *, may_hold: bool = True) -> InFlight:
         """Enter, waiting in the hold queue if allowed; raises the 503 otherwise."""
-        if self.try_enter():
-            return
+        lease = self.try_enter()
+        if lease is not None:
+            return lease
         if self.hold_max is None or not may_hold:
             raise self._refuse()
         if self.num_held >= self.hold_max:
@@ -68,24 +86,18 @@ class Admission:
             await asyncio.wait_for(asyncio.shield(waiter), self.hold_timeout)
         except asyncio.TimeoutError:
             if waiter.done() and not waiter.cancelled():
-                return  # admitted at the very deadline: it was counted, so it runs
+                return InFlight(self)  # admitted at the very deadline: it was counted, so it runs
             waiter.cancel()
             raise self._refuse() from None
         except asyncio.CancelledError:
             if waiter.done() and not waiter.cancelled():
-                self.leave()  # admitted, but the client went away before running
+                self._count_out()  # admitted, but the client went away before running
             else:
                 waiter.cancel()
             raise
         finally:
             self._prune()
-
-    def leave(self) -> None:
-        if self.num_in_flight <= 0:
-            raise RuntimeError("admission: leave() without a matching enter()")
-        self.num_in_flight -= 1
-        if self.num_in_flight == 0:
-            self._idle.set()
+        return InFlight(self)
 
     def close(self) -> None:
         self.state = AdmissionState.CLOSED
@@ -119,6 +131,13 @@ class Admission:
     def _count_in(self) -> None:
         self.num_in_flight += 1
         self._idle.clear()
+
+    def _count_out(self) -> None:
+        if self.num_in_flight <= 0:
+            raise RuntimeError("admission: a request left that never entered")
+        self.num_in_flight -= 1
+        if self.num_in_flight == 0:
+            self._idle.set()
 
     def _prune(self) -> None:
         while self._held and self._held[0].done():

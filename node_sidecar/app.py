@@ -142,7 +142,7 @@ def create_app(config: SidecarConfig) -> FastAPI:
     install_error_handlers(app)
     app.add_middleware(NodeStateHeader, node=lambda: app.state.node,
                        paths=frozenset(CONTROL_ROUTES) | {"/abort_request"})
-    app.add_middleware(BodyLimitMiddleware, max_body_bytes=config.max_body_bytes)
+    app.add_middleware(BodyLimitMiddleware, max_body_bytes=config.max_body_bytes, body_timeout_s=config.body_timeout)
     router = APIRouter()
 
     def node_of(request: Request) -> Node:
@@ -188,7 +188,8 @@ def create_app(config: SidecarConfig) -> FastAPI:
         """One-token generation while serving; while not serving, the reason, without touching the engine."""
         api_key.check(request, also=admin)  # the admin token authorizes everything
         node = node_of(request)
-        if not node.admission.try_enter():
+        lease = node.admission.try_enter()
+        if lease is None:
             released = [t for t in TAGS if node.state.tags[t] is not TagState.RESIDENT]
             status = 503 if not node.state.is_engine_reachable else 200
             return JSONResponse({"serving": False, "reason": node.state.not_serving_reason().value,
@@ -197,7 +198,7 @@ def create_app(config: SidecarConfig) -> FastAPI:
             answer = await node.engine.call("POST", "/generate", {"input_ids": [0], "sampling_params": {
                 "max_new_tokens": 1, "temperature": 0}}, timeout=30)
         finally:
-            node.admission.leave()
+            lease.release()
         return JSONResponse({"serving": True, "success": True, "weight_version": answer["meta_info"]["weight_version"]})
 
     # -- control -----------------------------------------------------------------

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from handoff.service.limits import DEFAULT_BODY_TIMEOUT_S
+
 ROLES = ("mixed", "prefill", "decode")
 
 
@@ -27,6 +29,7 @@ class SidecarConfig:
     engine_poll_interval: float = 1.0   # how often the engine's health is polled
     retry_after_s: int = 2              # Retry-After on 503s
     max_body_bytes: int = 64 * 1024 * 1024
+    body_timeout: float = DEFAULT_BODY_TIMEOUT_S  # a request's whole body, from its head
 
     def __post_init__(self) -> None:
         if not self.engine_url.startswith("http://"):
@@ -37,7 +40,7 @@ class SidecarConfig:
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         for name in ("hold_timeout", "drain_timeout", "max_drain_timeout", "generate_timeout", "control_timeout",
-                     "engine_poll_interval"):
+                     "engine_poll_interval", "body_timeout"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
         if self.drain_timeout > self.max_drain_timeout:

@@ -13,7 +13,7 @@ import asyncio
 import json
 from typing import Any, AsyncIterator, Callable
 
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
@@ -100,17 +100,21 @@ class _RelayedStream(StreamingResponse):
 
 
 async def relay_generation(node: Node, request: Request, path: str, on_status: Callable[[int], None]) -> Response:
-    """Admit (hold or 503), forward to the engine, and relay its answer.
+    """Read the whole body, admit (hold or 503), forward to the engine, and relay its answer.
 
-    From the body's end until the answer is in hand, a client disconnect
-    cancels the wait (a non-stream answer's headers come only with the whole
-    answer), which closes the engine connection: the engine aborts.
+    The body comes first: a client that stalls in its body (the body limit
+    middleware gives it a deadline) is never counted in flight, so no drain
+    waits for it. From the body's end until the answer is in hand, a client
+    disconnect cancels the wait (a non-stream answer's headers come only with
+    the whole answer), which closes the engine connection: the engine aborts.
     """
-    admission = node.admission
-    await admission.enter()
-    watch: DisconnectWatch | None = None
     try:
         body = await request.body()
+    except ClientDisconnect:
+        return Response(status_code=CLIENT_CLOSED)
+    lease = await node.admission.enter()
+    watch: DisconnectWatch | None = None
+    try:
         query = request.scope.get("query_string", b"")
         target = f"{path}?{query.decode()}" if query else path
         watch = DisconnectWatch(request.receive)
@@ -120,21 +124,21 @@ async def relay_generation(node: Node, request: Request, path: str, on_status: C
         on_status(upstream.status)
         if upstream.content_type.startswith("text/event-stream"):
             watch.stop()  # the stream's own watcher takes over
-            return _RelayedStream(node, upstream, admission.leave)
+            return _RelayedStream(node, upstream, lease.release)
         content = await node.engine.read(upstream, MAX_ANSWER_BYTES)
     except asyncio.CancelledError:
-        admission.leave()
+        lease.release()
         if watch is None or not watch.is_disconnected:
             raise
         watch.absorb_cancel()
         return Response(status_code=CLIENT_CLOSED)
     except BaseException:
-        admission.leave()
+        lease.release()
         raise
     finally:
         if watch is not None:
             watch.stop()
-    return _CountedResponse(upstream, content, admission.leave)
+    return _CountedResponse(upstream, content, lease.release)
 
 
 async def forward(node: Node, request: Request, path: str, *, timeout: float = 30.0) -> Response:

@@ -90,6 +90,12 @@ class Conflict(ServiceError):
     kind = E.CONFLICT
 
 
+class RequestTimeout(ServiceError):
+    """The client did not send its request (head or body) in time."""
+
+    kind = E.REQUEST_TIMEOUT
+
+
 class PayloadTooLarge(ServiceError):
     kind = E.PAYLOAD_TOO_LARGE
 

@@ -16,6 +16,9 @@ from pathlib import Path
 
 import uvicorn
 
+from handoff.service.head_timeout import DEFAULT_HEAD_TIMEOUT_S, HeadTimeoutProtocol
+from handoff.service.limits import DEFAULT_BODY_TIMEOUT_S
+
 log = logging.getLogger(__name__)
 
 
@@ -27,6 +30,12 @@ def add_server_args(parser: argparse.ArgumentParser, *, default_host: str, defau
                         help="write the bound port to this file once listening")
     parser.add_argument("--log-format", choices=("text", "json"), default="text")
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    parser.add_argument("--header-timeout", type=float, default=DEFAULT_HEAD_TIMEOUT_S, metavar="S",
+                        help="a request's head must arrive within this time, else 408 and the connection "
+                             f"closes (default {DEFAULT_HEAD_TIMEOUT_S:g})")
+    parser.add_argument("--body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT_S, metavar="S",
+                        help="a request's body must arrive within this time of its head, else 408 "
+                             f"(default {DEFAULT_BODY_TIMEOUT_S:g})")
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -40,8 +49,10 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 
 def serve(app: object, *, host: str, port: int, port_file: Path | None = None,
-          graceful_shutdown_s: float = 5.0) -> None:
-    """Run ``app`` until SIGINT/SIGTERM; blocks."""
+          graceful_shutdown_s: float = 5.0, header_timeout_s: float = DEFAULT_HEAD_TIMEOUT_S) -> None:
+    """Run ``app`` until SIGINT/SIGTERM; blocks. Request heads must arrive within ``header_timeout_s``."""
+    if not header_timeout_s > 0:
+        raise ValueError(f"--header-timeout must be > 0, got {header_timeout_s}")
     sock = bind_socket(host, port)
     bound_port = sock.getsockname()[1]
     try:
@@ -53,7 +64,7 @@ def serve(app: object, *, host: str, port: int, port_file: Path | None = None,
     config = uvicorn.Config(
         app,
         loop=loop,
-        http="httptools",
+        http=HeadTimeoutProtocol.with_timeout(header_timeout_s),
         lifespan="on",
         access_log=False,
         log_config=None,

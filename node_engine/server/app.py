@@ -18,7 +18,7 @@ from node_engine.server import protocol, routes_control, routes_generate, routes
 from node_engine.server.generation import longest_token_chars
 
 
-def create_app(engine: Engine, *, max_body_bytes: int) -> FastAPI:
+def create_app(engine: Engine, *, max_body_bytes: int, body_timeout_s: float | None = None) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         longest_token_chars(engine.tokenizer)  # once, before requests (the prompt length guard needs it)
@@ -32,7 +32,7 @@ def create_app(engine: Engine, *, max_body_bytes: int) -> FastAPI:
                   description="LLM engine with releasable, tagged memory regions.")
     app.state.engine = engine
     install_error_handlers(app)
-    app.add_middleware(BodyLimitMiddleware, max_body_bytes=max_body_bytes)
+    app.add_middleware(BodyLimitMiddleware, max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s)
     app.include_router(routes_generate.router)
     app.include_router(routes_openai.router)
     app.include_router(routes_control.router)

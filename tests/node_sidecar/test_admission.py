@@ -27,15 +27,16 @@ async def test_closed_refuses_without_hold() -> None:
 async def test_drain_wakes_when_the_last_request_leaves() -> None:
     a = make()
     a.open()
-    await a.enter()
-    await a.enter()
+    first = await a.enter()
+    second = await a.enter()
     a.close()
     drain = asyncio.create_task(a.drain(10))
     await asyncio.sleep(0)
-    a.leave()
+    first.release()
+    first.release()  # a lease is given back once, however often it is released
     await asyncio.sleep(0)
-    assert not drain.done()
-    a.leave()
+    assert not drain.done() and a.num_in_flight == 1
+    second.release()
     assert await asyncio.wait_for(drain, 1) is True
     assert await a.drain(0.01) is True
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -358,3 +359,52 @@ def test_a_bad_reload_is_refused_before_any_drain(sidecars: Sidecars, tmp_path: 
     assert view["in_flight"] == 1 and view["admission"] == "open"  # the running stream was never drained
     httpx.post(sidecar.url + "/abort_request", json={"abort_all": True}, timeout=10)
     assert stream.finish(10).finish_reason == "abort"
+
+
+def _stalled_request(url: str, path: str = "/generate") -> socket.socket:
+    """A request that declares 100 bytes of body and sends 9, then waits."""
+    host, port = url[len("http://"):].rsplit(":", 1)
+    conn = socket.create_connection((host, int(port)), timeout=30)
+    conn.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 "Content-Length: 100\r\n\r\n".encode() + b'{"text": ')
+    return conn
+
+
+def _status_then_close(conn: socket.socket) -> int:
+    data = b""
+    while True:
+        piece = conn.recv(65536)
+        if not piece:
+            break
+        data += piece
+    conn.close()
+    return int(data.split(b" ", 2)[1]) if data else 0
+
+
+def test_a_stalled_body_is_never_in_flight(sidecars: Sidecars) -> None:
+    """A client stalled inside its body is not counted in flight: a release drains at once (it answered 409
+    drain_timeout, abort mode included, for as long as the client stalled); the client gets 408 at its deadline."""
+    sidecar = sidecars.start("--body-timeout", "3")
+    stalled = _stalled_request(sidecar.url)
+    wait_until(lambda: occupation(sidecar)["in_flight"] == 0, timeout=5, what="nothing in flight")
+    released = httpx.post(sidecar.url + "/release_memory_occupation", json={"mode": "wait", "drain_timeout": 1},
+                          timeout=30)
+    assert released.status_code == 200 and released.json()["drained_requests"] == 0, released.text
+    assert httpx.post(sidecar.url + "/resume_memory_occupation", json={}, timeout=30).status_code == 200
+    assert _status_then_close(stalled) == 408
+
+
+def test_a_request_head_must_arrive_in_time(sidecars: Sidecars) -> None:
+    """Thirty connections dribbling their heads (or sending nothing) are closed with 408 at the deadline
+    (uvicorn alone kept them open indefinitely)."""
+    sidecar = sidecars.start("--header-timeout", "1.5")
+    host, port = sidecar.url[len("http://"):].rsplit(":", 1)
+    conns = [socket.create_connection((host, int(port)), timeout=30) for _ in range(30)]
+    started = time.monotonic()
+    for i, conn in enumerate(conns):
+        if i % 2:
+            conn.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+    statuses = [_status_then_close(conn) for conn in conns]
+    assert statuses == [408] * 30
+    assert time.monotonic() - started < 15
+    assert httpx.get(sidecar.url + "/health").status_code == 200  # and the door still opens for others

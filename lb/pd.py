@@ -89,10 +89,7 @@ def merge_input_logprobs(prefill: Any, decode: Any) -> None:
 
 def first_event(raw: bytes) -> Any:
     """The JSON of the first ``data:`` event of an SSE body, or None."""
-    splitter = EventSplitter()
-    events = splitter.feed(raw)
-    events += splitter.finish()[0]
-    for event in events:
+    for event in EventSplitter().feed(raw):
         data = event_data(event)
         if data is not None and data.strip() != DONE:
             try:
@@ -113,8 +110,7 @@ class MergeInputLogprobs(ChunkTransform):
         return b"".join(self._rewrite(event) for event in self._splitter.feed(chunk))
 
     def finish(self) -> bytes:
-        events, rest = self._splitter.finish()
-        return b"".join(self._rewrite(event) for event in events) + rest
+        return self._splitter.finish()
 
     def _rewrite(self, event: bytes) -> bytes:
         data = event_data(event)

@@ -52,8 +52,7 @@ class AsyncHandoffClient(_Base):
                     yield event
                 if decoder.is_done:
                     return
-            for event in decoder.finish():
-                yield event
+            decoder.finish()
 
     async def release(self, tags: list[str] | None = None, *, mode: str = "wait", drain_timeout: float | None = None,
                       stage_to_cpu: bool | None = None, role: str | None = None,

@@ -159,16 +159,14 @@ class _SseDecoder:
             events.append(event)
         return events
 
-    def finish(self) -> list[dict[str, Any]]:
-        """The body ended: the last events, or ``incomplete_stream`` unless ``[DONE]`` came (an event without
-        its blank line is cut short, never parsed; only a final ``[DONE]`` is accepted without it)."""
-        last, rest = self._splitter.finish()
-        events = self._events(last)
+    def finish(self) -> None:
+        """The body ended: ``incomplete_stream`` unless ``[DONE]`` came (an event without its blank line is cut
+        short, never parsed; only a final ``[DONE]`` is accepted without it)."""
+        rest = self._splitter.finish()
         if not self.is_done and event_data(rest.strip()) == DONE:
             self.is_done = True
         if not self.is_done:
             raise HandoffError(200, "incomplete_stream", "the stream ended without [DONE]")
-        return events
 
 
 class _Base:

@@ -52,7 +52,7 @@ class HandoffClient(_Base):
                 yield from decoder.feed(chunk)
                 if decoder.is_done:
                     return
-            yield from decoder.finish()
+            decoder.finish()
 
     def release(self, tags: list[str] | None = None, *, mode: str = "wait", drain_timeout: float | None = None,
                 stage_to_cpu: bool | None = None, role: str | None = None,

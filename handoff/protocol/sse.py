@@ -21,39 +21,43 @@ _LINE_END = re.compile(rb"\r\n|\r|\n")
 
 
 class EventSplitter:
-    """Whole events out of an SSE byte stream fed in arbitrary pieces."""
+    """Whole events out of an SSE byte stream fed in arbitrary pieces.
+
+    An event is handed out as soon as its blank line is in, whatever follows:
+    a CR that ends one read may be half of a CRLF, so an LF starting the next
+    read is taken as its second half (it travels with the next event's bytes,
+    so no byte is lost or added).
+    """
 
     def __init__(self) -> None:
         self._buffer = b""
-        self._scan_from = 0   # where the next line starts in the buffer
+        self._scan_from = 0      # where the next line starts in the buffer
+        self._after_cr = False   # the last read ended with a CR line end
 
     def feed(self, chunk: bytes) -> list[bytes]:
         """The events ``chunk`` completes, each with the line ends that closed it."""
-        return self._split(self._buffer + chunk, is_end=False)
-
-    def finish(self) -> tuple[list[bytes], bytes]:
-        """The stream ended: the events still completed (a last CR), and what is left: an event cut short
-        (or blank lines), else ``b""``."""
-        events = self._split(self._buffer, is_end=True)
-        rest, self._buffer, self._scan_from = self._buffer, b"", 0
-        return events, rest
-
-    def _split(self, buffer: bytes, *, is_end: bool) -> list[bytes]:
+        buffer = self._buffer + chunk
         events: list[bytes] = []
         event_start = 0
         line_start = self._scan_from
+        if self._after_cr and buffer[line_start:line_start + 1] == b"\n":
+            line_start += 1  # the second half of a CRLF cut between two reads
+        is_after_cr = self._after_cr and line_start == len(buffer)
         for match in _LINE_END.finditer(buffer, line_start):
-            if match.group() == b"\r" and match.end() == len(buffer) and not is_end:
-                break  # maybe the first half of a CRLF: decide when the next piece comes
             if match.start() == line_start and line_start > event_start:  # an empty line ends the event
                 events.append(buffer[event_start:match.end()])
                 event_start = match.end()
-            elif match.start() == line_start:  # empty lines between events: kept with the next one
-                pass
             line_start = match.end()
+            is_after_cr = match.group() == b"\r" and line_start == len(buffer)
+        self._after_cr = is_after_cr
         self._buffer = buffer[event_start:]
         self._scan_from = line_start - event_start
         return events
+
+    def finish(self) -> bytes:
+        """The stream ended: what is left, an event cut short (or blank lines), else ``b""``."""
+        rest, self._buffer, self._scan_from, self._after_cr = self._buffer, b"", 0, False
+        return rest
 
 
 def event_data(event: bytes) -> bytes | None:

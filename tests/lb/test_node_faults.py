@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from handoff.protocol.errors import NOT_SERVING_TYPES
 from tests.lb.behaviours import Gate, drop, reply
 from tests.lb.fakes import Exchange, FakeCluster, FakeNode
 from tests.lb.lbproc import LB, node_args, set_members
@@ -113,11 +114,11 @@ def test_a_truncated_answer_is_a_502_naming_the_node(module_fakes: FakeCluster, 
     assert answer.json()["error"]["node"] == node.url
 
 
-@pytest.mark.parametrize("error_type", ["weights_not_loaded", "generation_paused", "node_released",
-                                        "engine_unavailable"])
+@pytest.mark.parametrize("error_type", sorted(NOT_SERVING_TYPES))
 def test_every_admission_refusal_moves_the_request(fakes: FakeCluster, start_lb, error_type: str) -> None:
-    """A node reloaded or paused behind the LB's back answers 503 from its admission: it ran nothing, so the
-    request goes to another node instead of failing while that one serves."""
+    """A node reloaded or paused behind the LB's back answers 503 from its admission (or an engine reached
+    directly from its own checks): it ran nothing, so the request goes to another node instead of failing while
+    that one serves."""
     refusing, serving = fakes.start(2)
     refusing.handlers["/generate"] = reply(503, {"error": {"type": error_type, "message": "not now"}})
     lb = start_lb(*node_args(refusing.url, serving.url), "--policy", "round_robin", "--health-interval", "60",

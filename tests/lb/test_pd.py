@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from tests.lb.behaviours import reply, sse
+from handoff.protocol.sse import EventSplitter, event_data
+from tests.lb.behaviours import Gate, reply, sse
 from tests.lb.fakes import FakeCluster, FakeNode
 from tests.lb.lbproc import LB, node_args, set_members
 
@@ -124,3 +125,31 @@ def test_a_body_that_is_not_json_is_400_in_pd_mode(module_fakes: FakeCluster, sh
     set_members(lb, (prefill.url, "prefill"), (decode.url, "decode"))
     answer = lb.http.post("/generate", content=b"\xff not json")
     assert answer.status_code == 400 and answer.json()["error"]["type"] == "invalid_request"
+
+
+@pytest.mark.parametrize("blank_line", [b"\r\n\r\n", b"\r\r", b"\n\r\n"])
+def test_crlf_streams_are_merged_event_by_event(module_fakes: FakeCluster, shared_lb: LB, blank_line: bytes) -> None:
+    """Events ending in CRLF or CR blank lines are found as they arrive (the relay looked for LF LF only, so it
+    buffered such a stream to its end and merged nothing)."""
+    prefill, decode = module_fakes.start(2)
+    prefill.handlers["/generate"] = sse([b"data: " + json.dumps(PREFILL_ANSWER).encode() + blank_line,
+                                         b"data: [DONE]" + blank_line])
+    gate = Gate(module_fakes)
+    first = b'data: {"text": "a", "meta_info": {"input_token_logprobs": []}}' + blank_line
+    decode.handlers["/generate"] = sse([first, b'data: {"text": "ab", "meta_info": {}}' + blank_line,
+                                        b"data: [DONE]" + blank_line], gate=gate)
+    set_members(shared_lb, (prefill.url, "prefill"), (decode.url, "decode"))
+    body = {"text": "hi", "stream": True, "return_logprob": True}
+    with shared_lb.http.stream("POST", "/generate", json=body) as answer:
+        chunks = answer.iter_bytes()
+        head = next(chunks)  # arrives while the decode node holds the rest: nothing waits for the end
+        assert json.loads(head.split(b"data: ", 1)[1])["meta_info"]["input_token_logprobs"] == \
+            PREFILL_ANSWER["meta_info"]["input_token_logprobs"]
+        gate.open()
+        rest = b"".join(chunks)
+    splitter = EventSplitter()
+    events = [event_data(e) for e in splitter.feed(head + rest)]
+    assert events[-1] == b"[DONE]" and splitter.finish() == b""
+    for event in events[:-1]:
+        merged = json.loads(event)["meta_info"]["input_token_logprobs"]
+        assert merged == PREFILL_ANSWER["meta_info"]["input_token_logprobs"]

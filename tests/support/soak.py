@@ -36,6 +36,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 import httpx
+
+from handoff.protocol.sse import EventSplitter, event_data
 import psutil
 
 from handoff.client import HandoffClient
@@ -220,29 +222,24 @@ class LoadClient(threading.Thread):
 
 
 def _read_sse(response: httpx.Response) -> tuple[list[str], bool, str]:
-    """The ``data:`` payloads before ``[DONE]``, whether ``[DONE]`` came, and any unterminated rest.
-
-    Lines end at LF (or CRLF) only, as SSE says: event text may hold U+2028, U+0085 and the like, which
-    ``str.splitlines`` (and so ``httpx``'s ``iter_lines``) would wrongly split on.
-    """
+    """The ``data:`` payloads before ``[DONE]``, whether ``[DONE]`` came, and any unterminated rest (framing:
+    :class:`handoff.protocol.sse.EventSplitter`, the product's own)."""
     events: list[str] = []
     saw_done = False
-    buffer = ""
-    for text in response.iter_text():
-        buffer += text.replace("\r\n", "\n")
-        while "\n\n" in buffer:
-            frame, buffer = buffer.split("\n\n", 1)
-            for line in frame.split("\n"):
-                if not line.startswith("data:"):
-                    continue
-                data = line[len("data:"):].strip()
-                if saw_done:
-                    return events, False, f"data after [DONE]: {data}"
-                if data == "[DONE]":
-                    saw_done = True
-                else:
-                    events.append(data)
-    return events, saw_done, buffer
+    splitter = EventSplitter()
+    for chunk in response.iter_bytes():
+        for event in splitter.feed(chunk):
+            raw = event_data(event)
+            if raw is None:
+                continue
+            data = raw.decode().strip()
+            if saw_done:
+                return events, False, f"data after [DONE]: {data}"
+            if data == "[DONE]":
+                saw_done = True
+            else:
+                events.append(data)
+    return events, saw_done, splitter.finish().decode(errors="replace")
 
 
 # -- process figures --------------------------------------------------------------------------------------

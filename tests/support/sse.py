@@ -7,21 +7,23 @@ from typing import Any, Iterator
 
 import httpx
 
+from handoff.protocol.sse import EventSplitter, event_data
+
 DONE = "[DONE]"
 
 
 def iter_events(response: httpx.Response) -> Iterator[str]:
-    """The ``data:`` payloads of an SSE response, in order (``[DONE]`` included)."""
-    buffer = ""
-    for chunk in response.iter_text():
-        buffer += chunk
-        while "\n\n" in buffer:
-            frame, buffer = buffer.split("\n\n", 1)
-            for line in frame.replace("\r\n", "\n").split("\n"):  # not splitlines: U+2028 and co. are text
-                if line.startswith("data: "):
-                    yield line[len("data: "):]
-    if buffer.strip():
-        raise AssertionError(f"stream ended inside a frame: {buffer!r}")
+    """The ``data:`` payloads of an SSE response, in order (``[DONE]`` included), framed by the product's own
+    :class:`~handoff.protocol.sse.EventSplitter`."""
+    splitter = EventSplitter()
+    for chunk in response.iter_bytes():
+        for event in splitter.feed(chunk):
+            data = event_data(event)
+            if data is not None:
+                yield data.decode()
+    rest = splitter.finish()
+    if rest.strip():
+        raise AssertionError(f"stream ended inside a frame: {rest!r}")
 
 
 def read_stream(client: httpx.Client, url: str, body: dict[str, Any], **kwargs: Any) -> tuple[list[dict], bool]:

@@ -1,0 +1,59 @@
+"""The one SSE framing: events cut the same wherever the stream is split, for every line-end style."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from handoff.protocol.sse import EventSplitter, event_data
+
+LINE_ENDS = st.sampled_from([b"\n", b"\r\n", b"\r"])
+LINES = st.one_of(st.builds(lambda t: b"data: " + t, st.binary(max_size=12).map(
+    lambda b: b.replace(b"\r", b"").replace(b"\n", b""))), st.just(b": comment"), st.just(b"data: [DONE]"))
+
+
+@st.composite
+def streams(draw: st.DrawFn) -> tuple[bytes, list[list[bytes]]]:
+    """A stream and, per event, its lines (the reference cut)."""
+    events = draw(st.lists(st.lists(LINES, min_size=1, max_size=3), max_size=5))
+    out = b""
+    for lines in events:
+        for line in lines:
+            out += line + draw(LINE_ENDS)
+        blank = draw(LINE_ENDS)
+        if out.endswith(b"\r") and blank == b"\n":  # CR then LF is one CRLF, not a blank line
+            blank = b"\r"
+        out += blank
+    return out, events
+
+
+def split(stream: bytes, cuts: list[int]) -> tuple[list[bytes], bytes]:
+    splitter = EventSplitter()
+    out: list[bytes] = []
+    previous = 0
+    for cut in sorted(set(cuts)) + [len(stream)]:
+        out += splitter.feed(stream[previous:cut])
+        previous = cut
+    return out, splitter.finish()
+
+
+@settings(max_examples=500, deadline=None)
+@given(streams(), st.lists(st.integers(min_value=0, max_value=200), max_size=10))
+def test_events_are_the_same_wherever_the_stream_is_cut(case: tuple[bytes, list[list[bytes]]],
+                                                        cuts: list[int]) -> None:
+    stream, expected = case
+    events, rest = split(stream, [c for c in cuts if c <= len(stream)])
+    whole, whole_rest = split(stream, [])
+    assert b"".join(events) + rest == stream  # no byte lost or added
+    assert [event_data(e) for e in events] == [event_data(e) for e in whole]
+    data = [b"\n".join(line[6:] for line in lines if line.startswith(b"data: "))
+            if any(line.startswith(b"data: ") for line in lines) else None for lines in expected]
+    assert [event_data(e) for e in events] == data
+    assert rest.strip(b"\r\n") == b""
+
+
+def test_an_event_ending_in_cr_cr_is_out_before_the_next_byte() -> None:
+    splitter = EventSplitter()
+    assert splitter.feed(b"data: a\r\r") == [b"data: a\r\r"]
+    assert splitter.feed(b"\ndata: b\r\n\r\n") == [b"\ndata: b\r\n\r\n"]  # that LF finished the CRLF
+    assert event_data(b"\ndata: b\r\n\r\n") == b"b"

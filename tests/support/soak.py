@@ -36,11 +36,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 import httpx
-
-from handoff.protocol.sse import EventSplitter, event_data
 import psutil
 
 from handoff.client import HandoffClient
+from handoff.protocol.sse import EventSplitter, event_data
 from handoff.cluster.local import ClusterSpec, LocalCluster
 from handoff.cluster.process import wait_until
 

@@ -96,11 +96,13 @@ class Node:
     def record_error(self, message: str) -> None:
         self.last_error = message
 
-    def begin_request(self) -> None:
+    def begin_request(self) -> RequestLease:
+        """Count a generation request in flight here until the returned lease is released."""
         self.num_inflight += 1
         self._inflight_gauge.inc()
+        return RequestLease(self)
 
-    def end_request(self) -> None:
+    def _end_request(self) -> None:
         self.num_inflight -= 1
         self._inflight_gauge.dec()
 
@@ -122,6 +124,45 @@ class Node:
 
     def mark_seen(self) -> None:
         self.last_seen = time.time()
+
+
+class RequestLease:
+    """A generation request's place in a node's in-flight count, given back once by whoever holds it last.
+
+    Use it as a context manager around the work that sends the request; a
+    response that goes on relaying after the handler returned takes it with
+    :meth:`hand_over`, and the block's exit then leaves it alone.
+    """
+
+    __slots__ = ("node", "_is_released")
+
+    def __init__(self, node: Node) -> None:
+        self.node = node
+        self._is_released = False
+
+    def release(self) -> None:
+        if not self._is_released:
+            self._is_released = True
+            self.node._end_request()
+
+    def hand_over(self) -> RequestLease:
+        """The same place, owned by a new lease; this one no longer releases it."""
+        if self._is_released:
+            raise RuntimeError(f"request lease on {self.node.url} was already released")
+        self._is_released = True
+        return RequestLease._owning(self.node)
+
+    @classmethod
+    def _owning(cls, node: Node) -> RequestLease:
+        lease = cls.__new__(cls)
+        lease.node, lease._is_released = node, False
+        return lease
+
+    def __enter__(self) -> RequestLease:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.release()
 
 
 class Fence:

@@ -26,7 +26,7 @@ from handoff.service.peer_json import PeerJSONError, loads_bounded
 from handoff.service.upstream import UpstreamResponse
 from lb.config import Role
 from lb.errors import UpstreamFailed
-from lb.membership import Node
+from lb.membership import Node, RequestLease
 from lb.relay import (
     ChunkTransform,
     NodeCaller,
@@ -138,10 +138,7 @@ class PDDispatcher:
             prefill = self._router.pick(Role.PREFILL, tried[Role.PREFILL])
             decode = self._router.pick(Role.DECODE, tried[Role.DECODE])
             data = json.dumps(with_bootstrap(payload, prefill)).encode()
-            prefill.begin_request()
-            decode.begin_request()
-            ends_both = True
-            try:
+            with prefill.begin_request() as prefill_lease, decode.begin_request() as decode_lease:
                 prefill_out, decode_out = await self._call_pair(prefill, decode, path, data, headers)
                 if not (isinstance(prefill_out, UpstreamResponse) and isinstance(decode_out, UpstreamResponse)):
                     final = _settle_failed_pair(prefill_out, decode_out)
@@ -151,12 +148,8 @@ class PDDispatcher:
                         if isinstance(out, Reroute):
                             tried[node.role].append(node)
                     continue
-                ends_both = False
-                return await self._answer(path, prefill, prefill_out, decode, decode_out, wants_logprobs, watch)
-            finally:
-                if ends_both:
-                    prefill.end_request()
-                    decode.end_request()
+                return await self._answer(path, prefill_lease.hand_over(), prefill_out, decode_lease.hand_over(),
+                                          decode_out, wants_logprobs, watch)
 
     async def _call_pair(self, prefill: Node, decode: Node, path: str, data: bytes,
                          headers: Mapping[str, str]) -> tuple[Outcome, Outcome]:
@@ -183,36 +176,39 @@ class PDDispatcher:
             raise
         return prefill_out, decode_out
 
-    async def _answer(self, path: str, prefill: Node, prefill_up: UpstreamResponse, decode: Node,
-                      decode_up: UpstreamResponse, wants_logprobs: bool, watch: DisconnectWatch) -> Response:
-        """Both nodes took the request; owns both responses and their in-flight counts from here."""
+    async def _answer(self, path: str, prefill_lease: RequestLease, prefill_up: UpstreamResponse,
+                      decode_lease: RequestLease, decode_up: UpstreamResponse, wants_logprobs: bool,
+                      watch: DisconnectWatch) -> Response:
+        """Both nodes took the request; owns both responses and both in-flight leases from here."""
+        prefill, decode = prefill_lease.node, decode_lease.node
         if is_event_stream(decode_up):
             transform = None
             on_close = None
             try:
                 if wants_logprobs:
-                    transform = MergeInputLogprobs(first_event(await self._read_prefill(prefill, prefill_up, path)))
+                    raw = await self._read_prefill(prefill_lease, prefill_up, path)
+                    transform = MergeInputLogprobs(first_event(raw))
                 else:
-                    drain = asyncio.ensure_future(self._drain(prefill, prefill_up, path))
+                    drain = asyncio.ensure_future(self._drain(prefill_lease, prefill_up, path))
                     self._drains.add(drain)
                     drain.add_done_callback(self._drains.discard)
                     on_close = _cancel_if_aborted(drain)
             except BaseException:
                 decode_up.close()
-                decode.end_request()
+                decode_lease.release()
                 raise
-            return RelayResponse(decode_up, decode, path, watch, transform=transform, on_close=on_close)
+            return RelayResponse(decode_up, decode_lease, path, watch, transform=transform, on_close=on_close)
         # both bodies are already streaming into their connections: reading one after the other costs no time
-        try:
+        with decode_lease:
             try:
-                prefill_raw: bytes | ServiceError = await self._read_prefill(prefill, prefill_up, path)
-            except ServiceError as exc:
-                prefill_raw = exc
-            decode_raw = await self._caller.read_body(decode, decode_up, path)
-        finally:
-            prefill_up.close()
-            decode_up.close()
-            decode.end_request()
+                try:
+                    prefill_raw: bytes | ServiceError = await self._read_prefill(prefill_lease, prefill_up, path)
+                except ServiceError as exc:
+                    prefill_raw = exc
+                decode_raw = await self._caller.read_body(decode, decode_up, path)
+            finally:
+                prefill_up.close()
+                decode_up.close()
         if isinstance(prefill_raw, ServiceError) and not wants_logprobs:
             log.warning("prefill answer lost, answering with the decode node's: %s", prefill_raw)
         if not wants_logprobs or not 200 <= decode_up.status < 300:
@@ -227,19 +223,18 @@ class PDDispatcher:
         return Response(json.dumps(merged).encode(), status_code=decode_up.status,
                         media_type="application/json")
 
-    async def _read_prefill(self, node: Node, upstream: UpstreamResponse, path: str) -> bytes:
-        try:
+    async def _read_prefill(self, lease: RequestLease, upstream: UpstreamResponse, path: str) -> bytes:
+        node = lease.node
+        with lease:
             raw = await self._caller.read_body(node, upstream, path)
-        finally:
-            node.end_request()
         if not 200 <= upstream.status < 300:
             raise UpstreamFailed(f"prefill node {node.url} answered {upstream.status} on {path}: "
                                  f"{raw[:512].decode('utf-8', 'replace')}", extra={"node": node.url})
         return raw
 
-    async def _drain(self, node: Node, upstream: UpstreamResponse, path: str) -> None:
+    async def _drain(self, lease: RequestLease, upstream: UpstreamResponse, path: str) -> None:
         try:
-            await self._read_prefill(node, upstream, path)
+            await self._read_prefill(lease, upstream, path)
         except ServiceError as exc:  # the client already has the decode stream: log, nothing to answer
             log.warning("prefill answer lost while the decode stream went on: %s", exc.message)
         finally:

@@ -81,19 +81,13 @@ class GenerationProxy:
         while True:
             node = self._router.pick(Role.MIXED, tried)
             tried.append(node)
-            node.begin_request()
-            is_handed_over = False
-            try:
+            with node.begin_request() as lease:
                 outcome = await self._caller.call(node, path, body, headers)
                 if isinstance(outcome, Reroute):
                     continue
                 if isinstance(outcome, UpstreamResponse):
                     if is_event_stream(outcome):
-                        is_handed_over = True
-                        return RelayResponse(outcome, node, path, watch)
+                        return RelayResponse(outcome, lease.hand_over(), path, watch)
                     return buffered_response(outcome, await self._caller.read_body(node, outcome, path))
                 return outcome
-            finally:
-                if not is_handed_over:
-                    node.end_request()
 

@@ -37,7 +37,7 @@ from handoff.service.upstream import (
 )
 from lb.errors import UpstreamFailed, UpstreamTimedOut
 from lb.health import HealthMonitor
-from lb.membership import Node
+from lb.membership import Node, RequestLease
 from lb.metrics import LBMetrics
 
 log = logging.getLogger(__name__)
@@ -168,16 +168,18 @@ class ChunkTransform:
 
 
 class RelayResponse(Response):
-    """Streams ``upstream`` to the client as it arrives; owns the upstream and the watch from here on."""
+    """Streams ``upstream`` to the client as it arrives; owns the upstream, the node's in-flight lease and the
+    watch from here on."""
 
-    def __init__(self, upstream: UpstreamResponse, node: Node, path: str, watch: DisconnectWatch, *,
+    def __init__(self, upstream: UpstreamResponse, lease: RequestLease, path: str, watch: DisconnectWatch, *,
                  transform: ChunkTransform | None = None,
                  on_close: Callable[[bool], None] | None = None) -> None:
         self.status_code = upstream.status
         self.raw_headers = relayed_headers(upstream)
         self.background = None
         self._upstream = upstream
-        self._node = node
+        self._lease = lease
+        self._node = lease.node
         self._path = path
         self._watch = watch
         self._transform = transform or ChunkTransform()
@@ -207,6 +209,6 @@ class RelayResponse(Response):
         finally:
             self._watch.stop()
             upstream.close()
-            self._node.end_request()
+            self._lease.release()
             if self._on_close is not None:
                 self._on_close(self._watch.is_disconnected)

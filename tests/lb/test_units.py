@@ -194,3 +194,16 @@ def test_unhealthy_nodes_count_as_unknown_in_the_aggregate() -> None:
     down.set_health(NodeHealth.UNHEALTHY)
     weights = cluster_occupation([good, down])["tags"]["weights"]
     assert (weights["released"], weights["unknown"], weights["bytes"]) == (1, 1, 0)
+
+
+def test_a_request_lease_is_given_back_once_by_its_last_holder() -> None:
+    _, (node,) = make_nodes("http://a:1")
+    with node.begin_request() as lease:
+        assert node.num_inflight == 1
+        relay = lease.hand_over()  # a streaming response takes it on
+    assert node.num_inflight == 1  # the block's exit left it to the relay
+    relay.release()
+    relay.release()
+    assert node.num_inflight == 0
+    with pytest.raises(RuntimeError, match="already released"):
+        relay.hand_over()

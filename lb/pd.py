@@ -23,18 +23,12 @@ from handoff.protocol.sse import DONE, EventSplitter, data_event, event_data
 from handoff.service.disconnect import DisconnectWatch
 from handoff.service.errors import InvalidRequest, ServiceError, parse_json_bytes
 from handoff.service.peer_json import PeerJSONError, loads_bounded
+from handoff.service.relay import ChunkTransform
 from handoff.service.upstream import UpstreamResponse
 from lb.config import Role
 from lb.errors import UpstreamFailed
 from lb.membership import Node, RequestLease
-from lb.relay import (
-    ChunkTransform,
-    NodeCaller,
-    RelayResponse,
-    Reroute,
-    buffered_response,
-    is_event_stream,
-)
+from lb.relay import NodeCaller, Reroute, buffered_response, is_event_stream, relay_stream
 from lb.routing import Router
 
 log = logging.getLogger(__name__)
@@ -197,7 +191,7 @@ class PDDispatcher:
                 decode_up.close()
                 decode_lease.release()
                 raise
-            return RelayResponse(decode_up, decode_lease, path, watch, transform=transform, on_close=on_close)
+            return relay_stream(decode_up, decode_lease, path, watch, transform=transform, on_close=on_close)
         # both bodies are already streaming into their connections: reading one after the other costs no time
         with decode_lease:
             try:

@@ -17,18 +17,19 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from handoff.service.disconnect import DisconnectWatch
+from handoff.service.relay import StreamRelay
 from handoff.service.upstream import UpstreamResponse
 from lb.config import Role
 from lb.membership import Membership, Node
 from lb.pd import PDDispatcher
 from lb.relay import (
     NodeCaller,
-    RelayResponse,
     Reroute,
     buffered_response,
     client_gone_response,
     headers_to_node,
     is_event_stream,
+    relay_stream,
 )
 from lb.routing import Router
 
@@ -64,7 +65,7 @@ class GenerationProxy:
                 response = await self._pd.dispatch(path, body, headers, watch)
             else:
                 response = await self._dispatch_mixed(path, body, headers, watch)
-            is_handed_over = isinstance(response, RelayResponse)
+            is_handed_over = isinstance(response, StreamRelay)
             return response
         except asyncio.CancelledError:
             if not watch.is_disconnected:
@@ -87,7 +88,7 @@ class GenerationProxy:
                     continue
                 if isinstance(outcome, UpstreamResponse):
                     if is_event_stream(outcome):
-                        return RelayResponse(outcome, lease.hand_over(), path, watch)
+                        return relay_stream(outcome, lease.hand_over(), path, watch)
                     return buffered_response(outcome, await self._caller.read_body(node, outcome, path))
                 return outcome
 

@@ -8,8 +8,9 @@
   was refused or could not be made in time, or a sidecar's admission refused
   it with a 503 of :data:`handoff.protocol.errors.NOT_SERVING_TYPES`: in every
   case the node ran nothing).
-- :class:`RelayResponse` streams the node's body to the client chunk by chunk
-  as it arrives; a node failing mid-stream ends it with an SSE error event.
+- :func:`relay_stream` streams the node's body to the client chunk by chunk
+  as it arrives (:class:`handoff.service.relay.StreamRelay`, shared with the
+  sidecar); a node failing mid-stream ends it with an SSE error event.
 """
 
 from __future__ import annotations
@@ -21,13 +22,12 @@ import logging
 from typing import Callable, Mapping, Sequence
 
 from starlette.responses import Response
-from starlette.types import Receive, Scope, Send
 
 from handoff.protocol import errors as E
 from handoff.protocol.errors import NOT_SERVING_TYPES
 from handoff.service.disconnect import DisconnectWatch
 from handoff.service.peer_json import PeerJSONError, loads_bounded
-from handoff.service.relay import relayed_headers
+from handoff.service.relay import ChunkTransform, StreamRelay, relayed_headers, sse_error_event
 from handoff.service.upstream import (
     ConnectFailed,
     UpstreamClient,
@@ -69,10 +69,6 @@ def buffered_response(upstream: UpstreamResponse, body: bytes) -> Response:
 
 def is_event_stream(upstream: UpstreamResponse) -> bool:
     return upstream.content_type.startswith("text/event-stream")
-
-
-def sse_error_event(error_type: str, message: str) -> bytes:
-    return b"data: " + json.dumps({"error": {"type": error_type, "message": message}}).encode() + b"\n\n"
 
 
 def translate(node: Node, path: str, exc: UpstreamError, timeout_s: float) -> UpstreamFailed | UpstreamTimedOut:
@@ -157,58 +153,21 @@ def _error_type(raw: bytes) -> str | None:
     return error.get("type") if isinstance(error, dict) else None
 
 
-class ChunkTransform:
-    """Rewrites a relayed body on the way (PD logprob merging); the default passes bytes through."""
-
-    def feed(self, chunk: bytes) -> bytes:
-        return chunk
-
-    def finish(self) -> bytes:
-        return b""
-
-
-class RelayResponse(Response):
-    """Streams ``upstream`` to the client as it arrives; owns the upstream, the node's in-flight lease and the
-    watch from here on."""
-
-    def __init__(self, upstream: UpstreamResponse, lease: RequestLease, path: str, watch: DisconnectWatch, *,
+def relay_stream(upstream: UpstreamResponse, lease: RequestLease, path: str, watch: DisconnectWatch, *,
                  transform: ChunkTransform | None = None,
-                 on_close: Callable[[bool], None] | None = None) -> None:
-        self.status_code = upstream.status
-        self.raw_headers = relayed_headers(upstream)
-        self.background = None
-        self._upstream = upstream
-        self._lease = lease
-        self._node = lease.node
-        self._path = path
-        self._watch = watch
-        self._transform = transform or ChunkTransform()
-        self._on_close = on_close
+                 on_close: Callable[[bool], None] | None = None) -> StreamRelay:
+    """A node's stream relayed to the client; the relay owns the upstream, the node's in-flight lease and the
+    watch from here on. A node failing mid-stream ends it with an ``upstream_error`` event naming the node."""
+    node = lease.node
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        upstream, transform = self._upstream, self._transform
-        try:
-            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-            while chunk := await upstream.next_chunk():
-                out = transform.feed(chunk)
-                if out:
-                    await send({"type": "http.response.body", "body": out, "more_body": True})
-            self._watch.finish()
-            await send({"type": "http.response.body", "body": transform.finish(), "more_body": False})
-        except UpstreamError as exc:
-            log.warning("%s failed mid-stream on %s: %s", self._node.url, self._path, exc)
-            self._node.record_error(str(exc))
-            self._watch.finish()
-            message = f"{self._node.url} failed after the stream started: {exc}"
-            await send({"type": "http.response.body", "body": sse_error_event(E.UPSTREAM_ERROR.name, message),
-                        "more_body": False})
-        except asyncio.CancelledError:
-            if not self._watch.is_disconnected:
-                raise
-            self._watch.absorb_cancel()
-        finally:
-            self._watch.stop()
-            upstream.close()
-            self._lease.release()
-            if self._on_close is not None:
-                self._on_close(self._watch.is_disconnected)
+    def failed(exc: UpstreamError) -> bytes:
+        log.warning("%s failed mid-stream on %s: %s", node.url, path, exc)
+        node.record_error(str(exc))
+        return sse_error_event(E.UPSTREAM_ERROR.name, f"{node.url} failed after the stream started: {exc}")
+
+    def closed(is_disconnected: bool) -> None:
+        lease.release()
+        if on_close is not None:
+            on_close(is_disconnected)
+
+    return StreamRelay(upstream, on_failure=failed, on_close=closed, watch=watch, transform=transform)

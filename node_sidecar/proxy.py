@@ -10,18 +10,17 @@ mid-stream ends the stream with an error event, never a silent cut.
 from __future__ import annotations
 
 import asyncio
-import json
-from typing import Any, AsyncIterator, Callable
+from typing import Any, Callable
 
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from handoff.protocol import errors as E
 from handoff.service.disconnect import DisconnectWatch
-from handoff.service.errors import error_envelope
-from handoff.service.relay import relayed_headers
+from handoff.service.relay import StreamRelay, relayed_headers, sse_error_event
 from handoff.service.upstream import UpstreamError, UpstreamResponse
+from node_sidecar.admission import InFlight
 from node_sidecar.node import Node
 
 CLIENT_CLOSED = 499
@@ -55,48 +54,16 @@ class _CountedResponse(Response):
             self._on_done()
 
 
-class _RelayedStream(StreamingResponse):
-    """The engine's stream, relayed; ``on_done`` runs after the last byte or the client's disconnect.
+def _relayed_stream(node: Node, upstream: UpstreamResponse, lease: InFlight) -> StreamRelay:
+    """The engine's stream, relayed; the lease is given back after the last byte or the client's disconnect.
+    An engine failing mid-stream ends it with an ``engine_unavailable`` event."""
 
-    Starlette's own ``__call__`` hears a disconnect (under ASGI 2.3, which
-    uvicorn speaks) through an anyio task group per stream, a large share of
-    the sidecar's CPU per stream. Here a :class:`DisconnectWatch` cancels the
-    relay instead, and the engine connection is closed on the way out.
-    """
+    def failed(exc: UpstreamError) -> bytes:
+        node.mark_unreachable(exc)
+        return sse_error_event(E.ENGINE_UNAVAILABLE.name, f"the engine failed mid-stream: {exc}")
 
-    def __init__(self, node: Node, upstream: UpstreamResponse, on_done: Callable[[], None]) -> None:
-        super().__init__(self._chunks(), status_code=upstream.status)
-        self.raw_headers = relayed_headers(upstream, default_type=b"application/json")
-        self._node = node
-        self._upstream = upstream
-        self._on_done = on_done
-
-    async def _chunks(self) -> AsyncIterator[bytes]:
-        try:
-            async for chunk in self._upstream.aiter_bytes():
-                yield chunk
-        except UpstreamError as exc:
-            self._node.mark_unreachable(exc)
-            # An error event and no [DONE]: [DONE] means the answer is complete.
-            error = error_envelope(E.ENGINE_UNAVAILABLE.name, f"the engine failed mid-stream: {exc}")
-            yield b"data: " + json.dumps(error).encode() + b"\n\n"
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        watch = DisconnectWatch(receive)
-        try:
-            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-            async for chunk in self.body_iterator:
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            watch.finish()
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-        except asyncio.CancelledError:
-            if not watch.is_disconnected:
-                raise
-            watch.absorb_cancel()
-        finally:
-            watch.stop()
-            self._upstream.close()  # a stream cut short closes the engine connection: the engine aborts
-            self._on_done()
+    return StreamRelay(upstream, on_failure=failed, on_close=lambda _: lease.release(),
+                       default_type=b"application/json")
 
 
 async def relay_generation(node: Node, request: Request, path: str, on_status: Callable[[int], None]) -> Response:
@@ -124,7 +91,7 @@ async def relay_generation(node: Node, request: Request, path: str, on_status: C
         on_status(upstream.status)
         if upstream.content_type.startswith("text/event-stream"):
             watch.stop()  # the stream's own watcher takes over
-            return _RelayedStream(node, upstream, lease.release)
+            return _relayed_stream(node, upstream, lease)
         content = await node.engine.read(upstream, MAX_ANSWER_BYTES)
     except asyncio.CancelledError:
         lease.release()

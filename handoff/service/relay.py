@@ -1,14 +1,35 @@
-"""What a relay (the LB in front of a node, the sidecar in front of its engine) passes back from a peer's answer.
+"""Relaying a peer's answer to the client: the one mechanism of the LB (in front of a node) and the sidecar
+(in front of its engine).
 
-Only the headers that describe the relayed bytes or ask something of the
-client: its type and encoding (a gzip body stays a gzip body), caching, a
-``Retry-After`` and the request id. Framing headers (length, chunking,
-connection) are the relay's own; anything else a peer says stays with it.
+- :data:`RELAYED_RESPONSE_HEADERS`: what passes back from a peer's answer: the
+  headers that describe the relayed bytes or ask something of the client (its
+  type and encoding, so a gzip body stays a gzip body; caching; a
+  ``Retry-After``; the request id). Framing headers (length, chunking,
+  connection) are the relay's own; anything else a peer says stays with it.
+- :class:`StreamRelay`: a streamed answer, chunk by chunk as it arrives. A
+  client that goes away cancels it (a :class:`DisconnectWatch`, not
+  Starlette's task group per stream, which cost a large share of the CPU per
+  stream); the peer's connection is closed on the way out, which is how a node
+  or an engine learns to abort. A peer failing mid-stream ends the stream
+  with one error event and no ``[DONE]``: ``[DONE]`` means the answer is
+  complete.
 """
 
 from __future__ import annotations
 
-from handoff.service.upstream import UpstreamResponse
+import asyncio
+import json
+import logging
+from typing import Callable
+
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from handoff.service.disconnect import DisconnectWatch
+from handoff.service.errors import error_envelope
+from handoff.service.upstream import UpstreamError, UpstreamResponse
+
+log = logging.getLogger(__name__)
 
 RELAYED_RESPONSE_HEADERS = frozenset({b"content-type", b"content-encoding", b"cache-control", b"retry-after",
                                       b"x-request-id"})
@@ -20,3 +41,63 @@ def relayed_headers(upstream: UpstreamResponse, *, default_type: bytes | None = 
     if default_type is not None and not any(name == b"content-type" for name, _ in headers):
         headers.append((b"content-type", default_type))
     return headers
+
+
+def sse_error_event(error_type: str, message: str) -> bytes:
+    return b"data: " + json.dumps(error_envelope(error_type, message)).encode() + b"\n\n"
+
+
+class ChunkTransform:
+    """Rewrites a relayed body on the way (the LB's PD logprob merging); the default passes bytes through."""
+
+    def feed(self, chunk: bytes) -> bytes:
+        return chunk
+
+    def finish(self) -> bytes:
+        return b""
+
+
+class StreamRelay(Response):
+    """Streams ``upstream`` to the client as it arrives; owns the upstream (and ``watch``) from here on.
+
+    ``on_failure(exc)`` turns a peer failing mid-stream into the final error
+    event (and records it where the caller wants); ``on_close(is_disconnected)``
+    runs once at the end, whatever happened (an in-flight lease is released
+    there). ``watch``: the one the handler started, if any; else one is
+    started here.
+    """
+
+    def __init__(self, upstream: UpstreamResponse, *, on_failure: Callable[[UpstreamError], bytes],
+                 on_close: Callable[[bool], None], watch: DisconnectWatch | None = None,
+                 transform: ChunkTransform | None = None, default_type: bytes | None = None) -> None:
+        self.status_code = upstream.status
+        self.raw_headers = relayed_headers(upstream, default_type=default_type)
+        self.background = None
+        self._upstream = upstream
+        self._on_failure = on_failure
+        self._on_close = on_close
+        self._watch = watch
+        self._transform = transform or ChunkTransform()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        upstream, transform = self._upstream, self._transform
+        watch = self._watch or DisconnectWatch(receive)
+        try:
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            while chunk := await upstream.next_chunk():
+                out = transform.feed(chunk)
+                if out:
+                    await send({"type": "http.response.body", "body": out, "more_body": True})
+            watch.finish()
+            await send({"type": "http.response.body", "body": transform.finish(), "more_body": False})
+        except UpstreamError as exc:
+            watch.finish()
+            await send({"type": "http.response.body", "body": self._on_failure(exc), "more_body": False})
+        except asyncio.CancelledError:
+            if not watch.is_disconnected:
+                raise
+            watch.absorb_cancel()
+        finally:
+            watch.stop()
+            upstream.close()  # a stream cut short closes the peer's connection: the peer aborts
+            self._on_close(watch.is_disconnected)

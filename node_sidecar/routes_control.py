@@ -1,0 +1,125 @@
+"""The sidecar's control endpoints (SPEC section 3): admin token, strict bodies, one call at a time.
+
+The work is :class:`~node_sidecar.control.ControlPlane`'s; here the bodies are
+parsed, tag lists read (null: all, ``[]``: none) and a drain bounded by the
+caller's deadline (:data:`~handoff.protocol.control.DEADLINE_HEADER`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from fastapi import APIRouter, Request
+from starlette.responses import JSONResponse, Response
+
+from handoff.protocol.control import (
+    DEADLINE_HEADER,
+    AbortBody,
+    PauseBody,
+    ReleaseBody,
+    ResumeBody,
+    UpdateWeightsFromDiskBody,
+)
+from handoff.protocol.tags import UnknownTag, parse_tags
+from handoff.service.auth import BearerToken
+from handoff.service.bodies import openapi_body, parse_body, parse_value
+from handoff.service.errors import InvalidRequest, parse_json_bytes
+from node_sidecar.config import SidecarConfig
+from node_sidecar.control import ControlPlane, DrainLimit
+from node_sidecar.metrics import SidecarMetrics
+from node_sidecar.proxy import forward
+
+CONTROL_BODIES = [ReleaseBody, ResumeBody, PauseBody, UpdateWeightsFromDiskBody, AbortBody]
+
+
+def answer_by(request: Request) -> float | None:
+    """When the caller stops waiting (event-loop time), from :data:`DEADLINE_HEADER`, less a margin for the work
+    after the drain and the answer's way back; None without a usable header."""
+    try:
+        deadline = float(request.headers.get(DEADLINE_HEADER, "nan"))
+    except ValueError:
+        return None
+    if not 0 < deadline < float("inf"):
+        return None
+    margin = min(max(0.5, 0.1 * deadline), deadline / 2)
+    return asyncio.get_running_loop().time() + deadline - margin
+
+
+def _tags(names: list[str] | None) -> list[str] | None:
+    """Tag names in canonical order; None (all) stays None, ``[]`` is no tag."""
+    try:
+        tags = parse_tags(names)
+    except UnknownTag as exc:
+        raise InvalidRequest(str(exc)) from exc
+    return None if tags is None else [tag.value for tag in tags]
+
+
+def control_router(config: SidecarConfig, metrics: SidecarMetrics, admin: BearerToken) -> APIRouter:
+    router = APIRouter()
+
+    def control_of(request: Request) -> ControlPlane:
+        return request.app.state.control
+
+    def drain_limit(request: Request, value: float | None) -> DrainLimit:
+        """The body's ``drain_timeout`` (or the default), cut to what the caller's deadline header leaves."""
+        if value is not None and value > config.max_drain_timeout:
+            raise InvalidRequest(f"drain_timeout must be at most {config.max_drain_timeout:g} s")
+        return DrainLimit(config.drain_timeout if value is None else value, answer_by(request))
+
+    @router.post("/release_memory_occupation", openapi_extra=openapi_body(ReleaseBody, required=False))
+    async def release(request: Request) -> JSONResponse:
+        admin.check(request)
+        body = await parse_body(request, ReleaseBody, empty_ok=True)
+        answer = await control_of(request).release(_tags(body.tags), mode=body.mode,
+                                                   drain=drain_limit(request, body.drain_timeout),
+                                                   stage_to_cpu=body.stage_to_cpu)
+        metrics.control_calls.labels("release_memory_occupation", "200").inc()
+        return JSONResponse(answer)
+
+    @router.post("/resume_memory_occupation", openapi_extra=openapi_body(ResumeBody, required=False))
+    async def resume(request: Request) -> JSONResponse:
+        admin.check(request)
+        body = await parse_body(request, ResumeBody, empty_ok=True)
+        answer = await control_of(request).resume(_tags(body.tags))
+        metrics.control_calls.labels("resume_memory_occupation", "200").inc()
+        return JSONResponse(answer)
+
+    @router.post("/update_weights_from_disk", openapi_extra=openapi_body(UpdateWeightsFromDiskBody))
+    async def update_weights(request: Request) -> JSONResponse:
+        admin.check(request)
+        raw = await request.body()
+        body = parse_value(parse_json_bytes(raw) if raw.strip() else None, UpdateWeightsFromDiskBody)
+        engine_body = body.model_dump(exclude={"drain_timeout", "dry_run"}, exclude_none=True)
+        control = control_of(request)
+        if body.dry_run:  # only the check: nothing drains, nothing loads
+            return JSONResponse(await control.node.engine.call("POST", "/update_weights_from_disk",
+                                                               {**engine_body, "dry_run": True}))
+        answer = await control.update_weights(engine_body, drain=drain_limit(request, body.drain_timeout))
+        metrics.control_calls.labels("update_weights_from_disk", "200").inc()
+        return JSONResponse(answer)
+
+    @router.post("/pause_generation", openapi_extra=openapi_body(PauseBody, required=False))
+    async def pause_generation(request: Request) -> JSONResponse:
+        admin.check(request)
+        body = await parse_body(request, PauseBody, empty_ok=True)
+        return JSONResponse(await control_of(request).pause(mode=body.mode,
+                                                            drain=drain_limit(request, body.drain_timeout)))
+
+    @router.post("/continue_generation")
+    async def continue_generation(request: Request) -> JSONResponse:
+        admin.check(request)
+        return JSONResponse(await control_of(request).resume_generation())
+
+    async def flush_cache(request: Request) -> JSONResponse:
+        admin.check(request)
+        return JSONResponse(await control_of(request).flush_cache())
+
+    for method in ("GET", "POST"):  # one route per method: one operation id each in the schema
+        router.add_api_route("/flush_cache", flush_cache, methods=[method], name=f"flush_cache_{method.lower()}")
+
+    @router.post("/abort_request", openapi_extra=openapi_body(AbortBody))
+    async def abort_request(request: Request) -> Response:
+        admin.check(request)
+        return await forward(control_of(request).node, request, "/abort_request")
+
+    return router

@@ -1,0 +1,101 @@
+"""The sidecar's views and probes: ``/memory_occupation``, ``/health``, ``/ready``, ``/health_generate``,
+``/metrics`` and the engine's info endpoints passed through."""
+
+from __future__ import annotations
+
+import psutil
+from fastapi import APIRouter, Request
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+
+from handoff.service.auth import BearerToken
+from handoff.service.upstream import UpstreamError
+from node_sidecar.errors import EngineUnavailable
+from node_sidecar.metrics import SidecarMetrics
+from node_sidecar.node import Node
+from node_sidecar.proxy import forward
+from node_sidecar.state import TAGS, TagState
+
+
+def views_router(metrics: SidecarMetrics, admin: BearerToken, api_key: BearerToken) -> APIRouter:
+    router = APIRouter()
+
+    def node_of(request: Request) -> Node:
+        return request.app.state.node
+
+    @router.get("/health_generate")
+    async def health_generate(request: Request) -> JSONResponse:
+        """One-token generation while serving; while not serving, the reason, without touching the engine."""
+        api_key.check(request, also=admin)  # the admin token authorizes everything
+        node = node_of(request)
+        lease = node.admission.try_enter()
+        if lease is None:
+            released = [t for t in TAGS if node.state.tags[t] is not TagState.RESIDENT]
+            status = 503 if not node.state.is_engine_reachable else 200
+            return JSONResponse({"serving": False, "reason": node.state.not_serving_reason().value,
+                                 "released": released}, status_code=status)
+        try:
+            answer = await node.engine.call("POST", "/generate", {"input_ids": [0], "sampling_params": {
+                "max_new_tokens": 1, "temperature": 0}}, timeout=30)
+        finally:
+            lease.release()
+        meta = answer.get("meta_info")
+        return JSONResponse({"serving": True, "success": True,
+                             "weight_version": meta.get("weight_version") if isinstance(meta, dict) else None})
+
+    @router.get("/v1/models")
+    async def models(request: Request) -> Response:
+        return await forward(node_of(request), request, "/v1/models")
+
+    @router.get("/get_server_info")
+    async def get_server_info(request: Request) -> Response:
+        return await forward(node_of(request), request, "/get_server_info")
+
+    @router.get("/memory_occupation")
+    async def memory_occupation(request: Request) -> JSONResponse:
+        node = node_of(request)
+        engine_view: dict = {}
+        if node.state.is_engine_reachable:
+            try:
+                engine_view = await node.engine.call("GET", "/memory_occupation", timeout=5)
+            except EngineUnavailable:
+                engine_view = {}
+        view = node.state_view()
+        engine_tags = engine_view.get("tags")
+        if node.state.is_synced and isinstance(engine_tags, dict):
+            for tag, row in view["tags"].items():
+                engine_row = engine_tags.get(tag)
+                if isinstance(engine_row, dict) and isinstance(engine_row.get("bytes"), int):
+                    row["bytes"] = engine_row["bytes"]
+        view.update(device=engine_view.get("device"), process_rss_bytes=engine_view.get("process_rss_bytes"),
+                    sidecar_rss_bytes=psutil.Process().memory_info().rss)
+        return JSONResponse(view)
+
+    @router.get("/health")
+    async def health() -> JSONResponse:
+        return JSONResponse({"status": "ok"})
+
+    @router.get("/ready")
+    async def ready(request: Request) -> JSONResponse:
+        node = node_of(request)
+        if node.admission.is_open:
+            return JSONResponse({"ready": True})
+        return JSONResponse({"ready": False, "reason": node.state.not_serving_reason().value}, status_code=503)
+
+    @router.get("/metrics", response_class=PlainTextResponse)
+    async def metrics_view(request: Request) -> Response:
+        node = node_of(request)
+        metrics.inflight_requests.set(node.admission.num_in_flight)
+        metrics.held_requests.set(node.admission.num_held)
+        text = generate_latest(metrics.registry)
+        if node.state.is_engine_reachable:
+            try:
+                engine = await node.engine.open("GET", "/metrics", timeout=5)
+                async with engine:
+                    if engine.status == 200:
+                        text += await engine.read(8 * 1024 * 1024)
+            except (EngineUnavailable, UpstreamError) as exc:  # the node's own metrics still answer
+                node.last_error = f"engine /metrics: {exc}"
+        return Response(text, media_type=CONTENT_TYPE_LATEST)
+
+    return router

@@ -47,6 +47,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--role", default="mixed", help="only mixed is available today")
     p.add_argument("--free-memory-override-file", type=Path, default=None,
                    help="testing hook: free bytes for the resume check are read from this file when it exists")
+    p.add_argument("--fault-drill-file", type=Path, default=None,
+                   help="fault drill: a one-shot fault written to this file as JSON fails the next matching step "
+                        "or control call (docs/reliability.md); never for production")
     p.add_argument("--max-body-bytes", type=int, default=64 * 1024 * 1024)
     add_server_args(p, default_host="127.0.0.1", default_port=30000)
     return p.parse_args(argv)
@@ -67,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
             cuda_graph_max_bs=args.cuda_graph_max_bs, mem_fraction=args.mem_fraction,
             model_override=args.model_override, served_model_name=args.served_model_name,
             weight_version=args.weight_version, free_memory_override_file=args.free_memory_override_file,
+            fault_drill_file=args.fault_drill_file,
             role=args.role, enable_prefix_cache=not args.disable_prefix_cache)
     except ConfigError as exc:
         log.error("%s", exc)
@@ -86,10 +90,11 @@ def main(argv: list[str] | None = None) -> int:
         log.error("--device cuda but CUDA is not available")
         return 2
     from node_engine.engine import Engine
+    from node_engine.failures import exit_process
     from node_engine.server.app import create_app
 
     try:
-        engine = Engine(config)
+        engine = Engine(config, on_fatal=exit_process)
     except (ConfigError, ModelConfigError) as exc:
         log.error("cannot start: %s", exc)
         return 2

@@ -42,6 +42,7 @@ class EngineConfig:
     served_model_name: str | None = None
     weight_version: str = DEFAULT_WEIGHT_VERSION
     free_memory_override_file: Path | None = None
+    fault_drill_file: Path | None = None     # fault drill: a one-shot step or control fault (node_engine.failures)
     role: str = "mixed"
     enable_prefix_cache: bool = True
 

@@ -45,6 +45,8 @@ class EngineControl:
         if tags is not None and not tags:
             return {"success": True, "released": [], "already_released": [], "bytes_freed": {}, "duration_s": 0.0}
         self._require_idle("a release")
+        if engine.drill is not None:
+            engine.drill.fire("release")
         try:
             result = engine.memory.release(tags, stage_to_cpu=stage_to_cpu)
         except MemorySaverDisabled as exc:
@@ -66,6 +68,8 @@ class EngineControl:
         engine = self.engine
         if not engine.saver.is_enabled and (tags is None or tags):
             raise MemorySaverDisabledError("memory saver is off: start the engine with --enable-memory-saver")
+        if engine.drill is not None:
+            engine.drill.fire("resume")
         try:
             result = engine.memory.resume(tags)
         except NotEnoughMemory as exc:

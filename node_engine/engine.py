@@ -8,6 +8,12 @@ steps with exclusive access. Outputs go back to the event loop once per step.
 The engine defends itself: it refuses a release or a reload while requests
 are queued or running, refuses generation while memory is released or the
 weights are not valid, and never runs a step on released memory.
+
+A step that raises fails that step's requests (``engine_failed``, their KV
+freed and never cached) and the engine goes on. An error it cannot survive
+(:func:`node_engine.failures.leaves_device_unusable`, or a bug in its own
+bookkeeping) closes the inbox: every request and control call still waiting
+is answered, and ``on_fatal`` runs (the server process exits non-zero).
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from handoff.protocol import errors as E
 from node_engine.config import EngineConfig
 from node_engine.control import EngineControl
 from node_engine.errors import EngineStopped, InvalidRequest, MemoryReleased, WeightsNotLoaded
+from node_engine.failures import FaultDrill, leaves_device_unusable
 from node_engine.kv_cache import RowAllocator, SlotAllocator
 from node_engine.memory.info import CudaMemoryInfo, FileOverrideMemoryInfo, HostMemoryInfo, MemoryInfo
 from node_engine.memory.manager import MemoryManager
@@ -38,7 +45,7 @@ from node_engine.prefix_cache import PrefixCache
 from node_engine.request import FinishReason, Request, RequestOutput, RequestState
 from node_engine.runner import ModelRunner, load_model_source
 from node_engine.sampling import SamplingParams
-from node_engine.scheduler import Scheduler, SchedulerConfig, StepKind
+from node_engine.scheduler import Scheduler, SchedulerConfig, Step, StepKind
 from node_engine.tokenizer import IncrementalDetokenizer
 
 log = logging.getLogger(__name__)
@@ -93,14 +100,31 @@ class _Call:
     loop: asyncio.AbstractEventLoop
 
 
+class DeviceFailed(RuntimeError):
+    """A step raised an error that leaves the device unusable; the engine thread stops."""
+
+
+@dataclass(frozen=True)
+class _Closed:
+    """Why the inbox takes nothing more: the engine is stopping, or it failed."""
+
+    message: str
+    has_failed: bool
+
+
 class Engine:
-    def __init__(self, config: EngineConfig, metrics: EngineMetrics | None = None) -> None:
+    def __init__(self, config: EngineConfig, metrics: EngineMetrics | None = None, *,
+                 on_fatal: Callable[[BaseException], None] | None = None) -> None:
+        """``on_fatal`` runs on the engine thread after an error it cannot survive, once every waiting request
+        and call was answered (the server passes :func:`node_engine.failures.exit_process`)."""
         self.config = config
         self.metrics = metrics or EngineMetrics()
+        self.on_fatal = on_fatal
+        self.drill = FaultDrill(config.fault_drill_file) if config.fault_drill_file is not None else None
         self.arch, self.tokenizer = load_model_source(config)
         self.saver = make_saver(config)
         started = time.perf_counter()
-        self.runner = ModelRunner(config, self.saver, self.arch)
+        self.runner = ModelRunner(config, self.saver, self.arch, drill=self.drill)
         log.info("model %s loaded in %.2fs (%d parameters, %s on %s)", config.model_path,
                  time.perf_counter() - started, self.arch.num_params(), config.resolved_dtype, config.device)
         self.memory = MemoryManager(self.saver, make_memory_info(config), config.weights_backup,
@@ -115,6 +139,8 @@ class Engine:
             PrefixCache(slots) if config.enable_prefix_cache else None)
         self.weight_version = config.weight_version
         self._inbox: queue.SimpleQueue[_Add | _Abort | _Call | None] = queue.SimpleQueue()
+        self._inbox_lock = threading.Lock()  # orders a post against the inbox closing
+        self._closed: _Closed | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -142,7 +168,8 @@ class Engine:
 
     @property
     def is_alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        """The engine thread runs and takes work (false from the moment a fatal error closed the inbox)."""
+        return self._thread is not None and self._thread.is_alive() and self._closed is None
 
     # -- event-loop side -----------------------------------------------------------
     def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -193,21 +220,30 @@ class Engine:
                                                              is_lazy=not stream and not params.stop),
                           on_output=handle._put,
                           generator=generator, is_streaming=stream)
-        self._inbox.put(_Add(request))
+        self._post(_Add(request))
         return handle
 
     def abort(self, rid: str | None) -> None:
         """Abort one request (or all with ``None``); it finishes with ``abort`` and the tokens it had."""
-        self._inbox.put(_Abort(rid))
+        self._post(_Abort(rid))
 
     async def call(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn`` on the engine thread between two steps; its exception is raised here."""
-        if self._stopping or not self.is_alive:
+        if self._stopping or self._thread is None or not self._thread.is_alive():
             raise EngineStopped("the engine is stopping")
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        self._inbox.put(_Call(fn, future, loop))
+        self._post(_Call(fn, future, loop))
         return await future
+
+    def _post(self, item: _Add | _Abort | _Call) -> None:
+        """Queue ``item`` for the engine thread, or answer it at once if the inbox is closed."""
+        with self._inbox_lock:
+            closed = self._closed
+            if closed is None:
+                self._inbox.put(item)
+                return
+        self._refuse(item, closed)
 
     # -- engine thread -------------------------------------------------------------
     def _run(self) -> None:
@@ -221,10 +257,14 @@ class Engine:
                     break
                 if self.scheduler.has_work:
                     self._step()
-        except Exception:
-            log.exception("engine thread crashed")
-            self._fail_all("the engine failed")
-            raise
+        except BaseException as exc:  # a device failure, or a bug in the engine's own bookkeeping
+            log.critical("the engine thread failed", exc_info=exc)
+            self._close(_Closed(f"the engine failed ({type(exc).__name__}: {exc}) and is exiting; "
+                                "nothing more runs here", has_failed=True))
+            if self.on_fatal is not None:
+                self.on_fatal(exc)
+            return
+        self._close(_Closed("the engine is stopping", has_failed=False))
 
     def _drain_inbox(self, *, block: bool) -> None:
         try:
@@ -259,8 +299,7 @@ class Engine:
             self.check_can_generate()
         except (MemoryReleased, WeightsNotLoaded) as exc:
             self.metrics.rejected_requests.labels(exc.type).inc()
-            self._deliver([(request, RequestOutput(request.rid, "", [], len(request.prompt_ids), 0,
-                                                   error_type=exc.type, error=exc.message))])
+            self._deliver([(request, _error_output(request, exc.kind, exc.message))])
             request.transition(RequestState.FINISHED)
             return
         if request.params.max_new_tokens == 0:
@@ -285,7 +324,14 @@ class Engine:
         if step is None:
             return
         started = time.perf_counter()
-        tokens = self.runner.run(step)
+        try:
+            tokens = self.runner.run(step)
+        except Exception as exc:
+            if leaves_device_unusable(exc):
+                raise DeviceFailed(f"a {step.kind.value} step failed with an error that leaves the device "
+                                   f"unusable: {type(exc).__name__}: {exc}") from exc
+            self._fail_step(step, exc)
+            return
         changed = self.scheduler.postprocess(step, tokens)
         self._step_seconds[step.kind].observe(time.perf_counter() - started)
         if step.kind is StepKind.PREFILL:
@@ -304,18 +350,59 @@ class Engine:
         if outputs and self._loop is not None:
             self._loop.call_soon_threadsafe(_dispatch, outputs)
 
-    def _fail_all(self, message: str) -> None:
+    def _fail_step(self, step: Step, exc: Exception) -> None:
+        """The requests of a step that raised fail; their KV (maybe half written) is freed, never cached."""
+        requests = list(dict.fromkeys(e.request for e in step.entries))
+        log.error("a %s step of %d request(s) failed; they are answered engine_failed and the engine goes on",
+                  step.kind.value, len(requests), exc_info=exc)
+        message = (f"the model step failed ({type(exc).__name__}: {exc}); this request's work is lost, "
+                   "the engine goes on serving")
         outputs = []
-        for request in list(self.scheduler.running) + list(self.scheduler.waiting):
-            outputs.append((request, RequestOutput(request.rid, "", [], len(request.prompt_ids),
-                                                   len(request.output_ids), error_type=E.ENGINE_FAILED.name,
-                                                   error=message)))
+        for request in requests:
+            self.scheduler.fail(request)
+            self.metrics.requests.labels("error").inc()
+            outputs.append((request, _error_output(request, E.ENGINE_FAILED, message)))
         self._deliver(outputs)
+
+    def _close(self, closed: _Closed) -> None:
+        """Take nothing more, and answer everything: requests the engine holds, then whatever is queued.
+
+        A request that already ran fails (``engine_failed``, when the engine failed); one that never ran, like
+        a queued call, is refused as not served (``engine_stopped``), so it may go to another node.
+        """
+        with self._inbox_lock:
+            self._closed = closed
+        outputs = []
+        # No bookkeeping (freeing KV): nothing runs here any more, and it could be what failed.
+        for request in list(self.scheduler.running) + list(self.scheduler.waiting):
+            has_run = request.state is RequestState.RUNNING or bool(request.output_ids)
+            kind = E.ENGINE_FAILED if closed.has_failed and has_run else E.ENGINE_STOPPED
+            outputs.append((request, _error_output(request, kind, closed.message)))
+        self._deliver(outputs)
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if item is not None:
+                self._refuse(item, closed)
+
+    def _refuse(self, item: _Add | _Abort | _Call, closed: _Closed) -> None:
+        """Answer a queued item of a closed engine (any thread)."""
+        if isinstance(item, _Add):
+            self._deliver([(item.request, _error_output(item.request, E.ENGINE_STOPPED, closed.message))])
+        elif isinstance(item, _Call):
+            item.loop.call_soon_threadsafe(_set_exception, item.future, EngineStopped(closed.message))
 
     def _update_memory_metrics(self) -> None:
         for tag, info in self.memory.occupation().items():
             for state in ("resident", "released"):
                 self.metrics.memory_bytes.labels(tag, state).set(info["bytes"] if info["state"] == state else 0)
+
+
+def _error_output(request: Request, kind: E.ErrorType, message: str) -> RequestOutput:
+    return RequestOutput(request.rid, "", [], len(request.prompt_ids), len(request.output_ids),
+                         error_type=kind.name, error=message)
 
 
 def _dispatch(outputs: list[tuple[Request, RequestOutput]]) -> None:

@@ -40,6 +40,7 @@ from node_engine.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from node_engine.compiled_decode import CompiledDecode, DecodeForward
+    from node_engine.failures import FaultDrill
 
 log = logging.getLogger(__name__)
 
@@ -87,10 +88,12 @@ def load_model_source(config: EngineConfig) -> tuple[ModelArch, Tokenizer]:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, saver: MemorySaver, arch: ModelArch) -> None:
+    def __init__(self, config: EngineConfig, saver: MemorySaver, arch: ModelArch, *,
+                 drill: FaultDrill | None = None) -> None:
         self.config = config
         self.saver = saver
         self.arch = arch
+        self.drill = drill
         self.device = torch.device(config.device)
         self.dtype = DTYPES[config.resolved_dtype]
         context_len = config.context_length or arch.max_position_embeddings
@@ -189,6 +192,8 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, step: Step) -> list[int]:
         """Compute the step's tokens; returns one sampled token per entry that samples."""
+        if self.drill is not None:
+            self.drill.fire(step.kind.value)
         if step.kind is StepKind.DECODE:
             sampling = step.entries  # every decode entry ends at its last token
             if self.graphs is not None and self.graphs.can_run(len(sampling)):

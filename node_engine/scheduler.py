@@ -258,6 +258,16 @@ class Scheduler:
         if request.detokenizer.matched_stop is None:
             request.detokenizer.finish()
 
+    def fail(self, request: Request) -> None:
+        """End a request whose step raised: its slots and row are freed and its KV, which the failed step may
+        have left half written, never goes to the prefix cache."""
+        if request.state is RequestState.WAITING:
+            self.waiting.remove(request)
+        elif request.state is RequestState.RUNNING:
+            self._free_kv(request)
+            self.running.remove(request)
+        request.transition(RequestState.FINISHED)
+
     def preempt(self, request: Request) -> None:
         self._free_kv(request)
         self.running.remove(request)

@@ -3,16 +3,22 @@
 Transport failures become :class:`EngineUnavailable` (503) raised ``from`` the
 transport error and reported to ``on_unreachable``; an error the engine
 answers becomes :class:`EngineRefused` with the engine's own status and
-envelope.
+envelope. A JSON call that got no answer says which call it was and what
+became of it: the engine died during it, did not answer in time, or was not
+reached at all.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 from typing import Any, Callable
+from urllib.parse import urlsplit
 
 from handoff.service.peer_json import PeerJSONError, loads_bounded
-from handoff.service.upstream import UpstreamClient, UpstreamError, UpstreamResponse
+from handoff.service.upstream import (ConnectFailed, ConnectionDropped, UpstreamClient, UpstreamError,
+                                     UpstreamResponse, UpstreamTimeout)
 from node_sidecar.errors import EngineRefused, EngineUnavailable
 
 _JSON = {"Content-Type": "application/json"}
@@ -56,9 +62,13 @@ class EngineClient:
         """A JSON call (``body`` as an object, or bytes passed as they are); returns the engine's JSON
         object on 2xx, raises otherwise."""
         payload = body if isinstance(body, bytes) else b"" if body is None else json.dumps(body).encode()
-        response = await self.open(method, path, body=payload, headers=_JSON if body is not None else None,
-                                   timeout=timeout or self.control_timeout)
-        raw = await self.read(response, MAX_CONTROL_ANSWER_BYTES)
+        timeout = timeout or self.control_timeout
+        try:
+            response = await self.open(method, path, body=payload, headers=_JSON if body is not None else None,
+                                       timeout=timeout)
+            raw = await self.read(response, MAX_CONTROL_ANSWER_BYTES)
+        except EngineUnavailable as exc:
+            raise await self._unanswered(f"{method} {path}", exc, timeout) from exc.__cause__
         try:
             value = loads_bounded(raw) if raw else {}
         except PeerJSONError as exc:
@@ -71,3 +81,40 @@ class EngineClient:
             raise EngineRefused(response.status, value if isinstance(value, dict) else {},
                                 headers={"Retry-After": retry_after} if retry_after else None)
         return value if isinstance(value, dict) else {"value": value}
+
+    async def _unanswered(self, call: str, exc: EngineUnavailable, timeout: float) -> EngineUnavailable:
+        """What became of ``call``, which got no answer: the engine died during it, did not answer within
+        ``timeout``, or was not reached (then the call was not sent)."""
+        cause = exc.__cause__
+        extra: dict[str, Any] = {"call": call}
+        if isinstance(cause, ConnectionDropped) and await self._is_gone():
+            message = (f"the engine died during {call}: it closed the connection without answering and no longer "
+                       "accepts connections (see its log); the node's state is read again once it is back")
+            extra["engine_died"] = True
+        elif isinstance(cause, UpstreamTimeout):
+            message = f"the engine did not answer {call} within {timeout:g}s"
+            extra["timeout_s"] = timeout
+        elif isinstance(cause, ConnectFailed):
+            message = f"{call} was not sent: the engine is unreachable ({cause})"
+            extra["sent"] = False
+        else:
+            message = f"{call} got no answer: {exc.message}"
+        return EngineUnavailable(message, retry_after=1, extra=extra)
+
+    async def _is_gone(self, within_s: float = 1.0) -> bool:
+        """Whether the engine stops accepting connections within ``within_s``, as a process that exits does
+        (its listening socket can outlive the connection it dropped by a few milliseconds). Fresh connections:
+        the pool's idle ones fail alike to a dead engine and to a live one that closed them."""
+        url = urlsplit(self.base_url)
+        deadline = time.monotonic() + within_s
+        while time.monotonic() < deadline:
+            try:
+                _, writer = await asyncio.wait_for(asyncio.open_connection(url.hostname, url.port or 80),
+                                                   timeout=max(0.01, deadline - time.monotonic()))
+            except ConnectionRefusedError:
+                return True
+            except (OSError, asyncio.TimeoutError):
+                return False
+            writer.close()
+            await asyncio.sleep(0.02)
+        return False

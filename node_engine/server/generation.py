@@ -22,7 +22,7 @@ from starlette.requests import Request
 from handoff.service.disconnect import ClientGone, unless_disconnected
 from handoff.service.errors import InvalidRequest, ServiceError
 from node_engine.engine import Engine, RequestHandle
-from node_engine.errors import EngineStopped, MemoryReleased, WeightsNotLoaded
+from node_engine.errors import EngineStopped, MemoryReleased, StepFailed, WeightsNotLoaded
 from node_engine.request import RequestOutput
 from node_engine.sampling import SamplingParams
 from node_engine.tokenizer import Tokenizer
@@ -71,8 +71,11 @@ def sse_event(payload: Any) -> bytes:
 
 
 def output_error(output: RequestOutput) -> ServiceError:
-    """The HTTP error for a request the engine refused or failed."""
+    """The HTTP error for a request the engine refused or failed: a failed step is a 500 ``engine_failed``,
+    a refusal a 503 naming why (nothing ran, so the request may go elsewhere)."""
     message = output.error or "request failed"
+    if output.error_type == StepFailed.type:
+        return StepFailed(message)
     if output.error_type == MemoryReleased.type:
         return MemoryReleased(message, retry_after=1)
     if output.error_type == WeightsNotLoaded.type:

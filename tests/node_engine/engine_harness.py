@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from node_engine.config import EngineConfig
 from node_engine.engine import Engine
@@ -13,8 +13,9 @@ from node_engine.sampling import SamplingParams
 
 
 @contextlib.asynccontextmanager
-async def running_engine(config: EngineConfig) -> AsyncIterator[Engine]:
-    engine = Engine(config)
+async def running_engine(config: EngineConfig,
+                         on_fatal: Callable[[BaseException], None] | None = None) -> AsyncIterator[Engine]:
+    engine = Engine(config, on_fatal=on_fatal)
     engine.start(asyncio.get_running_loop())
     try:
         yield engine

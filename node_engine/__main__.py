@@ -76,9 +76,13 @@ def main(argv: list[str] | None = None) -> int:
         log.error("%s", exc)
         return 2
     if config.device == "cuda" and config.enable_memory_saver:
-        from node_engine.launch import ensure_memory_saver_preload
+        from node_engine.launch import StartError, ensure_memory_saver_preload
 
-        ensure_memory_saver_preload(argv)
+        try:
+            ensure_memory_saver_preload(argv)
+        except StartError as exc:
+            log.error("cannot start: %s", exc)
+            return 2
     import torch
 
     if args.num_threads:

@@ -16,6 +16,7 @@ from handoff.service.upstream import UpstreamClient
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 JSON_HEADERS = {"Content-Type": "application/json"}
+MAX_ANSWER_BYTES = 256 * 1024 * 1024  # the benchmarks' cap on one buffered answer
 
 # The engine benchmarks' models: ``builtin:tiny`` with these shape overrides. "100m" has ~104M parameters
 # (vocabulary 320: the byte tokenizer's, so the LM head is negligible).
@@ -30,7 +31,7 @@ async def call(client: UpstreamClient, method: str, url: str, body: bytes = b"",
                timeout: float = 60) -> bytes:
     """One request, read to the end; raises unless the status is ``expect``."""
     response = await client.request(method, url, headers=JSON_HEADERS if body else None, body=body, timeout=timeout)
-    data = await response.read()
+    data = await response.read_whole(MAX_ANSWER_BYTES)
     if response.status != expect:
         raise RuntimeError(f"{method} {url} answered {response.status}: {data[:300]!r}")
     return data

@@ -56,7 +56,7 @@ import psutil
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-from bench.common import call, cpu_seconds, start_server, timed_calls  # noqa: E402
+from bench.common import MAX_ANSWER_BYTES, call, cpu_seconds, start_server, timed_calls  # noqa: E402
 from handoff.cluster.process import ServerProcess  # noqa: E402
 from handoff.service.upstream import UpstreamClient  # noqa: E402
 
@@ -82,7 +82,7 @@ async def wait_ready(client: UpstreamClient, sidecar: ServerProcess) -> None:
     deadline = time.monotonic() + 30
     while True:
         response = await client.request("GET", sidecar.url + "/ready", timeout=5)
-        await response.read()
+        await response.read_whole(MAX_ANSWER_BYTES)
         if response.status == 200:
             return
         if time.monotonic() > deadline:
@@ -166,7 +166,7 @@ async def release_once(client: UpstreamClient, sidecar: ServerProcess, engine_ur
         if response.status != 200:
             raise RuntimeError(f"a held stream answered {response.status}")
     firsts = [await response.next_chunk() for response in responses]  # each stream is relayed and running
-    rests = [asyncio.ensure_future(response.read()) for response in responses]
+    rests = [asyncio.ensure_future(response.read_whole(MAX_ANSWER_BYTES)) for response in responses]
     occupation = await call_json(client, "GET", sidecar.url + "/memory_occupation")
     if occupation["in_flight"] != num_streams:
         raise RuntimeError(f"expected {num_streams} streams in flight, the sidecar counts {occupation['in_flight']}")

@@ -1,57 +1,35 @@
-"""HTTP/1.1 on the wire for :mod:`handoff.service.upstream`: errors, request heads, one connection.
+"""One HTTP/1.1 connection of :mod:`handoff.service.upstream`: an asyncio Protocol, one exchange at a time.
 
-A :class:`Connection` is an asyncio Protocol that parses responses with
-``httptools`` straight from ``data_received`` and carries one exchange at a
-time. Its owner (the pool) hears of its end through ``on_closed``.
+A :class:`Connection` feeds what arrives to a :class:`ResponseParser`
+straight from ``data_received`` and wakes the reader waiting on it. Its owner
+(the pool) hears of its end through ``on_closed``. Bytes that arrive when no
+response is expected (on an idle connection, or after the response) close it:
+such a connection can never carry another exchange.
 """
 
 from __future__ import annotations
 
 import asyncio
 import enum
-import functools
 from collections import deque
-from typing import Callable, Iterable, Mapping, Union
+from typing import Callable
 
-import httptools
-
-Headers = Union[Mapping[str, str], Iterable[tuple[str, str]]]
+from handoff.service.http1_parser import (
+    DEFAULT_MAX_FIELDS,
+    DEFAULT_MAX_HEAD_BYTES,
+    MalformedResponse,
+    ResponseParser,
+)
+from handoff.service.http1_request import Origin
+from handoff.service.upstream_errors import (
+    ConnectionDropped,
+    ProtocolError,
+    UpstreamError,
+    UpstreamTimeout,
+)
 
 _HIGH_WATER_BYTES = 256 * 1024
 _LOW_WATER_BYTES = 64 * 1024
-
-
-class UpstreamError(Exception):
-    """A request to a peer failed; ``url`` names the request."""
-
-    def __init__(self, message: str, *, url: str = "") -> None:
-        super().__init__(message)
-        self.url = url
-
-
-class ConnectFailed(UpstreamError):
-    """The connection could not be made (refused, unreachable, unresolvable): the peer saw nothing."""
-
-
-class ConnectTimedOut(ConnectFailed):
-    """The connection was not made within the client's connect timeout (a partition, a dead host that
-    drops packets): nothing was sent, so the peer saw nothing either."""
-
-
-class UpstreamTimeout(UpstreamError):
-    """The request's deadline passed before the response was complete."""
-
-
-class ConnectionDropped(UpstreamError):
-    """The peer closed or reset the connection before the response was complete."""
-
-
-class ProtocolError(UpstreamError):
-    """The peer answered something that is not valid HTTP/1.1."""
-
-
-class ClientClosed(UpstreamError):
-    """The client was closed; no request can start."""
 
 
 class ConnState(enum.Enum):
@@ -60,71 +38,16 @@ class ConnState(enum.Enum):
     CLOSED = "closed"  # transport closed; never used again
 
 
-class Origin:
-    """Where to connect, and the ``Host`` header that names it."""
-
-    __slots__ = ("host", "port", "host_header")
-
-    def __init__(self, host: str, port: int, host_header: str) -> None:
-        self.host = host
-        self.port = port
-        self.host_header = host_header
-
-
-@functools.lru_cache(maxsize=4096)
-def parse_origin(authority: str) -> Origin:
-    if not authority:
-        raise ValueError("URL has no host")
-    if authority.startswith("["):
-        end = authority.find("]")
-        if end < 0:
-            raise ValueError(f"bad IPv6 address in {authority!r}")
-        host, rest = authority[1:end], authority[end + 1:]
-        port_text = rest[1:] if rest.startswith(":") else ""
-    else:
-        host, _, port_text = authority.partition(":")
-    port = int(port_text) if port_text else 80
-    if not 0 < port < 65536:
-        raise ValueError(f"bad port in {authority!r}")
-    return Origin(host, port, authority)
-
-
-def split_url(url: str) -> tuple[Origin, str]:
-    """``http://host:port/path?q`` -> (origin, ``/path?q``). Raises ``ValueError``."""
-    if not url.startswith("http://"):
-        raise ValueError(f"only http:// URLs are supported, got {url!r}")
-    rest = url[7:]
-    cut = len(rest)
-    for sep in "/?":
-        at = rest.find(sep)
-        if 0 <= at < cut:
-            cut = at
-    target = rest[cut:] or "/"
-    if target.startswith("?"):
-        target = "/" + target
-    return parse_origin(rest[:cut]), target
-
-
-def encode_head(method: str, target: str, origin: Origin, headers: Headers | None, body_length: int) -> bytes:
-    """The request line and headers; ``Content-Length`` unless a bodiless GET/DELETE/OPTIONS."""
-    lines = [f"{method} {target} HTTP/1.1\r\nHost: {origin.host_header}\r\n"]
-    if headers:
-        items = headers.items() if isinstance(headers, Mapping) else headers
-        for name, value in items:
-            if "\r" in value or "\n" in value or "\r" in name or "\n" in name:
-                raise ValueError(f"header {name!r} contains a line break")
-            lines.append(f"{name}: {value}\r\n")
-    if body_length or method not in ("GET", "DELETE", "OPTIONS"):
-        lines.append(f"Content-Length: {body_length}\r\n")
-    lines.append("\r\n")
-    return "".join(lines).encode("latin-1")
-
-
 class Connection(asyncio.Protocol):
-    """One TCP connection: the protocol callbacks, the parser callbacks, one exchange at a time."""
+    """One TCP connection: the protocol callbacks and one exchange at a time.
+
+    ``max_head_bytes`` and ``max_fields`` cap every response head (see
+    :class:`ResponseParser`); past them the exchange fails with :class:`ProtocolError`.
+    """
 
     def __init__(self, origin: Origin, loop: asyncio.AbstractEventLoop,
-                 on_closed: Callable[[Connection], None]) -> None:
+                 on_closed: Callable[[Connection], None], *, max_head_bytes: int = DEFAULT_MAX_HEAD_BYTES,
+                 max_fields: int = DEFAULT_MAX_FIELDS) -> None:
         self.origin = origin
         self.state = ConnState.BUSY
         self.is_reused = False
@@ -132,7 +55,8 @@ class Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self._loop = loop
         self._on_closed = on_closed
-        self._parser = httptools.HttpResponseParser(self)
+        self._max_head_bytes = max_head_bytes
+        self._max_fields = max_fields
         self._url = ""
         self._waiter: asyncio.Future[None] | None = None
         self._timer: asyncio.TimerHandle | None = None
@@ -145,8 +69,8 @@ class Connection(asyncio.Protocol):
         self.is_message_done = False
         self.is_keep_alive = False
         self.num_response_bytes = 0
-        self._is_body_until_close = False
         self._chunks: deque[bytes] = deque()
+        self._parser: ResponseParser | None = None  # made when the request is sent
         self._num_buffered = 0
         self._is_reading_paused = False
         self._failure: UpstreamError | None = None
@@ -194,11 +118,13 @@ class Connection(asyncio.Protocol):
         self._on_closed(self)
 
     # -- sending -----------------------------------------------------------
-    def send(self, url: str, head: bytes, body: bytes, deadline: float | None) -> bool:
+    def send(self, url: str, method: str, head: bytes, body: bytes, deadline: float | None) -> bool:
         """Write one request; False when the transport was already closed (nothing written)."""
         self._url = url
         if self.transport is None or self.transport.is_closing() or self.state is not ConnState.BUSY:
             return False
+        self._parser = ResponseParser(self._chunks, is_head_request=method == "HEAD",
+                                      max_head_bytes=self._max_head_bytes, max_fields=self._max_fields)
         if deadline is not None:
             self._timer = self._loop.call_at(deadline, self._on_deadline)
         if len(body) <= 65536:
@@ -213,22 +139,40 @@ class Connection(asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
-        if self.state is not ConnState.BUSY or self.is_message_done:
-            # bytes nobody asked for: the connection cannot be trusted for another request
-            self.close()
+        parser = self._parser
+        if self.state is not ConnState.BUSY or parser is None or self.is_message_done:
+            self.close()  # bytes nobody asked for: the connection cannot be trusted for another request
             return
         self.num_response_bytes += len(data)
         try:
-            self._parser.feed_data(data)
-        except httptools.HttpParserError as exc:
+            num_body_bytes = parser.feed(data)
+        except MalformedResponse as exc:
             self._fail(ProtocolError(f"invalid HTTP response from {self.origin.host_header}: {exc}",
                                      url=self._url), exc)
+            return
+        if not self.is_headers_done and parser.is_head_done:
+            self.status = parser.status
+            self.headers = parser.headers
+            self.is_headers_done = True
+            self._wake()
+        if num_body_bytes:
+            self._num_buffered += num_body_bytes
+            if self._num_buffered > _HIGH_WATER_BYTES and not self._is_reading_paused and self.transport:
+                self._is_reading_paused = True
+                self.transport.pause_reading()
+            self._wake()
+        if parser.is_done:
+            self.is_keep_alive = parser.is_keep_alive and not parser.has_trailing_bytes
+            self._complete()
+            if parser.has_trailing_bytes:
+                self.close()  # a second answer nobody asked for: never hand it to the next request
 
     def eof_received(self) -> bool | None:
-        if self.state is ConnState.BUSY and self._is_body_until_close and not self.is_message_done:
+        parser = self._parser
+        if self.state is ConnState.BUSY and parser is not None and not self.is_message_done and parser.feed_eof():
             self.is_keep_alive = False
-            self._complete()
-        return None  # let the transport close itself
+            self._complete()  # a body delimited by the close
+        return None  # let the transport close itself; connection_lost fails an incomplete exchange
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self.state is ConnState.BUSY and not self.is_message_done and self._failure is None:
@@ -240,33 +184,6 @@ class Connection(asyncio.Protocol):
             self.state = ConnState.CLOSED
             self._cancel_timer()
             self._on_closed(self)
-
-    # -- httptools callbacks -----------------------------------------------
-    def on_header(self, name: bytes, value: bytes) -> None:
-        self.headers.append((name.lower(), value))
-
-    def on_headers_complete(self) -> None:
-        self.status = self._parser.get_status_code()
-        self.is_headers_done = True
-        has_length = False
-        for name, value in self.headers:
-            if name == b"content-length" or (name == b"transfer-encoding" and b"chunked" in value.lower()):
-                has_length = True
-                break
-        self._is_body_until_close = not has_length and self.status >= 200 and self.status not in (204, 304)
-        self._wake()
-
-    def on_body(self, body: bytes) -> None:
-        self._chunks.append(body)
-        self._num_buffered += len(body)
-        if self._num_buffered > _HIGH_WATER_BYTES and not self._is_reading_paused and self.transport:
-            self._is_reading_paused = True
-            self.transport.pause_reading()
-        self._wake()
-
-    def on_message_complete(self) -> None:
-        self.is_keep_alive = self._parser.should_keep_alive()
-        self._complete()
 
     # -- waiting (called by UpstreamResponse / UpstreamClient) -------------
     async def receive_headers(self) -> None:

@@ -2,8 +2,9 @@
 
 The LB (and the sidecar) spend most of their CPU relaying HTTP to peers on the
 cluster network, so this client does only that, cheaply: responses are parsed
-by ``httptools`` straight from ``data_received``, with no stream objects, no
-cookie jars and no per-request session.
+by :class:`~handoff.service.http1_parser.ResponseParser` (RFC 9112 framing,
+h11's rules, bounded heads) straight from ``data_received``, with no stream
+objects, no cookie jars and no per-request session.
 
 ::
 
@@ -23,10 +24,17 @@ Semantics:
 - ``timeout`` is one deadline for the whole exchange: connect, send, headers
   and every byte of the body. A peer that never answers, or sends headers and
   then stalls, costs at most ``timeout``.
+- Interim 1xx responses are skipped; the response is the final one. 101 and
+  statuses outside 100-599 are :class:`ProtocolError`, as are heads past
+  ``max_head_bytes`` (64 KiB) or ``max_header_fields`` (100).
 - Bodies are iterated as they arrive (chunked, Content-Length or read until
-  close); :meth:`UpstreamResponse.read` can stop after ``max_bytes``.
+  close), as sent: a ``Content-Encoding`` is never decoded. Buffered reads
+  always have a cap: :meth:`UpstreamResponse.read` keeps a prefix and sets
+  ``is_truncated``, :meth:`UpstreamResponse.read_whole` raises
+  :class:`ResponseTooLarge`. Trailers are checked and dropped.
 - A response that was not read to its end, failed, or whose reader was
-  cancelled closes its connection; only clean, complete exchanges go back to
+  cancelled closes its connection, and so do bytes past the end of a response
+  (a second answer nobody asked for); only clean, complete exchanges go back to
   the pool.
 - Stale keep-alive connections: an idle connection the peer closed is dropped
   from the pool as soon as the close is seen. If the peer closes a reused
@@ -34,14 +42,14 @@ Semantics:
   on a fresh connection only when the peer cannot have acted on it: nothing was
   written, or the method is idempotent and no byte of a response came back.
 - Errors are :class:`UpstreamError` subclasses raised ``from`` the transport's
-  own error. :class:`ConnectFailed` means the peer got nothing (refused,
-  unreachable, name not resolved, or, with ``connect_timeout_s``, no connection
-  within that time: :class:`ConnectTimedOut`), so the request may go to another
-  peer. Without a connect timeout, a connection that never comes (a peer behind
-  a partition drops the SYN) costs the whole deadline.
+  own error, whatever the peer or the URL did. :class:`ConnectFailed` means the
+  peer got nothing (refused, unreachable, name not resolved, a URL that names
+  no valid host: :class:`InvalidURL`, or, with ``connect_timeout_s``, no
+  connection within that time: :class:`ConnectTimedOut`), so the request may go
+  to another peer. Without a connect timeout, a connection that never comes (a
+  peer behind a partition drops the SYN) costs the whole deadline.
 
-Only ``http://`` URLs; ``HEAD`` is not supported (its response has no body and
-the parser cannot tell).
+Only ``http://`` URLs.
 """
 
 from __future__ import annotations
@@ -50,139 +58,34 @@ import asyncio
 import enum
 import logging
 from collections import deque
-from typing import AsyncIterator, Callable
+from typing import Callable
 
-from handoff.service.http1 import (
+from handoff.service.http1 import Connection, ConnState
+from handoff.service.http1_parser import DEFAULT_MAX_FIELDS, DEFAULT_MAX_HEAD_BYTES
+from handoff.service.http1_request import Headers, Origin, encode_head, split_url
+from handoff.service.upstream_response import UpstreamResponse
+from handoff.service.upstream_errors import (
     ClientClosed,
     ConnectFailed,
-    ConnectTimedOut,
-    Connection,
     ConnectionDropped,
-    ConnState,
-    Headers,
-    Origin,
+    ConnectTimedOut,
+    InvalidHeader,
+    InvalidURL,
     ProtocolError,
+    ResponseTooLarge,
     UpstreamError,
     UpstreamTimeout,
-    encode_head,
-    split_url,
 )
 
 __all__ = [
-    "ClientClosed", "ConnectFailed", "ConnectTimedOut", "ConnectionDropped", "Headers", "ProtocolError", "UpstreamClient",
-    "UpstreamError", "UpstreamResponse", "UpstreamTimeout",
+    "ClientClosed", "ConnectFailed", "ConnectTimedOut", "ConnectionDropped", "Headers", "InvalidHeader",
+    "InvalidURL", "ProtocolError", "ResponseTooLarge", "UpstreamClient", "UpstreamError", "UpstreamResponse",
+    "UpstreamTimeout",
 ]
 
 log = logging.getLogger(__name__)
 
 IDEMPOTENT_METHODS = frozenset({"GET", "PUT", "DELETE", "OPTIONS"})
-
-
-class UpstreamResponse:
-    """A response whose headers have arrived; the body is read on demand.
-
-    Use it as an async context manager, or call :meth:`aclose`: a body left
-    unread closes the connection instead of returning it to the pool.
-    """
-
-    __slots__ = ("url", "status", "headers", "is_truncated", "_conn", "_release", "_is_done")
-
-    def __init__(self, url: str, conn: Connection, release: Callable[[Connection], None]) -> None:
-        self.url = url
-        self.status = conn.status
-        self.headers = conn.headers
-        self.is_truncated = False
-        self._conn = conn
-        self._release = release
-        self._is_done = False
-
-    def header(self, name: str) -> str | None:
-        """The first value of header ``name`` (case-insensitive), decoded as latin-1."""
-        key = name.lower().encode("latin-1")
-        for header_name, value in self.headers:
-            if header_name == key:
-                return value.decode("latin-1")
-        return None
-
-    @property
-    def content_type(self) -> str:
-        return self.header("content-type") or ""
-
-    async def next_chunk(self) -> bytes:
-        """The body bytes that arrived since the last call (waiting for some); ``b""`` at the end.
-
-        At the end the connection goes back to the pool.
-        """
-        if self._is_done:
-            return b""
-        try:
-            chunk = await self._conn.receive_chunk()
-        except BaseException:
-            self.close()
-            raise
-        if not chunk:
-            self._is_done = True
-            self._release(self._conn)
-        return chunk
-
-    def aiter_bytes(self) -> AsyncIterator[bytes]:
-        """Iterate the body as it arrives (each item: whatever arrived since the previous one)."""
-        return _BodyIterator(self)
-
-    async def read(self, max_bytes: int | None = None) -> bytes:
-        """Read the body; with ``max_bytes``, stop there (``is_truncated`` tells) and close the connection."""
-        parts: list[bytes] = []
-        num_read = 0
-        while True:
-            chunk = await self.next_chunk()
-            if not chunk:
-                return b"".join(parts)
-            if max_bytes is not None and num_read + len(chunk) >= max_bytes:
-                parts.append(chunk[:max_bytes - num_read])
-                self._stop_at_cap(overflow=num_read + len(chunk) > max_bytes)
-                return b"".join(parts)
-            parts.append(chunk)
-            num_read += len(chunk)
-
-    def _stop_at_cap(self, *, overflow: bool) -> None:
-        conn = self._conn
-        if not overflow and conn.is_drained:
-            self._is_done = True
-            self._release(conn)
-            return
-        self.is_truncated = True
-        self.close()
-
-    def close(self) -> None:
-        """Abandon the response: unless it was read to the end, its connection is closed."""
-        if not self._is_done:
-            self._is_done = True
-            self._conn.close()
-
-    async def aclose(self) -> None:
-        self.close()
-
-    async def __aenter__(self) -> UpstreamResponse:
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        self.close()
-
-
-class _BodyIterator:
-    __slots__ = ("_response",)
-
-    def __init__(self, response: UpstreamResponse) -> None:
-        self._response = response
-
-    def __aiter__(self) -> _BodyIterator:
-        return self
-
-    async def __anext__(self) -> bytes:
-        chunk = await self._response.next_chunk()
-        if not chunk:
-            raise StopAsyncIteration
-        return chunk
 
 
 class ClientState(enum.Enum):
@@ -199,15 +102,23 @@ class UpstreamClient:
     ``connect_timeout_s`` bounds making a new connection (within the request's
     own deadline); past it the request fails with :class:`ConnectTimedOut`.
     ``None``: only the request's deadline bounds it.
+    ``max_head_bytes`` and ``max_header_fields`` cap each response head (and the
+    trailer section): past them the request fails with :class:`ProtocolError`.
     """
 
     def __init__(self, *, max_idle_per_origin: int = 256, max_idle_s: float = 4.0,
-                 connect_timeout_s: float | None = None) -> None:
+                 connect_timeout_s: float | None = None, max_head_bytes: int = DEFAULT_MAX_HEAD_BYTES,
+                 max_header_fields: int = DEFAULT_MAX_FIELDS) -> None:
         if connect_timeout_s is not None and not connect_timeout_s > 0:
             raise ValueError(f"connect_timeout_s must be > 0, got {connect_timeout_s}")
+        if max_head_bytes < 1024 or max_header_fields < 1:
+            raise ValueError(f"max_head_bytes must be >= 1024 and max_header_fields >= 1, "
+                             f"got {max_head_bytes} and {max_header_fields}")
         self.max_idle_per_origin = max_idle_per_origin
         self.max_idle_s = max_idle_s
         self.connect_timeout_s = connect_timeout_s
+        self.max_head_bytes = max_head_bytes
+        self.max_header_fields = max_header_fields
         self.state = ClientState.OPEN
         self._loop = asyncio.get_running_loop()
         self._idle: dict[str, deque[Connection]] = {}
@@ -227,21 +138,24 @@ class UpstreamClient:
         """Send a request and return once the response headers arrived.
 
         ``timeout`` (seconds) bounds the whole exchange including the body read
-        later. Raises an :class:`UpstreamError` subclass.
+        later. Raises an :class:`UpstreamError` subclass, whatever the peer or the
+        URL does.
         """
         if self.state is not ClientState.OPEN:
             raise ClientClosed(f"client is {self.state.value}", url=url)
-        if method == "HEAD":
-            raise ValueError("HEAD is not supported")
         origin, target = split_url(url)
         deadline = None if timeout is None else self._loop.time() + timeout
-        head = encode_head(method, target, origin, headers, len(body))
+        try:
+            head = encode_head(method, target, origin, headers, len(body))
+        except InvalidHeader as exc:
+            exc.url = url
+            raise
         is_retry = False
         while True:
             conn = await self._acquire(origin, url, deadline, force_new=is_retry)
             is_written = False
             try:
-                is_written = conn.send(url, head, body, deadline)
+                is_written = conn.send(url, method, head, body, deadline)
                 if not is_written:
                     raise ConnectionDropped(f"{origin.host_header} closed the connection before the request",
                                             url=url)
@@ -274,8 +188,7 @@ class UpstreamClient:
         return await self._connect(origin, url, deadline)
 
     async def _connect(self, origin: Origin, url: str, deadline: float | None) -> Connection:
-        connect = self._loop.create_connection(lambda: Connection(origin, self._loop, self._forget),
-                                               origin.host, origin.port)
+        connect = self._loop.create_connection(self._new_connection(origin), origin.host, origin.port)
         now = self._loop.time()
         connect_deadline = deadline
         is_connect_timeout_first = False
@@ -295,11 +208,17 @@ class UpstreamClient:
         except OSError as exc:
             raise ConnectFailed(f"cannot connect to {origin.host_header}: {exc.strerror or exc}",
                                 url=url) from exc
+        except (ValueError, OverflowError) as exc:  # what the resolver or socket layer refuses to look up
+            raise InvalidURL(f"cannot connect to {origin.host_header}: {exc}", url=url) from exc
         if self.state is not ClientState.OPEN:
             conn.close()
             raise ClientClosed(f"client is {self.state.value}", url=url)
         self._conns.add(conn)
         return conn
+
+    def _new_connection(self, origin: Origin) -> Callable[[], Connection]:
+        return lambda: Connection(origin, self._loop, self._forget, max_head_bytes=self.max_head_bytes,
+                                  max_fields=self.max_header_fields)
 
     def _release(self, conn: Connection) -> None:
         """Return a connection whose exchange completed cleanly to its pool (or close it)."""

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from typing import Awaitable, Callable
 
 import pytest
 
@@ -12,74 +11,15 @@ from handoff.service.upstream import (
     ClientClosed,
     ConnectFailed,
     ConnectionDropped,
+    InvalidHeader,
+    InvalidURL,
     ProtocolError,
     UpstreamClient,
     UpstreamTimeout,
 )
+from tests.service.peers import CAP, Conn, ScriptedServer, until
 
 pytestmark = pytest.mark.timeout(20)
-
-Handler = Callable[["Conn"], Awaitable[None]]
-
-
-class Conn:
-    """One accepted connection of a :class:`ScriptedServer`, read request by request."""
-
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.reader = reader
-        self.writer = writer
-
-    async def read_request(self) -> tuple[str, dict[str, str], bytes] | None:
-        """(request line, headers, body) or None at EOF."""
-        try:
-            head = await self.reader.readuntil(b"\r\n\r\n")
-        except (asyncio.IncompleteReadError, ConnectionError):
-            return None
-        lines = head.decode("latin-1").split("\r\n")
-        headers = {}
-        for line in lines[1:]:
-            if line:
-                name, _, value = line.partition(":")
-                headers[name.strip().lower()] = value.strip()
-        body = await self.reader.readexactly(int(headers.get("content-length", "0")))
-        return lines[0], headers, body
-
-    async def respond(self, status: int = 200, body: bytes = b"ok", extra: str = "") -> None:
-        self.writer.write(f"HTTP/1.1 {status} X\r\nContent-Length: {len(body)}\r\n{extra}\r\n".encode() + body)
-        await self.writer.drain()
-
-
-class ScriptedServer:
-    """A loopback TCP server running ``handler`` for each connection; counts connections."""
-
-    def __init__(self, handler: Handler) -> None:
-        self.handler = handler
-        self.num_connections = 0
-        self.closed_by_peer = asyncio.Event()
-        self.server: asyncio.Server | None = None
-
-    async def __aenter__(self) -> ScriptedServer:
-        self.server = await asyncio.start_server(self._on_connection, "127.0.0.1", 0, backlog=1024)
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        assert self.server is not None
-        self.server.close()
-
-    @property
-    def url(self) -> str:
-        assert self.server is not None
-        return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
-
-    async def _on_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.num_connections += 1
-        try:
-            await self.handler(Conn(reader, writer))
-        except (ConnectionError, asyncio.IncompleteReadError):
-            self.closed_by_peer.set()
-        finally:
-            writer.close()
-
 
 async def serve_ok(conn: Conn) -> None:
     while (request := await conn.read_request()) is not None:
@@ -103,11 +43,11 @@ def free_port() -> int:
 async def test_get_and_post_reuse_one_keepalive_connection(client: UpstreamClient) -> None:
     async with ScriptedServer(serve_ok) as server:
         r1 = await client.request("GET", server.url + "/a?x=1", headers={"X-Tag": "t"}, timeout=5)
-        assert r1.status == 200 and await r1.read() == b"GET /a?x=1 HTTP/1.1|t|"
+        assert r1.status == 200 and await r1.read_whole(CAP) == b"GET /a?x=1 HTTP/1.1|t|"
         r2 = await client.request("POST", server.url + "/b", body=b"\x00\xffpayload", timeout=5)
-        assert await r2.read() == b"POST /b HTTP/1.1||\x00\xffpayload"
+        assert await r2.read_whole(CAP) == b"POST /b HTTP/1.1||\x00\xffpayload"
         r3 = await client.request("POST", server.url + "/empty", timeout=5)
-        assert await r3.read() == b"POST /empty HTTP/1.1||"
+        assert await r3.read_whole(CAP) == b"POST /empty HTTP/1.1||"
         assert server.num_connections == 1
         assert client.num_idle == 1
 
@@ -141,7 +81,7 @@ async def test_body_read_until_close(client: UpstreamClient) -> None:
 
     async with ScriptedServer(handler) as server:
         response = await client.request("GET", server.url, timeout=5)
-        assert await response.read() == b"until the end"
+        assert await response.read_whole(CAP) == b"until the end"
         assert client.num_connections == 0
 
 
@@ -153,7 +93,7 @@ async def test_no_content_statuses_have_no_body(client: UpstreamClient) -> None:
     async with ScriptedServer(handler) as server:
         for _ in range(2):
             response = await client.request("DELETE", server.url + "/x", timeout=5)
-            assert response.status == 204 and await response.read() == b""
+            assert response.status == 204 and await response.read_whole(CAP) == b""
         assert server.num_connections == 1
 
 
@@ -217,7 +157,7 @@ async def test_headers_then_stall_times_out_on_the_body(client: UpstreamClient) 
         started = loop.time()
         response = await client.request("GET", server.url, timeout=0.4)
         with pytest.raises(UpstreamTimeout):
-            await response.read()
+            await response.read_whole(CAP)
         assert 0.3 < loop.time() - started < 2.0
 
 
@@ -233,7 +173,7 @@ async def test_dropped_connection(client: UpstreamClient, when: str) -> None:
     async with ScriptedServer(handler) as server:
         with pytest.raises(ConnectionDropped):
             response = await client.request("POST", server.url, timeout=5)
-            await response.read()
+            await response.read_whole(CAP)
 
 
 async def test_garbage_is_a_protocol_error(client: UpstreamClient) -> None:
@@ -272,7 +212,7 @@ async def test_unread_body_closes_instead_of_pooling(client: UpstreamClient) -> 
         async with await client.request("GET", server.url, timeout=5):
             pass
         assert client.num_connections == 0
-        await (await client.request("GET", server.url, timeout=5)).read()
+        await (await client.request("GET", server.url, timeout=5)).read_whole(CAP)
         assert server.num_connections == 2
 
 
@@ -282,9 +222,9 @@ async def test_idle_connection_closed_by_peer_is_not_reused(client: UpstreamClie
         await conn.respond(200, b"once")  # keep-alive promised, then closed while idle
 
     async with ScriptedServer(handler) as server:
-        assert await (await client.request("POST", server.url, timeout=5)).read() == b"once"
-        await asyncio.wait_for(_until(lambda: client.num_connections == 0), 5)
-        assert await (await client.request("POST", server.url, timeout=5)).read() == b"once"
+        assert await (await client.request("POST", server.url, timeout=5)).read_whole(CAP) == b"once"
+        await until(lambda: client.num_connections == 0)
+        assert await (await client.request("POST", server.url, timeout=5)).read_whole(CAP) == b"once"
         assert server.num_connections == 2
 
 
@@ -297,9 +237,9 @@ async def test_peer_closing_a_reused_connection_at_send(client: UpstreamClient, 
         await conn.read_request()
 
     async with ScriptedServer(handler) as server:
-        await (await client.request(method, server.url, timeout=5)).read()
+        await (await client.request(method, server.url, timeout=5)).read_whole(CAP)
         if method == "GET":
-            assert await (await client.request(method, server.url, timeout=5)).read() == b"first"
+            assert await (await client.request(method, server.url, timeout=5)).read_whole(CAP) == b"first"
             assert server.num_connections == 2
         else:
             with pytest.raises(ConnectionDropped):
@@ -325,7 +265,7 @@ async def test_no_connection_limit(client: UpstreamClient) -> None:
 
     async with ScriptedServer(handler) as server:
         async def one() -> bytes:
-            return await (await client.request("GET", server.url, timeout=10)).read()
+            return await (await client.request("GET", server.url, timeout=10)).read_whole(CAP)
 
         bodies = await asyncio.gather(*(one() for _ in range(num_requests)))
         assert bodies == [b"go"] * num_requests
@@ -334,7 +274,7 @@ async def test_no_connection_limit(client: UpstreamClient) -> None:
 async def test_aclose_closes_everything_and_refuses_new_requests() -> None:
     client = UpstreamClient()
     async with ScriptedServer(serve_ok) as server:
-        await (await client.request("GET", server.url, timeout=5)).read()
+        await (await client.request("GET", server.url, timeout=5)).read_whole(CAP)
         assert client.num_idle == 1
         await client.aclose()
         assert client.num_connections == 0
@@ -342,14 +282,9 @@ async def test_aclose_closes_everything_and_refuses_new_requests() -> None:
             await client.request("GET", server.url, timeout=5)
 
 
-async def test_bad_urls_are_value_errors(client: UpstreamClient) -> None:
+async def test_bad_urls_and_headers_are_upstream_errors(client: UpstreamClient) -> None:
     for url in ("https://127.0.0.1/", "http:///x", "http://h:99999/"):
-        with pytest.raises(ValueError):
+        with pytest.raises(InvalidURL):
             await client.request("GET", url, timeout=1)
-    with pytest.raises(ValueError):
+    with pytest.raises(InvalidHeader):
         await client.request("GET", "http://127.0.0.1:1/", headers={"X": "a\r\nB: c"}, timeout=1)
-
-
-async def _until(predicate: Callable[[], bool]) -> None:
-    while not predicate():
-        await asyncio.sleep(0.005)

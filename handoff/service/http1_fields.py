@@ -1,0 +1,107 @@
+"""Status lines and header fields of HTTP/1.1 responses, by h11's rules (``h11/_abnf.py``, ``_headers.py``).
+
+Used by :class:`~handoff.service.http1_parser.ResponseParser` on every head
+and trailer section it reads. A field line is ``token ":" OWS value OWS`` where
+the value holds no NUL and no whitespace but SP and HTAB between its visible
+characters; obs-fold continuation lines are joined with one space (RFC 9112
+5.2). Content-Length must be digits, one value however often repeated;
+Transfer-Encoding must be exactly ``chunked``, once.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import NamedTuple
+
+_TOKEN = rb"[-!#$%&'*+.^_`|~0-9a-zA-Z]+"
+_FIELD_VCHAR = rb"[^\x00\s]"
+_FIELD_CONTENT = _FIELD_VCHAR + rb"+(?:[ \t]+" + _FIELD_VCHAR + rb"+)*"
+_FIELD_LINE = re.compile(rb"(" + _TOKEN + rb"):[ \t]*((?:" + _FIELD_CONTENT + rb")?)[ \t]*")
+_STATUS_LINE = re.compile(rb"HTTP/([0-9]\.[0-9]) ([0-9]{3})(?: (?:[ \t]|" + _FIELD_VCHAR + rb")*)?")
+_FOLD_STARTS = (b" ", b"\t")
+_DIGITS = re.compile(rb"[0-9]{1,20}")
+
+Fields = list[tuple[bytes, bytes]]
+
+
+class MalformedResponse(Exception):
+    """The bytes are not a valid HTTP/1.1 response, or pass a cap."""
+
+
+class Framing(NamedTuple):
+    """What a final head's fields say about its body and its connection."""
+
+    content_length: int | None
+    is_chunked: bool
+    is_close: bool
+
+
+def parse_status_line(line: bytes) -> tuple[bytes, int]:
+    """``HTTP/d.d SP 3DIGIT [SP reason]`` -> (version, status); any 3-digit status."""
+    match = _STATUS_LINE.fullmatch(line)
+    if match is None:
+        raise MalformedResponse(f"bad status line {line[:80]!r}")
+    return match[1], int(match[2])
+
+
+def parse_fields(lines: list[bytes], max_fields: int) -> Fields:
+    """Field lines -> (lower-case name, value) pairs; Content-Length and Transfer-Encoding normalised."""
+    unfolded = _unfold(lines)
+    if len(unfolded) > max_fields:
+        raise MalformedResponse(f"more than {max_fields} header fields")
+    fields: Fields = []
+    content_length: bytes | None = None
+    has_transfer_encoding = False
+    for line in unfolded:
+        match = _FIELD_LINE.fullmatch(line)
+        if match is None:
+            raise MalformedResponse(f"bad header line {line[:80]!r}")
+        name, value = match[1].lower(), match[2]
+        if name == b"content-length":
+            if b"," in value:  # a list, allowed when every member is the same
+                lengths = {length.strip() for length in value.split(b",")}
+                if len(lengths) != 1:
+                    raise MalformedResponse("conflicting Content-Length values")
+                value = lengths.pop()
+            if not _DIGITS.fullmatch(value):
+                raise MalformedResponse(f"bad Content-Length {value[:40]!r}")
+            if content_length is not None:
+                if value != content_length:
+                    raise MalformedResponse("conflicting Content-Length headers")
+                continue  # the same length again: kept once
+            content_length = value
+        elif name == b"transfer-encoding":
+            if has_transfer_encoding:
+                raise MalformedResponse("more than one Transfer-Encoding header")
+            value = value.lower()
+            if value != b"chunked":
+                raise MalformedResponse(f"unsupported Transfer-Encoding {value[:40]!r}")
+            has_transfer_encoding = True
+        fields.append((name, value))
+    return fields
+
+
+def framing(fields: Fields) -> Framing:
+    content_length: int | None = None
+    is_chunked = is_close = False
+    for name, value in fields:
+        if name == b"content-length":
+            content_length = int(value)
+        elif name == b"transfer-encoding":
+            is_chunked = True
+        elif name == b"connection" and b"close" in (token.strip() for token in value.lower().split(b",")):
+            is_close = True
+    return Framing(content_length, is_chunked, is_close)
+
+
+def _unfold(lines: list[bytes]) -> list[bytes]:
+    """Replace each obs-fold with one space (RFC 9112 5.2), as h11 does."""
+    out: list[bytes] = []
+    for line in lines:
+        if line[:1] not in _FOLD_STARTS:
+            out.append(line)
+        elif not out:
+            raise MalformedResponse("continuation line at the start of the header fields")
+        else:
+            out[-1] = out[-1] + b" " + line.lstrip(b" \t")
+    return out

@@ -45,6 +45,12 @@ class EngineConfig:
     fault_drill_file: Path | None = None     # fault drill: a one-shot step or control fault (node_engine.failures)
     role: str = "mixed"
     enable_prefix_cache: bool = True
+    # Vision-language models (see docs/memory.md, "The vision path"):
+    max_image_tokens: int | None = None         # per image, after the merge; None: --max-batch-tokens
+    visual_batch_max_tokens: int | None = None  # image tokens encoded per step; None: --max-batch-tokens, 0: off
+    vision_reserve_mb: int | None = None        # None: measured at start from the worst-case image batch
+    # CPU: the most resident memory (RSS) the engine process may use; the KV pool is sized from it.
+    memory_budget_mb: int | None = None
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda"):
@@ -70,11 +76,33 @@ class EngineConfig:
             raise ConfigError("--weights-backup needs --enable-memory-saver")
         if not self.weight_version:
             raise ConfigError("--weight-version must not be empty")
+        for name in ("max_image_tokens", "memory_budget_mb"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+        for name in ("visual_batch_max_tokens", "vision_reserve_mb"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {value}")
+        if self.memory_budget_mb is not None and self.device != "cpu":
+            raise ConfigError("--memory-budget-mb is for CPU engines; on CUDA the KV pool is sized from the "
+                              "device's free memory (--mem-fraction)")
         self.model_override_dict()  # validates the JSON
 
     @property
     def resolved_dtype(self) -> str:
         return self.dtype or ("bfloat16" if self.device == "cuda" else "float32")
+
+    @property
+    def resolved_max_image_tokens(self) -> int:
+        return self.max_image_tokens if self.max_image_tokens is not None else self.max_batch_tokens
+
+    @property
+    def resolved_visual_batch_max_tokens(self) -> int:
+        """0: no per-step limit."""
+        if self.visual_batch_max_tokens is not None:
+            return self.visual_batch_max_tokens
+        return self.max_batch_tokens
 
     @property
     def model_name(self) -> str:

@@ -101,10 +101,10 @@ class DecodeGraphs:
         runner = self.runner
         inputs = runner.prepare_decode(step)
         self.input_ids[:num_seqs].copy_(inputs.input_ids)
-        self.positions[:num_seqs].copy_(inputs.positions)
+        self.positions[:num_seqs].copy_(inputs.rope_positions)  # what the model rotates by
         self.slot_mapping[:num_seqs].copy_(inputs.slot_mapping)
         self.kv_indices[:num_seqs].copy_(runner.req_to_token.index_select(0, inputs.rows))
-        self.lengths[:num_seqs].copy_(self.positions[:num_seqs] + 1)
+        self.lengths[:num_seqs].copy_(inputs.positions + 1)     # the keys each sequence sees
         if bs > num_seqs:
             self.input_ids[num_seqs:bs].zero_()
             self.positions[num_seqs:bs].zero_()

@@ -47,6 +47,7 @@ from node_engine.runner import ModelRunner, load_model_source
 from node_engine.sampling import SamplingParams
 from node_engine.scheduler import Scheduler, SchedulerConfig, Step, StepKind
 from node_engine.tokenizer import IncrementalDetokenizer
+from node_engine.vision.inputs import MultimodalPrompt
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +135,8 @@ class Engine:
         self.scheduler = Scheduler(
             SchedulerConfig(max_running_requests=config.max_running_requests,
                             max_batch_tokens=config.max_batch_tokens, context_len=plan.context_len,
-                            eos_token_ids=tuple(self.tokenizer.eos_token_ids) or self.arch.eos_token_ids),
+                            eos_token_ids=tuple(self.tokenizer.eos_token_ids) or self.arch.eos_token_ids,
+                            max_visual_tokens=self.runner.vision.visual_budget if self.runner.vision else 0),
             slots, RowAllocator(config.max_running_requests),
             PrefixCache(slots) if config.enable_prefix_cache else None)
         self.weight_version = config.weight_version
@@ -203,12 +205,12 @@ class Engine:
         return max(0, min(128, self.scheduler.max_request_tokens() - num_prompt_tokens))
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, rid: str | None = None, *,
-               stream: bool = False) -> RequestHandle:
+               stream: bool = False, mm: MultimodalPrompt | None = None) -> RequestHandle:
         """Queue a checked request; its outputs arrive on the returned handle.
 
         A streaming request gets an output every step; any other gets one when it
         finishes (its deltas accumulate meanwhile), which spares the event loop a
-        wake-up per request per step.
+        wake-up per request per step. ``mm``: the prompt's images (placeholders already expanded).
         """
         self._num_rids += 1
         rid = rid or f"req-{uuid.uuid4().hex[:16]}"
@@ -219,7 +221,7 @@ class Engine:
                           detokenizer=IncrementalDetokenizer(self.tokenizer, params.stop,
                                                              is_lazy=not stream and not params.stop),
                           on_output=handle._put,
-                          generator=generator, is_streaming=stream)
+                          generator=generator, is_streaming=stream, mm=mm)
         self._post(_Add(request))
         return handle
 

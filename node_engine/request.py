@@ -10,12 +10,15 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
 from node_engine.sampling import SamplingParams
 from node_engine.tokenizer import IncrementalDetokenizer
+
+if TYPE_CHECKING:
+    from node_engine.vision.inputs import MultimodalPrompt
 
 
 class RequestState(enum.Enum):
@@ -82,6 +85,8 @@ class Request:
     is_streaming: bool = False        # outputs every step (else only the final one)
     arrival_time: float = field(default_factory=time.monotonic)
     num_emitted_tokens: int = 0
+    mm: MultimodalPrompt | None = None  # the prompt's images (vision-language models)
+    _cache_keys: list[int] | None = field(default=None, repr=False)
 
     def transition(self, new_state: RequestState) -> None:
         if new_state not in _ALLOWED[self.state]:
@@ -104,6 +109,17 @@ class Request:
         if start >= num_prompt:
             return self.output_ids[start - num_prompt:end - num_prompt]
         return self.prompt_ids[start:] + self.output_ids[:end - num_prompt]
+
+    def key_slice(self, start: int, end: int) -> list[int]:
+        """``token_slice`` as the prefix cache keys it: an image's tokens stand for that image's content."""
+        if self.mm is None:
+            return self.token_slice(start, end)
+        if self._cache_keys is None:
+            self._cache_keys = self.mm.cache_keys(self.prompt_ids)
+        num_prompt = len(self.prompt_ids)
+        if end <= num_prompt:
+            return self._cache_keys[start:end]
+        return self._cache_keys[start:] + self.output_ids[max(0, start - num_prompt):end - num_prompt]
 
     @property
     def num_owned_slots(self) -> int:

@@ -3,10 +3,12 @@
 Steady-state memory is allocated in exactly one method per tag, each inside
 its memory region:
 
-- ``_allocate_weights``: the model's parameters (``weights``);
+- ``_allocate_weights``: the model's parameters, the vision tower's included (``weights``);
 - ``_allocate_workspace``: the request-to-slot table and the CUDA graph static
-  buffers (``workspace``);
-- ``_allocate_kv_cache``: the KV pool (``kv_cache``), sized into ``KVPlan``;
+  buffers (``workspace``); a vision-language model's reservation for its
+  worst-case vision step too (``vision/reservation.py``);
+- ``_allocate_kv_cache``: the KV pool (``kv_cache``), pinned, a CPU default, or
+  sized from measured peaks (``kv_sizing.py``) into ``KVPlan``;
 - ``DecodeGraphs``: captured decode graphs and their private pool (``cuda_graph``).
 
 What stays outside every region: the rotary cos/sin tables (built once, needed
@@ -19,12 +21,14 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from node_engine.config import DEFAULT_CPU_MAX_TOTAL_TOKENS, ConfigError, EngineConfig
 from node_engine.kv_cache import PADDING_SLOT
+from node_engine.kv_sizing import DeviceBudget, HostBudget, KVPoolSizer, KVSizingError, MemoryBudget, SizingReport
+from node_engine.memory.peak import CudaPeakMeter, HostPeakMeter
 from node_engine.memory.saver import MemorySaver
 from node_engine.memory.tags import MemoryTag
 from node_engine.model.arch import ModelArch, ModelConfigError
@@ -37,6 +41,10 @@ from node_engine.prefill_batch import prefill_batch
 from node_engine.sampling import sample
 from node_engine.scheduler import Step, StepKind
 from node_engine.tokenizer import Tokenizer
+from node_engine.vision.encoder import Chunk
+from node_engine.vision.inputs import MultimodalPrompt
+from node_engine.vision.model import build_model
+from node_engine.vision.runtime import VisionRuntime, processor_config_for
 
 if TYPE_CHECKING:
     from node_engine.compiled_decode import CompiledDecode, DecodeForward
@@ -53,6 +61,7 @@ class DecodeInputs:
 
     input_ids: torch.Tensor     # [B] the token each sequence computes
     positions: torch.Tensor     # [B] its position
+    rope_positions: torch.Tensor  # [B] the position it rotates by (M-RoPE: position + the prompt's delta)
     rows: torch.Tensor          # [B] the sequence's row of the request-to-slot table
     slot_mapping: torch.Tensor  # [B] the slot its KV goes to
     max_len: int                # keys of the longest sequence
@@ -75,7 +84,8 @@ class KVPlan:
 def load_model_source(config: EngineConfig) -> tuple[ModelArch, Tokenizer]:
     """Architecture and tokenizer of the configured model; fails early, naming what is wrong."""
     if is_builtin(config.model_path):
-        return builtin_arch(config.model_path, config.model_override_dict()), Tokenizer.builtin_bytes()
+        arch = builtin_arch(config.model_path, config.model_override_dict())
+        return arch, Tokenizer.builtin_bytes(vision=arch.vision is not None)
     if config.model_override:
         raise ConfigError("--model-override applies to built-in models only")
     folder = Path(config.model_path)
@@ -87,9 +97,26 @@ def load_model_source(config: EngineConfig) -> tuple[ModelArch, Tokenizer]:
     return arch, tokenizer
 
 
+VISION_FLAGS = ("max_image_tokens", "visual_batch_max_tokens", "vision_reserve_mb")
+
+
+def check_vision_flags(config: EngineConfig, arch: ModelArch) -> None:
+    if arch.vision is None:
+        given = [name for name in VISION_FLAGS if getattr(config, name) is not None]
+        if given:
+            raise ConfigError(f"--{given[0].replace('_', '-')} is for vision-language models; {config.model_path} "
+                              "has no vision tower")
+    elif config.enable_torch_compile:
+        raise ConfigError("--enable-torch-compile is not available for vision-language models yet (M-RoPE "
+                          "positions differ from token positions in decode)")
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, saver: MemorySaver, arch: ModelArch, *,
-                 drill: FaultDrill | None = None) -> None:
+                 drill: FaultDrill | None = None,
+                 kv_allocate: Callable[[str, int], torch.Tensor] | None = None) -> None:
+        """``kv_allocate``: the KV sizer's allocation function (tests inject failures through it)."""
+        check_vision_flags(config, arch)
         self.config = config
         self.saver = saver
         self.arch = arch
@@ -107,8 +134,18 @@ class ModelRunner:
         self.packing = WeightPacking(self.model.packable_projections())
         self.packing.pack()
         self._allocate_workspace(context_len)
-        self.kv_plan = self._plan_kv(context_len)
-        self._allocate_kv_cache()
+        self.vision: VisionRuntime | None = None
+        if arch.vision is not None:
+            self.vision = VisionRuntime(config, arch, self.model.visual, self.rotary,
+                                        processor_config_for(config, arch))
+            self.vision.reserve(config, saver, self.device)
+        self.bytes_per_slot = 2 * arch.num_layers * arch.kv_size * self.dtype.itemsize
+        self.kv_sizing: SizingReport | None = None
+        self.context_len = context_len
+        pool = self._size_kv_pool(kv_allocate) if self._sizes_from_peaks else None
+        self.kv_plan = KVPlan(num_slots=pool.shape[1] if pool is not None else self._fixed_num_slots() + 1,
+                              bytes_per_slot=self.bytes_per_slot, context_len=context_len)
+        self._allocate_kv_cache(pool)
         self.compiled_decode: CompiledDecode | None = None
         self.decode_forward: DecodeForward = self._decode_forward
         if config.enable_torch_compile:
@@ -125,7 +162,7 @@ class ModelRunner:
     # -- allocation sites ------------------------------------------------------
     def _allocate_weights(self) -> CausalLM:
         with self.saver.region(MemoryTag.WEIGHTS):
-            model = CausalLM(self.arch, device=self.device, dtype=self.dtype)
+            model = build_model(self.arch, device=self.device, dtype=self.dtype)
         self.saver.register(MemoryTag.WEIGHTS, model.parameters())
         if is_builtin(self.config.model_path):
             self.source_dtypes = load_tensors(model, builtin_weights(self.arch, self.config.seed))
@@ -139,54 +176,105 @@ class ModelRunner:
                                             device=self.device)
         self.saver.register(MemoryTag.WORKSPACE, [self.req_to_token])
 
-    def _plan_kv(self, context_len: int) -> KVPlan:
-        arch = self.arch
-        bytes_per_slot = 2 * arch.num_layers * arch.kv_size * self.dtype.itemsize
-        if self.config.max_total_tokens is not None:
-            num_slots = self.config.max_total_tokens
-        elif self.device.type == "cpu":
-            num_slots = DEFAULT_CPU_MAX_TOTAL_TOKENS
+    @property
+    def _sizes_from_peaks(self) -> bool:
+        """Pinned (``--max-total-tokens``) or a CPU engine without a budget: a fixed size, no profiling."""
+        config = self.config
+        return config.max_total_tokens is None and (self.device.type == "cuda" or config.memory_budget_mb is not None)
+
+    def _fixed_num_slots(self) -> int:
+        return self.config.max_total_tokens if self.config.max_total_tokens is not None else DEFAULT_CPU_MAX_TOTAL_TOKENS
+
+    def _size_kv_pool(self, allocate: Callable[[str, int], torch.Tensor] | None) -> torch.Tensor:
+        """The KV pool sized by ``kv_sizing.py`` (probe, target, validation, shrink and retry)."""
+        config = self.config
+        if self.device.type == "cuda":
+            meter = CudaPeakMeter()
+            budget: MemoryBudget = DeviceBudget(config.mem_fraction)
         else:
-            num_slots = self._slots_from_free_memory(bytes_per_slot)
-        return KVPlan(num_slots=num_slots + 1, bytes_per_slot=bytes_per_slot, context_len=context_len)
+            meter = HostPeakMeter()
+            budget = HostBudget(config.memory_budget_mb * 2**20, meter)
+        min_slots = min(config.max_batch_tokens, self.context_len) + 1
+        sizer = KVPoolSizer(self, budget, meter, device=self.device, min_slots=min_slots, probe_slots=min_slots,
+                            allocate=allocate)
+        self.kv_sizing = sizer.report
+        try:
+            pool = sizer.run()
+        except KVSizingError:
+            raise KVSizingError(self._sizing_error(sizer.report, budget)) from None
+        pool.zero_()  # the stresses wrote garbage into it
+        return pool
 
-    def _slots_from_free_memory(self, bytes_per_slot: int) -> int:
-        """CUDA: size the pool from free memory after a warm-up forward of a full prefill chunk."""
-        num_warm = self.config.max_batch_tokens
-        kv = torch.zeros(self.arch.num_layers, num_warm + 1, 2 * self.arch.num_kv_heads, self.arch.head_dim,
-                         dtype=self.dtype, device=self.device)
-        self.model.bind_kv_cache(list(kv))
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
-        ids = torch.zeros(num_warm, dtype=torch.int64, device=self.device)
-        positions = torch.arange(num_warm, device=self.device) % self.rotary.num_positions
-        slots = torch.arange(1, num_warm + 1, device=self.device)
-        batch = AttentionBatch(slot_mapping=slots, kv_indices=slots.view(1, -1), mask=None, num_seqs=1,
-                               max_query_len=num_warm, is_causal_self_only=True)
-        with torch.inference_mode():
-            self.model.compute_logits(self.model(ids, positions, batch))
-        torch.cuda.synchronize()
-        activation_bytes = torch.cuda.max_memory_allocated() - before
-        self.model.bind_kv_cache([torch.empty(0, device=self.device)] * self.arch.num_layers)  # else layers keep it
-        del kv, ids, positions, slots, batch
-        torch.cuda.empty_cache()
-        free, _ = torch.cuda.mem_get_info()
-        budget = free * self.config.mem_fraction - 2 * activation_bytes
-        num_slots = int(budget // bytes_per_slot)
-        if num_slots < 16:
-            raise ConfigError(f"not enough free GPU memory for a KV pool: {free} bytes free after the weights")
-        log.info("KV pool sized from free memory: %d slots (%.2f GiB), activations %.2f GiB", num_slots,
-                 num_slots * bytes_per_slot / 2**30, activation_bytes / 2**30)
-        return num_slots
+    def _sizing_error(self, report: SizingReport, budget: MemoryBudget) -> str:
+        config, mib = self.config, 2**20
+        weights = self.saver.tag_bytes(MemoryTag.WEIGHTS)
+        reservation = self.vision.reservation.num_bytes if self.vision and self.vision.reservation else 0
+        left = report.free_bytes - report.activation_peak_bytes - report.canary_bytes
+        vision = ""
+        if self.vision is not None:
+            vision = (f", of which the vision reservation {reservation / mib:.1f} MiB for --max-image-tokens "
+                      f"{self.vision.max_image_tokens} and --visual-batch-max-tokens {self.vision.visual_budget}")
+        attempts = "; ".join(f"{a.num_slots} slots: {a.outcome}" for a in report.attempts)
+        knobs = "--max-batch-tokens, --max-running-requests or --context-length"
+        if self.vision is not None:
+            knobs += ", --max-image-tokens or --visual-batch-max-tokens"
+        return (f"no KV pool fits {budget.describe()}: the engine holds {report.held_bytes / mib:.1f} MiB before "
+                f"the pool (weights {weights / mib:.1f} MiB{vision}); the activation peak measured at "
+                f"--max-batch-tokens {config.max_batch_tokens} and --max-running-requests "
+                f"{config.max_running_requests} ({self.context_len}-token context) is "
+                f"{report.activation_peak_bytes / mib:.1f} MiB and the canary {report.canary_bytes / mib:.0f} MiB; "
+                f"{report.free_bytes / mib:.1f} MiB were free, leaving {max(0, left) / mib:.1f} MiB for the pool "
+                f"({max(0, left) // report.bytes_per_slot} slots of {report.bytes_per_slot} bytes; at least "
+                f"{min(config.max_batch_tokens, self.context_len) + 1} needed). Attempts: {attempts or 'none'}. "
+                f"Give the engine more memory, lower {knobs}, or pin --max-total-tokens (no sizing).")
 
-    def _allocate_kv_cache(self) -> None:
-        arch, plan = self.arch, self.kv_plan
+    # -- what the KV sizer needs (kv_sizing.SizingTarget) ------------------------
+    def allocate_pool(self, num_slots: int) -> torch.Tensor:
+        arch = self.arch
         with self.saver.region(MemoryTag.KV_CACHE):
             # Per layer and slot, the keys then the values: a token's KV is one contiguous row.
-            self.kv_cache = torch.zeros(arch.num_layers, plan.num_slots, 2 * arch.num_kv_heads, arch.head_dim,
-                                        dtype=self.dtype, device=self.device)
+            return torch.zeros(arch.num_layers, num_slots, 2 * arch.num_kv_heads, arch.head_dim,
+                               dtype=self.dtype, device=self.device)
+
+    def bind_pool(self, pool: torch.Tensor | None) -> None:
+        if pool is None:  # unbind: layers must not keep a pool alive
+            self.model.bind_kv_cache([torch.empty(0, device=self.device)] * self.arch.num_layers)
+        else:
+            self.model.bind_kv_cache(list(pool))
+
+    @torch.inference_mode()
+    def stress(self, num_slots: int) -> None:
+        """The heaviest prefill and decode steps the engine can run (their values do not matter).
+
+        Prefill: one chunk of ``--max-batch-tokens`` at the end of the context. Decode: the maximum batch,
+        every sequence as long as the context.
+        """
+        dev, ctx, usable = self.device, self.context_len, num_slots - 1
+        n = min(self.config.max_batch_tokens, ctx)
+        key_pos = torch.arange(ctx, device=dev)
+        query_pos = key_pos[ctx - n:]
+        keys = (key_pos % usable + 1).view(1, ctx)
+        batch = AttentionBatch(slot_mapping=(torch.arange(n, device=dev) % usable) + 1, kv_indices=keys,
+                               mask=(key_pos[None, :] <= query_pos[:, None]).view(1, 1, n, ctx), num_seqs=1,
+                               max_query_len=n)
+        hidden = self.model(torch.zeros(n, dtype=torch.int64, device=dev), query_pos, batch)
+        self.model.compute_logits(hidden[-min(n, self.config.max_running_requests):])
+        del hidden, batch
+        num_seqs = self.config.max_running_requests
+        hidden = self._decode_forward(
+            torch.zeros(num_seqs, dtype=torch.int64, device=dev),
+            torch.full((num_seqs,), ctx - 1, dtype=torch.int64, device=dev),
+            (torch.arange(num_seqs, device=dev) % usable) + 1, keys.to(torch.int32).expand(num_seqs, ctx),
+            torch.ones(num_seqs, 1, 1, ctx, dtype=torch.bool, device=dev))
+        self.model.compute_logits(hidden)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+
+    def _allocate_kv_cache(self, pool: torch.Tensor | None = None) -> None:
+        """Keep the sized pool, or allocate one of the planned size."""
+        self.kv_cache = pool if pool is not None else self.allocate_pool(self.kv_plan.num_slots)
         self.saver.register(MemoryTag.KV_CACHE, [self.kv_cache])
-        self.model.bind_kv_cache(list(self.kv_cache))
+        self.bind_pool(self.kv_cache)
 
     # -- one step --------------------------------------------------------------
     @torch.inference_mode()
@@ -213,6 +301,7 @@ class ModelRunner:
         tokens: list[int] = []
         positions: list[int] = []
         rows: list[int] = []
+        rope: list[int] = []  # the same as positions unless a prompt had images (M-RoPE's delta)
         for e in step.entries:
             request = e.request
             num_prompt = len(request.prompt_ids)
@@ -220,14 +309,18 @@ class ModelRunner:
                           else request.output_ids[e.start - num_prompt])
             positions.append(e.start)
             rows.append(request.row)
-        input_ids, position_t, rows_t = torch.tensor([tokens, positions, rows], device=self.device).unbind(0)
+            # A decoded token is text after the prompt's last image (a prompt never ends with an image token).
+            rope.append(e.start if request.mm is None else e.start + request.mm.rope_delta)
+        input_ids, position_t, rows_t, rope_t = torch.tensor([tokens, positions, rows, rope],
+                                                             device=self.device).unbind(0)
         # A copy even on CPU: made here, under inference mode, like the other inputs. A compiled decode
         # graph is specialized on that (the scheduler's tensor is an ordinary one).
         slot_mapping = step.slot_mapping.to(self.device, copy=True)
         self.req_to_token[rows_t, position_t] = slot_mapping.to(torch.int32)
         max_position = max(positions)
-        return DecodeInputs(input_ids=input_ids, positions=position_t, rows=rows_t, slot_mapping=slot_mapping,
-                            max_len=max_position + 1, is_ragged=min(positions) != max_position)
+        return DecodeInputs(input_ids=input_ids, positions=position_t, rope_positions=rope_t, rows=rows_t,
+                            slot_mapping=slot_mapping, max_len=max_position + 1,
+                            is_ragged=min(positions) != max_position)
 
     def _forward_decode(self, step: Step) -> torch.Tensor:
         """Hidden states [B, hidden] of one token per sequence."""
@@ -238,7 +331,7 @@ class ModelRunner:
         if inputs.is_ragged:
             key_pos = torch.arange(max_len, device=self.device)
             mask = (key_pos.unsqueeze(0) <= inputs.positions.unsqueeze(1)).view(num_seqs, 1, 1, max_len)
-        return self.decode_forward(inputs.input_ids, inputs.positions, inputs.slot_mapping, kv_indices, mask)
+        return self.decode_forward(inputs.input_ids, inputs.rope_positions, inputs.slot_mapping, kv_indices, mask)
 
     def _decode_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
                         kv_indices: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
@@ -251,6 +344,8 @@ class ModelRunner:
         """Hidden states of the step's sampling positions (the last token of each entry that samples)."""
         entries = step.entries
         dev = self.device
+        if step.images:
+            self._vision().encoder.encode(step.images)
         slot_mapping = step.slot_mapping.to(dev)
         tokens: list[int] = []
         positions: list[int] = []
@@ -266,14 +361,34 @@ class ModelRunner:
                 last_index.append(len(tokens) - 1)
         input_ids = torch.tensor(tokens, dtype=torch.int64, device=dev)
         position_t = torch.tensor(positions, dtype=torch.int64, device=dev)
-        hidden = self.model(input_ids, position_t, prefill_batch(step.entries, slot_mapping, self.req_to_token))
+        batch = prefill_batch(step.entries, slot_mapping, self.req_to_token)
+        if any(e.request.mm is not None for e in entries):
+            hidden = self._forward_multimodal([(e.request.mm, e.start, e.end) for e in entries], input_ids,
+                                              position_t, batch)
+        else:
+            hidden = self.model(input_ids, position_t, batch)
         if len(last_index) == len(tokens):
             return hidden
         return hidden.index_select(0, torch.tensor(last_index, dtype=torch.int64, device=dev))
 
+    def _vision(self) -> VisionRuntime:
+        if self.vision is None:
+            raise RuntimeError("images reached a model without a vision tower")
+        return self.vision
+
+    def _forward_multimodal(self, chunks: list[Chunk], input_ids: torch.Tensor, positions: torch.Tensor,
+                            batch: AttentionBatch) -> torch.Tensor:
+        """A prefill with images: their rows in the embeddings, M-RoPE for every token; then what the chunks
+        consumed is dropped."""
+        encoder = self._vision().encoder
+        embeds = encoder.embed(chunks, input_ids, self.model.model.embed_tokens.weight)
+        hidden = self.model(input_ids, positions, batch, embeds=embeds, rope=encoder.rope(chunks))
+        encoder.release_consumed(chunks)
+        return hidden
+
     @torch.inference_mode()
-    def score(self, token_ids: list[int]) -> torch.Tensor:
-        """Logits [T, V] of every position of one prompt (tests and debugging only).
+    def score(self, token_ids: list[int], mm: MultimodalPrompt | None = None) -> torch.Tensor:
+        """Logits [T, V] of every position of one prompt, with its images if ``mm`` (tests and debugging only).
 
         Uses KV slots 1..T of the pool: only for a runner that serves nothing (no
         requests, no cached prefixes), as the tests build it.
@@ -282,7 +397,12 @@ class ModelRunner:
         slots = torch.arange(1, n + 1, device=self.device)
         batch = AttentionBatch(slot_mapping=slots, kv_indices=slots.view(1, n), mask=None, num_seqs=1,
                                max_query_len=n, is_causal_self_only=True)
-        hidden = self.model(torch.tensor(token_ids, device=self.device), torch.arange(n, device=self.device), batch)
+        input_ids, positions = torch.tensor(token_ids, device=self.device), torch.arange(n, device=self.device)
+        if mm is None:
+            hidden = self.model(input_ids, positions, batch)
+        else:
+            self._vision().encoder.encode(mm.needing_encode(0, n))
+            hidden = self._forward_multimodal([(mm, 0, n)], input_ids, positions, batch)
         return self.model.compute_logits(hidden)
 
     def reset_workspace(self) -> None:

@@ -20,13 +20,18 @@ from __future__ import annotations
 
 import enum
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from node_engine.kv_cache import RowAllocator, SlotAllocator
 from node_engine.prefix_cache import PrefixCache
 from node_engine.request import FinishReason, Request, RequestState
+from node_engine.visual_budget import VisualBudget
+
+if TYPE_CHECKING:
+    from node_engine.vision.inputs import ImageInput
 
 
 @dataclass(frozen=True)
@@ -35,11 +40,14 @@ class SchedulerConfig:
     max_batch_tokens: int
     context_len: int
     eos_token_ids: tuple[int, ...]
+    max_visual_tokens: int = 0  # image tokens the vision tower encodes per step (0: no limit)
 
     def __post_init__(self) -> None:
         for name in ("max_running_requests", "max_batch_tokens", "context_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_visual_tokens < 0:
+            raise ValueError(f"max_visual_tokens must be >= 0, got {self.max_visual_tokens}")
 
 
 class StepKind(enum.Enum):
@@ -65,6 +73,7 @@ class Step:
     kind: StepKind
     entries: list[StepEntry]
     slot_mapping: torch.Tensor  # every entry's new slots, flat, in entry order (CPU)
+    images: list[ImageInput] = field(default_factory=list)  # prefill: to encode before the chunks, in order
 
     @property
     def num_tokens(self) -> int:
@@ -121,6 +130,7 @@ class Scheduler:
 
     def _schedule_prefill(self) -> Step | None:
         budget = self.config.max_batch_tokens
+        visual = VisualBudget(self.config.max_visual_tokens)
         entries: list[StepEntry] = []
         num_decoding = 0
         is_blocked = False  # a partial prefill found no room (or no budget): later ones wait too
@@ -131,18 +141,28 @@ class Scheduler:
                 continue
             if is_blocked or budget == 0:
                 continue
-            num = min(num_uncached, budget)
-            if not self._make_room(num):
-                is_blocked = True
+            plan = visual.plan(request, request.num_cached, min(num_uncached, budget))
+            if plan.num_tokens == 0:  # its next image waits for the next step's budget
+                visual.commit(plan)
                 continue
-            entries.append(self._take(request, num))
-            budget -= num
+            if not self._make_room(plan.num_tokens):
+                is_blocked = True
+                if plan.images:
+                    visual.close()
+                continue
+            entries.append(self._take(request, plan.num_tokens))
+            visual.commit(plan)
+            budget -= plan.num_tokens
         while self.waiting and budget > 0 and len(self.running) < self.config.max_running_requests:
             request = self.waiting[0]
             if not self.rows.can_allocate():
                 break
             prefix, node = self._match(request)
-            num = min(request.num_tokens - prefix.numel(), budget)
+            plan = visual.plan(request, prefix.numel(), min(request.num_tokens - prefix.numel(), budget))
+            if plan.num_tokens == 0:  # FIFO: nothing after it is admitted before its image
+                visual.commit(plan)
+                break
+            num = plan.num_tokens
             if node is not None:
                 self.cache.lock(node)  # type: ignore[union-attr]  # before any eviction can take it
             # Leave one decode step's worth of slots to the requests already decoding.
@@ -150,6 +170,7 @@ class Scheduler:
                 if node is not None:
                     self.cache.unlock(node)  # type: ignore[union-attr]
                 break
+            visual.commit(plan)
             self.waiting.popleft()
             request.transition(RequestState.RUNNING)
             request.row = self.rows.allocate()
@@ -168,7 +189,7 @@ class Scheduler:
             return None
         slots = [e.slots for e in entries if e.slots is not None]
         slot_mapping = slots[0] if len(slots) == 1 else torch.cat(slots)
-        return Step(StepKind.PREFILL, entries, slot_mapping)
+        return Step(StepKind.PREFILL, entries, slot_mapping, visual.images)
 
     _NO_PREFIX = torch.empty(0, dtype=torch.int64)
 
@@ -176,7 +197,7 @@ class Scheduler:
         """The cached prefix a waiting request can reuse (its last token is always computed)."""
         if self.cache is None:
             return self._NO_PREFIX, None
-        prefix, node = self.cache.match(request.token_slice(0, request.num_tokens - 1))
+        prefix, node = self.cache.match(request.key_slice(0, request.num_tokens - 1))
         return prefix, (node if prefix.numel() else None)
 
     def _make_room(self, num: int) -> bool:
@@ -284,7 +305,7 @@ class Scheduler:
             if keep_in_cache and cache is not None and request.cache_epoch == cache.epoch:
                 prefix = request.prefix_slots if request.prefix_slots is not None else self._NO_PREFIX
                 num_prefix = prefix.numel()
-                num_cached_before = cache.insert(request.token_slice(0, request.num_cached), torch.cat([prefix, own]))
+                num_cached_before = cache.insert(request.key_slice(0, request.num_cached), torch.cat([prefix, own]))
                 if num_cached_before > num_prefix:  # someone cached the same tokens meanwhile: ours are spares
                     self.slots.free(own[:num_cached_before - num_prefix])
             else:
@@ -296,3 +317,5 @@ class Scheduler:
         if request.row is not None:
             self.rows.free(request.row)
             request.row = None
+        if request.mm is not None:  # a preempted request re-encodes its images; a finished one needs nothing
+            request.mm.forget_features()

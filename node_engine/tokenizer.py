@@ -20,10 +20,19 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors
 
 from node_engine.model.arch import ModelConfigError
-from node_engine.model.builtin import BYTE_BOS_ID, BYTE_EOS_ID, BYTE_VOCAB_SIZE
+from node_engine.model.builtin import BYTE_BOS_ID, BYTE_EOS_ID, BYTE_VOCAB_SIZE, VISION_SPECIAL_TOKENS
 
 BUILTIN_CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+# The built-in VL model's template: content parts as Qwen2-VL's template renders them (an image part is
+# one placeholder, expanded to the image's tokens after tokenizing).
+BUILTIN_VL_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for part in m['content'] %}"
+    "{% if part['type'] in ('image', 'image_url') %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}{{ '\\n' }}{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
 
@@ -72,9 +81,10 @@ class Tokenizer:
         return cls(hf, bos_token=bos, eos_token=eos, eos_token_ids=tuple(sorted(eos_ids)), chat_template=template)
 
     @classmethod
-    def builtin_bytes(cls) -> "Tokenizer":
-        return cls(build_byte_tokenizer(), bos_token="<bos>", eos_token="<eos>", eos_token_ids=(BYTE_EOS_ID,),
-                   chat_template=BUILTIN_CHAT_TEMPLATE)
+    def builtin_bytes(cls, *, vision: bool = False) -> "Tokenizer":
+        return cls(build_byte_tokenizer(vision=vision), bos_token="<bos>", eos_token="<eos>",
+                   eos_token_ids=(BYTE_EOS_ID,),
+                   chat_template=BUILTIN_VL_CHAT_TEMPLATE if vision else BUILTIN_CHAT_TEMPLATE)
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         if len(text) > _GIL_FREE_ENCODE_CHARS:
@@ -131,24 +141,27 @@ def _bytes_to_unicode() -> dict[int, str]:
     return dict(zip(printable, (chr(c) for c in chars)))
 
 
-def build_byte_tokenizer() -> HFTokenizer:
-    """Byte-level tokenizer of the built-in model: token id = byte value."""
+def build_byte_tokenizer(*, vision: bool = False) -> HFTokenizer:
+    """Byte-level tokenizer of the built-in models: token id = byte value; with ``vision``, reserved ids
+    258-261 are Qwen2-VL's vision tokens."""
     alphabet = _bytes_to_unicode()
     vocab = {alphabet[b]: b for b in range(256)}
     tok = HFTokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
-    specials = ["<bos>", "<eos>"] + [f"<reserved_{i}>" for i in range(BYTE_VOCAB_SIZE - 258)]
-    tok.add_special_tokens(specials)
+    names = {i: f"<reserved_{i - 258}>" for i in range(258, BYTE_VOCAB_SIZE)}
+    if vision:
+        names.update(VISION_SPECIAL_TOKENS)
+    tok.add_special_tokens(["<bos>", "<eos>"] + [names[i] for i in range(258, BYTE_VOCAB_SIZE)])
     tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", BYTE_BOS_ID)])
     return tok
 
 
-def write_byte_tokenizer(folder: Path) -> None:
-    build_byte_tokenizer().save(str(folder / "tokenizer.json"))
+def write_byte_tokenizer(folder: Path, *, vision: bool = False) -> None:
+    build_byte_tokenizer(vision=vision).save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<bos>", "eos_token": "<eos>",
-        "chat_template": BUILTIN_CHAT_TEMPLATE,
+        "chat_template": BUILTIN_VL_CHAT_TEMPLATE if vision else BUILTIN_CHAT_TEMPLATE,
     }, indent=2))
 
 

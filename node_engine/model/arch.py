@@ -13,11 +13,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
+from node_engine.model.errors import ModelConfigError
+from node_engine.vision.arch import VL_ARCHITECTURES, VisionArch, text_config_of, vision_arch_from_hf_config
 
+__all__ = ["ModelArch", "ModelConfigError", "Llama3RopeScaling", "SUPPORTED_ARCHITECTURES"]
 
-class ModelConfigError(ValueError):
-    """A checkpoint folder or config the engine cannot load; the message names the problem."""
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM") + VL_ARCHITECTURES
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,7 @@ class ModelArch:
     rope_scaling: Llama3RopeScaling | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    vision: VisionArch | None = None  # Qwen2-VL / Qwen2.5-VL: the vision tower (the text model is Qwen2's)
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -69,6 +71,11 @@ class ModelArch:
                 f"({self.num_kv_heads})")
         if self.rms_norm_eps <= 0 or self.rope_theta <= 0:
             raise ModelConfigError("rms_norm_eps and rope_theta must be > 0")
+        if (self.vision is not None) != (self.architecture in VL_ARCHITECTURES):
+            raise ModelConfigError(f"architecture {self.architecture} and its vision tower do not match")
+        if self.vision is not None and self.vision.out_hidden_size != self.hidden_size:
+            raise ModelConfigError(f"the vision merger outputs {self.vision.out_hidden_size} values per token, the "
+                                   f"language model's hidden size is {self.hidden_size}")
 
     @property
     def q_size(self) -> int:
@@ -85,7 +92,8 @@ class ModelArch:
             attn += self.q_size + 2 * self.kv_size
         per_layer = attn + 3 * h * i + 2 * h
         head = 0 if self.tie_word_embeddings else v * h
-        return v * h + self.num_layers * per_layer + h + head
+        vision = self.vision.num_params() if self.vision is not None else 0
+        return v * h + self.num_layers * per_layer + h + head + vision
 
     @classmethod
     def from_hf_config(cls, config: dict[str, Any]) -> "ModelArch":
@@ -96,6 +104,10 @@ class ModelArch:
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ModelConfigError(
                 f"architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        is_vl = arch in VL_ARCHITECTURES
+        outer = config
+        if is_vl:
+            config = text_config_of(config)
         try:
             num_heads = int(config["num_attention_heads"])
             hidden = int(config["hidden_size"])
@@ -112,8 +124,8 @@ class ModelArch:
                 rope_theta=float(_rope_theta(config)),
                 max_position_embeddings=int(config.get("max_position_embeddings", 4096)),
                 tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-                # Qwen2 always has q/k/v biases; Llama has them only with attention_bias.
-                attention_bias=arch == "Qwen2ForCausalLM" or bool(config.get("attention_bias", False)),
+                # Qwen2 (and the VL models' Qwen2) always has q/k/v biases; Llama only with attention_bias.
+                attention_bias=arch != "LlamaForCausalLM" or bool(config.get("attention_bias", False)),
             )
         except KeyError as exc:
             raise ModelConfigError(f"config.json is missing the field {exc.args[0]!r}") from exc
@@ -121,11 +133,12 @@ class ModelArch:
             raise ModelConfigError(f"config.json has a field of the wrong type: {exc}") from exc
         if config.get("mlp_bias"):
             raise ModelConfigError("config field mlp_bias=true is not supported")
-        if arch == "Qwen2ForCausalLM" and config.get("use_sliding_window"):
+        if arch != "LlamaForCausalLM" and config.get("use_sliding_window"):
             raise ModelConfigError("Qwen2 use_sliding_window=true is not supported")
-        return cls(**arch_fields, rope_scaling=_parse_rope_scaling(config),
+        vision = vision_arch_from_hf_config(arch, outer, arch_fields["head_dim"]) if is_vl else None
+        return cls(**arch_fields, rope_scaling=None if is_vl else _parse_rope_scaling(config),
                    bos_token_id=_optional_int(config.get("bos_token_id")),
-                   eos_token_ids=_int_tuple(config.get("eos_token_id")))
+                   eos_token_ids=_int_tuple(config.get("eos_token_id")), vision=vision)
 
     @classmethod
     def from_folder(cls, folder: Path) -> "ModelArch":

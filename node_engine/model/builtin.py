@@ -17,11 +17,32 @@ import torch
 from safetensors.torch import save_file
 
 from node_engine.model.arch import ModelArch, ModelConfigError
+from node_engine.vision.arch import QWEN2_VL, VisionArch, hf_vision_config
+from node_engine.vision.model import vision_weight_shapes
+from node_engine.vision.processor import ProcessorConfig
 
 BUILTIN_PREFIX = "builtin:"
 BYTE_BOS_ID = 256
 BYTE_EOS_ID = 257
 BYTE_VOCAB_SIZE = 320  # 256 bytes, <bos>, <eos>, the rest reserved (padded for alignment)
+# The byte tokenizer of a vision-language built-in names three reserved ids (Qwen2-VL's spellings).
+VISION_START_ID, VISION_END_ID, IMAGE_PAD_ID, VIDEO_PAD_ID = 258, 259, 260, 261
+VISION_SPECIAL_TOKENS = {VISION_START_ID: "<|vision_start|>", VISION_END_ID: "<|vision_end|>",
+                         IMAGE_PAD_ID: "<|image_pad|>", VIDEO_PAD_ID: "<|video_pad|>"}
+
+
+def mrope_section_for(head_dim: int) -> tuple[int, int, int]:
+    """Qwen2-VL's split of the rotary frequencies (16/24/24 of 64), for any head size."""
+    half = head_dim // 2
+    spatial = 3 * half // 8
+    return (half - 2 * spatial, spatial, spatial)
+
+
+_TINY_VISION = VisionArch(
+    architecture=QWEN2_VL, depth=2, hidden_size=64, num_heads=2, intermediate_size=128, hidden_act="quick_gelu",
+    out_hidden_size=128, in_channels=3, patch_size=14, temporal_patch_size=2, spatial_merge_size=2,
+    rope_theta=10000.0, image_token_id=IMAGE_PAD_ID, vision_start_token_id=VISION_START_ID,
+    vision_end_token_id=VISION_END_ID, mrope_section=mrope_section_for(32))
 
 _BUILTINS: dict[str, ModelArch] = {
     "tiny": ModelArch(
@@ -29,7 +50,15 @@ _BUILTINS: dict[str, ModelArch] = {
         num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32, rms_norm_eps=1e-5, rope_theta=10000.0,
         max_position_embeddings=4096, tie_word_embeddings=False, attention_bias=False,
         bos_token_id=BYTE_BOS_ID, eos_token_ids=(BYTE_EOS_ID,)),
+    # Qwen2-VL-shaped: the decoder of "tiny" with q/k/v biases and M-RoPE, a two-block vision tower.
+    "tiny-vl": ModelArch(
+        architecture=QWEN2_VL, vocab_size=BYTE_VOCAB_SIZE, hidden_size=128, intermediate_size=352,
+        num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32, rms_norm_eps=1e-6, rope_theta=10000.0,
+        max_position_embeddings=4096, tie_word_embeddings=False, attention_bias=True,
+        bos_token_id=BYTE_BOS_ID, eos_token_ids=(BYTE_EOS_ID,), vision=_TINY_VISION),
 }
+# The built-in VL model's image processor: Qwen2-VL's, with at most 256 tokens per image.
+BUILTIN_PROCESSOR = ProcessorConfig(min_pixels=56 * 56, max_pixels=28 * 28 * 256)
 
 _OVERRIDABLE = {"hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
                 "max_position_embeddings", "tie_word_embeddings", "rope_theta", "attention_bias"}
@@ -48,7 +77,12 @@ def builtin_arch(model_path: str, overrides: dict[str, Any] | None = None) -> Mo
     unknown = sorted(set(overrides) - _OVERRIDABLE)
     if unknown:
         raise ModelConfigError(f"--model-override has fields that cannot be overridden: {', '.join(unknown)}")
-    return replace(_BUILTINS[name], **overrides)
+    base = _BUILTINS[name]
+    if base.vision is not None:  # the merger's output and M-RoPE follow the decoder's shape
+        head_dim = overrides.get("head_dim", base.head_dim)
+        overrides["vision"] = replace(base.vision, out_hidden_size=overrides.get("hidden_size", base.hidden_size),
+                                      mrope_section=mrope_section_for(head_dim))
+    return replace(base, **overrides)
 
 
 def builtin_weights(arch: ModelArch, seed: int) -> dict[str, torch.Tensor]:
@@ -81,11 +115,23 @@ def builtin_weights(arch: ModelArch, seed: int) -> dict[str, torch.Tensor]:
     tensors["model.norm.weight"] = norm_weight()
     if not arch.tie_word_embeddings:
         tensors["lm_head.weight"] = normal(arch.vocab_size, h, std=h ** -0.5)
+    for key, shape in vision_weight_shapes(arch).items():
+        if key.endswith(".bias"):
+            tensors[key] = normal(*shape)
+        elif len(shape) == 1:  # a norm's scale
+            tensors[key] = 1.0 + normal(*shape, std=0.05)
+        else:
+            fan_in = 1
+            for n in shape[1:]:
+                fan_in *= n
+            tensors[key] = normal(*shape, std=fan_in ** -0.5)
     return tensors
 
 
 def hf_config(arch: ModelArch) -> dict[str, Any]:
     """``config.json`` content for ``arch``, readable by transformers and by ``ModelArch.from_hf_config``."""
+    if arch.vision is not None:
+        return _hf_vl_config(arch)
     config: dict[str, Any] = {
         "architectures": [arch.architecture],
         "model_type": "llama" if arch.architecture == "LlamaForCausalLM" else "qwen2",
@@ -112,6 +158,34 @@ def hf_config(arch: ModelArch) -> dict[str, Any]:
     if arch.eos_token_ids:
         config["eos_token_id"] = list(arch.eos_token_ids) if len(arch.eos_token_ids) > 1 else arch.eos_token_ids[0]
     return config
+
+
+def _hf_vl_config(arch: ModelArch) -> dict[str, Any]:
+    """A vision-language ``config.json`` in the layout transformers 5 writes (text and vision nested)."""
+    vision = arch.vision
+    if vision is None:
+        raise ValueError("not a vision-language architecture")
+    text = {
+        "model_type": "qwen2_5_vl_text" if vision.is_qwen2_5 else "qwen2_vl_text",
+        "vocab_size": arch.vocab_size, "hidden_size": arch.hidden_size,
+        "intermediate_size": arch.intermediate_size, "num_hidden_layers": arch.num_layers,
+        "num_attention_heads": arch.num_heads, "num_key_value_heads": arch.num_kv_heads,
+        "rms_norm_eps": arch.rms_norm_eps, "max_position_embeddings": arch.max_position_embeddings,
+        "hidden_act": "silu", "use_sliding_window": False,
+        "rope_parameters": {"rope_type": "default", "rope_theta": arch.rope_theta,
+                            "mrope_section": list(vision.mrope_section)},
+    }
+    if arch.bos_token_id is not None:
+        text["bos_token_id"] = arch.bos_token_id
+    if arch.eos_token_ids:
+        text["eos_token_id"] = list(arch.eos_token_ids) if len(arch.eos_token_ids) > 1 else arch.eos_token_ids[0]
+    return {
+        "architectures": [arch.architecture], "model_type": "qwen2_5_vl" if vision.is_qwen2_5 else "qwen2_vl",
+        "text_config": text, "vision_config": hf_vision_config(vision),
+        "image_token_id": vision.image_token_id, "video_token_id": VIDEO_PAD_ID,
+        "vision_start_token_id": vision.vision_start_token_id, "vision_end_token_id": vision.vision_end_token_id,
+        "tie_word_embeddings": arch.tie_word_embeddings, "torch_dtype": "float32",
+    }
 
 
 def save_checkpoint(folder: Path, arch: ModelArch, tensors: dict[str, torch.Tensor], *,
@@ -142,5 +216,7 @@ def save_checkpoint(folder: Path, arch: ModelArch, tensors: dict[str, torch.Tens
         (folder / "model.safetensors.index.json").write_text(
             json.dumps({"metadata": {"total_size": sum(t.nbytes for t in tensors.values())},
                         "weight_map": weight_map}, indent=2))
+    if arch.vision is not None:
+        (folder / "preprocessor_config.json").write_text(json.dumps(BUILTIN_PROCESSOR.to_json(), indent=2))
     if with_byte_tokenizer:
-        write_byte_tokenizer(folder)
+        write_byte_tokenizer(folder, vision=arch.vision is not None)

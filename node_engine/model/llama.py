@@ -79,15 +79,19 @@ class CausalLM(nn.Module):
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             layer.self_attn.kv_cache = kv_cache
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch, *,
+                embeds: torch.Tensor | None = None,
+                rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Hidden states [T, hidden] of the flat tokens ``input_ids`` at ``positions``.
 
+        ``embeds`` replaces the token embeddings (images scattered in) and ``rope`` the cos/sin of
+        ``positions`` (multimodal positions); the vision-language runner passes both for a prefill.
         Callers run it under ``torch.inference_mode`` (the runner enters it once per step).
         """
         if self.rotary is None:
             raise RuntimeError("the rotary table is not bound: call bind_rotary first")
-        cos, sin = self.rotary.lookup(positions)
-        x = F.embedding(input_ids, self.model.embed_tokens.weight)
+        cos, sin = self.rotary.lookup(positions) if rope is None else rope
+        x = F.embedding(input_ids, self.model.embed_tokens.weight) if embeds is None else embeds
         for layer in self.model.layers:
             x = layer(x, cos, sin, batch)
         return self.model.norm(x)

@@ -30,11 +30,24 @@ _SAFETENSORS_DTYPES = {
 }
 
 
+# transformers 5 may write a vision-language checkpoint's keys under these prefixes; the engine reads
+# both spellings and names them the way Qwen published them.
+_KEY_ALIASES = (("model.language_model.", "model."), ("model.visual.", "visual."))
+
+
 @dataclass(frozen=True)
 class TensorEntry:
     file: Path
     shape: tuple[int, ...]
     dtype: torch.dtype
+    name: str = ""  # the key in the file, when it differs from the engine's name for it
+
+
+def canonical_key(key: str) -> str:
+    for prefix, replacement in _KEY_ALIASES:
+        if key.startswith(prefix):
+            return replacement + key[len(prefix):]
+    return key
 
 
 def checkpoint_files(folder: Path) -> list[Path]:
@@ -69,7 +82,8 @@ def read_header(folder: Path) -> dict[str, TensorEntry]:
                     dtype_name = tensor_slice.get_dtype()
                     if dtype_name not in _SAFETENSORS_DTYPES:
                         raise ModelConfigError(f"{path.name}: tensor {key} has unsupported dtype {dtype_name}")
-                    entries[key] = TensorEntry(path, tuple(tensor_slice.get_shape()), _SAFETENSORS_DTYPES[dtype_name])
+                    entries[canonical_key(key)] = TensorEntry(path, tuple(tensor_slice.get_shape()),
+                                                              _SAFETENSORS_DTYPES[dtype_name], name=key)
         except ModelConfigError:
             raise
         except Exception as exc:  # safetensors raises its own error types for corrupt files
@@ -181,9 +195,10 @@ def _copy(model: CausalLM, entries: dict[str, TensorEntry], targets: dict[str, W
             with safe_open(path, framework="pt", device="cpu") as f:
                 for key in keys:
                     view = _target_view(params, targets[key])
-                    view.copy_(f.get_tensor(key).to(dtype=view.dtype), non_blocking=False)
+                    view.copy_(f.get_tensor(entries[key].name or key).to(dtype=view.dtype), non_blocking=False)
 
 
 def _shape_signature(arch: ModelArch) -> tuple:
     return (arch.architecture, arch.vocab_size, arch.hidden_size, arch.intermediate_size, arch.num_layers,
-            arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.tie_word_embeddings, arch.attention_bias)
+            arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.tie_word_embeddings, arch.attention_bias,
+            arch.vision)

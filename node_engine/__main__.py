@@ -51,6 +51,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="fault drill: a one-shot fault written to this file as JSON fails the next matching step "
                         "or control call (docs/reliability.md); never for production")
     p.add_argument("--max-body-bytes", type=int, default=64 * 1024 * 1024)
+    vision = p.add_argument_group("vision-language models")
+    vision.add_argument("--max-image-tokens", type=int, default=None,
+                        help="most tokens one image becomes (after the merge); the image processor is clamped so "
+                             "every image is resized to fit (default: --max-batch-tokens)")
+    vision.add_argument("--visual-batch-max-tokens", type=int, default=None,
+                        help="image tokens the vision tower encodes per step; the first image of a step is always "
+                             "admitted (default: --max-batch-tokens; 0: no limit)")
+    vision.add_argument("--vision-reserve-mb", type=int, default=None,
+                        help="reserve this much for the vision tower instead of measuring the worst case at start")
+    p.add_argument("--memory-budget-mb", type=int, default=None,
+                   help="CPU: the most resident memory the engine may use; the KV pool is sized from it by "
+                        "measuring peaks (default: a fixed pool, see --max-total-tokens)")
     add_server_args(p, default_host="127.0.0.1", default_port=30000)
     return p.parse_args(argv)
 
@@ -71,7 +83,9 @@ def main(argv: list[str] | None = None) -> int:
             model_override=args.model_override, served_model_name=args.served_model_name,
             weight_version=args.weight_version, free_memory_override_file=args.free_memory_override_file,
             fault_drill_file=args.fault_drill_file,
-            role=args.role, enable_prefix_cache=not args.disable_prefix_cache)
+            role=args.role, enable_prefix_cache=not args.disable_prefix_cache,
+            max_image_tokens=args.max_image_tokens, visual_batch_max_tokens=args.visual_batch_max_tokens,
+            vision_reserve_mb=args.vision_reserve_mb, memory_budget_mb=args.memory_budget_mb)
     except ConfigError as exc:
         log.error("%s", exc)
         return 2

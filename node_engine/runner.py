@@ -208,18 +208,19 @@ class ModelRunner:
     def _sizing_error(self, report: SizingReport, budget: MemoryBudget) -> str:
         config, mib = self.config, 2**20
         weights = self.saver.tag_bytes(MemoryTag.WEIGHTS)
+        workspace = self.saver.tag_bytes(MemoryTag.WORKSPACE)
         reservation = self.vision.reservation.num_bytes if self.vision and self.vision.reservation else 0
         left = report.free_bytes - report.activation_peak_bytes - report.canary_bytes
         vision = ""
         if self.vision is not None:
-            vision = (f", of which the vision reservation {reservation / mib:.1f} MiB for --max-image-tokens "
+            vision = (f" of which the vision reservation {reservation / mib:.1f} MiB for --max-image-tokens "
                       f"{self.vision.max_image_tokens} and --visual-batch-max-tokens {self.vision.visual_budget}")
         attempts = "; ".join(f"{a.num_slots} slots: {a.outcome}" for a in report.attempts)
-        knobs = "--max-batch-tokens, --max-running-requests or --context-length"
-        if self.vision is not None:
-            knobs += ", --max-image-tokens or --visual-batch-max-tokens"
+        knobs = "--max-batch-tokens, --max-running-requests, --context-length"
+        knobs += ", --max-image-tokens or --visual-batch-max-tokens" if self.vision is not None else " or the model"
         return (f"no KV pool fits {budget.describe()}: the engine holds {report.held_bytes / mib:.1f} MiB before "
-                f"the pool (weights {weights / mib:.1f} MiB{vision}); the activation peak measured at "
+                f"the pool (weights {weights / mib:.1f} MiB, workspace {workspace / mib:.1f} MiB{vision}, the "
+                f"process itself); the activation peak measured at "
                 f"--max-batch-tokens {config.max_batch_tokens} and --max-running-requests "
                 f"{config.max_running_requests} ({self.context_len}-token context) is "
                 f"{report.activation_peak_bytes / mib:.1f} MiB and the canary {report.canary_bytes / mib:.0f} MiB; "

@@ -24,6 +24,7 @@ from typing import Callable, Iterator
 
 import torch
 
+from node_engine.memory.host_heap import trim_host_heap
 from node_engine.memory.peak import CudaPeakMeter, HostPeakMeter, PeakMeter
 from node_engine.memory.saver import MemorySaver
 from node_engine.memory.tags import MemoryTag
@@ -112,5 +113,6 @@ class VisionReservation:
         try:
             yield
         finally:
+            trim_host_heap()  # what the encode freed goes back to the OS before the reservation is taken again
             storage.resize_(self.num_bytes)
             buffer[::PAGE].zero_()  # take the pages again (one write per page)

@@ -1,0 +1,118 @@
+"""The KV pool sized from measured peaks (CPU: a memory budget against the process's RSS).
+
+Small knobs (context, chunk, batch) keep each stress to a fraction of a second.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from node_engine.config import EngineConfig
+from node_engine.kv_sizing import CANARY_BYTES, MAX_RETRIES, SHRINK_FACTOR, KVSizingError
+from node_engine.memory.peak import HostPeakMeter
+from node_engine.memory.saver import DisabledSaver
+from node_engine.runner import ModelRunner, load_model_source
+
+MiB = 2**20
+KNOBS = dict(context_length=512, max_batch_tokens=256, max_running_requests=8)
+
+
+def _make(model: str, budget_mb: int, kv_allocate=None, **kwargs) -> ModelRunner:
+    config = EngineConfig(model_path=model, memory_budget_mb=budget_mb, **KNOBS, **kwargs)
+    arch, _ = load_model_source(config)
+    return ModelRunner(config, DisabledSaver(), arch, kv_allocate=kv_allocate)
+
+
+def _budget_mb(extra_mb: int) -> int:
+    """A budget ``extra_mb`` above what this process holds now."""
+    return HostPeakMeter().current_bytes() // MiB + extra_mb
+
+
+class FailingAllocations:
+    """The sizer's allocation function, failing the first ``num_failures`` canaries as an allocator would."""
+
+    def __init__(self, model: str, num_failures: int) -> None:
+        self.arch, _ = load_model_source(EngineConfig(model_path=model))
+        self.num_failures = num_failures
+        self.calls: list[tuple[str, int]] = []
+
+    def __call__(self, kind: str, num: int) -> torch.Tensor:
+        self.calls.append((kind, num))
+        if kind == "pool":
+            arch = self.arch
+            return torch.zeros(arch.num_layers, num, 2 * arch.num_kv_heads, arch.head_dim)
+        if self.num_failures > 0:
+            self.num_failures -= 1
+            raise torch.OutOfMemoryError("injected: cannot allocate the canary")
+        return torch.zeros(num, dtype=torch.uint8)
+
+
+def _sized_with(failures: int, budget_mb: int) -> tuple[ModelRunner | None, FailingAllocations, str]:
+    """A runner whose first ``failures`` canaries fail (or None, and the start error)."""
+    allocations = FailingAllocations("builtin:tiny", failures)
+    try:
+        return _make("builtin:tiny", budget_mb, kv_allocate=allocations), allocations, ""
+    except KVSizingError as exc:
+        return None, allocations, str(exc)
+
+
+def test_the_pool_fills_the_budget_after_the_measured_peaks() -> None:
+    budget_mb = _budget_mb(CANARY_BYTES // MiB + 64)
+    runner = _make("builtin:tiny", budget_mb)
+    report = runner.kv_sizing
+    assert report is not None and report.attempts[-1].outcome == "ok"
+    assert report.activation_peak_bytes > 0
+    expected_bytes = report.free_bytes - report.activation_peak_bytes - CANARY_BYTES
+    assert report.target_slots == expected_bytes // report.bytes_per_slot
+    num_slots = runner.kv_plan.num_slots
+    assert num_slots == report.num_slots and num_slots >= report.target_slots * SHRINK_FACTOR ** MAX_RETRIES
+    assert runner.kv_cache.shape[1] == num_slots
+    # The canary's 256 MiB are free again: what the engine holds now is within the budget with room to spare.
+    assert HostPeakMeter().current_bytes() <= budget_mb * MiB - CANARY_BYTES // 2
+
+
+def test_an_injected_allocation_failure_shrinks_the_pool_by_5_percent_and_retries() -> None:
+    runner, allocations, _ = _sized_with(1, _budget_mb(CANARY_BYTES // MiB + 64))
+    assert runner is not None
+    report = runner.kv_sizing
+    assert [a.outcome for a in report.attempts][0].startswith("injected")
+    assert report.attempts[1].outcome == "ok"
+    first, second = report.attempts[0].num_slots, report.attempts[1].num_slots
+    assert first == report.target_slots
+    assert abs(second - first * SHRINK_FACTOR) <= 1
+    assert runner.kv_plan.num_slots == second
+    assert [kind for kind, _ in allocations.calls] == ["pool", "pool", "canary", "pool", "canary"]
+
+
+def test_three_retries_then_a_start_error_naming_every_knob() -> None:
+    runner, allocations, message = _sized_with(1 + MAX_RETRIES, _budget_mb(CANARY_BYTES // MiB + 64))
+    assert runner is None
+    assert sum(kind == "canary" for kind, _ in allocations.calls) == 1 + MAX_RETRIES
+    for knob in ("--memory-budget-mb", "--max-total-tokens", "--max-batch-tokens 256",
+                 "--max-running-requests 8", "MiB"):
+        assert knob in message
+    assert message.count("injected") == 1 + MAX_RETRIES
+
+
+def test_max_total_tokens_pins_the_pool_and_skips_sizing() -> None:
+    runner = _make("builtin:tiny", 100, max_total_tokens=300)  # a budget far too small is not even read
+    assert runner.kv_sizing is None and runner.kv_plan.num_slots == 301
+
+
+def test_a_budget_too_small_for_the_worst_case_image_fails_to_start(tmp_path) -> None:
+    """A real engine process: the budget cannot hold the vision reservation, the activations and the canary."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "node_engine", "--model-path", "builtin:tiny-vl", "--memory-budget-mb", "420",
+         "--context-length", "512", "--max-batch-tokens", "256", "--max-running-requests", "8",
+         "--port", "0", "--port-file", str(tmp_path / "port")],
+        capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    message = proc.stderr
+    for knob in ("no KV pool fits", "--memory-budget-mb 420", "--max-total-tokens", "--max-batch-tokens 256",
+                 "--max-image-tokens 256", "--visual-batch-max-tokens 256", "vision reservation"):
+        assert knob in message, message[-2000:]
+    assert not (tmp_path / "port").exists()

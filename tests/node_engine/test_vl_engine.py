@@ -1,0 +1,144 @@
+"""A vision-language engine (builtin:tiny-vl) end to end in-process: the clamp serves oversized images, features
+are collected after prefill, memory stays flat, the vision reservation lives in ``workspace``."""
+
+from __future__ import annotations
+
+import asyncio
+import weakref
+from pathlib import Path
+
+import pytest
+
+from node_engine.config import EngineConfig
+from node_engine.engine import Engine
+from node_engine.memory.host_heap import trim_host_heap
+from node_engine.memory.peak import HostPeakMeter
+from node_engine.memory.tags import BackupMode, MemoryTag
+from node_engine.sampling import SamplingParams
+from node_engine.scheduler import StepKind
+from node_engine.vision.placeholders import expand
+from node_engine.vision.processor import ImageProcessor
+from tests.node_engine.engine_harness import running_engine
+from tests.node_engine.vl_checkpoints import prompt_with_images, random_image
+
+MiB = 2**20
+GREEDY = SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True)
+
+
+def _image_request(engine: Engine, images, *parts):
+    vision = engine.runner.vision
+    prompt = prompt_with_images(*parts) if parts else prompt_with_images("see", *[None] * len(images), "?")
+    return expand(prompt, [vision.processor.resize(image) for image in images], engine.arch.vision,
+                  vision.processor)
+
+
+async def _generate(engine: Engine, images, params: SamplingParams = GREEDY) -> list[int]:
+    ids, mm = _image_request(engine, images)
+    engine.check_request(ids, params)
+    handle = engine.submit(ids, params, mm=mm)
+    tokens: list[int] = []
+    while True:
+        out = await asyncio.wait_for(handle.next(), timeout=60)
+        tokens += out.token_ids_delta
+        if out.is_final:
+            assert out.error is None
+            return tokens
+
+
+async def test_an_oversized_image_is_served_resized_to_the_cap() -> None:
+    config = EngineConfig(model_path="builtin:tiny-vl", max_image_tokens=64, max_total_tokens=2048)
+    async with running_engine(config) as engine:
+        processor = engine.runner.vision.processor
+        unclamped = ImageProcessor(processor.config.with_pixels(56 * 56, 28 * 28 * 256))
+        for height, width in [(3000, 2000), (4000, 20), (20, 4000), (900, 900)]:
+            image = random_image(height, width)
+            assert processor.num_tokens(processor.resize(image)) <= 64
+            assert unclamped.num_tokens(unclamped.resize(image)) > 64  # without the clamp: over the cap
+            tokens = await _generate(engine, [image])
+            assert len(tokens) == GREEDY.max_new_tokens
+
+
+def test_features_are_collected_after_prefill_before_decode(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pixel values, embeddings and M-RoPE positions: no reference survives the prefill that consumed them."""
+    engine = Engine(EngineConfig(model_path="builtin:tiny-vl", max_batch_tokens=48, max_image_tokens=256,
+                                 max_total_tokens=2048))
+    runner, scheduler = engine.runner, engine.scheduler
+    encoder = runner.vision.encoder
+    refs: list[weakref.ref] = []
+    make_pixels = encoder.processor.pixel_values
+    monkeypatch.setattr(encoder.processor, "pixel_values",
+                        lambda source: _tracked(refs, make_pixels(source)))
+    encode = encoder.encode
+
+    def tracked_encode(images):
+        encode(images)
+        refs.extend(weakref.ref(image.embeddings) for image in images)
+
+    monkeypatch.setattr(encoder, "encode", tracked_encode)
+    ids, mm = _image_request(engine, [random_image(280, 196), random_image(112, 224, seed=1)])
+    refs.append(weakref.ref(mm.positions()))
+    engine.check_request(ids, GREEDY)
+    engine.submit(ids, GREEDY, mm=mm)
+    engine._drain_inbox(block=False)
+    kinds = []
+    while scheduler.has_work:
+        step = scheduler.schedule()
+        kinds.append(step.kind)
+        if step.kind is StepKind.DECODE and kinds.count(StepKind.DECODE) == 1:
+            # The first decode step: everything derived from the images is gone already.
+            assert len(refs) >= 5 and all(ref() is None for ref in refs)
+        scheduler.postprocess(step, runner.run(step))
+    assert kinds.count(StepKind.PREFILL) > 1  # the images were consumed over several chunks
+    assert mm.images[0].source is not None  # the resized source stays until the request ends (recompute)
+
+
+def _tracked(refs: list, tensor):
+    refs.append(weakref.ref(tensor))
+    return tensor
+
+
+async def test_memory_stays_flat_over_200_image_requests() -> None:
+    config = EngineConfig(model_path="builtin:tiny-vl", max_total_tokens=4096, max_running_requests=8)
+    meter = HostPeakMeter()
+    async with running_engine(config) as engine:
+        async def wave(first: int) -> None:
+            await asyncio.gather(*(_generate(engine, [random_image(224, 224, seed=first + i)]) for i in range(8)))
+
+        for first in range(0, 40, 8):
+            await wave(first)
+        trim_host_heap()
+        warm = meter.current_bytes()
+        for first in range(40, 200, 8):
+            await wave(first)
+        trim_host_heap()
+        grown = meter.current_bytes() - warm
+    # 160 leaked pixel-value tensors alone would be 190 MiB (each 224 x 224 image: 256 patches x 1176 floats).
+    assert grown < 32 * MiB, f"RSS grew by {grown / MiB:.1f} MiB over 160 image requests"
+
+
+async def test_the_vision_reservation_is_workspace_lent_to_encodes_and_restored_on_resume(tmp_path: Path) -> None:
+    config = EngineConfig(model_path="builtin:tiny-vl", max_total_tokens=2048, max_batch_tokens=512,
+                          enable_memory_saver=True, weights_backup=BackupMode.DISK, backup_dir=tmp_path)
+    meter = HostPeakMeter()
+    async with running_engine(config) as engine:
+        vision = engine.runner.vision
+        reservation = vision.reservation
+        assert reservation.num_bytes >= 4 * MiB
+        workspace = engine.memory.occupation()[MemoryTag.WORKSPACE.value]["bytes"]
+        assert workspace >= reservation.num_bytes + engine.runner.req_to_token.nbytes
+        # An encode of the worst case borrows the reservation: the process does not hold both at once.
+        images = vision.worst_case_batch()
+        trim_host_heap()
+        meter.reset()
+        before = meter.current_bytes()
+        await engine.call(lambda: vision.encoder.encode(images))
+        assert meter.peak_bytes() - before < reservation.num_bytes // 2, (meter.peak_bytes() - before, reservation.num_bytes)
+        assert reservation._buffer.untyped_storage().nbytes() == reservation.num_bytes  # taken back
+        image = random_image(120, 80)
+        expected = await _generate(engine, [image])
+        released = await engine.call(lambda: engine.control.release(None, None))
+        assert released["bytes_freed"][MemoryTag.WORKSPACE.value] == workspace
+        assert reservation._buffer.untyped_storage().nbytes() == 0
+        await engine.call(lambda: engine.control.resume(None))
+        assert reservation._buffer.untyped_storage().nbytes() == reservation.num_bytes
+        assert await _generate(engine, [image]) == expected  # weights (tower included) came back from the backup

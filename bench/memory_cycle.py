@@ -9,21 +9,15 @@ directory in the same run; and what stays outside every region (the Python and
 torch runtime, the tokenizer, the rotary tables, per-step tensors). Logits are
 checked bit for bit after a full cycle.
 
-CUDA (only when ``torch.cuda.is_available()``), on engine processes running a
-~0.5B-parameter random Llama with the torch_memory_saver backend: the share of
-the engine's GPU footprint freed by releasing all four tags (``mem_get_info``
-before the engine starts, after it started, after the release; target 99.5%),
-release/resume latency per tag with and without a weights backup (target
-under 0.1 s without one), weight staging bandwidth of ``--weights-backup cpu``
-against a plain pinned-memory copy of the same bytes measured in the same run
-(target 80%), identical greedy output after a release/resume cycle with the CPU
-backup, and CUDA graphs replaying correctly after resume (the same tokens as an
-engine started with ``--disable-cuda-graph``). The CUDA branch was written on a
-machine without a GPU and has not been run yet; docs/memory.md says which
-figures are pending.
+CUDA (``--device cuda``, or by default when ``torch.cuda.is_available()``): engine
+processes with the torch_memory_saver backend, measured from outside; see
+``bench/memory_cycle_cuda.py`` for what is printed (bytes freed per tag from
+device free memory, latencies, staging against a pinned memcpy, the residue
+by part, outputs after a cycle with graphs).
 
     .venv/bin/python bench/memory_cycle.py                  # CPU tables (and CUDA ones on a GPU box)
     .venv/bin/python bench/memory_cycle.py --models tiny --repeats 5
+    .venv/bin/python bench/memory_cycle.py --device cuda --cuda-model 0.5b --cuda-dtype bfloat16
 """
 
 from __future__ import annotations
@@ -47,15 +41,12 @@ import psutil  # noqa: E402
 import torch  # noqa: E402
 
 from bench.common import MODELS  # noqa: E402
+from bench.memory_cycle_cuda import CUDA_MODELS, print_cuda, run_cuda  # noqa: E402
+from node_engine.memory.headroom import step_bytes  # noqa: E402
 from node_engine.memory.tags import ALL_TAGS, MemoryTag  # noqa: E402
-from node_engine.model.arch import ModelArch  # noqa: E402
 from node_engine.model.builtin import builtin_arch  # noqa: E402
 
-# ~0.51B parameters: the GPU figures need a model of at least 0.5B.
-CUDA_MODEL = {"hidden_size": 1024, "intermediate_size": 4352, "num_layers": 32, "num_heads": 16, "num_kv_heads": 4,
-              "head_dim": 64}
 PROMPT = [256] + [(7 * i) % 256 for i in range(63)]
-CUDA_PROMPTS = [[256] + [(11 * n + 3 * i) % 256 for i in range(20 + 5 * n)] for n in range(4)]
 MiB = 2**20
 
 
@@ -70,29 +61,6 @@ def trim_heap() -> None:
         libc = ctypes.CDLL(name)
         if hasattr(libc, "malloc_trim"):
             libc.malloc_trim(0)
-
-
-def per_step_bytes(arch: ModelArch, *, num_tokens: int, num_seqs: int, num_keys: int, itemsize: int) -> int:
-    """Upper bound of the tensors one forward step makes, outside every region (computed from the shapes).
-
-    Counts everything a decoder layer allocates as alive at once (the allocator reuses
-    a layer's blocks for the next), plus the step's index tensors and the logits of
-    ``num_seqs`` sampled positions.
-    """
-    h, q, kv, inter = arch.hidden_size, arch.q_size, arch.kv_size, arch.intermediate_size
-    qk = q + kv
-    per_token = (2 * h                 # norm output and its temporaries
-                 + (q + 2 * kv)         # fused qkv
-                 + 4 * qk               # rotation: x*cos, roll, *sin, sum
-                 + q + 2 * h            # attention output, o_proj, residual
-                 + 2 * h                # second norm
-                 + 2 * inter + 2 * inter + h + h)  # gate_up, silu and product, down, residual
-    gathered = 2 * num_seqs * num_keys * kv  # keys and values gathered for attention
-    tables = 2 * num_tokens * arch.head_dim + num_tokens * h  # cos/sin rows, hidden state
-    layer = (num_tokens * per_token + gathered + tables) * itemsize
-    indices = 8 * (4 * num_tokens) + 4 * num_seqs * num_keys + num_seqs * num_keys  # ids, slots, kv_indices, mask
-    logits = 4 * num_seqs * arch.vocab_size
-    return layer + indices + logits
 
 
 # -- CPU, one model per child process --------------------------------------------------------
@@ -161,12 +129,24 @@ def cpu_child(model: str, repeats: int) -> dict[str, Any]:
             "backup_fs": filesystem_of(backup_dir),
             "rss_runtime": rss_runtime, "rss_tokenizer": rss_tokenizer, "rss_engine": rss_engine,
             "rotary_bytes": engine.runner.rotary.nbytes,
-            "decode_step_bytes": per_step_bytes(arch, num_tokens=8, num_seqs=8, num_keys=128,
-                                                itemsize=engine.runner.dtype.itemsize),
-            "prefill_step_bytes": per_step_bytes(arch, num_tokens=config.max_batch_tokens, num_seqs=1,
-                                                 num_keys=config.max_batch_tokens,
-                                                 itemsize=engine.runner.dtype.itemsize),
+            "decode_step_bytes": step_bytes(arch, num_tokens=8, num_seqs=8, total_keys=8 * 128,
+                                            itemsize=engine.runner.dtype.itemsize),
+            "prefill_step_bytes": step_bytes(arch, num_tokens=config.max_batch_tokens, num_seqs=1,
+                                             total_keys=config.max_batch_tokens, itemsize=engine.runner.dtype.itemsize),
+            "step_headroom_bytes": engine.runner.step_headroom_bytes,
+            "kv_bytes": engine.runner.kv_cache.nbytes, "zero_kv_s": zero_kv_s(engine, repeats),
         }
+
+
+def zero_kv_s(engine: Any, repeats: int) -> float:
+    """Median seconds to zero the whole KV pool, what a resume costs where the saver gives undefined pages
+    (CUDA); the CPU backend's resume zeroes as it takes the pages back."""
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        engine.runner.kv_cache.zero_()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
 
 
 def plain_file_copy(folder: Path, num_bytes: int, repeats: int) -> tuple[float, float]:
@@ -239,178 +219,56 @@ def print_cpu(results: list[dict[str, Any]]) -> None:
     print(f"\n(backup directory filesystem: {results[0]['backup_fs']})")
     print("\nOutside every region (RSS measured in a fresh process; per-step tensors computed from shapes):\n")
     print("| model | params | Python + torch + node_engine | tokenizer | engine RSS | of which in tags "
-          "| rotary tables | decode step, 8 seqs x 128 keys | prefill chunk, 2048 tokens |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| rotary tables | decode step, 8 seqs x 128 keys | prefill chunk, 2048 tokens | resume headroom |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in results:
         print(f"| {r['model']} | {r['params'] / 1e6:.1f}M | {r['rss_runtime'] / MiB:.0f} MiB "
               f"| {r['rss_tokenizer'] / MiB:.2f} MiB | {r['rss_engine'] / MiB:.1f} MiB "
               f"| {r['all_bytes'] / MiB:.1f} MiB "
               f"| {r['rotary_bytes'] / MiB:.2f} MiB | {r['decode_step_bytes'] / MiB:.2f} MiB "
-              f"| {r['prefill_step_bytes'] / MiB:.1f} MiB |")
-
-
-# -- CUDA -------------------------------------------------------------------------------------
-class CudaRun:
-    """Engine processes on the GPU, driven over HTTP (the engine arranges its own LD_PRELOAD)."""
-
-    def __init__(self, log_dir: Path, dtype: str) -> None:
-        self.log_dir = log_dir
-        self.dtype = dtype
-
-    def start(self, name: str, *extra: str) -> Any:
-        from handoff.cluster.process import ServerProcess
-
-        argv = ["--model-path", "builtin:tiny", "--model-override", json.dumps(CUDA_MODEL), "--device", "cuda",
-                "--dtype", self.dtype, "--log-level", "warning", *extra]
-        return ServerProcess("node_engine", argv, log_dir=self.log_dir, name=name, cwd=REPO_ROOT).start(timeout=900)
-
-
-def greedy(client: Any, max_new_tokens: int = 16) -> list[list[int]]:
-    r = client.post("/generate", json={"input_ids": CUDA_PROMPTS, "sampling_params": {
-        "max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True}})
-    r.raise_for_status()
-    return [item["output_ids"] for item in r.json()]
-
-
-def control(client: Any, path: str, tags: list[str] | None) -> dict[str, Any]:
-    started = time.perf_counter()
-    r = client.post(path, json={"tags": tags})
-    wall = time.perf_counter() - started
-    r.raise_for_status()
-    return {**r.json(), "wall_s": wall}
-
-
-def pinned_copy_s(num_bytes: int, repeats: int) -> tuple[float, float]:
-    """Median seconds of a plain device-to-host and host-to-device copy of ``num_bytes`` through pinned memory."""
-    device = torch.empty(num_bytes, dtype=torch.uint8, device="cuda")
-    host = torch.empty(num_bytes, dtype=torch.uint8, pin_memory=True)
-    d2h, h2d = [], []
-    for _ in range(repeats + 1):  # the first pair warms the copy engines up
-        torch.cuda.synchronize()
-        started = time.perf_counter()
-        host.copy_(device)
-        torch.cuda.synchronize()
-        d2h.append(time.perf_counter() - started)
-        started = time.perf_counter()
-        device.copy_(host)
-        torch.cuda.synchronize()
-        h2d.append(time.perf_counter() - started)
-    del device, host
-    torch.cuda.empty_cache()
-    return statistics.median(d2h[1:]), statistics.median(h2d[1:])
-
-
-def tag_cycles(client: Any, repeats: int) -> dict[str, dict[str, float]]:
-    """Release then resume each tag alone, ``repeats`` times; medians of the engine-reported durations."""
-    out = {}
-    for tag in (t.value for t in ALL_TAGS):
-        runs = [(control(client, "/release_memory_occupation", [tag]),
-                 control(client, "/resume_memory_occupation", [tag])) for _ in range(repeats)]
-        out[tag] = {"release_s": statistics.median(r["duration_s"] for r, _ in runs),
-                    "resume_s": statistics.median(r["duration_s"] for _, r in runs),
-                    "first_release_s": runs[0][0]["duration_s"], "first_resume_s": runs[0][1]["duration_s"]}
-    return out
-
-
-def run_cuda(repeats: int, dtype: str) -> dict[str, Any]:
-    import httpx
-
-    result: dict[str, Any] = {"params": builtin_arch("builtin:tiny", CUDA_MODEL).num_params(), "dtype": dtype,
-                              "device": torch.cuda.get_device_name()}
-    with tempfile.TemporaryDirectory(prefix="handoff-memory-cycle-cuda-") as tmp:
-        run = CudaRun(Path(tmp), dtype)
-        torch.cuda.init()
-        free_before, total = torch.cuda.mem_get_info()  # this process's own context is already counted
-        engine = run.start("engine_cpu_backup", "--enable-memory-saver", "--weights-backup", "cpu")
-        try:
-            with httpx.Client(base_url=engine.url, timeout=900) as client:
-                free_started, _ = torch.cuda.mem_get_info()
-                occupation = client.get("/memory_occupation").json()
-                tag_bytes = {tag: info["bytes"] for tag, info in occupation["tags"].items()}
-                before = greedy(client)
-                result["with_backup"] = tag_cycles(client, repeats)
-                released = control(client, "/release_memory_occupation", None)
-                free_released, _ = torch.cuda.mem_get_info()
-                control(client, "/resume_memory_occupation", None)
-                after = greedy(client)
-        finally:
-            engine.stop(timeout=60)
-        footprint = free_before - free_started
-        result.update(total=total, footprint=footprint, freed=free_released - free_started,
-                      share_freed=(free_released - free_started) / footprint, tag_bytes=tag_bytes,
-                      release_all_s=released["duration_s"], is_identical_after_cycle=after == before,
-                      graph_tokens=before)
-
-        weights_bytes = tag_bytes[MemoryTag.WEIGHTS.value]
-        d2h_s, h2d_s = pinned_copy_s(weights_bytes, repeats)
-        staged = result["with_backup"][MemoryTag.WEIGHTS.value]
-        result.update(pinned_d2h_gb_s=weights_bytes / d2h_s / 1e9, pinned_h2d_gb_s=weights_bytes / h2d_s / 1e9,
-                      stage_out_gb_s=weights_bytes / staged["release_s"] / 1e9,
-                      stage_in_gb_s=weights_bytes / staged["resume_s"] / 1e9)
-
-        engine = run.start("engine_no_backup", "--enable-memory-saver")
-        try:
-            with httpx.Client(base_url=engine.url, timeout=900) as client:
-                result["without_backup"] = tag_cycles(client, repeats)
-        finally:
-            engine.stop(timeout=60)
-
-        engine = run.start("engine_eager", "--disable-cuda-graph")
-        try:
-            with httpx.Client(base_url=engine.url, timeout=900) as client:
-                result["is_graph_equal_to_eager"] = greedy(client) == result["graph_tokens"]
-        finally:
-            engine.stop(timeout=60)
-    return result
-
-
-def print_cuda(r: dict[str, Any]) -> None:
-    print(f"\nCUDA: {r['device']}, {r['params'] / 1e9:.2f}B-parameter random Llama in {r['dtype']}\n")
-    print(f"engine footprint {r['footprint'] / 2**30:.2f} GiB of {r['total'] / 2**30:.1f} GiB; releasing all four tags "
-          f"freed {r['freed'] / 2**30:.2f} GiB = {100 * r['share_freed']:.2f}% (target >= 99.5%) "
-          f"in {r['release_all_s'] * 1e3:.1f} ms")
-    print("\n| tag | bytes | release (cpu backup) | resume (cpu backup) | release (no backup) | resume (no backup) |")
-    print("|---|---:|---:|---:|---:|---:|")
-    for tag in (t.value for t in ALL_TAGS):
-        w, n = r["with_backup"][tag], r["without_backup"][tag]
-        print(f"| {tag} | {r['tag_bytes'][tag] / MiB:.0f} MiB | {w['release_s'] * 1e3:.1f} ms "
-              f"(first {w['first_release_s'] * 1e3:.1f}) | {w['resume_s'] * 1e3:.1f} ms "
-              f"| {n['release_s'] * 1e3:.1f} ms "
-              f"| {n['resume_s'] * 1e3:.1f} ms |")
-    print(f"\nweights staging: out {r['stage_out_gb_s']:.2f} GB/s vs pinned D2H {r['pinned_d2h_gb_s']:.2f} GB/s "
-          f"= {r['stage_out_gb_s'] / r['pinned_d2h_gb_s']:.2f}; in {r['stage_in_gb_s']:.2f} GB/s vs pinned H2D "
-          f"{r['pinned_h2d_gb_s']:.2f} GB/s = {r['stage_in_gb_s'] / r['pinned_h2d_gb_s']:.2f} (target >= 0.80)")
-    print(f"greedy output identical after a release/resume cycle with CPU backup: {r['is_identical_after_cycle']}")
-    print(f"CUDA-graph decode after resume equals --disable-cuda-graph decode: {r['is_graph_equal_to_eager']}")
+              f"| {r['prefill_step_bytes'] / MiB:.1f} MiB | {r['step_headroom_bytes'] / MiB:.1f} MiB |")
+    print("\nZeroing the whole KV pool (what a CUDA resume of kv_cache adds; medians):\n")
+    print("| model | KV pool | zero_() | bandwidth |")
+    print("|---|---:|---:|---:|")
+    for r in results:
+        print(f"| {r['model']} | {r['kv_bytes'] / MiB:.1f} MiB | {r['zero_kv_s'] * 1e3:.2f} ms "
+              f"| {r['kv_bytes'] / r['zero_kv_s'] / 1e9:.1f} GB/s |")
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                   help="measure only this backend (default: CPU, and CUDA when a GPU is visible)")
     p.add_argument("--models", default="tiny,100m", help=f"CPU models, from {sorted(MODELS)}")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--cuda-dtype", default="float32", choices=("float32", "bfloat16"),
-                   help="dtype of the CUDA engines (float32 lets graph and eager decode agree exactly)")
-    p.add_argument("--skip-cuda", action="store_true")
+    p.add_argument("--cuda-model", default="0.5b", choices=sorted(CUDA_MODELS), help="model of the CUDA engines")
+    p.add_argument("--cuda-dtype", default="bfloat16", choices=("float32", "bfloat16"),
+                   help="dtype of the CUDA engines (bfloat16 is the CUDA default; float32 also compares CUDA-graph "
+                        "decode with eager decode token for token)")
     p.add_argument("--cpu-child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = p.parse_args()
     if args.cpu_child:
         print(json.dumps(cpu_child(args.cpu_child, args.repeats)))
         return 0
-    models = args.models.split(",")
-    unknown = [m for m in models if m not in MODELS]
-    if unknown:
-        p.error(f"unknown models {unknown}; known: {sorted(MODELS)}")
-    for m in models:
-        arch = builtin_arch("builtin:tiny", MODELS[m])
-        print(f"{m}: {arch.num_params() / 1e6:.1f}M parameters")
-    results: dict[str, Any] = {"cpu": run_cpu(models, args.repeats)}
-    print_cpu(results["cpu"])
-    if torch.cuda.is_available() and not args.skip_cuda:
-        results["cuda"] = run_cuda(args.repeats, args.cuda_dtype)
+    results: dict[str, Any] = {}
+    if args.device in (None, "cpu"):
+        models = args.models.split(",")
+        unknown = [m for m in models if m not in MODELS]
+        if unknown:
+            p.error(f"unknown models {unknown}; known: {sorted(MODELS)}")
+        for m in models:
+            arch = builtin_arch("builtin:tiny", MODELS[m])
+            print(f"{m}: {arch.num_params() / 1e6:.1f}M parameters")
+        results["cpu"] = run_cpu(models, args.repeats)
+        print_cpu(results["cpu"])
+    if args.device == "cuda" or (args.device is None and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            p.error("--device cuda: CUDA is not available on this machine")
+        results["cuda"] = run_cuda(args.cuda_model, args.cuda_dtype, max(2, args.repeats))
         print_cuda(results["cuda"])
-    else:
-        print("\nCUDA: not available here; the CUDA figures are pending a GPU run.")
+    elif args.device is None:
+        print("\nCUDA: not available here; the CUDA figures are pending a GPU run (bench/memory_cycle.py --device cuda).")
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
     return 0

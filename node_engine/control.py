@@ -70,11 +70,12 @@ class EngineControl:
             raise MemorySaverDisabledError("memory saver is off: start the engine with --enable-memory-saver")
         if engine.drill is not None:
             engine.drill.fire("resume")
+        started = time.perf_counter()
         try:
             result = engine.memory.resume(tags)
         except NotEnoughMemory as exc:
-            raise InsufficientMemory(str(exc), extra={"needed_bytes": exc.needed_bytes,
-                                                      "free_bytes": exc.free_bytes}) from exc
+            raise InsufficientMemory(str(exc), extra={"needed_bytes": exc.needed_bytes, "free_bytes": exc.free_bytes,
+                                                      "step_headroom_bytes": exc.step_headroom_bytes}) from exc
         resumed = set(result.resumed)
         if MemoryTag.KV_CACHE.value in resumed:
             # The KV contents are gone: every slot is free again and no cached prefix survives.
@@ -82,13 +83,15 @@ class EngineControl:
             engine.scheduler.rows.reset()
             if engine.scheduler.cache is not None:
                 engine.scheduler.cache.reset()
+            engine.runner.reset_kv_cache()
         if MemoryTag.WORKSPACE.value in resumed:
             engine.runner.reset_workspace()
-        engine.metrics.resume_seconds.observe(result.duration_s)
-        log.info("resumed %s in %.3fs; weights_valid=%s", result.resumed, result.duration_s, result.weights_valid)
+        duration = time.perf_counter() - started
+        engine.metrics.resume_seconds.observe(duration)
+        log.info("resumed %s in %.3fs; weights_valid=%s", result.resumed, duration, result.weights_valid)
         return {"success": True, "resumed": result.resumed, "already_resident": result.already_resident,
                 "bytes_restored": result.bytes_restored, "weights_valid": result.weights_valid,
-                "duration_s": round(result.duration_s, 6)}
+                "duration_s": round(duration, 6)}
 
     def check_weights(self, model_path: str) -> dict[str, Any]:
         """Validate a checkpoint against the running model (files, keys, shapes, dtypes); changes nothing.
@@ -145,6 +148,7 @@ class EngineControl:
             "weights_backup": engine.config.weights_backup.value,
             "device": {"type": device.device_type, "free_bytes": device.free_bytes,
                        "total_bytes": device.total_bytes},
+            "outside_tags": engine.runner.memory_outside_tags(),
             "process_rss_bytes": psutil.Process().memory_info().rss,
             "running_requests": len(engine.scheduler.running),
             "queued_requests": len(engine.scheduler.waiting),

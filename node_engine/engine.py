@@ -129,7 +129,8 @@ class Engine:
         log.info("model %s loaded in %.2fs (%d parameters, %s on %s)", config.model_path,
                  time.perf_counter() - started, self.arch.num_params(), config.resolved_dtype, config.device)
         self.memory = MemoryManager(self.saver, make_memory_info(config), config.weights_backup,
-                                    weights_listener=self.runner.packing)
+                                    weights_listener=self.runner.packing,
+                                    step_headroom_bytes=self.runner.step_headroom_bytes)
         plan = self.runner.kv_plan
         slots = SlotAllocator(plan.num_slots)
         self.scheduler = Scheduler(

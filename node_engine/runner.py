@@ -29,6 +29,7 @@ from node_engine.config import DEFAULT_CPU_MAX_TOTAL_TOKENS, ConfigError, Engine
 from node_engine.kv_cache import PADDING_SLOT
 from node_engine.kv_sizing import DeviceBudget, HostBudget, KVPoolSizer, KVSizingError, MemoryBudget, SizingReport
 from node_engine.memory.peak import CudaPeakMeter, HostPeakMeter
+from node_engine.memory.headroom import step_headroom_bytes
 from node_engine.memory.saver import MemorySaver
 from node_engine.memory.tags import MemoryTag
 from node_engine.model.arch import ModelArch, ModelConfigError
@@ -134,6 +135,8 @@ class ModelRunner:
         self.packing = WeightPacking(self.model.packable_projections())
         self.packing.pack()
         self._allocate_workspace(context_len)
+        # Memory outside every tag, by what holds it (docs/memory.md says how each is measured).
+        self.outside_tags: dict[str, int] = {"rotary_tables": self.rotary.nbytes}
         self.vision: VisionRuntime | None = None
         if arch.vision is not None:
             self.vision = VisionRuntime(config, arch, self.model.visual, self.rotary,
@@ -146,6 +149,7 @@ class ModelRunner:
         self.kv_plan = KVPlan(num_slots=pool.shape[1] if pool is not None else self._fixed_num_slots() + 1,
                               bytes_per_slot=self.bytes_per_slot, context_len=context_len)
         self._allocate_kv_cache(pool)
+        self.step_headroom_bytes = self._step_headroom_bytes()
         self.compiled_decode: CompiledDecode | None = None
         self.decode_forward: DecodeForward = self._decode_forward
         if config.enable_torch_compile:
@@ -198,11 +202,16 @@ class ModelRunner:
         sizer = KVPoolSizer(self, budget, meter, device=self.device, min_slots=min_slots, probe_slots=min_slots,
                             allocate=allocate)
         self.kv_sizing = sizer.report
+        allocated_before = torch.cuda.memory_allocated() if self.device.type == "cuda" else 0
         try:
             pool = sizer.run()
         except KVSizingError:
             raise KVSizingError(self._sizing_error(sizer.report, budget)) from None
         pool.zero_()  # the stresses wrote garbage into it
+        if self.device.type == "cuda":  # what the first forwards left allocated for good: cuBLAS's workspaces
+            torch.cuda.synchronize()
+            self.outside_tags["cublas_workspace_main_stream"] = max(
+                0, torch.cuda.memory_allocated() - allocated_before - pool.nbytes)
         return pool
 
     def _sizing_error(self, report: SizingReport, budget: MemoryBudget) -> str:
@@ -228,6 +237,16 @@ class ModelRunner:
                 f"({max(0, left) // report.bytes_per_slot} slots of {report.bytes_per_slot} bytes; at least "
                 f"{min(config.max_batch_tokens, self.context_len) + 1} needed). Attempts: {attempts or 'none'}. "
                 f"Give the engine more memory, lower {knobs}, or pin --max-total-tokens (no sizing).")
+
+    def _step_headroom_bytes(self) -> int:
+        """What one step may take outside every tag: the KV sizer's measured activation peak (its prefill and
+        decode stresses) when it ran, else computed from the shapes (``memory/headroom.py``)."""
+        if self.kv_sizing is not None and self.kv_sizing.activation_peak_bytes:
+            return self.kv_sizing.activation_peak_bytes
+        config, plan = self.config, self.kv_plan
+        return step_headroom_bytes(self.arch, max_batch_tokens=config.max_batch_tokens,
+                                   max_running_requests=config.max_running_requests, context_len=plan.context_len,
+                                   num_slots=plan.num_slots, itemsize=self.dtype.itemsize)
 
     # -- what the KV sizer needs (kv_sizing.SizingTarget) ------------------------
     def allocate_pool(self, num_slots: int) -> torch.Tensor:
@@ -405,6 +424,26 @@ class ModelRunner:
             self._vision().encoder.encode(mm.needing_encode(0, n))
             hidden = self._forward_multimodal([(mm, 0, n)], input_ids, positions, batch)
         return self.model.compute_logits(hidden)
+
+    def reset_kv_cache(self) -> None:
+        """After the KV pool was resumed without its contents: zeros, unless the saver resumed it as zeros.
+
+        Attention reads slots it then masks (``kv_indices`` padded with the padding
+        slot, rows of the request-to-slot table past a sequence's length), and a
+        masked weight times a NaN is still NaN: a CUDA resume maps fresh pages whose
+        contents are undefined. One memset of the pool (docs/memory.md has its cost).
+        """
+        if not self.saver.resumes_zeroed:
+            self.kv_cache.zero_()
+
+    def memory_outside_tags(self) -> dict[str, int]:
+        """What the engine holds outside every tag, by part; on CUDA also what torch's allocator reserves
+        outside every tag now (cached blocks until a release empties the cache)."""
+        parts = dict(self.outside_tags)
+        if self.device.type == "cuda":
+            in_tags = sum(self.saver.tag_bytes(tag) for tag in MemoryTag)
+            parts["allocator_outside_tags"] = max(0, torch.cuda.memory_reserved() - in_tags)
+        return parts
 
     def reset_workspace(self) -> None:
         """After the workspace was resumed without its contents: make every index valid again."""

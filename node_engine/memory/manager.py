@@ -4,8 +4,13 @@ Rules (SPEC section 2):
 - Release and resume are idempotent per tag: a tag already in the asked
   state is reported (``already_released`` / ``already_resident``) and not
   touched.
+- A release first asks the saver whether every tag can go (the room for a
+  weights backup); if not it raises that ``OSError`` and changes nothing.
 - A resume first checks that the device has the bytes it needs plus a
-  margin; if not it raises :class:`NotEnoughMemory` and changes nothing.
+  margin, and, when the resume makes the engine serve again, the activations
+  of its largest step (``step_headroom_bytes``: the first step after a resume
+  must not run out of memory); if not it raises :class:`NotEnoughMemory` and
+  changes nothing.
 - Weights resumed without a kept copy are invalid until a reload succeeds;
   the engine refuses generation until then.
 - A ``WeightsListener`` (the runner's weight packing) hears just before the
@@ -34,10 +39,12 @@ class WeightsListener(Protocol):
 
 
 class NotEnoughMemory(RuntimeError):
-    def __init__(self, needed_bytes: int, free_bytes: int) -> None:
-        super().__init__(f"resume needs {needed_bytes} bytes (margin included), the device has {free_bytes} free")
+    def __init__(self, needed_bytes: int, free_bytes: int, step_headroom_bytes: int = 0) -> None:
+        super().__init__(f"resume needs {needed_bytes} bytes (margin and {step_headroom_bytes} bytes of step "
+                         f"activations included), the device has {free_bytes} free")
         self.needed_bytes = needed_bytes
         self.free_bytes = free_bytes
+        self.step_headroom_bytes = step_headroom_bytes
 
 
 class NoWeightsBackup(RuntimeError):
@@ -69,9 +76,10 @@ class MemoryState:
 
 class MemoryManager:
     def __init__(self, saver: MemorySaver, info: MemoryInfo, weights_backup: BackupMode,
-                 weights_listener: WeightsListener | None = None) -> None:
+                 weights_listener: WeightsListener | None = None, *, step_headroom_bytes: int = 0) -> None:
         self.saver = saver
         self.info = info
+        self.step_headroom_bytes = step_headroom_bytes
         self.weights_backup = weights_backup
         self.weights_listener = weights_listener
         self.state = MemoryState()
@@ -107,6 +115,9 @@ class MemoryManager:
                                   "--weights-backup cpu or disk")
         keep_weights = has_backup if stage_to_cpu is None else stage_to_cpu
         start = time.perf_counter()
+        for tag in wanted:  # every check before the first release
+            if self.state.states[tag] is TagState.RESIDENT:
+                self.saver.check_release(tag, keep_contents=tag is MemoryTag.WEIGHTS and keep_weights)
         released, already, freed = [], [], {}
         for tag in wanted:
             if self.state.states[tag] is TagState.RELEASED:
@@ -135,9 +146,11 @@ class MemoryManager:
         needed = self.bytes_to_resume(tags)
         if needed == 0:
             return device
-        with_margin = needed + max(MIN_RESUME_MARGIN_BYTES, needed // 20)
+        serves_after = all(t in tags or s is TagState.RESIDENT for t, s in self.state.states.items())
+        headroom = self.step_headroom_bytes if serves_after else 0
+        with_margin = needed + max(MIN_RESUME_MARGIN_BYTES, needed // 20) + headroom
         if device.free_bytes < with_margin:
-            raise NotEnoughMemory(with_margin, device.free_bytes)
+            raise NotEnoughMemory(with_margin, device.free_bytes, headroom)
         return device
 
     def resume(self, tags: Sequence[MemoryTag] | None) -> ResumeResult:

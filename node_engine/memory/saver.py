@@ -6,9 +6,15 @@ The interface the engine sees:
   CUDA backend, whose allocator hook routes them into a pausable pool).
 - ``register(tag, tensors)``: tell the backend which tensors a tag holds, so it
   can free them (CPU) and report their bytes (all backends).
+- ``check_release(tag, keep_contents)``: raise (an ``OSError``) if releasing
+  ``tag`` now would fail part way, before anything is released (the room for
+  a backup).
 - ``release(tag, keep_contents)`` / ``resume(tag)``: give the tag's memory
   back / take it again at the same shapes, without touching the objects that
-  hold the tensors. Contents survive only with ``keep_contents`` (a backup).
+  hold the tensors. Contents survive only with ``keep_contents`` (a backup);
+  without, a resumed tag reads zeros only where ``resumes_zeroed`` says so.
+- ``cuda_graph(graph, pool, stream)``: capture a CUDA graph whose private pool
+  belongs to ``cuda_graph``.
 
 Backends: ``off`` (no ``--enable-memory-saver``: release and resume refuse),
 ``cpu`` (our own; frees tensor storages and returns the pages to the OS), and
@@ -22,10 +28,11 @@ import contextlib
 import ctypes
 import logging
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Any, Iterable, Iterator
 
 import torch
 
+from node_engine.memory.backup_room import check_dir_room
 from node_engine.memory.host_heap import trim_host_heap
 from node_engine.memory.tags import MemoryTag
 
@@ -39,6 +46,7 @@ class MemorySaverDisabled(RuntimeError):
 class MemorySaver(abc.ABC):
     name: str
     is_enabled = True  # False: release and resume refuse (nothing is touched)
+    resumes_zeroed = False  # a tag resumed without a backup reads zeros (else its contents are undefined)
 
     def __init__(self) -> None:
         self._bytes: dict[MemoryTag, int] = {tag: 0 for tag in MemoryTag}
@@ -53,15 +61,31 @@ class MemorySaver(abc.ABC):
             self._bytes[tag] += storage.nbytes()
             self._track(tag, storage)
 
-    def add_bytes(self, tag: MemoryTag, num_bytes: int) -> None:
-        """Account memory that is not a tensor we hold (a CUDA graph's private pool)."""
-        self._bytes[tag] += num_bytes
+    @contextlib.contextmanager
+    def cuda_graph(self, graph: torch.cuda.CUDAGraph, pool: Any, stream: torch.cuda.Stream) -> Iterator[None]:
+        """Capture ``graph`` (CUDA); what its private pool grows by is the ``cuda_graph`` tag's."""
+        with self._counted(MemoryTag.CUDA_GRAPH), torch.cuda.graph(graph, pool=pool, stream=stream):
+            yield
+
+    @contextlib.contextmanager
+    def _counted(self, tag: MemoryTag) -> Iterator[None]:
+        """CUDA: count what torch reserves while the block runs as ``tag``'s (the engine thread allocates
+        nothing else meanwhile)."""
+        before = torch.cuda.memory_reserved()
+        try:
+            yield
+        finally:
+            self._bytes[tag] += max(0, torch.cuda.memory_reserved() - before)
 
     def tag_bytes(self, tag: MemoryTag) -> int:
+        """What the tag holds on its device: what a release gives back."""
         return self._bytes[tag]
 
     def _track(self, tag: MemoryTag, storage: torch.UntypedStorage) -> None:
         pass
+
+    def check_release(self, tag: MemoryTag, *, keep_contents: bool) -> None:
+        """Raise an ``OSError`` if releasing ``tag`` now would fail part way; nothing is touched."""
 
     @abc.abstractmethod
     def release(self, tag: MemoryTag, *, keep_contents: bool) -> int:
@@ -105,6 +129,7 @@ class CpuSaver(MemorySaver):
     """
 
     name = "cpu"
+    resumes_zeroed = True  # resume touches every page it takes back, with zeros
 
     def __init__(self, backup_dir: Path) -> None:
         super().__init__()
@@ -116,6 +141,10 @@ class CpuSaver(MemorySaver):
         if not storage.resizable():
             raise ValueError(f"a {tag.value} tensor has a storage that cannot be freed in place")
         self._storages[tag].append((storage, storage.nbytes()))
+
+    def check_release(self, tag: MemoryTag, *, keep_contents: bool) -> None:
+        if keep_contents:
+            check_dir_room(self._backup_dir / tag.value, self.tag_bytes(tag))
 
     def release(self, tag: MemoryTag, *, keep_contents: bool) -> int:
         entries = self._storages[tag]

@@ -1,0 +1,102 @@
+"""A release that cannot keep its backup is refused before it starts; a resumed KV pool never feeds NaN into
+attention (issue 18, items 3 and 5), on real CPU engines."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from handoff.protocol import errors as E
+from node_engine import engine as engine_module
+from node_engine.config import EngineConfig
+from node_engine.engine import Engine
+from node_engine.errors import BackupFailed
+from node_engine.memory.saver import CpuSaver
+from node_engine.memory.tags import ALL_TAGS, BackupMode, MemoryTag
+from node_engine.request import Request
+from node_engine.sampling import SamplingParams
+from node_engine.scheduler import StepKind
+from node_engine.tokenizer import IncrementalDetokenizer
+
+GREEDY = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)
+# Different lengths: decode steps are ragged, so attention reads (and masks) slots past the shorter sequences.
+PROMPTS = [[256] + [(7 * n + 3 * i) % 256 for i in range(length)] for n, length in enumerate((4, 11, 30))]
+
+
+def generate_together(engine: Engine, prompts: list[list[int]]) -> list[list[int]]:
+    scheduler, runner = engine.scheduler, engine.runner
+    requests = [Request(rid=f"r{n}", prompt_ids=p, params=GREEDY, on_output=lambda _: None,
+                        detokenizer=IncrementalDetokenizer(engine.tokenizer)) for n, p in enumerate(prompts)]
+    for request in requests:
+        scheduler.add(request)
+    num_ragged = 0
+    while scheduler.has_work:
+        step = scheduler.schedule()
+        assert step is not None
+        num_ragged += step.kind is StepKind.DECODE and len({e.start for e in step.entries}) > 1
+        scheduler.postprocess(step, runner.run(step))
+    assert num_ragged, "no ragged decode step: nothing masked was read"
+    return [r.output_ids for r in requests]
+
+
+class UndefinedPagesSaver(CpuSaver):
+    """The CPU backend, but a tag resumed without a backup holds NaN, as fresh device pages may."""
+
+    resumes_zeroed = False
+
+    def resume(self, tag: MemoryTag) -> int:
+        num_bytes = super().resume(tag)
+        if tag is MemoryTag.KV_CACHE:
+            for storage, _ in self._storages[tag]:
+                torch.empty(0, dtype=torch.float32).set_(storage).fill_(float("nan"))
+        return num_bytes
+
+
+@pytest.fixture
+def nan_engine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Engine:
+    monkeypatch.setattr(engine_module, "make_saver", lambda config: UndefinedPagesSaver(tmp_path / "backup"))
+    return Engine(EngineConfig(model_path="builtin:tiny", max_total_tokens=1024, enable_memory_saver=True))
+
+
+def cycle_kv(engine: Engine) -> None:
+    engine.control.release([MemoryTag.KV_CACHE], stage_to_cpu=None)
+    engine.control.resume([MemoryTag.KV_CACHE])
+
+
+def test_a_resumed_kv_pool_holds_zeros_not_whatever_the_pages_held(nan_engine: Engine) -> None:
+    before = generate_together(nan_engine, PROMPTS)
+    cycle_kv(nan_engine)
+    assert int(torch.isnan(nan_engine.runner.kv_cache).sum()) == 0
+    assert generate_together(nan_engine, PROMPTS) == before
+
+
+def test_without_the_zeroing_masked_slots_poison_the_output(nan_engine: Engine,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """The test above bites: masked slots are read, and NaN there ruins the answer."""
+    before = generate_together(nan_engine, PROMPTS)
+    monkeypatch.setattr(nan_engine.runner, "reset_kv_cache", lambda: None)
+    cycle_kv(nan_engine)
+    assert generate_together(nan_engine, PROMPTS) != before
+
+
+def test_a_backup_with_nowhere_to_go_is_507_before_anything_is_released(tmp_path: Path) -> None:
+    backup_dir = tmp_path / "backup"
+    engine = Engine(EngineConfig(model_path="builtin:tiny", max_total_tokens=1024, enable_memory_saver=True,
+                                 weights_backup=BackupMode.DISK, backup_dir=backup_dir))
+    before = generate_together(engine, PROMPTS)
+    backup_dir.mkdir(parents=True, exist_ok=True)
+    backup_dir.rmdir()
+    backup_dir.write_text("a file where the backup directory was")
+    with pytest.raises(BackupFailed) as refused:
+        engine.control.release(None, stage_to_cpu=None)
+    assert refused.value.status == E.BACKUP_FAILED.status == 507
+    assert "cannot take a file" in refused.value.message
+    assert engine.memory.released_tags() == [] and engine.memory.weights_valid
+    assert generate_together(engine, PROMPTS) == before
+    backup_dir.unlink()
+    engine.control.release(None, stage_to_cpu=None)  # room again: the same call works
+    assert engine.memory.released_tags() == list(ALL_TAGS)
+    engine.control.resume(None)
+    assert generate_together(engine, PROMPTS) == before

@@ -31,6 +31,9 @@ _DEVICE_ERROR_MARKERS = ("CUDA error", "CUBLAS_STATUS", "CUDNN_STATUS", "cuDNN e
                          "device-side assert")
 
 
+_ACCELERATOR_ERROR: type[Exception] | None = getattr(torch, "AcceleratorError", None)  # torch >= 2.8
+
+
 def leaves_device_unusable(exc: BaseException) -> bool:
     """Whether ``exc`` from a step means the device (and so this process) cannot be trusted any more.
 
@@ -40,7 +43,7 @@ def leaves_device_unusable(exc: BaseException) -> bool:
     """
     if isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc):
         return False
-    if isinstance(exc, torch.AcceleratorError):
+    if _ACCELERATOR_ERROR is not None and isinstance(exc, _ACCELERATOR_ERROR):
         return True
     message = str(exc)
     return isinstance(exc, RuntimeError) and any(marker in message for marker in _DEVICE_ERROR_MARKERS)
@@ -106,5 +109,6 @@ class FaultDrill:
         if kind == "oom":
             raise torch.OutOfMemoryError(f"CUDA out of memory ({message})")
         if kind == "fatal":
-            raise torch.AcceleratorError(f"CUDA error: an illegal memory access was encountered ({message})")
+            raise (_ACCELERATOR_ERROR or RuntimeError)(
+                f"CUDA error: an illegal memory access was encountered ({message})")
         raise RuntimeError(message)

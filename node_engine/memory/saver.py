@@ -61,6 +61,10 @@ class MemorySaver(abc.ABC):
             self._bytes[tag] += storage.nbytes()
             self._track(tag, storage)
 
+    def add_bytes(self, tag: MemoryTag, num_bytes: int) -> None:
+        """Account memory made inside ``tag``'s region that no registered tensor holds (a private pool)."""
+        self._bytes[tag] += num_bytes
+
     @contextlib.contextmanager
     def cuda_graph(self, graph: torch.cuda.CUDAGraph, pool: Any, stream: torch.cuda.Stream) -> Iterator[None]:
         """Capture ``graph`` (CUDA); what its private pool grows by is the ``cuda_graph`` tag's."""

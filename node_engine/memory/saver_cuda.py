@@ -6,10 +6,12 @@ captured CUDA graphs stay valid. The weights region is created with the CPU or
 disk backup the engine was started with. Importing this module requires the
 preload library in ``LD_PRELOAD``; ``node_engine.launch`` arranges that.
 
-What each tag holds is measured, not computed from tensor sizes: the growth of
-torch's reserved memory while the tag's region (or the graph capture) was
-open, which is what torch_memory_saver maps for it and a release unmaps
-(allocation granularity and allocator segments included).
+What each tag holds is measured, not computed from tensor sizes: the segments
+of torch's allocator in the memory pools the tag's regions (and the graph
+captures) filled, which is what torch_memory_saver maps for it and a release
+unmaps (allocation granularity and allocator segments included). Read from
+the allocator each time, so a pool that grew for a probe and kept the block, or
+let it go, is counted as it is now.
 
 torch_memory_saver ends the process (``exit(1)``) where it cannot go on: no
 device memory for a resume, a failed ``cudaMallocHost`` for the CPU backup, a
@@ -32,6 +34,7 @@ from node_engine.memory.backup_room import check_dir_room, check_host_room
 from node_engine.memory.saver import MemorySaver
 from node_engine.memory.tags import BackupMode, MemoryTag
 
+_DEFAULT_POOL = (0, 0)  # torch's own pool: never a tag's, whatever a region block let slip into it
 DISK_STAGING_BYTES = 256 * 1024 * 1024  # torch_memory_saver's pinned disk staging buffer (TMS_DISK_BACKUP_CHUNK_MB)
 
 
@@ -47,6 +50,7 @@ class CudaSaver(MemorySaver):
         self._weights_backup = weights_backup
         self._backup_dir = backup_dir
         self._has_backup_storage = False  # the retained pinned buffer, or the disk files, exist
+        self._pools: dict[MemoryTag, set[tuple[int, int]]] = {tag: set() for tag in MemoryTag}
         if weights_backup is BackupMode.CPU:
             self._tms.retain_cpu_backup = True
             if not self._tms.retain_cpu_backup:
@@ -69,8 +73,30 @@ class CudaSaver(MemorySaver):
                                                                         tag=MemoryTag.CUDA_GRAPH.value):
             yield
 
+    @contextlib.contextmanager
+    def _counted(self, tag: MemoryTag) -> Iterator[None]:
+        """Learn which memory pools hold ``tag``: those of the segments the block made."""
+        before = {segment["address"] for segment in torch.cuda.memory_snapshot()}
+        try:
+            yield
+        finally:
+            for segment in torch.cuda.memory_snapshot():
+                pool = tuple(segment["segment_pool_id"])
+                if segment["address"] not in before and pool != _DEFAULT_POOL:
+                    self._pools[tag].add(pool)
+
+    def tag_bytes(self, tag: MemoryTag) -> int:
+        pools = self._pools[tag]
+        if not pools:
+            return 0
+        return sum(segment["total_size"] for segment in torch.cuda.memory_snapshot()
+                   if tuple(segment["segment_pool_id"]) in pools)
+
     def register(self, tag: MemoryTag, tensors: Any) -> None:
-        """Nothing to track: the tag's regions hold its memory, counted as they were filled."""
+        """Nothing to track: the tag's pools hold its memory."""
+
+    def add_bytes(self, tag: MemoryTag, num_bytes: int) -> None:
+        """Counted already: a pool made inside the tag's region is one of the tag's pools."""
 
     def check_release(self, tag: MemoryTag, *, keep_contents: bool) -> None:
         """Raise ``BackupUnavailable`` if the weights backup (made on every release of a backed-up region,

@@ -29,19 +29,26 @@ MiB = 2**20
 
 
 class FakeCuda:
-    """``torch.cuda`` as the backend uses it: calls recorded; reserved memory grows as a test allocates."""
+    """``torch.cuda`` as the backend uses it: calls recorded; the allocator's segments made as a test says."""
 
     def __init__(self, calls: list[tuple[Any, ...]]) -> None:
         self.calls = calls
-        self.reserved = 0
+        self.segments: list[dict[str, Any]] = []
 
-    def allocate(self, num_bytes: int) -> None:
-        self.reserved += num_bytes
+    def allocate(self, num_bytes: int, pool: tuple[int, int]) -> dict[str, Any]:
+        segment = {"address": 0x7F0000000000 + 2**32 * len(self.segments), "total_size": num_bytes,
+                   "segment_pool_id": pool}
+        self.segments.append(segment)
+        return segment
+
+    def free(self, segment: dict[str, Any]) -> None:
+        self.segments.remove(segment)
 
     def patch(self, monkeypatch: pytest.MonkeyPatch) -> None:
         for name in ("synchronize", "empty_cache", "ipc_collect"):
             monkeypatch.setattr(torch.cuda, name, lambda *a, _name=name: self.calls.append((_name,)))
-        monkeypatch.setattr(torch.cuda, "memory_reserved", lambda *a: self.reserved)
+        monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda *a: [dict(s) for s in self.segments])
+        monkeypatch.setattr(torch.cuda, "memory_reserved", lambda *a: sum(s["total_size"] for s in self.segments))
 
 
 @pytest.fixture
@@ -69,11 +76,11 @@ def build(backup: BackupMode, backup_dir: Path, cuda: FakeCuda, sizes: dict[Memo
 
     saver = CudaSaver(backup, backup_dir)
     sizes = sizes or {tag: (n + 1) * MiB for n, tag in enumerate(ALL_TAGS)}
-    for tag in (MemoryTag.WEIGHTS, MemoryTag.WORKSPACE, MemoryTag.KV_CACHE):
+    for n, tag in enumerate((MemoryTag.WEIGHTS, MemoryTag.WORKSPACE, MemoryTag.KV_CACHE)):
         with saver.region(tag):
-            cuda.allocate(sizes[tag])
+            cuda.allocate(sizes[tag], pool=(n + 1, 0))  # torch_memory_saver's pool of the tag
     with saver.cuda_graph(object(), None, None):
-        cuda.allocate(sizes[MemoryTag.CUDA_GRAPH])
+        cuda.allocate(sizes[MemoryTag.CUDA_GRAPH], pool=(0, 9))  # the graphs' private pool
     cuda.calls.clear()
     return saver
 
@@ -94,18 +101,30 @@ def test_the_graph_pool_is_captured_into_the_cuda_graph_tag(tmp_path: Path, tms,
     saver = CudaSaver(BackupMode.NONE, tmp_path)
     graph, pool, stream = object(), object(), object()
     with saver.cuda_graph(graph, pool, stream):
-        cuda.allocate(3 * MiB)
+        cuda.allocate(3 * MiB, pool=(0, 1))
     assert ("cuda_graph", "cuda_graph", False) in tms.calls
     assert saver.tag_bytes(MemoryTag.CUDA_GRAPH) == 3 * MiB
 
 
-def test_tag_bytes_are_what_each_region_reserved(tmp_path: Path, tms, cuda) -> None:
+def test_tag_bytes_are_the_segments_of_the_tags_pools(tmp_path: Path, tms, cuda) -> None:
     sizes = {MemoryTag.WEIGHTS: 40 * MiB, MemoryTag.KV_CACHE: 100 * MiB, MemoryTag.WORKSPACE: 2 * MiB,
              MemoryTag.CUDA_GRAPH: 6 * MiB}
     saver = build(BackupMode.CPU, tmp_path, cuda, sizes)
     assert {tag: saver.tag_bytes(tag) for tag in ALL_TAGS} == sizes
-    saver.register(MemoryTag.WEIGHTS, [torch.zeros(1000)])  # tensors add nothing: the region counted them
-    assert saver.tag_bytes(MemoryTag.WEIGHTS) == 40 * MiB
+    saver.register(MemoryTag.WEIGHTS, [torch.zeros(1000)])  # tensors add nothing: the pools hold them
+    saver.add_bytes(MemoryTag.WORKSPACE, 5 * MiB)
+    assert {tag: saver.tag_bytes(tag) for tag in ALL_TAGS} == sizes
+    # The KV sizer probes with a small pool, frees it, then allocates the real one: counted as it is now.
+    with saver.region(MemoryTag.KV_CACHE):
+        probe = cuda.allocate(8 * MiB, pool=(3, 0))
+        cuda.allocate(1 * MiB, pool=(0, 0))  # torch's own pool (a lazily made workspace): never a tag's
+    cuda.free(probe)
+    with saver.region(MemoryTag.KV_CACHE):
+        cuda.allocate(300 * MiB, pool=(3, 0))
+    assert saver.tag_bytes(MemoryTag.KV_CACHE) == 400 * MiB
+    with saver.region(MemoryTag.WORKSPACE):  # a private pool made inside the region (the vision reservation)
+        cuda.allocate(5 * MiB, pool=(0, 4))
+    assert saver.tag_bytes(MemoryTag.WORKSPACE) == 7 * MiB
 
 
 def test_release_synchronizes_pauses_synchronizes_and_empties_the_caches(tmp_path: Path, tms, cuda) -> None:

@@ -31,6 +31,7 @@ def node_view(node: Node) -> dict[str, Any]:
         "bootstrap_port": node.bootstrap_port,
         "source": node.source,
         "kind": _kind(node),
+        "engine_kind": occupation.get("engine_kind"),  # handoff, vllm, sglang: as the node's sidecar says
         "health": node.health.value,
         "routable": node.is_routable,
         "serving": node.is_serving,

@@ -9,6 +9,7 @@ import sys
 from handoff.service.auth import token_from
 from handoff.service.logs import setup_logging
 from handoff.service.serve import add_server_args, serve
+from handoff.protocol.engines import ENGINE_KIND_NAMES
 from node_sidecar.config import ROLES, ConfigError, SidecarConfig
 
 log = logging.getLogger("node_sidecar")
@@ -18,6 +19,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m node_sidecar", description="handoff node sidecar")
     p.add_argument("--engine-url", required=True, help="the engine's URL, e.g. http://127.0.0.1:30000")
     p.add_argument("--role", choices=ROLES, default="mixed")
+    p.add_argument("--engine-kind", choices=ENGINE_KIND_NAMES, default=None,
+                   help="the engine behind this sidecar (default: detected from its info endpoints)")
+    p.add_argument("--vllm-sleep-level", type=int, choices=(1, 2), default=1,
+                   help="vLLM: sleep level of a release without stage_to_cpu (1 keeps the weights in host memory, "
+                        "2 discards them: the node then refuses generation until a reload)")
     p.add_argument("--admin-token", default=None, help="bearer token for control calls (or HANDOFF_ADMIN_TOKEN)")
     p.add_argument("--api-key", default=None, help="bearer token for generation (or HANDOFF_API_KEY)")
     p.add_argument("--hold-requests", action="store_true",
@@ -43,7 +49,8 @@ def main(argv: list[str] | None = None) -> int:
                   secrets=[s for s in (admin_token, api_key) if s])
     try:
         config = SidecarConfig(
-            engine_url=args.engine_url, role=args.role, admin_token=admin_token, api_key=api_key,
+            engine_url=args.engine_url, role=args.role, engine_kind=args.engine_kind,
+            vllm_sleep_level=args.vllm_sleep_level, admin_token=admin_token, api_key=api_key,
             hold_requests=args.hold_requests, hold_max=args.hold_max, hold_timeout=args.hold_timeout,
             drain_timeout=args.drain_timeout, max_drain_timeout=args.max_drain_timeout,
             generate_timeout=args.generate_timeout, control_timeout=args.control_timeout,

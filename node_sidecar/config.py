@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from handoff.protocol.engines import ENGINE_KIND_NAMES
 from handoff.service.limits import DEFAULT_BODY_TIMEOUT_S
 
 ROLES = ("mixed", "prefill", "decode")
@@ -17,6 +18,8 @@ class ConfigError(ValueError):
 class SidecarConfig:
     engine_url: str
     role: str = "mixed"
+    engine_kind: str | None = None      # None: detected from the engine's info endpoints
+    vllm_sleep_level: int = 1           # vLLM: the sleep level of a release without stage_to_cpu
     admin_token: str | None = field(default=None, repr=False)
     api_key: str | None = field(default=None, repr=False)
     hold_requests: bool = False
@@ -34,6 +37,10 @@ class SidecarConfig:
     def __post_init__(self) -> None:
         if not self.engine_url.startswith("http://"):
             raise ConfigError(f"--engine-url must be an http:// URL, got {self.engine_url!r}")
+        if self.engine_kind is not None and self.engine_kind not in ENGINE_KIND_NAMES:
+            raise ConfigError(f"--engine-kind must be one of {', '.join(ENGINE_KIND_NAMES)}, got {self.engine_kind!r}")
+        if self.vllm_sleep_level not in (1, 2):
+            raise ConfigError(f"--vllm-sleep-level must be 1 or 2, got {self.vllm_sleep_level}")
         if self.role not in ROLES:
             raise ConfigError(f"--role must be one of {', '.join(ROLES)}, got {self.role!r}")
         for name in ("hold_max", "retry_after_s"):

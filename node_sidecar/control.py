@@ -18,10 +18,15 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 from handoff.protocol import errors as E
-from handoff.service.errors import Conflict
-from node_sidecar.errors import DrainTimeout, EngineRefused, EngineUnavailable
+from handoff.protocol.engines import EngineKind
+from handoff.protocol.tags import Tag
+from handoff.service.errors import Conflict, ServiceError
+from node_sidecar.engines.base import MemoryChange
+from node_sidecar.errors import DrainTimeout
 from node_sidecar.node import Node
 from node_sidecar.state import TAGS, TagState
+
+WEIGHTS = Tag.WEIGHTS.value
 
 log = logging.getLogger(__name__)
 
@@ -57,13 +62,35 @@ class ControlPlane:
             node.is_draining = False
             node.refresh_admission()
 
+    @contextlib.asynccontextmanager
+    async def _moving(self, tags: list[str], through: TagState, done: TagState,
+                      undone: TagState) -> AsyncIterator[None]:
+        """``tags`` are ``through`` for the block, then ``done``; if the block fails they go back to ``undone``
+        and, for an engine failure, the engine's own view is read again."""
+        node, state = self.node, self.node.state
+        for tag in tags:
+            state.transition(tag, through)
+        node.update_memory_metrics()
+        try:
+            yield
+        except BaseException as exc:
+            for tag in tags:
+                state.transition(tag, undone)
+            node.update_memory_metrics()
+            if isinstance(exc, ServiceError):
+                await node.resync_quietly()
+            raise
+        for tag in tags:
+            state.transition(tag, done)
+        node.update_memory_metrics()
+
     async def _drain(self, mode: str, limit: DrainLimit) -> tuple[int, int]:
         """Empty the node of generation; returns (drained, aborted). Raises DrainTimeout."""
         timeout = limit.remaining()
         admission = self.node.admission
         num_in_flight = admission.num_in_flight
         if mode == "abort" and num_in_flight:
-            await self.node.engine.call("POST", "/abort_request", {"abort_all": True})
+            await self.node.engine_adapter.abort(rid=None, abort_all=True)
         if not await admission.drain(timeout):
             raise DrainTimeout(f"{admission.num_in_flight} generation request(s) still running after "
                                f"{timeout:g}s; nothing was released", extra={"in_flight": admission.num_in_flight})
@@ -75,49 +102,37 @@ class ControlPlane:
 
     async def release(self, tags: list[str] | None, *, mode: str, drain: DrainLimit,
                       stage_to_cpu: bool | None) -> dict[str, Any]:
-        """Release ``tags`` (None: all four; ``[]``: nothing, answered at once)."""
+        """Release ``tags`` (None: all four; ``[]``: nothing, answered at once). An engine that frees some tags
+        only together releases (and reports) the resident ones that go with those asked."""
         node, state = self.node, self.node.state
         started = time.perf_counter()
         if tags is not None and not tags:
-            return _release_answer([], [], {}, 0, 0, started)
+            return _release_answer([], [], MemoryChange([], {}, None), 0, 0, started)
         tags = list(TAGS) if tags is None else tags
         async with node.control_lock:
             node.require_engine()
+            adapter = node.engine_adapter
             already = [t for t in tags if state.tags[t] is TagState.RELEASED]
-            todo = [t for t in tags if state.tags[t] is TagState.RESIDENT]
-            if not todo:
-                return _release_answer([], already, {}, 0, 0, started)
+            asked = [t for t in tags if state.tags[t] is TagState.RESIDENT]
+            if not asked:
+                return _release_answer([], already, MemoryChange([], {}, None), 0, 0, started)
             if state.memory_saver == "off":
-                raise Conflict("memory saver is off: start the engine with --enable-memory-saver",
-                               kind=E.MEMORY_SAVER_DISABLED)
-            if stage_to_cpu and state.weights_backup == "none":
-                raise Conflict("stage_to_cpu needs a weights backup: start the engine with --weights-backup "
-                               "cpu or disk", kind=E.NO_WEIGHTS_BACKUP)
+                raise Conflict(_SAVER_OFF[adapter.kind], kind=E.MEMORY_SAVER_DISABLED)
+            if stage_to_cpu and not state.can_stage_weights:
+                raise Conflict(_NO_BACKUP[adapter.kind], kind=E.NO_WEIGHTS_BACKUP)
+            todo = adapter.release_set(asked, state.tags_in(TagState.RESIDENT))
             async with self._draining():
                 drained, aborted = await self._drain(mode, drain)
                 drain_done = time.perf_counter()
-                for tag in todo:
-                    state.transition(tag, TagState.RELEASING)
-                node.update_memory_metrics()
-                body: dict[str, Any] = {"tags": todo}
-                if stage_to_cpu is not None:
-                    body["stage_to_cpu"] = stage_to_cpu
-                try:
-                    answer = await node.engine.call("POST", "/release_memory_occupation", body)
-                except (EngineRefused, EngineUnavailable):
-                    for tag in todo:
-                        state.transition(tag, TagState.RESIDENT)
-                    await node.resync_quietly()
-                    raise
-                for tag in todo:
-                    state.transition(tag, TagState.RELEASED)
-                node.update_memory_metrics()
+                async with self._moving(todo, TagState.RELEASING, TagState.RELEASED, TagState.RESIDENT):
+                    change = await adapter.release(todo, stage_to_cpu=stage_to_cpu)
+                if change.weights_valid is not None:
+                    state.weights_valid = change.weights_valid
         duration = time.perf_counter() - started
         self.metrics.release_seconds.observe(duration)
-        log.info("released %s (drained %d, aborted %d) in %.3fs, engine %.3fs", todo, drained, aborted, duration,
-                 time.perf_counter() - drain_done)
-        return _release_answer(answer.get("released", todo), already + answer.get("already_released", []),
-                               answer.get("bytes_freed", {}), drained, aborted, started)
+        log.info("released %s (drained %d, aborted %d) in %.3fs, engine %.3fs; %s (%s)", todo, drained, aborted,
+                 duration, time.perf_counter() - drain_done, change.bytes, change.measured_by)
+        return _release_answer(todo, already, change, drained, aborted, started)
 
     async def resume(self, tags: list[str] | None) -> dict[str, Any]:
         """Resume ``tags`` (None: all four, the resident ones reported in ``already_resident``; ``[]``: none)."""
@@ -126,53 +141,56 @@ class ControlPlane:
         wanted = list(TAGS) if tags is None else tags
         if not wanted:
             return {"success": True, "resumed": [], "already_resident": [], "bytes_restored": {},
-                    "weights_valid": state.weights_valid, "serving": state.is_serving, "duration_s": 0.0}
+                    "bytes_measured_by": None, "weights_valid": state.weights_valid, "serving": state.is_serving,
+                    "duration_s": 0.0}
         async with node.control_lock:
             node.require_engine()
             already = [t for t in wanted if state.tags[t] is TagState.RESIDENT]
             todo = [t for t in wanted if state.tags[t] is TagState.RELEASED]
-            answer: dict[str, Any] = {}
+            change = MemoryChange([], {}, None)
             if todo:
-                for tag in todo:
-                    state.transition(tag, TagState.RESUMING)
-                node.update_memory_metrics()
-                try:
-                    answer = await node.engine.call("POST", "/resume_memory_occupation", {"tags": todo})
-                except (EngineRefused, EngineUnavailable):
-                    for tag in todo:
-                        state.transition(tag, TagState.RELEASED)
-                    await node.resync_quietly()
-                    raise
-                for tag in todo:
-                    state.transition(tag, TagState.RESIDENT)
-                state.weights_valid = bool(answer.get("weights_valid", state.weights_valid))
-                node.update_memory_metrics()
+                async with self._moving(todo, TagState.RESUMING, TagState.RESIDENT, TagState.RELEASED):
+                    change = await node.engine_adapter.resume(todo)
+                if change.weights_valid is not None:
+                    state.weights_valid = change.weights_valid
             node.refresh_admission()
         duration = time.perf_counter() - started
         self.metrics.resume_seconds.observe(duration)
         log.info("resumed %s in %.3fs; weights_valid=%s, serving=%s", todo, duration, state.weights_valid,
                  state.is_serving)
-        return {"success": True, "resumed": todo, "already_resident": already,
-                "bytes_restored": answer.get("bytes_restored", {}), "weights_valid": state.weights_valid,
+        return {"success": True, "resumed": todo, "already_resident": already, "bytes_restored": change.bytes,
+                "bytes_measured_by": change.measured_by, "weights_valid": state.weights_valid,
                 "serving": state.is_serving, "duration_s": round(duration, 6)}
+
+    async def check_weights(self, body: dict[str, Any]) -> dict[str, Any]:
+        """The checkpoint check of :meth:`update_weights` alone: nothing drains, nothing loads."""
+        self.node.require_engine()
+        return await self.node.engine_adapter.check_weights(body)
 
     async def update_weights(self, body: dict[str, Any], *, drain: DrainLimit) -> dict[str, Any]:
         """Reload weights from disk, after draining generation like a release in wait mode.
 
-        The checkpoint is checked first (the engine's dry run), so a wrong path or
-        shape is a 400 while the node keeps serving, not after a drain.
+        The checkpoint is checked first (the engine's dry run, or the adapter's own
+        check), so a wrong path or shape is a 400 while the node keeps serving, not
+        after a drain. An engine that resumes released weights to load them says
+        so in its answer's ``resumed``.
         """
         node, state = self.node, self.node.state
         async with node.control_lock:
             node.require_engine()
-            await node.engine.call("POST", "/update_weights_from_disk", {**body, "dry_run": True})
+            adapter = node.engine_adapter
+            await adapter.check_weights(body)
             async with self._draining():
                 drained, _ = await self._drain("wait", drain)
                 try:
-                    answer = await node.engine.call("POST", "/update_weights_from_disk", body)
-                except (EngineRefused, EngineUnavailable):
+                    answer = await adapter.update_weights_from_disk(body)
+                except ServiceError:
                     await node.resync_quietly()
                     raise
+                if WEIGHTS in answer.get("resumed", ()) and state.tags[WEIGHTS] is TagState.RELEASED:
+                    state.transition(WEIGHTS, TagState.RESUMING)
+                    state.transition(WEIGHTS, TagState.RESIDENT)
+                    node.update_memory_metrics()
                 state.weights_valid = True
                 state.weight_version = answer.get("weight_version", state.weight_version)
         log.info("weights reloaded, weight_version=%s (drained %d)", state.weight_version, drained)
@@ -198,16 +216,31 @@ class ControlPlane:
             node.refresh_admission()
         return {"success": True, "paused": False, "serving": node.state.is_serving}
 
-    async def flush_cache(self) -> dict[str, Any]:
+    async def flush_cache(self, limit: DrainLimit) -> dict[str, Any]:
+        """Drop the engine's prefix cache; an engine that flushes only when idle is asked again until
+        ``limit`` runs out."""
         node = self.node
         async with node.control_lock:
             node.require_engine()
-            return await node.engine.call("POST", "/flush_cache")
+            return await node.engine_adapter.flush_cache(limit.remaining())
 
 
-def _release_answer(released: list[str], already: list[str], bytes_freed: dict[str, int], drained: int, aborted: int,
+# What to start differently, per engine kind, when a release cannot be done.
+_SAVER_OFF = {
+    EngineKind.HANDOFF: "memory saver is off: start the engine with --enable-memory-saver",
+    EngineKind.VLLM: "vLLM's sleep mode is off: start vLLM with --enable-sleep-mode (GPU) and VLLM_SERVER_DEV_MODE=1",
+    EngineKind.SGLANG: "SGLang's memory saver is off: start SGLang with --enable-memory-saver",
+}
+_NO_BACKUP = {
+    EngineKind.HANDOFF: "stage_to_cpu needs a weights backup: start the engine with --weights-backup cpu or disk",
+    EngineKind.VLLM: "stage_to_cpu needs a weights backup, which this vLLM node cannot keep",
+    EngineKind.SGLANG: "stage_to_cpu needs a weights backup: start SGLang with --enable-weights-cpu-backup",
+}
+
+
+def _release_answer(released: list[str], already: list[str], change: MemoryChange, drained: int, aborted: int,
                     started: float) -> dict[str, Any]:
-    return {"success": True, "released": released, "already_released": already, "bytes_freed": bytes_freed,
-            "drained_requests": drained, "aborted_requests": aborted,
+    return {"success": True, "released": released, "already_released": already, "bytes_freed": change.bytes,
+            "bytes_measured_by": change.measured_by, "drained_requests": drained, "aborted_requests": aborted,
             "duration_s": round(time.perf_counter() - started, 6)}
 

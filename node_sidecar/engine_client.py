@@ -57,18 +57,25 @@ class EngineClient:
         finally:
             response.close()
 
-    async def call(self, method: str, path: str, body: dict[str, Any] | bytes | None = None, *,
-                   timeout: float | None = None) -> dict[str, Any]:
-        """A JSON call (``body`` as an object, or bytes passed as they are); returns the engine's JSON
-        object on 2xx, raises otherwise."""
+    async def exchange(self, method: str, path: str, body: dict[str, Any] | bytes | None = None, *,
+                       timeout: float | None = None) -> tuple[UpstreamResponse, bytes]:
+        """One call whatever the answer's status or type: the response (closed) and its body, at most
+        :data:`MAX_CONTROL_ANSWER_BYTES`. Raises EngineUnavailable (saying what became of the call) only when
+        no answer came."""
         payload = body if isinstance(body, bytes) else b"" if body is None else json.dumps(body).encode()
         timeout = timeout or self.control_timeout
         try:
             response = await self.open(method, path, body=payload, headers=_JSON if body is not None else None,
                                        timeout=timeout)
-            raw = await self.read(response, MAX_CONTROL_ANSWER_BYTES)
+            return response, await self.read(response, MAX_CONTROL_ANSWER_BYTES)
         except EngineUnavailable as exc:
             raise await self._unanswered(f"{method} {path}", exc, timeout) from exc.__cause__
+
+    async def call(self, method: str, path: str, body: dict[str, Any] | bytes | None = None, *,
+                   timeout: float | None = None) -> dict[str, Any]:
+        """A JSON call (``body`` as an object, or bytes passed as they are); returns the engine's JSON
+        object on 2xx, raises otherwise."""
+        response, raw = await self.exchange(method, path, body, timeout=timeout)
         try:
             value = loads_bounded(raw) if raw else {}
         except PeerJSONError as exc:

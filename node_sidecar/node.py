@@ -20,6 +20,7 @@ from handoff.service.upstream import UpstreamClient, UpstreamError
 from node_sidecar.admission import Admission
 from node_sidecar.config import SidecarConfig
 from node_sidecar.engine_client import EngineClient
+from node_sidecar.engines import EngineAdapter, EngineKind, create_adapter, detect_kind
 from node_sidecar.errors import EngineUnavailable, NotServing
 from node_sidecar.metrics import SidecarMetrics
 from node_sidecar.state import TAGS, NodeState, TagState
@@ -38,6 +39,8 @@ class Node:
                                    hold_timeout=config.hold_timeout, refuse=self._refusal)
         self.engine = EngineClient(config.engine_base, client, control_timeout=config.control_timeout,
                                    on_unreachable=self.mark_unreachable)
+        self.adapter: EngineAdapter | None = (None if config.engine_kind is None else self._adapter_for(
+            EngineKind(config.engine_kind)))  # None until the engine's kind was detected
         self.control_lock = asyncio.Lock()  # control calls run one at a time, in arrival order (FIFO lock)
         self.is_draining = False             # a control call holds admission closed
         self.last_error: str | None = None
@@ -77,11 +80,25 @@ class Node:
         self.admission.refuse_held()
         self._poke.set()
 
+    def _adapter_for(self, kind: EngineKind) -> EngineAdapter:
+        return create_adapter(kind, self.engine, vllm_sleep_level=self.config.vllm_sleep_level)
+
+    @property
+    def engine_adapter(self) -> EngineAdapter:
+        """The adapter, once the engine's kind is known (control calls run only after a sync, which sets it)."""
+        if self.adapter is None:
+            raise EngineUnavailable("the engine's kind is not known yet; it is read when the engine answers",
+                                    retry_after=self.config.retry_after_s)
+        return self.adapter
+
     async def sync(self) -> None:
         """Re-read the node's state from the engine (raises EngineUnavailable)."""
-        occupation = await self.engine.call("GET", "/memory_occupation", timeout=HEALTH_TIMEOUT_S)
+        if self.adapter is None:
+            self.adapter = self._adapter_for(await detect_kind(self.engine))
+            log.info("engine kind: %s", self.adapter.kind.value)
+        view = await self.adapter.read_view()
         was_reachable = self.state.is_engine_reachable
-        self.state.sync(occupation)
+        self.state.sync(view)
         self.state.is_engine_reachable = True
         self.metrics.engine_up.set(1)
         if not was_reachable:
@@ -117,10 +134,11 @@ class Node:
                         if not self.state.is_synced:
                             await self.sync()
                 else:
-                    response = await self.engine.open("GET", "/health", timeout=HEALTH_TIMEOUT_S)
+                    path = self.engine_adapter.health_path
+                    response = await self.engine.open("GET", path, timeout=HEALTH_TIMEOUT_S)
                     await response.read(4096)
                     if response.status != 200:
-                        self.mark_unreachable(f"engine /health answered {response.status}")
+                        self.mark_unreachable(f"engine {path} answered {response.status}")
             except EngineUnavailable:
                 pass  # already marked; retry after the interval
             except UpstreamError as exc:
@@ -144,6 +162,7 @@ class Node:
                 else {t: {"state": "unknown", "bytes": None} for t in TAGS})
         return {
             "role": self.config.role,
+            "engine_kind": None if self.adapter is None else self.adapter.kind.value,
             "serving": state.is_serving and self.admission.is_open,
             "admission": self.admission_view(),
             "engine_reachable": state.is_engine_reachable,

@@ -18,7 +18,7 @@ from starlette.types import Receive, Scope, Send
 
 from handoff.protocol import errors as E
 from handoff.service.disconnect import DisconnectWatch
-from handoff.service.relay import StreamRelay, relayed_headers, sse_error_event
+from handoff.service.relay import ChunkTransform, StreamRelay, relayed_headers, sse_error_event
 from handoff.service.upstream import UpstreamError, UpstreamResponse
 from node_sidecar.admission import InFlight
 from node_sidecar.node import Node
@@ -54,7 +54,8 @@ class _CountedResponse(Response):
             self._on_done()
 
 
-def _relayed_stream(node: Node, upstream: UpstreamResponse, lease: InFlight) -> StreamRelay:
+def _relayed_stream(node: Node, upstream: UpstreamResponse, lease: InFlight,
+                    transform: ChunkTransform | None) -> StreamRelay:
     """The engine's stream, relayed; the lease is given back after the last byte or the client's disconnect.
     An engine failing mid-stream ends it with an ``engine_unavailable`` event."""
 
@@ -62,7 +63,7 @@ def _relayed_stream(node: Node, upstream: UpstreamResponse, lease: InFlight) -> 
         node.mark_unreachable(exc)
         return sse_error_event(E.ENGINE_UNAVAILABLE.name, f"the engine failed mid-stream: {exc}")
 
-    return StreamRelay(upstream, on_failure=failed, on_close=lambda _: lease.release(),
+    return StreamRelay(upstream, on_failure=failed, on_close=lambda _: lease.release(), transform=transform,
                        default_type=b"application/json")
 
 
@@ -79,20 +80,25 @@ async def relay_generation(node: Node, request: Request, path: str, on_status: C
         body = await request.body()
     except ClientDisconnect:
         return Response(status_code=CLIENT_CLOSED)
+    query = request.scope.get("query_string", b"").decode("latin-1")
+    # The engine's form of the request, made before it is admitted (a body the engine cannot serve is a 400 that
+    # never counts in flight); before the engine's kind is known the node does not serve, so admission decides.
+    call = node.adapter.generation_call(path, body, query) if node.adapter is not None else None
     lease = await node.admission.enter()
     watch: DisconnectWatch | None = None
     try:
-        query = request.scope.get("query_string", b"")
-        target = f"{path}?{query.decode()}" if query else path
+        call = call or node.engine_adapter.generation_call(path, body, query)
         watch = DisconnectWatch(request.receive)
         upstream = await node.engine.open(
-            "POST", target, body=body, timeout=node.config.generate_timeout,
+            "POST", call.path, body=call.body, timeout=node.config.generate_timeout,
             headers={"Content-Type": request.headers.get("content-type", "application/json")})
         on_status(upstream.status)
         if upstream.content_type.startswith("text/event-stream"):
             watch.stop()  # the stream's own watcher takes over
-            return _relayed_stream(node, upstream, lease)
+            return _relayed_stream(node, upstream, lease, call.stream() if call.stream else None)
         content = await node.engine.read(upstream, MAX_ANSWER_BYTES)
+        if call.answer is not None and 200 <= upstream.status < 300:
+            content = call.answer(content)
     except asyncio.CancelledError:
         lease.release()
         if watch is None or not watch.is_disconnected:

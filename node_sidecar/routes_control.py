@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 
 from fastapi import APIRouter, Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse
 
 from handoff.protocol.control import (
     DEADLINE_HEADER,
@@ -27,7 +27,6 @@ from handoff.service.errors import InvalidRequest, parse_json_bytes
 from node_sidecar.config import SidecarConfig
 from node_sidecar.control import ControlPlane, DrainLimit
 from node_sidecar.metrics import SidecarMetrics
-from node_sidecar.proxy import forward
 
 CONTROL_BODIES = [ReleaseBody, ResumeBody, PauseBody, UpdateWeightsFromDiskBody, AbortBody]
 
@@ -92,8 +91,7 @@ def control_router(config: SidecarConfig, metrics: SidecarMetrics, admin: Bearer
         engine_body = body.model_dump(exclude={"drain_timeout", "dry_run"}, exclude_none=True)
         control = control_of(request)
         if body.dry_run:  # only the check: nothing drains, nothing loads
-            return JSONResponse(await control.node.engine.call("POST", "/update_weights_from_disk",
-                                                               {**engine_body, "dry_run": True}))
+            return JSONResponse(await control.check_weights(engine_body))
         answer = await control.update_weights(engine_body, drain=drain_limit(request, body.drain_timeout))
         metrics.control_calls.labels("update_weights_from_disk", "200").inc()
         return JSONResponse(answer)
@@ -112,14 +110,20 @@ def control_router(config: SidecarConfig, metrics: SidecarMetrics, admin: Bearer
 
     async def flush_cache(request: Request) -> JSONResponse:
         admin.check(request)
-        return JSONResponse(await control_of(request).flush_cache())
+        return JSONResponse(await control_of(request).flush_cache(DrainLimit(config.control_timeout,
+                                                                             answer_by(request))))
 
     for method in ("GET", "POST"):  # one route per method: one operation id each in the schema
         router.add_api_route("/flush_cache", flush_cache, methods=[method], name=f"flush_cache_{method.lower()}")
 
     @router.post("/abort_request", openapi_extra=openapi_body(AbortBody))
-    async def abort_request(request: Request) -> Response:
+    async def abort_request(request: Request) -> JSONResponse:
         admin.check(request)
-        return await forward(control_of(request).node, request, "/abort_request")
+        body = await parse_body(request, AbortBody)
+        if body.rid is None and not body.abort_all:
+            raise InvalidRequest("give a rid, or abort_all: true")
+        node = control_of(request).node
+        node.require_engine()
+        return JSONResponse(await node.engine_adapter.abort(rid=body.rid, abort_all=body.abort_all))
 
     return router

@@ -35,13 +35,10 @@ def views_router(metrics: SidecarMetrics, admin: BearerToken, api_key: BearerTok
             return JSONResponse({"serving": False, "reason": node.state.not_serving_reason().value,
                                  "released": released}, status_code=status)
         try:
-            answer = await node.engine.call("POST", "/generate", {"input_ids": [0], "sampling_params": {
-                "max_new_tokens": 1, "temperature": 0}}, timeout=30)
+            weight_version = await node.engine_adapter.health_generate()
         finally:
             lease.release()
-        meta = answer.get("meta_info")
-        return JSONResponse({"serving": True, "success": True,
-                             "weight_version": meta.get("weight_version") if isinstance(meta, dict) else None})
+        return JSONResponse({"serving": True, "success": True, "weight_version": weight_version})
 
     @router.get("/v1/models")
     async def models(request: Request) -> Response:
@@ -49,24 +46,25 @@ def views_router(metrics: SidecarMetrics, admin: BearerToken, api_key: BearerTok
 
     @router.get("/get_server_info")
     async def get_server_info(request: Request) -> Response:
-        return await forward(node_of(request), request, "/get_server_info")
+        node = node_of(request)
+        info = None if node.adapter is None else await node.adapter.server_info()
+        return JSONResponse(info) if info is not None else await forward(node, request, "/get_server_info")
 
     @router.get("/memory_occupation")
     async def memory_occupation(request: Request) -> JSONResponse:
         node = node_of(request)
         engine_view: dict = {}
-        if node.state.is_engine_reachable:
+        if node.state.is_engine_reachable and node.adapter is not None:
             try:
-                engine_view = await node.engine.call("GET", "/memory_occupation", timeout=5)
+                engine_view = await node.adapter.memory_view()
             except EngineUnavailable:
                 engine_view = {}
         view = node.state_view()
-        engine_tags = engine_view.get("tags")
-        if node.state.is_synced and isinstance(engine_tags, dict):
+        engine_bytes = engine_view.get("tags")
+        if node.state.is_synced and isinstance(engine_bytes, dict):
             for tag, row in view["tags"].items():
-                engine_row = engine_tags.get(tag)
-                if isinstance(engine_row, dict) and isinstance(engine_row.get("bytes"), int):
-                    row["bytes"] = engine_row["bytes"]
+                if isinstance(engine_bytes.get(tag), int):
+                    row["bytes"] = engine_bytes[tag]
         view.update(device=engine_view.get("device"), process_rss_bytes=engine_view.get("process_rss_bytes"),
                     sidecar_rss_bytes=psutil.Process().memory_info().rss)
         return JSONResponse(view)

@@ -4,17 +4,20 @@ Each tag moves ``resident → releasing → released → resuming → resident``
 release that fails goes back ``releasing → resident`` and a resume that fails
 ``resuming → released``. Any other move is a bug and raises, naming the state
 it was in. After the engine was unreachable the whole view is rebuilt from
-the engine's ``/memory_occupation`` (:meth:`NodeState.sync`), never assumed.
+the engine (its adapter's :meth:`~node_sidecar.engines.base.EngineAdapter.read_view`), never assumed.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from handoff.protocol.errors import NotServingReason
 from handoff.protocol.tags import TAG_NAMES as TAGS
 from handoff.protocol.tags import TagState
+
+if TYPE_CHECKING:
+    from node_sidecar.engines.base import EngineView
 
 
 _ALLOWED = {
@@ -37,6 +40,7 @@ class NodeState:
     weight_version: str | None = None
     weights_backup: str = "none"
     memory_saver: str = "off"
+    can_stage_weights: bool = False  # stage_to_cpu: true can be honoured
     is_engine_reachable: bool = False
     is_synced: bool = False          # the view was read from the engine since it (re)appeared
     is_paused: bool = False          # pause_generation without a continue
@@ -47,16 +51,15 @@ class NodeState:
             raise IllegalTransition(f"tag {tag}: cannot go from {old.value} to {new.value}")
         self.tags[tag] = new
 
-    def sync(self, occupation: dict[str, Any]) -> None:
-        """Adopt the engine's own view (``GET /memory_occupation`` of the engine)."""
-        for tag in TAGS:
-            info = occupation["tags"][tag]
-            self.tags[tag] = TagState(info["state"])
-            self.tag_bytes[tag] = int(info["bytes"])
-        self.weights_valid = bool(occupation["weights_valid"])
-        self.weight_version = occupation.get("weight_version")
-        self.weights_backup = occupation.get("weights_backup", "none")
-        self.memory_saver = occupation.get("memory_saver", "off")
+    def sync(self, view: EngineView) -> None:
+        """Adopt the engine's own view (read by the node's engine adapter)."""
+        self.tags.update(view.tags)
+        self.tag_bytes.update(view.tag_bytes)
+        self.weights_valid = view.weights_valid
+        self.weight_version = view.weight_version
+        self.weights_backup = view.weights_backup
+        self.memory_saver = view.memory_saver
+        self.can_stage_weights = view.can_stage_weights
         self.is_synced = True
 
     def tags_in(self, state: TagState) -> list[str]:

@@ -7,6 +7,7 @@ and the Python client import it alike:
 - :mod:`handoff.protocol.errors`: every error type with its HTTP status, and why a node does not serve.
 - :mod:`handoff.protocol.control`: the bodies of the control calls.
 - :mod:`handoff.protocol.sse`: server-sent-event framing.
+- :mod:`handoff.protocol.engines`: the kinds of engine behind a sidecar.
 
 A name used on the wire by more than one process is defined here and nowhere else.
 """

@@ -45,7 +45,7 @@ def test_a_release_and_resume_cycle_through_the_lb(sidecars: list[ServerProcess]
                       "--health-interval", "30", fast_health=False)
     admin = {"Authorization": f"Bearer {ADMIN}"}
     api = {"Authorization": f"Bearer {API_KEY}"}
-    assert all(n["kind"] == "sidecar" and n["routable"] for n in lb.nodes())
+    assert all(n["kind"] == "sidecar" and n["engine_kind"] == "handoff" and n["routable"] for n in lb.nodes())
 
     before = lb.http.post("/generate", json=GREEDY, headers=api)
     assert before.status_code == 200, before.text

@@ -2,14 +2,14 @@ from __future__ import annotations
 
 import pytest
 
-from node_sidecar.state import IllegalTransition, NodeState, TagState
+from node_sidecar.engines.base import EngineView
+from node_sidecar.state import TAGS, IllegalTransition, NodeState, TagState
 
 
-def occupation(**states: str) -> dict:
-    tags = {t: {"state": states.get(t, "resident"), "bytes": 10} for t in ("weights", "kv_cache", "cuda_graph",
-                                                                           "workspace")}
-    return {"tags": tags, "weights_valid": True, "weight_version": "v1", "weights_backup": "disk",
-            "memory_saver": "cpu"}
+def occupation(**states: str) -> EngineView:
+    return EngineView(tags={t: TagState(states.get(t, "resident")) for t in TAGS}, weights_valid=True,
+                      weight_version="v1", weights_backup="disk", memory_saver="cpu", can_stage_weights=True,
+                      tag_bytes={t: 10 for t in TAGS})
 
 
 def test_legal_cycle_and_illegal_moves_name_the_state() -> None:

@@ -1,0 +1,14 @@
+"""The kinds of engine a node can run behind its sidecar (``--engine-kind``; ``engine_kind`` in node views)."""
+
+from __future__ import annotations
+
+import enum
+
+
+class EngineKind(str, enum.Enum):
+    HANDOFF = "handoff"   # python -m node_engine
+    VLLM = "vllm"         # a vLLM OpenAI server in dev mode (VLLM_SERVER_DEV_MODE=1)
+    SGLANG = "sglang"     # an SGLang server (0.5.23's HTTP API)
+
+
+ENGINE_KIND_NAMES: tuple[str, ...] = tuple(kind.value for kind in EngineKind)

@@ -1,0 +1,161 @@
+"""An SGLang server (0.5.23's HTTP API) behind the sidecar.
+
+SGLang's own calls are unforgiving, so the adapter sends only what SGLang
+survives (line numbers: ``sglang/srt/`` of 0.5.23; the fake in
+``tests/support/sglang_fake.py`` reproduces each):
+
+- A release while anything runs fails an assertion and kills the server
+  (``managers/scheduler_components/weight_updater.py:339``). The sidecar has
+  drained already; the adapter then calls ``/flush_cache`` until SGLang says
+  it is idle (it flushes only then, ``managers/scheduler.py:5518``) before
+  the release, within :data:`IDLE_WAIT_S`; past it, 409 and nothing released.
+- ``tags: []`` means every tag to SGLang (``weight_updater.py:345``), so an
+  empty list is never sent; a tag already released is never released again
+  (torch_memory_saver exits the process) and a tag not released is never
+  resumed (``KeyError``, ``weight_updater.py:390``).
+- Release and resume answer ``null``; what was freed is measured by the sidecar.
+- Weights resumed without ``--enable-weights-cpu-backup`` are garbage until a
+  reload: the node is ``weights_valid: false`` until ``update_weights_from_disk``.
+- ``GET /health`` generates a token (fatal while released): liveness is
+  ``GET /model_info``.
+- SGLang does not say what it has released: the adapter remembers its own
+  calls and forgets them when SGLang is a new process (``startup_time``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from handoff.protocol import errors as E
+from handoff.protocol.engines import EngineKind
+from handoff.protocol.tags import TAG_NAMES, TagState
+from handoff.service.errors import Conflict
+from handoff.service.peer_json import PeerJSONError, loads_bounded
+from node_sidecar.engines.base import EngineView, MemoryChange, TagMeaning, tags_named
+from node_sidecar.engines.foreign import ForeignEngine
+from node_sidecar.errors import EngineRefused
+
+IDLE_WAIT_S = 10.0           # how long SGLang may take to look idle once the sidecar drained it
+INFO_TIMEOUT_S = 5.0
+WEIGHTS = "weights"
+
+
+class SglangEngine(ForeignEngine):
+    kind = EngineKind.SGLANG
+    tag_meanings = {
+        "weights": TagMeaning("weights", "the model's parameters; kept in host memory only with SGLang's "
+                                         "--enable-weights-cpu-backup, else garbage after a resume until a reload"),
+        "kv_cache": TagMeaning("kv_cache", "the KV pool; SGLang flushes its radix cache when releasing it"),
+        "cuda_graph": TagMeaning("cuda_graph", "captured CUDA graphs"),
+        "workspace": TagMeaning(None, "no region of its own in SGLang: tracked by the sidecar, frees nothing"),
+    }
+    health_path = "/model_info"
+
+    def __init__(self, engine: Any) -> None:
+        super().__init__(engine)
+        self.has_backup = False
+        self.memory_saver = False
+        self.weights_garbage = False  # weights resumed without a backup, not reloaded since
+
+    async def read_view(self) -> EngineView:
+        info = await self.engine.call("GET", "/get_server_info", timeout=INFO_TIMEOUT_S)
+        model = await self.engine.call("GET", "/model_info", timeout=INFO_TIMEOUT_S)
+        if self.adopt_instance(info.get("startup_time")):
+            self.weights_garbage = False
+        self.memory_saver = info.get("enable_memory_saver") is True
+        self.has_backup = info.get("enable_weights_cpu_backup") is True
+        self.device = str(info.get("device") or "cuda")
+        path = model.get("model_path", info.get("model_path"))
+        self.model_path = path if isinstance(path, str) else None
+        version = model.get("weight_version")
+        return EngineView(
+            tags={t: TagState.RELEASED if t in self.released else TagState.RESIDENT for t in TAG_NAMES},
+            weights_valid=not self.weights_garbage, weight_version=version if isinstance(version, str) else None,
+            weights_backup="cpu" if self.has_backup else "none",
+            memory_saver="torch_memory_saver" if self.memory_saver else "off", can_stage_weights=self.has_backup)
+
+    async def release(self, tags: list[str], *, stage_to_cpu: bool | None) -> MemoryChange:
+        engine_tags = tags_named(self.tag_meanings, [t for t in tags if t not in self.released])
+        change: dict[str, int] = {}
+        measured_by = None
+        if engine_tags:
+            await self._wait_idle(IDLE_WAIT_S)
+            _, change, measured_by = await self.measured(
+                lambda: self.engine.call("POST", "/release_memory_occupation", {"tags": engine_tags}), engine_tags)
+        self.released.update(tags)
+        return MemoryChange(tags, change, measured_by)
+
+    async def resume(self, tags: list[str]) -> MemoryChange:
+        engine_tags = tags_named(self.tag_meanings, [t for t in tags if t in self.released])
+        change: dict[str, int] = {}
+        measured_by = None
+        if engine_tags:
+            _, change, measured_by = await self.measured(
+                lambda: self.engine.call("POST", "/resume_memory_occupation", {"tags": engine_tags}), engine_tags,
+                restoring=True)
+        self.released.difference_update(tags)
+        if WEIGHTS in engine_tags and not self.has_backup:
+            self.weights_garbage = True
+        return MemoryChange(tags, change, measured_by, weights_valid=not self.weights_garbage)
+
+    async def abort(self, *, rid: str | None, abort_all: bool) -> dict[str, Any]:
+        await self.engine.call("POST", "/abort_request", {"abort_all": True} if abort_all else {"rid": rid})
+        return {"success": True}
+
+    async def check_weights(self, body: dict[str, Any]) -> dict[str, Any]:
+        await self.check_checkpoint(body["model_path"])
+        return {"success": True, "dry_run": True, "message": f"{body['model_path']} can be loaded"}
+
+    async def update_weights_from_disk(self, body: dict[str, Any]) -> dict[str, Any]:
+        """Released weights are resumed first (SGLang would load into unmapped memory); its answer is
+        ``{"success", "message"}``, 400 when the load failed."""
+        resumed = []
+        if WEIGHTS in self.released:
+            await self.resume([WEIGHTS])
+            resumed.append(WEIGHTS)
+        response, raw = await self.engine.exchange("POST", "/update_weights_from_disk", body)
+        answer = _json_object(raw)
+        if not 200 <= response.status < 300 or answer.get("success") is False:
+            raise EngineRefused(response.status if response.status >= 400 else 500, {"error": {
+                "type": E.INVALID_REQUEST.name if response.status == 400 else E.ENGINE_FAILED.name,
+                "message": f"SGLang: {answer.get('message', raw[:200].decode('utf-8', 'replace'))}",
+                "resumed": resumed}})
+        self.weights_garbage = False
+        self.model_path = body["model_path"]
+        version = body.get("weight_version")
+        if version is None:
+            version = (await self.engine.call("GET", "/model_info", timeout=INFO_TIMEOUT_S)).get("weight_version")
+        return {"success": True, "message": answer.get("message", ""), "weight_version": version,
+                "resumed": resumed}
+
+    async def flush_cache(self, timeout: float) -> dict[str, Any]:
+        message = await self._wait_idle(timeout)
+        return {"success": True, "message": message}
+
+    async def _wait_idle(self, timeout: float) -> str:
+        """``POST /flush_cache`` until SGLang flushes (it does only when idle), at most ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        delay = 0.02
+        while True:
+            response, raw = await self.engine.exchange("POST", "/flush_cache", timeout=max(1.0, timeout))
+            text = raw[:300].decode("utf-8", "replace").strip()
+            if 200 <= response.status < 300:
+                return text
+            if response.status != 400:
+                raise EngineRefused(response.status, {"error": {"type": E.UPSTREAM_ERROR.name,
+                                                                "message": f"SGLang /flush_cache: {text}"}})
+            if time.monotonic() + delay > deadline:
+                raise Conflict(f"SGLang still has requests pending after {timeout:g}s (its /flush_cache: {text!r}); "
+                               "nothing was released", kind=E.REQUESTS_IN_FLIGHT)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.5)
+
+
+def _json_object(raw: bytes) -> dict[str, Any]:
+    try:
+        value = loads_bounded(raw) if raw else {}
+    except PeerJSONError:
+        return {}
+    return value if isinstance(value, dict) else {}

@@ -1,0 +1,232 @@
+"""The sidecar in front of SGLang: its contract, against the SGLang stand-in (``tests/support/sglang_fake.py``).
+
+Every call the fake would die of (a release while busy, a second release of a
+tag, a resume of a tag that is not released, a generation or ``/health`` while
+released) is one the sidecar must never send; each test ends by checking the
+fake is still alive. This path has not run against a real SGLang (it needs a
+GPU): the fake reproduces SGLang 0.5.23's behaviours from its source.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import pytest
+
+from node_engine.model.builtin import builtin_arch, builtin_weights, save_checkpoint
+from tests.support.procs import ServerProcess, wait_until
+from tests.support.streams import GenerationClient, start_clients
+
+SGLANG_TAGS = ["kv_cache", "weights", "cuda_graph"]
+RELEASE_ORDER = ["weights", "kv_cache", "cuda_graph"]  # the sidecar names tags in the SPEC's order
+ALL = ["weights", "kv_cache", "cuda_graph", "workspace"]
+TAG_MIB = 24
+
+
+class Node:
+    """A fake SGLang and a sidecar in front of it."""
+
+    def __init__(self, log_dir: Path, *fake_flags: str, sidecar_flags: tuple[str, ...] = ()) -> None:
+        self.fake = ServerProcess("tests.support.sglang_fake", ["--tag-mib", str(TAG_MIB), *fake_flags],
+                                  log_dir=log_dir, name="sglang", health_path="/model_info").start()
+        self.sidecar = ServerProcess("node_sidecar", ["--engine-url", self.fake.url, "--engine-poll-interval", "0.2",
+                                                      *sidecar_flags], log_dir=log_dir, name="sidecar").start()
+        self.wait_serving()
+
+    def wait_serving(self) -> None:
+        wait_until(lambda: httpx.get(self.sidecar.url + "/ready").status_code == 200, timeout=20,
+                   what="sidecar ready")
+
+    def post(self, path: str, body: dict | None = None, **kwargs) -> httpx.Response:
+        return httpx.post(self.sidecar.url + path, json={} if body is None else body, timeout=60, **kwargs)
+
+    def occupation(self) -> dict:
+        return httpx.get(self.sidecar.url + "/memory_occupation", timeout=10).json()
+
+    def fake_state(self) -> dict:
+        return httpx.get(self.fake.url + "/_fake/state", timeout=10).json()
+
+    def assert_fake_alive(self) -> None:
+        assert self.fake.is_running(), self.fake.log_tail()
+        assert httpx.get(self.fake.url + "/model_info", timeout=5).status_code == 200
+
+    def stop(self) -> None:
+        self.sidecar.stop()
+        self.fake.stop()
+
+
+@pytest.fixture
+def make_node(proc_log_dir: Path):
+    nodes: list[Node] = []
+
+    def make(*fake_flags: str, sidecar_flags: tuple[str, ...] = ()) -> Node:
+        nodes.append(Node(proc_log_dir, *fake_flags, sidecar_flags=sidecar_flags))
+        return nodes[-1]
+
+    yield make
+    for node in nodes:
+        node.stop()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("ckpt") / "tiny"
+    arch = builtin_arch("builtin:tiny")
+    save_checkpoint(folder, arch, builtin_weights(arch, 0))
+    return folder
+
+
+def stream_body(max_new_tokens: int) -> dict:
+    return {"input_ids": [1, 2, 3], "stream": True, "sampling_params": {"max_new_tokens": max_new_tokens}}
+
+
+def greedy(node: Node) -> list[int]:
+    r = node.post("/generate", {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 8}})
+    assert r.status_code == 200, r.text
+    return r.json()["output_ids"]
+
+
+def test_kind_detected_release_drains_and_names_only_resident_sglang_tags(make_node) -> None:
+    node = make_node("--enable-memory-saver")
+    assert node.occupation()["engine_kind"] == "sglang"
+    clients = start_clients(node.sidecar.url + "/generate", stream_body(60), 4)
+    wait_until(lambda: node.occupation()["in_flight"] == 4, timeout=10, what="4 streams in flight")
+    r = node.post("/release_memory_occupation", {"mode": "wait"})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["released"] == ALL and body["drained_requests"] == 4
+    # measured, not assumed: the fake's three regions went back to the OS
+    assert body["bytes_measured_by"] == "process_rss"
+    assert body["bytes_freed"]["weights+kv_cache+cuda_graph"] > 2.5 * TAG_MIB * 2 ** 20
+    for c in clients:
+        result = c.finish(30)
+        assert result.saw_done and result.events[-1]["meta_info"]["finish_reason"]["type"] == "length"
+    # released: generation gets the 503 and never reaches SGLang; the liveness poll does not generate either
+    r = node.post("/generate", {"input_ids": [1], "sampling_params": {"max_new_tokens": 2}})
+    assert r.status_code == 503 and r.headers["retry-after"] and r.json()["error"]["type"] == "node_released"
+    polls = node.fake_state()["num_model_info"]
+    wait_until(lambda: node.fake_state()["num_model_info"] >= polls + 3, timeout=10, what="3 liveness polls")
+    calls = node.fake_state()["calls"]
+    assert "health" not in calls and "generate" not in calls[calls.index(f"release {RELEASE_ORDER}"):]
+    node.assert_fake_alive()
+    assert node.fake_state()["offload_tags"] == sorted(SGLANG_TAGS) and node.fake_state()["regions"] == []
+
+
+def test_abort_release_ends_streams_with_sglang_abort_finish_reasons(make_node) -> None:
+    node = make_node("--enable-memory-saver", "--enable-weights-cpu-backup")
+    clients = start_clients(node.sidecar.url + "/generate", stream_body(2000), 3)
+    for c in clients:
+        assert c.started_streaming.wait(10)
+    r = node.post("/release_memory_occupation", {"mode": "abort", "tags": ["kv_cache"]})
+    assert r.status_code == 200, r.text
+    assert r.json()["aborted_requests"] == 3 and r.json()["released"] == ["kv_cache"]
+    for c in clients:
+        result = c.finish(30)
+        assert result.saw_done and result.events[-1]["meta_info"]["finish_reason"]["type"] == "abort"
+        assert 0 < len(result.events[-1]["output_ids"]) < 2000
+    assert node.fake_state()["offload_tags"] == ["kv_cache"]
+    node.assert_fake_alive()
+
+
+def test_repeated_release_and_resume_are_no_ops_that_never_reach_sglang(make_node) -> None:
+    node = make_node("--enable-memory-saver", "--enable-weights-cpu-backup")
+    before = greedy(node)
+    assert node.post("/release_memory_occupation", {"tags": ["kv_cache"]}).json()["released"] == ["kv_cache"]
+    again = node.post("/release_memory_occupation", {"tags": ["kv_cache", "weights"]}).json()
+    assert again["released"] == ["weights"] and again["already_released"] == ["kv_cache"]
+    nothing = node.post("/release_memory_occupation", {"tags": []}).json()
+    assert nothing["released"] == [] and nothing["already_released"] == []
+    assert node.post("/release_memory_occupation", {"tags": ALL}).json()["already_released"] == ["weights", "kv_cache"]
+    first = node.post("/resume_memory_occupation", {"tags": ["kv_cache", "workspace"]}).json()
+    assert first["resumed"] == ["kv_cache", "workspace"] and first["already_resident"] == []
+    rest = node.post("/resume_memory_occupation", {"tags": None}).json()
+    assert rest["resumed"] == ["weights", "cuda_graph"] and rest["already_resident"] == ["kv_cache", "workspace"]
+    assert node.post("/resume_memory_occupation", {}).json()["already_resident"] == ALL
+    # SGLang saw each tag released once and resumed once, never an empty list (which would mean every tag)
+    calls = [c for c in node.fake_state()["calls"] if c.startswith(("release", "resume"))]
+    assert calls == ["release ['kv_cache']", "release ['weights']", "release ['cuda_graph']",
+                     "resume ['kv_cache']", "resume ['weights', 'cuda_graph']"]
+    node.assert_fake_alive()
+    assert node.occupation()["weights_valid"] is True and greedy(node) == before  # the CPU backup kept them
+
+
+def test_weights_without_backup_refuse_generation_until_a_reload(make_node, checkpoint: Path) -> None:
+    node = make_node("--enable-memory-saver")
+    before = greedy(node)
+    assert node.post("/release_memory_occupation", {"stage_to_cpu": True}).json()["error"]["type"] == \
+        "no_weights_backup"
+    assert node.post("/release_memory_occupation").status_code == 200
+    resumed = node.post("/resume_memory_occupation").json()
+    assert resumed["weights_valid"] is False and resumed["serving"] is False
+    r = node.post("/generate", {"input_ids": [5, 6, 7]})
+    assert r.status_code == 503 and r.json()["error"]["type"] == "weights_not_loaded"
+    assert node.fake_state()["weights_garbage"] is True  # what SGLang would have served
+    reload = node.post("/update_weights_from_disk", {"model_path": str(checkpoint), "weight_version": "step-2"})
+    assert reload.status_code == 200, reload.text
+    assert reload.json()["weight_version"] == "step-2" and reload.json()["serving"] is True
+    assert greedy(node) == before and node.occupation()["weight_version"] == "step-2"
+    node.assert_fake_alive()
+
+
+def test_reload_while_weights_released_resumes_them_first(make_node, checkpoint: Path) -> None:
+    node = make_node("--enable-memory-saver")
+    assert node.post("/release_memory_occupation").status_code == 200
+    reload = node.post("/update_weights_from_disk", {"model_path": str(checkpoint)})
+    assert reload.status_code == 200, reload.text
+    assert reload.json()["resumed"] == ["weights"]
+    tags = node.occupation()["tags"]
+    assert tags["weights"]["state"] == "resident" and tags["kv_cache"]["state"] == "released"
+    assert node.post("/resume_memory_occupation").json()["resumed"] == ["kv_cache", "cuda_graph", "workspace"]
+    assert node.occupation()["serving"] is True and node.occupation()["weights_valid"] is True
+    node.assert_fake_alive()
+
+
+def test_bad_checkpoints_are_400_while_the_node_keeps_serving(make_node, checkpoint: Path, tmp_path: Path) -> None:
+    node = make_node("--enable-memory-saver", "--model-path", str(checkpoint))
+    missing = node.post("/update_weights_from_disk", {"model_path": str(tmp_path / "nope")})
+    assert missing.status_code == 400 and "is not a folder" in missing.json()["error"]["message"]
+    other = tmp_path / "wider"
+    arch = builtin_arch("builtin:tiny", {"hidden_size": 64, "head_dim": 16})
+    save_checkpoint(other, arch, builtin_weights(arch, 0))
+    wider = node.post("/update_weights_from_disk", {"model_path": str(other)})
+    assert wider.status_code == 400 and "hidden_size" in wider.json()["error"]["message"]
+    assert node.occupation()["serving"] is True and "update_weights_from_disk" not in node.fake_state()["calls"]
+    dry = node.post("/update_weights_from_disk", {"model_path": str(checkpoint), "dry_run": True})
+    assert dry.status_code == 200 and "update_weights_from_disk" not in node.fake_state()["calls"]
+
+
+def test_flush_cache_is_retried_while_sglang_has_requests_pending(make_node) -> None:
+    node = make_node("--enable-memory-saver")
+    slow = GenerationClient(node.sidecar.url + "/generate", stream_body(150))
+    slow.start()
+    assert slow.started_streaming.wait(10)
+    short = node.post("/flush_cache", headers={"x-handoff-deadline": "1"})
+    assert short.status_code == 409 and short.json()["error"]["type"] == "requests_in_flight"
+    flushed = node.post("/flush_cache")  # waits for the request to end, then SGLang flushes
+    assert flushed.status_code == 200 and flushed.json()["success"] is True
+    assert slow.finish(30).saw_done
+    calls = node.fake_state()["calls"]
+    assert calls.count("flush_cache") > 2
+    node.assert_fake_alive()
+
+
+def test_memory_saver_off_is_409_naming_sglang_flag(make_node) -> None:
+    node = make_node()
+    r = node.post("/release_memory_occupation")
+    assert r.status_code == 409 and r.json()["error"]["type"] == "memory_saver_disabled"
+    assert "--enable-memory-saver" in r.json()["error"]["message"]
+    assert node.occupation()["serving"] is True
+
+
+def test_a_restarted_sglang_is_read_again_as_fully_resident(make_node) -> None:
+    node = make_node("--enable-memory-saver", sidecar_flags=("--engine-kind", "sglang"))
+    assert node.post("/release_memory_occupation").status_code == 200
+    node.fake.kill()
+    wait_until(lambda: node.occupation()["engine_reachable"] is False, timeout=10, what="engine seen down")
+    node.fake.start()  # same port: a new SGLang process, everything resident again
+    node.wait_serving()
+    view = node.occupation()
+    assert all(t["state"] == "resident" for t in view["tags"].values()) and view["weights_valid"] is True
+    assert greedy(node)
+    node.assert_fake_alive()

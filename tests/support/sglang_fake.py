@@ -1,0 +1,347 @@
+"""A stand-in for an SGLang 0.5.23 server, for the sidecar's SGLang adapter (SGLang itself needs a GPU).
+
+It reproduces, over real HTTP, what SGLang does with the calls the sidecar
+sends, each behaviour taken from SGLang's source (paths below are relative to
+``sglang/srt/`` of the 0.5.23 wheel, and ``csrc/core.cpp`` of
+torch_memory_saver 0.0.10, which SGLang's memory saver calls):
+
+- **The scheduler dies on an exception.** ``managers/scheduler.py:6370-6378``:
+  any exception in the scheduler loop sends SIGQUIT to the server and kills the
+  process group. Here: :func:`die` (``os._exit``), the connection dropped
+  without an answer.
+- **Release asserts the server is idle.** ``managers/scheduler_components/
+  weight_updater.py:339-341``: ``assert self.is_fully_idle(...)``; with a
+  request running or queued the assertion fails and the server dies. Idle
+  also needs the last batch empty (``scheduler.py:5344-5351``), which the
+  loop clears only on its next iteration after the batch's outputs went out
+  (``scheduler.py:2039-2056``): a release sent the moment the last answer
+  arrived can still find the server busy. Here a finished request counts as
+  running for ``LAST_BATCH_SECONDS`` more.
+- **Tags:** null or ``[]`` means every tag (``weight_updater.py:345-346`` and
+  ``386-387``); the tags are ``kv_cache``, ``weights``, ``cuda_graph``
+  (``constants.py:2-9``). An unknown tag is recorded and frees nothing.
+- **Releasing a released tag kills the process.** torch_memory_saver
+  ``csrc/core.cpp:182-187``: ``pause`` on an allocation that is not active
+  prints "Cannot pause allocation that is not active" and calls ``exit(1)``.
+- **Resuming a tag that was not released throws.** ``weight_updater.py:389-390``:
+  ``self.offload_tags.remove(tag)`` raises KeyError in the scheduler, which
+  dies (``core.cpp:234-239`` would ``exit(1)`` as well).
+- **Release and resume answer 200 with ``null``.** ``entrypoints/
+  http_server.py:1575-1596``: the handlers return nothing (an error inside the
+  tokenizer manager would be a 400 ``{"error": {"message"}}``, 2246-2250).
+- **Weights come back as garbage without a CPU backup.** ``weight_updater.py:
+  368-374`` pauses the ``weights`` region; a region made without
+  ``enable_cpu_backup`` is unmapped with no copy (``core.cpp:190-197``) and
+  remapped uninitialised on resume (``core.cpp:241-256``). Here: after such a
+  resume the model produces different (wrong) tokens until a reload.
+- **Generating with a tag released touches unmapped memory** (``core.cpp:
+  196-197`` unmaps it): an illegal access on the GPU, an exception in the
+  scheduler, the server dies. ``GET /health`` generates one token
+  (``http_server.py:721-767``; ``SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION``
+  defaults to true, ``environ.py:344``), so it dies the same way.
+- **flush_cache refuses while requests are pending.** ``scheduler.py:
+  5518-5547`` flushes only when fully idle; ``http_server.py:1025-1040``
+  answers 200 with a text body on success, 400 ``Flush cache failed.`` (text)
+  otherwise; with the default ``timeout=0`` it does not wait
+  (``managers/scheduler_components/flush_wrapper.py:28-30``).
+- **Generation answers** (``managers/tokenizer_manager.py:2506-2669``):
+  ``{"text", "output_ids", "meta_info": {"id", "finish_reason",
+  "prompt_tokens", "completion_tokens", "cached_tokens", "weight_version"}}``;
+  a stream repeats the whole text and ids so far in every event (the default
+  ``incremental_streaming_output`` false), then ``data: [DONE]``;
+  ``finish_reason`` is ``{"type": "length", "length": n}`` or ``{"type":
+  "abort", "message": ...}`` (``managers/schedule_batch.py:320-345``).
+- ``POST /abort_request`` answers 200 with no body (``http_server.py:1721-1731``);
+  ``POST /update_weights_from_disk`` answers ``{"success", "message",
+  "num_paused_requests"}``, 400 when it fails (``http_server.py:1300-1326``);
+  ``GET /get_server_info`` is the flat server arguments plus ``version``
+  (``http_server.py:853-890``, ``utils/common.py:3584-3593``);
+  ``GET /model_info`` has ``model_path``, ``is_generation``, ``weight_version``
+  (``http_server.py:812-850``).
+- Without ``--enable-memory-saver`` SGLang uses a no-op memory saver
+  (``utils/torch_memory_saver_adapter.py:50-52``): release and resume do
+  nothing and answer as usual.
+
+Memory: each tag holds a real allocation (``--tag-mib``), freed on release and
+made again on resume, so the process's resident set moves as SGLang's device
+memory would. ``GET /_fake/state`` shows what the fake holds (for assertions).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import mmap
+import os
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from handoff.service.serve import add_server_args, serve
+
+SGLANG_TAGS = ("kv_cache", "weights", "cuda_graph")   # constants.py:2-9, in GPU_MEMORY_ALL_TYPES order
+TOKEN_SECONDS = 0.01                                   # one decode step
+LAST_BATCH_SECONDS = 0.5  # a finished batch counts until the next loop iteration (ms in SGLang; longer here, so
+#                          a release sent the moment the last answer arrives would find the server busy)
+VERSION = "0.5.23"
+
+
+def die(reason: str) -> None:
+    """The scheduler hit an exception: scheduler.py:6370-6378 kills the whole server, no answer sent."""
+    print(f"[sglang-fake] scheduler died: {reason}", file=sys.stderr, flush=True)
+    os._exit(1)
+
+
+@dataclass
+class Running:
+    rid: str
+    aborted: bool = False
+
+
+@dataclass
+class FakeSglang:
+    enable_memory_saver: bool
+    enable_weights_cpu_backup: bool
+    tag_bytes: int
+    model_path: str = "/models/fake-sglang"
+    weight_version: str = "default"
+    offload_tags: set[str] = field(default_factory=set)
+    regions: dict[str, mmap.mmap] = field(default_factory=dict)
+    weights_garbage: bool = False
+    running: dict[str, Running] = field(default_factory=dict)
+    paused: bool = False
+    calls: list[str] = field(default_factory=list)
+    num_model_info: int = 0
+    startup_time: float = field(default_factory=time.time)
+
+    def __post_init__(self) -> None:
+        for tag in SGLANG_TAGS:
+            self.regions[tag] = _allocate(self.tag_bytes)
+
+    # -- memory (weight_updater.py:337-422) -----------------------------------------------
+    def release(self, tags: list[str] | None) -> None:
+        if self.running:
+            die("AssertionError: release_memory_occupation should be called only when server is idle.")
+        tags = list(SGLANG_TAGS) if not tags else tags
+        for tag in tags:
+            if self.enable_memory_saver and tag in self.offload_tags and tag in SGLANG_TAGS:
+                die(f"[torch_memory_saver.cpp] Cannot pause allocation that is not active. tag={tag}")
+            self.offload_tags.add(tag)
+        if self.enable_memory_saver:
+            for tag in tags:
+                if tag in self.regions:
+                    self.regions.pop(tag).close()
+
+    def resume(self, tags: list[str] | None) -> None:
+        tags = list(SGLANG_TAGS) if not tags else tags
+        for tag in tags:
+            if tag not in self.offload_tags:
+                die(f"KeyError: '{tag}'")
+            self.offload_tags.remove(tag)
+        if self.enable_memory_saver:
+            for tag in tags:
+                if tag in SGLANG_TAGS and tag not in self.regions:
+                    self.regions[tag] = _allocate(self.tag_bytes)
+                    if tag == "weights" and not self.enable_weights_cpu_backup:
+                        self.weights_garbage = True
+
+    def touch_memory(self, what: str) -> None:
+        """A forward pass reads every region; a released one is unmapped (core.cpp:196-197)."""
+        if self.enable_memory_saver and any(tag in SGLANG_TAGS for tag in self.offload_tags):
+            die(f"{what}: CUDA error: an illegal memory access was encountered (released: {sorted(self.offload_tags)})")
+
+    def is_idle(self) -> bool:
+        return not self.running
+
+    def token(self, prompt: list[int], index: int) -> int:
+        if self.weights_garbage:
+            return (hash((tuple(prompt), index, "garbage")) & 0x7FFFFFFF) % 250
+        return (sum(prompt) + 7 * index) % 250
+
+
+def _allocate(num_bytes: int) -> mmap.mmap:
+    """Anonymous pages of its own (closed on release, so they go back to the OS at once), every page touched:
+    resident, as device memory would be."""
+    region = mmap.mmap(-1, num_bytes)
+    for offset in range(0, num_bytes, mmap.PAGESIZE):
+        region[offset] = 1
+    return region
+
+
+def _text(ids: list[int]) -> str:
+    return "".join(chr(ord("a") + i % 26) for i in ids)
+
+
+def create_app(fake: FakeSglang) -> Starlette:
+    async def generate(request: Request) -> Response:
+        body = await request.json()
+        fake.calls.append("generate")
+        while fake.paused:  # tokenizer_manager.py:2267-2286: new requests wait until continue_generation
+            await asyncio.sleep(0.01)
+        if "input_ids" in body:
+            prompt = list(body["input_ids"])
+        else:
+            prompt = [ord(c) for c in str(body.get("text", ""))]
+        params = body.get("sampling_params") or {}
+        max_new_tokens = int(params.get("max_new_tokens", 16))
+        rid = str(body.get("rid") or uuid.uuid4().hex)
+        fake.touch_memory("generate")
+        job = Running(rid)
+        fake.running[rid] = job
+
+        def answer(ids: list[int], finish: dict[str, Any] | None) -> dict[str, Any]:
+            return {"text": _text(ids), "output_ids": list(ids), "meta_info": {
+                "id": rid, "finish_reason": finish, "prompt_tokens": len(prompt), "weight_version": fake.weight_version,
+                "completion_tokens": len(ids), "cached_tokens": 0}}
+
+        async def steps() -> AsyncIterator[tuple[list[int], dict[str, Any] | None]]:
+            ids: list[int] = []
+            try:
+                for index in range(max_new_tokens):
+                    await asyncio.sleep(TOKEN_SECONDS)
+                    if job.aborted:
+                        yield ids, {"type": "abort", "message": "Abort in waiting queue", "status_code": None,
+                                    "err_type": None}
+                        return
+                    fake.touch_memory("decode")
+                    ids.append(fake.token(prompt, index))
+                    done = len(ids) == max_new_tokens
+                    yield ids, {"type": "length", "length": len(ids)} if done else None
+            finally:
+                # The batch that finished stays the scheduler's last_batch until its next loop iteration
+                # (scheduler.py:2039-2056), and is_fully_idle wants it empty (scheduler.py:5344-5351).
+                asyncio.get_running_loop().call_later(LAST_BATCH_SECONDS, fake.running.pop, rid, None)
+
+        if body.get("stream"):
+            async def events() -> AsyncIterator[bytes]:
+                async for ids, finish in steps():
+                    yield b"data: " + json.dumps(answer(ids, finish)).encode() + b"\n\n"
+                yield b"data: [DONE]\n\n"
+            return StreamingResponse(events(), media_type="text/event-stream")
+        last: dict[str, Any] = answer([], None)
+        async for ids, finish in steps():
+            last = answer(ids, finish)
+        return JSONResponse(last)
+
+    async def abort_request(request: Request) -> Response:
+        body = await request.json()
+        for job in list(fake.running.values()):
+            if body.get("abort_all") or job.rid == body.get("rid"):
+                job.aborted = True
+        return Response(status_code=200)
+
+    async def release(request: Request) -> Response:
+        body = await request.json()
+        fake.calls.append(f"release {body.get('tags')}")
+        fake.release(body.get("tags"))
+        return JSONResponse(None)
+
+    async def resume(request: Request) -> Response:
+        body = await request.json()
+        fake.calls.append(f"resume {body.get('tags')}")
+        fake.resume(body.get("tags"))
+        return JSONResponse(None)
+
+    async def flush_cache(request: Request) -> Response:
+        fake.calls.append("flush_cache")
+        if fake.is_idle():
+            return Response("Cache flushed.\nPlease check backend logs for more details. (When there are running "
+                            "or waiting requests, the operation will not be performed.)\n", status_code=200)
+        return Response("Flush cache failed.\n", status_code=400)
+
+    async def update_weights_from_disk(request: Request) -> Response:
+        body = await request.json()
+        fake.calls.append("update_weights_from_disk")
+        if "weights" in fake.offload_tags and fake.enable_memory_saver:
+            die("update_weights_from_disk: CUDA error: an illegal memory access was encountered (weights released)")
+        if not os.path.isdir(body["model_path"]):
+            return JSONResponse({"success": False, "message": f"Failed to get weights iterator: {body['model_path']}",
+                                 "num_paused_requests": 0}, status_code=400)
+        fake.weights_garbage = False
+        fake.model_path = body["model_path"]
+        message = "Succeeded to update model weights."
+        if body.get("weight_version") is not None:  # tokenizer_manager.py:2318-2320
+            fake.weight_version = body["weight_version"]
+            message += f" Weight version updated to {fake.weight_version}."
+        return JSONResponse({"success": True, "message": message, "num_paused_requests": 0})
+
+    async def pause_generation(request: Request) -> Response:
+        fake.paused = True
+        for job in fake.running.values():
+            job.aborted = True
+        return JSONResponse({"message": "Generation paused successfully.", "status": "ok"})
+
+    async def continue_generation(request: Request) -> Response:
+        fake.paused = False
+        return JSONResponse({"message": "Generation continued successfully.", "status": "ok"})
+
+    async def health(request: Request) -> Response:
+        fake.calls.append("health")
+        fake.touch_memory("health_generate")
+        return Response(status_code=200)
+
+    async def server_info(request: Request) -> Response:
+        return JSONResponse({"model_path": fake.model_path, "enable_memory_saver": fake.enable_memory_saver,
+                             "device": "cpu",  # the fake's regions are host memory (SGLang itself says cuda)
+                             "enable_weights_cpu_backup": fake.enable_weights_cpu_backup, "tp_size": 1,
+                             "startup_time": fake.startup_time, "internal_states": [{}], "version": VERSION,
+                             "frontend": "python"})
+
+    async def model_info(request: Request) -> Response:
+        fake.num_model_info += 1
+        return JSONResponse({"model_path": fake.model_path, "is_generation": True,
+                             "weight_version": fake.weight_version, "model_type": "llama"})
+
+    async def models(request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [{"id": fake.model_path, "object": "model"}]})
+
+    async def fake_state(request: Request) -> Response:
+        return JSONResponse({"offload_tags": sorted(fake.offload_tags), "regions": sorted(fake.regions),
+                             "weights_garbage": fake.weights_garbage, "running": len(fake.running),
+                             "calls": fake.calls, "num_model_info": fake.num_model_info})
+
+    return Starlette(routes=[
+        Route("/generate", generate, methods=["POST"]),
+        Route("/abort_request", abort_request, methods=["POST"]),
+        Route("/release_memory_occupation", release, methods=["GET", "POST"]),
+        Route("/resume_memory_occupation", resume, methods=["GET", "POST"]),
+        Route("/flush_cache", flush_cache, methods=["GET", "POST"]),
+        Route("/update_weights_from_disk", update_weights_from_disk, methods=["POST"]),
+        Route("/pause_generation", pause_generation, methods=["POST"]),
+        Route("/continue_generation", continue_generation, methods=["POST"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/health_generate", health, methods=["GET"]),
+        Route("/get_server_info", server_info, methods=["GET"]),
+        Route("/server_info", server_info, methods=["GET"]),
+        Route("/model_info", model_info, methods=["GET"]),
+        Route("/get_model_info", model_info, methods=["GET"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/_fake/state", fake_state, methods=["GET"]),
+    ])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m tests.support.sglang_fake")
+    parser.add_argument("--enable-memory-saver", action="store_true")
+    parser.add_argument("--enable-weights-cpu-backup", action="store_true")
+    parser.add_argument("--tag-mib", type=int, default=32, help="bytes each tag holds, in MiB")
+    parser.add_argument("--model-path", default="/models/fake-sglang")
+    add_server_args(parser, default_host="127.0.0.1", default_port=0)
+    args = parser.parse_args()
+    fake = FakeSglang(enable_memory_saver=args.enable_memory_saver,
+                      enable_weights_cpu_backup=args.enable_weights_cpu_backup, tag_bytes=args.tag_mib << 20,
+                      model_path=args.model_path)
+    serve(create_app(fake), host=args.host, port=args.port, port_file=args.port_file,
+          header_timeout_s=args.header_timeout)
+
+
+if __name__ == "__main__":
+    main()

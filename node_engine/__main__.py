@@ -12,6 +12,7 @@ from handoff.service.serve import add_server_args, serve
 from node_engine.config import ConfigError, EngineConfig
 from node_engine.memory.tags import BackupMode
 from node_engine.model.arch import ModelConfigError
+from node_engine.vision.decode import DEFAULT_MAX_IMAGE_PIXELS
 
 log = logging.getLogger("node_engine")
 
@@ -60,6 +61,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                              "admitted (default: --max-batch-tokens; 0: no limit)")
     vision.add_argument("--vision-reserve-mb", type=int, default=None,
                         help="reserve this much for the vision tower instead of measuring the worst case at start")
+    vision.add_argument("--max-image-pixels", type=int, default=DEFAULT_MAX_IMAGE_PIXELS,
+                        help="most decoded pixels of one image; more is refused before decoding (decompression "
+                             "bombs)")
+    vision.add_argument("--allowed-local-media-path", type=Path, default=None,
+                        help="image_data may name files below this folder (default: no local file is read)")
     p.add_argument("--memory-budget-mb", type=int, default=None,
                    help="CPU: the most resident memory the engine may use; the KV pool is sized from it by "
                         "measuring peaks (default: a fixed pool, see --max-total-tokens)")
@@ -85,7 +91,8 @@ def main(argv: list[str] | None = None) -> int:
             fault_drill_file=args.fault_drill_file,
             role=args.role, enable_prefix_cache=not args.disable_prefix_cache,
             max_image_tokens=args.max_image_tokens, visual_batch_max_tokens=args.visual_batch_max_tokens,
-            vision_reserve_mb=args.vision_reserve_mb, memory_budget_mb=args.memory_budget_mb)
+            vision_reserve_mb=args.vision_reserve_mb, memory_budget_mb=args.memory_budget_mb,
+            max_image_pixels=args.max_image_pixels, allowed_local_media_path=args.allowed_local_media_path)
     except ConfigError as exc:
         log.error("%s", exc)
         return 2

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from node_engine.memory.tags import BackupMode
+from node_engine.vision.decode import DEFAULT_MAX_IMAGE_PIXELS
 
 DEFAULT_CPU_MAX_TOTAL_TOKENS = 8192
 DEFAULT_WEIGHT_VERSION = "default"
@@ -49,6 +50,8 @@ class EngineConfig:
     max_image_tokens: int | None = None         # per image, after the merge; None: --max-batch-tokens
     visual_batch_max_tokens: int | None = None  # image tokens encoded per step; None: --max-batch-tokens, 0: off
     vision_reserve_mb: int | None = None        # None: measured at start from the worst-case image batch
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS  # decoded pixels per image (decompression-bomb bound)
+    allowed_local_media_path: Path | None = None      # image paths are read only below it (None: never)
     # CPU: the most resident memory (RSS) the engine process may use; the KV pool is sized from it.
     memory_budget_mb: int | None = None
 
@@ -76,7 +79,7 @@ class EngineConfig:
             raise ConfigError("--weights-backup needs --enable-memory-saver")
         if not self.weight_version:
             raise ConfigError("--weight-version must not be empty")
-        for name in ("max_image_tokens", "memory_budget_mb"):
+        for name in ("max_image_tokens", "memory_budget_mb", "max_image_pixels"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
@@ -84,6 +87,8 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and value < 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {value}")
+        if self.allowed_local_media_path is not None and not self.allowed_local_media_path.is_dir():
+            raise ConfigError(f"--allowed-local-media-path {self.allowed_local_media_path} is not a folder")
         if self.memory_budget_mb is not None and self.device != "cpu":
             raise ConfigError("--memory-budget-mb is for CPU engines; on CUDA the KV pool is sized from the "
                               "device's free memory (--mem-fraction)")

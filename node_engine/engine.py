@@ -48,6 +48,7 @@ from node_engine.sampling import SamplingParams
 from node_engine.scheduler import Scheduler, SchedulerConfig, Step, StepKind
 from node_engine.tokenizer import IncrementalDetokenizer
 from node_engine.vision.inputs import MultimodalPrompt
+from node_engine.vision.runtime import VisionRuntime
 
 log = logging.getLogger(__name__)
 
@@ -168,6 +169,11 @@ class Engine:
         self._inbox.put(None)
         if self._thread is not None:
             self._thread.join(timeout=10)
+
+    @property
+    def vision(self) -> VisionRuntime | None:
+        """The image processor and encoder of a vision-language model (None for a text model)."""
+        return self.runner.vision
 
     @property
     def is_alive(self) -> bool:

@@ -17,6 +17,24 @@ from node_engine.model.layers import AttentionBatch
 from node_engine.scheduler import StepEntry
 
 
+# Padding every chunk to the longest costs num_seqs x longest queries (and a mask of num_seqs x longest x keys);
+# past this many times the real queries, each sequence attends on its own instead.
+RAGGED_FACTOR = 2
+
+
+def _per_sequence(entries: Sequence[StepEntry], slot_mapping: torch.Tensor, kv_indices: torch.Tensor, max_q: int,
+                  key_pos: torch.Tensor) -> AttentionBatch:
+    sequences = []
+    first = 0
+    for e in entries:
+        num = e.end - e.start
+        mask = None if e.start == 0 else key_pos[None, :e.end] <= (e.start + key_pos[:num])[:, None]
+        sequences.append((first, num, e.end, mask))
+        first += num
+    return AttentionBatch(slot_mapping=slot_mapping, kv_indices=kv_indices, mask=None, num_seqs=len(entries),
+                          max_query_len=max_q, sequences=sequences)
+
+
 def prefill_batch(entries: Sequence[StepEntry], slot_mapping: torch.Tensor,
                   req_to_token: torch.Tensor) -> AttentionBatch:
     """The ``AttentionBatch`` of ``entries`` whose new tokens go to ``slot_mapping`` (flat, in entry order).
@@ -36,6 +54,8 @@ def prefill_batch(entries: Sequence[StepEntry], slot_mapping: torch.Tensor,
     key_pos = torch.arange(max_len, device=dev)
     lengths = [e.end - e.start for e in entries]
     max_q = max(lengths)
+    if num_seqs > 1 and num_seqs * max_q > RAGGED_FACTOR * sum(lengths):
+        return _per_sequence(entries, slot_mapping, kv_indices, max_q, key_pos)
     starts = torch.tensor([e.start for e in entries], device=dev)
     lens_t = torch.tensor(lengths, device=dev)
     q_i = torch.arange(max_q, device=dev)

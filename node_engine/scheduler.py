@@ -155,7 +155,7 @@ class Scheduler:
             budget -= plan.num_tokens
         while self.waiting and budget > 0 and len(self.running) < self.config.max_running_requests:
             request = self.waiting[0]
-            if not self.rows.can_allocate():
+            if not self.rows.can_allocate() or visual.is_closed:  # an image waits: later arrivals wait behind it
                 break
             prefix, node = self._match(request)
             plan = visual.plan(request, prefix.numel(), min(request.num_tokens - prefix.numel(), budget))

@@ -7,9 +7,10 @@ Rules (``--visual-batch-max-tokens``, 0 disables):
 - the first image of a step is always admitted, whatever its size: a budget
   smaller than one image never deadlocks;
 - images are admitted in arrival order: once one is deferred, no later image
-  is encoded in that step. The chunk that would have reached a deferred image
-  stops right before it (text up to there is still computed), so the image is
-  the first the next step looks at, never behind later arrivals.
+  is encoded in that step and no new request is admitted. The chunk that
+  would have reached a deferred image stops right before it (text up to there
+  is still computed), so the image is the first the next step looks at, never
+  behind later arrivals.
 
 CPU bookkeeping only, split in :meth:`VisualBudget.plan` (no side effect) and
 :meth:`VisualBudget.commit`, like the slot allocators.

@@ -208,6 +208,9 @@ class AttentionBatch:
     q_pad_index: torch.Tensor | None = None    # [B*N] flat token index of each padded query
     q_unpad_index: torch.Tensor | None = None  # [T] padded index of each flat token
     is_causal_self_only: bool = False          # one sequence, no cached prefix: plain causal attention
+    # Chunks too different in length to pad (a long one among short ones): attention runs per sequence, with
+    # (first flat token, queries, keys, [queries, keys] mask or None for plain causal) each; ``mask`` is None.
+    sequences: list[tuple[int, int, int, torch.Tensor | None]] | None = None
     kv_flat: torch.Tensor = field(init=False)  # [B*L] ``kv_indices`` flattened once for every layer's gather
 
     def __post_init__(self) -> None:
@@ -252,6 +255,8 @@ class Attention(nn.Module):
                 q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
                 is_causal=True, scale=self.scale, enable_gqa=True)
             return out.squeeze(0).transpose(0, 1).reshape(num_tokens, self.q_size)
+        if batch.sequences is not None:
+            return self._attend_each(q, batch)
         num_seqs, max_len = batch.kv_indices.shape
         kv = self.kv_cache.index_select(0, batch.kv_flat).view(num_seqs, max_len, 2 * num_kv_heads, self.head_dim)
         keys, values = kv[:, :, :num_kv_heads].transpose(1, 2), kv[:, :, num_kv_heads:].transpose(1, 2)
@@ -271,6 +276,19 @@ class Attention(nn.Module):
         if batch.q_unpad_index is not None:
             out = out.index_select(0, batch.q_unpad_index)
         return out
+
+
+    def _attend_each(self, q: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
+        """One attention call per sequence: memory in the sum of queries x keys, not in the padded product."""
+        num_kv_heads = self.num_kv_heads
+        outs = []
+        for (first, num_queries, num_keys, mask), row in zip(batch.sequences, batch.kv_indices):
+            kv = self.kv_cache.index_select(0, row[:num_keys]).transpose(0, 1).unsqueeze(0)  # [1, 2Hkv, K, D]
+            queries = q[first:first + num_queries].transpose(0, 1).unsqueeze(0)
+            out = F.scaled_dot_product_attention(queries, kv[:, :num_kv_heads], kv[:, num_kv_heads:], attn_mask=mask,
+                                                 is_causal=mask is None, scale=self.scale, enable_gqa=True)
+            outs.append(out.squeeze(0).transpose(0, 1).reshape(num_queries, self.q_size))
+        return torch.cat(outs)
 
 
 class MLP(nn.Module):

@@ -49,3 +49,34 @@ def test_batched_decode_matches_each_request_alone(engine: Engine, lengths: list
     assert together == alone
     assert all(len(tokens) == 24 for tokens in alone)
     assert set(is_ragged) == {len(set(lengths)) > 1}
+
+
+@pytest.mark.parametrize("lengths", [[40, 38, 41], [300, 3, 5, 2, 4]], ids=["padded", "per-sequence"])
+def test_a_prefill_batch_matches_each_request_alone(engine: Engine, lengths: list[int]) -> None:
+    """Chunks of similar length are padded into one attention call; a long one among short ones is not (its
+    padding would cost num_seqs x longest queries): each sequence attends on its own. Both match solo runs."""
+    from node_engine.prefill_batch import RAGGED_FACTOR
+
+    is_ragged = len(lengths) * max(lengths) > RAGGED_FACTOR * sum(lengths)
+    assert is_ragged == (lengths[0] == 300)
+    prompts = [[256] + [(5 * n + 11 * i) % 256 for i in range(length - 1)] for n, length in enumerate(lengths)]
+    alone = [run_together(engine, [p])[0][0] for p in prompts]
+    assert run_together(engine, prompts)[0] == alone
+    # A second chunk (after a first one of 400 tokens) in a per-sequence batch: its mask starts at its offset.
+    chunked = Engine(EngineConfig(model_path="builtin:tiny", max_total_tokens=1024, max_batch_tokens=400))
+    scheduler = chunked.scheduler
+    long_prompt = [256] + [(13 * i) % 256 for i in range(599)]
+    requests = [Request(rid=f"c{n}", prompt_ids=p, params=GREEDY, on_output=lambda _: None,
+                        detokenizer=IncrementalDetokenizer(engine.tokenizer))
+                for n, p in enumerate([long_prompt] + prompts[1:])]
+    for request in requests:
+        scheduler.add(request)
+    starts = []
+    while scheduler.has_work:
+        step = scheduler.schedule()
+        if step.kind is StepKind.PREFILL:
+            starts.append([e.start for e in step.entries])
+        scheduler.postprocess(step, chunked.runner.run(step))
+    assert starts[:2] == [[0], [400] + [0] * (len(prompts) - 1)]
+    assert [r.output_ids for r in requests[1:]] == alone[1:]
+    assert requests[0].output_ids == run_together(engine, [long_prompt])[0][0]

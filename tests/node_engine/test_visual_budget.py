@@ -106,10 +106,15 @@ def test_a_deferred_image_goes_first_next_step() -> None:
     scheduler.add(image_request("c", [5]))
     first = scheduler.schedule()
     assert [image.num_tokens for image in first.images] == [30]
-    # b and c are admitted for the text before their images; both chunks stop right before them.
+    # b is admitted for the text before its image; its chunk stops right before it; c is not admitted yet.
     b_entry = next(e for e in first.entries if e.request.rid == "b")
     assert b_entry.end == b_entry.request.mm.images[0].offset
-    assert all(e.request.rid != "c" or e.end <= e.request.mm.images[0].offset for e in first.entries)
+    assert [e.request.rid for e in first.entries] == ["a", "b"]
+    scheduler.postprocess(first, [66])
+    for image in first.images:
+        image.embeddings = None
+    second = scheduler.schedule()
+    assert [image.num_tokens for image in second.images] == [30, 5]  # b's image first, then c's
 
 
 def test_preemption_forgets_features_and_reencodes() -> None:

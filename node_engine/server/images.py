@@ -1,0 +1,69 @@
+"""A request's images, ready for the engine: decoded, checked, resized, placeholders expanded.
+
+The work runs in a worker thread (decoding a large image takes the GIL off
+and on for a while) and at most ``DECODE_CONCURRENCY`` requests decode at
+once, so a burst of large images cannot hold many decoded images in memory
+at the same time. Anything wrong is a 400 before the engine sees the request:
+nothing is allocated for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+from handoff.service.errors import InvalidRequest, Unsupported
+from node_engine.engine import Engine
+from node_engine.vision.decode import ImageInputError, ImagePolicy, load_image
+from node_engine.vision.inputs import MultimodalPrompt
+from node_engine.vision.placeholders import PlaceholderError, expand, native_placeholder, normalize_text
+from node_engine.vision.processor import ImageShapeError, ResizedImage
+
+MAX_IMAGES_PER_PROMPT = 64
+DECODE_CONCURRENCY = 2
+
+
+class ImageLoader:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        config = engine.config
+        self.policy = ImagePolicy(max_pixels=config.max_image_pixels, local_media_dir=config.allowed_local_media_path)
+        self._slots: asyncio.Semaphore | None = None
+        vision_arch = engine.arch.vision
+        self._placeholder = None if vision_arch is None else native_placeholder(
+            vision_arch, lambda ids: engine.tokenizer.decode(ids, skip_special_tokens=False))
+
+    def check_supported(self, field: str) -> None:
+        if self.engine.vision is None:
+            raise Unsupported(f"{field}: {self.engine.config.model_name} has no vision tower; images are refused",
+                              extra={"field": field})
+
+    def normalize_text(self, text: str) -> str:
+        """``<image>`` in a text prompt stands for the model's own placeholder."""
+        return text if self._placeholder is None else normalize_text(text, self._placeholder)
+
+    async def prepare(self, prompt_ids: list[int], items: Sequence[object], field: str,
+                      ) -> tuple[list[int], MultimodalPrompt]:
+        """The prompt with its placeholders expanded, and its images (400 for anything wrong)."""
+        self.check_supported(field)
+        if len(items) > MAX_IMAGES_PER_PROMPT:
+            raise InvalidRequest(f"{field}: at most {MAX_IMAGES_PER_PROMPT} images per prompt, got {len(items)}")
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(DECODE_CONCURRENCY)
+        async with self._slots:
+            resized = await asyncio.to_thread(self._resize_all, items, field)
+        vision = self.engine.vision
+        try:
+            return expand(prompt_ids, resized, self.engine.arch.vision, vision.processor)
+        except PlaceholderError as exc:
+            raise InvalidRequest(f"{field}: {exc}") from exc
+
+    def _resize_all(self, items: Sequence[object], field: str) -> list[ResizedImage]:
+        processor = self.engine.vision.processor
+        resized = []
+        for i, item in enumerate(items):
+            try:
+                resized.append(processor.resize(load_image(item, self.policy)))
+            except (ImageInputError, ImageShapeError) as exc:
+                raise InvalidRequest(f"{field}[{i}]: {exc}") from exc
+        return resized

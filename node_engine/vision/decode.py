@@ -1,0 +1,124 @@
+"""Image bytes from a request, checked before anything is allocated for it.
+
+An image arrives as SGLang's ``image_data`` items and OpenAI's ``image_url``
+parts send it: a data URL (``data:image/png;base64,...``), bare base64, or a
+local file path (``file://...``, or a path ending in an image extension),
+which is read only below ``--allowed-local-media-path``. Nothing is fetched
+from the network: an ``http(s)://`` URL is refused.
+
+Every failure is an :class:`ImageInputError` (a 400 for the caller): not an
+image or a format outside ``ALLOWED_FORMATS``, zero-sized, truncated or
+corrupt, more pixels than ``max_pixels`` (a decompression bomb: checked from
+the header, before decoding), a path outside the allowed folder.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import re
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import unquote, urlparse
+
+from PIL import Image, UnidentifiedImageError
+
+ALLOWED_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
+IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".gif", ".bmp")
+DEFAULT_MAX_IMAGE_PIXELS = 32 * 2**20  # a 8192 x 4096 image; decoded RGBA: 128 MiB
+DEFAULT_MAX_IMAGE_BYTES = 64 * 2**20   # encoded, per image (a file; base64 is bounded by the body limit first)
+_WHITESPACE = re.compile(rb"\s+")
+
+
+class ImageInputError(ValueError):
+    """An image a request cannot use; the message says why (the caller answers 400)."""
+
+
+@dataclass(frozen=True)
+class ImagePolicy:
+    max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
+    max_bytes: int = DEFAULT_MAX_IMAGE_BYTES
+    local_media_dir: Path | None = None  # None: no local file is ever read
+
+
+def image_bytes(item: object, policy: ImagePolicy) -> bytes:
+    """The encoded bytes an ``image_data`` item or an ``image_url`` URL stands for."""
+    if not isinstance(item, str):
+        raise ImageInputError(f"an image must be a string (base64, a data URL or an allowed file path), "
+                              f"got {type(item).__name__}")
+    if not item:
+        raise ImageInputError("the image is empty")
+    lowered = item[:16].lower()
+    if lowered.startswith(("http://", "https://")):
+        raise ImageInputError("images are not fetched from the network; send the bytes (base64 or a data URL)")
+    if lowered.startswith("file://"):
+        return _read_local(Path(unquote(urlparse(item).path)), policy)
+    if item.lower().endswith(IMAGE_EXTENSIONS) and len(item) < 4096:
+        return _read_local(Path(item), policy)
+    if lowered.startswith("data:"):
+        header, comma, payload = item.partition(",")
+        if not comma or not header.lower().endswith(";base64"):
+            raise ImageInputError("a data URL image must be base64: data:image/<type>;base64,<data>")
+        return _base64(payload)
+    return _base64(item)
+
+
+def _base64(text: str) -> bytes:
+    try:
+        data = base64.b64decode(_WHITESPACE.sub(b"", text.encode("ascii")), validate=True)
+    except (UnicodeEncodeError, binascii.Error, ValueError) as exc:
+        raise ImageInputError("the image is not valid base64 (nor a data URL, nor an allowed file path)") from exc
+    if not data:
+        raise ImageInputError("the image is empty")
+    return data
+
+
+def _read_local(path: Path, policy: ImagePolicy) -> bytes:
+    allowed = policy.local_media_dir
+    if allowed is None:
+        raise ImageInputError("local image paths are not allowed here (the engine reads them only below "
+                              "--allowed-local-media-path); send the bytes (base64 or a data URL)")
+    try:
+        resolved = path.resolve(strict=True)
+    except (OSError, RuntimeError) as exc:
+        raise ImageInputError(f"no such image file: {path}") from exc
+    if not resolved.is_relative_to(allowed.resolve()):
+        raise ImageInputError(f"{path} is outside --allowed-local-media-path")
+    if not resolved.is_file():
+        raise ImageInputError(f"{path} is not a file")
+    if resolved.stat().st_size > policy.max_bytes:
+        raise ImageInputError(f"{path} is larger than {policy.max_bytes} bytes")
+    with open(resolved, "rb") as f:
+        return f.read(policy.max_bytes + 1)[:policy.max_bytes]
+
+
+def decode_image(data: bytes, policy: ImagePolicy) -> Image.Image:
+    """The decoded image (first frame), after checking its size from the header."""
+    if len(data) > policy.max_bytes:
+        raise ImageInputError(f"the image is {len(data)} bytes, more than {policy.max_bytes}")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            image = Image.open(io.BytesIO(data), formats=ALLOWED_FORMATS)
+            width, height = image.size
+            if width <= 0 or height <= 0:
+                raise ImageInputError(f"the image is zero-sized ({width} x {height})")
+            if width * height > policy.max_pixels:
+                raise ImageInputError(f"the image has {width} x {height} pixels, more than the {policy.max_pixels} "
+                                      "allowed (a decompression bomb?)")
+            image.load()
+    except ImageInputError:
+        raise
+    except UnidentifiedImageError as exc:
+        raise ImageInputError(f"not an image, or not one of {', '.join(ALLOWED_FORMATS)}") from exc
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
+        raise ImageInputError(f"the image is too large to decode (a decompression bomb?): {exc}") from exc
+    except (OSError, SyntaxError, ValueError, EOFError) as exc:  # PIL's ways of saying truncated or corrupt
+        raise ImageInputError(f"the image is truncated or corrupt: {exc}") from exc
+    return image
+
+
+def load_image(item: object, policy: ImagePolicy) -> Image.Image:
+    return decode_image(image_bytes(item, policy), policy)

@@ -1,0 +1,87 @@
+"""Image bytes from requests: every accepted spelling, every refusal (the caller answers 400)."""
+
+from __future__ import annotations
+
+import base64
+import io
+import struct
+import zlib
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from node_engine.vision.decode import ImageInputError, ImagePolicy, image_bytes, load_image
+
+POLICY = ImagePolicy()
+
+
+def encoded(image: Image.Image, fmt: str = "PNG") -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, fmt)
+    return buffer.getvalue()
+
+
+PNG = encoded(Image.new("RGB", (30, 20), (10, 200, 30)))
+
+
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+def _png_header_only(width: int, height: int) -> bytes:
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"")) + chunk(b"IEND", b"")
+
+
+@pytest.mark.parametrize("item", [b64(PNG), "data:image/png;base64," + b64(PNG),
+                                  "DATA:image/png;BASE64," + b64(PNG),
+                                  "\n".join(b64(PNG)[i:i + 76] for i in range(0, len(b64(PNG)), 76))],
+                         ids=["base64", "data-url", "data-url-upper", "mime-wrapped"])
+def test_accepted_spellings(item: str) -> None:
+    assert load_image(item, POLICY).size == (30, 20)
+
+
+@pytest.mark.parametrize("fmt", ["JPEG", "WEBP", "GIF", "BMP"])
+def test_common_formats(fmt: str) -> None:
+    assert load_image(b64(encoded(Image.new("RGB", (9, 7)), fmt)), POLICY).size == (9, 7)
+
+
+@pytest.mark.parametrize("item,reason", [
+    ("", "empty"),
+    (123, "must be a string"),
+    ("http://example.com/cat.png", "not fetched from the network"),
+    ("https://example.com/cat", "not fetched from the network"),
+    ("not base64 at all!", "not valid base64"),
+    ("data:image/png,rawbytes", "must be base64"),
+    (b64(b"hello, I am text"), "not an image"),
+    (b64(PNG[:len(PNG) // 2]), "truncated or corrupt"),
+    (b64(_png_header_only(0, 10)), "not an image"),                       # zero-sized: PIL refuses it
+    (b64(encoded(Image.new("1", (20000, 20000)))), "decompression bomb"),  # 400 megapixels in 48 KiB
+    (b64(encoded(Image.new("1", (6000, 6000)))), "more than the"),         # over our 32 Mi-pixel bound
+    (b64(encoded(Image.new("RGB", (8, 8)), "TIFF")), "not an image"),      # a format we do not take
+    ("/etc/hostname.png", "not allowed here"),
+    ("file:///etc/hosts", "not allowed here"),
+], ids=["empty", "not-a-string", "http", "https", "bad-base64", "data-url-not-base64", "text", "truncated",
+        "zero-sized", "bomb", "over-our-bound", "tiff", "path", "file-url"])
+def test_refusals(item, reason: str) -> None:
+    with pytest.raises(ImageInputError, match=reason):
+        load_image(item, POLICY)
+
+
+def test_local_files_only_below_the_allowed_folder(tmp_path: Path) -> None:
+    allowed = tmp_path / "media"
+    allowed.mkdir()
+    (allowed / "cat.png").write_bytes(PNG)
+    (tmp_path / "secret.png").write_bytes(PNG)
+    (allowed / "link.png").symlink_to(tmp_path / "secret.png")
+    policy = ImagePolicy(local_media_dir=allowed)
+    assert load_image(str(allowed / "cat.png"), policy).size == (30, 20)
+    assert load_image(f"file://{allowed / 'cat.png'}", policy).size == (30, 20)
+    for outside in (str(tmp_path / "secret.png"), str(allowed / "link.png"), str(allowed / ".." / "secret.png")):
+        with pytest.raises(ImageInputError, match="outside --allowed-local-media-path"):
+            image_bytes(outside, policy)
+    with pytest.raises(ImageInputError, match="no such image file"):
+        image_bytes(str(allowed / "missing.png"), policy)

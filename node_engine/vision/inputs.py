@@ -96,6 +96,13 @@ class MultimodalPrompt:
             image.embeddings = None
         self._positions = None
 
+    def fresh(self) -> "MultimodalPrompt":
+        """The same images for another request (each request owns its features: one's prefill must not drop
+        what another still needs); the sources are shared, they are never written."""
+        images = [ImageInput(offset=i.offset, num_tokens=i.num_tokens, grid=i.grid, source=i.source,
+                             cache_key=i.cache_key) for i in self.images]
+        return MultimodalPrompt(images=images, num_prompt_tokens=self.num_prompt_tokens, merge_size=self.merge_size)
+
     def cache_keys(self, prompt_ids: list[int]) -> list[int]:
         """The prompt as the prefix cache sees it: each image token replaced by its image's key, so the KV
         of one image is never reused for another."""

@@ -9,7 +9,9 @@ At start the engine encodes the worst-case image batch its caps allow
   the reservation and the tower's working memory at once;
 - CUDA: a private memory pool that the worst-case encode grew (inside the
   ``workspace`` region of torch_memory_saver); every later encode allocates
-  from it, and nothing else can.
+  from it, and nothing else can. (Should an encode ever need more, for
+  fragmentation, the pool grows outside the region: that growth is not
+  released with the tag.)
 
 A release of ``workspace`` frees the reservation with the rest of the tag; a
 resume restores it. ``--vision-reserve-mb`` replaces the measurement for
@@ -84,9 +86,10 @@ class VisionReservation:
     def _measure_cuda(self, encode_worst_case: Callable[[], None]) -> None:
         meter = CudaPeakMeter()
         meter.reset()
+        before = meter.current_bytes()
         with self.saver.region(MemoryTag.WORKSPACE), torch.cuda.use_mem_pool(self._pool):
             encode_worst_case()
-        self.measured_peak_bytes = meter.peak_bytes()
+        self.measured_peak_bytes = max(0, meter.peak_bytes() - before)
         self._account_pool()
 
     def _account_pool(self) -> None:

@@ -3,7 +3,7 @@
     .venv/bin/pip install -e '.[bench]'     # aiohttp (httpx is a dependency already)
     .venv/bin/python bench/client_compare.py [--requests 4000] [--concurrency 32] [--repeat 5]
 
-A fast fake node (``bench.lb_bench``'s: a raw asyncio server, answering at
+A fast fake node (``bench.lb_nodes``'s: a raw asyncio server, answering at
 once) stands behind one proxy process per client: uvicorn (uvloop, httptools)
 running the same raw ASGI app, which reads the request, POSTs it to the node
 with the client under test (one pooled client per process) and answers with the
@@ -41,7 +41,8 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
 from bench.common import MAX_ANSWER_BYTES, JSON_HEADERS, call, timed_calls  # noqa: E402
-from bench.lb_bench import NUM_STREAM_CHUNKS, REQUEST, STREAM_REQUEST, serve_nodes  # noqa: E402
+from bench.lb_bench import REQUEST, STREAM_REQUEST  # noqa: E402
+from bench.lb_nodes import NUM_STREAM_CHUNKS, FakeNodes, NodeSpec  # noqa: E402
 from handoff.service.upstream import UpstreamClient, UpstreamError  # noqa: E402
 
 CLIENTS = ("handoff", "aiohttp", "httpx")
@@ -113,7 +114,7 @@ class HttpxRelay:
 
 RELAYS = {"handoff": HandoffRelay, "aiohttp": AiohttpRelay, "httpx": HttpxRelay}
 NO_NODE_ANSWER = REQUEST  # the no-node proxy answers bytes of a generation answer's size
-# ... and for a stream, the events a node sends, as paced as the node's (bench.lb_bench's decode_paced)
+# ... and for a stream, the events a node sends, as paced as the node's (bench.lb_nodes's decode_paced)
 NO_NODE_EVENTS = [b'data: {"text": "token %d", "meta_info": {"completion_tokens": %d}}\n\n' % (i, i + 1)
                   for i in range(NUM_STREAM_CHUNKS)] + [b"data: [DONE]\n\n"]
 
@@ -290,18 +291,12 @@ def main() -> None:
         import aiohttp  # noqa: F401
     except ImportError:
         sys.exit("aiohttp is missing: pip install -e '.[bench]'")
-    parent, child = multiprocessing.Pipe()
     node_kinds = ["decode", "decode_paced"]
-    nodes = multiprocessing.Process(target=serve_nodes, args=(node_kinds, child), daemon=True)
-    nodes.start()
-    try:
-        node_urls = {kind: f"http://127.0.0.1:{port}" for kind, port in zip(node_kinds, parent.recv())}
+    with FakeNodes([NodeSpec(kind) for kind in node_kinds]) as nodes:
+        node_urls = dict(zip(node_kinds, nodes.urls))
         import uvloop
 
         figures = uvloop.run(run(args, node_urls))
-    finally:
-        parent.send("stop")
-        nodes.join(10)
     report(figures, args)
 
 

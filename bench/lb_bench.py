@@ -1,262 +1,383 @@
-"""Benchmark of the load balancer (issue 5), each figure beside the same calls made directly.
+"""Benchmark of the load balancer (issues 5 and 13), each figure beside a baseline measured in the same run.
 
-    .venv/bin/python bench/lb_bench.py [--requests 3000] [--rounds 60] [--concurrency 8] [--repeat 3]
+    .venv/bin/python bench/lb_bench.py [--requests 3000] [--rounds 60] [--concurrency 8] [--repeat 5]
+                                       [--routers handoff,sglang-router,vllm-router] [--cases generation,fanout]
 
-Fake nodes (a separate process, uvloop + httptools, answering at once) stand
-behind a real ``python -m lb`` process; this process is the client. Measured:
+Fake nodes (``bench/lb_nodes.py``: uvloop + httptools, in a separate process)
+stand behind real router processes (``bench/routers.py``: ``python -m lb``,
+and sglang-router and vllm-router where installed, ``pip install -e .[bench]``);
+this process is the client. Each figure is the median of ``--repeat`` runs.
 
-- LB CPU (user + system of the LB process, psutil) per proxied ``/generate``
-  through a prefill + decode pair, non-stream and streamed: the decode node
-  writes 16 SSE chunks at once (an instant node, the case the target is for),
-  or 1 ms apart (each chunk then crosses the LB on its own); beside it, the
-  latency of the same two calls made by the client to the nodes directly.
-- Fan-out overhead: p50 of ``POST /flush_cache`` through the LB to 128 nodes
-  (answering at once, or after 20 ms) minus p50 of the same 128 calls made
-  directly by the client in parallel, over the same pooled client code.
+Generation: CPU (user + system of the router process, all threads, psutil)
+per proxied ``/generate``, non-stream and a 16-chunk stream, ``--concurrency``
+requests in flight, through each router in front of the same fake nodes: mixed
+(regular) mode with one and with two workers, and PD mode (handoff and
+sglang-router speak SGLang's protocol, prefill and decode called at once;
+vllm-router vLLM's, prefill then decode). Target: handoff's CPU per request no
+higher than either router's. Beside each, the latency of the same node calls
+made directly. One more PD row: a stream whose chunks come 1 ms apart (each
+chunk then crosses the LB on its own).
+
+Fan-out: ``POST /release_memory_occupation`` and ``POST /flush_cache`` to 128
+nodes answering at once or after 20 ms. "overhead" is the LB's p50 minus one
+node's p50 answering the same call directly: what a caller feels, who would
+otherwise send one request to one node. Beside it, the same 128 calls made
+directly by the client in parallel (same client code). The release also goes
+to 128 nodes whose answers carry no state header, so the LB asks each for its
+state once more (what the header saves); and sglang-router's and vllm-router's
+``/flush_cache`` to the same 128 instant nodes. Every call of every fan-out
+case and baseline is interleaved round by round, so all see the same machine.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
-import multiprocessing
+import os
 import statistics
 import sys
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Awaitable, Callable
-
-import httptools
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-from bench.common import call, cpu_seconds, start_server, timed_calls  # noqa: E402
-from handoff.cluster.process import ServerProcess  # noqa: E402
+from bench.common import call, timed_calls  # noqa: E402
+from bench.lb_nodes import DECODE_ANSWER, NUM_STREAM_CHUNKS, FakeNodes, NodeSpec  # noqa: E402
+from bench.routers import HANDOFF, SGLANG_ROUTER, VLLM_ROUTER, Router, is_installed, start_router  # noqa: E402
 from handoff.service.upstream import UpstreamClient  # noqa: E402
 
 NUM_FANOUT_NODES = 128
-NUM_STREAM_CHUNKS = 16
-SIDECAR_STATE = json.dumps({"role": "mixed", "serving": True, "admission": "open", "weights_valid": True,
-                            "tags": {t: {"state": "resident", "bytes": 1} for t in
-                                     ("weights", "kv_cache", "cuda_graph", "workspace")}}).encode()
-DECODE_ANSWER = json.dumps({"text": "a short completion of a few words", "output_ids": list(range(16)),
-                            "meta_info": {"prompt_tokens": 12, "completion_tokens": 16, "finish_reason": "stop",
-                                          "weight_version": "default"}}).encode()
-PREFILL_ANSWER = json.dumps({"text": "", "meta_info": {"prompt_tokens": 12}}).encode()
+INSTANT_OVERHEAD_TARGET_MS = 6.0
+SLOW_OVERHEAD_TARGET_MS = 10.0
+PD_CPU_TARGETS_MS = {False: 0.25, True: 0.45}  # issue 5: LB CPU per PD /generate, non-stream and streamed
 REQUEST = json.dumps({"text": "The quick brown fox jumps over the lazy dog", "sampling_params":
                       {"max_new_tokens": 16, "temperature": 0}}).encode()
 STREAM_REQUEST = json.dumps({**json.loads(REQUEST), "stream": True}).encode()
+RELEASE_BODY = b'{"tags": ["weights", "kv_cache"]}'
+RELEASE, FLUSH = "/release_memory_occupation", "/flush_cache"
 
 
-# -- fake nodes (separate process) -----------------------------------------------------
-
-class _NodeProtocol(asyncio.Protocol):
-    def __init__(self, mode: str) -> None:
-        self.mode = mode
-        self.parser = httptools.HttpRequestParser(self)
-        self.loop = asyncio.get_running_loop()
-        self.url = b""
-        self.body = b""
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport
-
-    def data_received(self, data: bytes) -> None:
-        self.parser.feed_data(data)
-
-    def on_message_begin(self) -> None:
-        self.url, self.body = b"", b""
-
-    def on_url(self, url: bytes) -> None:
-        self.url += url
-
-    def on_body(self, body: bytes) -> None:
-        self.body += body
-
-    def on_message_complete(self) -> None:
-        path = self.url.split(b"?")[0]
-        if path == b"/memory_occupation":
-            self._json(SIDECAR_STATE)
-        elif path == b"/generate":
-            is_stream = b'"stream": true' in self.body
-            if self.mode.startswith("decode"):
-                self._stream(NUM_STREAM_CHUNKS) if is_stream else self._json(DECODE_ANSWER)
-            else:
-                self._stream(1) if is_stream else self._json(PREFILL_ANSWER)
-        elif self.mode == "slow":
-            self.loop.call_later(0.02, self._json, b'{"success": true}')
-        else:
-            self._json(b'{"success": true}')
-
-    def _json(self, body: bytes) -> None:
-        if not self.transport.is_closing():
-            self.transport.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
-                                 % (len(body), body))
-
-    def _stream(self, num_chunks: int) -> None:
-        self.transport.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
-                             b"Transfer-Encoding: chunked\r\n\r\n")
-        self._chunk(0, num_chunks)
-
-    def _chunk(self, index: int, num_chunks: int) -> None:
-        if self.transport.is_closing():
-            return
-        if index == num_chunks:
-            self.transport.write(b"e\r\ndata: [DONE]\n\n\r\n0\r\n\r\n")
-            return
-        event = b'data: {"text": "token %d", "meta_info": {"completion_tokens": %d}}\n\n' % (index, index + 1)
-        self.transport.write(b"%x\r\n%s\r\n" % (len(event), event))  # one write per chunk
-        if self.mode == "decode_paced":
-            self.loop.call_later(0.001, self._chunk, index + 1, num_chunks)
-        else:
-            self._chunk(index + 1, num_chunks)
+@dataclass
+class Row:
+    case: str
+    router: str
+    figures: dict[str, float]
+    target: str = "-"
 
 
-def serve_nodes(modes: list[str], conn: Any) -> None:
-    import uvloop
-
-    async def main() -> None:
-        loop = asyncio.get_running_loop()
-        ports = []
-        for mode in modes:
-            server = await loop.create_server(lambda m=mode: _NodeProtocol(m), "127.0.0.1", 0, backlog=1024)
-            ports.append(server.sockets[0].getsockname()[1])
-        conn.send(ports)
-        await loop.run_in_executor(None, conn.recv)  # until the parent says stop
-
-    uvloop.run(main())
-
-
-# -- the LB process ---------------------------------------------------------------------
-
-def start_lb(args: list[str]) -> ServerProcess:
-    return start_server("lb", [*args, "--log-level", "warning", "--health-interval", "60"], "lb")
-
-
-# -- measuring ----------------------------------------------------------------------------
-
-async def read_all(client: UpstreamClient, method: str, url: str, body: bytes = b"") -> bytes:
-    return await call(client, method, url, body, timeout=30)
+def median_of(runs: list[dict[str, float]]) -> dict[str, float]:
+    return {key: statistics.median(run[key] for run in runs) for key in runs[0]}
 
 
 def p50_ms(latencies: list[float]) -> float:
     return statistics.median(latencies) * 1000
 
 
-async def bench_generate(client: UpstreamClient, lb: ServerProcess, prefill: str, decode: str, body: bytes,
-                         num_requests: int, concurrency: int) -> dict[str, float]:
-    expected = (await read_all(client, "POST", decode + "/generate", body))
+# -- generation ---------------------------------------------------------------------------
 
-    async def through_lb() -> None:
-        if await read_all(client, "POST", lb.url + "/generate", body) != expected:
-            raise RuntimeError("the LB did not answer with the decode node's bytes")
+def check_generation(answer: bytes, is_stream: bool) -> None:
+    """The decode node's completion, whole: each router may re-frame it, none may lose any of it."""
+    if is_stream:
+        if answer.count(b"data:") != NUM_STREAM_CHUNKS + 1 or b"[DONE]" not in answer:
+            raise RuntimeError(f"a stream came back incomplete: {answer[:300]!r}")
+    elif json.loads(answer) != json.loads(DECODE_ANSWER):
+        raise RuntimeError(f"an answer is not the decode node's: {answer[:300]!r}")
 
-    async def direct() -> None:
-        await asyncio.gather(read_all(client, "POST", prefill + "/generate", body),
-                             read_all(client, "POST", decode + "/generate", body))
 
-    await timed_calls(through_lb, 300, concurrency)  # warm-up: connections, caches
-    cpu_before = cpu_seconds(lb)
-    latencies = await timed_calls(through_lb, num_requests, concurrency)
-    cpu_ms = (cpu_seconds(lb) - cpu_before) / num_requests * 1000
+async def measure_router(client: UpstreamClient, router: Router, body: bytes, num_requests: int,
+                         concurrency: int) -> dict[str, float]:
+    is_stream = body is STREAM_REQUEST
+
+    async def one() -> None:
+        check_generation(await call(client, "POST", router.url + "/generate", body, timeout=30), is_stream)
+
+    await timed_calls(one, 300, concurrency)  # warm-up: connections, caches
+    cpu_before = router.cpu_seconds()
+    latencies = await timed_calls(one, num_requests, concurrency)
+    return {"cpu_ms": (router.cpu_seconds() - cpu_before) / num_requests * 1000, "p50": p50_ms(latencies)}
+
+
+async def measure_direct(direct: Callable[[], Awaitable[Any]], num_requests: int, concurrency: int) -> float:
     await timed_calls(direct, 300, concurrency)
-    direct_latencies = await timed_calls(direct, num_requests, concurrency)
-    return {"cpu_ms": cpu_ms, "lb_p50": p50_ms(latencies), "direct_p50": p50_ms(direct_latencies)}
+    return p50_ms(await timed_calls(direct, num_requests, concurrency))
 
 
-async def bench_fanout(client: UpstreamClient, lb: ServerProcess, urls: list[str], role: str,
-                       num_rounds: int) -> dict[str, float]:
-    async def through_lb() -> None:
-        answer = json.loads(await read_all(client, "POST", f"{lb.url}/flush_cache?role={role}"))
-        if answer["total"] != len(urls):
-            raise RuntimeError(f"fan-out reached {answer['total']} nodes, not {len(urls)}")
-
-    async def direct() -> None:
-        await asyncio.gather(*(read_all(client, "POST", url + "/flush_cache") for url in urls))
-
-    await timed_calls(through_lb, 5, 1)
-    await timed_calls(direct, 5, 1)
-    lb_latencies, direct_latencies = [], []
-    cpu_before = cpu_seconds(lb)
-    for _ in range(num_rounds):  # interleaved, so both see the same machine
-        lb_latencies += await timed_calls(through_lb, 1, 1)
-        direct_latencies += await timed_calls(direct, 1, 1)
-    cpu_ms = (cpu_seconds(lb) - cpu_before) / num_rounds * 1000
-    lb_p50, direct_p50 = p50_ms(lb_latencies), p50_ms(direct_latencies)
-    return {"cpu_ms": cpu_ms, "lb_p50": lb_p50, "direct_p50": direct_p50, "overhead_p50": lb_p50 - direct_p50}
+@dataclass
+class Topology:
+    name: str
+    nodes: dict[str, Any]  # start_router's keywords
+    direct: Callable[[bytes], Awaitable[Any]]  # the node calls one request makes, made by the client
 
 
-async def repeated(times: int, measure: Callable[[], Awaitable[dict[str, float]]]) -> dict[str, float]:
-    """Each figure is the median over ``times`` runs: the box is shared, one run can catch a neighbour."""
-    runs = [await measure() for _ in range(times)]
-    return {key: statistics.median(run[key] for run in runs) for key in runs[0]}
-
-
-async def run(args: argparse.Namespace, ports: list[int]) -> list[tuple[str, dict[str, float], str]]:
-    urls = [f"http://127.0.0.1:{port}" for port in ports]
-    prefill, decode, decode_paced = urls[0], urls[1], urls[2]
-    instant, slow = urls[3:3 + NUM_FANOUT_NODES], urls[3 + NUM_FANOUT_NODES:]
+async def bench_topology(client: UpstreamClient, topology: Topology, names: list[str],
+                         args: argparse.Namespace) -> list[Row]:
+    runs: dict[tuple[bool, str], list[dict[str, float]]] = {}
+    async with started(names, **topology.nodes) as routers:
+        for _ in range(args.repeat):
+            for body in (REQUEST, STREAM_REQUEST):
+                is_stream = body is STREAM_REQUEST
+                for router in routers:  # one after the other, run after run: each sees the same machine
+                    runs.setdefault((is_stream, router.name), []).append(
+                        await measure_router(client, router, body, args.requests, args.concurrency))
+                direct_p50 = await measure_direct(lambda b=body: topology.direct(b), args.requests,
+                                                  args.concurrency)
+                runs.setdefault((is_stream, "direct"), []).append({"p50": direct_p50})
     rows = []
-    client = UpstreamClient()
-    lb = start_lb(["--prefill", f"{prefill}@8998", "--decode", decode])
-    try:
-        rows.append(("PD /generate, non-stream", await repeated(args.repeat, lambda: bench_generate(
-            client, lb, prefill, decode, REQUEST, args.requests, args.concurrency)), "CPU <= 0.25 ms"))
-        rows.append((f"PD /generate, stream of {NUM_STREAM_CHUNKS} chunks", await repeated(
-            args.repeat, lambda: bench_generate(client, lb, prefill, decode, STREAM_REQUEST, args.requests,
-                                                args.concurrency)), "CPU <= 0.45 ms"))
-    finally:
-        lb.stop()
-    lb = start_lb(["--prefill", f"{prefill}@8998", "--decode", decode_paced])
-    try:
-        rows.append(("PD /generate, stream, chunks 1 ms apart", await repeated(args.repeat, lambda: bench_generate(
-            client, lb, prefill, decode_paced, STREAM_REQUEST, args.requests // 2, args.concurrency)), "-"))
-    finally:
-        lb.stop()
-    node_args = [a for url in instant for a in ("--node", url)] + [a for url in slow for a in ("--decode", url)]
-    lb = start_lb(node_args)
-    try:
-        rows.append((f"fan-out to {NUM_FANOUT_NODES} instant nodes", await repeated(
-            args.repeat, lambda: bench_fanout(client, lb, instant, "mixed", args.rounds)), "overhead p50 <= 6 ms"))
-        rows.append((f"fan-out to {NUM_FANOUT_NODES} nodes answering in 20 ms", await repeated(
-            args.repeat, lambda: bench_fanout(client, lb, slow, "decode", args.rounds)), "overhead p50 <= 10 ms"))
-    finally:
-        lb.stop()
-        await client.aclose()
+    for is_stream in (False, True):
+        case = f"{topology.name}, {'stream of 16 chunks' if is_stream else 'non-stream'}"
+        figures = {name: median_of(runs[(is_stream, name)]) for name in names}
+        direct_p50 = median_of(runs[(is_stream, "direct")])["p50"]
+        for name in names:
+            rows.append(Row(case, name, {**figures[name], "direct_p50": direct_p50},
+                            generation_target(topology.name, is_stream, name, figures)))
     return rows
 
 
-def print_table(rows: list[tuple[str, dict[str, float], str]]) -> None:
-    header = f"| {'case':<42} | {'LB CPU/call':>11} | {'LB p50':>8} | {'direct p50':>10} | {'overhead p50':>12} | target |"
-    print(header)
-    print("|" + "|".join("-" * (len(cell)) for cell in header.split("|")[1:-1]) + "|")
-    for name, row, target in rows:
-        overhead = row.get("overhead_p50", row["lb_p50"] - row["direct_p50"])
-        print(f"| {name:<42} | {row['cpu_ms']:>8.3f} ms | {row['lb_p50']:>5.2f} ms | {row['direct_p50']:>7.2f} ms "
-              f"| {overhead:>9.2f} ms | {target} |")
+def generation_target(topology: str, is_stream: bool, name: str, figures: dict[str, dict[str, float]]) -> str:
+    if name != HANDOFF:
+        return "-"
+    parts = []
+    rivals = [figures[rival]["cpu_ms"] for rival in figures if rival != HANDOFF]
+    if rivals:
+        met = figures[HANDOFF]["cpu_ms"] <= min(rivals)
+        parts.append(f"CPU <= rivals' ({'met' if met else 'MISSED'})")
+    if topology == "PD":
+        limit = PD_CPU_TARGETS_MS[is_stream]
+        parts.append(f"CPU <= {limit} ms ({'met' if figures[HANDOFF]['cpu_ms'] <= limit else 'MISSED'})")
+    return "; ".join(parts) or "-"
+
+
+@contextlib.asynccontextmanager
+async def started(names: list[str], **nodes: Any) -> Any:
+    routers: list[Router] = []
+    try:
+        for name in names:
+            routers.append(await asyncio.to_thread(start_router, name, **nodes))
+        yield routers
+    finally:
+        for router in routers:
+            router.stop()
+
+
+async def bench_generation(client: UpstreamClient, nodes: FakeNodes, names: list[str],
+                           args: argparse.Namespace) -> list[Row]:
+    prefill, (worker, second_worker), paced = nodes.of("prefill")[0], nodes.of("decode"), nodes.of("decode_paced")[0]
+    turn = iter(range(1 << 62))
+
+    def both_pd(body: bytes, decode: str = worker) -> Awaitable[Any]:
+        return asyncio.gather(call(client, "POST", prefill + "/generate", body),
+                              call(client, "POST", decode + "/generate", body))
+
+    topologies = [
+        Topology("mixed, 1 worker", {"workers": [worker]}, lambda body: call(client, "POST", worker + "/generate", body)),
+        Topology("mixed, 2 workers", {"workers": [worker, second_worker]}, lambda body: call(
+            client, "POST", (worker, second_worker)[next(turn) % 2] + "/generate", body)),
+        Topology("PD", {"prefill": prefill, "decode": worker}, both_pd),
+    ]
+    rows = []
+    for topology in topologies:
+        rows += await bench_topology(client, topology, names, args)
+    runs = []
+    async with started([HANDOFF], prefill=prefill, decode=paced) as (lb,):
+        for _ in range(args.repeat):
+            figures = await measure_router(client, lb, STREAM_REQUEST, args.requests // 2, args.concurrency)
+            direct_p50 = await measure_direct(lambda: both_pd(STREAM_REQUEST, paced), args.requests // 2,
+                                              args.concurrency)
+            runs.append({**figures, "direct_p50": direct_p50})
+    rows.append(Row("PD, stream, chunks 1 ms apart", HANDOFF, median_of(runs)))
+    return rows
+
+
+# -- fan-out ------------------------------------------------------------------------------
+
+@dataclass
+class FanoutCase:
+    label: str
+    router: Router
+    path: str
+    nodes: list[str]
+    target_ms: float | None
+    check: Callable[[bytes], None]
+    latencies: list[float] = field(default_factory=list)
+    cpu_s: float = 0.0
+
+
+def fanout_body(path: str) -> bytes:
+    return RELEASE_BODY if path == RELEASE else b""
+
+
+def answered_by_all(name: str, num_nodes: int) -> Callable[[bytes], None]:
+    """What each router says when every node answered: handoff and sglang-router count them."""
+    def check(answer: bytes) -> None:
+        if name == HANDOFF:
+            ok = json.loads(answer).get("total") == num_nodes
+        elif name == SGLANG_ROUTER:
+            ok = json.loads(answer).get("workers_flushed") == num_nodes
+        else:
+            ok = answer.startswith(b"Cache flushed")
+        if not ok:
+            raise RuntimeError(f"{name} did not reach all {num_nodes} nodes: {answer[:300]!r}")
+    return check
+
+
+async def fanout_call(client: UpstreamClient, case: FanoutCase) -> None:
+    case.check(await call(client, "POST", case.router.url + case.path, fanout_body(case.path), timeout=30))
+
+
+async def warm_up(client: UpstreamClient, case: FanoutCase) -> None:
+    """A few calls; a router may still be registering its workers (sglang-router does after it listens)."""
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            for _ in range(5):
+                await fanout_call(client, case)
+            return
+        except RuntimeError:
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.5)
+
+
+async def bench_fanout_once(client: UpstreamClient, cases: list[FanoutCase], rounds: int) -> list[dict[str, float]]:
+    baselines = sorted({(tuple(case.nodes), case.path) for case in cases})
+    direct: dict[Any, list[float]] = {key: [] for key in baselines}
+    single: dict[Any, list[float]] = {key: [] for key in baselines}
+    for case in cases:
+        case.latencies, case.cpu_s = [], 0.0
+        await warm_up(client, case)
+    for index in range(rounds):
+        for case in cases:
+            cpu_before = case.router.cpu_seconds()
+            started_at = time.perf_counter()
+            await fanout_call(client, case)
+            case.latencies.append(time.perf_counter() - started_at)
+            case.cpu_s += case.router.cpu_seconds() - cpu_before
+        for nodes, path in baselines:
+            body = fanout_body(path)
+            started_at = time.perf_counter()
+            await asyncio.gather(*(call(client, "POST", url + path, body) for url in nodes))
+            direct[(nodes, path)].append(time.perf_counter() - started_at)
+            for offset in range(3):
+                started_at = time.perf_counter()
+                await call(client, "POST", nodes[(3 * index + offset) % len(nodes)] + path, body)
+                single[(nodes, path)].append(time.perf_counter() - started_at)
+    return [{"cpu_ms": case.cpu_s / rounds * 1000, "lb_p50": p50_ms(case.latencies),
+             "one_p50": p50_ms(single[(tuple(case.nodes), case.path)]),
+             "direct_p50": p50_ms(direct[(tuple(case.nodes), case.path)])} for case in cases]
+
+
+async def bench_fanout(client: UpstreamClient, nodes: FakeNodes, names: list[str],
+                       args: argparse.Namespace) -> list[Row]:
+    instant, slow = nodes.of("instant"), nodes.of("slow")
+    stateless = nodes.of("instant", sends_state=False)
+    n = NUM_FANOUT_NODES
+    async with contextlib.AsyncExitStack() as stack:
+        lb = {key: (await stack.enter_async_context(started([HANDOFF], workers=urls)))[0]
+              for key, urls in (("instant", instant), ("slow", slow), ("stateless", stateless))}
+        check = answered_by_all(HANDOFF, n)
+        cases = [
+            FanoutCase(f"release, {n} instant nodes", lb["instant"], RELEASE, instant, INSTANT_OVERHEAD_TARGET_MS, check),
+            FanoutCase(f"release, {n} instant nodes, no state header", lb["stateless"], RELEASE, stateless, None, check),
+            FanoutCase(f"release, {n} nodes at 20 ms", lb["slow"], RELEASE, slow, SLOW_OVERHEAD_TARGET_MS, check),
+            FanoutCase(f"flush_cache, {n} instant nodes", lb["instant"], FLUSH, instant, INSTANT_OVERHEAD_TARGET_MS,
+                       check),
+            FanoutCase(f"flush_cache, {n} nodes at 20 ms", lb["slow"], FLUSH, slow, SLOW_OVERHEAD_TARGET_MS, check),
+        ]
+        for name in names:
+            if name != HANDOFF:
+                (rival,) = await stack.enter_async_context(started([name], workers=instant))
+                cases.append(FanoutCase(f"flush_cache, {n} instant nodes", rival, FLUSH, instant, None,
+                                        answered_by_all(name, n)))
+        runs = [await bench_fanout_once(client, cases, args.rounds) for _ in range(args.repeat)]
+    rows = []
+    for index, case in enumerate(cases):
+        figures = median_of([run[index] for run in runs])
+        figures["overhead"] = figures["lb_p50"] - figures["one_p50"]
+        target = "-"
+        if case.target_ms is not None:
+            target = f"overhead <= {case.target_ms:g} ms ({'met' if figures['overhead'] <= case.target_ms else 'MISSED'})"
+        rows.append(Row(case.label, case.router.name, figures, target))
+    return rows
+
+
+# -- output -------------------------------------------------------------------------------
+
+def print_table(columns: list[tuple[str, Callable[[Row], str]]], rows: list[Row]) -> None:
+    if not rows:
+        return
+    cells = [[render(row) for _, render in columns] for row in rows]
+    widths = [max(len(title), *(len(line[i]) for line in cells)) for i, (title, _) in enumerate(columns)]
+    print("| " + " | ".join(title.ljust(w) for (title, _), w in zip(columns, widths)) + " |")
+    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    for line in cells:
+        print("| " + " | ".join(cell.ljust(w) for cell, w in zip(line, widths)) + " |")
+    print()
+
+
+def ms(key: str, digits: int = 2) -> Callable[[Row], str]:
+    return lambda row: f"{row.figures[key]:.{digits}f} ms" if key in row.figures else "-"
+
+
+def print_report(generation: list[Row], fanout: list[Row]) -> None:
+    handoff_cpu = {row.case: row.figures["cpu_ms"] for row in generation if row.router == HANDOFF}
+    print_table([("case", lambda r: r.case), ("router", lambda r: r.router), ("CPU/request", ms("cpu_ms", 3)),
+                 ("vs handoff", lambda r: f"{r.figures['cpu_ms'] / handoff_cpu[r.case]:.2f}x"),
+                 ("p50", ms("p50")), ("direct p50", ms("direct_p50")), ("target", lambda r: r.target)], generation)
+    print_table([("case", lambda r: r.case), ("router", lambda r: r.router), ("CPU/call", ms("cpu_ms", 3)),
+                 ("p50", ms("lb_p50")), ("one node p50", ms("one_p50")), ("overhead p50", ms("overhead")),
+                 ("direct fan-out p50", ms("direct_p50")),
+                 ("vs direct fan-out", lambda r: f"{r.figures['lb_p50'] - r.figures['direct_p50']:+.2f} ms"),
+                 ("target", lambda r: r.target)], fanout)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--requests", type=int, default=3000, help="generation requests per case")
-    parser.add_argument("--rounds", type=int, default=60, help="fan-out rounds per case")
+    parser.add_argument("--requests", type=int, default=3000, help="generation requests per case and run")
+    parser.add_argument("--rounds", type=int, default=60, help="fan-out rounds per run")
     parser.add_argument("--concurrency", type=int, default=8, help="generation requests in flight at once")
-    parser.add_argument("--repeat", type=int, default=3, help="runs per case; each figure is their median")
+    parser.add_argument("--repeat", type=int, default=5, help="runs per case; each figure is their median")
+    parser.add_argument("--routers", default=f"{HANDOFF},{SGLANG_ROUTER},{VLLM_ROUTER}",
+                        help="comma-separated; handoff is always measured")
+    parser.add_argument("--cases", default="generation,fanout", help="comma-separated: generation, fanout")
     args = parser.parse_args()
-    modes = ["prefill", "decode", "decode_paced"] + ["instant"] * NUM_FANOUT_NODES + ["slow"] * NUM_FANOUT_NODES
-    parent, child = multiprocessing.Pipe()
-    nodes = multiprocessing.Process(target=serve_nodes, args=(modes, child), daemon=True)
-    nodes.start()
-    try:
-        ports = parent.recv()
+    cases = set(args.cases.split(","))
+    if not cases or not cases <= {"generation", "fanout"}:
+        parser.error(f"--cases takes generation and/or fanout, got {args.cases!r}")
+    names = [HANDOFF]
+    for name in args.routers.split(","):
+        if name in (SGLANG_ROUTER, VLLM_ROUTER):
+            if is_installed(name):
+                names.append(name)
+            else:
+                print(f"{name} is not installed (pip install -e '.[bench]'): skipped")
+        elif name != HANDOFF:
+            parser.error(f"unknown router {name!r}")
+    print(f"targets: fan-out overhead p50 (LB p50 - one node's p50) <= {INSTANT_OVERHEAD_TARGET_MS:g} ms to "
+          f"{NUM_FANOUT_NODES} instant nodes, <= {SLOW_OVERHEAD_TARGET_MS:g} ms to {NUM_FANOUT_NODES} nodes at 20 ms; "
+          "handoff's CPU per proxied request <= each other router's; PD CPU <= 0.25 ms non-stream, <= 0.45 ms stream")
+    print(f"{time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} at start")
+    specs = ([NodeSpec("prefill"), NodeSpec("decode"), NodeSpec("decode"), NodeSpec("decode_paced")]
+             + [NodeSpec("instant")] * NUM_FANOUT_NODES + [NodeSpec("slow")] * NUM_FANOUT_NODES
+             + [NodeSpec("instant", sends_state=False)] * NUM_FANOUT_NODES)
+    with FakeNodes(specs) as nodes:
         import uvloop
 
-        rows = uvloop.run(run(args, ports))
-    finally:
-        parent.send("stop")
-        nodes.join(10)
-    print_table(rows)
+        async def run() -> tuple[list[Row], list[Row]]:
+            client = UpstreamClient()
+            try:
+                return (await bench_generation(client, nodes, names, args) if "generation" in cases else [],
+                        await bench_fanout(client, nodes, names, args) if "fanout" in cases else [])
+            finally:
+                await client.aclose()
+
+        generation, fanout = uvloop.run(run())
+    print(f"{time.strftime('%Y-%m-%d %H:%M')}, load average {os.getloadavg()[0]:.2f} at the end")
+    print_report(generation, fanout)
 
 
 if __name__ == "__main__":

@@ -140,18 +140,20 @@ class FanOut:
         started = time.perf_counter()
         deadline = asyncio.get_running_loop().time() + timeout_s
         fences = [node.fence() if path in FENCING_PATHS else None for node in nodes]
+        states: dict[str, dict[str, Any] | None] = {}  # the nodes mostly answer the same state: parsed once
         results = await asyncio.gather(*(self._call_and_settle(node, fence, method, path, body, headers, timeout_s,
-                                                               deadline) for node, fence in zip(nodes, fences)))
+                                                               deadline, states) for node, fence in zip(nodes, fences)))
         duration_s = time.perf_counter() - started
         self._metrics.fanout_seconds.labels(path=path).observe(duration_s)
         return self._answer(method, path, results, duration_s)
 
     async def _call_and_settle(self, node: Node, fence: Fence | None, method: str, path: str, body: bytes,
-                               headers: Mapping[str, str], timeout_s: float, deadline: float) -> NodeResult:
+                               headers: Mapping[str, str], timeout_s: float, deadline: float,
+                               states: dict[str, dict[str, Any] | None]) -> NodeResult:
         """One node's call, then its state: from its answer, or a check within the deadline, or (for a node that
         did not answer, or whose check does not fit) a check in the background that the fence waits for."""
         try:
-            result, state = await self._call(node, method, path, body, headers, timeout_s)
+            result, state = await self._call(node, method, path, body, headers, timeout_s, states)
         except BaseException:
             if fence is not None:
                 fence.lift()
@@ -185,13 +187,15 @@ class FanOut:
         task.add_done_callback(self._background.discard)
 
     async def _call(self, node: Node, method: str, path: str, body: bytes, headers: Mapping[str, str],
-                    timeout_s: float) -> tuple[NodeResult, dict[str, Any] | None]:
-        """The node's result and the state its answer carried (None: no answer, or no state header)."""
+                    timeout_s: float, states: dict[str, dict[str, Any] | None]) -> tuple[NodeResult,
+                                                                                          dict[str, Any] | None]:
+        """The node's result and the state its answer carried (None: no answer, or no state header); ``states``
+        holds the header values already parsed in this fan-out."""
         try:
             response = await self._client.request(method, node.url + path, headers=headers, body=body,
                                                   timeout=timeout_s)
             async with response:
-                state = _node_state(response)
+                state = _node_state(response, states)
                 if not 200 <= response.status < 300:
                     raw = await response.read(MAX_FAILURE_DETAIL_BYTES)
                     return NodeResult(node, status=response.status, reason="http_status",
@@ -230,11 +234,19 @@ def _capped_text(raw: bytes) -> str:
     return raw[:MAX_FAILURE_DETAIL_BYTES].decode("utf-8", "replace")
 
 
-def _node_state(response: UpstreamResponse) -> dict[str, Any] | None:
-    """The state a sidecar put in its answer's header, if it is there and readable."""
+def _node_state(response: UpstreamResponse, parsed: dict[str, dict[str, Any] | None]) -> dict[str, Any] | None:
+    """The state a sidecar put in its answer's header, if it is there and readable; each distinct value is
+    parsed once into ``parsed``, and nodes that sent the same value share the dict (nothing mutates a node's
+    state: a new one replaces it)."""
     value = response.header(NODE_STATE_HEADER)
     if value is None:
         return None
+    if value not in parsed:
+        parsed[value] = _parse_state(value)
+    return parsed[value]
+
+
+def _parse_state(value: str) -> dict[str, Any] | None:
     try:
         state = loads_bounded(value.encode("latin-1"), max_bytes=MAX_NODE_STATE_HEADER_BYTES)
     except (PeerJSONError, UnicodeEncodeError):

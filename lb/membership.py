@@ -63,6 +63,7 @@ class Node:
         self._inflight_gauge = metrics.node_inflight.labels(**labels)
         self._healthy_gauge = metrics.node_healthy.labels(**labels)
         self._serving_gauge = metrics.node_serving.labels(**labels)
+        self._published = (0, 0)  # (healthy, routable) as the gauges show them; a new labelled gauge shows 0
 
     @property
     def is_removed(self) -> bool:
@@ -117,10 +118,15 @@ class Node:
         self._update_gauges()
 
     def _update_gauges(self) -> None:
+        """Publish what changed (a fan-out touches every node's state three times; most leave it as it was)."""
         if self.is_removed:
             return
-        self._healthy_gauge.set(1 if self.health is NodeHealth.HEALTHY else 0)
-        self._serving_gauge.set(1 if self.is_routable else 0)
+        healthy, routable = int(self.health is NodeHealth.HEALTHY), int(self.is_routable)
+        if healthy != self._published[0]:
+            self._healthy_gauge.set(healthy)
+        if routable != self._published[1]:
+            self._serving_gauge.set(routable)
+        self._published = (healthy, routable)
 
     def mark_seen(self) -> None:
         self.last_seen = time.time()

@@ -114,6 +114,30 @@ def test_router_skips_fenced_and_released_and_falls_back_to_holding_nodes() -> N
     assert router.pick(Role.MIXED) is fenced
 
 
+def test_node_gauges_follow_health_fences_and_serving() -> None:
+    metrics = LBMetrics()
+    node = Membership(metrics).add(NodeSpec("http://a:1"), "test")
+
+    def gauges() -> tuple[float | None, float | None]:
+        labels = {"node": node.url, "role": "mixed"}
+        return (metrics.registry.get_sample_value("handoff_lb_node_healthy", labels),
+                metrics.registry.get_sample_value("handoff_lb_node_serving", labels))
+
+    assert gauges() == (0, 0)
+    node.set_health(NodeHealth.HEALTHY)
+    assert gauges() == (1, 0)
+    node.set_serving(True, "open")
+    assert gauges() == (1, 1)
+    fences = [node.fence(), node.fence()]
+    assert gauges() == (1, 0)
+    fences[0].lift()
+    assert gauges() == (1, 0)  # one fence left
+    fences[1].lift()
+    assert gauges() == (1, 1)
+    node.set_health(NodeHealth.UNHEALTHY)
+    assert gauges() == (0, 0)
+
+
 # -- PD -------------------------------------------------------------------------------
 
 def test_batch_size_follows_sglang() -> None:

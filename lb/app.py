@@ -2,12 +2,12 @@
 
 Hot paths take the raw :class:`Request` and forward bytes; pydantic parses only
 the bodies the LB itself interprets (``POST /nodes``). The three generation
-paths are served by :class:`GenerationEndpoints`, a middleware in front of
-FastAPI's router: the router's matching, exit stacks and dependency solving
-cost about 70 us of the LB's CPU per request (0.23 -> 0.15 ms for a PD
-``/generate``, bench/lb_bench.py), and these paths need none of it. Their
-FastAPI routes exist for ``GET /openapi.json`` (every route of the LB is
-documented there, bodies from :mod:`lb.openapi`); the middleware answers first.
+paths do not go through FastAPI at all (:class:`LBApp`): its router's matching,
+exit stacks and dependency solving cost about 70 us of the LB's CPU per request
+(0.23 -> 0.15 ms for a PD ``/generate``, bench/lb_bench.py), its outer layers
+(error, telemetry and body-limit middleware) about 10 us more, and these paths
+need none of it. Their FastAPI routes exist for ``GET /openapi.json`` (every
+route of the LB is documented there, bodies from :mod:`lb.openapi`).
 """
 
 from __future__ import annotations
@@ -88,28 +88,17 @@ class RequestMetrics:
             child.inc()
 
 
-class GenerationEndpoints:
-    """``POST /generate``, ``/v1/completions``, ``/v1/chat/completions``, straight to the proxy.
+class GenerationEndpoint:
+    """``POST /generate``, ``/v1/completions``, ``/v1/chat/completions``, straight to the proxy. Errors become the
+    envelope here, as FastAPI's handlers would make them."""
 
-    Everything else goes on to FastAPI. Errors become the envelope here, as
-    FastAPI's handlers would make them.
-    """
-
-    def __init__(self, app: ASGIApp, *, handle: Callable[[Request, str], Awaitable[Response]],
-                 api_key: BearerToken, admin: BearerToken) -> None:
-        self.app = app
+    def __init__(self, *, handle: Callable[[Request, str], Awaitable[Response]], api_key: BearerToken,
+                 admin: BearerToken) -> None:
         self._handle = handle
         self._api_key = api_key
         self._admin = admin
-        self._endpoint = UnexpectedErrorMiddleware(self._serve)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] in GENERATION_PATHS:
-            await self._endpoint(scope, receive, send)
-        else:
-            await self.app(scope, receive, send)
-
-    async def _serve(self, scope: Scope, receive: Receive, send: Send) -> None:
         request = Request(scope, receive, send)
         try:
             if scope["method"] != "POST":
@@ -120,6 +109,19 @@ class GenerationEndpoints:
         except ServiceError as exc:
             response = exc.to_response()
         await response(scope, receive, send)
+
+
+class LBApp(FastAPI):
+    """FastAPI for every route but the generation paths, which go to :attr:`generation`: the same request
+    metrics and body limit around a :class:`GenerationEndpoint`, and none of FastAPI's layers."""
+
+    generation: ASGIApp
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] in GENERATION_PATHS:
+            await self.generation(scope, receive, send)
+        else:
+            await super().__call__(scope, receive, send)
 
 
 def _role_param(request: Request) -> Role | None:
@@ -146,7 +148,7 @@ def _timeout_param(request: Request, config: LBConfig) -> float:
     return timeout_s
 
 
-def create_app(config: LBConfig, *, resolver: Resolver | None = None) -> FastAPI:
+def create_app(config: LBConfig, *, resolver: Resolver | None = None) -> LBApp:
     """The LB as an ASGI app; its cluster starts and stops with the app's lifespan."""
     metrics = LBMetrics()
     cluster = Cluster(config, metrics, resolver=resolver)
@@ -160,19 +162,21 @@ def create_app(config: LBConfig, *, resolver: Resolver | None = None) -> FastAPI
         finally:
             await cluster.stop()
 
-    app = FastAPI(title="handoff lb", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
+    app = LBApp(title="handoff lb", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
                   description="One URL for the cluster: control calls fanned out to every node, generation "
                               "routed to one.")
     install_error_handlers(app)
-    # the last added is the outermost: metrics, then the body limit, then generation, then FastAPI's router
+    # the last added is the outermost: metrics, then the body limit, then FastAPI's router
+    app.add_middleware(BodyLimitMiddleware, max_body_bytes=config.max_body_bytes, body_timeout_s=config.body_timeout_s)
+    app.add_middleware(RequestMetrics, metrics=metrics)
 
     async def generate(request: Request, path: str) -> Response:
         return await cluster.proxy.handle(request, path)
 
     api_key = BearerToken(config.api_key)
-    app.add_middleware(GenerationEndpoints, handle=generate, api_key=api_key, admin=admin)
-    app.add_middleware(BodyLimitMiddleware, max_body_bytes=config.max_body_bytes, body_timeout_s=config.body_timeout_s)
-    app.add_middleware(RequestMetrics, metrics=metrics)
+    endpoint = UnexpectedErrorMiddleware(GenerationEndpoint(handle=generate, api_key=api_key, admin=admin))
+    app.generation = RequestMetrics(BodyLimitMiddleware(endpoint, max_body_bytes=config.max_body_bytes,
+                                                        body_timeout_s=config.body_timeout_s), metrics=metrics)
 
     def control_route(path: str) -> Callable[[Request], Awaitable[Response]]:
         async def control(request: Request) -> Response:
@@ -198,12 +202,12 @@ def create_app(config: LBConfig, *, resolver: Resolver | None = None) -> FastAPI
 
     def generation_route(path: str) -> Callable[[Request], Awaitable[Response]]:
         async def generation(request: Request) -> Response:
-            """Never reached while GenerationEndpoints answers this path first; routes it the same way."""
+            """Never reached (:class:`LBApp` sends these paths to its generation endpoint); routes it the same way."""
             api_key.check(request, also=admin)
             return await generate(request, path)
         return generation
 
-    for path in GENERATION_PATHS:  # in the schema; served by the GenerationEndpoints middleware
+    for path in GENERATION_PATHS:  # in the schema; served by LBApp.generation
         app.add_api_route(path, generation_route(path), methods=["POST"],
                           openapi_extra={**openapi_body(GENERATION_BODIES[path]), **GENERATION_RESPONSES})
 

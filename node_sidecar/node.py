@@ -21,7 +21,7 @@ from node_sidecar.admission import Admission
 from node_sidecar.config import SidecarConfig
 from node_sidecar.engine_client import EngineClient
 from node_sidecar.engines import EngineAdapter, EngineKind, create_adapter, detect_kind
-from node_sidecar.errors import EngineUnavailable, NotServing
+from node_sidecar.errors import EngineRefused, EngineUnavailable, NotServing
 from node_sidecar.metrics import SidecarMetrics
 from node_sidecar.state import TAGS, NodeState, TagState
 
@@ -93,10 +93,17 @@ class Node:
 
     async def sync(self) -> None:
         """Re-read the node's state from the engine (raises EngineUnavailable)."""
-        if self.adapter is None:
-            self.adapter = self._adapter_for(await detect_kind(self.engine))
-            log.info("engine kind: %s", self.adapter.kind.value)
-        view = await self.adapter.read_view()
+        try:
+            if self.adapter is None:
+                self.adapter = self._adapter_for(await detect_kind(self.engine))
+                log.info("engine kind: %s", self.adapter.kind.value)
+            view = await self.adapter.read_view()
+        except (EngineRefused, EngineUnavailable) as exc:
+            if self.last_error != exc.message:
+                log.warning("the engine's state cannot be read: %s", exc.message)
+            self.last_error = exc.message
+            raise EngineUnavailable(f"the engine's state cannot be read: {exc.message}",
+                                    retry_after=self.config.retry_after_s) from exc
         was_reachable = self.state.is_engine_reachable
         self.state.sync(view)
         self.state.is_engine_reachable = True

@@ -1,6 +1,6 @@
 """A cluster on this machine: N nodes (engine + sidecar) and one LB, all on loopback.
 
-Engines start in parallel (loading a model is the slow part), then their
+Engines (handoff's, or vLLM servers) start in parallel (loading a model is the slow part), then their
 sidecars, then the LB with every sidecar as a node. ``stop`` stops the LB, the
 sidecars and the engines in that order and leaves no process behind.
 """
@@ -12,9 +12,14 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from handoff.cluster.process import ServerProcess
+import httpx
+
+from handoff.cluster.process import ServerProcess, wait_until
+from handoff.cluster.vllm import VLLM_START_TIMEOUT_S, VllmProcess
 
 log = logging.getLogger(__name__)
+
+ENGINE_KINDS = ("handoff", "vllm")  # what a local cluster can start (SGLang needs a GPU and its own launcher)
 
 
 @dataclass(frozen=True)
@@ -40,6 +45,7 @@ class ClusterSpec:
     lb_args: tuple[str, ...] = ()
     host: str = "127.0.0.1"
     free_memory_override_files: tuple[str | None, ...] = ()
+    engine_kinds: tuple[str, ...] = ()   # per node, by index: "handoff" (the default) or "vllm" (a local folder)
 
     def __post_init__(self) -> None:
         for name in ("num_mixed", "num_prefill", "num_decode"):
@@ -51,6 +57,11 @@ class ClusterSpec:
             raise ValueError("prefill and decode nodes come together: give both --prefill and --decode")
         if self.weights_backup not in ("none", "cpu", "disk"):
             raise ValueError(f"weights_backup must be none, cpu or disk, got {self.weights_backup!r}")
+        if len(self.engine_kinds) > self.num_nodes or set(self.engine_kinds) - set(ENGINE_KINDS):
+            raise ValueError(f"engine_kinds {list(self.engine_kinds)}: at most one per node, each one of "
+                             f"{', '.join(ENGINE_KINDS)}")
+        if "vllm" in self.engine_kinds and not Path(self.model_path).is_dir():
+            raise ValueError(f"vLLM nodes need a local model folder (--model-path DIR), got {self.model_path!r}")
         if len(self.free_memory_override_files) > self.num_nodes:
             raise ValueError(f"free_memory_override_files has {len(self.free_memory_override_files)} entries "
                              f"for {self.num_nodes} nodes")
@@ -61,6 +72,9 @@ class ClusterSpec:
 
     def roles(self) -> list[str]:
         return ["mixed"] * self.num_mixed + ["prefill"] * self.num_prefill + ["decode"] * self.num_decode
+
+    def engine_kind(self, index: int) -> str:
+        return self.engine_kinds[index] if index < len(self.engine_kinds) else "handoff"
 
 
 @dataclass
@@ -116,19 +130,29 @@ class LocalCluster:
             env["CUDA_VISIBLE_DEVICES"] = str(index % max(1, _num_gpus()))
         return args + list(spec.engine_args), env
 
+    def _engine(self, index: int) -> ServerProcess:
+        spec = self.spec
+        name = f"node{index}-engine"
+        if spec.engine_kind(index) == "vllm":
+            env = {} if spec.device == "cpu" else {"CUDA_VISIBLE_DEVICES": str(index % max(1, _num_gpus()))}
+            return VllmProcess(spec.model_path, log_dir=self.log_dir, name=name, device=spec.device, host=spec.host,
+                               env=env)
+        args, env = self._engine_args(index)
+        return ServerProcess("node_engine", args, log_dir=self.log_dir, name=name, env=env, host=spec.host)
+
     def start(self, *, timeout: float = 300.0) -> "LocalCluster":
         spec = self.spec
         try:
             engines = []
             for index, role in enumerate(spec.roles()):
-                args, env = self._engine_args(index)
-                engine = ServerProcess("node_engine", args, log_dir=self.log_dir, name=f"node{index}-engine",
-                                       env=env, host=spec.host)
+                engine = self._engine(index)
                 self._launched.append(engine.launch())
                 engines.append((index, role, engine))
             for index, role, engine in engines:
-                engine.wait_ready(timeout=timeout)
-                sidecar_args = ["--engine-url", engine.url, "--role", role, *spec.sidecar_args]
+                engine.wait_ready(timeout=max(timeout, VLLM_START_TIMEOUT_S) if isinstance(engine, VllmProcess)
+                                  else timeout)
+                sidecar_args = ["--engine-url", engine.url, "--engine-kind", spec.engine_kind(index), "--role", role,
+                                *spec.sidecar_args]
                 if spec.hold_requests:
                     sidecar_args.append("--hold-requests")
                 sidecar = ServerProcess("node_sidecar", sidecar_args, log_dir=self.log_dir,
@@ -137,6 +161,9 @@ class LocalCluster:
                 self.nodes.append(NodeProcesses(f"node{index}", role, engine, sidecar))
             for node in self.nodes:
                 node.sidecar.wait_ready(timeout=timeout)
+                # serving, not only up: the sidecar has read its engine's state (seconds for a vLLM engine)
+                wait_until(lambda url=node.url: httpx.get(url + "/ready", timeout=5).status_code == 200,
+                           timeout=timeout, what=f"{node.name} serving")
             lb_args = ["--health-interval", "1", *spec.lb_args]
             for node in self.nodes:
                 flag = {"mixed": "--node", "prefill": "--prefill", "decode": "--decode"}[node.role]
@@ -156,9 +183,9 @@ class LocalCluster:
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stop everything, front to back (LB, sidecars, engines); SIGKILL whatever outlives ``timeout``."""
-        rank = {"lb": 0, "node_sidecar": 1, "node_engine": 2}
+        rank = {"lb": 0, "node_sidecar": 1}
         for level in range(3):
-            group = [p for p in self._launched if rank[p.module] == level]
+            group = [p for p in self._launched if rank.get(p.module, 2) == level]  # engines of any kind last
             for proc in group:
                 proc.terminate()
             for proc in group:

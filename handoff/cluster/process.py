@@ -93,8 +93,7 @@ class ServerProcess:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self._port_file.unlink(missing_ok=True)
         use_port = port if port is not None else (self.port or 0)
-        argv = [*self.wrapper, sys.executable, "-m", self.module, *self.args, "--host", self.host,
-                "--port", str(use_port), "--port-file", str(self._port_file)]
+        argv = self.command(use_port)
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **(self.env or {})}
         with open(self.log_path, "ab") as log:
             log.write(f"\n=== start #{self._num_starts}: {' '.join(_redacted(argv))}\n".encode())
@@ -102,6 +101,11 @@ class ServerProcess:
             self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=self.cwd,
                                          start_new_session=True)
         return self
+
+    def command(self, port: int) -> list[str]:
+        """The command line that starts the service on ``port`` (0: any, written to the port file)."""
+        return [*self.wrapper, sys.executable, "-m", self.module, *self.args, "--host", self.host,
+                "--port", str(port), "--port-file", str(self._port_file)]
 
     def wait_ready(self, *, timeout: float = 120.0) -> "ServerProcess":
         """Wait for the port file and a 200 on the health path; kill and raise on the deadline."""

@@ -17,8 +17,9 @@ def banner(cluster: LocalCluster, out: TextIO) -> None:
     lb = cluster.url
     auth = ' -H "Authorization: Bearer $HANDOFF_ADMIN_TOKEN"' if spec.admin_token else ""
     gen_auth = ' -H "Authorization: Bearer $HANDOFF_API_KEY"' if spec.api_key else ""
-    print(f"\nhandoff cluster up: {spec.num_nodes} node(s), model {spec.model_path} on {spec.device}, "
-          f"weights backup {spec.weights_backup}", file=out)
+    kinds = sorted({spec.engine_kind(i) for i in range(spec.num_nodes)})
+    print(f"\nhandoff cluster up: {spec.num_nodes} node(s) ({', '.join(kinds)}), model {spec.model_path} on "
+          f"{spec.device}, weights backup {spec.weights_backup}", file=out)
     print(f"  LB        {lb}", file=out)
     for node in cluster.nodes:
         print(f"  {node.name:<9} {node.sidecar.url}  (role {node.role}; engine {node.engine.url})", file=out)

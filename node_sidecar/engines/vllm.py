@@ -1,0 +1,229 @@
+"""A vLLM OpenAI server behind the sidecar, through its dev endpoints (``VLLM_SERVER_DEV_MODE=1``).
+
+vLLM sleeps as a whole: ``POST /sleep?level=1`` offloads the weights to host
+memory and discards the KV cache, ``level=2`` discards both;
+``POST /wake_up?tags=weights`` / ``tags=kv_cache`` brings them back in the
+order asked, and scheduling resumes once nothing sleeps. So:
+
+- releasing ``weights`` releases ``kv_cache`` with it (both are reported);
+- releasing ``kv_cache`` alone sleeps at level 1 and wakes the weights at once
+  (vLLM's ``/release_kv_cache_memory`` fails on CPU and leaves
+  ``/is_sleeping`` true, so it is not used);
+- the level: 1 with ``stage_to_cpu: true``, 2 with ``false``, else
+  ``--vllm-sleep-level`` (default 1). After level 2 the weights are gone: the
+  node refuses generation (``weights_not_loaded``) until a reload;
+- ``cuda_graph`` and ``workspace`` have no region of their own in vLLM: their
+  state is the sidecar's and they free nothing.
+
+On vLLM's own, ``/sleep`` aborts or waits for the requests it runs and a
+request sent while it sleeps hangs until a wake-up; behind the sidecar
+generation is drained (or aborted) first and refused with 503 while
+released. On CPU, vLLM refuses ``--enable-sleep-mode`` but its sleep
+endpoints still answer and keep the state: they free nothing there (measured:
+the process RSS does not move).
+
+Reload (``update_weights_from_disk``): the checkpoint is checked by the
+sidecar first (a reload vLLM cannot finish leaves its parameters on the meta
+device and the next request kills the engine), released weights are woken,
+then ``POST /collective_rpc {"method": "reload_weights"}``, the weight
+version set with ``/update_weight_version``, the prefix cache reset.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+from urllib.parse import urlencode
+
+from handoff.protocol import errors as E
+from handoff.protocol.engines import EngineKind
+from handoff.protocol.tags import TAG_NAMES, TagState
+from handoff.service.errors import Conflict, Unsupported
+from node_sidecar.engines.base import EngineView, GenerationCall, MemoryChange, TagMeaning, tags_named
+from node_sidecar.engines.foreign import ForeignEngine
+from node_sidecar.engines.vllm_generate import Translator, to_completion
+from node_sidecar.errors import EngineRefused, EngineUnavailable
+
+INFO_TIMEOUT_S = 30.0        # vLLM's first /server_info collects its environment: seconds
+WEIGHTS, KV_CACHE = "weights", "kv_cache"
+SLEEPING_TAGS = (WEIGHTS, KV_CACHE)
+
+
+class VllmEngine(ForeignEngine):
+    kind = EngineKind.VLLM
+    tag_meanings = {
+        WEIGHTS: TagMeaning(WEIGHTS, "the model's parameters: sleep level 1 keeps them in host memory, level 2 "
+                                     "discards them (reload before serving); vLLM sleeps them with kv_cache"),
+        KV_CACHE: TagMeaning(KV_CACHE, "the KV cache, discarded; alone, by sleeping at level 1 and waking the "
+                                       "weights at once"),
+        "cuda_graph": TagMeaning(None, "no region of its own in vLLM: tracked by the sidecar, frees nothing"),
+        "workspace": TagMeaning(None, "no region of its own in vLLM: tracked by the sidecar, frees nothing"),
+    }
+
+    def __init__(self, engine: Any, *, default_sleep_level: int = 1) -> None:
+        super().__init__(engine)
+        self.default_sleep_level = default_sleep_level
+        self.level = 0                 # the level of the sleep the weights went to (0: not asleep)
+        self.weights_discarded = False  # woken after a level-2 sleep, not reloaded since
+        self.sleep_mode = False
+        self.weight_version: str | None = None
+        self.version: str | None = None
+
+    async def read_view(self) -> EngineView:
+        try:
+            info = await self.engine.call("GET", "/server_info?config_format=json", timeout=INFO_TIMEOUT_S)
+        except EngineRefused as exc:
+            if exc.status != 404:
+                raise
+            raise EngineUnavailable("vLLM's dev endpoints are off: start vLLM with VLLM_SERVER_DEV_MODE=1",
+                                    retry_after=5) from exc
+        sleeping = (await self.engine.call("GET", "/is_sleeping", timeout=INFO_TIMEOUT_S)).get("is_sleeping") is True
+        config = info.get("vllm_config") if isinstance(info.get("vllm_config"), dict) else {}
+        model = config.get("model_config") if isinstance(config.get("model_config"), dict) else {}
+        device = config.get("device_config") if isinstance(config.get("device_config"), dict) else {}
+        if self.adopt_instance(config.get("instance_id")):
+            self.level, self.weights_discarded = 0, False
+        self.device = str(device.get("device") or "cuda")
+        self.sleep_mode = model.get("enable_sleep_mode") is True
+        self.model_path = model.get("model") if isinstance(model.get("model"), str) else None
+        self._adopt_sleeping(sleeping)
+        version = (await self.engine.call("GET", "/weight_info", timeout=INFO_TIMEOUT_S)).get("weight_version")
+        self.weight_version = version if isinstance(version, str) else None
+        self.version = (await self.engine.call("GET", "/version", timeout=INFO_TIMEOUT_S)).get("version")
+        usable = self.sleep_mode or self.device == "cpu"  # on CPU the sleep endpoints answer, freeing nothing
+        return EngineView(
+            tags={t: TagState.RELEASED if t in self.released else TagState.RESIDENT for t in TAG_NAMES},
+            weights_valid=not self.weights_discarded, weight_version=self.weight_version,
+            weights_backup="cpu" if self.default_sleep_level == 1 else "none",
+            memory_saver="vllm_sleep" if usable else "off", can_stage_weights=True)
+
+    def _adopt_sleeping(self, sleeping: bool) -> None:
+        """Square what this adapter remembers with ``/is_sleeping``. Asleep with nothing remembered (the
+        sidecar restarted): everything counts as released, at the worst level. Awake while it remembers a
+        sleep: someone woke vLLM directly; its weights count as lost if they slept at level 2."""
+        asleep = self.released & set(SLEEPING_TAGS)
+        if sleeping and not asleep:
+            self.released = set(TAG_NAMES)
+            self.level = 2
+        elif not sleeping and asleep:
+            self.released -= set(SLEEPING_TAGS)
+            self.weights_discarded = self.weights_discarded or self.level == 2
+            self.level = 0
+
+    def release_set(self, asked: list[str], resident: list[str]) -> list[str]:
+        wanted = set(asked)
+        if WEIGHTS in wanted and KV_CACHE in resident:
+            wanted.add(KV_CACHE)  # vLLM cannot sleep the weights and keep the KV cache
+        return [t for t in TAG_NAMES if t in wanted]
+
+    async def release(self, tags: list[str], *, stage_to_cpu: bool | None) -> MemoryChange:
+        level = 1 if stage_to_cpu else 2 if stage_to_cpu is False else self.default_sleep_level
+        engine_tags = tags_named(self.tag_meanings, [t for t in tags if t not in self.released])
+        change: dict[str, int] = {}
+        measured_by = None
+        if WEIGHTS in engine_tags:
+            if KV_CACHE in self.released:  # asleep alone: woken, so that both go to sleep together
+                await self._wake([KV_CACHE])
+            _, change, measured_by = await self.measured(lambda: self._sleep(level), [WEIGHTS, KV_CACHE])
+            self.level = level
+        elif engine_tags:  # kv_cache alone
+            async def kv_only() -> None:
+                await self._sleep(1)
+                await self._wake([WEIGHTS])
+            _, change, measured_by = await self.measured(kv_only, [KV_CACHE])
+        self.released.update(tags)
+        return MemoryChange(tags, change, measured_by)
+
+    async def resume(self, tags: list[str]) -> MemoryChange:
+        engine_tags = [t for t in tags_named(self.tag_meanings, tags) if t in self.released]
+        change: dict[str, int] = {}
+        measured_by = None
+        if engine_tags:
+            _, change, measured_by = await self.measured(lambda: self._wake(engine_tags), engine_tags,
+                                                         restoring=True)
+            if WEIGHTS in engine_tags and self.level == 2:
+                self.weights_discarded = True
+        self.released.difference_update(tags)
+        if not self.released & set(SLEEPING_TAGS):
+            self.level = 0
+        return MemoryChange(tags, change, measured_by, weights_valid=not self.weights_discarded)
+
+    async def _sleep(self, level: int) -> None:
+        # mode=wait: anything vLLM still runs (the sidecar drained already) finishes rather than being cut
+        await self.engine.call("POST", f"/sleep?level={level}&mode=wait")
+
+    async def _wake(self, engine_tags: list[str]) -> None:
+        await self.engine.call("POST", "/wake_up?" + urlencode([("tags", t) for t in engine_tags]))
+
+    # -- generation -------------------------------------------------------------------------------------------
+    def generation_call(self, path: str, body: bytes, query: str) -> GenerationCall:
+        if path != "/generate":
+            return super().generation_call(path, body, query)
+        completion, request = to_completion(body)
+        translator = Translator(request, lambda: self.weight_version)
+        return GenerationCall("/v1/completions", completion, answer=translator.answer, stream=translator.stream)
+
+    async def abort(self, *, rid: str | None, abort_all: bool) -> dict[str, Any]:
+        # vLLM's id for the one prompt of a completion with request_id R is "cmpl-R-0"; [] aborts everything
+        ids = [] if abort_all else [f"cmpl-{rid}-0"]
+        answer = await self.engine.call("POST", "/abort_requests", {"request_ids": ids})
+        return {"success": True, "aborted": answer.get("aborted")}
+
+    async def health_generate(self) -> str | None:
+        await self.engine.call("POST", "/v1/completions", {"prompt": [0], "max_tokens": 1, "temperature": 0},
+                               timeout=30)
+        return self.weight_version
+
+    # -- weights and cache ------------------------------------------------------------------------------------
+    async def check_weights(self, body: dict[str, Any]) -> dict[str, Any]:
+        if body.get("load_format") not in (None, "auto", "safetensors"):
+            raise Unsupported(f"load_format {body['load_format']!r} is not supported on vLLM nodes (safetensors "
+                              "checkpoints only)", extra={"field": "load_format"})
+        await self.check_checkpoint(body["model_path"])
+        return {"success": True, "dry_run": True, "message": f"{body['model_path']} can be loaded"}
+
+    async def update_weights_from_disk(self, body: dict[str, Any]) -> dict[str, Any]:
+        resumed = []
+        if WEIGHTS in self.released:
+            await self._wake([WEIGHTS])
+            self.released.discard(WEIGHTS)
+            resumed.append(WEIGHTS)
+        started = time.perf_counter()
+        try:
+            await self.engine.call("POST", "/collective_rpc", {
+                "method": "reload_weights", "kwargs": {"weights_path": body["model_path"]}})
+        except EngineRefused as exc:
+            self.weights_discarded = True  # a reload that failed part way leaves no usable weights
+            raise EngineRefused(exc.status, {"error": {
+                "type": E.ENGINE_FAILED.name, "resumed": resumed,
+                "message": f"vLLM's reload_weights failed; its weights are not usable until a reload succeeds: "
+                           f"{exc.message}"}}) from exc
+        self.weights_discarded = False
+        self.level = 0 if WEIGHTS in resumed else self.level
+        self.model_path = body["model_path"]
+        if body.get("weight_version") is not None:
+            await self.engine.call("POST", "/update_weight_version", {"new_version": body["weight_version"]})
+            self.weight_version = body["weight_version"]
+        if KV_CACHE not in self.released:
+            await self.engine.call("POST", "/reset_prefix_cache")  # prefixes computed with the old weights
+        return {"success": True, "weight_version": self.weight_version, "resumed": resumed,
+                "message": f"reloaded {body['model_path']} in {time.perf_counter() - started:.3f}s"}
+
+    async def flush_cache(self, timeout: float) -> dict[str, Any]:
+        """``POST /reset_prefix_cache`` until it succeeds (it fails while running requests hold blocks)."""
+        deadline = time.monotonic() + timeout
+        delay = 0.02
+        while True:
+            if (await self.engine.call("POST", "/reset_prefix_cache")).get("success") is True:
+                return {"success": True, "message": "prefix cache reset"}
+            if time.monotonic() + delay > deadline:
+                raise Conflict(f"vLLM could not reset its prefix cache within {timeout:g}s (running requests hold "
+                               "blocks)", kind=E.REQUESTS_IN_FLIGHT)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.5)
+
+    async def server_info(self) -> dict[str, Any] | None:
+        return {"engine_kind": self.kind.value, "version": self.version, "model_path": self.model_path,
+                "device": self.device, "enable_sleep_mode": self.sleep_mode, "sleep_level": self.default_sleep_level,
+                "weight_version": self.weight_version}

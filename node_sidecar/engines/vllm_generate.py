@@ -1,0 +1,334 @@
+"""SGLang's ``POST /generate`` served by vLLM: the request as a completion with token ids, the answer back in
+SGLang's shape, so an RL client that speaks SGLang works against a vLLM node.
+
+Request (SGLang ``GenerateReqInput``, ``sampling_params`` as in SGLang's
+``SamplingParams``) → ``POST /v1/completions`` with ``return_token_ids`` (and
+``return_tokens_as_token_ids`` for logprobs, so every token is an id, never a
+string to guess from). A field vLLM cannot honour is a 400 ``unsupported``
+naming it, never silently dropped; PD routing fields the LB adds
+(``bootstrap_*``) are accepted and unused, as a mixed engine does.
+
+Answer (SGLang 0.5.23, ``managers/tokenizer_manager.py:2506-2669``):
+``{"text", "output_ids", "meta_info": {"id", "finish_reason", "prompt_tokens",
+"completion_tokens", "cached_tokens", "weight_version", logprobs...}}``, a
+list for a batch. ``finish_reason``: ``{"type": "length", "length": n}``,
+``{"type": "stop", "matched": token id or string}`` (vLLM's ``stop_reason``;
+the last token, the EOS, when vLLM gives none), ``{"type": "abort", "message"}``.
+Logprobs: ``output_token_logprobs`` ``[[logprob, token_id, null], ...]``,
+``output_top_logprobs`` (per position, or null), ``input_token_logprobs``
+from ``logprob_start_len`` (the first prompt token's logprob is null),
+``input_top_logprobs``. A stream repeats the whole text, ids and logprobs so
+far in every event (SGLang's default, ``incremental_streaming_output`` off),
+with ``index`` for a batch, then ``data: [DONE]``.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from handoff.protocol.sse import DONE, EventSplitter, data_event, event_data
+from handoff.protocol import errors as E
+from handoff.service.errors import InvalidRequest, ServiceError, Unsupported, parse_json_bytes
+from handoff.service.peer_json import PeerJSONError, loads_bounded
+from handoff.service.relay import ChunkTransform
+
+# SGLang sampling_params → vLLM completion fields (SGLang's defaults where vLLM's differ: max_new_tokens 128)
+SAMPLING_FIELDS = {
+    "max_new_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+    "min_p": "min_p", "frequency_penalty": "frequency_penalty", "presence_penalty": "presence_penalty",
+    "repetition_penalty": "repetition_penalty", "min_new_tokens": "min_tokens", "stop": "stop",
+    "stop_token_ids": "stop_token_ids", "ignore_eos": "ignore_eos", "skip_special_tokens": "skip_special_tokens",
+    "spaces_between_special_tokens": "spaces_between_special_tokens", "no_stop_trim": "include_stop_str_in_output",
+    "logit_bias": "logit_bias", "seed": "seed", "sampling_seed": "seed",
+}
+SGLANG_MAX_NEW_TOKENS = 128
+# Request fields with their "not asked" values; anything else set is refused (400 unsupported).
+PASSIVE_FIELDS: dict[str, tuple[Any, ...]] = {
+    "input_embeds": (None,), "image_data": (None,), "video_data": (None,), "audio_data": (None,),
+    "token_ids_logprob": (None,), "return_hidden_states": (None, False), "return_routed_experts": (None, False),
+    "lora_path": (None,), "lora_id": (None,), "custom_logit_processor": (None,), "session_params": (None,),
+    "return_sampling_mask": (None, False), "return_flat_raw_top_logprobs": (None, False),
+    "return_flat_raw_output_top_logprobs": (None, False), "return_flat_raw_top_logprobs_b64": (None, False),
+    "data_parallel_rank": (None,), "priority": (None, 0), "extra_key": (None,),
+}
+IGNORED_FIELDS = frozenset({"bootstrap_host", "bootstrap_port", "bootstrap_room", "bootstrap_pair_key",
+                            "modalities", "log_metrics", "stream_options"})
+KNOWN_FIELDS = frozenset({"text", "input_ids", "sampling_params", "stream", "rid", "return_logprob",
+                          "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs"})
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """What the answer's translation needs to know of the request."""
+
+    is_batch: bool
+    rid: str | None
+    return_logprob: bool
+    top_logprobs_num: int
+    logprob_start_len: int
+
+
+def to_completion(raw: bytes) -> tuple[bytes, GenerateRequest]:
+    """An SGLang ``/generate`` body as a vLLM ``/v1/completions`` body; 400 for what cannot be served."""
+    body = parse_json_bytes(raw)
+    if not isinstance(body, dict):
+        raise InvalidRequest("the body must be a JSON object")
+    _refuse_unknown(body)
+    prompts, is_batch = _prompts(body)
+    params = body.get("sampling_params") or {}
+    if not isinstance(params, dict):
+        raise Unsupported("sampling_params as a list (one per prompt) is not supported on vLLM nodes; give one "
+                          "object for the whole batch", extra={"field": "sampling_params"})
+    completion: dict[str, Any] = {"prompt": prompts if is_batch else prompts[0], "return_token_ids": True,
+                                  "stream": bool(body.get("stream", False)), "max_tokens": SGLANG_MAX_NEW_TOKENS}
+    for name, value in params.items():
+        target = SAMPLING_FIELDS.get(name)
+        if target is None:
+            if value is None:
+                continue
+            raise Unsupported(f"sampling_params.{name} is not supported on vLLM nodes",
+                              extra={"field": f"sampling_params.{name}"})
+        if value is not None and not (name == "top_k" and value == -1):
+            completion[target] = value
+    rid = body.get("rid")
+    if rid is not None:
+        if is_batch or not isinstance(rid, str):
+            raise Unsupported("rid on a batch is not supported on vLLM nodes (vLLM takes one request id per call)",
+                              extra={"field": "rid"})
+        completion["request_id"] = rid
+    request = GenerateRequest(is_batch, rid, bool(body.get("return_logprob")), _int(body, "top_logprobs_num", 0),
+                              _int(body, "logprob_start_len", -1))
+    if request.return_logprob:
+        if body.get("return_text_in_logprobs"):
+            raise Unsupported("return_text_in_logprobs is not supported on vLLM nodes",
+                              extra={"field": "return_text_in_logprobs"})
+        completion["logprobs"] = request.top_logprobs_num
+        completion["return_tokens_as_token_ids"] = True
+        if request.logprob_start_len >= 0:
+            if completion["stream"]:
+                raise Unsupported("prompt logprobs (logprob_start_len >= 0) in a stream are not available on vLLM "
+                                  "nodes; ask without stream", extra={"field": "logprob_start_len"})
+            completion["prompt_logprobs"] = request.top_logprobs_num
+    return json.dumps(completion).encode(), request
+
+
+def _refuse_unknown(body: dict[str, Any]) -> None:
+    for name, value in body.items():
+        if name in KNOWN_FIELDS or name in IGNORED_FIELDS:
+            continue
+        if name in PASSIVE_FIELDS:
+            if value not in PASSIVE_FIELDS[name]:
+                raise Unsupported(f"{name} is not supported on vLLM nodes", extra={"field": name})
+            continue
+        raise InvalidRequest(f"unknown field {name!r}")
+
+
+def _prompts(body: dict[str, Any]) -> tuple[list[Any], bool]:
+    text, ids = body.get("text"), body.get("input_ids")
+    if (text is None) == (ids is None):
+        raise InvalidRequest("give exactly one of text or input_ids")
+    if text is not None:
+        if isinstance(text, str):
+            return [text], False
+        if isinstance(text, list) and text and all(isinstance(t, str) for t in text):
+            return list(text), True
+        raise InvalidRequest("text must be a string or a non-empty list of strings")
+    if isinstance(ids, list) and ids and all(_is_token(t) for t in ids):
+        return [ids], False
+    if isinstance(ids, list) and ids and all(isinstance(p, list) and p and all(_is_token(t) for t in p) for p in ids):
+        return list(ids), True
+    raise InvalidRequest("input_ids must be a non-empty list of token ids, or a list of such lists")
+
+
+def _is_token(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _int(body: dict[str, Any], name: str, default: int) -> int:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise InvalidRequest(f"{name} must be an integer")
+    return value
+
+
+# -- answers -----------------------------------------------------------------------------------------------------
+
+@dataclass
+class ChoiceState:
+    """One prompt's answer so far (a stream's pieces put together)."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    prompt_token_ids: list[int] = field(default_factory=list)
+    token_logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = field(default_factory=list)
+    prompt_logprobs: list[Any] | None = None
+    finish_reason: str | None = None
+    stop_reason: Any = None
+
+    def add(self, choice: dict[str, Any]) -> None:
+        self.text += choice.get("text") or ""
+        self.token_ids += list(choice.get("token_ids") or [])
+        if choice.get("prompt_token_ids"):
+            self.prompt_token_ids = list(choice["prompt_token_ids"])
+        if choice.get("prompt_logprobs") is not None:
+            self.prompt_logprobs = list(choice["prompt_logprobs"])
+        logprobs = choice.get("logprobs")
+        if isinstance(logprobs, dict):
+            self.token_logprobs += list(logprobs.get("token_logprobs") or [])
+            self.top_logprobs += list(logprobs.get("top_logprobs") or [])
+        if choice.get("finish_reason") is not None:
+            self.finish_reason = choice["finish_reason"]
+            self.stop_reason = choice.get("stop_reason")
+
+
+class Translator:
+    """vLLM completion answers → SGLang ``/generate`` answers, for one request."""
+
+    def __init__(self, request: GenerateRequest, weight_version: Callable[[], str | None]) -> None:
+        self.request = request
+        self.weight_version = weight_version
+        self.base_id = request.rid or uuid.uuid4().hex
+
+    def answer(self, raw: bytes) -> bytes:
+        """A whole (non-stream) answer; 502 ``upstream_error`` if the engine's cannot be read."""
+        try:
+            completion = _peer_object(raw)
+        except ValueError as exc:
+            raise ServiceError(str(exc), kind=E.UPSTREAM_ERROR) from exc
+        choices = completion.get("choices")
+        if not isinstance(choices, list) or not choices:
+            raise ServiceError("the engine's completion has no choices", kind=E.UPSTREAM_ERROR)
+        states: dict[int, ChoiceState] = {}
+        for choice in choices:
+            if isinstance(choice, dict):
+                states.setdefault(int(choice.get("index", 0)), ChoiceState()).add(choice)
+        results = [self.result(index, states[index]) for index in sorted(states)]
+        return json.dumps(results if self.request.is_batch else results[0]).encode()
+
+    def stream(self) -> ChunkTransform:
+        return _StreamTranslator(self)
+
+    def result(self, index: int, state: ChoiceState) -> dict[str, Any]:
+        rid = self.base_id if not self.request.is_batch else f"{self.base_id}-{index}"
+        meta: dict[str, Any] = {
+            "id": rid, "finish_reason": self._finish_reason(state), "prompt_tokens": len(state.prompt_token_ids),
+            "completion_tokens": len(state.token_ids), "cached_tokens": 0, "weight_version": self.weight_version()}
+        if self.request.return_logprob:
+            meta.update(self._logprobs(state))
+        return {"text": state.text, "output_ids": list(state.token_ids), "meta_info": meta}
+
+    def _finish_reason(self, state: ChoiceState) -> dict[str, Any] | None:
+        reason = state.finish_reason
+        if reason is None:
+            return None
+        if reason == "length":
+            return {"type": "length", "length": len(state.token_ids)}
+        if reason == "stop":
+            matched = state.stop_reason if state.stop_reason is not None else (
+                state.token_ids[-1] if state.token_ids else None)
+            return {"type": "stop", "matched": matched}
+        return {"type": "abort", "message": f"the request ended early ({reason})", "status_code": None,
+                "err_type": None}
+
+    def _logprobs(self, state: ChoiceState) -> dict[str, Any]:
+        out: dict[str, Any] = {"output_token_logprobs": [
+            [lp, token, None] for lp, token in zip(state.token_logprobs, state.token_ids)]}
+        if self.request.top_logprobs_num > 0:
+            out["output_top_logprobs"] = [_top(row) for row in state.top_logprobs]
+        start = self.request.logprob_start_len
+        if start >= 0:
+            prompt = state.prompt_token_ids
+            rows = state.prompt_logprobs or [None] * len(prompt)
+            out["input_token_logprobs"] = [
+                [_prompt_logprob(rows[i], token), token, None] for i, token in enumerate(prompt) if i >= start]
+            if self.request.top_logprobs_num > 0:
+                out["input_top_logprobs"] = [_prompt_top(rows[i], self.request.top_logprobs_num)
+                                             for i in range(len(prompt)) if i >= start]
+        return out
+
+
+class _StreamTranslator(ChunkTransform):
+    """vLLM's SSE events → SGLang's (each event the whole answer so far, for the choice it moved)."""
+
+    def __init__(self, translator: Translator) -> None:
+        self.translator = translator
+        self.splitter = EventSplitter()
+        self.states: dict[int, ChoiceState] = {}
+
+    def feed(self, chunk: bytes) -> bytes:
+        return b"".join(self._event(event) for event in self.splitter.feed(chunk))
+
+    def finish(self) -> bytes:
+        rest = self.splitter.finish()
+        return self._event(rest) if rest.strip() else b""
+
+    def _event(self, event: bytes) -> bytes:
+        data = event_data(event)
+        if data is None:
+            return b""
+        if data.strip() == DONE:
+            return data_event(DONE)
+        try:
+            chunk = _peer_object(data)
+        except ValueError:
+            return event  # not JSON: passed on as the engine wrote it
+        choices = chunk.get("choices")
+        if not isinstance(choices, list):
+            return event  # an error event, or anything that is not a completion chunk, passes as it is
+        out = []
+        for choice in choices:
+            if not isinstance(choice, dict):
+                continue
+            index = int(choice.get("index", 0))
+            state = self.states.setdefault(index, ChoiceState())
+            state.add(choice)
+            result = self.translator.result(index, state)
+            if self.translator.request.is_batch:
+                result["index"] = index
+            out.append(data_event(json.dumps(result).encode()))
+        return b"".join(out)
+
+
+def _peer_object(raw: bytes) -> dict[str, Any]:
+    try:
+        value = loads_bounded(raw)
+    except PeerJSONError as exc:
+        raise ValueError(f"the engine's answer is not JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise ValueError("the engine's answer is not a JSON object")
+    return value
+
+
+def _token_id(key: str) -> int | None:
+    """``token_id:123`` (``return_tokens_as_token_ids``) → 123."""
+    prefix, _, number = key.partition(":")
+    return int(number) if prefix == "token_id" and number.isdigit() else None
+
+
+def _top(row: dict[str, float] | None) -> list[list[Any]] | None:
+    if not row:
+        return None
+    pairs = [(lp, _token_id(key)) for key, lp in row.items()]
+    return [[lp, token, None] for lp, token in sorted(pairs, key=lambda p: -p[0]) if token is not None]
+
+
+def _prompt_logprob(row: Any, token: int) -> float | None:
+    if not isinstance(row, dict):
+        return None
+    entry = row.get(str(token))
+    return entry.get("logprob") if isinstance(entry, dict) else None
+
+
+def _prompt_top(row: Any, num: int) -> list[list[Any]] | None:
+    """The ``num`` likeliest tokens at a prompt position (vLLM's row also holds the actual token, at its rank)."""
+    if not isinstance(row, dict):
+        return None
+    ranked = sorted(((entry.get("rank", 0), int(key), entry.get("logprob")) for key, entry in row.items()
+                     if isinstance(entry, dict) and key.isdigit()), key=lambda r: r[0])
+    return [[lp, tok, None] for rank, tok, lp in ranked if rank <= num][:num]

@@ -1,0 +1,131 @@
+"""SGLang ``/generate`` ↔ vLLM completions, on answers recorded from vLLM 0.32.0 (CPU) for these requests.
+
+The same translation runs against a live vLLM server in ``tests/vllm`` (``make test-vllm``); these check its
+rules without one: every field mapped or refused, the answer's SGLang shape, streams put together per choice.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from handoff.protocol.sse import DONE, EventSplitter, event_data
+from handoff.service.errors import InvalidRequest, ServiceError, Unsupported
+from node_sidecar.engines.vllm_generate import GenerateRequest, Translator, to_completion
+
+RECORDED = json.loads((Path(__file__).parent / "data" / "vllm_completions.json").read_text())
+ANSWERS = RECORDED["answers"]
+
+
+def completion(body: dict) -> dict:
+    raw, _ = to_completion(json.dumps(body).encode())
+    return json.loads(raw)
+
+
+def translate(name: str, request: GenerateRequest) -> object:
+    return json.loads(Translator(request, lambda: "v7").answer(ANSWERS[name].encode()))
+
+
+def stream_events(name: str, request: GenerateRequest, piece: int = 7) -> list[bytes]:
+    """The recorded stream fed in small pieces, as a relay would; the translated events' payloads."""
+    transform = Translator(request, lambda: "v7").stream()
+    raw = ANSWERS[name].encode()
+    out = b"".join(transform.feed(raw[i:i + piece]) for i in range(0, len(raw), piece)) + transform.finish()
+    splitter = EventSplitter()
+    events = [event_data(e) for e in splitter.feed(out)]
+    assert splitter.finish() == b""  # every event whole
+    return events
+
+
+def test_request_fields_are_mapped_with_sglang_defaults() -> None:
+    body = completion({"input_ids": [1, 2], "sampling_params": {
+        "max_new_tokens": 5, "temperature": 0, "top_k": -1, "top_p": 0.9, "stop": ["x"], "stop_token_ids": [7],
+        "ignore_eos": True, "min_new_tokens": 1, "no_stop_trim": True, "sampling_seed": 3, "regex": None},
+        "rid": "r1", "bootstrap_room": 5})
+    assert body == {"prompt": [1, 2], "return_token_ids": True, "stream": False, "max_tokens": 5, "temperature": 0,
+                    "top_p": 0.9, "stop": ["x"], "stop_token_ids": [7], "ignore_eos": True, "min_tokens": 1,
+                    "include_stop_str_in_output": True, "seed": 3, "request_id": "r1"}
+    assert completion({"text": "hi"})["max_tokens"] == 128  # SGLang's default, not vLLM's 16
+    batch = completion({"text": ["a", "b"], "stream": True})
+    assert batch["prompt"] == ["a", "b"] and batch["stream"] is True
+    logprobs = completion({"input_ids": [[1], [2]], "return_logprob": True, "top_logprobs_num": 3,
+                           "logprob_start_len": 0})
+    assert logprobs["logprobs"] == 3 and logprobs["prompt_logprobs"] == 3 and logprobs["return_tokens_as_token_ids"]
+    assert "prompt_logprobs" not in completion({"input_ids": [1], "return_logprob": True})
+
+
+@pytest.mark.parametrize("body, error, name", [
+    ({"input_ids": [1], "sampling_params": {"json_schema": "{}"}}, Unsupported, "sampling_params.json_schema"),
+    ({"input_ids": [1], "lora_path": "adapter"}, Unsupported, "lora_path"),
+    ({"input_ids": [1], "image_data": "x.png"}, Unsupported, "image_data"),
+    ({"input_ids": [[1], [2]], "rid": ["a", "b"]}, Unsupported, "rid"),
+    ({"input_ids": [1], "sampling_params": [{}]}, Unsupported, "sampling_params"),
+    ({"input_ids": [1], "return_logprob": True, "return_text_in_logprobs": True}, Unsupported,
+     "return_text_in_logprobs"),
+    ({"input_ids": [1], "return_logprob": True, "logprob_start_len": 0, "stream": True}, Unsupported,
+     "logprob_start_len"),
+    ({"input_ids": [1], "surprise": 1}, InvalidRequest, "surprise"),
+    ({"text": "a", "input_ids": [1]}, InvalidRequest, "exactly one"),
+    ({"input_ids": []}, InvalidRequest, "input_ids"),
+    ({"input_ids": [1, -2]}, InvalidRequest, "input_ids"),
+    ({"input_ids": [1], "top_logprobs_num": "3"}, InvalidRequest, "top_logprobs_num"),
+])
+def test_what_vllm_cannot_serve_is_refused_naming_the_field(body: dict, error: type, name: str) -> None:
+    with pytest.raises(error, match=name.replace("[", r"\[")):
+        to_completion(json.dumps(body).encode())
+    assert to_completion(json.dumps({"input_ids": [1], "lora_path": None, "return_hidden_states": False}).encode())
+
+
+def test_answer_in_sglang_shape_with_logprobs() -> None:
+    request = GenerateRequest(is_batch=False, rid="req-1", return_logprob=True, top_logprobs_num=2,
+                              logprob_start_len=0)
+    answer = translate("logprobs", request)
+    vllm = json.loads(ANSWERS["logprobs"])["choices"][0]
+    meta = answer["meta_info"]
+    assert answer["output_ids"] == vllm["token_ids"] and answer["text"] == vllm["text"]
+    assert meta["id"] == "req-1" and meta["weight_version"] == "v7"
+    assert meta["finish_reason"] == {"type": "length", "length": 4}
+    assert meta["prompt_tokens"] == 3 and meta["completion_tokens"] == 4 and meta["cached_tokens"] == 0
+    assert meta["output_token_logprobs"] == [[lp, t, None] for lp, t in
+                                             zip(vllm["logprobs"]["token_logprobs"], vllm["token_ids"])]
+    for top, row in zip(meta["output_top_logprobs"], vllm["logprobs"]["top_logprobs"]):
+        assert sorted((t, lp) for lp, t, _ in top) == sorted((int(k.split(":")[1]), v) for k, v in row.items())
+        assert top[0][0] == max(row.values())
+    assert meta["input_token_logprobs"][0] == [None, 72, None]
+    assert meta["input_token_logprobs"][1] == [vllm["prompt_logprobs"][1]["101"]["logprob"], 101, None]
+    assert meta["input_top_logprobs"][0] is None
+    assert all(len(row) == 2 and [r[1] for r in row] != [] for row in meta["input_top_logprobs"][1:])
+    start_at_2 = translate("logprobs", GenerateRequest(False, None, True, 0, 2))["meta_info"]
+    assert [t for _, t, _ in start_at_2["input_token_logprobs"]] == [108] and "input_top_logprobs" not in start_at_2
+
+
+def test_finish_reasons_and_batches() -> None:
+    stop = translate("stop_token", GenerateRequest(False, None, False, 0, -1))
+    assert stop["meta_info"]["finish_reason"] == {"type": "stop", "matched": 191}
+    batch = translate("batch", GenerateRequest(True, None, False, 0, -1))
+    vllm = json.loads(ANSWERS["batch"])["choices"]
+    assert [a["output_ids"] for a in batch] == [c["token_ids"] for c in sorted(vllm, key=lambda c: c["index"])]
+    assert [a["meta_info"]["prompt_tokens"] for a in batch] == [2, 3]
+    assert len({a["meta_info"]["id"] for a in batch}) == 2
+    with pytest.raises(ServiceError, match="not JSON"):
+        Translator(GenerateRequest(False, None, False, 0, -1), lambda: None).answer(b"<html>")
+
+
+def test_streams_carry_the_whole_answer_so_far_and_end_with_done() -> None:
+    request = GenerateRequest(False, "s", True, 2, -1)
+    events = stream_events("logprobs_stream", request)
+    assert events[-1] == DONE
+    payloads = [json.loads(e) for e in events[:-1]]
+    assert [len(p["output_ids"]) for p in payloads] == [1, 2, 3, 4]
+    whole = translate("logprobs", GenerateRequest(False, "s", True, 2, -1))
+    assert payloads[-1]["output_ids"] == whole["output_ids"] and payloads[-1]["text"] == whole["text"]
+    assert payloads[-1]["meta_info"]["output_token_logprobs"] == whole["meta_info"]["output_token_logprobs"]
+    assert payloads[-1]["meta_info"]["finish_reason"] == {"type": "length", "length": 4}
+    assert all(p["meta_info"]["finish_reason"] is None for p in payloads[:-1])
+    batch = [json.loads(e) for e in stream_events("batch_stream", GenerateRequest(True, None, False, 0, -1), 3)
+             if e != DONE]
+    finals = {p["index"]: p for p in batch if p["meta_info"]["finish_reason"]}
+    whole_batch = translate("batch", GenerateRequest(True, None, False, 0, -1))
+    assert [finals[i]["output_ids"] for i in (0, 1)] == [a["output_ids"] for a in whole_batch]

@@ -1,0 +1,41 @@
+"""Tests on a real vLLM server (CPU): run by ``make test-vllm`` in ``.venv-vllm``; skipped where vLLM is missing.
+
+Each module starts one vLLM server (minutes on 2 cores) on a tiny local Llama
+checkpoint written here, with a byte-level tokenizer vLLM loads offline.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from handoff.cluster.vllm import vllm_available
+
+HAS_VLLM = vllm_available()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    here = Path(__file__).parent
+    skip = pytest.mark.skip(reason="vLLM is not installed here (make test-vllm)")
+    for item in items:
+        if here in Path(str(item.fspath)).parents:
+            item.add_marker(pytest.mark.vllm)
+            item.add_marker(pytest.mark.timeout(900))
+            if not HAS_VLLM:
+                item.add_marker(skip)
+
+
+def write_checkpoint(folder: Path, seed: int) -> Path:
+    from node_engine.model.builtin import builtin_arch, builtin_weights, save_checkpoint
+
+    arch = builtin_arch("builtin:tiny")
+    save_checkpoint(folder, arch, builtin_weights(arch, seed))
+    return folder
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """Two checkpoints of one shape: the one served at start (seed 0) and a "trained" one (seed 1)."""
+    root = tmp_path_factory.mktemp("checkpoints")
+    return write_checkpoint(root / "step-0", 0), write_checkpoint(root / "step-1", 1)

@@ -1,0 +1,288 @@
+"""A vLLM server (CPU) behind a sidecar and an LB: the SPEC's promises hold on a vLLM node.
+
+On vLLM alone, ``/sleep`` with requests running aborts them (or waits) and a
+request sent while asleep hangs until ``/wake_up``. Behind the sidecar:
+release drains or aborts first (none lost), generation while released is a
+503 with ``Retry-After`` at once, repeated calls are no-ops, after a level-2
+sleep the node refuses generation until a reload, and SGLang-shaped
+``/generate`` (logprobs included) works through the LB. vLLM on CPU frees no
+memory on sleep; the figures measured (process RSS) are reported as such.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from handoff.cluster.vllm import VllmProcess
+from node_engine.model.builtin import builtin_arch, builtin_weights, save_checkpoint
+from tests.lb.lbproc import FAST_HEALTH, LB, node_args
+from tests.support.procs import ServerProcess, wait_until
+from tests.support.sse import iter_events
+from tests.support.streams import GenerationClient, start_clients
+
+ALL = ["weights", "kv_cache", "cuda_graph", "workspace"]
+GREEDY = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
+PROMPT = [72, 101, 108, 108, 111]
+
+
+class VllmNode:
+    def __init__(self, vllm: VllmProcess, log_dir: Path) -> None:
+        self.vllm = vllm
+        self.log_dir = log_dir
+        self.sidecar = self.start_sidecar()
+        self.lb = LB(ServerProcess("lb", [*FAST_HEALTH, *node_args(self.sidecar.url)], log_dir=log_dir,
+                                   name="lb").start())
+        self.lb.wait_routable([self.sidecar.url], timeout=60)
+
+    def start_sidecar(self, port: int | None = None) -> ServerProcess:
+        sidecar = ServerProcess("node_sidecar", ["--engine-url", self.vllm.url, "--engine-poll-interval", "0.2"],
+                                log_dir=self.log_dir, name="sidecar").start(port=port)
+        wait_until(lambda: httpx.get(sidecar.url + "/memory_occupation").json()["engine_kind"] == "vllm",
+                   timeout=60, what="engine kind read")
+        return sidecar
+
+    def post(self, path: str, body: dict | None = None, *, via_lb: bool = False, **kwargs: Any) -> httpx.Response:
+        base = self.lb.url if via_lb else self.sidecar.url
+        return httpx.post(base + path, json={} if body is None else body, timeout=120, **kwargs)
+
+    def occupation(self) -> dict:
+        return httpx.get(self.sidecar.url + "/memory_occupation", timeout=30).json()
+
+    def is_sleeping(self) -> bool:
+        return httpx.get(self.vllm.url + "/is_sleeping", timeout=30).json()["is_sleeping"]
+
+    def greedy(self, prompt: list[int] = PROMPT) -> list[int]:
+        r = self.post("/generate", {"input_ids": prompt, "sampling_params": GREEDY}, via_lb=True)
+        assert r.status_code == 200, r.text
+        return r.json()["output_ids"]
+
+    def wait_serving(self) -> None:
+        wait_until(lambda: self.occupation()["serving"], timeout=60, what="serving")
+        self.lb.wait_routable([self.sidecar.url], timeout=30)
+
+
+@pytest.fixture(scope="module")
+def node(checkpoints: tuple[Path, Path], proc_log_dir: Path):
+    vllm = VllmProcess(str(checkpoints[0]), log_dir=proc_log_dir).start()
+    node = VllmNode(vllm, proc_log_dir)
+    version = node.post("/update_weights_from_disk", {"model_path": str(checkpoints[0]), "weight_version": "step-0"})
+    assert version.status_code == 200, version.text
+    yield node
+    node.lb.close()
+    node.sidecar.stop()
+    vllm.stop()
+
+
+@pytest.fixture
+def serving(node: VllmNode, checkpoints: tuple[Path, Path]):
+    """Each test starts and leaves the node serving step-0's weights."""
+    yield node
+    node.post("/resume_memory_occupation")
+    if not node.occupation()["weights_valid"] or node.occupation()["weight_version"] != "step-0":
+        node.post("/update_weights_from_disk", {"model_path": str(checkpoints[0]), "weight_version": "step-0"})
+    node.wait_serving()
+
+
+def finish_reason(result: Any) -> str | None:
+    """The finish reason of a client's result, from an SGLang-shaped or an OpenAI-shaped answer."""
+    last = result.body if result.body is not None else (result.events[-1] if result.events else {})
+    if "meta_info" in last:
+        reason = last["meta_info"]["finish_reason"]
+        return reason["type"] if isinstance(reason, dict) else reason
+    reasons = [e["choices"][0].get("finish_reason") for e in result.events if e.get("choices")] if \
+        result.body is None else [last["choices"][0]["finish_reason"]]
+    return next((r for r in reversed(reasons) if r), None)
+
+
+def start_mixed_load(node: VllmNode, max_tokens: int) -> list[GenerationClient]:
+    """Through the LB: SGLang /generate (stream and not) and OpenAI completions (stream and not)."""
+    generate = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": max_tokens, "ignore_eos": True}}
+    completion = {"prompt": PROMPT, "max_tokens": max_tokens, "ignore_eos": True}
+    bodies = [("/generate", {**generate, "stream": True}), ("/generate", generate),
+              ("/v1/completions", {**completion, "stream": True}), ("/v1/completions", completion)]
+    clients = [GenerationClient(node.lb.url + path, body, timeout=300) for path, body in bodies]
+    for c in clients:
+        c.start()
+    wait_until(lambda: node.occupation()["in_flight"] == len(clients), timeout=60, what="all requests in flight")
+    return clients
+
+
+def test_release_wait_drains_every_request_then_sleeps(serving: VllmNode) -> None:
+    node = serving
+    clients = start_mixed_load(node, 150)
+    r = node.post("/release_memory_occupation", {"mode": "wait"}, via_lb=True)
+    assert r.status_code == 200, r.text
+    body = r.json()["results"][0]["body"]
+    assert body["released"] == ALL and body["drained_requests"] == 4 and body["aborted_requests"] == 0
+    assert body["bytes_measured_by"] == "process_rss" and set(body["bytes_freed"]) == {"weights+kv_cache"}
+    for c in clients:  # none lost: each ran to its end
+        result = c.finish(120)
+        assert result.status == 200 and result.error is None and finish_reason(result) == "length"
+        assert result.body is not None or result.saw_done
+    assert node.is_sleeping()
+    assert all(t["state"] == "released" for t in node.occupation()["tags"].values())
+
+
+def test_generation_while_released_is_503_at_once_never_the_hang(serving: VllmNode) -> None:
+    node = serving
+    assert node.post("/release_memory_occupation", {"tags": ["kv_cache"]}).status_code == 200
+    assert node.is_sleeping()  # vLLM itself would hold this request until a wake-up
+    for path, body in (("/generate", {"input_ids": PROMPT}), ("/v1/completions", {"prompt": PROMPT})):
+        started = time.monotonic()
+        r = node.post(path, body)
+        assert r.status_code == 503 and r.headers["retry-after"] and r.json()["error"]["type"] == "node_released"
+        assert time.monotonic() - started < 5
+        via_lb = node.post(path, body, via_lb=True)
+        assert via_lb.status_code == 503 and via_lb.headers["retry-after"]
+    health = httpx.get(node.sidecar.url + "/health_generate", timeout=30).json()
+    assert health == {"serving": False, "reason": "node_released", "released": ["kv_cache"]}
+    assert node.occupation()["tags"]["weights"]["state"] == "resident"  # kv_cache alone: weights woken at once
+    resumed = node.post("/resume_memory_occupation", {"tags": ["kv_cache"]}).json()
+    assert resumed["resumed"] == ["kv_cache"] and resumed["serving"] is True and not node.is_sleeping()
+
+
+def test_release_abort_ends_every_request_with_its_tokens(serving: VllmNode) -> None:
+    node = serving
+    clients = start_mixed_load(node, 2000)
+    wait_until(lambda: all(c.started_streaming.is_set() for c in clients if c.body.get("stream")), timeout=60)
+    r = node.post("/release_memory_occupation", {"mode": "abort"}, via_lb=True)
+    assert r.status_code == 200, r.text
+    assert r.json()["results"][0]["body"]["aborted_requests"] == 4
+    for c in clients:
+        result = c.finish(120)
+        assert result.status == 200 and result.error is None and finish_reason(result) == "abort", result
+        if c.body.get("stream"):
+            assert result.saw_done
+    assert node.is_sleeping()
+
+
+def test_repeated_release_and_resume_are_200_no_ops(serving: VllmNode) -> None:
+    node = serving
+    first = node.post("/release_memory_occupation", {"tags": ["weights"], "stage_to_cpu": True}).json()
+    assert first["released"] == ["weights", "kv_cache"]  # vLLM sleeps its weights with the KV cache
+    again = node.post("/release_memory_occupation", {"tags": ["weights", "kv_cache"]})
+    assert again.status_code == 200 and again.json()["released"] == []
+    assert again.json()["already_released"] == ["weights", "kv_cache"]
+    rest = node.post("/release_memory_occupation").json()
+    assert rest["released"] == ["cuda_graph", "workspace"] and rest["bytes_freed"] == {}
+    assert node.post("/resume_memory_occupation", {"tags": ["weights"]}).json()["resumed"] == ["weights"]
+    assert node.is_sleeping()  # the KV cache still sleeps
+    assert node.post("/resume_memory_occupation", {"tags": ["weights"]}).json()["already_resident"] == ["weights"]
+    done = node.post("/resume_memory_occupation").json()
+    assert done["resumed"] == ["kv_cache", "cuda_graph", "workspace"] and done["weights_valid"] is True
+    assert node.post("/resume_memory_occupation").json()["already_resident"] == ALL
+    assert not node.is_sleeping() and node.occupation()["serving"] is True
+
+
+def test_level_2_refuses_generation_until_a_reload(serving: VllmNode, checkpoints: tuple[Path, Path]) -> None:
+    node = serving
+    before = node.greedy()
+    assert node.post("/release_memory_occupation", {"stage_to_cpu": False}).status_code == 200
+    resumed = node.post("/resume_memory_occupation").json()
+    assert resumed["weights_valid"] is False and resumed["serving"] is False
+    r = node.post("/generate", {"input_ids": PROMPT})
+    assert r.status_code == 503 and r.json()["error"]["type"] == "weights_not_loaded"
+    reload = node.post("/update_weights_from_disk", {"model_path": str(checkpoints[1]), "weight_version": "step-1"},
+                       via_lb=True)
+    assert reload.status_code == 200, reload.text
+    assert node.occupation()["weight_version"] == "step-1" and node.occupation()["serving"] is True
+    after = node.greedy()
+    assert after != before  # step-1's weights serve
+    meta = node.post("/generate", {"input_ids": PROMPT, "sampling_params": GREEDY}).json()["meta_info"]
+    assert meta["weight_version"] == "step-1"
+
+
+def test_reload_while_released_wakes_the_weights_and_bad_checkpoints_are_400(serving: VllmNode, tmp_path: Path,
+                                                                              checkpoints: tuple[Path, Path]) -> None:
+    node = serving
+    before = node.greedy()
+    missing = node.post("/update_weights_from_disk", {"model_path": str(tmp_path / "nope")})
+    assert missing.status_code == 400 and node.occupation()["serving"] is True
+    arch = builtin_arch("builtin:tiny", {"num_layers": 2})  # another shape: vLLM would lose its weights half way
+    save_checkpoint(tmp_path / "shallow", arch, builtin_weights(arch, 0))
+    shallow = node.post("/update_weights_from_disk", {"model_path": str(tmp_path / "shallow")})
+    assert shallow.status_code == 400 and "num_hidden_layers" in shallow.json()["error"]["message"]
+    assert node.greedy() == before  # vLLM still serves, untouched
+    assert node.post("/release_memory_occupation", {"stage_to_cpu": False}).status_code == 200
+    reload = node.post("/update_weights_from_disk", {"model_path": str(checkpoints[0]), "weight_version": "step-0"})
+    assert reload.status_code == 200 and reload.json()["resumed"] == ["weights"]
+    assert node.occupation()["tags"]["weights"]["state"] == "resident"
+    assert node.post("/resume_memory_occupation").json()["serving"] is True
+    node.wait_serving()  # the LB learns of a call made to the sidecar directly on its next health check
+    assert node.greedy() == before
+
+
+def test_sglang_generate_through_the_lb_with_logprobs(serving: VllmNode) -> None:
+    node = serving
+    body = {"input_ids": PROMPT, "sampling_params": GREEDY, "return_logprob": True, "top_logprobs_num": 2,
+            "logprob_start_len": 0, "rid": "req-1"}
+    r = node.post("/generate", body, via_lb=True)
+    assert r.status_code == 200, r.text
+    answer = r.json()
+    meta = answer["meta_info"]
+    assert meta["id"] == "req-1" and meta["finish_reason"] == {"type": "length", "length": 8}
+    assert meta["prompt_tokens"] == 5 and meta["completion_tokens"] == 8 == len(answer["output_ids"])
+    assert meta["weight_version"] == "step-0"
+    assert [t for _, t, _ in meta["output_token_logprobs"]] == answer["output_ids"]
+    for (lp, token, _), top in zip(meta["output_token_logprobs"], meta["output_top_logprobs"]):
+        assert len(top) == 2 and top[0][1] == token and top[0][0] == pytest.approx(lp)  # greedy: the top token
+    assert meta["input_token_logprobs"][0] == [None, PROMPT[0], None]
+    assert [t for _, t, _ in meta["input_token_logprobs"]] == PROMPT
+    assert all(isinstance(lp, float) and lp < 0 for lp, _, _ in meta["input_token_logprobs"][1:])
+    assert meta["input_top_logprobs"][0] is None and all(len(row) == 2 for row in meta["input_top_logprobs"][1:])
+    # a stream carries the whole answer so far in every event; its last equals the non-stream answer
+    with httpx.Client(timeout=120) as client, client.stream("POST", node.lb.url + "/generate",
+                                                            json={**body, "stream": True, "rid": None,
+                                                                  "logprob_start_len": -1}) as s:
+        events = [json.loads(e) for e in iter_events(s) if e != "[DONE]"]
+    lengths = [len(e["output_ids"]) for e in events]  # vLLM may put several tokens in one chunk
+    assert lengths == sorted(set(lengths)) and lengths[-1] == 8 and events[-1]["meta_info"]["finish_reason"]
+    assert events[-1]["output_ids"] == answer["output_ids"] and events[-1]["text"] == answer["text"]
+    assert [t for _, t, _ in events[-1]["meta_info"]["output_token_logprobs"]] == answer["output_ids"]
+    # a batch is a list, in order; text prompts work too
+    batch = node.post("/generate", {"text": ["Hello", "RL is"], "sampling_params": GREEDY}, via_lb=True).json()
+    assert isinstance(batch, list) and [len(a["output_ids"]) for a in batch] == [8, 8]
+    # OpenAI clients are passed through unchanged
+    completion = node.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 8, "temperature": 0,
+                                               "ignore_eos": True, "return_token_ids": True}, via_lb=True).json()
+    assert completion["choices"][0]["token_ids"] == answer["output_ids"]
+
+
+def test_what_vllm_cannot_do_is_400_and_abort_by_rid_works(serving: VllmNode) -> None:
+    node = serving
+    r = node.post("/generate", {"input_ids": PROMPT, "sampling_params": {"json_schema": "{}"}})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "unsupported"
+    assert "json_schema" in r.json()["error"]["message"]
+    assert node.post("/generate", {"input_ids": PROMPT, "lora_path": "x"}).json()["error"]["type"] == "unsupported"
+    assert node.post("/generate", {"input_ids": PROMPT, "nonsense": 1}).status_code == 400
+    long = GenerationClient(node.sidecar.url + "/generate", {"input_ids": PROMPT, "rid": "to-abort", "stream": True,
+                                                             "sampling_params": {"max_new_tokens": 3000,
+                                                                                 "ignore_eos": True}}, timeout=120)
+    long.start()
+    assert long.started_streaming.wait(60)
+    assert node.post("/abort_request", {"rid": "to-abort"}).status_code == 200
+    result = long.finish(60)
+    assert result.saw_done and result.events[-1]["meta_info"]["finish_reason"]["type"] == "abort"
+    assert len(result.events[-1]["output_ids"]) < 3000
+
+
+def test_a_new_sidecar_reads_a_sleeping_vllm_as_released(serving: VllmNode, checkpoints: tuple[Path, Path]) -> None:
+    node = serving
+    assert node.post("/release_memory_occupation", {"stage_to_cpu": True}).status_code == 200
+    port = node.sidecar.port
+    node.sidecar.stop()
+    node.sidecar = node.start_sidecar(port=port)  # knows nothing of the release: reads /is_sleeping
+    view = node.occupation()
+    assert all(t["state"] == "released" for t in view["tags"].values())
+    resumed = node.post("/resume_memory_occupation").json()
+    assert resumed["weights_valid"] is False and resumed["serving"] is False  # the sleep level is unknown: the
+    # weights count as discarded (level 2), so the node waits for a reload rather than risk serving garbage
+    assert node.post("/update_weights_from_disk", {"model_path": str(checkpoints[0]),
+                                                   "weight_version": "step-0"}).status_code == 200
+    node.wait_serving()

@@ -34,6 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
                          help="how generation picks a node of a role (default least_inflight)")
     routing.add_argument("--control-timeout", type=float, default=120.0, metavar="S",
                          help="per-node deadline of a control fan-out (default 120)")
+    routing.add_argument("--weight-sync-timeout", type=float, default=600.0, metavar="S",
+                         help="per-node deadline of a weight group join, tensor push or broadcast update "
+                              "(default 600; ?timeout= overrides)")
     routing.add_argument("--max-control-timeout", type=float, default=3600.0, metavar="S",
                          help="the largest ?timeout= a caller may ask for (default 3600)")
     routing.add_argument("--generate-timeout", type=float, default=3600.0, metavar="S",
@@ -73,6 +76,7 @@ def config_from_args(args: argparse.Namespace) -> LBConfig:
         discover_interval_s=args.discover_interval,
         policy=Policy(args.policy),
         control_timeout_s=args.control_timeout,
+        weight_sync_timeout_s=args.weight_sync_timeout,
         max_control_timeout_s=args.max_control_timeout,
         generate_timeout_s=args.generate_timeout,
         connect_timeout_s=args.connect_timeout,

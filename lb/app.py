@@ -42,7 +42,10 @@ from handoff.protocol.control import CONTROL_ROUTES
 from lb.metrics import LBMetrics
 from lb.openapi import CONTROL_BODIES, CONTROL_PARAMETERS, DELETE_NODE_PARAMETERS, GENERATION_BODIES, SCHEMA_MODELS
 from lb.proxy import GENERATION_PATHS
+from lb.params import role_param, timeout_param
 from lb.relay import client_gone_response
+from lb.routes_weights import weight_routes
+from lb.workers import workers_router
 from lb.views import cluster_occupation, node_view
 
 VIEW_PATHS = ("/health", "/nodes", "/memory_occupation", "/metrics", "/openapi.json")
@@ -124,30 +127,6 @@ class LBApp(FastAPI):
             await super().__call__(scope, receive, send)
 
 
-def _role_param(request: Request) -> Role | None:
-    value = request.query_params.get("role")
-    if value is None:
-        return None
-    try:
-        return Role(value)
-    except ValueError:
-        raise InvalidRequest(f"role must be one of {', '.join(r.value for r in Role)}, got {value!r}") from None
-
-
-def _timeout_param(request: Request, config: LBConfig) -> float:
-    value = request.query_params.get("timeout")
-    if value is None:
-        return config.control_timeout_s
-    try:
-        timeout_s = float(value)
-    except ValueError:
-        raise InvalidRequest(f"timeout must be a number of seconds, got {value!r}") from None
-    if not 0 < timeout_s <= config.max_control_timeout_s:
-        raise InvalidRequest(f"timeout must be > 0 and at most {config.max_control_timeout_s:g} s "
-                             f"(--max-control-timeout), got {value}")
-    return timeout_s
-
-
 def create_app(config: LBConfig, *, resolver: Resolver | None = None) -> LBApp:
     """The LB as an ASGI app; its cluster starts and stops with the app's lifespan."""
     metrics = LBMetrics()
@@ -181,8 +160,8 @@ def create_app(config: LBConfig, *, resolver: Resolver | None = None) -> LBApp:
     def control_route(path: str) -> Callable[[Request], Awaitable[Response]]:
         async def control(request: Request) -> Response:
             admin.check(request)
-            role = _role_param(request)
-            timeout_s = _timeout_param(request, config)
+            role = role_param(request)
+            timeout_s = timeout_param(request, config)
             try:
                 body = await request.body()
             except ClientDisconnect:
@@ -248,6 +227,9 @@ def create_app(config: LBConfig, *, resolver: Resolver | None = None) -> LBApp:
         nodes = cluster.membership.nodes()
         await cluster.health.check_many(nodes)
         return cluster_occupation(nodes)
+
+    app.include_router(weight_routes(cluster, config, admin))
+    app.include_router(workers_router(cluster, admin))
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def prometheus_metrics() -> Response:

@@ -72,6 +72,11 @@ class Cluster:
         return self._running().health
 
     @property
+    def client(self) -> UpstreamClient:
+        """The process's one pooled client (for calls to one node outside a fan-out)."""
+        return self._running().client
+
+    @property
     def fanout(self) -> FanOut:
         return self._running().fanout
 

@@ -102,6 +102,7 @@ class LBConfig:
     discover_interval_s: float = 10.0
     policy: Policy = Policy.LEAST_INFLIGHT
     control_timeout_s: float = 120.0
+    weight_sync_timeout_s: float = 600.0      # a group join, a tensor push, a broadcast update (per node)
     max_control_timeout_s: float = 3600.0
     generate_timeout_s: float = 3600.0
     connect_timeout_s: float = 5.0
@@ -119,15 +120,16 @@ class LBConfig:
         object.__setattr__(self, "nodes", tuple(self.nodes))
         object.__setattr__(self, "discover_dns", tuple(self.discover_dns))
         object.__setattr__(self, "policy", Policy(self.policy))
-        for name in ("discover_interval_s", "control_timeout_s", "max_control_timeout_s",
+        for name in ("discover_interval_s", "control_timeout_s", "weight_sync_timeout_s", "max_control_timeout_s",
                      "generate_timeout_s", "connect_timeout_s", "health_interval_s", "health_timeout_s",
                      "body_timeout_s"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
-        if self.max_control_timeout_s < self.control_timeout_s:
-            raise ValueError(f"max_control_timeout_s ({self.max_control_timeout_s}) must be at least "
-                             f"control_timeout_s ({self.control_timeout_s})")
+        for name in ("control_timeout_s", "weight_sync_timeout_s"):
+            if self.max_control_timeout_s < getattr(self, name):
+                raise ValueError(f"max_control_timeout_s ({self.max_control_timeout_s}) must be at least "
+                                 f"{name} ({getattr(self, name)})")
         for name in ("unhealthy_threshold", "healthy_threshold", "max_body_bytes", "max_answer_bytes"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:

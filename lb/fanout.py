@@ -145,7 +145,19 @@ class FanOut:
                                                                deadline, states) for node, fence in zip(nodes, fences)))
         duration_s = time.perf_counter() - started
         self._metrics.fanout_seconds.labels(path=path).observe(duration_s)
-        return self._answer(method, path, results, duration_s)
+        return self.answer(method, path, results, duration_s)
+
+    async def call_node(self, node: Node, method: str, path: str, body: bytes, content_type: str | None,
+                        timeout_s: float) -> NodeResult:
+        """One node's call under the fan-out's rules (deadline header, answer judged, the state it carries
+        adopted), for calls that send each node its own body or go to some nodes only."""
+        headers = {**self._node_headers, DEADLINE_HEADER: f"{timeout_s:g}"}
+        if content_type:
+            headers["Content-Type"] = content_type
+        result, state = await self._call(node, method, path, body, headers, timeout_s)
+        if state is not None:
+            self._health.apply_state(node, state)
+        return result
 
     async def _call_and_settle(self, node: Node, fence: Fence | None, method: str, path: str, body: bytes,
                                headers: Mapping[str, str], timeout_s: float, deadline: float,
@@ -207,8 +219,9 @@ class FanOut:
             return NodeResult(node, reason=reason, error=error), None
         return _judge_success(node, response, raw), state
 
-    def _answer(self, method: str, path: str, results: list[NodeResult],
-                duration_s: float) -> tuple[int, dict[str, Any]]:
+    def answer(self, method: str, path: str, results: list[NodeResult],
+               duration_s: float) -> tuple[int, dict[str, Any]]:
+        """200 with one result per node, or 502 naming every node that failed (SPEC section 4)."""
         failures = [result for result in results if not result.is_ok]
         total = len(results)
         if not failures:

@@ -13,14 +13,18 @@ from typing import Any
 from pydantic import BaseModel
 
 from handoff.protocol.control import CONTROL_BODIES as PROTOCOL_BODIES
+from handoff.protocol.weights import WEIGHT_BODIES
 from handoff.service.generation_schema import GENERATION_BODIES
+from lb.workers import WorkerBody
 
 CONTROL_BODIES: dict[str, type[BaseModel]] = {
     path: model for path, model in PROTOCOL_BODIES.items() if path != "/abort_request"}
 
-__all__ = ["CONTROL_BODIES", "CONTROL_PARAMETERS", "DELETE_NODE_PARAMETERS", "GENERATION_BODIES", "SCHEMA_MODELS"]
+__all__ = ["CONTROL_BODIES", "CONTROL_PARAMETERS", "DELETE_NODE_PARAMETERS", "GENERATION_BODIES", "NODE_PARAMETER",
+           "SCHEMA_MODELS"]
 
-SCHEMA_MODELS: list[type[BaseModel]] = [*GENERATION_BODIES.values(), *CONTROL_BODIES.values()]
+SCHEMA_MODELS: list[type[BaseModel]] = [*GENERATION_BODIES.values(), *CONTROL_BODIES.values(),
+                                        *WEIGHT_BODIES.values(), PROTOCOL_BODIES["/abort_request"], WorkerBody]
 
 CONTROL_PARAMETERS: list[dict[str, Any]] = [
     {"name": "role", "in": "query", "required": False, "description": "only the nodes of this role",
@@ -29,6 +33,10 @@ CONTROL_PARAMETERS: list[dict[str, Any]] = [
      "description": "seconds each node gets (0 < S <= --max-control-timeout; default --control-timeout)",
      "schema": {"type": "number", "exclusiveMinimum": 0}},
 ]
+NODE_PARAMETER: dict[str, Any] = {
+    "name": "node", "in": "query", "required": False, "style": "form", "explode": True,
+    "description": "a member to send the call to (repeatable; default: every member)",
+    "schema": {"type": "array", "items": {"type": "string"}}}
 DELETE_NODE_PARAMETERS: list[dict[str, Any]] = [
     {"name": "url", "in": "query", "required": False, "description": "the node to remove (or a body {\"url\"})",
      "schema": {"type": "string"}},

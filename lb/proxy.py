@@ -19,6 +19,7 @@ from starlette.responses import Response
 from handoff.service.disconnect import DisconnectWatch
 from handoff.service.relay import StreamRelay
 from handoff.service.upstream import UpstreamResponse
+from handoff.protocol.weights import WEIGHT_VERSION_HEADER
 from lb.config import Role
 from lb.membership import Membership, Node
 from lb.pd import PDDispatcher
@@ -64,7 +65,7 @@ class GenerationProxy:
             if self._is_pd():
                 response = await self._pd.dispatch(path, body, headers, watch)
             else:
-                response = await self._dispatch_mixed(path, body, headers, watch)
+                response = await self._dispatch_mixed(path, body, headers, watch, headers.get(WEIGHT_VERSION_HEADER))
             is_handed_over = isinstance(response, StreamRelay)
             return response
         except asyncio.CancelledError:
@@ -76,11 +77,12 @@ class GenerationProxy:
             if not is_handed_over:
                 watch.stop()
 
-    async def _dispatch_mixed(self, path: str, body: bytes, headers: dict[str, str],
-                              watch: DisconnectWatch) -> Response:
+    async def _dispatch_mixed(self, path: str, body: bytes, headers: dict[str, str], watch: DisconnectWatch,
+                              weight_version: str | None) -> Response:
+        """A mixed node picked by the policy (of those serving ``weight_version``, when the request pins one)."""
         tried: list[Node] = []
         while True:
-            node = self._router.pick(Role.MIXED, tried)
+            node = self._router.pick(Role.MIXED, tried, weight_version=weight_version)
             tried.append(node)
             with node.begin_request() as lease:
                 outcome = await self._caller.call(node, path, body, headers)

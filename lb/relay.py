@@ -25,6 +25,7 @@ from starlette.responses import Response
 
 from handoff.protocol import errors as E
 from handoff.protocol.errors import NOT_SERVING_TYPES
+from handoff.protocol.weights import WEIGHT_VERSION_HEADER
 from handoff.service.disconnect import DisconnectWatch
 from handoff.service.peer_json import PeerJSONError, loads_bounded
 from handoff.service.relay import ChunkTransform, StreamRelay, relayed_headers, sse_error_event
@@ -42,7 +43,7 @@ from lb.metrics import LBMetrics
 
 log = logging.getLogger(__name__)
 
-REQUEST_HEADERS_TO_NODE = frozenset({b"content-type", b"accept", b"x-request-id"})
+REQUEST_HEADERS_TO_NODE = frozenset({b"content-type", b"accept", b"x-request-id", WEIGHT_VERSION_HEADER.encode()})
 MAX_REFUSAL_BYTES = 4096
 CLIENT_CLOSED_REQUEST = 499  # nginx's code for "the client went away first": only the metrics see it
 

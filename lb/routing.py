@@ -85,9 +85,15 @@ class Router:
     def has_routable(self, role: Role) -> bool:
         return any(node.is_routable for node in self._membership.nodes(role))
 
-    def pick(self, role: Role, exclude: Collection[Node] = ()) -> Node:
-        """A node of ``role`` to send a request to, never one in ``exclude``; else 503."""
+    def pick(self, role: Role, exclude: Collection[Node] = (), *, weight_version: str | None = None) -> Node:
+        """A node of ``role`` to send a request to, never one in ``exclude`` and, with ``weight_version``, only
+        one that last reported serving that version; else 503."""
         nodes = self._membership.nodes(role)
+        if weight_version is not None:
+            nodes = [node for node in nodes if node.occupation.get("weight_version") == weight_version]
+            if not nodes:
+                raise NoAvailableNode(f"no {role.value} node serves weight_version {weight_version!r}",
+                                      retry_after=self.retry_after_s)
         candidates = [node for node in nodes if node.is_routable and node not in exclude]
         if not candidates:
             candidates = [node for node in nodes if node.is_holding and node not in exclude]

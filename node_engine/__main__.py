@@ -51,6 +51,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--fault-drill-file", type=Path, default=None,
                    help="fault drill: a one-shot fault written to this file as JSON fails the next matching step "
                         "or control call (docs/reliability.md); never for production")
+    p.add_argument("--reload-timeout", type=float, default=300.0,
+                   help="seconds a reload may spend reading its checkpoint; past it: 504, the old weights serve")
+    p.add_argument("--weight-sync-timeout", type=float, default=300.0,
+                   help="seconds a weight group join, or one update's broadcasts, may take")
     p.add_argument("--max-body-bytes", type=int, default=64 * 1024 * 1024)
     vision = p.add_argument_group("vision-language models")
     vision.add_argument("--max-image-tokens", type=int, default=None,
@@ -89,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
             model_override=args.model_override, served_model_name=args.served_model_name,
             weight_version=args.weight_version, free_memory_override_file=args.free_memory_override_file,
             fault_drill_file=args.fault_drill_file,
+            reload_timeout=args.reload_timeout,
+            weight_sync_timeout=args.weight_sync_timeout,
             role=args.role, enable_prefix_cache=not args.disable_prefix_cache,
             max_image_tokens=args.max_image_tokens, visual_batch_max_tokens=args.visual_batch_max_tokens,
             vision_reserve_mb=args.vision_reserve_mb, memory_budget_mb=args.memory_budget_mb,

@@ -44,6 +44,8 @@ class EngineConfig:
     weight_version: str = DEFAULT_WEIGHT_VERSION
     free_memory_override_file: Path | None = None
     fault_drill_file: Path | None = None     # fault drill: a one-shot step or control fault (node_engine.failures)
+    reload_timeout: float = 300.0            # seconds a checkpoint read may take before a reload is a 504
+    weight_sync_timeout: float = 300.0       # seconds a group join or one broadcast may take
     role: str = "mixed"
     enable_prefix_cache: bool = True
     # Vision-language models (see docs/memory.md, "The vision path"):
@@ -77,6 +79,9 @@ class EngineConfig:
             raise ConfigError("--enable-torch-compile is for CPU engines; on CUDA, decode runs through CUDA graphs")
         if self.weights_backup is not BackupMode.NONE and not self.enable_memory_saver:
             raise ConfigError("--weights-backup needs --enable-memory-saver")
+        for name in ("reload_timeout", "weight_sync_timeout"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
         if not self.weight_version:
             raise ConfigError("--weight-version must not be empty")
         for name in ("max_image_tokens", "memory_budget_mb", "max_image_pixels"):

@@ -1,27 +1,27 @@
-"""The engine's control commands: release, resume, reload, flush, and the memory view.
+"""The engine's control commands: release, resume, flush, and the memory view (weight changes:
+:mod:`node_engine.weight_updates`).
 
-Each command (except :meth:`EngineControl.check_weights` and the view) runs on
-the engine thread, through :meth:`Engine.call`, between two steps: nothing else
-touches the tensors meanwhile. Release and reload refuse while a request is
-queued or running (409 ``requests_in_flight``): the sidecar drains first, and
-nobody can corrupt a running request through the engine.
+Each command (except the view) runs on the engine thread, through
+:meth:`Engine.call`, between two steps: nothing else touches the tensors
+meanwhile. Release and weight updates refuse while a request is queued or
+running (409 ``requests_in_flight``): the sidecar drains first, and nobody can
+corrupt a running request through the engine.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
 import psutil
+import torch
 
-from node_engine.errors import (BackupFailed, InsufficientMemory, InvalidRequest, MemorySaverDisabledError,
-                                NoWeightsBackupError, RequestsInFlight, WeightsCorrupted, WeightsReleased)
+from node_engine.errors import (BackupFailed, InsufficientMemory, MemorySaverDisabledError, NoWeightsBackupError,
+                                RequestsInFlight)
 from node_engine.memory.manager import NotEnoughMemory, NoWeightsBackup
 from node_engine.memory.saver import MemorySaverDisabled
 from node_engine.memory.tags import MemoryTag
-from node_engine.model.arch import ModelConfigError
 
 if TYPE_CHECKING:
     from node_engine.engine import Engine
@@ -33,18 +33,52 @@ class EngineControl:
     def __init__(self, engine: "Engine") -> None:
         self.engine = engine
 
-    def _require_idle(self, what: str) -> None:
+    def require_idle(self, what: str, *, paused_ok: bool = False) -> None:
+        """Refuse (409) while requests run or wait; ``paused_ok``: requests paused by ``pause_generation``
+        do not count (a weight update under a pause is what SGLang's pause modes are for)."""
+        if paused_ok and self.engine.is_paused:
+            return
         num = self.engine.scheduler.num_requests
         if num:
             raise RequestsInFlight(f"{num} request(s) running or queued; {what} needs an idle engine "
                                    "(the sidecar drains first)", extra={"in_flight": num})
+
+    def _require_no_kv_in_use(self, what: str) -> None:
+        """A release may go on under a retract pause (waiting requests hold no KV), never under requests that do."""
+        scheduler = self.engine.scheduler
+        if self.engine.is_paused and not scheduler.running:
+            return
+        self.require_idle(what)
+
+    # -- pause (SGLang's retract and in_place modes) --------------------------------
+    def pause(self, mode: str) -> dict[str, Any]:
+        """``retract``: running requests go back to the queue, their KV freed (recomputed after continue);
+        ``in_place``: they keep their KV. Either way nothing steps until :meth:`continue_generation`; new
+        requests queue."""
+        scheduler = self.engine.scheduler
+        retracted = 0
+        if mode == "retract":
+            for request in reversed(list(scheduler.running)):  # preempt() puts each at the queue's front
+                scheduler.preempt(request)
+                retracted += 1
+        self.engine.is_paused = True
+        log.info("generation paused (%s): %d retracted, %d request(s) kept", mode, retracted,
+                 scheduler.num_requests)
+        return {"success": True, "paused": True, "mode": mode, "retracted_requests": retracted,
+                "paused_requests": scheduler.num_requests}
+
+    def continue_generation(self, torch_empty_cache: bool = True) -> dict[str, Any]:
+        if torch_empty_cache and self.engine.runner.device.type == "cuda":
+            torch.cuda.empty_cache()
+        self.engine.is_paused = False
+        return {"success": True, "paused": False}
 
     def release(self, tags: Sequence[MemoryTag] | None, stage_to_cpu: bool | None) -> dict[str, Any]:
         """Release ``tags`` (None: all; empty: nothing, answered at once)."""
         engine = self.engine
         if tags is not None and not tags:
             return {"success": True, "released": [], "already_released": [], "bytes_freed": {}, "duration_s": 0.0}
-        self._require_idle("a release")
+        self._require_no_kv_in_use("a release")
         if engine.drill is not None:
             engine.drill.fire("release")
         try:
@@ -93,46 +127,10 @@ class EngineControl:
                 "bytes_restored": result.bytes_restored, "weights_valid": result.weights_valid,
                 "duration_s": round(duration, 6)}
 
-    def check_weights(self, model_path: str) -> dict[str, Any]:
-        """Validate a checkpoint against the running model (files, keys, shapes, dtypes); changes nothing.
-
-        Reads only the checkpoint's headers and the parameters' shapes, so it may
-        run on any thread while the engine serves.
-        """
-        try:
-            self.engine.runner.check_weights_update(Path(model_path))
-        except ModelConfigError as exc:
-            raise InvalidRequest(f"cannot load {model_path}: {exc}") from exc
-        return {"success": True, "dry_run": True, "message": f"{model_path} can be loaded"}
-
-    def update_weights_from_disk(self, model_path: str, weight_version: str | None) -> dict[str, Any]:
-        engine = self.engine
-        self._require_idle("a weight reload")
-        if MemoryTag.WEIGHTS in engine.memory.released_tags():
-            raise WeightsReleased("the weights are released; resume them first, then reload")
-        started = time.perf_counter()
-        try:
-            entries = engine.runner.check_weights_update(Path(model_path))
-        except ModelConfigError as exc:
-            raise InvalidRequest(f"cannot load {model_path}: {exc}") from exc
-        try:
-            engine.runner.apply_weights_update(entries)
-        except Exception as exc:
-            engine.memory.mark_weights_invalid()
-            raise WeightsCorrupted(f"reload of {model_path} failed part way ({exc}); generation is refused until "
-                                   "a reload succeeds") from exc
-        engine.memory.mark_weights_valid()
-        engine.weight_version = weight_version or model_path
-        self._flush()
-        duration = time.perf_counter() - started
-        log.info("weights reloaded from %s in %.2fs, weight_version=%s", model_path, duration, engine.weight_version)
-        return {"success": True, "message": f"weights loaded from {model_path}",
-                "weight_version": engine.weight_version, "duration_s": round(duration, 6)}
-
     def flush_cache(self) -> dict[str, Any]:
-        return {"success": True, "num_cached_tokens_dropped": self._flush()}
+        return {"success": True, "num_cached_tokens_dropped": self.flush()}
 
-    def _flush(self) -> int:
+    def flush(self) -> int:
         """Drop every cached prefix (in-use ones are freed when their requests end); returns tokens dropped."""
         cache = self.engine.scheduler.cache
         return cache.flush() if cache is not None else 0
@@ -150,6 +148,7 @@ class EngineControl:
                        "total_bytes": device.total_bytes},
             "outside_tags": engine.runner.memory_outside_tags(),
             "process_rss_bytes": psutil.Process().memory_info().rss,
+            "paused": engine.is_paused,
             "running_requests": len(engine.scheduler.running),
             "queued_requests": len(engine.scheduler.waiting),
         }

@@ -49,6 +49,8 @@ from node_engine.scheduler import Scheduler, SchedulerConfig, Step, StepKind
 from node_engine.tokenizer import IncrementalDetokenizer
 from node_engine.vision.inputs import MultimodalPrompt
 from node_engine.vision.runtime import VisionRuntime
+from node_engine.weight_sync.distributed import WeightGroups
+from node_engine.weight_updates import WeightUpdates
 
 log = logging.getLogger(__name__)
 
@@ -142,6 +144,7 @@ class Engine:
             slots, RowAllocator(config.max_running_requests),
             PrefixCache(slots) if config.enable_prefix_cache else None)
         self.weight_version = config.weight_version
+        self.is_paused = False  # pause_generation (retract, in_place): requests stay, nothing steps
         self._inbox: queue.SimpleQueue[_Add | _Abort | _Call | None] = queue.SimpleQueue()
         self._inbox_lock = threading.Lock()  # orders a post against the inbox closing
         self._closed: _Closed | None = None
@@ -150,6 +153,8 @@ class Engine:
         self._stopping = False
         self._num_rids = 0
         self.control = EngineControl(self)
+        self.weights = WeightUpdates(self)
+        self.weight_groups = WeightGroups(self)
         self.metrics.kv_slots_total.set(self.scheduler.slots.capacity)
         self.metrics.read_queues_from(self.scheduler)
         compiled = self.runner.compiled_decode
@@ -261,10 +266,10 @@ class Engine:
         torch.set_num_threads(torch.get_num_threads())
         try:
             while not self._stopping:
-                self._drain_inbox(block=not self.scheduler.has_work)
+                self._drain_inbox(block=not self._can_step)
                 if self._stopping:
                     break
-                if self.scheduler.has_work:
+                if self._can_step:
                     self._step()
         except BaseException as exc:  # a device failure, or a bug in the engine's own bookkeeping
             log.critical("the engine thread failed", exc_info=exc)
@@ -274,6 +279,12 @@ class Engine:
                 self.on_fatal(exc)
             return
         self._close(_Closed("the engine is stopping", has_failed=False))
+
+    @property
+    def _can_step(self) -> bool:
+        """Work to do, generation not paused, and memory a step may run on (requests a pause kept wait)."""
+        return (self.scheduler.has_work and not self.is_paused and self.memory.weights_valid
+                and self.memory.is_all_resident)
 
     def _drain_inbox(self, *, block: bool) -> None:
         try:

@@ -18,7 +18,8 @@ from handoff.service.errors import (
 
 __all__ = ["EngineError", "InvalidRequest", "Unsupported", "RequestsInFlight", "MemorySaverDisabledError",
            "NoWeightsBackupError", "WeightsNotLoaded", "WeightsReleased", "MemoryReleased", "InsufficientMemory",
-           "EngineStopped", "WeightsCorrupted", "BackupFailed", "StepFailed"]
+           "EngineStopped", "WeightsCorrupted", "BackupFailed", "StepFailed", "CheckpointTimeout", "WeightSyncTimeout",
+           "WeightSyncBroken"]
 
 
 class EngineError(ServiceError):
@@ -81,3 +82,21 @@ class BackupFailed(EngineError):
     """The weights backup could not be written (disk full, bad ``--backup-dir``): the weights stay resident."""
 
     kind = E.BACKUP_FAILED
+
+
+class CheckpointTimeout(EngineError):
+    """A checkpoint read did not finish within ``--reload-timeout``: nothing was loaded."""
+
+    kind = E.CHECKPOINT_TIMEOUT
+
+
+class WeightSyncTimeout(EngineError):
+    """A weight group join or broadcast did not finish within ``--weight-sync-timeout``."""
+
+    kind = E.WEIGHT_SYNC_TIMEOUT
+
+
+class WeightSyncBroken(Conflict):
+    """A weight update group missed a broadcast; it must be destroyed and joined again."""
+
+    kind = E.WEIGHT_SYNC_BROKEN

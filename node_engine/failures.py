@@ -65,20 +65,21 @@ class FaultDrill:
     """A one-shot fault armed by writing JSON to a file; a drill and test hook, never for production.
 
     ``{"kind": K, "at": A, "delay_s": S}``: the next operation matching ``at``
-    (``prefill``, ``decode``, ``step`` for either, ``release``, ``resume``)
-    waits ``S`` seconds (default 0) and then fails with ``K``:
+    (``prefill``, ``decode``, ``step`` for either, ``release``, ``resume``, ``read``
+    for a checkpoint file read) waits ``S`` seconds (default 0) and then fails with ``K``:
 
     - ``oom``: ``torch.OutOfMemoryError``, as a device out of memory raises;
     - ``error``: a ``RuntimeError`` (a bug hit by one batch);
     - ``fatal``: ``torch.AcceleratorError``, a CUDA error that leaves the device unusable;
-    - ``exit``: the process exits with code 1 at once, as torch_memory_saver does on a failed resume.
+    - ``exit``: the process exits with code 1 at once, as torch_memory_saver does on a failed resume;
+    - ``stall``: nothing fails, the operation goes on after the wait (a hung network mount that comes back).
 
     When it fires, the file is renamed to ``<file>.fired`` (a test waits for that
     before queueing work behind a delayed fault).
     """
 
-    KINDS = ("oom", "error", "fatal", "exit")
-    POINTS = ("prefill", "decode", "step", "release", "resume")
+    KINDS = ("oom", "error", "fatal", "exit", "stall")
+    POINTS = ("prefill", "decode", "step", "release", "resume", "read")
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -102,6 +103,8 @@ class FaultDrill:
         os.replace(self.path, self.path.with_name(self.path.name + ".fired"))
         log.warning("fault drill: %s at %s", kind, point)
         time.sleep(float(fault.get("delay_s", 0)))
+        if kind == "stall":
+            return
         message = f"{kind} injected at {point} by the fault drill"
         if kind == "exit":
             logging.shutdown()

@@ -45,6 +45,9 @@ class EngineMetrics:
                                          registry=r)
         self.resume_seconds = Histogram("handoff_engine_resume_seconds", "Duration of a memory resume.",
                                         registry=r)
+        self.weight_update_seconds = Histogram(
+            "handoff_engine_weight_update_seconds", "Duration of a weight update, by source (disk, tensor, "
+            "distributed).", ["source"], registry=r, buckets=(0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 300))
 
     def read_queues_from(self, scheduler: "Scheduler") -> None:
         """Have the queue and KV gauges read ``scheduler`` when scraped, not be set on every step.

@@ -19,6 +19,7 @@ context itself. ``docs/memory.md`` lists them with sizes.
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
@@ -36,7 +37,9 @@ from node_engine.model.arch import ModelArch, ModelConfigError
 from node_engine.model.builtin import builtin_arch, builtin_weights, is_builtin
 from node_engine.model.layers import AttentionBatch, RotaryTable
 from node_engine.model.llama import CausalLM
-from node_engine.model.loader import apply_update, check_update, checkpoint_files, load_tensors, load_weights
+from node_engine.model.checkpoint_io import CheckpointReader, TensorEntry
+from node_engine.model.loader import (apply_staged, check_update, checkpoint_files, load_tensors, load_weights,
+                                     stage_update, touched_parameters)
 from node_engine.model.packing import WeightPacking
 from node_engine.prefill_batch import prefill_batch
 from node_engine.sampling import sample
@@ -124,6 +127,8 @@ class ModelRunner:
         self.drill = drill
         self.device = torch.device(config.device)
         self.dtype = DTYPES[config.resolved_dtype]
+        self.reader = CheckpointReader(drill=drill)
+        self.keep_unpacked = False  # an update session is open: weights stay plain until it ends
         context_len = config.context_length or arch.max_position_embeddings
         if context_len > arch.max_position_embeddings:
             raise ConfigError(f"--context-length {context_len} exceeds the model's max_position_embeddings "
@@ -171,7 +176,7 @@ class ModelRunner:
         if is_builtin(self.config.model_path):
             self.source_dtypes = load_tensors(model, builtin_weights(self.arch, self.config.seed))
         else:
-            self.source_dtypes = load_weights(model, Path(self.config.model_path))
+            self.source_dtypes = load_weights(model, Path(self.config.model_path), self.reader)
         return model
 
     def _allocate_workspace(self, context_len: int) -> None:
@@ -452,18 +457,43 @@ class ModelRunner:
             self.graphs.reset_buffers()
 
     # -- weights ---------------------------------------------------------------
-    def check_weights_update(self, folder: Path):
-        return check_update(self.model, folder, self.source_dtypes)
+    def check_weights_update(self, folder: Path) -> dict[str, TensorEntry]:
+        """Headers only; any thread (reads the parameters' shapes, never their storage)."""
+        return check_update(self.model, folder, self.source_dtypes, self.reader)
 
-    def apply_weights_update(self, entries) -> None:
-        # Every weight is overwritten (and a failure part way marks them invalid): nothing to write back.
-        self.packing.unpack(keep_contents=False)
+    def stage_weights_update(self, entries: dict[str, TensorEntry],
+                             cancel: threading.Event | None = None) -> dict[str, torch.Tensor]:
+        """Every tensor of a checked reload, read into host memory; any thread."""
+        return stage_update(self.model, entries, self.reader, cancel)
+
+    def apply_weights(self, tensors: dict[str, torch.Tensor], *, is_complete: bool) -> None:
+        """Copy checked tensors into the parameters; engine thread only.
+
+        ``is_complete``: every weight is written, so packed projections need not
+        be written back first. A bucket unpacks only the projections it writes.
+        While an update session is open (``keep_unpacked``) nothing is packed
+        again until it ends.
+        """
+        if is_complete:
+            self.packing.unpack(keep_contents=False)
+        else:
+            self.packing.unpack(only=touched_parameters(self.model, list(tensors)))
         try:
-            apply_update(self.model, entries)
+            apply_staged(self.model, tensors)
         finally:
-            self.packing.try_pack()
+            if not self.keep_unpacked:
+                self.packing.try_pack()
         if self.device.type == "cuda":
             torch.cuda.synchronize()
+
+    def open_weight_session(self) -> None:
+        """SGLang's ``begin_weight_update``: plain weights until the session ends, so buckets unpack nothing."""
+        self.keep_unpacked = True
+        self.packing.unpack()
+
+    def close_weight_session(self) -> None:
+        self.keep_unpacked = False
+        self.packing.try_pack()
 
     @property
     def padding_slot(self) -> int:

@@ -45,10 +45,13 @@ class InFlight:
 
 
 class Admission:
-    def __init__(self, *, hold_max: int | None, hold_timeout: float, refuse: Callable[[], Unavailable]) -> None:
-        """``hold_max`` None: refuse while closed. ``refuse`` builds the 503 for the current reason."""
+    def __init__(self, *, hold_max: int | None, hold_timeout: float, refuse: Callable[[], Unavailable],
+                 hold_while: Callable[[], bool] | None = None) -> None:
+        """``hold_max`` None: refuse while closed. ``hold_while``: hold only while it says so (None: always).
+        ``refuse`` builds the 503 for the current reason."""
         self.state = AdmissionState.CLOSED
         self.hold_max = hold_max
+        self._hold_while = hold_while
         self.hold_timeout = hold_timeout
         self._refuse = refuse
         self.num_in_flight = 0
@@ -59,6 +62,11 @@ class Admission:
     @property
     def is_open(self) -> bool:
         return self.state is AdmissionState.OPEN
+
+    @property
+    def is_holding(self) -> bool:
+        """Whether a request arriving while closed would be held now (else refused)."""
+        return self.hold_max is not None and (self._hold_while is None or self._hold_while())
 
     @property
     def num_held(self) -> int:
@@ -76,7 +84,7 @@ class Admission:
         lease = self.try_enter()
         if lease is not None:
             return lease
-        if self.hold_max is None or not may_hold:
+        if not may_hold or not self.is_holding:
             raise self._refuse()
         if self.num_held >= self.hold_max:
             raise self._refuse()

@@ -2,8 +2,8 @@
 
 Generation goes through :class:`~node_sidecar.middleware.GenerationFastPath`
 to :func:`~node_sidecar.proxy.relay_generation`; control calls are in
-:mod:`node_sidecar.routes_control`, views and probes in
-:mod:`node_sidecar.routes_views`.
+:mod:`node_sidecar.routes_control`, weight calls in :mod:`node_sidecar.routes_weights`,
+views and probes in :mod:`node_sidecar.routes_views`.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from starlette.types import Receive, Scope, Send
 
 from handoff import __version__
 from handoff.protocol.control import CONTROL_ROUTES
+from handoff.protocol.weights import WEIGHT_BODIES, WEIGHT_ROUTES
 from handoff.service.auth import BearerToken
 from handoff.service.bodies import install_schemas, openapi_body
 from handoff.service.errors import ServiceError, install_error_handlers
@@ -31,6 +32,7 @@ from node_sidecar.node import Node
 from node_sidecar.proxy import relay_generation
 from node_sidecar.routes_control import CONTROL_BODIES, control_router
 from node_sidecar.routes_views import views_router
+from node_sidecar.routes_weights import weight_router
 
 GENERATION_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions")
 
@@ -92,10 +94,11 @@ def create_app(config: SidecarConfig) -> FastAPI:
     app.add_middleware(GenerationFastPath, handlers=fast_handlers)  # added first: the innermost middleware
     install_error_handlers(app)
     app.add_middleware(NodeStateHeader, node=lambda: app.state.node,
-                       paths=frozenset(CONTROL_ROUTES) | {"/abort_request"})
+                       paths=frozenset(CONTROL_ROUTES) | frozenset(WEIGHT_ROUTES) | {"/abort_request"})
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=config.max_body_bytes, body_timeout_s=config.body_timeout)
     app.include_router(_generation_router(metrics, admin, api_key, fast_handlers))
     app.include_router(control_router(config, metrics, admin))
     app.include_router(views_router(metrics, admin, api_key))
-    install_schemas(app, [*CONTROL_BODIES, *GENERATION_BODIES.values()])
+    app.include_router(weight_router(config, admin))
+    install_schemas(app, [*CONTROL_BODIES, *WEIGHT_BODIES.values(), *GENERATION_BODIES.values()])
     return app

@@ -1,4 +1,4 @@
-"""Control calls: release, resume, reload, pause, continue, flush (SPEC section 3).
+"""Control calls: release, resume, weight updates, pause, continue, flush (SPEC section 3).
 
 Each runs under the node's control lock, so calls run one at a time in
 arrival order and a repeated call finds the work done (idempotent per tag).
@@ -15,7 +15,7 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 from handoff.protocol import errors as E
 from handoff.protocol.engines import EngineKind
@@ -27,6 +27,7 @@ from node_sidecar.node import Node
 from node_sidecar.state import TAGS, TagState
 
 WEIGHTS = Tag.WEIGHTS.value
+ENGINE_PAUSE_MODES = frozenset({"retract", "in_place"})  # requests stay in the engine, paused there
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +123,9 @@ class ControlPlane:
                 raise Conflict(_NO_BACKUP[adapter.kind], kind=E.NO_WEIGHTS_BACKUP)
             todo = adapter.release_set(asked, state.tags_in(TagState.RESIDENT))
             async with self._draining():
-                drained, aborted = await self._drain(mode, drain)
+                # under a pause (SGLang's retract or in_place) paused requests stay: the engine releases around
+                # retracted ones and refuses (409) while paused ones hold KV
+                drained, aborted = (0, 0) if state.is_paused and mode == "wait" else await self._drain(mode, drain)
                 drain_done = time.perf_counter()
                 async with self._moving(todo, TagState.RELEASING, TagState.RELEASED, TagState.RESIDENT):
                     change = await adapter.release(todo, stage_to_cpu=stage_to_cpu)
@@ -163,58 +166,101 @@ class ControlPlane:
                 "serving": state.is_serving, "duration_s": round(duration, 6)}
 
     async def check_weights(self, body: dict[str, Any]) -> dict[str, Any]:
-        """The checkpoint check of :meth:`update_weights` alone: nothing drains, nothing loads."""
+        """The checkpoint check of a reload alone: nothing drains, nothing loads."""
         self.node.require_engine()
         return await self.node.engine_adapter.check_weights(body)
 
-    async def update_weights(self, body: dict[str, Any], *, drain: DrainLimit) -> dict[str, Any]:
-        """Reload weights from disk, after draining generation like a release in wait mode.
+    async def update_weights(self, load: Callable[[], Awaitable[dict[str, Any]]], *, drain: DrainLimit,
+                             mode: str = "wait", keep_pause: bool = False,
+                             check: Callable[[], Awaitable[Any]] | None = None) -> dict[str, Any]:
+        """A weight update (``load``: from disk, tensors or broadcasts, through the engine adapter), after
+        draining generation.
 
-        The checkpoint is checked first (the engine's dry run, or the adapter's own
-        check), so a wrong path or shape is a 400 while the node keeps serving, not
-        after a drain. An engine that resumes released weights to load them says
-        so in its answer's ``resumed``.
+        ``check`` runs before anything drains (the checkpoint check of a reload), so
+        a wrong path or shape is a 400 while the node keeps serving. ``mode``
+        ``abort`` (the body's ``abort_all_requests``) ends running generation instead
+        of waiting for it; while generation is paused nothing is drained (paused
+        requests stay in the engine, as in SGLang). An engine that resumes released
+        weights to load them says so in its answer's ``resumed`` (the other tags stay
+        as they are). ``keep_pause`` leaves generation paused afterwards.
         """
         node, state = self.node, self.node.state
         async with node.control_lock:
             node.require_engine()
-            adapter = node.engine_adapter
-            await adapter.check_weights(body)
+            if check is not None:
+                await check()
             async with self._draining():
-                drained, _ = await self._drain("wait", drain)
+                drained, aborted = (0, 0) if state.is_paused else await self._drain(mode, drain)
                 try:
-                    answer = await adapter.update_weights_from_disk(body)
+                    answer = await load()
                 except ServiceError:
                     await node.resync_quietly()
                     raise
                 if WEIGHTS in answer.get("resumed", ()) and state.tags[WEIGHTS] is TagState.RELEASED:
                     state.transition(WEIGHTS, TagState.RESUMING)
                     state.transition(WEIGHTS, TagState.RESIDENT)
-                    node.update_memory_metrics()
-                state.weights_valid = True
+                valid = answer.get("weights_valid", True)
+                state.weights_valid = valid if isinstance(valid, bool) else True
                 state.weight_version = answer.get("weight_version", state.weight_version)
-        log.info("weights reloaded, weight_version=%s (drained %d)", state.weight_version, drained)
-        return {**answer, "drained_requests": drained, "serving": state.is_serving}
+                if keep_pause:
+                    state.is_paused = True
+                node.update_memory_metrics()
+        log.info("weights updated, weight_version=%s (drained %d, aborted %d)", state.weight_version, drained,
+                 aborted)
+        return {**answer, "drained_requests": drained, "aborted_requests": aborted, "serving": state.is_serving}
+
+    async def weight_call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        """A weight call that changes nothing but the engine's own bookkeeping (the session, the version), one
+        at a time with the other control calls; the version is adopted."""
+        node = self.node
+        async with node.control_lock:
+            node.require_engine()
+            answer = await node.engine_adapter.weight_call(path, body)
+            if isinstance(answer.get("new_version"), str):
+                node.state.weight_version = answer["new_version"]
+        return answer
 
     async def pause(self, *, mode: str, drain: DrainLimit) -> dict[str, Any]:
+        """Pause generation; new requests are held until :meth:`resume_generation` (as SGLang queues them).
+
+        ``abort`` ends running requests, ``wait`` lets them finish (both drain here);
+        ``retract`` and ``in_place`` leave them in the engine, paused there (their
+        streams stay open and finish after the continue).
+        """
         node = self.node
         async with node.control_lock:
+            if mode in ENGINE_PAUSE_MODES:
+                node.require_engine()
+            was_paused = node.state.is_paused
             node.state.is_paused = True
+            node.refresh_admission()
             try:
-                async with self._draining():
-                    drained, aborted = await self._drain(mode, drain)
-            except DrainTimeout:
-                node.state.is_paused = False
+                if mode in ENGINE_PAUSE_MODES:
+                    answer = await node.engine_adapter.pause(mode)
+                    drained, aborted = 0, 0
+                else:
+                    answer = {}
+                    async with self._draining():
+                        drained, aborted = await self._drain(mode, drain)
+            except ServiceError:
+                node.state.is_paused = was_paused
                 node.refresh_admission()
                 raise
-        return {"success": True, "paused": True, "drained_requests": drained, "aborted_requests": aborted}
+        return {"success": True, "paused": True, "mode": mode, "drained_requests": drained,
+                "aborted_requests": aborted, "retracted_requests": answer.get("retracted_requests", 0),
+                "paused_requests": answer.get("paused_requests", 0), "message": "Generation paused successfully.",
+                "status": "ok"}
 
-    async def resume_generation(self) -> dict[str, Any]:
+    async def resume_generation(self, *, torch_empty_cache: bool = True) -> dict[str, Any]:
+        """Continue: the engine's paused requests step again, held requests enter."""
         node = self.node
         async with node.control_lock:
+            if node.state.is_engine_reachable:
+                await node.engine_adapter.continue_generation(torch_empty_cache=torch_empty_cache)
             node.state.is_paused = False
             node.refresh_admission()
-        return {"success": True, "paused": False, "serving": node.state.is_serving}
+        return {"success": True, "paused": False, "serving": node.state.is_serving,
+                "message": "Generation continued successfully.", "status": "ok"}
 
     async def flush_cache(self, limit: DrainLimit) -> dict[str, Any]:
         """Drop the engine's prefix cache; an engine that flushes only when idle is asked again until

@@ -35,8 +35,9 @@ class Node:
         self.config = config
         self.metrics = metrics
         self.state = NodeState()
-        self.admission = Admission(hold_max=config.hold_max if config.hold_requests else None,
-                                   hold_timeout=config.hold_timeout, refuse=self._refusal)
+        # Held while paused (SGLang queues requests until continue_generation), else with --hold-requests.
+        self.admission = Admission(hold_max=config.hold_max, hold_timeout=config.hold_timeout, refuse=self._refusal,
+                                   hold_while=lambda: config.hold_requests or self.state.is_paused)
         self.engine = EngineClient(config.engine_base, client, control_timeout=config.control_timeout,
                                    on_unreachable=self.mark_unreachable)
         self.adapter: EngineAdapter | None = (None if config.engine_kind is None else self._adapter_for(
@@ -200,7 +201,7 @@ class Node:
     def admission_view(self) -> str:
         if self.admission.is_open:
             return "open"
-        return "holding" if self.config.hold_requests else "closed"
+        return "holding" if self.admission.is_holding else "closed"
 
     def timestamp(self) -> float:
         return time.time()

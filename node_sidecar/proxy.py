@@ -17,7 +17,10 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from handoff.protocol import errors as E
+from handoff.protocol.errors import NotServingReason
+from handoff.protocol.weights import WEIGHT_VERSION_HEADER
 from handoff.service.disconnect import DisconnectWatch
+from handoff.service.errors import NotServing
 from handoff.service.relay import ChunkTransform, StreamRelay, relayed_headers, sse_error_event
 from handoff.service.upstream import UpstreamError, UpstreamResponse
 from node_sidecar.admission import InFlight
@@ -87,6 +90,7 @@ async def relay_generation(node: Node, request: Request, path: str, on_status: C
     lease = await node.admission.enter()
     watch: DisconnectWatch | None = None
     try:
+        _check_pinned_version(node, request)
         call = call or node.engine_adapter.generation_call(path, body, query)
         watch = DisconnectWatch(request.receive)
         upstream = await node.engine.open(
@@ -112,6 +116,16 @@ async def relay_generation(node: Node, request: Request, path: str, on_status: C
         if watch is not None:
             watch.stop()
     return _CountedResponse(upstream, content, lease.release)
+
+
+def _check_pinned_version(node: Node, request: Request) -> None:
+    """A request pinned to a weight version (header) runs only on that version: checked once admitted, when no
+    update can start before it ends (updates drain first)."""
+    pinned = request.headers.get(WEIGHT_VERSION_HEADER)
+    if pinned is not None and pinned != node.state.weight_version:
+        raise NotServing(f"this node serves weight_version {node.state.weight_version!r}, not {pinned!r}",
+                         NotServingReason.WEIGHT_VERSION_UNAVAILABLE, retry_after=node.config.retry_after_s,
+                         extra={"weight_version": node.state.weight_version})
 
 
 async def forward(node: Node, request: Request, path: str, *, timeout: float = 30.0) -> Response:

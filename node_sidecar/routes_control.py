@@ -15,20 +15,20 @@ from starlette.responses import JSONResponse
 from handoff.protocol.control import (
     DEADLINE_HEADER,
     AbortBody,
+    ContinueBody,
     PauseBody,
     ReleaseBody,
     ResumeBody,
     UpdateWeightsFromDiskBody,
 )
-from handoff.protocol.tags import UnknownTag, parse_tags
 from handoff.service.auth import BearerToken
-from handoff.service.bodies import openapi_body, parse_body, parse_value
+from handoff.service.bodies import openapi_body, parse_body, parse_tag_names, parse_value
 from handoff.service.errors import InvalidRequest, parse_json_bytes
 from node_sidecar.config import SidecarConfig
 from node_sidecar.control import ControlPlane, DrainLimit
 from node_sidecar.metrics import SidecarMetrics
 
-CONTROL_BODIES = [ReleaseBody, ResumeBody, PauseBody, UpdateWeightsFromDiskBody, AbortBody]
+CONTROL_BODIES = [ReleaseBody, ResumeBody, PauseBody, ContinueBody, UpdateWeightsFromDiskBody, AbortBody]
 
 
 def answer_by(request: Request) -> float | None:
@@ -42,15 +42,6 @@ def answer_by(request: Request) -> float | None:
         return None
     margin = min(max(0.5, 0.1 * deadline), deadline / 2)
     return asyncio.get_running_loop().time() + deadline - margin
-
-
-def _tags(names: list[str] | None) -> list[str] | None:
-    """Tag names in canonical order; None (all) stays None, ``[]`` is no tag."""
-    try:
-        tags = parse_tags(names)
-    except UnknownTag as exc:
-        raise InvalidRequest(str(exc)) from exc
-    return None if tags is None else [tag.value for tag in tags]
 
 
 def control_router(config: SidecarConfig, metrics: SidecarMetrics, admin: BearerToken) -> APIRouter:
@@ -69,30 +60,37 @@ def control_router(config: SidecarConfig, metrics: SidecarMetrics, admin: Bearer
     async def release(request: Request) -> JSONResponse:
         admin.check(request)
         body = await parse_body(request, ReleaseBody, empty_ok=True)
-        answer = await control_of(request).release(_tags(body.tags), mode=body.mode,
+        asked = parse_tag_names(body.tags)  # as SGLang clients name them: workspace follows kv_cache
+        answer = await control_of(request).release(asked.names, mode=body.mode,
                                                    drain=drain_limit(request, body.drain_timeout),
                                                    stage_to_cpu=body.stage_to_cpu)
         metrics.control_calls.labels("release_memory_occupation", "200").inc()
-        return JSONResponse(answer)
+        return JSONResponse(asked.report(answer))
 
     @router.post("/resume_memory_occupation", openapi_extra=openapi_body(ResumeBody, required=False))
     async def resume(request: Request) -> JSONResponse:
         admin.check(request)
         body = await parse_body(request, ResumeBody, empty_ok=True)
-        answer = await control_of(request).resume(_tags(body.tags))
+        asked = parse_tag_names(body.tags)
+        answer = await control_of(request).resume(asked.names)
         metrics.control_calls.labels("resume_memory_occupation", "200").inc()
-        return JSONResponse(answer)
+        return JSONResponse(asked.report(answer))
 
     @router.post("/update_weights_from_disk", openapi_extra=openapi_body(UpdateWeightsFromDiskBody))
     async def update_weights(request: Request) -> JSONResponse:
         admin.check(request)
         raw = await request.body()
         body = parse_value(parse_json_bytes(raw) if raw.strip() else None, UpdateWeightsFromDiskBody)
-        engine_body = body.model_dump(exclude={"drain_timeout", "dry_run"}, exclude_none=True)
+        engine_body = body.model_dump(exclude={"drain_timeout", "dry_run", "abort_all_requests", "keep_pause"},
+                                      exclude_none=True)
         control = control_of(request)
         if body.dry_run:  # only the check: nothing drains, nothing loads
             return JSONResponse(await control.check_weights(engine_body))
-        answer = await control.update_weights(engine_body, drain=drain_limit(request, body.drain_timeout))
+        adapter = control.node.engine_adapter
+        answer = await control.update_weights(
+            lambda: adapter.update_weights_from_disk(engine_body), drain=drain_limit(request, body.drain_timeout),
+            mode="abort" if body.abort_all_requests else "wait", keep_pause=body.keep_pause,
+            check=lambda: adapter.check_weights(engine_body))
         metrics.control_calls.labels("update_weights_from_disk", "200").inc()
         return JSONResponse(answer)
 
@@ -103,10 +101,11 @@ def control_router(config: SidecarConfig, metrics: SidecarMetrics, admin: Bearer
         return JSONResponse(await control_of(request).pause(mode=body.mode,
                                                             drain=drain_limit(request, body.drain_timeout)))
 
-    @router.post("/continue_generation")
+    @router.post("/continue_generation", openapi_extra=openapi_body(ContinueBody, required=False))
     async def continue_generation(request: Request) -> JSONResponse:
         admin.check(request)
-        return JSONResponse(await control_of(request).resume_generation())
+        body = await parse_body(request, ContinueBody, empty_ok=True)
+        return JSONResponse(await control_of(request).resume_generation(torch_empty_cache=body.torch_empty_cache))
 
     async def flush_cache(request: Request) -> JSONResponse:
         admin.check(request)

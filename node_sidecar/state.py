@@ -60,6 +60,8 @@ class NodeState:
         self.weights_backup = view.weights_backup
         self.memory_saver = view.memory_saver
         self.can_stage_weights = view.can_stage_weights
+        if view.paused:  # requests the engine keeps paused (retract, in_place) wait for a continue
+            self.is_paused = True
         self.is_synced = True
 
     def tags_in(self, state: TagState) -> list[str]:

@@ -20,7 +20,9 @@ MAX_NODE_STATE_HEADER_BYTES = 4096
 DEADLINE_HEADER = "x-handoff-deadline"
 
 ReleaseMode = Literal["wait", "abort"]
-PauseMode = Literal["abort", "wait"]
+# SGLang's modes (abort, retract, in_place) and handoff's wait (drain, then pause).
+PauseMode = Literal["abort", "retract", "in_place", "wait"]
+MAX_MODEL_PATH_CHARS = 4096  # PATH_MAX: longer is never a path
 
 
 class ReleaseBody(BaseModel):
@@ -47,31 +49,67 @@ class ResumeBody(BaseModel):
 
 
 class PauseBody(BaseModel):
-    """``POST /pause_generation``."""
+    """``POST /pause_generation`` (SGLang's ``PauseGenerationReqInput`` plus ``wait``).
+
+    ``abort`` ends running requests; ``retract`` sends them back to the queue (their
+    KV freed, recomputed after ``continue_generation``); ``in_place`` keeps them and
+    their KV, not stepping; ``wait`` lets them finish first. New requests are held
+    until ``continue_generation``.
+    """
 
     model_config = STRICT
     mode: PauseMode = "abort"
     drain_timeout: float | None = Field(default=None, gt=0)
 
 
-class UpdateWeightsFromDiskBody(BaseModel):
-    """``POST /update_weights_from_disk``. ``drain_timeout`` is the sidecar's; ``dry_run`` (the sidecar to
-    its engine) checks the checkpoint without loading it."""
+class ContinueBody(BaseModel):
+    """``POST /continue_generation``: SGLang's ``torch_empty_cache`` (return cached device blocks first)."""
 
     model_config = STRICT
-    model_path: str = Field(min_length=1)
-    weight_version: str | None = Field(default=None, min_length=1)
+    torch_empty_cache: bool = True
+
+
+class UpdateWeightsFromDiskBody(BaseModel):
+    """``POST /update_weights_from_disk``: SGLang 0.5.23's ``UpdateWeightFromDiskReqInput``.
+
+    ``abort_all_requests`` aborts running generation instead of waiting for it;
+    ``flush_cache`` (default true) drops cached prefixes the old weights computed;
+    ``keep_pause`` leaves generation paused afterwards (until ``continue_generation``);
+    ``torch_empty_cache`` returns freed device or heap memory; ``token_step`` is
+    recorded with the version. ``is_async`` and ``recapture_cuda_graph`` are
+    accepted as SGLang does: the answer comes once the weights are loaded, and
+    captured graphs stay valid because weights are copied in place.
+    ``manifest`` is accepted and unused (as in SGLang 0.5.23).
+    ``drain_timeout`` is the sidecar's; ``dry_run`` (the sidecar to its engine)
+    checks the checkpoint without loading it.
+    """
+
+    model_config = STRICT
+    model_path: str = Field(min_length=1, max_length=MAX_MODEL_PATH_CHARS)
     load_format: str | None = None
-    flush_cache: bool | None = None
+    abort_all_requests: bool = False
+    weight_version: str | None = Field(default=None, min_length=1)
+    is_async: bool = False
+    torch_empty_cache: bool = False
+    keep_pause: bool = False
+    recapture_cuda_graph: bool = False
+    token_step: int = Field(default=0, ge=0)
+    flush_cache: bool = True
+    manifest: dict[str, object] | None = None
     drain_timeout: float | None = Field(default=None, gt=0)
     dry_run: bool = False
 
 
 class AbortBody(BaseModel):
-    """``POST /abort_request``: one ``rid``, or ``abort_all: true``."""
+    """``POST /abort_request``: SGLang's ``AbortReq``.
+
+    ``abort_all: true`` aborts everything (``rid`` is then ignored, verl sends
+    ``""``); otherwise ``rid`` names one request, and an unknown or empty rid is a
+    no-op, as in SGLang.
+    """
 
     model_config = STRICT
-    rid: str | None = None
+    rid: str = ""
     abort_all: bool = False
 
 
@@ -96,5 +134,6 @@ CONTROL_BODIES: dict[str, type[BaseModel]] = {
     "/resume_memory_occupation": ResumeBody,
     "/update_weights_from_disk": UpdateWeightsFromDiskBody,
     "/pause_generation": PauseBody,
+    "/continue_generation": ContinueBody,
     "/abort_request": AbortBody,
 }

@@ -42,6 +42,7 @@ DRAIN_TIMEOUT = ErrorType("drain_timeout", 409)
 MEMORY_SAVER_DISABLED = ErrorType("memory_saver_disabled", 409)
 NO_WEIGHTS_BACKUP = ErrorType("no_weights_backup", 409)
 WEIGHTS_RELEASED = ErrorType("weights_released", 409)
+WEIGHT_SYNC_BROKEN = ErrorType("weight_sync_broken", 409)  # a group missed a broadcast: destroy it, init again
 
 # -- not serving: 503 + Retry-After; nothing ran, so a router may send the request elsewhere --
 UNAVAILABLE = ErrorType("unavailable", 503)
@@ -53,6 +54,7 @@ ENGINE_UNAVAILABLE = ErrorType("engine_unavailable", 503)
 ENGINE_STOPPED = ErrorType("engine_stopped", 503)
 NO_AVAILABLE_NODE = ErrorType("no_available_node", 503)
 NO_NODES = ErrorType("no_nodes", 503)
+WEIGHT_VERSION_UNAVAILABLE = ErrorType("weight_version_unavailable", 503)  # a pinned version is not served here
 
 # -- something failed on a peer or the device ----------------------------------------
 INTERNAL_ERROR = ErrorType("internal_error", 500)
@@ -61,6 +63,8 @@ WEIGHTS_CORRUPTED = ErrorType("weights_corrupted", 500)
 UPSTREAM_ERROR = ErrorType("upstream_error", 502)
 FANOUT_FAILED = ErrorType("fanout_failed", 502)
 UPSTREAM_TIMEOUT = ErrorType("upstream_timeout", 504)
+CHECKPOINT_TIMEOUT = ErrorType("checkpoint_timeout", 504)    # a checkpoint read did not finish in --reload-timeout
+WEIGHT_SYNC_TIMEOUT = ErrorType("weight_sync_timeout", 504)  # a group join or broadcast did not finish in time
 INSUFFICIENT_MEMORY = ErrorType("insufficient_memory", 507)
 BACKUP_FAILED = ErrorType("backup_failed", 507)
 
@@ -68,9 +72,10 @@ BACKUP_FAILED = ErrorType("backup_failed", 507)
 class NotServingReason(str, enum.Enum):
     """Why a node refuses generation with 503: the request reached no model, so it may go elsewhere.
 
-    The sidecar answers the first four; an engine reached directly answers
-    ``memory_released``, ``weights_not_loaded`` or ``engine_stopped``. The LB
-    reroutes a generation request that got any of them.
+    The sidecar answers the first four (and ``weight_version_unavailable`` for a
+    request pinned to a version it does not serve); an engine reached directly
+    answers ``memory_released``, ``weights_not_loaded`` or ``engine_stopped``. The
+    LB reroutes a generation request that got any of them.
     """
 
     NODE_RELEASED = NODE_RELEASED.name
@@ -79,6 +84,7 @@ class NotServingReason(str, enum.Enum):
     GENERATION_PAUSED = GENERATION_PAUSED.name
     MEMORY_RELEASED = MEMORY_RELEASED.name
     ENGINE_STOPPED = ENGINE_STOPPED.name
+    WEIGHT_VERSION_UNAVAILABLE = WEIGHT_VERSION_UNAVAILABLE.name
 
 
 NOT_SERVING_TYPES: frozenset[str] = frozenset(reason.value for reason in NotServingReason)

@@ -7,7 +7,7 @@ tag, ``[]`` means no tag (a no-op), and an unknown name is an error.
 from __future__ import annotations
 
 import enum
-from typing import Iterable
+from typing import Iterable, NamedTuple
 
 
 class Tag(str, enum.Enum):
@@ -61,3 +61,55 @@ def parse_tags(names: Iterable[str] | None) -> tuple[Tag, ...] | None:
     if unknown:
         raise UnknownTag(f"unknown memory tag(s) {unknown}; known: {list(TAG_NAMES)}")
     return tuple(tag for tag in ALL_TAGS if tag.value in wanted)
+
+
+# SGLang names a drafter's weights (speculative decoding) as a tag of its own; this engine has no drafter.
+DRAFTER_TAG = "weights_drafter"
+SGLANG_TAG_NAMES: tuple[str, ...] = (*TAG_NAMES, DRAFTER_TAG)
+
+
+class TagRequest(NamedTuple):
+    """The tags a release or resume asks for, as handoff runs it.
+
+    ``tags``: None (all), ``()`` (none) or the tags in canonical order.
+    ``not_present``: names accepted but with nothing behind them here (``weights_drafter``).
+    """
+
+    tags: tuple[Tag, ...] | None
+    not_present: tuple[str, ...]
+
+    @property
+    def names(self) -> list[str] | None:
+        """Tag names in canonical order; None (all) stays None."""
+        return None if self.tags is None else [tag.value for tag in self.tags]
+
+    def report(self, answer: dict) -> dict:
+        """``answer`` with ``not_present`` added when some names had nothing behind them."""
+        if self.not_present:
+            answer["not_present"] = list(self.not_present)
+        return answer
+
+
+def parse_tag_request(names: Iterable[str] | None) -> TagRequest:
+    """Tag names as SGLang clients send them -> :class:`TagRequest`.
+
+    SGLang clients know ``weights``, ``kv_cache`` and ``cuda_graph`` (and
+    ``weights_drafter``); handoff also has ``workspace``, the scratch buffers a
+    step needs. So ``workspace`` follows ``kv_cache`` when not named: a client
+    that resumes ``kv_cache`` gets a node that can serve, and one that releases
+    it gives the workspace back too. ``weights_drafter`` is accepted and
+    reported as not present. Unknown names raise :class:`UnknownTag`.
+    """
+    if names is None:
+        return TagRequest(None, ())
+    wanted = list(names)
+    not_present = tuple(dict.fromkeys(name for name in wanted if name == DRAFTER_TAG))
+    own = [name for name in wanted if name != DRAFTER_TAG]
+    if Tag.KV_CACHE.value in own and Tag.WORKSPACE.value not in own:
+        own.append(Tag.WORKSPACE.value)
+    try:
+        tags = parse_tags(own)
+    except UnknownTag:
+        unknown = [name for name in wanted if name not in SGLANG_TAG_NAMES]
+        raise UnknownTag(f"unknown memory tag(s) {unknown}; known: {list(SGLANG_TAG_NAMES)}") from None
+    return TagRequest(tags, not_present)

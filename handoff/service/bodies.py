@@ -15,6 +15,7 @@ from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, ValidationError
 
+from handoff.protocol.tags import TagRequest, UnknownTag, parse_tag_request
 from handoff.service.errors import InvalidRequest, parse_json_bytes
 
 M = TypeVar("M", bound=BaseModel)
@@ -37,7 +38,7 @@ async def parse_body(request: Request, model: type[M], *, empty_ok: bool = False
     raw = await request.body()
     if not raw.strip():
         if empty_ok:
-            return model()
+            return parse_value({}, model)  # a model with required fields still answers 400 naming them
         raise InvalidRequest("request body is empty; a JSON object is required")
     return parse_value(parse_json_bytes(raw), model)
 
@@ -49,6 +50,14 @@ def parse_value(value: Any, model: type[M]) -> M:
         return model.model_validate(value)
     except ValidationError as exc:
         raise InvalidRequest(describe_validation_error(exc)) from exc
+
+
+def parse_tag_names(names: list[str] | None) -> TagRequest:
+    """A body's ``tags`` as SGLang clients name them; an unknown name is a 400."""
+    try:
+        return parse_tag_request(names)
+    except UnknownTag as exc:
+        raise InvalidRequest(str(exc)) from exc
 
 
 def openapi_body(model: type[BaseModel], *, required: bool = True) -> dict[str, Any]:

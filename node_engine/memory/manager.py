@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import Collection, Iterable, Protocol, Sequence
 
 from node_engine.memory.info import DeviceMemory, MemoryInfo
 from node_engine.memory.saver import MemorySaver, MemorySaverDisabled
@@ -84,6 +84,7 @@ class MemoryManager:
         self.weights_listener = weights_listener
         self.state = MemoryState()
         self._weights_kept = False
+        self._written_since_invalid: set[str] = set()
 
     @property
     def weights_valid(self) -> bool:
@@ -91,9 +92,19 @@ class MemoryManager:
 
     def mark_weights_valid(self) -> None:
         self.state.weights_valid = True
+        self._written_since_invalid.clear()
 
     def mark_weights_invalid(self) -> None:
         self.state.weights_valid = False
+        self._written_since_invalid.clear()
+
+    def note_weights_written(self, keys: Iterable[str], all_keys: Collection[str]) -> None:
+        """Some weights were written (a bucket): invalid weights become valid once every key was written since."""
+        if self.state.weights_valid:
+            return
+        self._written_since_invalid.update(keys)
+        if self._written_since_invalid.issuperset(all_keys):
+            self.mark_weights_valid()
 
     def released_tags(self) -> list[MemoryTag]:
         return [t for t in ALL_TAGS if self.state.states[t] is TagState.RELEASED]
@@ -169,7 +180,7 @@ class MemoryManager:
             resumed.append(tag.value)
             if tag is MemoryTag.WEIGHTS:
                 if not self._weights_kept:
-                    self.state.weights_valid = False
+                    self.mark_weights_invalid()
                 if self.weights_listener is not None:
                     self.weights_listener.after_resume(is_valid=self.state.weights_valid)
         return ResumeResult(resumed, already, restored, self.state.weights_valid, time.perf_counter() - start)

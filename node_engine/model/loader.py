@@ -1,46 +1,39 @@
 """Load Hugging Face safetensors checkpoints into a :class:`CausalLM`, at start and in place.
 
-Loading at start converts each tensor to the engine's dtype and remembers the
-checkpoint's own dtype per key. A reload (``update_weights_from_disk``) is
-checked in full before any byte is copied: same keys, same shapes, same
-checkpoint dtypes; only then are the tensors copied into the existing
-parameters (so CUDA graphs that captured their addresses stay valid).
+Files are read by :class:`~node_engine.model.checkpoint_io.CheckpointReader`
+(regular files only, GIL-free reads). Loading at start converts each tensor to
+the engine's dtype and remembers the checkpoint's own dtype per key. A reload
+(``update_weights_from_disk``) is checked in full before any byte is read:
+same keys, same shapes, same checkpoint dtypes; then every tensor is staged in
+host memory (:func:`stage_update`, off the engine thread, bounded by the
+caller), and only a completely staged checkpoint is copied into the existing
+parameters (:func:`apply_staged`), so CUDA graphs that captured their
+addresses stay valid and a stalled read never leaves the model half loaded.
 """
 
 from __future__ import annotations
 
-import json
 import re
-from dataclasses import dataclass
+import threading
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from node_engine.model.arch import ModelArch, ModelConfigError
+from node_engine.model.checkpoint_io import CheckpointError, CheckpointReader, TensorEntry
 from node_engine.model.llama import CausalLM, WeightTarget
 
 # Buffers some older checkpoints carry; they are recomputed, never loaded.
 _IGNORED_KEYS = re.compile(r"^model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq$")
 
-_SAFETENSORS_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
+__all__ = ["TensorEntry", "checkpoint_files", "read_header", "load_weights", "load_tensors", "check_update",
+           "stage_update", "apply_staged", "check_named_tensors", "touched_parameters",
+           "by_checkpoint_key"]
 
 
 # transformers 5 may write a vision-language checkpoint's keys under these prefixes; the engine reads
 # both spellings and names them the way Qwen published them.
 _KEY_ALIASES = (("model.language_model.", "model."), ("model.visual.", "visual."))
-
-
-@dataclass(frozen=True)
-class TensorEntry:
-    file: Path
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    name: str = ""  # the key in the file, when it differs from the engine's name for it
 
 
 def canonical_key(key: str) -> str:
@@ -50,44 +43,38 @@ def canonical_key(key: str) -> str:
     return key
 
 
-def checkpoint_files(folder: Path) -> list[Path]:
+def checkpoint_files(folder: Path, reader: CheckpointReader | None = None) -> list[Path]:
     """The safetensors files of a checkpoint folder: from its index when present."""
-    if not folder.is_dir():
+    reader = reader or CheckpointReader()
+    if not reader.is_dir(folder):
         raise ModelConfigError(f"model folder {folder} does not exist")
     index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (ValueError, KeyError) as exc:
-            raise ModelConfigError(f"{index} is not a valid safetensors index: {exc}") from exc
+    if reader.exists(index):
+        value = reader.read_json(index)
+        weight_map = value.get("weight_map") if isinstance(value, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(n, str) and "/" not in n
+                                                       for n in weight_map.values()):
+            raise ModelConfigError(f"{index} is not a valid safetensors index (weight_map of file names)")
         files = sorted({folder / name for name in weight_map.values()})
-        missing = [f.name for f in files if not f.is_file()]
+        missing = [f.name for f in files if not reader.exists(f)]
         if missing:
             raise ModelConfigError(f"{index.name} names shard files that are missing: {', '.join(missing)}")
         return files
-    files = sorted(folder.glob("*.safetensors"))
+    try:
+        files = sorted(folder.glob("*.safetensors"))
+    except OSError as exc:
+        raise CheckpointError(f"cannot list {folder}: {exc}") from exc
     if not files:
         raise ModelConfigError(f"no *.safetensors file in {folder}")
     return files
 
 
-def read_header(folder: Path) -> dict[str, TensorEntry]:
-    """Key → (file, shape, dtype) for every tensor of the checkpoint, reading headers only."""
+def read_header(folder: Path, reader: CheckpointReader | None = None) -> dict[str, TensorEntry]:
+    """Key → where and what, for every tensor of the checkpoint, reading headers only."""
+    reader = reader or CheckpointReader()
     entries: dict[str, TensorEntry] = {}
-    for path in checkpoint_files(folder):
-        try:
-            with safe_open(path, framework="pt", device="cpu") as f:
-                for key in f.keys():
-                    tensor_slice = f.get_slice(key)
-                    dtype_name = tensor_slice.get_dtype()
-                    if dtype_name not in _SAFETENSORS_DTYPES:
-                        raise ModelConfigError(f"{path.name}: tensor {key} has unsupported dtype {dtype_name}")
-                    entries[canonical_key(key)] = TensorEntry(path, tuple(tensor_slice.get_shape()),
-                                                              _SAFETENSORS_DTYPES[dtype_name], name=key)
-        except ModelConfigError:
-            raise
-        except Exception as exc:  # safetensors raises its own error types for corrupt files
-            raise ModelConfigError(f"cannot read {path.name}: {exc}") from exc
+    for path in checkpoint_files(folder, reader):
+        entries.update((canonical_key(key), entry) for key, entry in reader.header(path).items())
     return entries
 
 
@@ -140,12 +127,17 @@ def _check_shapes(model: CausalLM, entries: dict[str, TensorEntry], targets: dic
         raise ModelConfigError("wrong tensor shapes: " + "; ".join(wrong[:8]))
 
 
-def load_weights(model: CausalLM, folder: Path) -> dict[str, torch.dtype]:
-    """Fill ``model``'s parameters from ``folder``; returns the checkpoint dtype of each key."""
-    entries = read_header(folder)
+def load_weights(model: CausalLM, folder: Path, reader: CheckpointReader | None = None) -> dict[str, torch.dtype]:
+    """Fill ``model``'s parameters from ``folder`` (one tensor in memory at a time); returns checkpoint dtypes."""
+    reader = reader or CheckpointReader()
+    entries = read_header(folder, reader)
     targets = _check_keys(model, entries)
     _check_shapes(model, entries, targets)
-    _copy(model, entries, targets)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    with torch.no_grad():
+        for key, tensor in reader.iter_tensors(entries, list(targets)):
+            view = _target_view(params, targets[key])
+            view.copy_(tensor.to(dtype=view.dtype))
     return {key: entries[key].dtype for key in targets}
 
 
@@ -163,14 +155,16 @@ def load_tensors(model: CausalLM, tensors: dict[str, torch.Tensor]) -> dict[str,
     return {key: tensors[key].dtype for key in targets}
 
 
-def check_update(model: CausalLM, folder: Path, source_dtypes: dict[str, torch.dtype]) -> dict[str, TensorEntry]:
-    """Validate a reload of ``folder`` against the running model without touching it."""
+def check_update(model: CausalLM, folder: Path, source_dtypes: dict[str, torch.dtype],
+                 reader: CheckpointReader | None = None) -> dict[str, TensorEntry]:
+    """Validate a reload of ``folder`` against the running model without touching it (headers only)."""
+    reader = reader or CheckpointReader()
     config = folder / "config.json"
-    if config.is_file():
-        new_arch = ModelArch.from_folder(folder)
+    if reader.exists(config):
+        new_arch = ModelArch.from_hf_config(_json_object(reader, config))
         if _shape_signature(new_arch) != _shape_signature(model.arch):
             raise ModelConfigError(f"{config} describes a different architecture than the running model")
-    entries = read_header(folder)
+    entries = read_header(folder, reader)
     targets = _check_keys(model, entries)
     _check_shapes(model, entries, targets)
     wrong = [f"{key} is {entries[key].dtype}, the running checkpoint had {source_dtypes[key]}"
@@ -180,22 +174,91 @@ def check_update(model: CausalLM, folder: Path, source_dtypes: dict[str, torch.d
     return entries
 
 
-def apply_update(model: CausalLM, entries: dict[str, TensorEntry]) -> None:
-    """Copy a checked checkpoint into the model's existing parameters."""
-    _copy(model, entries, model.hf_weight_map())
+def stage_update(model: CausalLM, entries: dict[str, TensorEntry], reader: CheckpointReader,
+                 cancel: threading.Event | None = None) -> dict[str, torch.Tensor]:
+    """Read every tensor a checked reload needs into host memory (the model is not touched)."""
+    return dict(reader.iter_tensors(entries, list(model.hf_weight_map()), cancel))
 
 
-def _copy(model: CausalLM, entries: dict[str, TensorEntry], targets: dict[str, WeightTarget]) -> None:
+def by_checkpoint_key(model: CausalLM, named: list[tuple[str, object]]) -> list[tuple[str, object]]:
+    """Checkpoint keys for every tensor: a fused parameter's name (SGLang's ``direct`` format names
+    ``qkv_proj`` and ``gate_up_proj``) becomes the checkpoint tensors it holds, as row views."""
+    fused: dict[str, list[tuple[str, WeightTarget]]] = {}
+    for key, target in model.hf_weight_map().items():
+        if target.row_start is not None:
+            fused.setdefault(target.param_name, []).append((key, target))
+    out: list[tuple[str, object]] = []
+    for name, tensor in named:
+        parts = fused.get(name)
+        if parts is None or not isinstance(tensor, torch.Tensor):
+            out.append((name, tensor))
+            continue
+        rows = parts[-1][1].row_end
+        if tensor.dim() == 0 or tensor.shape[0] != rows:
+            out.append((name, tensor))  # the shape check names it
+            continue
+        out.extend((key, tensor[target.row_start:target.row_end]) for key, target in parts)
+    return out
+
+
+def check_named_tensors(model: CausalLM, named: list[tuple[str, object]]) -> dict[str, torch.Tensor]:
+    """Checkpoint-keyed tensors of a weight update (all of the weights, or a bucket of them), checked against
+    the running model without touching it: known keys, each once, the target's shape, a floating dtype.
+
+    ``lm_head.weight`` of a model with tied embeddings and rotary buffers are
+    dropped, as at load. Raises :class:`ModelConfigError` naming every problem.
+    """
+    targets = model.hf_weight_map()
     params = dict(model.named_parameters(remove_duplicate=False))
-    by_file: dict[Path, list[str]] = {}
-    for key in targets:
-        by_file.setdefault(entries[key].file, []).append(key)
+    checked: dict[str, torch.Tensor] = {}
+    problems: list[str] = []
+    for name, tensor in named:
+        if _IGNORED_KEYS.match(name) or (model.arch.tie_word_embeddings and name == "lm_head.weight"):
+            continue
+        if not isinstance(tensor, torch.Tensor):
+            problems.append(f"{name} is a {type(tensor).__name__}, not a tensor")
+        elif name in checked:
+            problems.append(f"{name} is listed twice")
+        elif name not in targets:
+            problems.append(f"unknown weight {name}")
+        elif tuple(tensor.shape) != _target_shape(params, targets[name]):
+            problems.append(f"{name} has shape {list(tensor.shape)}, expected "
+                            f"{list(_target_shape(params, targets[name]))}")
+        elif not tensor.dtype.is_floating_point:
+            problems.append(f"{name} has dtype {tensor.dtype}; weights are floating point")
+        else:
+            checked[name] = tensor
+    if problems:
+        raise ModelConfigError(f"{len(problems)} problem(s), nothing was loaded: " + "; ".join(problems[:8]))
+    return checked
+
+
+def touched_parameters(model: CausalLM, keys: list[str]) -> list[torch.Tensor]:
+    """The parameters that writing ``keys`` changes."""
+    targets = model.hf_weight_map()
+    params = dict(model.named_parameters(remove_duplicate=False))
+    return list({targets[key].param_name: params[targets[key].param_name] for key in keys}.values())
+
+
+def apply_staged(model: CausalLM, staged: dict[str, torch.Tensor]) -> None:
+    """Copy checked tensors (all of the weights, or some) into the model's existing parameters.
+
+    ``copy_`` converts dtype and device as it copies, so nothing is allocated
+    here and, once the tensors are checked, nothing can fail half way for a
+    reason of the request's making.
+    """
+    targets = model.hf_weight_map()
+    params = dict(model.named_parameters(remove_duplicate=False))
     with torch.no_grad():
-        for path, keys in by_file.items():
-            with safe_open(path, framework="pt", device="cpu") as f:
-                for key in keys:
-                    view = _target_view(params, targets[key])
-                    view.copy_(f.get_tensor(entries[key].name or key).to(dtype=view.dtype), non_blocking=False)
+        for key, tensor in staged.items():
+            _target_view(params, targets[key]).copy_(tensor, non_blocking=False)
+
+
+def _json_object(reader: CheckpointReader, path: Path) -> dict:
+    value = reader.read_json(path)
+    if not isinstance(value, dict):
+        raise ModelConfigError(f"{path} is not a JSON object")
+    return value
 
 
 def _shape_signature(arch: ModelArch) -> tuple:

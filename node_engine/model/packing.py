@@ -27,6 +27,7 @@ no-op.
 from __future__ import annotations
 
 import logging
+from typing import Collection
 
 import torch
 
@@ -100,16 +101,18 @@ class WeightPacking:
             return False
         return True
 
-    def unpack(self, *, keep_contents: bool = True) -> None:
+    def unpack(self, *, keep_contents: bool = True, only: Collection[torch.Tensor] | None = None) -> None:
         """Give the plain parameters their memory back, then drop the packed copies.
 
         With ``keep_contents`` the plain parameters get the weights back from the
         packed copies; without, their contents are undefined (for a reload, which
-        overwrites every weight).
+        overwrites every weight). ``only``: the parameters to unpack (by identity;
+        a weight update that writes some of them), None for all.
         """
+        wanted = None if only is None else {id(param) for param in only}
         for projection in self.projections:
             weight, packed = projection.weight, projection.packed
-            if packed is None:
+            if packed is None or (wanted is not None and id(weight) not in wanted):
                 continue
             weight.untyped_storage().resize_(weight.numel() * weight.element_size())
             if keep_contents:

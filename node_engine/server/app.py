@@ -10,11 +10,12 @@ from fastapi import FastAPI
 
 from handoff import __version__
 from handoff.protocol.control import AbortBody, ReleaseBody, ResumeBody, UpdateWeightsFromDiskBody
+from handoff.protocol.weights import WEIGHT_BODIES
 from handoff.service.bodies import install_schemas
 from handoff.service.errors import install_error_handlers
 from handoff.service.limits import BodyLimitMiddleware
 from node_engine.engine import Engine
-from node_engine.server import protocol, routes_control, routes_generate, routes_openai
+from node_engine.server import protocol, routes_control, routes_generate, routes_openai, routes_weights
 from node_engine.server.generation import longest_token_chars
 
 
@@ -36,6 +37,7 @@ def create_app(engine: Engine, *, max_body_bytes: int, body_timeout_s: float | N
     app.include_router(routes_generate.router)
     app.include_router(routes_openai.router)
     app.include_router(routes_control.router)
+    app.include_router(routes_weights.router)
     install_schemas(app, [protocol.GenerateBody, protocol.CompletionBody, protocol.ChatCompletionBody,
-                          ReleaseBody, ResumeBody, UpdateWeightsFromDiskBody, AbortBody])
+                          ReleaseBody, ResumeBody, UpdateWeightsFromDiskBody, AbortBody, *WEIGHT_BODIES.values()])
     return app

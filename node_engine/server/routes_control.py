@@ -1,18 +1,15 @@
-"""Memory, weights and introspection endpoints of the engine."""
+"""Memory, abort and introspection endpoints of the engine (weights: :mod:`routes_weights`)."""
 
 from __future__ import annotations
-
-import asyncio
 
 from fastapi import APIRouter, Request
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.responses import JSONResponse, Response
 
-from handoff.service.bodies import openapi_body, parse_body
-from handoff.service.errors import InvalidRequest, NotFound
+from handoff.service.bodies import openapi_body, parse_body, parse_tag_names
 from node_engine.engine import Engine
-from handoff.protocol.control import AbortBody, ReleaseBody, ResumeBody, UpdateWeightsFromDiskBody
-from node_engine.memory.tags import MemoryTag, UnknownTag, parse_tags
+from handoff.protocol.control import AbortBody, ContinueBody, PauseBody, ReleaseBody, ResumeBody
+from handoff.service.errors import InvalidRequest
 
 router = APIRouter()
 
@@ -21,40 +18,23 @@ def _engine(request: Request) -> Engine:
     return request.app.state.engine
 
 
-def _tags(names: list[str] | None) -> tuple[MemoryTag, ...] | None:
-    try:
-        return parse_tags(names)
-    except UnknownTag as exc:
-        raise InvalidRequest(str(exc)) from exc
-
-
 @router.post("/release_memory_occupation", openapi_extra=openapi_body(ReleaseBody, required=False))
 async def release_memory_occupation(request: Request) -> JSONResponse:
     """``mode`` and ``drain_timeout`` are the sidecar's: the engine itself never drains, it refuses (409)."""
     engine = _engine(request)
     body = await parse_body(request, ReleaseBody, empty_ok=True)
-    tags = _tags(body.tags)
-    return JSONResponse(await engine.call(lambda: engine.control.release(tags, body.stage_to_cpu)))
+    asked = parse_tag_names(body.tags)
+    answer = await engine.call(lambda: engine.control.release(asked.tags, body.stage_to_cpu))
+    return JSONResponse(asked.report(answer))
 
 
 @router.post("/resume_memory_occupation", openapi_extra=openapi_body(ResumeBody, required=False))
 async def resume_memory_occupation(request: Request) -> JSONResponse:
     engine = _engine(request)
     body = await parse_body(request, ResumeBody, empty_ok=True)
-    tags = _tags(body.tags)
-    return JSONResponse(await engine.call(lambda: engine.control.resume(tags)))
-
-
-@router.post("/update_weights_from_disk", openapi_extra=openapi_body(UpdateWeightsFromDiskBody))
-async def update_weights_from_disk(request: Request) -> JSONResponse:
-    engine = _engine(request)
-    body = await parse_body(request, UpdateWeightsFromDiskBody)
-    if body.load_format not in (None, "auto", "safetensors"):
-        raise InvalidRequest(f"load_format {body.load_format!r} is not supported; use safetensors")
-    if body.dry_run:
-        return JSONResponse(await asyncio.to_thread(engine.control.check_weights, body.model_path))
-    return JSONResponse(await engine.call(lambda: engine.control.update_weights_from_disk(body.model_path,
-                                                                                         body.weight_version)))
+    asked = parse_tag_names(body.tags)
+    answer = await engine.call(lambda: engine.control.resume(asked.tags))
+    return JSONResponse(asked.report(answer))
 
 
 async def flush_cache(request: Request) -> JSONResponse:
@@ -70,15 +50,33 @@ for _method in ("GET", "POST"):  # one route per method: one operation id each i
 async def abort_request(request: Request) -> JSONResponse:
     engine = _engine(request)
     body = await parse_body(request, AbortBody)
-    if body.abort_all == (body.rid is not None):
-        raise InvalidRequest("give either rid or abort_all: true")
-    if body.rid is not None:
-        if engine.scheduler.find(body.rid) is None:
-            raise NotFound(f"no running or queued request {body.rid!r}")
-        engine.abort(body.rid)
-        return JSONResponse({"success": True, "aborted": [body.rid]})
-    engine.abort(None)
-    return JSONResponse({"success": True, "aborted": "all"})
+    if body.abort_all:
+        engine.abort(None)
+        return JSONResponse({"success": True, "aborted": "all"})
+    # SGLang's semantics: an empty or unknown rid is a no-op (its request may have finished a moment ago).
+    if not body.rid or engine.scheduler.find(body.rid) is None:
+        return JSONResponse({"success": True, "aborted": []})
+    engine.abort(body.rid)
+    return JSONResponse({"success": True, "aborted": [body.rid]})
+
+
+@router.post("/pause_generation", openapi_extra=openapi_body(PauseBody, required=False))
+async def pause_generation(request: Request) -> JSONResponse:
+    """SGLang's modes: ``abort`` (abort all, then pause), ``retract``, ``in_place``. ``wait`` is the sidecar's."""
+    engine = _engine(request)
+    body = await parse_body(request, PauseBody, empty_ok=True)
+    if body.mode == "wait":
+        raise InvalidRequest("mode wait drains generation first: the sidecar does that, the engine does not")
+    if body.mode == "abort":
+        engine.abort(None)
+    return JSONResponse(await engine.call(lambda: engine.control.pause(body.mode)))
+
+
+@router.post("/continue_generation", openapi_extra=openapi_body(ContinueBody, required=False))
+async def continue_generation(request: Request) -> JSONResponse:
+    engine = _engine(request)
+    body = await parse_body(request, ContinueBody, empty_ok=True)
+    return JSONResponse(await engine.call(lambda: engine.control.continue_generation(body.torch_empty_cache)))
 
 
 @router.get("/memory_occupation")

@@ -27,6 +27,7 @@ from typing import Any, Callable, ClassVar, Mapping
 
 from handoff.protocol.engines import EngineKind
 from handoff.protocol.tags import TAG_NAMES, TagState
+from handoff.service.errors import Unsupported
 from handoff.service.relay import ChunkTransform
 from node_sidecar.engine_client import EngineClient
 
@@ -53,6 +54,7 @@ class EngineView:
     memory_saver: str = "off"          # "off": release and resume answer 409 memory_saver_disabled
     can_stage_weights: bool = False    # whether stage_to_cpu: true can be honoured
     tag_bytes: dict[str, int] = field(default_factory=lambda: {t: 0 for t in TAG_NAMES})
+    paused: bool = False               # requests paused in the engine (SGLang's retract / in_place) wait
 
 
 @dataclass(frozen=True)
@@ -144,6 +146,20 @@ class EngineAdapter(ABC):
     @abstractmethod
     async def flush_cache(self, timeout: float) -> dict[str, Any]:
         """Drop the engine's prefix cache, within ``timeout`` seconds."""
+
+    # -- SGLang's weight API beyond disk, and its in-engine pause ------------------------
+    async def weight_call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        """A tensor or broadcast update, the weight group, the update session, the version (``path`` with
+        SGLang's ``body``); generation is drained when the call moves weights."""
+        raise Unsupported(f"{path} is not available behind the sidecar for a {self.kind.value} engine")
+
+    async def pause(self, mode: str) -> dict[str, Any]:
+        """SGLang's ``retract`` or ``in_place`` pause, in the engine (``abort`` and ``wait`` are the sidecar's)."""
+        raise Unsupported(f"pause mode {mode} is not available for a {self.kind.value} engine; use abort or wait")
+
+    async def continue_generation(self, *, torch_empty_cache: bool) -> dict[str, Any]:
+        """End an in-engine pause; an engine that cannot pause has nothing to continue."""
+        return {}
 
     async def server_info(self) -> dict[str, Any] | None:
         """``GET /get_server_info`` for an engine without one (None: the engine's own is passed through)."""

@@ -38,7 +38,8 @@ class HandoffEngine(EngineAdapter):
         backup = str(occupation.get("weights_backup", "none"))
         return EngineView(tags=tags, tag_bytes=tag_bytes, weights_valid=bool(occupation.get("weights_valid")),
                           weight_version=occupation.get("weight_version"), weights_backup=backup,
-                          memory_saver=str(occupation.get("memory_saver", "off")), can_stage_weights=backup != "none")
+                          memory_saver=str(occupation.get("memory_saver", "off")), can_stage_weights=backup != "none",
+                          paused=occupation.get("paused") is True)
 
     async def memory_view(self) -> dict[str, Any]:
         try:
@@ -76,3 +77,12 @@ class HandoffEngine(EngineAdapter):
 
     async def flush_cache(self, timeout: float) -> dict[str, Any]:
         return await self.engine.call("POST", "/flush_cache", timeout=timeout)
+
+    async def weight_call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        return await self.engine.call("POST", path, body)
+
+    async def pause(self, mode: str) -> dict[str, Any]:
+        return await self.engine.call("POST", "/pause_generation", {"mode": mode})
+
+    async def continue_generation(self, *, torch_empty_cache: bool) -> dict[str, Any]:
+        return await self.engine.call("POST", "/continue_generation", {"torch_empty_cache": torch_empty_cache})

@@ -179,7 +179,7 @@ def test_sidecar_restarted_while_the_lb_polls_it(cluster: LocalCluster, lb: Hand
     assert view["tags"]["kv_cache"]["state"] == "released" and view["tags"]["weights"]["state"] == "resident"
     assert not view["routable"]
     bodies = lb.resume().bodies()
-    assert bodies[node.url]["resumed"] == ["kv_cache"] and bodies[other.url]["resumed"] == []
+    assert bodies[node.url]["resumed"] == ["kv_cache", "workspace"] and bodies[other.url]["resumed"] == []
     assert lb_view(lb, node)["routable"]
 
 

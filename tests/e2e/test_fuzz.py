@@ -32,8 +32,10 @@ from pydantic import BaseModel, ValidationError
 
 from handoff.cluster.local import ClusterSpec, LocalCluster
 from lb.app import AddNode
+from lb.workers import WorkerBody
 from node_engine.server.protocol import ChatCompletionBody, CompletionBody, GenerateBody
 from handoff.protocol.control import PauseBody, ReleaseBody
+from handoff.protocol.weights import BeginWeightUpdateBody, InitWeightsUpdateGroupBody, UpdateWeightVersionBody
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -53,6 +55,16 @@ TEMPLATES: dict[str, dict[str, Any]] = {
     "/continue_generation": {},
     "/flush_cache": {},
     "/abort_request": {"rid": "nope", "abort_all": False},
+    "/update_weights_from_tensor": {"serialized_named_tensors": ["gARdlC4="], "load_format": None,
+                                    "flush_cache": True, "weight_version": "v2"},
+    "/update_weights_from_distributed": {"names": ["model.norm.weight"], "dtypes": ["float32"], "shapes": [[64]],
+                                         "group_name": "g", "flush_cache": True},
+    "/init_weights_update_group": {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1,
+                                   "world_size": 2, "group_name": "g", "backend": "gloo"},
+    "/destroy_weights_update_group": {"group_name": "g"},
+    "/begin_weight_update": {"selector": "all"},
+    "/end_weight_update": {},
+    "/update_weight_version": {"new_version": "v2", "abort_all_requests": False},
     "/generate": {"text": "hi", "sampling_params": {"max_new_tokens": 2, "temperature": 0.5, "top_p": 0.9,
                                                     "top_k": 3, "stop": ["x"], "ignore_eos": True, "seed": 1},
                   "stream": False, "rid": "r1"},
@@ -60,6 +72,7 @@ TEMPLATES: dict[str, dict[str, Any]] = {
     "/v1/chat/completions": {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
                              "stream": False},
     "/nodes": {"url": "http://127.0.0.1:1", "role": "mixed", "bootstrap_port": None},
+    "/workers": {"url": "http://127.0.0.1:1", "worker_type": "regular", "bootstrap_port": None},
 }
 
 # every route each process serves, with the method it documents (checked against /openapi.json)
@@ -68,14 +81,24 @@ LB_ROUTES = [("POST", "/release_memory_occupation"), ("POST", "/resume_memory_oc
              ("POST", "/pause_generation"), ("POST", "/continue_generation"), ("POST", "/generate"),
              ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("GET", "/health"), ("GET", "/nodes"),
              ("POST", "/nodes"), ("DELETE", "/nodes"), ("GET", "/memory_occupation"), ("GET", "/metrics"),
-             ("GET", "/openapi.json")]
+             ("GET", "/openapi.json"), ("POST", "/update_weights_from_tensor"),
+             ("POST", "/update_weights_from_distributed"), ("POST", "/init_weights_update_group"),
+             ("POST", "/destroy_weights_update_group"), ("POST", "/begin_weight_update"),
+             ("POST", "/end_weight_update"), ("POST", "/update_weight_version"), ("POST", "/abort_request"),
+             ("GET", "/get_weight_version"), ("POST", "/add_worker"), ("POST", "/remove_worker"),
+             ("GET", "/list_workers"), ("POST", "/workers"), ("GET", "/workers"),
+             ("DELETE", "/workers/{id_or_url}"), ("GET", "/model_info"), ("GET", "/get_model_info")]
 SIDECAR_ROUTES = [("POST", "/generate"), ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
                   ("GET", "/health_generate"), ("POST", "/release_memory_occupation"),
                   ("POST", "/resume_memory_occupation"), ("POST", "/update_weights_from_disk"),
                   ("POST", "/pause_generation"), ("POST", "/continue_generation"), ("GET", "/flush_cache"),
                   ("POST", "/flush_cache"), ("POST", "/abort_request"), ("GET", "/v1/models"),
                   ("GET", "/get_server_info"), ("GET", "/memory_occupation"), ("GET", "/health"), ("GET", "/ready"),
-                  ("GET", "/metrics"), ("GET", "/openapi.json")]
+                  ("GET", "/metrics"), ("GET", "/openapi.json"), ("POST", "/update_weights_from_tensor"),
+                  ("POST", "/update_weights_from_distributed"), ("POST", "/init_weights_update_group"),
+                  ("POST", "/destroy_weights_update_group"), ("POST", "/begin_weight_update"),
+                  ("POST", "/end_weight_update"), ("POST", "/update_weight_version"), ("GET", "/get_weight_version"),
+                  ("GET", "/get_model_info"), ("GET", "/model_info")]
 
 json_scalars = st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=False) | st.text(max_size=20)
 json_values = st.recursive(json_scalars, lambda inner: st.lists(inner, max_size=4)
@@ -205,8 +228,17 @@ def does_its_job(call: Call) -> bool:
         return is_empty or (isinstance(value, dict) and _validates(model, value) and known_tags)
     if call.path == "/nodes" and call.method == "POST":
         return isinstance(value, dict) and _validates(AddNode, value)
+    if call.path == "/workers" and call.method == "POST":
+        return isinstance(value, dict) and _validates(WorkerBody, value)
+    if call.path in ("/add_worker", "/remove_worker"):
+        return "url=" in call.query  # a member added or removed
     if call.path == "/update_weights_from_disk":
         return isinstance(value, dict) and str(value.get("model_path", "")).startswith("builtin")
+    # a valid join waits for a trainer; a valid session or version call changes what the node serves
+    state_changing = {"/init_weights_update_group": InitWeightsUpdateGroupBody,
+                      "/begin_weight_update": BeginWeightUpdateBody, "/update_weight_version": UpdateWeightVersionBody}
+    if call.path in state_changing and call.method == "POST":
+        return is_empty or (isinstance(value, dict) and _validates(state_changing[call.path], value))
     if call.path in GENERATION_MODELS and call.method == "POST" and isinstance(value, dict):
         model, _ = GENERATION_MODELS[call.path]
         if _validates(model, value):

@@ -5,9 +5,10 @@ invalid) and checked for: no 5xx (but the LB's documented 503 ``no_nodes`` for a
 ``?role=`` with no member), responses in a documented content type, and JSON
 that matches a documented schema. Left out, because changing state is their
 job and the hypothesis fuzzing (``test_fuzz.py``) covers them with state checks:
-on the sidecar the memory, reload and pause calls; on the LB a release or pause
-(the fake nodes then stop serving, and generation is a documented 503) and
-``POST /nodes`` (the LB would then check whatever URL was generated). The LB
+on the sidecar the memory, reload, pause and weight calls (a valid group join
+waits for a trainer); on the LB a release or pause (the fake nodes then stop
+serving, and generation is a documented 503), ``POST /nodes`` and the worker
+registration routes (the LB would then check whatever URL was generated). The LB
 runs in front of fake nodes that accept every control call, so that a 5xx can
 only be the LB's own; the sidecar runs in front of a real ``builtin:tiny`` engine.
 """
@@ -110,7 +111,9 @@ def sidecar(proc_log_dir: Path) -> Iterator[ServerProcess]:
 
 
 def test_schemathesis_on_a_sidecar(sidecar: ServerProcess) -> None:
-    ran, failures = run_schemathesis(sidecar.url, r"^/(release|resume|update_weights|pause|continue)_")
+    ran, failures = run_schemathesis(
+        sidecar.url, r"^/(release|resume|update_weights|pause|continue|init_weights|destroy_weights|begin_weight"
+                     r"|end_weight|update_weight_version)")
     assert len(ran) >= 12 and "POST /generate" in ran and "POST /abort_request" in ran
     assert not failures, "\n\n".join(failures)
 
@@ -130,7 +133,8 @@ def lb_over_fakes(proc_log_dir: Path) -> Iterator[Callable[[], LB]]:
 
 def test_schemathesis_on_the_lb(lb_over_fakes: Callable[[], LB]) -> None:
     lb = lb_over_fakes()
-    ran, failures = run_schemathesis(lb.url, r"^/(release_memory_occupation|pause_generation)$", "POST /nodes")
+    ran, failures = run_schemathesis(
+        lb.url, r"^/(release_memory_occupation|pause_generation|add_worker|remove_worker|workers.*)$", "POST /nodes")
     assert len(ran) >= 10 and "POST /generate" in ran and "POST /resume_memory_occupation" in ran
     assert "DELETE /nodes" in ran and "POST /nodes" not in ran
     assert not failures, "\n\n".join(failures)

@@ -30,9 +30,11 @@ BODY_LIMIT = 64 * 1024
 CANARY_HOST = "127.0.0.2"  # loopback, but no member of the cluster listens there
 
 LB_OPEN = {("GET", "/health"), ("GET", "/nodes"), ("GET", "/memory_occupation"), ("GET", "/metrics"),
-           ("GET", "/openapi.json")}
+           ("GET", "/openapi.json"), ("GET", "/get_weight_version"), ("GET", "/model_info"),
+           ("GET", "/get_model_info"), ("GET", "/list_workers"), ("GET", "/workers")}
 SIDECAR_OPEN = {("GET", "/health"), ("GET", "/ready"), ("GET", "/memory_occupation"), ("GET", "/metrics"),
-                ("GET", "/openapi.json"), ("GET", "/v1/models"), ("GET", "/get_server_info")}
+                ("GET", "/openapi.json"), ("GET", "/v1/models"), ("GET", "/get_server_info"),
+                ("GET", "/get_weight_version"), ("GET", "/model_info"), ("GET", "/get_model_info")}
 GENERATION = {"/generate", "/v1/completions", "/v1/chat/completions", "/health_generate"}
 BAD_CREDENTIALS: list[dict[str, Any]] = [
     {}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Bearer {ADMIN[:-1]}"},
@@ -263,8 +265,9 @@ def test_the_lb_contacts_no_address_outside_its_membership(cluster: LocalCluster
             for path in paths:
                 for auth_headers in ({}, bearer(API_KEY), bearer(ADMIN)):
                     for method in ("POST", "GET", "DELETE"):
-                        if (method, path) == ("POST", "/nodes") and auth_headers == bearer(ADMIN):
-                            continue  # the admin API defining the membership: adding a node is its job
+                        if ((method, path) in {("POST", "/nodes"), ("POST", "/add_worker"), ("POST", "/workers")}
+                                and auth_headers == bearer(ADMIN)):
+                            continue  # the admin APIs defining the membership: adding a node is their job
                         http.request(method, cluster.url + path, json=body, params={"url": url, "node": url},
                                      headers={**headers, **auth_headers})
         # the absolute form of a request target names the canary too

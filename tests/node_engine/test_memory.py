@@ -73,7 +73,8 @@ def test_release_frees_host_memory_and_resume_takes_it_back(big, big_engine) -> 
     assert r.status_code == 200, r.text
     body = r.json()
     freed = sum(body["bytes_freed"].values())
-    assert body["released"] == ["weights", "kv_cache"] and freed > 400 * 2**20
+    # the workspace follows kv_cache when a client (knowing SGLang's tags) does not name it
+    assert body["released"] == ["weights", "kv_cache", "workspace"] and freed > 400 * 2**20
     after_release = rss(big_engine)
     assert before - after_release >= 0.9 * freed, (before, after_release, freed)
     # and no more: the engine was not holding freed pages it had never given back (packing parks weights)
@@ -88,10 +89,12 @@ def test_release_frees_host_memory_and_resume_takes_it_back(big, big_engine) -> 
 
 def test_idempotent_release_and_resume(big) -> None:
     r = big.post("/resume_memory_occupation", json={"tags": ["kv_cache"]})
-    assert r.status_code == 200 and r.json()["already_resident"] == ["kv_cache"] and r.json()["resumed"] == []
+    assert r.status_code == 200 and r.json()["already_resident"] == ["kv_cache", "workspace"]
+    assert r.json()["resumed"] == []
     first = big.post("/release_memory_occupation", json={"tags": ["kv_cache", "workspace"]}).json()
-    second = big.post("/release_memory_occupation", json={"tags": ["kv_cache"]}).json()
-    assert first["released"] == ["kv_cache", "workspace"] and second["already_released"] == ["kv_cache"]
+    second = big.post("/release_memory_occupation", json={"tags": ["kv_cache", "weights_drafter"]}).json()
+    assert first["released"] == ["kv_cache", "workspace"]
+    assert second["already_released"] == ["kv_cache", "workspace"] and second["not_present"] == ["weights_drafter"]
     assert second["released"] == [] and second["bytes_freed"] == {}
     resumed = big.post("/resume_memory_occupation", json={"tags": None}).json()
     assert resumed["resumed"] == ["kv_cache", "workspace"]
@@ -123,7 +126,7 @@ def test_resume_with_too_little_memory_is_507_and_changes_nothing(big, big_engin
     assert error["needed_bytes"] > 128 * 2**20
     assert big.get("/memory_occupation").json()["tags"]["kv_cache"]["state"] == "released"
     big_engine.override_file.unlink()  # type: ignore[attr-defined]
-    assert big.post("/resume_memory_occupation", json={"tags": ["kv_cache"]}).json()["resumed"] == ["kv_cache"]
+    assert big.post("/resume_memory_occupation", json={"tags": ["kv_cache"]}).json()["resumed"] == ["kv_cache", "workspace"]
 
 
 def test_release_with_a_request_in_flight_is_409_and_the_request_completes(big, big_engine) -> None:
@@ -147,8 +150,6 @@ def test_release_with_a_request_in_flight_is_409_and_the_request_completes(big, 
 def test_without_backup_weights_must_be_reloaded(big, big_checkpoint: Path) -> None:
     expected = greedy_outputs(big)
     big.post("/release_memory_occupation", json={"tags": None})
-    r = big.post("/update_weights_from_disk", json={"model_path": str(big_checkpoint)})
-    assert r.status_code == 409 and r.json()["error"]["type"] == "weights_released"
     assert big.post("/generate", json={"text": "x"}).status_code == 503
     assert big.post("/resume_memory_occupation", json={"tags": None}).json()["weights_valid"] is False
     r = big.post("/generate", json={"text": "x"})

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from handoff.protocol.control import UpdateWeightsFromDiskBody
 from node_engine.config import EngineConfig
 from node_engine.errors import BackupFailed
 from node_engine.memory.saver import CpuSaver, DisabledSaver
@@ -126,7 +127,7 @@ async def test_release_with_backup_and_resume_repack_the_same_weights(tmp_path: 
         assert not packing.is_packed and all(p.packed is None for p in packing.projections)
         assert all(p.weight.untyped_storage().nbytes() == 0 for p in packing.projections)
         # A reload's dry run reads shapes only: it works while the weights are released.
-        assert engine.control.check_weights(str(checkpoint))["success"]
+        assert (await engine.weights.check_disk(str(checkpoint)))["success"]
         result = await engine.call(lambda: engine.control.resume(None))
         assert result["weights_valid"] and packing.is_packed
         tokens, _ = await generate(engine, PROMPT, GREEDY)
@@ -141,7 +142,8 @@ async def test_release_without_backup_then_reload_packs_the_loaded_weights(check
         await engine.call(lambda: engine.control.release([MemoryTag.WEIGHTS], None))
         result = await engine.call(lambda: engine.control.resume(None))
         assert not result["weights_valid"] and not packing.is_packed  # zeros are not worth packing
-        await engine.call(lambda: engine.control.update_weights_from_disk(str(checkpoint), "v1"))
+        await engine.weights.update_from_disk(UpdateWeightsFromDiskBody(model_path=str(checkpoint),
+                                                                        weight_version="v1"))
         assert packing.is_packed
         assert all(p.weight.untyped_storage().nbytes() == 0 for p in packing.projections)
         tokens, _ = await generate(engine, PROMPT, GREEDY)
@@ -156,7 +158,7 @@ async def test_a_reload_of_other_weights_changes_the_packed_outputs(tmp_path: Pa
         expected_other, _ = await generate(fresh, PROMPT, GREEDY)
     async with running_engine(EngineConfig(model_path="builtin:tiny")) as engine:
         before, _ = await generate(engine, PROMPT, GREEDY)
-        await engine.call(lambda: engine.control.update_weights_from_disk(str(other), "v2"))
+        await engine.weights.update_from_disk(UpdateWeightsFromDiskBody(model_path=str(other), weight_version="v2"))
         assert engine.runner.packing.is_packed
         after, _ = await generate(engine, PROMPT, GREEDY)
     assert after != before and after == expected_other

@@ -1,0 +1,170 @@
+"""Bodies of the weight calls (SGLang 0.5.23's ``io_struct``), strict: a wrong type or an unknown field is a 400.
+
+Weight sync without disk: ``update_weights_from_tensor`` (serialized tensors
+of a process on the same host), a torch.distributed group with the trainer
+(``init_weights_update_group``, ``update_weights_from_distributed``,
+``destroy_weights_update_group``), SGLang's update session
+(``begin_weight_update`` / ``end_weight_update``), and the served version
+(``update_weight_version``). The sidecar and the engine parse these; the LB
+parses the group bodies (it gives each node its ranks) and documents the rest.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, Field, field_validator, model_validator
+
+from handoff.protocol.control import STRICT
+
+DEFAULT_GROUP_NAME = "weight_update_group"
+MAX_TENSORS_PER_UPDATE = 100_000
+MAX_TENSOR_RANK = 8
+MAX_NAME_CHARS = 1024
+Selector = Literal["target", "draft", "all"]
+TensorLoadFormat = Literal["direct", "flattened_bucket"]
+GroupBackend = Literal["gloo", "nccl"]
+
+# torch dtype names a weight may arrive in (SGLang sends ``str(dtype)`` without ``torch.``).
+WEIGHT_DTYPES: tuple[str, ...] = ("float32", "float16", "bfloat16", "float64")
+
+
+class WeightUpdateCommon(BaseModel):
+    """Fields every weight update shares (SGLang's meaning)."""
+
+    model_config = STRICT
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = Field(default=None, min_length=1)
+    selector: Selector = "all"
+    torch_empty_cache: bool = False
+
+
+class UpdateWeightsFromTensorBody(WeightUpdateCommon):
+    """``POST /update_weights_from_tensor``.
+
+    ``serialized_named_tensors``: one base64 string per tensor-parallel rank (1 for
+    this engine), each SGLang's ``MultiprocessingSerializer`` output: a list of
+    ``(name, tensor)`` pairs (``load_format`` null or ``direct``) or a flattened
+    bucket (``flattened_bucket``). The tensors travel as torch's shared-memory (CPU)
+    or CUDA IPC handles, so the sender must be on the node's host.
+    """
+
+    serialized_named_tensors: list[str] = Field(min_length=1, max_length=64)
+    load_format: TensorLoadFormat | None = None
+    # handoff's: torch counts one reader per serialized CPU tensor. The LB, sending one payload to several
+    # engines, sets this false on all but one of them, so the sender's shared memory is released exactly once.
+    release_sender_reference: bool = True
+
+
+class UpdateWeightsFromDistributedBody(WeightUpdateCommon):
+    """``POST /update_weights_from_distributed``: one broadcast from rank 0 per listed tensor, in order
+    (``load_format: flattened_bucket``: one broadcast of all of them, packed)."""
+
+    names: list[str] = Field(min_length=1, max_length=MAX_TENSORS_PER_UPDATE)
+    dtypes: list[str] = Field(min_length=1, max_length=MAX_TENSORS_PER_UPDATE)
+    shapes: list[list[int]] = Field(min_length=1, max_length=MAX_TENSORS_PER_UPDATE)
+    group_name: str = Field(default=DEFAULT_GROUP_NAME, min_length=1, max_length=MAX_NAME_CHARS)
+    load_format: Literal["flattened_bucket"] | None = None
+
+    @field_validator("dtypes")
+    @classmethod
+    def _known_dtypes(cls, dtypes: list[str]) -> list[str]:
+        names = [d.removeprefix("torch.") for d in dtypes]
+        unknown = sorted({d for d in names if d not in WEIGHT_DTYPES})
+        if unknown:
+            raise ValueError(f"unsupported dtype(s) {unknown}; weights are one of {list(WEIGHT_DTYPES)}")
+        return names
+
+    @field_validator("shapes")
+    @classmethod
+    def _sane_shapes(cls, shapes: list[list[int]]) -> list[list[int]]:
+        for shape in shapes:
+            if len(shape) > MAX_TENSOR_RANK or any(dim < 0 for dim in shape):
+                raise ValueError(f"shape {shape[:MAX_TENSOR_RANK + 1]} is not a tensor shape")
+        return shapes
+
+    @model_validator(mode="after")
+    def _same_lengths(self) -> "UpdateWeightsFromDistributedBody":
+        if not len(self.names) == len(self.dtypes) == len(self.shapes):
+            raise ValueError(f"names, dtypes and shapes must have one entry per tensor "
+                             f"(got {len(self.names)}, {len(self.dtypes)}, {len(self.shapes)})")
+        if len(set(self.names)) != len(self.names):
+            raise ValueError("names lists a tensor twice")
+        return self
+
+
+class InitWeightsUpdateGroupBody(BaseModel):
+    """``POST /init_weights_update_group``: join the trainer's group (rank 0 hosts its TCP store).
+
+    ``master_port`` may be a string of digits (AReaL sends one). Through the LB,
+    ``rank_offset`` is the first engine rank and ``world_size`` the whole group;
+    the LB gives each node its own offset.
+    """
+
+    model_config = STRICT
+    master_address: str = Field(min_length=1, max_length=255)
+    master_port: int = Field(ge=1, le=65535)
+    rank_offset: int = Field(ge=1)
+    world_size: int = Field(ge=2)
+    group_name: str = Field(default=DEFAULT_GROUP_NAME, min_length=1, max_length=MAX_NAME_CHARS)
+    backend: GroupBackend = "nccl"
+
+    @field_validator("master_port", mode="before")
+    @classmethod
+    def _port_digits(cls, value: object) -> object:
+        if isinstance(value, str) and value.isascii() and value.isdigit():
+            return int(value)
+        return value
+
+    @model_validator(mode="after")
+    def _rank_in_group(self) -> "InitWeightsUpdateGroupBody":
+        if self.rank_offset >= self.world_size:
+            raise ValueError(f"rank_offset {self.rank_offset} is outside a group of world_size {self.world_size}")
+        return self
+
+
+class DestroyWeightsUpdateGroupBody(BaseModel):
+    """``POST /destroy_weights_update_group``."""
+
+    model_config = STRICT
+    group_name: str = Field(default=DEFAULT_GROUP_NAME, min_length=1, max_length=MAX_NAME_CHARS)
+
+
+class BeginWeightUpdateBody(BaseModel):
+    """``POST /begin_weight_update``: open SGLang's update session (one at a time)."""
+
+    model_config = STRICT
+    selector: Selector = "all"
+
+
+class EndWeightUpdateBody(BaseModel):
+    """``POST /end_weight_update``: close the session."""
+
+    model_config = STRICT
+
+
+class UpdateWeightVersionBody(BaseModel):
+    """``POST /update_weight_version``: set the served version (``abort_all_requests`` defaults to true)."""
+
+    model_config = STRICT
+    new_version: str = Field(min_length=1, max_length=MAX_NAME_CHARS)
+    abort_all_requests: bool = True
+
+
+WEIGHT_BODIES: dict[str, type[BaseModel]] = {
+    "/update_weights_from_tensor": UpdateWeightsFromTensorBody,
+    "/init_weights_update_group": InitWeightsUpdateGroupBody,
+    "/update_weights_from_distributed": UpdateWeightsFromDistributedBody,
+    "/destroy_weights_update_group": DestroyWeightsUpdateGroupBody,
+    "/begin_weight_update": BeginWeightUpdateBody,
+    "/end_weight_update": EndWeightUpdateBody,
+    "/update_weight_version": UpdateWeightVersionBody,
+}
+
+# The weight calls the LB sends to every node (or, for tensors, to the nodes the caller names), with their methods;
+# each may change what a node serves, so a sidecar answers each with its state (NODE_STATE_HEADER).
+WEIGHT_ROUTES: dict[str, tuple[str, ...]] = {path: ("POST",) for path in WEIGHT_BODIES}
+
+# The header a generation request pins a weight version with: only nodes serving that version take it.
+WEIGHT_VERSION_HEADER = "x-weight-version"

@@ -1,0 +1,83 @@
+"""Weight sync as SGLang 0.5.23 does it, for both ends: the engine joins with it, and a trainer without an RL
+framework pushes weights with it (``import torch`` happens on first use; the rest of ``handoff`` stays torch-free).
+
+- :func:`join_weight_group`: SGLang's ``init_custom_process_group``. Rendezvous
+  at ``tcp://master_address:master_port`` (rank 0, the trainer, hosts the TCP
+  store), the store wrapped in ``PrefixStore(group_name, ...)``, the group made
+  by ``_new_process_group_helper`` under ``group_name`` with every rank mapped to
+  itself. verl, slime and AReaL build their end the same way, so either side
+  can be theirs.
+- :func:`broadcast_named_tensors`: the trainer's side of
+  ``update_weights_from_distributed``: one broadcast from rank 0 per tensor, in
+  the order of the body's ``names`` (or one flattened buffer).
+- :func:`serialize_named_tensors`: SGLang's ``MultiprocessingSerializer`` output
+  for ``update_weights_from_tensor``, base64: ``ForkingPickler`` over
+  ``(name, tensor)`` pairs. CPU tensors travel as shared memory by name (the
+  ``file_system`` sharing strategy, set here), so the receiver must be on this host.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import ipaddress
+from datetime import timedelta
+from typing import TYPE_CHECKING, Iterable, Sequence
+
+if TYPE_CHECKING:
+    import torch
+    import torch.distributed as dist
+
+
+def tcp_init_method(address: str, port: int) -> str:
+    """``tcp://host:port``, an IPv6 address in brackets (SGLang's ``NetworkAddress.to_tcp``)."""
+    host = address.strip("[]")
+    try:
+        if ipaddress.ip_address(host).version == 6:
+            host = f"[{host}]"
+    except ValueError:
+        pass  # a host name
+    return f"tcp://{host}:{port}"
+
+
+def join_weight_group(*, master_address: str, master_port: int, rank: int, world_size: int, group_name: str,
+                      backend: str, timeout_s: float) -> "dist.ProcessGroup":
+    """Join (rank 0: host) the group; blocks until every rank joined or ``timeout_s`` passed."""
+    from torch.distributed.distributed_c10d import (Backend, PrefixStore, _new_process_group_helper, _world,
+                                                    rendezvous)
+
+    timeout = timedelta(seconds=timeout_s)
+    store, rank, world_size = next(rendezvous(tcp_init_method(master_address, master_port), rank, world_size,
+                                              timeout=timeout))
+    store.set_timeout(timeout)
+    group, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), PrefixStore(group_name, store),
+                                         group_name=group_name, backend_options=None, timeout=timeout,
+                                         device_id=None)
+    _world.pg_group_ranks[group] = {i: i for i in range(world_size)}
+    return group
+
+
+def broadcast_named_tensors(group: "dist.ProcessGroup", tensors: Sequence["torch.Tensor"], *,
+                            flattened: bool = False) -> None:
+    """Rank 0's broadcasts for one ``update_weights_from_distributed`` body listing these tensors in order."""
+    import torch
+    import torch.distributed as dist
+
+    if flattened:
+        flat = torch.cat([t.contiguous().flatten().view(torch.uint8) for t in tensors])
+        dist.broadcast(flat, src=0, group=group)
+        return
+    handles = [dist.broadcast(t.contiguous(), src=0, group=group, async_op=True) for t in tensors]
+    for handle in handles:
+        handle.wait()
+
+
+def serialize_named_tensors(named: Iterable[tuple[str, "torch.Tensor"]]) -> str:
+    """One ``serialized_named_tensors`` entry; keep the tensors alive until the engine answered."""
+    import torch.multiprocessing as mp
+    from multiprocessing.reduction import ForkingPickler
+
+    mp.set_sharing_strategy("file_system")
+    buffer = io.BytesIO()
+    ForkingPickler(buffer).dump([(name, tensor.detach()) for name, tensor in named])
+    return base64.b64encode(buffer.getvalue()).decode()

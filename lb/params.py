@@ -1,0 +1,33 @@
+"""Query parameters the LB's fan-out calls share: ``?role=`` and ``?timeout=``."""
+
+from __future__ import annotations
+
+from starlette.requests import Request
+
+from handoff.service.errors import InvalidRequest
+from lb.config import LBConfig, Role
+
+
+def role_param(request: Request) -> Role | None:
+    value = request.query_params.get("role")
+    if value is None:
+        return None
+    try:
+        return Role(value)
+    except ValueError:
+        raise InvalidRequest(f"role must be one of {', '.join(r.value for r in Role)}, got {value!r}") from None
+
+
+def timeout_param(request: Request, config: LBConfig, default_s: float | None = None) -> float:
+    """``?timeout=S`` (0 < S <= --max-control-timeout), else ``default_s`` (--control-timeout when None)."""
+    value = request.query_params.get("timeout")
+    if value is None:
+        return config.control_timeout_s if default_s is None else default_s
+    try:
+        timeout_s = float(value)
+    except ValueError:
+        raise InvalidRequest(f"timeout must be a number of seconds, got {value!r}") from None
+    if not 0 < timeout_s <= config.max_control_timeout_s:
+        raise InvalidRequest(f"timeout must be > 0 and at most {config.max_control_timeout_s:g} s "
+                             f"(--max-control-timeout), got {value}")
+    return timeout_s

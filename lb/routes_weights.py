@@ -1,0 +1,90 @@
+"""The LB's weight and SGLang control routes (admin token; ``?role=``, ``?timeout=`` as for control calls).
+
+Fanned out byte for byte to every node, like the control calls:
+``update_weights_from_distributed`` (every node receives the same broadcasts),
+``destroy_weights_update_group``, ``begin_weight_update`` / ``end_weight_update``,
+``update_weight_version`` and ``abort_request``. ``init_weights_update_group``
+gives each node its rank offset and rolls back on failure;
+``update_weights_from_tensor`` goes to the nodes named by ``?node=``
+(:mod:`lb.weight_sync`). Calls that move weights (the group join, tensors,
+broadcasts) get ``--weight-sync-timeout`` per node unless ``?timeout=`` says otherwise.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Awaitable, Callable
+
+from fastapi import APIRouter, Request
+from starlette.requests import ClientDisconnect
+from starlette.responses import JSONResponse, Response
+
+from handoff.protocol.control import AbortBody
+from handoff.protocol.weights import WEIGHT_BODIES
+from handoff.service.auth import BearerToken
+from handoff.service.bodies import openapi_body
+from lb.cluster import Cluster
+from lb.config import LBConfig
+from lb.openapi import CONTROL_PARAMETERS, NODE_PARAMETER
+from lb.params import role_param, timeout_param
+from lb.relay import client_gone_response
+from lb.weight_sync import INIT_PATH, WeightSync
+
+TENSOR_PATH = "/update_weights_from_tensor"
+# the calls that move weights and so may wait on a trainer or a large payload
+WEIGHT_MOVING_PATHS = frozenset({INIT_PATH, TENSOR_PATH, "/update_weights_from_distributed"})
+FANNED_OUT = [path for path in WEIGHT_BODIES if path not in (INIT_PATH, TENSOR_PATH)] + ["/abort_request"]
+
+
+def weight_routes(cluster: Cluster, config: LBConfig, admin: BearerToken) -> APIRouter:
+    router = APIRouter()
+
+    def weight_sync() -> WeightSync:
+        return WeightSync(cluster.fanout, cluster.membership, cluster.health)
+
+    def route(path: str, send: Callable[[Request, bytes, float], Awaitable[tuple[int, dict[str, Any]]]],
+              parameters: list[dict[str, Any]]) -> None:
+        async def call(request: Request) -> Response:
+            admin.check(request)
+            default = config.weight_sync_timeout_s if path in WEIGHT_MOVING_PATHS else None
+            timeout_s = timeout_param(request, config, default)
+            try:
+                body = await request.body()
+            except ClientDisconnect:
+                return client_gone_response()
+            status, payload = await send(request, body, timeout_s)
+            return JSONResponse(payload, status_code=status)
+
+        model = WEIGHT_BODIES.get(path, AbortBody)
+        router.add_api_route(path, call, methods=["POST"], name=path.strip("/"),
+                             openapi_extra={"parameters": parameters, **openapi_body(model, required=False)})
+
+    def fanned_out(path: str) -> Callable[[Request, bytes, float], Awaitable[tuple[int, dict[str, Any]]]]:
+        async def send(request: Request, body: bytes, timeout_s: float) -> tuple[int, dict[str, Any]]:
+            return await cluster.fanout.run("POST", path, body, request.headers.get("content-type"),
+                                            role_param(request), timeout_s)
+        return send
+
+    for path in FANNED_OUT:
+        route(path, fanned_out(path), CONTROL_PARAMETERS)
+
+    async def init(request: Request, body: bytes, timeout_s: float) -> tuple[int, dict[str, Any]]:
+        return await weight_sync().init_group(body, role_param(request), timeout_s)
+
+    async def tensors(request: Request, body: bytes, timeout_s: float) -> tuple[int, dict[str, Any]]:
+        return await weight_sync().to_nodes(TENSOR_PATH, body, request.headers.get("content-type"),
+                                            request.query_params.getlist("node"), timeout_s)
+
+    route(INIT_PATH, init, CONTROL_PARAMETERS)
+    route(TENSOR_PATH, tensors, [NODE_PARAMETER, CONTROL_PARAMETERS[1]])
+
+    @router.get("/get_weight_version")
+    async def get_weight_version() -> dict[str, Any]:
+        return await weight_sync().weight_versions()
+
+    async def model_info() -> dict[str, Any]:
+        return await weight_sync().model_info(cluster.client, cluster.node_headers, config.health_timeout_s)
+
+    for path in ("/model_info", "/get_model_info"):
+        router.add_api_route(path, model_info, methods=["GET"], name=path.strip("/"))
+
+    return router

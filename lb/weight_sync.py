@@ -1,0 +1,171 @@
+"""Weight sync across the cluster: a trainer's group over every node, tensor pushes to chosen nodes, versions.
+
+``init_weights_update_group`` takes SGLang's body once, with ``rank_offset``
+the first engine rank and ``world_size`` the whole group (the trainer's ranks,
+``0 .. rank_offset - 1``, plus every engine rank). Node ``i`` (in membership
+order) gets ``rank_offset`` plus the ranks of the nodes before it; a node's
+ranks are its tensor-parallel size (``tp_size`` in its state, 1 for this
+engine). A ``world_size`` that does not add up is a 400 naming the right one.
+The nodes join concurrently; if any fails, every other node is told
+``destroy_weights_update_group`` at once (a node still waiting in its join is
+released by it), so no node is left in a half-formed group, and the answer is a
+502 naming the failed nodes, with what the rollback did.
+
+``update_weights_from_tensor`` goes to the nodes the caller names
+(``?node=URL``, repeatable; default all): its payload is shared memory or CUDA
+IPC handles, valid only on the sender's host. torch counts one reader per
+serialization, so when one payload goes to several nodes, all but the first
+read it with ``release_sender_reference: false``. ``GET /get_weight_version``
+reports every node's version and whether they agree.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any
+
+from handoff.protocol.weights import DestroyWeightsUpdateGroupBody, InitWeightsUpdateGroupBody
+from handoff.service.bodies import parse_value
+from handoff.service.errors import InvalidRequest, parse_json_bytes
+from lb.config import Role
+from handoff.service.peer_json import PeerJSONError, loads_bounded
+from handoff.service.upstream import UpstreamClient, UpstreamError
+from lb.errors import NoAvailableNode, NoNodes, NodeNotFound
+from lb.fanout import FanOut, NodeResult
+from lb.health import HealthMonitor
+from lb.membership import Membership, Node
+
+INIT_PATH = "/init_weights_update_group"
+DESTROY_PATH = "/destroy_weights_update_group"
+JSON = "application/json"
+MAX_INFO_BYTES = 64 * 1024
+
+
+def node_ranks(node: Node) -> int:
+    """How many ranks a node takes in a group: its tensor-parallel size if it reports one, else 1."""
+    tp_size = node.occupation.get("tp_size")
+    return tp_size if isinstance(tp_size, int) and not isinstance(tp_size, bool) and tp_size >= 1 else 1
+
+
+class WeightSync:
+    def __init__(self, fanout: FanOut, membership: Membership, health: HealthMonitor) -> None:
+        self._fanout = fanout
+        self._membership = membership
+        self._health = health
+
+    # -- the group --------------------------------------------------------------------
+    async def init_group(self, raw: bytes, role: Role | None, timeout_s: float) -> tuple[int, dict[str, Any]]:
+        body = parse_value(parse_json_bytes(raw) if raw.strip() else None, InitWeightsUpdateGroupBody)
+        nodes = self._nodes(role, INIT_PATH)
+        offsets, next_rank = [], body.rank_offset
+        for node in nodes:
+            offsets.append(next_rank)
+            next_rank += node_ranks(node)
+        if body.world_size != next_rank:
+            raise InvalidRequest(
+                f"world_size must be {next_rank}: rank_offset {body.rank_offset} (the trainer's ranks) plus "
+                f"{next_rank - body.rank_offset} engine rank(s) on {len(nodes)} node(s); got {body.world_size}",
+                extra={"world_size": next_rank, "rank_offsets": {n.url: o for n, o in zip(nodes, offsets)}})
+        started = time.perf_counter()
+        calls = {asyncio.ensure_future(self._fanout.call_node(
+            node, "POST", INIT_PATH, _json({**body.model_dump(), "rank_offset": offset}), JSON, timeout_s)): node
+            for node, offset in zip(nodes, offsets)}
+        rollback: list[NodeResult] = []
+        pending = set(calls)
+        while pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            if not rollback and any(not task.result().is_ok for task in done):
+                rollback = await self._roll_back(body.group_name, [calls[t] for t in calls], timeout_s)
+        results = [task.result() for task in calls]
+        status, payload = self._fanout.answer("POST", INIT_PATH, results, time.perf_counter() - started)
+        by_url = dict(zip((n.url for n in nodes), offsets))
+        for entry in payload.get("results", []) + payload.get("failures", []) + payload.get("succeeded", []):
+            entry["rank_offset"] = by_url[entry["node"]]
+        payload["world_size"] = body.world_size
+        if rollback:
+            payload["message"] += "; the group was destroyed on every other node"
+            payload["rolled_back"] = [r.as_json() for r in rollback]
+        return status, payload
+
+    async def _roll_back(self, group_name: str, nodes: list[Node], timeout_s: float) -> list[NodeResult]:
+        """``destroy_weights_update_group`` on every node (joined, or still waiting in its join)."""
+        body = _json(DestroyWeightsUpdateGroupBody(group_name=group_name).model_dump())
+        return list(await asyncio.gather(*(self._fanout.call_node(node, "POST", DESTROY_PATH, body, JSON,
+                                                                   min(timeout_s, 30.0)) for node in nodes)))
+
+    # -- tensors to the sender's host -------------------------------------------------
+    async def to_nodes(self, path: str, raw: bytes, content_type: str | None, urls: list[str],
+                       timeout_s: float) -> tuple[int, dict[str, Any]]:
+        """``path`` to the members named in ``urls`` (every member when empty)."""
+        if urls:
+            unknown = [url for url in urls if self._membership.get(url.rstrip("/")) is None]
+            if unknown:
+                raise NodeNotFound(f"not members: {', '.join(unknown[:8])}", extra={"nodes": unknown[:8]})
+            nodes = [self._membership.get(url.rstrip("/")) for url in dict.fromkeys(urls)]
+        else:
+            nodes = self._nodes(None, path)
+        bodies = _one_reader_releases(raw, len(nodes))
+        started = time.perf_counter()
+        results = await asyncio.gather(*(self._fanout.call_node(node, "POST", path, body, content_type, timeout_s)
+                                         for node, body in zip(nodes, bodies) if node is not None))
+        return self._fanout.answer("POST", path, list(results), time.perf_counter() - started)
+
+    # -- versions -----------------------------------------------------------------------
+    async def weight_versions(self) -> dict[str, Any]:
+        """Every node's version (checked now) and whether they agree; ``weight_version`` is null if they do not."""
+        nodes = self._membership.nodes()
+        await self._health.check_many(nodes)
+        versions = [{"node": node.url, "role": node.role.value, "weight_version": node.occupation.get("weight_version")}
+                    for node in nodes]
+        distinct = {entry["weight_version"] for entry in versions}
+        consistent = len(distinct) == 1
+        return {"weight_version": next(iter(distinct)) if consistent else None, "consistent": consistent,
+                "nodes": versions}
+
+    async def model_info(self, client: UpstreamClient, headers: dict[str, str], timeout_s: float) -> dict[str, Any]:
+        """SGLang's ``/model_info`` of one serving node, with the cluster's ``weight_version`` (null when the
+        nodes disagree) and every node's in ``weight_versions``."""
+        versions = await self.weight_versions()
+        nodes = [n for n in self._membership.nodes() if n.is_routable] or self._nodes(None, "/model_info")
+        last_error = "no node answered"
+        for node in nodes:
+            try:
+                response = await client.request("GET", node.url + "/model_info", headers=headers, timeout=timeout_s)
+                async with response:
+                    raw = await response.read(MAX_INFO_BYTES)
+                info = loads_bounded(raw) if response.status == 200 else None
+            except (UpstreamError, PeerJSONError) as exc:
+                last_error = f"{node.url}: {exc}"
+                continue
+            if isinstance(info, dict):
+                return {**info, "weight_version": versions["weight_version"], "weight_versions": versions}
+            last_error = f"{node.url} answered {response.status}"
+        raise NoAvailableNode(f"no node could tell its model info ({last_error})", retry_after=1)
+
+    def _nodes(self, role: Role | None, path: str) -> list[Node]:
+        nodes = list(self._membership.nodes(role))
+        if not nodes:
+            raise NoNodes(f"no {role.value + ' ' if role else ''}nodes to send {path} to")
+        return nodes
+
+
+def _one_reader_releases(raw: bytes, num_nodes: int) -> list[bytes]:
+    """The body for each node: torch counts one reader per serialized CPU tensor, so when one payload goes to
+    several engines only the first releases the sender's reference (``release_sender_reference``)."""
+    if num_nodes < 2:
+        return [raw] * num_nodes
+    try:
+        body = parse_json_bytes(raw)
+    except InvalidRequest:
+        return [raw] * num_nodes  # the nodes refuse it, each with its own 400
+    if not isinstance(body, dict):
+        return [raw] * num_nodes
+    borrowing = _json({**body, "release_sender_reference": False})
+    return [_json({**body, "release_sender_reference": body.get("release_sender_reference", True)}), *(
+        [borrowing] * (num_nodes - 1))]
+
+
+def _json(value: dict[str, Any]) -> bytes:
+    return json.dumps(value).encode()

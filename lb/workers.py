@@ -1,0 +1,134 @@
+"""Worker registration as sglang-router and its gateway expose it, mapped onto the LB's membership (admin token).
+
+- Legacy: ``POST /add_worker?url=``, ``POST /remove_worker?url=`` (plain-text
+  answers, as the router gives), ``GET /list_workers`` (``{"urls": [...]}``).
+- RESTful: ``POST /workers`` (``url``, ``worker_type`` ``regular`` | ``prefill`` |
+  ``decode``, ``bootstrap_port``), ``GET /workers`` (each with an ``id``),
+  ``DELETE /workers/{id}`` (the id ``GET /workers`` gave, or the URL, percent-encoded,
+  as older routers took it).
+
+A worker is a node: ``regular`` is the ``mixed`` role. Registering is
+idempotent: adding a member again with the same role answers 200 (an RL loop
+that restarts its engines registers them again); removing a URL that is not a
+member answers 200 saying so (SGLang's router answers 200 there too). Adding a
+member under another role is 409.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any, Literal
+from urllib.parse import unquote
+
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+
+from handoff.service.auth import BearerToken
+from handoff.service.bodies import openapi_body, parse_body
+from handoff.service.errors import InvalidRequest
+from lb.cluster import Cluster
+from lb.config import NodeSpec, Role
+from lb.errors import NodeExists, NodeNotFound
+from lb.membership import Node
+
+WORKER_TYPES: dict[str, Role] = {"regular": Role.MIXED, "prefill": Role.PREFILL, "decode": Role.DECODE}
+ROLE_TYPES = {role: name for name, role in WORKER_TYPES.items()}
+
+
+class WorkerBody(BaseModel):
+    """``POST /workers`` (the gateway's ``WorkerConfigRequest``, the fields an RL loop sends)."""
+
+    model_config = ConfigDict(extra="forbid")
+    url: str = Field(min_length=1, max_length=2048)
+    worker_type: Literal["regular", "prefill", "decode"] = "regular"
+    bootstrap_port: int | None = None
+
+
+def worker_id(url: str) -> str:
+    """A stable id per URL (the same on every LB): what ``DELETE /workers/{id}`` takes."""
+    return "worker-" + hashlib.sha256(url.encode()).hexdigest()[:16]
+
+
+def worker_view(node: Node) -> dict[str, Any]:
+    view: dict[str, Any] = {"id": worker_id(node.url), "url": node.url, "model_id": "unknown",
+                            "worker_type": ROLE_TYPES[node.role], "is_healthy": node.health.value == "healthy",
+                            "load": node.num_inflight, "connection_mode": "Http",
+                            "weight_version": node.occupation.get("weight_version")}
+    if node.bootstrap_port is not None:
+        view["bootstrap_port"] = node.bootstrap_port
+    return view
+
+
+def workers_router(cluster: Cluster, admin: BearerToken) -> APIRouter:
+    router = APIRouter()
+
+    def spec_of(url: str | None, role: Role = Role.MIXED, bootstrap_port: int | None = None) -> NodeSpec:
+        if not url:
+            raise InvalidRequest("give the worker as ?url=http://HOST:PORT")
+        try:
+            return NodeSpec(url, role, bootstrap_port)
+        except ValueError as exc:
+            raise InvalidRequest(str(exc)) from exc
+
+    async def add(spec: NodeSpec) -> tuple[Node, bool]:
+        """(the member, whether it was added now); a member under another role is 409."""
+        existing = cluster.membership.get(spec.url)
+        if existing is not None:
+            if existing.role is not spec.role:
+                raise NodeExists(f"{spec.url} is already a member as a {existing.role.value} node",
+                                 extra={"node": spec.url})
+            return existing, False
+        return await cluster.add_node(spec), True
+
+    def remove(url: str) -> bool:
+        try:
+            cluster.membership.remove(url, "removed through the worker API")
+        except NodeNotFound:
+            return False
+        return True
+
+    @router.post("/add_worker")
+    async def add_worker(request: Request) -> Response:
+        admin.check(request)
+        node, added = await add(spec_of(request.query_params.get("url")))
+        verb = "Successfully added worker" if added else "Worker already added"
+        return PlainTextResponse(f"{verb}: {node.url}")
+
+    @router.post("/remove_worker")
+    async def remove_worker(request: Request) -> Response:
+        admin.check(request)
+        url = spec_of(request.query_params.get("url")).url
+        if remove(url):
+            return PlainTextResponse(f"Successfully removed worker: {url}")
+        return PlainTextResponse(f"Worker {url} was not registered")
+
+    @router.get("/list_workers")
+    async def list_workers() -> dict[str, Any]:
+        return {"urls": [node.url for node in cluster.membership.nodes()]}
+
+    @router.post("/workers", openapi_extra=openapi_body(WorkerBody))
+    async def create_worker(request: Request) -> JSONResponse:
+        admin.check(request)
+        body = await parse_body(request, WorkerBody)
+        node, added = await add(spec_of(body.url, WORKER_TYPES[body.worker_type], body.bootstrap_port))
+        message = f"Worker {node.url} added successfully" if added else f"Worker {node.url} was already added"
+        return JSONResponse({"success": True, "message": message, "worker": worker_view(node)})
+
+    @router.get("/workers")
+    async def list_workers_rest() -> dict[str, Any]:
+        nodes = cluster.membership.nodes()
+        return {"workers": [worker_view(node) for node in nodes], "total": len(nodes),
+                "stats": {f"{name}_count": sum(node.role is role for node in nodes)
+                          for name, role in WORKER_TYPES.items()}}
+
+    @router.delete("/workers/{id_or_url:path}")
+    async def delete_worker(request: Request, id_or_url: str) -> JSONResponse:
+        admin.check(request)
+        by_id = {worker_id(node.url): node.url for node in cluster.membership.nodes()}
+        url = by_id.get(id_or_url) or (spec_of(unquote(id_or_url)).url if "://" in unquote(id_or_url) else None)
+        if url is None or not remove(url):
+            raise NodeNotFound(f"no worker {id_or_url!r}", extra={"node": id_or_url})
+        return JSONResponse({"success": True, "message": f"Worker {url} removed successfully", "worker": None})
+
+    return router

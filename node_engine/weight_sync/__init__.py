@@ -1,0 +1,1 @@
+"""Weight sync without disk: tensor payloads from a process on the same host, broadcasts from a trainer."""

@@ -1,0 +1,169 @@
+"""The engine's weight update groups: join, receive and load, destroy (SGLang's ``init_weights_update_group``,
+``update_weights_from_distributed``, ``destroy_weights_update_group``).
+
+Rules:
+
+- Updates and leaves run one at a time (an asyncio lock): a broadcast is never
+  received by two calls at once. A join waits for every rank outside the lock;
+  ``destroy_weights_update_group`` abandons a join under way (the LB's rollback
+  when another node failed to join).
+- An update is checked against the model before anything is received: known
+  names, the model's shapes, floating dtypes. A body that fails the check is a
+  400 and the old weights serve; its broadcasts are still received (into
+  scratch memory, when they fit in twice the model's size) so the trainer is not
+  left blocked and the group stays in step. When they do not fit, or a receive
+  fails or times out, the group is marked broken (409 ``weight_sync_broken``
+  until it is destroyed and joined again): a group that missed a broadcast
+  would pair the next tensors with the wrong names.
+- Received tensors are loaded with :meth:`WeightUpdates.commit` on the engine
+  thread; joining and receiving run on bounded threads and never block it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from handoff.protocol.weights import (DestroyWeightsUpdateGroupBody, InitWeightsUpdateGroupBody,
+                                      UpdateWeightsFromDistributedBody)
+from node_engine.bounded_thread import Aborted, Overdue, TooManyStuck
+from node_engine.errors import Conflict, InvalidRequest, WeightSyncBroken, WeightSyncTimeout
+from node_engine.model.arch import ModelConfigError
+from node_engine.model.loader import by_checkpoint_key, check_named_tensors
+from node_engine.weight_sync.group import GroupJoinCancelled, WeightGroup, join_group, receive
+
+if TYPE_CHECKING:
+    from node_engine.engine import Engine
+
+log = logging.getLogger(__name__)
+
+SCRATCH_FACTOR = 2  # a refused update's broadcasts are still received when they fit in this many model sizes
+
+
+class WeightGroups:
+    def __init__(self, engine: "Engine") -> None:
+        self.engine = engine
+        self.groups: dict[str, WeightGroup] = {}
+        self.joining: dict[str, asyncio.Event] = {}  # joins under way; setting the event abandons one
+        self._lock = asyncio.Lock()
+
+    @property
+    def _timeout(self) -> float:
+        return self.engine.config.weight_sync_timeout
+
+    async def init(self, body: InitWeightsUpdateGroupBody) -> dict[str, Any]:
+        """Join; waits for every rank (up to ``--weight-sync-timeout``) unless a destroy abandons the join."""
+        if body.backend == "nccl" and self.engine.runner.device.type != "cuda":
+            raise InvalidRequest("backend nccl needs a CUDA engine; this engine runs on CPU, use gloo")
+        name = body.group_name
+        if name in self.groups or name in self.joining:
+            raise Conflict(f"group {name!r} exists or is being joined; destroy it first")
+        abandon = self.joining[name] = asyncio.Event()
+        started = time.perf_counter()
+        try:
+            group = await self.engine.weights.threads.run(
+                lambda cancel: join_group(body, self._timeout, cancel), self._timeout, abort=abandon)
+        except (Overdue, TooManyStuck) as exc:
+            raise WeightSyncTimeout(f"joining group {name!r} at {body.master_address}:{body.master_port} as rank "
+                                    f"{body.rank_offset} of {body.world_size}: {exc} (did the trainer, rank 0, and "
+                                    "every other rank join?)") from None
+        except Aborted:
+            raise Conflict(f"the join of group {name!r} was abandoned by destroy_weights_update_group") from None
+        except (RuntimeError, ValueError, OSError, GroupJoinCancelled) as exc:
+            raise InvalidRequest(f"failed to join group {name!r}: {exc}") from exc
+        finally:
+            self.joining.pop(name, None)
+        self.groups[name] = group
+        log.info("joined weight group %s as rank %d of %d (%s) in %.2fs", name, group.rank, group.world_size,
+                 group.backend, time.perf_counter() - started)
+        return {"success": True, "message": "Succeeded to initialize custom process group.", "rank": group.rank,
+                "world_size": group.world_size}
+
+    async def destroy(self, body: DestroyWeightsUpdateGroupBody) -> dict[str, Any]:
+        """Leave a group; a join still under way is abandoned (its thread destroys what it makes, if it ever
+        completes)."""
+        abandon = self.joining.get(body.group_name)
+        if abandon is not None:
+            abandon.set()
+            return {"success": True, "message": f"The join of group {body.group_name!r} was abandoned."}
+        async with self._lock:
+            group = self.groups.pop(body.group_name, None)
+            if group is None:
+                raise InvalidRequest(f"group {body.group_name!r} does not exist")
+            group.destroy()
+        return {"success": True, "message": "Succeeded to destroy custom process group."}
+
+    async def update(self, body: UpdateWeightsFromDistributedBody) -> dict[str, Any]:
+        if body.selector == "draft":
+            raise InvalidRequest("this engine has no draft model (selector 'draft')")
+        started = time.perf_counter()
+        async with self._lock:
+            group = self._usable(body.group_name)
+            problem = self._check(body)
+            if problem is not None and not self._fits_scratch(body):
+                group.broken = f"an update it could not receive was refused ({problem})"
+                raise InvalidRequest(f"{problem}; its broadcasts are too large to receive and discard, so group "
+                                     f"{body.group_name!r} is now out of step: destroy it and join again")
+            tensors = await self._receive(group, body)
+            if problem is not None:
+                raise InvalidRequest(f"{problem}; the broadcasts were received and discarded, nothing was loaded")
+        model = self.engine.runner.model
+        try:
+            checked = check_named_tensors(model, by_checkpoint_key(model, tensors))
+        except ModelConfigError as exc:
+            raise InvalidRequest(f"the received tensors were refused, nothing was loaded: {exc}") from exc
+        answer = await self.engine.call(lambda: self.engine.weights.commit(
+            checked, is_complete=set(checked) == set(model.hf_weight_map()), version=body.weight_version,
+            flush_cache=body.flush_cache, torch_empty_cache=body.torch_empty_cache))
+        duration = time.perf_counter() - started
+        self.engine.metrics.weight_update_seconds.labels("distributed").observe(duration)
+        return {"success": True, "message": "Succeeded to update parameter online.", **answer,
+                "duration_s": round(duration, 6)}
+
+    def _usable(self, name: str) -> WeightGroup:
+        group = self.groups.get(name)
+        if group is None:
+            raise InvalidRequest(f"group {name!r} does not exist; call init_weights_update_group first")
+        if group.broken is not None:
+            raise WeightSyncBroken(f"group {name!r} is out of step: {group.broken}; destroy it and join again")
+        return group
+
+    def _check(self, body: UpdateWeightsFromDistributedBody) -> str | None:
+        """What is wrong with the announced tensors, checked on metadata alone (meta tensors, no memory)."""
+        model = self.engine.runner.model
+        announced = [(name, torch.empty(shape, dtype=getattr(torch, dtype), device="meta"))
+                     for name, dtype, shape in zip(body.names, body.dtypes, body.shapes, strict=True)]
+        try:
+            check_named_tensors(model, by_checkpoint_key(model, announced))
+        except ModelConfigError as exc:
+            return str(exc)
+        return None
+
+    def _fits_scratch(self, body: UpdateWeightsFromDistributedBody) -> bool:
+        model_bytes = sum(p.numel() * p.element_size() for p in self.engine.runner.model.parameters())
+        announced = sum(getattr(torch, dtype).itemsize * torch.Size(shape).numel()
+                        for dtype, shape in zip(body.dtypes, body.shapes, strict=True))
+        return announced <= SCRATCH_FACTOR * model_bytes
+
+    async def _receive(self, group: WeightGroup, body: UpdateWeightsFromDistributedBody
+                       ) -> list[tuple[str, torch.Tensor]]:
+        device = self.engine.runner.device
+
+        def work(cancel: threading.Event) -> list[tuple[str, torch.Tensor]]:
+            return receive(group, body.names, body.dtypes, body.shapes,
+                           flattened=body.load_format == "flattened_bucket", device=device)
+
+        try:
+            return await self.engine.weights.threads.run(work, self._timeout)
+        except (Overdue, TooManyStuck) as exc:
+            group.broken = f"a broadcast did not arrive within --weight-sync-timeout ({exc})"
+            raise WeightSyncTimeout(f"receiving {len(body.names)} tensor(s) on group {group.name!r}: {exc}; nothing "
+                                    "was loaded and the group is out of step (destroy it and join again)") from None
+        except (RuntimeError, ValueError) as exc:
+            group.broken = f"a broadcast failed ({exc})"
+            raise WeightSyncBroken(f"receiving on group {group.name!r} failed: {exc}; nothing was loaded") from exc

@@ -1,0 +1,88 @@
+"""SGLang's ``update_weights_from_tensor`` payload -> ``(name, tensor)`` pairs.
+
+One base64 string per tensor-parallel rank (this engine is rank 0 of 1), each a
+``MultiprocessingSerializer`` pickle (read with :mod:`.unpickler`) of one of:
+
+- a list of ``(name, tensor)`` pairs, or of ``(name, LocalSerializedTensor)``
+  whose ``values[rank]`` is that rank's tensor, pickled again (what SGLang's
+  ``weight_sync.utils.update_weights``, used by verl, sends);
+- with ``load_format: flattened_bucket``, ``{"flattened_tensor": uint8 tensor,
+  "metadata": [FlattenedTensorMetadata, ...]}``: every tensor a view into one buffer.
+
+Everything is checked as it is decoded: types, counts, each flattened entry's
+byte range against the buffer. Tensors stay where the sender put them (shared
+memory, or the device behind a CUDA IPC handle); the engine copies from them.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from typing import Any
+
+import torch
+
+from node_engine.weight_sync.unpickler import (FlattenedTensorMetadata, LocalSerializedTensor, UnsafePayload,
+                                               restricted_loads)
+
+MAX_TENSORS = 100_000
+TP_RANK = 0
+
+
+def decode_payload(serialized_named_tensors: list[str], load_format: str | None, *,
+                   release_sender_reference: bool = True) -> list[tuple[str, torch.Tensor]]:
+    """This rank's ``(name, tensor)`` pairs; :class:`UnsafePayload` for anything else."""
+    try:
+        raw = base64.b64decode(serialized_named_tensors[TP_RANK], validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise UnsafePayload(f"serialized_named_tensors[{TP_RANK}] is not base64: {exc}") from exc
+    value = restricted_loads(raw, release_sender_reference=release_sender_reference)
+    if load_format == "flattened_bucket":
+        return _from_bucket(value)
+    return _from_pairs(value, release_sender_reference)
+
+
+def _from_pairs(value: Any, release_sender_reference: bool) -> list[tuple[str, torch.Tensor]]:
+    if not isinstance(value, (list, tuple)) or len(value) > MAX_TENSORS:
+        raise UnsafePayload(f"the payload must be a list of (name, tensor) pairs (at most {MAX_TENSORS})")
+    pairs = []
+    for item in value:
+        if not isinstance(item, (list, tuple)) or len(item) != 2 or not isinstance(item[0], str):
+            raise UnsafePayload("each entry of the payload must be a (name, tensor) pair")
+        name, tensor = item
+        if isinstance(tensor, LocalSerializedTensor):
+            values = tensor.values
+            if not isinstance(values, list) or len(values) <= TP_RANK or not isinstance(values[TP_RANK], bytes):
+                raise UnsafePayload(f"{name}: LocalSerializedTensor has no bytes for rank {TP_RANK}")
+            tensor = restricted_loads(values[TP_RANK], release_sender_reference=release_sender_reference)
+        if not isinstance(tensor, torch.Tensor):
+            raise UnsafePayload(f"{name} is a {type(tensor).__name__}, not a tensor")
+        pairs.append((name, tensor))
+    return pairs
+
+
+def _from_bucket(value: Any) -> list[tuple[str, torch.Tensor]]:
+    if not isinstance(value, dict) or set(value) != {"flattened_tensor", "metadata"}:
+        raise UnsafePayload("a flattened bucket must be {'flattened_tensor': tensor, 'metadata': [...]}")
+    flat, metadata = value["flattened_tensor"], value["metadata"]
+    if not isinstance(flat, torch.Tensor) or flat.dtype != torch.uint8 or flat.dim() != 1:
+        raise UnsafePayload("flattened_tensor must be a 1-D uint8 tensor")
+    if not isinstance(metadata, list) or not metadata or len(metadata) > MAX_TENSORS:
+        raise UnsafePayload(f"metadata must list 1 to {MAX_TENSORS} entries")
+    pairs = []
+    for meta in metadata:
+        if not isinstance(meta, FlattenedTensorMetadata) or not isinstance(meta.dtype, torch.dtype):
+            raise UnsafePayload("metadata entries must be FlattenedTensorMetadata")
+        shape = tuple(meta.shape)
+        if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+            raise UnsafePayload(f"{meta.name}: shape {list(shape)[:8]} is not a tensor shape")
+        num_bytes = meta.dtype.itemsize * torch.Size(shape).numel()
+        if (not 0 <= meta.start_idx <= meta.end_idx <= flat.numel() or meta.end_idx - meta.start_idx != num_bytes
+                or meta.start_idx % meta.dtype.itemsize):
+            raise UnsafePayload(f"{meta.name}: bytes [{meta.start_idx}, {meta.end_idx}) do not hold a {meta.dtype} "
+                                f"tensor of shape {list(shape)} inside a buffer of {flat.numel()}")
+        try:
+            pairs.append((meta.name, flat[meta.start_idx:meta.end_idx].view(meta.dtype).reshape(shape)))
+        except RuntimeError as exc:  # a view the buffer's alignment does not allow
+            raise UnsafePayload(f"{meta.name}: {exc}") from exc
+    return pairs

@@ -1,0 +1,194 @@
+"""The engine's weight changes: from disk, from a local process's tensors, from a trainer's broadcasts;
+SGLang's update session; the served version.
+
+Every path has the same two phases:
+
+1. **Get and check** the new tensors without touching the model: read a
+   checkpoint, unpickle a tensor payload, receive broadcasts. This runs on a
+   thread of its own (:class:`~node_engine.bounded_thread.BoundedThreads`) with a
+   deadline (``--reload-timeout``, ``--weight-sync-timeout``), so the engine keeps
+   serving meanwhile and a stalled read or peer costs its deadline and no more.
+   Names, shapes and dtypes are checked here; any problem is a 400 and nothing
+   changed.
+2. **Commit** on the engine thread, between two steps (:meth:`WeightUpdates.commit`):
+   the weights tag is resumed first if it was released (507 if it does not fit),
+   the tensors are copied in place (``copy_`` converts as it copies, so nothing
+   fails half way for a reason of the request's making), the version is set and
+   the prefix cache flushed (``flush_cache``).
+
+Weights resumed without a backup are invalid until every weight was written
+again, by one complete update or by buckets that together cover them.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, TypeVar
+
+import torch
+
+from handoff.protocol.control import UpdateWeightsFromDiskBody
+from handoff.protocol.weights import BeginWeightUpdateBody, UpdateWeightsFromTensorBody, UpdateWeightVersionBody
+from node_engine.bounded_thread import BoundedThreads, Overdue, TooManyStuck
+from node_engine.errors import CheckpointTimeout, InvalidRequest, WeightsCorrupted, WeightSyncTimeout
+from node_engine.memory.host_heap import trim_host_heap
+from node_engine.memory.tags import MemoryTag
+from node_engine.model.arch import ModelConfigError
+from node_engine.model.loader import by_checkpoint_key, check_named_tensors
+from node_engine.weight_sync.tensor_payload import decode_payload
+from node_engine.weight_sync.unpickler import UnsafePayload
+
+if TYPE_CHECKING:
+    from node_engine.engine import Engine
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+def shown_path(path: str, limit: int = 200) -> str:
+    """A path as error messages show it: a 5000-character path is cut, not echoed whole."""
+    return path if len(path) <= limit else f"{path[:120]}...({len(path)} characters)"
+
+
+class WeightUpdates:
+    def __init__(self, engine: "Engine") -> None:
+        self.engine = engine
+        self.threads = BoundedThreads()
+        self.token_step = 0
+        self.session_selector: str | None = None  # an update session is open (SGLang's begin_weight_update)
+
+    # -- disk ------------------------------------------------------------------------
+    async def check_disk(self, model_path: str) -> dict[str, Any]:
+        """The dry run: files, keys, shapes, dtypes from the headers; changes nothing, needs no idle engine."""
+        runner = self.engine.runner
+        await self._read(lambda cancel: runner.check_weights_update(Path(model_path)), model_path)
+        return {"success": True, "dry_run": True, "message": f"{shown_path(model_path)} can be loaded"}
+
+    async def update_from_disk(self, body: UpdateWeightsFromDiskBody) -> dict[str, Any]:
+        """Read the whole checkpoint (bounded), then copy it in on the engine thread."""
+        runner = self.engine.runner
+        path = body.model_path
+        started = time.perf_counter()
+
+        def stage(cancel: threading.Event) -> dict[str, torch.Tensor]:
+            return runner.stage_weights_update(runner.check_weights_update(Path(path)), cancel)
+
+        staged = await self._read(stage, path)
+        read_s = time.perf_counter() - started
+        version = body.weight_version or path
+        answer = await self.engine.call(lambda: self.commit(
+            staged, is_complete=True, version=version, flush_cache=body.flush_cache,
+            torch_empty_cache=body.torch_empty_cache))
+        del staged
+        self.token_step = body.token_step
+        duration = time.perf_counter() - started
+        self.engine.metrics.weight_update_seconds.labels("disk").observe(duration)
+        log.info("weights reloaded from %s in %.2fs (read %.2fs), weight_version=%s", shown_path(path), duration,
+                 read_s, self.engine.weight_version)
+        return {"success": True, "message": f"weights loaded from {shown_path(path)}", "num_paused_requests": 0,
+                **answer, "duration_s": round(duration, 6)}
+
+    async def _read(self, work: Callable[[threading.Event], T], model_path: str) -> T:
+        timeout = self.engine.config.reload_timeout
+        try:
+            return await self.threads.run(work, timeout)
+        except ModelConfigError as exc:
+            raise InvalidRequest(f"cannot load {shown_path(model_path)}: {exc}") from exc
+        except Overdue:
+            raise CheckpointTimeout(f"reading {shown_path(model_path)} took longer than --reload-timeout "
+                                    f"({timeout:g} s); nothing was loaded, the old weights keep serving") from None
+        except TooManyStuck as exc:
+            raise CheckpointTimeout(f"cannot read {shown_path(model_path)} now: {exc} (hung storage?); nothing "
+                                    "was loaded") from None
+
+    # -- tensors of a process on this host ---------------------------------------------
+    async def update_from_tensor(self, body: UpdateWeightsFromTensorBody) -> dict[str, Any]:
+        """Unpickle (restricted) and check the payload off the engine thread, then copy it in."""
+        started = time.perf_counter()
+        model = self.engine.runner.model
+        if body.selector == "draft":
+            raise InvalidRequest("this engine has no draft model (selector 'draft')")
+
+        def decode(cancel: threading.Event) -> dict[str, torch.Tensor]:
+            pairs = decode_payload(body.serialized_named_tensors, body.load_format,
+                                   release_sender_reference=body.release_sender_reference)
+            if not pairs:
+                raise UnsafePayload("the payload holds no tensors")
+            return check_named_tensors(model, by_checkpoint_key(model, pairs))
+
+        tensors = await self.run_checked(decode, "the tensor payload")
+        answer = await self.engine.call(lambda: self.commit(
+            tensors, is_complete=set(tensors) == set(model.hf_weight_map()), version=body.weight_version,
+            flush_cache=body.flush_cache, torch_empty_cache=body.torch_empty_cache))
+        del tensors  # the sender's shared memory is let go
+        duration = time.perf_counter() - started
+        self.engine.metrics.weight_update_seconds.labels("tensor").observe(duration)
+        return {"success": True, "message": "Success", **answer, "duration_s": round(duration, 6)}
+
+    async def run_checked(self, work: Callable[[threading.Event], T], what: str) -> T:
+        """``work`` on a bounded thread (``--weight-sync-timeout``); a payload or check problem is a 400."""
+        timeout = self.engine.config.weight_sync_timeout
+        try:
+            return await self.threads.run(work, timeout)
+        except (UnsafePayload, ModelConfigError) as exc:
+            raise InvalidRequest(f"{what} was refused, nothing was loaded: {exc}") from exc
+        except (Overdue, TooManyStuck) as exc:
+            raise WeightSyncTimeout(f"{what}: {exc}; nothing was loaded") from None
+
+    # -- commit (engine thread) ------------------------------------------------------
+    def commit(self, tensors: dict[str, torch.Tensor], *, is_complete: bool, version: str | None,
+               flush_cache: bool, torch_empty_cache: bool) -> dict[str, Any]:
+        """Copy checked tensors into the model; resumes the weights tag first if it is released."""
+        engine = self.engine
+        engine.control.require_idle("a weight update", paused_ok=True)
+        resumed = []
+        if MemoryTag.WEIGHTS in engine.memory.released_tags():
+            resumed = engine.control.resume([MemoryTag.WEIGHTS])["resumed"]
+        try:
+            engine.runner.apply_weights(tensors, is_complete=is_complete)
+        except Exception as exc:
+            engine.memory.mark_weights_invalid()
+            raise WeightsCorrupted(f"a weight update failed part way ({exc}); generation is refused until an "
+                                   "update succeeds") from exc
+        if is_complete:
+            engine.memory.mark_weights_valid()
+        else:
+            engine.memory.note_weights_written(tensors, engine.runner.model.hf_weight_map())
+        if version is not None:
+            engine.weight_version = version
+        dropped = engine.control.flush() if flush_cache else 0
+        if torch_empty_cache:
+            if engine.runner.device.type == "cuda":
+                torch.cuda.empty_cache()
+            else:
+                trim_host_heap()
+        return {"weight_version": engine.weight_version, "weights_valid": engine.memory.weights_valid,
+                "resumed": resumed, "num_cached_tokens_dropped": dropped}
+
+    # -- session and version ---------------------------------------------------------
+    def begin_session(self, body: BeginWeightUpdateBody) -> dict[str, Any]:
+        """Engine thread. SGLang's semantics: one session at a time; weights stay plain (unpacked) until the end."""
+        if self.session_selector is not None:
+            raise InvalidRequest("a weight-update session is already open; call end_weight_update() first")
+        if body.selector == "draft":
+            raise InvalidRequest("this engine has no draft model (selector 'draft')")
+        self.engine.runner.open_weight_session()
+        self.session_selector = body.selector
+        return {"success": True, "message": "Success"}
+
+    def end_session(self) -> dict[str, Any]:
+        if self.session_selector is None:
+            raise InvalidRequest("no weight-update session is open; call begin_weight_update() first")
+        self.engine.runner.close_weight_session()
+        self.session_selector = None
+        return {"success": True, "message": "Success"}
+
+    def update_version(self, body: UpdateWeightVersionBody) -> dict[str, Any]:
+        """Engine thread: running requests (aborted first by the caller when asked) finish under the new name."""
+        self.engine.weight_version = body.new_version
+        return {"success": True, "message": f"Weight version updated to {body.new_version}",
+                "new_version": body.new_version}

@@ -1,0 +1,115 @@
+"""``init_weights_update_group`` / ``update_weights_from_distributed`` / ``destroy_weights_update_group`` on a
+real engine process, with this test process as the trainer (rank 0 of a gloo group, joined as SGLang's
+``init_custom_process_group`` does)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from node_engine.model.builtin import builtin_arch, builtin_weights, save_checkpoint
+from tests.support.procs import ServerProcess
+from tests.support.trainer import Trainer, distributed_body, free_port
+
+PROMPTS = ["The first probe", "Another probe"]
+GREEDY = {"temperature": 0, "ignore_eos": True, "max_new_tokens": 8}
+SYNC_TIMEOUT_S = 4.0
+
+
+@pytest.fixture(scope="module")
+def weights() -> dict[str, dict[str, torch.Tensor]]:
+    arch = builtin_arch("builtin:tiny", {})
+    return {"old": builtin_weights(arch, seed=0), "new": builtin_weights(arch, seed=5)}
+
+
+@pytest.fixture(scope="module")
+def engines(proc_log_dir: Path, tmp_path_factory: pytest.TempPathFactory, weights):
+    folder = tmp_path_factory.mktemp("new")
+    save_checkpoint(folder, builtin_arch("builtin:tiny", {}), weights["new"])
+    engine = ServerProcess("node_engine", ["--model-path", "builtin:tiny", "--weight-sync-timeout",
+                                           str(SYNC_TIMEOUT_S)], log_dir=proc_log_dir, name="engine")
+    reference = ServerProcess("node_engine", ["--model-path", str(folder)], log_dir=proc_log_dir, name="reference")
+    engine.start()
+    reference.start()
+    yield engine.url, reference.url
+    engine.stop()
+    reference.stop()
+
+
+def greedy(url: str) -> list[list[int]]:
+    r = httpx.post(url + "/generate", json={"text": PROMPTS, "sampling_params": GREEDY}, timeout=60)
+    assert r.status_code == 200, r.text
+    return [item["output_ids"] for item in r.json()]
+
+
+def test_a_trainer_pushes_new_weights_and_they_serve_like_the_checkpoint(engines, weights) -> None:
+    url, reference = engines
+    before = greedy(url)
+    trainer = Trainer(url)
+    r = trainer.join()
+    assert r.status_code == 200 and r.json()["rank"] == 1, r.text
+    try:
+        names = list(weights["new"])
+        half = len(names) // 2
+        r = trainer.push([(n, weights["new"][n]) for n in names[:half]], flush_cache=False)
+        assert r.status_code == 200, r.text
+        r = trainer.push([(n, weights["new"][n]) for n in names[half:]], flattened=True, weight_version="step-1")
+        assert r.status_code == 200 and r.json()["weight_version"] == "step-1", r.text
+        assert greedy(url) == greedy(reference) != before
+        # a wrong shape: 400, nothing loaded, and the broadcast was still taken so the group stays in step
+        name = names[3]
+        r = trainer.push([(name, weights["old"][name][..., :-1].contiguous())])
+        assert r.status_code == 400 and "shape" in r.json()["error"]["message"], r.text
+        assert greedy(url) == greedy(reference)
+        r = trainer.push([(n, weights["old"][n]) for n in names], weight_version="default")
+        assert r.status_code == 200, r.text
+        assert greedy(url) == before
+    finally:
+        trainer.leave()
+    r = httpx.post(url + "/destroy_weights_update_group", json={}, timeout=30)
+    assert r.status_code == 400 and "does not exist" in r.json()["error"]["message"]
+
+
+def test_a_trainer_that_never_joins_is_a_bounded_timeout(engines) -> None:
+    url, _ = engines
+    before = greedy(url)
+    body = {"master_address": "127.0.0.1", "master_port": free_port(), "rank_offset": 1, "world_size": 2,
+            "backend": "gloo", "group_name": "nobody"}
+    answer: dict = {}
+    thread = threading.Thread(target=lambda: answer.update(r=httpx.post(url + "/init_weights_update_group",
+                                                                        json=body, timeout=60)))
+    started = time.monotonic()
+    thread.start()
+    while thread.is_alive() and time.monotonic() - started < SYNC_TIMEOUT_S - 1:
+        assert httpx.get(url + "/health", timeout=2).status_code == 200  # the engine keeps answering
+    assert greedy(url) == before
+    thread.join(30)
+    assert answer["r"].status_code == 504 and answer["r"].json()["error"]["type"] == "weight_sync_timeout"
+    assert SYNC_TIMEOUT_S <= time.monotonic() - started < SYNC_TIMEOUT_S + 10
+    # the name is free again: the late join (if it ever completes) destroys what it made
+    r = httpx.post(url + "/update_weights_from_distributed", json={"names": ["model.norm.weight"], "dtypes": ["float32"],
+                                                                   "shapes": [[64]], "group_name": "nobody"})
+    assert r.status_code == 400 and "does not exist" in r.json()["error"]["message"]
+
+
+def test_a_trainer_that_never_sends_breaks_the_group_clearly(engines, weights) -> None:
+    url, _ = engines
+    before = greedy(url)
+    trainer = Trainer(url, group_name="silent")
+    assert trainer.join().status_code == 200
+    try:
+        body = distributed_body([("model.norm.weight", torch.ones(64))], "silent")
+        started = time.monotonic()
+        r = httpx.post(url + "/update_weights_from_distributed", json=body, timeout=60)
+        assert r.status_code == 504 and r.json()["error"]["type"] == "weight_sync_timeout", r.text
+        assert time.monotonic() - started < SYNC_TIMEOUT_S + 10
+        assert greedy(url) == before
+        r = httpx.post(url + "/update_weights_from_distributed", json=body, timeout=60)
+        assert r.status_code == 409 and r.json()["error"]["type"] == "weight_sync_broken", r.text
+    finally:
+        trainer.leave()

@@ -1,0 +1,87 @@
+"""SGLang's pause modes in the engine: ``retract`` (back to the queue, KV freed, recomputed after continue) and
+``in_place`` (KV kept, not stepping); weight updates and releases under a pause."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from handoff.protocol.tags import ALL_TAGS
+from node_engine.config import EngineConfig
+from node_engine.engine import Engine, RequestHandle
+from node_engine.errors import RequestsInFlight
+from node_engine.sampling import SamplingParams
+from tests.node_engine.engine_harness import generate, running_engine
+
+PROMPT = [256, 72, 101, 108, 108, 111]
+PARAMS = SamplingParams(max_new_tokens=48, temperature=0.0, ignore_eos=True)
+
+
+async def _tokens_until(handle: RequestHandle, at_least: int, got: list[int]) -> None:
+    while len(got) < at_least:
+        out = await asyncio.wait_for(handle.next(), timeout=60)
+        got.extend(out.token_ids_delta)
+        assert not out.is_final
+
+
+async def _rest(handle: RequestHandle, got: list[int]) -> list[int]:
+    while True:
+        out = await asyncio.wait_for(handle.next(), timeout=60)
+        got.extend(out.token_ids_delta)
+        if out.is_final:
+            return got
+
+
+async def _paused_run(engine: Engine, mode: str, during) -> list[int]:
+    """A greedy stream paused after a few tokens; ``during(engine)`` runs while paused."""
+    handle = engine.submit(PROMPT, PARAMS, stream=True)
+    got: list[int] = []
+    await _tokens_until(handle, 4, got)
+    answer = await engine.call(lambda: engine.control.pause(mode))
+    assert answer["paused_requests"] == 1 and answer["retracted_requests"] == (1 if mode == "retract" else 0)
+    so_far = len(got)
+    await during(engine)
+    await asyncio.sleep(0.2)  # paused: no step runs, so nothing arrives (a wait for absence, bounded)
+    while not handle._queue.empty():  # outputs of the step that was running when the pause came
+        got.extend(handle._queue.get_nowait().token_ids_delta)
+    assert len(got) <= so_far + 1
+    await engine.call(engine.control.continue_generation)
+    return await _rest(handle, got)
+
+
+@pytest.mark.parametrize("mode", ["retract", "in_place"])
+async def test_a_paused_request_finishes_after_continue_with_the_same_tokens(mode: str) -> None:
+    config = EngineConfig(model_path="builtin:tiny", enable_memory_saver=True)
+    async with running_engine(config) as engine:
+        expected, _ = await generate(engine, PROMPT, PARAMS)
+
+        async def nothing(_: Engine) -> None:
+            # a new request while paused waits in the queue (SGLang queues it too)
+            queued = engine.submit(PROMPT, SamplingParams(max_new_tokens=2, temperature=0.0, ignore_eos=True))
+            await asyncio.sleep(0.1)
+            assert queued._queue.empty() and engine.scheduler.num_requests == 2
+            engine.abort(queued.rid)
+
+        assert await _paused_run(engine, mode, nothing) == expected
+        if mode == "retract":
+            assert engine.scheduler.num_preemptions >= 1
+
+
+async def test_release_under_a_retract_pause_and_refused_under_in_place() -> None:
+    config = EngineConfig(model_path="builtin:tiny", enable_memory_saver=True)
+    async with running_engine(config) as engine:
+        expected, _ = await generate(engine, PROMPT, PARAMS)
+
+        async def release_and_resume(e: Engine) -> None:
+            tags = [t for t in ALL_TAGS if t.value != "weights"]
+            await e.call(lambda: e.control.release(tags, None))  # retracted requests hold no KV
+            await e.call(lambda: e.control.resume(None))
+
+        assert await _paused_run(engine, "retract", release_and_resume) == expected
+
+        async def refused(e: Engine) -> None:
+            with pytest.raises(RequestsInFlight):
+                await e.call(lambda: e.control.release(None, None))
+
+        assert await _paused_run(engine, "in_place", refused) == expected

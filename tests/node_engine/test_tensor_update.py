@@ -1,0 +1,185 @@
+"""``update_weights_from_tensor`` from this (test) process to a real engine process on the same host, and the
+restricted unpickler that guards it."""
+
+from __future__ import annotations
+
+import base64
+import os
+import pickle
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from handoff.weight_sync import serialize_named_tensors
+from node_engine.model.builtin import builtin_arch, builtin_weights, save_checkpoint
+from node_engine.weight_sync.unpickler import UnsafePayload, restricted_loads
+from tests.support.procs import ServerProcess
+from tests.support.sglang_payloads import b64, flattened_payload, serialize, verl_payload
+
+PROMPTS = ["The first probe", "Another probe"]
+GREEDY = {"temperature": 0, "ignore_eos": True, "max_new_tokens": 8}
+NEW_SEED = 7
+
+
+@pytest.fixture(scope="module")
+def new_weights() -> dict[str, torch.Tensor]:
+    return builtin_weights(builtin_arch("builtin:tiny", {}), seed=NEW_SEED)
+
+
+@pytest.fixture(scope="module")
+def engines(proc_log_dir: Path, tmp_path_factory: pytest.TempPathFactory, new_weights):
+    """The engine pushed to (seed 0), and a reference loaded from a checkpoint of the new weights."""
+    folder = tmp_path_factory.mktemp("new")
+    save_checkpoint(folder, builtin_arch("builtin:tiny", {}), new_weights)
+    pushed = ServerProcess("node_engine", ["--model-path", "builtin:tiny"], log_dir=proc_log_dir, name="pushed")
+    reference = ServerProcess("node_engine", ["--model-path", str(folder)], log_dir=proc_log_dir, name="reference")
+    pushed.start()
+    reference.start()
+    yield pushed, reference
+    pushed.stop()
+    reference.stop()
+
+
+def greedy(url: str) -> list[list[int]]:
+    r = httpx.post(url + "/generate", json={"text": PROMPTS, "sampling_params": GREEDY}, timeout=60)
+    assert r.status_code == 200, r.text
+    return [item["output_ids"] for item in r.json()]
+
+
+def push(url: str, payload: str, **fields) -> httpx.Response:
+    return httpx.post(url + "/update_weights_from_tensor", json={"serialized_named_tensors": [payload], **fields},
+                      timeout=60)
+
+
+@pytest.fixture
+def pushed(engines):
+    """The pushed engine's URL; its seed-0 weights are back after each test."""
+    url = engines[0].url
+    yield url
+    original = builtin_weights(builtin_arch("builtin:tiny", {}), seed=0)
+    assert push(url, serialize_named_tensors(original.items()), weight_version="default").status_code == 200
+
+
+def test_a_full_push_serves_like_an_engine_loaded_from_the_checkpoint(engines, pushed, new_weights) -> None:
+    before = greedy(pushed)
+    r = push(pushed, serialize_named_tensors(new_weights.items()), weight_version="step-1")
+    assert r.status_code == 200, r.text
+    assert r.json()["weight_version"] == "step-1" and r.json()["weights_valid"] is True
+    assert greedy(pushed) == greedy(engines[1].url) != before
+    meta = httpx.post(pushed + "/generate", json={"text": "x", "sampling_params": {"max_new_tokens": 1}}).json()
+    assert meta["meta_info"]["weight_version"] == "step-1"
+
+
+@pytest.mark.parametrize("form", ["verl", "flattened_bucket", "direct"])
+def test_buckets_in_each_format_add_up_to_the_new_weights(engines, pushed, new_weights, form: str) -> None:
+    names = list(new_weights)
+    buckets = [names[: len(names) // 2], names[len(names) // 2:]]
+    keep = []
+    for i, bucket in enumerate(buckets):
+        named = [(name, new_weights[name]) for name in bucket]
+        fields: dict = {"flush_cache": i == len(buckets) - 1}
+        if form == "verl":
+            payload = verl_payload(named)
+        elif form == "flattened_bucket":
+            payload, buffer = flattened_payload(named)
+            keep.append(buffer)
+            fields["load_format"] = "flattened_bucket"
+        else:  # SGLang's internal names: q/k/v and gate/up as the fused parameters
+            payload, fields["load_format"] = serialize_named_tensors(_fuse(named)), "direct"
+        r = push(pushed, payload, **fields)
+        assert r.status_code == 200, r.text
+    assert greedy(pushed) == greedy(engines[1].url)
+
+
+def _fuse(named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    by_name = dict(named)
+    out = []
+    for name, tensor in named:
+        if name.endswith("q_proj.weight") and name.replace("q_proj", "v_proj") in by_name:
+            parts = [by_name[name.replace("q_proj", p)] for p in ("q_proj", "k_proj", "v_proj")]
+            out.append((name.replace("q_proj", "qkv_proj"), torch.cat(parts)))
+        elif name.endswith("gate_proj.weight") and name.replace("gate_proj", "up_proj") in by_name:
+            out.append((name.replace("gate_proj", "gate_up_proj"),
+                        torch.cat([tensor, by_name[name.replace("gate_proj", "up_proj")]])))
+        elif not any(name.endswith(p) for p in ("k_proj.weight", "v_proj.weight", "up_proj.weight", "q_proj.weight",
+                                                  "gate_proj.weight")):
+            out.append((name, tensor))
+    return out
+
+
+@pytest.mark.parametrize("change", ["wrong shape", "unknown name", "integer dtype"])
+def test_a_bad_bucket_is_400_and_nothing_of_it_is_loaded(pushed, new_weights, change: str) -> None:
+    before = greedy(pushed)
+    named = [(name, new_weights[name]) for name in list(new_weights)[:6]]
+    name, tensor = named[-1]
+    if change == "wrong shape":
+        named[-1] = (name, tensor[:-1].clone())
+    elif change == "unknown name":
+        named[-1] = ("model.layers.0.mlp.extra.weight", tensor)
+    else:
+        named[-1] = (name, tensor.to(torch.int32))
+    r = push(pushed, serialize_named_tensors(named), weight_version="bad")
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request", r.text
+    assert greedy(pushed) == before  # the five good tensors of the bucket were not loaded either
+    assert httpx.get(pushed + "/get_weight_version").json()["weight_version"] == "default"
+
+
+class _CreatesFile:
+    def __init__(self, path: Path, how: str) -> None:
+        self.path, self.how = path, how
+
+    def __reduce__(self):
+        if self.how == "open":
+            return open, (str(self.path), "w")
+        return os.system, (f"touch {self.path}",)
+
+
+@pytest.mark.parametrize("how", ["open", "system"])
+def test_a_pickle_that_would_create_a_file_is_400_and_runs_nothing(pushed, new_weights, tmp_path: Path,
+                                                                   how: str) -> None:
+    before = greedy(pushed)
+    target = tmp_path / "created"
+    evil = pickle.dumps([("model.norm.weight", new_weights["model.norm.weight"]), ("x", _CreatesFile(target, how))])
+    with pytest.raises(UnsafePayload):
+        restricted_loads(evil)
+    # and nested where verl's format keeps each tensor: inside a LocalSerializedTensor
+    nested = b64(serialize([("model.norm.weight", _Wrapped(evil))]))
+    for payload in (b64(evil), nested):
+        r = push(pushed, payload)
+        assert r.status_code == 400, r.text
+        assert "nothing was run" in r.json()["error"]["message"]
+    assert not target.exists()
+    assert greedy(pushed) == before
+
+
+class _Wrapped:
+    """A LocalSerializedTensor whose rank-0 bytes are ``data``."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+    def __reduce__(self):
+        from tests.support.sglang_payloads import LocalSerializedTensor
+
+        return LocalSerializedTensor, ([self.data],)
+
+
+def test_garbage_payloads_are_400(pushed) -> None:
+    for payload in ("not base64!", base64.b64encode(b"\x80\x04junk").decode(), b64(pickle.dumps({"a": 1}))):
+        r = push(pushed, payload)
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request", r.text
+    # a tensor passed by file descriptor (torch's default sharing) cannot cross to an unrelated process
+    import torch.multiprocessing as mp
+    from multiprocessing.reduction import ForkingPickler
+    import io
+
+    mp.set_sharing_strategy("file_descriptor")
+    try:
+        buffer = io.BytesIO()
+        ForkingPickler(buffer).dump([("model.norm.weight", torch.ones(64))])
+    finally:
+        mp.set_sharing_strategy("file_system")
+    r = push(pushed, b64(buffer.getvalue()))
+    assert r.status_code == 400 and "file_system" in r.json()["error"]["message"], r.text

@@ -1,0 +1,169 @@
+"""SGLang's control semantics through a sidecar in front of a real engine: pause modes and what new requests get,
+tag names as SGLang clients know them, reloads while released, versions, aborts, weight pushes while paused."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from handoff.weight_sync import serialize_named_tensors
+from node_engine.model.builtin import builtin_arch, builtin_weights, save_checkpoint
+from tests.support.procs import ServerProcess, wait_until
+from tests.support.sse import read_stream
+
+GREEDY = {"temperature": 0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def node(proc_log_dir: Path):
+    engine = ServerProcess("node_engine", ["--model-path", "builtin:tiny", "--enable-memory-saver"],
+                           log_dir=proc_log_dir, name="engine")
+    engine.start()
+    sidecar = ServerProcess("node_sidecar", ["--engine-url", engine.url, "--engine-poll-interval", "0.2",
+                                             "--hold-timeout", "30"], log_dir=proc_log_dir, name="sidecar")
+    sidecar.start()
+    yield sidecar
+    sidecar.stop()
+    engine.stop()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("ckpt")
+    save_checkpoint(folder, builtin_arch("builtin:tiny", {}), builtin_weights(builtin_arch("builtin:tiny", {}), 0))
+    return folder
+
+
+@pytest.fixture
+def client(node, checkpoint):
+    with httpx.Client(base_url=node.url, timeout=60) as c:
+        wait_until(lambda: c.get("/ready").status_code == 200, timeout=10, what="serving")
+        yield c
+        c.post("/continue_generation", json={})
+        c.post("/resume_memory_occupation", json={})
+        if not c.get("/memory_occupation").json()["weights_valid"]:
+            c.post("/update_weights_from_disk", json={"model_path": str(checkpoint)})
+        c.post("/update_weight_version", json={"new_version": "default"})
+        wait_until(lambda: c.get("/ready").status_code == 200, timeout=10, what="serving again")
+
+
+def greedy(client: httpx.Client, n: int = 10) -> list[int]:
+    r = client.post("/generate", json={"text": "probe", "sampling_params": dict(GREEDY, max_new_tokens=n)})
+    assert r.status_code == 200, r.text
+    return r.json()["output_ids"]
+
+
+def stream_in_thread(client_url: str, n: int) -> tuple[threading.Thread, dict]:
+    result: dict = {}
+
+    def run() -> None:
+        with httpx.Client(base_url=client_url, timeout=120) as c:
+            events, done = read_stream(c, "/generate", {"text": "probe", "stream": True,
+                                                        "sampling_params": dict(GREEDY, max_new_tokens=n)})
+            result.update(events=events, done=done)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, result
+
+
+@pytest.mark.parametrize("mode", ["retract", "in_place"])
+def test_pause_keeps_running_requests_and_holds_new_ones_until_continue(client, node, mode: str) -> None:
+    expected = greedy(client, 300)
+    thread, result = stream_in_thread(node.url, 300)
+    wait_until(lambda: client.get("/memory_occupation").json()["in_flight"] == 1, timeout=10, what="streaming")
+    r = client.post("/pause_generation", json={"mode": mode})
+    assert r.status_code == 200 and r.json()["status"] == "ok", r.text
+    assert r.json()["paused_requests"] == 1 and r.json()["retracted_requests"] == (mode == "retract")
+    view = client.get("/memory_occupation").json()
+    assert view["paused"] and view["admission"] == "holding" and view["in_flight"] == 1
+    # a new request while paused waits (SGLang queues it) and completes after the continue
+    held: dict = {}
+    waiter = threading.Thread(target=lambda: held.update(r=httpx.post(
+        node.url + "/generate", json={"text": "probe", "sampling_params": dict(GREEDY, max_new_tokens=10)},
+        timeout=60)))
+    waiter.start()
+    wait_until(lambda: client.get("/memory_occupation").json()["held"] == 1, timeout=10, what="held")
+    assert thread.is_alive()
+    # a release under the pause: around retracted requests (no KV held), refused while paused ones hold KV
+    r = client.post("/release_memory_occupation", json={"tags": ["kv_cache"]})
+    if mode == "retract":
+        assert r.status_code == 200 and r.json()["drained_requests"] == 0, r.text
+        assert client.post("/resume_memory_occupation", json={}).status_code == 200
+    else:
+        assert r.status_code == 409 and r.json()["error"]["type"] == "requests_in_flight", r.text
+    r = client.post("/continue_generation", json={"torch_empty_cache": True})
+    assert r.status_code == 200 and r.json()["paused"] is False
+    thread.join(60)
+    waiter.join(60)
+    assert result["done"] and [t for e in result["events"] for t in e["output_ids"]] == expected
+    assert held["r"].status_code == 200 and held["r"].json()["output_ids"] == expected[:10]
+
+
+def test_a_push_while_paused_in_place_loads_without_draining(client, node) -> None:
+    thread, result = stream_in_thread(node.url, 300)
+    wait_until(lambda: client.get("/memory_occupation").json()["in_flight"] == 1, timeout=10, what="streaming")
+    assert client.post("/pause_generation", json={"mode": "in_place"}).status_code == 200
+    weights = builtin_weights(builtin_arch("builtin:tiny", {}), seed=4)
+    r = client.post("/update_weights_from_tensor", json={
+        "serialized_named_tensors": [serialize_named_tensors(weights.items())], "weight_version": "v-paused"})
+    assert r.status_code == 200 and r.json()["drained_requests"] == 0, r.text
+    assert client.post("/continue_generation").status_code == 200
+    thread.join(60)
+    assert result["done"] and result["events"][-1]["meta_info"]["weight_version"] == "v-paused"
+    assert client.get("/get_weight_version").json() == {"weight_version": "v-paused"}
+
+
+def test_slimes_resume_order_ends_serving(client) -> None:
+    """slime: release everything; resume ["weights"], then ["kv_cache", "cuda_graph"] (no workspace named)."""
+    assert client.post("/release_memory_occupation", json={}).status_code == 200
+    assert client.post("/resume_memory_occupation", json={"tags": ["weights"]}).status_code == 200
+    r = client.post("/resume_memory_occupation", json={"tags": ["kv_cache", "cuda_graph", "weights_drafter"]})
+    assert r.status_code == 200, r.text
+    assert r.json()["resumed"] == ["kv_cache", "cuda_graph", "workspace"] and r.json()["not_present"] == [
+        "weights_drafter"]
+
+
+def test_a_reload_while_everything_is_released_resumes_only_the_weights(client, checkpoint) -> None:
+    expected = greedy(client)
+    assert client.post("/release_memory_occupation", json={}).status_code == 200
+    r = client.post("/update_weights_from_disk", json={"model_path": str(checkpoint), "weight_version": "disk",
+                                                       "abort_all_requests": True, "flush_cache": True})
+    assert r.status_code == 200, r.text
+    tags = client.get("/memory_occupation").json()["tags"]
+    assert tags["weights"]["state"] == "resident" and tags["kv_cache"]["state"] == "released"
+    assert client.post("/resume_memory_occupation", json={}).json()["serving"] is True
+    assert greedy(client) == expected
+
+
+def test_keep_pause_leaves_generation_paused_after_a_reload(client, checkpoint) -> None:
+    r = client.post("/update_weights_from_disk", json={"model_path": str(checkpoint), "keep_pause": True})
+    assert r.status_code == 200 and r.json()["serving"] is False, r.text
+    assert client.get("/memory_occupation").json()["paused"] is True
+    assert client.post("/continue_generation").json()["serving"] is True
+
+
+def test_a_5000_character_path_is_400_through_the_sidecar(client) -> None:
+    r = client.post("/update_weights_from_disk", json={"model_path": "/" + "x" * 5000})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request"
+
+
+def test_versions_model_info_pinning_and_aborts(client) -> None:
+    r = client.post("/update_weight_version", json={"new_version": "step-9"})
+    assert r.json() == {"success": True, "message": "Weight version updated to step-9", "new_version": "step-9"}
+    assert client.get("/get_weight_version").json() == {"weight_version": "step-9"}
+    info = client.get("/get_model_info").json()
+    assert info["weight_version"] == "step-9" and info["is_generation"] is True
+    assert client.get("/model_info").json() == info
+    body = {"text": "x", "sampling_params": {"max_new_tokens": 1}}
+    assert client.post("/generate", json=body, headers={"X-Weight-Version": "step-9"}).status_code == 200
+    r = client.post("/generate", json=body, headers={"X-Weight-Version": "step-8"})
+    assert r.status_code == 503 and r.json()["error"]["type"] == "weight_version_unavailable"
+    assert r.headers["retry-after"]
+    # verl's abort body, and an unknown rid: both 200 (SGLang's answers)
+    assert client.post("/abort_request", json={"rid": "", "abort_all": True}).status_code == 200
+    assert client.post("/abort_request", json={"rid": "no-such-request"}).status_code == 200

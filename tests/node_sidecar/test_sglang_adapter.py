@@ -120,7 +120,8 @@ def test_abort_release_ends_streams_with_sglang_abort_finish_reasons(make_node) 
         assert c.started_streaming.wait(10)
     r = node.post("/release_memory_occupation", {"mode": "abort", "tags": ["kv_cache"]})
     assert r.status_code == 200, r.text
-    assert r.json()["aborted_requests"] == 3 and r.json()["released"] == ["kv_cache"]
+    # the workspace follows kv_cache (handoff's tag rule); SGLang itself is asked for kv_cache alone
+    assert r.json()["aborted_requests"] == 3 and r.json()["released"] == ["kv_cache", "workspace"]
     for c in clients:
         result = c.finish(30)
         assert result.saw_done and result.events[-1]["meta_info"]["finish_reason"]["type"] == "abort"
@@ -132,12 +133,14 @@ def test_abort_release_ends_streams_with_sglang_abort_finish_reasons(make_node) 
 def test_repeated_release_and_resume_are_no_ops_that_never_reach_sglang(make_node) -> None:
     node = make_node("--enable-memory-saver", "--enable-weights-cpu-backup")
     before = greedy(node)
-    assert node.post("/release_memory_occupation", {"tags": ["kv_cache"]}).json()["released"] == ["kv_cache"]
+    released = node.post("/release_memory_occupation", {"tags": ["kv_cache"]}).json()["released"]
+    assert released == ["kv_cache", "workspace"]  # the workspace follows kv_cache
     again = node.post("/release_memory_occupation", {"tags": ["kv_cache", "weights"]}).json()
-    assert again["released"] == ["weights"] and again["already_released"] == ["kv_cache"]
+    assert again["released"] == ["weights"] and again["already_released"] == ["kv_cache", "workspace"]
     nothing = node.post("/release_memory_occupation", {"tags": []}).json()
     assert nothing["released"] == [] and nothing["already_released"] == []
-    assert node.post("/release_memory_occupation", {"tags": ALL}).json()["already_released"] == ["weights", "kv_cache"]
+    assert node.post("/release_memory_occupation", {"tags": ALL}).json()["already_released"] == [
+        "weights", "kv_cache", "workspace"]
     first = node.post("/resume_memory_occupation", {"tags": ["kv_cache", "workspace"]}).json()
     assert first["resumed"] == ["kv_cache", "workspace"] and first["already_resident"] == []
     rest = node.post("/resume_memory_occupation", {"tags": None}).json()

@@ -13,27 +13,20 @@ import torch
 
 from handoff.cluster.local import ClusterSpec, LocalCluster
 from handoff.weight_sync import serialize_named_tensors
-from node_engine.model.builtin import builtin_arch, builtin_weights, save_checkpoint
 from tests.support.procs import ServerProcess, wait_until
+from tests.support.weights import greedy, save_tiny, tiny_weights
 
-PROMPTS = ["The first probe", "Another probe, longer"]
-GREEDY = {"temperature": 0, "ignore_eos": True, "max_new_tokens": 8}
+__all__ = ["assert_cluster_serves", "greedy"]
 
 
 @pytest.fixture(scope="package")
 def weights() -> dict[str, dict[str, torch.Tensor]]:
-    arch = builtin_arch("builtin:tiny", {})
-    return {"old": builtin_weights(arch, seed=0), "new": builtin_weights(arch, seed=21)}
+    return {"old": tiny_weights(0), "new": tiny_weights(21)}
 
 
 @pytest.fixture(scope="package")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory, weights) -> dict[str, Path]:
-    arch = builtin_arch("builtin:tiny", {})
-    folders = {}
-    for name in ("old", "new"):
-        folders[name] = tmp_path_factory.mktemp(f"ckpt-{name}")
-        save_checkpoint(folders[name], arch, weights[name])
-    return folders
+    return {name: save_tiny(tmp_path_factory.mktemp(f"ckpt-{name}"), weights[name]) for name in ("old", "new")}
 
 
 @pytest.fixture(scope="package")
@@ -52,12 +45,6 @@ def reference(tmp_path_factory: pytest.TempPathFactory, checkpoints) -> Iterator
     proc.start()
     yield proc.url
     proc.stop()
-
-
-def greedy(url: str) -> list[list[int]]:
-    r = httpx.post(url + "/generate", json={"text": PROMPTS, "sampling_params": GREEDY}, timeout=60)
-    assert r.status_code == 200, r.text
-    return [item["output_ids"] for item in r.json()]
 
 
 @pytest.fixture

@@ -16,20 +16,16 @@ import torch
 
 from handoff.cluster.local import ClusterSpec, LocalCluster
 from handoff.weight_sync import serialize_named_tensors
-from node_engine.model.builtin import builtin_arch, builtin_weights, save_checkpoint
 from tests.support.procs import ServerProcess, wait_until
 from tests.support.trainer import Trainer
+from tests.support.weights import greedy, save_tiny, tiny_weights
 
 pytestmark = pytest.mark.timeout(180)
-
-PROMPTS = ["The first probe", "Another probe, longer"]
-GREEDY = {"temperature": 0, "ignore_eos": True, "max_new_tokens": 8}
 
 
 @pytest.fixture(scope="module")
 def weights() -> dict[str, dict[str, torch.Tensor]]:
-    arch = builtin_arch("builtin:tiny", {})
-    return {"old": builtin_weights(arch, seed=0), "new": builtin_weights(arch, seed=11)}
+    return {"old": tiny_weights(0), "new": tiny_weights(11)}
 
 
 @pytest.fixture(scope="module")
@@ -43,8 +39,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory, weights) -> Iterator[str]:
     """An engine loaded from a checkpoint of the new weights."""
-    folder = tmp_path_factory.mktemp("new_ckpt")
-    save_checkpoint(folder, builtin_arch("builtin:tiny", {}), weights["new"])
+    folder = save_tiny(tmp_path_factory.mktemp("new_ckpt"), weights["new"])
     proc = ServerProcess("node_engine", ["--model-path", str(folder)], log_dir=tmp_path_factory.mktemp("ref"))
     proc.start()
     yield proc.url
@@ -64,12 +59,6 @@ def lb(cluster: LocalCluster, weights) -> Iterator[httpx.Client]:
             "serialized_named_tensors": [serialize_named_tensors(weights["old"].items())],
             "weight_version": "default"})
         assert r.status_code == 200, r.text
-
-
-def greedy(url: str) -> list[list[int]]:
-    r = httpx.post(url + "/generate", json={"text": PROMPTS, "sampling_params": GREEDY}, timeout=60)
-    assert r.status_code == 200, r.text
-    return [item["output_ids"] for item in r.json()]
 
 
 def test_a_trainer_pushes_new_weights_to_two_nodes_through_the_lb(cluster, lb, weights, reference) -> None:

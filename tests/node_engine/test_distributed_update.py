@@ -12,25 +12,21 @@ import httpx
 import pytest
 import torch
 
-from node_engine.model.builtin import builtin_arch, builtin_weights, save_checkpoint
 from tests.support.procs import ServerProcess
 from tests.support.trainer import Trainer, distributed_body, free_port
+from tests.support.weights import greedy, save_tiny, tiny_weights
 
-PROMPTS = ["The first probe", "Another probe"]
-GREEDY = {"temperature": 0, "ignore_eos": True, "max_new_tokens": 8}
 SYNC_TIMEOUT_S = 4.0
 
 
 @pytest.fixture(scope="module")
 def weights() -> dict[str, dict[str, torch.Tensor]]:
-    arch = builtin_arch("builtin:tiny", {})
-    return {"old": builtin_weights(arch, seed=0), "new": builtin_weights(arch, seed=5)}
+    return {"old": tiny_weights(0), "new": tiny_weights(5)}
 
 
 @pytest.fixture(scope="module")
 def engines(proc_log_dir: Path, tmp_path_factory: pytest.TempPathFactory, weights):
-    folder = tmp_path_factory.mktemp("new")
-    save_checkpoint(folder, builtin_arch("builtin:tiny", {}), weights["new"])
+    folder = save_tiny(tmp_path_factory.mktemp("new"), weights["new"])
     engine = ServerProcess("node_engine", ["--model-path", "builtin:tiny", "--weight-sync-timeout",
                                            str(SYNC_TIMEOUT_S)], log_dir=proc_log_dir, name="engine")
     reference = ServerProcess("node_engine", ["--model-path", str(folder)], log_dir=proc_log_dir, name="reference")
@@ -39,12 +35,6 @@ def engines(proc_log_dir: Path, tmp_path_factory: pytest.TempPathFactory, weight
     yield engine.url, reference.url
     engine.stop()
     reference.stop()
-
-
-def greedy(url: str) -> list[list[int]]:
-    r = httpx.post(url + "/generate", json={"text": PROMPTS, "sampling_params": GREEDY}, timeout=60)
-    assert r.status_code == 200, r.text
-    return [item["output_ids"] for item in r.json()]
 
 
 def test_a_trainer_pushes_new_weights_and_they_serve_like_the_checkpoint(engines, weights) -> None:

@@ -13,26 +13,20 @@ import pytest
 import torch
 
 from handoff.weight_sync import serialize_named_tensors
-from node_engine.model.builtin import builtin_arch, builtin_weights, save_checkpoint
 from node_engine.weight_sync.unpickler import UnsafePayload, restricted_loads
 from tests.support.procs import ServerProcess
 from tests.support.sglang_payloads import b64, flattened_payload, serialize, verl_payload
-
-PROMPTS = ["The first probe", "Another probe"]
-GREEDY = {"temperature": 0, "ignore_eos": True, "max_new_tokens": 8}
-NEW_SEED = 7
-
+from tests.support.weights import greedy, save_tiny, tiny_weights
 
 @pytest.fixture(scope="module")
 def new_weights() -> dict[str, torch.Tensor]:
-    return builtin_weights(builtin_arch("builtin:tiny", {}), seed=NEW_SEED)
+    return tiny_weights(7)
 
 
 @pytest.fixture(scope="module")
 def engines(proc_log_dir: Path, tmp_path_factory: pytest.TempPathFactory, new_weights):
     """The engine pushed to (seed 0), and a reference loaded from a checkpoint of the new weights."""
-    folder = tmp_path_factory.mktemp("new")
-    save_checkpoint(folder, builtin_arch("builtin:tiny", {}), new_weights)
+    folder = save_tiny(tmp_path_factory.mktemp("new"), new_weights)
     pushed = ServerProcess("node_engine", ["--model-path", "builtin:tiny"], log_dir=proc_log_dir, name="pushed")
     reference = ServerProcess("node_engine", ["--model-path", str(folder)], log_dir=proc_log_dir, name="reference")
     pushed.start()
@@ -40,12 +34,6 @@ def engines(proc_log_dir: Path, tmp_path_factory: pytest.TempPathFactory, new_we
     yield pushed, reference
     pushed.stop()
     reference.stop()
-
-
-def greedy(url: str) -> list[list[int]]:
-    r = httpx.post(url + "/generate", json={"text": PROMPTS, "sampling_params": GREEDY}, timeout=60)
-    assert r.status_code == 200, r.text
-    return [item["output_ids"] for item in r.json()]
 
 
 def push(url: str, payload: str, **fields) -> httpx.Response:
@@ -58,7 +46,7 @@ def pushed(engines):
     """The pushed engine's URL; its seed-0 weights are back after each test."""
     url = engines[0].url
     yield url
-    original = builtin_weights(builtin_arch("builtin:tiny", {}), seed=0)
+    original = tiny_weights(0)
     assert push(url, serialize_named_tensors(original.items()), weight_version="default").status_code == 200
 
 

@@ -154,7 +154,7 @@ class FanOut:
         headers = {**self._node_headers, DEADLINE_HEADER: f"{timeout_s:g}"}
         if content_type:
             headers["Content-Type"] = content_type
-        result, state = await self._call(node, method, path, body, headers, timeout_s)
+        result, state = await self._call(node, method, path, body, headers, timeout_s, {})
         if state is not None:
             self._health.apply_state(node, state)
         return result

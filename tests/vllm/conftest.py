@@ -39,3 +39,19 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """Two checkpoints of one shape: the one served at start (seed 0) and a "trained" one (seed 1)."""
     root = tmp_path_factory.mktemp("checkpoints")
     return write_checkpoint(root / "step-0", 0), write_checkpoint(root / "step-1", 1)
+
+
+def tokens_lasting(generate_url: str, seconds: float, *, concurrency: int = 4, most: int = 4000) -> int:
+    """How many new tokens a request needs to run about ``seconds`` beside ``concurrency - 1`` others here and now
+    (CPU speed varies by machine and load: a drain or an abort must find the requests still running)."""
+    import time
+
+    import httpx
+
+    probe = 64
+    started = time.perf_counter()
+    r = httpx.post(generate_url, json={"input_ids": [1, 2, 3], "sampling_params": {
+        "max_new_tokens": probe, "ignore_eos": True, "temperature": 0}}, timeout=300)
+    assert r.status_code == 200, r.text
+    per_second = probe / max(time.perf_counter() - started, 1e-3) / max(1, concurrency // 2)
+    return max(probe, min(most, int(per_second * seconds)))

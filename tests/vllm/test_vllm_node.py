@@ -24,7 +24,8 @@ from node_engine.model.builtin import builtin_arch, builtin_weights, save_checkp
 from tests.lb.lbproc import FAST_HEALTH, LB, node_args
 from tests.support.procs import ServerProcess, wait_until
 from tests.support.sse import iter_events
-from tests.support.streams import GenerationClient, start_clients
+from tests.support.streams import GenerationClient
+from tests.vllm.conftest import tokens_lasting
 
 ALL = ["weights", "kv_cache", "cuda_graph", "workspace"]
 GREEDY = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
@@ -115,8 +116,8 @@ def start_mixed_load(node: VllmNode, max_tokens: int) -> list[GenerationClient]:
 
 def test_release_wait_drains_every_request_then_sleeps(serving: VllmNode) -> None:
     node = serving
-    clients = start_mixed_load(node, 150)
-    r = node.post("/release_memory_occupation", {"mode": "wait"}, via_lb=True)
+    clients = start_mixed_load(node, tokens_lasting(node.sidecar.url + "/generate", 10))
+    r = node.post("/release_memory_occupation", {"mode": "wait", "drain_timeout": 90}, via_lb=True)
     assert r.status_code == 200, r.text
     body = r.json()["results"][0]["body"]
     assert body["released"] == ALL and body["drained_requests"] == 4 and body["aborted_requests"] == 0
@@ -149,7 +150,7 @@ def test_generation_while_released_is_503_at_once_never_the_hang(serving: VllmNo
 
 def test_release_abort_ends_every_request_with_its_tokens(serving: VllmNode) -> None:
     node = serving
-    clients = start_mixed_load(node, 2000)
+    clients = start_mixed_load(node, tokens_lasting(node.sidecar.url + "/generate", 120))
     wait_until(lambda: all(c.started_streaming.is_set() for c in clients if c.body.get("stream")), timeout=60)
     r = node.post("/release_memory_occupation", {"mode": "abort"}, via_lb=True)
     assert r.status_code == 200, r.text
@@ -286,3 +287,21 @@ def test_a_new_sidecar_reads_a_sleeping_vllm_as_released(serving: VllmNode, chec
     assert node.post("/update_weights_from_disk", {"model_path": str(checkpoints[0]),
                                                    "weight_version": "step-0"}).status_code == 200
     node.wait_serving()
+
+
+def test_a_restarted_vllm_is_read_again_as_a_fresh_engine(serving: VllmNode, checkpoints: tuple[Path, Path]) -> None:
+    """vLLM killed while asleep at level 2 and started again (same port): the sidecar sees a new instance_id and
+    /is_sleeping false, so every tag is resident and the weights (loaded at start) are valid."""
+    node = serving
+    assert node.post("/release_memory_occupation", {"stage_to_cpu": False}).status_code == 200
+    node.vllm.kill()
+    wait_until(lambda: node.occupation()["engine_reachable"] is False, timeout=30, what="the engine seen down")
+    r = node.post("/generate", {"input_ids": PROMPT})
+    assert r.status_code == 503 and r.json()["error"]["type"] == "engine_unavailable"
+    node.vllm.start()
+    node.wait_serving()
+    view = node.occupation()
+    assert all(t["state"] == "resident" for t in view["tags"].values()) and view["weights_valid"] is True
+    assert node.greedy()
+    assert node.post("/update_weights_from_disk", {"model_path": str(checkpoints[0]),
+                                                   "weight_version": "step-0"}).status_code == 200

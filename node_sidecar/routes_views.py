@@ -47,7 +47,7 @@ def views_router(metrics: SidecarMetrics, admin: BearerToken, api_key: BearerTok
     @router.get("/get_server_info")
     async def get_server_info(request: Request) -> Response:
         node = node_of(request)
-        info = None if node.adapter is None else await node.adapter.server_info()
+        info = None if node.adapter is None else await node.adapter.info("/get_server_info")
         return JSONResponse(info) if info is not None else await forward(node, request, "/get_server_info")
 
     @router.get("/memory_occupation")

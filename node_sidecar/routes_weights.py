@@ -79,7 +79,9 @@ def weight_router(config: SidecarConfig, admin: BearerToken) -> APIRouter:
     call_route("/update_weight_version", UpdateWeightVersionBody, serialized=True)
 
     async def read_only(request: Request) -> Response:
-        return await forward(_node_of(request), request, request.url.path)
+        node = _node_of(request)
+        info = None if node.adapter is None else await node.adapter.info(request.url.path)
+        return JSONResponse(info) if info is not None else await forward(node, request, request.url.path)
 
     for path in ("/get_weight_version", "/get_model_info", "/model_info"):
         router.add_api_route(path, read_only, methods=["GET"], name=path.strip("/"))

@@ -161,8 +161,9 @@ class EngineAdapter(ABC):
         """End an in-engine pause; an engine that cannot pause has nothing to continue."""
         return {}
 
-    async def server_info(self) -> dict[str, Any] | None:
-        """``GET /get_server_info`` for an engine without one (None: the engine's own is passed through)."""
+    async def info(self, path: str) -> dict[str, Any] | None:
+        """A read-only info endpoint (``/get_server_info``, ``/get_weight_version``, ``/model_info``,
+        ``/get_model_info``) for an engine that has no such endpoint; None: the engine's own is passed through."""
         return None
 
 

@@ -40,6 +40,7 @@ from node_sidecar.errors import EngineRefused
 IDLE_WAIT_S = 10.0           # how long SGLang may take to look idle once the sidecar drained it
 INFO_TIMEOUT_S = 5.0
 WEIGHTS = "weights"
+WEIGHT_UPDATES = frozenset({"/update_weights_from_tensor", "/update_weights_from_distributed"})
 
 
 class SglangEngine(ForeignEngine):
@@ -109,26 +110,56 @@ class SglangEngine(ForeignEngine):
         return {"success": True, "dry_run": True, "message": f"{body['model_path']} can be loaded"}
 
     async def update_weights_from_disk(self, body: dict[str, Any]) -> dict[str, Any]:
-        """Released weights are resumed first (SGLang would load into unmapped memory); its answer is
-        ``{"success", "message"}``, 400 when the load failed."""
+        answer = await self._update("/update_weights_from_disk", body)
+        self.model_path = body["model_path"]
+        return answer
+
+    async def weight_call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        """SGLang has every weight call of its own API: passed through; an update (tensors, broadcast) resumes
+        released weights first, as a reload does."""
+        if path in WEIGHT_UPDATES:
+            return await self._update(path, body)
+        return await self._sglang_call(path, body)
+
+    async def _update(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        """Released weights are resumed first (SGLang would write into unmapped memory); the weights are valid
+        once the update succeeded."""
         resumed = []
         if WEIGHTS in self.released:
             await self.resume([WEIGHTS])
             resumed.append(WEIGHTS)
-        response, raw = await self.engine.exchange("POST", "/update_weights_from_disk", body)
+        answer = await self._sglang_call(path, body, resumed=resumed)
+        self.weights_garbage = False
+        version = body.get("weight_version")
+        if version is None:
+            version = (await self.engine.call("GET", "/model_info", timeout=INFO_TIMEOUT_S)).get("weight_version")
+        return {**answer, "success": True, "weight_version": version, "resumed": resumed}
+
+    async def _sglang_call(self, path: str, body: dict[str, Any], *,
+                           resumed: list[str] | None = None) -> dict[str, Any]:
+        """SGLang's weight calls answer ``{"success", "message", ...}``, 400 when they failed."""
+        response, raw = await self.engine.exchange("POST", path, body)
         answer = _json_object(raw)
         if not 200 <= response.status < 300 or answer.get("success") is False:
             raise EngineRefused(response.status if response.status >= 400 else 500, {"error": {
                 "type": E.INVALID_REQUEST.name if response.status == 400 else E.ENGINE_FAILED.name,
-                "message": f"SGLang: {answer.get('message', raw[:200].decode('utf-8', 'replace'))}",
-                "resumed": resumed}})
-        self.weights_garbage = False
-        self.model_path = body["model_path"]
-        version = body.get("weight_version")
-        if version is None:
-            version = (await self.engine.call("GET", "/model_info", timeout=INFO_TIMEOUT_S)).get("weight_version")
-        return {"success": True, "message": answer.get("message", ""), "weight_version": version,
-                "resumed": resumed}
+                "message": f"SGLang {path}: {answer.get('message', raw[:200].decode('utf-8', 'replace'))}",
+                **({"resumed": resumed} if resumed else {})}})
+        return answer
+
+    async def pause(self, mode: str) -> dict[str, Any]:
+        """SGLang's own ``retract`` / ``in_place`` pause; a release under it waits for SGLang to look idle (the
+        idle barrier), which ``in_place`` requests holding their KV prevent: 409, nothing released."""
+        return await self.engine.call("POST", "/pause_generation", {"mode": mode})
+
+    async def continue_generation(self, *, torch_empty_cache: bool) -> dict[str, Any]:
+        return await self.engine.call("POST", "/continue_generation", {"torch_empty_cache": torch_empty_cache})
+
+    async def info(self, path: str) -> dict[str, Any] | None:
+        if path == "/get_weight_version":  # not in SGLang 0.5.23: its /model_info carries the version
+            model = await self.engine.call("GET", "/model_info", timeout=INFO_TIMEOUT_S)
+            return {"weight_version": model.get("weight_version")}
+        return None
 
     async def flush_cache(self, timeout: float) -> dict[str, Any]:
         message = await self._wait_idle(timeout)

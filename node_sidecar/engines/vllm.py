@@ -223,7 +223,26 @@ class VllmEngine(ForeignEngine):
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.5)
 
-    async def server_info(self) -> dict[str, Any] | None:
-        return {"engine_kind": self.kind.value, "version": self.version, "model_path": self.model_path,
-                "device": self.device, "enable_sleep_mode": self.sleep_mode, "sleep_level": self.default_sleep_level,
-                "weight_version": self.weight_version}
+    async def weight_call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        """Of SGLang's other weight calls vLLM has the version (``/update_weight_version``); tensor and broadcast
+        updates, the trainer's group and the update session have no counterpart of that shape."""
+        if path != "/update_weight_version":
+            raise Unsupported(f"{path} is not available on vLLM nodes (vLLM's own weight-transfer API takes "
+                              "backend-specific arguments); reload from disk with /update_weights_from_disk",
+                              extra={"path": path})
+        if body.get("abort_all_requests"):
+            await self.abort(rid=None, abort_all=True)
+        await self.engine.call("POST", "/update_weight_version", {"new_version": body["new_version"]})
+        self.weight_version = body["new_version"]
+        return {"success": True, "message": f"Weight version updated to {self.weight_version}",
+                "new_version": self.weight_version}
+
+    async def info(self, path: str) -> dict[str, Any] | None:
+        if path == "/get_server_info":
+            return {"engine_kind": self.kind.value, "version": self.version, "model_path": self.model_path,
+                    "device": self.device, "enable_sleep_mode": self.sleep_mode,
+                    "sleep_level": self.default_sleep_level, "weight_version": self.weight_version}
+        if path == "/get_weight_version":
+            return {"weight_version": self.weight_version}
+        return {"model_path": self.model_path, "is_generation": True, "weight_version": self.weight_version,
+                "engine_kind": self.kind.value}  # /model_info, /get_model_info

@@ -233,3 +233,46 @@ def test_a_restarted_sglang_is_read_again_as_fully_resident(make_node) -> None:
     assert all(t["state"] == "resident" for t in view["tags"].values()) and view["weights_valid"] is True
     assert greedy(node)
     node.assert_fake_alive()
+
+
+def test_sglang_weight_calls_pass_through_and_updates_resume_released_weights(make_node) -> None:
+    node = make_node("--enable-memory-saver")
+    group = {"master_address": "127.0.0.1", "master_port": 29500, "rank_offset": 1, "world_size": 2}
+    assert node.post("/init_weights_update_group", group).json()["success"] is True
+    version = node.post("/update_weight_version", {"new_version": "v9"})
+    assert version.status_code == 200 and version.json()["new_version"] == "v9"
+    assert node.occupation()["weight_version"] == "v9"
+    assert httpx.get(node.sidecar.url + "/get_weight_version", timeout=10).json() == {"weight_version": "v9"}
+    assert node.post("/release_memory_occupation").status_code == 200
+    pushed = node.post("/update_weights_from_tensor", {"serialized_named_tensors": ["AAAA"], "weight_version": "v10"})
+    assert pushed.status_code == 200, pushed.text
+    assert pushed.json()["resumed"] == ["weights"] and pushed.json()["weight_version"] == "v10"
+    assert node.occupation()["tags"]["weights"]["state"] == "resident"
+    assert node.occupation()["weights_valid"] is True  # updated in full, so valid without a CPU backup
+    assert node.post("/destroy_weights_update_group", {}).json()["success"] is True
+    assert node.post("/resume_memory_occupation").json()["serving"] is True
+    calls = node.fake_state()["calls"]
+    assert calls.index("resume ['weights']") < calls.index("update_weights_from_tensor")
+    node.assert_fake_alive()
+
+
+def test_sglang_pause_modes_retract_releases_and_in_place_is_409(make_node) -> None:
+    node = make_node("--enable-memory-saver", "--enable-weights-cpu-backup")
+    kept = start_clients(node.sidecar.url + "/generate", stream_body(150), 2)
+    for c in kept:
+        assert c.started_streaming.wait(10)
+    assert node.post("/pause_generation", {"mode": "in_place"}).json()["mode"] == "in_place"
+    # in place, the paused requests hold their KV: SGLang is not idle, so the release is refused, not sent
+    refused = node.post("/release_memory_occupation", {"tags": ["kv_cache"]}, headers={"x-handoff-deadline": "30"})
+    assert refused.status_code == 409 and refused.json()["error"]["type"] == "requests_in_flight"
+    assert "release ['kv_cache']" not in node.fake_state()["calls"]
+    assert node.post("/continue_generation").status_code == 200
+    assert node.post("/pause_generation", {"mode": "retract"}).status_code == 200
+    # retracted requests wait in SGLang's queue, which its idle check ignores while paused: the release runs
+    assert node.post("/release_memory_occupation", {"tags": ["kv_cache"]}).status_code == 200
+    assert node.post("/resume_memory_occupation").status_code == 200
+    assert node.post("/continue_generation").status_code == 200
+    for c in kept:
+        result = c.finish(60)
+        assert result.saw_done and result.events[-1]["meta_info"]["finish_reason"]["type"] == "length"
+    node.assert_fake_alive()

@@ -58,6 +58,19 @@ torch_memory_saver 0.0.10, which SGLang's memory saver calls):
   (``http_server.py:853-890``, ``utils/common.py:3584-3593``);
   ``GET /model_info`` has ``model_path``, ``is_generation``, ``weight_version``
   (``http_server.py:812-850``).
+- Weight calls beyond disk (``http_server.py:1404-1557``): ``/update_weights_from_tensor``,
+  ``/update_weights_from_distributed``, ``/init_weights_update_group``,
+  ``/destroy_weights_update_group``, ``/begin_weight_update``,
+  ``/end_weight_update`` answer ``{"success", "message"}`` (400 when they
+  fail); ``/update_weight_version`` answers ``{"success", "message",
+  "new_version"}``. An update writes into the weights region: with it released,
+  an illegal access, the server dies. The fake checks nothing of the tensors.
+- Pause (``tokenizer_manager.py:2267-2286``; modes in ``io_struct.py:
+  1927-1946``): ``abort`` aborts every request; ``retract`` and ``in_place``
+  stop the scheduler with the requests kept (retracted ones wait in the queue,
+  which the idle check ignores while paused: ``scheduler.py:5353-5357``;
+  in-place ones stay running, so the server is not idle); new requests wait
+  until ``/continue_generation``.
 - Without ``--enable-memory-saver`` SGLang uses a no-op memory saver
   (``utils/torch_memory_saver_adapter.py:50-52``): release and resume do
   nothing and answer as usual.
@@ -118,6 +131,7 @@ class FakeSglang:
     weights_garbage: bool = False
     running: dict[str, Running] = field(default_factory=dict)
     paused: bool = False
+    pause_mode: str | None = None
     calls: list[str] = field(default_factory=list)
     num_model_info: int = 0
     startup_time: float = field(default_factory=time.time)
@@ -128,7 +142,7 @@ class FakeSglang:
 
     # -- memory (weight_updater.py:337-422) -----------------------------------------------
     def release(self, tags: list[str] | None) -> None:
-        if self.running:
+        if not self.is_idle():
             die("AssertionError: release_memory_occupation should be called only when server is idle.")
         tags = list(SGLANG_TAGS) if not tags else tags
         for tag in tags:
@@ -159,7 +173,8 @@ class FakeSglang:
             die(f"{what}: CUDA error: an illegal memory access was encountered (released: {sorted(self.offload_tags)})")
 
     def is_idle(self) -> bool:
-        return not self.running
+        """is_fully_idle(ignore_waiting=paused): retracted requests wait in the queue, which does not count."""
+        return not self.running or self.pause_mode == "retract"
 
     def token(self, prompt: list[int], index: int) -> int:
         if self.weights_garbage:
@@ -207,6 +222,8 @@ def create_app(fake: FakeSglang) -> Starlette:
             try:
                 for index in range(max_new_tokens):
                     await asyncio.sleep(TOKEN_SECONDS)
+                    while fake.paused and not job.aborted:  # retract / in_place: kept, not stepped
+                        await asyncio.sleep(TOKEN_SECONDS)
                     if job.aborted:
                         yield ids, {"type": "abort", "message": "Abort in waiting queue", "status_code": None,
                                     "err_type": None}
@@ -274,14 +291,39 @@ def create_app(fake: FakeSglang) -> Starlette:
         return JSONResponse({"success": True, "message": message, "num_paused_requests": 0})
 
     async def pause_generation(request: Request) -> Response:
-        fake.paused = True
-        for job in fake.running.values():
-            job.aborted = True
+        body = await request.json()
+        fake.calls.append(f"pause {body.get('mode', 'abort')}")
+        fake.paused, fake.pause_mode = True, body.get("mode", "abort")
+        if fake.pause_mode == "abort":
+            for job in fake.running.values():
+                job.aborted = True
         return JSONResponse({"message": "Generation paused successfully.", "status": "ok"})
 
     async def continue_generation(request: Request) -> Response:
-        fake.paused = False
+        fake.calls.append("continue")
+        fake.paused, fake.pause_mode = False, None
         return JSONResponse({"message": "Generation continued successfully.", "status": "ok"})
+
+    async def weight_update(request: Request) -> Response:
+        body = await request.json()
+        fake.calls.append(request.url.path.strip("/"))
+        if "weights" in fake.offload_tags and fake.enable_memory_saver:
+            die(f"{request.url.path}: CUDA error: an illegal memory access was encountered (weights released)")
+        fake.weights_garbage = False
+        if body.get("weight_version") is not None:
+            fake.weight_version = body["weight_version"]
+        return JSONResponse({"success": True, "message": "Succeeded to update parameter online."})
+
+    async def weight_call(request: Request) -> Response:
+        fake.calls.append(request.url.path.strip("/"))
+        return JSONResponse({"success": True, "message": "Success"})
+
+    async def update_weight_version(request: Request) -> Response:
+        body = await request.json()
+        fake.calls.append("update_weight_version")
+        fake.weight_version = body["new_version"]
+        return JSONResponse({"success": True, "message": f"Weight version updated to {fake.weight_version}",
+                             "new_version": fake.weight_version})
 
     async def health(request: Request) -> Response:
         fake.calls.append("health")
@@ -316,6 +358,13 @@ def create_app(fake: FakeSglang) -> Starlette:
         Route("/flush_cache", flush_cache, methods=["GET", "POST"]),
         Route("/update_weights_from_disk", update_weights_from_disk, methods=["POST"]),
         Route("/pause_generation", pause_generation, methods=["POST"]),
+        Route("/update_weights_from_tensor", weight_update, methods=["POST"]),
+        Route("/update_weights_from_distributed", weight_update, methods=["POST"]),
+        Route("/init_weights_update_group", weight_call, methods=["POST"]),
+        Route("/destroy_weights_update_group", weight_call, methods=["POST"]),
+        Route("/begin_weight_update", weight_call, methods=["POST"]),
+        Route("/end_weight_update", weight_call, methods=["POST"]),
+        Route("/update_weight_version", update_weight_version, methods=["POST"]),
         Route("/continue_generation", continue_generation, methods=["POST"]),
         Route("/health", health, methods=["GET"]),
         Route("/health_generate", health, methods=["GET"]),

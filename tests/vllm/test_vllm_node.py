@@ -266,6 +266,16 @@ def test_what_vllm_cannot_do_is_400_and_abort_by_rid_works(serving: VllmNode) ->
     assert "json_schema" in r.json()["error"]["message"]
     assert node.post("/generate", {"input_ids": PROMPT, "lora_path": "x"}).json()["error"]["type"] == "unsupported"
     assert node.post("/generate", {"input_ids": PROMPT, "nonsense": 1}).status_code == 400
+    tensor = node.post("/update_weights_from_tensor", {"serialized_named_tensors": ["AAAA"]})
+    assert tensor.status_code == 400 and tensor.json()["error"]["type"] == "unsupported"
+    retract = node.post("/pause_generation", {"mode": "retract"})
+    assert retract.status_code == 400 and retract.json()["error"]["type"] == "unsupported"
+    assert node.occupation()["serving"] is True  # a refused pause leaves the node serving
+    assert node.post("/update_weight_version", {"new_version": "renamed"}).json()["new_version"] == "renamed"
+    assert httpx.get(node.sidecar.url + "/get_weight_version").json() == {"weight_version": "renamed"}
+    assert httpx.get(node.vllm.url + "/weight_info").json() == {"weight_version": "renamed"}
+    assert httpx.get(node.sidecar.url + "/model_info").json()["weight_version"] == "renamed"
+    assert node.post("/update_weight_version", {"new_version": "step-0"}).status_code == 200
     long = GenerationClient(node.sidecar.url + "/generate", {"input_ids": PROMPT, "rid": "to-abort", "stream": True,
                                                              "sampling_params": {"max_new_tokens": 3000,
                                                                                  "ignore_eos": True}}, timeout=120)

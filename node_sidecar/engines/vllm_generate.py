@@ -42,22 +42,36 @@ SAMPLING_FIELDS = {
     "repetition_penalty": "repetition_penalty", "min_new_tokens": "min_tokens", "stop": "stop",
     "stop_token_ids": "stop_token_ids", "ignore_eos": "ignore_eos", "skip_special_tokens": "skip_special_tokens",
     "spaces_between_special_tokens": "spaces_between_special_tokens", "no_stop_trim": "include_stop_str_in_output",
-    "logit_bias": "logit_bias", "seed": "seed", "sampling_seed": "seed",
+    "logit_bias": "logit_bias", "seed": "seed", "sampling_seed": "seed", "stream_interval": "stream_interval",
 }
+# SGLang 0.5.23's other sampling parameters (sampling/sampling_params.py:149-181): accepted unset, refused set.
+SAMPLING_UNSUPPORTED = frozenset({"stop_regex", "beam_width", "json_schema", "regex", "ebnf", "structural_tag",
+                                  "custom_params", "watermark"})
 SGLANG_MAX_NEW_TOKENS = 128
-# Request fields with their "not asked" values; anything else set is refused (400 unsupported).
-PASSIVE_FIELDS: dict[str, tuple[Any, ...]] = {
-    "input_embeds": (None,), "image_data": (None,), "video_data": (None,), "audio_data": (None,),
-    "token_ids_logprob": (None,), "return_hidden_states": (None, False), "return_routed_experts": (None, False),
-    "lora_path": (None,), "lora_id": (None,), "custom_logit_processor": (None,), "session_params": (None,),
-    "return_sampling_mask": (None, False), "return_flat_raw_top_logprobs": (None, False),
-    "return_flat_raw_output_top_logprobs": (None, False), "return_flat_raw_top_logprobs_b64": (None, False),
-    "data_parallel_rank": (None,), "priority": (None, 0), "extra_key": (None,),
-}
-IGNORED_FIELDS = frozenset({"bootstrap_host", "bootstrap_port", "bootstrap_room", "bootstrap_pair_key",
-                            "modalities", "log_metrics", "stream_options"})
+# GenerateReqInput's fields (managers/io_struct.py:177-330) beside those translated: ones that change nothing
+# here (routing, logging, tracing: accepted and unused), and ones that ask for what vLLM nodes do not do
+# (accepted unset: null, false, 0, empty; 400 unsupported otherwise).
+IGNORED_FIELDS = frozenset({
+    "bootstrap_host", "bootstrap_port", "bootstrap_room", "bootstrap_pair_key", "decode_tp_size", "routed_dp_rank",
+    "data_parallel_rank", "disagg_prefill_dp_rank", "routing_key", "conversation_id", "log_metrics", "no_logs",
+    "custom_labels", "external_trace_header", "received_time", "priority", "extra_key", "modalities",
+    "http_worker_ipc", "num_items_assigned", "need_wait_for_mm_inputs", "session_id", "stream_options"})
+UNSUPPORTED_FIELDS = frozenset({
+    "input_embeds", "image_data", "video_data", "audio_data", "mm_hashes", "mm_content_hashes", "use_audio_in_video",
+    "video_config", "watermark", "token_ids_logprob", "return_sampling_mask", "sampling_logprobs_mode",
+    "return_flat_raw_top_logprobs", "return_flat_raw_output_top_logprobs", "return_flat_raw_top_logprobs_b64",
+    "return_hidden_states", "return_routed_experts", "routed_experts_start_len", "return_indexer_topk",
+    "session_params", "lora_path", "lora_id", "custom_logit_processor", "positional_embed_overrides", "background",
+    "require_reasoning", "max_thinking_tokens", "return_bytes", "return_entropy", "encoder_urls", "max_dynamic_patch",
+    "min_dynamic_patch", "image_max_dynamic_patch", "video_max_dynamic_patch", "images_config",
+    "mm_processor_kwargs", "multi_item_delimiter_indices", "token_indices_to_pool", "cache_salt", "kv_hints"})
 KNOWN_FIELDS = frozenset({"text", "input_ids", "sampling_params", "stream", "rid", "return_logprob",
-                          "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs"})
+                          "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs",
+                          "return_prompt_token_ids"})
+
+
+def _is_unset(value: Any) -> bool:
+    return value is None or value is False or value == 0 or value == [] or value == {}
 
 
 @dataclass(frozen=True)
@@ -69,6 +83,7 @@ class GenerateRequest:
     return_logprob: bool
     top_logprobs_num: int
     logprob_start_len: int
+    return_prompt_token_ids: bool = False
 
 
 def to_completion(raw: bytes) -> tuple[bytes, GenerateRequest]:
@@ -85,14 +100,20 @@ def to_completion(raw: bytes) -> tuple[bytes, GenerateRequest]:
     completion: dict[str, Any] = {"prompt": prompts if is_batch else prompts[0], "return_token_ids": True,
                                   "stream": bool(body.get("stream", False)), "max_tokens": SGLANG_MAX_NEW_TOKENS}
     for name, value in params.items():
+        if name == "n":
+            continue  # below
         target = SAMPLING_FIELDS.get(name)
         if target is None:
+            if name not in SAMPLING_UNSUPPORTED:
+                raise InvalidRequest(f"unknown field sampling_params.{name!r}")
             if value is None:
                 continue
             raise Unsupported(f"sampling_params.{name} is not supported on vLLM nodes",
                               extra={"field": f"sampling_params.{name}"})
         if value is not None and not (name == "top_k" and value == -1):
             completion[target] = value
+    if params.get("n", 1) not in (1, None):
+        raise Unsupported("sampling_params.n > 1 is not supported on vLLM nodes", extra={"field": "sampling_params.n"})
     rid = body.get("rid")
     if rid is not None:
         if is_batch or not isinstance(rid, str):
@@ -100,7 +121,7 @@ def to_completion(raw: bytes) -> tuple[bytes, GenerateRequest]:
                               extra={"field": "rid"})
         completion["request_id"] = rid
     request = GenerateRequest(is_batch, rid, bool(body.get("return_logprob")), _int(body, "top_logprobs_num", 0),
-                              _int(body, "logprob_start_len", -1))
+                              _int(body, "logprob_start_len", -1), bool(body.get("return_prompt_token_ids")))
     if request.return_logprob:
         if body.get("return_text_in_logprobs"):
             raise Unsupported("return_text_in_logprobs is not supported on vLLM nodes",
@@ -119,11 +140,10 @@ def _refuse_unknown(body: dict[str, Any]) -> None:
     for name, value in body.items():
         if name in KNOWN_FIELDS or name in IGNORED_FIELDS:
             continue
-        if name in PASSIVE_FIELDS:
-            if value not in PASSIVE_FIELDS[name]:
-                raise Unsupported(f"{name} is not supported on vLLM nodes", extra={"field": name})
-            continue
-        raise InvalidRequest(f"unknown field {name!r}")
+        if name not in UNSUPPORTED_FIELDS:
+            raise InvalidRequest(f"unknown field {name!r}")
+        if not _is_unset(value):
+            raise Unsupported(f"{name} is not supported on vLLM nodes", extra={"field": name})
 
 
 def _prompts(body: dict[str, Any]) -> tuple[list[Any], bool]:
@@ -221,7 +241,10 @@ class Translator:
             "completion_tokens": len(state.token_ids), "cached_tokens": 0, "weight_version": self.weight_version()}
         if self.request.return_logprob:
             meta.update(self._logprobs(state))
-        return {"text": state.text, "output_ids": list(state.token_ids), "meta_info": meta}
+        result = {"text": state.text, "output_ids": list(state.token_ids), "meta_info": meta}
+        if self.request.return_prompt_token_ids:
+            result["prompt_token_ids"] = list(state.prompt_token_ids)
+        return result
 
     def _finish_reason(self, state: ChoiceState) -> dict[str, Any] | None:
         reason = state.finish_reason

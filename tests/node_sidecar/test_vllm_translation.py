@@ -54,6 +54,13 @@ def test_request_fields_are_mapped_with_sglang_defaults() -> None:
                            "logprob_start_len": 0})
     assert logprobs["logprobs"] == 3 and logprobs["prompt_logprobs"] == 3 and logprobs["return_tokens_as_token_ids"]
     assert "prompt_logprobs" not in completion({"input_ids": [1], "return_logprob": True})
+    # what sglang-router sends when it rebuilds a request: SGLang's fields at their defaults, all accepted
+    rebuilt = {"input_ids": [1], "image_data": None, "lora_path": None, "return_hidden_states": False,
+               "log_metrics": True, "no_logs": False, "return_logprob": False, "logprob_start_len": -1,
+               "top_logprobs_num": 0, "token_ids_logprob": None, "custom_logit_processor": None,
+               "return_text_in_logprobs": False, "background": False, "return_bytes": False, "modalities": [],
+               "sampling_params": {"n": 1, "json_schema": None, "regex": None, "stop_regex": None}}
+    assert completion(rebuilt)["prompt"] == [1]
 
 
 @pytest.mark.parametrize("body, error, name", [
@@ -66,6 +73,9 @@ def test_request_fields_are_mapped_with_sglang_defaults() -> None:
      "return_text_in_logprobs"),
     ({"input_ids": [1], "return_logprob": True, "logprob_start_len": 0, "stream": True}, Unsupported,
      "logprob_start_len"),
+    ({"input_ids": [1], "sampling_params": {"n": 2}}, Unsupported, "sampling_params.n"),
+    ({"input_ids": [1], "return_bytes": True}, Unsupported, "return_bytes"),
+    ({"input_ids": [1], "sampling_params": {"max_new_tokenz": 2}}, InvalidRequest, "max_new_tokenz"),
     ({"input_ids": [1], "surprise": 1}, InvalidRequest, "surprise"),
     ({"text": "a", "input_ids": [1]}, InvalidRequest, "exactly one"),
     ({"input_ids": []}, InvalidRequest, "input_ids"),
@@ -102,8 +112,9 @@ def test_answer_in_sglang_shape_with_logprobs() -> None:
 
 
 def test_finish_reasons_and_batches() -> None:
-    stop = translate("stop_token", GenerateRequest(False, None, False, 0, -1))
+    stop = translate("stop_token", GenerateRequest(False, None, False, 0, -1, return_prompt_token_ids=True))
     assert stop["meta_info"]["finish_reason"] == {"type": "stop", "matched": 191}
+    assert stop["prompt_token_ids"] == [72, 101]
     batch = translate("batch", GenerateRequest(True, None, False, 0, -1))
     vllm = json.loads(ANSWERS["batch"])["choices"]
     assert [a["output_ids"] for a in batch] == [c["token_ids"] for c in sorted(vllm, key=lambda c: c["index"])]

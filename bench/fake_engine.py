@@ -45,8 +45,9 @@ TAG_BYTES = {"weights": 1 << 30, "kv_cache": 4 << 30, "cuda_graph": 256 << 20, "
 GENERATE_ANSWER = json.dumps({
     "text": " a short completion of sixteen tokens, more or less, as a fast engine would answer",
     "output_ids": list(range(1000, 1016)),
-    "meta_info": {"id": "c0ffee", "prompt_tokens": 12, "completion_tokens": 16, "finish_reason": "stop",
-                  "matched_stop": None, "weight_version": "default", "e2e_latency": 0.001}}).encode()
+    "meta_info": {"id": "c0ffee", "prompt_tokens": 12, "completion_tokens": 16,
+                  "finish_reason": {"type": "stop", "matched": 2}, "weight_version": "default", "e2e_latency": 0.001}}
+).encode()
 _STREAM_HEAD = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-control: no-cache\r\n"
                 b"transfer-encoding: chunked\r\n\r\n")
 _DONE_CHUNK = b"e\r\ndata: [DONE]\n\n\r\n"
@@ -55,9 +56,9 @@ _LAST_CHUNK = b"0\r\n\r\n"
 
 def _event(index: int, finish_reason: str | None) -> bytes:
     """One SSE event as the engine writes it, framed as one HTTP chunk."""
-    reason = b"null" if finish_reason is None else b'"%s"' % finish_reason.encode()
+    reason = b"null" if finish_reason is None else b'{"type": "%s"}' % finish_reason.encode()
     event = (b'data: {"text": " tok%d", "output_ids": [%d], "meta_info": {"id": "c0ffee", "prompt_tokens": 12, '
-             b'"completion_tokens": %d, "finish_reason": %s, "matched_stop": null, "weight_version": "default", '
+             b'"completion_tokens": %d, "finish_reason": %s, "weight_version": "default", '
              b'"e2e_latency": 0.001}}\n\n' % (index, 1000 + index, index + 1, reason))
     return b"%x\r\n%s\r\n" % (len(event), event)
 

@@ -37,7 +37,8 @@ SLOW_NODE_DELAY_S = 0.02
 NUM_STREAM_CHUNKS = 16
 _TAGS = ("weights", "kv_cache", "cuda_graph", "workspace")
 DECODE_ANSWER = json.dumps({"text": "a short completion of a few words", "output_ids": list(range(16)),
-                            "meta_info": {"prompt_tokens": 12, "completion_tokens": 16, "finish_reason": "stop",
+                            "meta_info": {"prompt_tokens": 12, "completion_tokens": 16,
+                                          "finish_reason": {"type": "stop", "matched": 2},
                                           "weight_version": "default"}}).encode()
 PREFILL_ANSWER = json.dumps({"text": "", "meta_info": {"prompt_tokens": 12},
                              "kv_transfer_params": {"remote_engine_id": "bench", "remote_block_ids": [0]}}).encode()

@@ -95,7 +95,7 @@ class Demo:
         for prompt, answer in zip(PROMPTS[3:6], answers):
             self.say(f"   {prompt!r} -> {len(answer['output_ids'])} tokens {answer['text'][:24]!r}")
         self.baseline, versions = await self.greedy_outputs()
-        check(all(m["finish_reason"] == "length" for m in metas), "a streamed rollout did not finish")
+        check(all(m["finish_reason"]["type"] == "length" for m in metas), "a streamed rollout did not finish")
         return f"{len(answers)} answers + {len(metas)} streams, weight_version {sorted(versions)}"
 
     async def release_under_load(self) -> str:
@@ -105,7 +105,7 @@ class Demo:
         result = await self.client.release(mode="wait", stage_to_cpu=False)
         metas = await asyncio.gather(*streams)
         after = self.rss()
-        check(all(m["finish_reason"] == "length" for m in metas), "a stream was cut by the release")
+        check(all(m["finish_reason"]["type"] == "length" for m in metas), "a stream was cut by the release")
         self.freed = 0
         for node in result.results:
             body = node.body

@@ -41,6 +41,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="CPU: run decode through torch.compile, compiled at start (needs a C++ compiler)")
     p.add_argument("--disable-prefix-cache", action="store_true",
                    help="do not keep finished requests' KV for reuse by later requests with the same prefix")
+    p.add_argument("--incremental-streaming-output", action="store_true",
+                   help="stream events carry only the new text, ids and logprobs (default: the whole answer so "
+                        "far, as SGLang streams by default)")
+    p.add_argument("--return-original-logprob", action="store_true",
+                   help="output logprobs from the logits before the temperature is applied (default: after, as "
+                        "SGLang; its SGLANG_RETURN_ORIGINAL_LOGPROB)")
     p.add_argument("--cuda-graph-max-bs", type=int, default=32)
     p.add_argument("--mem-fraction", type=float, default=0.85, help="share of free GPU memory for the KV pool")
     p.add_argument("--num-threads", type=int, default=None,
@@ -98,7 +104,9 @@ def main(argv: list[str] | None = None) -> int:
             role=args.role, enable_prefix_cache=not args.disable_prefix_cache,
             max_image_tokens=args.max_image_tokens, visual_batch_max_tokens=args.visual_batch_max_tokens,
             vision_reserve_mb=args.vision_reserve_mb, memory_budget_mb=args.memory_budget_mb,
-            max_image_pixels=args.max_image_pixels, allowed_local_media_path=args.allowed_local_media_path)
+            max_image_pixels=args.max_image_pixels, allowed_local_media_path=args.allowed_local_media_path,
+            incremental_streaming_output=args.incremental_streaming_output,
+            return_original_logprob=args.return_original_logprob)
     except ConfigError as exc:
         log.error("%s", exc)
         return 2

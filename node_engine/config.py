@@ -56,6 +56,8 @@ class EngineConfig:
     allowed_local_media_path: Path | None = None      # image paths are read only below it (None: never)
     # CPU: the most resident memory (RSS) the engine process may use; the KV pool is sized from it.
     memory_budget_mb: int | None = None
+    incremental_streaming_output: bool = False  # stream events carry only what is new (SGLang's flag)
+    return_original_logprob: bool = False       # output logprobs without the temperature (node_engine/logprobs.py)
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda"):

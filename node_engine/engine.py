@@ -32,6 +32,7 @@ from typing import Any, Callable
 import torch
 
 from handoff.protocol import errors as E
+from handoff.protocol.generate_request import LogprobOptions
 from node_engine.config import EngineConfig
 from node_engine.control import EngineControl
 from node_engine.errors import EngineStopped, InvalidRequest, MemoryReleased, WeightsNotLoaded
@@ -181,12 +182,17 @@ class Engine:
         return self.runner.vision
 
     @property
+    def has_prefix_cache(self) -> bool:
+        return self.scheduler.cache is not None
+
+    @property
     def is_alive(self) -> bool:
         """The engine thread runs and takes work (false from the moment a fatal error closed the inbox)."""
         return self._thread is not None and self._thread.is_alive() and self._closed is None
 
     # -- event-loop side -----------------------------------------------------------
-    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+    def check_request(self, prompt_ids: list[int], params: SamplingParams,
+                      logprobs: LogprobOptions | None = None) -> None:
         """Raise 400 for a request that can never run, 409/503 while it cannot run now."""
         if not prompt_ids:
             raise InvalidRequest("the prompt is empty")
@@ -197,6 +203,9 @@ class Engine:
         bad_stop = [t for t in params.stop_token_ids if not 0 <= t < vocab]
         if bad_stop:
             raise InvalidRequest(f"stop_token_ids out of range [0, {vocab}): {bad_stop[:5]}")
+        bad_ids = [t for t in (logprobs.token_ids or ()) if not 0 <= t < vocab] if logprobs else []
+        if bad_ids:
+            raise InvalidRequest(f"token_ids_logprob out of range [0, {vocab}): {bad_ids[:5]}")
         limit = self.scheduler.max_request_tokens()
         if len(prompt_ids) + params.max_new_tokens > limit:
             raise InvalidRequest(
@@ -217,12 +226,17 @@ class Engine:
         return max(0, min(128, self.scheduler.max_request_tokens() - num_prompt_tokens))
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, rid: str | None = None, *,
-               stream: bool = False, mm: MultimodalPrompt | None = None) -> RequestHandle:
+               stream: bool = False, mm: MultimodalPrompt | None = None, logprobs: LogprobOptions | None = None,
+               use_prefix_cache: bool = True, prefill: bool = False) -> RequestHandle:
         """Queue a checked request; its outputs arrive on the returned handle.
 
-        A streaming request gets an output every step; any other gets one when it
-        finishes (its deltas accumulate meanwhile), which spares the event loop a
-        wake-up per request per step. ``mm``: the prompt's images (placeholders already expanded).
+        A streaming request gets an output every ``stream_interval`` tokens; any
+        other gets one when it finishes (its deltas accumulate meanwhile), which
+        spares the event loop a wake-up per request per step. ``mm``: the prompt's
+        images (placeholders already expanded). ``use_prefix_cache`` false: it
+        neither reuses cached KV nor leaves its own (cache isolation). With
+        ``max_new_tokens`` 0 the prompt is still prefilled (and cached) if
+        ``prefill`` or if prompt logprobs are asked for.
         """
         self._num_rids += 1
         rid = rid or f"req-{uuid.uuid4().hex[:16]}"
@@ -231,9 +245,13 @@ class Engine:
         generator = None if params.is_greedy else torch.Generator(device=self.runner.device).manual_seed(seed)
         request = Request(rid=rid, prompt_ids=list(prompt_ids), params=params,
                           detokenizer=IncrementalDetokenizer(self.tokenizer, params.stop,
-                                                             is_lazy=not stream and not params.stop),
-                          on_output=handle._put,
-                          generator=generator, is_streaming=stream, mm=mm)
+                                                             is_lazy=not stream and not params.stop,
+                                                             skip_special_tokens=params.skip_special_tokens,
+                                                             no_stop_trim=params.no_stop_trim),
+                          on_output=handle._put, generator=generator, is_streaming=stream, mm=mm,
+                          logprobs=logprobs, use_prefix_cache=use_prefix_cache,
+                          prefill_only=params.max_new_tokens == 0 and (prefill or (
+                              logprobs is not None and 0 <= logprobs.start_len < len(prompt_ids))))
         self._post(_Add(request))
         return handle
 
@@ -322,9 +340,9 @@ class Engine:
             self._deliver([(request, _error_output(request, exc.kind, exc.message))])
             request.transition(RequestState.FINISHED)
             return
-        if request.params.max_new_tokens == 0:
+        if request.params.max_new_tokens == 0 and not request.prefill_only:
             request.transition(RequestState.FINISHED)
-            request.finish_reason = FinishReason.LENGTH
+            request.set_finished(FinishReason.LENGTH, None, was_running=False)
             self._deliver([(request, request.take_output())])
             return
         self.scheduler.add(request)
@@ -345,23 +363,23 @@ class Engine:
             return
         started = time.perf_counter()
         try:
-            tokens = self.runner.run(step)
+            result = self.runner.run(step, self.scheduler.config.eos_token_ids)
         except Exception as exc:
             if leaves_device_unusable(exc):
                 raise DeviceFailed(f"a {step.kind.value} step failed with an error that leaves the device "
                                    f"unusable: {type(exc).__name__}: {exc}") from exc
             self._fail_step(step, exc)
             return
-        changed = self.scheduler.postprocess(step, tokens)
+        changed = self.scheduler.postprocess(step, result)
         self._step_seconds[step.kind].observe(time.perf_counter() - started)
         if step.kind is StepKind.PREFILL:
             self.metrics.prompt_tokens.inc(step.num_tokens)
-        self.metrics.generated_tokens.inc(len(tokens))
+        self.metrics.generated_tokens.inc(len(result.tokens))
         outputs = []
         for request in changed:
             if request.finish_reason is not None:
                 self.metrics.requests.labels(request.finish_reason.value).inc()
-            elif not request.is_streaming:
+            elif not request.is_stream_output_due:
                 continue
             outputs.append((request, request.take_output()))
         self._deliver(outputs)

@@ -14,6 +14,10 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
+from handoff.protocol.generate_request import LogprobOptions
+from handoff.protocol.generation import FinishReason as FinishJSON
+from handoff.protocol.generation import finish_abort, finish_abort_waiting, finish_length, finish_stop
+from node_engine.logprobs import InputLogprobs, PromptLogprobs, TokenLogprobs
 from node_engine.sampling import SamplingParams
 from node_engine.tokenizer import IncrementalDetokenizer
 
@@ -54,7 +58,11 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     finish_reason: FinishReason | None = None
-    matched_stop: str | int | None = None
+    finish_json: FinishJSON | None = None  # SGLang's finish_reason object (handoff.protocol.generation)
+    num_cached_tokens: int = 0             # prompt tokens whose KV came from the prefix cache
+    num_retractions: int = 0               # times the request was preempted and recomputed
+    output_logprobs: list[TokenLogprobs] | None = None  # one per token of token_ids_delta (when asked)
+    input_logprobs: InputLogprobs | None = None         # once, in the first output after the prompt's prefill
     error_type: str | None = None  # set (with ``error``) when the request failed instead of finishing
     error: str | None = None
 
@@ -82,7 +90,16 @@ class Request:
     cache_epoch: int = 0                      # the prefix cache's epoch when it was admitted
     finish_reason: FinishReason | None = None
     matched_stop: str | int | None = None
-    is_streaming: bool = False        # outputs every step (else only the final one)
+    finish_json: FinishJSON | None = None
+    num_cached_prompt_tokens: int = 0  # prompt tokens reused from the prefix cache at first admission
+    num_retractions: int = 0
+    is_streaming: bool = False        # outputs every stream_interval tokens (else only the final one)
+    logprobs: LogprobOptions | None = None   # what logprobs to return (None: none)
+    use_prefix_cache: bool = True            # false: neither reuse cached KV nor leave its own
+    prefill_only: bool = False               # max_new_tokens 0 that still prefills (prompt logprobs, n warm-up)
+    output_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs: PromptLogprobs | None = None   # computed so far (positions from logprob_start_len)
+    prompt_logprobs_sent: bool = False
     arrival_time: float = field(default_factory=time.monotonic)
     num_emitted_tokens: int = 0
     mm: MultimodalPrompt | None = None  # the prompt's images (vision-language models)
@@ -92,6 +109,29 @@ class Request:
         if new_state not in _ALLOWED[self.state]:
             raise IllegalTransition(f"request {self.rid}: cannot go from {self.state.value} to {new_state.value}")
         self.state = new_state
+
+    @property
+    def is_stream_output_due(self) -> bool:
+        """A streaming request's output is due: its first tokens, then every ``stream_interval`` tokens."""
+        if not self.is_streaming:
+            return False
+        num_unsent = len(self.output_ids) - self.num_emitted_tokens
+        return num_unsent >= self.params.stream_interval or (self.num_emitted_tokens == 0 and num_unsent > 0)
+
+    @property
+    def prompt_logprob_next(self) -> int | None:
+        """The next prompt position whose logits prompt logprobs need (None: none are left to compute)."""
+        options = self.logprobs
+        if options is None or not 0 <= options.start_len < len(self.prompt_ids) - 1:
+            return None
+        done = options.start_len + (len(self.prompt_logprobs.values) if self.prompt_logprobs else 0)
+        return done if done < len(self.prompt_ids) - 1 else None
+
+    def add_prompt_logprobs(self, computed: PromptLogprobs) -> None:
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs = computed
+        else:
+            self.prompt_logprobs.extend(computed)
 
     @property
     def all_ids(self) -> list[int]:
@@ -139,12 +179,32 @@ class Request:
     def num_uncached(self) -> int:
         return self.num_tokens - self.num_cached
 
+    def set_finished(self, reason: FinishReason, matched: str | int | None, *, was_running: bool) -> None:
+        """Record why it ended, and SGLang's ``finish_reason`` object for its answer."""
+        self.finish_reason = reason
+        self.matched_stop = matched
+        if reason is FinishReason.STOP:
+            self.finish_json = finish_stop(matched)
+        elif reason is FinishReason.LENGTH:
+            self.finish_json = finish_length(len(self.output_ids))
+        else:
+            self.finish_json = finish_abort() if was_running else finish_abort_waiting()
+
     def take_output(self) -> RequestOutput:
         """The tokens and text produced since the last call."""
         is_final = self.finish_reason is not None
-        new_ids = self.output_ids[self.num_emitted_tokens:]
+        num_emitted = self.num_emitted_tokens
+        new_ids = self.output_ids[num_emitted:]
         self.num_emitted_tokens = len(self.output_ids)
+        input_logprobs = None
+        if self.logprobs is not None and not self.prompt_logprobs_sent and (
+                self.prompt_logprob_next is None and (self.output_ids or is_final)):
+            input_logprobs = InputLogprobs.of(self.prompt_ids, self.prompt_logprobs, self.logprobs)
+            self.prompt_logprobs_sent = True
         return RequestOutput(
             rid=self.rid, text_delta=self.detokenizer.take_delta(is_final=is_final), token_ids_delta=new_ids,
             num_prompt_tokens=len(self.prompt_ids), num_output_tokens=len(self.output_ids),
-            finish_reason=self.finish_reason, matched_stop=self.matched_stop)
+            finish_reason=self.finish_reason, finish_json=self.finish_json,
+            num_cached_tokens=self.num_cached_prompt_tokens, num_retractions=self.num_retractions,
+            output_logprobs=self.output_logprobs[num_emitted:len(self.output_ids)] if self.logprobs else None,
+            input_logprobs=input_logprobs)

@@ -22,7 +22,7 @@ import logging
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 
@@ -42,8 +42,10 @@ from node_engine.model.loader import (apply_staged, check_update, checkpoint_fil
                                      stage_update, touched_parameters)
 from node_engine.model.packing import WeightPacking
 from node_engine.prefill_batch import prefill_batch
+from node_engine.logits import apply_penalties
+from node_engine.logprobs import PromptLogprobs, output_logprobs, prompt_logprobs
 from node_engine.sampling import sample
-from node_engine.scheduler import Step, StepKind
+from node_engine.scheduler import Step, StepKind, StepResult
 from node_engine.tokenizer import Tokenizer
 from node_engine.vision.encoder import Chunk
 from node_engine.vision.inputs import MultimodalPrompt
@@ -303,8 +305,12 @@ class ModelRunner:
 
     # -- one step --------------------------------------------------------------
     @torch.inference_mode()
-    def run(self, step: Step) -> list[int]:
-        """Compute the step's tokens; returns one sampled token per entry that samples."""
+    def run(self, step: Step, eos_token_ids: Sequence[int] = ()) -> StepResult:
+        """Compute the step's tokens: one sampled token per entry that samples, and the logprobs asked for.
+
+        ``eos_token_ids`` are the tokens ``min_new_tokens`` holds back (with each request's stop tokens).
+        """
+        prompt_logprobs: dict[int, PromptLogprobs] = {}
         if self.drill is not None:
             self.drill.fire(step.kind.value)
         if step.kind is StepKind.DECODE:
@@ -315,11 +321,40 @@ class ModelRunner:
                 hidden = self._forward_decode(step)
         else:
             sampling = [e for e in step.entries if e.samples]
-            hidden = self._forward_prefill(step)
+            all_hidden, last_index = self._forward_prefill(step)
+            prompt_logprobs = self._prompt_logprobs(step, all_hidden)
             if not sampling:
-                return []
+                return StepResult([], None, prompt_logprobs)
+            hidden = all_hidden if len(last_index) == all_hidden.shape[0] else \
+                all_hidden.index_select(0, torch.tensor(last_index, dtype=torch.int64, device=self.device))
         logits = self.model.compute_logits(hidden)
-        return sample(logits, [e.request.params for e in sampling], [e.request.generator for e in sampling])
+        requests = [e.request for e in sampling]
+        if any(r.params.has_penalties for r in requests):
+            apply_penalties(logits, [(r.params, r.output_ids) for r in requests], eos_token_ids)
+        params = [r.params for r in requests]
+        tokens = sample(logits, params, [r.generator for r in requests])
+        logprobs = None
+        if any(r.logprobs is not None for r in requests):
+            logprobs = output_logprobs(logits, params, [r.logprobs for r in requests], tokens,
+                                       original=self.config.return_original_logprob)
+        return StepResult(tokens, logprobs, prompt_logprobs)
+
+    def _prompt_logprobs(self, step: Step, hidden: torch.Tensor) -> dict[int, PromptLogprobs]:
+        """Prompt logprobs of the positions this prefill computed that a request still needs."""
+        result: dict[int, PromptLogprobs] = {}
+        offset = 0
+        for index, e in enumerate(step.entries):
+            request = e.request
+            first = request.prompt_logprob_next
+            if first is not None and request.logprobs is not None:
+                first = max(first, e.start)
+                end = min(e.end, len(request.prompt_ids) - 1)  # the last prompt position predicts no prompt token
+                if first < end:
+                    rows = hidden[offset + first - e.start:offset + end - e.start]
+                    result[index] = prompt_logprobs(rows, request.prompt_ids[first + 1:end + 1], first,
+                                                    request.logprobs, self.model.compute_logits)
+            offset += e.end - e.start
+        return result
 
     def prepare_decode(self, step: Step) -> DecodeInputs:
         """The per-sequence tensors of a decode step, built in one pass; records the new slots."""
@@ -365,8 +400,9 @@ class ModelRunner:
                                num_seqs=kv_indices.shape[0], max_query_len=1)
         return self.model(input_ids, positions, batch)
 
-    def _forward_prefill(self, step: Step) -> torch.Tensor:
-        """Hidden states of the step's sampling positions (the last token of each entry that samples)."""
+    def _forward_prefill(self, step: Step) -> tuple[torch.Tensor, list[int]]:
+        """Hidden states of every token the step computes, and the rows of its sampling positions (the last
+        token of each entry that samples)."""
         entries = step.entries
         dev = self.device
         if step.images:
@@ -392,9 +428,7 @@ class ModelRunner:
                                               position_t, batch)
         else:
             hidden = self.model(input_ids, position_t, batch)
-        if len(last_index) == len(tokens):
-            return hidden
-        return hidden.index_select(0, torch.tensor(last_index, dtype=torch.int64, device=dev))
+        return hidden, last_index
 
     def _vision(self) -> VisionRuntime:
         if self.vision is None:

@@ -1,17 +1,23 @@
-"""Sampling parameters (validated) and the batched sampler.
+"""Sampling parameters (validated as SGLang 0.5.23 validates them) and the batched sampler.
 
 Every request draws from its own ``torch.Generator``: the same seed gives the
-same tokens whatever else is in the batch.
+same tokens whatever else is in the batch. Logits reach :func:`sample` after
+:mod:`node_engine.logits` applied penalties, ``min_new_tokens`` and
+``logit_bias``; the sampler then scales by temperature and filters by top-k,
+top-p and min-p, in that order (SGLang's PyTorch sampling backend).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
-MAX_STOP_STRINGS = 16
+MAX_STOP_STRINGS = 32
 MAX_STOP_STRING_CHARS = 256
+GREEDY_TEMPERATURE = 1e-6   # below it, sampling is greedy (SGLang's _SAMPLING_EPS)
+_SEED_MASK = (1 << 64) - 1
 
 
 @dataclass(frozen=True)
@@ -20,36 +26,71 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
+    min_p: float = 0.0
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     seed: int | None = None
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_new_tokens: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+    stream_interval: int = 1
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be an integer >= 0, got {self.max_new_tokens!r}")
-        if not self.temperature >= 0 or self.temperature == float("inf"):
+        if not math.isfinite(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or (self.top_k < 1 and self.top_k not in (-1, 0)):
             raise ValueError(f"top_k must be -1 or 0 (disabled) or >= 1, got {self.top_k!r}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
+        if not 0 < self.repetition_penalty <= 2:
+            raise ValueError(f"repetition_penalty must be in (0, 2] (1 = none), got {self.repetition_penalty!r}")
+        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            raise ValueError(f"min_new_tokens must be in [0, max_new_tokens ({self.max_new_tokens})], "
+                             f"got {self.min_new_tokens!r}")
+        if self.stream_interval < 1:
+            raise ValueError(f"stream_interval must be >= 1, got {self.stream_interval!r}")
         if len(self.stop) > MAX_STOP_STRINGS:
             raise ValueError(f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
         for s in self.stop:
             if not isinstance(s, str) or not s or len(s) > MAX_STOP_STRING_CHARS:
                 raise ValueError(f"stop strings must be non-empty strings of at most {MAX_STOP_STRING_CHARS} "
                                  f"characters, got {s!r}")
-        if self.seed is not None and not (isinstance(self.seed, int) and 0 <= self.seed < 2**63):
-            raise ValueError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
+        for token, bias in self.logit_bias:
+            if not math.isfinite(bias) and bias != float("-inf"):
+                raise ValueError(f"logit_bias of token {token} must be a number or -inf, got {bias!r}")
+        if self.seed is not None and not (isinstance(self.seed, int) and -(2**63) <= self.seed < 2**64):
+            raise ValueError(f"sampling_seed must be an integer in [-2**63, 2**64), got {self.seed!r}")
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.frequency_penalty != 0 or self.presence_penalty != 0 or self.repetition_penalty != 1
+                or self.min_new_tokens > 0 or bool(self.logit_bias))
+
+
+def generator_seed(seed: int, sample_index: int = 0) -> int:
+    """The generator seed of sample ``sample_index`` of a request seeded ``seed`` (a 64-bit value)."""
+    return (seed + sample_index) & _SEED_MASK
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:
-    """One token per row of ``logits`` [B, V] (float32)."""
+    """One token per row of ``logits`` [B, V] (float32, penalties already applied)."""
     if all(p.is_greedy for p in params):
         return logits.argmax(dim=-1).tolist()
     tokens: list[int] = []
@@ -74,4 +115,6 @@ def _sample_row(row: torch.Tensor, p: SamplingParams, gen: torch.Generator | Non
         drop = (cumulative - sorted_probs) > p.top_p
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+    if p.min_p > 0:
+        probs = probs.masked_fill(probs < probs.max() * p.min_p, 0.0)
     return int(torch.multinomial(probs, 1, generator=gen))

@@ -21,11 +21,12 @@ from __future__ import annotations
 import enum
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
 from node_engine.kv_cache import RowAllocator, SlotAllocator
+from node_engine.logprobs import PromptLogprobs, TokenLogprobs
 from node_engine.prefix_cache import PrefixCache
 from node_engine.request import FinishReason, Request, RequestState
 from node_engine.visual_budget import VisualBudget
@@ -78,6 +79,15 @@ class Step:
     @property
     def num_tokens(self) -> int:
         return sum(e.end - e.start for e in self.entries)
+
+
+@dataclass
+class StepResult:
+    """What the runner computed for a step."""
+
+    tokens: list[int]                                   # one per entry that samples, in entry order
+    logprobs: list[TokenLogprobs | None] | None = None  # the same order; None: no request asked
+    prompt_logprobs: dict[int, PromptLogprobs] = field(default_factory=dict)  # entry index -> computed
 
 
 class Scheduler:
@@ -179,6 +189,8 @@ class Scheduler:
                 request.prefix_slots = prefix
                 request.cache_epoch = self.cache.epoch
                 request.num_cached = prefix.numel()
+                if not request.num_retractions:
+                    request.num_cached_prompt_tokens = min(prefix.numel(), len(request.prompt_ids))
                 self.num_prefix_hit_tokens += prefix.numel()
             self.running.append(request)
             entry = self._take(request, num)
@@ -195,9 +207,13 @@ class Scheduler:
 
     def _match(self, request: Request) -> tuple[torch.Tensor, object | None]:
         """The cached prefix a waiting request can reuse (its last token is always computed)."""
-        if self.cache is None:
+        if self.cache is None or not request.use_prefix_cache:
             return self._NO_PREFIX, None
-        prefix, node = self.cache.match(request.key_slice(0, request.num_tokens - 1))
+        end = request.num_tokens - 1
+        pending = request.prompt_logprob_next  # positions whose logits prompt logprobs still need
+        if pending is not None:
+            end = min(end, pending)
+        prefix, node = self.cache.match(request.key_slice(0, end))
         return prefix, (node if prefix.numel() else None)
 
     def _make_room(self, num: int) -> bool:
@@ -237,15 +253,26 @@ class Scheduler:
         return StepEntry(request, start, start + num, slots)
 
     # -- results ---------------------------------------------------------------
-    def postprocess(self, step: Step, next_token_ids: list[int]) -> list[Request]:
-        """Append sampled tokens, finish requests that are done; returns requests with new output."""
+    def postprocess(self, step: Step, result: StepResult | Sequence[int]) -> list[Request]:
+        """Append sampled tokens (and logprobs), finish requests that are done; returns requests with new output."""
+        if not isinstance(result, StepResult):
+            result = StepResult(list(result))
+        for index, computed in result.prompt_logprobs.items():
+            step.entries[index].request.add_prompt_logprobs(computed)
         changed: list[Request] = []
         sampled = [e for e in step.entries if e.samples]
-        for entry, token in zip(sampled, next_token_ids, strict=True):
+        logprobs = result.logprobs or [None] * len(sampled)
+        for entry, token, token_logprobs in zip(sampled, result.tokens, logprobs, strict=True):
             request = entry.request
             if request.state is not RequestState.RUNNING:
                 continue  # aborted while the step ran
+            if request.prefill_only:  # its prompt is computed (and goes to the cache); it generates nothing
+                self.finish(request, FinishReason.LENGTH)
+                changed.append(request)
+                continue
             request.output_ids.append(token)
+            if token_logprobs is not None:
+                request.output_logprobs.append(token_logprobs)
             request.detokenizer.add(token)
             reason, matched = self._finish_check(request, token)
             if reason is not None:
@@ -254,13 +281,13 @@ class Scheduler:
         return changed
 
     def _finish_check(self, request: Request, token: int) -> tuple[FinishReason | None, str | int | None]:
+        """SGLang's order: a stop string, then a stop token (none under ``ignore_eos``, which ignores
+        ``stop_token_ids`` too), then the length."""
         params = request.params
-        if not params.ignore_eos and token in self.config.eos_token_ids:
-            return FinishReason.STOP, token
-        if token in params.stop_token_ids:
-            return FinishReason.STOP, token
         if request.detokenizer.matched_stop is not None:
             return FinishReason.STOP, request.detokenizer.matched_stop
+        if not params.ignore_eos and (token in self.config.eos_token_ids or token in params.stop_token_ids):
+            return FinishReason.STOP, token
         if len(request.output_ids) >= params.max_new_tokens or request.num_tokens >= self.config.context_len:
             return FinishReason.LENGTH, None
         return None, None
@@ -268,16 +295,17 @@ class Scheduler:
     # -- lifecycle -------------------------------------------------------------
     def finish(self, request: Request, reason: FinishReason, matched: str | int | None = None) -> None:
         """End a request (any state but finished) and give back its slots and row."""
+        was_running = request.state is RequestState.RUNNING
         if request.state is RequestState.WAITING:
             self.waiting.remove(request)
-        elif request.state is RequestState.RUNNING:
+        elif was_running:
             self._free_kv(request, keep_in_cache=True)
             self.running.remove(request)
         request.transition(RequestState.FINISHED)
-        request.finish_reason = reason
-        request.matched_stop = matched
+        request.set_finished(reason, matched, was_running=was_running)
         if request.detokenizer.matched_stop is None:
-            request.detokenizer.finish()
+            # a stop token's text is cut from the answer (its id stays in output_ids), as SGLang does
+            request.detokenizer.finish(drop_last=isinstance(matched, int) and not request.params.no_stop_trim)
 
     def fail(self, request: Request) -> None:
         """End a request whose step raised: its slots and row are freed and its KV, which the failed step may
@@ -293,6 +321,7 @@ class Scheduler:
         self._free_kv(request)
         self.running.remove(request)
         request.num_cached = 0
+        request.num_retractions += 1
         request.transition(RequestState.WAITING)
         self.waiting.appendleft(request)
         self.num_preemptions += 1
@@ -302,7 +331,7 @@ class Scheduler:
         own = request.take_slots()
         cache = self.cache
         if own is not None:
-            if keep_in_cache and cache is not None and request.cache_epoch == cache.epoch:
+            if keep_in_cache and cache is not None and request.cache_epoch == cache.epoch and request.use_prefix_cache:
                 prefix = request.prefix_slots if request.prefix_slots is not None else self._NO_PREFIX
                 num_prefix = prefix.numel()
                 num_cached_before = cache.insert(request.key_slice(0, request.num_cached), torch.cat([prefix, own]))

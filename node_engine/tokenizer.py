@@ -173,45 +173,66 @@ class IncrementalDetokenizer:
     string. The full text of a request is, by construction, the concatenation
     of its deltas, so a stream and a non-stream answer always agree.
 
+    As SGLang's detokenizer does: a matched stop string is cut from the text
+    (kept with ``no_stop_trim``), and a sequence that ends on a stop token
+    leaves that token's text out (``finish(drop_last=True)``); special tokens
+    are skipped unless ``skip_special_tokens`` is false.
+
     ``is_lazy`` (a request nobody reads before its end, with no stop strings
     to watch): tokens are only collected, and :meth:`finish` decodes them all
     at once, the same decode the last step of the incremental path makes.
     """
 
-    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...] = (), *, is_lazy: bool = False) -> None:
+    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...] = (), *, is_lazy: bool = False,
+                 skip_special_tokens: bool = True, no_stop_trim: bool = False) -> None:
         if is_lazy and stop:
             raise ValueError("stop strings need incremental detokenization")
         self._tokenizer = tokenizer
         self._is_lazy = is_lazy
         self._stop = stop
+        self._skip_special = skip_special_tokens
+        self._no_stop_trim = no_stop_trim
         self._hold = max((len(s) for s in stop), default=1) - 1
         self._ids: list[int] = []
         self._prefix_offset = 0
         self._read_offset = 0
+        self._before_last = (0, 0, 0)  # (text length, prefix offset, read offset) before the last token
         self.text = ""          # stable text so far (stop strings cut away)
         self._emitted = 0       # characters of ``text`` already handed out
         self.matched_stop: str | None = None
 
+    def _decode(self, start: int, end: int) -> str:
+        return self._tokenizer.decode(self._ids[start:end], skip_special_tokens=self._skip_special)
+
     def add(self, token_id: int) -> None:
         """Append one token; sets ``matched_stop`` when a stop string appears."""
+        self._before_last = (len(self.text), self._prefix_offset, self._read_offset)
         self._ids.append(token_id)
         if self._is_lazy:
             return
-        prefix = self._tokenizer.decode(self._ids[self._prefix_offset:self._read_offset])
-        full = self._tokenizer.decode(self._ids[self._prefix_offset:])
+        prefix = self._decode(self._prefix_offset, self._read_offset)
+        full = self._decode(self._prefix_offset, len(self._ids))
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
             self._append(full[len(prefix):])
             # The previous chunk stays as context, so merges across the boundary render right.
             self._prefix_offset = self._read_offset
             self._read_offset = len(self._ids)
 
-    def finish(self) -> None:
-        """Flush whatever is left (an incomplete character becomes U+FFFD)."""
-        if self.matched_stop is None and self._read_offset < len(self._ids):
-            prefix = self._tokenizer.decode(self._ids[self._prefix_offset:self._read_offset])
-            full = self._tokenizer.decode(self._ids[self._prefix_offset:])
+    def finish(self, *, drop_last: bool = False) -> None:
+        """Flush whatever is left (an incomplete character becomes U+FFFD); ``drop_last`` leaves the last
+        token's text out (the stop token a sequence ended on)."""
+        if self.matched_stop is not None:
+            return
+        end = len(self._ids)
+        if drop_last and end:
+            text_len, self._prefix_offset, self._read_offset = self._before_last
+            self.text = self.text[:text_len]
+            end -= 1
+        if self._read_offset < end:
+            prefix = self._decode(self._prefix_offset, self._read_offset)
+            full = self._decode(self._prefix_offset, end)
             self._append(full[len(prefix):])
-            self._read_offset = len(self._ids)
+            self._read_offset = end
 
     def _append(self, delta: str) -> None:
         if self.matched_stop is not None:
@@ -221,7 +242,7 @@ class IncrementalDetokenizer:
         found = [(at, stop) for stop in self._stop if (at := self.text.find(stop, start)) != -1]
         if found:
             at, stop = min(found)
-            self.text = self.text[:at]
+            self.text = self.text[:at + len(stop)] if self._no_stop_trim else self.text[:at]
             self.matched_stop = stop
 
     def take_delta(self, *, is_final: bool) -> str:

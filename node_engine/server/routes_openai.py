@@ -10,13 +10,15 @@ from typing import Any, AsyncIterator, Callable
 from fastapi import APIRouter, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from handoff.protocol.generation import finish_matched, finish_type
 from handoff.service.bodies import openapi_body, parse_body
 from handoff.service.errors import InvalidRequest, ServiceError
 from node_engine.engine import Engine
 from node_engine.request import RequestOutput
 from node_engine.sampling import SamplingParams
-from node_engine.server.generation import (DONE_EVENT, GenerationRun, check_prompt_length, collect_unless_disconnected,
-                                           first_unless_disconnected, sse_event, stream_with_abort, tokenize)
+from node_engine.server.generation import DONE_EVENT, check_prompt_length, sse_event, tokenize
+from node_engine.server.generation_run import (GenerationRun, SequenceSpec, collect_unless_disconnected,
+                                               first_unless_disconnected, stream_with_abort)
 from node_engine.server.protocol import MAX_BATCH, ChatCompletionBody, CompletionBody
 from node_engine.server.routes_generate import CLIENT_CLOSED
 from node_engine.tokenizer import ChatTemplateError
@@ -46,7 +48,7 @@ def _usage(prompt: int, completion: int) -> dict[str, int]:
 
 
 def _finish(out: RequestOutput) -> str | None:
-    return out.finish_reason.value if out.finish_reason else None
+    return finish_type(out.finish_json)
 
 
 class _Answer:
@@ -114,7 +116,7 @@ async def completions(request: Request) -> Response:
         raise InvalidRequest("prompt must not be empty")
     if len(id_lists) > MAX_BATCH:
         raise InvalidRequest(f"at most {MAX_BATCH} prompts per request, got {len(id_lists)}")
-    prompts = [(ids, _params(engine, body, len(ids), body.max_tokens)) for ids in id_lists]
+    prompts = [SequenceSpec(ids, _params(engine, body, len(ids), body.max_tokens)) for ids in id_lists]
     run = GenerationRun(engine, prompts, stream=body.stream)
     answer = _Answer(engine, "text_completion", "cmpl")
     if body.stream:
@@ -129,8 +131,8 @@ async def completions(request: Request) -> Response:
     if results is None:
         return Response(status_code=CLIENT_CLOSED)
     return JSONResponse(answer.payload(
-        [{"index": i, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason,
-          "matched_stop": c.matched_stop} for i, c in enumerate(results)],
+        [{"index": i, "text": c.text, "logprobs": None, "finish_reason": finish_type(c.finish_reason),
+          "matched_stop": finish_matched(c.finish_reason)} for i, c in enumerate(results)],
         _usage(sum(c.prompt_tokens for c in results), sum(c.completion_tokens for c in results))))
 
 
@@ -161,7 +163,7 @@ async def chat_completions(request: Request) -> Response:
     except ChatTemplateError as exc:
         raise InvalidRequest(str(exc)) from exc
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    run = GenerationRun(engine, [(ids, _params(engine, body, len(ids), max_tokens))], stream=body.stream)
+    run = GenerationRun(engine, [SequenceSpec(ids, _params(engine, body, len(ids), max_tokens))], stream=body.stream)
     answer = _Answer(engine, "chat.completion", "chatcmpl")
     if body.stream:
         first = await first_unless_disconnected(request, run)
@@ -179,7 +181,7 @@ async def chat_completions(request: Request) -> Response:
     c = results[0]
     return JSONResponse(answer.payload(
         [{"index": 0, "message": {"role": "assistant", "content": c.text}, "logprobs": None,
-          "finish_reason": c.finish_reason, "matched_stop": c.matched_stop}],
+          "finish_reason": finish_type(c.finish_reason), "matched_stop": finish_matched(c.finish_reason)}],
         _usage(c.prompt_tokens, c.completion_tokens)))
 
 

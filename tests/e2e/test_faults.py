@@ -93,7 +93,7 @@ def test_engine_killed_mid_stream(cluster: LocalCluster, lb: HandoffClient) -> N
     assert httpx.get(victim.url + "/health", timeout=10).status_code == 200  # the sidecar itself is alive
     wait_until(lambda: not lb_view(lb, victim)["routable"], timeout=10, what="the LB to stop routing there")
     for _ in range(4):  # the cluster keeps serving on the other node
-        assert lb.generate(**SHORT)["meta_info"]["finish_reason"] == "length"
+        assert lb.generate(**SHORT)["meta_info"]["finish_reason"]["type"] == "length"
     with pytest.raises(FanoutFailed) as info:  # a fan-out names the dead engine's node
         lb.flush_cache()
     assert info.value.failed_nodes == [victim.url] and [s.node for s in info.value.succeeded] == [other.url]
@@ -149,7 +149,7 @@ def test_engine_killed_mid_release(cluster: LocalCluster, lb: HandoffClient) -> 
     view = lb_view(lb, victim)
     assert {tag: t["state"] for tag, t in view["tags"].items()} == dict.fromkeys(ALL, "resident")
     assert lb_view(lb, other)["tags"]["weights"]["state"] == "released"
-    assert lb.generate(**SHORT)["meta_info"]["finish_reason"] == "length"  # served by the victim
+    assert lb.generate(**SHORT)["meta_info"]["finish_reason"]["type"] == "length"  # served by the victim
 
 
 def record_state(node: NodeProcesses) -> str | None:
@@ -168,7 +168,7 @@ def test_sidecar_restarted_while_the_lb_polls_it(cluster: LocalCluster, lb: Hand
     wait_until(lambda: lb_view(lb, node)["health"] == "unhealthy", timeout=10, what="the LB to see it down")
     assert "cannot connect" in lb_view(lb, node)["last_error"]
     for _ in range(4):
-        assert lb.generate(**SHORT)["meta_info"]["finish_reason"] == "length"
+        assert lb.generate(**SHORT)["meta_info"]["finish_reason"]["type"] == "length"
     node.sidecar.start(timeout=60)  # same port
     # the new sidecar knows nothing until it has read the engine: never "resident" for the released tag
     seen = wait_until(lambda: record_state(node), timeout=10, what="the new sidecar to read its engine")
@@ -198,7 +198,7 @@ def test_lb_restarted_while_the_nodes_are_released(cluster: LocalCluster, lb: Ha
         assert int(refused.headers["retry-after"]) >= 1
         assert fresh.resume().total == 2
         assert all(v["routable"] for v in fresh.nodes())
-        assert fresh.generate(**SHORT)["meta_info"]["finish_reason"] == "length"
+        assert fresh.generate(**SHORT)["meta_info"]["finish_reason"]["type"] == "length"
 
 
 def test_resume_with_too_little_memory_on_one_node(cluster: LocalCluster, lb: HandoffClient,
@@ -217,7 +217,7 @@ def test_resume_with_too_little_memory_on_one_node(cluster: LocalCluster, lb: Ha
     # nothing changed on the starved node; the cluster serves on the other
     assert all(t["state"] == "released" for t in lb_view(lb, starved)["tags"].values())
     assert lb_view(lb, other)["routable"] and not lb_view(lb, starved)["routable"]
-    assert lb.generate(**SHORT)["meta_info"]["finish_reason"] == "length"
+    assert lb.generate(**SHORT)["meta_info"]["finish_reason"]["type"] == "length"
     drill_file.write_text("")  # memory is back
     bodies = lb.resume().bodies()
     assert bodies[starved.url]["resumed"] == ALL and bodies[starved.url]["weights_valid"] is True

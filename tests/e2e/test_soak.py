@@ -40,10 +40,11 @@ def test_the_classification_catches_every_kind_of_loss() -> None:
     """The soak's verdicts are only as good as its classifier: each way to lose a request is called lost."""
     import httpx
 
-    ok = b'{"text": "ab", "output_ids": [1, 2], "meta_info": {"finish_reason": "length", ' \
+    ok = b'{"text": "ab", "output_ids": [1, 2], "meta_info": {"finish_reason": {"type": "length"}, ' \
          b'"completion_tokens": 2, "weight_version": "v"}}'
     assert classify_answer(200, httpx.Headers(), ok, 2).outcome == "completed"
     aborted = ok.replace(b'"length"', b'"abort"')
+    assert classify_answer(200, httpx.Headers(), ok.replace(b'{"type": "length"}', b'"length"'), 2).outcome == "lost"
     assert classify_answer(200, httpx.Headers(), aborted, 5).outcome == "aborted"
     refused = b'{"error": {"type": "no_available_node", "message": "m"}}'
     assert classify_answer(503, httpx.Headers({"Retry-After": "1"}), refused, 2).outcome == "refused"
@@ -62,8 +63,10 @@ def test_the_classification_catches_every_kind_of_loss() -> None:
     assert classify_answer(200, httpx.Headers(), lost_answers[-1][2], 3).outcome == "lost"
     event = '{"text": "a", "output_ids": [1], "meta_info": {"finish_reason": null, "completion_tokens": 1, ' \
             '"weight_version": "v"}}'
-    last = event.replace("null", '"length"').replace('"completion_tokens": 1', '"completion_tokens": 2')
+    last = event.replace("null", '{"type": "length"}').replace('"completion_tokens": 1', '"completion_tokens": 2') \
+        .replace("[1]", "[1, 2]")
     assert classify_stream([event, last], True, "", 2).outcome == "completed"
+    assert classify_stream([event, last.replace("[1, 2]", "[3, 2]")], True, "", 2).outcome == "lost"
     assert classify_stream([event, last], False, "", 2).outcome == "lost"          # no [DONE]
     assert classify_stream([event], True, 'data: {"te', 2).outcome == "lost"        # cut inside an event
     error = '{"error": {"type": "upstream_error", "message": "m"}}'

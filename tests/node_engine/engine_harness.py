@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 from typing import AsyncIterator, Callable
 
+from handoff.protocol.generate_request import LogprobOptions
 from node_engine.config import EngineConfig
 from node_engine.engine import Engine
 from node_engine.request import RequestOutput
@@ -23,9 +24,10 @@ async def running_engine(config: EngineConfig,
         engine.stop()
 
 
-async def generate(engine: Engine, prompt_ids: list[int], params: SamplingParams) -> tuple[list[int], list[RequestOutput]]:
-    engine.check_request(prompt_ids, params)
-    handle = engine.submit(prompt_ids, params)
+async def generate(engine: Engine, prompt_ids: list[int], params: SamplingParams, *,
+                   logprobs: LogprobOptions | None = None) -> tuple[list[int], list[RequestOutput]]:
+    engine.check_request(prompt_ids, params, logprobs)
+    handle = engine.submit(prompt_ids, params, logprobs=logprobs)
     outputs = []
     while True:
         out = await asyncio.wait_for(handle.next(), timeout=60)

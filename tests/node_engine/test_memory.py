@@ -143,8 +143,8 @@ def test_release_with_a_request_in_flight_is_409_and_the_request_completes(big, 
     r = big.post("/release_memory_occupation", json={"tags": None})
     t.join(60)
     assert r.status_code == 409 and r.json()["error"]["type"] == "requests_in_flight"
-    assert result["done"] and result["events"][-1]["meta_info"]["finish_reason"] == "length"
-    assert sum(len(e["output_ids"]) for e in result["events"]) == 60
+    assert result["done"] and result["events"][-1]["meta_info"]["finish_reason"]["type"] == "length"
+    assert len(result["events"][-1]["output_ids"]) == 60
 
 
 def test_without_backup_weights_must_be_reloaded(big, big_checkpoint: Path) -> None:

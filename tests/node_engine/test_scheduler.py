@@ -22,7 +22,8 @@ def make_scheduler(*, num_slots: int = 65, max_running: int = 4, max_batch_token
 
 def make_request(rid: str, num_prompt: int, max_new: int = 8, **params) -> Request:
     return Request(rid=rid, prompt_ids=[65] * num_prompt, params=SamplingParams(max_new_tokens=max_new, **params),
-                   detokenizer=IncrementalDetokenizer(TOKENIZER, tuple(params.get("stop", ()))),
+                   detokenizer=IncrementalDetokenizer(TOKENIZER, tuple(params.get("stop", ())),
+                                                      no_stop_trim=params.get("no_stop_trim", False)),
                    on_output=lambda _: None)
 
 
@@ -88,6 +89,36 @@ def test_finish_on_length_eos_stop_token_and_stop_string() -> None:
     assert stop_str.finish_reason is FinishReason.STOP and stop_str.matched_stop == "bc"
     assert stop_str.detokenizer.text == "a"
     assert not s.has_work and s.slots.num_used == 0 and s.rows.num_free == 4
+    assert eos.finish_json == {"type": "stop", "matched": 257} and stop_str.finish_json == {"type": "stop",
+                                                                                             "matched": "bc"}
+    assert length.finish_json == {"type": "length", "length": 2}
+    assert stop_tok.output_ids == [99] and stop_tok.detokenizer.text == ""  # the stop token's text is cut
+
+
+def test_no_stop_trim_keeps_the_stop_and_ignore_eos_ignores_stop_tokens() -> None:
+    s = make_scheduler()
+    kept_tok = make_request("tok", 2, stop_token_ids=(99,), no_stop_trim=True)
+    kept_str = make_request("str", 2, stop=("bc",), no_stop_trim=True)
+    ignoring = make_request("ign", 2, max_new=2, stop_token_ids=(99,), ignore_eos=True)
+    for r in (kept_tok, kept_str, ignoring):
+        s.add(r)
+    s.postprocess(s.schedule(), [99, ord("b"), 99])
+    assert kept_tok.finish_json == {"type": "stop", "matched": 99} and kept_tok.detokenizer.text == "c"
+    s.postprocess(s.schedule(), [ord("c"), 257])
+    assert kept_str.detokenizer.text == "bc" and kept_str.finish_json["matched"] == "bc"
+    assert ignoring.output_ids == [99, 257] and ignoring.finish_json == {"type": "length", "length": 2}
+
+
+def test_abort_reports_whether_the_request_ran() -> None:
+    s = make_scheduler(max_running=1)
+    running, waiting = make_request("run", 2), make_request("wait", 2)
+    s.add(running)
+    s.add(waiting)
+    s.schedule()
+    s.finish(running, FinishReason.ABORT)
+    s.finish(waiting, FinishReason.ABORT)
+    assert running.finish_json == {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
+    assert waiting.finish_json == {"type": "abort", "message": "Abort in waiting queue"}
 
 
 def test_decode_preempts_the_newest_request_when_the_pool_is_full() -> None:

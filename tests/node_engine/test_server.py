@@ -10,19 +10,17 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from tests.support.procs import ServerProcess, wait_until
+from node_engine.tokenizer import Tokenizer
+from tests.support.procs import wait_until
 from tests.support.sse import read_stream
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
+TOKENIZER = Tokenizer.builtin_bytes()
 
 
 @pytest.fixture(scope="module")
-def engine(proc_log_dir):
-    proc = ServerProcess("node_engine", ["--model-path", "builtin:tiny", "--max-total-tokens", "4096",
-                                         "--max-running-requests", "16"], log_dir=proc_log_dir)
-    proc.start()
-    yield proc
-    proc.stop()
+def engine(tiny_engine):
+    return tiny_engine
 
 
 @pytest.fixture
@@ -68,15 +66,30 @@ def test_concurrent_requests_match_sequential_ones(client) -> None:
     assert concurrent == sequential
 
 
-def test_stream_concatenation_equals_the_non_stream_answer(client) -> None:
+def test_stream_events_are_cumulative_and_end_with_the_non_stream_answer(client) -> None:
+    """SGLang's default stream: each event carries the whole answer so far."""
     body = {"text": "Once upon a time", "sampling_params": dict(GREEDY, max_new_tokens=40)}
     whole = gen(client, body)
     events, saw_done = read_stream(client, "/generate", {**body, "stream": True})
-    assert saw_done
-    assert "".join(e["text"] for e in events) == whole["text"]
-    assert [t for e in events for t in e["output_ids"]] == whole["output_ids"]
-    assert events[-1]["meta_info"]["finish_reason"] == "length"
+    assert saw_done and len(events) > 2
+    for before, after in zip(events, events[1:]):
+        assert after["text"].startswith(before["text"])
+        assert after["output_ids"][:len(before["output_ids"])] == before["output_ids"]
+        assert len(after["output_ids"]) == after["meta_info"]["completion_tokens"]
+    assert events[-1]["text"] == whole["text"] and events[-1]["output_ids"] == whole["output_ids"]
+    assert events[-1]["meta_info"]["finish_reason"] == {"type": "length", "length": 40}
     assert all(e["meta_info"]["finish_reason"] is None for e in events[:-1])
+    assert "e2e_latency" in events[-1]["meta_info"] and "e2e_latency" not in events[0]["meta_info"]
+
+
+def test_answer_meta_info_has_sglang_fields(client) -> None:
+    answer = gen(client, {"text": "shape", "rid": "shape-1", "sampling_params": dict(GREEDY, max_new_tokens=3)})
+    meta = answer["meta_info"]
+    assert {"id", "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens", "weight_version",
+            "e2e_latency", "num_retractions"} <= set(meta)
+    assert meta["id"] == "shape-1" and meta["finish_reason"]["type"] == "length"
+    again = gen(client, {"text": "shape", "sampling_params": dict(GREEDY, max_new_tokens=3)})
+    assert again["meta_info"]["cached_tokens"] > 0  # the same prompt: its prefix came from the cache
 
 
 def test_batch_stream_carries_indices(client) -> None:
@@ -84,6 +97,9 @@ def test_batch_stream_carries_indices(client) -> None:
                                                           "sampling_params": dict(GREEDY, max_new_tokens=5)})
     assert saw_done and {e["index"] for e in events} == {0, 1}
     assert sum(1 for e in events if e["meta_info"]["finish_reason"]) == 2
+    for index in (0, 1):
+        last = [e for e in events if e["index"] == index][-1]
+        assert len(last["output_ids"]) == 5
 
 
 def test_same_seed_same_output_different_seed_differs(client) -> None:
@@ -95,17 +111,24 @@ def test_same_seed_same_output_different_seed_differs(client) -> None:
 
 
 def test_stop_string_and_stop_token(client) -> None:
-    free = gen(client, {"text": "x", "sampling_params": dict(GREEDY, max_new_tokens=30)})
+    plain = {"temperature": 0, "max_new_tokens": 30}
+    free = gen(client, {"text": "x", "sampling_params": plain})
     ids = free["output_ids"]
-    stop_id = ids[5]
-    cut = gen(client, {"text": "x", "sampling_params": dict(GREEDY, max_new_tokens=30, stop_token_ids=[stop_id])})
-    assert cut["output_ids"] == ids[:ids.index(stop_id) + 1]
-    assert cut["meta_info"]["finish_reason"] == "stop" and cut["meta_info"]["matched_stop"] == stop_id
+    stop_id = ids[min(5, len(ids) - 1)]
+    cut = gen(client, {"text": "x", "sampling_params": dict(plain, stop_token_ids=[stop_id])})
+    end = ids.index(stop_id)
+    assert cut["output_ids"] == ids[:end + 1]  # the stop token is in output_ids, its text is not in text
+    assert cut["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_id}
+    assert cut["text"] == TOKENIZER.decode(ids[:end])
+    kept = gen(client, {"text": "x", "sampling_params": dict(plain, stop_token_ids=[stop_id], no_stop_trim=True)})
+    assert kept["text"] == TOKENIZER.decode(ids[:end + 1])
+    ignoring = gen(client, {"text": "x", "sampling_params": dict(GREEDY, max_new_tokens=30, stop_token_ids=[stop_id])})
+    assert len(ignoring["output_ids"]) == 30  # ignore_eos ignores stop_token_ids too, as in SGLang
     text = free["text"]
     stop = next((text[i:i + 2] for i in range(3, len(text) - 2) if text[i:i + 2].isprintable()), None)
     if stop:
         s = gen(client, {"text": "x", "sampling_params": dict(GREEDY, max_new_tokens=30, stop=stop)})
-        assert s["meta_info"]["finish_reason"] == "stop" and stop not in s["text"]
+        assert s["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop} and stop not in s["text"]
         assert text.startswith(s["text"])
 
 
@@ -128,8 +151,9 @@ def test_abort_ends_the_stream_and_frees_slots(client, engine) -> None:
     assert r.status_code == 200
     assert done.wait(10)
     t.join()
-    assert events[-1]["meta_info"]["finish_reason"] == "abort"
-    assert 0 < sum(len(e["output_ids"]) for e in events) < 3000
+    assert events[-1]["meta_info"]["finish_reason"] == {"type": "abort", "message": "Aborted", "status_code": None,
+                                                        "err_type": None}
+    assert 0 < len(events[-1]["output_ids"]) < 3000
     wait_until(lambda: slots_held_by_requests(client) == 0, timeout=5)
     # SGLang's semantics: a rid that already finished (or never existed) is a no-op, not an error
     again = client.post("/abort_request", json={"rid": "to-abort"})
@@ -195,7 +219,8 @@ def test_late_request_joins_without_waiting_for_the_batch(client, engine) -> Non
     ({"text": "x", "sampling_params": {"max_new_tokens": "5"}}, "max_new_tokens"),
     ({"text": "x", "sampling_params": {"temperature": -1}}, "temperature"),
     ({"text": "x", "sampling_params": {"top_p": 0}}, "top_p"),
-    ({"text": "x", "sampling_params": {"frequency_penalty": 1}}, "unknown field"),
+    ({"text": "x", "sampling_params": {"temprature": 1}}, "unknown field"),
+    ({"text": "x", "sampling_params": {"frequency_penalty": 3}}, "frequency_penalty"),
     ({"text": "x", "surprise": 1}, "unknown field"),
     ({"text": "x" * 5000}, "exceeds"),
     ({"text": "x", "sampling_params": {"stop_token_ids": [10**7]}}, "stop_token_ids"),

@@ -72,7 +72,7 @@ def _check_meta(meta: Any) -> str | None:
     if not isinstance(meta, dict):
         return "meta_info is not an object"
     reason = meta.get("finish_reason")
-    if reason is not None and reason not in FINISH_REASONS:
+    if reason is not None and not (isinstance(reason, dict) and reason.get("type") in FINISH_REASONS):
         return f"unknown finish_reason {reason!r}"
     if not isinstance(meta.get("completion_tokens"), int) or not isinstance(meta.get("weight_version"), str):
         return "meta_info lacks completion_tokens or weight_version"
@@ -93,7 +93,8 @@ def _check_item(item: Any) -> str | None:
     return _check_meta(item.get("meta_info"))
 
 
-def _finished(reason: Any, num_tokens: int, max_new_tokens: int) -> RequestRecord:
+def _finished(finish_reason: Any, num_tokens: int, max_new_tokens: int) -> RequestRecord:
+    reason = finish_reason.get("type") if isinstance(finish_reason, dict) else None
     if reason == "length" and num_tokens == max_new_tokens:
         return RequestRecord("completed")
     if reason == "abort" and num_tokens < max_new_tokens:
@@ -136,9 +137,9 @@ def classify_stream(events: list[str], saw_done: bool, trailing: str, max_new_to
     if not saw_done:
         last = events[-1][:200] if events else "no event"
         return RequestRecord("lost", f"stream without [DONE] (last: {last})", streamed=True)
-    num_tokens = 0
+    ids: list[int] = []
     reason = None
-    for data in events:
+    for data in events:  # each event carries the whole answer so far (SGLang's default stream)
         try:
             event = json.loads(data)
         except ValueError:
@@ -146,11 +147,13 @@ def classify_stream(events: list[str], saw_done: bool, trailing: str, max_new_to
         problem = _check_item(event)
         if problem is not None:
             return RequestRecord("lost", problem, streamed=True)
-        num_tokens += len(event["output_ids"])
-        if event["meta_info"]["completion_tokens"] != num_tokens:
+        if event["output_ids"][:len(ids)] != ids:
+            return RequestRecord("lost", "an event does not extend the tokens streamed before it", streamed=True)
+        ids = event["output_ids"]
+        if event["meta_info"]["completion_tokens"] != len(ids):
             return RequestRecord("lost", "completion_tokens differs from the tokens streamed", streamed=True)
         reason = event["meta_info"]["finish_reason"] or reason
-    record = _finished(reason, num_tokens, max_new_tokens)
+    record = _finished(reason, len(ids), max_new_tokens)
     record.streamed = True
     return record
 

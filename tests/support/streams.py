@@ -9,6 +9,7 @@ from typing import Any
 
 import httpx
 
+from handoff.protocol.generation import finish_type
 from tests.support.sse import DONE, iter_events
 
 
@@ -23,19 +24,21 @@ class ClientResult:
 
     @property
     def finish_reason(self) -> str | None:
+        """The ``type`` of SGLang's ``finish_reason`` object (``stop``, ``length``, ``abort``), if it ended."""
         if self.body is not None and isinstance(self.body, dict):
-            return self.body.get("meta_info", {}).get("finish_reason")
+            return finish_type(self.body.get("meta_info", {}).get("finish_reason"))
         for event in reversed(self.events):
             reason = event.get("meta_info", {}).get("finish_reason")
             if reason:
-                return reason
+                return finish_type(reason)
         return None
 
     @property
     def num_tokens(self) -> int:
+        """Tokens of the answer (a stream's events each carry the whole answer so far)."""
         if isinstance(self.body, dict):
             return len(self.body.get("output_ids", []))
-        return sum(len(e.get("output_ids", [])) for e in self.events)
+        return len(self.events[-1].get("output_ids", [])) if self.events else 0
 
 
 class GenerationClient(threading.Thread):

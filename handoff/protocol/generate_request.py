@@ -1,0 +1,366 @@
+"""SGLang's ``/generate`` request, torch-free: every field SGLang 0.5.23 accepts, and its normalization.
+
+The bodies follow ``sglang/srt/managers/io_struct.py`` (``GenerateReqInput``)
+and ``sglang/srt/sampling/sampling_params.py`` (``SamplingParams``), plus
+``model``, which sglang-router (sgl-model-gateway) adds to every request it
+forwards. A field outside that set is a typo: 400. Each field is in one of
+three groups (:data:`GENERATE_FIELDS`, :data:`SAMPLING_FIELDS`, listed in
+``docs/api.md``):
+
+- ``implemented``: it does what SGLang does;
+- ``accepted``: metadata with no effect on the tokens (routing keys, metric
+  labels, PD bootstrap fields that a mixed engine does not need);
+- ``default only``: accepted at its default or empty value (``null``,
+  ``false``, ``[]``, ``{}``, ``""``); any other value asks for what this engine
+  cannot do and is a 400 ``unsupported`` naming the field, never ignored.
+
+:func:`normalize` turns a body into the sequences the engine runs, in SGLang's
+order: prompt by prompt, and the ``n`` samples of a prompt next to each other.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from typing import Any, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from handoff.protocol import errors as E
+
+STRICT = ConfigDict(extra="forbid", strict=True)
+MAX_SEQUENCES = 256         # prompts x n in one request
+MAX_TOP_LOGPROBS = 64       # top_logprobs_num
+MAX_TOKEN_IDS_LOGPROB = 256  # token_ids_logprob per prompt
+
+IMPLEMENTED, ACCEPTED, DEFAULT_ONLY = "implemented", "accepted", "default only"
+
+
+class GenerateFieldError(ValueError):
+    """A request the engine must refuse: ``kind`` is ``invalid_request`` or ``unsupported`` (both 400)."""
+
+    def __init__(self, message: str, *, kind: E.ErrorType = E.INVALID_REQUEST) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+class SamplingParamsBody(BaseModel):
+    """``sampling_params``; ``null`` for a field means its default, as in SGLang."""
+
+    model_config = STRICT
+    max_new_tokens: int | None = None
+    stop: Union[str, list[str], None] = None
+    stop_token_ids: list[int] | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_new_tokens: int | None = None
+    n: int | None = None
+    ignore_eos: bool | None = None
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None
+    no_stop_trim: bool | None = None
+    stream_interval: int | None = None
+    logit_bias: dict[str, float] | None = None
+    sampling_seed: int | None = None
+    seed: int | None = None  # handoff's earlier name of sampling_seed
+    custom_params: dict[str, Any] | None = None
+    # default only
+    stop_regex: Union[str, list[str], None] = None
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    structural_tag: str | None = None
+    beam_width: int | None = None
+    watermark: Any = None
+    choice: list[str] | None = None
+
+
+SAMPLING_FIELDS: dict[str, str] = {
+    **{name: IMPLEMENTED for name in (
+        "max_new_tokens", "stop", "stop_token_ids", "temperature", "top_p", "top_k", "min_p", "frequency_penalty",
+        "presence_penalty", "repetition_penalty", "min_new_tokens", "n", "ignore_eos", "skip_special_tokens",
+        "spaces_between_special_tokens", "no_stop_trim", "stream_interval", "logit_bias", "sampling_seed", "seed")},
+    "custom_params": ACCEPTED,
+    **{name: DEFAULT_ONLY for name in (
+        "stop_regex", "json_schema", "regex", "ebnf", "structural_tag", "beam_width", "watermark", "choice")},
+}
+_SAMPLING_WHY = {"stop_regex": "stop regexes", "json_schema": "constrained decoding (json_schema)",
+                 "regex": "constrained decoding (regex)", "ebnf": "constrained decoding (ebnf)",
+                 "structural_tag": "constrained decoding (structural_tag)", "beam_width": "beam search",
+                 "watermark": "watermarking", "choice": "constrained choice"}
+
+
+class GenerateBody(BaseModel):
+    """``POST /generate``: exactly one of ``text`` / ``input_ids``; a list of either is a batch."""
+
+    model_config = STRICT
+    text: Union[str, list[str], None] = None
+    input_ids: Union[list[int], list[list[int]], None] = None
+    sampling_params: Union[SamplingParamsBody, list[SamplingParamsBody], None] = None
+    rid: Union[str, list[str], None] = None
+    stream: bool = False
+    return_logprob: Union[bool, list[bool], None] = None
+    logprob_start_len: Union[int, list[int], None] = None
+    top_logprobs_num: Union[int, list[int], None] = None
+    token_ids_logprob: Union[list[int], list[list[int]], None] = None
+    return_text_in_logprobs: bool = False
+    return_prompt_token_ids: bool = False
+    extra_key: Union[str, list[str], None] = None
+    cache_salt: Union[str, list[str], None] = None
+    model: str | None = None
+    # accepted: metadata, routing, PD bootstrap (a mixed engine needs none of it)
+    session_id: str | None = None
+    log_metrics: bool = True
+    no_logs: bool = False
+    priority: int | None = None
+    custom_labels: dict[str, str] | None = None
+    routing_key: str | None = None
+    conversation_id: str | None = None
+    http_worker_ipc: str | None = None
+    external_trace_header: dict[str, Any] | None = None
+    received_time: float | None = None
+    routed_dp_rank: int | None = None
+    data_parallel_rank: int | None = None
+    disagg_prefill_dp_rank: int | None = None
+    bootstrap_host: Any = None
+    bootstrap_port: Any = None
+    bootstrap_room: Any = None
+    bootstrap_pair_key: Any = None
+    decode_tp_size: Any = None
+    # default only: each names what it would ask for
+    image_data: Any = None
+    video_data: Any = None
+    audio_data: Any = None
+    input_embeds: Any = None
+    mm_hashes: Any = None
+    mm_content_hashes: Any = None
+    use_audio_in_video: Any = None
+    video_config: Any = None
+    modalities: Any = None
+    images_config: Any = None
+    mm_processor_kwargs: Any = None
+    max_dynamic_patch: Any = None
+    min_dynamic_patch: Any = None
+    image_max_dynamic_patch: Any = None
+    video_max_dynamic_patch: Any = None
+    need_wait_for_mm_inputs: Any = None
+    num_items_assigned: Any = None
+    encoder_urls: Any = None
+    lora_path: Any = None
+    lora_id: Any = None
+    custom_logit_processor: Any = None
+    positional_embed_overrides: Any = None
+    watermark: Any = None
+    return_hidden_states: Any = None
+    return_routed_experts: Any = None
+    routed_experts_start_len: Any = None
+    return_indexer_topk: Any = None
+    return_sampling_mask: Any = None
+    sampling_logprobs_mode: Any = None
+    return_flat_raw_top_logprobs: Any = None
+    return_flat_raw_output_top_logprobs: Any = None
+    return_flat_raw_top_logprobs_b64: Any = None
+    return_entropy: Any = None
+    return_bytes: Any = None
+    session_params: Any = None
+    background: Any = None
+    require_reasoning: Any = None
+    max_thinking_tokens: Any = None
+    multi_item_delimiter_indices: Any = None
+    token_indices_to_pool: Any = None
+    kv_hints: Any = None
+
+
+_GENERATE_WHY = {
+    **{name: "multimodal input (images, video, audio)" for name in (
+        "image_data", "video_data", "audio_data", "mm_hashes", "mm_content_hashes", "use_audio_in_video",
+        "video_config", "modalities", "images_config", "mm_processor_kwargs", "max_dynamic_patch",
+        "min_dynamic_patch", "image_max_dynamic_patch", "video_max_dynamic_patch", "need_wait_for_mm_inputs",
+        "num_items_assigned", "encoder_urls")},
+    "input_embeds": "input embeddings", "lora_path": "LoRA adapters", "lora_id": "LoRA adapters",
+    "custom_logit_processor": "custom logit processors", "positional_embed_overrides": "embedding overrides",
+    "watermark": "watermarking", "return_hidden_states": "hidden states",
+    "return_routed_experts": "routed experts (MoE models only)", "routed_experts_start_len": "routed experts",
+    "return_indexer_topk": "indexer top-k", "return_sampling_mask": "sampling masks",
+    "sampling_logprobs_mode": "sampling masks", "return_flat_raw_top_logprobs": "flat top-logprob arrays",
+    "return_flat_raw_output_top_logprobs": "flat top-logprob arrays",
+    "return_flat_raw_top_logprobs_b64": "flat top-logprob arrays", "return_entropy": "entropy",
+    "return_bytes": "image generation", "session_params": "sessions (continual prompting)",
+    "background": "background responses", "require_reasoning": "reasoning models",
+    "max_thinking_tokens": "reasoning models", "multi_item_delimiter_indices": "multi-item scoring",
+    "token_indices_to_pool": "pooled scoring", "kv_hints": "KV storage hints",
+}
+GENERATE_FIELDS: dict[str, str] = {
+    **{name: IMPLEMENTED for name in (
+        "text", "input_ids", "sampling_params", "rid", "stream", "return_logprob", "logprob_start_len",
+        "top_logprobs_num", "token_ids_logprob", "return_text_in_logprobs", "return_prompt_token_ids",
+        "extra_key", "cache_salt", "model")},
+    **{name: ACCEPTED for name in (
+        "session_id", "log_metrics", "no_logs", "priority", "custom_labels", "routing_key", "conversation_id",
+        "http_worker_ipc", "external_trace_header", "received_time", "routed_dp_rank", "data_parallel_rank",
+        "disagg_prefill_dp_rank", "bootstrap_host", "bootstrap_port", "bootstrap_room", "bootstrap_pair_key",
+        "decode_tp_size")},
+    **{name: DEFAULT_ONLY for name in _GENERATE_WHY},
+}
+
+
+def is_empty(value: Any) -> bool:
+    """A field's default or empty value: null, false, 0, "", [], {} (or a list of those, one per prompt)."""
+    if value is None or value is False or value == 0 and not isinstance(value, bool) or value in ("", [], {}):
+        return True
+    return isinstance(value, list) and all(is_empty(v) for v in value)
+
+
+def refuse_unsupported(body: GenerateBody) -> None:
+    """400 ``unsupported`` for the first ``default only`` field set to something else."""
+    for name, why in _GENERATE_WHY.items():
+        if not is_empty(getattr(body, name)):
+            raise GenerateFieldError(f"{name}: {why} are not supported by this engine", kind=E.UNSUPPORTED)
+    for rank_field in ("routed_dp_rank", "data_parallel_rank", "disagg_prefill_dp_rank"):
+        if getattr(body, rank_field) not in (None, 0):
+            raise GenerateFieldError(f"{rank_field}: this engine has one data-parallel rank (0)",
+                                     kind=E.UNSUPPORTED)
+    params = body.sampling_params
+    for sp in params if isinstance(params, list) else [params] if params is not None else []:
+        for name, why in _SAMPLING_WHY.items():
+            value = getattr(sp, name)
+            if not is_empty(value) and not (name == "beam_width" and value == 1):
+                raise GenerateFieldError(f"sampling_params.{name}: {why} is not supported by this engine",
+                                         kind=E.UNSUPPORTED)
+
+
+@dataclass(frozen=True)
+class LogprobOptions:
+    """What logprobs one sequence returns (``return_logprob`` was true)."""
+
+    start_len: int                       # prompt position of the first input logprob; -1: output only
+    top_logprobs_num: int = 0
+    token_ids: tuple[int, ...] | None = None
+    return_text: bool = False
+
+
+@dataclass(frozen=True)
+class Sequence:
+    """One sequence the engine runs: prompt ``prompt_index``, sample ``sample_index`` of ``n``."""
+
+    prompt_index: int
+    sample_index: int
+    rid: str
+    text: str | None
+    input_ids: list[int] | None
+    sampling: SamplingParamsBody
+    logprobs: LogprobOptions | None
+    use_prefix_cache: bool = True        # false under extra_key / cache_salt: never shares KV
+
+
+@dataclass(frozen=True)
+class NormalizedRequest:
+    sequences: list[Sequence]
+    num_prompts: int
+    n: int
+    is_batch: bool   # answer a list (a batch, or n > 1 as SGLang does)
+
+
+def _per_prompt(name: str, value: Any, num_prompts: int, n: int, *, nested: bool = False) -> list[Any]:
+    """A top-level value for every prompt: a list (one per prompt) or one value for all."""
+    is_list = isinstance(value, list) and (not nested or (value and isinstance(value[0], list)))
+    if not is_list:
+        return [value] * num_prompts
+    if n > 1:
+        raise GenerateFieldError(f"{name}: a list per prompt cannot be combined with n > 1")
+    if len(value) != num_prompts:
+        raise GenerateFieldError(f"{name} has {len(value)} entries for {num_prompts} prompts")
+    return list(value)
+
+
+def _prompts(body: GenerateBody) -> tuple[list[str] | None, list[list[int]] | None, bool]:
+    if (body.text is None) == (body.input_ids is None):
+        raise GenerateFieldError("give exactly one of text or input_ids")
+    if body.text is not None:
+        texts = body.text if isinstance(body.text, list) else [body.text]
+        if any(not t for t in texts):
+            raise GenerateFieldError("text must not be empty")
+        return texts, None, isinstance(body.text, list)
+    ids = body.input_ids or []
+    is_batch = bool(ids) and isinstance(ids[0], list)
+    id_lists = ids if is_batch else [ids]
+    if any(not p for p in id_lists):
+        raise GenerateFieldError("input_ids must not be empty")
+    return None, id_lists, is_batch  # type: ignore[return-value]
+
+
+def _sample_count(params: list[SamplingParamsBody | None]) -> int:
+    counts = {(p.n if p is not None and p.n is not None else 1) for p in params}
+    if len(counts) > 1:
+        raise GenerateFieldError("sampling_params.n must be the same for every prompt")
+    n = counts.pop()
+    if n < 1:
+        raise GenerateFieldError(f"sampling_params.n must be >= 1, got {n}")
+    return n
+
+
+def _rids(body: GenerateBody, num_prompts: int, n: int, is_batch: bool) -> list[str]:
+    """One id per sequence: a given id as is (a string on a batch or with n > 1: ``<rid>_<k>``)."""
+    num = num_prompts * n
+    if body.rid is None:
+        return [uuid.uuid4().hex for _ in range(num)]
+    if isinstance(body.rid, str):
+        return [body.rid] if num == 1 and not is_batch else [f"{body.rid}_{k}" for k in range(num)]
+    if len(body.rid) != num_prompts:
+        raise GenerateFieldError(f"rid has {len(body.rid)} entries for {num_prompts} prompts")
+    rids = [rid if n == 1 else f"{rid}_{j}" for rid in body.rid for j in range(n)]
+    if len(set(rids)) != len(rids):
+        raise GenerateFieldError("rid: request ids must be unique within a request")
+    return rids
+
+
+def _logprob_options(body: GenerateBody, num_prompts: int, n: int) -> list[LogprobOptions | None]:
+    wants = _per_prompt("return_logprob", body.return_logprob, num_prompts, n)
+    starts = _per_prompt("logprob_start_len", body.logprob_start_len, num_prompts, n)
+    tops = _per_prompt("top_logprobs_num", body.top_logprobs_num, num_prompts, n)
+    token_ids = _per_prompt("token_ids_logprob", body.token_ids_logprob, num_prompts, n, nested=True)
+    options: list[LogprobOptions | None] = []
+    for want, start, top, ids in zip(wants, starts, tops, token_ids, strict=True):
+        start = -1 if start is None else start
+        top = 0 if top is None else top
+        if start < -1:
+            raise GenerateFieldError(f"logprob_start_len must be >= -1, got {start}")
+        if not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise GenerateFieldError(f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}], got {top}")
+        if ids is not None and len(ids) > MAX_TOKEN_IDS_LOGPROB:
+            raise GenerateFieldError(f"token_ids_logprob takes at most {MAX_TOKEN_IDS_LOGPROB} ids")
+        options.append(LogprobOptions(start, top, tuple(ids) if ids else None, body.return_text_in_logprobs)
+                       if want else None)
+    return options
+
+
+def normalize(body: GenerateBody, *, max_sequences: int = MAX_SEQUENCES) -> NormalizedRequest:
+    """The sequences of ``body`` in SGLang's order; raises :class:`GenerateFieldError`."""
+    refuse_unsupported(body)
+    texts, id_lists, is_batch = _prompts(body)
+    num_prompts = len(texts if texts is not None else id_lists)  # type: ignore[arg-type]
+    if num_prompts > max_sequences:
+        raise GenerateFieldError(f"a batch holds at most {max_sequences} prompts, got {num_prompts}")
+    params = _per_prompt("sampling_params", body.sampling_params, num_prompts, 1)
+    n = _sample_count(params)
+    if num_prompts * n > max_sequences:
+        raise GenerateFieldError(f"prompts x n must be at most {max_sequences}, got {num_prompts} x {n}")
+    rids = _rids(body, num_prompts, n, is_batch)
+    logprobs = _logprob_options(body, num_prompts, n)
+    salts = [_per_prompt(name, getattr(body, name), num_prompts, n) for name in ("extra_key", "cache_salt")]
+    sequences = []
+    for i in range(num_prompts):
+        sampling = params[i] or SamplingParamsBody()
+        for j in range(n):
+            sequences.append(Sequence(
+                prompt_index=i, sample_index=j, rid=rids[i * n + j],
+                text=texts[i] if texts is not None else None,
+                input_ids=list(id_lists[i]) if id_lists is not None else None,
+                sampling=sampling, logprobs=logprobs[i],
+                use_prefix_cache=not (salts[0][i] or salts[1][i])))
+    return NormalizedRequest(sequences, num_prompts, n, is_batch or n > 1)

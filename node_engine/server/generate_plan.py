@@ -1,0 +1,63 @@
+"""From a ``/generate`` body to the engine sequences that answer it.
+
+:func:`plan_generate` normalizes the body (:mod:`handoff.protocol.generate_request`:
+every SGLang field, batches and ``n`` in SGLang's order), tokenizes each
+distinct text once, and checks every sequence before any is submitted, so a
+bad item changes nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from handoff.protocol.generate_request import GenerateBody, GenerateFieldError, normalize
+from handoff.service.errors import InvalidRequest, ServiceError
+from node_engine.engine import Engine
+from node_engine.server.generation import tokenize
+from node_engine.server.generation_run import SequenceSpec
+from node_engine.server.protocol import MAX_BATCH, to_sampling_params
+
+
+@dataclass(frozen=True)
+class GeneratePlan:
+    sequences: list[SequenceSpec]
+    is_batch: bool          # answer a list
+    n: int
+    return_prompt_token_ids: bool = False
+
+
+def refusal(exc: GenerateFieldError) -> ServiceError:
+    """The 400 of a request the protocol module refused (``invalid_request`` or ``unsupported``)."""
+    return ServiceError(str(exc), kind=exc.kind)
+
+
+def check_model(engine: Engine, model: str | None) -> None:
+    if model is not None and model != engine.config.model_name:
+        raise InvalidRequest(f"model {model!r} is not served here; this engine serves {engine.config.model_name!r}")
+
+
+async def plan_generate(engine: Engine, body: GenerateBody) -> GeneratePlan:
+    try:
+        request = normalize(body, max_sequences=MAX_BATCH)
+    except GenerateFieldError as exc:
+        raise refusal(exc) from exc
+    check_model(engine, body.model)
+    firsts = [s for s in request.sequences if s.sample_index == 0]
+    if firsts[0].text is not None:
+        id_lists = await tokenize(engine, [s.text for s in firsts])  # type: ignore[misc]
+    else:
+        id_lists = [s.input_ids for s in firsts]  # type: ignore[misc]
+    sequences = []
+    for seq in request.sequences:
+        ids = id_lists[seq.prompt_index]
+        try:
+            params = to_sampling_params(seq.sampling, engine.default_max_new_tokens(len(ids)),
+                                        vocab_size=engine.arch.vocab_size, sample_index=seq.sample_index)
+        except ValueError as exc:
+            raise InvalidRequest(f"sampling_params: {exc}") from exc
+        if seq.logprobs is not None and seq.logprobs.start_len > len(ids):
+            raise InvalidRequest(f"logprob_start_len ({seq.logprobs.start_len}) is beyond the prompt "
+                                 f"({len(ids)} tokens)")
+        sequences.append(SequenceSpec(list(ids), params, seq.rid, seq.logprobs, seq.use_prefix_cache,
+                                      seq.prompt_index))
+    return GeneratePlan(sequences, request.is_batch, request.n, body.return_prompt_token_ids)

@@ -1,0 +1,167 @@
+"""Every field of SGLang 0.5.23's ``/generate`` body: implemented, accepted, or refused as unsupported."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from handoff.protocol.generate_request import (ACCEPTED, DEFAULT_ONLY, GENERATE_FIELDS, SAMPLING_FIELDS,
+                                               GenerateBody, SamplingParamsBody)
+from tests.support.sse import read_stream
+
+GREEDY = {"temperature": 0, "ignore_eos": True, "max_new_tokens": 4}
+EOS = 257
+
+
+@pytest.fixture(scope="module")
+def client(tiny_engine):
+    with httpx.Client(base_url=tiny_engine.url, timeout=30) as c:
+        yield c
+
+
+def gen(client: httpx.Client, body: dict) -> dict | list:
+    r = client.post("/generate", json=body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def refused(client: httpx.Client, body: dict) -> dict:
+    r = client.post("/generate", json=body)
+    assert r.status_code == 400, r.text
+    return r.json()["error"]
+
+
+def test_the_field_lists_match_the_bodies() -> None:
+    assert set(GENERATE_FIELDS) == set(GenerateBody.model_fields)
+    assert set(SAMPLING_FIELDS) == set(SamplingParamsBody.model_fields)
+
+
+def test_every_field_at_its_default_is_accepted_together(client) -> None:
+    """What sglang-router sends: every field, most at their default (sgl-model-gateway's GenerateRequest)."""
+    defaults = {name: GenerateBody.model_fields[name].default for name, kind in GENERATE_FIELDS.items()
+                if kind in (ACCEPTED, DEFAULT_ONLY)}
+    sampling = {name: SamplingParamsBody.model_fields[name].default for name in SAMPLING_FIELDS}
+    sampling.update(GREEDY)
+    body = {**defaults, "text": "every field", "sampling_params": sampling, "model": None, "rid": None,
+            "return_logprob": False, "logprob_start_len": -1, "top_logprobs_num": 0, "token_ids_logprob": None,
+            "return_text_in_logprobs": False, "stream": False, "image_data": [], "lora_path": [None],
+            "return_hidden_states": False, "log_metrics": True, "routed_experts_start_len": 0}
+    answer = gen(client, body)
+    assert len(answer["output_ids"]) == 4
+
+
+@pytest.mark.parametrize("name", [n for n, kind in GENERATE_FIELDS.items() if kind == DEFAULT_ONLY])
+def test_a_value_this_engine_cannot_honour_is_unsupported(client, name: str) -> None:
+    error = refused(client, {"text": "x", name: ["something"]})
+    assert error["type"] == "unsupported" and error["message"].startswith(name)
+
+
+@pytest.mark.parametrize("name,value", [("json_schema", '{"type": "object"}'), ("regex", "a+"), ("ebnf", "x"),
+                                        ("structural_tag", "{}"), ("stop_regex", "a"), ("beam_width", 2),
+                                        ("choice", ["a"]), ("watermark", {"enabled": True})])
+def test_sampling_features_this_engine_lacks_are_unsupported(client, name: str, value) -> None:
+    error = refused(client, {"text": "x", "sampling_params": {name: value}})
+    assert error["type"] == "unsupported" and error["message"].startswith(f"sampling_params.{name}")
+
+
+@pytest.mark.parametrize("body,fragment", [
+    ({"text": "x", "surprise": 1}, "unknown field"),
+    ({"text": "x", "sampling_params": {"temprature": 1}}, "unknown field"),
+    ({"text": "x", "model": "another-model"}, "another-model"),
+    ({"text": ["a", "b"], "rid": ["same", "same"]}, "unique"),
+    ({"text": ["a", "b"], "rid": ["one"]}, "rid"),
+    ({"text": "x", "sampling_params": {"sampling_seed": 1, "seed": 2}}, "seed"),
+    ({"text": "x", "sampling_params": {"logit_bias": {"999999": 1.0}}}, "logit_bias"),
+    ({"text": "x", "sampling_params": {"min_new_tokens": 9, "max_new_tokens": 4}}, "min_new_tokens"),
+    ({"text": "x", "sampling_params": {"repetition_penalty": 0}}, "repetition_penalty"),
+    ({"text": "x", "sampling_params": {"min_p": 1.5}}, "min_p"),
+    ({"text": "x", "return_logprob": True, "logprob_start_len": 99}, "logprob_start_len"),
+    ({"text": "x", "return_logprob": True, "token_ids_logprob": [10**7]}, "token_ids_logprob"),
+    ({"text": "x", "routed_dp_rank": 1}, "routed_dp_rank"),
+])
+def test_bad_values_are_400(client, body: dict, fragment: str) -> None:
+    assert fragment in refused(client, body)["message"]
+
+
+def test_model_may_name_the_served_model(client) -> None:
+    assert gen(client, {"text": "x", "model": "builtin:tiny", "sampling_params": GREEDY})["output_ids"]
+
+
+def test_logit_bias_skip_special_tokens_and_no_stop_trim(client) -> None:
+    forced = gen(client, {"text": "x", "sampling_params": dict(GREEDY, logit_bias={"65": 100.0})})
+    assert forced["output_ids"] == [65] * 4 and forced["text"] == "AAAA"
+    to_eos = {"temperature": 0, "max_new_tokens": 4, "logit_bias": {str(EOS): 100.0}}
+    plain = gen(client, {"text": "x", "sampling_params": to_eos})
+    assert plain["output_ids"] == [EOS] and plain["text"] == ""
+    assert plain["meta_info"]["finish_reason"] == {"type": "stop", "matched": EOS}
+    shown = gen(client, {"text": "x", "sampling_params": dict(to_eos, skip_special_tokens=False, no_stop_trim=True)})
+    assert shown["text"] == "<eos>"
+    trimmed = gen(client, {"text": "x", "sampling_params": dict(to_eos, skip_special_tokens=False)})
+    assert trimmed["text"] == ""
+
+
+def test_min_p_one_keeps_only_the_most_likely_token(client) -> None:
+    greedy = gen(client, {"text": "min p", "sampling_params": dict(GREEDY, max_new_tokens=12)})
+    sampled = gen(client, {"text": "min p", "sampling_params": {"temperature": 1.5, "min_p": 1.0, "ignore_eos": True,
+                                                                 "max_new_tokens": 12, "sampling_seed": 3}})
+    wide = [gen(client, {"text": "min p", "sampling_params": {"temperature": 1.5, "ignore_eos": True,
+                                                               "max_new_tokens": 12, "sampling_seed": seed}})
+            for seed in (3, 4)]
+    assert sampled["output_ids"] == greedy["output_ids"]
+    assert any(w["output_ids"] != greedy["output_ids"] for w in wide)  # without min_p, sampling wanders
+
+
+def test_sampling_seed_and_its_older_name(client) -> None:
+    def sampled(params: dict) -> list[int]:
+        body = {"text": "seeded", "sampling_params": {"temperature": 1.0, "max_new_tokens": 16, "ignore_eos": True,
+                                                      **params}}
+        return gen(client, body)["output_ids"]
+    assert sampled({"sampling_seed": 5}) == sampled({"seed": 5}) == sampled({"sampling_seed": 5, "seed": 5})
+    assert sampled({"sampling_seed": 5}) != sampled({"sampling_seed": 6})
+    assert sampled({"sampling_seed": -5}) == sampled({"sampling_seed": 2**64 - 5})
+
+
+def test_stream_interval_spaces_the_events(client) -> None:
+    events, saw_done = read_stream(client, "/generate", {"text": "x", "stream": True, "sampling_params": dict(
+        GREEDY, max_new_tokens=10, stream_interval=4)})
+    assert saw_done and [e["meta_info"]["completion_tokens"] for e in events] == [1, 5, 9, 10]
+
+
+def test_rids_cache_salt_and_prompt_token_ids(client) -> None:
+    batch = gen(client, {"text": ["a", "b"], "rid": "batch", "sampling_params": GREEDY})
+    assert [a["meta_info"]["id"] for a in batch] == ["batch_0", "batch_1"]
+    salted = [gen(client, {"input_ids": [256, 1, 2, 3, 4, 5], "cache_salt": "tenant", "sampling_params": GREEDY,
+                           "return_prompt_token_ids": True}) for _ in range(2)]
+    assert [a["meta_info"]["cached_tokens"] for a in salted] == [0, 0]  # a salted request shares no KV
+    assert salted[0]["prompt_token_ids"] == [256, 1, 2, 3, 4, 5]
+
+
+def test_min_new_tokens_holds_back_eos(client) -> None:
+    to_eos = {"temperature": 0, "max_new_tokens": 8, "logit_bias": {str(EOS): 100.0}}
+    assert gen(client, {"text": "x", "sampling_params": to_eos})["output_ids"] == [EOS]
+    held = gen(client, {"text": "x", "sampling_params": dict(to_eos, min_new_tokens=3)})
+    assert len(held["output_ids"]) == 4 and EOS not in held["output_ids"][:3] and held["output_ids"][3] == EOS
+    assert held["meta_info"]["finish_reason"] == {"type": "stop", "matched": EOS}
+
+
+def test_penalties_change_a_greedy_continuation(client) -> None:
+    base = {"temperature": 0, "ignore_eos": True, "max_new_tokens": 24}
+    plain = gen(client, {"text": "repeat", "sampling_params": base})["output_ids"]
+    assert len(set(plain)) < len(plain), "the greedy continuation should repeat itself for this check to mean much"
+    repetition = gen(client, {"text": "repeat", "sampling_params": dict(base, repetition_penalty=2.0)})["output_ids"]
+    assert repetition != plain and len(set(repetition)) > len(set(plain))
+    # a strong bias keeps "A" the choice; the runner-up's logprob then moves by what the penalties take off "A":
+    # frequency_penalty x the count of "A" so far, presence_penalty once "A" was seen
+    biased = dict(base, max_new_tokens=6, logit_bias={"65": 30.0})
+
+    def runner_up(params: dict) -> list[float]:
+        answer = gen(client, {"text": "x", "sampling_params": params, "return_logprob": True, "top_logprobs_num": 2})
+        assert answer["output_ids"] == [65] * 6
+        return [top[1][0] for top in answer["meta_info"]["output_top_logprobs"]]
+
+    plain = runner_up(biased)
+    frequency = runner_up(dict(biased, frequency_penalty=0.5))
+    presence = runner_up(dict(biased, presence_penalty=2.0))
+    assert all(abs((f - p) - 0.5 * i) < 1e-3 for i, (f, p) in enumerate(zip(frequency, plain)))
+    assert abs(presence[0] - plain[0]) < 1e-3 and all(abs((q - p) - 2.0) < 1e-3
+                                                      for q, p in zip(presence[1:], plain[1:]))

@@ -41,6 +41,7 @@ from lb.discovery import Resolver
 from handoff.protocol.control import CONTROL_ROUTES
 from lb.metrics import LBMetrics
 from lb.openapi import CONTROL_BODIES, CONTROL_PARAMETERS, DELETE_NODE_PARAMETERS, GENERATION_BODIES, SCHEMA_MODELS
+from lb.probes import install_probes
 from lb.proxy import GENERATION_PATHS
 from lb.params import role_param, timeout_param
 from lb.relay import client_gone_response
@@ -235,5 +236,6 @@ def create_app(config: LBConfig, *, resolver: Resolver | None = None) -> LBApp:
     async def prometheus_metrics() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    install_probes(app, cluster, api_key, admin)
     install_schemas(app, SCHEMA_MODELS)
     return app

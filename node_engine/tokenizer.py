@@ -96,6 +96,16 @@ class Tokenizer:
     def decode(self, ids: list[int], *, skip_special_tokens: bool = True) -> str:
         return self._hf.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (OpenAI's logprob ``bytes``): a byte-level BPE piece mapped back
+        through the byte alphabet, so a lone byte of a multi-byte character keeps its value; otherwise the
+        token's decoded text in UTF-8."""
+        piece = self._hf.id_to_token(token_id)
+        alphabet = _unicode_to_byte()
+        if piece and all(ch in alphabet for ch in piece):
+            return bytes(alphabet[ch] for ch in piece)
+        return self.decode([token_id], skip_special_tokens=False).encode()
+
     def apply_chat_template(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True) -> list[int]:
         if not self.chat_template:
             raise ChatTemplateError("this model has no chat template; use /v1/completions or /generate")
@@ -139,6 +149,11 @@ def _bytes_to_unicode() -> dict[int, str]:
             chars.append(256 + extra)
             extra += 1
     return dict(zip(printable, (chr(c) for c in chars)))
+
+
+@lru_cache(maxsize=1)
+def _unicode_to_byte() -> dict[str, int]:
+    return {char: byte for byte, char in _bytes_to_unicode().items()}
 
 
 def build_byte_tokenizer(*, vision: bool = False) -> HFTokenizer:

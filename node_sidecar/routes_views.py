@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from urllib.parse import quote
+
 import psutil
 from fastapi import APIRouter, Request
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -15,6 +17,12 @@ from node_sidecar.metrics import SidecarMetrics
 from node_sidecar.node import Node
 from node_sidecar.proxy import forward
 from node_sidecar.state import TAGS, TagState
+
+
+def _passthrough(path: str):
+    async def engine_info(request: Request) -> Response:
+        return await forward(request.app.state.node, request, path)
+    return engine_info
 
 
 def views_router(metrics: SidecarMetrics, admin: BearerToken, api_key: BearerToken) -> APIRouter:
@@ -45,10 +53,18 @@ def views_router(metrics: SidecarMetrics, admin: BearerToken, api_key: BearerTok
         return await forward(node_of(request), request, "/v1/models")
 
     @router.get("/get_server_info")
+    @router.get("/server_info")
     async def get_server_info(request: Request) -> Response:
         node = node_of(request)
         info = None if node.adapter is None else await node.adapter.info("/get_server_info")
         return JSONResponse(info) if info is not None else await forward(node, request, "/get_server_info")
+
+    @router.get("/v1/models/{model:path}")
+    async def model(request: Request, model: str) -> Response:
+        return await forward(node_of(request), request, "/v1/models/" + quote(model, safe=""))
+
+    for path in ("/get_model_info", "/model_info"):
+        router.add_api_route(path, _passthrough(path), methods=["GET"], name=path.strip("/"))
 
     @router.get("/memory_occupation")
     async def memory_occupation(request: Request) -> JSONResponse:

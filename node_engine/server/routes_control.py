@@ -85,6 +85,7 @@ async def memory_occupation(request: Request) -> JSONResponse:
 
 
 @router.get("/get_server_info")
+@router.get("/server_info")
 async def get_server_info(request: Request) -> JSONResponse:
     engine = _engine(request)
     config = engine.config
@@ -98,6 +99,25 @@ async def get_server_info(request: Request) -> JSONResponse:
         "memory_saver": engine.saver.name, "weights_backup": config.weights_backup.value,
         "cuda_graph": engine.runner.graphs is not None, "torch_compile": config.enable_torch_compile,
         "memory": engine.control.occupation(),
+    })
+
+
+_MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
+                "Qwen2VLForConditionalGeneration": "qwen2_vl", "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl"}
+
+
+@router.get("/get_model_info")
+@router.get("/model_info")
+async def get_model_info(request: Request) -> JSONResponse:
+    """SGLang's ``/model_info`` (``/get_model_info`` its older name): what model answers, under which name."""
+    engine = _engine(request)
+    config = engine.config
+    return JSONResponse({
+        "model_path": config.model_path, "served_model_name": config.model_name, "tokenizer_path": config.model_path,
+        "is_generation": True, "preferred_sampling_params": None, "weight_version": engine.weight_version,
+        "load_format": "auto", "reasoning_parser": None, "tool_call_parser": None, "disaggregation_mode": "null",
+        "has_image_understanding": engine.arch.vision is not None, "has_audio_understanding": False,
+        "model_type": _MODEL_TYPES.get(engine.arch.architecture), "architectures": [engine.arch.architecture],
     })
 
 

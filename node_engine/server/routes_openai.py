@@ -1,4 +1,11 @@
-"""OpenAI-compatible ``/v1/completions``, ``/v1/chat/completions`` and ``/v1/models``."""
+"""OpenAI-compatible ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models`` (SGLang 0.5.23's shapes).
+
+Each request becomes the equivalent ``/generate`` body, as SGLang's
+``serving_completions.py`` / ``serving_chat.py`` build it, and runs through the
+same plan (:mod:`node_engine.server.generate_plan`): ``n``, seeds, penalties,
+logprobs and ``rid`` behave exactly as on ``/generate``. Choices are in SGLang's
+order (a prompt's ``n`` samples next to each other).
+"""
 
 from __future__ import annotations
 
@@ -10,53 +17,45 @@ from typing import Any, AsyncIterator, Callable
 from fastapi import APIRouter, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from handoff.protocol.generation import finish_matched, finish_type
-from handoff.service.bodies import openapi_body, parse_body
-from handoff.service.errors import InvalidRequest, ServiceError
+from handoff.protocol.generate_request import GenerateBody
+from handoff.protocol.generation import SequenceAnswer, SequenceChunk, finish_matched, finish_type
+from handoff.service.bodies import openapi_body, parse_body, parse_value
+from handoff.service.errors import InvalidRequest, NotFound, ServiceError
 from node_engine.engine import Engine
 from node_engine.request import RequestOutput
-from node_engine.sampling import SamplingParams
-from node_engine.server.generation import DONE_EVENT, check_prompt_length, sse_event, tokenize
-from node_engine.server.generation_run import (GenerationRun, SequenceSpec, collect_unless_disconnected,
-                                               first_unless_disconnected, stream_with_abort)
-from node_engine.server.protocol import MAX_BATCH, ChatCompletionBody, CompletionBody
+from node_engine.server.generate_plan import GeneratePlan, plan_generate
+from node_engine.server.generation import DONE_EVENT, check_prompt_length, sse_event
+from node_engine.server.generation_run import (GenerationRun, collect_unless_disconnected, first_unless_disconnected,
+                                               stream_with_abort)
+from node_engine.server.openai_shapes import chat_logprobs, completion_logprobs, usage
+from node_engine.server.protocol import ChatCompletionBody, CompletionBody, refuse_unsupported_openai
 from node_engine.server.routes_generate import CLIENT_CLOSED
 from node_engine.tokenizer import ChatTemplateError
 
 router = APIRouter()
+Choice = Callable[[int, SequenceChunk, bool], dict[str, Any]]  # (index, chunk, first of its index) -> choice
 
 
-def _params(engine: Engine, body: CompletionBody | ChatCompletionBody, num_prompt: int,
-            max_tokens: int | None) -> SamplingParams:
-    stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
-    try:
-        return SamplingParams(
-            max_new_tokens=engine.default_max_new_tokens(num_prompt) if max_tokens is None else max_tokens,
-            temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, stop=stop,
-            stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos, seed=body.seed)
-    except ValueError as exc:
-        raise InvalidRequest(str(exc)) from exc
+async def _plan(engine: Engine, body: CompletionBody | ChatCompletionBody, prompt: dict[str, Any],
+                max_new_tokens: int | None, logprobs: dict[str, Any]) -> GeneratePlan:
+    """The plan of the equivalent ``/generate`` body."""
+    refuse_unsupported_openai(body)
+    generate = parse_value({**prompt, "sampling_params": body.sampling_params(max_new_tokens), "rid": body.rid,
+                            "model": body.model, "stream": body.stream, **logprobs}, GenerateBody)
+    return await plan_generate(engine, generate)
 
 
-def _check_model(engine: Engine, model: str | None) -> None:
-    if model is not None and model != engine.config.model_name:
-        raise InvalidRequest(f"model {model!r} is not served here; this engine serves {engine.config.model_name!r}")
-
-
-def _usage(prompt: int, completion: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-
-
-def _finish(out: RequestOutput) -> str | None:
-    return finish_type(out.finish_json)
+def _include_usage(body: CompletionBody | ChatCompletionBody) -> bool:
+    return bool((body.stream_options or {}).get("include_usage"))
 
 
 class _Answer:
     """The OpenAI envelope of one answer (``object``, id, model, weight version), whole or streamed."""
 
-    def __init__(self, engine: Engine, obj: str, id_prefix: str) -> None:
+    def __init__(self, engine: Engine, obj: str, id_prefix: str, n: int) -> None:
         self.engine = engine
         self.obj = obj
+        self.n = n
         self.id = f"{id_prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
 
@@ -69,20 +68,21 @@ class _Answer:
             body["usage"] = usage
         return body
 
-    async def stream(self, first: tuple[AsyncIterator[tuple[int, RequestOutput]], tuple[int, RequestOutput]],
-                     num_prompts: int, choice: Callable[[int, RequestOutput], dict[str, Any]],
-                     include_usage: bool, chunk_obj: str, preamble: dict[str, Any] | None = None,
-                     ) -> AsyncIterator[bytes]:
+    async def stream(self, run: GenerationRun, first: tuple[AsyncIterator[tuple[int, RequestOutput]],
+                                                            tuple[int, RequestOutput]],
+                     choice: Choice, *, include_usage: bool, chunk_obj: str,
+                     preamble: Callable[[int], dict[str, Any]] | None = None) -> AsyncIterator[bytes]:
         """The SSE body: one chunk per output; usage last if asked; an error event (and no [DONE]) on failure."""
         events, head = first
-        totals = [(0, 0)] * num_prompts
+        last: dict[int, SequenceChunk] = {}
 
         def chunk(index: int, out: RequestOutput) -> bytes:
-            totals[index] = (out.num_prompt_tokens, out.num_output_tokens)
-            return sse_event(self.payload([choice(index, out)], obj=chunk_obj))
+            piece = run.chunk(index, out)
+            is_first = index not in last
+            last[index] = piece
+            lead = sse_event(self.payload([preamble(index)], obj=chunk_obj)) if is_first and preamble else b""
+            return lead + sse_event(self.payload([choice(index, piece, is_first)], obj=chunk_obj))
 
-        if preamble is not None:
-            yield sse_event(self.payload([preamble], obj=chunk_obj))
         yield chunk(*head)
         try:
             async for index, out in events:
@@ -91,49 +91,71 @@ class _Answer:
             yield sse_event(exc.envelope())
             return
         if include_usage:
-            totals_usage = _usage(sum(p for p, _ in totals), sum(c for _, c in totals))
-            yield sse_event(self.payload([], totals_usage, obj=chunk_obj))
+            yield sse_event(self.payload([], usage([last[i] for i in sorted(last)], self.n), obj=chunk_obj))
         yield DONE_EVENT
+
+    async def respond(self, request: Request, run: GenerationRun, choice: Callable[[int, SequenceAnswer], dict],
+                      stream_choice: Choice, *, stream: bool, include_usage: bool, chunk_obj: str,
+                      preamble: Callable[[int], dict[str, Any]] | None = None) -> Response:
+        if stream:
+            first = await first_unless_disconnected(request, run)
+            if first is None:
+                return Response(status_code=CLIENT_CLOSED)
+            chunks = self.stream(run, first, stream_choice, include_usage=include_usage, chunk_obj=chunk_obj,
+                                 preamble=preamble)
+            return StreamingResponse(stream_with_abort(run, chunks), media_type="text/event-stream")
+        answers = await collect_unless_disconnected(request, run)
+        if answers is None:
+            return Response(status_code=CLIENT_CLOSED)
+        return JSONResponse(self.payload([choice(i, a) for i, a in enumerate(answers)], usage(answers, self.n)))
+
+
+def _finish_fields(reason: dict | None) -> dict[str, Any]:
+    return {"finish_reason": finish_type(reason), "matched_stop": finish_matched(reason)}
 
 
 @router.post("/v1/completions", openapi_extra=openapi_body(CompletionBody))
 async def completions(request: Request) -> Response:
     engine: Engine = request.app.state.engine
     body = await parse_body(request, CompletionBody)
-    _check_model(engine, body.model)
     prompt = body.prompt
-    if isinstance(prompt, str):
-        id_lists = await tokenize(engine, [prompt]) if prompt else []
-    elif prompt and isinstance(prompt[0], str):
-        if len(prompt) > MAX_BATCH:  # before any tokenizing
-            raise InvalidRequest(f"at most {MAX_BATCH} prompts per request, got {len(prompt)}")
-        id_lists = await tokenize(engine, prompt)  # type: ignore[arg-type]
-    elif prompt and isinstance(prompt[0], list):
-        id_lists = list(prompt)  # type: ignore[arg-type]
-    else:
-        id_lists = [list(prompt)] if prompt else []  # type: ignore[arg-type]
-    if not id_lists or any(not ids for ids in id_lists):
+    if not prompt or (isinstance(prompt, list) and all(not p for p in prompt)):
         raise InvalidRequest("prompt must not be empty")
-    if len(id_lists) > MAX_BATCH:
-        raise InvalidRequest(f"at most {MAX_BATCH} prompts per request, got {len(id_lists)}")
-    prompts = [SequenceSpec(ids, _params(engine, body, len(ids), body.max_tokens)) for ids in id_lists]
-    run = GenerationRun(engine, prompts, stream=body.stream)
-    answer = _Answer(engine, "text_completion", "cmpl")
-    if body.stream:
-        first = await first_unless_disconnected(request, run)
-        if first is None:
-            return Response(status_code=CLIENT_CLOSED)
-        chunks = answer.stream(first, run.num_prompts, lambda i, out: {
-            "index": i, "text": out.text_delta, "logprobs": None, "finish_reason": _finish(out)},
-            include_usage=bool((body.stream_options or {}).get("include_usage")), chunk_obj="text_completion")
-        return StreamingResponse(stream_with_abort(run, chunks), media_type="text/event-stream")
-    results = await collect_unless_disconnected(request, run)
-    if results is None:
-        return Response(status_code=CLIENT_CLOSED)
-    return JSONResponse(answer.payload(
-        [{"index": i, "text": c.text, "logprobs": None, "finish_reason": finish_type(c.finish_reason),
-          "matched_stop": finish_matched(c.finish_reason)} for i, c in enumerate(results)],
-        _usage(sum(c.prompt_tokens for c in results), sum(c.completion_tokens for c in results))))
+    is_text = isinstance(prompt, str) or isinstance(prompt[0], str)
+    with_prompt_logprobs = body.echo and bool(body.logprobs)  # SGLang: echo with logprobs >= 1
+    logprobs = {} if body.logprobs is None else {
+        "return_logprob": True, "top_logprobs_num": body.logprobs, "return_text_in_logprobs": True,
+        "logprob_start_len": 0 if with_prompt_logprobs else -1}
+    plan = await _plan(engine, body, {"text" if is_text else "input_ids": prompt}, body.max_tokens, logprobs)
+    run = GenerationRun(engine, plan.sequences, stream=body.stream)
+    echoes = [_echo(engine, prompt, spec.prompt_ids, spec.prompt_index, is_text) if body.echo else ""
+              for spec in plan.sequences]
+
+    def lists(piece: SequenceChunk | SequenceAnswer, first: bool) -> dict[str, Any] | None:
+        if body.logprobs is None:
+            return None
+        meta = piece.meta_info() if isinstance(piece, SequenceAnswer) else None
+        get = (lambda key: meta.get(key)) if meta is not None else (lambda key: getattr(piece, key))
+        tokens = list(get("output_token_logprobs") or [])
+        tops = list(get("output_top_logprobs") or [])
+        if with_prompt_logprobs and first:
+            tokens = list(get("input_token_logprobs") or []) + tokens
+            tops = list(get("input_top_logprobs") or []) + tops
+        return completion_logprobs(tokens, tops)
+
+    return await _Answer(engine, "text_completion", "cmpl", plan.n).respond(
+        request, run, lambda i, a: {"index": i, "text": echoes[i] + a.text, "logprobs": lists(a, True),
+                                    **_finish_fields(a.finish_reason)},
+        lambda i, c, first: {"index": i, "text": (echoes[i] if first else "") + c.text, "logprobs": lists(c, first),
+                             **_finish_fields(c.finish_reason)},
+        stream=body.stream, include_usage=_include_usage(body), chunk_obj="text_completion")
+
+
+def _echo(engine: Engine, prompt: Any, prompt_ids: list[int], index: int, is_text: bool) -> str:
+    """The prompt as ``echo`` repeats it: its text, or its ids decoded (SGLang's ``_get_echo_text``)."""
+    if is_text:
+        return prompt if isinstance(prompt, str) else prompt[index]
+    return engine.tokenizer.decode(prompt_ids, skip_special_tokens=True)
 
 
 def _messages(body: ChatCompletionBody) -> list[dict[str, Any]]:
@@ -155,7 +177,7 @@ def _messages(body: ChatCompletionBody) -> list[dict[str, Any]]:
 async def chat_completions(request: Request) -> Response:
     engine: Engine = request.app.state.engine
     body = await parse_body(request, ChatCompletionBody)
-    _check_model(engine, body.model)
+    refuse_unsupported_openai(body)
     messages = _messages(body)
     check_prompt_length(engine, ["".join(str(m.get("content", "")) for m in messages)])
     try:  # rendered and tokenized off the event loop, like every prompt
@@ -163,31 +185,44 @@ async def chat_completions(request: Request) -> Response:
     except ChatTemplateError as exc:
         raise InvalidRequest(str(exc)) from exc
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    run = GenerationRun(engine, [SequenceSpec(ids, _params(engine, body, len(ids), max_tokens))], stream=body.stream)
-    answer = _Answer(engine, "chat.completion", "chatcmpl")
-    if body.stream:
-        first = await first_unless_disconnected(request, run)
-        if first is None:
-            return Response(status_code=CLIENT_CLOSED)
-        chunks = answer.stream(first, 1, lambda i, out: {
-            "index": i, "delta": {"content": out.text_delta}, "logprobs": None, "finish_reason": _finish(out)},
-            include_usage=bool((body.stream_options or {}).get("include_usage")), chunk_obj="chat.completion.chunk",
-            preamble={"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                      "finish_reason": None})
-        return StreamingResponse(stream_with_abort(run, chunks), media_type="text/event-stream")
-    results = await collect_unless_disconnected(request, run)
-    if results is None:
-        return Response(status_code=CLIENT_CLOSED)
-    c = results[0]
-    return JSONResponse(answer.payload(
-        [{"index": 0, "message": {"role": "assistant", "content": c.text}, "logprobs": None,
-          "finish_reason": finish_type(c.finish_reason), "matched_stop": finish_matched(c.finish_reason)}],
-        _usage(c.prompt_tokens, c.completion_tokens)))
+    logprobs = {"return_logprob": True, "top_logprobs_num": body.top_logprobs or 0,
+                "return_text_in_logprobs": True} if body.logprobs else {}
+    plan = await _plan(engine, body, {"input_ids": ids}, max_tokens, logprobs)
+    run = GenerationRun(engine, plan.sequences, stream=body.stream)
+
+    def lists(tokens: Any, tops: Any) -> dict[str, Any] | None:
+        return chat_logprobs(engine.tokenizer, tokens or [], tops) if body.logprobs else None
+
+    def whole(i: int, a: SequenceAnswer) -> dict[str, Any]:
+        meta = a.meta_info()
+        return {"index": i, "message": {"role": "assistant", "content": a.text},
+                "logprobs": lists(meta.get("output_token_logprobs"), meta.get("output_top_logprobs")),
+                **_finish_fields(a.finish_reason)}
+
+    return await _Answer(engine, "chat.completion", "chatcmpl", plan.n).respond(
+        request, run, whole,
+        lambda i, c, first: {"index": i, "delta": {"content": c.text},
+                             "logprobs": lists(c.output_token_logprobs, c.output_top_logprobs),
+                             **_finish_fields(c.finish_reason)},
+        stream=body.stream, include_usage=_include_usage(body), chunk_obj="chat.completion.chunk",
+        preamble=lambda i: {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                            "finish_reason": None})
+
+
+def _model_card(engine: Engine) -> dict[str, Any]:
+    name = engine.config.model_name
+    return {"id": name, "object": "model", "created": 0, "owned_by": "handoff", "root": name, "parent": None,
+            "max_model_len": engine.runner.kv_plan.context_len}
 
 
 @router.get("/v1/models")
 async def models(request: Request) -> JSONResponse:
+    return JSONResponse({"object": "list", "data": [_model_card(request.app.state.engine)]})
+
+
+@router.get("/v1/models/{model:path}")
+async def model(request: Request, model: str) -> JSONResponse:
     engine: Engine = request.app.state.engine
-    return JSONResponse({"object": "list", "data": [{
-        "id": engine.config.model_name, "object": "model", "created": 0, "owned_by": "handoff",
-        "max_model_len": engine.runner.kv_plan.context_len}]})
+    if model != engine.config.model_name:
+        raise NotFound(f"the model {model!r} does not exist; this engine serves {engine.config.model_name!r}")
+    return JSONResponse(_model_card(engine))

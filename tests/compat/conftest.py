@@ -72,3 +72,15 @@ def assert_cluster_serves(cluster: LocalCluster, reference: str, version: str | 
     if version is not None:
         assert versions["weight_version"] == version
     assert all(n["routable"] for n in httpx.get(cluster.url + "/nodes", timeout=30).json()["nodes"])
+
+
+@pytest.fixture(scope="package")
+def lb_url(cluster: LocalCluster) -> str:
+    return cluster.url
+
+
+@pytest.fixture
+def http(cluster: LocalCluster) -> Iterator[httpx.Client]:
+    """A client of the LB for the generation tests (they leave weights, memory and pauses as they found them)."""
+    with httpx.Client(base_url=cluster.url, timeout=60) as client:
+        yield client

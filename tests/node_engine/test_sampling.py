@@ -9,7 +9,9 @@ from node_engine.sampling import SamplingParams, sample
 @pytest.mark.parametrize("kwargs,field", [
     ({"max_new_tokens": -1}, "max_new_tokens"), ({"temperature": -0.5}, "temperature"),
     ({"temperature": float("nan")}, "temperature"), ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"),
-    ({"top_k": -2}, "top_k"), ({"stop": ("",)}, "stop"), ({"seed": -1}, "seed"),
+    ({"top_k": -2}, "top_k"), ({"stop": ("",)}, "stop"), ({"seed": 2**64}, "seed"), ({"min_p": 2.0}, "min_p"),
+    ({"repetition_penalty": 0.0}, "repetition_penalty"), ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"min_new_tokens": 5, "max_new_tokens": 3}, "min_new_tokens"),
 ])
 def test_invalid_params_name_the_field(kwargs: dict, field: str) -> None:
     with pytest.raises(ValueError, match=field):

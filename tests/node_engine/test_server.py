@@ -261,10 +261,18 @@ def test_openai_completions_and_chat(client) -> None:
                                                      "max_tokens": 6, "temperature": 0}).json()
     streamed = "".join(e["choices"][0]["delta"].get("content", "") for e in events if e["choices"])
     assert chat["choices"][0]["message"]["content"] == streamed
-    assert client.post("/v1/completions", json={"prompt": "x", "n": 2}).status_code == 400
+    tools = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "tools": [
+        {"type": "function", "function": {"name": "f"}}]})
+    assert tools.status_code == 400 and tools.json()["error"]["type"] == "unsupported"
+    formatted = client.post("/v1/completions", json={"prompt": "x", "response_format": {"type": "json_object"}})
+    assert formatted.status_code == 400 and formatted.json()["error"]["type"] == "unsupported"
     assert client.post("/v1/completions", json={"prompt": "x", "model": "other"}).status_code == 400
     models = client.get("/v1/models").json()
     assert models["data"][0]["id"] == "builtin:tiny"
+    assert client.get("/v1/models/builtin:tiny").json()["id"] == "builtin:tiny"
+    assert client.get("/v1/models/other").status_code == 404
+    info = client.get("/get_model_info").json()
+    assert info["served_model_name"] == "builtin:tiny" and info["is_generation"] is True
 
 
 def test_info_health_metrics_and_openapi(client) -> None:

@@ -1,0 +1,43 @@
+"""The OpenAI answers' pieces built from SGLang's answer lists (SGLang 0.5.23, ``entrypoints/openai``).
+
+Completions: ``logprobs`` is ``{"tokens", "token_logprobs", "top_logprobs",
+"text_offset"}`` (``text_offset`` -1 throughout, as SGLang answers it; with
+``echo`` the prompt's entries come first, its first token's logprob ``null``).
+Chat: ``logprobs`` is ``{"content": [{"token", "bytes", "logprob",
+"top_logprobs": [{"token", "bytes", "logprob"}]}]}``. Usage counts each
+prompt once, however many samples it has.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from handoff.protocol.generation import LogprobEntry, SequenceAnswer, SequenceChunk
+from node_engine.tokenizer import Tokenizer
+
+TopRow = list[LogprobEntry] | None
+
+
+def usage(answers: Sequence[SequenceAnswer | SequenceChunk], n: int) -> dict[str, int]:
+    """``usage`` of the sequences in SGLang's order (``n`` per prompt)."""
+    prompt = sum(a.prompt_tokens for i, a in enumerate(answers) if i % n == 0)
+    completion = sum(a.completion_tokens for a in answers)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def completion_logprobs(tokens: Sequence[LogprobEntry], tops: Sequence[TopRow] | None) -> dict[str, Any]:
+    return {"text_offset": [-1] * len(tokens),
+            "token_logprobs": [entry[0] for entry in tokens],
+            "tokens": [entry[2] for entry in tokens],
+            "top_logprobs": [None if row is None else {entry[2]: entry[0] for entry in row} for row in tops or []]}
+
+
+def _token(tokenizer: Tokenizer, entry: LogprobEntry) -> dict[str, Any]:
+    return {"token": entry[2], "bytes": list(tokenizer.token_bytes(entry[1])), "logprob": entry[0]}
+
+
+def chat_logprobs(tokenizer: Tokenizer, tokens: Sequence[LogprobEntry], tops: Sequence[TopRow] | None,
+                  ) -> dict[str, Any]:
+    rows = list(tops) if tops else [None] * len(tokens)
+    return {"content": [{**_token(tokenizer, entry), "top_logprobs": [_token(tokenizer, e) for e in row or []]}
+                        for entry, row in zip(tokens, rows, strict=True)]}

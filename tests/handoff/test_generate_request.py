@@ -1,0 +1,70 @@
+"""SGLang's /generate body, torch-free: normalization into sequences, refusals, and the documented field lists."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from handoff.protocol import errors as E
+from handoff.protocol.generate_request import (DEFAULT_ONLY, GENERATE_FIELDS, SAMPLING_FIELDS, GenerateBody,
+                                               GenerateFieldError, is_empty, normalize)
+
+API_DOC = Path(__file__).resolve().parents[2] / "docs" / "api.md"
+
+
+def norm(**body):
+    return normalize(GenerateBody.model_validate(body))
+
+
+def test_batches_and_n_in_sglang_order() -> None:
+    request = norm(text=["a", "b"], rid=["x", "y"], sampling_params={"n": 2, "sampling_seed": 5})
+    assert request.is_batch and request.n == 2
+    assert [(s.prompt_index, s.sample_index, s.text, s.rid) for s in request.sequences] == [
+        (0, 0, "a", "x_0"), (0, 1, "a", "x_1"), (1, 0, "b", "y_0"), (1, 1, "b", "y_1")]
+    assert norm(text="a", sampling_params={"n": 3}).is_batch  # n > 1 answers a list, as SGLang does
+    assert [s.rid for s in norm(input_ids=[[1], [2]], rid="r").sequences] == ["r_0", "r_1"]
+    assert [s.rid for s in norm(input_ids=[1, 2], rid="r").sequences] == ["r"]
+
+
+def test_per_prompt_values_and_their_limits() -> None:
+    request = norm(text=["a", "b"], return_logprob=[True, False], logprob_start_len=[0, -1],
+                   sampling_params=[{"temperature": 0}, {"temperature": 1}])
+    first, second = request.sequences
+    assert first.logprobs is not None and first.logprobs.start_len == 0 and second.logprobs is None
+    assert [s.sampling.temperature for s in request.sequences] == [0, 1]
+    with pytest.raises(GenerateFieldError, match="n > 1"):
+        norm(text=["a", "b"], top_logprobs_num=[1, 2], sampling_params={"n": 2})
+    with pytest.raises(GenerateFieldError, match="same for every prompt"):
+        norm(text=["a", "b"], sampling_params=[{"n": 1}, {"n": 2}])
+    with pytest.raises(GenerateFieldError, match="at most"):
+        normalize(GenerateBody.model_validate({"text": "a", "sampling_params": {"n": 9}}), max_sequences=8)
+
+
+def test_default_only_fields_refuse_other_values_as_unsupported() -> None:
+    assert all(is_empty(v) for v in (None, False, 0, "", [], {}, [None, None], [[], None]))
+    assert not any(is_empty(v) for v in ("x", [1], {"a": 1}, True, "last"))
+    norm(text="a", image_data=[], lora_path=[None], return_hidden_states=False, sampling_params={"json_schema": ""})
+    with pytest.raises(GenerateFieldError) as info:
+        norm(text="a", lora_path="adapter")
+    assert info.value.kind is E.UNSUPPORTED and str(info.value).startswith("lora_path")
+    with pytest.raises(GenerateFieldError) as info:
+        norm(text="a", sampling_params={"regex": "a+"})
+    assert info.value.kind is E.UNSUPPORTED and "sampling_params.regex" in str(info.value)
+
+
+def test_docs_list_every_field_with_its_status() -> None:
+    """docs/api.md's tables name each field of both bodies, with the status the code gives it."""
+    rows = [line for line in API_DOC.read_text().splitlines() if line.startswith("| `")]
+    documented: dict[str, str] = {}
+    for row in rows:
+        names_cell, status = row.strip("|").split("|")[:2]
+        for name in re.findall(r"`([a-z_0-9]+)`", names_cell):
+            documented.setdefault(name, status.strip())
+    for name, status in {**GENERATE_FIELDS, **SAMPLING_FIELDS}.items():
+        assert name in documented, f"{name} is not in docs/api.md"
+        word = "default only" if status == DEFAULT_ONLY else status
+        assert documented[name].startswith(word) or (name in ("routed_dp_rank", "data_parallel_rank",
+                                                              "disagg_prefill_dp_rank") and "accepted" in
+                                                     documented[name]), (name, documented[name])

@@ -1,0 +1,52 @@
+"""What routers and SDKs probe on the LB (lb/probes.py), against fake nodes that answer, fail or misbehave."""
+
+from __future__ import annotations
+
+from tests.lb.behaviours import hang, reply
+from tests.lb.lbproc import set_members
+
+CARD = {"object": "list", "data": [{"id": "m", "object": "model"}]}
+
+
+def test_probes_are_answered_by_a_node_whatever_its_role(module_fakes, shared_lb) -> None:
+    prefill, decode = module_fakes.start(2)
+    for node in (prefill, decode):
+        node.handlers["/v1/models"] = reply(200, CARD)
+        node.handlers["/get_server_info"] = reply(200, {"model_path": "m", "node": node.url})
+        node.handlers["/health_generate"] = reply(200, {"serving": True, "success": True, "weight_version": "v3"})
+    set_members(shared_lb, (prefill.url, "prefill", 9000), (decode.url, "decode"))
+    shared_lb.wait_routable([prefill.url, decode.url])
+    assert shared_lb.http.get("/v1/models").json() == CARD
+    info = shared_lb.http.get("/get_server_info").json()
+    assert info["model_path"] == "m" and info["handoff_cluster"]["total"] == 2
+    assert info["handoff_cluster"]["answered_by"] == info["node"]
+    health = shared_lb.http.get("/health_generate").json()
+    assert health["healthy"] is True and health["weight_version"] == "v3"
+
+
+def test_a_failing_node_is_skipped_and_a_misbehaving_one_named(module_fakes, shared_lb) -> None:
+    broken, hanging, good = module_fakes.start(3)
+    broken.handlers["/get_model_info"] = reply(500, {"error": "boom"})
+    hanging.handlers["/get_model_info"] = hang()
+    good.handlers["/get_model_info"] = reply(200, {"model_path": "m"})
+    set_members(shared_lb, broken.url, hanging.url, good.url)
+    shared_lb.wait_routable([broken.url, hanging.url, good.url])
+    assert shared_lb.http.get("/get_model_info").json() == {"model_path": "m"}
+    good.handlers["/get_model_info"] = reply(200, b"[" * 5000 + b"]" * 5000)  # deep JSON: not read as info
+    good.handlers["/get_server_info"] = reply(200, b"[" * 5000 + b"]" * 5000)
+    for node in (broken, hanging):
+        node.handlers["/get_server_info"] = reply(502, b"")
+    failed = shared_lb.http.get("/get_server_info")
+    assert failed.status_code == 502 and failed.json()["error"]["type"] == "upstream_error"
+
+
+def test_no_serving_node_means_503(module_fakes, shared_lb) -> None:
+    released = module_fakes.start_one()
+    released.set_released(True)
+    set_members(shared_lb, released.url)
+    shared_lb.wait_routable([released.url], expected=False)
+    answer = shared_lb.http.get("/health_generate")
+    assert answer.status_code == 503 and answer.json()["error"]["type"] == "no_available_node"
+    assert answer.headers["retry-after"]
+    released.handlers["/v1/models"] = reply(200, CARD)
+    assert shared_lb.http.get("/v1/models").json() == CARD  # a released node still knows its model

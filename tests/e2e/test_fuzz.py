@@ -87,7 +87,9 @@ LB_ROUTES = [("POST", "/release_memory_occupation"), ("POST", "/resume_memory_oc
              ("POST", "/end_weight_update"), ("POST", "/update_weight_version"), ("POST", "/abort_request"),
              ("GET", "/get_weight_version"), ("POST", "/add_worker"), ("POST", "/remove_worker"),
              ("GET", "/list_workers"), ("POST", "/workers"), ("GET", "/workers"),
-             ("DELETE", "/workers/{id_or_url}"), ("GET", "/model_info"), ("GET", "/get_model_info")]
+             ("DELETE", "/workers/{id_or_url}"), ("GET", "/model_info"), ("GET", "/get_model_info"),
+             ("GET", "/v1/models"), ("GET", "/v1/models/{model}"), ("GET", "/get_server_info"),
+             ("GET", "/server_info"), ("GET", "/health_generate")]
 SIDECAR_ROUTES = [("POST", "/generate"), ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
                   ("GET", "/health_generate"), ("POST", "/release_memory_occupation"),
                   ("POST", "/resume_memory_occupation"), ("POST", "/update_weights_from_disk"),
@@ -98,7 +100,8 @@ SIDECAR_ROUTES = [("POST", "/generate"), ("POST", "/v1/completions"), ("POST", "
                   ("POST", "/update_weights_from_distributed"), ("POST", "/init_weights_update_group"),
                   ("POST", "/destroy_weights_update_group"), ("POST", "/begin_weight_update"),
                   ("POST", "/end_weight_update"), ("POST", "/update_weight_version"), ("GET", "/get_weight_version"),
-                  ("GET", "/get_model_info"), ("GET", "/model_info")]
+                  ("GET", "/get_model_info"), ("GET", "/model_info"),
+                  ("GET", "/v1/models/{model}"), ("GET", "/server_info")]
 
 json_scalars = st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=False) | st.text(max_size=20)
 json_values = st.recursive(json_scalars, lambda inner: st.lists(inner, max_size=4)

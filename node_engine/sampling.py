@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
 MAX_STOP_STRINGS = 32
+MAX_STOP_TOKEN_IDS = 4096   # each step looks a sampled token up in them: bounded, so one request cannot slow all
 MAX_STOP_STRING_CHARS = 256
 GREEDY_TEMPERATURE = 1e-6   # below it, sampling is greedy (SGLang's _SAMPLING_EPS)
 _SEED_MASK = (1 << 64) - 1
@@ -68,11 +70,17 @@ class SamplingParams:
             if not isinstance(s, str) or not s or len(s) > MAX_STOP_STRING_CHARS:
                 raise ValueError(f"stop strings must be non-empty strings of at most {MAX_STOP_STRING_CHARS} "
                                  f"characters, got {s!r}")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}")
         for token, bias in self.logit_bias:
             if not math.isfinite(bias) and bias != float("-inf"):
                 raise ValueError(f"logit_bias of token {token} must be a number or -inf, got {bias!r}")
         if self.seed is not None and not (isinstance(self.seed, int) and -(2**63) <= self.seed < 2**64):
             raise ValueError(f"sampling_seed must be an integer in [-2**63, 2**64), got {self.seed!r}")
+
+    @cached_property
+    def stop_token_set(self) -> frozenset[int]:
+        return frozenset(self.stop_token_ids)
 
     @property
     def is_greedy(self) -> bool:

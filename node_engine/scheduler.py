@@ -286,7 +286,7 @@ class Scheduler:
         params = request.params
         if request.detokenizer.matched_stop is not None:
             return FinishReason.STOP, request.detokenizer.matched_stop
-        if not params.ignore_eos and (token in self.config.eos_token_ids or token in params.stop_token_ids):
+        if not params.ignore_eos and (token in self.config.eos_token_ids or token in params.stop_token_set):
             return FinishReason.STOP, token
         if len(request.output_ids) >= params.max_new_tokens or request.num_tokens >= self.config.context_len:
             return FinishReason.LENGTH, None

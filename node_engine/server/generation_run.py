@@ -29,6 +29,7 @@ from node_engine.request import RequestOutput
 from node_engine.sampling import SamplingParams
 from node_engine.server.answer_chunks import chunk_of
 from node_engine.server.generation import output_error
+from node_engine.vision.inputs import MultimodalPrompt
 
 _PREFILL_ONLY = SamplingParams(max_new_tokens=0)
 
@@ -43,6 +44,12 @@ class SequenceSpec:
     logprobs: LogprobOptions | None = None
     use_prefix_cache: bool = True
     prompt_index: int = 0   # sequences with the same index share one prompt (its n samples)
+    mm: MultimodalPrompt | None = None  # the prompt's images (placeholders already expanded in prompt_ids)
+
+
+def _own(mm: MultimodalPrompt | None) -> MultimodalPrompt | None:
+    """Each request owns its image features (a prefill drops them): samples of one prompt get copies."""
+    return None if mm is None else mm.fresh()
 
 
 def logprob_shape(options: LogprobOptions | None) -> LogprobShape | None:
@@ -65,7 +72,8 @@ class GenerationRun:
         self.handles: list[RequestHandle] = []
         self._finished = [False] * len(sequences)
         self._prefills = [engine.submit(sequences[first].prompt_ids, _PREFILL_ONLY, f"{self.rids[first]}-prefill",
-                                        prefill=True) for first in self._shared_prompts()]
+                                        mm=_own(sequences[first].mm), prefill=True)
+                          for first in self._shared_prompts()]
         if not self._prefills:
             self._submit()
 
@@ -84,7 +92,7 @@ class GenerationRun:
         return [firsts[prompt] for prompt in sorted(shared)]
 
     def _submit(self) -> None:
-        self.handles = [self.engine.submit(spec.prompt_ids, spec.params, rid, stream=self.stream,
+        self.handles = [self.engine.submit(spec.prompt_ids, spec.params, rid, stream=self.stream, mm=_own(spec.mm),
                                            logprobs=spec.logprobs, use_prefix_cache=spec.use_prefix_cache)
                         for spec, rid in zip(self.sequences, self.rids, strict=True)]
 

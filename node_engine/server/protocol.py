@@ -41,7 +41,7 @@ def to_sampling_params(body: SamplingParamsBody, default_max_new_tokens: int, *,
     return SamplingParams(
         max_new_tokens=value("max_new_tokens", default_max_new_tokens), temperature=value("temperature", 1.0),
         top_p=value("top_p", 1.0), top_k=value("top_k", -1), min_p=value("min_p", 0.0), stop=stop,
-        stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=value("ignore_eos", False),
+        stop_token_ids=tuple(sorted(set(body.stop_token_ids or ()))), ignore_eos=value("ignore_eos", False),
         seed=None if seed is None else generator_seed(seed, sample_index),
         frequency_penalty=value("frequency_penalty", 0.0), presence_penalty=value("presence_penalty", 0.0),
         repetition_penalty=value("repetition_penalty", 1.0), min_new_tokens=value("min_new_tokens", 0),

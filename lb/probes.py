@@ -46,8 +46,9 @@ class Probes:
         serving = [n for n in nodes if n.is_routable]
         return serving if serving_only else serving + [n for n in nodes if not n.is_routable]
 
-    async def ask(self, path: str, *, serving_only: bool = False) -> tuple[Node, int, bytes]:
-        """The first node's answer to ``GET path`` that is a 2xx (or a 404: the path names something unknown)."""
+    async def ask(self, path: str, *, serving_only: bool = False, is_lookup: bool = False) -> tuple[Node, int, bytes]:
+        """The first node's 2xx answer to ``GET path`` (``is_lookup``: a 404 too, the path names something
+        unknown; otherwise a 404 means that node lacks the endpoint, a plain server of another kind)."""
         nodes = self.candidates(serving_only=serving_only)
         if not nodes:
             raise Unavailable("no node can answer now", type=E.NO_AVAILABLE_NODE.name,
@@ -62,14 +63,14 @@ class Probes:
             except UpstreamError as exc:
                 failures.append({"node": node.url, "error": str(exc)})
                 continue
-            if 200 <= response.status < 300 or response.status == 404:
+            if 200 <= response.status < 300 or (is_lookup and response.status == 404):
                 return node, response.status, body
             failures.append({"node": node.url, "status": response.status})
         raise ServiceError(f"GET {path} failed on every node ({len(failures)})", kind=E.UPSTREAM_ERROR,
                            extra={"failures": failures})
 
-    async def relayed(self, path: str) -> Response:
-        _, status, body = await self.ask(path)
+    async def relayed(self, path: str, *, is_lookup: bool = False) -> Response:
+        _, status, body = await self.ask(path, is_lookup=is_lookup)
         return Response(body, status_code=status, media_type="application/json")
 
     async def server_info(self, path: str) -> JSONResponse:
@@ -118,7 +119,7 @@ def install_probes(app: FastAPI, cluster: Cluster, api_key: BearerToken, admin: 
 
     @app.get("/v1/models/{model:path}")
     async def model_card(model: str) -> Response:
-        return await probes.relayed("/v1/models/" + quote(model, safe=""))
+        return await probes.relayed("/v1/models/" + quote(model, safe=""), is_lookup=True)
 
     @app.get("/health_generate")
     async def health_generate(request: Request) -> JSONResponse:

@@ -31,6 +31,7 @@ from typing import Any, Callable
 
 from handoff.protocol.sse import DONE, EventSplitter, data_event, event_data
 from handoff.protocol import errors as E
+from handoff.protocol.generation import finish_abort, finish_length, finish_stop
 from handoff.service.errors import InvalidRequest, ServiceError, Unsupported, parse_json_bytes
 from handoff.service.peer_json import PeerJSONError, loads_bounded
 from handoff.service.relay import ChunkTransform
@@ -251,13 +252,11 @@ class Translator:
         if reason is None:
             return None
         if reason == "length":
-            return {"type": "length", "length": len(state.token_ids)}
+            return finish_length(len(state.token_ids))
         if reason == "stop":
-            matched = state.stop_reason if state.stop_reason is not None else (
-                state.token_ids[-1] if state.token_ids else None)
-            return {"type": "stop", "matched": matched}
-        return {"type": "abort", "message": f"the request ended early ({reason})", "status_code": None,
-                "err_type": None}
+            return finish_stop(state.stop_reason if state.stop_reason is not None else (
+                state.token_ids[-1] if state.token_ids else None))
+        return finish_abort(f"the request ended early ({reason})")
 
     def _logprobs(self, state: ChoiceState) -> dict[str, Any]:
         out: dict[str, Any] = {"output_token_logprobs": [

@@ -50,3 +50,15 @@ def test_no_serving_node_means_503(module_fakes, shared_lb) -> None:
     assert answer.headers["retry-after"]
     released.handlers["/v1/models"] = reply(200, CARD)
     assert shared_lb.http.get("/v1/models").json() == CARD  # a released node still knows its model
+
+
+def test_a_node_without_the_endpoint_is_skipped_but_an_unknown_model_is_404(module_fakes, shared_lb) -> None:
+    other_kind, handoff_node = module_fakes.start(2)
+    other_kind.handlers["/get_model_info"] = reply(404, {"detail": "Not Found"})
+    handoff_node.handlers["/get_model_info"] = reply(200, {"model_path": "m"})
+    for node in (other_kind, handoff_node):
+        node.handlers["/v1/models/nope"] = reply(404, {"error": {"type": "not_found", "message": "no"}})
+    set_members(shared_lb, other_kind.url, handoff_node.url)
+    shared_lb.wait_routable([other_kind.url, handoff_node.url])
+    assert shared_lb.http.get("/get_model_info").json() == {"model_path": "m"}
+    assert shared_lb.http.get("/v1/models/nope").status_code == 404

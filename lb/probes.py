@@ -1,8 +1,8 @@
 """What routers, SDKs and probes ask an SGLang server, answered by the LB for the whole cluster.
 
-- ``GET /v1/models``, ``/v1/models/{id}``, ``/get_model_info``, ``/model_info``:
-  a node's answer, relayed (the OpenAI SDK's ``models.list()``, sglang-router's
-  worker checks);
+- ``GET /v1/models``, ``/v1/models/{id}``: a node's answer, relayed (the OpenAI
+  SDK's ``models.list()``, ``models.retrieve()``); ``/model_info`` is
+  ``lb/routes_weights.py``'s (it adds the cluster's weight version);
 - ``GET /get_server_info``, ``/server_info``: a node's answer plus
   ``handoff_cluster``, the cluster's view (``GET /memory_occupation``'s);
 - ``GET /health_generate`` (API key): 200 once one serving node's own
@@ -31,7 +31,7 @@ from lb.membership import Node, NodeHealth
 from lb.views import cluster_occupation
 
 MAX_PROBE_ANSWER_BYTES = 1024 * 1024
-RELAYED = ("/v1/models", "/get_model_info", "/model_info")
+RELAYED = ("/v1/models",)
 WITH_CLUSTER_VIEW = ("/get_server_info", "/server_info")
 
 

@@ -19,12 +19,6 @@ from node_sidecar.proxy import forward
 from node_sidecar.state import TAGS, TagState
 
 
-def _passthrough(path: str):
-    async def engine_info(request: Request) -> Response:
-        return await forward(request.app.state.node, request, path)
-    return engine_info
-
-
 def views_router(metrics: SidecarMetrics, admin: BearerToken, api_key: BearerToken) -> APIRouter:
     router = APIRouter()
 
@@ -62,9 +56,6 @@ def views_router(metrics: SidecarMetrics, admin: BearerToken, api_key: BearerTok
     @router.get("/v1/models/{model:path}")
     async def model(request: Request, model: str) -> Response:
         return await forward(node_of(request), request, "/v1/models/" + quote(model, safe=""))
-
-    for path in ("/get_model_info", "/model_info"):
-        router.add_api_route(path, _passthrough(path), methods=["GET"], name=path.strip("/"))
 
     @router.get("/memory_occupation")
     async def memory_occupation(request: Request) -> JSONResponse:

@@ -102,25 +102,6 @@ async def get_server_info(request: Request) -> JSONResponse:
     })
 
 
-_MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
-                "Qwen2VLForConditionalGeneration": "qwen2_vl", "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl"}
-
-
-@router.get("/get_model_info")
-@router.get("/model_info")
-async def get_model_info(request: Request) -> JSONResponse:
-    """SGLang's ``/model_info`` (``/get_model_info`` its older name): what model answers, under which name."""
-    engine = _engine(request)
-    config = engine.config
-    return JSONResponse({
-        "model_path": config.model_path, "served_model_name": config.model_name, "tokenizer_path": config.model_path,
-        "is_generation": True, "preferred_sampling_params": None, "weight_version": engine.weight_version,
-        "load_format": "auto", "reasoning_parser": None, "tool_call_parser": None, "disaggregation_mode": "null",
-        "has_image_understanding": engine.arch.vision is not None, "has_audio_understanding": False,
-        "model_type": _MODEL_TYPES.get(engine.arch.architecture), "architectures": [engine.arch.architecture],
-    })
-
-
 @router.get("/health")
 async def health(request: Request) -> JSONResponse:
     engine = _engine(request)

@@ -26,13 +26,12 @@ def test_probes_are_answered_by_a_node_whatever_its_role(module_fakes, shared_lb
 
 def test_a_failing_node_is_skipped_and_a_misbehaving_one_named(module_fakes, shared_lb) -> None:
     broken, hanging, good = module_fakes.start(3)
-    broken.handlers["/get_model_info"] = reply(500, {"error": "boom"})
-    hanging.handlers["/get_model_info"] = hang()
-    good.handlers["/get_model_info"] = reply(200, {"model_path": "m"})
+    broken.handlers["/v1/models"] = reply(500, {"error": "boom"})
+    hanging.handlers["/v1/models"] = hang()
+    good.handlers["/v1/models"] = reply(200, CARD)
     set_members(shared_lb, broken.url, hanging.url, good.url)
     shared_lb.wait_routable([broken.url, hanging.url, good.url])
-    assert shared_lb.http.get("/get_model_info").json() == {"model_path": "m"}
-    good.handlers["/get_model_info"] = reply(200, b"[" * 5000 + b"]" * 5000)  # deep JSON: not read as info
+    assert shared_lb.http.get("/v1/models").json() == CARD
     good.handlers["/get_server_info"] = reply(200, b"[" * 5000 + b"]" * 5000)
     for node in (broken, hanging):
         node.handlers["/get_server_info"] = reply(502, b"")
@@ -54,11 +53,11 @@ def test_no_serving_node_means_503(module_fakes, shared_lb) -> None:
 
 def test_a_node_without_the_endpoint_is_skipped_but_an_unknown_model_is_404(module_fakes, shared_lb) -> None:
     other_kind, handoff_node = module_fakes.start(2)
-    other_kind.handlers["/get_model_info"] = reply(404, {"detail": "Not Found"})
-    handoff_node.handlers["/get_model_info"] = reply(200, {"model_path": "m"})
+    other_kind.handlers["/get_server_info"] = reply(404, {"detail": "Not Found"})
+    handoff_node.handlers["/get_server_info"] = reply(200, {"model_path": "m"})
     for node in (other_kind, handoff_node):
         node.handlers["/v1/models/nope"] = reply(404, {"error": {"type": "not_found", "message": "no"}})
     set_members(shared_lb, other_kind.url, handoff_node.url)
     shared_lb.wait_routable([other_kind.url, handoff_node.url])
-    assert shared_lb.http.get("/get_model_info").json() == {"model_path": "m"}
+    assert shared_lb.http.get("/get_server_info").json()["model_path"] == "m"
     assert shared_lb.http.get("/v1/models/nope").status_code == 404

@@ -93,6 +93,7 @@ class SequenceChunk:
     input_token_logprobs: list[LogprobEntry] | None = None
     input_top_logprobs: list[list[LogprobEntry] | None] | None = None
     input_token_ids_logprobs: list[list[LogprobEntry] | None] | None = None
+    weight_version: str | None = None   # the version serving when this chunk came (None: unchanged)
 
 
 @dataclass(frozen=True)
@@ -149,6 +150,8 @@ class SequenceAnswer:
         self.num_retractions = chunk.num_retractions
         if chunk.finish_reason is not None:
             self.finish_reason = chunk.finish_reason
+        if chunk.weight_version is not None:  # the version that produced the latest tokens, as SGLang reports
+            self.weight_version = chunk.weight_version
         for key, values in self._lists.items():
             new = getattr(chunk, key)
             if new:

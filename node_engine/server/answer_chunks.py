@@ -49,11 +49,12 @@ def _input_lists(computed: InputLogprobs, options: LogprobOptions, texts: Texts)
     return tokens, tops, picked
 
 
-def chunk_of(output: RequestOutput, options: LogprobOptions | None, tokenizer: Tokenizer) -> SequenceChunk:
+def chunk_of(output: RequestOutput, options: LogprobOptions | None, tokenizer: Tokenizer,
+             weight_version: str | None = None) -> SequenceChunk:
     chunk = SequenceChunk(text=output.text_delta, output_ids=output.token_ids_delta,
                           prompt_tokens=output.num_prompt_tokens, completion_tokens=output.num_output_tokens,
                           cached_tokens=output.num_cached_tokens, num_retractions=output.num_retractions,
-                          finish_reason=output.finish_json)
+                          finish_reason=output.finish_json, weight_version=weight_version)
     if options is None:
         return chunk
     texts = _texts_for(tokenizer, options)

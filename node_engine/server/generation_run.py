@@ -167,7 +167,7 @@ class GenerationRun:
 
     def chunk(self, index: int, output: RequestOutput) -> SequenceChunk:
         """Output ``output`` of sequence ``index`` in SGLang's terms."""
-        return chunk_of(output, self.sequences[index].logprobs, self.engine.tokenizer)
+        return chunk_of(output, self.sequences[index].logprobs, self.engine.tokenizer, self.engine.weight_version)
 
     async def collect(self) -> list[SequenceAnswer]:
         answers = self.answers()

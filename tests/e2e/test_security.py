@@ -31,10 +31,12 @@ CANARY_HOST = "127.0.0.2"  # loopback, but no member of the cluster listens ther
 
 LB_OPEN = {("GET", "/health"), ("GET", "/nodes"), ("GET", "/memory_occupation"), ("GET", "/metrics"),
            ("GET", "/openapi.json"), ("GET", "/get_weight_version"), ("GET", "/model_info"),
-           ("GET", "/get_model_info"), ("GET", "/list_workers"), ("GET", "/workers")}
+           ("GET", "/get_model_info"), ("GET", "/list_workers"), ("GET", "/workers"), ("GET", "/v1/models"),
+           ("GET", "/v1/models/{model}"), ("GET", "/get_server_info"), ("GET", "/server_info")}
 SIDECAR_OPEN = {("GET", "/health"), ("GET", "/ready"), ("GET", "/memory_occupation"), ("GET", "/metrics"),
                 ("GET", "/openapi.json"), ("GET", "/v1/models"), ("GET", "/get_server_info"),
-                ("GET", "/get_weight_version"), ("GET", "/model_info"), ("GET", "/get_model_info")}
+                ("GET", "/get_weight_version"), ("GET", "/model_info"), ("GET", "/get_model_info"),
+                ("GET", "/v1/models/{model}"), ("GET", "/server_info")}
 GENERATION = {"/generate", "/v1/completions", "/v1/chat/completions", "/health_generate"}
 BAD_CREDENTIALS: list[dict[str, Any]] = [
     {}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Bearer {ADMIN[:-1]}"},
@@ -106,6 +108,7 @@ def test_every_protected_endpoint_refuses_missing_and_wrong_tokens(cluster: Loca
                                           headers={"Authorization": spelling.format(ADMIN)})
                 assert with_admin.status_code != 401, (method, path, spelling)
         for method, path in sorted(open_routes):
+            path = path.replace("{model}", "builtin:tiny")  # the served model's card
             assert http.request(method, base + path).status_code == 200, (base, path)
     assert all(n["routable"] for n in http.get(cluster.url + "/nodes").json()["nodes"])
 

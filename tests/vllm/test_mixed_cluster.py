@@ -184,5 +184,9 @@ def test_handoff_up_starts_a_vllm_cluster(checkpoints: tuple[Path, Path], tmp_pa
         wait_until(lambda: not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE],
                    timeout=60, what="every child gone")
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        if proc.poll() is None:  # a failed check: let handoff up stop its cluster, then make sure
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(120)
+            except subprocess.TimeoutExpired:
+                proc.kill()

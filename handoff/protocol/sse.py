@@ -33,6 +33,7 @@ class EventSplitter:
         self._buffer = b""
         self._scan_from = 0      # where the next line starts in the buffer
         self._after_cr = False   # the last read ended with a CR line end
+        self._has_line = False   # the event being read has a non-blank line (blank lines before one are kept, not events)
 
     def feed(self, chunk: bytes) -> list[bytes]:
         """The events ``chunk`` completes, each with the line ends that closed it."""
@@ -40,23 +41,28 @@ class EventSplitter:
         events: list[bytes] = []
         event_start = 0
         line_start = self._scan_from
+        has_line = self._has_line
+        is_after_cr = self._after_cr and line_start == len(buffer)  # an empty read leaves the CR pending
         if self._after_cr and buffer[line_start:line_start + 1] == b"\n":
-            line_start += 1  # the second half of a CRLF cut between two reads
-        is_after_cr = self._after_cr and line_start == len(buffer)
+            line_start += 1  # the second half of a CRLF cut between two reads; the CR is no longer pending
         for match in _LINE_END.finditer(buffer, line_start):
-            if match.start() == line_start and line_start > event_start:  # an empty line ends the event
+            if match.start() > line_start:
+                has_line = True
+            elif has_line:  # an empty line ends the event
                 events.append(buffer[event_start:match.end()])
                 event_start = match.end()
+                has_line = False
             line_start = match.end()
             is_after_cr = match.group() == b"\r" and line_start == len(buffer)
         self._after_cr = is_after_cr
+        self._has_line = has_line
         self._buffer = buffer[event_start:]
         self._scan_from = line_start - event_start
         return events
 
     def finish(self) -> bytes:
         """The stream ended: what is left, an event cut short (or blank lines), else ``b""``."""
-        rest, self._buffer, self._scan_from, self._after_cr = self._buffer, b"", 0, False
+        rest, self._buffer, self._scan_from, self._after_cr, self._has_line = self._buffer, b"", 0, False, False
         return rest
 
 

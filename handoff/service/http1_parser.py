@@ -248,6 +248,7 @@ class ResponseParser:
             pos = data_end + 2
         if not pieces:
             return pos, 0
+        self._search_from = 0  # a size line left partial by an earlier read was finished here
         body = b"".join(pieces)
         self.sink.append(body)
         return pos, len(body)

@@ -164,6 +164,18 @@ def test_caps_edges_agree_with_the_oracle(loops: dict[str, asyncio.AbstractEvent
               want, stream)
 
 
+def test_a_size_line_cut_then_read_whole_agrees_with_the_oracle(loops: dict[str, asyncio.AbstractEventLoop]) -> None:
+    """A chunk-size line split across reads, then finished by the whole-chunk fast path: the next size line
+    is looked for from its own start (a stale search offset once skipped it)."""
+    stream = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n00000000000000000001\r\na\r\n0\r\n\r\n"
+    want = expected(stream, is_eof=False)
+    for cut in range(1, len(stream)):
+        for more in (len(stream), cut + 22):
+            pieces = [p for p in (stream[:cut], stream[cut:more], stream[more:]) if p]
+            check(loops["asyncio"].run_until_complete(through_connection(pieces, is_eof=False, method="GET")),
+                  want, stream)
+
+
 # -- through a real socket ------------------------------------------------------------------------
 class PieceServer:
     """A loopback server thread: each connection reads one request head, then gets the next script's

@@ -57,3 +57,11 @@ def test_an_event_ending_in_cr_cr_is_out_before_the_next_byte() -> None:
     assert splitter.feed(b"data: a\r\r") == [b"data: a\r\r"]
     assert splitter.feed(b"\ndata: b\r\n\r\n") == [b"\ndata: b\r\n\r\n"]  # that LF finished the CRLF
     assert event_data(b"\ndata: b\r\n\r\n") == b"b"
+
+
+def test_the_lf_finishing_a_cut_crlf_is_taken_once() -> None:
+    splitter = EventSplitter()
+    assert splitter.feed(b"data: a\r\n\r") == [b"data: a\r\n\r"]
+    assert splitter.feed(b"\n") == []           # the second half of that CRLF
+    assert splitter.feed(b"\n") == []           # a blank line of its own, no event
+    assert splitter.feed(b"data: b\n\n") == [b"\n\ndata: b\n\n"]

@@ -11,7 +11,8 @@ from handoff.service.limits import DEFAULT_MAX_BODY_BYTES
 from handoff.service.logs import setup_logging
 from handoff.service.serve import add_server_args, serve
 from lb.app import create_app
-from lb.config import DEFAULT_MAX_ANSWER_BYTES, DnsTarget, LBConfig, NodeSpec, Policy, Role
+from handoff.service.limits import DEFAULT_MAX_ANSWER_BYTES
+from lb.config import DnsTarget, LBConfig, NodeSpec, Policy, Role
 from lb.discovery import Resolver
 
 log = logging.getLogger("lb")

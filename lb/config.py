@@ -5,11 +5,9 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from handoff.service.limits import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES
+from handoff.service.limits import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_ANSWER_BYTES, DEFAULT_MAX_BODY_BYTES
 from lb.addresses import canonical_url, literal_addresses, split_canonical
 
-# a node's non-stream generation answer is buffered (so a failure midway is a status): this bounds it
-DEFAULT_MAX_ANSWER_BYTES = 256 * 1024 * 1024
 
 
 class Role(str, enum.Enum):

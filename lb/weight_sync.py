@@ -134,7 +134,7 @@ class WeightSync:
             try:
                 response = await client.request("GET", node.url + "/model_info", headers=headers, timeout=timeout_s)
                 async with response:
-                    raw = await response.read(MAX_INFO_BYTES)
+                    raw = await response.read_whole(MAX_INFO_BYTES)
                 info = loads_bounded(raw) if response.status == 200 else None
             except (UpstreamError, PeerJSONError) as exc:
                 last_error = f"{node.url}: {exc}"

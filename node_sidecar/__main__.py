@@ -7,6 +7,7 @@ import logging
 import sys
 
 from handoff.service.auth import token_from
+from handoff.service.limits import DEFAULT_MAX_ANSWER_BYTES, DEFAULT_MAX_BODY_BYTES
 from handoff.service.logs import setup_logging
 from handoff.service.serve import add_server_args, serve
 from handoff.protocol.engines import ENGINE_KIND_NAMES
@@ -36,7 +37,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--control-timeout", type=float, default=600.0)
     p.add_argument("--engine-poll-interval", type=float, default=1.0)
     p.add_argument("--retry-after", type=int, default=2, help="Retry-After seconds on 503s")
-    p.add_argument("--max-body-bytes", type=int, default=64 * 1024 * 1024)
+    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                   help="larger request bodies get 413 (default 64 MiB)")
+    p.add_argument("--max-answer-bytes", type=int, default=DEFAULT_MAX_ANSWER_BYTES, metavar="N",
+                   help="an engine's non-stream answer larger than this is a 502 (streams are relayed as they "
+                        "come and are not limited) (default 256 MiB)")
     add_server_args(p, default_host="0.0.0.0", default_port=8080)
     return p.parse_args(argv)
 
@@ -55,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
             drain_timeout=args.drain_timeout, max_drain_timeout=args.max_drain_timeout,
             generate_timeout=args.generate_timeout, control_timeout=args.control_timeout,
             engine_poll_interval=args.engine_poll_interval, retry_after_s=args.retry_after,
-            max_body_bytes=args.max_body_bytes, body_timeout=args.body_timeout)
+            max_body_bytes=args.max_body_bytes, max_answer_bytes=args.max_answer_bytes,
+            body_timeout=args.body_timeout)
     except ConfigError as exc:
         log.error("%s", exc)
         return 2

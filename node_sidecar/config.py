@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from handoff.protocol.engines import ENGINE_KIND_NAMES
-from handoff.service.limits import DEFAULT_BODY_TIMEOUT_S
+from handoff.service.limits import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_ANSWER_BYTES, DEFAULT_MAX_BODY_BYTES
 
 ROLES = ("mixed", "prefill", "decode")
 
@@ -31,7 +31,8 @@ class SidecarConfig:
     control_timeout: float = 600.0      # one control call to the engine (a reload can be slow)
     engine_poll_interval: float = 1.0   # how often the engine's health is polled
     retry_after_s: int = 2              # Retry-After on 503s
-    max_body_bytes: int = 64 * 1024 * 1024
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_answer_bytes: int = DEFAULT_MAX_ANSWER_BYTES  # an engine's non-stream answer larger than this is a 502
     body_timeout: float = DEFAULT_BODY_TIMEOUT_S  # a request's whole body, from its head
 
     def __post_init__(self) -> None:
@@ -43,7 +44,7 @@ class SidecarConfig:
             raise ConfigError(f"--vllm-sleep-level must be 1 or 2, got {self.vllm_sleep_level}")
         if self.role not in ROLES:
             raise ConfigError(f"--role must be one of {', '.join(ROLES)}, got {self.role!r}")
-        for name in ("hold_max", "retry_after_s"):
+        for name in ("hold_max", "retry_after_s", "max_body_bytes", "max_answer_bytes"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         for name in ("hold_timeout", "drain_timeout", "max_drain_timeout", "generate_timeout", "control_timeout",

@@ -16,9 +16,11 @@ import time
 from typing import Any, Callable
 from urllib.parse import urlsplit
 
+from handoff.protocol import errors as E
+from handoff.service.errors import ServiceError
 from handoff.service.peer_json import PeerJSONError, loads_bounded
-from handoff.service.upstream import (ConnectFailed, ConnectionDropped, UpstreamClient, UpstreamError,
-                                     UpstreamResponse, UpstreamTimeout)
+from handoff.service.upstream import (ConnectFailed, ConnectionDropped, ResponseTooLarge, UpstreamClient,
+                                     UpstreamError, UpstreamResponse, UpstreamTimeout)
 from node_sidecar.errors import EngineRefused, EngineUnavailable
 
 _JSON = {"Content-Type": "application/json"}
@@ -44,13 +46,17 @@ class EngineClient:
             raise EngineUnavailable(f"engine unreachable: {exc}", retry_after=1) from exc
 
     async def read(self, response: UpstreamResponse, max_bytes: int) -> bytes:
-        """The body of an engine answer (the connection is released either way).
+        """The whole body of an engine answer (the connection is released either way).
 
-        A failure mid-answer is reported to ``on_unreachable`` and raised as
-        :class:`EngineUnavailable`.
+        An answer longer than ``max_bytes`` is a 502 ``upstream_error`` (never a cut body; the engine is
+        alive, so it is not reported unreachable). A failure mid-answer is reported to ``on_unreachable``
+        and raised as :class:`EngineUnavailable`.
         """
         try:
-            return await response.read(max_bytes)
+            return await response.read_whole(max_bytes)
+        except ResponseTooLarge as exc:
+            raise ServiceError(f"the engine's answer to {response.url} is longer than {max_bytes} bytes "
+                               "(--max-answer-bytes)", kind=E.UPSTREAM_ERROR, extra={"max_bytes": max_bytes}) from exc
         except UpstreamError as exc:
             self._on_unreachable(exc)
             raise EngineUnavailable(f"the engine failed while answering: {exc}", retry_after=1) from exc

@@ -27,7 +27,6 @@ from node_sidecar.admission import InFlight
 from node_sidecar.node import Node
 
 CLIENT_CLOSED = 499
-MAX_ANSWER_BYTES = 256 * 1024 * 1024
 
 
 def _answer(upstream: UpstreamResponse, content: bytes) -> Response:
@@ -100,7 +99,7 @@ async def relay_generation(node: Node, request: Request, path: str, on_status: C
         if upstream.content_type.startswith("text/event-stream"):
             watch.stop()  # the stream's own watcher takes over
             return _relayed_stream(node, upstream, lease, call.stream() if call.stream else None)
-        content = await node.engine.read(upstream, MAX_ANSWER_BYTES)
+        content = await node.engine.read(upstream, node.config.max_answer_bytes)
         if call.answer is not None and 200 <= upstream.status < 300:
             content = call.answer(content)
     except asyncio.CancelledError:
@@ -134,5 +133,5 @@ async def forward(node: Node, request: Request, path: str, *, timeout: float = 3
     target = path + (f"?{request.url.query}" if request.url.query else "")
     headers: dict[str, Any] = {"Content-Type": request.headers.get("content-type", "application/json")} if body else {}
     upstream = await node.engine.open(request.method, target, body=body, headers=headers, timeout=timeout)
-    content = await node.engine.read(upstream, MAX_ANSWER_BYTES)
+    content = await node.engine.read(upstream, node.config.max_answer_bytes)
     return _answer(upstream, content)

@@ -24,6 +24,8 @@ from handoff.service.errors import PayloadTooLarge, RequestTimeout, ServiceError
 
 DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
 DEFAULT_BODY_TIMEOUT_S = 60.0
+# a peer's non-stream answer is buffered whole (so a failure midway is a status): this bounds it (LB, sidecar)
+DEFAULT_MAX_ANSWER_BYTES = 256 * 1024 * 1024
 
 
 class BodyLimitMiddleware:

@@ -84,3 +84,34 @@ def test_a_huge_prompt_does_not_stall_the_node(proc_log_dir: Path) -> None:
     finally:
         sidecar.stop()
         engine.stop()
+
+
+def test_an_engine_answer_past_the_cap_is_a_502_not_a_cut_body(proc_log_dir: Path) -> None:
+    """A non-stream answer longer than ``--max-answer-bytes`` was relayed cut at the cap (a 200 with broken
+    JSON); it is a 502 ``upstream_error`` now, and the node stays serving (the engine is alive)."""
+    engine = ServerProcess("node_engine", ["--model-path", "builtin:tiny"], log_dir=proc_log_dir,
+                           name="engine-big-answer").start()
+    sidecar = ServerProcess("node_sidecar", ["--engine-url", engine.url, "--engine-poll-interval", "0.2",
+                                             "--max-answer-bytes", "4096"],
+                            log_dir=proc_log_dir, name="sidecar-big-answer").start()
+    try:
+        wait_until(lambda: httpx.get(sidecar.url + "/ready").status_code == 200, timeout=20, what="ready")
+        small = httpx.post(sidecar.url + "/generate", timeout=60,
+                           json={"text": "a", "sampling_params": {"max_new_tokens": 2}})
+        assert small.status_code == 200 and len(small.content) < 4096, small.text
+        big_body = {"text": "a", "sampling_params": {"max_new_tokens": 32, "ignore_eos": True},
+                    "return_logprob": True, "top_logprobs_num": 20, "logprob_start_len": 0}
+        direct = httpx.post(engine.url + "/generate", json=big_body, timeout=60)
+        assert direct.status_code == 200 and len(direct.content) > 4096  # the same call, straight to the engine
+        relayed = httpx.post(sidecar.url + "/generate", json=big_body, timeout=60)
+        assert relayed.status_code == 502, relayed.text
+        error = relayed.json()["error"]
+        assert error["type"] == "upstream_error" and "4096" in error["message"] and error["max_bytes"] == 4096
+        view = httpx.get(sidecar.url + "/memory_occupation", timeout=10).json()
+        assert view["engine_reachable"] is True and view["serving"] is True
+        again = httpx.post(sidecar.url + "/generate", timeout=60,
+                           json={"text": "b", "sampling_params": {"max_new_tokens": 2}})
+        assert again.status_code == 200
+    finally:
+        sidecar.stop()
+        engine.stop()

@@ -78,8 +78,9 @@ def _is_ipv6_address(text: str) -> bool:
     return True
 
 
+@functools.lru_cache(maxsize=4096)  # a process calls the same few node URLs over and over (a fan-out: 128 at once)
 def split_url(url: str) -> tuple[Origin, str]:
-    """``http://host:port/path?q`` -> (origin, ``/path?q``). Raises :class:`InvalidURL`."""
+    """``http://host:port/path?q`` -> (origin, ``/path?q``). Raises :class:`InvalidURL` (never cached)."""
     if not url.startswith("http://"):
         raise InvalidURL(f"only http:// URLs are supported, got {url[:100]!r}", url=url)
     rest = url[7:]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -10,7 +11,7 @@ import httpx
 import pytest
 
 from tests.lb.behaviours import Gate, drop, endless, hang, refused_url, reply, stall_after_headers
-from tests.lb.fakes import FakeCluster
+from tests.lb.fakes import Exchange, FakeCluster, FakeNode
 from tests.lb.lbproc import LB, node_args, set_members
 from tests.support.procs import wait_until
 
@@ -107,7 +108,7 @@ def test_refused_hung_stalled_and_dropped_nodes_each_cost_the_timeout(module_fak
     started = time.monotonic()
     answer = shared_lb.http.post("/pause_generation", params={"timeout": "1"}, json={"mode": "abort"})
     elapsed = time.monotonic() - started
-    assert 0.9 < elapsed < 2.5, elapsed
+    assert 0.9 < elapsed < 3.5, elapsed
     body = assert_failure_shape(answer, "/pause_generation", failed=4, total=5)
     reasons = {f["node"]: f["reason"] for f in body["failures"]}
     assert reasons == {hung.url: "timeout", stalled.url: "timeout", dropped.url: "dropped", refused: "unreachable"}
@@ -135,7 +136,7 @@ def test_parallel_four_nodes_taking_a_second_each(module_fakes: FakeCluster, sha
     answer = shared_lb.http.post("/flush_cache")
     elapsed = time.monotonic() - started
     assert answer.status_code == 200 and answer.json()["total"] == 4
-    assert elapsed < 1.8, elapsed
+    assert elapsed < 3.5, elapsed  # one after the other: 4 s
 
 
 def test_role_narrows_and_an_empty_role_is_no_nodes(module_fakes: FakeCluster, shared_lb: LB) -> None:
@@ -181,18 +182,35 @@ def test_bad_role_and_timeout_parameters(module_fakes: FakeCluster, shared_lb: L
         assert answer.status_code == 400 and answer.json()["error"]["type"] == "invalid_request", params
 
 
-def test_150_nodes_answering_in_200ms(fakes: FakeCluster, start_lb) -> None:
+def test_150_nodes_are_called_all_at_once(fakes: FakeCluster, start_lb) -> None:
+    """Each node holds its answer until all 150 have the call (or 20 s pass): a fan-out that called them in
+    turns, or in bounded waves, would never have them all in flight at once."""
     nodes = fakes.start(150)
+    in_flight = {"now": 0, "most": 0}
+    everyone: list[asyncio.Event] = []
+
+    async def meet(node: FakeNode, ex: Exchange) -> None:
+        if not everyone:
+            everyone.append(asyncio.Event())
+        in_flight["now"] += 1
+        in_flight["most"] = max(in_flight["most"], in_flight["now"])
+        if in_flight["now"] == len(nodes):
+            everyone[0].set()
+        try:
+            await asyncio.wait_for(everyone[0].wait(), timeout=20)
+        except asyncio.TimeoutError:
+            pass  # the count below says what went wrong
+        in_flight["now"] -= 1
+        ex.respond(200, {"success": True})
+
     for node in nodes:
-        node.handlers["/flush_cache"] = reply(200, {"success": True}, delay=0.2)
+        node.handlers["/flush_cache"] = meet
     lb = start_lb(*node_args(*(n.url for n in nodes)), fast_health=False)
-    timings = []
-    for _ in range(3):
-        started = time.monotonic()
-        answer = lb.http.post("/flush_cache")
-        timings.append(time.monotonic() - started)
-        assert answer.status_code == 200 and answer.json()["total"] == 150
-    assert max(timings) < 0.6, timings  # measured: about 0.21 s each, the first included
+    for _ in range(2):
+        everyone.clear()
+        answer = lb.http.post("/flush_cache", params={"timeout": "60"}, timeout=90)
+        assert answer.status_code == 200 and answer.json()["total"] == 150 and answer.json()["success"] is True
+        assert in_flight["most"] == 150, in_flight
 
 
 def test_release_stops_routing_at_once_and_resume_restores_it(fakes: FakeCluster, start_lb) -> None:
@@ -244,7 +262,7 @@ def test_a_sidecar_answer_carries_its_state_so_one_request_per_node(fakes: FakeC
     before = [len(n.requests_to("/memory_occupation")) for n in nodes]
     started = time.monotonic()
     answer = lb.http.post("/release_memory_occupation", json={"mode": "wait"})
-    assert answer.status_code == 200 and time.monotonic() - started < 1.0
+    assert answer.status_code == 200 and time.monotonic() - started < 10  # a wait on the hung check: 120 s
     assert [len(n.requests_to("/memory_occupation")) for n in nodes] == before
     assert not any(n["routable"] for n in lb.nodes())
     assert all(n["tags"]["kv_cache"]["state"] == "released" for n in lb.nodes())

@@ -130,7 +130,8 @@ def run_kv(budget_mb: int, use_fraction: bool) -> dict[str, Any]:
     from node_engine.memory.host_heap import trim_host_heap
     from node_engine.memory.peak import HostPeakMeter
     from node_engine.memory.saver import DisabledSaver
-    from node_engine.runner import ModelRunner, load_model_source
+    from node_engine.model.source import load_model_source
+    from node_engine.runner import ModelRunner
 
     meter = HostPeakMeter()
     if not use_fraction:

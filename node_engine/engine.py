@@ -44,7 +44,8 @@ from node_engine.memory.saver import CpuSaver, DisabledSaver, MemorySaver
 from node_engine.metrics import EngineMetrics
 from node_engine.prefix_cache import PrefixCache
 from node_engine.request import FinishReason, Request, RequestOutput, RequestState
-from node_engine.runner import ModelRunner, load_model_source
+from node_engine.model.source import load_model_source
+from node_engine.runner import ModelRunner
 from node_engine.sampling import SamplingParams
 from node_engine.scheduler import Scheduler, SchedulerConfig, Step, StepKind
 from node_engine.tokenizer import IncrementalDetokenizer

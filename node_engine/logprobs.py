@@ -22,12 +22,15 @@ whole ``[prompt, vocab]`` logits matrix.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 
 from handoff.protocol.generate_request import LogprobOptions
 from node_engine.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from node_engine.scheduler import StepEntry
 
 ROWS_PER_PASS = 256
 _LOWEST = torch.finfo(torch.float32).min
@@ -139,3 +142,23 @@ def prompt_logprobs(hidden: torch.Tensor, targets: Sequence[int], first: int, op
         if out.token_ids is not None:
             out.token_ids.extend(picked)  # type: ignore[arg-type]
     return out
+
+
+def step_prompt_logprobs(entries: Sequence[StepEntry], hidden: torch.Tensor,
+                         compute_logits: Callable[[torch.Tensor], torch.Tensor]) -> dict[int, PromptLogprobs]:
+    """Prompt logprobs, by entry index, of the positions a prefill step computed (``hidden``: every token of
+    ``entries`` in order) that a request still needs."""
+    result: dict[int, PromptLogprobs] = {}
+    offset = 0
+    for index, e in enumerate(entries):
+        request = e.request
+        first = request.prompt_logprob_next
+        if first is not None and request.logprobs is not None:
+            first = max(first, e.start)
+            end = min(e.end, len(request.prompt_ids) - 1)  # the last prompt position predicts no prompt token
+            if first < end:
+                rows = hidden[offset + first - e.start:offset + end - e.start]
+                result[index] = prompt_logprobs(rows, request.prompt_ids[first + 1:end + 1], first,
+                                                request.logprobs, compute_logits)
+        offset += e.end - e.start
+    return result

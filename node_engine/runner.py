@@ -8,7 +8,7 @@ its memory region:
   buffers (``workspace``); a vision-language model's reservation for its
   worst-case vision step too (``vision/reservation.py``);
 - ``_allocate_kv_cache``: the KV pool (``kv_cache``), pinned, a CPU default, or
-  sized from measured peaks (``kv_sizing.py``) into ``KVPlan``;
+  sized from measured peaks (``kv_pool.py``, ``kv_sizing.py``) into ``KVPlan``;
 - ``DecodeGraphs``: captured decode graphs and their private pool (``cuda_graph``).
 
 What stays outside every region: the rotary cos/sin tables (built once, needed
@@ -19,34 +19,33 @@ context itself. ``docs/memory.md`` lists them with sizes.
 from __future__ import annotations
 
 import logging
-import threading
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 
-from node_engine.config import DEFAULT_CPU_MAX_TOTAL_TOKENS, ConfigError, EngineConfig
+from node_engine.config import ConfigError, EngineConfig
 from node_engine.kv_cache import PADDING_SLOT
-from node_engine.kv_sizing import DeviceBudget, HostBudget, KVPoolSizer, KVSizingError, MemoryBudget, SizingReport
-from node_engine.memory.peak import CudaPeakMeter, HostPeakMeter
+from node_engine.kv_pool import KVPlan, fixed_num_slots, size_from_peaks, sizes_from_peaks
+from node_engine.kv_sizing import SizingReport
 from node_engine.memory.headroom import step_headroom_bytes
 from node_engine.memory.saver import MemorySaver
 from node_engine.memory.tags import MemoryTag
-from node_engine.model.arch import ModelArch, ModelConfigError
-from node_engine.model.builtin import builtin_arch, builtin_weights, is_builtin
+from node_engine.model.arch import ModelArch
+from node_engine.model.builtin import builtin_weights, is_builtin
 from node_engine.model.layers import AttentionBatch, RotaryTable
 from node_engine.model.llama import CausalLM
-from node_engine.model.checkpoint_io import CheckpointReader, TensorEntry
-from node_engine.model.loader import (apply_staged, check_update, checkpoint_files, load_tensors, load_weights,
-                                     stage_update, touched_parameters)
+from node_engine.model.checkpoint_io import CheckpointReader
+from node_engine.model.loader import load_tensors, load_weights
 from node_engine.model.packing import WeightPacking
+from node_engine.model.source import check_vision_flags
+from node_engine.model.weight_writer import WeightWriter
 from node_engine.prefill_batch import prefill_batch
 from node_engine.logits import apply_penalties
-from node_engine.logprobs import PromptLogprobs, output_logprobs, prompt_logprobs
+from node_engine.logprobs import PromptLogprobs, output_logprobs, step_prompt_logprobs
 from node_engine.sampling import sample
 from node_engine.scheduler import Step, StepKind, StepResult
-from node_engine.tokenizer import Tokenizer
+from node_engine.step_inputs import DecodeInputs, decode_inputs, prefill_inputs
 from node_engine.vision.encoder import Chunk
 from node_engine.vision.inputs import MultimodalPrompt
 from node_engine.vision.model import build_model
@@ -59,62 +58,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-@dataclass(frozen=True)
-class DecodeInputs:
-    """Per-sequence tensors of one decode step (on the device), and what the attention batch needs to know."""
-
-    input_ids: torch.Tensor     # [B] the token each sequence computes
-    positions: torch.Tensor     # [B] its position
-    rope_positions: torch.Tensor  # [B] the position it rotates by (M-RoPE: position + the prompt's delta)
-    rows: torch.Tensor          # [B] the sequence's row of the request-to-slot table
-    slot_mapping: torch.Tensor  # [B] the slot its KV goes to
-    max_len: int                # keys of the longest sequence
-    is_ragged: bool             # sequences differ in length (the attention needs a mask)
-
-
-@dataclass(frozen=True)
-class KVPlan:
-    """The KV pool as sized at start (a run-time result, not configuration)."""
-
-    num_slots: int
-    bytes_per_slot: int
-    context_len: int
-
-    @property
-    def num_bytes(self) -> int:
-        return self.num_slots * self.bytes_per_slot
-
-
-def load_model_source(config: EngineConfig) -> tuple[ModelArch, Tokenizer]:
-    """Architecture and tokenizer of the configured model; fails early, naming what is wrong."""
-    if is_builtin(config.model_path):
-        arch = builtin_arch(config.model_path, config.model_override_dict())
-        return arch, Tokenizer.builtin_bytes(vision=arch.vision is not None)
-    if config.model_override:
-        raise ConfigError("--model-override applies to built-in models only")
-    folder = Path(config.model_path)
-    arch = ModelArch.from_folder(folder)
-    checkpoint_files(folder)
-    tokenizer = Tokenizer.from_folder(folder, extra_eos_ids=arch.eos_token_ids)
-    if tokenizer.vocab_size > arch.vocab_size:
-        raise ModelConfigError(f"the tokenizer has {tokenizer.vocab_size} tokens, the model only {arch.vocab_size}")
-    return arch, tokenizer
-
-
-VISION_FLAGS = ("max_image_tokens", "visual_batch_max_tokens", "vision_reserve_mb")
-
-
-def check_vision_flags(config: EngineConfig, arch: ModelArch) -> None:
-    if arch.vision is None:
-        given = [name for name in VISION_FLAGS if getattr(config, name) is not None]
-        if given:
-            raise ConfigError(f"--{given[0].replace('_', '-')} is for vision-language models; {config.model_path} "
-                              "has no vision tower")
-    elif config.enable_torch_compile:
-        raise ConfigError("--enable-torch-compile is not available for vision-language models yet (M-RoPE "
-                          "positions differ from token positions in decode)")
 
 
 class ModelRunner:
@@ -130,7 +73,6 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.dtype = DTYPES[config.resolved_dtype]
         self.reader = CheckpointReader(drill=drill)
-        self.keep_unpacked = False  # an update session is open: weights stay plain until it ends
         context_len = config.context_length or arch.max_position_embeddings
         if context_len > arch.max_position_embeddings:
             raise ConfigError(f"--context-length {context_len} exceeds the model's max_position_embeddings "
@@ -141,6 +83,7 @@ class ModelRunner:
         self.model.bind_rotary(self.rotary)
         self.packing = WeightPacking(self.model.packable_projections())
         self.packing.pack()
+        self.weight_writer = WeightWriter(self.model, self.packing, self.reader, self.source_dtypes)
         self._allocate_workspace(context_len)
         # Memory outside every tag, by what holds it (docs/memory.md says how each is measured).
         self.outside_tags: dict[str, int] = {"rotary_tables": self.rotary.nbytes}
@@ -152,8 +95,12 @@ class ModelRunner:
         self.bytes_per_slot = 2 * arch.num_layers * arch.kv_size * self.dtype.itemsize
         self.kv_sizing: SizingReport | None = None
         self.context_len = context_len
-        pool = self._size_kv_pool(kv_allocate) if self._sizes_from_peaks else None
-        self.kv_plan = KVPlan(num_slots=pool.shape[1] if pool is not None else self._fixed_num_slots() + 1,
+        pool = None
+        if sizes_from_peaks(config):
+            sized = size_from_peaks(self, kv_allocate)
+            pool, self.kv_sizing = sized.pool, sized.report
+            self.outside_tags.update(sized.outside_tags)
+        self.kv_plan = KVPlan(num_slots=pool.shape[1] if pool is not None else fixed_num_slots(config) + 1,
                               bytes_per_slot=self.bytes_per_slot, context_len=context_len)
         self._allocate_kv_cache(pool)
         self.step_headroom_bytes = self._step_headroom_bytes()
@@ -186,64 +133,6 @@ class ModelRunner:
             self.req_to_token = torch.zeros(self.config.max_running_requests, context_len, dtype=torch.int32,
                                             device=self.device)
         self.saver.register(MemoryTag.WORKSPACE, [self.req_to_token])
-
-    @property
-    def _sizes_from_peaks(self) -> bool:
-        """Pinned (``--max-total-tokens``) or a CPU engine without a budget: a fixed size, no profiling."""
-        config = self.config
-        return config.max_total_tokens is None and (self.device.type == "cuda" or config.memory_budget_mb is not None)
-
-    def _fixed_num_slots(self) -> int:
-        return self.config.max_total_tokens if self.config.max_total_tokens is not None else DEFAULT_CPU_MAX_TOTAL_TOKENS
-
-    def _size_kv_pool(self, allocate: Callable[[str, int], torch.Tensor] | None) -> torch.Tensor:
-        """The KV pool sized by ``kv_sizing.py`` (probe, target, validation, shrink and retry)."""
-        config = self.config
-        if self.device.type == "cuda":
-            meter = CudaPeakMeter()
-            budget: MemoryBudget = DeviceBudget(config.mem_fraction)
-        else:
-            meter = HostPeakMeter()
-            budget = HostBudget(config.memory_budget_mb * 2**20, meter)
-        min_slots = min(config.max_batch_tokens, self.context_len) + 1
-        sizer = KVPoolSizer(self, budget, meter, device=self.device, min_slots=min_slots, probe_slots=min_slots,
-                            allocate=allocate)
-        self.kv_sizing = sizer.report
-        allocated_before = torch.cuda.memory_allocated() if self.device.type == "cuda" else 0
-        try:
-            pool = sizer.run()
-        except KVSizingError:
-            raise KVSizingError(self._sizing_error(sizer.report, budget)) from None
-        pool.zero_()  # the stresses wrote garbage into it
-        if self.device.type == "cuda":  # what the first forwards left allocated for good: cuBLAS's workspaces
-            torch.cuda.synchronize()
-            self.outside_tags["cublas_workspace_main_stream"] = max(
-                0, torch.cuda.memory_allocated() - allocated_before - pool.nbytes)
-        return pool
-
-    def _sizing_error(self, report: SizingReport, budget: MemoryBudget) -> str:
-        config, mib = self.config, 2**20
-        weights = self.saver.tag_bytes(MemoryTag.WEIGHTS)
-        workspace = self.saver.tag_bytes(MemoryTag.WORKSPACE)
-        reservation = self.vision.reservation.num_bytes if self.vision and self.vision.reservation else 0
-        left = report.free_bytes - report.activation_peak_bytes - report.canary_bytes
-        vision = ""
-        if self.vision is not None:
-            vision = (f" of which the vision reservation {reservation / mib:.1f} MiB for --max-image-tokens "
-                      f"{self.vision.max_image_tokens} and --visual-batch-max-tokens {self.vision.visual_budget}")
-        attempts = "; ".join(f"{a.num_slots} slots: {a.outcome}" for a in report.attempts)
-        knobs = "--max-batch-tokens, --max-running-requests, --context-length"
-        knobs += ", --max-image-tokens or --visual-batch-max-tokens" if self.vision is not None else " or the model"
-        return (f"no KV pool fits {budget.describe()}: the engine holds {report.held_bytes / mib:.1f} MiB before "
-                f"the pool (weights {weights / mib:.1f} MiB, workspace {workspace / mib:.1f} MiB{vision}, the "
-                f"process itself); the activation peak measured at "
-                f"--max-batch-tokens {config.max_batch_tokens} and --max-running-requests "
-                f"{config.max_running_requests} ({self.context_len}-token context) is "
-                f"{report.activation_peak_bytes / mib:.1f} MiB and the canary {report.canary_bytes / mib:.0f} MiB; "
-                f"{report.free_bytes / mib:.1f} MiB were free, leaving {max(0, left) / mib:.1f} MiB for the pool "
-                f"({max(0, left) // report.bytes_per_slot} slots of {report.bytes_per_slot} bytes; at least "
-                f"{min(config.max_batch_tokens, self.context_len) + 1} needed). Attempts: {attempts or 'none'}. "
-                f"Give the engine more memory, lower {knobs}, or pin --max-total-tokens (no sizing).")
 
     def _step_headroom_bytes(self) -> int:
         """What one step may take outside every tag: the KV sizer's measured activation peak (its prefill and
@@ -322,7 +211,7 @@ class ModelRunner:
         else:
             sampling = [e for e in step.entries if e.samples]
             all_hidden, last_index = self._forward_prefill(step)
-            prompt_logprobs = self._prompt_logprobs(step, all_hidden)
+            prompt_logprobs = step_prompt_logprobs(step.entries, all_hidden, self.model.compute_logits)
             if not sampling:
                 return StepResult([], None, prompt_logprobs)
             hidden = all_hidden if len(last_index) == all_hidden.shape[0] else \
@@ -339,48 +228,9 @@ class ModelRunner:
                                        original=self.config.return_original_logprob)
         return StepResult(tokens, logprobs, prompt_logprobs)
 
-    def _prompt_logprobs(self, step: Step, hidden: torch.Tensor) -> dict[int, PromptLogprobs]:
-        """Prompt logprobs of the positions this prefill computed that a request still needs."""
-        result: dict[int, PromptLogprobs] = {}
-        offset = 0
-        for index, e in enumerate(step.entries):
-            request = e.request
-            first = request.prompt_logprob_next
-            if first is not None and request.logprobs is not None:
-                first = max(first, e.start)
-                end = min(e.end, len(request.prompt_ids) - 1)  # the last prompt position predicts no prompt token
-                if first < end:
-                    rows = hidden[offset + first - e.start:offset + end - e.start]
-                    result[index] = prompt_logprobs(rows, request.prompt_ids[first + 1:end + 1], first,
-                                                    request.logprobs, self.model.compute_logits)
-            offset += e.end - e.start
-        return result
-
     def prepare_decode(self, step: Step) -> DecodeInputs:
-        """The per-sequence tensors of a decode step, built in one pass; records the new slots."""
-        tokens: list[int] = []
-        positions: list[int] = []
-        rows: list[int] = []
-        rope: list[int] = []  # the same as positions unless a prompt had images (M-RoPE's delta)
-        for e in step.entries:
-            request = e.request
-            num_prompt = len(request.prompt_ids)
-            tokens.append(request.prompt_ids[e.start] if e.start < num_prompt
-                          else request.output_ids[e.start - num_prompt])
-            positions.append(e.start)
-            rows.append(request.row)
-            # A decoded token is text after the prompt's last image (a prompt never ends with an image token).
-            rope.append(e.start if request.mm is None else e.start + request.mm.rope_delta)
-        input_ids, position_t, rows_t, rope_t = torch.tensor([tokens, positions, rows, rope],
-                                                             device=self.device).unbind(0)
-        # A copy even on CPU: made here, under inference mode, like the other inputs. A compiled decode
-        # graph is specialized on that (the scheduler's tensor is an ordinary one).
-        slot_mapping = step.slot_mapping.to(self.device, copy=True)
-        self.req_to_token[rows_t, position_t] = slot_mapping.to(torch.int32)
-        max_position = max(positions)
-        return DecodeInputs(input_ids=input_ids, positions=position_t, rope_positions=rope_t, rows=rows_t,
-                            slot_mapping=slot_mapping, max_len=max_position + 1,
-                            is_ragged=min(positions) != max_position)
+        """The per-sequence tensors of a decode step; records the new slots."""
+        return decode_inputs(step, self.req_to_token)
 
     def _forward_decode(self, step: Step) -> torch.Tensor:
         """Hidden states [B, hidden] of one token per sequence."""
@@ -403,32 +253,16 @@ class ModelRunner:
     def _forward_prefill(self, step: Step) -> tuple[torch.Tensor, list[int]]:
         """Hidden states of every token the step computes, and the rows of its sampling positions (the last
         token of each entry that samples)."""
-        entries = step.entries
-        dev = self.device
         if step.images:
             self._vision().encoder.encode(step.images)
-        slot_mapping = step.slot_mapping.to(dev)
-        tokens: list[int] = []
-        positions: list[int] = []
-        last_index: list[int] = []
-        for e in entries:
-            num = e.end - e.start
-            if e.prefix is not None:  # a reused cached prefix: its slots open the request's row
-                self.req_to_token[e.request.row, :e.start] = e.prefix.to(device=dev, dtype=torch.int32)
-            self.req_to_token[e.request.row, e.start:e.end] = slot_mapping[len(tokens):len(tokens) + num]
-            tokens.extend(e.request.token_slice(e.start, e.end))
-            positions.extend(range(e.start, e.end))
-            if e.samples:
-                last_index.append(len(tokens) - 1)
-        input_ids = torch.tensor(tokens, dtype=torch.int64, device=dev)
-        position_t = torch.tensor(positions, dtype=torch.int64, device=dev)
-        batch = prefill_batch(step.entries, slot_mapping, self.req_to_token)
-        if any(e.request.mm is not None for e in entries):
-            hidden = self._forward_multimodal([(e.request.mm, e.start, e.end) for e in entries], input_ids,
-                                              position_t, batch)
+        inputs = prefill_inputs(step, self.req_to_token)
+        batch = prefill_batch(step.entries, inputs.slot_mapping, self.req_to_token)
+        if any(e.request.mm is not None for e in step.entries):
+            hidden = self._forward_multimodal([(e.request.mm, e.start, e.end) for e in step.entries],
+                                              inputs.input_ids, inputs.positions, batch)
         else:
-            hidden = self.model(input_ids, position_t, batch)
-        return hidden, last_index
+            hidden = self.model(inputs.input_ids, inputs.positions, batch)
+        return hidden, inputs.sampling_rows
 
     def _vision(self) -> VisionRuntime:
         if self.vision is None:
@@ -489,45 +323,6 @@ class ModelRunner:
         self.req_to_token.zero_()
         if self.graphs is not None:
             self.graphs.reset_buffers()
-
-    # -- weights ---------------------------------------------------------------
-    def check_weights_update(self, folder: Path) -> dict[str, TensorEntry]:
-        """Headers only; any thread (reads the parameters' shapes, never their storage)."""
-        return check_update(self.model, folder, self.source_dtypes, self.reader)
-
-    def stage_weights_update(self, entries: dict[str, TensorEntry],
-                             cancel: threading.Event | None = None) -> dict[str, torch.Tensor]:
-        """Every tensor of a checked reload, read into host memory; any thread."""
-        return stage_update(self.model, entries, self.reader, cancel)
-
-    def apply_weights(self, tensors: dict[str, torch.Tensor], *, is_complete: bool) -> None:
-        """Copy checked tensors into the parameters; engine thread only.
-
-        ``is_complete``: every weight is written, so packed projections need not
-        be written back first. A bucket unpacks only the projections it writes.
-        While an update session is open (``keep_unpacked``) nothing is packed
-        again until it ends.
-        """
-        if is_complete:
-            self.packing.unpack(keep_contents=False)
-        else:
-            self.packing.unpack(only=touched_parameters(self.model, list(tensors)))
-        try:
-            apply_staged(self.model, tensors)
-        finally:
-            if not self.keep_unpacked:
-                self.packing.try_pack()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-
-    def open_weight_session(self) -> None:
-        """SGLang's ``begin_weight_update``: plain weights until the session ends, so buckets unpack nothing."""
-        self.keep_unpacked = True
-        self.packing.unpack()
-
-    def close_weight_session(self) -> None:
-        self.keep_unpacked = False
-        self.packing.try_pack()
 
     @property
     def padding_slot(self) -> int:

@@ -65,7 +65,7 @@ class WeightUpdates:
     async def check_disk(self, model_path: str) -> dict[str, Any]:
         """The dry run: files, keys, shapes, dtypes from the headers; changes nothing, needs no idle engine."""
         runner = self.engine.runner
-        await self._read(lambda cancel: runner.check_weights_update(Path(model_path)), model_path)
+        await self._read(lambda cancel: runner.weight_writer.check(Path(model_path)), model_path)
         return {"success": True, "dry_run": True, "message": f"{shown_path(model_path)} can be loaded"}
 
     async def update_from_disk(self, body: UpdateWeightsFromDiskBody) -> dict[str, Any]:
@@ -75,7 +75,7 @@ class WeightUpdates:
         started = time.perf_counter()
 
         def stage(cancel: threading.Event) -> dict[str, torch.Tensor]:
-            return runner.stage_weights_update(runner.check_weights_update(Path(path)), cancel)
+            return runner.weight_writer.stage(runner.weight_writer.check(Path(path)), cancel)
 
         staged = await self._read(stage, path)
         read_s = time.perf_counter() - started
@@ -149,7 +149,7 @@ class WeightUpdates:
         if MemoryTag.WEIGHTS in engine.memory.released_tags():
             resumed = engine.control.resume([MemoryTag.WEIGHTS])["resumed"]
         try:
-            engine.runner.apply_weights(tensors, is_complete=is_complete)
+            engine.runner.weight_writer.apply(tensors, is_complete=is_complete)
         except Exception as exc:
             engine.memory.mark_weights_invalid()
             raise WeightsCorrupted(f"a weight update failed part way ({exc}); generation is refused until an "
@@ -176,14 +176,14 @@ class WeightUpdates:
             raise InvalidRequest("a weight-update session is already open; call end_weight_update() first")
         if body.selector == "draft":
             raise InvalidRequest("this engine has no draft model (selector 'draft')")
-        self.engine.runner.open_weight_session()
+        self.engine.runner.weight_writer.open_session()
         self.session_selector = body.selector
         return {"success": True, "message": "Success"}
 
     def end_session(self) -> dict[str, Any]:
         if self.session_selector is None:
             raise InvalidRequest("no weight-update session is open; call begin_weight_update() first")
-        self.engine.runner.close_weight_session()
+        self.engine.runner.weight_writer.close_session()
         self.session_selector = None
         return {"success": True, "message": "Success"}
 

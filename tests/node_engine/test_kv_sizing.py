@@ -15,7 +15,8 @@ from node_engine.config import EngineConfig
 from node_engine.kv_sizing import CANARY_BYTES, MAX_RETRIES, SHRINK_FACTOR, KVSizingError
 from node_engine.memory.peak import HostPeakMeter
 from node_engine.memory.saver import DisabledSaver
-from node_engine.runner import ModelRunner, load_model_source
+from node_engine.model.source import load_model_source
+from node_engine.runner import ModelRunner
 
 MiB = 2**20
 KNOBS = dict(context_length=512, max_batch_tokens=256, max_running_requests=8)

@@ -12,7 +12,8 @@ from node_engine.config import EngineConfig
 from node_engine.memory.saver import DisabledSaver
 from node_engine.model.arch import ModelConfigError
 from node_engine.model.builtin import builtin_arch, builtin_weights, save_checkpoint
-from node_engine.runner import ModelRunner, load_model_source
+from node_engine.model.source import load_model_source
+from node_engine.runner import ModelRunner
 
 
 @pytest.fixture

@@ -11,7 +11,8 @@ import torch
 
 from node_engine.config import EngineConfig
 from node_engine.memory.saver import DisabledSaver
-from node_engine.runner import ModelRunner, load_model_source
+from node_engine.model.source import load_model_source
+from node_engine.runner import ModelRunner
 from node_engine.sampling import SamplingParams
 from tests.node_engine.checkpoints import KINDS, make_checkpoint
 from tests.node_engine.engine_harness import generate, running_engine

@@ -14,7 +14,8 @@ from node_engine.memory.saver import CpuSaver, DisabledSaver
 from node_engine.memory.tags import BackupMode, MemoryTag
 from node_engine.model import layers
 from node_engine.model.builtin import builtin_arch, builtin_weights, save_checkpoint
-from node_engine.runner import ModelRunner, load_model_source
+from node_engine.model.source import load_model_source
+from node_engine.runner import ModelRunner
 from node_engine.sampling import SamplingParams
 from tests.node_engine.engine_harness import generate, running_engine
 

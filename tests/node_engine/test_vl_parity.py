@@ -15,7 +15,8 @@ import torch
 from node_engine.config import EngineConfig
 from node_engine.engine import Engine
 from node_engine.memory.saver import DisabledSaver
-from node_engine.runner import ModelRunner, load_model_source
+from node_engine.model.source import load_model_source
+from node_engine.runner import ModelRunner
 from node_engine.sampling import SamplingParams
 from node_engine.vision.placeholders import expand
 from node_engine.vision.processor import ImageProcessor

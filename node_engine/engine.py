@@ -20,13 +20,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import queue
 import random
 import threading
 import time
 import uuid
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -37,10 +34,10 @@ from node_engine.config import EngineConfig
 from node_engine.control import EngineControl
 from node_engine.errors import EngineStopped, InvalidRequest, MemoryReleased, WeightsNotLoaded
 from node_engine.failures import FaultDrill, leaves_device_unusable
+from node_engine.inbox import Abort, Add, Call, Closed, Inbox, Item
 from node_engine.kv_cache import RowAllocator, SlotAllocator
-from node_engine.memory.info import CudaMemoryInfo, FileOverrideMemoryInfo, HostMemoryInfo, MemoryInfo
 from node_engine.memory.manager import MemoryManager
-from node_engine.memory.saver import CpuSaver, DisabledSaver, MemorySaver
+from node_engine.memory.setup import make_memory_info, make_saver
 from node_engine.metrics import EngineMetrics
 from node_engine.prefix_cache import PrefixCache
 from node_engine.request import FinishReason, Request, RequestOutput, RequestState
@@ -57,24 +54,6 @@ from node_engine.weight_updates import WeightUpdates
 log = logging.getLogger(__name__)
 
 
-def make_saver(config: EngineConfig) -> MemorySaver:
-    if not config.enable_memory_saver:
-        return DisabledSaver()
-    backup_dir = config.backup_dir or Path(f"/tmp/handoff-backup-{uuid.uuid4().hex[:8]}")
-    if config.device == "cuda":
-        from node_engine.memory.saver_cuda import CudaSaver
-
-        return CudaSaver(config.weights_backup, backup_dir)
-    return CpuSaver(backup_dir)
-
-
-def make_memory_info(config: EngineConfig) -> MemoryInfo:
-    info: MemoryInfo = CudaMemoryInfo() if config.device == "cuda" else HostMemoryInfo()
-    if config.free_memory_override_file is not None:
-        info = FileOverrideMemoryInfo(config.free_memory_override_file, info)
-    return info
-
-
 class RequestHandle:
     """The event-loop side of one request: its outputs, in order."""
 
@@ -89,33 +68,8 @@ class RequestHandle:
         return await self._queue.get()
 
 
-@dataclass
-class _Add:
-    request: Request
-
-
-@dataclass
-class _Abort:
-    rid: str | None  # None: all
-
-
-@dataclass
-class _Call:
-    fn: Callable[[], Any]
-    future: asyncio.Future
-    loop: asyncio.AbstractEventLoop
-
-
 class DeviceFailed(RuntimeError):
     """A step raised an error that leaves the device unusable; the engine thread stops."""
-
-
-@dataclass(frozen=True)
-class _Closed:
-    """Why the inbox takes nothing more: the engine is stopping, or it failed."""
-
-    message: str
-    has_failed: bool
 
 
 class Engine:
@@ -147,9 +101,7 @@ class Engine:
             PrefixCache(slots) if config.enable_prefix_cache else None)
         self.weight_version = config.weight_version
         self.is_paused = False  # pause_generation (retract, in_place): requests stay, nothing steps
-        self._inbox: queue.SimpleQueue[_Add | _Abort | _Call | None] = queue.SimpleQueue()
-        self._inbox_lock = threading.Lock()  # orders a post against the inbox closing
-        self._closed: _Closed | None = None
+        self._inbox = Inbox()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -173,7 +125,7 @@ class Engine:
 
     def stop(self) -> None:
         self._stopping = True
-        self._inbox.put(None)
+        self._inbox.wake()
         if self._thread is not None:
             self._thread.join(timeout=10)
 
@@ -189,7 +141,7 @@ class Engine:
     @property
     def is_alive(self) -> bool:
         """The engine thread runs and takes work (false from the moment a fatal error closed the inbox)."""
-        return self._thread is not None and self._thread.is_alive() and self._closed is None
+        return self._thread is not None and self._thread.is_alive() and self._inbox.closed is None
 
     # -- event-loop side -----------------------------------------------------------
     def check_request(self, prompt_ids: list[int], params: SamplingParams,
@@ -253,12 +205,12 @@ class Engine:
                           logprobs=logprobs, use_prefix_cache=use_prefix_cache,
                           prefill_only=params.max_new_tokens == 0 and (prefill or (
                               logprobs is not None and 0 <= logprobs.start_len < len(prompt_ids))))
-        self._post(_Add(request))
+        self._post(Add(request))
         return handle
 
     def abort(self, rid: str | None) -> None:
         """Abort one request (or all with ``None``); it finishes with ``abort`` and the tokens it had."""
-        self._post(_Abort(rid))
+        self._post(Abort(rid))
 
     async def call(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn`` on the engine thread between two steps; its exception is raised here."""
@@ -266,17 +218,14 @@ class Engine:
             raise EngineStopped("the engine is stopping")
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        self._post(_Call(fn, future, loop))
+        self._post(Call(fn, future, loop))
         return await future
 
-    def _post(self, item: _Add | _Abort | _Call) -> None:
+    def _post(self, item: Item) -> None:
         """Queue ``item`` for the engine thread, or answer it at once if the inbox is closed."""
-        with self._inbox_lock:
-            closed = self._closed
-            if closed is None:
-                self._inbox.put(item)
-                return
-        self._refuse(item, closed)
+        closed = self._inbox.post(item)
+        if closed is not None:
+            self._refuse(item, closed)
 
     # -- engine thread -------------------------------------------------------------
     def _run(self) -> None:
@@ -292,12 +241,12 @@ class Engine:
                     self._step()
         except BaseException as exc:  # a device failure, or a bug in the engine's own bookkeeping
             log.critical("the engine thread failed", exc_info=exc)
-            self._close(_Closed(f"the engine failed ({type(exc).__name__}: {exc}) and is exiting; "
+            self._close(Closed(f"the engine failed ({type(exc).__name__}: {exc}) and is exiting; "
                                 "nothing more runs here", has_failed=True))
             if self.on_fatal is not None:
                 self.on_fatal(exc)
             return
-        self._close(_Closed("the engine is stopping", has_failed=False))
+        self._close(Closed("the engine is stopping", has_failed=False))
 
     @property
     def _can_step(self) -> bool:
@@ -306,31 +255,21 @@ class Engine:
                 and self.memory.is_all_resident)
 
     def _drain_inbox(self, *, block: bool) -> None:
-        try:
-            item = self._inbox.get(block=block)
-        except queue.Empty:
-            return
-        while True:
-            if item is None:
-                return
+        for item in self._inbox.take(block=block):
             self._handle(item)
-            try:
-                item = self._inbox.get_nowait()
-            except queue.Empty:
-                return
 
-    def _handle(self, item: _Add | _Abort | _Call) -> None:
-        if isinstance(item, _Add):
+    def _handle(self, item: Item) -> None:
+        if isinstance(item, Add):
             self._admit(item.request)
-        elif isinstance(item, _Abort):
+        elif isinstance(item, Abort):
             self._abort(item.rid)
         else:
             try:
                 result = item.fn()
             except BaseException as exc:  # handed to the caller, who raises it
-                item.loop.call_soon_threadsafe(_set_exception, item.future, exc)
+                item.fail(exc)
             else:
-                item.loop.call_soon_threadsafe(_set_result, item.future, result)
+                item.resolve(result)
             self._update_memory_metrics()
 
     def _admit(self, request: Request) -> None:
@@ -403,14 +342,13 @@ class Engine:
             outputs.append((request, _error_output(request, E.ENGINE_FAILED, message)))
         self._deliver(outputs)
 
-    def _close(self, closed: _Closed) -> None:
+    def _close(self, closed: Closed) -> None:
         """Take nothing more, and answer everything: requests the engine holds, then whatever is queued.
 
         A request that already ran fails (``engine_failed``, when the engine failed); one that never ran, like
         a queued call, is refused as not served (``engine_stopped``), so it may go to another node.
         """
-        with self._inbox_lock:
-            self._closed = closed
+        queued = self._inbox.close(closed)
         outputs = []
         # No bookkeeping (freeing KV): nothing runs here any more, and it could be what failed.
         for request in list(self.scheduler.running) + list(self.scheduler.waiting):
@@ -418,20 +356,15 @@ class Engine:
             kind = E.ENGINE_FAILED if closed.has_failed and has_run else E.ENGINE_STOPPED
             outputs.append((request, _error_output(request, kind, closed.message)))
         self._deliver(outputs)
-        while True:
-            try:
-                item = self._inbox.get_nowait()
-            except queue.Empty:
-                return
-            if item is not None:
-                self._refuse(item, closed)
+        for item in queued:
+            self._refuse(item, closed)
 
-    def _refuse(self, item: _Add | _Abort | _Call, closed: _Closed) -> None:
+    def _refuse(self, item: Item, closed: Closed) -> None:
         """Answer a queued item of a closed engine (any thread)."""
-        if isinstance(item, _Add):
+        if isinstance(item, Add):
             self._deliver([(item.request, _error_output(item.request, E.ENGINE_STOPPED, closed.message))])
-        elif isinstance(item, _Call):
-            item.loop.call_soon_threadsafe(_set_exception, item.future, EngineStopped(closed.message))
+        elif isinstance(item, Call):
+            item.fail(EngineStopped(closed.message))
 
     def _update_memory_metrics(self) -> None:
         for tag, info in self.memory.occupation().items():
@@ -447,13 +380,3 @@ def _error_output(request: Request, kind: E.ErrorType, message: str) -> RequestO
 def _dispatch(outputs: list[tuple[Request, RequestOutput]]) -> None:
     for request, output in outputs:
         request.on_output(output)
-
-
-def _set_result(future: asyncio.Future, result: Any) -> None:
-    if not future.done():
-        future.set_result(result)
-
-
-def _set_exception(future: asyncio.Future, exc: BaseException) -> None:
-    if not future.done():
-        future.set_exception(exc)

@@ -110,6 +110,7 @@ class WeightGroups:
                 raise InvalidRequest(f"{problem}; its broadcasts are too large to receive and discard, so group "
                                      f"{body.group_name!r} is now out of step: destroy it and join again")
             tensors = await self._receive(group, body)
+            received_s = time.perf_counter() - started
             if problem is not None:
                 raise InvalidRequest(f"{problem}; the broadcasts were received and discarded, nothing was loaded")
         model = self.engine.runner.model
@@ -123,7 +124,7 @@ class WeightGroups:
         duration = time.perf_counter() - started
         self.engine.metrics.weight_update_seconds.labels("distributed").observe(duration)
         return {"success": True, "message": "Succeeded to update parameter online.", **answer,
-                "duration_s": round(duration, 6)}
+                "receive_s": round(received_s, 6), "duration_s": round(duration, 6)}
 
     def _usable(self, name: str) -> WeightGroup:
         group = self.groups.get(name)

@@ -90,7 +90,7 @@ class WeightUpdates:
         log.info("weights reloaded from %s in %.2fs (read %.2fs), weight_version=%s", shown_path(path), duration,
                  read_s, self.engine.weight_version)
         return {"success": True, "message": f"weights loaded from {shown_path(path)}", "num_paused_requests": 0,
-                **answer, "duration_s": round(duration, 6)}
+                **answer, "read_s": round(read_s, 6), "duration_s": round(duration, 6)}
 
     async def _read(self, work: Callable[[threading.Event], T], model_path: str) -> T:
         timeout = self.engine.config.reload_timeout

@@ -133,7 +133,7 @@ def test_a_reload_while_everything_is_released_resumes_only_the_weights(client, 
     assert client.post("/release_memory_occupation", json={}).status_code == 200
     r = client.post("/update_weights_from_disk", json={"model_path": str(checkpoint), "weight_version": "disk",
                                                        "abort_all_requests": True, "flush_cache": True})
-    assert r.status_code == 200, r.text
+    assert r.status_code == 200 and 0 < r.json()["read_s"] <= r.json()["duration_s"], r.text
     tags = client.get("/memory_occupation").json()["tags"]
     assert tags["weights"]["state"] == "resident" and tags["kv_cache"]["state"] == "released"
     assert client.post("/resume_memory_occupation", json={}).json()["serving"] is True
@@ -167,3 +167,23 @@ def test_versions_model_info_pinning_and_aborts(client) -> None:
     # verl's abort body, and an unknown rid: both 200 (SGLang's answers)
     assert client.post("/abort_request", json={"rid": "", "abort_all": True}).status_code == 200
     assert client.post("/abort_request", json={"rid": "no-such-request"}).status_code == 200
+
+
+@pytest.mark.parametrize("call", [("/abort_request", {"rid": "", "abort_all": True}),
+                                  ("/update_weight_version", {"new_version": "v-aborting"}),
+                                  ("/update_weight_version", {"new_version": "v-kept", "abort_all_requests": False})])
+def test_what_ends_running_requests_and_what_does_not(client, node, call: tuple[str, dict]) -> None:
+    """verl's abort_all ends a running request; update_weight_version does too unless told not to (SGLang's
+    ``abort_all_requests`` defaults to true), and then the request finishes whole."""
+    path, body = call
+    thread, result = stream_in_thread(node.url, 300)
+    wait_until(lambda: client.get("/memory_occupation").json()["in_flight"] == 1, timeout=10, what="streaming")
+    assert client.post(path, json=body).status_code == 200
+    thread.join(60)
+    last = result["events"][-1]
+    if body.get("abort_all_requests", True):
+        assert last["meta_info"]["finish_reason"]["type"] == "abort" and len(last["output_ids"]) < 300, last
+    else:
+        assert last["meta_info"]["finish_reason"]["type"] == "length" and len(last["output_ids"]) == 300
+    if path == "/update_weight_version":
+        assert client.get("/get_weight_version").json() == {"weight_version": body["new_version"]}

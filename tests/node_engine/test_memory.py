@@ -129,6 +129,19 @@ def test_resume_with_too_little_memory_is_507_and_changes_nothing(big, big_engin
     assert big.post("/resume_memory_occupation", json={"tags": ["kv_cache"]}).json()["resumed"] == ["kv_cache", "workspace"]
 
 
+def test_a_reload_while_the_weights_are_released_checks_free_memory_first(big, big_engine, big_checkpoint) -> None:
+    """A reload resumes the released weights itself: 507 when they do not fit, nothing resumed or loaded."""
+    assert big.post("/release_memory_occupation", json={"tags": ["weights"]}).status_code == 200
+    big_engine.override_file.write_text("1000")  # type: ignore[attr-defined]
+    r = big.post("/update_weights_from_disk", json={"model_path": str(big_checkpoint), "weight_version": "v507"})
+    assert r.status_code == 507 and r.json()["error"]["type"] == "insufficient_memory", r.text
+    occupation = big.get("/memory_occupation").json()
+    assert occupation["tags"]["weights"]["state"] == "released" and occupation["weight_version"] != "v507"
+    big_engine.override_file.unlink()  # type: ignore[attr-defined]
+    r = big.post("/update_weights_from_disk", json={"model_path": str(big_checkpoint), "weight_version": "v507"})
+    assert r.status_code == 200 and r.json()["resumed"] == ["weights"] and r.json()["weights_valid"] is True
+
+
 def test_release_with_a_request_in_flight_is_409_and_the_request_completes(big, big_engine) -> None:
     result: dict = {}
 

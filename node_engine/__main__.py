@@ -7,6 +7,7 @@ import logging
 import sys
 from pathlib import Path
 
+from handoff.service.limits import DEFAULT_MAX_BODY_BYTES
 from handoff.service.logs import setup_logging
 from handoff.service.serve import add_server_args, serve
 from node_engine.config import ConfigError, EngineConfig
@@ -61,7 +62,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="seconds a reload may spend reading its checkpoint; past it: 504, the old weights serve")
     p.add_argument("--weight-sync-timeout", type=float, default=300.0,
                    help="seconds a weight group join, or one update's broadcasts, may take")
-    p.add_argument("--max-body-bytes", type=int, default=64 * 1024 * 1024)
+    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                   help="largest request body (images travel base64 in it; the sidecar's and LB's default too)")
     vision = p.add_argument_group("vision-language models")
     vision.add_argument("--max-image-tokens", type=int, default=None,
                         help="most tokens one image becomes (after the merge); the image processor is clamped so "

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from handoff.service.limits import DEFAULT_MAX_BODY_BYTES
 from node_engine.memory.tags import BackupMode
 from node_engine.vision.decode import DEFAULT_MAX_IMAGE_PIXELS
 
@@ -137,7 +138,7 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 30000
     port_file: Path | None = None
-    max_body_bytes: int = 64 * 1024 * 1024
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     log_format: str = "text"
     log_level: str = "info"
     extra: dict[str, Any] = field(default_factory=dict)

@@ -32,6 +32,8 @@ STRICT = ConfigDict(extra="forbid", strict=True)
 MAX_SEQUENCES = 256         # prompts x n in one request
 MAX_TOP_LOGPROBS = 64       # top_logprobs_num
 MAX_TOKEN_IDS_LOGPROB = 256  # token_ids_logprob per prompt
+MAX_IMAGES_PER_PROMPT = 64
+MAX_IMAGES_PER_REQUEST = 128  # all prompts together (each is decoded before anything runs)
 
 IMPLEMENTED, ACCEPTED, DEFAULT_ONLY = "implemented", "accepted", "default only"
 
@@ -113,6 +115,7 @@ class GenerateBody(BaseModel):
     extra_key: Union[str, list[str], None] = None
     cache_salt: Union[str, list[str], None] = None
     model: str | None = None
+    image_data: Any = None  # an image, a list (one prompt's, or one per prompt of a batch), a list per prompt
     # accepted: metadata, routing, PD bootstrap (a mixed engine needs none of it)
     session_id: str | None = None
     log_metrics: bool = True
@@ -133,7 +136,6 @@ class GenerateBody(BaseModel):
     bootstrap_pair_key: Any = None
     decode_tp_size: Any = None
     # default only: each names what it would ask for
-    image_data: Any = None
     video_data: Any = None
     audio_data: Any = None
     input_embeds: Any = None
@@ -178,7 +180,7 @@ class GenerateBody(BaseModel):
 
 _GENERATE_WHY = {
     **{name: "multimodal input (images, video, audio)" for name in (
-        "image_data", "video_data", "audio_data", "mm_hashes", "mm_content_hashes", "use_audio_in_video",
+        "video_data", "audio_data", "mm_hashes", "mm_content_hashes", "use_audio_in_video",
         "video_config", "modalities", "images_config", "mm_processor_kwargs", "max_dynamic_patch",
         "min_dynamic_patch", "image_max_dynamic_patch", "video_max_dynamic_patch", "need_wait_for_mm_inputs",
         "num_items_assigned", "encoder_urls")},
@@ -199,7 +201,7 @@ GENERATE_FIELDS: dict[str, str] = {
     **{name: IMPLEMENTED for name in (
         "text", "input_ids", "sampling_params", "rid", "stream", "return_logprob", "logprob_start_len",
         "top_logprobs_num", "token_ids_logprob", "return_text_in_logprobs", "return_prompt_token_ids",
-        "extra_key", "cache_salt", "model")},
+        "extra_key", "cache_salt", "model", "image_data")},
     **{name: ACCEPTED for name in (
         "session_id", "log_metrics", "no_logs", "priority", "custom_labels", "routing_key", "conversation_id",
         "http_worker_ipc", "external_trace_header", "received_time", "routed_dp_rank", "data_parallel_rank",
@@ -256,6 +258,7 @@ class Sequence:
     sampling: SamplingParamsBody
     logprobs: LogprobOptions | None
     use_prefix_cache: bool = True        # false under extra_key / cache_salt: never shares KV
+    images: tuple[Any, ...] = ()         # the prompt's image_data items, in placeholder order (not decoded)
 
 
 @dataclass(frozen=True)
@@ -339,6 +342,37 @@ def _logprob_options(body: GenerateBody, num_prompts: int, n: int) -> list[Logpr
     return options
 
 
+def _image_lists(value: Any, num_prompts: int, is_batch: bool) -> list[tuple[Any, ...]]:
+    """Each prompt's ``image_data`` items, by SGLang's rules (``GenerateReqInput._normalize_image_data``): one
+    item is every prompt's image; on a batch, a list holds one item (or one list) per prompt; on one prompt,
+    a list holds that prompt's images. ``null`` (or ``[None]``) for a prompt: no image."""
+    def items(entry: Any) -> tuple[Any, ...]:
+        if entry is None:
+            return ()
+        found = tuple(entry) if isinstance(entry, list) else (entry,)
+        return () if found == (None,) else found
+
+    if value is None or value == []:
+        lists: list[tuple[Any, ...]] = [()] * num_prompts
+    elif not isinstance(value, list):
+        lists = [(value,)] * num_prompts
+    elif not is_batch:
+        nested = len(value) == 1 and isinstance(value[0], list)
+        lists = [items(value[0] if nested else value)]
+    elif len(value) != num_prompts:
+        raise GenerateFieldError(f"image_data has {len(value)} entries for {num_prompts} prompts")
+    else:
+        lists = [items(entry) for entry in value]
+    for i, found in enumerate(lists):
+        if len(found) > MAX_IMAGES_PER_PROMPT:
+            raise GenerateFieldError(f"image_data: at most {MAX_IMAGES_PER_PROMPT} images per prompt, "
+                                     f"prompt {i} has {len(found)}")
+    if sum(map(len, lists)) > MAX_IMAGES_PER_REQUEST:
+        raise GenerateFieldError(f"image_data: at most {MAX_IMAGES_PER_REQUEST} images per request, "
+                                 f"got {sum(map(len, lists))}")
+    return lists
+
+
 def normalize(body: GenerateBody, *, max_sequences: int = MAX_SEQUENCES) -> NormalizedRequest:
     """The sequences of ``body`` in SGLang's order; raises :class:`GenerateFieldError`."""
     refuse_unsupported(body)
@@ -353,6 +387,7 @@ def normalize(body: GenerateBody, *, max_sequences: int = MAX_SEQUENCES) -> Norm
     rids = _rids(body, num_prompts, n, is_batch)
     logprobs = _logprob_options(body, num_prompts, n)
     salts = [_per_prompt(name, getattr(body, name), num_prompts, n) for name in ("extra_key", "cache_salt")]
+    images = _image_lists(body.image_data, num_prompts, is_batch)
     sequences = []
     for i in range(num_prompts):
         sampling = params[i] or SamplingParamsBody()
@@ -362,5 +397,5 @@ def normalize(body: GenerateBody, *, max_sequences: int = MAX_SEQUENCES) -> Norm
                 text=texts[i] if texts is not None else None,
                 input_ids=list(id_lists[i]) if id_lists is not None else None,
                 sampling=sampling, logprobs=logprobs[i],
-                use_prefix_cache=not (salts[0][i] or salts[1][i])))
+                use_prefix_cache=not (salts[0][i] or salts[1][i]), images=images[i]))
     return NormalizedRequest(sequences, num_prompts, n, is_batch or n > 1)

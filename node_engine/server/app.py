@@ -17,6 +17,7 @@ from handoff.service.limits import BodyLimitMiddleware
 from node_engine.engine import Engine
 from node_engine.server import protocol, routes_control, routes_generate, routes_openai, routes_weights
 from node_engine.server.generation import longest_token_chars
+from node_engine.server.images import ImageLoader
 
 
 def create_app(engine: Engine, *, max_body_bytes: int, body_timeout_s: float | None = None) -> FastAPI:
@@ -32,6 +33,7 @@ def create_app(engine: Engine, *, max_body_bytes: int, body_timeout_s: float | N
     app = FastAPI(title="handoff node_engine", version=__version__, lifespan=lifespan,
                   description="LLM engine with releasable, tagged memory regions.")
     app.state.engine = engine
+    app.state.images = ImageLoader(engine)
     install_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s)
     app.include_router(routes_generate.router)

@@ -2,8 +2,9 @@
 
 :func:`plan_generate` normalizes the body (:mod:`handoff.protocol.generate_request`:
 every SGLang field, batches and ``n`` in SGLang's order), tokenizes each
-distinct text once, and checks every sequence before any is submitted, so a
-bad item changes nothing.
+distinct text once, decodes and resizes each prompt's images and expands their
+placeholders (:mod:`node_engine.server.images`), and checks every sequence
+before any is submitted, so a bad item (a bad image included) changes nothing.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from handoff.service.errors import InvalidRequest, ServiceError
 from node_engine.engine import Engine
 from node_engine.server.generation import tokenize
 from node_engine.server.generation_run import SequenceSpec
+from node_engine.server.images import ImageLoader
+from node_engine.vision.inputs import MultimodalPrompt
 from node_engine.server.protocol import MAX_BATCH, to_sampling_params
 
 
@@ -36,20 +39,25 @@ def check_model(engine: Engine, model: str | None) -> None:
         raise InvalidRequest(f"model {model!r} is not served here; this engine serves {engine.config.model_name!r}")
 
 
-async def plan_generate(engine: Engine, body: GenerateBody) -> GeneratePlan:
+async def plan_generate(engine: Engine, body: GenerateBody, images: ImageLoader) -> GeneratePlan:
     try:
         request = normalize(body, max_sequences=MAX_BATCH)
     except GenerateFieldError as exc:
         raise refusal(exc) from exc
     check_model(engine, body.model)
     firsts = [s for s in request.sequences if s.sample_index == 0]
+    if any(s.images for s in firsts):
+        images.check_supported("image_data")
     if firsts[0].text is not None:
-        id_lists = await tokenize(engine, [s.text for s in firsts])  # type: ignore[misc]
+        texts = [images.normalize_text(s.text) if s.images else s.text for s in firsts]  # type: ignore[arg-type]
+        id_lists = await tokenize(engine, texts)
     else:
         id_lists = [s.input_ids for s in firsts]  # type: ignore[misc]
+    prompts = [await _with_images(images, ids, first.images, _field(first.prompt_index, request.is_batch))
+               for ids, first in zip(id_lists, firsts, strict=True)]
     sequences = []
     for seq in request.sequences:
-        ids = id_lists[seq.prompt_index]
+        ids, mm = prompts[seq.prompt_index]
         try:
             params = to_sampling_params(seq.sampling, engine.default_max_new_tokens(len(ids)),
                                         vocab_size=engine.arch.vocab_size, sample_index=seq.sample_index)
@@ -59,5 +67,18 @@ async def plan_generate(engine: Engine, body: GenerateBody) -> GeneratePlan:
             raise InvalidRequest(f"logprob_start_len ({seq.logprobs.start_len}) is beyond the prompt "
                                  f"({len(ids)} tokens)")
         sequences.append(SequenceSpec(list(ids), params, seq.rid, seq.logprobs, seq.use_prefix_cache,
-                                      seq.prompt_index))
+                                      seq.prompt_index, mm))
     return GeneratePlan(sequences, request.is_batch, request.n, body.return_prompt_token_ids)
+
+
+def _field(prompt_index: int, is_batch: bool) -> str:
+    return f"image_data[{prompt_index}]" if is_batch else "image_data"
+
+
+async def _with_images(images: ImageLoader, ids: list[int], items: tuple[object, ...], field: str,
+                       ) -> tuple[list[int], MultimodalPrompt | None]:
+    """A prompt's ids with its image placeholders expanded, and its images (None for a text prompt)."""
+    if not items:
+        images.check_no_placeholder(ids, field)
+        return ids, None
+    return await images.prepare(ids, items, field)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 
+from handoff.protocol.generate_request import MAX_IMAGES_PER_PROMPT
 from handoff.service.errors import InvalidRequest, Unsupported
 from node_engine.engine import Engine
 from node_engine.vision.decode import ImageInputError, ImagePolicy, load_image
@@ -19,7 +20,6 @@ from node_engine.vision.inputs import MultimodalPrompt
 from node_engine.vision.placeholders import PlaceholderError, expand, native_placeholder, normalize_text
 from node_engine.vision.processor import ImageShapeError, ResizedImage
 
-MAX_IMAGES_PER_PROMPT = 64
 DECODE_CONCURRENCY = 2
 
 
@@ -41,6 +41,13 @@ class ImageLoader:
     def normalize_text(self, text: str) -> str:
         """``<image>`` in a text prompt stands for the model's own placeholder."""
         return text if self._placeholder is None else normalize_text(text, self._placeholder)
+
+    def check_no_placeholder(self, prompt_ids: list[int], field: str) -> None:
+        """400 for image placeholders in a prompt without images (the model would read them as text)."""
+        vision_arch = self.engine.arch.vision
+        if vision_arch is not None and vision_arch.image_token_id in prompt_ids:
+            raise InvalidRequest(f"{field}: the prompt holds an image placeholder but no image was given "
+                                 "(send the images in image_data, one per placeholder)")
 
     async def prepare(self, prompt_ids: list[int], items: Sequence[object], field: str,
                       ) -> tuple[list[int], MultimodalPrompt]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from fastapi import APIRouter, Request
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.responses import JSONResponse, Response
@@ -98,8 +100,20 @@ async def get_server_info(request: Request) -> JSONResponse:
         "max_batch_tokens": config.max_batch_tokens, "max_running_requests": config.max_running_requests,
         "memory_saver": engine.saver.name, "weights_backup": config.weights_backup.value,
         "cuda_graph": engine.runner.graphs is not None, "torch_compile": config.enable_torch_compile,
-        "memory": engine.control.occupation(),
+        "memory": engine.control.occupation(), "vision": _vision_info(engine),
     })
+
+
+def _vision_info(engine: Engine) -> dict[str, Any] | None:
+    """A vision-language engine's image caps (after the clamp) and its reservation in ``workspace``."""
+    vision = engine.vision
+    if vision is None:
+        return None
+    reservation, processor = vision.reservation, vision.processor.config
+    return {"image_token_id": engine.arch.vision.image_token_id, "max_image_tokens": vision.max_image_tokens,
+            "visual_batch_max_tokens": vision.visual_budget, "min_pixels": processor.min_pixels,
+            "max_pixels": processor.max_pixels,
+            "reservation_bytes": reservation.num_bytes if reservation is not None else 0}
 
 
 @router.get("/health")

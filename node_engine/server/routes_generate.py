@@ -25,7 +25,7 @@ CLIENT_CLOSED = 499
 async def generate(request: Request) -> Response:
     engine: Engine = request.app.state.engine
     body = await parse_body(request, GenerateBody)
-    plan = await plan_generate(engine, body)
+    plan = await plan_generate(engine, body, request.app.state.images)
     run = GenerationRun(engine, plan.sequences, stream=body.stream)
     if body.stream:
         first = await first_unless_disconnected(request, run)

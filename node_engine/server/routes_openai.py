@@ -27,6 +27,7 @@ from node_engine.server.generate_plan import GeneratePlan, plan_generate
 from node_engine.server.generation import DONE_EVENT, check_prompt_length, sse_event
 from node_engine.server.generation_run import (GenerationRun, collect_unless_disconnected, first_unless_disconnected,
                                                stream_with_abort)
+from node_engine.server.images import split_image_parts
 from node_engine.server.openai_shapes import chat_logprobs, completion_logprobs, usage
 from node_engine.server.protocol import ChatCompletionBody, CompletionBody, refuse_unsupported_openai
 from node_engine.server.routes_generate import CLIENT_CLOSED
@@ -36,13 +37,14 @@ router = APIRouter()
 Choice = Callable[[int, SequenceChunk, bool], dict[str, Any]]  # (index, chunk, first of its index) -> choice
 
 
-async def _plan(engine: Engine, body: CompletionBody | ChatCompletionBody, prompt: dict[str, Any],
+async def _plan(request: Request, body: CompletionBody | ChatCompletionBody, prompt: dict[str, Any],
                 max_new_tokens: int | None, logprobs: dict[str, Any]) -> GeneratePlan:
-    """The plan of the equivalent ``/generate`` body."""
+    """The plan of the equivalent ``/generate`` body (``prompt``: its ``text`` or ``input_ids``, and
+    ``image_data``)."""
     refuse_unsupported_openai(body)
     generate = parse_value({**prompt, "sampling_params": body.sampling_params(max_new_tokens), "rid": body.rid,
                             "model": body.model, "stream": body.stream, **logprobs}, GenerateBody)
-    return await plan_generate(engine, generate)
+    return await plan_generate(request.app.state.engine, generate, request.app.state.images)
 
 
 def _include_usage(body: CompletionBody | ChatCompletionBody) -> bool:
@@ -126,7 +128,7 @@ async def completions(request: Request) -> Response:
     logprobs = {} if body.logprobs is None else {
         "return_logprob": True, "top_logprobs_num": body.logprobs, "return_text_in_logprobs": True,
         "logprob_start_len": 0 if with_prompt_logprobs else -1}
-    plan = await _plan(engine, body, {"text" if is_text else "input_ids": prompt}, body.max_tokens, logprobs)
+    plan = await _plan(request, body, {"text" if is_text else "input_ids": prompt}, body.max_tokens, logprobs)
     run = GenerationRun(engine, plan.sequences, stream=body.stream)
     echoes = [_echo(engine, prompt, spec.prompt_ids, spec.prompt_index, is_text) if body.echo else ""
               for spec in plan.sequences]
@@ -158,19 +160,29 @@ def _echo(engine: Engine, prompt: Any, prompt_ids: list[int], index: int, is_tex
     return engine.tokenizer.decode(prompt_ids, skip_special_tokens=True)
 
 
-def _messages(body: ChatCompletionBody) -> list[dict[str, Any]]:
+def _messages(body: ChatCompletionBody) -> tuple[list[dict[str, Any]], list[object], str]:
+    """The messages as the chat template reads them, the ``image_url`` parts' URLs in order, and their text.
+
+    A content list of text parts is joined into one string (text models' templates take strings); a message
+    with images keeps its parts, each image a ``{"type": "image"}`` part, as vision-language templates render
+    them (one placeholder each)."""
+    rendered, items = split_image_parts([m.model_dump(exclude_none=True) for m in body.messages])
     messages = []
-    for n, message in enumerate(body.messages):
-        content = message.content
+    text: list[str] = []
+    for n, message in enumerate(rendered):
+        content = message.get("content")
         if isinstance(content, list):
-            parts = []
             for part in content:
-                if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise InvalidRequest(f"messages.{n}.content: only text parts are supported")
-                parts.append(part["text"])
-            content = "".join(parts)
-        messages.append({**message.model_dump(exclude_none=True), "content": content or ""})
-    return messages
+                if part["type"] == "text" and not isinstance(part.get("text"), str):
+                    raise InvalidRequest(f"messages.{n}.content: a text part needs a string text")
+            texts = [part["text"] for part in content if part["type"] == "text"]
+            text += texts
+            if len(texts) == len(content):
+                content = "".join(texts)
+        elif isinstance(content, str):
+            text.append(content)
+        messages.append({**message, "content": content or ""})
+    return messages, items, "".join(text)
 
 
 @router.post("/v1/chat/completions", openapi_extra=openapi_body(ChatCompletionBody))
@@ -178,8 +190,10 @@ async def chat_completions(request: Request) -> Response:
     engine: Engine = request.app.state.engine
     body = await parse_body(request, ChatCompletionBody)
     refuse_unsupported_openai(body)
-    messages = _messages(body)
-    check_prompt_length(engine, ["".join(str(m.get("content", "")) for m in messages)])
+    messages, images, text = _messages(body)
+    if images:
+        request.app.state.images.check_supported("messages: image_url")
+    check_prompt_length(engine, [text])
     try:  # rendered and tokenized off the event loop, like every prompt
         ids = await asyncio.to_thread(engine.tokenizer.apply_chat_template, messages)
     except ChatTemplateError as exc:
@@ -187,7 +201,7 @@ async def chat_completions(request: Request) -> Response:
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     logprobs = {"return_logprob": True, "top_logprobs_num": body.top_logprobs or 0,
                 "return_text_in_logprobs": True} if body.logprobs else {}
-    plan = await _plan(engine, body, {"input_ids": ids}, max_tokens, logprobs)
+    plan = await _plan(request, body, {"input_ids": ids, "image_data": images or None}, max_tokens, logprobs)
     run = GenerationRun(engine, plan.sequences, stream=body.stream)
 
     def lists(tokens: Any, tops: Any) -> dict[str, Any] | None:

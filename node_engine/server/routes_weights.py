@@ -100,7 +100,7 @@ async def model_info(request: Request) -> JSONResponse:
         "tokenizer_path": config.model_path, "is_generation": True, "preferred_sampling_params": None,
         "weight_version": engine.weight_version, "token_step": engine.weights.token_step,
         "load_format": "auto", "reasoning_parser": None, "tool_call_parser": None, "disaggregation_mode": "null",
-        "has_image_understanding": False, "has_audio_understanding": False,
+        "has_image_understanding": engine.vision is not None, "has_audio_understanding": False,
         "model_type": engine.arch.architecture.removesuffix("ForCausalLM").lower(),
         "architectures": [engine.arch.architecture],
     })

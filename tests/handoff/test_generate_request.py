@@ -42,6 +42,26 @@ def test_per_prompt_values_and_their_limits() -> None:
         normalize(GenerateBody.model_validate({"text": "a", "sampling_params": {"n": 9}}), max_sequences=8)
 
 
+def test_image_data_per_prompt_by_sglangs_rules() -> None:
+    def images(**body):
+        return [s.images for s in norm(**body).sequences]
+
+    assert images(text="a") == images(text="a", image_data=[]) == [()]
+    assert images(text="a", image_data="x") == [("x",)]                       # one image
+    assert images(text="a", image_data=["x", "y"]) == [("x", "y")]            # one prompt's images
+    assert images(text="a", image_data=[["x", "y"]]) == [("x", "y")]          # the batch form, one prompt
+    assert images(text=["a", "b"], image_data="x") == [("x",), ("x",)]        # every prompt's image
+    assert images(text=["a", "b"], image_data=["x", None]) == [("x",), ()]    # one per prompt
+    assert images(text=["a", "b"], image_data=[["x", "y"], [None]]) == [("x", "y"), ()]
+    assert images(text="a", image_data="x", sampling_params={"n": 2}) == [("x",), ("x",)]
+    with pytest.raises(GenerateFieldError, match="3 entries for 2 prompts"):
+        norm(text=["a", "b"], image_data=["x", "y", "z"])
+    with pytest.raises(GenerateFieldError, match="at most 64 images per prompt"):
+        norm(text="a", image_data=["x"] * 65)
+    with pytest.raises(GenerateFieldError, match="at most 128 images per request"):
+        norm(text=["a", "b", "c"], image_data=[["x"] * 50] * 3)
+
+
 def test_default_only_fields_refuse_other_values_as_unsupported() -> None:
     assert all(is_empty(v) for v in (None, False, 0, "", [], {}, [None, None], [[], None]))
     assert not any(is_empty(v) for v in ("x", [1], {"a": 1}, True, "last"))

@@ -1,0 +1,203 @@
+"""Images over HTTP on a vision-language engine (builtin:tiny-vl): SGLang's ``image_data`` on ``/generate`` in
+every spelling and batch shape, OpenAI chat ``image_url`` parts through the ``openai`` package, and bad images
+refused with 400 before anything runs (nothing prefilled, no KV slot taken)."""
+
+from __future__ import annotations
+
+import base64
+import io
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from PIL import Image
+
+from tests.node_engine.vl_checkpoints import random_image
+from tests.support.procs import ServerProcess
+
+GREEDY = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
+PROMPT = "<|vision_start|><|image_pad|><|vision_end|>What is in the picture?"
+
+
+def png(image: Image.Image) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, "PNG")
+    return buffer.getvalue()
+
+
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+def data_url(data: bytes) -> str:
+    return "data:image/png;base64," + b64(data)
+
+
+IMAGES = [png(random_image(60 + 40 * i, 90 + 30 * i, seed=i)) for i in range(3)]
+
+
+@pytest.fixture(scope="module")
+def media(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("media")
+    (folder / "cat.png").write_bytes(IMAGES[0])
+    return folder
+
+
+@pytest.fixture(scope="module")
+def vl_engine(tmp_path_factory: pytest.TempPathFactory, media: Path):
+    proc = ServerProcess("node_engine", ["--model-path", "builtin:tiny-vl", "--max-total-tokens", "4096",
+                                         "--max-image-tokens", "64", "--allowed-local-media-path", str(media)],
+                         log_dir=tmp_path_factory.mktemp("engine"))
+    proc.start()
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
+def client(vl_engine: ServerProcess):
+    with httpx.Client(base_url=vl_engine.url, timeout=60) as c:
+        yield c
+
+
+def generate(client: httpx.Client, **body) -> dict | list:
+    r = client.post("/generate", json={"sampling_params": GREEDY, **body})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def refused(client: httpx.Client, path: str = "/generate", **body) -> dict:
+    r = client.post(path, json=body)
+    assert r.status_code == 400, r.text
+    return r.json()["error"]
+
+
+def counters(client: httpx.Client) -> dict[str, float]:
+    """The engine's request, prompt-token and KV-slot figures (what an admitted request would move)."""
+    wanted = ("handoff_engine_prompt_tokens_total", "handoff_engine_kv_slots_used", "handoff_engine_requests_total",
+              "handoff_engine_queued_requests", "handoff_engine_running_requests")
+    values = {name: 0.0 for name in wanted}
+    for line in client.get("/metrics").text.splitlines():
+        name = line.split("{")[0].split(" ")[0]
+        if name in values:
+            values[name] += float(line.rsplit(" ", 1)[1])
+    return values
+
+
+def test_every_spelling_of_one_image_gives_the_same_tokens(client: httpx.Client, media: Path) -> None:
+    expected = generate(client, text=PROMPT, image_data=b64(IMAGES[0]))["output_ids"]
+    spellings = [data_url(IMAGES[0]), str(media / "cat.png"), f"file://{media / 'cat.png'}", [b64(IMAGES[0])],
+                 [[data_url(IMAGES[0])]]]
+    for item in spellings:
+        assert generate(client, text=PROMPT, image_data=item)["output_ids"] == expected, str(item)[:40]
+    # <image> in a text prompt stands for the model's placeholder; input_ids with a collapsed placeholder too.
+    assert generate(client, text="<image>What is in the picture?", image_data=b64(IMAGES[0]))["output_ids"] == expected
+    ids = generate(client, text=PROMPT, image_data=b64(IMAGES[0]), return_prompt_token_ids=True)["prompt_token_ids"]
+    collapsed = [t for i, t in enumerate(ids) if not (t == 260 and ids[i - 1] == 260)]
+    assert len(collapsed) < len(ids)
+    assert generate(client, input_ids=collapsed, image_data=b64(IMAGES[0]))["output_ids"] == expected
+    # The image reaches the model: other pixels, other tokens.
+    others = [generate(client, text=PROMPT, image_data=b64(image))["output_ids"] for image in IMAGES[1:]]
+    assert any(other != expected for other in others)
+
+
+def test_several_images_per_prompt_batches_and_n(client: httpx.Client) -> None:
+    two = "<image> and <image>: which is brighter?"
+    singles = [generate(client, text=two, image_data=[b64(IMAGES[i]), b64(IMAGES[i + 1])])["output_ids"]
+               for i in range(2)]
+    assert singles[0] != generate(client, text=two, image_data=[b64(IMAGES[1]), b64(IMAGES[0])])["output_ids"] or \
+        singles[0] != singles[1]
+    batch = generate(client, text=[two, two], image_data=[[b64(IMAGES[0]), b64(IMAGES[1])],
+                                                          [b64(IMAGES[1]), b64(IMAGES[2])]])
+    assert [answer["output_ids"] for answer in batch] == singles
+    # A batch with one image per prompt (a flat list), and a text-only prompt beside it (null).
+    one = generate(client, text=PROMPT, image_data=b64(IMAGES[2]))["output_ids"]
+    mixed = generate(client, text=[PROMPT, "no image here"], image_data=[b64(IMAGES[2]), None])
+    assert mixed[0]["output_ids"] == one and len(mixed[1]["output_ids"]) == GREEDY["max_new_tokens"]
+    # n samples of one image prompt: each owns its features; greedy samples agree.
+    samples = generate(client, text=PROMPT, image_data=b64(IMAGES[2]), sampling_params={**GREEDY, "n": 3})
+    assert [s["output_ids"] for s in samples] == [one] * 3
+
+
+def test_an_oversized_image_is_resized_to_the_cap(client: httpx.Client) -> None:
+    big = png(Image.new("RGB", (3000, 200), (200, 30, 90)))
+    answer = generate(client, text=PROMPT, image_data=b64(big), return_prompt_token_ids=True)
+    assert 0 < answer["prompt_token_ids"].count(260) <= 64
+    info = client.get("/get_server_info").json()["vision"]
+    assert info["max_image_tokens"] <= 64 and info["reservation_bytes"] > 0
+    assert client.get("/get_model_info").json()["has_image_understanding"] is True
+
+
+def _bad(data: bytes) -> str:
+    return b64(data)
+
+
+BAD_IMAGES = [
+    (b64(b"plain text, not an image"), "not an image"),
+    (b64(IMAGES[0][: len(IMAGES[0]) // 2]), "truncated or corrupt"),
+    (b64(png(Image.new("1", (20000, 20000)))), "decompression bomb"),
+    ("http://127.0.0.1:1/cat.png", "not fetched from the network"),
+    ("/etc/passwd.png", "no such image file"),
+    ("not base64!", "not valid base64"),
+    ("", "empty"),
+    (7, "must be a string"),
+]
+
+
+def test_bad_images_are_400_and_nothing_runs(client: httpx.Client, tmp_path: Path) -> None:
+    before = counters(client)
+    for item, reason in BAD_IMAGES:
+        error = refused(client, text=PROMPT, image_data=item, sampling_params=GREEDY)
+        assert error["type"] == "invalid_request" and reason in error["message"], (reason, error)
+        assert error["message"].startswith("image_data[0]:"), error
+    outside = tmp_path / "outside.png"
+    outside.write_bytes(IMAGES[0])
+    assert "outside --allowed-local-media-path" in refused(client, text=PROMPT, image_data=str(outside))["message"]
+    # A bad image anywhere in a batch: nothing of the batch runs, the good prompt included.
+    error = refused(client, text=[PROMPT, PROMPT], image_data=[b64(IMAGES[0]), b64(b"junk")])
+    assert error["message"].startswith("image_data[1][0]:")
+    # Placeholders and images must match.
+    assert "2 image(s)" in refused(client, text=PROMPT, image_data=[b64(IMAGES[0])] * 2)["message"]
+    assert "no image was given" in refused(client, text=PROMPT)["message"]
+    assert "entries for 2 prompts" in refused(client, text=[PROMPT, PROMPT], image_data=[b64(IMAGES[0])])["message"]
+    assert "at most 64 images per prompt" in refused(client, text=PROMPT, image_data=[b64(IMAGES[0])] * 65)["message"]
+    # OpenAI parts: a remote URL or another part type.
+    chat = {"model": "builtin:tiny-vl", "max_tokens": 2}
+    for content, reason in [([{"type": "image_url", "image_url": {"url": "https://127.0.0.1:1/x.png"}}],
+                             "not fetched from the network"),
+                            ([{"type": "input_audio", "input_audio": {}}], "a part is text or image_url")]:
+        error = refused(client, "/v1/chat/completions", messages=[{"role": "user", "content": content}], **chat)
+        assert reason in error["message"], error
+    assert counters(client) == before
+    assert generate(client, text=PROMPT, image_data=b64(IMAGES[0]))["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def test_openai_chat_with_image_url_data_urls(vl_engine: ServerProcess, client: httpx.Client) -> None:
+    question = "Compare them."
+    content = [{"type": "image_url", "image_url": {"url": data_url(IMAGES[0])}},
+               {"type": "text", "text": question},
+               {"type": "image_url", "image_url": {"url": data_url(IMAGES[1]), "detail": "auto"}}]
+    with openai.OpenAI(base_url=vl_engine.url + "/v1", api_key="none", timeout=60, max_retries=0) as sdk:
+        chat = sdk.chat.completions.create(model="builtin:tiny-vl", messages=[{"role": "user", "content": content}],
+                                           max_tokens=8, temperature=0)
+        # The template renders each image part as one placeholder: the same prompt through /generate.
+        text = f"<|user|><image>{question}<image>\n<|assistant|>"
+        expected = generate(client, text=text, image_data=[b64(IMAGES[0]), b64(IMAGES[1])],
+                            sampling_params={"temperature": 0, "max_new_tokens": 8})
+        assert chat.choices[0].message.content == expected["text"]
+        assert chat.usage.prompt_tokens == expected["meta_info"]["prompt_tokens"]
+        swapped = sdk.chat.completions.create(model="builtin:tiny-vl", max_tokens=8, temperature=0,
+                                              messages=[{"role": "user", "content": content[::-1]}])
+        assert swapped.usage.prompt_tokens == chat.usage.prompt_tokens
+
+
+def test_a_text_model_refuses_images_as_unsupported(tiny_engine: ServerProcess) -> None:
+    with httpx.Client(base_url=tiny_engine.url, timeout=30) as c:
+        error = refused(c, text="<image>hi", image_data=b64(IMAGES[0]))
+        assert error["type"] == "unsupported" and error["message"].startswith("image_data")
+        content = [{"type": "image_url", "image_url": {"url": data_url(IMAGES[0])}}, {"type": "text", "text": "hi"}]
+        error = refused(c, "/v1/chat/completions", model="builtin:tiny", messages=[{"role": "user", "content": content}])
+        assert error["type"] == "unsupported"
+        # A text model still takes image_data at its empty values (what sglang-router sends).
+        r = c.post("/generate", json={"text": "hi", "image_data": [], "sampling_params": GREEDY})
+        assert r.status_code == 200, r.text

@@ -32,8 +32,9 @@ $(VLLM_STAMP): pyproject.toml
 
 venv-vllm: $(VLLM_STAMP)
 
+# make demo MODEL=builtin:tiny-vl: the same RL step on a vision-language model, plus an image step
 demo: $(STAMP)
-	$(VENV)/bin/handoff demo
+	$(VENV)/bin/handoff demo $(if $(MODEL),--model $(MODEL))
 
 test: $(STAMP)
 	$(PYTHON) -m pytest -q

@@ -32,6 +32,8 @@ def _parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="play one RL step on a local cluster and check every result")
     demo.add_argument("--nodes", type=int, default=2)
     demo.add_argument("--log-dir", type=Path, default=None)
+    demo.add_argument("--model", choices=("builtin:tiny", "builtin:tiny-vl"), default="builtin:tiny",
+                      help="builtin:tiny-vl adds a step with image requests and a release/resume of the VL nodes")
     return parser
 
 
@@ -40,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "demo":
         from handoff.demo import run_demo
 
-        return run_demo(args.nodes, log_dir=args.log_dir)
+        return run_demo(args.nodes, model=args.model, log_dir=args.log_dir)
     from handoff.cluster.local import ClusterSpec
     from handoff.cluster.up import run_up
 

@@ -5,6 +5,10 @@ streams run; 3. "train" in the freed memory; 4. resume weights, reload a new
 checkpoint, resume the rest, flush; 5. rollout again on the new weights;
 6. a release/resume with the weights backup, outputs identical; 7. a node
 fails a release: the LB's 502 names it, the node comes back.
+With a vision-language model (``--model builtin:tiny-vl``) a step comes before
+the last: image requests through the LB and the sidecars, a release/resume of
+the VL nodes, the vision reservation restored, outputs identical
+(:mod:`handoff.demo_images`).
 Every step checks what it shows; any surprise ends the demo with exit code 1.
 """
 
@@ -30,6 +34,7 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", 
            "The weather today", "Q: 2+2=? A:", "import torch", "Hello, my name is"]
 GREEDY = {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True}
 MiB = 2**20
+DEFAULT_MODEL, VL_MODEL = "builtin:tiny", "builtin:tiny-vl"
 
 
 class DemoFailed(RuntimeError):
@@ -41,6 +46,10 @@ def check(condition: bool, message: str) -> None:
         raise DemoFailed(message)
 
 
+def is_vision_model(model: str) -> bool:
+    return model == VL_MODEL
+
+
 @dataclass
 class StepReport:
     name: str
@@ -50,11 +59,12 @@ class StepReport:
 
 class Demo:
     def __init__(self, cluster: LocalCluster, client: AsyncHandoffClient, workdir: Path,
-                 say: Callable[[str], None]) -> None:
+                 say: Callable[[str], None], model: str = DEFAULT_MODEL) -> None:
         self.cluster = cluster
         self.client = client
         self.workdir = workdir
         self.say = say
+        self.model = model
         self.reports: list[StepReport] = []
 
     async def step(self, name: str, run: Callable[[], Any]) -> None:
@@ -91,7 +101,7 @@ class Demo:
         streams = [asyncio.create_task(self.stream(p, 24)) for p in PROMPTS[:3]]
         answers = await self.client.generate(PROMPTS[3:], sampling_params={"temperature": 0.8, "max_new_tokens": 24})
         metas = await asyncio.gather(*streams)
-        self.say("   (builtin:tiny has random weights: its text is noise; the demo is about what happens around it)")
+        self.say(f"   ({self.model} has random weights: its text is noise; the demo is about what happens around it)")
         for prompt, answer in zip(PROMPTS[3:6], answers):
             self.say(f"   {prompt!r} -> {len(answer['output_ids'])} tokens {answer['text'][:24]!r}")
         self.baseline, versions = await self.greedy_outputs()
@@ -130,7 +140,7 @@ class Demo:
     async def reload(self) -> str:
         from node_engine.model.builtin import builtin_arch, builtin_weights, save_checkpoint
 
-        arch = builtin_arch("builtin:tiny", json.loads(DEMO_MODEL))
+        arch = builtin_arch(self.model, json.loads(DEMO_MODEL))
         weights = builtin_weights(arch, seed=0)
         for name, tensor in weights.items():
             if name.endswith("proj.weight"):
@@ -211,31 +221,41 @@ def _failure_cause(failure: dict[str, Any]) -> str:
     return f"{failure.get('status')} {error_type}".strip()
 
 
-async def _play(cluster: LocalCluster, workdir: Path, say: Callable[[str], None]) -> list[StepReport]:
+async def _play(cluster: LocalCluster, workdir: Path, say: Callable[[str], None], model: str) -> list[StepReport]:
     async with AsyncHandoffClient(cluster.url, timeout=120) as client:
-        demo = Demo(cluster, client, workdir, say)
+        demo = Demo(cluster, client, workdir, say, model)
         await demo.step("1. rollout", demo.rollout)
         await demo.step("2. release all tags (wait) while streams run", demo.release_under_load)
         await demo.step("3. train in the freed memory", demo.train)
         await demo.step("4. resume weights, reload step-1, resume the rest, flush", demo.reload)
         await demo.step("5. rollout on the new weights", demo.rollout_new_weights)
         await demo.step("6. release/resume with the weights backup", demo.backup_cycle)
-        await demo.step("7. a node fails a release, then comes back", demo.partial_failure)
+        number = 7
+        if is_vision_model(model):
+            from handoff.demo_images import ImageStep
+
+            await demo.step(f"{number}. images through the LB, release/resume of the VL nodes",
+                            ImageStep(demo).run)
+            number += 1
+        await demo.step(f"{number}. a node fails a release, then comes back", demo.partial_failure)
         return demo.reports
 
 
-def run_demo(num_nodes: int = 2, *, log_dir: Path | None = None, say: Callable[[str], None] = print) -> int:
+def run_demo(num_nodes: int = 2, *, model: str = DEFAULT_MODEL, log_dir: Path | None = None,
+             say: Callable[[str], None] = print) -> int:
+    if model not in (DEFAULT_MODEL, VL_MODEL):
+        raise ValueError(f"the demo runs {DEFAULT_MODEL} or {VL_MODEL}, not {model!r}")
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="handoff-demo-") as tmp:
         workdir = Path(tmp)
         logs = log_dir or workdir / "logs"
-        spec = ClusterSpec(num_mixed=num_nodes, model_override=DEMO_MODEL, weights_backup="disk")
-        say(f"starting {num_nodes} nodes (engine + sidecar each) and the LB; logs in {logs}")
+        spec = ClusterSpec(num_mixed=num_nodes, model_path=model, model_override=DEMO_MODEL, weights_backup="disk")
+        say(f"starting {num_nodes} nodes of {model} (engine + sidecar each) and the LB; logs in {logs}")
         cluster = LocalCluster(spec, logs)
         try:
             cluster.start()
             say(f"LB at {cluster.url}; nodes: {', '.join(n.url for n in cluster.nodes)}")
-            reports = asyncio.run(_play(cluster, workdir, say))
+            reports = asyncio.run(_play(cluster, workdir, say, model))
         except DemoFailed as exc:
             say(f"\nDEMO FAILED: {exc}\n(logs: {logs})")
             return 1

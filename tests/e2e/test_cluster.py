@@ -47,6 +47,16 @@ def test_demo_cycle(tmp_path: Path) -> None:
     assert "502 named node0" in text and "all steps passed" in text
 
 
+def test_demo_cycle_with_the_vl_model(tmp_path: Path) -> None:
+    """``make demo MODEL=builtin:tiny-vl``: the same steps on VL nodes, and the image step before the last."""
+    lines: list[str] = []
+    assert run_demo(2, model="builtin:tiny-vl", log_dir=tmp_path / "logs", say=lines.append) == 0, "\n".join(lines)
+    text = "\n".join(lines)
+    assert "== 7. images through the LB, release/resume of the VL nodes" in text
+    assert "vision reservation per node released with workspace and restored; outputs identical" in text
+    assert "== 8. a node fails a release" in text and "all steps passed" in text
+
+
 class LoadClient(threading.Thread):
     """Sends generation requests (alternating stream / non-stream) until stopped; counts how each ended."""
 

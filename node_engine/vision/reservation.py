@@ -6,7 +6,11 @@ At start the engine encodes the worst-case image batch its caps allow
 - CPU: a buffer of the measured peak, registered in ``workspace``. Each
   vision step borrows it: its pages go back to the OS right before the tower
   runs and are taken (touched) again right after, so the process never holds
-  the reservation and the tower's working memory at once;
+  the reservation and the tower's working memory at once. glibc's mmap
+  threshold is pinned first (``host_heap.pin_mmap_threshold``): otherwise
+  freeing the reservation raises it, the tower's blocks then come from the
+  arenas, and what the tower frees stays resident until the step ends, so
+  the step's resident peak would exceed what was measured;
 - CUDA: a private memory pool that the worst-case encode grew (inside the
   ``workspace`` region of torch_memory_saver); every later encode allocates
   from it, and nothing else can. (Should an encode ever need more, for
@@ -26,7 +30,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from node_engine.memory.host_heap import trim_host_heap
+from node_engine.memory.host_heap import pin_mmap_threshold, trim_host_heap
 from node_engine.memory.peak import CudaPeakMeter, HostPeakMeter, PeakMeter
 from node_engine.memory.saver import MemorySaver
 from node_engine.memory.tags import MemoryTag
@@ -55,6 +59,7 @@ class VisionReservation:
         if reservation._pool is not None:
             reservation._measure_cuda(encode_worst_case)
         else:
+            pin_mmap_threshold()
             meter = meter or HostPeakMeter()
             meter.reset()
             before = meter.current_bytes()
@@ -72,6 +77,7 @@ class VisionReservation:
                 torch.empty(num_bytes, dtype=torch.uint8, device=device)  # grows the pool; the pool keeps it
             reservation._account_pool()
         else:
+            pin_mmap_threshold()
             reservation._hold_host(num_bytes)
         return reservation
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -74,3 +76,16 @@ def test_no_process_spells_a_tag_tuple_or_an_error_type_of_its_own() -> None:
                         and isinstance(node.value, ast.Constant) and node.value.value in _catalog()):
                     offenders.append(f"{path.relative_to(ROOT)}:{node.value.lineno} spells an error type")
     assert not offenders, offenders
+
+
+def test_the_contract_modules_import_without_torch() -> None:
+    """The LB and the sidecar load handoff/protocol; none of its modules may pull torch (or CUDA) in."""
+    modules = sorted(f"handoff.protocol.{path.stem}" for path in (ROOT / "handoff" / "protocol").glob("*.py")
+                     if path.stem != "__init__")
+    code = ("import sys, importlib\n"
+            f"for name in {modules!r}: importlib.import_module(name)\n"
+            "loaded = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy', 'safetensors'))\n"
+            "print(','.join(loaded))")
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert len(modules) >= 8 and result.stdout.strip() == "", result.stdout

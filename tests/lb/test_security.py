@@ -130,3 +130,23 @@ def test_bearer_scheme_and_token_spacing(fakes: FakeCluster, start_lb) -> None:
     for value in (f"Bearer{ADMIN}", f"Bearer {ADMIN}x", f"Basic {ADMIN}", ADMIN, f"Bearer {ADMIN} {ADMIN}"):
         request = f"POST /flush_cache HTTP/1.1\r\nHost: x\r\nAuthorization: {value}\r\nContent-Length: 0\r\n\r\n"
         assert raw_status(lb.url, request.encode()) == 401, repr(value)
+
+
+def test_a_request_head_must_arrive_in_time(fakes: FakeCluster, start_lb) -> None:
+    """Connections that dribble their request heads (or send nothing) are answered 408 and closed at the LB's
+    --header-timeout; the LB keeps answering everyone else."""
+    lb = start_lb("--node", fakes.start_one().url, "--header-timeout", "1.5")
+    host, port = lb.url[len("http://"):].rsplit(":", 1)
+    conns = [socket.create_connection((host, int(port)), timeout=30) for _ in range(20)]
+    for i, conn in enumerate(conns):
+        if i % 2:
+            conn.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+    statuses = []
+    for conn in conns:
+        data = b""
+        while piece := conn.recv(65536):
+            data += piece
+        conn.close()
+        statuses.append(int(data.split(b" ", 2)[1]) if data else 0)
+    assert statuses == [408] * 20
+    assert lb.http.get("/health").status_code == 200

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -104,16 +105,42 @@ def test_max_total_tokens_pins_the_pool_and_skips_sizing() -> None:
     assert runner.kv_sizing is None and runner.kv_plan.num_slots == 301
 
 
+# A budget between what the engine needs without the vision reservation (the process, about 280 MiB, the
+# activations and the 256 MiB canary) and what it needs with the reservation of 16 worst-case images
+# (about 150 MiB more): the reservation alone decides whether it starts.
+_VL_START = ["-m", "node_engine", "--model-path", "builtin:tiny-vl", "--memory-budget-mb", "620",
+             "--context-length", "512", "--max-batch-tokens", "256", "--max-running-requests", "8",
+             "--visual-batch-max-tokens", "4096", "--port", "0"]
+
+
 def test_a_budget_too_small_for_the_worst_case_image_fails_to_start(tmp_path) -> None:
-    """A real engine process: the budget cannot hold the vision reservation, the activations and the canary."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "node_engine", "--model-path", "builtin:tiny-vl", "--memory-budget-mb", "420",
-         "--context-length", "512", "--max-batch-tokens", "256", "--max-running-requests", "8",
-         "--port", "0", "--port-file", str(tmp_path / "port")],
-        capture_output=True, text=True, timeout=120)
+    """A real engine process: the budget cannot hold the measured vision reservation, the activations and the
+    canary, and the start error names every knob; the same budget without the reservation starts (control)."""
+    proc = subprocess.run([sys.executable, *_VL_START, "--port-file", str(tmp_path / "port")],
+                          capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr[-2000:]
     message = proc.stderr
-    for knob in ("no KV pool fits", "--memory-budget-mb 420", "--max-total-tokens", "--max-batch-tokens 256",
-                 "--max-image-tokens 256", "--visual-batch-max-tokens 256", "vision reservation"):
+    for knob in ("no KV pool fits", "--memory-budget-mb 620", "--max-total-tokens", "--max-batch-tokens 256",
+                 "--max-image-tokens 256", "--visual-batch-max-tokens 4096", "vision reservation"):
         assert knob in message, message[-2000:]
+    reserved_mib = float(message.split("of which the vision reservation ")[1].split(" MiB")[0])
+    assert reserved_mib > 100, message[-2000:]  # measured from 16 worst-case images, not a token figure
     assert not (tmp_path / "port").exists()
+
+    control_port = tmp_path / "control-port"
+    control_log = tmp_path / "control.log"
+    with open(control_log, "wb") as log:
+        control = subprocess.Popen([sys.executable, *_VL_START, "--vision-reserve-mb", "0",
+                                    "--port-file", str(control_port)], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while not control_port.exists() and control.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert control_port.exists(), control_log.read_text()[-2000:]  # without the reservation it starts
+    finally:
+        control.terminate()
+        try:
+            control.wait(30)
+        except subprocess.TimeoutExpired:
+            control.kill()
+            control.wait(10)

@@ -147,6 +147,23 @@ def test_keep_pause_leaves_generation_paused_after_a_reload(client, checkpoint) 
     assert client.post("/continue_generation").json()["serving"] is True
 
 
+def test_a_reload_with_sglangs_whole_body(client, checkpoint) -> None:
+    """Every field of SGLang 0.5.23's UpdateWeightFromDiskReqInput at once (as AReaL and slime send them):
+    accepted, the version and token step recorded, the node serving afterwards."""
+    expected = greedy(client)
+    body = {"model_path": str(checkpoint), "load_format": None, "abort_all_requests": False,
+            "weight_version": "step-7", "is_async": False, "torch_empty_cache": True, "keep_pause": False,
+            "recapture_cuda_graph": True, "token_step": 7, "flush_cache": True, "manifest": None}
+    r = client.post("/update_weights_from_disk", json=body)
+    assert r.status_code == 200 and r.json()["success"] is True and r.json()["serving"] is True, r.text
+    info = client.get("/model_info").json()
+    assert (info["weight_version"], info["token_step"]) == ("step-7", 7)
+    assert greedy(client) == expected
+    r = client.post("/update_weights_from_disk", json={**body, "token_step": -1})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request"
+    assert client.get("/model_info").json()["token_step"] == 7  # the refused call changed nothing
+
+
 def test_a_5000_character_path_is_400_through_the_sidecar(client) -> None:
     r = client.post("/update_weights_from_disk", json={"model_path": "/" + "x" * 5000})
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request"

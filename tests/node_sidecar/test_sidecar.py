@@ -10,6 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from handoff.protocol.control import DEADLINE_HEADER
 from tests.support.procs import ServerProcess, wait_until
 from tests.support.streams import GenerationClient, start_clients
 
@@ -168,6 +169,25 @@ def test_drain_timeout_is_409_and_releases_nothing(sidecars: Sidecars) -> None:
     for c in clients:
         result = c.finish()
         assert result.saw_done and result.finish_reason == "length" and result.num_tokens == 700
+
+
+def test_a_drain_ends_within_the_callers_deadline(sidecars: Sidecars) -> None:
+    """A release whose caller waits 2 s (the LB's deadline header) with streams running and the default 60 s
+    drain: the sidecar answers 409 drain_timeout before the caller gives up, and releases nothing."""
+    sidecar = sidecars.start()
+    clients = start_clients(sidecar.url + "/generate", stream_body(3500), 2)  # several seconds on a fast CPU
+    wait_until(lambda: occupation(sidecar)["in_flight"] == 2, timeout=10)
+    started = time.monotonic()
+    r = httpx.post(sidecar.url + "/release_memory_occupation", json={"mode": "wait"},
+                   headers={DEADLINE_HEADER: "2"}, timeout=30)
+    waited = time.monotonic() - started
+    assert r.status_code == 409 and r.json()["error"]["type"] == "drain_timeout", r.text
+    assert 1.0 < waited < 2.0  # the drain ran until the margin before the deadline, not for 60 s
+    assert all(t["state"] == "resident" for t in occupation(sidecar)["tags"].values())
+    assert httpx.post(sidecar.url + "/abort_request", json={"rid": "", "abort_all": True}).status_code == 200
+    for c in clients:  # the streams were still running, untouched by the refused release
+        result = c.finish(30)
+        assert result.finish_reason == "abort" and 0 < result.num_tokens < 3500
 
 
 def test_concurrent_identical_releases_and_ordered_release_resume(sidecars: Sidecars) -> None:

@@ -42,7 +42,8 @@ from handoff.protocol.tags import TAG_NAMES, TagState
 from handoff.service.errors import Conflict, Unsupported
 from node_sidecar.engines.base import EngineView, GenerationCall, MemoryChange, TagMeaning, tags_named
 from node_sidecar.engines.foreign import ForeignEngine
-from node_sidecar.engines.vllm_generate import Translator, to_completion
+from node_sidecar.engines.vllm_answer import Translator
+from node_sidecar.engines.vllm_generate import to_completion
 from node_sidecar.errors import EngineRefused, EngineUnavailable
 
 INFO_TIMEOUT_S = 30.0        # vLLM's first /server_info collects its environment: seconds

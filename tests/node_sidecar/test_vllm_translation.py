@@ -13,7 +13,8 @@ import pytest
 
 from handoff.protocol.sse import DONE, EventSplitter, event_data
 from handoff.service.errors import InvalidRequest, ServiceError, Unsupported
-from node_sidecar.engines.vllm_generate import GenerateRequest, Translator, to_completion
+from node_sidecar.engines.vllm_answer import GenerateRequest, Translator
+from node_sidecar.engines.vllm_generate import to_completion
 
 RECORDED = json.loads((Path(__file__).parent / "data" / "vllm_completions.json").read_text())
 ANSWERS = RECORDED["answers"]
@@ -73,7 +74,8 @@ def test_request_fields_are_mapped_with_sglang_defaults() -> None:
      "return_text_in_logprobs"),
     ({"input_ids": [1], "return_logprob": True, "logprob_start_len": 0, "stream": True}, Unsupported,
      "logprob_start_len"),
-    ({"input_ids": [1], "sampling_params": {"n": 2}}, Unsupported, "sampling_params.n"),
+    ({"input_ids": [1], "sampling_params": {"n": 0}}, InvalidRequest, "sampling_params.n"),
+    ({"input_ids": [[1]] * 2, "sampling_params": {"n": 129}}, InvalidRequest, "256 sequences"),
     ({"input_ids": [1], "return_bytes": True}, Unsupported, "return_bytes"),
     ({"input_ids": [1], "sampling_params": {"max_new_tokenz": 2}}, InvalidRequest, "max_new_tokenz"),
     ({"input_ids": [1], "surprise": 1}, InvalidRequest, "surprise"),
@@ -86,6 +88,20 @@ def test_what_vllm_cannot_serve_is_refused_naming_the_field(body: dict, error: t
     with pytest.raises(error, match=name.replace("[", r"\[")):
         to_completion(json.dumps(body).encode())
     assert to_completion(json.dumps({"input_ids": [1], "lora_path": None, "return_hidden_states": False}).encode())
+
+
+def test_n_samples_in_sglangs_order() -> None:
+    """n > 1: vLLM's n when sampling (its choices are prompt-major, as SGLang's answers); each prompt n times
+    when greedy (vLLM refuses n > 1 there); a list answer either way."""
+    sampled, request = to_completion(json.dumps({"input_ids": [[1], [2]], "rid": None,
+                                                 "sampling_params": {"n": 3, "temperature": 0.8}}).encode())
+    assert json.loads(sampled)["n"] == 3 and json.loads(sampled)["prompt"] == [[1], [2]] and request.is_batch
+    greedy, request = to_completion(json.dumps({"text": "a", "rid": "r",
+                                                "sampling_params": {"n": 2, "temperature": 0}}).encode())
+    assert json.loads(greedy)["prompt"] == ["a", "a"] and "n" not in json.loads(greedy) and request.is_batch
+    assert json.loads(greedy)["request_id"] == "r"
+    one, request = to_completion(json.dumps({"text": "a", "sampling_params": {"n": 1}}).encode())
+    assert json.loads(one)["prompt"] == "a" and not request.is_batch
 
 
 def test_answer_in_sglang_shape_with_logprobs() -> None:

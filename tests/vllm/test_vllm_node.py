@@ -259,6 +259,26 @@ def test_sglang_generate_through_the_lb_with_logprobs(serving: VllmNode) -> None
     assert completion["choices"][0]["token_ids"] == answer["output_ids"]
 
 
+def test_sglang_n_samples_through_the_lb(serving: VllmNode) -> None:
+    """sampling_params.n on a vLLM node as on SGLang: a list of prompts x n answers, prompt by prompt; greedy n
+    gives n equal answers (vLLM alone refuses n > 1 at temperature 0), seeded sampling is reproducible."""
+    node = serving
+    expected = node.post("/generate", {"input_ids": PROMPT, "sampling_params": GREEDY}, via_lb=True).json()
+    greedy = node.post("/generate", {"input_ids": PROMPT, "sampling_params": {**GREEDY, "n": 3}}, via_lb=True)
+    assert greedy.status_code == 200, greedy.text
+    assert [a["output_ids"] for a in greedy.json()] == [expected["output_ids"]] * 3
+    sampled_body = {"input_ids": [PROMPT, [1, 2, 3, 4]], "sampling_params": {
+        "temperature": 1.0, "max_new_tokens": 8, "ignore_eos": True, "n": 4, "sampling_seed": 11}}
+    sampled = node.post("/generate", sampled_body, via_lb=True)
+    assert sampled.status_code == 200, sampled.text
+    answers = sampled.json()
+    assert len(answers) == 8 and all(len(a["output_ids"]) == 8 for a in answers)
+    assert [a["meta_info"]["prompt_tokens"] for a in answers] == [5] * 4 + [4] * 4  # prompt-major, as SGLang
+    assert len({tuple(a["output_ids"]) for a in answers[:4]}) > 1  # n independent samples, not one copied
+    again = node.post("/generate", sampled_body, via_lb=True).json()
+    assert [a["output_ids"] for a in again] == [a["output_ids"] for a in answers]
+
+
 def test_what_vllm_cannot_do_is_400_and_abort_by_rid_works(serving: VllmNode) -> None:
     node = serving
     r = node.post("/generate", {"input_ids": PROMPT, "sampling_params": {"json_schema": "{}"}})

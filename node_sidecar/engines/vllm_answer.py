@@ -1,0 +1,219 @@
+"""vLLM completion answers back in SGLang's ``/generate`` shape (SGLang 0.5.23,
+``managers/tokenizer_manager.py:2506-2669``), whole or as a stream; the request side is
+:mod:`node_sidecar.engines.vllm_generate`.
+
+``{"text", "output_ids", "meta_info": {"id", "finish_reason", "prompt_tokens",
+"completion_tokens", "cached_tokens", "weight_version", logprobs...}}``, a
+list for a batch (or ``n`` > 1). ``finish_reason``: ``{"type": "length", "length": n}``,
+``{"type": "stop", "matched": token id or string}`` (vLLM's ``stop_reason``;
+the last token, the EOS, when vLLM gives none), ``{"type": "abort", "message"}``.
+Logprobs: ``output_token_logprobs`` ``[[logprob, token_id, null], ...]``,
+``output_top_logprobs`` (per position, or null), ``input_token_logprobs``
+from ``logprob_start_len`` (the first prompt token's logprob is null),
+``input_top_logprobs``. A stream repeats the whole text, ids and logprobs so
+far in every event (SGLang's default, ``incremental_streaming_output`` off),
+with ``index`` for a batch, then ``data: [DONE]``.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from handoff.protocol import errors as E
+from handoff.protocol.generation import finish_abort, finish_length, finish_stop
+from handoff.protocol.sse import DONE, EventSplitter, data_event, event_data
+from handoff.service.errors import ServiceError
+from handoff.service.peer_json import PeerJSONError, loads_bounded
+from handoff.service.relay import ChunkTransform
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """What the answer's translation needs to know of the request."""
+
+    is_batch: bool
+    rid: str | None
+    return_logprob: bool
+    top_logprobs_num: int
+    logprob_start_len: int
+    return_prompt_token_ids: bool = False
+
+
+@dataclass
+class ChoiceState:
+    """One prompt's answer so far (a stream's pieces put together)."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    prompt_token_ids: list[int] = field(default_factory=list)
+    token_logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = field(default_factory=list)
+    prompt_logprobs: list[Any] | None = None
+    finish_reason: str | None = None
+    stop_reason: Any = None
+
+    def add(self, choice: dict[str, Any]) -> None:
+        self.text += choice.get("text") or ""
+        self.token_ids += list(choice.get("token_ids") or [])
+        if choice.get("prompt_token_ids"):
+            self.prompt_token_ids = list(choice["prompt_token_ids"])
+        if choice.get("prompt_logprobs") is not None:
+            self.prompt_logprobs = list(choice["prompt_logprobs"])
+        logprobs = choice.get("logprobs")
+        if isinstance(logprobs, dict):
+            self.token_logprobs += list(logprobs.get("token_logprobs") or [])
+            self.top_logprobs += list(logprobs.get("top_logprobs") or [])
+        if choice.get("finish_reason") is not None:
+            self.finish_reason = choice["finish_reason"]
+            self.stop_reason = choice.get("stop_reason")
+
+
+class Translator:
+    """vLLM completion answers → SGLang ``/generate`` answers, for one request."""
+
+    def __init__(self, request: GenerateRequest, weight_version: Callable[[], str | None]) -> None:
+        self.request = request
+        self.weight_version = weight_version
+        self.base_id = request.rid or uuid.uuid4().hex
+
+    def answer(self, raw: bytes) -> bytes:
+        """A whole (non-stream) answer; 502 ``upstream_error`` if the engine's cannot be read."""
+        try:
+            completion = _peer_object(raw)
+        except ValueError as exc:
+            raise ServiceError(str(exc), kind=E.UPSTREAM_ERROR) from exc
+        choices = completion.get("choices")
+        if not isinstance(choices, list) or not choices:
+            raise ServiceError("the engine's completion has no choices", kind=E.UPSTREAM_ERROR)
+        states: dict[int, ChoiceState] = {}
+        for choice in choices:
+            if isinstance(choice, dict):
+                states.setdefault(int(choice.get("index", 0)), ChoiceState()).add(choice)
+        results = [self.result(index, states[index]) for index in sorted(states)]
+        return json.dumps(results if self.request.is_batch else results[0]).encode()
+
+    def stream(self) -> ChunkTransform:
+        return _StreamTranslator(self)
+
+    def result(self, index: int, state: ChoiceState) -> dict[str, Any]:
+        rid = self.base_id if not self.request.is_batch else f"{self.base_id}-{index}"
+        meta: dict[str, Any] = {
+            "id": rid, "finish_reason": self._finish_reason(state), "prompt_tokens": len(state.prompt_token_ids),
+            "completion_tokens": len(state.token_ids), "cached_tokens": 0, "weight_version": self.weight_version()}
+        if self.request.return_logprob:
+            meta.update(self._logprobs(state))
+        result = {"text": state.text, "output_ids": list(state.token_ids), "meta_info": meta}
+        if self.request.return_prompt_token_ids:
+            result["prompt_token_ids"] = list(state.prompt_token_ids)
+        return result
+
+    def _finish_reason(self, state: ChoiceState) -> dict[str, Any] | None:
+        reason = state.finish_reason
+        if reason is None:
+            return None
+        if reason == "length":
+            return finish_length(len(state.token_ids))
+        if reason == "stop":
+            return finish_stop(state.stop_reason if state.stop_reason is not None else (
+                state.token_ids[-1] if state.token_ids else None))
+        return finish_abort(f"the request ended early ({reason})")
+
+    def _logprobs(self, state: ChoiceState) -> dict[str, Any]:
+        out: dict[str, Any] = {"output_token_logprobs": [
+            [lp, token, None] for lp, token in zip(state.token_logprobs, state.token_ids)]}
+        if self.request.top_logprobs_num > 0:
+            out["output_top_logprobs"] = [_top(row) for row in state.top_logprobs]
+        start = self.request.logprob_start_len
+        if start >= 0:
+            prompt = state.prompt_token_ids
+            rows = state.prompt_logprobs or [None] * len(prompt)
+            out["input_token_logprobs"] = [
+                [_prompt_logprob(rows[i], token), token, None] for i, token in enumerate(prompt) if i >= start]
+            if self.request.top_logprobs_num > 0:
+                out["input_top_logprobs"] = [_prompt_top(rows[i], self.request.top_logprobs_num)
+                                             for i in range(len(prompt)) if i >= start]
+        return out
+
+
+class _StreamTranslator(ChunkTransform):
+    """vLLM's SSE events → SGLang's (each event the whole answer so far, for the choice it moved)."""
+
+    def __init__(self, translator: Translator) -> None:
+        self.translator = translator
+        self.splitter = EventSplitter()
+        self.states: dict[int, ChoiceState] = {}
+
+    def feed(self, chunk: bytes) -> bytes:
+        return b"".join(self._event(event) for event in self.splitter.feed(chunk))
+
+    def finish(self) -> bytes:
+        rest = self.splitter.finish()
+        return self._event(rest) if rest.strip() else b""
+
+    def _event(self, event: bytes) -> bytes:
+        data = event_data(event)
+        if data is None:
+            return b""
+        if data.strip() == DONE:
+            return data_event(DONE)
+        try:
+            chunk = _peer_object(data)
+        except ValueError:
+            return event  # not JSON: passed on as the engine wrote it
+        choices = chunk.get("choices")
+        if not isinstance(choices, list):
+            return event  # an error event, or anything that is not a completion chunk, passes as it is
+        out = []
+        for choice in choices:
+            if not isinstance(choice, dict):
+                continue
+            index = int(choice.get("index", 0))
+            state = self.states.setdefault(index, ChoiceState())
+            state.add(choice)
+            result = self.translator.result(index, state)
+            if self.translator.request.is_batch:
+                result["index"] = index
+            out.append(data_event(json.dumps(result).encode()))
+        return b"".join(out)
+
+
+def _peer_object(raw: bytes) -> dict[str, Any]:
+    try:
+        value = loads_bounded(raw)
+    except PeerJSONError as exc:
+        raise ValueError(f"the engine's answer is not JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise ValueError("the engine's answer is not a JSON object")
+    return value
+
+
+def _token_id(key: str) -> int | None:
+    """``token_id:123`` (``return_tokens_as_token_ids``) → 123."""
+    prefix, _, number = key.partition(":")
+    return int(number) if prefix == "token_id" and number.isdigit() else None
+
+
+def _top(row: dict[str, float] | None) -> list[list[Any]] | None:
+    if not row:
+        return None
+    pairs = [(lp, _token_id(key)) for key, lp in row.items()]
+    return [[lp, token, None] for lp, token in sorted(pairs, key=lambda p: -p[0]) if token is not None]
+
+
+def _prompt_logprob(row: Any, token: int) -> float | None:
+    if not isinstance(row, dict):
+        return None
+    entry = row.get(str(token))
+    return entry.get("logprob") if isinstance(entry, dict) else None
+
+
+def _prompt_top(row: Any, num: int) -> list[list[Any]] | None:
+    """The ``num`` likeliest tokens at a prompt position (vLLM's row also holds the actual token, at its rank)."""
+    if not isinstance(row, dict):
+        return None
+    ranked = sorted(((entry.get("rank", 0), int(key), entry.get("logprob")) for key, entry in row.items()
+                     if isinstance(entry, dict) and key.isdigit()), key=lambda r: r[0])
+    return [[lp, tok, None] for rank, tok, lp in ranked if rank <= num][:num]

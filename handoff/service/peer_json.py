@@ -1,7 +1,9 @@
 """JSON from a peer (a node's answer, an engine's answer), parsed within bounds.
 
 A peer is not trusted: its answer may be huge, malformed, or nested deeply
-enough to exhaust the interpreter's recursion (``[[[[...`` a million deep).
+enough to exhaust the interpreter's recursion (``[[[[...`` a million deep), or
+carry numbers JSON has no place for (``NaN``, ``Infinity``, ``1e999``: Python's
+``json`` reads them, and the answer built from them could then not be written).
 :func:`loads_bounded` refuses all of it with :class:`PeerJSONError`, one clear
 error for that peer, so the caller can count the peer as failed and go on
 with the others.
@@ -10,6 +12,7 @@ with the others.
 from __future__ import annotations
 
 import json
+import math
 import re
 from typing import Any
 
@@ -46,14 +49,25 @@ def nests_deeper_than(raw: bytes, limit: int) -> bool:
     return depth > limit
 
 
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text[:40]} is out of a float's range")
+    return value
+
+
 def loads_bounded(raw: bytes | str, *, max_bytes: int | None = None, max_depth: int = MAX_DEPTH) -> Any:
     """``json.loads`` for a peer's body; raises :class:`PeerJSONError` naming what is wrong."""
     data = raw.encode() if isinstance(raw, str) else raw
     if max_bytes is not None and len(data) > max_bytes:
-        raise PeerJSONError(f"answer of {len(data)} bytes is over the {max_bytes}-byte limit")
+        raise PeerJSONError(f"{len(data)} bytes of JSON, over the {max_bytes}-byte limit")
     if nests_deeper_than(data, max_depth):
-        raise PeerJSONError(f"answer nests arrays or objects more than {max_depth} deep")
+        raise PeerJSONError(f"JSON nesting arrays or objects more than {max_depth} deep")
     try:
-        return json.loads(data)
+        return json.loads(data, parse_constant=_refuse_constant, parse_float=_finite_float)
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise PeerJSONError(f"answer is not valid JSON: {exc}") from exc
+        raise PeerJSONError(f"not valid JSON: {exc}") from exc

@@ -308,6 +308,21 @@ def test_a_long_answer_ending_in_success_false_is_a_failure(module_fakes: FakeCl
     assert len(failure["detail"]) <= 512
 
 
+@pytest.mark.parametrize("value", [b"NaN", b"-Infinity", b"1e999"])
+def test_numbers_outside_json_fail_one_node_never_the_call(module_fakes: FakeCluster, shared_lb: LB,
+                                                           value: bytes) -> None:
+    """Python's json reads NaN, Infinity and 1e999 (as inf), which no JSON answer may carry: a node sending them
+    is one unreadable answer, not a 500 when the LB writes its own answer (or its /memory_occupation view)."""
+    good, odd = module_fakes.start(2)
+    odd.handlers["/flush_cache"] = reply(200, b'{"success": true, "freed": ' + value + b"}")
+    set_members(shared_lb, good.url, odd.url)
+    body = assert_failure_shape(shared_lb.http.post("/flush_cache"), "/flush_cache", failed=1, total=2)
+    assert body["failures"][0]["reason"] == "unreadable_answer" and body["succeeded"][0]["node"] == good.url
+    odd.handlers["/memory_occupation"] = reply(200, b'{"tags": {}, "in_flight": ' + value + b"}")
+    cluster = shared_lb.http.get("/memory_occupation")
+    assert cluster.status_code == 200 and cluster.json()["total"] == 2
+
+
 def test_deeply_nested_answers_fail_one_node_never_the_call(module_fakes: FakeCluster, shared_lb: LB) -> None:
     good, deep = module_fakes.start(2)
     nested = b"[" * 30_000 + b"]" * 30_000  # within the result cap, beyond any recursion limit

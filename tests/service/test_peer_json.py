@@ -46,9 +46,11 @@ def test_deep_or_broken_nesting_is_one_clear_error(raw: bytes) -> None:
 def test_size_and_syntax_are_checked() -> None:
     with pytest.raises(PeerJSONError, match="over the 10-byte limit"):
         loads_bounded(b'{"success": false}', max_bytes=10)
-    for bad in (b"{", b"\xff", b"nan!", b"[1]]"):
+    for bad in (b"{", b"\xff", b"nan!", b"[1]]", b"NaN", b'{"a": [Infinity]}', b"-Infinity", b"1e999",
+                b'{"freed": -1.5e400}'):
         with pytest.raises(PeerJSONError, match="not valid JSON"):
             loads_bounded(bad)
+    assert loads_bounded(b'[1e308, -0.0, 5e-324, 12345678901234567890]') == [1e308, -0.0, 5e-324, 12345678901234567890]
 
 
 @pytest.mark.timeout(20)

@@ -72,10 +72,8 @@ class Load(threading.Thread):
                 last = json.loads(r.read())
         if last is None:
             return "a stream ended without [DONE]"
-        reason = last["meta_info"]["finish_reason"]
-        reason = reason.get("type") if isinstance(reason, dict) else reason  # SGLang's dict; handoff's engine: a str
-        # completion_tokens counts the whole answer in both engines' streams (SGLang's repeat it whole, handoff's
-        # engine sends the new tokens of each step)
+        reason = last["meta_info"]["finish_reason"]["type"]  # SGLang's object on both kinds
+        # both kinds' streams repeat the whole answer so far: the last event holds every token
         if last["meta_info"]["completion_tokens"] != self.max_new_tokens or reason != "length":
             return f"cut short: {last['meta_info']['completion_tokens']} tokens, {reason}"
         return "ok"

@@ -2,8 +2,9 @@
 
 A peer is not trusted: its answer may be huge, malformed, or nested deeply
 enough to exhaust the interpreter's recursion (``[[[[...`` a million deep), or
-carry numbers JSON has no place for (``NaN``, ``Infinity``, ``1e999``: Python's
-``json`` reads them, and the answer built from them could then not be written).
+carry what JSON has no place for: numbers (``NaN``, ``Infinity``, ``1e999``)
+and lone UTF-16 surrogates (``"\\ud800"``), which Python's ``json`` reads and
+an answer built from them could then not be written.
 :func:`loads_bounded` refuses all of it with :class:`PeerJSONError`, one clear
 error for that peer, so the caller can count the peer as failed and go on
 with the others.
@@ -22,6 +23,7 @@ _STRING = re.compile(rb'"(?:[^"\\]++|\\.)*+(?:"|\\?\Z)', re.DOTALL)
 _BRACKETS_ONLY = bytes.maketrans(b"{}", b"[]")
 _NOT_BRACKETS = bytes(set(range(256)) - set(b"[]{}"))
 _OPENERS = re.compile(rb"\[+")
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # paired ones decode to one character, lone ones stay
 
 
 class PeerJSONError(ValueError):
@@ -68,6 +70,23 @@ def loads_bounded(raw: bytes | str, *, max_bytes: int | None = None, max_depth: 
     if nests_deeper_than(data, max_depth):
         raise PeerJSONError(f"JSON nesting arrays or objects more than {max_depth} deep")
     try:
-        return json.loads(data, parse_constant=_refuse_constant, parse_float=_finite_float)
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        value = json.loads(data, parse_constant=_refuse_constant, parse_float=_finite_float)
+        if _SURROGATE_ESCAPE.search(data):
+            _check_text(value)
+    except (UnicodeError, ValueError, RecursionError) as exc:
         raise PeerJSONError(f"not valid JSON: {exc}") from exc
+    return value
+
+
+def _check_text(value: Any) -> None:
+    """Every string (and key) is valid Unicode: UnicodeEncodeError names a lone surrogate."""
+    pending = [value]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, str):
+            item.encode("utf-8")
+        elif isinstance(item, dict):
+            pending.extend(item)
+            pending.extend(item.values())
+        elif isinstance(item, list):
+            pending.extend(item)

@@ -308,11 +308,12 @@ def test_a_long_answer_ending_in_success_false_is_a_failure(module_fakes: FakeCl
     assert len(failure["detail"]) <= 512
 
 
-@pytest.mark.parametrize("value", [b"NaN", b"-Infinity", b"1e999"])
-def test_numbers_outside_json_fail_one_node_never_the_call(module_fakes: FakeCluster, shared_lb: LB,
-                                                           value: bytes) -> None:
-    """Python's json reads NaN, Infinity and 1e999 (as inf), which no JSON answer may carry: a node sending them
-    is one unreadable answer, not a 500 when the LB writes its own answer (or its /memory_occupation view)."""
+@pytest.mark.parametrize("value", [b"NaN", b"-Infinity", b"1e999", b'"\\ud800"'])
+def test_values_outside_json_fail_one_node_never_the_call(module_fakes: FakeCluster, shared_lb: LB,
+                                                          value: bytes) -> None:
+    """Python's json reads NaN, Infinity, 1e999 (as inf) and lone surrogates, which no JSON answer may carry: a
+    node sending them is one unreadable answer, not a 500 when the LB writes its own answer (or its
+    /memory_occupation view)."""
     good, odd = module_fakes.start(2)
     odd.handlers["/flush_cache"] = reply(200, b'{"success": true, "freed": ' + value + b"}")
     set_members(shared_lb, good.url, odd.url)

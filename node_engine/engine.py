@@ -29,7 +29,7 @@ from typing import Any, Callable
 import torch
 
 from handoff.protocol import errors as E
-from handoff.protocol.generate_request import LogprobOptions
+from handoff.protocol.generate_sequences import LogprobOptions
 from node_engine.config import EngineConfig
 from node_engine.control import EngineControl
 from node_engine.errors import EngineStopped, InvalidRequest, MemoryReleased, WeightsNotLoaded

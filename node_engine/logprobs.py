@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 
-from handoff.protocol.generate_request import LogprobOptions
+from handoff.protocol.generate_sequences import LogprobOptions
 from node_engine.sampling import SamplingParams
 
 if TYPE_CHECKING:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from handoff.protocol.generate_request import LogprobOptions
+from handoff.protocol.generate_sequences import LogprobOptions
 from handoff.protocol.generation import FinishReason as FinishJSON
 from handoff.protocol.generation import finish_abort, finish_abort_waiting, finish_length, finish_stop
 from node_engine.logprobs import InputLogprobs, PromptLogprobs, TokenLogprobs

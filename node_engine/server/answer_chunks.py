@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
-from handoff.protocol.generate_request import LogprobOptions
+from handoff.protocol.generate_sequences import LogprobOptions
 from handoff.protocol.generation import LogprobEntry, SequenceChunk, logprob_entries
 from node_engine.logprobs import InputLogprobs, TokenLogprobs
 from node_engine.request import RequestOutput

@@ -1,6 +1,6 @@
 """From a ``/generate`` body to the engine sequences that answer it.
 
-:func:`plan_generate` normalizes the body (:mod:`handoff.protocol.generate_request`:
+:func:`plan_generate` normalizes the body (:mod:`handoff.protocol.generate_sequences`:
 every SGLang field, batches and ``n`` in SGLang's order), tokenizes each
 distinct text once, decodes and resizes each prompt's images and expands their
 placeholders (:mod:`node_engine.server.images`), and checks every sequence
@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from handoff.protocol.generate_request import GenerateBody, GenerateFieldError, normalize
+from handoff.protocol.generate_request import GenerateBody, GenerateFieldError
+from handoff.protocol.generate_sequences import normalize
 from handoff.service.errors import InvalidRequest, ServiceError
 from node_engine.engine import Engine
 from node_engine.server.generation import tokenize

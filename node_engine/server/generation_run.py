@@ -21,7 +21,7 @@ from typing import AsyncIterator
 
 from starlette.requests import Request
 
-from handoff.protocol.generate_request import LogprobOptions
+from handoff.protocol.generate_sequences import LogprobOptions
 from handoff.protocol.generation import LogprobShape, SequenceAnswer, SequenceChunk
 from handoff.service.disconnect import ClientGone, unless_disconnected
 from node_engine.engine import Engine, RequestHandle

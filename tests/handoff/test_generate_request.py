@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from handoff.protocol import errors as E
-from handoff.protocol.generate_request import (DEFAULT_ONLY, GENERATE_FIELDS, SAMPLING_FIELDS, GenerateBody,
-                                               GenerateFieldError, is_empty, normalize)
+from handoff.protocol.generate_request import DEFAULT_ONLY, GENERATE_FIELDS, SAMPLING_FIELDS, GenerateBody, GenerateFieldError, is_empty
+from handoff.protocol.generate_sequences import normalize
 
 API_DOC = Path(__file__).resolve().parents[2] / "docs" / "api.md"
 

@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 from typing import AsyncIterator, Callable
 
-from handoff.protocol.generate_request import LogprobOptions
+from handoff.protocol.generate_sequences import LogprobOptions
 from node_engine.config import EngineConfig
 from node_engine.engine import Engine
 from node_engine.request import RequestOutput

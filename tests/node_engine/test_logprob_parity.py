@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from handoff.protocol.generate_request import LogprobOptions
+from handoff.protocol.generate_sequences import LogprobOptions
 from node_engine.config import EngineConfig
 from node_engine.sampling import SamplingParams
 from tests.node_engine.checkpoints import make_checkpoint

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

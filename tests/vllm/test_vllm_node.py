@@ -21,13 +21,16 @@ import pytest
 
 from handoff.cluster.vllm import VllmProcess
 from node_engine.model.builtin import builtin_arch, builtin_weights, save_checkpoint
-from tests.lb.lbproc import FAST_HEALTH, LB, node_args
+from tests.lb.lbproc import LB, node_args
 from tests.support.procs import ServerProcess, wait_until
 from tests.support.sse import iter_events
 from tests.support.streams import GenerationClient
 from tests.vllm.conftest import tokens_lasting
 
 ALL = ["weights", "kv_cache", "cuda_graph", "workspace"]
+# frequent checks, but a patient timeout: a generating vLLM worker holds one of CI's two cores, and a sidecar that
+# answers a check in over a second there is busy, not down (the health logic is tested in tests/lb)
+LB_HEALTH = ["--health-interval", "0.2", "--health-timeout", "5"]
 GREEDY = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
 PROMPT = [72, 101, 108, 108, 111]
 
@@ -37,7 +40,7 @@ class VllmNode:
         self.vllm = vllm
         self.log_dir = log_dir
         self.sidecar = self.start_sidecar()
-        self.lb = LB(ServerProcess("lb", [*FAST_HEALTH, *node_args(self.sidecar.url)], log_dir=log_dir,
+        self.lb = LB(ServerProcess("lb", [*LB_HEALTH, *node_args(self.sidecar.url)], log_dir=log_dir,
                                    name="lb").start())
         self.lb.wait_routable([self.sidecar.url], timeout=60)
 

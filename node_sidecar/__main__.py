@@ -25,6 +25,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--vllm-sleep-level", type=int, choices=(1, 2), default=1,
                    help="vLLM: sleep level of a release without stage_to_cpu (1 keeps the weights in host memory, "
                         "2 discards them: the node then refuses generation until a reload)")
+    p.add_argument("--vllm-weight-sync-timeout", type=float, default=300.0,
+                   help="vLLM: seconds a weight-group join, or one update's broadcasts, may take")
     p.add_argument("--admin-token", default=None, help="bearer token for control calls (or HANDOFF_ADMIN_TOKEN)")
     p.add_argument("--api-key", default=None, help="bearer token for generation (or HANDOFF_API_KEY)")
     p.add_argument("--hold-requests", action="store_true",
@@ -55,7 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = SidecarConfig(
             engine_url=args.engine_url, role=args.role, engine_kind=args.engine_kind,
-            vllm_sleep_level=args.vllm_sleep_level, admin_token=admin_token, api_key=api_key,
+            vllm_sleep_level=args.vllm_sleep_level,
+            vllm_weight_sync_timeout=args.vllm_weight_sync_timeout, admin_token=admin_token, api_key=api_key,
             hold_requests=args.hold_requests, hold_max=args.hold_max, hold_timeout=args.hold_timeout,
             drain_timeout=args.drain_timeout, max_drain_timeout=args.max_drain_timeout,
             generate_timeout=args.generate_timeout, control_timeout=args.control_timeout,

@@ -20,6 +20,7 @@ class SidecarConfig:
     role: str = "mixed"
     engine_kind: str | None = None      # None: detected from the engine's info endpoints
     vllm_sleep_level: int = 1           # vLLM: the sleep level of a release without stage_to_cpu
+    vllm_weight_sync_timeout: float = 300.0  # vLLM: a weight-group join, or one update's broadcasts
     admin_token: str | None = field(default=None, repr=False)
     api_key: str | None = field(default=None, repr=False)
     hold_requests: bool = False
@@ -48,7 +49,7 @@ class SidecarConfig:
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         for name in ("hold_timeout", "drain_timeout", "max_drain_timeout", "generate_timeout", "control_timeout",
-                     "engine_poll_interval", "body_timeout"):
+                     "vllm_weight_sync_timeout", "engine_poll_interval", "body_timeout"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
         if self.drain_timeout > self.max_drain_timeout:

@@ -82,7 +82,8 @@ class Node:
         self._poke.set()
 
     def _adapter_for(self, kind: EngineKind) -> EngineAdapter:
-        return create_adapter(kind, self.engine, vllm_sleep_level=self.config.vllm_sleep_level)
+        return create_adapter(kind, self.engine, vllm_sleep_level=self.config.vllm_sleep_level,
+                              vllm_weight_sync_timeout=self.config.vllm_weight_sync_timeout)
 
     @property
     def engine_adapter(self) -> EngineAdapter:

@@ -6,7 +6,10 @@ nothing is fetched from a hub (``HF_HUB_OFFLINE=1``: the model must be a local
 folder). On CPU: ``VLLM_CPU_KVCACHE_SPACE`` GiB of KV cache, threads not
 pinned to cores (several engines share the machine), eager mode (no compile
 at start). The distribution is ``vllm-cpu``, whose ``vllm serve`` entry point
-does not start: the server module is run instead.
+does not start: the server module is run instead. handoff's worker extension
+is loaded (``--worker-extension-cls``, :data:`WORKER_EXTENSION`): with it the
+sidecar serves SGLang's tensor and broadcast weight updates on this node
+(handoff must be installed in vLLM's environment, as it is here).
 
 Start-up takes minutes on a small machine (1.5 to 4.5 on 2 cores).
 """
@@ -25,6 +28,7 @@ from handoff.cluster.process import ServerProcess
 
 VLLM_MODULE = "vllm.entrypoints.openai.api_server"
 VLLM_START_TIMEOUT_S = 600.0
+WORKER_EXTENSION = "node_sidecar.engines.vllm_worker_ext.HandoffWeightSync"
 
 
 def vllm_available(python: str | None = None) -> bool:
@@ -57,9 +61,10 @@ class VllmProcess(ServerProcess):
 
     def __init__(self, model_path: str, *, log_dir: Path, name: str = "vllm", device: str = "cpu",
                  host: str = "127.0.0.1", args: Sequence[str] = (), env: dict[str, str] | None = None,
-                 python: str | None = None) -> None:
+                 python: str | None = None, weight_sync: bool = True) -> None:
         cpu_args = ["--enforce-eager", "--dtype", "float32"] if device == "cpu" else ["--enable-sleep-mode"]
-        super().__init__(VLLM_MODULE, ["--model", model_path, *cpu_args, *args], log_dir=log_dir, name=name,
+        extension = ["--worker-extension-cls", WORKER_EXTENSION] if weight_sync else []
+        super().__init__(VLLM_MODULE, ["--model", model_path, *cpu_args, *extension, *args], log_dir=log_dir, name=name,
                          env={**vllm_env(device), **(env or {})}, host=host)
         self.python = python or vllm_python()
 

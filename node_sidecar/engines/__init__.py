@@ -22,7 +22,8 @@ DETECT_TIMEOUT_S = 5.0
 __all__ = ["EngineAdapter", "EngineKind", "create_adapter", "detect_kind"]
 
 
-def create_adapter(kind: EngineKind, engine: EngineClient, *, vllm_sleep_level: int = 1) -> EngineAdapter:
+def create_adapter(kind: EngineKind, engine: EngineClient, *, vllm_sleep_level: int = 1,
+                   vllm_weight_sync_timeout: float = 300.0) -> EngineAdapter:
     if kind is EngineKind.HANDOFF:
         from node_sidecar.engines.handoff import HandoffEngine
 
@@ -30,7 +31,8 @@ def create_adapter(kind: EngineKind, engine: EngineClient, *, vllm_sleep_level: 
     if kind is EngineKind.VLLM:
         from node_sidecar.engines.vllm import VllmEngine
 
-        return VllmEngine(engine, default_sleep_level=vllm_sleep_level)
+        return VllmEngine(engine, default_sleep_level=vllm_sleep_level,
+                          weight_sync_timeout=vllm_weight_sync_timeout)
     from node_sidecar.engines.sglang import SglangEngine
 
     return SglangEngine(engine)

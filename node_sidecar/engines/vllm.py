@@ -27,6 +27,11 @@ sidecar first (a reload vLLM cannot finish leaves its parameters on the meta
 device and the next request kills the engine), released weights are woken,
 then ``POST /collective_rpc {"method": "reload_weights"}``, the weight
 version set with ``/update_weight_version``, the prefix cache reset.
+
+Tensor and broadcast updates, the trainer's group and the update session go
+through handoff's worker extension when vLLM runs with it
+(:mod:`node_sidecar.engines.vllm_weights`); they end like a reload: released
+weights woken first, the version set, the prefix cache reset.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ from node_sidecar.engines.base import EngineView, GenerationCall, MemoryChange, 
 from node_sidecar.engines.foreign import ForeignEngine
 from node_sidecar.engines.vllm_answer import Translator
 from node_sidecar.engines.vllm_generate import to_completion
+from node_sidecar.engines.vllm_weights import GROUP_CALLS, SESSION_CALLS, UPDATES, VllmWeightSync, WeightsLost
 from node_sidecar.errors import EngineRefused, EngineUnavailable
 
 INFO_TIMEOUT_S = 30.0        # vLLM's first /server_info collects its environment: seconds
@@ -62,8 +68,9 @@ class VllmEngine(ForeignEngine):
         "workspace": TagMeaning(None, "no region of its own in vLLM: tracked by the sidecar, frees nothing"),
     }
 
-    def __init__(self, engine: Any, *, default_sleep_level: int = 1) -> None:
+    def __init__(self, engine: Any, *, default_sleep_level: int = 1, weight_sync_timeout: float = 300.0) -> None:
         super().__init__(engine)
+        self.weight_sync = VllmWeightSync(engine, timeout_s=weight_sync_timeout)
         self.default_sleep_level = default_sleep_level
         self.level = 0                 # the level of the sleep the weights went to (0: not asleep)
         self.weights_discarded = False  # woken after a level-2 sleep, not reloaded since
@@ -83,6 +90,8 @@ class VllmEngine(ForeignEngine):
         config = info.get("vllm_config") if isinstance(info.get("vllm_config"), dict) else {}
         model = config.get("model_config") if isinstance(config.get("model_config"), dict) else {}
         device = config.get("device_config") if isinstance(config.get("device_config"), dict) else {}
+        parallel = config.get("parallel_config") if isinstance(config.get("parallel_config"), dict) else {}
+        self.weight_sync.extension = parallel.get("worker_extension_cls") or None
         if self.adopt_instance(config.get("instance_id")):
             self.level, self.weights_discarded = 0, False
         self.device = str(device.get("device") or "cuda")
@@ -211,6 +220,36 @@ class VllmEngine(ForeignEngine):
         return {"success": True, "weight_version": self.weight_version, "resumed": resumed,
                 "message": f"reloaded {body['model_path']} in {time.perf_counter() - started:.3f}s"}
 
+    async def _push(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        """A tensor or broadcast update, ended as a reload is (version, prefix cache)."""
+        self.weight_sync.require(path)
+        resumed = []
+        if WEIGHTS in self.released:
+            await self._wake([WEIGHTS])
+            self.released.discard(WEIGHTS)
+            resumed.append(WEIGHTS)
+            self.level = 0
+        try:
+            answer = await self.weight_sync.update(path, body)
+        except WeightsLost as exc:
+            self.weights_discarded = True
+            raise EngineRefused(exc.status, {"error": {"type": exc.type, "message": exc.message,
+                                                       "resumed": resumed}}) from exc
+        except EngineRefused as exc:
+            if not resumed:
+                raise
+            raise EngineRefused(exc.status, {"error": {"type": exc.type, "message": exc.message,
+                                                       "resumed": resumed}}) from exc
+        if answer.pop("complete", False):
+            self.weights_discarded = False
+        if body.get("weight_version") is not None:
+            await self.engine.call("POST", "/update_weight_version", {"new_version": body["weight_version"]})
+            self.weight_version = body["weight_version"]
+        if body.get("flush_cache", True) and KV_CACHE not in self.released:
+            await self.engine.call("POST", "/reset_prefix_cache")  # prefixes computed with the old weights
+        return {**answer, "weight_version": self.weight_version, "resumed": resumed,
+                "weights_valid": not self.weights_discarded}
+
     async def flush_cache(self, timeout: float) -> dict[str, Any]:
         """``POST /reset_prefix_cache`` until it succeeds (it fails while running requests hold blocks)."""
         deadline = time.monotonic() + timeout
@@ -226,7 +265,13 @@ class VllmEngine(ForeignEngine):
 
     async def weight_call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         """Of SGLang's other weight calls vLLM has the version (``/update_weight_version``); tensor and broadcast
-        updates, the trainer's group and the update session have no counterpart of that shape."""
+        updates, the trainer's group and the update session go through handoff's worker extension."""
+        if path in UPDATES:
+            return await self._push(path, body)
+        if path in GROUP_CALLS:
+            return await self.weight_sync.group_call(path, body)
+        if path in SESSION_CALLS:
+            return self.weight_sync.session_call(path, body)
         if path != "/update_weight_version":
             raise Unsupported(f"{path} is not available on vLLM nodes (vLLM's own weight-transfer API takes "
                               "backend-specific arguments); reload from disk with /update_weights_from_disk",
@@ -242,7 +287,8 @@ class VllmEngine(ForeignEngine):
         if path == "/get_server_info":
             return {"engine_kind": self.kind.value, "version": self.version, "model_path": self.model_path,
                     "device": self.device, "enable_sleep_mode": self.sleep_mode,
-                    "sleep_level": self.default_sleep_level, "weight_version": self.weight_version}
+                    "sleep_level": self.default_sleep_level, "weight_version": self.weight_version,
+                    "weight_sync": self.weight_sync.available}
         if path == "/get_weight_version":
             return {"weight_version": self.weight_version}
         return {"model_path": self.model_path, "is_generation": True, "weight_version": self.weight_version,

@@ -73,7 +73,8 @@ class VllmNode:
 
 @pytest.fixture(scope="module")
 def node(checkpoints: tuple[Path, Path], proc_log_dir: Path):
-    vllm = VllmProcess(str(checkpoints[0]), log_dir=proc_log_dir).start()
+    # without handoff's worker extension (tests/vllm/test_vllm_weight_sync.py has it): weight pushes are 400
+    vllm = VllmProcess(str(checkpoints[0]), log_dir=proc_log_dir, weight_sync=False).start()
     node = VllmNode(vllm, proc_log_dir)
     version = node.post("/update_weights_from_disk", {"model_path": str(checkpoints[0]), "weight_version": "step-0"})
     assert version.status_code == 200, version.text
@@ -291,6 +292,10 @@ def test_what_vllm_cannot_do_is_400_and_abort_by_rid_works(serving: VllmNode) ->
     assert node.post("/generate", {"input_ids": PROMPT, "nonsense": 1}).status_code == 400
     tensor = node.post("/update_weights_from_tensor", {"serialized_named_tensors": ["AAAA"]})
     assert tensor.status_code == 400 and tensor.json()["error"]["type"] == "unsupported"
+    assert "--worker-extension-cls node_sidecar.engines.vllm_worker_ext.HandoffWeightSync" in tensor.text
+    group = node.post("/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": 29999,
+                                                     "rank_offset": 1, "world_size": 2, "backend": "gloo"})
+    assert group.status_code == 400 and group.json()["error"]["type"] == "unsupported"
     retract = node.post("/pause_generation", {"mode": "retract"})
     assert retract.status_code == 400 and retract.json()["error"]["type"] == "unsupported"
     assert node.occupation()["serving"] is True  # a refused pause leaves the node serving

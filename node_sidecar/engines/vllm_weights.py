@@ -1,0 +1,133 @@
+"""SGLang's weight-sync calls on a vLLM node, through handoff's worker extension
+(:mod:`node_sidecar.engines.vllm_worker_ext`, loaded by vLLM's ``--worker-extension-cls``).
+
+Each call is one ``POST /collective_rpc`` naming an extension method (answers
+``{"results": [one per worker]}``; a single worker here). The answers are
+SGLang's shapes, as handoff's engine gives them:
+
+- ``init_weights_update_group``: the join starts on the worker's own thread and
+  is polled (``handoff_weight_group``) until joined, failed, or
+  ``--vllm-weight-sync-timeout`` passed (then abandoned: 504
+  ``weight_sync_timeout``); vLLM serves meanwhile.
+- ``destroy_weights_update_group``: leaves, or abandons a join under way.
+- ``update_weights_from_distributed`` / ``_from_tensor``: checked, received,
+  loaded by the worker (see the extension); the adapter then sets the weight
+  version and resets the prefix cache, as a reload from disk does.
+- ``begin_weight_update`` / ``end_weight_update``: SGLang's session, kept here
+  (one at a time); updates inside and outside it load the same way.
+
+Without the extension each call is 400 ``unsupported`` saying how to start vLLM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from handoff.cluster.vllm import WORKER_EXTENSION
+from handoff.protocol import errors as E
+from handoff.service.errors import InvalidRequest, Unsupported
+from node_sidecar.errors import EngineRefused
+
+EXTENSION = WORKER_EXTENSION
+GROUP_CALLS = frozenset({"/init_weights_update_group", "/destroy_weights_update_group"})
+SESSION_CALLS = frozenset({"/begin_weight_update", "/end_weight_update"})
+UPDATES = frozenset({"/update_weights_from_distributed", "/update_weights_from_tensor"})
+CALLS = GROUP_CALLS | SESSION_CALLS | UPDATES
+DEFAULT_TIMEOUT_S = 300.0   # a join, or one update's broadcasts
+POLL_S = 0.1
+_ERRORS = {t.name: t for t in (E.INVALID_REQUEST, E.CONFLICT, E.WEIGHT_SYNC_BROKEN, E.WEIGHT_SYNC_TIMEOUT,
+                               E.ENGINE_FAILED)}
+
+
+class WeightsLost(EngineRefused):
+    """The worker's load failed part way: the weights are not usable until a reload."""
+
+
+class VllmWeightSync:
+    def __init__(self, engine: Any, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        self.engine = engine
+        self.timeout_s = timeout_s
+        self.extension: str | None = None   # vLLM's worker_extension_cls, read from /server_info
+        self.session: str | None = None     # the selector of the open update session
+
+    @property
+    def available(self) -> bool:
+        return self.extension == EXTENSION
+
+    def require(self, path: str) -> None:
+        if not self.available:
+            raise Unsupported(f"{path} on a vLLM node needs handoff's worker extension: start vLLM with "
+                              f"--worker-extension-cls {EXTENSION} (handoff up --engine-kind vllm does), with "
+                              "handoff installed in vLLM's environment; or reload from disk with "
+                              "/update_weights_from_disk", extra={"path": path})
+
+    async def rpc(self, method: str, timeout: float, **kwargs: Any) -> dict[str, Any]:
+        """One extension method on the worker; its ``{"ok": false}`` answers raised as handoff errors."""
+        answer = await self.engine.call("POST", "/collective_rpc", {"method": method, "kwargs": kwargs,
+                                                                    "timeout": timeout}, timeout=timeout + 30)
+        results = answer.get("results") if isinstance(answer, dict) else None
+        result = results[0] if isinstance(results, list) and results and isinstance(results[0], dict) else None
+        if result is None:
+            raise EngineRefused(502, {"error": {"type": E.ENGINE_FAILED.name,
+                                                "message": f"vLLM's {method} answered {str(answer)[:200]}"}})
+        if result.get("ok") is not True:
+            kind = _ERRORS.get(str(result.get("error")), E.ENGINE_FAILED)
+            error = WeightsLost if result.get("weights_lost") else EngineRefused
+            raise error(kind.status, {"error": {"type": kind.name, "message": str(result.get("message"))}})
+        return result
+
+    async def group_call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        self.require(path)
+        name = body["group_name"]
+        if path == "/destroy_weights_update_group":
+            left = await self.rpc("handoff_leave_group", self.timeout_s, group_name=name)
+            return {"success": True, "message": left["message"]}
+        await self.rpc("handoff_join_group", self.timeout_s, body=body, timeout_s=self.timeout_s)
+        deadline = time.monotonic() + self.timeout_s + 5
+        while True:
+            state = await self.rpc("handoff_weight_group", 30, group_name=name)
+            if state["state"] == "joined":
+                return {"success": True, "message": "Succeeded to initialize custom process group.",
+                        "rank": state["rank"], "world_size": state["world_size"]}
+            if time.monotonic() > deadline:
+                await self.rpc("handoff_leave_group", 30, group_name=name)
+                raise EngineRefused(E.WEIGHT_SYNC_TIMEOUT.status, {"error": {
+                    "type": E.WEIGHT_SYNC_TIMEOUT.name,
+                    "message": f"joining group {name!r} at {body['master_address']}:{body['master_port']} as rank "
+                               f"{body['rank_offset']} of {body['world_size']} took over {self.timeout_s:g}s (did "
+                               "the trainer, rank 0, and every other rank join?); the join was abandoned"}})
+            await asyncio.sleep(POLL_S)
+
+    def session_call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        self.require(path)
+        if path == "/begin_weight_update":
+            if body.get("selector") == "draft":
+                raise InvalidRequest("this vLLM node has no draft model (selector 'draft')")
+            if self.session is not None:
+                raise InvalidRequest("a weight update session is already open; end it first")
+            self.session = body.get("selector") or "all"
+            return {"success": True, "message": "Weight update session begun."}
+        if self.session is None:
+            raise InvalidRequest("no weight update session is open (begin_weight_update first)")
+        self.session = None
+        return {"success": True, "message": "Weight update session ended."}
+
+    async def update(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        """Receive (or decode) and load on the worker; ``{"success", "message", "loaded", "duration_s"}``."""
+        self.require(path)
+        if body.get("selector") == "draft":
+            raise InvalidRequest("this vLLM node has no draft model (selector 'draft')")
+        started = time.perf_counter()
+        if path == "/update_weights_from_distributed":
+            result = await self.rpc("handoff_update_from_distributed", self.timeout_s, group_name=body["group_name"],
+                                    names=body["names"], dtypes=body["dtypes"], shapes=body["shapes"],
+                                    flattened=body.get("load_format") == "flattened_bucket")
+        else:
+            result = await self.rpc("handoff_update_from_tensor", self.timeout_s,
+                                    serialized_named_tensors=body["serialized_named_tensors"],
+                                    load_format=body.get("load_format"),
+                                    release_sender_reference=body.get("release_sender_reference", True))
+        return {"success": True, "message": "Succeeded to update parameter online.", "loaded": result["loaded"],
+                "complete": result.get("complete") is True, "duration_s": round(time.perf_counter() - started, 6)}

@@ -1,0 +1,248 @@
+"""handoff's vLLM worker extension: SGLang's weight-sync calls inside a vLLM worker (``--worker-extension-cls``).
+
+Only vLLM's worker imports this module (it needs torch; the sidecar never
+imports it). vLLM mixes the class into its worker and exposes its methods
+through ``POST /collective_rpc`` (dev mode); the sidecar's vLLM adapter
+(:mod:`node_sidecar.engines.vllm`) maps SGLang's calls onto them. Every method
+answers a JSON object ``{"ok": true, ...}`` or ``{"ok": false, "error": TYPE,
+"message": ...}`` (TYPE one of handoff's error names), never raises.
+
+- The group is joined exactly as handoff's engine joins it
+  (:mod:`node_engine.weight_sync.group`: SGLang's store and key prefix, gloo on
+  CPU), on a thread of its own so that vLLM keeps serving (and a destroy can
+  abandon the join) while the trainer is awaited; the sidecar polls
+  :meth:`handoff_weight_group` until it is joined, failed, or past its timeout.
+  The group's timeout bounds each broadcast.
+- An update is checked on its announced metadata first, against the tensors of
+  the checkpoint vLLM serves (names, shapes; floating dtypes) and vLLM's fused
+  layers: a layer vLLM fuses (``q/k/v_proj`` into ``qkv_proj``, ``gate/up_proj``
+  into ``gate_up_proj``) is loaded whole or not at all, because on CPU vLLM keeps
+  a linear layer only in its packed form and the rest of a half-sent layer could
+  not be filled in. A refused update's broadcasts are still received and
+  discarded when they fit in twice the model, so the group stays in step;
+  otherwise the group is marked broken (destroy and join again).
+- Everything is received before anything loads; loading is vLLM's in-place
+  reload (``reload_weights`` with the received tensors: the model's
+  ``load_weights`` layer by layer, then its post-load processing), as a reload
+  from disk does.
+- ``update_weights_from_tensor`` payloads are decoded with handoff's restricted
+  unpickler (:mod:`node_engine.weight_sync.tensor_payload`), never with pickle.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from handoff.protocol.weights import InitWeightsUpdateGroupBody
+from node_engine.weight_sync.group import GroupJoinCancelled, WeightGroup, join_group, receive
+from node_engine.weight_sync.tensor_payload import decode_payload
+from node_engine.weight_sync.unpickler import UnsafePayload
+
+SCRATCH_FACTOR = 2  # a refused update's broadcasts are still received when they fit in this many model sizes
+MAX_HEADER_BYTES = 100 * 1024 * 1024
+
+
+def _failed(error: str, message: str, **extra: Any) -> dict[str, Any]:
+    return {"ok": False, "error": error, "message": message, **extra}
+
+
+def checkpoint_shapes(folder: str) -> dict[str, list[int]]:
+    """Every tensor's shape in a safetensors checkpoint folder, from the file headers alone."""
+    shapes: dict[str, list[int]] = {}
+    for path in sorted(Path(folder).glob("*.safetensors")):
+        with open(path, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            if length > MAX_HEADER_BYTES:
+                raise ValueError(f"{path.name}: a header of {length} bytes")
+            header = json.loads(f.read(length))
+        shapes.update({name: list(entry["shape"]) for name, entry in header.items() if name != "__metadata__"})
+    return shapes
+
+
+class _Join:
+    """A join under way on its own thread."""
+
+    def __init__(self, body: InitWeightsUpdateGroupBody, timeout_s: float) -> None:
+        self.cancel = threading.Event()
+        self.group: WeightGroup | None = None
+        self.error: dict[str, Any] | None = None
+        self.thread = threading.Thread(target=self._run, args=(body, timeout_s), daemon=True,
+                                       name=f"handoff-join-{body.group_name}")
+
+    def _run(self, body: InitWeightsUpdateGroupBody, timeout_s: float) -> None:
+        try:
+            self.group = join_group(body, timeout_s, self.cancel)
+        except GroupJoinCancelled:
+            self.error = _failed("conflict", f"the join of group {body.group_name!r} was abandoned")
+        except (RuntimeError, ValueError, OSError) as exc:  # a store or rendezvous timeout is a RuntimeError
+            kind = "weight_sync_timeout" if "timeout" in str(exc).lower() or "timed out" in str(exc).lower() \
+                else "invalid_request"
+            self.error = _failed(kind, f"failed to join group {body.group_name!r} at {body.master_address}:"
+                                       f"{body.master_port} as rank {body.rank_offset} of {body.world_size}: {exc}")
+
+
+class HandoffWeightSync:
+    """Mixed into vLLM's worker; every name starts with ``handoff_`` (vLLM refuses names its worker has)."""
+
+    def _handoff_state(self) -> dict[str, Any]:
+        state = self.__dict__.get("_handoff")
+        if state is None:
+            state = self.__dict__["_handoff"] = {"groups": {}, "joins": {}, "shapes": None, "shapes_of": None}
+        return state
+
+    # -- the group -------------------------------------------------------------------------------------------
+    def handoff_join_group(self, body: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+        """Start joining (answers at once); :meth:`handoff_weight_group` says how it went."""
+        state = self._handoff_state()
+        init = InitWeightsUpdateGroupBody.model_validate(body)
+        name = init.group_name
+        if init.backend != "gloo" and str(self.device_config.device) == "cpu":
+            return _failed("invalid_request", f"backend {init.backend} needs CUDA; this vLLM runs on CPU, use gloo")
+        if name in state["groups"] or name in state["joins"]:
+            return _failed("conflict", f"group {name!r} exists or is being joined; destroy it first")
+        join = state["joins"][name] = _Join(init, float(timeout_s))
+        join.thread.start()
+        return {"ok": True, "joining": name}
+
+    def handoff_weight_group(self, group_name: str) -> dict[str, Any]:
+        """``{"ok": true, "state": "joining" | "joined", ...}``, or the join's failure (reported once)."""
+        state = self._handoff_state()
+        join = state["joins"].get(group_name)
+        if join is None:
+            group = state["groups"].get(group_name)
+            if group is None:
+                return _failed("invalid_request", f"group {group_name!r} does not exist")
+            return {"ok": True, "state": "joined", "rank": group.rank, "world_size": group.world_size}
+        if join.thread.is_alive():
+            return {"ok": True, "state": "joining"}
+        del state["joins"][group_name]
+        if join.group is None:
+            return join.error or _failed("engine_failed", f"the join of group {group_name!r} ended without a group")
+        state["groups"][group_name] = join.group
+        return {"ok": True, "state": "joined", "rank": join.group.rank, "world_size": join.group.world_size}
+
+    def handoff_leave_group(self, group_name: str) -> dict[str, Any]:
+        state = self._handoff_state()
+        join = state["joins"].pop(group_name, None)
+        if join is not None:  # its thread destroys the group if the join ever completes
+            join.cancel.set()
+            return {"ok": True, "message": f"The join of group {group_name!r} was abandoned."}
+        group = state["groups"].pop(group_name, None)
+        if group is None:
+            return _failed("invalid_request", f"group {group_name!r} does not exist")
+        group.destroy()
+        return {"ok": True, "message": "Succeeded to destroy custom process group."}
+
+    # -- updates ---------------------------------------------------------------------------------------------
+    def handoff_update_from_distributed(self, group_name: str, names: list[str], dtypes: list[str],
+                                        shapes: list[list[int]], flattened: bool = False) -> dict[str, Any]:
+        group = self._handoff_state()["groups"].get(group_name)
+        if group is None:
+            return _failed("invalid_request", f"group {group_name!r} does not exist; call init_weights_update_group "
+                                              "first")
+        if group.broken is not None:
+            return _failed("weight_sync_broken", f"group {group_name!r} is out of step: {group.broken}; destroy it "
+                                                 "and join again")
+        sizes = [_nbytes(dtype, shape) for dtype, shape in zip(dtypes, shapes, strict=True)]
+        problem = self._handoff_check(names, shapes, dtypes)
+        if problem is not None and (None in sizes or sum(sizes) > SCRATCH_FACTOR * self._handoff_model_bytes()):
+            group.broken = f"an update it could not receive was refused ({problem})"
+            return _failed("invalid_request", f"{problem}; its broadcasts cannot be received and discarded, so group "
+                                              f"{group_name!r} is now out of step: destroy it and join again")
+        try:
+            received = receive(group, names, dtypes, shapes, flattened=flattened, device=torch.device("cpu"))
+        except (RuntimeError, ValueError) as exc:
+            group.broken = f"a broadcast failed ({exc})"
+            kind = "weight_sync_timeout" if "timeout" in str(exc).lower() or "timed out" in str(exc).lower() \
+                else "weight_sync_broken"
+            return _failed(kind, f"receiving {len(names)} tensor(s) on group {group_name!r} failed: {exc}; nothing "
+                                 "was loaded and the group is out of step (destroy it and join again)")
+        if problem is not None:
+            return _failed("invalid_request", f"{problem}; the broadcasts were received and discarded, nothing was "
+                                              "loaded")
+        return self._handoff_load(received)
+
+    def handoff_update_from_tensor(self, serialized_named_tensors: list[str], load_format: str | None = None,
+                                   release_sender_reference: bool = True) -> dict[str, Any]:
+        try:
+            named = decode_payload(serialized_named_tensors, load_format,
+                                   release_sender_reference=release_sender_reference)
+        except UnsafePayload as exc:
+            return _failed("invalid_request", f"the tensor payload was refused, nothing was loaded: {exc}")
+        problem = self._handoff_check([n for n, _ in named], [list(t.shape) for _, t in named],
+                                      [str(t.dtype).removeprefix("torch.") for _, t in named])
+        if problem is not None:
+            return _failed("invalid_request", f"{problem}; nothing was loaded")
+        return self._handoff_load(named)
+
+    def _handoff_load(self, named: list[tuple[str, torch.Tensor]]) -> dict[str, Any]:
+        """vLLM's in-place reload with these tensors (checkpoint format), the disk reload's own path."""
+        try:
+            self.reload_weights(weights_iterator=iter(named), is_checkpoint_format=True)
+        except (RuntimeError, ValueError, KeyError, AssertionError) as exc:
+            return _failed("engine_failed", f"vLLM's load of {len(named)} tensor(s) failed part way; its weights are "
+                                            f"not usable until a reload succeeds: {exc}", weights_lost=True)
+        complete = {name for name, _ in named} == set(self._handoff_shapes())
+        return {"ok": True, "loaded": len(named), "complete": complete}
+
+    # -- the check -------------------------------------------------------------------------------------------
+    def _handoff_shapes(self) -> dict[str, list[int]]:
+        """The served checkpoint's tensors (re-read after a reload from another folder)."""
+        state = self._handoff_state()
+        folder = str(self.vllm_config.model_config.model)
+        if state["shapes_of"] != folder:
+            state["shapes"], state["shapes_of"] = checkpoint_shapes(folder), folder
+        return state["shapes"]
+
+    def _handoff_model_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.model_runner.get_model().parameters())
+
+    def _handoff_check(self, names: list[str], shapes: list[list[int]], dtypes: list[str]) -> str | None:
+        """What is wrong with the announced tensors, or None (metadata only, nothing allocated)."""
+        try:
+            known = self._handoff_shapes()
+        except (OSError, ValueError, KeyError) as exc:
+            return f"the served checkpoint's tensors cannot be read to check the update: {exc}"
+        if not known:
+            return f"no safetensors files in {self.vllm_config.model_config.model}: the update cannot be checked"
+        if len(set(names)) != len(names):
+            return "a tensor is named twice"
+        for name, shape, dtype in zip(names, shapes, dtypes, strict=True):
+            if name not in known:
+                return f"{name} is not a tensor of this model"
+            if list(shape) != known[name]:
+                return f"{name}: shape {list(shape)} does not match the model's {known[name]}"
+            torch_dtype = getattr(torch, dtype, None)
+            if not isinstance(torch_dtype, torch.dtype) or not torch_dtype.is_floating_point:
+                return f"{name}: dtype {dtype!r} is not a floating torch dtype"
+        fused = getattr(self.model_runner.get_model(), "packed_modules_mapping", {}) or {}
+        sent = set(names)
+        layers = {_layer_of(name, fused) for name in names}
+        for name in sorted(known):
+            if name not in sent and _layer_of(name, fused) in layers:
+                return (f"{name} is missing: vLLM loads the layer {_layer_of(name, fused)} whole, so an update that "
+                        "sends part of it must send all of it")
+        return None
+
+
+def _layer_of(name: str, fused: dict[str, list[str]]) -> str:
+    """The vLLM layer a checkpoint tensor loads into (``...q_proj.weight`` -> ``...qkv_proj``)."""
+    module = name.rpartition(".")[0]
+    head, _, last = module.rpartition(".")
+    for packed, parts in fused.items():
+        if last in parts:
+            return f"{head}.{packed}" if head else packed
+    return module
+
+
+def _nbytes(dtype: str, shape: list[int]) -> int | None:
+    torch_dtype = getattr(torch, dtype, None)
+    if not isinstance(torch_dtype, torch.dtype) or any(not isinstance(d, int) or d < 0 for d in shape):
+        return None
+    return torch_dtype.itemsize * torch.Size(shape).numel()

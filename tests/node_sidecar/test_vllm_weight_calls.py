@@ -1,0 +1,81 @@
+"""The vLLM weight-sync pieces that need no vLLM: the worker extension's check of an update against the served
+checkpoint (names, shapes, dtypes, whole fused layers), its refusal of unsafe payloads, and the sidecar side's
+answers without the extension and for SGLang's session. The real thing: tests/vllm/test_vllm_weight_sync.py."""
+
+from __future__ import annotations
+
+import base64
+import pickle
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from handoff.service.errors import InvalidRequest, Unsupported
+from node_engine.model.builtin import builtin_arch, builtin_weights, save_checkpoint
+from node_sidecar.engines.vllm_weights import VllmWeightSync
+from node_sidecar.engines.vllm_worker_ext import HandoffWeightSync, checkpoint_shapes
+
+LLAMA_FUSED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+
+
+class Worker(HandoffWeightSync):
+    """What the extension reads of vLLM's worker: the served folder and the model's fused layers."""
+
+    def __init__(self, folder: Path) -> None:
+        model = SimpleNamespace(packed_modules_mapping=LLAMA_FUSED, parameters=lambda: [])
+        self.vllm_config = SimpleNamespace(model_config=SimpleNamespace(model=str(folder)))
+        self.model_runner = SimpleNamespace(get_model=lambda: model)
+        self.loaded: list[str] = []
+
+    def reload_weights(self, *, weights_iterator, is_checkpoint_format: bool) -> None:
+        self.loaded = [name for name, _ in weights_iterator]
+
+
+def check(worker: Worker, named: dict) -> str | None:
+    return worker._handoff_check(list(named), [list(t.shape) for t in named.values()],
+                                 [str(t.dtype).removeprefix("torch.") for t in named.values()])
+
+
+def test_an_update_is_checked_against_the_served_checkpoint_and_whole_fused_layers(tmp_path: Path) -> None:
+    arch = builtin_arch("builtin:tiny")
+    weights = builtin_weights(arch, 0)
+    save_checkpoint(tmp_path, arch, weights)
+    assert checkpoint_shapes(str(tmp_path)) == {n: list(t.shape) for n, t in weights.items()}
+    worker = Worker(tmp_path)
+    assert check(worker, weights) is None
+    layer_0 = {n: t for n, t in weights.items() if n.startswith("model.layers.0.")}
+    assert check(worker, layer_0) is None  # whole layers: the others keep their weights
+    q_only = {n: t for n, t in layer_0.items() if "q_proj" in n}
+    assert "loads the layer model.layers.0.self_attn.qkv_proj whole" in check(worker, q_only)
+    gate_only = {n: t for n, t in layer_0.items() if "gate_proj" in n}
+    assert "model.layers.0.mlp.gate_up_proj whole" in check(worker, gate_only)
+    name = "model.norm.weight"
+    assert "does not match" in check(worker, {name: weights[name][:-1]})
+    assert "not a tensor of this model" in check(worker, {"model.extra.weight": weights[name]})
+    assert "not a floating" in check(worker, {name: weights[name].long()})
+    assert worker.handoff_update_from_tensor(["AAAA"])["error"] == "invalid_request"
+    assert worker.loaded == []
+
+
+def test_a_payload_naming_a_callable_is_refused_before_anything_runs(tmp_path: Path) -> None:
+    class Evil:
+        def __reduce__(self):
+            return (print, ("ran",))
+
+    worker = Worker(tmp_path)
+    answer = worker.handoff_update_from_tensor([base64.b64encode(pickle.dumps(Evil())).decode()])
+    assert answer["ok"] is False and "builtins.print" in answer["message"] and worker.loaded == []
+
+
+def test_without_the_extension_the_calls_say_how_to_enable_it_and_the_session_is_one_at_a_time() -> None:
+    sync = VllmWeightSync(engine=None)
+    with pytest.raises(Unsupported, match="--worker-extension-cls node_sidecar.engines.vllm_worker_ext"):
+        sync.session_call("/begin_weight_update", {})
+    sync.extension = "node_sidecar.engines.vllm_worker_ext.HandoffWeightSync"
+    assert sync.session_call("/begin_weight_update", {"selector": "all"})["success"] is True
+    with pytest.raises(InvalidRequest, match="already open"):
+        sync.session_call("/begin_weight_update", {})
+    assert sync.session_call("/end_weight_update", {})["success"] is True
+    with pytest.raises(InvalidRequest, match="no weight update session"):
+        sync.session_call("/end_weight_update", {})

@@ -37,6 +37,8 @@ class Node:
         return httpx.post((self.lb.url if via_lb else self.sidecar.url) + path, json=body, timeout=120)
 
     def greedy(self) -> list[list[int]]:
+        # an update drains the node; the LB, which may have seen that, learns the end on its next health check
+        self.lb.wait_routable([self.sidecar.url], timeout=30)
         r = self.post("/generate", {"input_ids": PROMPTS, "sampling_params": GREEDY}, via_lb=True)
         assert r.status_code == 200, r.text
         return [item["output_ids"] for item in r.json()]

@@ -228,6 +228,7 @@ class VllmEngine(ForeignEngine):
             await self._wake([WEIGHTS])
             self.released.discard(WEIGHTS)
             resumed.append(WEIGHTS)
+            self.weights_discarded = self.weights_discarded or self.level == 2  # valid again once all are sent
             self.level = 0
         try:
             answer = await self.weight_sync.update(path, body)

@@ -15,10 +15,11 @@ import torch
 from handoff.cluster.vllm import VllmProcess
 from handoff.weight_sync import serialize_named_tensors
 from node_engine.model.builtin import builtin_arch, builtin_weights
-from tests.lb.lbproc import FAST_HEALTH, LB, node_args
+from tests.lb.lbproc import LB, node_args
 from tests.support.procs import ServerProcess, wait_until
 from tests.support.trainer import Trainer
 
+LB_HEALTH = ["--health-interval", "0.2", "--health-timeout", "5"]  # as test_vllm_node.py: busy is not down
 GREEDY = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
 PROMPTS = [[72, 101, 108, 108, 111], [1, 2, 3, 4]]
 
@@ -29,7 +30,7 @@ class Node:
         self.sidecar = ServerProcess("node_sidecar", ["--engine-url", vllm.url, "--engine-poll-interval", "0.2",
                                                       "--vllm-weight-sync-timeout", "30"],
                                      log_dir=log_dir, name="sidecar").start()
-        self.lb = LB(ServerProcess("lb", [*FAST_HEALTH, *node_args(self.sidecar.url)], log_dir=log_dir,
+        self.lb = LB(ServerProcess("lb", [*LB_HEALTH, *node_args(self.sidecar.url)], log_dir=log_dir,
                                    name="lb").start())
         self.lb.wait_routable([self.sidecar.url], timeout=60)
 

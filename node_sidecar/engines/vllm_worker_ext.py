@@ -156,7 +156,9 @@ class HandoffWeightSync:
             return _failed("invalid_request", f"{problem}; its broadcasts cannot be received and discarded, so group "
                                               f"{group_name!r} is now out of step: destroy it and join again")
         try:
-            received = receive(group, names, dtypes, shapes, flattened=flattened, device=torch.device("cpu"))
+            device = getattr(self, "device", None)  # nccl receives there (a CUDA worker's device); gloo into CPU
+            received = receive(group, names, dtypes, shapes, flattened=flattened,
+                               device=device if isinstance(device, torch.device) else torch.device("cpu"))
         except (RuntimeError, ValueError) as exc:
             group.broken = f"a broadcast failed ({exc})"
             kind = "weight_sync_timeout" if "timeout" in str(exc).lower() or "timed out" in str(exc).lower() \

@@ -31,38 +31,23 @@ answers a JSON object ``{"ok": true, ...}`` or ``{"ok": false, "error": TYPE,
 
 from __future__ import annotations
 
-import json
-import struct
 import threading
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from handoff.protocol.weights import InitWeightsUpdateGroupBody
+from handoff.service.errors import ServiceError
 from node_engine.weight_sync.group import GroupJoinCancelled, WeightGroup, join_group, receive
 from node_engine.weight_sync.tensor_payload import decode_payload
 from node_engine.weight_sync.unpickler import UnsafePayload
+from node_sidecar.engines.checkpoint import read_checkpoint
 
 SCRATCH_FACTOR = 2  # a refused update's broadcasts are still received when they fit in this many model sizes
-MAX_HEADER_BYTES = 100 * 1024 * 1024
 
 
 def _failed(error: str, message: str, **extra: Any) -> dict[str, Any]:
     return {"ok": False, "error": error, "message": message, **extra}
-
-
-def checkpoint_shapes(folder: str) -> dict[str, list[int]]:
-    """Every tensor's shape in a safetensors checkpoint folder, from the file headers alone."""
-    shapes: dict[str, list[int]] = {}
-    for path in sorted(Path(folder).glob("*.safetensors")):
-        with open(path, "rb") as f:
-            (length,) = struct.unpack("<Q", f.read(8))
-            if length > MAX_HEADER_BYTES:
-                raise ValueError(f"{path.name}: a header of {length} bytes")
-            header = json.loads(f.read(length))
-        shapes.update({name: list(entry["shape"]) for name, entry in header.items() if name != "__metadata__"})
-    return shapes
 
 
 class _Join:
@@ -199,7 +184,8 @@ class HandoffWeightSync:
         state = self._handoff_state()
         folder = str(self.vllm_config.model_config.model)
         if state["shapes_of"] != folder:
-            state["shapes"], state["shapes_of"] = checkpoint_shapes(folder), folder
+            tensors = read_checkpoint(folder).tensors  # the sidecar's bounded reading of the headers
+            state["shapes"], state["shapes_of"] = {name: list(shape) for name, shape in tensors.items()}, folder
         return state["shapes"]
 
     def _handoff_model_bytes(self) -> int:
@@ -209,10 +195,8 @@ class HandoffWeightSync:
         """What is wrong with the announced tensors, or None (metadata only, nothing allocated)."""
         try:
             known = self._handoff_shapes()
-        except (OSError, ValueError, KeyError) as exc:
+        except (OSError, ServiceError) as exc:
             return f"the served checkpoint's tensors cannot be read to check the update: {exc}"
-        if not known:
-            return f"no safetensors files in {self.vllm_config.model_config.model}: the update cannot be checked"
         if len(set(names)) != len(names):
             return "a tensor is named twice"
         for name, shape, dtype in zip(names, shapes, dtypes, strict=True):

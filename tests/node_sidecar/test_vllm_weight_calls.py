@@ -14,7 +14,7 @@ import pytest
 from handoff.service.errors import InvalidRequest, Unsupported
 from node_engine.model.builtin import builtin_arch, builtin_weights, save_checkpoint
 from node_sidecar.engines.vllm_weights import VllmWeightSync
-from node_sidecar.engines.vllm_worker_ext import HandoffWeightSync, checkpoint_shapes
+from node_sidecar.engines.vllm_worker_ext import HandoffWeightSync
 
 LLAMA_FUSED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
 
@@ -41,7 +41,6 @@ def test_an_update_is_checked_against_the_served_checkpoint_and_whole_fused_laye
     arch = builtin_arch("builtin:tiny")
     weights = builtin_weights(arch, 0)
     save_checkpoint(tmp_path, arch, weights)
-    assert checkpoint_shapes(str(tmp_path)) == {n: list(t.shape) for n, t in weights.items()}
     worker = Worker(tmp_path)
     assert check(worker, weights) is None
     layer_0 = {n: t for n, t in weights.items() if n.startswith("model.layers.0.")}
@@ -56,6 +55,8 @@ def test_an_update_is_checked_against_the_served_checkpoint_and_whole_fused_laye
     assert "not a floating" in check(worker, {name: weights[name].long()})
     assert worker.handoff_update_from_tensor(["AAAA"])["error"] == "invalid_request"
     assert worker.loaded == []
+    unreadable = Worker(tmp_path / "gone")  # the served folder went away: nothing can be checked, nothing loads
+    assert "cannot be read to check the update" in check(unreadable, {name: weights[name]})
 
 
 def test_a_payload_naming_a_callable_is_refused_before_anything_runs(tmp_path: Path) -> None:

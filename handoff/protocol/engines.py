@@ -12,3 +12,7 @@ class EngineKind(str, enum.Enum):
 
 
 ENGINE_KIND_NAMES: tuple[str, ...] = tuple(kind.value for kind in EngineKind)
+
+# what vLLM must load (--worker-extension-cls) for SGLang's weight-sync calls on a vLLM node; the sidecar reads it
+# back from vLLM's /server_info, and handoff up passes it when it starts vLLM
+VLLM_WORKER_EXTENSION = "node_sidecar.engines.vllm_worker_ext.HandoffWeightSync"

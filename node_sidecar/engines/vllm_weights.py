@@ -25,12 +25,11 @@ import asyncio
 import time
 from typing import Any
 
-from handoff.cluster.vllm import WORKER_EXTENSION
 from handoff.protocol import errors as E
+from handoff.protocol.engines import VLLM_WORKER_EXTENSION as EXTENSION
 from handoff.service.errors import InvalidRequest, Unsupported
 from node_sidecar.errors import EngineRefused
 
-EXTENSION = WORKER_EXTENSION
 GROUP_CALLS = frozenset({"/init_weights_update_group", "/destroy_weights_update_group"})
 SESSION_CALLS = frozenset({"/begin_weight_update", "/end_weight_update"})
 UPDATES = frozenset({"/update_weights_from_distributed", "/update_weights_from_tensor"})

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import weakref
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -133,22 +134,32 @@ async def test_the_vision_reservation_is_workspace_lent_to_encodes_and_restored_
         weights = occupation[MemoryTag.WEIGHTS.value]["bytes"]
         assert sum(t.nbytes for t in tower) > 0
         assert weights == sum(t.nbytes for t in engine.runner.model.parameters())
-        # An encode of the worst case borrows the reservation: the process does not hold both at once. The
-        # baseline is the same encode in the same run with the reservation held throughout (not lent).
+        # An encode of the worst case borrows the reservation: while it runs the reservation holds no storage, so
+        # the process never holds both, and what the lent encode adds stays well under the reservation (its pages
+        # are those the reservation gave back). Without lending, an encode's growth here depends on what the
+        # heap of this test process already holds; bench/vision_memory.py compares the two in fresh processes.
         images = vision.worst_case_batch()
         encoder = vision.encoder
         await engine.call(lambda: encoder.encode(images))  # one-time growth (thread pools) outside the window
-        peaks: dict[bool, list[int]] = {True: [], False: []}
+        held_while_lent: list[int] = []
+
+        @contextlib.contextmanager
+        def lend_and_look() -> Iterator[None]:
+            with reservation.lend():
+                held_while_lent.append(reservation._buffer.untyped_storage().nbytes())
+                yield
+
+        encoder.encode_context = lend_and_look
+        peaks: list[int] = []
         for _ in range(3):
-            for lent in (False, True):
-                encoder.encode_context = reservation.lend if lent else contextlib.nullcontext
-                trim_host_heap()
-                meter.reset()
-                before = meter.current_bytes()
-                await engine.call(lambda: encoder.encode(images))
-                peaks[lent].append(meter.peak_bytes() - before)
+            trim_host_heap()
+            meter.reset()
+            before = meter.current_bytes()
+            await engine.call(lambda: encoder.encode(images))
+            peaks.append(meter.peak_bytes() - before)
         encoder.encode_context = reservation.lend
-        assert min(peaks[True]) < min(peaks[False]) - reservation.num_bytes // 2, (peaks, reservation.num_bytes)
+        assert held_while_lent == [0, 0, 0]
+        assert min(peaks) < reservation.num_bytes // 2, (peaks, reservation.num_bytes)
         assert reservation._buffer.untyped_storage().nbytes() == reservation.num_bytes  # taken back
         image = random_image(120, 80)
         expected = await _generate(engine, [image])

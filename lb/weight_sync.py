@@ -119,7 +119,9 @@ class WeightSync:
         await self._health.check_many(nodes)
         versions = [{"node": node.url, "role": node.role.value, "weight_version": node.occupation.get("weight_version")}
                     for node in nodes]
-        distinct = {entry["weight_version"] for entry in versions}
+        reported = [entry["weight_version"] for entry in versions]
+        # a node's state is a peer's JSON: a version that is neither a string nor null agrees with nothing
+        distinct = set(reported) if all(v is None or isinstance(v, str) for v in reported) else set()
         consistent = len(distinct) == 1
         return {"weight_version": next(iter(distinct)) if consistent else None, "consistent": consistent,
                 "nodes": versions}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from tests.lb.behaviours import hang, reply
 from tests.lb.lbproc import set_members
 
@@ -61,3 +63,19 @@ def test_a_node_without_the_endpoint_is_skipped_but_an_unknown_model_is_404(modu
     shared_lb.wait_routable([other_kind.url, handoff_node.url])
     assert shared_lb.http.get("/get_server_info").json()["model_path"] == "m"
     assert shared_lb.http.get("/v1/models/nope").status_code == 404
+
+
+@pytest.mark.parametrize("version", [["v1"], {"v": 1}, 7, None])
+def test_a_node_reporting_an_odd_weight_version_is_shown_never_a_500(module_fakes, shared_lb, version) -> None:
+    """A node's state is a peer's JSON: a weight_version that is a list or an object (unhashable) is shown as the
+    node said it, and the cluster's versions disagree; /get_weight_version and /model_info still answer."""
+    good, odd = module_fakes.start(2)
+    odd.handlers["/memory_occupation"] = reply(200, {"serving": True, "weight_version": version})
+    good.handlers["/memory_occupation"] = reply(200, {"serving": True, "weight_version": "v3"})
+    set_members(shared_lb, good.url, odd.url)
+    answer = shared_lb.http.get("/get_weight_version")
+    assert answer.status_code == 200, answer.text
+    body = answer.json()
+    assert body["consistent"] is False and body["weight_version"] is None
+    assert {n["node"]: n["weight_version"] for n in body["nodes"]} == {good.url: "v3", odd.url: version}
+    assert shared_lb.http.get("/memory_occupation").status_code == 200

@@ -77,8 +77,9 @@ def merge_input_logprobs(prefill: Any, decode: Any) -> None:
     if not isinstance(prefill_meta, dict) or not isinstance(decode_meta, dict):
         return
     for key in INPUT_LOGPROB_KEYS:
-        if isinstance(prefill_meta.get(key), list):
-            decode_meta[key] = prefill_meta[key] + (decode_meta.get(key) or [])
+        ours, theirs = prefill_meta.get(key), decode_meta.get(key)
+        if isinstance(ours, list) and (theirs is None or isinstance(theirs, list)):
+            decode_meta[key] = ours + (theirs or [])
 
 
 def first_event(raw: bytes) -> Any:

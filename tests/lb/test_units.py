@@ -165,6 +165,14 @@ def test_merge_input_logprobs_of_batches() -> None:
                       {"meta_info": {"input_token_logprobs": [2]}}]
 
 
+def test_merge_input_logprobs_leaves_what_a_node_sent_otherwise() -> None:
+    """A decode answer whose input logprobs are not a list (a peer's JSON) is left as sent, never a TypeError."""
+    for odd in ("x", {"a": 1}, 7):
+        decode = {"meta_info": {"input_token_logprobs": odd}}
+        merge_input_logprobs({"meta_info": {"input_token_logprobs": [1]}}, decode)
+        assert decode == {"meta_info": {"input_token_logprobs": odd}}
+
+
 def test_merging_stream_handles_events_split_anywhere() -> None:
     events = b'data: {"meta_info": {"input_token_logprobs": [3]}}\n\n: comment\n\ndata: [DONE]\n\n'
     for cut in range(1, len(events)):

@@ -114,7 +114,14 @@ def start_mixed_load(node: VllmNode, max_tokens: int) -> list[GenerationClient]:
     clients = [GenerationClient(node.lb.url + path, body, timeout=300) for path, body in bodies]
     for c in clients:
         c.start()
-    wait_until(lambda: node.occupation()["in_flight"] == len(clients), timeout=60, what="all requests in flight")
+    def all_in_flight() -> bool:
+        ended = [c for c in clients if not c.is_alive()]
+        if ended:  # one ended before the others started: say how, rather than time out
+            raise AssertionError(f"{ended[0].url} ended before all {len(clients)} requests ran ({max_tokens} "
+                                 f"tokens each): {ended[0].result}")
+        return node.occupation()["in_flight"] == len(clients)
+
+    wait_until(all_in_flight, timeout=60, what="all requests in flight")
     return clients
 
 

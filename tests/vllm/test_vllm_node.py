@@ -311,9 +311,13 @@ def test_what_vllm_cannot_do_is_400_and_abort_by_rid_works(serving: VllmNode) ->
     assert httpx.get(node.vllm.url + "/weight_info").json() == {"weight_version": "renamed"}
     assert httpx.get(node.sidecar.url + "/model_info").json()["weight_version"] == "renamed"
     assert node.post("/update_weight_version", {"new_version": "step-0"}).status_code == 200
+    # events 50 tokens apart: each repeats the whole answer so far, and 3000 one-token events took the sidecar
+    # longer to translate than vLLM took to generate them, so the abort came after the last token
     long = GenerationClient(node.sidecar.url + "/generate", {"input_ids": PROMPT, "rid": "to-abort", "stream": True,
                                                              "sampling_params": {"max_new_tokens": 3000,
-                                                                                 "ignore_eos": True}}, timeout=120)
+                                                                                 "ignore_eos": True,
+                                                                                 "stream_interval": 50}},
+                            timeout=120)
     long.start()
     assert long.started_streaming.wait(60)
     assert node.post("/abort_request", {"rid": "to-abort"}).status_code == 200

@@ -194,11 +194,7 @@ class VllmEngine(ForeignEngine):
         return {"success": True, "dry_run": True, "message": f"{body['model_path']} can be loaded"}
 
     async def update_weights_from_disk(self, body: dict[str, Any]) -> dict[str, Any]:
-        resumed = []
-        if WEIGHTS in self.released:
-            await self._wake([WEIGHTS])
-            self.released.discard(WEIGHTS)
-            resumed.append(WEIGHTS)
+        resumed = await self._wake_weights_for_update()
         started = time.perf_counter()
         try:
             await self.engine.call("POST", "/collective_rpc", {
@@ -212,22 +208,32 @@ class VllmEngine(ForeignEngine):
         self.weights_discarded = False
         self.level = 0 if WEIGHTS in resumed else self.level
         self.model_path = body["model_path"]
+        await self._finish_update(body)
+        return {"success": True, "weight_version": self.weight_version, "resumed": resumed,
+                "message": f"reloaded {body['model_path']} in {time.perf_counter() - started:.3f}s"}
+
+    async def _wake_weights_for_update(self) -> list[str]:
+        """An update loads into the weights: released ones are woken first; ``["weights"]`` if they were."""
+        if WEIGHTS not in self.released:
+            return []
+        await self._wake([WEIGHTS])
+        self.released.discard(WEIGHTS)
+        return [WEIGHTS]
+
+    async def _finish_update(self, body: dict[str, Any]) -> None:
+        """What every weight update ends with: the version it names, and (``flush_cache``, SGLang's default
+        true) no prefix computed with the old weights."""
         if body.get("weight_version") is not None:
             await self.engine.call("POST", "/update_weight_version", {"new_version": body["weight_version"]})
             self.weight_version = body["weight_version"]
-        if KV_CACHE not in self.released:
-            await self.engine.call("POST", "/reset_prefix_cache")  # prefixes computed with the old weights
-        return {"success": True, "weight_version": self.weight_version, "resumed": resumed,
-                "message": f"reloaded {body['model_path']} in {time.perf_counter() - started:.3f}s"}
+        if body.get("flush_cache", True) and KV_CACHE not in self.released:
+            await self.engine.call("POST", "/reset_prefix_cache")
 
     async def _push(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         """A tensor or broadcast update, ended as a reload is (version, prefix cache)."""
         self.weight_sync.require(path)
-        resumed = []
-        if WEIGHTS in self.released:
-            await self._wake([WEIGHTS])
-            self.released.discard(WEIGHTS)
-            resumed.append(WEIGHTS)
+        resumed = await self._wake_weights_for_update()
+        if resumed:
             self.weights_discarded = self.weights_discarded or self.level == 2  # valid again once all are sent
             self.level = 0
         try:
@@ -243,11 +249,7 @@ class VllmEngine(ForeignEngine):
                                                        "resumed": resumed}}) from exc
         if answer.pop("complete", False):
             self.weights_discarded = False
-        if body.get("weight_version") is not None:
-            await self.engine.call("POST", "/update_weight_version", {"new_version": body["weight_version"]})
-            self.weight_version = body["weight_version"]
-        if body.get("flush_cache", True) and KV_CACHE not in self.released:
-            await self.engine.call("POST", "/reset_prefix_cache")  # prefixes computed with the old weights
+        await self._finish_update(body)
         return {**answer, "weight_version": self.weight_version, "resumed": resumed,
                 "weights_valid": not self.weights_discarded}
 

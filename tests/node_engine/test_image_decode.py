@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import base64
-import io
 import struct
 import zlib
 from pathlib import Path
@@ -12,14 +11,9 @@ import pytest
 from PIL import Image
 
 from node_engine.vision.decode import ImageInputError, ImagePolicy, image_bytes, load_image
+from tests.node_engine.vl_checkpoints import encoded
 
 POLICY = ImagePolicy()
-
-
-def encoded(image: Image.Image, fmt: str = "PNG") -> bytes:
-    buffer = io.BytesIO()
-    image.save(buffer, fmt)
-    return buffer.getvalue()
 
 
 PNG = encoded(Image.new("RGB", (30, 20), (10, 200, 30)))

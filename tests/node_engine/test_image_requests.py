@@ -5,7 +5,6 @@ refused with 400 before anything runs (nothing prefilled, no KV slot taken)."""
 from __future__ import annotations
 
 import base64
-import io
 from pathlib import Path
 
 import httpx
@@ -13,17 +12,11 @@ import openai
 import pytest
 from PIL import Image
 
-from tests.node_engine.vl_checkpoints import random_image
+from tests.node_engine.vl_checkpoints import encoded, random_image
 from tests.support.procs import ServerProcess
 
 GREEDY = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
 PROMPT = "<|vision_start|><|image_pad|><|vision_end|>What is in the picture?"
-
-
-def png(image: Image.Image) -> bytes:
-    buffer = io.BytesIO()
-    image.save(buffer, "PNG")
-    return buffer.getvalue()
 
 
 def b64(data: bytes) -> str:
@@ -34,7 +27,7 @@ def data_url(data: bytes) -> str:
     return "data:image/png;base64," + b64(data)
 
 
-IMAGES = [png(random_image(60 + 40 * i, 90 + 30 * i, seed=i)) for i in range(3)]
+IMAGES = [encoded(random_image(60 + 40 * i, 90 + 30 * i, seed=i)) for i in range(3)]
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +113,7 @@ def test_several_images_per_prompt_batches_and_n(client: httpx.Client) -> None:
 
 
 def test_an_oversized_image_is_resized_to_the_cap(client: httpx.Client) -> None:
-    big = png(Image.new("RGB", (3000, 200), (200, 30, 90)))
+    big = encoded(Image.new("RGB", (3000, 200), (200, 30, 90)))
     answer = generate(client, text=PROMPT, image_data=b64(big), return_prompt_token_ids=True)
     assert 0 < answer["prompt_token_ids"].count(260) <= 64
     info = client.get("/get_server_info").json()["vision"]
@@ -135,7 +128,7 @@ def _bad(data: bytes) -> str:
 BAD_IMAGES = [
     (b64(b"plain text, not an image"), "not an image"),
     (b64(IMAGES[0][: len(IMAGES[0]) // 2]), "truncated or corrupt"),
-    (b64(png(Image.new("1", (20000, 20000)))), "decompression bomb"),
+    (b64(encoded(Image.new("1", (20000, 20000)))), "decompression bomb"),
     ("http://127.0.0.1:1/cat.png", "not fetched from the network"),
     ("/etc/passwd.png", "no such image file"),
     ("not base64!", "not valid base64"),

@@ -9,7 +9,6 @@ import math
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -20,6 +19,7 @@ from node_engine.memory.peak import HostPeakMeter
 from node_engine.memory.saver import DisabledSaver
 from node_engine.model.source import load_model_source
 from node_engine.runner import ModelRunner
+from tests.support.procs import ServerProcess
 
 MiB = 2**20
 KNOBS = dict(context_length=512, max_batch_tokens=256, max_running_requests=8)
@@ -107,9 +107,8 @@ def test_max_total_tokens_pins_the_pool_and_skips_sizing() -> None:
     assert runner.kv_sizing is None and runner.kv_plan.num_slots == 301
 
 
-_VL_START = ["-m", "node_engine", "--model-path", "builtin:tiny-vl", "--context-length", "512",
-             "--max-batch-tokens", "256", "--max-running-requests", "8", "--visual-batch-max-tokens", "4096",
-             "--port", "0"]
+_VL_ARGS = ["--model-path", "builtin:tiny-vl", "--context-length", "512", "--max-batch-tokens", "256",
+            "--max-running-requests", "8", "--visual-batch-max-tokens", "4096"]
 _NEEDS = re.compile(r"holds ([0-9.]+) MiB before the pool .* is ([0-9.]+) MiB and the canary ([0-9.]+) MiB")
 _RESERVED = re.compile(r"of which the vision reservation ([0-9.]+) MiB")
 
@@ -117,8 +116,9 @@ _RESERVED = re.compile(r"of which the vision reservation ([0-9.]+) MiB")
 def _failed_start(tmp_path: Path, budget_mb: int, *flags: str) -> str:
     """The start error of an engine on ``budget_mb`` (it must not start)."""
     port_file = tmp_path / f"port-{budget_mb}-{len(flags)}"
-    proc = subprocess.run([sys.executable, *_VL_START, "--memory-budget-mb", str(budget_mb), *flags,
-                           "--port-file", str(port_file)], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-m", "node_engine", *_VL_ARGS, "--memory-budget-mb", str(budget_mb),
+                           *flags, "--port", "0", "--port-file", str(port_file)],
+                          capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and not port_file.exists(), proc.stderr[-2000:]
     return proc.stderr
 
@@ -137,21 +137,9 @@ def test_a_budget_too_small_for_the_worst_case_image_fails_to_start(tmp_path: Pa
                  "--max-image-tokens 256", "--visual-batch-max-tokens 4096", "vision reservation"):
         assert knob in message, message[-2000:]
 
-    control_port = tmp_path / "control-port"
-    control_log = tmp_path / "control.log"
-    with open(control_log, "wb") as log:
-        control = subprocess.Popen([sys.executable, *_VL_START, "--memory-budget-mb", str(budget),
-                                    "--vision-reserve-mb", "0", "--port-file", str(control_port)],
-                                   stdout=log, stderr=subprocess.STDOUT)
+    control = ServerProcess("node_engine", [*_VL_ARGS, "--memory-budget-mb", str(budget), "--vision-reserve-mb", "0"],
+                            log_dir=tmp_path, name="control")
     try:
-        deadline = time.monotonic() + 120
-        while not control_port.exists() and control.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert control_port.exists(), control_log.read_text()[-2000:]  # without the reservation it starts
+        control.start(timeout=120)  # without the reservation the same budget starts (ProcessFailed otherwise)
     finally:
-        control.terminate()
-        try:
-            control.wait(30)
-        except subprocess.TimeoutExpired:
-            control.kill()
-            control.wait(10)
+        control.stop()

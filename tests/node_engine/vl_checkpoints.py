@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 
@@ -69,6 +70,13 @@ def random_image(height: int, width: int, *, seed: int = 0, mode: str = "RGB") -
         rgba.putalpha(alpha)
         return rgba
     return rgb.convert(mode)
+
+
+def encoded(image: Image.Image, fmt: str = "PNG") -> bytes:
+    """The image as a file of ``fmt``, as a client would send it."""
+    buffer = io.BytesIO()
+    image.save(buffer, fmt)
+    return buffer.getvalue()
 
 
 def text_ids(text: str) -> list[int]:

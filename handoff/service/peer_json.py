@@ -23,6 +23,7 @@ _STRING = re.compile(rb'"(?:[^"\\]++|\\.)*+(?:"|\\?\Z)', re.DOTALL)
 _BRACKETS_ONLY = bytes.maketrans(b"{}", b"[]")
 _NOT_BRACKETS = bytes(set(range(256)) - set(b"[]{}"))
 _OPENERS = re.compile(rb"\[+")
+_MAYBE_OUT_OF_RANGE = re.compile(rb"[eE]\+?0*[1-9][0-9]{2}|[0-9]{309}")
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # paired ones decode to one character, lone ones stay
 
 
@@ -70,7 +71,10 @@ def loads_bounded(raw: bytes | str, *, max_bytes: int | None = None, max_depth: 
     if nests_deeper_than(data, max_depth):
         raise PeerJSONError(f"JSON nesting arrays or objects more than {max_depth} deep")
     try:
-        value = json.loads(data, parse_constant=_refuse_constant, parse_float=_finite_float)
+        # a float past its range needs an exponent of 3+ digits or 309+ digits in a row: only then is each float
+        # parsed through Python (otherwise the C scanner's own float parsing stays the only cost)
+        check_floats = _finite_float if _MAYBE_OUT_OF_RANGE.search(data) else None
+        value = json.loads(data, parse_constant=_refuse_constant, parse_float=check_floats)
         if _SURROGATE_ESCAPE.search(data):
             _check_text(value)
     except (UnicodeError, ValueError, RecursionError) as exc:

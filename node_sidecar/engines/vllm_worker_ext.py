@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from handoff.protocol import errors as E
 from handoff.protocol.weights import InitWeightsUpdateGroupBody
 from handoff.service.errors import ServiceError
 from node_engine.weight_sync.group import GroupJoinCancelled, WeightGroup, join_group, receive
@@ -44,6 +45,12 @@ from node_engine.weight_sync.unpickler import UnsafePayload
 from node_sidecar.engines.checkpoint import read_checkpoint
 
 SCRATCH_FACTOR = 2  # a refused update's broadcasts are still received when they fit in this many model sizes
+
+
+def _kind_of(exc: Exception, *, otherwise: str) -> str:
+    """torch.distributed reports a store, rendezvous or collective timeout as a RuntimeError saying so."""
+    text = str(exc).lower()
+    return E.WEIGHT_SYNC_TIMEOUT.name if "timeout" in text or "timed out" in text else otherwise
 
 
 def _failed(error: str, message: str, **extra: Any) -> dict[str, Any]:
@@ -64,10 +71,9 @@ class _Join:
         try:
             self.group = join_group(body, timeout_s, self.cancel)
         except GroupJoinCancelled:
-            self.error = _failed("conflict", f"the join of group {body.group_name!r} was abandoned")
+            self.error = _failed(E.CONFLICT.name, f"the join of group {body.group_name!r} was abandoned")
         except (RuntimeError, ValueError, OSError) as exc:  # a store or rendezvous timeout is a RuntimeError
-            kind = "weight_sync_timeout" if "timeout" in str(exc).lower() or "timed out" in str(exc).lower() \
-                else "invalid_request"
+            kind = _kind_of(exc, otherwise=E.INVALID_REQUEST.name)
             self.error = _failed(kind, f"failed to join group {body.group_name!r} at {body.master_address}:"
                                        f"{body.master_port} as rank {body.rank_offset} of {body.world_size}: {exc}")
 
@@ -88,9 +94,9 @@ class HandoffWeightSync:
         init = InitWeightsUpdateGroupBody.model_validate(body)
         name = init.group_name
         if init.backend != "gloo" and str(self.device_config.device) == "cpu":
-            return _failed("invalid_request", f"backend {init.backend} needs CUDA; this vLLM runs on CPU, use gloo")
+            return _failed(E.INVALID_REQUEST.name, f"backend {init.backend} needs CUDA; this vLLM runs on CPU, use gloo")
         if name in state["groups"] or name in state["joins"]:
-            return _failed("conflict", f"group {name!r} exists or is being joined; destroy it first")
+            return _failed(E.CONFLICT.name, f"group {name!r} exists or is being joined; destroy it first")
         join = state["joins"][name] = _Join(init, float(timeout_s))
         join.thread.start()
         return {"ok": True, "joining": name}
@@ -102,13 +108,13 @@ class HandoffWeightSync:
         if join is None:
             group = state["groups"].get(group_name)
             if group is None:
-                return _failed("invalid_request", f"group {group_name!r} does not exist")
+                return _failed(E.INVALID_REQUEST.name, f"group {group_name!r} does not exist")
             return {"ok": True, "state": "joined", "rank": group.rank, "world_size": group.world_size}
         if join.thread.is_alive():
             return {"ok": True, "state": "joining"}
         del state["joins"][group_name]
         if join.group is None:
-            return join.error or _failed("engine_failed", f"the join of group {group_name!r} ended without a group")
+            return join.error or _failed(E.ENGINE_FAILED.name, f"the join of group {group_name!r} ended without a group")
         state["groups"][group_name] = join.group
         return {"ok": True, "state": "joined", "rank": join.group.rank, "world_size": join.group.world_size}
 
@@ -120,7 +126,7 @@ class HandoffWeightSync:
             return {"ok": True, "message": f"The join of group {group_name!r} was abandoned."}
         group = state["groups"].pop(group_name, None)
         if group is None:
-            return _failed("invalid_request", f"group {group_name!r} does not exist")
+            return _failed(E.INVALID_REQUEST.name, f"group {group_name!r} does not exist")
         group.destroy()
         return {"ok": True, "message": "Succeeded to destroy custom process group."}
 
@@ -129,16 +135,16 @@ class HandoffWeightSync:
                                         shapes: list[list[int]], flattened: bool = False) -> dict[str, Any]:
         group = self._handoff_state()["groups"].get(group_name)
         if group is None:
-            return _failed("invalid_request", f"group {group_name!r} does not exist; call init_weights_update_group "
+            return _failed(E.INVALID_REQUEST.name, f"group {group_name!r} does not exist; call init_weights_update_group "
                                               "first")
         if group.broken is not None:
-            return _failed("weight_sync_broken", f"group {group_name!r} is out of step: {group.broken}; destroy it "
+            return _failed(E.WEIGHT_SYNC_BROKEN.name, f"group {group_name!r} is out of step: {group.broken}; destroy it "
                                                  "and join again")
         sizes = [_nbytes(dtype, shape) for dtype, shape in zip(dtypes, shapes, strict=True)]
         problem = self._handoff_check(names, shapes, dtypes)
         if problem is not None and (None in sizes or sum(sizes) > SCRATCH_FACTOR * self._handoff_model_bytes()):
             group.broken = f"an update it could not receive was refused ({problem})"
-            return _failed("invalid_request", f"{problem}; its broadcasts cannot be received and discarded, so group "
+            return _failed(E.INVALID_REQUEST.name, f"{problem}; its broadcasts cannot be received and discarded, so group "
                                               f"{group_name!r} is now out of step: destroy it and join again")
         try:
             device = getattr(self, "device", None)  # nccl receives there (a CUDA worker's device); gloo into CPU
@@ -146,12 +152,11 @@ class HandoffWeightSync:
                                device=device if isinstance(device, torch.device) else torch.device("cpu"))
         except (RuntimeError, ValueError) as exc:
             group.broken = f"a broadcast failed ({exc})"
-            kind = "weight_sync_timeout" if "timeout" in str(exc).lower() or "timed out" in str(exc).lower() \
-                else "weight_sync_broken"
+            kind = _kind_of(exc, otherwise=E.WEIGHT_SYNC_BROKEN.name)
             return _failed(kind, f"receiving {len(names)} tensor(s) on group {group_name!r} failed: {exc}; nothing "
                                  "was loaded and the group is out of step (destroy it and join again)")
         if problem is not None:
-            return _failed("invalid_request", f"{problem}; the broadcasts were received and discarded, nothing was "
+            return _failed(E.INVALID_REQUEST.name, f"{problem}; the broadcasts were received and discarded, nothing was "
                                               "loaded")
         return self._handoff_load(received)
 
@@ -161,11 +166,11 @@ class HandoffWeightSync:
             named = decode_payload(serialized_named_tensors, load_format,
                                    release_sender_reference=release_sender_reference)
         except UnsafePayload as exc:
-            return _failed("invalid_request", f"the tensor payload was refused, nothing was loaded: {exc}")
+            return _failed(E.INVALID_REQUEST.name, f"the tensor payload was refused, nothing was loaded: {exc}")
         problem = self._handoff_check([n for n, _ in named], [list(t.shape) for _, t in named],
                                       [str(t.dtype).removeprefix("torch.") for _, t in named])
         if problem is not None:
-            return _failed("invalid_request", f"{problem}; nothing was loaded")
+            return _failed(E.INVALID_REQUEST.name, f"{problem}; nothing was loaded")
         return self._handoff_load(named)
 
     def _handoff_load(self, named: list[tuple[str, torch.Tensor]]) -> dict[str, Any]:
@@ -173,7 +178,7 @@ class HandoffWeightSync:
         try:
             self.reload_weights(weights_iterator=iter(named), is_checkpoint_format=True)
         except (RuntimeError, ValueError, KeyError, AssertionError) as exc:
-            return _failed("engine_failed", f"vLLM's load of {len(named)} tensor(s) failed part way; its weights are "
+            return _failed(E.ENGINE_FAILED.name, f"vLLM's load of {len(named)} tensor(s) failed part way; its weights are "
                                             f"not usable until a reload succeeds: {exc}", weights_lost=True)
         complete = {name for name, _ in named} == set(self._handoff_shapes())
         return {"ok": True, "loaded": len(named), "complete": complete}

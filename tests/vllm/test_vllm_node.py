@@ -127,7 +127,9 @@ def start_mixed_load(node: VllmNode, max_tokens: int) -> list[GenerationClient]:
 
 def test_release_wait_drains_every_request_then_sleeps(serving: VllmNode) -> None:
     node = serving
-    clients = start_mixed_load(node, tokens_lasting(node.sidecar.url + "/generate", 10))
+    # at least 3000 tokens: a fresh vLLM's first requests are slow, so the probes can underestimate its speed and
+    # the requests end before the release comes (seconds on a fast CPU; a slow one still drains well within 90 s)
+    clients = start_mixed_load(node, tokens_lasting(node.sidecar.url + "/generate", 10, least=3000))
     r = node.post("/release_memory_occupation", {"mode": "wait", "drain_timeout": 90}, via_lb=True)
     assert r.status_code == 200, r.text
     body = r.json()["results"][0]["body"]

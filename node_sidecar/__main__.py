@@ -38,6 +38,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--generate-timeout", type=float, default=3600.0)
     p.add_argument("--control-timeout", type=float, default=600.0)
     p.add_argument("--engine-poll-interval", type=float, default=1.0)
+    p.add_argument("--engine-health-timeout", type=float, default=5.0, help="one health probe's bound (s)")
+    p.add_argument("--engine-health-misses", type=int, default=3,
+                   help="health probes in a row that get no answer in time before the engine counts as down "
+                        "(a refused connection, a dropped one or an error status count at once)")
     p.add_argument("--retry-after", type=int, default=2, help="Retry-After seconds on 503s")
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                    help="larger request bodies get 413 (default 64 MiB)")
@@ -62,7 +66,8 @@ def main(argv: list[str] | None = None) -> int:
             hold_requests=args.hold_requests, hold_max=args.hold_max, hold_timeout=args.hold_timeout,
             drain_timeout=args.drain_timeout, max_drain_timeout=args.max_drain_timeout,
             generate_timeout=args.generate_timeout, control_timeout=args.control_timeout,
-            engine_poll_interval=args.engine_poll_interval, retry_after_s=args.retry_after,
+            engine_poll_interval=args.engine_poll_interval, engine_health_timeout=args.engine_health_timeout,
+            engine_health_misses=args.engine_health_misses, retry_after_s=args.retry_after,
             max_body_bytes=args.max_body_bytes, max_answer_bytes=args.max_answer_bytes,
             body_timeout=args.body_timeout)
     except ConfigError as exc:

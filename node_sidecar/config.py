@@ -31,6 +31,8 @@ class SidecarConfig:
     generate_timeout: float = 3600.0    # one generation through the engine, end to end
     control_timeout: float = 600.0      # one control call to the engine (a reload can be slow)
     engine_poll_interval: float = 1.0   # how often the engine's health is polled
+    engine_health_timeout: float = 5.0  # one health probe's bound
+    engine_health_misses: int = 3       # health probes in a row without an answer before the engine counts as down
     retry_after_s: int = 2              # Retry-After on 503s
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_answer_bytes: int = DEFAULT_MAX_ANSWER_BYTES  # an engine's non-stream answer larger than this is a 502
@@ -45,11 +47,11 @@ class SidecarConfig:
             raise ConfigError(f"--vllm-sleep-level must be 1 or 2, got {self.vllm_sleep_level}")
         if self.role not in ROLES:
             raise ConfigError(f"--role must be one of {', '.join(ROLES)}, got {self.role!r}")
-        for name in ("hold_max", "retry_after_s", "max_body_bytes", "max_answer_bytes"):
+        for name in ("hold_max", "retry_after_s", "max_body_bytes", "max_answer_bytes", "engine_health_misses"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         for name in ("hold_timeout", "drain_timeout", "max_drain_timeout", "generate_timeout", "control_timeout",
-                     "vllm_weight_sync_timeout", "engine_poll_interval", "body_timeout"):
+                     "vllm_weight_sync_timeout", "engine_poll_interval", "engine_health_timeout", "body_timeout"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
         if self.drain_timeout > self.max_drain_timeout:

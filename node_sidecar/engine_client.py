@@ -45,6 +45,14 @@ class EngineClient:
             self._on_unreachable(exc)
             raise EngineUnavailable(f"engine unreachable: {exc}", retry_after=1) from exc
 
+    async def peek(self, path: str, *, timeout: float, max_bytes: int) -> tuple[int, bytes]:
+        """``GET path``: its status and at most ``max_bytes`` of its body, for health probes and metrics
+        scrapes. A transport failure is raised as the :class:`UpstreamError` it is and reported to no one: a
+        late answer from a busy engine is not a dead engine, and the caller judges which it is."""
+        response = await self.client.request("GET", self.base_url + path, timeout=timeout)
+        async with response:
+            return response.status, await response.read(max_bytes)
+
     async def read(self, response: UpstreamResponse, max_bytes: int) -> bytes:
         """The whole body of an engine answer (the connection is released either way).
 

@@ -19,6 +19,8 @@ class SidecarMetrics:
                                   ["tag", "state"], registry=r)
         self.serving = Gauge("handoff_node_serving", "1 while the node serves generation.", registry=r)
         self.engine_up = Gauge("handoff_node_engine_up", "1 while the engine answers.", registry=r)
+        self.engine_health_misses = Counter("handoff_node_engine_health_misses",
+                                            "Health probes the engine did not answer in time.", registry=r)
         self.release_seconds = Histogram("handoff_node_release_seconds", "Duration of a release, drain included.",
                                          registry=r, buckets=_CONTROL_BUCKETS)
         self.resume_seconds = Histogram("handoff_node_resume_seconds", "Duration of a resume.",

@@ -16,7 +16,7 @@ import time
 from typing import Any
 
 from handoff.protocol.control import MAX_NODE_STATE_HEADER_BYTES
-from handoff.service.upstream import UpstreamClient, UpstreamError
+from handoff.service.upstream import UpstreamClient, UpstreamError, UpstreamTimeout
 from node_sidecar.admission import Admission
 from node_sidecar.config import SidecarConfig
 from node_sidecar.engine_client import EngineClient
@@ -26,8 +26,6 @@ from node_sidecar.metrics import SidecarMetrics
 from node_sidecar.state import TAGS, NodeState, TagState
 
 log = logging.getLogger(__name__)
-
-HEALTH_TIMEOUT_S = 5.0
 
 
 class Node:
@@ -46,6 +44,7 @@ class Node:
         self.is_draining = False             # a control call holds admission closed
         self.last_error: str | None = None
         self._poke = asyncio.Event()
+        self._health_misses = 0  # health probes in a row not answered in time
         self._monitor: asyncio.Task[None] | None = None
 
     # -- admission -------------------------------------------------------------
@@ -74,6 +73,7 @@ class Node:
         if self.state.is_engine_reachable:
             log.warning("engine unreachable: %s", exc)
         self.last_error = str(exc)
+        self._health_misses = 0
         self.state.is_engine_reachable = False
         self.state.is_synced = False
         self.metrics.engine_up.set(0)
@@ -143,20 +143,36 @@ class Node:
                         if not self.state.is_synced:
                             await self.sync()
                 else:
-                    path = self.engine_adapter.health_path
-                    response = await self.engine.open("GET", path, timeout=HEALTH_TIMEOUT_S)
-                    await response.read(4096)
-                    if response.status != 200:
-                        self.mark_unreachable(f"engine {path} answered {response.status}")
+                    await self._probe_health()
             except EngineUnavailable:
                 pass  # already marked; retry after the interval
-            except UpstreamError as exc:
-                self.mark_unreachable(exc)
             self._poke.clear()
             try:
                 await asyncio.wait_for(self._poke.wait(), self.config.engine_poll_interval)
             except asyncio.TimeoutError:
                 pass  # the normal tick
+
+    async def _probe_health(self) -> None:
+        """One health probe. A refused or dropped connection or an error status marks the engine down at once;
+        a probe that is merely not answered in time only after ``engine_health_misses`` in a row, because an
+        engine busy generating on a loaded host answers late but is alive (and serving)."""
+        path = self.engine_adapter.health_path
+        try:
+            status, _ = await self.engine.peek(path, timeout=self.config.engine_health_timeout, max_bytes=4096)
+        except UpstreamTimeout as exc:
+            self._health_misses += 1
+            self.metrics.engine_health_misses.inc()
+            log.warning("engine %s not answered within %gs (%d in a row; counted down at %d)", path,
+                        self.config.engine_health_timeout, self._health_misses, self.config.engine_health_misses)
+            if self._health_misses >= self.config.engine_health_misses:
+                self.mark_unreachable(exc)
+            return
+        except UpstreamError as exc:
+            self.mark_unreachable(exc)
+            return
+        self._health_misses = 0
+        if status != 200:
+            self.mark_unreachable(f"engine {path} answered {status}")
 
     # -- views -----------------------------------------------------------------
     def state_view(self) -> dict[str, Any]:
@@ -183,12 +199,13 @@ class Node:
             "in_flight": self.admission.num_in_flight,
             "held": self.admission.num_held,
             "last_error": self.last_error,
+            "engine_health_misses": self._health_misses,
         }
 
     def state_header(self) -> bytes | None:
         """:meth:`state_view` for :data:`NODE_STATE_HEADER` (routing fields only), or None if too large."""
         view = self.state_view()
-        del view["last_error"]
+        del view["last_error"], view["engine_health_misses"]
         value = json.dumps(view, separators=(",", ":")).encode()  # ASCII: a valid header value
         return value if len(value) <= MAX_NODE_STATE_HEADER_BYTES else None
 

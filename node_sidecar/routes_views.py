@@ -95,11 +95,10 @@ def views_router(metrics: SidecarMetrics, admin: BearerToken, api_key: BearerTok
         text = generate_latest(metrics.registry)
         if node.state.is_engine_reachable:
             try:
-                engine = await node.engine.open("GET", "/metrics", timeout=5)
-                async with engine:
-                    if engine.status == 200:
-                        text += await engine.read(8 * 1024 * 1024)
-            except (EngineUnavailable, UpstreamError) as exc:  # the node's own metrics still answer
+                status, engine_text = await node.engine.peek("/metrics", timeout=5, max_bytes=8 * 1024 * 1024)
+                if status == 200:
+                    text += engine_text
+            except UpstreamError as exc:  # the node's own metrics still answer; the health probe judges the engine
                 node.last_error = f"engine /metrics: {exc}"
         return Response(text, media_type=CONTENT_TYPE_LATEST)
 

@@ -11,10 +11,14 @@ from __future__ import annotations
 from typing import Any
 
 from handoff.protocol.tags import TAG_NAMES, TagState
+from handoff.service.peer_json import PeerJSONError, loads_bounded
+from handoff.service.upstream import UpstreamError
+from node_sidecar.engine_client import MAX_CONTROL_ANSWER_BYTES
 from node_sidecar.engines.base import EngineAdapter, EngineKind, EngineView, MemoryChange, TagMeaning
 from node_sidecar.errors import EngineUnavailable
 
-MEMORY_VIEW_TIMEOUT_S = 5.0
+STATE_READ_TIMEOUT_S = 5.0   # reading the engine's state (a sync): the node serves only once it is read
+MEMORY_VIEW_TIMEOUT_S = 1.0  # the figures of a view: a late answer leaves them out (the LB polls the view)
 
 
 class HandoffEngine(EngineAdapter):
@@ -27,7 +31,7 @@ class HandoffEngine(EngineAdapter):
     }
 
     async def read_view(self) -> EngineView:
-        occupation = await self.engine.call("GET", "/memory_occupation", timeout=MEMORY_VIEW_TIMEOUT_S)
+        occupation = await self.engine.call("GET", "/memory_occupation", timeout=STATE_READ_TIMEOUT_S)
         try:
             rows = occupation["tags"]
             tags = {t: TagState(rows[t]["state"]) for t in TAG_NAMES}
@@ -43,8 +47,12 @@ class HandoffEngine(EngineAdapter):
 
     async def memory_view(self) -> dict[str, Any]:
         try:
-            occupation = await self.engine.call("GET", "/memory_occupation", timeout=MEMORY_VIEW_TIMEOUT_S)
-        except EngineUnavailable:
+            status, raw = await self.engine.peek("/memory_occupation", timeout=MEMORY_VIEW_TIMEOUT_S,
+                                                 max_bytes=MAX_CONTROL_ANSWER_BYTES)
+            occupation = loads_bounded(raw) if status == 200 else None
+        except (UpstreamError, PeerJSONError):
+            return {}  # a busy engine's late answer: the view goes out without its figures
+        if not isinstance(occupation, dict):
             return {}
         rows = occupation.get("tags")
         tag_bytes = ({t: row["bytes"] for t, row in rows.items() if isinstance(row, dict)

@@ -106,30 +106,35 @@ def finish_reason(result: Any) -> str | None:
 
 
 def start_mixed_load(node: VllmNode, max_tokens: int) -> list[GenerationClient]:
-    """Through the LB: SGLang /generate (stream and not) and OpenAI completions (stream and not)."""
+    """Through the LB: SGLang /generate (stream and not) and OpenAI completions (stream and not), all running
+    together. The node is paused while they arrive (its sidecar holds them, as SGLang queues requests while
+    paused) and continued once it holds all four: started one by one, a fast engine finished the first before
+    the last arrived."""
     generate = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": max_tokens, "ignore_eos": True}}
     completion = {"prompt": PROMPT, "max_tokens": max_tokens, "ignore_eos": True}
     bodies = [("/generate", {**generate, "stream": True}), ("/generate", generate),
               ("/v1/completions", {**completion, "stream": True}), ("/v1/completions", completion)]
     clients = [GenerationClient(node.lb.url + path, body, timeout=300) for path, body in bodies]
+    paused = node.post("/pause_generation", {"mode": "wait"})
+    assert paused.status_code == 200, paused.text
     for c in clients:
         c.start()
-    def all_in_flight() -> bool:
-        ended = [c for c in clients if not c.is_alive()]
-        if ended:  # one ended before the others started: say how, rather than time out
-            raise AssertionError(f"{ended[0].url} ended before all {len(clients)} requests ran ({max_tokens} "
-                                 f"tokens each): {ended[0].result}")
-        return node.occupation()["in_flight"] == len(clients)
 
-    wait_until(all_in_flight, timeout=60, what="all requests in flight")
+    def all_held() -> bool:
+        ended = [c for c in clients if not c.is_alive()]
+        if ended:  # a request was refused rather than held: say how, rather than time out
+            raise AssertionError(f"{ended[0].url} ended while the node was paused: {ended[0].result}")
+        return node.occupation()["held"] == len(clients)
+
+    wait_until(all_held, timeout=60, what="all requests held")
+    assert node.post("/continue_generation").status_code == 200
+    wait_until(lambda: node.occupation()["in_flight"] == len(clients), timeout=30, what="all requests in flight")
     return clients
 
 
 def test_release_wait_drains_every_request_then_sleeps(serving: VllmNode) -> None:
     node = serving
-    # at least 3000 tokens: a fresh vLLM's first requests are slow, so the probes can underestimate its speed and
-    # the requests end before the release comes (seconds on a fast CPU; a slow one still drains well within 90 s)
-    clients = start_mixed_load(node, tokens_lasting(node.sidecar.url + "/generate", 10, least=3000))
+    clients = start_mixed_load(node, tokens_lasting(node.sidecar.url + "/generate", 10))
     r = node.post("/release_memory_occupation", {"mode": "wait", "drain_timeout": 90}, via_lb=True)
     assert r.status_code == 200, r.text
     body = r.json()["results"][0]["body"]

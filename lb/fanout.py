@@ -140,9 +140,9 @@ class FanOut:
         started = time.perf_counter()
         deadline = asyncio.get_running_loop().time() + timeout_s
         fences = [node.fence() if path in FENCING_PATHS else None for node in nodes]
-        states: dict[str, dict[str, Any] | None] = {}  # the nodes mostly answer the same state: parsed once
+        parsed = _ParsedAnswers()
         results = await asyncio.gather(*(self._call_and_settle(node, fence, method, path, body, headers, timeout_s,
-                                                               deadline, states) for node, fence in zip(nodes, fences)))
+                                                               deadline, parsed) for node, fence in zip(nodes, fences)))
         duration_s = time.perf_counter() - started
         self._metrics.fanout_seconds.labels(path=path).observe(duration_s)
         return self.answer(method, path, results, duration_s)
@@ -154,18 +154,18 @@ class FanOut:
         headers = {**self._node_headers, DEADLINE_HEADER: f"{timeout_s:g}"}
         if content_type:
             headers["Content-Type"] = content_type
-        result, state = await self._call(node, method, path, body, headers, timeout_s, {})
+        result, state = await self._call(node, method, path, body, headers, timeout_s, _ParsedAnswers())
         if state is not None:
             self._health.apply_state(node, state)
         return result
 
     async def _call_and_settle(self, node: Node, fence: Fence | None, method: str, path: str, body: bytes,
                                headers: Mapping[str, str], timeout_s: float, deadline: float,
-                               states: dict[str, dict[str, Any] | None]) -> NodeResult:
+                               parsed: _ParsedAnswers) -> NodeResult:
         """One node's call, then its state: from its answer, or a check within the deadline, or (for a node that
         did not answer, or whose check does not fit) a check in the background that the fence waits for."""
         try:
-            result, state = await self._call(node, method, path, body, headers, timeout_s, states)
+            result, state = await self._call(node, method, path, body, headers, timeout_s, parsed)
         except BaseException:
             if fence is not None:
                 fence.lift()
@@ -199,15 +199,14 @@ class FanOut:
         task.add_done_callback(self._background.discard)
 
     async def _call(self, node: Node, method: str, path: str, body: bytes, headers: Mapping[str, str],
-                    timeout_s: float, states: dict[str, dict[str, Any] | None]) -> tuple[NodeResult,
-                                                                                          dict[str, Any] | None]:
-        """The node's result and the state its answer carried (None: no answer, or no state header); ``states``
-        holds the header values already parsed in this fan-out."""
+                    timeout_s: float, parsed: _ParsedAnswers) -> tuple[NodeResult, dict[str, Any] | None]:
+        """The node's result and the state its answer carried (None: no answer, or no state header); ``parsed``
+        holds what this fan-out's nodes already answered."""
         try:
             response = await self._client.request(method, node.url + path, headers=headers, body=body,
                                                   timeout=timeout_s)
             async with response:
-                state = _node_state(response, states)
+                state = parsed.state(response.header(NODE_STATE_HEADER))
                 if not 200 <= response.status < 300:
                     raw = await response.read(MAX_FAILURE_DETAIL_BYTES)
                     return NodeResult(node, status=response.status, reason="http_status",
@@ -217,7 +216,7 @@ class FanOut:
             reason = next((name for cls, name in _REASONS if isinstance(exc, cls)), "error")
             error = f"no complete answer within {timeout_s:g} s" if reason == "timeout" else str(exc)
             return NodeResult(node, reason=reason, error=error), None
-        return _judge_success(node, response, raw), state
+        return _judge_success(node, response, raw, parsed), state
 
     def answer(self, method: str, path: str, results: list[NodeResult],
                duration_s: float) -> tuple[int, dict[str, Any]]:
@@ -247,16 +246,39 @@ def _capped_text(raw: bytes) -> str:
     return raw[:MAX_FAILURE_DETAIL_BYTES].decode("utf-8", "replace")
 
 
-def _node_state(response: UpstreamResponse, parsed: dict[str, dict[str, Any] | None]) -> dict[str, Any] | None:
-    """The state a sidecar put in its answer's header, if it is there and readable; each distinct value is
-    parsed once into ``parsed``, and nodes that sent the same value share the dict (nothing mutates a node's
-    state: a new one replaces it)."""
-    value = response.header(NODE_STATE_HEADER)
-    if value is None:
-        return None
-    if value not in parsed:
-        parsed[value] = _parse_state(value)
-    return parsed[value]
+@dataclass(frozen=True)
+class _Unreadable:
+    error: str
+
+
+class _ParsedAnswers:
+    """What one fan-out's nodes answered, parsed once per distinct value: the nodes mostly answer alike (the
+    same state, the same body). Nodes that sent the same bytes share the parsed value; nothing mutates it (a
+    node's new state replaces the old one, and results are only read and encoded)."""
+
+    def __init__(self) -> None:
+        self._states: dict[str, dict[str, Any] | None] = {}
+        self._bodies: dict[bytes, Any] = {}
+
+    def state(self, value: str | None) -> dict[str, Any] | None:
+        """The state a sidecar put in its answer's header, if it is there and readable."""
+        if value is None:
+            return None
+        if value not in self._states:
+            self._states[value] = _parse_state(value)
+        return self._states[value]
+
+    def body(self, raw: bytes) -> Any:
+        """A 2xx answer's JSON; raises :class:`PeerJSONError` (each time) for one that does not parse in bounds."""
+        if raw not in self._bodies:
+            try:
+                self._bodies[raw] = loads_bounded(raw)
+            except PeerJSONError as exc:
+                self._bodies[raw] = _Unreadable(str(exc))
+        value = self._bodies[raw]
+        if isinstance(value, _Unreadable):
+            raise PeerJSONError(value.error)
+        return value
 
 
 def _parse_state(value: str) -> dict[str, Any] | None:
@@ -267,7 +289,7 @@ def _parse_state(value: str) -> dict[str, Any] | None:
     return state if isinstance(state, dict) else None
 
 
-def _judge_success(node: Node, response: UpstreamResponse, raw: bytes) -> NodeResult:
+def _judge_success(node: Node, response: UpstreamResponse, raw: bytes, parsed: _ParsedAnswers) -> NodeResult:
     """A 2xx answer: JSON ``"success": false`` makes it a failure; an answer that cannot be judged is one too.
 
     Over the result cap, a ``"success": false`` could be past what was read;
@@ -283,7 +305,7 @@ def _judge_success(node: Node, response: UpstreamResponse, raw: bytes) -> NodeRe
     if not raw.strip():
         return NodeResult(node, status=status, body=None)
     try:
-        body = loads_bounded(raw)
+        body = parsed.body(raw)
     except PeerJSONError as exc:
         if "json" in response.content_type.lower():
             return NodeResult(node, status=status, reason="unreadable_answer", error=str(exc),

@@ -84,11 +84,6 @@ class Cluster:
     def proxy(self) -> GenerationProxy:
         return self._running().proxy
 
-    @property
-    def client(self) -> UpstreamClient:
-        """The process's one pooled upstream client (for calls to nodes outside the parts above)."""
-        return self._running().client
-
     async def start(self) -> None:
         if self.state is not ClusterState.CREATED:
             raise RuntimeError(f"the cluster is {self.state.value}; it starts only once")

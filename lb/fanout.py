@@ -28,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
 from typing import Any, Mapping
 
 from handoff.protocol import errors as E
@@ -36,7 +35,6 @@ from handoff.protocol.control import (
     DEADLINE_HEADER,
     DRAINING_PATHS,
     FENCING_PATHS,
-    MAX_NODE_STATE_HEADER_BYTES,
     NODE_STATE_HEADER,
     STATE_CHANGING_PATHS,
 )
@@ -48,7 +46,6 @@ from handoff.service.upstream import (
     ProtocolError,
     UpstreamClient,
     UpstreamError,
-    UpstreamResponse,
     UpstreamTimeout,
 )
 from lb.config import Role
@@ -56,13 +53,18 @@ from lb.errors import NoNodes
 from lb.health import HealthMonitor
 from lb.membership import Fence, Membership, Node
 from lb.metrics import LBMetrics
+from lb.node_answer import (
+    MAX_FAILURE_DETAIL_BYTES,
+    MAX_RESULT_BODY_BYTES,
+    NodeResult,
+    ParsedAnswers,
+    capped_text,
+    judge_success,
+)
 
 log = logging.getLogger(__name__)
 
 __all__ = ["FanOut", "NodeResult", "check_drain_fits"]
-
-MAX_FAILURE_DETAIL_BYTES = 512
-MAX_RESULT_BODY_BYTES = 64 * 1024
 
 _REASONS: tuple[tuple[type[UpstreamError], str], ...] = (
     (ConnectFailed, "unreachable"),
@@ -70,34 +72,6 @@ _REASONS: tuple[tuple[type[UpstreamError], str], ...] = (
     (ConnectionDropped, "dropped"),
     (ProtocolError, "protocol_error"),
 )
-
-
-@dataclass
-class NodeResult:
-    """What one node did with the call. ``reason`` is None on success."""
-
-    node: Node
-    status: int | None = None
-    body: Any = None
-    reason: str | None = None
-    error: str | None = None
-    detail: str | None = None
-
-    @property
-    def is_ok(self) -> bool:
-        return self.reason is None
-
-    def as_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"node": self.node.url, "role": self.node.role.value}
-        if self.is_ok:
-            out.update(status=self.status, body=self.body)
-            return out
-        out["reason"] = self.reason
-        for key in ("status", "detail", "error"):
-            value = getattr(self, key)
-            if value is not None:
-                out[key] = value
-        return out
 
 
 def check_drain_fits(path: str, body: bytes, timeout_s: float) -> None:
@@ -140,7 +114,7 @@ class FanOut:
         started = time.perf_counter()
         deadline = asyncio.get_running_loop().time() + timeout_s
         fences = [node.fence() if path in FENCING_PATHS else None for node in nodes]
-        parsed = _ParsedAnswers()
+        parsed = ParsedAnswers()
         results = await asyncio.gather(*(self._call_and_settle(node, fence, method, path, body, headers, timeout_s,
                                                                deadline, parsed) for node, fence in zip(nodes, fences)))
         duration_s = time.perf_counter() - started
@@ -154,14 +128,14 @@ class FanOut:
         headers = {**self._node_headers, DEADLINE_HEADER: f"{timeout_s:g}"}
         if content_type:
             headers["Content-Type"] = content_type
-        result, state = await self._call(node, method, path, body, headers, timeout_s, _ParsedAnswers())
+        result, state = await self._call(node, method, path, body, headers, timeout_s, ParsedAnswers())
         if state is not None:
             self._health.apply_state(node, state)
         return result
 
     async def _call_and_settle(self, node: Node, fence: Fence | None, method: str, path: str, body: bytes,
                                headers: Mapping[str, str], timeout_s: float, deadline: float,
-                               parsed: _ParsedAnswers) -> NodeResult:
+                               parsed: ParsedAnswers) -> NodeResult:
         """One node's call, then its state: from its answer, or a check within the deadline, or (for a node that
         did not answer, or whose check does not fit) a check in the background that the fence waits for."""
         try:
@@ -199,7 +173,7 @@ class FanOut:
         task.add_done_callback(self._background.discard)
 
     async def _call(self, node: Node, method: str, path: str, body: bytes, headers: Mapping[str, str],
-                    timeout_s: float, parsed: _ParsedAnswers) -> tuple[NodeResult, dict[str, Any] | None]:
+                    timeout_s: float, parsed: ParsedAnswers) -> tuple[NodeResult, dict[str, Any] | None]:
         """The node's result and the state its answer carried (None: no answer, or no state header); ``parsed``
         holds what this fan-out's nodes already answered."""
         try:
@@ -210,13 +184,13 @@ class FanOut:
                 if not 200 <= response.status < 300:
                     raw = await response.read(MAX_FAILURE_DETAIL_BYTES)
                     return NodeResult(node, status=response.status, reason="http_status",
-                                      detail=_capped_text(raw)), state
+                                      detail=capped_text(raw)), state
                 raw = await response.read(MAX_RESULT_BODY_BYTES)
         except UpstreamError as exc:
             reason = next((name for cls, name in _REASONS if isinstance(exc, cls)), "error")
             error = f"no complete answer within {timeout_s:g} s" if reason == "timeout" else str(exc)
             return NodeResult(node, reason=reason, error=error), None
-        return _judge_success(node, response, raw, parsed), state
+        return judge_success(node, response, raw, parsed), state
 
     def answer(self, method: str, path: str, results: list[NodeResult],
                duration_s: float) -> tuple[int, dict[str, Any]]:
@@ -240,77 +214,3 @@ class FanOut:
             "succeeded": [r.as_json() for r in results if r.is_ok],
             "error": {"type": E.FANOUT_FAILED.name, "message": message},
         }
-
-
-def _capped_text(raw: bytes) -> str:
-    return raw[:MAX_FAILURE_DETAIL_BYTES].decode("utf-8", "replace")
-
-
-@dataclass(frozen=True)
-class _Unreadable:
-    error: str
-
-
-class _ParsedAnswers:
-    """What one fan-out's nodes answered, parsed once per distinct value: the nodes mostly answer alike (the
-    same state, the same body). Nodes that sent the same bytes share the parsed value; nothing mutates it (a
-    node's new state replaces the old one, and results are only read and encoded)."""
-
-    def __init__(self) -> None:
-        self._states: dict[str, dict[str, Any] | None] = {}
-        self._bodies: dict[bytes, Any] = {}
-
-    def state(self, value: str | None) -> dict[str, Any] | None:
-        """The state a sidecar put in its answer's header, if it is there and readable."""
-        if value is None:
-            return None
-        if value not in self._states:
-            self._states[value] = _parse_state(value)
-        return self._states[value]
-
-    def body(self, raw: bytes) -> Any:
-        """A 2xx answer's JSON; raises :class:`PeerJSONError` (each time) for one that does not parse in bounds."""
-        if raw not in self._bodies:
-            try:
-                self._bodies[raw] = loads_bounded(raw)
-            except PeerJSONError as exc:
-                self._bodies[raw] = _Unreadable(str(exc))
-        value = self._bodies[raw]
-        if isinstance(value, _Unreadable):
-            raise PeerJSONError(value.error)
-        return value
-
-
-def _parse_state(value: str) -> dict[str, Any] | None:
-    try:
-        state = loads_bounded(value.encode("latin-1"), max_bytes=MAX_NODE_STATE_HEADER_BYTES)
-    except (PeerJSONError, UnicodeEncodeError):
-        return None
-    return state if isinstance(state, dict) else None
-
-
-def _judge_success(node: Node, response: UpstreamResponse, raw: bytes, parsed: _ParsedAnswers) -> NodeResult:
-    """A 2xx answer: JSON ``"success": false`` makes it a failure; an answer that cannot be judged is one too.
-
-    Over the result cap, a ``"success": false`` could be past what was read;
-    a JSON answer that does not parse within bounds says nothing. A text
-    answer (SGLang's ``/flush_cache`` says "Cache flushed." in plain text)
-    counts as success.
-    """
-    status = response.status
-    if response.is_truncated:
-        return NodeResult(node, status=status, reason="oversized_answer",
-                          error=f"answer longer than {MAX_RESULT_BODY_BYTES} bytes: cannot tell whether it succeeded",
-                          detail=_capped_text(raw))
-    if not raw.strip():
-        return NodeResult(node, status=status, body=None)
-    try:
-        body = parsed.body(raw)
-    except PeerJSONError as exc:
-        if "json" in response.content_type.lower():
-            return NodeResult(node, status=status, reason="unreadable_answer", error=str(exc),
-                              detail=_capped_text(raw))
-        return NodeResult(node, status=status, body=_capped_text(raw))
-    if isinstance(body, dict) and body.get("success") is False:
-        return NodeResult(node, status=status, reason="success_false", detail=_capped_text(raw))
-    return NodeResult(node, status=status, body=body)

@@ -15,9 +15,7 @@
 
 from __future__ import annotations
 
-import asyncio
 import enum
-import json
 import logging
 from typing import Callable, Mapping, Sequence
 

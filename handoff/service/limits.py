@@ -20,7 +20,7 @@ import json
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from handoff.service.errors import PayloadTooLarge, RequestTimeout, ServiceError, error_envelope
+from handoff.service.errors import PayloadTooLarge, RequestTimeout, ServiceError
 
 DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
 DEFAULT_BODY_TIMEOUT_S = 60.0

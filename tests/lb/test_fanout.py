@@ -342,3 +342,18 @@ def test_deeply_nested_answers_fail_one_node_never_the_call(module_fakes: FakeCl
     shared_lb.http.delete("/nodes", params={"url": deep.url})
     added = shared_lb.http.post("/nodes", json={"url": deep.url})
     assert added.status_code == 201 and added.json()["node"]["health"] == "unhealthy"
+
+
+def test_nodes_answering_the_same_bytes_are_each_judged(module_fakes: FakeCluster, shared_lb: LB) -> None:
+    """A fan-out parses each distinct answer once: every node that sent it still gets its own verdict."""
+    good, *same_bad = module_fakes.start(4)
+    unreadable = b'{"success": true, "freed": NaN}'
+    for node in same_bad[:2]:
+        node.handlers["/flush_cache"] = reply(200, unreadable)
+    same_bad[2].handlers["/flush_cache"] = reply(200, {"success": False, "message": "busy"})
+    set_members(shared_lb, good.url, *(node.url for node in same_bad))
+    body = assert_failure_shape(shared_lb.http.post("/flush_cache"), "/flush_cache", failed=3, total=4)
+    reasons = {failure["node"]: failure["reason"] for failure in body["failures"]}
+    assert reasons == {same_bad[0].url: "unreadable_answer", same_bad[1].url: "unreadable_answer",
+                       same_bad[2].url: "success_false"}
+    assert body["failures"][0]["error"] == body["failures"][1]["error"]

@@ -1,0 +1,127 @@
+"""One node's answer to a control call, read and judged (SPEC section 4): :class:`NodeResult`.
+
+A 2xx answer succeeds unless its JSON says ``"success": false`` or it cannot
+be judged: longer than :data:`MAX_RESULT_BODY_BYTES` (a ``"success": false``
+could be past what was read) or JSON that does not parse within bounds. A
+failing answer's body is kept to :data:`MAX_FAILURE_DETAIL_BYTES`. What the
+nodes of one fan-out answered is parsed once per distinct value
+(:class:`ParsedAnswers`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from handoff.protocol.control import MAX_NODE_STATE_HEADER_BYTES
+from handoff.service.peer_json import PeerJSONError, loads_bounded
+from handoff.service.upstream import UpstreamResponse
+from lb.membership import Node
+
+__all__ = ["MAX_FAILURE_DETAIL_BYTES", "MAX_RESULT_BODY_BYTES", "NodeResult", "ParsedAnswers", "capped_text",
+           "judge_success"]
+
+MAX_FAILURE_DETAIL_BYTES = 512
+MAX_RESULT_BODY_BYTES = 64 * 1024
+
+
+@dataclass
+class NodeResult:
+    """What one node did with the call. ``reason`` is None on success."""
+
+    node: Node
+    status: int | None = None
+    body: Any = None
+    reason: str | None = None
+    error: str | None = None
+    detail: str | None = None
+
+    @property
+    def is_ok(self) -> bool:
+        return self.reason is None
+
+    def as_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"node": self.node.url, "role": self.node.role.value}
+        if self.is_ok:
+            out.update(status=self.status, body=self.body)
+            return out
+        out["reason"] = self.reason
+        for key in ("status", "detail", "error"):
+            value = getattr(self, key)
+            if value is not None:
+                out[key] = value
+        return out
+
+
+def capped_text(raw: bytes) -> str:
+    return raw[:MAX_FAILURE_DETAIL_BYTES].decode("utf-8", "replace")
+
+
+@dataclass(frozen=True)
+class _Unreadable:
+    error: str
+
+
+class ParsedAnswers:
+    """What one fan-out's nodes answered, parsed once per distinct value: the nodes mostly answer alike (the
+    same state, the same body). Nodes that sent the same bytes share the parsed value; nothing mutates it (a
+    node's new state replaces the old one, and results are only read and encoded)."""
+
+    def __init__(self) -> None:
+        self._states: dict[str, dict[str, Any] | None] = {}
+        self._bodies: dict[bytes, Any] = {}
+
+    def state(self, value: str | None) -> dict[str, Any] | None:
+        """The state a sidecar put in its answer's header, if it is there and readable."""
+        if value is None:
+            return None
+        if value not in self._states:
+            self._states[value] = _parse_state(value)
+        return self._states[value]
+
+    def body(self, raw: bytes) -> Any:
+        """A 2xx answer's JSON; raises :class:`PeerJSONError` (each time) for one that does not parse in bounds."""
+        if raw not in self._bodies:
+            try:
+                self._bodies[raw] = loads_bounded(raw)
+            except PeerJSONError as exc:
+                self._bodies[raw] = _Unreadable(str(exc))
+        value = self._bodies[raw]
+        if isinstance(value, _Unreadable):
+            raise PeerJSONError(value.error)
+        return value
+
+
+def _parse_state(value: str) -> dict[str, Any] | None:
+    try:
+        state = loads_bounded(value.encode("latin-1"), max_bytes=MAX_NODE_STATE_HEADER_BYTES)
+    except (PeerJSONError, UnicodeEncodeError):
+        return None
+    return state if isinstance(state, dict) else None
+
+
+def judge_success(node: Node, response: UpstreamResponse, raw: bytes, parsed: ParsedAnswers) -> NodeResult:
+    """A 2xx answer: JSON ``"success": false`` makes it a failure; an answer that cannot be judged is one too.
+
+    Over the result cap, a ``"success": false`` could be past what was read;
+    a JSON answer that does not parse within bounds says nothing. A text
+    answer (SGLang's ``/flush_cache`` says "Cache flushed." in plain text)
+    counts as success.
+    """
+    status = response.status
+    if response.is_truncated:
+        return NodeResult(node, status=status, reason="oversized_answer",
+                          error=f"answer longer than {MAX_RESULT_BODY_BYTES} bytes: cannot tell whether it succeeded",
+                          detail=capped_text(raw))
+    if not raw.strip():
+        return NodeResult(node, status=status, body=None)
+    try:
+        body = parsed.body(raw)
+    except PeerJSONError as exc:
+        if "json" in response.content_type.lower():
+            return NodeResult(node, status=status, reason="unreadable_answer", error=str(exc),
+                              detail=capped_text(raw))
+        return NodeResult(node, status=status, body=capped_text(raw))
+    if isinstance(body, dict) and body.get("success") is False:
+        return NodeResult(node, status=status, reason="success_false", detail=capped_text(raw))
+    return NodeResult(node, status=status, body=body)

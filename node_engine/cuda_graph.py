@@ -25,7 +25,7 @@ import torch
 
 from node_engine.memory.tags import MemoryTag
 from node_engine.model.layers import AttentionBatch
-from node_engine.scheduler import Step
+from node_engine.step import Step
 
 if TYPE_CHECKING:
     from node_engine.runner import ModelRunner

@@ -44,7 +44,8 @@ from node_engine.request import FinishReason, Request, RequestOutput, RequestSta
 from node_engine.model.source import load_model_source
 from node_engine.runner import ModelRunner
 from node_engine.sampling import SamplingParams
-from node_engine.scheduler import Scheduler, SchedulerConfig, Step, StepKind
+from node_engine.scheduler import Scheduler, SchedulerConfig
+from node_engine.step import Step, StepKind
 from node_engine.tokenizer import IncrementalDetokenizer
 from node_engine.vision.inputs import MultimodalPrompt
 from node_engine.vision.runtime import VisionRuntime

@@ -30,7 +30,7 @@ from handoff.protocol.generate_sequences import LogprobOptions
 from node_engine.sampling import SamplingParams
 
 if TYPE_CHECKING:
-    from node_engine.scheduler import StepEntry
+    from node_engine.step import StepEntry
 
 ROWS_PER_PASS = 256
 _LOWEST = torch.finfo(torch.float32).min

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 
 from node_engine.model.layers import AttentionBatch
-from node_engine.scheduler import StepEntry
+from node_engine.step import StepEntry
 
 
 # Padding every chunk to the longest costs num_seqs x longest queries (and a mask of num_seqs x longest x keys);

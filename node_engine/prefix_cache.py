@@ -95,7 +95,8 @@ class PrefixCache:
 
     def _split(self, node: _Node, num: int) -> _Node:
         """Cut ``node``'s edge after ``num`` tokens; returns the new upper part."""
-        assert node.parent is not None, "the root is never split"
+        if node.parent is None:
+            raise RuntimeError("the prefix cache's root is never split")
         upper = _Node(node.key[:num], node.slots[:num], node.parent)
         upper.lock_ref = node.lock_ref
         upper.last_use = node.last_use
@@ -120,7 +121,8 @@ class PrefixCache:
 
     def insert(self, token_ids: list[int], slots: torch.Tensor) -> int:
         """Cache ``slots`` as the KV of ``token_ids``; returns how many leading tokens were cached already."""
-        assert len(token_ids) == slots.numel(), "one slot per token"
+        if len(token_ids) != slots.numel():
+            raise ValueError(f"one slot per token: {len(token_ids)} tokens, {slots.numel()} slots")
         path, offset = self._walk(token_ids)
         node = path[-1] if path else self._root
         if offset < len(token_ids):
@@ -156,7 +158,8 @@ class PrefixCache:
 
     def reset(self) -> None:
         """Forget every entry without freeing slots (the slot allocator was reset); nothing may be locked."""
-        assert all(n.lock_ref == 0 for n in self._nodes()), "reset with prefixes in use"
+        if any(n.lock_ref for n in self._nodes()):
+            raise RuntimeError("the prefix cache was reset with prefixes in use")
         self._root = _Node((), self._root.slots, None)
         self.num_cached_tokens = 0
         self.epoch += 1
@@ -175,7 +178,8 @@ class PrefixCache:
 
     def _drop(self, node: _Node) -> None:
         parent = node.parent
-        assert parent is not None and not node.children and node.lock_ref == 0, "only free leaves are dropped"
+        if parent is None or node.children or node.lock_ref:
+            raise RuntimeError("only free leaves of the prefix cache are dropped")
         del parent.children[node.key[0]]
         self.slots.free(node.slots)
         self.num_cached_tokens -= node.slots.numel()

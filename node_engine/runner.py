@@ -44,7 +44,7 @@ from node_engine.prefill_batch import prefill_batch
 from node_engine.logits import apply_penalties
 from node_engine.logprobs import PromptLogprobs, output_logprobs, step_prompt_logprobs
 from node_engine.sampling import sample
-from node_engine.scheduler import Step, StepKind, StepResult
+from node_engine.step import Step, StepKind, StepResult
 from node_engine.step_inputs import DecodeInputs, decode_inputs, prefill_inputs
 from node_engine.vision.encoder import Chunk
 from node_engine.vision.inputs import MultimodalPrompt

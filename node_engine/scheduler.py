@@ -18,21 +18,17 @@ it never touches device tensors.
 
 from __future__ import annotations
 
-import enum
 from collections import deque
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Sequence
+from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
 from node_engine.kv_cache import RowAllocator, SlotAllocator
-from node_engine.logprobs import PromptLogprobs, TokenLogprobs
 from node_engine.prefix_cache import PrefixCache
 from node_engine.request import FinishReason, Request, RequestState
+from node_engine.step import Step, StepEntry, StepKind, StepResult
 from node_engine.visual_budget import VisualBudget
-
-if TYPE_CHECKING:
-    from node_engine.vision.inputs import ImageInput
 
 
 @dataclass(frozen=True)
@@ -49,45 +45,6 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_visual_tokens < 0:
             raise ValueError(f"max_visual_tokens must be >= 0, got {self.max_visual_tokens}")
-
-
-class StepKind(enum.Enum):
-    PREFILL = "prefill"
-    DECODE = "decode"
-
-
-@dataclass(slots=True)
-class StepEntry:
-    request: Request
-    start: int             # index into all_ids of the first token computed
-    end: int               # one past the last
-    slots: torch.Tensor | None  # prefill: new slots for tokens start..end (decode: see Step.slot_mapping)
-    prefix: torch.Tensor | None = None  # on admission: slots of a reused cached prefix (tokens 0..start)
-
-    @property
-    def samples(self) -> bool:
-        return self.end == self.request.num_tokens
-
-
-@dataclass
-class Step:
-    kind: StepKind
-    entries: list[StepEntry]
-    slot_mapping: torch.Tensor  # every entry's new slots, flat, in entry order (CPU)
-    images: list[ImageInput] = field(default_factory=list)  # prefill: to encode before the chunks, in order
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(e.end - e.start for e in self.entries)
-
-
-@dataclass
-class StepResult:
-    """What the runner computed for a step."""
-
-    tokens: list[int]                                   # one per entry that samples, in entry order
-    logprobs: list[TokenLogprobs | None] | None = None  # the same order; None: no request asked
-    prompt_logprobs: dict[int, PromptLogprobs] = field(default_factory=dict)  # entry index -> computed
 
 
 class Scheduler:
@@ -245,7 +202,8 @@ class Scheduler:
         return Step(StepKind.DECODE, entries, slot_mapping)
 
     def _take(self, request: Request, num: int) -> StepEntry:
-        assert not request.decode_slots, "a request prefills only before it decodes"
+        if request.decode_slots:
+            raise RuntimeError(f"request {request.rid} prefills after it began decoding")
         start = request.num_cached
         slots = self.slots.allocate(num)
         request.slots.append(slots)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from node_engine.scheduler import Step
+from node_engine.step import Step
 
 
 @dataclass(frozen=True)

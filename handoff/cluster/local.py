@@ -99,7 +99,8 @@ class LocalCluster:
 
     @property
     def url(self) -> str:
-        assert self.lb is not None, "cluster not started"
+        if self.lb is None:
+            raise RuntimeError("the cluster is not started")
         return self.lb.url
 
     def processes(self) -> list[ServerProcess]:

@@ -149,8 +149,7 @@ class ServerProcess:
 
     def terminate(self) -> None:
         """Ask the process to stop (SIGTERM) without waiting."""
-        if self.is_running():
-            assert self.proc is not None
+        if self.proc is not None and self.is_running():
             self.proc.send_signal(signal.SIGTERM)
 
     def stop(self, timeout: float = 10.0) -> int | None:

@@ -17,7 +17,7 @@ from node_engine.memory.saver import CpuSaver
 from node_engine.memory.tags import ALL_TAGS, BackupMode, MemoryTag
 from node_engine.request import Request
 from node_engine.sampling import SamplingParams
-from node_engine.scheduler import StepKind
+from node_engine.step import StepKind
 from node_engine.tokenizer import IncrementalDetokenizer
 
 GREEDY = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)

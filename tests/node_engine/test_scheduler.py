@@ -7,7 +7,8 @@ import pytest
 from node_engine.kv_cache import RowAllocator, SlotAllocator
 from node_engine.request import FinishReason, IllegalTransition, Request, RequestState
 from node_engine.sampling import SamplingParams
-from node_engine.scheduler import Scheduler, SchedulerConfig, StepKind
+from node_engine.scheduler import Scheduler, SchedulerConfig
+from node_engine.step import StepKind
 from node_engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 TOKENIZER = Tokenizer.builtin_bytes()

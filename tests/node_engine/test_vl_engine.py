@@ -17,7 +17,7 @@ from node_engine.memory.host_heap import trim_host_heap
 from node_engine.memory.peak import HostPeakMeter
 from node_engine.memory.tags import BackupMode, MemoryTag
 from node_engine.sampling import SamplingParams
-from node_engine.scheduler import StepKind
+from node_engine.step import StepKind
 from node_engine.vision.placeholders import expand
 from node_engine.vision.processor import ImageProcessor
 from tests.node_engine.engine_harness import running_engine

@@ -84,7 +84,13 @@ def check_drain_fits(path: str, body: bytes, timeout_s: float) -> None:
     except PeerJSONError:
         return
     drain = payload.get("drain_timeout") if isinstance(payload, dict) else None
-    if isinstance(drain, (int, float)) and not isinstance(drain, bool) and drain >= timeout_s:
+    if isinstance(drain, bool) or not isinstance(drain, (int, float)):
+        return
+    try:
+        drain = float(drain)
+    except OverflowError:
+        return  # an integer no float holds: the node refuses it itself
+    if drain >= timeout_s:
         raise InvalidRequest(f"drain_timeout ({drain:g} s) must be shorter than the per-node timeout "
                              f"({timeout_s:g} s, from ?timeout= or --control-timeout): a node still draining "
                              "when the LB stops waiting would be reported as timed out",

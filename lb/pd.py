@@ -48,7 +48,11 @@ def batch_size(payload: Mapping[str, Any]) -> int | None:
     """The batch size of a ``/generate`` body, or None for a single request (SGLang's rule)."""
     text = payload.get("text")
     if text is not None:
-        return None if isinstance(text, str) else len(text)
+        if isinstance(text, str):
+            return None
+        if not isinstance(text, list):
+            raise InvalidRequest(f"text must be a string or a list of strings, not {type(text).__name__}")
+        return len(text)
     input_ids = payload.get("input_ids")
     if isinstance(input_ids, list) and input_ids:
         return None if isinstance(input_ids[0], int) else len(input_ids)

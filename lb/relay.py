@@ -149,7 +149,8 @@ def _error_type(raw: bytes) -> str | None:
     except PeerJSONError:
         return None
     error = answer.get("error") if isinstance(answer, dict) else None
-    return error.get("type") if isinstance(error, dict) else None
+    error_type = error.get("type") if isinstance(error, dict) else None
+    return error_type if isinstance(error_type, str) else None  # a peer's list or object is no type
 
 
 def relay_stream(upstream: UpstreamResponse, lease: RequestLease, path: str, watch: DisconnectWatch, *,

@@ -75,8 +75,11 @@ async def relay_generation(node: Node, request: Request, path: str, on_status: C
     The body comes first: a client that stalls in its body (the body limit
     middleware gives it a deadline) is never counted in flight, so no drain
     waits for it. From the body's end until the answer is in hand, a client
-    disconnect cancels the wait (a non-stream answer's headers come only with
-    the whole answer), which closes the engine connection: the engine aborts.
+    disconnect cancels the wait: a held request leaves the queue uncounted (it
+    would otherwise run for nobody once the node serves again, and a drain
+    would wait for it); an admitted one closes the engine connection (a
+    non-stream answer's headers come only with the whole answer), and the
+    engine aborts.
     """
     try:
         body = await request.body()
@@ -86,12 +89,21 @@ async def relay_generation(node: Node, request: Request, path: str, on_status: C
     # The engine's form of the request, made before it is admitted (a body the engine cannot serve is a 400 that
     # never counts in flight); before the engine's kind is known the node does not serve, so admission decides.
     call = node.adapter.generation_call(path, body, query) if node.adapter is not None else None
-    lease = await node.admission.enter()
-    watch: DisconnectWatch | None = None
+    watch = DisconnectWatch(request.receive)  # from here a client that leaves cancels the wait: held, or for the answer
+    try:
+        lease = await node.admission.enter()
+    except asyncio.CancelledError:
+        watch.stop()
+        if not watch.is_disconnected:
+            raise
+        watch.absorb_cancel()
+        return Response(status_code=CLIENT_CLOSED)  # left while held: never admitted, never counted
+    except BaseException:
+        watch.stop()
+        raise
     try:
         _check_pinned_version(node, request)
         call = call or node.engine_adapter.generation_call(path, body, query)
-        watch = DisconnectWatch(request.receive)
         upstream = await node.engine.open(
             "POST", call.path, body=call.body, timeout=node.config.generate_timeout,
             headers={"Content-Type": request.headers.get("content-type", "application/json")})
@@ -104,7 +116,7 @@ async def relay_generation(node: Node, request: Request, path: str, on_status: C
             content = call.answer(content)
     except asyncio.CancelledError:
         lease.release()
-        if watch is None or not watch.is_disconnected:
+        if not watch.is_disconnected:
             raise
         watch.absorb_cancel()
         return Response(status_code=CLIENT_CLOSED)
@@ -112,8 +124,7 @@ async def relay_generation(node: Node, request: Request, path: str, on_status: C
         lease.release()
         raise
     finally:
-        if watch is not None:
-            watch.stop()
+        watch.stop()
     return _CountedResponse(upstream, content, lease.release)
 
 

@@ -27,7 +27,7 @@ from handoff.protocol.generation import finish_abort, finish_length, finish_stop
 from handoff.protocol.sse import DONE, EventSplitter, data_event, event_data
 from handoff.service.errors import ServiceError
 from handoff.service.peer_json import PeerJSONError, loads_bounded
-from handoff.service.relay import ChunkTransform
+from handoff.service.relay import ChunkTransform, sse_error_event
 
 
 @dataclass(frozen=True)
@@ -56,16 +56,17 @@ class ChoiceState:
     stop_reason: Any = None
 
     def add(self, choice: dict[str, Any]) -> None:
-        self.text += choice.get("text") or ""
-        self.token_ids += list(choice.get("token_ids") or [])
+        """One choice (or a stream's piece of it) added; :class:`MalformedChoice` for a field of the wrong type."""
+        self.text += _typed(choice, "text", str) or ""
+        self.token_ids += _token_list(choice, "token_ids")
         if choice.get("prompt_token_ids"):
-            self.prompt_token_ids = list(choice["prompt_token_ids"])
+            self.prompt_token_ids = _token_list(choice, "prompt_token_ids")
         if choice.get("prompt_logprobs") is not None:
-            self.prompt_logprobs = list(choice["prompt_logprobs"])
+            self.prompt_logprobs = list(_typed(choice, "prompt_logprobs", list))
         logprobs = choice.get("logprobs")
         if isinstance(logprobs, dict):
-            self.token_logprobs += list(logprobs.get("token_logprobs") or [])
-            self.top_logprobs += list(logprobs.get("top_logprobs") or [])
+            self.token_logprobs += _typed(logprobs, "token_logprobs", list) or []
+            self.top_logprobs += _typed(logprobs, "top_logprobs", list) or []
         if choice.get("finish_reason") is not None:
             self.finish_reason = choice["finish_reason"]
             self.stop_reason = choice.get("stop_reason")
@@ -89,10 +90,15 @@ class Translator:
         if not isinstance(choices, list) or not choices:
             raise ServiceError("the engine's completion has no choices", kind=E.UPSTREAM_ERROR)
         states: dict[int, ChoiceState] = {}
-        for choice in choices:
-            if isinstance(choice, dict):
-                states.setdefault(int(choice.get("index", 0)), ChoiceState()).add(choice)
-        results = [self.result(index, states[index]) for index in sorted(states)]
+        try:
+            for choice in choices:
+                if isinstance(choice, dict):
+                    states.setdefault(_choice_index(choice), ChoiceState()).add(choice)
+            results = [self.result(index, states[index]) for index in sorted(states)]
+        except _MALFORMED as exc:
+            raise ServiceError(f"the engine's completion cannot be read: {exc}", kind=E.UPSTREAM_ERROR) from exc
+        if not results:
+            raise ServiceError("the engine's completion has no choices", kind=E.UPSTREAM_ERROR)
         return json.dumps(results if self.request.is_batch else results[0]).encode()
 
     def stream(self) -> ChunkTransform:
@@ -129,7 +135,8 @@ class Translator:
         start = self.request.logprob_start_len
         if start >= 0:
             prompt = state.prompt_token_ids
-            rows = state.prompt_logprobs or [None] * len(prompt)
+            rows = list(state.prompt_logprobs or [])
+            rows += [None] * (len(prompt) - len(rows))  # a short list: the missing positions have none
             out["input_token_logprobs"] = [
                 [_prompt_logprob(rows[i], token), token, None] for i, token in enumerate(prompt) if i >= start]
             if self.request.top_logprobs_num > 0:
@@ -167,17 +174,49 @@ class _StreamTranslator(ChunkTransform):
         if not isinstance(choices, list):
             return event  # an error event, or anything that is not a completion chunk, passes as it is
         out = []
-        for choice in choices:
-            if not isinstance(choice, dict):
-                continue
-            index = int(choice.get("index", 0))
-            state = self.states.setdefault(index, ChoiceState())
-            state.add(choice)
-            result = self.translator.result(index, state)
-            if self.translator.request.is_batch:
-                result["index"] = index
-            out.append(data_event(json.dumps(result).encode()))
+        try:
+            for choice in choices:
+                if not isinstance(choice, dict):
+                    continue
+                index = _choice_index(choice)
+                state = self.states.setdefault(index, ChoiceState())
+                state.add(choice)
+                result = self.translator.result(index, state)
+                if self.translator.request.is_batch:
+                    result["index"] = index
+                out.append(data_event(json.dumps(result).encode()))
+        except _MALFORMED as exc:  # this event is lost: the client is told, the stream goes on
+            out.append(sse_error_event(E.UPSTREAM_ERROR.name, f"the engine's stream cannot be read: {exc}"))
         return b"".join(out)
+
+
+class MalformedChoice(ValueError):
+    """A choice of the engine's answer holds a field of the wrong type."""
+
+
+# what reading a malformed answer raises (the helpers below, and a value of an unexpected type met on the way)
+_MALFORMED = (MalformedChoice, TypeError, ValueError, AttributeError)
+
+
+def _typed(mapping: dict[str, Any], key: str, kind: type) -> Any:
+    value = mapping.get(key)
+    if value is not None and not isinstance(value, kind):
+        raise MalformedChoice(f"{key} is {type(value).__name__}, not {kind.__name__}")
+    return value
+
+
+def _token_list(choice: dict[str, Any], key: str) -> list[int]:
+    values = _typed(choice, key, list) or []
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        raise MalformedChoice(f"{key} holds something other than token ids")
+    return list(values)
+
+
+def _choice_index(choice: dict[str, Any]) -> int:
+    index = choice.get("index", 0)
+    if not isinstance(index, int) or isinstance(index, bool) or index < 0:
+        raise MalformedChoice(f"a choice's index is {index!r}")
+    return index
 
 
 def _peer_object(raw: bytes) -> dict[str, Any]:
@@ -197,9 +236,9 @@ def _token_id(key: str) -> int | None:
 
 
 def _top(row: dict[str, float] | None) -> list[list[Any]] | None:
-    if not row:
+    if not row or not isinstance(row, dict):
         return None
-    pairs = [(lp, _token_id(key)) for key, lp in row.items()]
+    pairs = [(lp, _token_id(key)) for key, lp in row.items() if isinstance(lp, (int, float))]
     return [[lp, token, None] for lp, token in sorted(pairs, key=lambda p: -p[0]) if token is not None]
 
 

@@ -148,7 +148,7 @@ def _sample_count(params: dict[str, Any], num_prompts: int) -> int:
     """``sampling_params.n``: samples per prompt (at most :data:`MAX_SEQUENCES` sequences in all)."""
     n = params.get("n", 1)
     if n is None:
-        return 1
+        n = 1  # SGLang's default; the batch itself still counts against the bound
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise InvalidRequest(f"sampling_params.n must be an integer >= 1, got {n!r}")
     if n * num_prompts > MAX_SEQUENCES:

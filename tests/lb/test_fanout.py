@@ -296,6 +296,12 @@ def test_a_drain_longer_than_the_node_timeout_is_refused(module_fakes: FakeClust
         assert not node.requests_to(path)
     assert shared_lb.http.post("/release_memory_occupation", params={"timeout": "5"},
                                json={"drain_timeout": 4}).status_code == 200
+    # an integer no float holds could not be shown in the refusal (500 before the fix): the nodes judge it
+    huge = b'{"drain_timeout": 1' + b"0" * 400 + b"}"
+    answer = shared_lb.http.post("/release_memory_occupation", content=huge,
+                                 headers={"Content-Type": "application/json"})
+    assert answer.status_code < 500 or answer.json()["error"]["type"] == "fanout_failed", answer.text
+    assert node.requests_to("/release_memory_occupation")[-1].body == huge
 
 
 def test_a_long_answer_ending_in_success_false_is_a_failure(module_fakes: FakeCluster, shared_lb: LB) -> None:

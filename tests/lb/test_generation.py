@@ -220,6 +220,15 @@ def test_other_503s_are_relayed_not_retried(module_fakes: FakeCluster, shared_lb
     assert len(busy.requests_to("/generate")) + len(other.requests_to("/generate")) == 1
 
 
+def test_a_503_whose_error_type_is_not_a_string_is_relayed(module_fakes: FakeCluster, shared_lb: LB) -> None:
+    """The LB reads a 503's error type to decide whether to reroute: a list there was a 500 (unhashable)."""
+    node = module_fakes.start_one()
+    node.handlers["/generate"] = reply(503, {"error": {"type": ["node_released"], "message": "odd"}})
+    set_members(shared_lb, node.url)
+    answer = shared_lb.http.post("/generate", json={"text": "x"})
+    assert answer.status_code == 503 and answer.json()["error"]["type"] == ["node_released"]
+
+
 def test_a_non_stream_answer_over_the_cap_is_a_502(fakes: FakeCluster, start_lb) -> None:
     """A non-stream answer is buffered (a failure midway becomes a status), so it is bounded: past
     --max-answer-bytes the client gets a 502 naming the node, and the LB never holds more than the cap."""

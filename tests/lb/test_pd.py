@@ -125,6 +125,9 @@ def test_a_body_that_is_not_json_is_400_in_pd_mode(module_fakes: FakeCluster, sh
     set_members(lb, (prefill.url, "prefill"), (decode.url, "decode"))
     answer = lb.http.post("/generate", content=b"\xff not json")
     assert answer.status_code == 400 and answer.json()["error"]["type"] == "invalid_request"
+    for text in (5, True, {"a": 1}):  # len() of it was a 500
+        answer = lb.http.post("/generate", json={"text": text})
+        assert answer.status_code == 400 and "text must be a string" in answer.json()["error"]["message"]
 
 
 @pytest.mark.parametrize("blank_line", [b"\r\n\r\n", b"\r\r", b"\n\r\n"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -10,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from handoff.protocol.control import DEADLINE_HEADER
+from handoff.protocol.control import DEADLINE_HEADER, NODE_STATE_HEADER
 from tests.support.procs import ServerProcess, wait_until
 from tests.support.streams import GenerationClient, start_clients
 
@@ -151,6 +152,28 @@ def test_held_requests_run_after_resume_and_time_out_at_their_bound(sidecars: Si
     r = httpx.post(short.url + "/generate", json={"text": "x"}, timeout=10)
     waited = time.monotonic() - started
     assert r.status_code == 503 and r.headers.get("retry-after") and 0.4 < waited < 5
+
+
+def test_a_held_request_whose_client_leaves_leaves_the_queue(sidecars: Sidecars) -> None:
+    """A held request is dropped when its client goes: it would run for nobody once the node serves again, and
+    a drain would wait for it."""
+    sidecar = sidecars.start()
+    assert httpx.post(sidecar.url + "/pause_generation", json={"mode": "wait"}, timeout=30).status_code == 200
+    kept = GenerationClient(sidecar.url + "/generate", {"text": "kept", "sampling_params":
+                                                        dict(GREEDY, max_new_tokens=5)})
+    kept.start()
+    host, port = sidecar.url.removeprefix("http://").rsplit(":", 1)
+    body = json.dumps({"text": "gone", "sampling_params": dict(GREEDY, max_new_tokens=5)}).encode()
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(b"POST /generate HTTP/1.1\r\nHost: node\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        wait_until(lambda: occupation(sidecar)["held"] == 2, timeout=10, what="both requests held")
+    wait_until(lambda: occupation(sidecar)["held"] == 1, timeout=10, what="the gone client's request dropped")
+    continued = httpx.post(sidecar.url + "/continue_generation", timeout=30)
+    state = json.loads(continued.headers[NODE_STATE_HEADER])
+    assert (state["in_flight"], state["held"]) == (1, 0)
+    result = kept.finish(30)
+    assert result.status == 200 and result.num_tokens == 5
 
 
 def test_drain_timeout_is_409_and_releases_nothing(sidecars: Sidecars) -> None:

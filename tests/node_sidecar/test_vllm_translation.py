@@ -156,3 +156,39 @@ def test_streams_carry_the_whole_answer_so_far_and_end_with_done() -> None:
     finals = {p["index"]: p for p in batch if p["meta_info"]["finish_reason"]}
     whole_batch = translate("batch", GenerateRequest(True, None, False, 0, -1))
     assert [finals[i]["output_ids"] for i in (0, 1)] == [a["output_ids"] for a in whole_batch]
+
+
+@pytest.mark.parametrize("choice", [
+    {"index": "zero", "text": "a"}, {"index": None}, {"index": -1}, {"text": 5}, {"token_ids": "12"},
+    {"token_ids": [1, "2"]}, {"prompt_token_ids": 7}, {"prompt_logprobs": {"a": 1}},
+    {"logprobs": {"token_logprobs": 3}}, "not a choice"])
+def test_a_malformed_vllm_answer_is_an_upstream_error_never_a_crash(choice: object) -> None:
+    """Each field the translation reads is checked: a 502 naming the engine's answer (a 500 before)."""
+    translator = Translator(GenerateRequest(False, None, True, 2, 0), lambda: None)
+    with pytest.raises(ServiceError) as info:
+        translator.answer(json.dumps({"choices": [choice]}).encode())
+    assert info.value.kind.name == "upstream_error"
+    stream = translator.stream()
+    out = stream.feed(b"data: " + json.dumps({"choices": [choice]}).encode() + b"\n\n") + stream.finish()
+    events = [json.loads(event_data(e)) for e in EventSplitter().feed(out)]
+    assert all(e["error"]["type"] == "upstream_error" for e in events) or choice == "not a choice"
+
+
+def test_prompt_logprobs_shorter_than_the_prompt_leave_the_rest_empty() -> None:
+    answer = {"choices": [{"index": 0, "text": "x", "token_ids": [5], "prompt_token_ids": [1, 2, 3],
+                           "prompt_logprobs": [None, {"2": {"logprob": -0.5, "rank": 1}}],
+                           "logprobs": {"token_logprobs": [-1.0], "top_logprobs": [None]},
+                           "finish_reason": "length"}]}
+    result = json.loads(Translator(GenerateRequest(False, None, True, 0, 0), lambda: None)
+                        .answer(json.dumps(answer).encode()))
+    assert result["meta_info"]["input_token_logprobs"] == [[None, 1, None], [-0.5, 2, None], [None, 3, None]]
+
+
+def test_n_null_still_bounds_the_batch() -> None:
+    from handoff.protocol.generate_request import MAX_SEQUENCES
+
+    prompts = [[1]] * (MAX_SEQUENCES + 1)
+    with pytest.raises(InvalidRequest, match="sequences"):
+        to_completion(json.dumps({"input_ids": prompts, "sampling_params": {"n": None}}).encode())
+    raw, request = to_completion(json.dumps({"input_ids": [[1], [2]], "sampling_params": {"n": None}}).encode())
+    assert json.loads(raw)["prompt"] == [[1], [2]] and request.is_batch

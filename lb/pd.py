@@ -19,7 +19,7 @@ from typing import Any, Callable, Mapping
 
 from starlette.responses import Response
 
-from handoff.protocol.sse import DONE, EventSplitter, data_event, event_data
+from handoff.protocol.sse import DONE, EventSplitter, EventTooLarge, data_event, event_data
 from handoff.service.disconnect import DisconnectWatch
 from handoff.service.errors import InvalidRequest, ServiceError, parse_json_bytes
 from handoff.service.peer_json import PeerJSONError, loads_bounded
@@ -88,7 +88,11 @@ def merge_input_logprobs(prefill: Any, decode: Any) -> None:
 
 def first_event(raw: bytes) -> Any:
     """The JSON of the first ``data:`` event of an SSE body, or None."""
-    for event in EventSplitter().feed(raw):
+    try:
+        events = EventSplitter().feed(raw)
+    except EventTooLarge:
+        return None
+    for event in events:
         data = event_data(event)
         if data is not None and data.strip() != DONE:
             try:

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 
-from handoff.protocol.sse import DONE, EventSplitter, event_data
+from handoff.protocol.sse import DONE, EventSplitter, EventTooLarge, event_data
+from handoff.service.peer_json import PeerJSONError, loads_bounded
 from handoff.client.errors import FanoutFailed, FanoutResult, HandoffError, ServiceUnavailable, _node_result
 
 DEFAULT_CONTROL_TIMEOUT_S = 120.0
@@ -101,8 +101,17 @@ def _raise_for(response: httpx.Response) -> None:
     message = str(error.get("message", response.reason_phrase))
     if response.status_code == 503:
         retry_after = response.headers.get("retry-after")
-        raise ServiceUnavailable(503, type_, message, body, float(retry_after) if retry_after else None)
+        raise ServiceUnavailable(503, type_, message, body, _seconds(retry_after))
     raise HandoffError(response.status_code, type_, message, body)
+
+
+def _seconds(retry_after: str | None) -> float | None:
+    """``Retry-After`` in seconds, or None (an HTTP date, or anything else: the policy's default applies)."""
+    try:
+        seconds = float(retry_after) if retry_after else None
+    except ValueError:
+        return None
+    return seconds if seconds is not None and 0 <= seconds < 86400 else None
 
 
 def _decode(call: _Call, response: httpx.Response) -> Any:
@@ -139,7 +148,10 @@ class _SseDecoder:
 
     def feed(self, chunk: bytes) -> list[dict[str, Any]]:
         """The events completed by ``chunk`` (none once ``[DONE]`` was seen)."""
-        return self._events(self._splitter.feed(chunk))
+        try:
+            return self._events(self._splitter.feed(chunk))
+        except EventTooLarge as exc:
+            raise HandoffError(200, "invalid_stream", str(exc)) from exc
 
     def _events(self, raw_events: list[bytes]) -> list[dict[str, Any]]:
         events = []
@@ -152,7 +164,10 @@ class _SseDecoder:
             if data == DONE:
                 self.is_done = True
                 continue
-            event = json.loads(data)
+            try:
+                event = loads_bounded(data)
+            except PeerJSONError as exc:
+                raise HandoffError(200, "invalid_stream", f"an event is not JSON: {exc}") from exc
             if isinstance(event, dict) and "error" in event:
                 error = event["error"] if isinstance(event["error"], dict) else {}
                 raise HandoffError(200, error.get("type", "stream_error"), error.get("message", ""), event)

@@ -16,8 +16,14 @@ from __future__ import annotations
 import re
 
 DONE = b"[DONE]"
+# an SGLang stream repeats the whole answer in every event: with logprobs of a long prompt, megabytes each
+DEFAULT_MAX_EVENT_BYTES = 64 * 1024 * 1024
 
 _LINE_END = re.compile(rb"\r\n|\r|\n")
+
+
+class EventTooLarge(ValueError):
+    """A peer's event grew past the splitter's bound without ending (no blank line)."""
 
 
 class EventSplitter:
@@ -27,17 +33,27 @@ class EventSplitter:
     a CR that ends one read may be half of a CRLF, so an LF starting the next
     read is taken as its second half (it travels with the next event's bytes,
     so no byte is lost or added).
+
+    The event being read is bounded: past ``max_event_bytes`` without its blank
+    line, :meth:`feed` raises :class:`EventTooLarge`. Bytes are appended, never
+    copied whole again, so a large event costs time linear in its size.
     """
 
-    def __init__(self) -> None:
-        self._buffer = b""
+    def __init__(self, max_event_bytes: int = DEFAULT_MAX_EVENT_BYTES) -> None:
+        self._max_event_bytes = max_event_bytes
+        self._buffer = bytearray()
         self._scan_from = 0      # where the next line starts in the buffer
         self._after_cr = False   # the last read ended with a CR line end
         self._has_line = False   # the event being read has a non-blank line (blank lines before one are kept, not events)
 
     def feed(self, chunk: bytes) -> list[bytes]:
         """The events ``chunk`` completes, each with the line ends that closed it."""
-        buffer = self._buffer + chunk
+        scan_start = len(self._buffer)  # a line without its end yet is not searched again
+        if self._buffer:
+            self._buffer += chunk
+            buffer: bytes | bytearray = self._buffer
+        else:  # the usual case, a read of whole events: nothing is copied but the events
+            buffer = chunk
         events: list[bytes] = []
         event_start = 0
         line_start = self._scan_from
@@ -45,7 +61,7 @@ class EventSplitter:
         is_after_cr = self._after_cr and line_start == len(buffer)  # an empty read leaves the CR pending
         if self._after_cr and buffer[line_start:line_start + 1] == b"\n":
             line_start += 1  # the second half of a CRLF cut between two reads; the CR is no longer pending
-        for match in _LINE_END.finditer(buffer, line_start):
+        for match in _LINE_END.finditer(buffer, line_start if line_start > scan_start else scan_start):
             if match.start() > line_start:
                 has_line = True
             elif has_line:  # an empty line ends the event
@@ -54,16 +70,23 @@ class EventSplitter:
                 has_line = False
             line_start = match.end()
             is_after_cr = match.group() == b"\r" and line_start == len(buffer)
+        match = None  # a match keeps the buffer exported: it could not be resized below
         self._after_cr = is_after_cr
         self._has_line = has_line
-        self._buffer = buffer[event_start:]
+        if buffer is self._buffer:
+            del self._buffer[:event_start]
+            events = [bytes(event) for event in events]
+        elif event_start < len(buffer):
+            self._buffer = bytearray(buffer[event_start:])
         self._scan_from = line_start - event_start
+        if len(self._buffer) > self._max_event_bytes:
+            raise EventTooLarge(f"an event longer than {self._max_event_bytes} bytes, still without its end")
         return events
 
     def finish(self) -> bytes:
         """The stream ended: what is left, an event cut short (or blank lines), else ``b""``."""
-        rest, self._buffer, self._scan_from, self._after_cr, self._has_line = self._buffer, b"", 0, False, False
-        return rest
+        rest, self._buffer, self._scan_from, self._after_cr, self._has_line = self._buffer, bytearray(), 0, False, False
+        return bytes(rest)
 
 
 def event_data(event: bytes) -> bytes | None:

@@ -25,9 +25,10 @@ from typing import Callable
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from handoff.protocol.sse import EventTooLarge
 from handoff.service.disconnect import DisconnectWatch
 from handoff.service.errors import error_envelope
-from handoff.service.upstream import UpstreamError, UpstreamResponse
+from handoff.service.upstream import ProtocolError, UpstreamError, UpstreamResponse
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +94,10 @@ class StreamRelay(Response):
         except UpstreamError as exc:
             watch.finish()
             await send({"type": "http.response.body", "body": self._on_failure(exc), "more_body": False})
+        except EventTooLarge as exc:  # the peer's stream, not ours: its failure, and its connection closed
+            watch.finish()
+            failure = ProtocolError(f"invalid event stream: {exc}", url=upstream.url)
+            await send({"type": "http.response.body", "body": self._on_failure(failure), "more_body": False})
         except asyncio.CancelledError:
             if not watch.is_disconnected:
                 raise

@@ -132,3 +132,21 @@ def test_a_stream_that_ends_without_done_raises(server, cut: str) -> None:
         with pytest.raises(HandoffError) as info:
             list(client.stream_generate("hi"))
     assert info.value.type == "incomplete_stream"
+
+
+@pytest.mark.parametrize("event", ["data: {not json\n\n", 'data: {"x": NaN}\n\n', "data: " + "[" * 100 + "\n\n"])
+def test_an_event_that_is_not_json_is_one_clear_error(server, event: str) -> None:
+    with HandoffClient(server.url) as client:
+        script(server, {"raw": event + "data: [DONE]\n\n", "headers": SSE})
+        with pytest.raises(HandoffError) as info:
+            list(client.stream_generate("hi"))
+    assert info.value.type == "invalid_stream"
+
+
+@pytest.mark.parametrize("header", ["Wed, 21 Oct 2026 07:28:00 GMT", "soon", "-5", "nan"])
+def test_a_retry_after_that_is_not_seconds_is_no_hint(server, header: str) -> None:
+    with HandoffClient(server.url) as client:
+        script(server, {**UNAVAILABLE, "headers": {"Retry-After": header}})
+        with pytest.raises(ServiceUnavailable) as info:
+            client.generate("hi")
+    assert info.value.retry_after is None

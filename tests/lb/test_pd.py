@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
 
 from handoff.protocol.sse import EventSplitter, event_data
 from tests.lb.behaviours import Gate, reply, sse
-from tests.lb.fakes import FakeCluster, FakeNode
+from tests.lb.fakes import Exchange, FakeCluster, FakeNode
 from tests.lb.lbproc import LB, node_args, set_members
 
 pytestmark = pytest.mark.timeout(30)
@@ -156,3 +157,30 @@ def test_crlf_streams_are_merged_event_by_event(module_fakes: FakeCluster, share
     for event in events[:-1]:
         merged = json.loads(event)["meta_info"]["input_token_logprobs"]
         assert merged == PREFILL_ANSWER["meta_info"]["input_token_logprobs"]
+
+
+def test_a_decode_event_that_never_ends_is_a_failure_of_that_node(module_fakes: FakeCluster, shared_lb: LB) -> None:
+    """An event whose blank line never comes is bounded (the splitter held all of it before: the LB grew without
+    limit): past the bound the stream ends with an error event naming the node, and the LB serves on."""
+    prefill, decode = module_fakes.start(2)
+    prefill.handlers["/generate"] = sse([b"data: " + json.dumps(PREFILL_ANSWER).encode() + b"\n\n",
+                                         b"data: [DONE]\n\n"])
+
+    async def endless_event(node: FakeNode, ex: Exchange) -> None:
+        ex.start_chunked(200, "text/event-stream")
+        ex.chunk(b'data: {"text": "')
+        while not ex.is_closed:
+            ex.chunk(b"x" * (1 << 20))
+            while ex.conn.transport.get_write_buffer_size() > (4 << 20) and not ex.is_closed:
+                await asyncio.sleep(0.005)
+            await asyncio.sleep(0)
+
+    decode.handlers["/generate"] = endless_event
+    lb = shared_lb
+    set_members(lb, (prefill.url, "prefill"), (decode.url, "decode"))
+    answer = lb.http.post("/generate", json={"text": "hi", "stream": True, "return_logprob": True})
+    [last] = [e for e in EventSplitter().feed(answer.content)]  # nothing of the endless event is passed on
+    error = json.loads(event_data(last))["error"]
+    assert error["type"] == "upstream_error" and decode.url in error["message"] and "event" in error["message"]
+    decode.handlers["/generate"] = reply(200, DECODE_ANSWER)
+    assert lb.http.post("/generate", json={"text": "hi"}).json()["text"] == "out"

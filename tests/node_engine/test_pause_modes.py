@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -64,7 +65,9 @@ async def test_a_paused_request_finishes_after_continue_with_the_same_tokens(mod
         async def nothing(_: Engine) -> None:
             # a new request while paused waits in the queue (SGLang queues it too)
             queued = engine.submit(PROMPT, SamplingParams(max_new_tokens=2, temperature=0.0, ignore_eos=True))
-            await asyncio.sleep(0.1)
+            deadline = time.monotonic() + 10
+            while engine.scheduler.num_requests < 2 and time.monotonic() < deadline:  # admitted on the engine thread
+                await asyncio.sleep(0.005)
             assert queued._queue.empty() and engine.scheduler.num_requests == 2
             engine.abort(queued.rid)
 

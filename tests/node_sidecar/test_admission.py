@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Callable
 
 import pytest
 
@@ -13,6 +14,16 @@ from node_sidecar.admission import Admission
 def make(hold_max: int | None = None, hold_timeout: float = 5.0) -> Admission:
     return Admission(hold_max=hold_max, hold_timeout=hold_timeout,
                      refuse=lambda: Unavailable("closed", type="node_released", retry_after=1))
+
+
+async def until(predicate: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    """Yield to the loop until ``predicate`` holds; TimeoutError past the deadline."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not predicate():
+        if loop.time() > deadline:
+            raise TimeoutError("condition not met in time")
+        await asyncio.sleep(0)
 
 
 async def test_closed_refuses_without_hold() -> None:
@@ -57,8 +68,8 @@ async def test_held_requests_run_in_order_when_reopened() -> None:
         order.append(n)
 
     tasks = [asyncio.create_task(request(n)) for n in range(3)]
-    await asyncio.sleep(0.01)
-    assert a.num_held == 3 and a.num_in_flight == 0
+    await until(lambda: a.num_held == 3)
+    assert a.num_in_flight == 0
     with pytest.raises(Unavailable):
         await a.enter()  # the queue is full
     a.open()
@@ -73,7 +84,7 @@ async def test_hold_timeout_and_cancelled_waiters_leave_no_trace() -> None:
     assert a.num_held == 0
     a.hold_timeout = 5
     waiter = asyncio.create_task(a.enter())
-    await asyncio.sleep(0.01)
+    await until(lambda: a.num_held == 1)
     waiter.cancel()
     with pytest.raises(asyncio.CancelledError):
         await waiter
@@ -84,7 +95,7 @@ async def test_hold_timeout_and_cancelled_waiters_leave_no_trace() -> None:
 async def test_refuse_held_answers_them_at_once() -> None:
     a = make(hold_max=5)
     waiter = asyncio.create_task(a.enter())
-    await asyncio.sleep(0.01)
+    await until(lambda: a.num_held == 1)
     a.refuse_held()
     with pytest.raises(Unavailable):
         await waiter

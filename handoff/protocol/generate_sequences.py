@@ -76,6 +76,8 @@ def _prompts(body: GenerateBody) -> tuple[list[str] | None, list[list[int]] | No
         raise GenerateFieldError("give exactly one of text or input_ids")
     if body.text is not None:
         texts = body.text if isinstance(body.text, list) else [body.text]
+        if not texts:
+            raise GenerateFieldError("text is an empty list: a batch needs at least one prompt")
         if any(not t for t in texts):
             raise GenerateFieldError("text must not be empty")
         return texts, None, isinstance(body.text, list)

@@ -40,6 +40,10 @@ def test_per_prompt_values_and_their_limits() -> None:
         norm(text=["a", "b"], sampling_params=[{"n": 1}, {"n": 2}])
     with pytest.raises(GenerateFieldError, match="at most"):
         normalize(GenerateBody.model_validate({"text": "a", "sampling_params": {"n": 9}}), max_sequences=8)
+    for empty in ({"text": []}, {"text": [], "sampling_params": {"max_new_tokens": 4}}, {"input_ids": []},
+                  {"input_ids": [[]]}, {"text": [""]}):  # an empty batch was a KeyError (500), found by schemathesis
+        with pytest.raises(GenerateFieldError, match="empty"):
+            norm(**empty)
 
 
 def test_image_data_per_prompt_by_sglangs_rules() -> None:

@@ -15,9 +15,14 @@
 
 Errors: a 502 from the LB (some nodes failed a control call) raises
 :class:`FanoutFailed` with the failures and the successes per node; a 503
-raises :class:`ServiceUnavailable` carrying ``retry_after``, after the
-retries the caller's :class:`RetryPolicy` allows; anything else non-2xx
-raises :class:`HandoffError` with the status and the envelope's type.
+raises :class:`ServiceUnavailable` carrying ``retry_after`` (seconds; None
+when the header is absent or not a number of seconds, and the policy's
+default applies), after the retries the caller's :class:`RetryPolicy`
+allows; anything else non-2xx raises :class:`HandoffError` with the status
+and the envelope's type. A stream raises :class:`HandoffError` on an error
+event (its type), when it ends without ``[DONE]`` (``incomplete_stream``),
+or on an event that is not JSON within bounds or never ends
+(``invalid_stream``).
 """
 
 from handoff.client.aio import AsyncHandoffClient

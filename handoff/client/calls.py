@@ -177,7 +177,10 @@ class _SseDecoder:
     def finish(self) -> None:
         """The body ended: ``incomplete_stream`` unless ``[DONE]`` came (an event without its blank line is cut
         short, never parsed; only a final ``[DONE]`` is accepted without it)."""
-        rest = self._splitter.finish()
+        try:
+            rest = self._splitter.finish()
+        except EventTooLarge as exc:
+            raise HandoffError(200, "invalid_stream", str(exc)) from exc
         if not self.is_done and event_data(rest.strip()) == DONE:
             self.is_done = True
         if not self.is_done:

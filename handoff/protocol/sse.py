@@ -35,8 +35,10 @@ class EventSplitter:
     so no byte is lost or added).
 
     The event being read is bounded: past ``max_event_bytes`` without its blank
-    line, :meth:`feed` raises :class:`EventTooLarge`. Bytes are appended, never
-    copied whole again, so a large event costs time linear in its size.
+    line, :meth:`feed` raises :class:`EventTooLarge` (after handing out the
+    events the same read completed: then the next :meth:`feed` or
+    :meth:`finish` raises). Bytes are appended, never copied whole again, so a
+    large event costs time linear in its size.
     """
 
     def __init__(self, max_event_bytes: int = DEFAULT_MAX_EVENT_BYTES) -> None:
@@ -48,6 +50,7 @@ class EventSplitter:
 
     def feed(self, chunk: bytes) -> list[bytes]:
         """The events ``chunk`` completes, each with the line ends that closed it."""
+        self._check_bound()
         scan_start = len(self._buffer)  # a line without its end yet is not searched again
         if self._buffer:
             self._buffer += chunk
@@ -79,14 +82,19 @@ class EventSplitter:
         elif event_start < len(buffer):
             self._buffer = bytearray(buffer[event_start:])
         self._scan_from = line_start - event_start
-        if len(self._buffer) > self._max_event_bytes:
-            raise EventTooLarge(f"an event longer than {self._max_event_bytes} bytes, still without its end")
+        if not events:
+            self._check_bound()
         return events
 
     def finish(self) -> bytes:
         """The stream ended: what is left, an event cut short (or blank lines), else ``b""``."""
+        self._check_bound()
         rest, self._buffer, self._scan_from, self._after_cr, self._has_line = self._buffer, bytearray(), 0, False, False
         return bytes(rest)
+
+    def _check_bound(self) -> None:
+        if len(self._buffer) > self._max_event_bytes:
+            raise EventTooLarge(f"an event longer than {self._max_event_bytes} bytes, still without its end")
 
 
 def event_data(event: bytes) -> bytes | None:

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from handoff.protocol.sse import EventSplitter, event_data
+from handoff.protocol.sse import EventSplitter, EventTooLarge, event_data
 
 LINE_ENDS = st.sampled_from([b"\n", b"\r\n", b"\r"])
 LINES = st.one_of(st.builds(lambda t: b"data: " + t, st.binary(max_size=12).map(
@@ -65,3 +66,22 @@ def test_the_lf_finishing_a_cut_crlf_is_taken_once() -> None:
     assert splitter.feed(b"\n") == []           # the second half of that CRLF
     assert splitter.feed(b"\n") == []           # a blank line of its own, no event
     assert splitter.feed(b"data: b\n\n") == [b"\n\ndata: b\n\n"]
+
+
+def test_an_event_past_the_bound_raises_after_the_events_before_it() -> None:
+    splitter = EventSplitter(max_event_bytes=64)
+    assert splitter.feed(b"data: a\n\n" + b"data: " + b"x" * 100) == [b"data: a\n\n"]  # completed, handed out
+    with pytest.raises(EventTooLarge):
+        splitter.feed(b"x")  # the rest is past the bound: the next read fails
+    late = EventSplitter(max_event_bytes=64)
+    late.feed(b"data: a\n\n" + b"data: " + b"x" * 100)
+    with pytest.raises(EventTooLarge):
+        late.finish()  # ...and so does the end of the stream
+
+
+def test_an_event_growing_past_the_bound_in_small_reads_raises() -> None:
+    splitter = EventSplitter(max_event_bytes=1000)
+    with pytest.raises(EventTooLarge):
+        for _ in range(200):  # bounded: 1200 bytes must have raised
+            assert splitter.feed(b"data: " + b"y" * 10) == []  # one line, never ended
+    assert EventSplitter(max_event_bytes=1000).feed(b"data: " + b"y" * 990 + b"\n\n") != []  # at the bound: fine

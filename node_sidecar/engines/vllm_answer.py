@@ -146,12 +146,17 @@ class Translator:
 
 
 class _StreamTranslator(ChunkTransform):
-    """vLLM's SSE events → SGLang's (each event the whole answer so far, for the choice it moved)."""
+    """vLLM's SSE events → SGLang's (each event the whole answer so far, for the choice it moved).
+
+    An event that cannot be read ends the translated stream as SGLang ends a failed one (an error event, then
+    ``[DONE]``): the choices' states may hold half of it, so nothing the engine sends later is translated.
+    """
 
     def __init__(self, translator: Translator) -> None:
         self.translator = translator
         self.splitter = EventSplitter()
         self.states: dict[int, ChoiceState] = {}
+        self.has_failed = False
 
     def feed(self, chunk: bytes) -> bytes:
         return b"".join(self._event(event) for event in self.splitter.feed(chunk))
@@ -162,7 +167,7 @@ class _StreamTranslator(ChunkTransform):
 
     def _event(self, event: bytes) -> bytes:
         data = event_data(event)
-        if data is None:
+        if data is None or self.has_failed:
             return b""
         if data.strip() == DONE:
             return data_event(DONE)
@@ -185,8 +190,10 @@ class _StreamTranslator(ChunkTransform):
                 if self.translator.request.is_batch:
                     result["index"] = index
                 out.append(data_event(json.dumps(result).encode()))
-        except _MALFORMED as exc:  # this event is lost: the client is told, the stream goes on
-            out.append(sse_error_event(E.UPSTREAM_ERROR.name, f"the engine's stream cannot be read: {exc}"))
+        except _MALFORMED as exc:
+            self.has_failed = True
+            return b"".join([sse_error_event(E.UPSTREAM_ERROR.name, f"the engine's stream cannot be read: {exc}"),
+                             data_event(DONE)])
         return b"".join(out)
 
 

@@ -169,9 +169,16 @@ def test_a_malformed_vllm_answer_is_an_upstream_error_never_a_crash(choice: obje
         translator.answer(json.dumps({"choices": [choice]}).encode())
     assert info.value.kind.name == "upstream_error"
     stream = translator.stream()
-    out = stream.feed(b"data: " + json.dumps({"choices": [choice]}).encode() + b"\n\n") + stream.finish()
-    events = [json.loads(event_data(e)) for e in EventSplitter().feed(out)]
-    assert all(e["error"]["type"] == "upstream_error" for e in events) or choice == "not a choice"
+    good = b"data: " + json.dumps({"choices": [{"index": 0, "text": "a", "token_ids": [5]}]}).encode() + b"\n\n"
+    out = stream.feed(b"data: " + json.dumps({"choices": [choice]}).encode() + b"\n\n" + good + b"data: [DONE]\n\n")
+    out += stream.finish()
+    payloads = [event_data(e) for e in EventSplitter().feed(out)]
+    if choice == "not a choice":  # skipped, not an error: the stream goes on
+        assert payloads[-1] == DONE and len(payloads) == 2
+        return
+    # the error, then [DONE] as SGLang ends a failed stream; what the engine sent after it is not translated
+    assert len(payloads) == 2 and payloads[1] == DONE, payloads
+    assert json.loads(payloads[0])["error"]["type"] == "upstream_error"
 
 
 def test_prompt_logprobs_shorter_than_the_prompt_leave_the_rest_empty() -> None:

@@ -223,15 +223,18 @@ def test_concurrent_identical_releases_and_ordered_release_resume(sidecars: Side
     bodies = sorted((a.json() for a in answers), key=lambda b: len(b["released"]))
     assert bodies[0]["released"] == [] and bodies[0]["already_released"] == ALL
     assert bodies[1]["released"] == ALL
-    # a release and a resume sent together run in arrival order
+    # a resume that arrives while a release is under way (admission closed, a stream draining) runs after it
     with httpx.Client(base_url=url, timeout=30) as c:
         c.post("/resume_memory_occupation", json={})
+    (stream,) = start_clients(url + "/generate", stream_body(1500), 1)
+    wait_until(lambda: occupation(sidecar)["in_flight"] == 1, timeout=10, what="the stream in flight")
     with ThreadPoolExecutor(2) as pool:
-        release = pool.submit(httpx.post, url + "/release_memory_occupation", json={"tags": ["kv_cache"]}, timeout=30)
-        time.sleep(0.05)  # only to fix the arrival order of the two calls; the assertion is on their results
-        resume = pool.submit(httpx.post, url + "/resume_memory_occupation", json={"tags": ["kv_cache"]}, timeout=30)
+        release = pool.submit(httpx.post, url + "/release_memory_occupation", json={"tags": ["kv_cache"]}, timeout=60)
+        wait_until(lambda: occupation(sidecar)["admission"] == "closed", timeout=10, what="the release under way")
+        resume = pool.submit(httpx.post, url + "/resume_memory_occupation", json={"tags": ["kv_cache"]}, timeout=60)
         assert release.result().json()["released"] == ["kv_cache", "workspace"]  # the workspace follows kv_cache
         assert resume.result().json()["resumed"] == ["kv_cache", "workspace"]
+    assert stream.finish(30).finish_reason == "length"  # drained, not cut
     assert occupation(sidecar)["serving"] is True
 
 

@@ -15,49 +15,32 @@ from __future__ import annotations
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator, Awaitable, Callable
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, ConfigDict
-from starlette.requests import ClientDisconnect
-from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.responses import PlainTextResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from handoff import __version__
 from handoff.protocol import errors as E
+from handoff.protocol.control import CONTROL_ROUTES
 from handoff.service.auth import BearerToken
 from handoff.service.bodies import install_schemas, openapi_body
+from handoff.service.errors import ServiceError, UnexpectedErrorMiddleware, install_error_handlers
 from handoff.service.generation_schema import GENERATION_RESPONSES
-from handoff.service.errors import (
-    InvalidRequest,
-    ServiceError,
-    UnexpectedErrorMiddleware,
-    install_error_handlers,
-    read_json_object,
-)
 from handoff.service.limits import BodyLimitMiddleware
-from handoff import __version__
 from lb.cluster import Cluster
-from lb.config import LBConfig, NodeSpec, Role
+from lb.config import LBConfig
 from lb.discovery import Resolver
-from handoff.protocol.control import CONTROL_ROUTES
 from lb.metrics import LBMetrics
-from lb.openapi import CONTROL_BODIES, CONTROL_PARAMETERS, DELETE_NODE_PARAMETERS, GENERATION_BODIES, SCHEMA_MODELS
+from lb.openapi import GENERATION_BODIES, SCHEMA_MODELS
 from lb.probes import install_probes
 from lb.proxy import GENERATION_PATHS
-from lb.params import role_param, timeout_param
-from lb.relay import client_gone_response
+from lb.routes_control import control_router
+from lb.routes_nodes import nodes_router
 from lb.routes_weights import weight_routes
 from lb.workers import workers_router
-from lb.views import cluster_occupation, node_view
 
 VIEW_PATHS = ("/health", "/nodes", "/memory_occupation", "/metrics", "/openapi.json")
-
-
-class AddNode(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    url: str
-    role: Role = Role.MIXED
-    bootstrap_port: int | None = None
 
 
 class RequestMetrics:
@@ -158,27 +141,7 @@ def create_app(config: LBConfig, *, resolver: Resolver | None = None) -> LBApp:
     app.generation = RequestMetrics(BodyLimitMiddleware(endpoint, max_body_bytes=config.max_body_bytes,
                                                         body_timeout_s=config.body_timeout_s), metrics=metrics)
 
-    def control_route(path: str) -> Callable[[Request], Awaitable[Response]]:
-        async def control(request: Request) -> Response:
-            admin.check(request)
-            role = role_param(request)
-            timeout_s = timeout_param(request, config)
-            try:
-                body = await request.body()
-            except ClientDisconnect:
-                return client_gone_response()
-            status, payload = await cluster.fanout.run(request.method, path, body,
-                                                       request.headers.get("content-type"), role, timeout_s)
-            return JSONResponse(payload, status_code=status)
-        return control
-
-    for path, methods in CONTROL_ROUTES.items():
-        extra: dict[str, Any] = {"parameters": CONTROL_PARAMETERS}
-        if path in CONTROL_BODIES:
-            extra.update(openapi_body(CONTROL_BODIES[path], required=False))
-        for method in methods:  # one route per method: one operation id each in the schema
-            app.add_api_route(path, control_route(path), methods=[method], openapi_extra=extra,
-                              name=f"{method.lower()}_{path.strip('/')}")
+    app.include_router(control_router(cluster, config, admin))
 
     def generation_route(path: str) -> Callable[[Request], Awaitable[Response]]:
         async def generation(request: Request) -> Response:
@@ -191,44 +154,7 @@ def create_app(config: LBConfig, *, resolver: Resolver | None = None) -> LBApp:
         app.add_api_route(path, generation_route(path), methods=["POST"],
                           openapi_extra={**openapi_body(GENERATION_BODIES[path]), **GENERATION_RESPONSES})
 
-    @app.get("/health")
-    async def health() -> dict[str, Any]:
-        nodes = cluster.membership.nodes()
-        return {"status": "ok", "num_nodes": len(nodes), "num_routable": sum(n.is_routable for n in nodes)}
-
-    @app.get("/nodes")
-    async def list_nodes() -> dict[str, Any]:
-        return {"nodes": [node_view(node) for node in cluster.membership.nodes()]}
-
-    def require_admin(request: Request) -> None:
-        admin.check(request)
-
-    @app.post("/nodes", status_code=201, dependencies=[Depends(require_admin)])
-    async def add_node(body: AddNode) -> dict[str, Any]:
-        try:
-            spec = NodeSpec(body.url, body.role, body.bootstrap_port)
-        except ValueError as exc:
-            raise InvalidRequest(str(exc)) from exc
-        return {"node": node_view(await cluster.add_node(spec))}
-
-    @app.delete("/nodes", openapi_extra={"parameters": DELETE_NODE_PARAMETERS})
-    async def remove_node(request: Request) -> dict[str, Any]:
-        admin.check(request)
-        url = request.query_params.get("url") or (await read_json_object(request)).get("url")
-        if not isinstance(url, str) or not url:
-            raise InvalidRequest("give the node as ?url=URL or a JSON body {\"url\": URL}")
-        try:
-            url = NodeSpec(url).url
-        except ValueError as exc:
-            raise InvalidRequest(str(exc)) from exc
-        return {"removed": node_view(cluster.membership.remove(url, "removed by DELETE /nodes"))}
-
-    @app.get("/memory_occupation")
-    async def memory_occupation() -> dict[str, Any]:
-        nodes = cluster.membership.nodes()
-        await cluster.health.check_many(nodes)
-        return cluster_occupation(nodes)
-
+    app.include_router(nodes_router(cluster, admin))
     app.include_router(weight_routes(cluster, config, admin))
     app.include_router(workers_router(cluster, admin))
 

@@ -12,11 +12,9 @@ broadcasts) get ``--weight-sync-timeout`` per node unless ``?timeout=`` says oth
 
 from __future__ import annotations
 
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 from fastapi import APIRouter, Request
-from starlette.requests import ClientDisconnect
-from starlette.responses import JSONResponse, Response
 
 from handoff.protocol.control import AbortBody
 from handoff.protocol.weights import WEIGHT_BODIES
@@ -25,8 +23,8 @@ from handoff.service.bodies import openapi_body
 from lb.cluster import Cluster
 from lb.config import LBConfig
 from lb.openapi import CONTROL_PARAMETERS, NODE_PARAMETER
-from lb.params import role_param, timeout_param
-from lb.relay import client_gone_response
+from lb.params import role_param
+from lb.routes_control import FanoutSend, fanned_out, fanout_endpoint
 from lb.weight_sync import INIT_PATH, WeightSync
 
 TENSOR_PATH = "/update_weights_from_tensor"
@@ -41,31 +39,15 @@ def weight_routes(cluster: Cluster, config: LBConfig, admin: BearerToken) -> API
     def weight_sync() -> WeightSync:
         return WeightSync(cluster.fanout, cluster.membership, cluster.health)
 
-    def route(path: str, send: Callable[[Request, bytes, float], Awaitable[tuple[int, dict[str, Any]]]],
-              parameters: list[dict[str, Any]]) -> None:
-        async def call(request: Request) -> Response:
-            admin.check(request)
-            default = config.weight_sync_timeout_s if path in WEIGHT_MOVING_PATHS else None
-            timeout_s = timeout_param(request, config, default)
-            try:
-                body = await request.body()
-            except ClientDisconnect:
-                return client_gone_response()
-            status, payload = await send(request, body, timeout_s)
-            return JSONResponse(payload, status_code=status)
-
+    def route(path: str, send: FanoutSend, parameters: list[dict[str, Any]]) -> None:
+        default_s = config.weight_sync_timeout_s if path in WEIGHT_MOVING_PATHS else None
         model = WEIGHT_BODIES.get(path, AbortBody)
-        router.add_api_route(path, call, methods=["POST"], name=path.strip("/"),
+        router.add_api_route(path, fanout_endpoint(send, admin, config, default_s), methods=["POST"],
+                             name=path.strip("/"),
                              openapi_extra={"parameters": parameters, **openapi_body(model, required=False)})
 
-    def fanned_out(path: str) -> Callable[[Request, bytes, float], Awaitable[tuple[int, dict[str, Any]]]]:
-        async def send(request: Request, body: bytes, timeout_s: float) -> tuple[int, dict[str, Any]]:
-            return await cluster.fanout.run("POST", path, body, request.headers.get("content-type"),
-                                            role_param(request), timeout_s)
-        return send
-
     for path in FANNED_OUT:
-        route(path, fanned_out(path), CONTROL_PARAMETERS)
+        route(path, fanned_out(cluster, path), CONTROL_PARAMETERS)
 
     async def init(request: Request, body: bytes, timeout_s: float) -> tuple[int, dict[str, Any]]:
         return await weight_sync().init_group(body, role_param(request), timeout_s)

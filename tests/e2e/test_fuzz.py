@@ -31,7 +31,7 @@ from hypothesis import strategies as st
 from pydantic import BaseModel, ValidationError
 
 from handoff.cluster.local import ClusterSpec, LocalCluster
-from lb.app import AddNode
+from lb.routes_nodes import AddNode
 from lb.workers import WorkerBody
 from node_engine.server.protocol import ChatCompletionBody, CompletionBody, GenerateBody
 from handoff.protocol.control import PauseBody, ReleaseBody

@@ -1,0 +1,68 @@
+"""The LB's control routes (SPEC section 4): each call fanned out to every node, admin token required.
+
+Every route that fans a call out reads the same way: the admin token, then
+``?role=`` and ``?timeout=`` (:mod:`lb.params`), then the whole body, and
+answers what the fan-out returns (200 with one result per node, or 502 naming
+each node that failed). :func:`fanout_endpoint` is that route, written once;
+the weight routes (:mod:`lb.routes_weights`) use it too.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Awaitable, Callable
+
+from fastapi import APIRouter, Request
+from starlette.requests import ClientDisconnect
+from starlette.responses import JSONResponse, Response
+
+from handoff.protocol.control import CONTROL_ROUTES
+from handoff.service.auth import BearerToken
+from handoff.service.bodies import openapi_body
+from lb.cluster import Cluster
+from lb.config import LBConfig
+from lb.openapi import CONTROL_BODIES, CONTROL_PARAMETERS
+from lb.params import role_param, timeout_param
+from lb.relay import client_gone_response
+
+__all__ = ["FanoutSend", "control_router", "fanned_out", "fanout_endpoint"]
+
+# what a route does with a checked request: (request, its body, the per-node timeout) -> (status, JSON answer)
+FanoutSend = Callable[[Request, bytes, float], Awaitable[tuple[int, dict[str, Any]]]]
+
+
+def fanout_endpoint(send: FanoutSend, admin: BearerToken, config: LBConfig,
+                    default_timeout_s: float | None = None) -> Callable[[Request], Awaitable[Response]]:
+    """An admin route that checks ``?timeout=`` (``default_timeout_s`` when absent, else ``--control-timeout``),
+    reads the body whole and answers what ``send`` returns; a client gone before its body came gets nothing."""
+    async def call(request: Request) -> Response:
+        admin.check(request)
+        timeout_s = timeout_param(request, config, default_timeout_s)
+        try:
+            body = await request.body()
+        except ClientDisconnect:
+            return client_gone_response()
+        status, payload = await send(request, body, timeout_s)
+        return JSONResponse(payload, status_code=status)
+    return call
+
+
+def fanned_out(cluster: Cluster, path: str) -> FanoutSend:
+    """Send the request's method and body to every node (of ``?role=``) on ``path``."""
+    async def send(request: Request, body: bytes, timeout_s: float) -> tuple[int, dict[str, Any]]:
+        return await cluster.fanout.run(request.method, path, body, request.headers.get("content-type"),
+                                        role_param(request), timeout_s)
+    return send
+
+
+def control_router(cluster: Cluster, config: LBConfig, admin: BearerToken) -> APIRouter:
+    """One route per control path and method (one operation id each in the schema)."""
+    router = APIRouter()
+    for path, methods in CONTROL_ROUTES.items():
+        extra: dict[str, Any] = {"parameters": CONTROL_PARAMETERS}
+        if path in CONTROL_BODIES:
+            extra.update(openapi_body(CONTROL_BODIES[path], required=False))
+        endpoint = fanout_endpoint(fanned_out(cluster, path), admin, config)
+        for method in methods:
+            router.add_api_route(path, endpoint, methods=[method], openapi_extra=extra,
+                                 name=f"{method.lower()}_{path.strip('/')}")
+    return router

@@ -39,67 +39,77 @@ class BodyLimitMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        limit = self.max_body_bytes
-        for name, value in scope["headers"]:
-            if name == b"content-length":
-                try:
-                    declared = int(value)
-                except ValueError:
-                    declared = 0
-                if declared > limit:
-                    await _send_refusal(send, PayloadTooLarge(f"request body is larger than {limit} bytes"))
-                    return
-                break
-        num_received = 0
-        refusal: ServiceError | None = None
-        is_body_read = False
-        loop = asyncio.get_running_loop()
-        body_deadline = None if self.body_timeout_s is None else loop.time() + self.body_timeout_s
-
-        async def limited_receive() -> Message:
-            nonlocal num_received, refusal, is_body_read
-            if is_body_read or body_deadline is None:
-                message = await receive()
-            else:
-                try:
-                    message = await asyncio.wait_for(receive(), max(0.0, body_deadline - loop.time()))
-                except asyncio.TimeoutError:
-                    refusal = RequestTimeout(f"the request body did not arrive within {self.body_timeout_s:g} s")
-                    raise refusal from None
-            if message["type"] == "http.request":
-                num_received += len(message.get("body", b""))
-                if not message.get("more_body", False):
-                    is_body_read = True
-                if num_received > limit:
-                    refusal = PayloadTooLarge(f"request body is larger than {limit} bytes")
-                    raise refusal
-            elif message["type"] == "http.disconnect":
-                is_body_read = True
-            return message
-
-        is_started = False
-
-        async def checked_send(message: Message) -> None:
-            nonlocal is_started
-            if message["type"] == "http.response.start" and not is_body_read and refusal is None:
-                try:  # the app answers without having read the body: count the rest before answering
-                    while not is_body_read:
-                        await limited_receive()
-                except (PayloadTooLarge, RequestTimeout):
-                    pass  # the refusal is the answer below
-            # Whatever the app made of the interrupted read (FastAPI turns it into a 400), the answer is the refusal.
-            if refusal is None:
-                await send(message)
-            elif message["type"] == "http.response.start":
-                await _send_refusal(send, refusal)
-            is_started = is_started or message["type"] == "http.response.start"
-
+        if _declared_length(scope) > self.max_body_bytes:
+            await _send_refusal(send, PayloadTooLarge(f"request body is larger than {self.max_body_bytes} bytes"))
+            return
+        exchange = _LimitedExchange(receive, send, self.max_body_bytes, self.body_timeout_s)
         try:
-            await self.app(scope, limited_receive, checked_send)
+            await self.app(scope, exchange.receive, exchange.send)
         except (PayloadTooLarge, RequestTimeout) as exc:  # an app that let the refusal through
-            if exc is not refusal or is_started:
+            if exc is not exchange.refusal or exchange.is_started:
                 raise
-            await _send_refusal(send, refusal)
+            await _send_refusal(send, exchange.refusal)
+
+
+class _LimitedExchange:
+    """One request's body, counted and timed as the app reads it; its answer, held back for a refusal."""
+
+    def __init__(self, receive: Receive, send: Send, max_body_bytes: int, body_timeout_s: float | None) -> None:
+        self._receive = receive
+        self._send = send
+        self._max_body_bytes = max_body_bytes
+        self._body_timeout_s = body_timeout_s
+        self._loop = asyncio.get_running_loop()
+        self._body_deadline = None if body_timeout_s is None else self._loop.time() + body_timeout_s
+        self._num_received = 0
+        self.is_body_read = False
+        self.is_started = False
+        self.refusal: ServiceError | None = None
+
+    async def receive(self) -> Message:
+        if self.is_body_read or self._body_deadline is None:
+            message = await self._receive()
+        else:
+            try:
+                message = await asyncio.wait_for(self._receive(), max(0.0, self._body_deadline - self._loop.time()))
+            except asyncio.TimeoutError:
+                self.refusal = RequestTimeout(f"the request body did not arrive within {self._body_timeout_s:g} s")
+                raise self.refusal from None
+        if message["type"] == "http.request":
+            self._num_received += len(message.get("body", b""))
+            if not message.get("more_body", False):
+                self.is_body_read = True
+            if self._num_received > self._max_body_bytes:
+                self.refusal = PayloadTooLarge(f"request body is larger than {self._max_body_bytes} bytes")
+                raise self.refusal
+        elif message["type"] == "http.disconnect":
+            self.is_body_read = True
+        return message
+
+    async def send(self, message: Message) -> None:
+        if message["type"] == "http.response.start" and not self.is_body_read and self.refusal is None:
+            try:  # the app answers without having read the body: count the rest before answering
+                while not self.is_body_read:
+                    await self.receive()
+            except (PayloadTooLarge, RequestTimeout):
+                pass  # the refusal is the answer below
+        # Whatever the app made of the interrupted read (FastAPI turns it into a 400), the answer is the refusal.
+        if self.refusal is None:
+            await self._send(message)
+        elif message["type"] == "http.response.start":
+            await _send_refusal(self._send, self.refusal)
+        self.is_started = self.is_started or message["type"] == "http.response.start"
+
+
+def _declared_length(scope: Scope) -> int:
+    """The request's Content-Length (0 when absent or not a number: the count as it arrives decides)."""
+    for name, value in scope["headers"]:
+        if name == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return 0
+    return 0
 
 
 async def _send_refusal(send: Send, refusal: ServiceError) -> None:

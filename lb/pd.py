@@ -158,12 +158,14 @@ class PDDispatcher:
                          headers: Mapping[str, str]) -> tuple[Outcome, Outcome]:
         """Both calls at once (the prefill one in a task of its own); a failure is returned, not raised.
 
-        If this task is cancelled meanwhile, the prefill call is cancelled, or its response closed.
+        If this task is cancelled meanwhile (the client left), the prefill call is cancelled or its response
+        closed, and so is the decode response if it came: neither node goes on for nobody.
         """
         prefill_call = asyncio.ensure_future(self._caller.call(prefill, path, data, headers))
+        decode_out: Outcome | None = None
         try:
             try:
-                decode_out: Outcome = await self._caller.call(decode, path, data, headers)
+                decode_out = await self._caller.call(decode, path, data, headers)
             except ServiceError as exc:
                 decode_out = exc
             try:
@@ -176,6 +178,8 @@ class PDDispatcher:
             elif (not prefill_call.cancelled() and prefill_call.exception() is None
                   and isinstance(prefill_call.result(), UpstreamResponse)):
                 prefill_call.result().close()
+            if isinstance(decode_out, UpstreamResponse):
+                decode_out.close()
             raise
         return prefill_out, decode_out
 

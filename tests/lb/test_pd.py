@@ -5,12 +5,14 @@ from __future__ import annotations
 import asyncio
 import json
 
+import httpx
 import pytest
 
 from handoff.protocol.sse import EventSplitter, event_data
 from tests.lb.behaviours import Gate, reply, sse
 from tests.lb.fakes import Exchange, FakeCluster, FakeNode
 from tests.lb.lbproc import LB, node_args, set_members
+from tests.support.procs import wait_until
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -184,3 +186,27 @@ def test_a_decode_event_that_never_ends_is_a_failure_of_that_node(module_fakes: 
     assert error["type"] == "upstream_error" and decode.url in error["message"] and "event" in error["message"]
     decode.handlers["/generate"] = reply(200, DECODE_ANSWER)
     assert lb.http.post("/generate", json={"text": "hi"}).json()["text"] == "out"
+
+
+def test_a_client_leaving_while_the_prefill_waits_closes_the_decode_stream(module_fakes: FakeCluster,
+                                                                         shared_lb: LB) -> None:
+    """The decode node already streams, the prefill has not answered: a client leaving then closes both (the
+    decode stream was left open, generating for nobody, until the LB's generate deadline)."""
+    prefill, decode = module_fakes.start(2)
+
+    async def never_answers(node: FakeNode, exchange: Exchange) -> None:
+        await exchange.wait_closed()
+
+    async def streams(node: FakeNode, exchange: Exchange) -> None:
+        exchange.start_chunked()
+        exchange.chunk(b'data: {"text": "x"}\n\n')
+        await exchange.wait_closed()
+
+    prefill.handlers["/generate"] = never_answers
+    decode.handlers["/generate"] = streams
+    set_members(shared_lb, (prefill.url, "prefill"), (decode.url, "decode"))
+    with pytest.raises(httpx.ReadTimeout):
+        shared_lb.http.post("/generate", json={"text": "hi", "stream": True}, timeout=1.0)
+    assert decode.disconnected.wait(5), "the decode stream stayed open after the client left"
+    assert prefill.disconnected.wait(5)
+    wait_until(lambda: shared_lb.node(decode.url)["in_flight"] == 0, timeout=5, what="in_flight 0")

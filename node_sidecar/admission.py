@@ -8,7 +8,10 @@ Rules:
   at most ``hold_max`` of them, each at most ``hold_timeout`` seconds) or
   refused; reopening admits the held requests in arrival order.
 - ``drain`` waits, with a deadline, until nothing is in flight; it wakes the
-  moment the last request leaves (no polling).
+  moment the last request leaves (no polling). A drain that aborts sends its
+  abort again at growing intervals while requests remain: a request counted
+  here but still on its way to the engine when an abort arrived there would
+  otherwise run to its end.
 
 Entering and counting happen in one synchronous step of the event loop, so a
 drain never misses a request that was admitted just before admission closed.
@@ -19,9 +22,12 @@ from __future__ import annotations
 import asyncio
 import enum
 from collections import deque
-from typing import Callable
+from typing import Awaitable, Callable
 
 from handoff.service.errors import Unavailable
+
+FIRST_ABORT_INTERVAL_S = 0.05
+MAX_ABORT_INTERVAL_S = 0.5
 
 
 class AdmissionState(str, enum.Enum):
@@ -88,22 +94,22 @@ class Admission:
             raise self._refuse()
         if self.num_held >= self.hold_max:
             raise self._refuse()
-        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        waiter: asyncio.Future[None] = loop.create_future()
         self._held.append(waiter)
+        # Awaited bare (no wait_for): a client leaving in the same loop tick as it is admitted or refused is
+        # still seen leaving (wait_for before Python 3.12 swallows that cancellation).
+        expiry = loop.call_later(self.hold_timeout, _expire, waiter)
         try:
-            await asyncio.wait_for(asyncio.shield(waiter), self.hold_timeout)
-        except asyncio.TimeoutError:
-            if waiter.done() and not waiter.cancelled():
-                return InFlight(self)  # admitted at the very deadline: it was counted, so it runs
-            waiter.cancel()
+            await waiter
+        except _HoldExpired:
             raise self._refuse() from None
         except asyncio.CancelledError:
-            if waiter.done() and not waiter.cancelled():
+            if _was_admitted(waiter):
                 self._count_out()  # admitted, but the client went away before running
-            else:
-                waiter.cancel()
             raise
         finally:
+            expiry.cancel()
             self._prune()
         return InFlight(self)
 
@@ -126,8 +132,26 @@ class Admission:
             if not waiter.done():
                 waiter.set_exception(self._refuse())
 
-    async def drain(self, timeout: float) -> bool:
-        """Wait until nothing is in flight; False if ``timeout`` passed first."""
+    async def drain(self, timeout: float, *, abort: Callable[[], Awaitable[object]] | None = None) -> bool:
+        """Wait until nothing is in flight; False if ``timeout`` passed first. ``abort`` (ending every request
+        in the engine) runs at once and again, at growing intervals, while requests remain."""
+        if self.num_in_flight == 0:
+            return True
+        if abort is None:
+            return await self._wait_idle(timeout)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        interval = FIRST_ABORT_INTERVAL_S
+        while True:
+            await abort()
+            remaining = deadline - loop.time()
+            if await self._wait_idle(max(0.0, min(interval, remaining))):
+                return True
+            if remaining <= interval:
+                return False
+            interval = min(2 * interval, MAX_ABORT_INTERVAL_S)
+
+    async def _wait_idle(self, timeout: float) -> bool:
         if self.num_in_flight == 0:
             return True
         try:
@@ -150,3 +174,17 @@ class Admission:
     def _prune(self) -> None:
         while self._held and self._held[0].done():
             self._held.popleft()
+
+
+class _HoldExpired(Exception):
+    """A held request's ``hold_timeout`` passed before admission opened."""
+
+
+def _expire(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_exception(_HoldExpired())
+
+
+def _was_admitted(waiter: asyncio.Future[None]) -> bool:
+    """Counted in by :meth:`Admission.open` (not refused, expired or cancelled); retrieves any exception."""
+    return waiter.done() and not waiter.cancelled() and waiter.exception() is None

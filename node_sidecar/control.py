@@ -90,9 +90,9 @@ class ControlPlane:
         timeout = limit.remaining()
         admission = self.node.admission
         num_in_flight = admission.num_in_flight
-        if mode == "abort" and num_in_flight:
-            await self.node.engine_adapter.abort(rid=None, abort_all=True)
-        if not await admission.drain(timeout):
+        adapter = self.node.engine_adapter
+        abort = (lambda: adapter.abort(rid=None, abort_all=True)) if mode == "abort" else None
+        if not await admission.drain(timeout, abort=abort):
             raise DrainTimeout(f"{admission.num_in_flight} generation request(s) still running after "
                                f"{timeout:g}s; nothing was released", extra={"in_flight": admission.num_in_flight})
         if mode == "abort":

@@ -100,3 +100,79 @@ async def test_refuse_held_answers_them_at_once() -> None:
     with pytest.raises(Unavailable):
         await waiter
     assert a.num_in_flight == 0
+
+
+async def test_a_client_leaving_as_it_is_admitted_is_not_counted() -> None:
+    """Admitted and cancelled in the same loop tick: the request leaves, uncounted (it was sent on to the engine
+    for a client that was gone, and counted until the engine finished)."""
+    a = make(hold_max=4)
+    held = asyncio.create_task(a.enter())
+    await until(lambda: a.num_held == 1)
+    a.open()
+    held.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await held
+    assert a.num_in_flight == 0
+
+
+async def test_a_refusal_in_the_same_tick_as_the_hold_deadline_is_a_refusal() -> None:
+    """The hold timeout and a refusal (the engine went away) at once: a 503, never a lease that was not
+    counted (releasing it raised, or lowered another request's count)."""
+    for _ in range(5):
+        a = make(hold_max=4, hold_timeout=0.05)
+        held = asyncio.create_task(a.enter())
+        await until(lambda: a.num_held == 1)
+        asyncio.get_running_loop().call_later(0.05, a.refuse_held)
+        with pytest.raises(Unavailable):
+            await held
+        assert a.num_in_flight == 0
+
+
+async def test_a_client_leaving_as_it_is_refused_leaves_the_others_counted() -> None:
+    a = make(hold_max=4)
+    a.open()
+    running = a.try_enter()
+    a.close()
+    held = asyncio.create_task(a.enter())
+    await until(lambda: a.num_held == 1)
+    a.refuse_held()
+    held.cancel()
+    with pytest.raises((asyncio.CancelledError, Unavailable)):
+        await held
+    assert a.num_in_flight == 1  # the running request is still counted: a drain waits for it
+    running.release()
+    assert a.num_in_flight == 0
+
+
+async def test_an_aborting_drain_aborts_again_for_a_request_that_reached_the_engine_late() -> None:
+    """A request counted in flight but still on its way to the engine when the first abort arrived there runs
+    on; the drain's next abort ends it (one abort left the release waiting for its whole length)."""
+    a = make()
+    a.open()
+    lease = a.try_enter()
+    num_aborts = 0
+
+    async def abort() -> None:
+        nonlocal num_aborts
+        num_aborts += 1
+        if num_aborts == 2:  # the request is in the engine now: this abort ends it
+            lease.release()
+
+    assert await a.drain(5.0, abort=abort) is True
+    assert num_aborts == 2
+
+
+async def test_an_aborting_drain_still_ends_at_its_deadline() -> None:
+    a = make()
+    a.open()
+    a.try_enter()
+    num_aborts = 0
+
+    async def abort() -> None:
+        nonlocal num_aborts
+        num_aborts += 1
+
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    assert await a.drain(0.3, abort=abort) is False
+    assert 0.29 <= loop.time() - started < 2.0 and num_aborts >= 2

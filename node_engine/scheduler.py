@@ -96,9 +96,20 @@ class Scheduler:
             self.preempt(self.running[-1])
 
     def _schedule_prefill(self) -> Step | None:
-        budget = self.config.max_batch_tokens
         visual = VisualBudget(self.config.max_visual_tokens)
         entries: list[StepEntry] = []
+        budget, num_decoding = self._continue_prefills(entries, visual)
+        self._admit_waiting(entries, visual, budget, num_decoding)
+        if not entries:
+            return None
+        slots = [e.slots for e in entries if e.slots is not None]
+        slot_mapping = slots[0] if len(slots) == 1 else torch.cat(slots)
+        return Step(StepKind.PREFILL, entries, slot_mapping, visual.images)
+
+    def _continue_prefills(self, entries: list[StepEntry], visual: VisualBudget) -> tuple[int, int]:
+        """The next pieces of the running requests' partial prefills, in order; (token budget left, number
+        of running requests that are decoding)."""
+        budget = self.config.max_batch_tokens
         num_decoding = 0
         is_blocked = False  # a partial prefill found no room (or no budget): later ones wait too
         for request in self.running:
@@ -120,6 +131,11 @@ class Scheduler:
             entries.append(self._take(request, plan.num_tokens))
             visual.commit(plan)
             budget -= plan.num_tokens
+        return budget, num_decoding
+
+    def _admit_waiting(self, entries: list[StepEntry], visual: VisualBudget, budget: int,
+                       num_decoding: int) -> None:
+        """Waiting requests, first come first served, while the budget, the rows and the KV slots allow."""
         while self.waiting and budget > 0 and len(self.running) < self.config.max_running_requests:
             request = self.waiting[0]
             if not self.rows.can_allocate() or visual.is_closed:  # an image waits: later arrivals wait behind it
@@ -139,26 +155,25 @@ class Scheduler:
                 break
             visual.commit(plan)
             self.waiting.popleft()
-            request.transition(RequestState.RUNNING)
-            request.row = self.rows.allocate()
-            if self.cache is not None:
-                request.prefix_node = node
-                request.prefix_slots = prefix
-                request.cache_epoch = self.cache.epoch
-                request.num_cached = prefix.numel()
-                if not request.num_retractions:
-                    request.num_cached_prompt_tokens = min(prefix.numel(), len(request.prompt_ids))
-                self.num_prefix_hit_tokens += prefix.numel()
-            self.running.append(request)
+            self._start_running(request, prefix, node)
             entry = self._take(request, num)
             entry.prefix = prefix if prefix.numel() else None
             entries.append(entry)
             budget -= num
-        if not entries:
-            return None
-        slots = [e.slots for e in entries if e.slots is not None]
-        slot_mapping = slots[0] if len(slots) == 1 else torch.cat(slots)
-        return Step(StepKind.PREFILL, entries, slot_mapping, visual.images)
+
+    def _start_running(self, request: Request, prefix: torch.Tensor, node: object | None) -> None:
+        """A waiting request gets its row and, with a prefix cache, the cached prefix it matched."""
+        request.transition(RequestState.RUNNING)
+        request.row = self.rows.allocate()
+        if self.cache is not None:
+            request.prefix_node = node
+            request.prefix_slots = prefix
+            request.cache_epoch = self.cache.epoch
+            request.num_cached = prefix.numel()
+            if not request.num_retractions:
+                request.num_cached_prompt_tokens = min(prefix.numel(), len(request.prompt_ids))
+            self.num_prefix_hit_tokens += prefix.numel()
+        self.running.append(request)
 
     _NO_PREFIX = torch.empty(0, dtype=torch.int64)
 

@@ -278,11 +278,12 @@ def test_packed_weights_cycle_through_a_backup_holding_them_once(proc_log_dir: P
                 assert r.status_code == 200, r.text
                 freed = r.json()["bytes_freed"]["weights"]
                 after_release = rss(proc)
-                # parked plain weights lingering would leave the drop near 0; a busy process's own heap moves
-                # by tens of MiB meanwhile (a CI run once saw 0.88 of the freed bytes)
+                # parked plain weights lingering would leave the drop near 0 (and a resume holding them twice
+                # would grow by 2x); a busy process's own heap moves by tens of MiB meanwhile (CI runs saw 0.88
+                # of the freed bytes given back, and 0.89 taken back)
                 assert 0.75 * freed <= before - after_release <= 1.1 * freed, (before, after_release, freed)
                 assert c.post("/resume_memory_occupation", json={"tags": None}).json()["weights_valid"] is True
-                assert 0.9 * freed <= rss(proc) - after_release <= 1.1 * freed, (after_release, rss(proc), freed)
+                assert 0.75 * freed <= rss(proc) - after_release <= 1.1 * freed, (after_release, rss(proc), freed)
                 assert greedy_outputs(c) == expected
     finally:
         proc.stop()

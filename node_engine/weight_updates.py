@@ -115,7 +115,7 @@ class WeightUpdates:
 
         def decode(cancel: threading.Event) -> dict[str, torch.Tensor]:
             pairs = decode_payload(body.serialized_named_tensors, body.load_format,
-                                   release_sender_reference=body.release_sender_reference)
+                                   release_sender_reference=body.release_sender_reference, cancel=cancel)
             if not pairs:
                 raise UnsafePayload("the payload holds no tensors")
             return check_named_tensors(model, by_checkpoint_key(model, pairs))

@@ -11,6 +11,9 @@ parses the group bodies (it gives each node its ranks) and documents the rest.
 
 from __future__ import annotations
 
+import ipaddress
+import math
+import re
 from typing import Literal
 
 from pydantic import BaseModel, Field, field_validator, model_validator
@@ -20,7 +23,9 @@ from handoff.protocol.control import STRICT
 DEFAULT_GROUP_NAME = "weight_update_group"
 MAX_TENSORS_PER_UPDATE = 100_000
 MAX_TENSOR_RANK = 8
+MAX_ELEMENTS = 1 << 48  # per tensor: past any real one, and within torch's int64 sizes
 MAX_NAME_CHARS = 1024
+_HOST_NAME = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,62})(?:\.[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,62}))*\.?")
 Selector = Literal["target", "draft", "all"]
 TensorLoadFormat = Literal["direct", "flattened_bucket"]
 GroupBackend = Literal["gloo", "nccl"]
@@ -80,8 +85,10 @@ class UpdateWeightsFromDistributedBody(WeightUpdateCommon):
     @classmethod
     def _sane_shapes(cls, shapes: list[list[int]]) -> list[list[int]]:
         for shape in shapes:
-            if len(shape) > MAX_TENSOR_RANK or any(dim < 0 for dim in shape):
-                raise ValueError(f"shape {shape[:MAX_TENSOR_RANK + 1]} is not a tensor shape")
+            if (len(shape) > MAX_TENSOR_RANK or any(not 0 <= dim < MAX_ELEMENTS for dim in shape)
+                    or math.prod(shape) >= MAX_ELEMENTS):
+                raise ValueError(f"shape {shape[:MAX_TENSOR_RANK + 1]} is not a tensor shape (at most "
+                                 f"{MAX_TENSOR_RANK} dimensions, fewer than 2^48 elements)")
         return shapes
 
     @model_validator(mode="after")
@@ -109,6 +116,20 @@ class InitWeightsUpdateGroupBody(BaseModel):
     world_size: int = Field(ge=2)
     group_name: str = Field(default=DEFAULT_GROUP_NAME, min_length=1, max_length=MAX_NAME_CHARS)
     backend: GroupBackend = "nccl"
+
+    @field_validator("master_address")
+    @classmethod
+    def _host(cls, value: str) -> str:
+        """An IP address (IPv6 with or without brackets) or a host name: what ``tcp://host:port`` can hold."""
+        try:
+            ipaddress.ip_address(value[1:-1] if value.startswith("[") and value.endswith("]") else value)
+            if "%" not in value:  # an IPv6 zone would have to be escaped in the URL
+                return value
+        except ValueError:
+            pass
+        if not _HOST_NAME.fullmatch(value):
+            raise ValueError(f"master_address {value[:80]!r} is not an IP address or a host name")
+        return value
 
     @field_validator("master_port", mode="before")
     @classmethod

@@ -8,16 +8,17 @@ message that names it.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from handoff.service.peer_json import PeerJSONError, loads_bounded
 from node_engine.model.errors import ModelConfigError
 from node_engine.vision.arch import VL_ARCHITECTURES, VisionArch, text_config_of, vision_arch_from_hf_config
 
 __all__ = ["ModelArch", "ModelConfigError", "Llama3RopeScaling", "SUPPORTED_ARCHITECTURES"]
 
+MAX_CONFIG_BYTES = 16 * 1024 * 1024  # a config.json is a few KiB; a large one is not a config
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM") + VL_ARCHITECTURES
 
 
@@ -98,8 +99,8 @@ class ModelArch:
     @classmethod
     def from_hf_config(cls, config: dict[str, Any]) -> "ModelArch":
         archs = config.get("architectures") or []
-        if len(archs) != 1:
-            raise ModelConfigError(f"config.json must name exactly one architecture, got {archs!r}")
+        if not isinstance(archs, list) or len(archs) != 1 or not isinstance(archs[0], str):
+            raise ModelConfigError(f"config.json must name exactly one architecture, got {str(archs)[:200]}")
         arch = archs[0]
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ModelConfigError(
@@ -145,11 +146,27 @@ class ModelArch:
         path = folder / "config.json"
         if not path.is_file():
             raise ModelConfigError(f"{path} is missing")
+        if path.stat().st_size > MAX_CONFIG_BYTES:
+            raise ModelConfigError(f"{path} is larger than {MAX_CONFIG_BYTES} bytes; no config.json is")
         try:
-            config = json.loads(path.read_text())
-        except ValueError as exc:
+            config = loads_bounded(path.read_bytes())
+        except PeerJSONError as exc:
             raise ModelConfigError(f"{path} is not valid JSON: {exc}") from exc
-        return cls.from_hf_config(config)
+        return cls.from_config(config, str(path))
+
+    @classmethod
+    def from_config(cls, config: object, where: str) -> "ModelArch":
+        """:meth:`from_hf_config` for a config read from a file (``where``): whatever is malformed in it, however
+        deep in the readers it is met, is a :class:`ModelConfigError` naming the file."""
+        if not isinstance(config, dict):
+            raise ModelConfigError(f"{where} holds a JSON {type(config).__name__}, not an object")
+        try:
+            return cls.from_hf_config(config)
+        except ModelConfigError:
+            raise
+        except (TypeError, ValueError, AttributeError, KeyError, IndexError, OverflowError) as exc:
+            raise ModelConfigError(f"{where} has a field of the wrong type or value: {type(exc).__name__}: "
+                                   f"{str(exc)[:200]}") from exc
 
 
 def _rope_theta(config: dict[str, Any]) -> float:

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import json
 import os
 import stat
 import struct
@@ -36,6 +35,7 @@ from typing import Iterator
 
 import torch
 
+from handoff.service.peer_json import PeerJSONError, loads_bounded
 from node_engine.failures import FaultDrill
 from node_engine.model.arch import ModelConfigError
 
@@ -148,8 +148,8 @@ class CheckpointReader:
     def read_json(self, path: Path) -> object:
         raw = self.read_small(path)
         try:
-            return json.loads(raw)
-        except (UnicodeDecodeError, ValueError) as exc:
+            return loads_bounded(raw)
+        except PeerJSONError as exc:
             raise CheckpointError(f"{path.name} is not valid JSON: {exc}") from exc
 
     # -- safetensors -------------------------------------------------------------
@@ -167,8 +167,8 @@ class CheckpointReader:
         finally:
             os.close(fd)
         try:
-            header = json.loads(raw)
-        except (UnicodeDecodeError, ValueError) as exc:
+            header = loads_bounded(raw)
+        except PeerJSONError as exc:
             raise CheckpointError(f"{path.name}: the safetensors header is not valid JSON ({exc})") from exc
         if not isinstance(header, dict):
             raise CheckpointError(f"{path.name}: the safetensors header is not a JSON object")
@@ -241,7 +241,8 @@ def _entries(path: Path, header: dict, *, data_start: int, data_end: int) -> dic
             continue
         if not isinstance(info, dict):
             raise CheckpointError(f"{path.name}: header entry {key!r} is not an object")
-        dtype = SAFETENSORS_DTYPES.get(info.get("dtype"))  # type: ignore[arg-type]
+        dtype_name = info.get("dtype")
+        dtype = SAFETENSORS_DTYPES.get(dtype_name) if isinstance(dtype_name, str) else None
         if dtype is None:
             raise CheckpointError(f"{path.name}: tensor {key} has unsupported dtype {info.get('dtype')!r}")
         shape, offsets = info.get("shape"), info.get("data_offsets")

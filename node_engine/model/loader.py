@@ -161,7 +161,7 @@ def check_update(model: CausalLM, folder: Path, source_dtypes: dict[str, torch.d
     reader = reader or CheckpointReader()
     config = folder / "config.json"
     if reader.exists(config):
-        new_arch = ModelArch.from_hf_config(_json_object(reader, config))
+        new_arch = ModelArch.from_config(reader.read_json(config), str(config))
         if _shape_signature(new_arch) != _shape_signature(model.arch):
             raise ModelConfigError(f"{config} describes a different architecture than the running model")
     entries = read_header(folder, reader)
@@ -252,13 +252,6 @@ def apply_staged(model: CausalLM, staged: dict[str, torch.Tensor]) -> None:
     with torch.no_grad():
         for key, tensor in staged.items():
             _target_view(params, targets[key]).copy_(tensor, non_blocking=False)
-
-
-def _json_object(reader: CheckpointReader, path: Path) -> dict:
-    value = reader.read_json(path)
-    if not isinstance(value, dict):
-        raise ModelConfigError(f"{path} is not a JSON object")
-    return value
 
 
 def _shape_signature(arch: ModelArch) -> tuple:

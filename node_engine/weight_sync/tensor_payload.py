@@ -18,43 +18,51 @@ from __future__ import annotations
 
 import base64
 import binascii
+import math
+import threading
 from typing import Any
 
 import torch
 
-from node_engine.weight_sync.unpickler import (FlattenedTensorMetadata, LocalSerializedTensor, UnsafePayload,
-                                               restricted_loads)
+from node_engine.weight_sync.unpickler import (FlattenedTensorMetadata, LocalSerializedTensor, PayloadBudget,
+                                               UnsafePayload, restricted_loads)
 
 MAX_TENSORS = 100_000
 TP_RANK = 0
 
 
 def decode_payload(serialized_named_tensors: list[str], load_format: str | None, *,
-                   release_sender_reference: bool = True) -> list[tuple[str, torch.Tensor]]:
-    """This rank's ``(name, tensor)`` pairs; :class:`UnsafePayload` for anything else."""
+                   release_sender_reference: bool = True,
+                   cancel: threading.Event | None = None) -> list[tuple[str, torch.Tensor]]:
+    """This rank's ``(name, tensor)`` pairs; :class:`UnsafePayload` for anything else. ``cancel`` set (the
+    caller's deadline passed) stops the decode soon, wherever it is."""
     try:
         raw = base64.b64decode(serialized_named_tensors[TP_RANK], validate=True)
     except (binascii.Error, ValueError) as exc:
         raise UnsafePayload(f"serialized_named_tensors[{TP_RANK}] is not base64: {exc}") from exc
-    value = restricted_loads(raw, release_sender_reference=release_sender_reference)
+    budget = PayloadBudget(cancel)
+    value = restricted_loads(raw, budget, release_sender_reference=release_sender_reference)
     if load_format == "flattened_bucket":
         return _from_bucket(value)
-    return _from_pairs(value, release_sender_reference)
+    return _from_pairs(value, budget, release_sender_reference)
 
 
-def _from_pairs(value: Any, release_sender_reference: bool) -> list[tuple[str, torch.Tensor]]:
+def _from_pairs(value: Any, budget: PayloadBudget, release_sender_reference: bool) -> list[tuple[str, torch.Tensor]]:
     if not isinstance(value, (list, tuple)) or len(value) > MAX_TENSORS:
         raise UnsafePayload(f"the payload must be a list of (name, tensor) pairs (at most {MAX_TENSORS})")
     pairs = []
+    decoded: dict[int, Any] = {}  # one decode per inner pickle, however often the payload refers to it
     for item in value:
         if not isinstance(item, (list, tuple)) or len(item) != 2 or not isinstance(item[0], str):
             raise UnsafePayload("each entry of the payload must be a (name, tensor) pair")
         name, tensor = item
         if isinstance(tensor, LocalSerializedTensor):
-            values = tensor.values
-            if not isinstance(values, list) or len(values) <= TP_RANK or not isinstance(values[TP_RANK], bytes):
+            if len(tensor.values) <= TP_RANK:
                 raise UnsafePayload(f"{name}: LocalSerializedTensor has no bytes for rank {TP_RANK}")
-            tensor = restricted_loads(values[TP_RANK], release_sender_reference=release_sender_reference)
+            inner = tensor.values[TP_RANK]
+            if id(inner) not in decoded:
+                decoded[id(inner)] = restricted_loads(inner, budget, release_sender_reference=release_sender_reference)
+            tensor = decoded[id(inner)]
         if not isinstance(tensor, torch.Tensor):
             raise UnsafePayload(f"{name} is a {type(tensor).__name__}, not a tensor")
         pairs.append((name, tensor))
@@ -70,19 +78,16 @@ def _from_bucket(value: Any) -> list[tuple[str, torch.Tensor]]:
     if not isinstance(metadata, list) or not metadata or len(metadata) > MAX_TENSORS:
         raise UnsafePayload(f"metadata must list 1 to {MAX_TENSORS} entries")
     pairs = []
-    for meta in metadata:
-        if not isinstance(meta, FlattenedTensorMetadata) or not isinstance(meta.dtype, torch.dtype):
+    for meta in metadata:  # each entry's fields were checked as it was built (FlattenedTensorMetadata)
+        if not isinstance(meta, FlattenedTensorMetadata):
             raise UnsafePayload("metadata entries must be FlattenedTensorMetadata")
-        shape = tuple(meta.shape)
-        if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
-            raise UnsafePayload(f"{meta.name}: shape {list(shape)[:8]} is not a tensor shape")
-        num_bytes = meta.dtype.itemsize * torch.Size(shape).numel()
+        num_bytes = meta.dtype.itemsize * math.prod(meta.shape)
         if (not 0 <= meta.start_idx <= meta.end_idx <= flat.numel() or meta.end_idx - meta.start_idx != num_bytes
                 or meta.start_idx % meta.dtype.itemsize):
-            raise UnsafePayload(f"{meta.name}: bytes [{meta.start_idx}, {meta.end_idx}) do not hold a {meta.dtype} "
-                                f"tensor of shape {list(shape)} inside a buffer of {flat.numel()}")
+            raise UnsafePayload(f"{meta.name[:200]}: bytes [{meta.start_idx}, {meta.end_idx}) do not hold a "
+                                f"{meta.dtype} tensor of shape {list(meta.shape)} inside a buffer of {flat.numel()}")
         try:
-            pairs.append((meta.name, flat[meta.start_idx:meta.end_idx].view(meta.dtype).reshape(shape)))
+            pairs.append((meta.name, flat[meta.start_idx:meta.end_idx].view(meta.dtype).reshape(meta.shape)))
         except RuntimeError as exc:  # a view the buffer's alignment does not allow
-            raise UnsafePayload(f"{meta.name}: {exc}") from exc
+            raise UnsafePayload(f"{meta.name[:200]}: {exc}") from exc
     return pairs

@@ -104,3 +104,17 @@ def test_a_trainer_that_never_sends_breaks_the_group_clearly(engines, weights) -
         assert r.status_code == 409 and r.json()["error"]["type"] == "weight_sync_broken", r.text
     finally:
         trainer.leave()
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/update_weights_from_distributed", {"names": ["model.norm.weight"], "dtypes": ["float32"], "shapes": [[2**63]]}),
+    ("/update_weights_from_distributed", {"names": ["model.norm.weight"], "dtypes": ["float32"],
+                                          "shapes": [[2**32, 2**32]]}),
+    *[("/init_weights_update_group", {"master_address": address, "master_port": 29999, "rank_offset": 1,
+                                      "world_size": 2, "backend": "gloo"})
+      for address in ["[", "127.0.0.1/x?y", "1.2.3.4:5", "a b", "\u00fc.example", "fe80::1%eth0"]],
+])
+def test_bodies_torch_cannot_take_are_400_before_anything_runs(engines, path: str, body: dict) -> None:
+    """Sizes past int64 and addresses no ``tcp://`` URL can hold were 500s from inside torch."""
+    r = httpx.post(engines[0] + path, json=body, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request", r.text

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 import threading
 import time
 from pathlib import Path
@@ -160,3 +161,27 @@ def test_reload_while_released_resumes_the_weights_and_leaves_the_rest(proc_log_
             wait_until(lambda: c.get("/get_weight_version").json()["weight_version"] == "v3", timeout=5)
     finally:
         proc.stop()
+
+
+@pytest.mark.parametrize("config", [
+    b'{"architectures": 5}', b"[]", b'{"architectures": [["LlamaForCausalLM"]]}',
+    b'{"architectures": ["LlamaForCausalLM"], "num_attention_heads": 4, "hidden_size": 64, "vocab_size": 64, '
+    b'"intermediate_size": 64, "num_hidden_layers": 1, "rope_scaling": 7}',
+    b"[" * 100_000,
+])
+def test_an_odd_config_is_400_never_500(client, checkpoints, tmp_path: Path, config: bytes) -> None:
+    """Fields no checkpoint writer makes (an architecture that is a number, a rope_scaling that is not an
+    object, nesting past any parser's stack) were 500s from deep in the readers."""
+    folder = copy_with(checkpoints["other"], tmp_path / "ckpt")
+    (folder / "config.json").write_bytes(config)
+    r = client.post("/update_weights_from_disk", json={"model_path": str(folder), "dry_run": True})
+    assert r.status_code == 400 and "config.json" in r.json()["error"]["message"], r.text
+
+
+def test_a_header_dtype_that_is_not_a_string_is_400(client, tmp_path: Path, checkpoints) -> None:
+    folder = copy_with(checkpoints["other"], tmp_path / "ckpt", "model.safetensors")
+    (folder / "model.safetensors").rmdir()
+    header = json.dumps({"model.norm.weight": {"dtype": ["F32"], "shape": [64], "data_offsets": [0, 256]}}).encode()
+    (folder / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + b"\0" * 256)
+    r = client.post("/update_weights_from_disk", json={"model_path": str(folder), "dry_run": True})
+    assert r.status_code == 400 and "dtype" in r.json()["error"]["message"], r.text

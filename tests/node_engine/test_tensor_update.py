@@ -15,7 +15,7 @@ import torch
 from handoff.weight_sync import serialize_named_tensors
 from node_engine.weight_sync.unpickler import UnsafePayload, restricted_loads
 from tests.support.procs import ServerProcess
-from tests.support.sglang_payloads import b64, flattened_payload, serialize, verl_payload
+from tests.support.sglang_payloads import FlattenedTensorMetadata, b64, flattened_payload, serialize, verl_payload
 from tests.support.weights import greedy, save_tiny, tiny_weights
 
 @pytest.fixture(scope="module")
@@ -171,3 +171,20 @@ def test_garbage_payloads_are_400(pushed) -> None:
         mp.set_sharing_strategy("file_system")
     r = push(pushed, b64(buffer.getvalue()))
     assert r.status_code == 400 and "file_system" in r.json()["error"]["message"], r.text
+
+
+class _CalledMeta:
+    """A FlattenedTensorMetadata built by calling its class (REDUCE), with fields of the wrong types."""
+
+    def __reduce__(self) -> tuple:
+        return FlattenedTensorMetadata, (["not a name"], (64,), torch.float32, 0.0, 256.0, 64)
+
+
+@pytest.mark.parametrize("meta", [_CalledMeta(), FlattenedTensorMetadata("model.norm.weight", (2**63,), torch.float32,
+                                                                         0, 256, 64)])
+def test_bad_bucket_metadata_is_400_never_500(pushed, meta) -> None:
+    before = greedy(pushed)
+    buffer = torch.zeros(256, dtype=torch.uint8)
+    r = push(pushed, b64(serialize({"flattened_tensor": buffer, "metadata": [meta]})), load_format="flattened_bucket")
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request", r.text
+    assert greedy(pushed) == before

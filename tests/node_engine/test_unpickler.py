@@ -10,6 +10,8 @@ import threading
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from node_engine.weight_sync.tensor_payload import decode_payload
 from node_engine.weight_sync.unpickler import PayloadBudget, UnsafePayload, restricted_loads
@@ -111,3 +113,27 @@ def test_a_local_serialized_tensor_built_by_its_class_is_checked() -> None:
 
     with pytest.raises(UnsafePayload, match="byte strings"):
         restricted_loads(pickle.dumps([("w", Called())], protocol=5))
+
+
+def plain(leaves: st.SearchStrategy) -> st.SearchStrategy:
+    return st.recursive(leaves, lambda children: st.lists(children, max_size=5) | st.tuples(children, children)
+                        | st.dictionaries(st.text(max_size=10), children, max_size=5), max_leaves=30)
+
+
+SCALARS = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20)
+
+
+@settings(max_examples=300, deadline=None)
+@given(value=plain(SCALARS | st.binary(max_size=20)), protocol=st.integers(min_value=3, max_value=5))
+def test_plain_values_load_as_pickle_loads_them(value: object, protocol: int) -> None:
+    """Differential: for everything a payload may hold besides tensors, the restricted unpickler agrees with
+    CPython's own (the C one), at every protocol that has opcodes for bytes (torch writes 4 or 5)."""
+    data = pickle.dumps(value, protocol=protocol)
+    assert restricted_loads(data) == pickle.loads(data)
+
+
+@settings(max_examples=100, deadline=None)
+@given(value=plain(SCALARS), protocol=st.integers(min_value=0, max_value=2))
+def test_plain_values_of_old_protocols_load_as_pickle_loads_them(value: object, protocol: int) -> None:
+    data = pickle.dumps(value, protocol=protocol)
+    assert restricted_loads(data) == pickle.loads(data)

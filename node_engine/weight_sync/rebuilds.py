@@ -24,7 +24,7 @@ import torch.multiprocessing.reductions as reductions
 
 from handoff.protocol.weights import MAX_ELEMENTS
 
-__all__ = ["ALLOWED_GLOBALS", "BUILDABLE", "FlattenedTensorMetadata", "LocalSerializedTensor", "PayloadBudget",
+__all__ = ["ALLOWED_GLOBALS", "BUILDABLE", "REFUSED_CLASSES", "FlattenedTensorMetadata", "LocalSerializedTensor", "PayloadBudget",
            "STORAGE_FILENAME", "UnsafePayload", "VALUES", "SAFE_CALLS", "storage_filename_rebuild"]
 
 SHM_DIR = "/dev/shm"
@@ -304,3 +304,5 @@ STORAGE_FILENAME = ("torch.multiprocessing.reductions", "rebuild_storage_filenam
 ALLOWED_GLOBALS = frozenset(SAFE_CALLS) | frozenset(VALUES) | {STORAGE_FILENAME}
 # the only objects whose state a payload may set (pickle's BUILD): their __setstate__ checks it
 BUILDABLE = (LocalSerializedTensor, FlattenedTensorMetadata)
+# classes a payload may name for NEWOBJ only to be told why not
+REFUSED_CLASSES = (_RefusedDupFd,)

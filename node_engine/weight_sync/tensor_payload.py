@@ -42,9 +42,16 @@ def decode_payload(serialized_named_tensors: list[str], load_format: str | None,
         raise UnsafePayload(f"serialized_named_tensors[{TP_RANK}] is not base64: {exc}") from exc
     budget = PayloadBudget(cancel)
     value = restricted_loads(raw, budget, release_sender_reference=release_sender_reference)
-    if load_format == "flattened_bucket":
-        return _from_bucket(value)
-    return _from_pairs(value, budget, release_sender_reference)
+    try:
+        if load_format == "flattened_bucket":
+            return _from_bucket(value)
+        return _from_pairs(value, budget, release_sender_reference)
+    except (TypeError, ValueError, AttributeError, IndexError, KeyError, RuntimeError, OverflowError) as exc:
+        if isinstance(exc, UnsafePayload):
+            raise
+        # what the checks above did not foresee in a payload's values is still the payload's fault
+        raise UnsafePayload(f"the payload holds something that is not a tensor payload: {type(exc).__name__}: "
+                            f"{str(exc)[:200]}") from exc
 
 
 def _from_pairs(value: Any, budget: PayloadBudget, release_sender_reference: bool) -> list[tuple[str, torch.Tensor]]:

@@ -40,6 +40,7 @@ from typing import Any, Callable
 from node_engine.weight_sync.rebuilds import (
     ALLOWED_GLOBALS,
     BUILDABLE,
+    REFUSED_CLASSES,
     SAFE_CALLS,
     STORAGE_FILENAME,
     VALUES,
@@ -112,11 +113,31 @@ class RestrictedUnpickler(_Base):
         items = self.pop_mark()
         self.append({_key(items[i]): items[i + 1] for i in range(0, len(items) - 1, 2)})
 
+    def load_newobj(self) -> None:
+        args = self.stack.pop()
+        self.stack[-1] = _new(self.stack[-1], args, {})
+
+    def load_newobj_ex(self) -> None:
+        kwargs = self.stack.pop()
+        args = self.stack.pop()
+        self.stack[-1] = _new(self.stack[-1], args, kwargs)
+
     def load_put(self) -> None:
         index = int(self.readline()[:-1])
         if not 0 <= index < _MAX_MEMO_INDEX:
             raise UnsafePayload(f"a memo index must be below {_MAX_MEMO_INDEX}")
         self.memo[index] = self.stack[-1]
+
+
+def _new(cls: object, args: object, kwargs: object) -> Any:
+    """NEWOBJ: only SGLang's data classes, with no arguments, made with their (checked) defaults for BUILD to
+    set (``cls.__new__`` alone would leave an instance without its fields)."""
+    if any(cls is refused for refused in REFUSED_CLASSES):
+        return cls()  # type: ignore[operator]  # raises, saying why
+    if not any(cls is kind for kind in BUILDABLE) or args or kwargs:
+        raise UnsafePayload("the payload creates an object with NEWOBJ; only SGLang's data classes, without "
+                            "arguments, are made that way")
+    return cls()  # type: ignore[operator]
 
 
 def _target(obj: object, kinds: tuple[type, ...]) -> Any:
@@ -144,7 +165,8 @@ def _refused(opcode: bytes) -> Callable[[RestrictedUnpickler], None]:
     return refuse
 
 
-_OWN_STEPS = {pickle.BUILD: RestrictedUnpickler.load_build, pickle.APPEND: RestrictedUnpickler.load_append,
+_OWN_STEPS = {pickle.BUILD: RestrictedUnpickler.load_build, pickle.NEWOBJ: RestrictedUnpickler.load_newobj,
+              pickle.NEWOBJ_EX: RestrictedUnpickler.load_newobj_ex, pickle.APPEND: RestrictedUnpickler.load_append,
               pickle.APPENDS: RestrictedUnpickler.load_appends, pickle.SETITEM: RestrictedUnpickler.load_setitem,
               pickle.SETITEMS: RestrictedUnpickler.load_setitems, pickle.DICT: RestrictedUnpickler.load_dict,
               pickle.PUT: RestrictedUnpickler.load_put}

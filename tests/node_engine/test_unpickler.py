@@ -137,3 +137,14 @@ def test_plain_values_load_as_pickle_loads_them(value: object, protocol: int) ->
 def test_plain_values_of_old_protocols_load_as_pickle_loads_them(value: object, protocol: int) -> None:
     data = pickle.dumps(value, protocol=protocol)
     assert restricted_loads(data) == pickle.loads(data)
+
+
+def test_newobj_makes_only_sglangs_data_classes_with_their_checked_defaults() -> None:
+    """A LocalSerializedTensor made by NEWOBJ without BUILD had no ``values`` at all (a 500 when read)."""
+    module = b"sglang.srt.model_executor.model_runner_components.weight_updater"
+    made = (b"\x80\x04(\x8c\x01w\x8c" + bytes([len(module)]) + module + b"\x8c\x15LocalSerializedTensor\x93)\x81"
+            b"\x86l.")  # [("w", LocalSerializedTensor.__new__())]
+    with pytest.raises(UnsafePayload, match="no bytes for rank 0"):
+        decode_payload([b64(made)], None)
+    with pytest.raises(UnsafePayload, match="NEWOBJ"):  # torch.Size made by NEWOBJ: not a data class
+        restricted_loads(b"\x80\x04\x8c\x05torch\x8c\x04Size\x93)\x81.")

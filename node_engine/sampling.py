@@ -20,6 +20,8 @@ MAX_STOP_TOKEN_IDS = 4096   # each step looks a sampled token up in them: bounde
 MAX_STOP_STRING_CHARS = 256
 GREEDY_TEMPERATURE = 1e-6   # below it, sampling is greedy (SGLang's _SAMPLING_EPS)
 _SEED_MASK = (1 << 64) - 1
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+FLOAT32_TINY = float(torch.finfo(torch.float32).tiny)  # the smallest normal float32
 
 
 @dataclass(frozen=True)
@@ -57,8 +59,9 @@ class SamplingParams:
         for name in ("frequency_penalty", "presence_penalty"):
             if not -2 <= getattr(self, name) <= 2:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
-        if not 0 < self.repetition_penalty <= 2:
-            raise ValueError(f"repetition_penalty must be in (0, 2] (1 = none), got {self.repetition_penalty!r}")
+        if not FLOAT32_TINY <= self.repetition_penalty <= 2:  # below it, 0 in the float32 logits: x / 0
+            raise ValueError(f"repetition_penalty must be in [{FLOAT32_TINY:g}, 2] (1 = none), got "
+                             f"{self.repetition_penalty!r}")
         if not 0 <= self.min_new_tokens <= self.max_new_tokens:
             raise ValueError(f"min_new_tokens must be in [0, max_new_tokens ({self.max_new_tokens})], "
                              f"got {self.min_new_tokens!r}")
@@ -73,8 +76,9 @@ class SamplingParams:
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise ValueError(f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}")
         for token, bias in self.logit_bias:
-            if not math.isfinite(bias) and bias != float("-inf"):
-                raise ValueError(f"logit_bias of token {token} must be a number or -inf, got {bias!r}")
+            if not abs(bias) <= FLOAT32_MAX and bias != float("-inf"):  # past it, inf in the float32 logits
+                raise ValueError(f"logit_bias of token {token} must be a number of magnitude at most "
+                                 f"{FLOAT32_MAX:g}, or -inf, got {bias!r}")
         if self.seed is not None and not (isinstance(self.seed, int) and -(2**63) <= self.seed < 2**64):
             raise ValueError(f"sampling_seed must be an integer in [-2**63, 2**64), got {self.seed!r}")
 
@@ -111,7 +115,8 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
 
 
 def _sample_row(row: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
-    scores = row / p.temperature
+    # a large logit over a small temperature overflows: the largest float instead keeps softmax free of NaN
+    scores = (row / p.temperature).nan_to_num_(nan=float("-inf"), posinf=torch.finfo(row.dtype).max)
     if p.top_k > 0 and p.top_k < scores.shape[-1]:
         kth = torch.topk(scores, p.top_k).values[-1]
         scores = scores.masked_fill(scores < kth, float("-inf"))

@@ -3,6 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from node_engine.logits import apply_penalties
 from node_engine.sampling import SamplingParams, sample
 
 
@@ -39,3 +40,28 @@ def test_top_k_and_top_p_restrict_the_support() -> None:
     # probabilities ~ [0.665, 0.245, 0.09]; top_p=0.8 keeps the first two only
     top_p = [sample(logits, [SamplingParams(temperature=1.0, top_p=0.8)], [gen])[0] for _ in range(300)]
     assert set(top_p) == {0, 1}
+
+
+def test_values_float32_cannot_hold_are_refused() -> None:
+    """A repetition penalty that is 0 in float32 (x / 0) and a bias past float32's range (inf) passed the float64
+    checks, and the NaN they made failed every request of the step (multinomial raised)."""
+    with pytest.raises(ValueError, match="repetition_penalty"):
+        SamplingParams(repetition_penalty=1e-300)
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias=((3, 1e300),))
+    SamplingParams(repetition_penalty=float(torch.finfo(torch.float32).tiny), logit_bias=((3, 3e38), (4, float("-inf"))))
+
+
+def test_extreme_but_valid_values_sample_without_nan() -> None:
+    """The largest bias over a tiny temperature, a tiny penalty over a large logit: overflow to inf would make
+    softmax NaN; each row still samples, and the logprobs stay finite."""
+    logits = torch.randn(3, 16) * 50
+    biased = SamplingParams(temperature=1e-3, logit_bias=((5, 3e38),), seed=1)
+    penalized = SamplingParams(temperature=0.5, repetition_penalty=float(torch.finfo(torch.float32).tiny), seed=2)
+    plain = SamplingParams(temperature=1.0, seed=3)
+    apply_penalties(logits, [(biased, []), (penalized, [0, 1, 2]), (plain, [])], eos_token_ids=[0])
+    assert not logits.isnan().any() and not logits.isposinf().any()
+    generators = [torch.Generator().manual_seed(i) for i in range(3)]
+    tokens = sample(logits, [biased, penalized, plain], generators)
+    assert tokens[0] == 5 and all(0 <= t < 16 for t in tokens)
+    assert torch.log_softmax(logits, dim=-1).isfinite().all()

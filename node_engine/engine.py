@@ -107,6 +107,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._num_rids = 0
+        self._live_rids: set[str] = set()  # event-loop side: ids submitted whose final output has not arrived
         self.control = EngineControl(self)
         self.weights = WeightUpdates(self)
         self.weight_groups = WeightGroups(self)
@@ -176,6 +177,13 @@ class Engine:
         if not self.memory.weights_valid:
             raise WeightsNotLoaded("weights were resumed without a backup; call /update_weights_from_disk first")
 
+    def check_rids_free(self, rids: list[str]) -> None:
+        """400 if one of ``rids`` is a request still in flight: an abort by id must reach only its own request
+        (SGLang refuses a duplicate id too)."""
+        taken = [rid for rid in rids if rid in self._live_rids]
+        if taken:
+            raise InvalidRequest(f"request id {taken[0][:200]!r} is already in flight; ids must be unique")
+
     def default_max_new_tokens(self, num_prompt_tokens: int) -> int:
         return max(0, min(128, self.scheduler.max_request_tokens() - num_prompt_tokens))
 
@@ -194,6 +202,7 @@ class Engine:
         """
         self._num_rids += 1
         rid = rid or f"req-{uuid.uuid4().hex[:16]}"
+        self._live_rids.add(rid)
         handle = RequestHandle(rid)
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         generator = None if params.is_greedy else torch.Generator(device=self.runner.device).manual_seed(seed)
@@ -327,7 +336,7 @@ class Engine:
 
     def _deliver(self, outputs: list[tuple[Request, RequestOutput]]) -> None:
         if outputs and self._loop is not None:
-            self._loop.call_soon_threadsafe(_dispatch, outputs)
+            self._loop.call_soon_threadsafe(self._dispatch, outputs)
 
     def _fail_step(self, step: Step, exc: Exception) -> None:
         """The requests of a step that raised fail; their KV (maybe half written) is freed, never cached."""
@@ -367,6 +376,13 @@ class Engine:
         elif isinstance(item, Call):
             item.fail(EngineStopped(closed.message))
 
+    def _dispatch(self, outputs: list[tuple[Request, RequestOutput]]) -> None:
+        """Hand outputs to their requests (event loop); a final one frees its request's id."""
+        for request, output in outputs:
+            if output.is_final:
+                self._live_rids.discard(request.rid)
+            request.on_output(output)
+
     def _update_memory_metrics(self) -> None:
         for tag, info in self.memory.occupation().items():
             for state in ("resident", "released"):
@@ -376,8 +392,3 @@ class Engine:
 def _error_output(request: Request, kind: E.ErrorType, message: str) -> RequestOutput:
     return RequestOutput(request.rid, "", [], len(request.prompt_ids), len(request.output_ids),
                          error_type=kind.name, error=message)
-
-
-def _dispatch(outputs: list[tuple[Request, RequestOutput]]) -> None:
-    for request, output in outputs:
-        request.on_output(output)

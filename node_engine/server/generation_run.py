@@ -69,6 +69,7 @@ class GenerationRun:
         self.stream = stream
         self.started = time.monotonic()
         self.rids = [spec.rid or f"req-{uuid.uuid4().hex[:16]}" for spec in sequences]
+        engine.check_rids_free(self.rids)  # before any is submitted: nothing runs if one is taken
         self.handles: list[RequestHandle] = []
         self._finished = [False] * len(sequences)
         self._prefills = [engine.submit(sequences[first].prompt_ids, _PREFILL_ONLY, f"{self.rids[first]}-prefill",

@@ -161,6 +161,36 @@ def test_abort_ends_the_stream_and_frees_slots(client, engine) -> None:
     assert client.post("/abort_request", json={"rid": "", "abort_all": False}).json()["aborted"] == []
 
 
+def test_a_request_id_in_flight_is_refused_to_another_client(client, engine) -> None:
+    """A second request under the id of one still running is 400 (SGLang refuses a duplicate id too): else the
+    second client's abort by that id ended the first client's request. Once it ends, the id is free."""
+    events: list[dict] = []
+    done = threading.Event()
+
+    def run() -> None:
+        with httpx.Client(base_url=engine.url, timeout=30) as c:
+            events.extend(read_stream(c, "/generate", {"text": "long", "stream": True, "rid": "job-1",
+                                                       "sampling_params": dict(GREEDY, max_new_tokens=3000)})[0])
+        done.set()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    wait_until(lambda: metric(client, "handoff_engine_running_requests") == 1, timeout=10)
+    second = client.post("/generate", json={"text": "x", "rid": "job-1", "sampling_params": {"max_new_tokens": 2}})
+    assert second.status_code == 400 and "already in flight" in second.json()["error"]["message"], second.text
+    batch = client.post("/generate", json={"text": ["a", "b"], "rid": ["other", "job-1"],
+                                           "sampling_params": {"max_new_tokens": 2}})
+    assert batch.status_code == 400  # nothing of the batch ran: "other" is free again at once
+    assert client.post("/abort_request", json={"rid": "job-1"}).status_code == 200
+    assert done.wait(10)
+    thread.join()
+    assert events[-1]["meta_info"]["finish_reason"]["type"] == "abort"
+    again = client.post("/generate", json={"text": "x", "rid": "job-1", "sampling_params": {"max_new_tokens": 2}})
+    assert again.status_code == 200, again.text
+    assert client.post("/generate", json={"text": "x", "rid": "other",
+                                          "sampling_params": {"max_new_tokens": 2}}).status_code == 200
+
+
 def test_client_disconnect_aborts_the_request(client, engine) -> None:
     before = metric(client, 'handoff_engine_requests_total{finish_reason="abort"}') if "abort" in client.get(
         "/metrics").text else 0.0

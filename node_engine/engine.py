@@ -151,6 +151,12 @@ class Engine:
         """Raise 400 for a request that can never run, 409/503 while it cannot run now."""
         if not prompt_ids:
             raise InvalidRequest("the prompt is empty")
+        limit = self.scheduler.max_request_tokens()
+        if len(prompt_ids) + params.max_new_tokens > limit:  # first: the scans below cost the prompt's length
+            raise InvalidRequest(
+                f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds the "
+                f"{limit} tokens a request can use (context {self.runner.kv_plan.context_len}, "
+                f"pool {self.scheduler.slots.capacity})")
         vocab = self.arch.vocab_size
         bad = [t for t in prompt_ids if not 0 <= t < vocab]
         if bad:
@@ -161,12 +167,6 @@ class Engine:
         bad_ids = [t for t in (logprobs.token_ids or ()) if not 0 <= t < vocab] if logprobs else []
         if bad_ids:
             raise InvalidRequest(f"token_ids_logprob out of range [0, {vocab}): {bad_ids[:5]}")
-        limit = self.scheduler.max_request_tokens()
-        if len(prompt_ids) + params.max_new_tokens > limit:
-            raise InvalidRequest(
-                f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds the "
-                f"{limit} tokens a request can use (context {self.runner.kv_plan.context_len}, "
-                f"pool {self.scheduler.slots.capacity})")
         self.check_can_generate()
 
     def check_can_generate(self) -> None:

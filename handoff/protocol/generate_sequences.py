@@ -187,7 +187,7 @@ def normalize(body: GenerateBody, *, max_sequences: int = MAX_SEQUENCES) -> Norm
             sequences.append(Sequence(
                 prompt_index=i, sample_index=j, rid=rids[i * n + j],
                 text=texts[i] if texts is not None else None,
-                input_ids=list(id_lists[i]) if id_lists is not None else None,
+                input_ids=id_lists[i] if id_lists is not None else None,  # shared by its n samples, never copied
                 sampling=sampling, logprobs=logprobs[i],
                 use_prefix_cache=not (salts[0][i] or salts[1][i]), images=images[i]))
     return NormalizedRequest(sequences, num_prompts, n, is_batch or n > 1)

@@ -67,7 +67,7 @@ async def plan_generate(engine: Engine, body: GenerateBody, images: ImageLoader)
         if seq.logprobs is not None and seq.logprobs.start_len > len(ids):
             raise InvalidRequest(f"logprob_start_len ({seq.logprobs.start_len}) is beyond the prompt "
                                  f"({len(ids)} tokens)")
-        sequences.append(SequenceSpec(list(ids), params, seq.rid, seq.logprobs, seq.use_prefix_cache,
+        sequences.append(SequenceSpec(ids, params, seq.rid, seq.logprobs, seq.use_prefix_cache,  # ids shared, read-only
                                       seq.prompt_index, mm))
     return GeneratePlan(sequences, request.is_batch, request.n, body.return_prompt_token_ids)
 

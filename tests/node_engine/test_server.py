@@ -191,6 +191,22 @@ def test_a_request_id_in_flight_is_refused_to_another_client(client, engine) -> 
                                           "sampling_params": {"max_new_tokens": 2}}).status_code == 200
 
 
+def peak_rss_bytes(pid: int) -> int:
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmHWM in /proc")
+
+
+def test_a_long_prompt_times_n_is_refused_before_it_is_copied(client, engine) -> None:
+    """200,000 ids with n=128: each sample copied the prompt (twice) before the length check, so a 2 MB body
+    grew the engine by gigabytes and held its event loop for seconds. One shared list, the length checked first."""
+    before = peak_rss_bytes(engine.pid)
+    r = client.post("/generate", json={"input_ids": [0] * 200_000, "sampling_params": {"n": 128, "max_new_tokens": 1}})
+    assert r.status_code == 400 and "exceeds" in r.json()["error"]["message"], r.text
+    assert peak_rss_bytes(engine.pid) - before < 256 * 1024 * 1024
+
+
 def test_client_disconnect_aborts_the_request(client, engine) -> None:
     before = metric(client, 'handoff_engine_requests_total{finish_reason="abort"}') if "abort" in client.get(
         "/metrics").text else 0.0

@@ -45,11 +45,16 @@ def max_prompt_chars(engine: Engine) -> int:
 def check_prompt_length(engine: Engine, texts: list[str]) -> None:
     """400 for a text that cannot fit the context whatever it tokenizes to, before any tokenizing: a
     megabyte prompt costs the tokenizer seconds, and it holds the event loop meanwhile."""
-    limit = max_prompt_chars(engine)
     for text in texts:
-        if len(text) > limit:
-            raise InvalidRequest(f"a prompt of {len(text)} characters can never fit the context of "
-                                 f"{engine.runner.kv_plan.context_len} tokens (at most {limit} characters)")
+        check_prompt_chars(engine, len(text))
+
+
+def check_prompt_chars(engine: Engine, num_chars: int) -> None:
+    """400 for a prompt of ``num_chars`` characters (all a chat template renders, for a chat) that cannot fit."""
+    limit = max_prompt_chars(engine)
+    if num_chars > limit:
+        raise InvalidRequest(f"a prompt of {num_chars} characters can never fit the context of "
+                             f"{engine.runner.kv_plan.context_len} tokens (at most {limit} characters)")
 
 
 async def tokenize(engine: Engine, texts: list[str]) -> list[list[int]]:

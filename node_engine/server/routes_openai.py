@@ -24,7 +24,7 @@ from handoff.service.errors import InvalidRequest, NotFound, ServiceError
 from node_engine.engine import Engine
 from node_engine.request import RequestOutput
 from node_engine.server.generate_plan import GeneratePlan, plan_generate
-from node_engine.server.generation import DONE_EVENT, check_prompt_length, sse_event
+from node_engine.server.generation import DONE_EVENT, check_prompt_chars, sse_event
 from node_engine.server.generation_run import (GenerationRun, collect_unless_disconnected, first_unless_disconnected,
                                                stream_with_abort)
 from node_engine.server.images import split_image_parts
@@ -160,15 +160,25 @@ def _echo(engine: Engine, prompt: Any, prompt_ids: list[int], index: int, is_tex
     return engine.tokenizer.decode(prompt_ids, skip_special_tokens=True)
 
 
-def _messages(body: ChatCompletionBody) -> tuple[list[dict[str, Any]], list[object], str]:
-    """The messages as the chat template reads them, the ``image_url`` parts' URLs in order, and their text.
+def _num_chars(value: Any) -> int:
+    """The characters of every string in ``value`` (the messages, their roles, names and extra fields)."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, dict):
+        return sum(_num_chars(k) + _num_chars(v) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return sum(_num_chars(item) for item in value)
+    return 0
+
+
+def _messages(body: ChatCompletionBody) -> tuple[list[dict[str, Any]], list[object]]:
+    """The messages as the chat template reads them, and the ``image_url`` parts' URLs in order.
 
     A content list of text parts is joined into one string (text models' templates take strings); a message
     with images keeps its parts, each image a ``{"type": "image"}`` part, as vision-language templates render
     them (one placeholder each)."""
     rendered, items = split_image_parts([m.model_dump(exclude_none=True) for m in body.messages])
     messages = []
-    text: list[str] = []
     for n, message in enumerate(rendered):
         content = message.get("content")
         if isinstance(content, list):
@@ -176,13 +186,10 @@ def _messages(body: ChatCompletionBody) -> tuple[list[dict[str, Any]], list[obje
                 if part["type"] == "text" and not isinstance(part.get("text"), str):
                     raise InvalidRequest(f"messages.{n}.content: a text part needs a string text")
             texts = [part["text"] for part in content if part["type"] == "text"]
-            text += texts
             if len(texts) == len(content):
                 content = "".join(texts)
-        elif isinstance(content, str):
-            text.append(content)
         messages.append({**message, "content": content or ""})
-    return messages, items, "".join(text)
+    return messages, items
 
 
 @router.post("/v1/chat/completions", openapi_extra=openapi_body(ChatCompletionBody))
@@ -190,10 +197,10 @@ async def chat_completions(request: Request) -> Response:
     engine: Engine = request.app.state.engine
     body = await parse_body(request, ChatCompletionBody)
     refuse_unsupported_openai(body)
-    messages, images, text = _messages(body)
+    messages, images = _messages(body)
     if images:
         request.app.state.images.check_supported("messages: image_url")
-    check_prompt_length(engine, [text])
+    check_prompt_chars(engine, _num_chars(messages))  # every field the template renders, not only contents
     try:  # rendered and tokenized off the event loop, like every prompt
         ids = await asyncio.to_thread(engine.tokenizer.apply_chat_template, messages)
     except ChatTemplateError as exc:

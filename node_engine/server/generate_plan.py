@@ -21,6 +21,9 @@ from node_engine.server.images import ImageLoader
 from node_engine.vision.inputs import MultimodalPrompt
 from node_engine.server.protocol import MAX_BATCH, to_sampling_params
 
+# logprob list entries one request may ask for (each ~30 bytes of JSON, ~100 of Python objects while built)
+MAX_LOGPROB_ENTRIES = 4_000_000
+
 
 @dataclass(frozen=True)
 class GeneratePlan:
@@ -69,7 +72,22 @@ async def plan_generate(engine: Engine, body: GenerateBody, images: ImageLoader)
                                  f"({len(ids)} tokens)")
         sequences.append(SequenceSpec(ids, params, seq.rid, seq.logprobs, seq.use_prefix_cache,  # ids shared, read-only
                                       seq.prompt_index, mm))
+    num_entries = sum(_num_logprob_entries(spec) for spec in sequences)
+    if num_entries > MAX_LOGPROB_ENTRIES:
+        raise InvalidRequest(f"the logprobs asked for come to {num_entries} entries (positions x (1 + "
+                             f"top_logprobs_num + token_ids_logprob) x sequences), more than {MAX_LOGPROB_ENTRIES}: "
+                             "ask for fewer positions (logprob_start_len), fewer top logprobs or fewer samples")
     return GeneratePlan(sequences, request.is_batch, request.n, body.return_prompt_token_ids)
+
+
+def _num_logprob_entries(spec: SequenceSpec) -> int:
+    """The most logprob entries ``spec``'s answer can hold: one list entry per position and id asked."""
+    options = spec.logprobs
+    if options is None:
+        return 0
+    positions = spec.params.max_new_tokens + (len(spec.prompt_ids) - options.start_len if options.start_len >= 0
+                                              else 0)
+    return positions * (1 + options.top_logprobs_num + len(options.token_ids or ()))
 
 
 def _field(prompt_index: int, is_batch: bool) -> str:

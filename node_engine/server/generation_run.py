@@ -173,7 +173,11 @@ class GenerationRun:
     async def collect(self) -> list[SequenceAnswer]:
         answers = self.answers()
         async for index, output in self.events():
-            answers[index].add(self.chunk(index, output))
+            if self.sequences[index].logprobs is None:
+                chunk = self.chunk(index, output)
+            else:  # a decode per logprob entry: on a thread, so the event loop keeps its turns meanwhile
+                chunk = await asyncio.to_thread(self.chunk, index, output)
+            answers[index].add(chunk)
         return answers
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any, AsyncIterator
 
 from fastapi import APIRouter, Request
@@ -36,8 +37,14 @@ async def generate(request: Request) -> Response:
     answers = await collect_unless_disconnected(request, run)
     if answers is None:
         return Response(status_code=CLIENT_CLOSED)
-    results = [_with_prompt_ids(answer.answer(), spec, plan) for answer, spec in zip(answers, run.sequences)]
-    return JSONResponse(results if plan.is_batch else results[0])
+
+    def respond() -> Response:
+        results = [_with_prompt_ids(answer.answer(), spec, plan) for answer, spec in zip(answers, run.sequences)]
+        return JSONResponse(results if plan.is_batch else results[0])
+
+    if any(spec.logprobs is not None for spec in run.sequences):  # maybe megabytes of JSON: off the loop
+        return await asyncio.to_thread(respond)
+    return respond()
 
 
 def _with_prompt_ids(payload: dict[str, Any], spec: SequenceSpec, plan: GeneratePlan) -> dict[str, Any]:

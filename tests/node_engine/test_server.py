@@ -219,6 +219,20 @@ def test_a_chat_too_long_for_the_context_is_refused_before_it_is_rendered(client
     assert r.status_code == 400 and "can never fit the context" in r.json()["error"]["message"], r.text[:300]
 
 
+def test_logprobs_past_the_entry_limit_are_refused_and_within_it_answered(client) -> None:
+    """2000 prompt positions x (1 + 64 top + 256 ids) x 8 samples: 5 million entries, a 3 KB request that made
+    a 157 MB answer (built on the event loop). Past 4 million entries it is a 400 naming the knobs."""
+    body = {"input_ids": [1] * 2000, "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 64,
+            "token_ids_logprob": list(range(256)), "sampling_params": {"n": 8, "max_new_tokens": 8}}
+    r = client.post("/generate", json=body)
+    assert r.status_code == 400 and "entries" in r.json()["error"]["message"], r.text[:300]
+    small = client.post("/generate", json={**body, "top_logprobs_num": 2, "token_ids_logprob": [1, 2],
+                                           "sampling_params": {"n": 2, "max_new_tokens": 4}})
+    assert small.status_code == 200, small.text[:300]
+    answer = small.json()[0]["meta_info"]
+    assert len(answer["input_token_logprobs"]) == 2000 and len(answer["output_top_logprobs"][0]) == 2
+
+
 def test_client_disconnect_aborts_the_request(client, engine) -> None:
     before = metric(client, 'handoff_engine_requests_total{finish_reason="abort"}') if "abort" in client.get(
         "/metrics").text else 0.0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any, AsyncIterator
 
 from fastapi import APIRouter, Request
@@ -40,11 +41,19 @@ async def generate(request: Request) -> Response:
 
     def respond() -> Response:
         results = [_with_prompt_ids(answer.answer(), spec, plan) for answer, spec in zip(answers, run.sequences)]
-        return JSONResponse(results if plan.is_batch else results[0])
+        if not plan.is_batch:
+            return JSONResponse(results[0])
+        # one sequence at a time: the JSON encoder holds the GIL for a whole call, the event loop gets it between
+        return Response(b"[" + b",".join(_json(result) for result in results) + b"]", media_type="application/json")
 
     if any(spec.logprobs is not None for spec in run.sequences):  # maybe megabytes of JSON: off the loop
         return await asyncio.to_thread(respond)
     return respond()
+
+
+def _json(value: Any) -> bytes:
+    """As :class:`JSONResponse` renders."""
+    return json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode("utf-8")
 
 
 def _with_prompt_ids(payload: dict[str, Any], spec: SequenceSpec, plan: GeneratePlan) -> dict[str, Any]:

@@ -40,7 +40,7 @@ from node_engine.memory.manager import MemoryManager
 from node_engine.memory.setup import make_memory_info, make_saver
 from node_engine.metrics import EngineMetrics
 from node_engine.prefix_cache import PrefixCache
-from node_engine.request import FinishReason, Request, RequestOutput, RequestState
+from node_engine.request import FinishReason, Request, RequestHandle, RequestOutput, RequestState, error_output
 from node_engine.model.source import load_model_source
 from node_engine.runner import ModelRunner
 from node_engine.sampling import SamplingParams
@@ -53,20 +53,6 @@ from node_engine.weight_sync.distributed import WeightGroups
 from node_engine.weight_updates import WeightUpdates
 
 log = logging.getLogger(__name__)
-
-
-class RequestHandle:
-    """The event-loop side of one request: its outputs, in order."""
-
-    def __init__(self, rid: str) -> None:
-        self.rid = rid
-        self._queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
-
-    def _put(self, output: RequestOutput) -> None:
-        self._queue.put_nowait(output)
-
-    async def next(self) -> RequestOutput:
-        return await self._queue.get()
 
 
 class DeviceFailed(RuntimeError):
@@ -211,7 +197,7 @@ class Engine:
                                                              is_lazy=not stream and not params.stop,
                                                              skip_special_tokens=params.skip_special_tokens,
                                                              no_stop_trim=params.no_stop_trim),
-                          on_output=handle._put, generator=generator, is_streaming=stream, mm=mm,
+                          on_output=handle.put, generator=generator, is_streaming=stream, mm=mm,
                           logprobs=logprobs, use_prefix_cache=use_prefix_cache,
                           prefill_only=params.max_new_tokens == 0 and (prefill or (
                               logprobs is not None and 0 <= logprobs.start_len < len(prompt_ids))))
@@ -287,7 +273,7 @@ class Engine:
             self.check_can_generate()
         except (MemoryReleased, WeightsNotLoaded) as exc:
             self.metrics.rejected_requests.labels(exc.type).inc()
-            self._deliver([(request, _error_output(request, exc.kind, exc.message))])
+            self._deliver([(request, error_output(request, exc.kind, exc.message))])
             request.transition(RequestState.FINISHED)
             return
         if request.params.max_new_tokens == 0 and not request.prefill_only:
@@ -349,7 +335,7 @@ class Engine:
         for request in requests:
             self.scheduler.fail(request)
             self.metrics.requests.labels("error").inc()
-            outputs.append((request, _error_output(request, E.ENGINE_FAILED, message)))
+            outputs.append((request, error_output(request, E.ENGINE_FAILED, message)))
         self._deliver(outputs)
 
     def _close(self, closed: Closed) -> None:
@@ -364,7 +350,7 @@ class Engine:
         for request in list(self.scheduler.running) + list(self.scheduler.waiting):
             has_run = request.state is RequestState.RUNNING or bool(request.output_ids)
             kind = E.ENGINE_FAILED if closed.has_failed and has_run else E.ENGINE_STOPPED
-            outputs.append((request, _error_output(request, kind, closed.message)))
+            outputs.append((request, error_output(request, kind, closed.message)))
         self._deliver(outputs)
         for item in queued:
             self._refuse(item, closed)
@@ -372,7 +358,7 @@ class Engine:
     def _refuse(self, item: Item, closed: Closed) -> None:
         """Answer a queued item of a closed engine (any thread)."""
         if isinstance(item, Add):
-            self._deliver([(item.request, _error_output(item.request, E.ENGINE_STOPPED, closed.message))])
+            self._deliver([(item.request, error_output(item.request, E.ENGINE_STOPPED, closed.message))])
         elif isinstance(item, Call):
             item.fail(EngineStopped(closed.message))
 
@@ -387,8 +373,3 @@ class Engine:
         for tag, info in self.memory.occupation().items():
             for state in ("resident", "released"):
                 self.metrics.memory_bytes.labels(tag, state).set(info["bytes"] if info["state"] == state else 0)
-
-
-def _error_output(request: Request, kind: E.ErrorType, message: str) -> RequestOutput:
-    return RequestOutput(request.rid, "", [], len(request.prompt_ids), len(request.output_ids),
-                         error_type=kind.name, error=message)

@@ -7,6 +7,7 @@ Any other move is a bug and raises, naming the state it was in.
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import time
 from dataclasses import dataclass, field
@@ -14,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
+from handoff.protocol.errors import ErrorType
 from handoff.protocol.generate_sequences import LogprobOptions
 from handoff.protocol.generation import FinishReason as FinishJSON
 from handoff.protocol.generation import finish_abort, finish_abort_waiting, finish_length, finish_stop
@@ -208,3 +210,23 @@ class Request:
             num_cached_tokens=self.num_cached_prompt_tokens, num_retractions=self.num_retractions,
             output_logprobs=self.output_logprobs[num_emitted:len(self.output_ids)] if self.logprobs else None,
             input_logprobs=input_logprobs)
+
+
+class RequestHandle:
+    """The event-loop side of one request: its outputs, in order (:meth:`put` on the loop, from the engine)."""
+
+    def __init__(self, rid: str) -> None:
+        self.rid = rid
+        self._queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+
+    def put(self, output: RequestOutput) -> None:
+        self._queue.put_nowait(output)
+
+    async def next(self) -> RequestOutput:
+        return await self._queue.get()
+
+
+def error_output(request: Request, kind: ErrorType, message: str) -> RequestOutput:
+    """The final output of a request that failed (``kind``) instead of finishing."""
+    return RequestOutput(request.rid, "", [], len(request.prompt_ids), len(request.output_ids),
+                         error_type=kind.name, error=message)

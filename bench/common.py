@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -64,3 +65,13 @@ def cpu_seconds(server: ServerProcess) -> float:
     """User + system CPU seconds the server's process has used so far."""
     times = psutil.Process(server.pid).cpu_times()
     return times.user + times.system
+
+
+def median_s(run: Callable[[], object], repeats: int) -> float:
+    """The median wall time of ``repeats`` calls of ``run``, in seconds."""
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)

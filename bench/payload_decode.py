@@ -15,17 +15,16 @@ from __future__ import annotations
 import argparse
 import base64
 import pickle
-import statistics
 import sys
-import time
 import warnings
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from bench.common import median_s  # noqa: E402
 from node_engine.weight_sync.tensor_payload import decode_payload  # noqa: E402
 from tests.support.sglang_payloads import verl_payload  # noqa: E402
 
@@ -33,15 +32,6 @@ from tests.support.sglang_payloads import verl_payload  # noqa: E402
 def unchecked(payload: str) -> list[tuple[str, Any]]:
     outer = pickle.loads(base64.b64decode(payload))
     return [(name, pickle.loads(wrapper.values[0])) for name, wrapper in outer]
-
-
-def median_s(work: Callable[[], object], repeat: int) -> float:
-    times = []
-    for _ in range(repeat):
-        started = time.perf_counter()
-        work()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
 
 
 def main() -> None:

@@ -36,7 +36,6 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
@@ -45,7 +44,7 @@ import httpx  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from bench.common import MODELS  # noqa: E402
+from bench.common import MODELS, median_s  # noqa: E402
 from handoff.cluster.local import ClusterSpec, LocalCluster  # noqa: E402
 from handoff.weight_sync import broadcast_named_tensors, join_weight_group, serialize_named_tensors  # noqa: E402
 from node_engine.model.builtin import builtin_arch, builtin_weights, save_checkpoint  # noqa: E402
@@ -70,15 +69,6 @@ for _ in range(repeats):
     dist.barrier(group=group)
 dist.destroy_process_group(group)
 """
-
-
-def median_s(run: Callable[[], object], repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
 
 
 def bench_distributed(cluster: LocalCluster, named: list[tuple[str, torch.Tensor]], repeats: int) -> tuple[float, float]:

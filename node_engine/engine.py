@@ -168,7 +168,7 @@ class Engine:
         (SGLang refuses a duplicate id too)."""
         taken = [rid for rid in rids if rid in self._live_rids]
         if taken:
-            raise InvalidRequest(f"request id {taken[0][:200]!r} is already in flight; ids must be unique")
+            raise InvalidRequest(f"Duplicate request ID detected: {taken[0][:200]!r} is already in flight")
 
     def default_max_new_tokens(self, num_prompt_tokens: int) -> int:
         return max(0, min(128, self.scheduler.max_request_tokens() - num_prompt_tokens))

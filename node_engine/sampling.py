@@ -115,8 +115,9 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
 
 
 def _sample_row(row: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
-    # a large logit over a small temperature overflows: the largest float instead keeps softmax free of NaN
-    scores = (row / p.temperature).nan_to_num_(nan=float("-inf"), posinf=torch.finfo(row.dtype).max)
+    scores = row / p.temperature
+    if p.temperature < 1:  # a large logit over a small temperature overflows: the largest float keeps softmax sane
+        scores.nan_to_num_(nan=float("-inf"), posinf=torch.finfo(row.dtype).max)
     if p.top_k > 0 and p.top_k < scores.shape[-1]:
         kth = torch.topk(scores, p.top_k).values[-1]
         scores = scores.masked_fill(scores < kth, float("-inf"))

@@ -11,21 +11,19 @@ parses the group bodies (it gives each node its ranks) and documents the rest.
 
 from __future__ import annotations
 
-import ipaddress
 import math
-import re
 from typing import Literal
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
 from handoff.protocol.control import STRICT
+from handoff.protocol.hosts import is_host_name, is_ipv6_address
 
 DEFAULT_GROUP_NAME = "weight_update_group"
 MAX_TENSORS_PER_UPDATE = 100_000
 MAX_TENSOR_RANK = 8
 MAX_ELEMENTS = 1 << 48  # per tensor: past any real one, and within torch's int64 sizes
 MAX_NAME_CHARS = 1024
-_HOST_NAME = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,62})(?:\.[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,62}))*\.?")
 Selector = Literal["target", "draft", "all"]
 TensorLoadFormat = Literal["direct", "flattened_bucket"]
 GroupBackend = Literal["gloo", "nccl"]
@@ -120,14 +118,9 @@ class InitWeightsUpdateGroupBody(BaseModel):
     @field_validator("master_address")
     @classmethod
     def _host(cls, value: str) -> str:
-        """An IP address (IPv6 with or without brackets) or a host name: what ``tcp://host:port`` can hold."""
-        try:
-            ipaddress.ip_address(value[1:-1] if value.startswith("[") and value.endswith("]") else value)
-            if "%" not in value:  # an IPv6 zone would have to be escaped in the URL
-                return value
-        except ValueError:
-            pass
-        if not _HOST_NAME.fullmatch(value):
+        """A host name, an IPv4 address, or an IPv6 address (bracketed or not): what ``tcp://host:port`` holds."""
+        bare = value[1:-1] if value.startswith("[") and value.endswith("]") else value
+        if not (is_host_name(value) or is_ipv6_address(bare)):
             raise ValueError(f"master_address {value[:80]!r} is not an IP address or a host name")
         return value
 

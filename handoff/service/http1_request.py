@@ -10,20 +10,18 @@ they accept. Header names must be tokens and values free of CR, LF and NUL.
 from __future__ import annotations
 
 import functools
-import ipaddress
 import re
 from typing import Iterable, Mapping, Union
 
+from handoff.protocol.hosts import is_host_name, is_ipv6_address
 from handoff.service.upstream_errors import InvalidHeader, InvalidURL
 
 Headers = Union[Mapping[str, str], Iterable[tuple[str, str]]]
 
 _TOKEN = re.compile(r"[-!#$%&'*+.^_`|~0-9a-zA-Z]+")
-_HOST_NAME = re.compile(r"(?:[A-Za-z0-9_-]{1,63}\.)*[A-Za-z0-9_-]{1,63}\.?")
 _PORT = re.compile(r"[0-9]{1,5}")
 _TARGET = re.compile(r"/[\x21-\x7e]*")
 _BAD_VALUE_CHARS = re.compile(r"[\r\n\x00]")
-_MAX_HOST_NAME_CHARS = 253
 # set by the client from the request itself; a caller's copy would make two framings
 _CLIENT_OWNED_HEADERS = frozenset({"host", "content-length", "transfer-encoding", "connection"})
 _BODILESS_METHODS = frozenset({"GET", "HEAD", "DELETE", "OPTIONS"})
@@ -51,13 +49,13 @@ def parse_origin(authority: str) -> Origin:
         if rest and not rest.startswith(":"):
             raise InvalidURL(f"unexpected {rest!r} after the IPv6 address in {authority!r}")
         port_text = rest[1:]
-        if not _is_ipv6_address(host):
+        if not is_ipv6_address(host):
             raise InvalidURL(f"bad IPv6 address in {authority[:100]!r}")
     else:
         host, _, port_text = authority.partition(":")
         if not host:
             raise InvalidURL("URL has no host")
-        if len(host) > _MAX_HOST_NAME_CHARS or not _HOST_NAME.fullmatch(host):
+        if not is_host_name(host):
             raise InvalidURL(f"bad host {host[:80]!r}: a DNS name (ASCII letters, digits, '-', '_', '.') "
                              f"or an IP address")
     if port_text and not _PORT.fullmatch(port_text):
@@ -66,16 +64,6 @@ def parse_origin(authority: str) -> Origin:
     if not 0 < port < 65536:
         raise InvalidURL(f"bad port {port} in {authority[:100]!r}")
     return Origin(host, port, authority)
-
-
-def _is_ipv6_address(text: str) -> bool:
-    if "%" in text:  # a zone index names a local interface: never a cluster peer
-        return False
-    try:
-        ipaddress.IPv6Address(text)
-    except ValueError:
-        return False
-    return True
 
 
 @functools.lru_cache(maxsize=4096)  # a process calls the same few node URLs over and over (a fan-out: 128 at once)

@@ -177,7 +177,7 @@ def test_a_request_id_in_flight_is_refused_to_another_client(client, engine) -> 
     thread.start()
     wait_until(lambda: metric(client, "handoff_engine_running_requests") == 1, timeout=10)
     second = client.post("/generate", json={"text": "x", "rid": "job-1", "sampling_params": {"max_new_tokens": 2}})
-    assert second.status_code == 400 and "already in flight" in second.json()["error"]["message"], second.text
+    assert second.status_code == 400 and "Duplicate request ID" in second.json()["error"]["message"], second.text
     batch = client.post("/generate", json={"text": ["a", "b"], "rid": ["other", "job-1"],
                                            "sampling_params": {"max_new_tokens": 2}})
     assert batch.status_code == 400  # nothing of the batch ran: "other" is free again at once

@@ -13,49 +13,15 @@ refuses a second member on an address and port it already has.
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import logging
-import re
 import socket
+
+from handoff.protocol.hosts import canonical_host, canonical_ip
 
 log = logging.getLogger(__name__)
 
 RESOLVE_TIMEOUT_S = 2.0
-_LABEL = re.compile(r"[a-z0-9_]([a-z0-9_-]{0,61}[a-z0-9_])?")
 _LOOPBACK_NAMES = {"localhost": frozenset({"127.0.0.1", "::1"})}
-
-
-def _canonical_ip(text: str) -> str:
-    address = ipaddress.ip_address(text)
-    if isinstance(address, ipaddress.IPv6Address) and address.scope_id:
-        raise ValueError(f"{text!r}: IPv6 zone ids are not supported")
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        return str(address.ipv4_mapped)
-    return str(address)
-
-
-def _canonical_host(host: str, url: str) -> str:
-    """An IP literal in its compressed form (IPv6 without brackets) or a lowercase DNS name."""
-    if not host:
-        raise ValueError(f"node URL {url!r} has no host")
-    if host.startswith("["):
-        if not host.endswith("]"):
-            raise ValueError(f"node URL {url!r}: unterminated IPv6 literal {host!r}")
-        try:
-            return _canonical_ip(host[1:-1])
-        except ValueError as exc:
-            raise ValueError(f"node URL {url!r}: {host[1:-1]!r} is not an IPv6 address ({exc})") from None
-    if not host.isascii() or not host.isprintable():
-        raise ValueError(f"node URL {url!r}: the host must be printable ASCII (write an international "
-                         "name in its xn-- form)")
-    try:
-        return _canonical_ip(host)
-    except ValueError:
-        pass
-    name = host.lower().removesuffix(".")
-    if len(name) > 253 or not all(_LABEL.fullmatch(label) for label in name.split(".")):
-        raise ValueError(f"node URL {url!r}: {host!r} is not a host name or an IP address")
-    return name
 
 
 def canonical_url(url: str) -> str:
@@ -79,7 +45,10 @@ def canonical_url(url: str) -> str:
         port_text = port_text[1:]
     else:
         host, _, port_text = authority.partition(":")
-    canonical = _canonical_host(host, url)
+    try:
+        canonical = canonical_host(host)
+    except ValueError as exc:
+        raise ValueError(f"node URL {url!r}: {exc}") from None
     if port_text and (not port_text.isdigit() or not 0 < int(port_text) < 65536):
         raise ValueError(f"node URL {url!r}: the port must be a number in 1-65535, got {port_text!r}")
     port = int(port_text) if port_text else 80
@@ -98,7 +67,7 @@ def literal_addresses(host: str) -> frozenset[str] | None:
     if host in _LOOPBACK_NAMES:
         return _LOOPBACK_NAMES[host]
     try:
-        return frozenset({_canonical_ip(host)})
+        return frozenset({canonical_ip(host)})
     except ValueError:
         return None
 
@@ -114,4 +83,4 @@ async def resolve(host: str, timeout_s: float = RESOLVE_TIMEOUT_S) -> frozenset[
     except (OSError, asyncio.TimeoutError, UnicodeError) as exc:
         log.info("%s does not resolve now (%s); it is a member under its name only", host, exc)
         return frozenset()
-    return frozenset(_canonical_ip(str(info[4][0]).partition("%")[0]) for info in infos)
+    return frozenset(canonical_ip(str(info[4][0]).partition("%")[0]) for info in infos)

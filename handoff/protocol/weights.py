@@ -17,7 +17,7 @@ from typing import Literal
 from pydantic import BaseModel, Field, field_validator, model_validator
 
 from handoff.protocol.control import STRICT
-from handoff.protocol.hosts import is_host_name, is_ipv6_address
+from handoff.protocol.hosts import canonical_host
 
 DEFAULT_GROUP_NAME = "weight_update_group"
 MAX_TENSORS_PER_UPDATE = 100_000
@@ -119,9 +119,10 @@ class InitWeightsUpdateGroupBody(BaseModel):
     @classmethod
     def _host(cls, value: str) -> str:
         """A host name, an IPv4 address, or an IPv6 address (bracketed or not): what ``tcp://host:port`` holds."""
-        bare = value[1:-1] if value.startswith("[") and value.endswith("]") else value
-        if not (is_host_name(value) or is_ipv6_address(bare)):
-            raise ValueError(f"master_address {value[:80]!r} is not an IP address or a host name")
+        try:
+            canonical_host(value)
+        except ValueError as exc:
+            raise ValueError(f"master_address {value[:80]!r}: {exc}") from None
         return value
 
     @field_validator("master_port", mode="before")

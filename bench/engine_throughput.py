@@ -82,7 +82,7 @@ def write_model(folder: Path, overrides: dict[str, Any]) -> int:
 async def _engine_run(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> tuple[float, list[list[int]]]:
     """Seconds from submitting ``prompts`` (non-streaming) until the last answer, and the answers."""
     for ids in prompts:
-        engine.check_request(ids, params)
+        engine.gate.check(ids, params)
     started = time.perf_counter()
     handles = [engine.submit(ids, params) for ids in prompts]
     output_ids: list[list[int]] = [[] for _ in prompts]

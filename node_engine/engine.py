@@ -32,7 +32,7 @@ from handoff.protocol import errors as E
 from handoff.protocol.generate_sequences import LogprobOptions
 from node_engine.config import EngineConfig
 from node_engine.control import EngineControl
-from node_engine.errors import EngineStopped, InvalidRequest, MemoryReleased, WeightsNotLoaded
+from node_engine.errors import EngineStopped, MemoryReleased, WeightsNotLoaded
 from node_engine.failures import FaultDrill, leaves_device_unusable
 from node_engine.inbox import Abort, Add, Call, Closed, Inbox, Item
 from node_engine.kv_cache import RowAllocator, SlotAllocator
@@ -41,6 +41,7 @@ from node_engine.memory.setup import make_memory_info, make_saver
 from node_engine.metrics import EngineMetrics
 from node_engine.prefix_cache import PrefixCache
 from node_engine.request import FinishReason, Request, RequestHandle, RequestOutput, RequestState, error_output
+from node_engine.request_gate import RequestGate
 from node_engine.model.source import load_model_source
 from node_engine.runner import ModelRunner
 from node_engine.sampling import SamplingParams
@@ -86,6 +87,8 @@ class Engine:
                             max_visual_tokens=self.runner.vision.visual_budget if self.runner.vision else 0),
             slots, RowAllocator(config.max_running_requests),
             PrefixCache(slots) if config.enable_prefix_cache else None)
+        self.gate = RequestGate(self.scheduler, self.memory, vocab_size=self.arch.vocab_size,
+                                context_len=plan.context_len)
         self.weight_version = config.weight_version
         self.is_paused = False  # pause_generation (retract, in_place): requests stay, nothing steps
         self._inbox = Inbox()
@@ -93,7 +96,6 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._num_rids = 0
-        self._live_rids: set[str] = set()  # event-loop side: ids submitted whose final output has not arrived
         self.control = EngineControl(self)
         self.weights = WeightUpdates(self)
         self.weight_groups = WeightGroups(self)
@@ -132,47 +134,6 @@ class Engine:
         return self._thread is not None and self._thread.is_alive() and self._inbox.closed is None
 
     # -- event-loop side -----------------------------------------------------------
-    def check_request(self, prompt_ids: list[int], params: SamplingParams,
-                      logprobs: LogprobOptions | None = None) -> None:
-        """Raise 400 for a request that can never run, 409/503 while it cannot run now."""
-        if not prompt_ids:
-            raise InvalidRequest("the prompt is empty")
-        limit = self.scheduler.max_request_tokens()
-        if len(prompt_ids) + params.max_new_tokens > limit:  # first: the scans below cost the prompt's length
-            raise InvalidRequest(
-                f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds the "
-                f"{limit} tokens a request can use (context {self.runner.kv_plan.context_len}, "
-                f"pool {self.scheduler.slots.capacity})")
-        vocab = self.arch.vocab_size
-        bad = [t for t in prompt_ids if not 0 <= t < vocab]
-        if bad:
-            raise InvalidRequest(f"token ids out of range [0, {vocab}): {bad[:5]}")
-        bad_stop = [t for t in params.stop_token_ids if not 0 <= t < vocab]
-        if bad_stop:
-            raise InvalidRequest(f"stop_token_ids out of range [0, {vocab}): {bad_stop[:5]}")
-        bad_ids = [t for t in (logprobs.token_ids or ()) if not 0 <= t < vocab] if logprobs else []
-        if bad_ids:
-            raise InvalidRequest(f"token_ids_logprob out of range [0, {vocab}): {bad_ids[:5]}")
-        self.check_can_generate()
-
-    def check_can_generate(self) -> None:
-        released = self.memory.released_tags()
-        if released:
-            raise MemoryReleased(f"memory is released ({', '.join(t.value for t in released)}); resume it first",
-                                 retry_after=1, extra={"released": [t.value for t in released]})
-        if not self.memory.weights_valid:
-            raise WeightsNotLoaded("weights were resumed without a backup; call /update_weights_from_disk first")
-
-    def check_rids_free(self, rids: list[str]) -> None:
-        """400 if one of ``rids`` is a request still in flight: an abort by id must reach only its own request
-        (SGLang refuses a duplicate id too)."""
-        taken = [rid for rid in rids if rid in self._live_rids]
-        if taken:
-            raise InvalidRequest(f"Duplicate request ID detected: {taken[0][:200]!r} is already in flight")
-
-    def default_max_new_tokens(self, num_prompt_tokens: int) -> int:
-        return max(0, min(128, self.scheduler.max_request_tokens() - num_prompt_tokens))
-
     def submit(self, prompt_ids: list[int], params: SamplingParams, rid: str | None = None, *,
                stream: bool = False, mm: MultimodalPrompt | None = None, logprobs: LogprobOptions | None = None,
                use_prefix_cache: bool = True, prefill: bool = False) -> RequestHandle:
@@ -188,7 +149,7 @@ class Engine:
         """
         self._num_rids += 1
         rid = rid or f"req-{uuid.uuid4().hex[:16]}"
-        self._live_rids.add(rid)
+        self.gate.claim(rid)
         handle = RequestHandle(rid)
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         generator = None if params.is_greedy else torch.Generator(device=self.runner.device).manual_seed(seed)
@@ -270,7 +231,7 @@ class Engine:
 
     def _admit(self, request: Request) -> None:
         try:
-            self.check_can_generate()
+            self.gate.check_can_generate()
         except (MemoryReleased, WeightsNotLoaded) as exc:
             self.metrics.rejected_requests.labels(exc.type).inc()
             self._deliver([(request, error_output(request, exc.kind, exc.message))])
@@ -366,7 +327,7 @@ class Engine:
         """Hand outputs to their requests (event loop); a final one frees its request's id."""
         for request, output in outputs:
             if output.is_final:
-                self._live_rids.discard(request.rid)
+                self.gate.give_back(request.rid)
             request.on_output(output)
 
     def _update_memory_metrics(self) -> None:

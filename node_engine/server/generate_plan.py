@@ -63,7 +63,7 @@ async def plan_generate(engine: Engine, body: GenerateBody, images: ImageLoader)
     for seq in request.sequences:
         ids, mm = prompts[seq.prompt_index]
         try:
-            params = to_sampling_params(seq.sampling, engine.default_max_new_tokens(len(ids)),
+            params = to_sampling_params(seq.sampling, engine.gate.default_max_new_tokens(len(ids)),
                                         vocab_size=engine.arch.vocab_size, sample_index=seq.sample_index)
         except ValueError as exc:
             raise InvalidRequest(f"sampling_params: {exc}") from exc

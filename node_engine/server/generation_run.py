@@ -63,13 +63,13 @@ class GenerationRun:
 
     def __init__(self, engine: Engine, sequences: list[SequenceSpec], *, stream: bool = False) -> None:
         for spec in sequences:
-            engine.check_request(spec.prompt_ids, spec.params, spec.logprobs)
+            engine.gate.check(spec.prompt_ids, spec.params, spec.logprobs)
         self.engine = engine
         self.sequences = sequences
         self.stream = stream
         self.started = time.monotonic()
         self.rids = [spec.rid or f"req-{uuid.uuid4().hex[:16]}" for spec in sequences]
-        engine.check_rids_free(self.rids)  # before any is submitted: nothing runs if one is taken
+        engine.gate.check_rids_free(self.rids)  # before any is submitted: nothing runs if one is taken
         self.handles: list[RequestHandle] = []
         self._finished = [False] * len(sequences)
         self._prefills = [engine.submit(sequences[first].prompt_ids, _PREFILL_ONLY, f"{self.rids[first]}-prefill",

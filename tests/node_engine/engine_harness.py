@@ -26,7 +26,7 @@ async def running_engine(config: EngineConfig,
 
 async def generate(engine: Engine, prompt_ids: list[int], params: SamplingParams, *,
                    logprobs: LogprobOptions | None = None) -> tuple[list[int], list[RequestOutput]]:
-    engine.check_request(prompt_ids, params, logprobs)
+    engine.gate.check(prompt_ids, params, logprobs)
     handle = engine.submit(prompt_ids, params, logprobs=logprobs)
     outputs = []
     while True:

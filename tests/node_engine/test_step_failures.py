@@ -57,7 +57,7 @@ async def final(handle: RequestHandle) -> tuple[list[RequestOutput], RequestOutp
 
 
 def submit(engine: Engine, prompt: list[int], params: SamplingParams, *, stream: bool = False) -> RequestHandle:
-    engine.check_request(prompt, params)
+    engine.gate.check(prompt, params)
     return engine.submit(prompt, params, stream=stream)
 
 

@@ -36,7 +36,7 @@ def _image_request(engine: Engine, images, *parts):
 
 async def _generate(engine: Engine, images, params: SamplingParams = GREEDY) -> list[int]:
     ids, mm = _image_request(engine, images)
-    engine.check_request(ids, params)
+    engine.gate.check(ids, params)
     handle = engine.submit(ids, params, mm=mm)
     tokens: list[int] = []
     while True:
@@ -79,7 +79,7 @@ def test_features_are_collected_after_prefill_before_decode(monkeypatch: pytest.
     monkeypatch.setattr(encoder, "encode", tracked_encode)
     ids, mm = _image_request(engine, [random_image(280, 196), random_image(112, 224, seed=1)])
     refs.append(weakref.ref(mm.positions()))
-    engine.check_request(ids, GREEDY)
+    engine.gate.check(ids, GREEDY)
     engine.submit(ids, GREEDY, mm=mm)
     engine._drain_inbox(block=False)
     kinds = []

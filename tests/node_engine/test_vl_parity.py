@@ -103,7 +103,7 @@ async def _engine_greedy(engine: Engine, images) -> tuple[list[int], list[int]]:
     ids, mm = expand(MULTI_PROMPT, [vision.processor.resize(image) for image in images], engine.arch.vision,
                      vision.processor)
     params = SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True)
-    engine.check_request(ids, params)
+    engine.gate.check(ids, params)
     handle = engine.submit(ids, params, mm=mm)
     tokens: list[int] = []
     while True:

@@ -1,0 +1,82 @@
+"""What the event loop checks before a request reaches the engine thread, and the ids in flight.
+
+Rules:
+
+- :meth:`RequestGate.check` answers 400 for a request that can never run on
+  this engine (empty prompt, too long for the pool, token ids outside the
+  vocabulary), then 409/503 while it cannot run now (memory released, weights
+  not valid). The cheap length check comes first: the scans after it cost the
+  prompt's length.
+- An id is claimed when its request is submitted and given back when its final
+  output reaches the event loop, so an abort by id reaches only its own
+  request; a second request under an id in flight is 400, as in SGLang.
+
+Event-loop side only; the engine thread re-checks :meth:`check_can_generate`
+when it admits a request, since memory may be released in between.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from handoff.protocol.generate_sequences import LogprobOptions
+from node_engine.errors import InvalidRequest, MemoryReleased, WeightsNotLoaded
+from node_engine.memory.manager import MemoryManager
+from node_engine.sampling import SamplingParams
+from node_engine.scheduler import Scheduler
+
+DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default when a request names none
+
+
+class RequestGate:
+    def __init__(self, scheduler: Scheduler, memory: MemoryManager, *, vocab_size: int, context_len: int) -> None:
+        self._scheduler = scheduler
+        self._memory = memory
+        self._vocab_size = vocab_size
+        self._context_len = context_len
+        self._live_rids: set[str] = set()
+
+    def check(self, prompt_ids: list[int], params: SamplingParams, logprobs: LogprobOptions | None = None) -> None:
+        """Raise 400 for a request that can never run, 409/503 while it cannot run now."""
+        if not prompt_ids:
+            raise InvalidRequest("the prompt is empty")
+        limit = self._scheduler.max_request_tokens()
+        if len(prompt_ids) + params.max_new_tokens > limit:
+            raise InvalidRequest(
+                f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds the "
+                f"{limit} tokens a request can use (context {self._context_len}, "
+                f"pool {self._scheduler.slots.capacity})")
+        self._check_ids("token ids", prompt_ids)
+        self._check_ids("stop_token_ids", params.stop_token_ids)
+        if logprobs is not None:
+            self._check_ids("token_ids_logprob", logprobs.token_ids or ())
+        self.check_can_generate()
+
+    def _check_ids(self, what: str, ids: Sequence[int]) -> None:
+        vocab = self._vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequest(f"{what} out of range [0, {vocab}): {bad[:5]}")
+
+    def check_can_generate(self) -> None:
+        released = self._memory.released_tags()
+        if released:
+            raise MemoryReleased(f"memory is released ({', '.join(t.value for t in released)}); resume it first",
+                                 retry_after=1, extra={"released": [t.value for t in released]})
+        if not self._memory.weights_valid:
+            raise WeightsNotLoaded("weights were resumed without a backup; call /update_weights_from_disk first")
+
+    def check_rids_free(self, rids: list[str]) -> None:
+        """400 if one of ``rids`` is a request still in flight."""
+        taken = [rid for rid in rids if rid in self._live_rids]
+        if taken:
+            raise InvalidRequest(f"Duplicate request ID detected: {taken[0][:200]!r} is already in flight")
+
+    def claim(self, rid: str) -> None:
+        self._live_rids.add(rid)
+
+    def give_back(self, rid: str) -> None:
+        self._live_rids.discard(rid)
+
+    def default_max_new_tokens(self, num_prompt_tokens: int) -> int:
+        return max(0, min(DEFAULT_MAX_NEW_TOKENS, self._scheduler.max_request_tokens() - num_prompt_tokens))

@@ -58,8 +58,8 @@ def main(argv: list[str] | None = None) -> int:
         spec = ClusterSpec(num_mixed=num_mixed, num_prefill=args.prefill, num_decode=args.decode,
                            model_path=args.model_path, model_override=args.model_override, device=args.device,
                            weights_backup=args.weights_backup, lb_port=args.port,
-                           admin_token=token_from(args.admin_token, "HANDOFF_ADMIN_TOKEN"),
-                           api_key=token_from(args.api_key, "HANDOFF_API_KEY"), hold_requests=args.hold_requests,
+                           admin_token=token_from(args.admin_token, "HANDOFF_ADMIN_TOKEN", "--admin-token"),
+                           api_key=token_from(args.api_key, "HANDOFF_API_KEY", "--api-key"), hold_requests=args.hold_requests,
                            engine_kinds=(args.engine_kind,) * (num_mixed + args.prefill + args.decode))
     except ValueError as exc:
         print(f"handoff up: {exc}", file=sys.stderr)

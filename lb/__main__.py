@@ -10,10 +10,10 @@ from handoff.service.auth import token_from
 from handoff.service.limits import DEFAULT_MAX_BODY_BYTES
 from handoff.service.logs import setup_logging
 from handoff.service.serve import add_server_args, serve
+from lb.addresses import Resolver
 from lb.app import create_app
 from handoff.service.limits import DEFAULT_MAX_ANSWER_BYTES
 from lb.config import DnsTarget, LBConfig, NodeSpec, Policy, Role
-from lb.discovery import Resolver
 
 log = logging.getLogger("lb")
 
@@ -88,8 +88,8 @@ def config_from_args(args: argparse.Namespace) -> LBConfig:
         max_body_bytes=args.max_body_bytes,
         max_answer_bytes=args.max_answer_bytes,
         body_timeout_s=args.body_timeout,
-        admin_token=token_from(args.admin_token, "HANDOFF_ADMIN_TOKEN"),
-        api_key=token_from(args.api_key, "HANDOFF_API_KEY"),
+        admin_token=token_from(args.admin_token, "HANDOFF_ADMIN_TOKEN", "--admin-token"),
+        api_key=token_from(args.api_key, "HANDOFF_API_KEY", "--api-key"),
     )
 
 
@@ -104,6 +104,9 @@ def main(argv: Sequence[str] | None = None, *, resolver: Resolver | None = None)
     setup_logging("lb", fmt=args.log_format, level=args.log_level,
                   secrets=[s for s in (config.admin_token, config.api_key) if s])
     log.info("starting: %r", config)
+    if config.admin_token is None:
+        log.warning("no --admin-token: control calls (release, reload, membership) are open to anyone who can "
+                    "reach this port")
     serve(create_app(config, resolver=resolver), host=args.host, port=args.port, port_file=args.port_file,
           header_timeout_s=args.header_timeout)
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+from typing import Awaitable, Callable, Sequence
 
 from handoff.protocol.hosts import canonical_host, canonical_ip
 
@@ -22,6 +23,8 @@ log = logging.getLogger(__name__)
 
 RESOLVE_TIMEOUT_S = 2.0
 _LOOPBACK_NAMES = {"localhost": frozenset({"127.0.0.1", "::1"})}
+
+Resolver = Callable[[str, int], Awaitable[Sequence[str]]]  # (host, port) -> its addresses; raises OSError
 
 
 def canonical_url(url: str) -> str:
@@ -72,15 +75,21 @@ def literal_addresses(host: str) -> frozenset[str] | None:
         return None
 
 
-async def resolve(host: str, timeout_s: float = RESOLVE_TIMEOUT_S) -> frozenset[str]:
-    """Every address ``host`` stands for; a name that does not resolve in time stands for none known yet."""
+async def system_resolver(host: str, port: int) -> list[str]:
+    """Every address ``host`` resolves to (IPv4 and IPv6), sorted, without duplicates."""
+    infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    return sorted({str(info[4][0]) for info in infos})
+
+
+async def resolve(host: str, lookup: Resolver | None = None, timeout_s: float = RESOLVE_TIMEOUT_S) -> frozenset[str]:
+    """Every address ``host`` stands for; a name that does not resolve in time stands for none known yet.
+    ``lookup`` replaces the system's resolver (tests)."""
     known = literal_addresses(host)
     if known is not None:
         return known
     try:
-        infos = await asyncio.wait_for(asyncio.get_running_loop().getaddrinfo(host, None, type=socket.SOCK_STREAM),
-                                       timeout_s)
-    except (OSError, asyncio.TimeoutError, UnicodeError) as exc:
+        found = await asyncio.wait_for((lookup or system_resolver)(host, 0), timeout_s)
+        return frozenset(canonical_ip(str(address).partition("%")[0]) for address in found)
+    except (OSError, asyncio.TimeoutError, ValueError) as exc:  # ValueError: UnicodeError, or not an address
         log.info("%s does not resolve now (%s); it is a member under its name only", host, exc)
         return frozenset()
-    return frozenset(canonical_ip(str(info[4][0]).partition("%")[0]) for info in infos)

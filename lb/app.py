@@ -28,9 +28,9 @@ from handoff.service.bodies import install_schemas, openapi_body
 from handoff.service.errors import ServiceError, UnexpectedErrorMiddleware, install_error_handlers
 from handoff.service.generation_schema import GENERATION_RESPONSES
 from handoff.service.limits import BodyLimitMiddleware
+from lb.addresses import Resolver
 from lb.cluster import Cluster
 from lb.config import LBConfig
-from lb.discovery import Resolver
 from lb.metrics import LBMetrics
 from lb.openapi import GENERATION_BODIES, SCHEMA_MODELS
 from lb.probes import install_probes

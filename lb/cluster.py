@@ -16,9 +16,10 @@ from dataclasses import dataclass
 
 from handoff.service.auth import BearerToken
 from handoff.service.upstream import UpstreamClient
-from lb.addresses import resolve, split_canonical
+from lb.addresses import Resolver, literal_addresses, resolve, split_canonical
 from lb.config import LBConfig, NodeSpec
-from lb.discovery import DnsDiscovery, Resolver
+from lb.discovery import DnsDiscovery
+from lb.errors import NodeNotFound
 from lb.fanout import FanOut
 from lb.health import HealthMonitor
 from lb.membership import Membership, Node
@@ -95,6 +96,7 @@ class Cluster:
                              FanOut(client, self.membership, health, self.metrics, self.node_headers),
                              GenerationProxy(self.membership, self.router, caller, self.node_headers))
         self.state = ClusterState.RUNNING
+        await self._resolve_flag_names()
         await health.check_many(self.membership.nodes())
         self._tasks.append(asyncio.ensure_future(health.run()))
         if config.discover_dns:
@@ -103,6 +105,23 @@ class Cluster:
             await discovery.refresh()
             self._tasks.append(asyncio.ensure_future(discovery.run()))
         log.info("load balancer running with %d node(s), policy %s", len(self.membership), config.policy.value)
+
+    async def _resolve_flag_names(self) -> None:
+        """What each flag node named by a host name stands for, so that another spelling of it (``POST /nodes``,
+        DNS discovery, a second flag) is known as the same node; of two flag nodes found to be one, the first
+        listed stays."""
+        named = [node for node in self.membership.nodes() if literal_addresses(node.host) is None]
+        found = await asyncio.gather(*(resolve(node.host, self._resolver) for node in named))
+        order = {node.url: index for index, node in enumerate(self.membership.nodes())}
+        for node, addresses in zip(named, found):
+            if node.is_removed:
+                continue
+            twin = self.membership.learn_addresses(node, addresses)
+            if twin is not None:
+                kept, dropped = (twin, node) if order[twin.url] < order[node.url] else (node, twin)
+                log.warning("%s and %s are the same address and port: one node, kept as %s", kept.url,
+                            dropped.url, kept.url)
+                self.membership.remove(dropped.url, f"the same node as {kept.url}")
 
     async def stop(self) -> None:
         if self.state is ClusterState.STOPPED:
@@ -119,10 +138,12 @@ class Cluster:
     async def add_node(self, spec: NodeSpec) -> Node:
         """Add a node at run time (one node under two spellings of its address is one node) and check it once
         before answering."""
-        node = self.membership.add(spec, "admin", await resolve(split_canonical(spec.url)[0]))
+        node = self.membership.add(spec, "admin", await resolve(split_canonical(spec.url)[0], self._resolver))
         try:
             await self.health.check(node)
         except BaseException:  # a member must never be left behind by a call that failed
             self.membership.remove(node.url, "its first check failed")
             raise
+        if node.is_removed:
+            raise NodeNotFound(f"{node.url} was removed while its first check ran", extra={"node": node.url})
         return node

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from handoff.protocol.hosts import canonical_host
 from handoff.service.limits import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_ANSWER_BYTES, DEFAULT_MAX_BODY_BYTES
 from lb.addresses import canonical_url, literal_addresses, split_canonical
 
@@ -65,8 +66,10 @@ class DnsTarget:
     bootstrap_port: int | None = None
 
     def __post_init__(self) -> None:
-        if not self.host:
-            raise ValueError("discover_dns host is empty")
+        try:
+            object.__setattr__(self, "host", canonical_host(self.host))
+        except ValueError as exc:
+            raise ValueError(f"discover_dns host {self.host[:80]!r}: {exc}") from None
         if self.bootstrap_port is not None and self.role is not Role.PREFILL:
             raise ValueError(f"discover_dns: a bootstrap port is only for prefill, not {self.role.value}")
 

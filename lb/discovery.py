@@ -12,21 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 from typing import Awaitable, Callable, Sequence
 
+from lb.addresses import Resolver, system_resolver
 from lb.config import DnsTarget, NodeSpec
 from lb.membership import Membership, Node
 
 log = logging.getLogger(__name__)
 
-Resolver = Callable[[str, int], Awaitable[Sequence[str]]]
-
-
-async def system_resolver(host: str, port: int) -> list[str]:
-    """Every address ``host`` resolves to (IPv4 and IPv6), sorted, without duplicates."""
-    infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    return sorted({str(info[4][0]) for info in infos})
 
 
 def node_url(address: str, port: int) -> str:
@@ -63,7 +56,7 @@ class DnsDiscovery:
         source = f"dns {target}"
         try:
             addresses = await self._resolver(target.host, target.port)
-        except OSError as exc:
+        except (OSError, ValueError) as exc:  # ValueError: a name the resolver cannot encode (UnicodeError)
             log.warning("%s: lookup failed, keeping its current nodes: %s", source, exc)
             return []
         specs = [NodeSpec(node_url(address, target.port), target.role, target.bootstrap_port)

@@ -216,21 +216,32 @@ class Membership:
     def get(self, url: str) -> Node | None:
         return self._nodes.get(url)
 
-    def same_address(self, spec: NodeSpec, addresses: frozenset[str]) -> Node | None:
-        """The member at ``spec``'s URL, or at one of ``addresses`` on its port (another spelling of it)."""
-        if spec.url in self._nodes:
-            return self._nodes[spec.url]
-        host, port = split_canonical(spec.url)
-        mine = addresses | (literal_addresses(host) or frozenset())
+    def same_address(self, url: str, addresses: frozenset[str] = frozenset()) -> Node | None:
+        """The member at ``url`` (canonical, as :class:`NodeSpec` spells it) or at one of ``addresses`` on its
+        port: the same node spelled another way. Without ``addresses``, spellings known without a lookup count
+        (an IP literal, ``localhost``, an address a member's name resolved to)."""
+        if url in self._nodes:
+            return self._nodes[url]
+        host, port = split_canonical(url)
+        return self._on_address(port, addresses | (literal_addresses(host) or frozenset()))
+
+    def _on_address(self, port: int, addresses: frozenset[str], but: Node | None = None) -> Node | None:
         for node in self._nodes.values():
-            if node.port == port and (mine & (node.addresses | (literal_addresses(node.host) or frozenset()))):
+            if node is not but and node.port == port and (
+                    addresses & (node.addresses | (literal_addresses(node.host) or frozenset()))):
                 return node
         return None
+
+    def learn_addresses(self, node: Node, addresses: frozenset[str]) -> Node | None:
+        """Record what ``node``'s host name resolved to; returns another member on one of those addresses and
+        the same port (one node listed under two spellings), if there is one."""
+        node.addresses = addresses
+        return self._on_address(node.port, addresses, but=node)
 
     def add(self, spec: NodeSpec, source: str, addresses: frozenset[str] = frozenset()) -> Node:
         """Add a member; ``addresses`` are what its host resolved to. Raises :class:`NodeExists` for a URL or an
         address and port that already is a member."""
-        existing = self.same_address(spec, addresses)
+        existing = self.same_address(spec.url, addresses)
         if existing is not None:
             same = "" if existing.url == spec.url else f" (as {existing.url}: the same address and port)"
             raise NodeExists(f"{spec.url} is already a member{same}", extra={"node": existing.url})
@@ -259,7 +270,7 @@ class Membership:
                    if node.source == source and node.url not in wanted]
         added = []
         for spec in wanted.values():
-            existing = self.same_address(spec, frozenset())
+            existing = self.same_address(spec.url)
             if existing is None:
                 added.append(self.add(spec, source))
             elif existing.source != source:

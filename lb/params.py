@@ -1,4 +1,8 @@
-"""Query parameters the LB's fan-out calls share: ``?role=`` and ``?timeout=``."""
+"""Query parameters the LB's fan-out calls share: ``?role=`` and ``?timeout=`` (``?node=`` for a tensor push).
+
+A parameter a route does not take is a 400, never ignored: a misspelt ``?rol=decode``
+or a ``?node=`` on a call that goes to every node would otherwise act on the whole
+cluster."""
 
 from __future__ import annotations
 
@@ -31,3 +35,14 @@ def timeout_param(request: Request, config: LBConfig, default_s: float | None = 
         raise InvalidRequest(f"timeout must be > 0 and at most {config.max_control_timeout_s:g} s "
                              f"(--max-control-timeout), got {value}")
     return timeout_s
+
+
+FANOUT_QUERY = frozenset({"role", "timeout"})
+
+
+def check_query(request: Request, accepted: frozenset[str]) -> None:
+    unknown = sorted(set(request.query_params.keys()) - accepted)
+    if unknown:
+        raise InvalidRequest(f"unknown query parameter {unknown[0][:80]!r} on {request.url.path}: it takes "
+                             f"{', '.join('?' + name + '=' for name in sorted(accepted))}",
+                             extra={"unknown": [name[:80] for name in unknown[:8]]})

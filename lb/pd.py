@@ -33,6 +33,7 @@ from lb.routing import Router
 
 log = logging.getLogger(__name__)
 
+MAX_PD_BATCH = 4096  # prompts in one PD request; a handoff engine takes at most 256 (SGLang sets no limit)
 INPUT_LOGPROB_KEYS = ("input_token_logprobs", "input_top_logprobs", "input_token_ids_logprobs")
 Outcome = Any  # UpstreamResponse | Response | Reroute | ServiceError: what one side of a pair did
 
@@ -59,10 +60,19 @@ def batch_size(payload: Mapping[str, Any]) -> int | None:
     return None
 
 
-def with_bootstrap(payload: dict[str, Any], prefill: Node) -> dict[str, Any]:
-    """A copy of ``payload`` with the bootstrap fields of ``prefill`` (lists for a batch)."""
-    host, port = bootstrap_host(prefill), prefill.bootstrap_port
+def check_batch(payload: Mapping[str, Any]) -> int | None:
+    """:func:`batch_size`, 400 past :data:`MAX_PD_BATCH` (each prompt gets bootstrap fields of its own: an
+    unbounded batch of empty prompts would make the LB build and send bodies many times the request's size)."""
     size = batch_size(payload)
+    if size is not None and size > MAX_PD_BATCH:
+        raise InvalidRequest(f"a prefill/decode batch holds at most {MAX_PD_BATCH} prompts, got {size}")
+    return size
+
+
+def with_bootstrap(payload: dict[str, Any], prefill: Node, size: int | None) -> dict[str, Any]:
+    """A copy of ``payload`` (a batch of ``size`` prompts, None for one) with the bootstrap fields of
+    ``prefill`` (lists for a batch)."""
+    host, port = bootstrap_host(prefill), prefill.bootstrap_port
     if size is None:
         return {**payload, "bootstrap_host": host, "bootstrap_port": port, "bootstrap_room": random.getrandbits(63)}
     return {**payload, "bootstrap_host": [host] * size, "bootstrap_port": [port] * size,
@@ -135,12 +145,13 @@ class PDDispatcher:
 
     async def dispatch(self, path: str, body: bytes, headers: Mapping[str, str], watch: DisconnectWatch) -> Response:
         payload = _parse_object(body)
+        size = check_batch(payload)
         wants_logprobs = path == "/generate" and bool(payload.get("return_logprob"))
         tried: dict[Role, list[Node]] = {Role.PREFILL: [], Role.DECODE: []}
         while True:
             prefill = self._router.pick(Role.PREFILL, tried[Role.PREFILL])
             decode = self._router.pick(Role.DECODE, tried[Role.DECODE])
-            data = json.dumps(with_bootstrap(payload, prefill)).encode()
+            data = json.dumps(with_bootstrap(payload, prefill, size)).encode()
             with prefill.begin_request() as prefill_lease, decode.begin_request() as decode_lease:
                 prefill_out, decode_out = await self._call_pair(prefill, decode, path, data, headers)
                 if not (isinstance(prefill_out, UpstreamResponse) and isinstance(decode_out, UpstreamResponse)):

@@ -21,7 +21,7 @@ from handoff.service.bodies import openapi_body
 from lb.cluster import Cluster
 from lb.config import LBConfig
 from lb.openapi import CONTROL_BODIES, CONTROL_PARAMETERS
-from lb.params import role_param, timeout_param
+from lb.params import FANOUT_QUERY, check_query, role_param, timeout_param
 from lb.relay import client_gone_response
 
 __all__ = ["FanoutSend", "control_router", "fanned_out", "fanout_endpoint"]
@@ -30,12 +30,14 @@ __all__ = ["FanoutSend", "control_router", "fanned_out", "fanout_endpoint"]
 FanoutSend = Callable[[Request, bytes, float], Awaitable[tuple[int, dict[str, Any]]]]
 
 
-def fanout_endpoint(send: FanoutSend, admin: BearerToken, config: LBConfig,
-                    default_timeout_s: float | None = None) -> Callable[[Request], Awaitable[Response]]:
-    """An admin route that checks ``?timeout=`` (``default_timeout_s`` when absent, else ``--control-timeout``),
-    reads the body whole and answers what ``send`` returns; a client gone before its body came gets nothing."""
+def fanout_endpoint(send: FanoutSend, admin: BearerToken, config: LBConfig, default_timeout_s: float | None = None,
+                    query: frozenset[str] = FANOUT_QUERY) -> Callable[[Request], Awaitable[Response]]:
+    """An admin route that takes the query parameters ``query`` (any other is 400), checks ``?timeout=``
+    (``default_timeout_s`` when absent, else ``--control-timeout``), reads the body whole and answers what
+    ``send`` returns; a client gone before its body came gets nothing."""
     async def call(request: Request) -> Response:
         admin.check(request)
+        check_query(request, query)
         timeout_s = timeout_param(request, config, default_timeout_s)
         try:
             body = await request.body()

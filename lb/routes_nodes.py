@@ -10,13 +10,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, Depends, Request
-from pydantic import BaseModel, ConfigDict
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr
 
 from handoff.service.auth import BearerToken
+from handoff.service.bodies import openapi_body, parse_body
 from handoff.service.errors import InvalidRequest, read_json_object
 from lb.cluster import Cluster
 from lb.config import NodeSpec, Role
+from lb.errors import NodeNotFound
 from lb.openapi import DELETE_NODE_PARAMETERS
 from lb.views import cluster_occupation, node_view
 
@@ -28,9 +30,9 @@ class AddNode(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    url: str
+    url: StrictStr
     role: Role = Role.MIXED
-    bootstrap_port: int | None = None
+    bootstrap_port: StrictInt | None = None
 
 
 def nodes_router(cluster: Cluster, admin: BearerToken) -> APIRouter:
@@ -45,11 +47,10 @@ def nodes_router(cluster: Cluster, admin: BearerToken) -> APIRouter:
     async def list_nodes() -> dict[str, Any]:
         return {"nodes": [node_view(node) for node in cluster.membership.nodes()]}
 
-    def require_admin(request: Request) -> None:
-        admin.check(request)
-
-    @router.post("/nodes", status_code=201, dependencies=[Depends(require_admin)])
-    async def add_node(body: AddNode) -> dict[str, Any]:
+    @router.post("/nodes", status_code=201, openapi_extra=openapi_body(AddNode))
+    async def add_node(request: Request) -> dict[str, Any]:
+        admin.check(request)  # before the body is read: a caller without the token learns nothing from it
+        body = await parse_body(request, AddNode)
         return {"node": node_view(await cluster.add_node(_spec(body.url, body.role, body.bootstrap_port)))}
 
     @router.delete("/nodes", openapi_extra={"parameters": DELETE_NODE_PARAMETERS})
@@ -59,7 +60,10 @@ def nodes_router(cluster: Cluster, admin: BearerToken) -> APIRouter:
         if not isinstance(url, str) or not url:
             raise InvalidRequest("give the node as ?url=URL or a JSON body {\"url\": URL}")
         url = _spec(url).url
-        return {"removed": node_view(cluster.membership.remove(url, "removed by DELETE /nodes"))}
+        node = cluster.membership.same_address(url)
+        if node is None:
+            raise NodeNotFound(f"{url} is not a member", extra={"node": url})
+        return {"removed": node_view(cluster.membership.remove(node.url, "removed by DELETE /nodes"))}
 
     @router.get("/memory_occupation")
     async def memory_occupation() -> dict[str, Any]:

@@ -23,7 +23,7 @@ from handoff.service.bodies import openapi_body
 from lb.cluster import Cluster
 from lb.config import LBConfig
 from lb.openapi import CONTROL_PARAMETERS, NODE_PARAMETER
-from lb.params import role_param
+from lb.params import FANOUT_QUERY, role_param
 from lb.routes_control import FanoutSend, fanned_out, fanout_endpoint
 from lb.weight_sync import INIT_PATH, WeightSync
 
@@ -39,10 +39,11 @@ def weight_routes(cluster: Cluster, config: LBConfig, admin: BearerToken) -> API
     def weight_sync() -> WeightSync:
         return WeightSync(cluster.fanout, cluster.membership, cluster.health)
 
-    def route(path: str, send: FanoutSend, parameters: list[dict[str, Any]]) -> None:
+    def route(path: str, send: FanoutSend, parameters: list[dict[str, Any]],
+              query: frozenset[str] = FANOUT_QUERY) -> None:
         default_s = config.weight_sync_timeout_s if path in WEIGHT_MOVING_PATHS else None
         model = WEIGHT_BODIES.get(path, AbortBody)
-        router.add_api_route(path, fanout_endpoint(send, admin, config, default_s), methods=["POST"],
+        router.add_api_route(path, fanout_endpoint(send, admin, config, default_s, query), methods=["POST"],
                              name=path.strip("/"),
                              openapi_extra={"parameters": parameters, **openapi_body(model, required=False)})
 
@@ -57,7 +58,7 @@ def weight_routes(cluster: Cluster, config: LBConfig, admin: BearerToken) -> API
                                             request.query_params.getlist("node"), timeout_s)
 
     route(INIT_PATH, init, CONTROL_PARAMETERS)
-    route(TENSOR_PATH, tensors, [NODE_PARAMETER, CONTROL_PARAMETERS[1]])
+    route(TENSOR_PATH, tensors, [NODE_PARAMETER, CONTROL_PARAMETERS[1]], frozenset({"node", "timeout"}))
 
     @router.get("/get_weight_version")
     async def get_weight_version() -> dict[str, Any]:

@@ -29,9 +29,10 @@ from typing import Any
 from handoff.protocol.weights import DestroyWeightsUpdateGroupBody, InitWeightsUpdateGroupBody
 from handoff.service.bodies import parse_value
 from handoff.service.errors import InvalidRequest, parse_json_bytes
-from lb.config import Role
 from handoff.service.peer_json import PeerJSONError, loads_bounded
 from handoff.service.upstream import UpstreamClient, UpstreamError
+from lb.addresses import canonical_url
+from lb.config import Role
 from lb.errors import NoAvailableNode, NoNodes, NodeNotFound
 from lb.fanout import FanOut, NodeResult
 from lb.health import HealthMonitor
@@ -100,10 +101,11 @@ class WeightSync:
                        timeout_s: float) -> tuple[int, dict[str, Any]]:
         """``path`` to the members named in ``urls`` (every member when empty)."""
         if urls:
-            unknown = [url for url in urls if self._membership.get(url.rstrip("/")) is None]
+            named = {url: self._member(url) for url in urls}
+            unknown = [url[:200] for url, node in named.items() if node is None]
             if unknown:
                 raise NodeNotFound(f"not members: {', '.join(unknown[:8])}", extra={"nodes": unknown[:8]})
-            nodes = [self._membership.get(url.rstrip("/")) for url in dict.fromkeys(urls)]
+            nodes = list({id(node): node for node in named.values() if node is not None}.values())
         else:
             nodes = self._nodes(None, path)
         bodies = _one_reader_releases(raw, len(nodes))
@@ -111,6 +113,14 @@ class WeightSync:
         results = await asyncio.gather(*(self._fanout.call_node(node, "POST", path, body, content_type, timeout_s)
                                          for node, body in zip(nodes, bodies) if node is not None))
         return self._fanout.answer("POST", path, list(results), time.perf_counter() - started)
+
+    def _member(self, url: str) -> Node | None:
+        """The member ``url`` names, under any spelling known without a lookup; 400 for a URL that is not one."""
+        try:
+            canonical = canonical_url(url)
+        except ValueError as exc:
+            raise InvalidRequest(f"?node=: {exc}") from None
+        return self._membership.same_address(canonical)
 
     # -- versions -----------------------------------------------------------------------
     async def weight_versions(self) -> dict[str, Any]:

@@ -8,10 +8,11 @@
   as older routers took it).
 
 A worker is a node: ``regular`` is the ``mixed`` role. Registering is
-idempotent: adding a member again with the same role answers 200 (an RL loop
-that restarts its engines registers them again); removing a URL that is not a
-member answers 200 saying so (SGLang's router answers 200 there too). Adding a
-member under another role is 409.
+idempotent: adding a member again (under any spelling of its address) with the
+same role and bootstrap port answers 200 (an RL loop that restarts its engines
+registers them again); removing a URL that is not a member answers 200 saying
+so (SGLang's router answers 200 there too). Adding a member under another role
+or bootstrap port is 409.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any, Literal
 from urllib.parse import unquote
 
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from handoff.service.auth import BearerToken
@@ -42,7 +43,7 @@ class WorkerBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
     url: str = Field(min_length=1, max_length=2048)
     worker_type: Literal["regular", "prefill", "decode"] = "regular"
-    bootstrap_port: int | None = None
+    bootstrap_port: StrictInt | None = None
 
 
 def worker_id(url: str) -> str:
@@ -60,6 +61,11 @@ def worker_view(node: Node) -> dict[str, Any]:
     return view
 
 
+def _described(node: Node | NodeSpec) -> str:
+    port = "" if node.bootstrap_port is None else f" with bootstrap port {node.bootstrap_port}"
+    return f"a {node.role.value} node{port}"
+
+
 def workers_router(cluster: Cluster, admin: BearerToken) -> APIRouter:
     router = APIRouter()
 
@@ -72,21 +78,28 @@ def workers_router(cluster: Cluster, admin: BearerToken) -> APIRouter:
             raise InvalidRequest(str(exc)) from exc
 
     async def add(spec: NodeSpec) -> tuple[Node, bool]:
-        """(the member, whether it was added now); a member under another role is 409."""
-        existing = cluster.membership.get(spec.url)
-        if existing is not None:
-            if existing.role is not spec.role:
-                raise NodeExists(f"{spec.url} is already a member as a {existing.role.value} node",
-                                 extra={"node": spec.url})
-            return existing, False
-        return await cluster.add_node(spec), True
+        """(the member, whether it was added now). A member under any spelling of the same address is that
+        member; under another role or bootstrap port it is 409 (the registration would change what it is)."""
+        existing = cluster.membership.same_address(spec.url)
+        if existing is None:
+            try:
+                return await cluster.add_node(spec), True
+            except NodeExists as exc:  # a name that resolved to a member's address
+                existing = cluster.membership.get(exc.extra["node"])
+                if existing is None:
+                    raise
+        if existing.role is not spec.role or existing.bootstrap_port != spec.bootstrap_port:
+            raise NodeExists(f"{spec.url} is already a member as {_described(existing)}; remove it first to "
+                             f"register it as {_described(spec)}", extra={"node": existing.url})
+        return existing, False
 
-    def remove(url: str) -> bool:
-        try:
-            cluster.membership.remove(url, "removed through the worker API")
-        except NodeNotFound:
-            return False
-        return True
+    def remove(url: str) -> str | None:
+        """The URL of the member ``url`` names (under any spelling known without a lookup), now removed."""
+        node = cluster.membership.same_address(url)
+        if node is None:
+            return None
+        cluster.membership.remove(node.url, "removed through the worker API")
+        return node.url
 
     @router.post("/add_worker")
     async def add_worker(request: Request) -> Response:
@@ -99,8 +112,9 @@ def workers_router(cluster: Cluster, admin: BearerToken) -> APIRouter:
     async def remove_worker(request: Request) -> Response:
         admin.check(request)
         url = spec_of(request.query_params.get("url")).url
-        if remove(url):
-            return PlainTextResponse(f"Successfully removed worker: {url}")
+        removed = remove(url)
+        if removed is not None:
+            return PlainTextResponse(f"Successfully removed worker: {removed}")
         return PlainTextResponse(f"Worker {url} was not registered")
 
     @router.get("/list_workers")
@@ -127,8 +141,9 @@ def workers_router(cluster: Cluster, admin: BearerToken) -> APIRouter:
         admin.check(request)
         by_id = {worker_id(node.url): node.url for node in cluster.membership.nodes()}
         url = by_id.get(id_or_url) or (spec_of(unquote(id_or_url)).url if "://" in unquote(id_or_url) else None)
-        if url is None or not remove(url):
+        removed = None if url is None else remove(url)
+        if removed is None:
             raise NodeNotFound(f"no worker {id_or_url!r}", extra={"node": id_or_url})
-        return JSONResponse({"success": True, "message": f"Worker {url} removed successfully", "worker": None})
+        return JSONResponse({"success": True, "message": f"Worker {removed} removed successfully", "worker": None})
 
     return router

@@ -78,5 +78,9 @@ class RequestGate:
     def give_back(self, rid: str) -> None:
         self._live_rids.discard(rid)
 
+    def room_after(self, num_prompt_tokens: int) -> int:
+        """What a request without a limit may generate (SGLang's chat: what the context leaves, less one)."""
+        return max(0, self._scheduler.max_request_tokens() - num_prompt_tokens - 1)
+
     def default_max_new_tokens(self, num_prompt_tokens: int) -> int:
         return max(0, min(DEFAULT_MAX_NEW_TOKENS, self._scheduler.max_request_tokens() - num_prompt_tokens))

@@ -20,6 +20,7 @@ MAX_STOP_TOKEN_IDS = 4096   # each step looks a sampled token up in them: bounde
 MAX_STOP_STRING_CHARS = 256
 GREEDY_TEMPERATURE = 1e-6   # below it, sampling is greedy (SGLang's _SAMPLING_EPS)
 _SEED_MASK = (1 << 64) - 1
+MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1  # a seed outside would alias another once folded to 64 bits
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 FLOAT32_TINY = float(torch.finfo(torch.float32).tiny)  # the smallest normal float32
 
@@ -79,7 +80,7 @@ class SamplingParams:
             if not abs(bias) <= FLOAT32_MAX and bias != float("-inf"):  # past it, inf in the float32 logits
                 raise ValueError(f"logit_bias of token {token} must be a number of magnitude at most "
                                  f"{FLOAT32_MAX:g}, or -inf, got {bias!r}")
-        if self.seed is not None and not (isinstance(self.seed, int) and -(2**63) <= self.seed < 2**64):
+        if self.seed is not None and not (isinstance(self.seed, int) and MIN_SEED <= self.seed <= MAX_SEED):
             raise ValueError(f"sampling_seed must be an integer in [-2**63, 2**64), got {self.seed!r}")
 
     @cached_property

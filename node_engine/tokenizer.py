@@ -9,16 +9,14 @@ is an ordinary ``tokenizers`` object (id = byte value, then ``<bos>``,
 from __future__ import annotations
 
 import json
-from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-import jinja2
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors
 
+from node_engine.chat_template import ChatTemplateError, content_format, render
 from node_engine.model.arch import ModelConfigError
 from node_engine.model.builtin import BYTE_BOS_ID, BYTE_EOS_ID, BYTE_VOCAB_SIZE, VISION_SPECIAL_TOKENS
 
@@ -38,10 +36,6 @@ BUILTIN_VL_CHAT_TEMPLATE = (
 
 
 _GIL_FREE_ENCODE_CHARS = 16 * 1024
-
-
-class ChatTemplateError(ValueError):
-    """The messages cannot be rendered (no template, or the template refused them)."""
 
 
 class Tokenizer:
@@ -106,35 +100,26 @@ class Tokenizer:
             return bytes(alphabet[ch] for ch in piece)
         return self.decode([token_id], skip_special_tokens=False).encode()
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True) -> list[int]:
+    def apply_chat_template(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
+                            template_kwargs: dict[str, Any] | None = None) -> list[int]:
+        """Render ``messages`` (see :mod:`node_engine.chat_template`) and tokenize the text."""
         if not self.chat_template:
             raise ChatTemplateError("this model has no chat template; use /v1/completions or /generate")
-        try:
-            text = _compile_template(self.chat_template).render(
-                messages=messages, add_generation_prompt=add_generation_prompt, bos_token=self.bos_token or "",
-                eos_token=self.eos_token or "", tools=None, documents=None)
-        except jinja2.TemplateError as exc:
-            raise ChatTemplateError(f"the chat template rejected the messages: {exc}") from exc
+        text = render(self.chat_template, messages, add_generation_prompt=add_generation_prompt,
+                      bos_token=self.bos_token or "", eos_token=self.eos_token or "",
+                      template_kwargs=template_kwargs)
         return self.encode(text, add_special_tokens=False)
+
+    @property
+    def content_format(self) -> str:
+        """How the chat template takes a message's content parts: ``"openai"`` (a list) or ``"string"``."""
+        return content_format(self.chat_template) if self.chat_template else "string"
 
 
 def _token_content(value: Any) -> str | None:
     if isinstance(value, dict):
         return value.get("content")
     return value if isinstance(value, str) else None
-
-
-def _raise_exception(message: str) -> None:
-    raise jinja2.TemplateError(message)
-
-
-@lru_cache(maxsize=8)
-def _compile_template(source: str) -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    env.filters["tojson"] = lambda value, indent=None: json.dumps(value, ensure_ascii=False, indent=indent)
-    return env.from_string(source)
 
 
 def _bytes_to_unicode() -> dict[int, str]:

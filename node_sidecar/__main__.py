@@ -54,8 +54,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    admin_token = token_from(args.admin_token, "HANDOFF_ADMIN_TOKEN")
-    api_key = token_from(args.api_key, "HANDOFF_API_KEY")
+    try:
+        admin_token = token_from(args.admin_token, "HANDOFF_ADMIN_TOKEN", "--admin-token")
+        api_key = token_from(args.api_key, "HANDOFF_API_KEY", "--api-key")
+    except ValueError as exc:
+        print(f"node_sidecar: {exc}", file=sys.stderr)
+        return 2
     setup_logging("node_sidecar", fmt=args.log_format, level=args.log_level,
                   secrets=[s for s in (admin_token, api_key) if s])
     try:
@@ -73,6 +77,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         log.error("%s", exc)
         return 2
+    if admin_token is None:
+        log.warning("no --admin-token: control calls (release, resume, reload) are open to anyone who can reach "
+                    "this port")
     from node_sidecar.app import create_app
 
     serve(create_app(config), host=args.host, port=args.port, port_file=args.port_file,

@@ -54,6 +54,18 @@ class BearerToken:
         return f"BearerToken(enabled={self.is_enabled})"
 
 
-def token_from(flag_value: str | None, env_var: str) -> str | None:
-    """A flag wins over its environment variable; empty strings mean unset."""
-    return flag_value or os.environ.get(env_var) or None
+def token_from(flag_value: str | None, env_var: str, flag: str) -> str | None:
+    """A flag wins over its environment variable; unset or empty means no token.
+
+    Raises ``ValueError`` naming ``flag`` for a value that cannot be a bearer token as
+    written: blank (it would turn the check off without a word), or holding anything
+    but visible ASCII (an ``Authorization`` header could not carry it to a peer)."""
+    value = flag_value or os.environ.get(env_var) or None
+    if value is None:
+        return None
+    token = value.strip()
+    if not token:
+        raise ValueError(f"{flag} (or {env_var}) is blank: give a token, or leave it unset for open endpoints")
+    if not all(0x21 <= ord(char) <= 0x7E for char in token):
+        raise ValueError(f"{flag} (or {env_var}) must be visible ASCII characters without spaces")
+    return token

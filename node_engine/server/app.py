@@ -15,7 +15,7 @@ from handoff.service.bodies import install_schemas
 from handoff.service.errors import install_error_handlers
 from handoff.service.limits import BodyLimitMiddleware
 from node_engine.engine import Engine
-from node_engine.server import protocol, routes_control, routes_generate, routes_openai, routes_weights
+from node_engine.server import openai_bodies, protocol, routes_control, routes_generate, routes_openai, routes_weights
 from node_engine.server.generation import longest_token_chars
 from node_engine.server.images import ImageLoader
 
@@ -40,6 +40,6 @@ def create_app(engine: Engine, *, max_body_bytes: int, body_timeout_s: float | N
     app.include_router(routes_openai.router)
     app.include_router(routes_control.router)
     app.include_router(routes_weights.router)
-    install_schemas(app, [protocol.GenerateBody, protocol.CompletionBody, protocol.ChatCompletionBody,
+    install_schemas(app, [protocol.GenerateBody, openai_bodies.CompletionBody, openai_bodies.ChatCompletionBody,
                           ReleaseBody, ResumeBody, UpdateWeightsFromDiskBody, AbortBody, *WEIGHT_BODIES.values()])
     return app

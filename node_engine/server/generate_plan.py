@@ -10,6 +10,7 @@ before any is submitted, so a bad item (a bad image included) changes nothing.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 from handoff.protocol.generate_request import GenerateBody, GenerateFieldError
 from handoff.protocol.generate_sequences import normalize
@@ -43,7 +44,11 @@ def check_model(engine: Engine, model: str | None) -> None:
         raise InvalidRequest(f"model {model!r} is not served here; this engine serves {engine.config.model_name!r}")
 
 
-async def plan_generate(engine: Engine, body: GenerateBody, images: ImageLoader) -> GeneratePlan:
+async def plan_generate(engine: Engine, body: GenerateBody, images: ImageLoader, *,
+                        default_max_new_tokens: Callable[[int], int] | None = None) -> GeneratePlan:
+    """``default_max_new_tokens``: a prompt's token count -> the limit of a sequence that names none
+    (``/generate``'s 128, unless given)."""
+    default = default_max_new_tokens or engine.gate.default_max_new_tokens
     try:
         request = normalize(body, max_sequences=MAX_BATCH)
     except GenerateFieldError as exc:
@@ -63,7 +68,7 @@ async def plan_generate(engine: Engine, body: GenerateBody, images: ImageLoader)
     for seq in request.sequences:
         ids, mm = prompts[seq.prompt_index]
         try:
-            params = to_sampling_params(seq.sampling, engine.gate.default_max_new_tokens(len(ids)),
+            params = to_sampling_params(seq.sampling, default(len(ids)),
                                         vocab_size=engine.arch.vocab_size, sample_index=seq.sample_index)
         except ValueError as exc:
             raise InvalidRequest(f"sampling_params: {exc}") from exc

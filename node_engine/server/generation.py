@@ -57,6 +57,15 @@ def check_prompt_chars(engine: Engine, num_chars: int) -> None:
                              f"{engine.runner.kv_plan.context_len} tokens (at most {limit} characters)")
 
 
+def check_prompt_ids(engine: Engine, prompt: list[int] | list[list[int]]) -> None:
+    """400 for a token-id prompt longer than any request may be, before its ids are copied and checked again."""
+    limit = engine.scheduler.max_request_tokens()
+    lengths = [len(prompt)] if prompt and isinstance(prompt[0], int) else [len(ids) for ids in prompt]  # type: ignore[arg-type]
+    longest = max(lengths, default=0)
+    if longest > limit:
+        raise InvalidRequest(f"a prompt of {longest} tokens exceeds the {limit} tokens a request can use")
+
+
 async def tokenize(engine: Engine, texts: list[str]) -> list[list[int]]:
     """The token ids of ``texts`` (each checked with :func:`check_prompt_length` first), computed in a worker
     thread so that the event loop is free whenever the tokenizer releases the GIL."""

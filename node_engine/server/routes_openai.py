@@ -21,41 +21,61 @@ from handoff.protocol.generate_request import GenerateBody
 from handoff.protocol.generation import SequenceAnswer, SequenceChunk, finish_matched, finish_type
 from handoff.service.bodies import openapi_body, parse_body, parse_value
 from handoff.service.errors import InvalidRequest, NotFound, ServiceError
+from handoff.service.peer_json import PeerJSONError, loads_bounded
 from node_engine.engine import Engine
 from node_engine.request import RequestOutput
 from node_engine.server.generate_plan import GeneratePlan, plan_generate
-from node_engine.server.generation import DONE_EVENT, check_prompt_chars, sse_event
+from node_engine.server.generation import DONE_EVENT, check_prompt_chars, check_prompt_ids, sse_event
 from node_engine.server.generation_run import (GenerationRun, collect_unless_disconnected, first_unless_disconnected,
                                                stream_with_abort)
 from node_engine.server.images import split_image_parts
 from node_engine.server.openai_shapes import chat_logprobs, completion_logprobs, usage
-from node_engine.server.protocol import ChatCompletionBody, CompletionBody, refuse_unsupported_openai
+from node_engine.server.openai_bodies import ChatCompletionBody, CompletionBody, refuse_unsupported_openai
 from node_engine.server.routes_generate import CLIENT_CLOSED
-from node_engine.tokenizer import ChatTemplateError
+from node_engine.chat_template import ChatTemplateError
 
 router = APIRouter()
 Choice = Callable[[int, SequenceChunk, bool], dict[str, Any]]  # (index, chunk, first of its index) -> choice
 
 
 async def _plan(request: Request, body: CompletionBody | ChatCompletionBody, prompt: dict[str, Any],
-                max_new_tokens: int | None, logprobs: dict[str, Any]) -> GeneratePlan:
+                max_new_tokens: int | None, logprobs: dict[str, Any], *, fill_context: bool = False) -> GeneratePlan:
     """The plan of the equivalent ``/generate`` body (``prompt``: its ``text`` or ``input_ids``, and
-    ``image_data``)."""
+    ``image_data``). ``fill_context``: without ``max_new_tokens`` a sequence may use what the context leaves
+    (SGLang's chat), instead of ``/generate``'s default of 128."""
     refuse_unsupported_openai(body)
     generate = parse_value({**prompt, "sampling_params": body.sampling_params(max_new_tokens), "rid": body.rid,
-                            "model": body.model, "stream": body.stream, **logprobs}, GenerateBody)
-    return await plan_generate(request.app.state.engine, generate, request.app.state.images)
+                            "stream": body.stream, **body.forwarded(), **logprobs}, GenerateBody)
+    engine: Engine = request.app.state.engine
+    default = engine.gate.room_after if fill_context else None
+    return await plan_generate(engine, generate, request.app.state.images, default_max_new_tokens=default)
+
+
+def _token_ids(body: CompletionBody | ChatCompletionBody, plan: GeneratePlan) -> Callable[[int, list[int], bool],
+                                                                                         dict[str, Any]]:
+    """The ``token_ids`` / ``prompt_token_ids`` fields of choice ``i`` (SGLang's ``return_token_ids``; chat's
+    ``return_prompt_token_ids`` gives the prompt's alone); ``first``: the choice's first chunk of a stream."""
+    with_outputs = body.return_token_ids
+    with_prompt = with_outputs or getattr(body, "return_prompt_token_ids", False)
+
+    def fields(i: int, output_ids: list[int], first: bool) -> dict[str, Any]:
+        out: dict[str, Any] = {"token_ids": list(output_ids)} if with_outputs else {}
+        if with_prompt and first:
+            out["prompt_token_ids"] = plan.sequences[i].prompt_ids
+        return out
+    return fields
 
 
 def _include_usage(body: CompletionBody | ChatCompletionBody) -> bool:
-    return bool((body.stream_options or {}).get("include_usage"))
+    return body.stream_options is not None and bool(body.stream_options.include_usage)
 
 
 class _Answer:
     """The OpenAI envelope of one answer (``object``, id, model, weight version), whole or streamed."""
 
-    def __init__(self, engine: Engine, obj: str, id_prefix: str, n: int) -> None:
+    def __init__(self, engine: Engine, obj: str, id_prefix: str, n: int, model: str | None) -> None:
         self.engine = engine
+        self.model = model or engine.config.model_name  # SGLang repeats the request's model
         self.obj = obj
         self.n = n
         self.id = f"{id_prefix}-{uuid.uuid4().hex}"
@@ -64,7 +84,7 @@ class _Answer:
     def payload(self, choices: list[dict[str, Any]], usage: dict[str, int] | None = None,
                 obj: str | None = None) -> dict[str, Any]:
         body: dict[str, Any] = {"id": self.id, "object": obj or self.obj, "created": self.created,
-                                "model": self.engine.config.model_name,
+                                "model": self.model,
                                 "metadata": {"weight_version": self.engine.weight_version}, "choices": choices}
         if usage is not None:
             body["usage"] = usage
@@ -124,12 +144,15 @@ async def completions(request: Request) -> Response:
     if not prompt or (isinstance(prompt, list) and all(not p for p in prompt)):
         raise InvalidRequest("prompt must not be empty")
     is_text = isinstance(prompt, str) or isinstance(prompt[0], str)
+    if not is_text:
+        check_prompt_ids(engine, prompt)  # before the ids are copied into the /generate body
     with_prompt_logprobs = body.echo and bool(body.logprobs)  # SGLang: echo with logprobs >= 1
     logprobs = {} if body.logprobs is None else {
         "return_logprob": True, "top_logprobs_num": body.logprobs, "return_text_in_logprobs": True,
         "logprob_start_len": 0 if with_prompt_logprobs else -1}
     plan = await _plan(request, body, {"text" if is_text else "input_ids": prompt}, body.max_tokens, logprobs)
     run = GenerationRun(engine, plan.sequences, stream=body.stream)
+    ids = _token_ids(body, plan)
     echoes = [_echo(engine, prompt, spec.prompt_ids, spec.prompt_index, is_text) if body.echo else ""
               for spec in plan.sequences]
 
@@ -145,11 +168,11 @@ async def completions(request: Request) -> Response:
             tops = list(get("input_top_logprobs") or []) + tops
         return completion_logprobs(tokens, tops)
 
-    return await _Answer(engine, "text_completion", "cmpl", plan.n).respond(
+    return await _Answer(engine, "text_completion", "cmpl", plan.n, body.model).respond(
         request, run, lambda i, a: {"index": i, "text": echoes[i] + a.text, "logprobs": lists(a, True),
-                                    **_finish_fields(a.finish_reason)},
+                                    **_finish_fields(a.finish_reason), **ids(i, a.output_ids, True)},
         lambda i, c, first: {"index": i, "text": (echoes[i] if first else "") + c.text, "logprobs": lists(c, first),
-                             **_finish_fields(c.finish_reason)},
+                             **_finish_fields(c.finish_reason), **ids(i, c.output_ids, first)},
         stream=body.stream, include_usage=_include_usage(body), chunk_obj="text_completion")
 
 
@@ -171,12 +194,13 @@ def _num_chars(value: Any) -> int:
     return 0
 
 
-def _messages(body: ChatCompletionBody) -> tuple[list[dict[str, Any]], list[object]]:
+def _messages(body: ChatCompletionBody, content_format: str) -> tuple[list[dict[str, Any]], list[object]]:
     """The messages as the chat template reads them, and the ``image_url`` parts' URLs in order.
 
-    A content list of text parts is joined into one string (text models' templates take strings); a message
-    with images keeps its parts, each image a ``{"type": "image"}`` part, as vision-language templates render
-    them (one placeholder each)."""
+    For a ``"string"`` template (:func:`node_engine.chat_template.content_format`) a content list of text parts
+    is joined with spaces, as SGLang joins it; an ``"openai"`` template gets the parts, each image a
+    ``{"type": "image"}`` part (one placeholder each). An assistant's tool-call arguments written as a JSON
+    string are given to the template as the object (SGLang's ``normalize_assistant_tool_call_arguments``)."""
     rendered, items = split_image_parts([m.model_dump(exclude_none=True) for m in body.messages])
     messages = []
     for n, message in enumerate(rendered):
@@ -186,10 +210,31 @@ def _messages(body: ChatCompletionBody) -> tuple[list[dict[str, Any]], list[obje
                 if part["type"] == "text" and not isinstance(part.get("text"), str):
                     raise InvalidRequest(f"messages.{n}.content: a text part needs a string text")
             texts = [part["text"] for part in content if part["type"] == "text"]
-            if len(texts) == len(content):
-                content = "".join(texts)
+            if len(texts) == len(content) and content_format == "string":
+                content = " ".join(texts)
         messages.append({**message, "content": content or ""})
+        _parse_tool_call_arguments(messages[-1], n)
     return messages, items
+
+
+def _parse_tool_call_arguments(message: dict[str, Any], n: int) -> None:
+    calls = message.get("tool_calls")
+    if message["role"] != "assistant" or not isinstance(calls, list):
+        return
+    parsed = []
+    for k, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+            try:
+                arguments = loads_bounded(function["arguments"].encode())
+            except (PeerJSONError, UnicodeError):
+                raise InvalidRequest(f"messages.{n}.tool_calls.{k}.function.arguments must be valid "
+                                     "JSON") from None
+            if not isinstance(arguments, dict):
+                raise InvalidRequest(f"messages.{n}.tool_calls.{k}.function.arguments must be a JSON object")
+            call = {**call, "function": {**function, "arguments": arguments}}
+        parsed.append(call)
+    message["tool_calls"] = parsed
 
 
 @router.post("/v1/chat/completions", openapi_extra=openapi_body(ChatCompletionBody))
@@ -197,19 +242,24 @@ async def chat_completions(request: Request) -> Response:
     engine: Engine = request.app.state.engine
     body = await parse_body(request, ChatCompletionBody)
     refuse_unsupported_openai(body)
-    messages, images = _messages(body)
+    if body.stream and (body.return_token_ids or body.return_prompt_token_ids):
+        raise InvalidRequest("return_token_ids and return_prompt_token_ids are not supported with streaming; "
+                             "set stream=false to get them")
+    messages, images = _messages(body, engine.tokenizer.content_format)
     if images:
         request.app.state.images.check_supported("messages: image_url")
-    check_prompt_chars(engine, _num_chars(messages))  # every field the template renders, not only contents
+    check_prompt_chars(engine, _num_chars([messages, body.chat_template_kwargs]))  # all the template renders
     try:  # rendered and tokenized off the event loop, like every prompt
-        ids = await asyncio.to_thread(engine.tokenizer.apply_chat_template, messages)
+        ids = await asyncio.to_thread(engine.tokenizer.apply_chat_template, messages,
+                                      template_kwargs=body.chat_template_kwargs)
     except ChatTemplateError as exc:
         raise InvalidRequest(str(exc)) from exc
-    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     logprobs = {"return_logprob": True, "top_logprobs_num": body.top_logprobs or 0,
                 "return_text_in_logprobs": True} if body.logprobs else {}
-    plan = await _plan(request, body, {"input_ids": ids, "image_data": images or None}, max_tokens, logprobs)
+    plan = await _plan(request, body, {"input_ids": ids, "image_data": images or None}, body.max_new_tokens,
+                       logprobs, fill_context=True)
     run = GenerationRun(engine, plan.sequences, stream=body.stream)
+    token_ids = _token_ids(body, plan)
 
     def lists(tokens: Any, tops: Any) -> dict[str, Any] | None:
         return chat_logprobs(engine.tokenizer, tokens or [], tops) if body.logprobs else None
@@ -218,9 +268,9 @@ async def chat_completions(request: Request) -> Response:
         meta = a.meta_info()
         return {"index": i, "message": {"role": "assistant", "content": a.text},
                 "logprobs": lists(meta.get("output_token_logprobs"), meta.get("output_top_logprobs")),
-                **_finish_fields(a.finish_reason)}
+                **_finish_fields(a.finish_reason), **token_ids(i, a.output_ids, True)}
 
-    return await _Answer(engine, "chat.completion", "chatcmpl", plan.n).respond(
+    return await _Answer(engine, "chat.completion", "chatcmpl", plan.n, body.model).respond(
         request, run, whole,
         lambda i, c, first: {"index": i, "delta": {"content": c.text},
                              "logprobs": lists(c.output_token_logprobs, c.output_top_logprobs),

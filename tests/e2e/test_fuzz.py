@@ -33,7 +33,8 @@ from pydantic import BaseModel, ValidationError
 from handoff.cluster.local import ClusterSpec, LocalCluster
 from lb.routes_nodes import AddNode
 from lb.workers import WorkerBody
-from node_engine.server.protocol import ChatCompletionBody, CompletionBody, GenerateBody
+from node_engine.server.openai_bodies import ChatCompletionBody, CompletionBody
+from node_engine.server.protocol import GenerateBody
 from handoff.protocol.control import PauseBody, ReleaseBody
 from handoff.protocol.weights import BeginWeightUpdateBody, InitWeightsUpdateGroupBody, UpdateWeightVersionBody
 

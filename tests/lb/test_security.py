@@ -93,6 +93,9 @@ def test_every_error_is_the_envelope(fakes: FakeCluster, start_lb) -> None:
     (["--node", "http://[::1"], "unterminated IPv6"),
     (["--node", "http://h\u00e9:1"], "printable ASCII"),
     (["--unhealthy-threshold", "0"], "unhealthy_threshold"),
+    (["--discover-dns", "mixed=a..b:8000"], "discover_dns host"),
+    (["--admin-token", "   "], "--admin-token (or HANDOFF_ADMIN_TOKEN) is blank"),
+    (["--api-key", "s\u00e9cret"], "visible ASCII"),
 ])
 def test_bad_flags_exit_naming_the_field(args: list[str], field: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as info:

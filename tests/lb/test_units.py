@@ -8,12 +8,14 @@ from collections import Counter
 
 import pytest
 
+from handoff.service.errors import InvalidRequest
 from lb.config import DnsTarget, LBConfig, NodeSpec, Policy, Role
 from lb.discovery import DnsDiscovery, node_url
 from lb.errors import NoAvailableNode, NodeExists
 from lb.membership import Membership, Node, NodeHealth
 from lb.metrics import LBMetrics
-from lb.pd import MergeInputLogprobs, batch_size, bootstrap_host, merge_input_logprobs, with_bootstrap
+from lb.pd import (MAX_PD_BATCH, MergeInputLogprobs, batch_size, bootstrap_host, check_batch, merge_input_logprobs,
+                   with_bootstrap)
 from lb.routing import LeastInflight, PowerOfTwo, Router
 from lb.views import cluster_occupation
 
@@ -144,13 +146,16 @@ def test_batch_size_follows_sglang() -> None:
     assert batch_size({"text": "a"}) is None and batch_size({"text": ["a", "b"]}) == 2
     assert batch_size({"input_ids": [1, 2]}) is None and batch_size({"input_ids": [[1], [2], [3]]}) == 3
     assert batch_size({"messages": []}) is None
+    assert check_batch({"text": [""] * MAX_PD_BATCH}) == MAX_PD_BATCH
+    with pytest.raises(InvalidRequest, match="at most 4096 prompts"):
+        check_batch({"text": [""] * (MAX_PD_BATCH + 1)})
 
 
 def test_bootstrap_fields() -> None:
     _, [node] = make_nodes("http://[fd00::1]:30000", role=Role.PREFILL)
     assert bootstrap_host(node) == "[fd00::1]"
     payload = {"text": ["a", "b"]}
-    out = with_bootstrap(payload, node)
+    out = with_bootstrap(payload, node, 2)
     assert payload == {"text": ["a", "b"]}  # the caller's dict is not changed
     assert out["bootstrap_host"] == ["[fd00::1]"] * 2 and out["bootstrap_port"] == [None, None]
     assert len(set(out["bootstrap_room"])) == 2

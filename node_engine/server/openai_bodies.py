@@ -1,0 +1,262 @@
+"""The OpenAI bodies of the engine, as SGLang 0.5.23 takes them (``entrypoints/openai/protocol.py``): strict, so
+wrong types and unknown fields are 400s that name them; fields asking for what the engine lacks are 400
+``unsupported`` unless empty, never silently ignored."""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
+
+from handoff.protocol.generate_request import MAX_TOP_LOGPROBS, is_empty
+from handoff.service.errors import Unsupported
+
+__all__ = ["ChatCompletionBody", "CompletionBody", "OPENAI_DEFAULT_ONLY", "refuse_unsupported_openai"]
+
+_STRICT = ConfigDict(extra="forbid", strict=True)
+_STRICT_VALUES = ConfigDict(strict=True)
+
+
+class StreamOptions(BaseModel):
+    model_config = _STRICT
+    include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None  # default only
+
+
+# Fields of SGLang's OpenAI bodies that its server copies into the ``/generate`` request: they go there as
+# given, so ``/generate``'s rules (implemented, accepted as metadata, default only) apply to them unchanged.
+FORWARDED_TO_GENERATE = ("extra_key", "cache_salt", "priority", "session_id", "session_params",
+                         "data_parallel_rank", "return_routed_experts", "routed_experts_start_len",
+                         "images_config", "mm_processor_kwargs")
+
+
+class _OpenAIRequest(BaseModel):
+    """Fields shared by the two OpenAI bodies, as SGLang 0.5.23 takes them (``entrypoints/openai/protocol.py``):
+    OpenAI's, and SGLang's sampling extensions (``top_k``, ``min_p``, ``min_tokens``, ``repetition_penalty``,
+    ``stop_token_ids``, ``no_stop_trim``, ``ignore_eos``, ``skip_special_tokens``). Fields asking for what the
+    engine lacks are 400 ``unsupported`` unless empty (:data:`OPENAI_DEFAULT_ONLY`), never silently ignored.
+    ``model`` is any name, as in SGLang (the answer repeats it)."""
+
+    model_config = _STRICT
+    model: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: Union[str, list[str], None] = None
+    seed: int | None = None
+    user: str | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    min_tokens: int | None = None
+    repetition_penalty: float | None = None
+    stop_token_ids: list[int] | None = None
+    no_stop_trim: bool | None = None
+    ignore_eos: bool | None = None
+    skip_special_tokens: bool | None = None
+    rid: Union[str, list[str], None] = None
+    return_token_ids: bool = False
+    custom_params: dict[str, Any] | None = None
+    watermark: Any = None
+    # checked by /generate's rules (FORWARDED_TO_GENERATE)
+    extra_key: Any = None
+    cache_salt: Any = None
+    priority: Any = None
+    session_id: Any = None
+    session_params: Any = None
+    data_parallel_rank: Any = None
+    return_routed_experts: Any = None
+    routed_experts_start_len: Any = None
+    images_config: Any = None
+    mm_processor_kwargs: Any = None
+    # default only
+    response_format: Any = None
+    regex: Any = None
+    json_schema: Any = None
+    ebnf: Any = None
+    stop_regex: Any = None
+    lora_path: Any = None
+    custom_logit_processor: Any = None
+    return_hidden_states: Any = None
+    return_cached_tokens_details: Any = None
+    return_spec_tokens_details: Any = None
+
+    def sampling_params(self, max_new_tokens: int | None) -> dict[str, Any]:
+        """``sampling_params`` of the equivalent ``/generate`` body (SGLang's ``_build_sampling_params``)."""
+        return {key: value for key, value in {
+            "max_new_tokens": max_new_tokens, "temperature": self.temperature, "top_p": self.top_p,
+            "top_k": self.top_k, "min_p": self.min_p, "min_new_tokens": self.min_tokens, "stop": self.stop,
+            "stop_token_ids": self.stop_token_ids, "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty, "repetition_penalty": self.repetition_penalty,
+            "n": self.n, "no_stop_trim": self.no_stop_trim, "ignore_eos": self.ignore_eos,
+            "skip_special_tokens": self.skip_special_tokens, "logit_bias": self.logit_bias,
+            "sampling_seed": self.seed, "custom_params": self.custom_params,
+            "watermark": self.watermark}.items() if value is not None}
+
+    def forwarded(self) -> dict[str, Any]:
+        """The fields SGLang copies into the ``/generate`` request, as given."""
+        names = FORWARDED_TO_GENERATE + (("custom_labels",) if "custom_labels" in type(self).model_fields else ())
+        return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
+
+
+OPENAI_DEFAULT_ONLY = {"response_format": "response_format (constrained decoding)",
+                       "regex": "constrained decoding", "json_schema": "constrained decoding",
+                       "ebnf": "constrained decoding", "stop_regex": "stop regexes", "lora_path": "LoRA adapters",
+                       "custom_logit_processor": "custom logit processors", "return_hidden_states": "hidden states",
+                       "tools": "tool calls", "tool_choice": "tool calls", "best_of": "best_of sampling",
+                       "suffix": "suffixes", "return_cached_tokens_details": "cached-token details",
+                       "return_spec_tokens_details": "speculative decoding details",
+                       "return_meta_info": "meta_info in choices", "return_input_ids_in_sglext": "sglext fields",
+                       "return_output_ids_in_sglext": "sglext fields", "return_sampling_mask": "sampling masks",
+                       "sampling_logprobs_mode": "sampling masks",
+                       "return_flat_raw_output_top_logprobs": "flat top-logprob arrays",
+                       "reasoning_effort": "reasoning models", "thinking": "reasoning models",
+                       "task": "tasks", "continue_final_message": "continuing the final assistant message",
+                       "input_ids": "token-id chat prompts", "max_dynamic_patch": "multimodal input",
+                       "min_dynamic_patch": "multimodal input", "use_audio_in_video": "multimodal input",
+                       "video_config": "multimodal input"}
+
+
+def refuse_unsupported_openai(body: BaseModel) -> None:
+    """400 ``unsupported`` naming the first field set to what the engine cannot do."""
+    for name, why in OPENAI_DEFAULT_ONLY.items():
+        value = getattr(body, name, None)
+        if name == "response_format" and isinstance(value, dict) and value.get("type") == "text":
+            continue
+        if name == "tool_choice" and value in ("none", "auto") and not getattr(body, "tools", None):
+            continue
+        if name == "best_of" and value == getattr(body, "n", 1):
+            continue
+        if not is_empty(value):
+            raise Unsupported(f"{name}: {why} are not supported by this engine")
+    options = getattr(body, "stream_options", None)
+    if options is not None and options.continuous_usage_stats:
+        raise Unsupported("stream_options.continuous_usage_stats: usage in every chunk is not supported by this "
+                          "engine (include_usage sends it once, last)")
+
+
+class CompletionBody(_OpenAIRequest):
+    """``POST /v1/completions``."""
+
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    max_tokens: int = Field(default=16, ge=1)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+    custom_labels: Any = None
+
+    @field_validator("prompt", mode="plain")
+    @classmethod
+    def _prompt(cls, value: Any) -> Any:
+        return _check_prompt(value)
+
+
+_PROMPT_LISTS = {str: TypeAdapter(list[str], config=_STRICT_VALUES), int: TypeAdapter(list[int], config=_STRICT_VALUES),
+                 list: TypeAdapter(list[list[int]], config=_STRICT_VALUES)}
+
+
+def _check_prompt(value: Any) -> Any:
+    """A completion's prompt, validated as the one list type its first item names: trying each type of the
+    union in turn would build one error per item of a long prompt (seconds for a few million ids)."""
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise ValueError("prompt must be a string, a list of strings, token ids, or lists of token ids")
+    if not value:
+        return value
+    first = type(value[0])
+    adapter = _PROMPT_LISTS.get(first)
+    if adapter is None:
+        raise ValueError(f"prompt items must be strings, token ids or lists of token ids, not {first.__name__}")
+    try:
+        return adapter.validate_python(value)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        where = ".".join(str(part) for part in error["loc"])
+        raise ValueError(f"prompt.{where}: {error['msg']}") from None
+
+
+# SGLang's roles: "user" as written, the others in any case (``ChatCompletionMessageGenericParam``)
+GENERIC_ROLES = ("system", "assistant", "tool", "function", "developer", "latest_reminder", "root")
+
+
+class ToolCallFunction(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    name: str | None = None
+    arguments: Union[str, dict[str, Any], None] = None
+
+
+class ToolCall(BaseModel):
+    """An assistant's earlier tool call, in the history (SGLang's ``ToolCall``)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    id: str | None = None
+    index: int | None = None
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    role: str
+    content: Union[str, list[dict[str, Any]], None] = None
+    tool_calls: list[ToolCall] | None = None
+
+    @field_validator("role")
+    @classmethod
+    def _role(cls, value: str) -> str:
+        if value == "user" or value.lower() in GENERIC_ROLES:
+            return value if value == "user" else value.lower()
+        raise ValueError(f"'role' must be 'user' or one of {', '.join(map(repr, GENERIC_ROLES))} (any case), "
+                         f"got {value[:40]!r}")
+
+    @model_validator(mode="after")
+    def _user_content(self) -> ChatMessage:
+        if self.role == "user" and self.content is None:
+            raise ValueError("a user message needs content")
+        return self
+
+
+class ChatCompletionBody(_OpenAIRequest):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_prompt_token_ids: bool = False
+    # accepted: they change nothing without a reasoning parser or flat top-logprob arrays
+    separate_reasoning: bool = True
+    stream_reasoning: bool = True
+    return_flat_raw_top_logprobs_b64: bool = True
+    # default only
+    return_meta_info: Any = None
+    return_input_ids_in_sglext: Any = None
+    return_output_ids_in_sglext: Any = None
+    return_sampling_mask: Any = None
+    sampling_logprobs_mode: Any = None
+    return_flat_raw_output_top_logprobs: Any = None
+    reasoning_effort: Any = None
+    thinking: Any = None
+    task: Any = None
+    continue_final_message: Any = None
+    input_ids: Any = None
+    max_dynamic_patch: Any = None
+    min_dynamic_patch: Any = None
+    use_audio_in_video: Any = None
+    video_config: Any = None
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        """SGLang's ``max_completion_tokens or max_tokens``: None lets the answer fill the context."""
+        return self.max_completion_tokens or self.max_tokens

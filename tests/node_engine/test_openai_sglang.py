@@ -1,0 +1,143 @@
+"""The OpenAI routes where SGLang 0.5.23's behaviour is easy to miss, on a real engine process: a chat without a
+token limit, tool-call history, content parts, SGLang's own fields, ``model``, roles, seeds, long id prompts.
+
+The engine serves a small Llama checkpoint whose chat template renders tool-call arguments with ``tojson`` and
+reads ``enable_thinking``; its tokenizer is byte-level, so a prompt's token count is its rendered length.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Iterator
+
+import httpx
+import openai
+import pytest
+
+from tests.node_engine.checkpoints import make_checkpoint
+from tests.support.procs import ServerProcess
+
+pytestmark = pytest.mark.timeout(120)
+
+CONTEXT = 96
+TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{% if m.tool_calls %}"
+            "{{ m.tool_calls[0].function.arguments | tojson }}{% endif %}{{ m['content'] }}{% endfor %}"
+            "{% if add_generation_prompt %}<assistant>{% endif %}{% if enable_thinking %}<think>{% endif %}")
+USER = {"role": "user", "content": "hi"}
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    folder = tmp_path_factory.mktemp("templated")
+    make_checkpoint(folder, "llama-mha-tied", shard=False)
+    config_file = folder / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    config_file.write_text(json.dumps({**config, "chat_template": TEMPLATE}))
+    proc = ServerProcess("node_engine", ["--model-path", str(folder), "--context-length", str(CONTEXT),
+                                         "--served-model-name", "tiny-llama"], log_dir=folder)
+    proc.start()
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture
+def client(engine: ServerProcess) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=engine.url, timeout=60) as c:
+        yield c
+
+
+def chat(client: httpx.Client, **body: Any) -> dict[str, Any]:
+    r = client.post("/v1/chat/completions", json={"messages": [USER], "max_tokens": 1, **body})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_a_chat_without_a_limit_fills_the_context_as_sglang_does(engine: ServerProcess) -> None:
+    """SGLang passes no max_new_tokens for a chat without one: the context less the prompt less one, not 128."""
+    with openai.OpenAI(base_url=engine.url + "/v1", api_key="unused", timeout=60) as client:
+        answer = client.chat.completions.create(model="any-name", messages=[USER], temperature=0,
+                                                extra_body={"ignore_eos": True})
+    assert answer.model == "any-name"  # SGLang takes any model name and repeats it
+    assert answer.choices[0].finish_reason == "length"
+    assert answer.usage.completion_tokens == CONTEXT - answer.usage.prompt_tokens - 1
+
+
+def test_max_completion_tokens_or_max_tokens(client: httpx.Client) -> None:
+    answer = chat(client, max_completion_tokens=0, max_tokens=3, ignore_eos=True)  # SGLang's `or`
+    assert answer["usage"]["completion_tokens"] == 3
+
+
+def test_tool_call_arguments_reach_the_template_as_an_object(client: httpx.Client) -> None:
+    def prompt_tokens(arguments: object) -> int:
+        call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": arguments}}
+        messages = [USER, {"role": "assistant", "content": "", "tool_calls": [call]},
+                    {"role": "tool", "content": "2", "tool_call_id": "c1"}]
+        return chat(client, messages=messages)["usage"]["prompt_tokens"]
+
+    as_object = prompt_tokens({"a": 1})
+    assert prompt_tokens('{"a": 1}') == as_object  # not the string's JSON (4 more characters of quoting)
+    for bad, why in (("not json", "must be valid JSON"), ("[1]", "must be a JSON object")):
+        messages = [USER, {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": bad}}]}]
+        r = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1})
+        assert r.status_code == 400 and why in r.json()["error"]["message"], r.text
+
+
+def test_a_tool_call_the_template_cannot_render_is_a_400(client: httpx.Client) -> None:
+    messages = [USER, {"role": "assistant", "content": "", "tool_calls": "abc"}]
+    r = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request", r.text
+
+
+def test_text_parts_are_joined_with_spaces_for_a_string_template(client: httpx.Client) -> None:
+    parts = [{"type": "text", "text": "Hello"}, {"type": "text", "text": "world"}]
+    joined = chat(client, messages=[{"role": "user", "content": parts}])["usage"]["prompt_tokens"]
+    assert joined == chat(client, messages=[{"role": "user", "content": "Hello world"}])["usage"]["prompt_tokens"]
+
+
+def test_chat_template_kwargs_and_token_ids(client: httpx.Client) -> None:
+    plain = chat(client)
+    thinking = chat(client, chat_template_kwargs={"enable_thinking": True}, return_token_ids=True)
+    assert thinking["usage"]["prompt_tokens"] == plain["usage"]["prompt_tokens"] + len("<think>")
+    choice = thinking["choices"][0]
+    assert len(choice["prompt_token_ids"]) == thinking["usage"]["prompt_tokens"] and len(choice["token_ids"]) == 1
+    clash = client.post("/v1/chat/completions", json={"messages": [USER], "chat_template_kwargs": {"messages": []}})
+    assert clash.status_code == 400 and "may not set 'messages'" in clash.json()["error"]["message"]
+    streamed = client.post("/v1/chat/completions", json={"messages": [USER], "stream": True, "return_token_ids": True})
+    assert streamed.status_code == 400 and "not supported with streaming" in streamed.json()["error"]["message"]
+
+
+def test_sglang_fields_are_taken_or_refused_by_name(client: httpx.Client) -> None:
+    accepted = {"priority": 1, "extra_key": "k", "cache_salt": "s", "session_id": None, "data_parallel_rank": 0,
+                "separate_reasoning": False, "custom_params": {"x": 1}, "user": "u", "return_meta_info": False,
+                "continue_final_message": False, "reasoning_effort": None}
+    assert chat(client, **accepted)["choices"][0]["finish_reason"] in ("length", "stop")
+    for field, value in (("return_meta_info", True), ("continue_final_message", True), ("data_parallel_rank", 1),
+                         ("stream_options", {"continuous_usage_stats": True}), ("return_routed_experts", True)):
+        r = client.post("/v1/chat/completions", json={"messages": [USER], field: value})
+        assert r.status_code == 400 and r.json()["error"]["type"] == "unsupported", (field, r.text)
+        assert field in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("message", [{"role": "User", "content": "hi"}, {"role": "foo", "content": "hi"},
+                                     {"role": "user", "content": None}])
+def test_roles_and_user_content_are_checked_as_sglang_does(client: httpx.Client, message: dict) -> None:
+    r = client.post("/v1/chat/completions", json={"messages": [message], "max_tokens": 1})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request", r.text
+    assert chat(client, messages=[{"role": "SYSTEM", "content": "s"}, USER])["usage"]["prompt_tokens"] > 0
+
+
+def test_completions_limits_seeds_and_long_id_prompts(client: httpx.Client) -> None:
+    for max_tokens in (0, None):
+        r = client.post("/v1/completions", json={"prompt": "x", "max_tokens": max_tokens})
+        assert r.status_code == 400, r.text
+    for seed in (2**64, -(2**63) - 1):
+        r = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1, "seed": seed})
+        assert r.status_code == 400 and "sampling_seed" in r.json()["error"]["message"], r.text
+    r = client.post("/v1/completions", json={"prompt": [97] * 200_000, "max_tokens": 1})
+    assert r.status_code == 400 and "exceeds the" in r.json()["error"]["message"], r.text
+    ids = client.post("/v1/completions", json={"prompt": [97, 98], "max_tokens": 2, "return_token_ids": True,
+                                               "ignore_eos": True, "stream": True})
+    events = [line for line in ids.text.splitlines() if line.startswith("data: {")]
+    assert '"prompt_token_ids": [97, 98]' in events[0].replace(",", ", ").replace(",  ", ", ")
+    assert sum(event.count('"token_ids"') for event in events) == len(events)

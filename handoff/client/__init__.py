@@ -20,9 +20,18 @@ when the header is absent or not a number of seconds, and the policy's
 default applies), after the retries the caller's :class:`RetryPolicy`
 allows; anything else non-2xx raises :class:`HandoffError` with the status
 and the envelope's type. A stream raises :class:`HandoffError` on an error
-event (its type), when it ends without ``[DONE]`` (``incomplete_stream``),
-or on an event that is not JSON within bounds or never ends
-(``invalid_stream``).
+event (its type), when it ends without ``[DONE]`` or its connection breaks
+(``incomplete_stream``), or on an event that is not JSON within bounds or
+never ends (``invalid_stream``); a 503 before a stream starts is retried like
+any other call's.
+
+Nothing else escapes (``handoff/client/answers.py``): status 0 with
+``unreachable`` (nothing was sent), ``timeout`` (the whole answer did not
+arrive within the call's timeout, however the server dribbles it) or
+``incomplete_response``; ``invalid_response`` for a 2xx that is not JSON
+within bounds or longer than ``max_answer_bytes``; ``control_failed`` for a
+control answer that says ``"success": false``. Pointed at one sidecar, a
+control call returns that node's answer as a one-node :class:`FanoutResult`.
 """
 
 from handoff.client.aio import AsyncHandoffClient

@@ -3,36 +3,55 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Any, AsyncIterator
+import time
+from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 import httpx
 
-from handoff.client.calls import (RetryPolicy, _Base, _Call, _Calls, _control, _decode, _raise_for, _retry_delay,
-                                  _SseDecoder)
+from handoff.client.answers import AnswerReader, decode, error_of, transport_failure
+from handoff.client.calls import RetryPolicy, _Base, _Call, _Calls, _control, _retry_delay, _SseDecoder
 from handoff.client.errors import FanoutResult, ServiceUnavailable
+
+T = TypeVar("T")
 
 
 class AsyncHandoffClient(_Base):
-    """The same API for asyncio orchestrators."""
+    """The same API for asyncio orchestrators (see :class:`handoff.client.HandoffClient`)."""
 
     def __init__(self, base_url: str, *, admin_token: str | None = None, api_key: str | None = None,
-                 timeout: float = 600.0, retry: RetryPolicy | None = None,
+                 timeout: float = 600.0, retry: RetryPolicy | None = None, max_answer_bytes: int | None = None,
                  transport: httpx.AsyncBaseTransport | None = None) -> None:
-        super().__init__(base_url, admin_token=admin_token, api_key=api_key, retry=retry)
+        super().__init__(base_url, admin_token=admin_token, api_key=api_key, retry=retry, timeout=timeout,
+                         max_answer_bytes=max_answer_bytes)
         self._http = httpx.AsyncClient(base_url=self.base_url, timeout=timeout, transport=transport)
 
     async def _send(self, call: _Call) -> Any:
+        return await self._retrying(lambda: self._once(call))
+
+    async def _retrying(self, attempt_once: Callable[[], Awaitable[T]]) -> T:
         waited = 0.0
         for attempt in range(1, self.retry.max_attempts + 1):
             try:
-                return _decode(call, await self._http.request(call.method, call.path, **self._request_args(call)))
+                return await attempt_once()
             except ServiceUnavailable as exc:
                 delay = _retry_delay(self.retry, exc, attempt, waited)
                 if delay is None:
                     raise
                 await asyncio.sleep(delay)
                 waited += delay
-        raise AssertionError("unreachable")  # pragma: no cover
+        raise RuntimeError("unreachable: the last attempt returns or raises")  # pragma: no cover
+
+    async def _once(self, call: _Call) -> Any:
+        deadline = time.monotonic() + self._timeout_of(call)
+        try:
+            async with self._http.stream(call.method, call.path, **self._request_args(call)) as response:
+                reader = AnswerReader(self.max_answer_bytes, deadline, response.status_code)
+                async for chunk in response.aiter_bytes():
+                    reader.feed(chunk)
+        except httpx.TransportError as exc:
+            raise transport_failure(exc) from exc
+        return decode(response.status_code, response.headers, reader.body, is_fanout=call.decode == "fanout",
+                      node=self.base_url)
 
     async def generate(self, text: str | list[str] | None = None, *, input_ids: Any = None,
                        sampling_params: dict[str, Any] | None = None, **extra: Any) -> Any:
@@ -42,17 +61,39 @@ class AsyncHandoffClient(_Base):
                               sampling_params: dict[str, Any] | None = None,
                               **extra: Any) -> AsyncIterator[dict[str, Any]]:
         call = _Calls.generate(text, input_ids, sampling_params, True, extra)
-        async with self._http.stream(call.method, call.path, **self._request_args(call)) as response:
-            if not response.is_success:
-                await response.aread()
-                _raise_for(response)
+        response = await self._retrying(lambda: self._open_stream(call))
+        try:
             decoder = _SseDecoder()
-            async for chunk in response.aiter_bytes():
-                for event in decoder.feed(chunk):
-                    yield event
-                if decoder.is_done:
-                    return
+            try:
+                async for chunk in response.aiter_bytes():
+                    for event in decoder.feed(chunk):
+                        yield event
+                    if decoder.is_done:
+                        return
+            except httpx.TransportError as exc:
+                raise transport_failure(exc, is_stream=True) from exc
             decoder.finish()
+        finally:
+            await response.aclose()
+
+    async def _open_stream(self, call: _Call) -> httpx.Response:
+        """The stream's response once its status is 2xx; an error answer is read (within the cap), closed and
+        raised."""
+        deadline = time.monotonic() + self._timeout_of(call)
+        try:
+            response = await self._http.send(
+                self._http.build_request(call.method, call.path, **self._request_args(call)), stream=True)
+            if response.is_success:
+                return response
+            try:
+                reader = AnswerReader(self.max_answer_bytes, deadline, response.status_code)
+                async for chunk in response.aiter_bytes():
+                    reader.feed(chunk)
+            finally:
+                await response.aclose()
+        except httpx.TransportError as exc:
+            raise transport_failure(exc) from exc
+        raise error_of(response.status_code, response.headers, reader.body, response.reason_phrase)
 
     async def release(self, tags: list[str] | None = None, *, mode: str = "wait", drain_timeout: float | None = None,
                       stage_to_cpu: bool | None = None, role: str | None = None,

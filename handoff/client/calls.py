@@ -5,11 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
 
+from handoff.client.answers import DEFAULT_MAX_ANSWER_BYTES
+from handoff.client.errors import HandoffError, ServiceUnavailable
 from handoff.protocol.sse import DONE, EventSplitter, EventTooLarge, event_data
 from handoff.service.peer_json import PeerJSONError, loads_bounded
-from handoff.client.errors import FanoutFailed, FanoutResult, HandoffError, ServiceUnavailable, _node_result
 
 DEFAULT_CONTROL_TIMEOUT_S = 120.0
 _MARGIN_S = 10.0  # the LB answers within the per-node timeout; give its answer time to arrive
@@ -51,8 +51,10 @@ def _drop_none(values: dict[str, Any]) -> dict[str, Any]:
 
 
 def _control(path: str, body: dict[str, Any] | None, role: str | None, timeout: float | None) -> _Call:
+    """A control call; ``timeout`` bounds each node (the LB's ``?timeout=``), and the client waits that long
+    plus a margin (without one: the client's own timeout, at least the LB's default per node plus the margin)."""
     params = _drop_none({"role": role, "timeout": timeout})
-    client_timeout = (timeout or DEFAULT_CONTROL_TIMEOUT_S) + _MARGIN_S
+    client_timeout = None if timeout is None else timeout + _MARGIN_S
     return _Call("POST", path, auth="admin", body=body, params=params, timeout=client_timeout, decode="fanout")
 
 
@@ -85,42 +87,6 @@ class _Calls:
     @staticmethod
     def pause(mode: str, role: str | None, timeout: float | None) -> _Call:
         return _control("/pause_generation", {"mode": mode}, role, timeout)
-
-
-def _raise_for(response: httpx.Response) -> None:
-    if response.is_success:
-        return
-    try:
-        body = response.json()
-    except ValueError:
-        body = {"error": {"type": "http_error", "message": response.text[:500]}}
-    if response.status_code == 502 and isinstance(body, dict) and "failures" in body:
-        raise FanoutFailed(body)
-    error = body.get("error", {}) if isinstance(body, dict) else {}
-    type_ = str(error.get("type", "http_error"))
-    message = str(error.get("message", response.reason_phrase))
-    if response.status_code == 503:
-        retry_after = response.headers.get("retry-after")
-        raise ServiceUnavailable(503, type_, message, body, _seconds(retry_after))
-    raise HandoffError(response.status_code, type_, message, body)
-
-
-def _seconds(retry_after: str | None) -> float | None:
-    """``Retry-After`` in seconds, or None (an HTTP date, or anything else: the policy's default applies)."""
-    try:
-        seconds = float(retry_after) if retry_after else None
-    except ValueError:
-        return None
-    return seconds if seconds is not None and 0 <= seconds < 86400 else None
-
-
-def _decode(call: _Call, response: httpx.Response) -> Any:
-    _raise_for(response)
-    body = response.json()
-    if call.decode == "fanout":
-        return FanoutResult(total=int(body.get("total", 0)),
-                            results=tuple(_node_result(r) for r in body.get("results", [])))
-    return body
 
 
 def _retry_delay(policy: RetryPolicy, exc: ServiceUnavailable, attempt: int, waited: float) -> float | None:
@@ -189,16 +155,25 @@ class _SseDecoder:
 
 class _Base:
     def __init__(self, base_url: str, *, admin_token: str | None, api_key: str | None,
-                 retry: RetryPolicy | None) -> None:
+                 retry: RetryPolicy | None, timeout: float, max_answer_bytes: int | None) -> None:
         self.base_url = base_url.rstrip("/")
         self.retry = retry or RetryPolicy()
+        self.timeout_s = timeout
+        self.max_answer_bytes = max_answer_bytes or DEFAULT_MAX_ANSWER_BYTES
         self._headers = {"admin": {"Authorization": f"Bearer {admin_token}"} if admin_token else {},
                          "api": {"Authorization": f"Bearer {api_key}"} if api_key else {}}
 
+    def _timeout_of(self, call: _Call) -> float:
+        """The whole call's deadline, in seconds from its start (see :func:`_control` for control calls)."""
+        if call.timeout is not None:
+            return call.timeout
+        if call.decode == "fanout":
+            return max(self.timeout_s, DEFAULT_CONTROL_TIMEOUT_S + _MARGIN_S)
+        return self.timeout_s
+
     def _request_args(self, call: _Call) -> dict[str, Any]:
-        args: dict[str, Any] = {"headers": self._headers.get(call.auth or "", {}), "params": call.params}
+        args: dict[str, Any] = {"headers": self._headers.get(call.auth or "", {}), "params": call.params,
+                                "timeout": self._timeout_of(call)}
         if call.body is not None:
             args["json"] = call.body
-        if call.timeout is not None:
-            args["timeout"] = call.timeout
         return args

@@ -8,7 +8,8 @@ from typing import Any
 from handoff.protocol import errors as E
 
 class HandoffError(Exception):
-    """A call answered with an error: ``status``, ``type`` and ``message`` from the envelope."""
+    """A call answered with an error: ``status``, ``type`` and ``message`` from the envelope. ``status`` 0: no
+    answer came whole (``unreachable``, ``timeout``, ``incomplete_response``, ``incomplete_stream``)."""
 
     def __init__(self, status: int, type: str, message: str, body: Any = None) -> None:
         super().__init__(f"{status} {type}: {message}")
@@ -38,20 +39,21 @@ class FanoutFailed(HandoffError):
     """502: a control call failed on some nodes. Nodes are idempotent: retrying the whole call is safe."""
 
     def __init__(self, body: dict[str, Any]) -> None:
-        super().__init__(E.FANOUT_FAILED.status, E.FANOUT_FAILED.name, str(body.get("message", "control call failed on some nodes")), body)
-        self.total: int = int(body.get("total", 0))
-        self.failed: int = int(body.get("failed", 0))
-        self.failures: list[dict[str, Any]] = list(body.get("failures", []))
-        self.succeeded: list[NodeResult] = [_node_result(r) for r in body.get("succeeded", [])]
+        super().__init__(E.FANOUT_FAILED.status, E.FANOUT_FAILED.name,
+                         str(body.get("message", "control call failed on some nodes")), body)
+        self.total: int = _int(body.get("total"))
+        self.failed: int = _int(body.get("failed"))
+        self.failures: list[dict[str, Any]] = _dicts(body.get("failures"))
+        self.succeeded: list[NodeResult] = [node_result(r) for r in _dicts(body.get("succeeded"))]
 
     @property
     def failed_nodes(self) -> list[str]:
-        return [f["node"] for f in self.failures]
+        return [str(f.get("node", "")) for f in self.failures]
 
 
 @dataclass(frozen=True)
 class FanoutResult:
-    """A control call that succeeded on every node."""
+    """A control call that succeeded on every node (one, when the client talks to a sidecar)."""
 
     total: int
     results: tuple[NodeResult, ...]
@@ -60,6 +62,16 @@ class FanoutResult:
         return {r.node: r.body for r in self.results}
 
 
-def _node_result(item: dict[str, Any]) -> NodeResult:
-    return NodeResult(node=item.get("node", ""), role=item.get("role", ""), status=item.get("status"),
-                      body=item.get("body"))
+def node_result(item: dict[str, Any]) -> NodeResult:
+    status = item.get("status")
+    return NodeResult(node=str(item.get("node", "")), role=str(item.get("role", "")),
+                      status=status if isinstance(status, int) else None, body=item.get("body"))
+
+
+def _int(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+def _dicts(value: Any) -> list[dict[str, Any]]:
+    """The dict items of a peer's list (anything else in it is dropped, never a crash)."""
+    return [item for item in value if isinstance(item, dict)] if isinstance(value, list) else []

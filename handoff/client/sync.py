@@ -3,36 +3,58 @@
 from __future__ import annotations
 
 import time
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, TypeVar
 
 import httpx
 
-from handoff.client.calls import (RetryPolicy, _Base, _Call, _Calls, _control, _decode, _raise_for, _retry_delay,
-                                  _SseDecoder)
+from handoff.client.answers import AnswerReader, decode, error_of, transport_failure
+from handoff.client.calls import RetryPolicy, _Base, _Call, _Calls, _control, _retry_delay, _SseDecoder
 from handoff.client.errors import FanoutResult, ServiceUnavailable
+
+T = TypeVar("T")
 
 
 class HandoffClient(_Base):
-    """Synchronous client of the LB (or of one sidecar: the generation and control paths are the same)."""
+    """Synchronous client of the LB, or of one sidecar: the generation and control paths are the same, and a
+    sidecar's control answer is returned as one node's result."""
 
     def __init__(self, base_url: str, *, admin_token: str | None = None, api_key: str | None = None,
-                 timeout: float = 600.0, retry: RetryPolicy | None = None,
+                 timeout: float = 600.0, retry: RetryPolicy | None = None, max_answer_bytes: int | None = None,
                  transport: httpx.BaseTransport | None = None) -> None:
-        super().__init__(base_url, admin_token=admin_token, api_key=api_key, retry=retry)
+        """``timeout``: a call's whole time, answer included (control calls: at least the LB's per-node default
+        plus a margin, or what their own ``timeout`` says); ``max_answer_bytes``: the longest non-stream
+        answer read (default 256 MiB, the LB's cap)."""
+        super().__init__(base_url, admin_token=admin_token, api_key=api_key, retry=retry, timeout=timeout,
+                         max_answer_bytes=max_answer_bytes)
         self._http = httpx.Client(base_url=self.base_url, timeout=timeout, transport=transport)
 
     def _send(self, call: _Call) -> Any:
+        return self._retrying(lambda: self._once(call))
+
+    def _retrying(self, attempt_once: Callable[[], T]) -> T:
         waited = 0.0
         for attempt in range(1, self.retry.max_attempts + 1):
             try:
-                return _decode(call, self._http.request(call.method, call.path, **self._request_args(call)))
+                return attempt_once()
             except ServiceUnavailable as exc:
                 delay = _retry_delay(self.retry, exc, attempt, waited)
                 if delay is None:
                     raise
                 time.sleep(delay)
                 waited += delay
-        raise AssertionError("unreachable")  # pragma: no cover
+        raise RuntimeError("unreachable: the last attempt returns or raises")  # pragma: no cover
+
+    def _once(self, call: _Call) -> Any:
+        deadline = time.monotonic() + self._timeout_of(call)
+        try:
+            with self._http.stream(call.method, call.path, **self._request_args(call)) as response:
+                reader = AnswerReader(self.max_answer_bytes, deadline, response.status_code)
+                for chunk in response.iter_bytes():
+                    reader.feed(chunk)
+        except httpx.TransportError as exc:
+            raise transport_failure(exc) from exc
+        return decode(response.status_code, response.headers, reader.body, is_fanout=call.decode == "fanout",
+                      node=self.base_url)
 
     def generate(self, text: str | list[str] | None = None, *, input_ids: Any = None,
                  sampling_params: dict[str, Any] | None = None, **extra: Any) -> Any:
@@ -41,18 +63,41 @@ class HandoffClient(_Base):
 
     def stream_generate(self, text: str | list[str] | None = None, *, input_ids: Any = None,
                         sampling_params: dict[str, Any] | None = None, **extra: Any) -> Iterator[dict[str, Any]]:
-        """The stream's events; an error event raises :class:`HandoffError`."""
+        """The stream's events; an error event raises :class:`HandoffError`. A 503 before the stream starts is
+        retried as the :class:`RetryPolicy` allows (nothing was generated)."""
         call = _Calls.generate(text, input_ids, sampling_params, True, extra)
-        with self._http.stream(call.method, call.path, **self._request_args(call)) as response:
-            if not response.is_success:
-                response.read()
-                _raise_for(response)
+        response = self._retrying(lambda: self._open_stream(call))
+        try:
             decoder = _SseDecoder()
-            for chunk in response.iter_bytes():
-                yield from decoder.feed(chunk)
-                if decoder.is_done:
-                    return
+            try:
+                for chunk in response.iter_bytes():
+                    yield from decoder.feed(chunk)
+                    if decoder.is_done:
+                        return
+            except httpx.TransportError as exc:
+                raise transport_failure(exc, is_stream=True) from exc
             decoder.finish()
+        finally:
+            response.close()
+
+    def _open_stream(self, call: _Call) -> httpx.Response:
+        """The stream's response once its status is 2xx; an error answer is read (within the cap), closed and
+        raised."""
+        deadline = time.monotonic() + self._timeout_of(call)
+        try:
+            response = self._http.send(self._http.build_request(call.method, call.path, **self._request_args(call)),
+                                       stream=True)
+            if response.is_success:
+                return response
+            try:
+                reader = AnswerReader(self.max_answer_bytes, deadline, response.status_code)
+                for chunk in response.iter_bytes():
+                    reader.feed(chunk)
+            finally:
+                response.close()
+        except httpx.TransportError as exc:
+            raise transport_failure(exc) from exc
+        raise error_of(response.status_code, response.headers, reader.body, response.reason_phrase)
 
     def release(self, tags: list[str] | None = None, *, mode: str = "wait", drain_timeout: float | None = None,
                 stage_to_cpu: bool | None = None, role: str | None = None,

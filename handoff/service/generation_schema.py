@@ -1,7 +1,7 @@
 """The generation bodies as the API documents them, for the schemas of processes that relay them.
 
 The LB and the sidecar pass generation bodies on untouched (the engine validates
-them, strictly: see ``node_engine/server/protocol.py``); these models describe
+them, strictly: see ``node_engine/server/openai_bodies.py``); these models describe
 the common shapes in their ``GET /openapi.json``. Extra fields are allowed here
 because the relays do not judge them.
 """

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import time
 
-import httpx
 import pytest
 
 from handoff.client import (AsyncHandoffClient, FanoutFailed, HandoffClient, HandoffError, RetryPolicy,
                             ServiceUnavailable)
-from tests.support.procs import ServerProcess
+from tests.handoff.scripted import UNAVAILABLE, received, script
 
 FANOUT_OK = {"success": True, "total": 2, "results": [
     {"node": "http://a", "role": "mixed", "status": 200, "body": {"released": ["kv_cache"]}},
@@ -17,24 +16,6 @@ FANOUT_OK = {"success": True, "total": 2, "results": [
 FANOUT_502 = {"success": False, "message": "/release_memory_occupation failed on 1/2 nodes", "total": 2,
               "failed": 1, "failures": [{"node": "http://a", "role": "mixed", "error": "connect_failed"}],
               "succeeded": [{"node": "http://b", "role": "mixed", "status": 200, "body": {"released": ["weights"]}}]}
-UNAVAILABLE = {"status": 503, "headers": {"Retry-After": "1"},
-               "body": {"error": {"type": "no_available_node", "message": "all released"}}}
-
-
-@pytest.fixture(scope="module")
-def server(proc_log_dir):
-    proc = ServerProcess("tests.support.scripted_app", [], log_dir=proc_log_dir, name="scripted")
-    proc.start()
-    yield proc
-    proc.stop()
-
-
-def script(server: ServerProcess, *answers: dict) -> None:
-    httpx.post(server.url + "/_script", json=list(answers))
-
-
-def received(server: ServerProcess) -> list[dict]:
-    return httpx.get(server.url + "/_requests").json()
 
 
 def test_fanout_results_and_failures(server) -> None:

@@ -11,6 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from handoff.client import HandoffClient
 from handoff.protocol.control import DEADLINE_HEADER, NODE_STATE_HEADER
 from tests.support.procs import ServerProcess, wait_until
 from tests.support.streams import GenerationClient, start_clients
@@ -458,3 +459,15 @@ def test_a_request_head_must_arrive_in_time(sidecars: Sidecars) -> None:
     assert statuses == [408] * 30
     assert time.monotonic() - started < 15
     assert httpx.get(sidecar.url + "/health").status_code == 200  # and the door still opens for others
+
+
+def test_the_python_client_pointed_at_one_sidecar_gets_that_nodes_answer(sidecars: Sidecars) -> None:
+    """The client's control calls return the sidecar's own answer as one node's result (they came back empty:
+    ``FanoutResult(total=0)``, the released tags and bytes lost)."""
+    sidecar = sidecars.start()
+    with HandoffClient(sidecar.url) as client:
+        released = client.release(tags=["kv_cache"])
+        resumed = client.resume(tags=["kv_cache"])
+    assert released.total == 1 and released.results[0].node == sidecar.url
+    assert released.results[0].body["released"] == ["kv_cache", "workspace"] and released.results[0].status == 200
+    assert resumed.total == 1 and "kv_cache" in resumed.results[0].body["resumed"]

@@ -1,0 +1,118 @@
+"""What the clients make of an answer: read within a size cap and a deadline, judged, decoded into a result or
+one :class:`HandoffError`; transport failures mapped to the same error type.
+
+Rules:
+
+- A non-stream answer is read whole, at most ``max_answer_bytes`` (the LB's own
+  cap by default) and within the call's deadline, however the server dribbles
+  it; past either: ``invalid_response`` / ``timeout``.
+- A 2xx that is not a JSON object within bounds, or a control answer that says
+  ``"success": false``, is an error, never an empty success.
+- A control call's answer from the LB lists its nodes; a sidecar's own answer
+  (the client pointed at one node) is that one node's result.
+- Nothing the server or the network does escapes as another exception type:
+  ``unreachable`` (nothing was sent), ``timeout``, ``incomplete_response``
+  (the connection ended mid-answer; status 0 for the three), ``invalid_response``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Mapping
+
+import httpx
+
+from handoff.client.errors import FanoutFailed, FanoutResult, HandoffError, NodeResult, ServiceUnavailable, node_result
+from handoff.service.peer_json import PeerJSONError, loads_bounded
+
+DEFAULT_MAX_ANSWER_BYTES = 256 * 1024 * 1024
+
+
+class AnswerReader:
+    """Collects an answer's bytes, refusing more than ``max_bytes`` or any chunk after ``deadline``."""
+
+    def __init__(self, max_bytes: int, deadline: float, status: int) -> None:
+        self._chunks: list[bytes] = []
+        self._num_bytes = 0
+        self._max_bytes = max_bytes
+        self._deadline = deadline
+        self._status = status
+
+    def feed(self, chunk: bytes) -> None:
+        self._num_bytes += len(chunk)
+        if self._num_bytes > self._max_bytes:
+            raise HandoffError(self._status, "invalid_response",
+                               f"the answer is longer than the client's cap of {self._max_bytes} bytes")
+        if time.monotonic() > self._deadline:
+            raise HandoffError(0, "timeout", "the answer did not arrive whole within the call's timeout")
+        self._chunks.append(chunk)
+
+    @property
+    def body(self) -> bytes:
+        return b"".join(self._chunks)
+
+
+def transport_failure(exc: httpx.TransportError, *, is_stream: bool = False) -> HandoffError:
+    """The client's error for what the network did (``exc`` is httpx's)."""
+    if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout):
+        return HandoffError(0, "unreachable", f"could not connect: {exc}")
+    if isinstance(exc, httpx.TimeoutException):
+        return HandoffError(0, "timeout", f"no answer within the call's timeout: {exc}")
+    kind = "incomplete_stream" if is_stream else "incomplete_response"
+    return HandoffError(0, kind, f"the connection ended mid-answer: {exc}")
+
+
+def _parse(status: int, raw: bytes) -> Any:
+    try:
+        return loads_bounded(raw)
+    except PeerJSONError as exc:
+        raise HandoffError(status, "invalid_response", f"the answer is not JSON: {exc}", raw[:500]) from None
+
+
+def error_of(status: int, headers: Mapping[str, str], raw: bytes, reason: str = "") -> HandoffError:
+    """The error of a non-2xx answer: :class:`FanoutFailed` for a fan-out's 502, :class:`ServiceUnavailable` for
+    a 503 (with its ``Retry-After``), else :class:`HandoffError` with the envelope's type."""
+    try:
+        body: Any = loads_bounded(raw)
+    except PeerJSONError:
+        body = {"error": {"type": "http_error", "message": raw[:500].decode("utf-8", "replace")}}
+    if status == 502 and isinstance(body, dict) and "failures" in body:
+        return FanoutFailed(body)
+    error = body.get("error") if isinstance(body, dict) else None
+    error = error if isinstance(error, dict) else {"message": str(error)[:500]} if error is not None else {}
+    type_ = str(error.get("type", "http_error"))
+    message = str(error.get("message", reason))
+    if status == 503:
+        return ServiceUnavailable(503, type_, message, body, retry_after_seconds(headers.get("retry-after")))
+    return HandoffError(status, type_, message, body)
+
+
+def retry_after_seconds(retry_after: str | None) -> float | None:
+    """``Retry-After`` in seconds, or None (an HTTP date, or anything else: the policy's default applies)."""
+    try:
+        seconds = float(retry_after) if retry_after else None
+    except ValueError:
+        return None
+    return seconds if seconds is not None and 0 <= seconds < 86400 else None
+
+
+def decode(status: int, headers: Mapping[str, str], raw: bytes, *, is_fanout: bool, node: str) -> Any:
+    """The result of a whole answer; ``node``: the URL called (a sidecar's own answer is that node's)."""
+    if not 200 <= status < 300:
+        raise error_of(status, headers, raw)
+    body = _parse(status, raw)
+    if not is_fanout:
+        return body
+    if not isinstance(body, dict):
+        raise HandoffError(status, "invalid_response", f"a control answer must be a JSON object, got "
+                                                       f"{type(body).__name__}", body)
+    if body.get("success") is False:
+        raise HandoffError(status, "control_failed", str(body.get("message", "the node says it did not succeed")),
+                           body)
+    if "results" not in body:  # one node's own answer (a sidecar, or an engine)
+        return FanoutResult(total=1, results=(NodeResult(node=node, role=str(body.get("role", "")), status=status,
+                                                         body=body),))
+    results, total = body.get("results"), body.get("total", 0)
+    if not isinstance(results, list) or not all(isinstance(r, dict) for r in results) or not isinstance(total, int):
+        raise HandoffError(status, "invalid_response", "a fan-out answer's results and total are malformed", body)
+    return FanoutResult(total=total, results=tuple(node_result(r) for r in results))

@@ -1,0 +1,190 @@
+"""The clients against servers that misbehave (a raw-socket server for what a well-behaved HTTP framework will
+not send, the scripted server otherwise) and against a real sidecar: every outcome is a result or one
+:class:`HandoffError`, never another exception type, an empty success or a call without end."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from typing import Callable, Iterator
+
+import pytest
+
+from handoff.client import AsyncHandoffClient, FanoutFailed, HandoffClient, HandoffError, RetryPolicy
+from handoff.client.calls import DEFAULT_CONTROL_TIMEOUT_S, _Calls
+from tests.handoff.scripted import UNAVAILABLE, script
+
+pytestmark = pytest.mark.timeout(60)
+
+HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+
+
+def _drip(conn: socket.socket) -> None:
+    conn.sendall(HEAD + b"Transfer-Encoding: chunked\r\n\r\n")
+    for _ in range(100):  # 1 byte every 0.1 s: each read arrives well within any per-read timeout
+        conn.sendall(b"1\r\n \r\n")
+        time.sleep(0.1)
+
+
+def _endless(conn: socket.socket) -> None:
+    conn.sendall(HEAD + b"Transfer-Encoding: chunked\r\n\r\n")
+    chunk = b"%x\r\n%s\r\n" % (65536, b" " * 65536)
+    for _ in range(256):  # 16 MiB offered
+        conn.sendall(chunk)
+
+
+def _truncated(conn: socket.socket) -> None:
+    conn.sendall(HEAD + b"Content-Length: 100\r\n\r\n{\"text\": ")
+
+
+def _cut_stream(conn: socket.socket) -> None:
+    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+    event = b'data: {"text": "a"}\n\n'
+    conn.sendall(b"%x\r\n%s\r\n" % (len(event), event) + b"40\r\ndata: {\"te")
+
+
+@pytest.fixture
+def raw_server() -> Iterator[Callable[[Callable[[socket.socket], None]], str]]:
+    """``raw_server(behaviour)``: the URL of a server that reads each request's head and runs ``behaviour`` on
+    the connection (the method and path are ignored), until the test ends."""
+    stops: list[Callable[[], None]] = []
+
+    def start(behaviour: Callable[[socket.socket], None]) -> str:
+        listener = socket.create_server(("127.0.0.1", 0))
+        stop = threading.Event()
+
+        def serve_one(conn: socket.socket) -> None:
+            with conn:
+                conn.settimeout(10)
+                head = b""
+                while b"\r\n\r\n" not in head and len(head) < 65536:
+                    piece = conn.recv(4096)
+                    if not piece:
+                        return
+                    head += piece
+                try:
+                    behaviour(conn)
+                except OSError:
+                    return  # the client left, as it should
+
+        def accept() -> None:
+            listener.settimeout(0.2)
+            while not stop.is_set():
+                try:
+                    conn, _ = listener.accept()
+                except TimeoutError:
+                    continue
+                threading.Thread(target=serve_one, args=(conn,), daemon=True).start()
+
+        thread = threading.Thread(target=accept, daemon=True)
+        thread.start()
+
+        def halt() -> None:
+            stop.set()
+            thread.join(timeout=5)
+            listener.close()
+        stops.append(halt)
+        return f"http://127.0.0.1:{listener.getsockname()[1]}"
+
+    yield start
+    for halt in stops:
+        halt()
+
+
+def refused_url() -> str:
+    with socket.create_server(("127.0.0.1", 0)) as s:
+        return f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
+def error_of(call: Callable[[], object]) -> HandoffError:
+    with pytest.raises(HandoffError) as info:
+        call()
+    return info.value
+
+
+def test_a_dribbled_answer_ends_at_the_calls_timeout(raw_server) -> None:
+    started = time.monotonic()
+    with HandoffClient(raw_server(_drip), timeout=1.0) as client:
+        error = error_of(lambda: client.generate("x"))
+    assert error.status == 0 and error.type == "timeout" and time.monotonic() - started < 5
+
+
+def test_an_endless_answer_stops_at_the_cap(raw_server) -> None:
+    with HandoffClient(raw_server(_endless), max_answer_bytes=1 << 20) as client:
+        error = error_of(client.memory_occupation)
+    assert error.type == "invalid_response" and "cap of 1048576 bytes" in error.message
+
+
+def test_the_network_failing_is_one_error(raw_server) -> None:
+    with HandoffClient(raw_server(_truncated), timeout=5) as client:
+        truncated = error_of(lambda: client.generate("x"))
+    with HandoffClient(refused_url(), timeout=5) as client:
+        refused = error_of(client.release)
+    assert (truncated.status, truncated.type) == (0, "incomplete_response")
+    assert (refused.status, refused.type) == (0, "unreachable")
+
+
+def test_a_stream_cut_mid_chunk_is_incomplete(raw_server) -> None:
+    url = raw_server(_cut_stream)
+    events: list[dict] = []
+    with HandoffClient(url) as client:
+        with pytest.raises(HandoffError) as info:
+            for event in client.stream_generate("x"):
+                events.append(event)
+    assert events == [{"text": "a"}] and info.value.type == "incomplete_stream"
+
+    async def run() -> str:
+        async with AsyncHandoffClient(url) as client:
+            with pytest.raises(HandoffError) as info:
+                async for _ in client.stream_generate("x"):
+                    pass
+        return info.value.type
+    assert asyncio.run(run()) == "incomplete_stream"
+
+
+@pytest.mark.parametrize(("answer", "kind"), [
+    ({"raw": "<html>oops</html>"}, "invalid_response"),
+    ({"status": 400, "body": {"error": "bad thing"}}, "http_error"),
+    ({"body": [1, 2, 3]}, "invalid_response"),
+    ({"body": {"total": "many", "results": []}}, "invalid_response"),
+    ({"body": {"success": False, "message": "nothing released"}}, "control_failed"),
+])
+def test_odd_answers_are_one_clear_error(server, answer: dict, kind: str) -> None:
+    script(server, answer)
+    with HandoffClient(server.url) as client:
+        error = error_of(client.release)
+    assert error.type == kind, error
+
+
+def test_a_502_with_odd_failures_still_names_what_it_can(server) -> None:
+    script(server, {"status": 502, "body": {"message": "m", "total": "2", "failures": ["a", {"node": "http://b"}]}})
+    with HandoffClient(server.url) as client:
+        with pytest.raises(FanoutFailed) as info:
+            client.release()
+    assert info.value.failed_nodes == ["http://b"] and info.value.total == 0
+
+
+def test_a_503_before_a_stream_starts_is_retried(server) -> None:
+    done = 'data: {"text": "ok"}\n\ndata: [DONE]\n\n'
+    ok = {"raw": done, "headers": {"content-type": "text/event-stream"}}
+    script(server, {**UNAVAILABLE, "headers": {"Retry-After": "0.1"}}, ok)
+    with HandoffClient(server.url, retry=RetryPolicy(max_attempts=3)) as client:
+        assert list(client.stream_generate("hi")) == [{"text": "ok"}]
+    script(server, {**UNAVAILABLE, "headers": {"Retry-After": "0.1"}}, ok)
+
+    async def run() -> list[dict]:
+        async with AsyncHandoffClient(server.url, retry=RetryPolicy(max_attempts=3)) as client:
+            return [event async for event in client.stream_generate("hi")]
+    assert asyncio.run(run()) == [{"text": "ok"}]
+
+
+def test_a_control_call_waits_at_least_the_lbs_own_timeout() -> None:
+    client = HandoffClient("http://127.0.0.1:1", timeout=3600)
+    assert client._timeout_of(_Calls.resume(None, None, None)) == 3600  # the client's own, longer
+    short = HandoffClient("http://127.0.0.1:1", timeout=1)
+    assert short._timeout_of(_Calls.resume(None, None, None)) > DEFAULT_CONTROL_TIMEOUT_S  # what the LB may take
+    assert short._timeout_of(_Calls.resume(None, None, 30)) == 40  # asked 30 s per node, plus the margin
+    client.close()
+    short.close()

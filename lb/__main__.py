@@ -9,7 +9,7 @@ from typing import Sequence
 from handoff.service.auth import token_from
 from handoff.service.limits import DEFAULT_MAX_BODY_BYTES
 from handoff.service.logs import setup_logging
-from handoff.service.serve import add_server_args, serve
+from handoff.service.serve import add_server_args, serve_from_args
 from lb.addresses import Resolver
 from lb.app import create_app
 from handoff.service.limits import DEFAULT_MAX_ANSWER_BYTES
@@ -107,8 +107,7 @@ def main(argv: Sequence[str] | None = None, *, resolver: Resolver | None = None)
     if config.admin_token is None:
         log.warning("no --admin-token: control calls (release, reload, membership) are open to anyone who can "
                     "reach this port")
-    serve(create_app(config, resolver=resolver), host=args.host, port=args.port, port_file=args.port_file,
-          header_timeout_s=args.header_timeout)
+    serve_from_args(create_app(config, resolver=resolver), args)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from handoff.service.limits import DEFAULT_MAX_BODY_BYTES
 from handoff.service.logs import setup_logging
-from handoff.service.serve import add_server_args, serve
+from handoff.service.serve import add_server_args, serve_from_args
 from node_engine.config import ConfigError, EngineConfig
 from node_engine.memory.tags import BackupMode
 from node_engine.model.arch import ModelConfigError
@@ -139,8 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ModelConfigError) as exc:
         log.error("cannot start: %s", exc)
         return 2
-    serve(create_app(engine, max_body_bytes=args.max_body_bytes, body_timeout_s=args.body_timeout), host=args.host,
-          port=args.port, port_file=args.port_file, header_timeout_s=args.header_timeout)
+    serve_from_args(create_app(engine, max_body_bytes=args.max_body_bytes, body_timeout_s=args.body_timeout), args)
     return 0
 
 

@@ -9,7 +9,7 @@ import sys
 from handoff.service.auth import token_from
 from handoff.service.limits import DEFAULT_MAX_ANSWER_BYTES, DEFAULT_MAX_BODY_BYTES
 from handoff.service.logs import setup_logging
-from handoff.service.serve import add_server_args, serve
+from handoff.service.serve import add_server_args, serve_from_args
 from handoff.protocol.engines import ENGINE_KIND_NAMES
 from node_sidecar.config import ROLES, ConfigError, SidecarConfig
 
@@ -82,8 +82,7 @@ def main(argv: list[str] | None = None) -> int:
                     "this port")
     from node_sidecar.app import create_app
 
-    serve(create_app(config), host=args.host, port=args.port, port_file=args.port_file,
-          header_timeout_s=args.header_timeout)
+    serve_from_args(create_app(config), args)
     return 0
 
 

@@ -22,10 +22,29 @@ from handoff.service.limits import DEFAULT_BODY_TIMEOUT_S
 log = logging.getLogger(__name__)
 
 
+DEFAULT_SHUTDOWN_TIMEOUT_S = 5.0
+
+
+def _port(text: str) -> int:
+    if not text.isdigit() or not 0 <= int(text) <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is a number in 0-65535, got {text!r}")
+    return int(text)
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a number of seconds, got {text!r}") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"a number of seconds >= 0, got {text!r}")
+    return value
+
+
 def add_server_args(parser: argparse.ArgumentParser, *, default_host: str, default_port: int) -> None:
-    """Flags every service shares: address, port file, logging."""
+    """Flags every service shares: address, port file, logging, timeouts of a request and of shutting down."""
     parser.add_argument("--host", default=default_host, help=f"address to bind (default {default_host})")
-    parser.add_argument("--port", type=int, default=default_port, help="port to bind; 0 picks a free one")
+    parser.add_argument("--port", type=_port, default=default_port, help="port to bind; 0 picks a free one")
     parser.add_argument("--port-file", type=Path, default=None,
                         help="write the bound port to this file once listening")
     parser.add_argument("--log-format", choices=("text", "json"), default="text")
@@ -36,14 +55,31 @@ def add_server_args(parser: argparse.ArgumentParser, *, default_host: str, defau
     parser.add_argument("--body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT_S, metavar="S",
                         help="a request's body must arrive within this time of its head, else 408 "
                              f"(default {DEFAULT_BODY_TIMEOUT_S:g})")
+    parser.add_argument("--shutdown-timeout", type=_seconds, default=DEFAULT_SHUTDOWN_TIMEOUT_S, metavar="S",
+                        help="on SIGTERM, stop taking connections and give the requests in flight this long to "
+                             "finish before they are cut (default "
+                             f"{DEFAULT_SHUTDOWN_TIMEOUT_S:g}; in Kubernetes, the node's drain timeout)")
+
+
+def serve_from_args(app: object, args: argparse.Namespace) -> None:
+    """:func:`serve` with the flags of :func:`add_server_args`."""
+    serve(app, host=args.host, port=args.port, port_file=args.port_file, graceful_shutdown_s=args.shutdown_timeout,
+          header_timeout_s=args.header_timeout)
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening socket on ``host:port``; exits 2 with one line naming the address when it cannot be had (in
+    use, not an address of this machine, a port out of range)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(2048)
+    try:
+        sock.bind((host, port))
+        sock.listen(2048)
+    except (OSError, OverflowError) as exc:
+        sock.close()
+        log.error("cannot listen on %s:%d: %s", host, port, exc)
+        raise SystemExit(2) from None
     sock.set_inheritable(True)
     return sock
 

@@ -69,7 +69,7 @@ VALUE_SETS: dict[str, Obj] = {
     "mixed": deep_merge(TOKENS, {
         "clusterDomain": "k8s.internal",
         "logFormat": "text",
-        "lb": {"replicas": 1, "policy": "power_of_two", "discoverInterval": 2.5, "controlTimeout": 30,
+        "lb": {"replicas": 1, "policy": "power_of_two", "discoverInterval": 2.5, "controlTimeout": 90,
                "maxControlTimeout": 1800},
         "roles": {"mixed": {"replicas": 4}},
         "node": {
@@ -238,6 +238,16 @@ def test_schema_rejects_bad_values_with_a_clear_message(values: Obj, message: st
                  "roles.mixed.engineExtraArgs must not set --port=1234", id="engine-port-override"),
     pytest.param({"auth": {"apiKeyKey": "admin-token"}}, "auth.adminTokenKey and auth.apiKeyKey must differ",
                  id="same-secret-keys"),
+    pytest.param({"lb": {"controlTimeout": 5000}}, "lb.controlTimeout (5000) must not exceed lb.maxControlTimeout",
+                 id="control-over-max"),
+    pytest.param({"node": {"sidecar": {"drainTimeout": 4000}}, "lb": {"controlTimeout": 5000, "maxControlTimeout": 9000}},
+                 "node.sidecar.drainTimeout (4000) must be at most 3600", id="drain-over-sidecar-max"),
+    pytest.param({"node": {"sidecar": {"drainTimeout": 200}, "terminationGracePeriodSeconds": 300}},
+                 "must be shorter than lb.controlTimeout", id="drain-over-control"),
+    pytest.param({"node": {"terminationGracePeriodSeconds": 30}},
+                 "node.terminationGracePeriodSeconds (30) must exceed node.sidecar.drainTimeout", id="grace-under-drain"),
+    pytest.param({"node": {"engine": {"port": 8080}}}, "node.engine.port and node.sidecar.port must differ",
+                 id="same-ports"),
 ])
 def test_template_rejects_inconsistent_values_with_a_clear_message(values: Obj, message: str) -> None:
     with pytest.raises(helm.HelmRenderError) as caught:
@@ -440,6 +450,8 @@ def test_engine_and_sidecar_flags_follow_the_values(rendered: Rendered) -> None:
         for args in (engine, sidecar):
             assert flag_values(args, "--log-format") == (["json"] if rendered.merged["logFormat"] == "json" else [])
         assert float(flag_value(sidecar, "--drain-timeout")) == sidecar_values["drainTimeout"]
+        for args in (engine, sidecar):  # a stopping pod's requests get the drain timeout, not uvicorn's 5 s
+            assert float(flag_value(args, "--shutdown-timeout")) == sidecar_values["drainTimeout"]
         if sidecar_values["holdRequests"]:
             assert "--hold-requests" in sidecar
             assert int(flag_value(sidecar, "--hold-max")) == sidecar_values["holdMax"]

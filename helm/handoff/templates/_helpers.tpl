@@ -203,6 +203,30 @@ Called with (dict "args" LIST "where" "node.engine.extraArgs").
 {{- end }}
 
 {{/*
+Values the processes would refuse at start (a crash loop), or that would make a stopping node
+or a release fan-out cut work short: checked here, with the value's name.
+*/}}
+{{- define "handoff.checkTimeoutsAndPorts" -}}
+{{- $lb := .Values.lb }}
+{{- $node := .Values.node }}
+{{- if gt (float64 $lb.controlTimeout) (float64 $lb.maxControlTimeout) }}
+{{- fail (printf "handoff: lb.controlTimeout (%v) must not exceed lb.maxControlTimeout (%v): the LB would exit at start" $lb.controlTimeout $lb.maxControlTimeout) }}
+{{- end }}
+{{- if gt (float64 $node.sidecar.drainTimeout) 3600.0 }}
+{{- fail (printf "handoff: node.sidecar.drainTimeout (%v) must be at most 3600 (the sidecar's --max-drain-timeout)" $node.sidecar.drainTimeout) }}
+{{- end }}
+{{- if ge (float64 $node.sidecar.drainTimeout) (float64 $lb.controlTimeout) }}
+{{- fail (printf "handoff: node.sidecar.drainTimeout (%v) must be shorter than lb.controlTimeout (%v): a release would time out while nodes still drain" $node.sidecar.drainTimeout $lb.controlTimeout) }}
+{{- end }}
+{{- if le (float64 $node.terminationGracePeriodSeconds) (float64 $node.sidecar.drainTimeout) }}
+{{- fail (printf "handoff: node.terminationGracePeriodSeconds (%v) must exceed node.sidecar.drainTimeout (%v): a stopping node's requests get the drain timeout to finish" $node.terminationGracePeriodSeconds $node.sidecar.drainTimeout) }}
+{{- end }}
+{{- if eq (int $node.engine.port) (int $node.sidecar.port) }}
+{{- fail (printf "handoff: node.engine.port and node.sidecar.port must differ (both %v): the containers share the pod's network" $node.sidecar.port) }}
+{{- end }}
+{{- end }}
+
+{{/*
 Checks of the model volume the schema cannot express.
 */}}
 {{- define "handoff.checkModelVolume" -}}

@@ -8,6 +8,7 @@ import tempfile
 from pathlib import Path
 
 from handoff.service.auth import token_from
+from handoff.service.serve import port_number
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -15,30 +16,52 @@ def _parser() -> argparse.ArgumentParser:
                                                                  "LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
     up = sub.add_parser("up", help="start a local cluster (LB + nodes) in the foreground")
-    up.add_argument("--nodes", type=int, default=None, help="mixed nodes (default 2)")
-    up.add_argument("--prefill", type=int, default=0, help="prefill nodes (with --decode)")
-    up.add_argument("--decode", type=int, default=0, help="decode nodes (with --prefill)")
+    up.add_argument("--nodes", type=_count, default=None, help="mixed nodes (default 2)")
+    up.add_argument("--prefill", type=_count, default=0, help="prefill nodes (with --decode)")
+    up.add_argument("--decode", type=_count, default=0, help="decode nodes (with --prefill)")
     up.add_argument("--model-path", default="builtin:tiny")
     up.add_argument("--engine-kind", choices=("handoff", "vllm"), default="handoff",
                     help="the nodes' engine: handoff's, or a vLLM server (needs vLLM installed and --model-path DIR)")
     up.add_argument("--model-override", default=None, help="JSON shape override of a built-in model")
     up.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     up.add_argument("--weights-backup", choices=("none", "cpu", "disk"), default="none")
-    up.add_argument("--port", type=int, default=8000, help="the LB's port (0: any free port)")
+    up.add_argument("--port", type=port_number, default=8000, help="the LB's port (0: any free port)")
     up.add_argument("--log-dir", type=Path, default=None)
     up.add_argument("--hold-requests", action="store_true", help="sidecars hold generation while released")
     up.add_argument("--admin-token", default=None, help="or HANDOFF_ADMIN_TOKEN")
     up.add_argument("--api-key", default=None, help="or HANDOFF_API_KEY")
     demo = sub.add_parser("demo", help="play one RL step on a local cluster and check every result")
-    demo.add_argument("--nodes", type=int, default=2)
+    demo.add_argument("--nodes", type=_count, default=2)
     demo.add_argument("--log-dir", type=Path, default=None)
     demo.add_argument("--model", choices=("builtin:tiny", "builtin:tiny-vl"), default="builtin:tiny",
                       help="builtin:tiny-vl adds a step with image requests and a release/resume of the VL nodes")
     return parser
 
 
+def _count(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"a number of nodes (0 or more), got {text!r}")
+    return int(text)
+
+
+def _usable_log_dir(path: Path | None, command: str) -> Path | None:
+    """``path`` created if needed; None (after one line on stderr) when it cannot hold the logs."""
+    target = path or Path(tempfile.mkdtemp(prefix=f"handoff-{command}-"))
+    try:
+        target.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        print(f"handoff {command}: --log-dir {target}: {exc.strerror or exc}", file=sys.stderr)
+        return None
+    return target
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.log_dir is not None and _usable_log_dir(args.log_dir, args.command) is None:
+        return 2
+    if args.command == "demo" and args.nodes < 1:
+        print("handoff demo: --nodes must be at least 1", file=sys.stderr)
+        return 2
     if args.command == "demo":
         from handoff.demo import run_demo
 
@@ -69,7 +92,9 @@ def main(argv: list[str] | None = None) -> int:
               "prefill/decode nodes run mixed engines behind role-labelled sidecars, so PD routing and role-scoped "
               "control calls can be exercised, but each request is generated on both nodes of a pair.",
               file=sys.stderr)
-    log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="handoff-up-"))
+    log_dir = _usable_log_dir(args.log_dir, "up")
+    if log_dir is None:
+        return 2
     return run_up(spec, log_dir)
 
 

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 
-from handoff.cluster.process import ServerProcess, wait_until
+from handoff.cluster.process import ProcessFailed, ServerProcess, wait_until
 from handoff.cluster.vllm import VLLM_START_TIMEOUT_S, VllmProcess
 
 log = logging.getLogger(__name__)
@@ -90,9 +91,12 @@ class NodeProcesses:
 
 
 class LocalCluster:
-    def __init__(self, spec: ClusterSpec, log_dir: Path) -> None:
+    def __init__(self, spec: ClusterSpec, log_dir: Path, *, die_with_parent: bool = False) -> None:
+        """``die_with_parent``: every process gets SIGTERM when the one that started it dies, however (see
+        :attr:`ServerProcess.die_with_parent`); for ``handoff up``, which starts them from its main thread."""
         self.spec = spec
         self.log_dir = log_dir
+        self.die_with_parent = die_with_parent
         self.nodes: list[NodeProcesses] = []
         self.lb: ServerProcess | None = None
         self._launched: list[ServerProcess] = []  # everything started, in start order
@@ -143,11 +147,13 @@ class LocalCluster:
 
     def start(self, *, timeout: float = 300.0) -> "LocalCluster":
         spec = self.spec
+        if spec.lb_port:
+            _check_port_free(spec.host, spec.lb_port)  # before minutes of model loading, not after
         try:
             engines = []
             for index, role in enumerate(spec.roles()):
                 engine = self._engine(index)
-                self._launched.append(engine.launch())
+                self._launched.append(self._launch(engine))
                 engines.append((index, role, engine))
             for index, role, engine in engines:
                 engine.wait_ready(timeout=max(timeout, VLLM_START_TIMEOUT_S) if isinstance(engine, VllmProcess)
@@ -158,7 +164,7 @@ class LocalCluster:
                     sidecar_args.append("--hold-requests")
                 sidecar = ServerProcess("node_sidecar", sidecar_args, log_dir=self.log_dir,
                                         name=f"node{index}-sidecar", env=self._token_env(), host=spec.host)
-                self._launched.append(sidecar.launch())
+                self._launched.append(self._launch(sidecar))
                 self.nodes.append(NodeProcesses(f"node{index}", role, engine, sidecar))
             for node in self.nodes:
                 node.sidecar.wait_ready(timeout=timeout)
@@ -171,12 +177,16 @@ class LocalCluster:
                 lb_args += [flag, node.url]
             self.lb = ServerProcess("lb", lb_args, log_dir=self.log_dir, name="lb", env=self._token_env(),
                                     host=spec.host)
-            self._launched.append(self.lb.launch(port=spec.lb_port or None))
+            self._launched.append(self._launch(self.lb, port=spec.lb_port or None))
             self.lb.wait_ready(timeout=timeout)
         except BaseException:
             self.stop()
             raise
         return self
+
+    def _launch(self, proc: ServerProcess, *, port: int | None = None) -> ServerProcess:
+        proc.die_with_parent = self.die_with_parent
+        return proc.launch(port=port)
 
     def dead_processes(self) -> list[ServerProcess]:
         """Processes that were started and are no longer running."""
@@ -206,3 +216,12 @@ def _num_gpus() -> int:
         return torch.cuda.device_count()
     except ImportError:
         return 0
+
+
+def _check_port_free(host: str, port: int) -> None:
+    """:class:`ProcessFailed` naming the LB's port when something already listens there."""
+    try:
+        with socket.create_server((host, port)):
+            pass
+    except OSError as exc:
+        raise ProcessFailed(f"the LB's port {host}:{port} cannot be listened on: {exc.strerror or exc}") from None

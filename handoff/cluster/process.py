@@ -8,6 +8,7 @@ in parallel; ``wait_ready`` waits for the port and a healthy ``/health``.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import subprocess
@@ -46,6 +47,15 @@ def _redacted(argv: list[str]) -> list[str]:
     return ["***" if i and argv[i - 1] in _SECRET_FLAGS else arg for i, arg in enumerate(argv)]
 
 
+def _die_with_parent() -> None:
+    """In the child, before it runs: ask Linux for SIGTERM when the parent dies (``PR_SET_PDEATHSIG``)."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+_PR_SET_PDEATHSIG = 1
+
+
 class ProcessFailed(RuntimeError):
     """A service did not start, or exited; the message ends with the tail of its log."""
 
@@ -71,6 +81,9 @@ class ServerProcess:
         self.cwd = cwd
         self.port: int | None = None
         self.proc: subprocess.Popen[bytes] | None = None
+        # Linux: the process gets SIGTERM when the thread that started it ends (its parent died, even by
+        # SIGKILL). Only for processes started from a thread that lives as long as they should.
+        self.die_with_parent = False
         self._num_starts = 0
 
     @property
@@ -99,7 +112,8 @@ class ServerProcess:
             log.write(f"\n=== start #{self._num_starts}: {' '.join(_redacted(argv))}\n".encode())
             log.flush()
             self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=self.cwd,
-                                         start_new_session=True)
+                                         start_new_session=True,
+                                         preexec_fn=_die_with_parent if self.die_with_parent else None)
         return self
 
     def command(self, port: int) -> list[str]:

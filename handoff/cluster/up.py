@@ -39,14 +39,26 @@ def report_death(proc: ServerProcess, out: TextIO) -> None:
           file=out, flush=True)
 
 
+class Interrupted(Exception):
+    """A stop signal came while the cluster was starting."""
+
+
 def run_up(spec: ClusterSpec, log_dir: Path, *, out: TextIO = sys.stdout) -> int:
+    """Start the cluster and keep it until SIGINT, SIGTERM or SIGHUP (a closed terminal); 0 when every process
+    ran until then, 1 if one died meanwhile or the cluster could not start, 130 when stopped while starting.
+
+    The processes die with this one however it ends (SIGKILL included: Linux's parent-death signal), so none
+    is left behind listening on a port."""
     stop = threading.Event()
+    starting = True
 
     def on_signal(signum: int, _frame: object) -> None:
         stop.set()
+        if starting:  # break out of the waits of a start (seconds to minutes for a model's load)
+            raise Interrupted(signal.Signals(signum).name)
 
-    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
-    cluster = LocalCluster(spec, log_dir)
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    cluster = LocalCluster(spec, log_dir, die_with_parent=True)
     try:
         print(f"starting {spec.num_nodes} node(s) and the LB (logs in {log_dir}) ...", file=out, flush=True)
         try:
@@ -54,6 +66,12 @@ def run_up(spec: ClusterSpec, log_dir: Path, *, out: TextIO = sys.stdout) -> int
         except ProcessFailed as exc:
             print(f"cannot start the cluster: {exc}", file=out, flush=True)
             return 1
+        except Interrupted as exc:
+            print(f"\n{exc}: stopping while starting ...", file=out, flush=True)
+            return 130
+        starting = False
+        if stop.is_set():  # a signal between the end of the start and here
+            return 130
         banner(cluster, out)
         reported: set[int] = set()
         while not stop.wait(0.5):
@@ -62,8 +80,9 @@ def run_up(spec: ClusterSpec, log_dir: Path, *, out: TextIO = sys.stdout) -> int
                     reported.add(proc.pid)
                     report_death(proc, out)
         print("\nstopping ...", file=out, flush=True)
-        return 0
+        return 1 if reported else 0
     finally:
+        starting = False
         cluster.stop()
         for sig, handler in previous.items():
             signal.signal(sig, handler)

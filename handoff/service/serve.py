@@ -25,7 +25,8 @@ log = logging.getLogger(__name__)
 DEFAULT_SHUTDOWN_TIMEOUT_S = 5.0
 
 
-def _port(text: str) -> int:
+def port_number(text: str) -> int:
+    """argparse type of a port flag: 0-65535."""
     if not text.isdigit() or not 0 <= int(text) <= 65535:
         raise argparse.ArgumentTypeError(f"a port is a number in 0-65535, got {text!r}")
     return int(text)
@@ -44,7 +45,7 @@ def _seconds(text: str) -> float:
 def add_server_args(parser: argparse.ArgumentParser, *, default_host: str, default_port: int) -> None:
     """Flags every service shares: address, port file, logging, timeouts of a request and of shutting down."""
     parser.add_argument("--host", default=default_host, help=f"address to bind (default {default_host})")
-    parser.add_argument("--port", type=_port, default=default_port, help="port to bind; 0 picks a free one")
+    parser.add_argument("--port", type=port_number, default=default_port, help="port to bind; 0 picks a free one")
     parser.add_argument("--port-file", type=Path, default=None,
                         help="write the bound port to this file once listening")
     parser.add_argument("--log-format", choices=("text", "json"), default="text")

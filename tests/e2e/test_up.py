@@ -1,15 +1,18 @@
-"""``handoff up`` starts a working cluster, reports dead children, and leaves nothing behind."""
+"""``handoff up`` starts a working cluster, reports dead children, and leaves nothing behind, however it is
+stopped (SIGTERM, SIGHUP, SIGKILL, Ctrl-C while starting); bad flags are one line and exit 2."""
 
 from __future__ import annotations
 
 import re
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import httpx
 import psutil
+import pytest
 
 from tests.support.procs import REPO_ROOT, wait_until
 
@@ -35,9 +38,70 @@ def test_up_starts_serves_and_stops_cleanly(tmp_path: Path) -> None:
         wait_until(lambda: "exited with code" in out.read_text(), timeout=10, what="the death report")
         assert "last lines of" in out.read_text()
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(30) == 0
+        assert proc.wait(30) == 1  # a process died while it ran
         alive = [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
         assert not alive, [c.cmdline() for c in alive]
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def start_up(tmp_path: Path, *args: str) -> tuple[subprocess.Popen[bytes], Path]:
+    out = tmp_path / "up.out"
+    with open(out, "wb") as sink:
+        proc = subprocess.Popen([sys.executable, "-m", "handoff", "up", "--nodes", "1", "--port", "0",
+                                 "--log-dir", str(tmp_path / "logs"), *args], stdout=sink, stderr=subprocess.STDOUT,
+                                cwd=REPO_ROOT)
+    return proc, out
+
+
+def no_child_left(children: list[psutil.Process]) -> bool:
+    return not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGHUP])
+def test_no_process_outlives_up_however_it_dies(tmp_path: Path, sig: signal.Signals) -> None:
+    proc, out = start_up(tmp_path)
+    try:
+        wait_until(lambda: "Ctrl-C" in out.read_text(), timeout=120, what="the banner")
+        children = psutil.Process(proc.pid).children(recursive=True)
+        assert len(children) == 3
+        proc.send_signal(sig)
+        proc.wait(30)
+        wait_until(lambda: no_child_left(children), timeout=30, what="every child gone")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_ctrl_c_while_starting_stops_at_once(tmp_path: Path) -> None:
+    proc, out = start_up(tmp_path)
+    try:
+        wait_until(lambda: len(psutil.Process(proc.pid).children()) >= 1, timeout=30, what="an engine launched")
+        children = psutil.Process(proc.pid).children(recursive=True)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 130
+        assert "stopping while starting" in out.read_text() and "Ctrl-C stops" not in out.read_text()
+        wait_until(lambda: no_child_left(children), timeout=30, what="every child gone")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_bad_flags_are_one_line_and_exit_2(tmp_path: Path) -> None:
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("x")
+    for args, message in ((["up", "--log-dir", str(not_a_dir)], "--log-dir"), (["demo", "--nodes", "0"], "--nodes"),
+                          (["up", "--nodes", "-1"], "a number of nodes"), (["up", "--port", "70000"], "0-65535")):
+        done = subprocess.run([sys.executable, "-m", "handoff", *args], cwd=REPO_ROOT, capture_output=True,
+                              text=True, timeout=60)
+        assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr, (args, done.stderr)
+
+
+def test_a_port_in_use_fails_before_any_engine_loads(tmp_path: Path) -> None:
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        done = subprocess.run([sys.executable, "-m", "handoff", "up", "--nodes", "1", "--port",
+                               str(taken.getsockname()[1]), "--log-dir", str(tmp_path / "logs")], cwd=REPO_ROOT,
+                              capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and "cannot be listened on" in done.stdout, done.stdout[-500:]
+    assert not list((tmp_path / "logs").glob("*engine*.log"))  # nothing was started

@@ -79,7 +79,7 @@ class WeightUpdates:
 
         staged = await self._read(stage, path)
         read_s = time.perf_counter() - started
-        version = body.weight_version or path
+        version = body.weight_version  # None keeps the version served (SGLang's _update_weight_version_if_provided)
         answer = await self.engine.call(lambda: self.commit(
             staged, is_complete=True, version=version, flush_cache=body.flush_cache,
             torch_empty_cache=body.torch_empty_cache))
@@ -144,7 +144,9 @@ class WeightUpdates:
                flush_cache: bool, torch_empty_cache: bool) -> dict[str, Any]:
         """Copy checked tensors into the model; resumes the weights tag first if it is released."""
         engine = self.engine
-        engine.control.require_idle("a weight update", paused_ok=True)
+        if engine.memory.weights_valid and engine.memory.is_all_resident:
+            # else nothing queued has run on these weights (the engine does not step): they may change under it
+            engine.control.require_idle("a weight update", paused_ok=True)
         resumed = []
         if MemoryTag.WEIGHTS in engine.memory.released_tags():
             resumed = engine.control.resume([MemoryTag.WEIGHTS])["resumed"]

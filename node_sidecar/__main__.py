@@ -33,6 +33,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="hold generation while not serving (bounded) instead of answering 503")
     p.add_argument("--hold-max", type=int, default=256)
     p.add_argument("--hold-timeout", type=float, default=60.0)
+    p.add_argument("--pause-hold-max", type=int, default=16384,
+                   help="requests held at most while generation is paused or weights update (SGLang queues them)")
+    p.add_argument("--pause-hold-timeout", type=float, default=3600.0,
+                   help="seconds each of them may wait (then 503)")
     p.add_argument("--drain-timeout", type=float, default=60.0, help="default drain bound of a release (s)")
     p.add_argument("--max-drain-timeout", type=float, default=3600.0)
     p.add_argument("--generate-timeout", type=float, default=3600.0)
@@ -68,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
             vllm_sleep_level=args.vllm_sleep_level,
             vllm_weight_sync_timeout=args.vllm_weight_sync_timeout, admin_token=admin_token, api_key=api_key,
             hold_requests=args.hold_requests, hold_max=args.hold_max, hold_timeout=args.hold_timeout,
+            pause_hold_max=args.pause_hold_max, pause_hold_timeout=args.pause_hold_timeout,
             drain_timeout=args.drain_timeout, max_drain_timeout=args.max_drain_timeout,
             generate_timeout=args.generate_timeout, control_timeout=args.control_timeout,
             engine_poll_interval=args.engine_poll_interval, engine_health_timeout=args.engine_health_timeout,

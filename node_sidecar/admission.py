@@ -4,9 +4,10 @@ Rules:
 - While open, a request enters at once and is counted until its last byte:
   entering gives an :class:`InFlight` lease, and the count drops when the
   lease is released (once, however many times it is called).
-- While closed, a request is held in a FIFO queue (with ``--hold-requests``,
-  at most ``hold_max`` of them, each at most ``hold_timeout`` seconds) or
-  refused; reopening admits the held requests in arrival order.
+- While closed, a request is held in a FIFO queue, at most as many and as long
+  as the :class:`HoldLimits` of the moment say (the node knows why it is
+  closed: a pause, a weight update, ``--hold-requests``), or refused when there
+  are none; reopening admits the held requests in arrival order.
 - ``drain`` waits, with a deadline, until nothing is in flight; it wakes the
   moment the last request leaves (no polling). A drain that aborts sends its
   abort again at growing intervals while requests remain: a request counted
@@ -22,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import enum
 from collections import deque
+from dataclasses import dataclass
 from typing import Awaitable, Callable
 
 from handoff.service.errors import Unavailable
@@ -50,15 +52,21 @@ class InFlight:
             self._admission._count_out()
 
 
+@dataclass(frozen=True)
+class HoldLimits:
+    """How many requests may wait while admission is closed, and for how long each."""
+
+    max_held: int
+    timeout_s: float
+
+
 class Admission:
-    def __init__(self, *, hold_max: int | None, hold_timeout: float, refuse: Callable[[], Unavailable],
-                 hold_while: Callable[[], bool] | None = None) -> None:
-        """``hold_max`` None: refuse while closed. ``hold_while``: hold only while it says so (None: always).
-        ``refuse`` builds the 503 for the current reason."""
+    def __init__(self, *, refuse: Callable[[], Unavailable],
+                 hold_limits: Callable[[], HoldLimits | None] = lambda: None) -> None:
+        """``hold_limits``: whether a request arriving while closed waits, and within which bounds (None:
+        refused). ``refuse`` builds the 503 for the current reason."""
         self.state = AdmissionState.CLOSED
-        self.hold_max = hold_max
-        self._hold_while = hold_while
-        self.hold_timeout = hold_timeout
+        self._hold_limits = hold_limits
         self._refuse = refuse
         self.num_in_flight = 0
         self._held: deque[asyncio.Future[None]] = deque()
@@ -72,7 +80,7 @@ class Admission:
     @property
     def is_holding(self) -> bool:
         """Whether a request arriving while closed would be held now (else refused)."""
-        return self.hold_max is not None and (self._hold_while is None or self._hold_while())
+        return self._hold_limits() is not None
 
     @property
     def num_held(self) -> int:
@@ -90,16 +98,15 @@ class Admission:
         lease = self.try_enter()
         if lease is not None:
             return lease
-        if not may_hold or not self.is_holding:
-            raise self._refuse()
-        if self.num_held >= self.hold_max:
+        limits = self._hold_limits() if may_hold else None
+        if limits is None or self.num_held >= limits.max_held:
             raise self._refuse()
         loop = asyncio.get_running_loop()
         waiter: asyncio.Future[None] = loop.create_future()
         self._held.append(waiter)
         # Awaited bare (no wait_for): a client leaving in the same loop tick as it is admitted or refused is
         # still seen leaving (wait_for before Python 3.12 swallows that cancellation).
-        expiry = loop.call_later(self.hold_timeout, _expire, waiter)
+        expiry = loop.call_later(limits.timeout_s, _expire, waiter)
         try:
             await waiter
         except _HoldExpired:
@@ -177,7 +184,7 @@ class Admission:
 
 
 class _HoldExpired(Exception):
-    """A held request's ``hold_timeout`` passed before admission opened."""
+    """A held request's hold timeout passed before admission opened."""
 
 
 def _expire(waiter: asyncio.Future[None]) -> None:

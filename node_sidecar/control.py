@@ -52,15 +52,18 @@ class ControlPlane:
         self.metrics = node.metrics
 
     @contextlib.asynccontextmanager
-    async def _draining(self) -> AsyncIterator[None]:
-        """Admission stays closed for the block; afterwards it follows the node's state again."""
+    async def _draining(self, *, updating_weights: bool = False) -> AsyncIterator[None]:
+        """Admission stays closed for the block (new requests wait through a weight update, as SGLang's wait
+        for its update lock, and are refused otherwise); afterwards it follows the node's state again."""
         node = self.node
         node.is_draining = True
+        node.is_updating_weights = updating_weights
         node.refresh_admission()
         try:
             yield
         finally:
             node.is_draining = False
+            node.is_updating_weights = False
             node.refresh_admission()
 
     @contextlib.asynccontextmanager
@@ -171,26 +174,30 @@ class ControlPlane:
         return await self.node.engine_adapter.check_weights(body)
 
     async def update_weights(self, load: Callable[[], Awaitable[dict[str, Any]]], *, drain: DrainLimit,
-                             mode: str = "wait", keep_pause: bool = False,
-                             check: Callable[[], Awaitable[Any]] | None = None) -> dict[str, Any]:
+                             mode: str = "wait", check: Callable[[], Awaitable[Any]] | None = None
+                             ) -> dict[str, Any]:
         """A weight update (``load``: from disk, tensors or broadcasts, through the engine adapter), after
-        draining generation.
+        draining generation; requests arriving meanwhile wait for it.
 
         ``check`` runs before anything drains (the checkpoint check of a reload), so
         a wrong path or shape is a 400 while the node keeps serving. ``mode``
-        ``abort`` (the body's ``abort_all_requests``) ends running generation instead
-        of waiting for it; while generation is paused nothing is drained (paused
-        requests stay in the engine, as in SGLang). An engine that resumes released
-        weights to load them says so in its answer's ``resumed`` (the other tags stay
-        as they are). ``keep_pause`` leaves generation paused afterwards.
+        ``abort`` (the body's ``abort_all_requests``) ends generation first, paused
+        requests included, as SGLang aborts before it looks at the pause. In ``wait``
+        mode nothing is drained while generation is paused (paused requests stay in
+        the engine, as in SGLang) or while the node cannot step (weights invalid or
+        released: its queued requests have not run, and only this update lets them).
+        An engine that resumes released weights to load them says so in its answer's
+        ``resumed`` (the other tags stay as they are).
         """
         node, state = self.node, self.node.state
         async with node.control_lock:
             node.require_engine()
             if check is not None:
                 await check()
-            async with self._draining():
-                drained, aborted = (0, 0) if state.is_paused else await self._drain(mode, drain)
+            async with self._draining(updating_weights=True):
+                can_step = state.weights_valid and state.is_all_resident
+                drained, aborted = (0, 0) if mode == "wait" and (state.is_paused or not can_step) else \
+                    await self._drain(mode, drain)
                 try:
                     answer = await load()
                 except ServiceError:
@@ -202,8 +209,6 @@ class ControlPlane:
                 valid = answer.get("weights_valid", True)
                 state.weights_valid = valid if isinstance(valid, bool) else True
                 state.weight_version = answer.get("weight_version", state.weight_version)
-                if keep_pause:
-                    state.is_paused = True
                 node.update_memory_metrics()
         log.info("weights updated, weight_version=%s (drained %d, aborted %d)", state.weight_version, drained,
                  aborted)

@@ -16,8 +16,9 @@ import time
 from typing import Any
 
 from handoff.protocol.control import MAX_NODE_STATE_HEADER_BYTES
+from handoff.protocol.errors import NotServingReason
 from handoff.service.upstream import UpstreamClient, UpstreamError, UpstreamTimeout
-from node_sidecar.admission import Admission
+from node_sidecar.admission import Admission, HoldLimits
 from node_sidecar.config import SidecarConfig
 from node_sidecar.engine_client import EngineClient
 from node_sidecar.engines import EngineAdapter, EngineKind, create_adapter, detect_kind
@@ -33,23 +34,40 @@ class Node:
         self.config = config
         self.metrics = metrics
         self.state = NodeState()
-        # Held while paused (SGLang queues requests until continue_generation), else with --hold-requests.
-        self.admission = Admission(hold_max=config.hold_max, hold_timeout=config.hold_timeout, refuse=self._refusal,
-                                   hold_while=lambda: config.hold_requests or self.state.is_paused)
+        self.admission = Admission(refuse=self._refusal, hold_limits=self._hold_limits)
         self.engine = EngineClient(config.engine_base, client, control_timeout=config.control_timeout,
                                    on_unreachable=self.mark_unreachable)
         self.adapter: EngineAdapter | None = (None if config.engine_kind is None else self._adapter_for(
             EngineKind(config.engine_kind)))  # None until the engine's kind was detected
         self.control_lock = asyncio.Lock()  # control calls run one at a time, in arrival order (FIFO lock)
         self.is_draining = False             # a control call holds admission closed
+        self.is_updating_weights = False     # ... to update the weights (requests wait, as SGLang's do)
         self.last_error: str | None = None
         self._poke = asyncio.Event()
         self._health_misses = 0  # health probes in a row not answered in time
         self._monitor: asyncio.Task[None] | None = None
 
     # -- admission -------------------------------------------------------------
+    def _hold_limits(self) -> HoldLimits | None:
+        """SGLang queues generation while paused and behind a weight update, without a bound: here up to
+        ``--pause-hold-max`` requests for ``--pause-hold-timeout`` each; otherwise only ``--hold-requests``
+        holds (within ``--hold-max``, ``--hold-timeout``)."""
+        config = self.config
+        if self.state.is_paused or self.is_updating_weights:
+            return HoldLimits(config.pause_hold_max, config.pause_hold_timeout)
+        if config.hold_requests:
+            return HoldLimits(config.hold_max, config.hold_timeout)
+        return None
+
+    def not_serving_reason(self) -> NotServingReason:
+        """Why generation is refused now: the state's reason, or ``node_draining`` while a control call holds
+        a serving node's admission closed."""
+        if self.state.is_serving and self.is_draining:
+            return NotServingReason.NODE_DRAINING
+        return self.state.not_serving_reason()
+
     def _refusal(self) -> NotServing:
-        reason = self.state.not_serving_reason()
+        reason = self.not_serving_reason()
         self.metrics.rejected_requests.labels(reason.value).inc()
         released = [t for t in TAGS if self.state.tags[t] is not TagState.RESIDENT]
         return NotServing(f"the node is not serving ({reason.value})", reason,
@@ -61,6 +79,8 @@ class Node:
             self.admission.open()
         else:
             self.admission.close()
+            if not self.admission.is_holding:
+                self.admission.refuse_held()  # nothing will admit them soon: they may go elsewhere now
         self.metrics.serving.set(1 if self.admission.is_open else 0)
 
     def require_engine(self) -> None:

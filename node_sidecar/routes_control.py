@@ -89,7 +89,7 @@ def control_router(config: SidecarConfig, metrics: SidecarMetrics, admin: Bearer
         adapter = control.node.engine_adapter
         answer = await control.update_weights(
             lambda: adapter.update_weights_from_disk(engine_body), drain=drain_limit(request, body.drain_timeout),
-            mode="abort" if body.abort_all_requests else "wait", keep_pause=body.keep_pause,
+            mode="abort" if body.abort_all_requests else "wait",
             check=lambda: adapter.check_weights(engine_body))
         metrics.control_calls.labels("update_weights_from_disk", "200").inc()
         return JSONResponse(answer)

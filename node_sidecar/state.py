@@ -86,4 +86,4 @@ class NodeState:
             return NotServingReason.WEIGHTS_NOT_LOADED
         if self.is_paused:
             return NotServingReason.GENERATION_PAUSED
-        return NotServingReason.NODE_RELEASED  # serving, but admission is closed for a drain in progress
+        return NotServingReason.NODE_DRAINING  # serving, but a control call holds admission closed

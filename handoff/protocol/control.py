@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 STRICT = ConfigDict(extra="forbid", strict=True)
 
@@ -74,7 +74,7 @@ class UpdateWeightsFromDiskBody(BaseModel):
 
     ``abort_all_requests`` aborts running generation instead of waiting for it;
     ``flush_cache`` (default true) drops cached prefixes the old weights computed;
-    ``keep_pause`` leaves generation paused afterwards (until ``continue_generation``);
+    ``keep_pause`` is accepted and changes nothing, as in SGLang 0.5.23 (an update never lifts a pause);
     ``torch_empty_cache`` returns freed device or heap memory; ``token_step`` is
     recorded with the version. ``is_async`` and ``recapture_cuda_graph`` are
     accepted as SGLang does: the answer comes once the weights are loaded, and
@@ -87,6 +87,13 @@ class UpdateWeightsFromDiskBody(BaseModel):
     model_config = STRICT
     model_path: str = Field(min_length=1, max_length=MAX_MODEL_PATH_CHARS)
     load_format: str | None = None
+
+    @field_validator("model_path")
+    @classmethod
+    def _no_nul(cls, value: str) -> str:
+        if "\x00" in value:
+            raise ValueError("a path cannot hold a NUL character")
+        return value
     abort_all_requests: bool = False
     weight_version: str | None = Field(default=None, min_length=1)
     is_async: bool = False
@@ -109,8 +116,13 @@ class AbortBody(BaseModel):
     """
 
     model_config = STRICT
-    rid: str = ""
+    rid: str | None = ""  # SGLang's BaseReq.rid is Optional; a serialized AbortReq sends null
     abort_all: bool = False
+
+    @field_validator("rid")
+    @classmethod
+    def _null_is_empty(cls, value: str | None) -> str:
+        return value or ""
 
 
 # The calls the LB sends to every node (SPEC section 4), with their methods. A sidecar answers each with

@@ -105,6 +105,8 @@ class CheckpointReader:
     def is_dir(self, path: Path) -> bool:
         try:
             return stat.S_ISDIR(os.stat(path).st_mode)
+        except ValueError as exc:  # a NUL in the path
+            raise CheckpointError(f"{str(path)[:200]!r} is not a path: {exc}") from None
         except OSError as exc:
             if exc.errno == errno.ENOENT:
                 return False
@@ -113,6 +115,8 @@ class CheckpointReader:
     def exists(self, path: Path) -> bool:
         try:
             os.stat(path)
+        except ValueError as exc:  # a NUL in the path
+            raise CheckpointError(f"{str(path)[:200]!r} is not a path: {exc}") from None
         except OSError as exc:
             if exc.errno in (errno.ENOENT, errno.ENOTDIR):
                 return False

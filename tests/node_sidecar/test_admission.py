@@ -8,12 +8,20 @@ from typing import Callable
 import pytest
 
 from handoff.service.errors import Unavailable
-from node_sidecar.admission import Admission
+from node_sidecar.admission import Admission, HoldLimits
+
+_LIMITS: dict[int, HoldLimits | None] = {}  # each admission's hold limits, which a test may change
 
 
 def make(hold_max: int | None = None, hold_timeout: float = 5.0) -> Admission:
-    return Admission(hold_max=hold_max, hold_timeout=hold_timeout,
-                     refuse=lambda: Unavailable("closed", type="node_released", retry_after=1))
+    admission = Admission(refuse=lambda: Unavailable("closed", type="node_released", retry_after=1),
+                          hold_limits=lambda: _LIMITS[id(admission)])
+    set_limits(admission, None if hold_max is None else HoldLimits(hold_max, hold_timeout))
+    return admission
+
+
+def set_limits(admission: Admission, limits: HoldLimits | None) -> None:
+    _LIMITS[id(admission)] = limits
 
 
 async def until(predicate: Callable[[], bool], timeout_s: float = 5.0) -> None:
@@ -82,7 +90,7 @@ async def test_hold_timeout_and_cancelled_waiters_leave_no_trace() -> None:
     with pytest.raises(Unavailable):
         await a.enter()
     assert a.num_held == 0
-    a.hold_timeout = 5
+    set_limits(a, HoldLimits(5, 5.0))
     waiter = asyncio.create_task(a.enter())
     await until(lambda: a.num_held == 1)
     waiter.cancel()

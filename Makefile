@@ -13,7 +13,7 @@ VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_PYTHON := $(VLLM_VENV)/bin/python
 
-.PHONY: demo test test-vllm bench clean venv venv-vllm
+.PHONY: demo test test-vllm clean venv venv-vllm
 
 $(STAMP): pyproject.toml
 	test -x $(PYTHON) || $(PY) -m venv $(VENV)

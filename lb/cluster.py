@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from handoff.service.auth import BearerToken
 from handoff.service.upstream import UpstreamClient
-from lb.addresses import Resolver, literal_addresses, resolve, split_canonical
+from lb.addresses import Resolver, resolve, split_canonical
 from lb.config import LBConfig, NodeSpec
 from lb.discovery import DnsDiscovery
 from lb.errors import NodeNotFound
@@ -101,7 +101,7 @@ class Cluster:
         self._tasks.append(asyncio.ensure_future(health.run()))
         if config.discover_dns:
             discovery = DnsDiscovery(config.discover_dns, self.membership, config.discover_interval_s,
-                                     self._resolver, on_added=health.check_many)
+                                     self._resolver, on_added=health.check_many, before_sync=self.refresh_names)
             await discovery.refresh()
             self._tasks.append(asyncio.ensure_future(discovery.run()))
         log.info("load balancer running with %d node(s), policy %s", len(self.membership), config.policy.value)
@@ -110,7 +110,7 @@ class Cluster:
         """What each flag node named by a host name stands for, so that another spelling of it (``POST /nodes``,
         DNS discovery, a second flag) is known as the same node; of two flag nodes found to be one, the first
         listed stays."""
-        named = [node for node in self.membership.nodes() if literal_addresses(node.host) is None]
+        named = self.membership.named()
         found = await asyncio.gather(*(resolve(node.host, self._resolver) for node in named))
         order = {node.url: index for index, node in enumerate(self.membership.nodes())}
         for node, addresses in zip(named, found):
@@ -122,6 +122,15 @@ class Cluster:
                 log.warning("%s and %s are the same address and port: one node, kept as %s", kept.url,
                             dropped.url, kept.url)
                 self.membership.remove(dropped.url, f"the same node as {kept.url}")
+
+    async def refresh_names(self) -> None:
+        """Resolve the members named by host names again: a name's addresses move (Kubernetes reuses pod IPs),
+        and an old address must not make another node look like a member."""
+        named = self.membership.named()
+        found = await asyncio.gather(*(resolve(node.host, self._resolver) for node in named))
+        for node, addresses in zip(named, found):
+            if not node.is_removed and addresses:  # a name that does not resolve now keeps what it had
+                self.membership.learn_addresses(node, addresses)
 
     async def stop(self) -> None:
         if self.state is ClusterState.STOPPED:
@@ -138,7 +147,9 @@ class Cluster:
     async def add_node(self, spec: NodeSpec) -> Node:
         """Add a node at run time (one node under two spellings of its address is one node) and check it once
         before answering."""
-        node = self.membership.add(spec, "admin", await resolve(split_canonical(spec.url)[0], self._resolver))
+        addresses = await resolve(split_canonical(spec.url)[0], self._resolver)
+        await self.refresh_names()
+        node = self.membership.add(spec, "admin", addresses)
         try:
             await self.health.check(node)
         except BaseException:  # a member must never be left behind by a call that failed

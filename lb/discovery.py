@@ -29,12 +29,16 @@ def node_url(address: str, port: int) -> str:
 class DnsDiscovery:
     def __init__(self, targets: Sequence[DnsTarget], membership: Membership, interval_s: float,
                  resolver: Resolver | None = None,
-                 on_added: Callable[[list[Node]], Awaitable[None]] | None = None) -> None:
+                 on_added: Callable[[list[Node]], Awaitable[None]] | None = None,
+                 before_sync: Callable[[], Awaitable[None]] | None = None) -> None:
+        """``before_sync`` runs before each round's changes (the cluster re-resolves its named members, so an
+        address a name no longer has never hides a new node)."""
         self._targets = list(targets)
         self._membership = membership
         self._interval_s = interval_s
         self._resolver = resolver or system_resolver
         self._on_added = on_added
+        self._before_sync = before_sync
 
     async def run(self) -> None:
         """Refresh every interval until cancelled (the first refresh is :meth:`refresh`, at start)."""
@@ -46,6 +50,8 @@ class DnsDiscovery:
                 log.exception("DNS discovery round failed")
 
     async def refresh(self) -> None:
+        if self._before_sync is not None:
+            await self._before_sync()
         added: list[Node] = []
         for target in self._targets:
             added.extend(await self._refresh_target(target))

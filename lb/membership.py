@@ -216,19 +216,23 @@ class Membership:
     def get(self, url: str) -> Node | None:
         return self._nodes.get(url)
 
-    def same_address(self, url: str, addresses: frozenset[str] = frozenset()) -> Node | None:
+    def same_address(self, url: str, addresses: frozenset[str] = frozenset(), *, learned: bool = True
+                     ) -> Node | None:
         """The member at ``url`` (canonical, as :class:`NodeSpec` spells it) or at one of ``addresses`` on its
-        port: the same node spelled another way. Without ``addresses``, spellings known without a lookup count
-        (an IP literal, ``localhost``, an address a member's name resolved to)."""
+        port: the same node spelled another way. Spellings known without a lookup always count (an IP literal,
+        ``localhost``); ``learned``: so do the addresses members' names resolved to (kept fresh by
+        :meth:`Cluster.refresh_names` before a decision rests on them; a call that picks a member to act on
+        passes False, so a stale address never names one)."""
         if url in self._nodes:
             return self._nodes[url]
         host, port = split_canonical(url)
-        return self._on_address(port, addresses | (literal_addresses(host) or frozenset()))
+        return self._on_address(port, addresses | (literal_addresses(host) or frozenset()), learned=learned)
 
-    def _on_address(self, port: int, addresses: frozenset[str], but: Node | None = None) -> Node | None:
+    def _on_address(self, port: int, addresses: frozenset[str], *, learned: bool = True,
+                    but: Node | None = None) -> Node | None:
         for node in self._nodes.values():
-            if node is not but and node.port == port and (
-                    addresses & (node.addresses | (literal_addresses(node.host) or frozenset()))):
+            known = (literal_addresses(node.host) or frozenset()) | (node.addresses if learned else frozenset())
+            if node is not but and node.port == port and addresses & known:
                 return node
         return None
 
@@ -237,6 +241,10 @@ class Membership:
         the same port (one node listed under two spellings), if there is one."""
         node.addresses = addresses
         return self._on_address(node.port, addresses, but=node)
+
+    def named(self) -> list[Node]:
+        """Members named by a host name (their addresses come from a lookup and may change)."""
+        return [node for node in self._nodes.values() if literal_addresses(node.host) is None]
 
     def add(self, spec: NodeSpec, source: str, addresses: frozenset[str] = frozenset()) -> Node:
         """Add a member; ``addresses`` are what its host resolved to. Raises :class:`NodeExists` for a URL or an

@@ -60,7 +60,7 @@ def nodes_router(cluster: Cluster, admin: BearerToken) -> APIRouter:
         if not isinstance(url, str) or not url:
             raise InvalidRequest("give the node as ?url=URL or a JSON body {\"url\": URL}")
         url = _spec(url).url
-        node = cluster.membership.same_address(url)
+        node = cluster.membership.same_address(url, learned=False)
         if node is None:
             raise NodeNotFound(f"{url} is not a member", extra={"node": url})
         return {"removed": node_view(cluster.membership.remove(node.url, "removed by DELETE /nodes"))}

@@ -120,7 +120,7 @@ class WeightSync:
             canonical = canonical_url(url)
         except ValueError as exc:
             raise InvalidRequest(f"?node=: {exc}") from None
-        return self._membership.same_address(canonical)
+        return self._membership.same_address(canonical, learned=False)
 
     # -- versions -----------------------------------------------------------------------
     async def weight_versions(self) -> dict[str, Any]:

@@ -80,7 +80,7 @@ def workers_router(cluster: Cluster, admin: BearerToken) -> APIRouter:
     async def add(spec: NodeSpec) -> tuple[Node, bool]:
         """(the member, whether it was added now). A member under any spelling of the same address is that
         member; under another role or bootstrap port it is 409 (the registration would change what it is)."""
-        existing = cluster.membership.same_address(spec.url)
+        existing = cluster.membership.same_address(spec.url, learned=False)
         if existing is None:
             try:
                 return await cluster.add_node(spec), True
@@ -95,7 +95,7 @@ def workers_router(cluster: Cluster, admin: BearerToken) -> APIRouter:
 
     def remove(url: str) -> str | None:
         """The URL of the member ``url`` names (under any spelling known without a lookup), now removed."""
-        node = cluster.membership.same_address(url)
+        node = cluster.membership.same_address(url, learned=False)
         if node is None:
             return None
         cluster.membership.remove(node.url, "removed through the worker API")

@@ -4,10 +4,12 @@ Rules:
 - While open, a request enters at once and is counted until its last byte:
   entering gives an :class:`InFlight` lease, and the count drops when the
   lease is released (once, however many times it is called).
-- While closed, a request is held in a FIFO queue, at most as many and as long
-  as the :class:`HoldLimits` of the moment say (the node knows why it is
-  closed: a pause, a weight update, ``--hold-requests``), or refused when there
-  are none; reopening admits the held requests in arrival order.
+- While closed, a request is held in a FIFO queue, at most as many, as many
+  bytes of bodies and as long as the :class:`HoldLimits` of the moment say (the
+  node knows why it is closed: a pause, a weight update, ``--hold-requests``),
+  or refused when there are none; when the reason changes, the held requests
+  follow the new limits (:meth:`Admission.reapply_limits`); reopening admits
+  them in arrival order.
 - ``drain`` waits, with a deadline, until nothing is in flight; it wakes the
   moment the last request leaves (no polling). A drain that aborts sends its
   abort again at growing intervals while requests remain: a request counted
@@ -54,22 +56,40 @@ class InFlight:
 
 @dataclass(frozen=True)
 class HoldLimits:
-    """How many requests may wait while admission is closed, and for how long each."""
+    """How many requests may wait while admission is closed, how many bytes of bodies they may hold, and for how
+    long each may wait (from when it arrived)."""
 
     max_held: int
     timeout_s: float
+    max_bytes: int
+
+
+@dataclass(eq=False)
+class _Held:
+    """One waiting request: admitted or refused through ``future``; its timer refuses it at its deadline."""
+
+    future: asyncio.Future[None]
+    arrived: float
+    num_bytes: int
+    timer: asyncio.TimerHandle | None = None
+
+    def arm(self, loop: asyncio.AbstractEventLoop, timeout_s: float) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+        self.timer = loop.call_at(self.arrived + timeout_s, _expire, self.future)
 
 
 class Admission:
     def __init__(self, *, refuse: Callable[[], Unavailable],
                  hold_limits: Callable[[], HoldLimits | None] = lambda: None) -> None:
         """``hold_limits``: whether a request arriving while closed waits, and within which bounds (None:
-        refused). ``refuse`` builds the 503 for the current reason."""
+        refused); asked again by :meth:`reapply_limits` when the reason admission is closed changes. ``refuse``
+        builds the 503 for the current reason."""
         self.state = AdmissionState.CLOSED
         self._hold_limits = hold_limits
         self._refuse = refuse
         self.num_in_flight = 0
-        self._held: deque[asyncio.Future[None]] = deque()
+        self._held: deque[_Held] = deque()
         self._idle = asyncio.Event()
         self._idle.set()
 
@@ -84,7 +104,11 @@ class Admission:
 
     @property
     def num_held(self) -> int:
-        return sum(1 for f in self._held if not f.done())
+        return sum(1 for held in self._held if not held.future.done())
+
+    @property
+    def held_bytes(self) -> int:
+        return sum(held.num_bytes for held in self._held if not held.future.done())
 
     def try_enter(self) -> InFlight | None:
         """Enter now if open (counted in flight until the lease is released); never waits."""
@@ -93,32 +117,54 @@ class Admission:
         self._count_in()
         return InFlight(self)
 
-    async def enter(self, *, may_hold: bool = True) -> InFlight:
-        """Enter, waiting in the hold queue if allowed; raises the 503 otherwise."""
+    async def enter(self, *, may_hold: bool = True, num_bytes: int = 0) -> InFlight:
+        """Enter, waiting in the hold queue if allowed (``num_bytes``: what the request's body holds while it
+        waits); raises the 503 otherwise."""
         lease = self.try_enter()
         if lease is not None:
             return lease
         limits = self._hold_limits() if may_hold else None
-        if limits is None or self.num_held >= limits.max_held:
+        if limits is None or self.num_held >= limits.max_held or self.held_bytes + num_bytes > limits.max_bytes:
             raise self._refuse()
         loop = asyncio.get_running_loop()
-        waiter: asyncio.Future[None] = loop.create_future()
-        self._held.append(waiter)
+        held = _Held(loop.create_future(), loop.time(), num_bytes)
+        held.arm(loop, limits.timeout_s)
+        self._held.append(held)
         # Awaited bare (no wait_for): a client leaving in the same loop tick as it is admitted or refused is
         # still seen leaving (wait_for before Python 3.12 swallows that cancellation).
-        expiry = loop.call_later(limits.timeout_s, _expire, waiter)
         try:
-            await waiter
+            await held.future
         except _HoldExpired:
             raise self._refuse() from None
         except asyncio.CancelledError:
-            if _was_admitted(waiter):
+            if _was_admitted(held.future):
                 self._count_out()  # admitted, but the client went away before running
             raise
         finally:
-            expiry.cancel()
+            if held.timer is not None:
+                held.timer.cancel()
             self._prune()
         return InFlight(self)
+
+    def reapply_limits(self) -> None:
+        """The reason admission is closed changed (a pause ended on a released node, say): the held requests
+        follow the limits of now. Each keeps its arrival time; past the new count or bytes, the newest are
+        refused; with no limits at all, every one is."""
+        limits = self._hold_limits()
+        if limits is None:
+            self.refuse_held()
+            return
+        loop = asyncio.get_running_loop()
+        num_kept = num_bytes = 0
+        for held in list(self._held):
+            if held.future.done():
+                continue
+            if num_kept + 1 > limits.max_held or num_bytes + held.num_bytes > limits.max_bytes:
+                held.future.set_exception(self._refuse())
+                continue
+            num_kept += 1
+            num_bytes += held.num_bytes
+            held.arm(loop, limits.timeout_s)
 
     def close(self) -> None:
         self.state = AdmissionState.CLOSED
@@ -127,17 +173,17 @@ class Admission:
         """Open and admit the held requests, oldest first."""
         self.state = AdmissionState.OPEN
         while self._held:
-            waiter = self._held.popleft()
-            if not waiter.done():
+            held = self._held.popleft()
+            if not held.future.done():
                 self._count_in()
-                waiter.set_result(None)
+                held.future.set_result(None)
 
     def refuse_held(self) -> None:
         """Refuse every held request now (the node cannot serve for a while)."""
         while self._held:
-            waiter = self._held.popleft()
-            if not waiter.done():
-                waiter.set_exception(self._refuse())
+            held = self._held.popleft()
+            if not held.future.done():
+                held.future.set_exception(self._refuse())
 
     async def drain(self, timeout: float, *, abort: Callable[[], Awaitable[object]] | None = None) -> bool:
         """Wait until nothing is in flight; False if ``timeout`` passed first. ``abort`` (ending every request
@@ -179,7 +225,7 @@ class Admission:
             self._idle.set()
 
     def _prune(self) -> None:
-        while self._held and self._held[0].done():
+        while self._held and self._held[0].future.done():
             self._held.popleft()
 
 

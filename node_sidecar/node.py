@@ -50,13 +50,17 @@ class Node:
     # -- admission -------------------------------------------------------------
     def _hold_limits(self) -> HoldLimits | None:
         """SGLang queues generation while paused and behind a weight update, without a bound: here up to
-        ``--pause-hold-max`` requests for ``--pause-hold-timeout`` each; otherwise only ``--hold-requests``
-        holds (within ``--hold-max``, ``--hold-timeout``)."""
-        config = self.config
-        if self.state.is_paused or self.is_updating_weights:
-            return HoldLimits(config.pause_hold_max, config.pause_hold_timeout)
+        ``--pause-hold-max`` requests for ``--pause-hold-timeout`` each (through a release under the pause,
+        as an RL step does; an update holds only on a node that will serve once it ends, its memory
+        resident); otherwise only ``--hold-requests`` holds (within ``--hold-max``, ``--hold-timeout``).
+        Held bodies take at most ``--hold-max-bytes``; nothing is held while the engine is unreachable."""
+        config, state = self.config, self.state
+        if not state.is_engine_reachable:
+            return None  # nothing will admit them until the engine is back: they may go elsewhere now
+        if state.is_paused or (self.is_updating_weights and state.is_all_resident):
+            return HoldLimits(config.pause_hold_max, config.pause_hold_timeout, config.hold_max_bytes)
         if config.hold_requests:
-            return HoldLimits(config.hold_max, config.hold_timeout)
+            return HoldLimits(config.hold_max, config.hold_timeout, config.hold_max_bytes)
         return None
 
     def not_serving_reason(self) -> NotServingReason:
@@ -79,8 +83,7 @@ class Node:
             self.admission.open()
         else:
             self.admission.close()
-            if not self.admission.is_holding:
-                self.admission.refuse_held()  # nothing will admit them soon: they may go elsewhere now
+            self.admission.reapply_limits()  # held requests follow why it is closed now (none: refused)
         self.metrics.serving.set(1 if self.admission.is_open else 0)
 
     def require_engine(self) -> None:

@@ -91,7 +91,7 @@ async def relay_generation(node: Node, request: Request, path: str, on_status: C
     call = node.adapter.generation_call(path, body, query) if node.adapter is not None else None
     watch = DisconnectWatch(request.receive)  # from here a client that leaves cancels the wait: held, or for the answer
     try:
-        lease = await node.admission.enter()
+        lease = await node.admission.enter(num_bytes=len(body))
     except asyncio.CancelledError:
         watch.stop()
         if not watch.is_disconnected:

@@ -57,7 +57,9 @@ def run_up(spec: ClusterSpec, log_dir: Path, *, out: TextIO = sys.stdout) -> int
         if starting:  # break out of the waits of a start (seconds to minutes for a model's load)
             raise Interrupted(signal.Signals(signum).name)
 
-    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    # a signal this process was told to ignore (nohup's SIGHUP, a background job's SIGINT) stays ignored
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+                if signal.getsignal(sig) is not signal.SIG_IGN}
     cluster = LocalCluster(spec, log_dir, die_with_parent=True)
     try:
         print(f"starting {spec.num_nodes} node(s) and the LB (logs in {log_dir}) ...", file=out, flush=True)

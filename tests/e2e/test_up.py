@@ -74,6 +74,24 @@ def test_no_process_outlives_up_however_it_dies(tmp_path: Path, sig: signal.Sign
             proc.kill()
 
 
+def test_a_hangup_ignored_by_nohup_stays_ignored(tmp_path: Path) -> None:
+    out = tmp_path / "up.out"
+    with open(out, "wb") as sink:
+        proc = subprocess.Popen(["nohup", sys.executable, "-m", "handoff", "up", "--nodes", "1", "--port", "0",
+                                 "--log-dir", str(tmp_path / "logs")], stdout=sink, stderr=subprocess.STDOUT,
+                                cwd=REPO_ROOT)
+    try:
+        wait_until(lambda: "Ctrl-C" in out.read_text(), timeout=120, what="the banner")
+        proc.send_signal(signal.SIGHUP)
+        with pytest.raises(subprocess.TimeoutExpired):
+            proc.wait(2)  # still up: the logout that sent it is what nohup is for
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
 def test_ctrl_c_while_starting_stops_at_once(tmp_path: Path) -> None:
     proc, out = start_up(tmp_path)
     try:

@@ -135,3 +135,21 @@ def test_admin_calls_check_the_token_before_reading_the_body(fakes: FakeCluster,
     lb = start_lb("--admin-token", "admin-s3cret")
     answer = lb.http.post("/nodes", content=b"{not json", headers={"content-type": "application/json"})
     assert answer.status_code == 401 and answer.json()["error"]["type"] == "unauthorized", answer.text
+
+
+def test_an_address_a_name_no_longer_has_never_names_a_member(fakes: FakeCluster, start_lb, tmp_path: Path) -> None:
+    """A named flag node moves (Kubernetes reuses pod IPs): another node on its old address is another node, and
+    a DELETE of that address removes nothing."""
+    moved = fakes.start_one(host="127.0.0.2")
+    other = fakes.start_one(host="127.0.0.1", port=int(port_of(moved.url)))
+    port = port_of(moved.url)
+    answers = tmp_path / "dns.json"
+    answers.write_text(json.dumps({"vm.test": ["127.0.0.1"]}))
+    lb = start_lb("--node", f"http://vm.test:{port}", module="tests.lb.dns_lb",
+                  env={"HANDOFF_TEST_DNS_FILE": str(answers)})
+    answers.write_text(json.dumps({"vm.test": ["127.0.0.2"]}))  # the name moved after the LB learned it
+    gone = lb.http.delete("/nodes", params={"url": other.url})
+    assert gone.status_code == 404 and [n["url"] for n in lb.nodes()] == [f"http://vm.test:{port}"], gone.text
+    added = lb.http.post("/nodes", json={"url": other.url})
+    assert added.status_code == 201, added.text
+    assert sorted(n["url"] for n in lb.nodes()) == sorted([f"http://vm.test:{port}", other.url])

@@ -13,10 +13,10 @@ from node_sidecar.admission import Admission, HoldLimits
 _LIMITS: dict[int, HoldLimits | None] = {}  # each admission's hold limits, which a test may change
 
 
-def make(hold_max: int | None = None, hold_timeout: float = 5.0) -> Admission:
+def make(hold_max: int | None = None, hold_timeout: float = 5.0, max_bytes: int = 1 << 30) -> Admission:
     admission = Admission(refuse=lambda: Unavailable("closed", type="node_released", retry_after=1),
                           hold_limits=lambda: _LIMITS[id(admission)])
-    set_limits(admission, None if hold_max is None else HoldLimits(hold_max, hold_timeout))
+    set_limits(admission, None if hold_max is None else HoldLimits(hold_max, hold_timeout, max_bytes))
     return admission
 
 
@@ -90,7 +90,7 @@ async def test_hold_timeout_and_cancelled_waiters_leave_no_trace() -> None:
     with pytest.raises(Unavailable):
         await a.enter()
     assert a.num_held == 0
-    set_limits(a, HoldLimits(5, 5.0))
+    set_limits(a, HoldLimits(5, 5.0, 1 << 30))
     waiter = asyncio.create_task(a.enter())
     await until(lambda: a.num_held == 1)
     waiter.cancel()
@@ -184,3 +184,41 @@ async def test_an_aborting_drain_still_ends_at_its_deadline() -> None:
     started = loop.time()
     assert await a.drain(0.3, abort=abort) is False
     assert 0.29 <= loop.time() - started < 2.0 and num_aborts >= 2
+
+
+async def test_held_bodies_are_bounded_in_bytes() -> None:
+    a = make(hold_max=100, max_bytes=1000)
+    first = asyncio.create_task(a.enter(num_bytes=600))
+    await until(lambda: a.num_held == 1)
+    with pytest.raises(Unavailable):
+        await a.enter(num_bytes=600)  # 1200 bytes would wait: refused at once
+    second = asyncio.create_task(a.enter(num_bytes=400))
+    await until(lambda: a.num_held == 2 and a.held_bytes == 1000)
+    a.open()
+    for task in (first, second):
+        (await task).release()
+    assert a.num_in_flight == 0
+
+
+async def test_held_requests_follow_the_limits_of_now() -> None:
+    """A request held under a pause's long limits follows --hold-requests' short ones once the pause ends on a
+    released node (it waited on, for up to the pause's hour); past the new count, the newest are refused."""
+    a = make(hold_max=10, hold_timeout=3600)
+    held = [asyncio.create_task(a.enter()) for _ in range(3)]
+    await until(lambda: a.num_held == 3)
+    set_limits(a, HoldLimits(2, 0.2, 1 << 30))
+    a.reapply_limits()
+    with pytest.raises(Unavailable):
+        await held[2]  # the newest, past the new count, at once
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    for task in held[:2]:
+        with pytest.raises(Unavailable):
+            await asyncio.wait_for(task, 5)  # at the new timeout, counted from their arrival
+    assert loop.time() - started < 1 and a.num_held == 0
+    waiting = asyncio.create_task(a.enter())
+    await until(lambda: a.num_held == 1)
+    set_limits(a, None)
+    a.reapply_limits()
+    with pytest.raises(Unavailable):
+        await waiting  # nothing may wait now: refused at once, free to go elsewhere

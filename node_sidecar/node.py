@@ -16,7 +16,6 @@ import time
 from typing import Any
 
 from handoff.protocol.control import MAX_NODE_STATE_HEADER_BYTES
-from handoff.protocol.errors import NotServingReason
 from handoff.service.upstream import UpstreamClient, UpstreamError, UpstreamTimeout
 from node_sidecar.admission import Admission, HoldLimits
 from node_sidecar.config import SidecarConfig
@@ -63,15 +62,8 @@ class Node:
             return HoldLimits(config.hold_max, config.hold_timeout, config.hold_max_bytes)
         return None
 
-    def not_serving_reason(self) -> NotServingReason:
-        """Why generation is refused now: the state's reason, or ``node_draining`` while a control call holds
-        a serving node's admission closed."""
-        if self.state.is_serving and self.is_draining:
-            return NotServingReason.NODE_DRAINING
-        return self.state.not_serving_reason()
-
     def _refusal(self) -> NotServing:
-        reason = self.not_serving_reason()
+        reason = self.state.not_serving_reason()
         self.metrics.rejected_requests.labels(reason.value).inc()
         released = [t for t in TAGS if self.state.tags[t] is not TagState.RESIDENT]
         return NotServing(f"the node is not serving ({reason.value})", reason,

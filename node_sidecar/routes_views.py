@@ -34,7 +34,7 @@ def views_router(metrics: SidecarMetrics, admin: BearerToken, api_key: BearerTok
         if lease is None:
             released = [t for t in TAGS if node.state.tags[t] is not TagState.RESIDENT]
             status = 503 if not node.state.is_engine_reachable else 200
-            return JSONResponse({"serving": False, "reason": node.not_serving_reason().value,
+            return JSONResponse({"serving": False, "reason": node.state.not_serving_reason().value,
                                  "released": released}, status_code=status)
         try:
             weight_version = await node.engine_adapter.health_generate()
@@ -85,7 +85,7 @@ def views_router(metrics: SidecarMetrics, admin: BearerToken, api_key: BearerTok
         node = node_of(request)
         if node.admission.is_open:
             return JSONResponse({"ready": True})
-        return JSONResponse({"ready": False, "reason": node.not_serving_reason().value}, status_code=503)
+        return JSONResponse({"ready": False, "reason": node.state.not_serving_reason().value}, status_code=503)
 
     @router.get("/metrics", response_class=PlainTextResponse)
     async def metrics_view(request: Request) -> Response:

@@ -86,4 +86,4 @@ class NodeState:
             return NotServingReason.WEIGHTS_NOT_LOADED
         if self.is_paused:
             return NotServingReason.GENERATION_PAUSED
-        return NotServingReason.NODE_DRAINING  # serving, but a control call holds admission closed
+        return NotServingReason.NODE_RELEASED  # SPEC: a release drains behind a closed admission, 503 node_released

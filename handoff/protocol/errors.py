@@ -47,7 +47,6 @@ WEIGHT_SYNC_BROKEN = ErrorType("weight_sync_broken", 409)  # a group missed a br
 # -- not serving: 503 + Retry-After; nothing ran, so a router may send the request elsewhere --
 UNAVAILABLE = ErrorType("unavailable", 503)
 NODE_RELEASED = ErrorType("node_released", 503)
-NODE_DRAINING = ErrorType("node_draining", 503)  # a release, pause or weight update is draining the node
 MEMORY_RELEASED = ErrorType("memory_released", 503)
 WEIGHTS_NOT_LOADED = ErrorType("weights_not_loaded", 503)
 GENERATION_PAUSED = ErrorType("generation_paused", 503)
@@ -73,14 +72,13 @@ BACKUP_FAILED = ErrorType("backup_failed", 507)
 class NotServingReason(str, enum.Enum):
     """Why a node refuses generation with 503: the request reached no model, so it may go elsewhere.
 
-    The sidecar answers the first five (and ``weight_version_unavailable`` for a
+    The sidecar answers the first four (and ``weight_version_unavailable`` for a
     request pinned to a version it does not serve); an engine reached directly
     answers ``memory_released``, ``weights_not_loaded`` or ``engine_stopped``. The
     LB reroutes a generation request that got any of them.
     """
 
     NODE_RELEASED = NODE_RELEASED.name
-    NODE_DRAINING = NODE_DRAINING.name
     ENGINE_UNAVAILABLE = ENGINE_UNAVAILABLE.name
     WEIGHTS_NOT_LOADED = WEIGHTS_NOT_LOADED.name
     GENERATION_PAUSED = GENERATION_PAUSED.name

@@ -62,7 +62,6 @@ def canonical_host(host: str) -> str:
     try:
         return canonical_ip(host)
     except ValueError:
-        pass
-    if not is_host_name(host):
-        raise ValueError(f"{host[:80]!r} is not a host name or an IP address")
+        if not is_host_name(host):  # not an IP address: it must be a name
+            raise ValueError(f"{host[:80]!r} is not a host name or an IP address") from None
     return host.lower().removesuffix(".")

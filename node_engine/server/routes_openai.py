@@ -42,8 +42,7 @@ async def _plan(request: Request, body: CompletionBody | ChatCompletionBody, pro
                 max_new_tokens: int | None, logprobs: dict[str, Any], *, fill_context: bool = False) -> GeneratePlan:
     """The plan of the equivalent ``/generate`` body (``prompt``: its ``text`` or ``input_ids``, and
     ``image_data``). ``fill_context``: without ``max_new_tokens`` a sequence may use what the context leaves
-    (SGLang's chat), instead of ``/generate``'s default of 128."""
-    refuse_unsupported_openai(body)
+    (SGLang's chat), instead of ``/generate``'s default of 128. The route has refused unsupported fields."""
     generate = parse_value({**prompt, "sampling_params": body.sampling_params(max_new_tokens), "rid": body.rid,
                             "stream": body.stream, **body.forwarded(), **logprobs}, GenerateBody)
     engine: Engine = request.app.state.engine
@@ -140,6 +139,7 @@ def _finish_fields(reason: dict | None) -> dict[str, Any]:
 async def completions(request: Request) -> Response:
     engine: Engine = request.app.state.engine
     body = await parse_body(request, CompletionBody)
+    refuse_unsupported_openai(body)
     prompt = body.prompt
     if not prompt or (isinstance(prompt, list) and all(not p for p in prompt)):
         raise InvalidRequest("prompt must not be empty")

@@ -46,10 +46,10 @@ def test_up_starts_serves_and_stops_cleanly(tmp_path: Path) -> None:
             proc.kill()
 
 
-def start_up(tmp_path: Path, *args: str) -> tuple[subprocess.Popen[bytes], Path]:
+def start_up(tmp_path: Path, *args: str, wrapper: tuple[str, ...] = ()) -> tuple[subprocess.Popen[bytes], Path]:
     out = tmp_path / "up.out"
     with open(out, "wb") as sink:
-        proc = subprocess.Popen([sys.executable, "-m", "handoff", "up", "--nodes", "1", "--port", "0",
+        proc = subprocess.Popen([*wrapper, sys.executable, "-m", "handoff", "up", "--nodes", "1", "--port", "0",
                                  "--log-dir", str(tmp_path / "logs"), *args], stdout=sink, stderr=subprocess.STDOUT,
                                 cwd=REPO_ROOT)
     return proc, out
@@ -75,11 +75,7 @@ def test_no_process_outlives_up_however_it_dies(tmp_path: Path, sig: signal.Sign
 
 
 def test_a_hangup_ignored_by_nohup_stays_ignored(tmp_path: Path) -> None:
-    out = tmp_path / "up.out"
-    with open(out, "wb") as sink:
-        proc = subprocess.Popen(["nohup", sys.executable, "-m", "handoff", "up", "--nodes", "1", "--port", "0",
-                                 "--log-dir", str(tmp_path / "logs")], stdout=sink, stderr=subprocess.STDOUT,
-                                cwd=REPO_ROOT)
+    proc, out = start_up(tmp_path, wrapper=("nohup",))
     try:
         wait_until(lambda: "Ctrl-C" in out.read_text(), timeout=120, what="the banner")
         proc.send_signal(signal.SIGHUP)

@@ -120,7 +120,7 @@ def test_generation_during_drain_or_release_gets_503_with_retry_after(sidecars: 
         during = httpx.post(sidecar.url + "/generate", json={"text": "late"}, timeout=10)
         assert release.result().status_code == 200
     assert during.status_code == 503 and during.headers["retry-after"] == "2"
-    assert during.json()["error"]["type"] == "node_draining"  # draining for a release: not released yet
+    assert during.json()["error"]["type"] == "node_released"  # SPEC section 3, step 3
     after = httpx.post(sidecar.url + "/generate", json={"text": "late"}, timeout=10)
     assert after.status_code == 503 and after.json()["error"]["released"] == ALL
     assert httpx.get(sidecar.url + "/ready").status_code == 503

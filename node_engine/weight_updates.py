@@ -142,8 +142,12 @@ class WeightUpdates:
     # -- commit (engine thread) ------------------------------------------------------
     def commit(self, tensors: dict[str, torch.Tensor], *, is_complete: bool, version: str | None,
                flush_cache: bool, torch_empty_cache: bool) -> dict[str, Any]:
-        """Copy checked tensors into the model; resumes the weights tag first if it is released."""
+        """Copy checked tensors into the model; resumes the weights tag first if it is released.
+
+        ``commit_s`` in the answer: how long the engine stopped serving for it (this call, on the engine thread).
+        """
         engine = self.engine
+        started = time.perf_counter()
         if engine.memory.weights_valid and engine.memory.is_all_resident:
             # else nothing queued has run on these weights (the engine does not step): they may change under it
             engine.control.require_idle("a weight update", paused_ok=True)
@@ -169,7 +173,8 @@ class WeightUpdates:
             else:
                 trim_host_heap()
         return {"weight_version": engine.weight_version, "weights_valid": engine.memory.weights_valid,
-                "resumed": resumed, "num_cached_tokens_dropped": dropped}
+                "resumed": resumed, "num_cached_tokens_dropped": dropped,
+                "commit_s": round(time.perf_counter() - started, 6)}
 
     # -- session and version ---------------------------------------------------------
     def begin_session(self, body: BeginWeightUpdateBody) -> dict[str, Any]:

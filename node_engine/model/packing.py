@@ -19,6 +19,11 @@ Rules:
 - One tensor at a time, so packing or unpacking needs at most one extra
   projection's worth of memory.
 
+- A weight update that writes a packed projection whole packs the new weight
+  straight from the update's tensors (:meth:`repack_from`): the old packed copy
+  is dropped first, so the new one takes its memory, and the plain parameter
+  stays parked (no copy into it, no pages faulted in and trimmed again).
+
 CPU bookkeeping for the memory manager goes through :meth:`before_release` and
 :meth:`after_resume`. On CUDA there is nothing to pack and every method is a
 no-op.
@@ -85,6 +90,34 @@ class WeightPacking:
             num_packed += 1
         if num_packed:
             trim_host_heap()  # the parked weights' pages, else the process keeps them
+
+    def repack_from(self, parts: dict[Projection, list[torch.Tensor]]) -> set[Projection]:
+        """New packed copies of packed projections, built from their whole new weights; returns those done.
+
+        ``parts``: each projection's new weight, in row order (``q, k, v`` for a
+        fused ``qkv``), any float dtype. A projection that is not packed now is left
+        alone; one whose packing fails (out of memory) gets its plain storage back
+        (with undefined contents) and no packed copy. Either way, the projections
+        not returned must be written the plain way.
+        """
+        done = set()
+        for projection, weight_parts in parts.items():
+            if projection.packed is None:
+                continue
+            projection.packed = None  # first: the new copy can take the old one's memory
+            try:
+                weight = weight_parts[0] if len(weight_parts) == 1 else torch.cat(
+                    [part.to(torch.float32) for part in weight_parts])
+                projection.packed = _reorder(weight.to(torch.float32).contiguous(), self.batch_hint)
+            except (RuntimeError, MemoryError) as exc:
+                log.warning("a projection is written plain and packed again after (%s)", exc)
+                weight = projection.weight
+                weight.untyped_storage().resize_(weight.numel() * weight.element_size())
+                continue
+            done.add(projection)
+        if done:
+            trim_host_heap()  # what the new copies did not take of the old ones' memory
+        return done
 
     def try_pack(self) -> bool:
         """:meth:`pack`, but a failure (out of memory) only leaves projections plain, and is logged.

@@ -1,9 +1,11 @@
 """Weight updates as the model's parameters see them: checked, staged, then written in place.
 
-The oneDNN-packed projections (``packing.py``) are undone before a write and
-redone after it; a bucket unpacks only the projections it writes. SGLang's
-update session (``begin_weight_update`` .. ``end_weight_update``) keeps every
-weight plain until it ends, so its buckets unpack nothing.
+The oneDNN-packed projections (``packing.py``): one that an update writes
+whole (every checkpoint key of it: ``q_proj``, ``k_proj`` and ``v_proj`` for
+``qkv_proj``) is packed again straight from the update's tensors; the others it
+writes are unpacked before the write and packed again after it. SGLang's update
+session (``begin_weight_update`` .. ``end_weight_update``) keeps every weight
+plain until it ends, so its buckets only copy.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from pathlib import Path
 import torch
 
 from node_engine.model.checkpoint_io import CheckpointReader, TensorEntry
+from node_engine.model.layers import Projection
 from node_engine.model.llama import CausalLM
 from node_engine.model.loader import apply_staged, check_update, stage_update, touched_parameters
 from node_engine.model.packing import WeightPacking
@@ -28,6 +31,12 @@ class WeightWriter:
         self._reader = reader
         self._source_dtypes = source_dtypes
         self.is_session_open = False
+        names = {id(param): name for name, param in model.named_parameters(remove_duplicate=False)}
+        packable = {names[id(p.weight)]: p for p in packing.projections}
+        self._keys_of: dict[Projection, list[str]] = {}  # each packable projection's checkpoint keys, top row first
+        for key, target in sorted(model.hf_weight_map().items(), key=lambda item: item[1].row_start or 0):
+            if target.param_name in packable:
+                self._keys_of.setdefault(packable[target.param_name], []).append(key)
 
     def check(self, folder: Path) -> dict[str, TensorEntry]:
         """Headers only; any thread (reads the parameters' shapes, never their storage)."""
@@ -42,12 +51,15 @@ class WeightWriter:
 
         ``is_complete``: every weight is written, so packed projections need not be written back first.
         """
-        if is_complete:
-            self._packing.unpack(keep_contents=False)
-        else:
-            self._packing.unpack(only=touched_parameters(self._model, list(tensors)))
+        whole = {} if self.is_session_open else {
+            projection: [tensors[key] for key in keys] for projection, keys in self._keys_of.items()
+            if all(key in tensors for key in keys)}
+        repacked = self._packing.repack_from(whole)
+        written = {key for projection in repacked for key in self._keys_of[projection]}
+        rest = {key: tensor for key, tensor in tensors.items() if key not in written}
+        self._packing.unpack(keep_contents=not is_complete, only=touched_parameters(self._model, list(rest)))
         try:
-            apply_staged(self._model, tensors)
+            apply_staged(self._model, rest)
         finally:
             if not self.is_session_open:
                 self._packing.try_pack()

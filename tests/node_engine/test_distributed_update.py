@@ -51,6 +51,7 @@ def test_a_trainer_pushes_new_weights_and_they_serve_like_the_checkpoint(engines
         r = trainer.push([(n, weights["new"][n]) for n in names[half:]], flattened=True, weight_version="step-1")
         assert r.status_code == 200 and r.json()["weight_version"] == "step-1", r.text
         assert 0 < r.json()["receive_s"] <= r.json()["duration_s"]
+        assert 0 < r.json()["commit_s"] < r.json()["duration_s"]
         assert greedy(url) == greedy(reference) != before
         # a wrong shape: 400, nothing loaded, and the broadcast was still taken so the group stays in step
         name = names[3]

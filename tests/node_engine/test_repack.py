@@ -1,0 +1,106 @@
+"""A weight update that writes a packed projection whole packs it straight from the update's tensors; the
+outputs are those of the plain way (unpack, copy, pack again), which buckets and update sessions still take."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from node_engine.model import packing
+from node_engine.runner import ModelRunner
+from tests.node_engine.test_packing import PROMPT, pack_everything, tiny_runner  # noqa: F401 (an autouse fixture)
+from tests.support.weights import tiny_weights
+
+QKV = [f"model.layers.0.self_attn.{p}_proj.weight" for p in "qkv"]
+DOWN = "model.layers.0.mlp.down_proj.weight"
+
+
+def plain_way_logits(weights: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The logits after ``weights`` were written the plain way (an update session copies into plain weights)."""
+    runner = tiny_runner()
+    runner.weight_writer.open_session()
+    runner.weight_writer.apply(weights, is_complete=set(weights) == set(runner.model.hf_weight_map()))
+    runner.weight_writer.close_session()
+    assert runner.packing.is_packed
+    return runner.score(PROMPT)
+
+
+def watch_plain_writes(runner: ModelRunner, monkeypatch: pytest.MonkeyPatch) -> list[torch.Tensor]:
+    """The projections whose plain storage got memory back during the update (the plain way)."""
+    unparked: list[torch.Tensor] = []
+    unpack = runner.packing.unpack
+
+    def recording_unpack(**kwargs) -> None:
+        before = {id(p.weight): p.weight.untyped_storage().nbytes() for p in runner.packing.projections}
+        unpack(**kwargs)
+        unparked.extend(p.weight for p in runner.packing.projections
+                        if before[id(p.weight)] == 0 and p.weight.untyped_storage().nbytes() > 0)
+
+    monkeypatch.setattr(runner.packing, "unpack", recording_unpack)
+    return unparked
+
+
+def test_a_whole_update_packs_every_projection_straight_from_its_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
+    runner = tiny_runner()
+    unparked = watch_plain_writes(runner, monkeypatch)
+    new = tiny_weights(5)
+    runner.weight_writer.apply(dict(new), is_complete=True)
+    assert unparked == []  # no plain weight was given memory, copied into and parked again
+    assert runner.packing.is_packed
+    assert all(p.weight.untyped_storage().nbytes() == 0 for p in runner.packing.projections)
+    assert torch.equal(runner.score(PROMPT), plain_way_logits(new))
+
+
+def test_a_bucket_repacks_what_it_writes_whole_and_writes_a_part_of_a_projection_the_plain_way(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    runner = tiny_runner()
+    unparked = watch_plain_writes(runner, monkeypatch)
+    new = tiny_weights(5)
+    bucket = {key: new[key] for key in [DOWN, "model.norm.weight", *QKV[:2]]}  # q and k without v
+    runner.weight_writer.apply(dict(bucket), is_complete=False)
+    qkv = runner.model.model.layers[0].self_attn.qkv
+    assert [id(w) for w in unparked] == [id(qkv.weight)]
+    assert runner.packing.is_packed
+    expected = tiny_weights(0)
+    expected.update(bucket)
+    assert torch.equal(runner.score(PROMPT), plain_way_logits(expected))
+
+
+def test_bf16_tensors_are_converted_as_a_plain_copy_converts_them() -> None:
+    runner = tiny_runner()
+    new = {key: tensor.to(torch.bfloat16) for key, tensor in tiny_weights(5).items()}
+    runner.weight_writer.apply(dict(new), is_complete=True)
+    assert torch.equal(runner.score(PROMPT), plain_way_logits(new))
+
+
+def test_a_projection_that_cannot_be_packed_is_written_the_plain_way(monkeypatch: pytest.MonkeyPatch) -> None:
+    runner = tiny_runner()
+    fused_rows = runner.arch.q_size + 2 * runner.arch.kv_size
+    reorder = packing._reorder
+    failed = []
+
+    def out_of_memory_once(weight: torch.Tensor, batch_hint: int) -> torch.Tensor:
+        if weight.shape[0] == fused_rows and not failed:
+            failed.append(weight)
+            raise RuntimeError("DefaultCPUAllocator: can't allocate memory")
+        return reorder(weight, batch_hint)
+
+    monkeypatch.setattr(packing, "_reorder", out_of_memory_once)
+    new = tiny_weights(5)
+    runner.weight_writer.apply(dict(new), is_complete=True)
+    assert failed and runner.packing.is_packed  # packed again after the plain write
+    monkeypatch.setattr(packing, "_reorder", reorder)  # not undo(): that would undo pack_everything too
+    assert torch.equal(runner.score(PROMPT), plain_way_logits(new))
+
+
+def test_unpacked_projections_are_written_the_plain_way() -> None:
+    """Weights resumed without backup are not packed (zeros): nothing to repack, the plain way writes them."""
+    runner = tiny_runner()
+    runner.packing.discard()
+    for projection in runner.packing.projections:
+        projection.weight.untyped_storage().resize_(projection.weight.numel() * projection.weight.element_size())
+        projection.weight.zero_()
+    new = tiny_weights(5)
+    runner.weight_writer.apply(dict(new), is_complete=True)
+    assert runner.packing.is_packed
+    assert torch.equal(runner.score(PROMPT), plain_way_logits(new))

@@ -14,6 +14,9 @@ the same answers. Where this parser deliberately differs:
   is at most ``max_head_bytes``: a peer sending endless header lines costs
   bounded memory (h11 only bounds what sits unparsed in its buffer);
 - statuses outside 100-599 and 101 (no upgrade is ever asked for) are errors;
+- more than ``MAX_INTERIM_RESPONSES`` interim responses before the final one
+  are an error: a peer sending them without end is cut off at once, not at the
+  request's deadline (h11 skips any number);
 - Content-Length together with Transfer-Encoding is an error (RFC 9112 6.3:
   "ought to be handled as an error"; h11 lets chunked win);
 - bytes after the response are never parsed: :attr:`has_trailing_bytes` tells
@@ -31,10 +34,12 @@ from collections import deque
 
 from handoff.service.http1_fields import Fields, MalformedResponse, framing, parse_fields, parse_status_line
 
-__all__ = ["DEFAULT_MAX_FIELDS", "DEFAULT_MAX_HEAD_BYTES", "MalformedResponse", "ResponseParser"]
+__all__ = ["DEFAULT_MAX_FIELDS", "DEFAULT_MAX_HEAD_BYTES", "MAX_INTERIM_RESPONSES", "MalformedResponse",
+           "ResponseParser"]
 
 DEFAULT_MAX_HEAD_BYTES = 64 * 1024
 DEFAULT_MAX_FIELDS = 100
+MAX_INTERIM_RESPONSES = 16  # 100 Continue and 103 Early Hints come one or a few at a time
 
 _CHUNK_LINE = re.compile(rb"([0-9A-Fa-f]{1,20})(?:;.*)?[ \t]*\r\n")
 _BLANK_LINE = re.compile(rb"\n\r?\n")
@@ -66,7 +71,7 @@ class ResponseParser:
 
     __slots__ = ("sink", "status", "http_version", "headers", "is_head_done", "is_keep_alive",
                  "has_trailing_bytes", "_phase", "_pending", "_search_from", "_remaining",
-                 "_num_chunk_end_bytes", "_is_head_request", "_max_head_bytes", "_max_fields")
+                 "_num_chunk_end_bytes", "_is_head_request", "_max_head_bytes", "_max_fields", "_num_interim")
 
     def __init__(self, sink: deque[bytes], *, is_head_request: bool = False,
                  max_head_bytes: int = DEFAULT_MAX_HEAD_BYTES, max_fields: int = DEFAULT_MAX_FIELDS) -> None:
@@ -85,6 +90,7 @@ class ResponseParser:
         self._is_head_request = is_head_request
         self._max_head_bytes = max_head_bytes
         self._max_fields = max_fields
+        self._num_interim = 0
 
     @property
     def is_done(self) -> bool:
@@ -210,6 +216,10 @@ class ResponseParser:
             self.status, self.http_version, self.headers = status, version, fields
             self.is_head_done = True
             self._start_body()
+        else:
+            self._num_interim += 1
+            if self._num_interim > MAX_INTERIM_RESPONSES:
+                raise MalformedResponse(f"more than {MAX_INTERIM_RESPONSES} interim (1xx) responses")
         return new_pos  # after an interim response: the next head, its fields dropped with it
 
     def _start_body(self) -> None:

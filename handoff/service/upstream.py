@@ -24,8 +24,8 @@ Semantics:
 - ``timeout`` is one deadline for the whole exchange: connect, send, headers
   and every byte of the body. A peer that never answers, or sends headers and
   then stalls, costs at most ``timeout``.
-- Interim 1xx responses are skipped; the response is the final one. 101 and
-  statuses outside 100-599 are :class:`ProtocolError`, as are heads past
+- Interim 1xx responses are skipped (at most 16); the response is the final one.
+  101 and statuses outside 100-599 are :class:`ProtocolError`, as are heads past
   ``max_head_bytes`` (64 KiB) or ``max_header_fields`` (100).
 - Bodies are iterated as they arrive (chunked, Content-Length or read until
   close), as sent: a ``Content-Encoding`` is never decoded. Buffered reads

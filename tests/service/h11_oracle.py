@@ -12,7 +12,9 @@ from h11, the rule is applied here, explicitly:
 3. Content-Length with chunked Transfer-Encoding on a response that has a
    body: rejected (h11 lets chunked win);
 4. bytes after a complete response: the response stands, the connection is not
-   reused (h11 keeps the bytes for a next cycle; neither reuses them here).
+   reused (h11 keeps the bytes for a next cycle; neither reuses them here);
+5. more than ``MAX_INTERIM_RESPONSES`` interim responses: rejected (h11 skips
+   any number).
 
 An incomplete framing section longer than the cap (a head that never ends)
 may be rejected before the peer closes: :attr:`Outcome.may_reject_early`.
@@ -26,6 +28,7 @@ import h11
 
 MAX_HEAD_BYTES = 64 * 1024
 MAX_FIELDS = 100
+MAX_INTERIM_RESPONSES = 16
 
 
 @dataclass(frozen=True)
@@ -72,6 +75,7 @@ class _Reader:
         self.body: list[bytes] = []
         self.is_chunked = False
         self.is_footer_pending = False  # h11 discards a chunk's CRLF at the start of the next event
+        self.num_interim = 0
 
     def reject(self, why: str, *, is_at_eof: bool = False) -> Outcome:
         return Outcome("reject", is_at_eof=is_at_eof, may_reject_early=self._is_remainder_over_cap(), why=why)
@@ -95,6 +99,9 @@ class _Reader:
             if isinstance(event, h11.InformationalResponse):
                 if (why := _head_over_caps(raw)) is not None:
                     return self.reject(why)
+                self.num_interim += 1
+                if self.num_interim > MAX_INTERIM_RESPONSES:
+                    return self.reject("too many interim responses")
             elif isinstance(event, h11.Response):
                 if (why := self._final_head_rule(event, raw)) is not None:
                     return self.reject(why)

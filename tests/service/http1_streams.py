@@ -164,6 +164,8 @@ def mutated(draw: st.DrawFn, stream: bytes) -> bytes:
 @st.composite
 def response_streams(draw: st.DrawFn) -> bytes:
     interims = draw(rarely(st.just([]), st.lists(head(interim_codes), min_size=1, max_size=3), 3))
+    if interims and draw(st.integers(0, 19)) == 0:  # around the cap on interim responses (16)
+        interims = interims[:1] * draw(st.integers(15, 18))
     return draw(mutated(b"".join(interims) + draw(final_response()) + draw(after_response)))
 
 

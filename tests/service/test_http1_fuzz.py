@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from handoff.service.http1 import Connection, ConnState
 from handoff.service.http1_request import Origin
 from handoff.service.upstream import ConnectionDropped, ProtocolError, UpstreamClient, UpstreamResponse
-from tests.service.h11_oracle import MAX_FIELDS, MAX_HEAD_BYTES, Outcome, expected
+from tests.service.h11_oracle import MAX_FIELDS, MAX_HEAD_BYTES, MAX_INTERIM_RESPONSES, Outcome, expected
 from tests.service.http1_streams import response_streams, split_points
 
 pytestmark = pytest.mark.timeout(300)
@@ -150,6 +150,8 @@ def edge_streams() -> dict[str, bytes]:
         streams[f"trailer fields +{extra}"] = chunked + b"0\r\n" + fields(MAX_FIELDS + extra) + b"\r\n"
         trailer = b"X-T: " + b"a" * (MAX_HEAD_BYTES + extra - 9) + b"\r\n"
         streams[f"trailer bytes +{extra}"] = chunked + b"0\r\n" + trailer + b"\r\n"
+        interims = b"HTTP/1.1 103 Early Hints\r\nLink: </a>\r\n\r\n" * (MAX_INTERIM_RESPONSES + extra)
+        streams[f"interim responses +{extra}"] = interims + start + b"Content-Length: 0\r\n\r\n"
     return streams
 
 

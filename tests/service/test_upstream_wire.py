@@ -7,6 +7,7 @@ writes exactly the bytes a misbehaving node would.
 from __future__ import annotations
 
 import asyncio
+import time
 import gzip
 import tracemalloc
 
@@ -165,6 +166,28 @@ async def test_found_2_endless_heads_cost_bounded_memory(client: UpstreamClient,
         assert client.num_connections == 0
         await asyncio.wait_for(server.closed_by_peer.wait(), 5)  # the client closed: the flood stopped
         assert num_sent < FLOOD_BYTES
+
+
+async def test_endless_interim_responses_are_cut_off_at_once(client: UpstreamClient) -> None:
+    """A peer that sends 100 Continue without end: a ProtocolError after 16, not at the request's deadline."""
+    num_sent = 0
+
+    async def handler(conn: Conn) -> None:
+        nonlocal num_sent
+        await conn.read_request()
+        while num_sent < 100_000:
+            conn.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            num_sent += 1
+            await conn.writer.drain()
+        await conn.reader.read()
+
+    async with ScriptedServer(handler) as server:
+        started = time.monotonic()
+        with pytest.raises(ProtocolError, match="more than 16 interim"):
+            await client.request("GET", server.url, timeout=30)
+        assert time.monotonic() - started < 10
+        assert client.num_connections == 0
+        await asyncio.wait_for(server.closed_by_peer.wait(), 5)
 
 
 async def test_found_2_more_than_100_header_fields_is_a_protocol_error(client: UpstreamClient) -> None:

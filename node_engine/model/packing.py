@@ -109,12 +109,13 @@ class WeightPacking:
                 weight = weight_parts[0] if len(weight_parts) == 1 else torch.cat(
                     [part.to(torch.float32) for part in weight_parts])
                 projection.packed = _reorder(weight.to(torch.float32).contiguous(), self.batch_hint)
+                done.add(projection)
             except (RuntimeError, MemoryError) as exc:
                 log.warning("a projection is written plain and packed again after (%s)", exc)
-                weight = projection.weight
-                weight.untyped_storage().resize_(weight.numel() * weight.element_size())
-                continue
-            done.add(projection)
+            finally:
+                if projection.packed is None:  # any failure: the plain weight gets memory to be written into
+                    plain = projection.weight
+                    plain.untyped_storage().resize_(plain.numel() * plain.element_size())
         if done:
             trim_host_heap()  # what the new copies did not take of the old ones' memory
         return done

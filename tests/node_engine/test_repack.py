@@ -104,3 +104,23 @@ def test_unpacked_projections_are_written_the_plain_way() -> None:
     runner.weight_writer.apply(dict(new), is_complete=True)
     assert runner.packing.is_packed
     assert torch.equal(runner.score(PROMPT), plain_way_logits(new))
+
+
+def test_an_unexpected_failure_leaves_every_projection_writable(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A failure that is not out of memory propagates (the commit marks the weights invalid), but no
+    projection is left without both its packed copy and its plain memory: the next update can write it."""
+    runner = tiny_runner()
+    reorder = packing._reorder
+
+    def broken(weight: torch.Tensor, batch_hint: int) -> torch.Tensor:
+        raise TypeError("a bug")
+
+    monkeypatch.setattr(packing, "_reorder", broken)
+    with pytest.raises(TypeError):
+        runner.weight_writer.apply(dict(tiny_weights(5)), is_complete=True)
+    assert all(p.packed is not None or p.weight.untyped_storage().nbytes() > 0 for p in runner.packing.projections)
+    monkeypatch.setattr(packing, "_reorder", reorder)
+    new = tiny_weights(6)
+    runner.weight_writer.apply(dict(new), is_complete=True)
+    assert runner.packing.is_packed
+    assert torch.equal(runner.score(PROMPT), plain_way_logits(new))

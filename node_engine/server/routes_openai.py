@@ -92,8 +92,10 @@ class _Answer:
     async def stream(self, run: GenerationRun, first: tuple[AsyncIterator[tuple[int, RequestOutput]],
                                                             tuple[int, RequestOutput]],
                      choice: Choice, *, include_usage: bool, chunk_obj: str,
-                     preamble: Callable[[int], dict[str, Any]] | None = None) -> AsyncIterator[bytes]:
-        """The SSE body: one chunk per output; usage last if asked; an error event (and no [DONE]) on failure."""
+                     preamble: Callable[[int], dict[str, Any]] | None = None,
+                     finale: Callable[[int, SequenceChunk], dict[str, Any]] | None = None) -> AsyncIterator[bytes]:
+        """The SSE body: one chunk per output; then ``finale``'s chunk per choice (SGLang's chat streams end each
+        choice with one, for its finish reason); usage last if asked; an error event (and no [DONE]) on failure."""
         events, head = first
         last: dict[int, SequenceChunk] = {}
 
@@ -111,19 +113,23 @@ class _Answer:
         except ServiceError as exc:
             yield sse_event(exc.envelope())
             return
+        if finale is not None:
+            for index in sorted(last):
+                yield sse_event(self.payload([finale(index, last[index])], obj=chunk_obj))
         if include_usage:
             yield sse_event(self.payload([], usage([last[i] for i in sorted(last)], self.n), obj=chunk_obj))
         yield DONE_EVENT
 
     async def respond(self, request: Request, run: GenerationRun, choice: Callable[[int, SequenceAnswer], dict],
                       stream_choice: Choice, *, stream: bool, include_usage: bool, chunk_obj: str,
-                      preamble: Callable[[int], dict[str, Any]] | None = None) -> Response:
+                      preamble: Callable[[int], dict[str, Any]] | None = None,
+                      finale: Callable[[int, SequenceChunk], dict[str, Any]] | None = None) -> Response:
         if stream:
             first = await first_unless_disconnected(request, run)
             if first is None:
                 return Response(status_code=CLIENT_CLOSED)
             chunks = self.stream(run, first, stream_choice, include_usage=include_usage, chunk_obj=chunk_obj,
-                                 preamble=preamble)
+                                 preamble=preamble, finale=finale)
             return StreamingResponse(stream_with_abort(run, chunks), media_type="text/event-stream")
         answers = await collect_unless_disconnected(request, run)
         if answers is None:
@@ -274,10 +280,11 @@ async def chat_completions(request: Request) -> Response:
         request, run, whole,
         lambda i, c, first: {"index": i, "delta": {"content": c.text},
                              "logprobs": lists(c.output_token_logprobs, c.output_top_logprobs),
-                             **_finish_fields(c.finish_reason)},
+                             "finish_reason": None, "matched_stop": None},
         stream=body.stream, include_usage=_include_usage(body), chunk_obj="chat.completion.chunk",
         preamble=lambda i: {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                            "finish_reason": None})
+                            "finish_reason": None},
+        finale=lambda i, c: {"index": i, "delta": {}, "logprobs": None, **_finish_fields(c.finish_reason)})
 
 
 def _model_card(engine: Engine) -> dict[str, Any]:

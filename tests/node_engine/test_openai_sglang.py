@@ -16,6 +16,7 @@ import pytest
 
 from tests.node_engine.checkpoints import make_checkpoint
 from tests.support.procs import ServerProcess
+from tests.support.sse import read_stream
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -141,3 +142,17 @@ def test_completions_limits_seeds_and_long_id_prompts(client: httpx.Client) -> N
     events = [line for line in ids.text.splitlines() if line.startswith("data: {")]
     assert '"prompt_token_ids": [97, 98]' in events[0].replace(",", ", ").replace(",  ", ", ")
     assert sum(event.count('"token_ids"') for event in events) == len(events)
+
+
+def test_a_chat_stream_ends_each_choice_with_a_finish_chunk_as_sglang_does(client: httpx.Client) -> None:
+    """SGLang's content chunks carry no finish reason; a chunk with an empty delta per choice carries it."""
+    events, saw_done = read_stream(client, "/v1/chat/completions", {
+        "messages": [USER], "max_tokens": 4, "n": 2, "temperature": 0, "stream": True,
+        "stream_options": {"include_usage": True}})
+    assert saw_done
+    choices = [(event["choices"][0]) for event in events if event["choices"]]
+    finals = [c for c in choices if c["finish_reason"] is not None]
+    assert [c["index"] for c in finals] == [0, 1]
+    assert all(c["delta"] == {} and c["finish_reason"] == "length" and "matched_stop" in c for c in finals)
+    assert choices[-2:] == finals  # after every content chunk of both choices
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 8

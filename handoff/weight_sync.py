@@ -21,12 +21,17 @@ from __future__ import annotations
 import base64
 import io
 import ipaddress
+import socket
+import threading
+import time
 from datetime import timedelta
 from typing import TYPE_CHECKING, Iterable, Sequence
 
 if TYPE_CHECKING:
     import torch
     import torch.distributed as dist
+
+STORE_PROBE_INTERVAL_S = 0.2  # how soon a cancelled join that waits for the trainer's store stops
 
 
 def tcp_init_method(address: str, port: int) -> str:
@@ -40,13 +45,46 @@ def tcp_init_method(address: str, port: int) -> str:
     return f"tcp://{host}:{port}"
 
 
+class JoinCancelled(Exception):
+    """The join was cancelled before it reached the trainer's store; nothing was joined."""
+
+
+def wait_for_store(host: str, port: int, deadline: float, cancel: threading.Event) -> None:
+    """Until the trainer's store accepts connections: plain TCP connects every ``STORE_PROBE_INTERVAL_S``
+    (torch's own client retries cannot be cancelled, and log a stack trace for each try). Raises
+    :class:`JoinCancelled` once ``cancel`` is set, :class:`TimeoutError` past ``deadline`` (``time.monotonic``)."""
+    host = host.strip("[]")
+    while not cancel.is_set():
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError(f"the trainer's store at {host}:{port} did not accept a connection in time")
+        try:
+            with socket.create_connection((host, port), timeout=min(remaining, STORE_PROBE_INTERVAL_S)):
+                pass
+        except OSError:
+            cancel.wait(min(max(0.0, deadline - time.monotonic()), STORE_PROBE_INTERVAL_S))
+            continue
+        if not cancel.is_set():
+            return
+    raise JoinCancelled()
+
+
 def join_weight_group(*, master_address: str, master_port: int, rank: int, world_size: int, group_name: str,
-                      backend: str, timeout_s: float) -> "dist.ProcessGroup":
-    """Join (rank 0: host) the group; blocks until every rank joined or ``timeout_s`` passed."""
+                      backend: str, timeout_s: float, cancel: threading.Event | None = None) -> "dist.ProcessGroup":
+    """Join (rank 0: host) the group; blocks until every rank joined or ``timeout_s`` passed.
+
+    With ``cancel`` (a rank other than 0), the join waits for the trainer's store
+    itself (:func:`wait_for_store`) and stops with :class:`JoinCancelled` once
+    ``cancel`` is set: a join given up never pairs later with a trainer that came
+    back on the same port. Once the store answered, the join runs to its end.
+    """
     from torch.distributed.distributed_c10d import (Backend, PrefixStore, _new_process_group_helper, _world,
                                                     rendezvous)
 
-    timeout = timedelta(seconds=timeout_s)
+    deadline = time.monotonic() + timeout_s
+    if cancel is not None and rank != 0:
+        wait_for_store(master_address, master_port, deadline, cancel)
+    timeout = timedelta(seconds=max(1.0, deadline - time.monotonic()))
     store, rank, world_size = next(rendezvous(tcp_init_method(master_address, master_port), rank, world_size,
                                               timeout=timeout))
     store.set_timeout(timeout)

@@ -17,7 +17,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from handoff.protocol.control import AbortBody
-from handoff.protocol.weights import WEIGHT_BODIES
+from handoff.protocol.weights import INIT_GROUP_PATH, WEIGHT_BODIES
 from handoff.service.auth import BearerToken
 from handoff.service.bodies import openapi_body
 from lb.cluster import Cluster
@@ -25,19 +25,21 @@ from lb.config import LBConfig
 from lb.openapi import CONTROL_PARAMETERS, NODE_PARAMETER
 from lb.params import FANOUT_QUERY, role_param
 from lb.routes_control import FanoutSend, fanned_out, fanout_endpoint
-from lb.weight_sync import INIT_PATH, WeightSync
+from lb.weight_sync import WeightSync
 
 TENSOR_PATH = "/update_weights_from_tensor"
 # the calls that move weights and so may wait on a trainer or a large payload
-WEIGHT_MOVING_PATHS = frozenset({INIT_PATH, TENSOR_PATH, "/update_weights_from_distributed"})
-FANNED_OUT = [path for path in WEIGHT_BODIES if path not in (INIT_PATH, TENSOR_PATH)] + ["/abort_request"]
+WEIGHT_MOVING_PATHS = frozenset({INIT_GROUP_PATH, TENSOR_PATH, "/update_weights_from_distributed"})
+FANNED_OUT = [path for path in WEIGHT_BODIES if path not in (INIT_GROUP_PATH, TENSOR_PATH)] + ["/abort_request"]
 
 
 def weight_routes(cluster: Cluster, config: LBConfig, admin: BearerToken) -> APIRouter:
     router = APIRouter()
 
+    initializing: set[str] = set()  # group names with an init under way through this LB (every call shares it)
+
     def weight_sync() -> WeightSync:
-        return WeightSync(cluster.fanout, cluster.membership, cluster.health)
+        return WeightSync(cluster.fanout, cluster.membership, cluster.health, initializing)
 
     def route(path: str, send: FanoutSend, parameters: list[dict[str, Any]],
               query: frozenset[str] = FANOUT_QUERY) -> None:
@@ -57,7 +59,7 @@ def weight_routes(cluster: Cluster, config: LBConfig, admin: BearerToken) -> API
         return await weight_sync().to_nodes(TENSOR_PATH, body, request.headers.get("content-type"),
                                             request.query_params.getlist("node"), timeout_s)
 
-    route(INIT_PATH, init, CONTROL_PARAMETERS)
+    route(INIT_GROUP_PATH, init, CONTROL_PARAMETERS)
     route(TENSOR_PATH, tensors, [NODE_PARAMETER, CONTROL_PARAMETERS[1]], frozenset({"node", "timeout"}))
 
     @router.get("/get_weight_version")

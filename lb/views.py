@@ -39,6 +39,7 @@ def node_view(node: Node) -> dict[str, Any]:
         "tags": node_tags(node),
         "weights_valid": occupation.get("weights_valid"),
         "weight_version": occupation.get("weight_version"),
+        "tp_size": occupation.get("tp_size"),  # its ranks in a weight update group
         "in_flight": node.num_inflight,
         "node_in_flight": occupation.get("in_flight"),
         "held": occupation.get("held"),

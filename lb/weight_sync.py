@@ -6,10 +6,14 @@ the first engine rank and ``world_size`` the whole group (the trainer's ranks,
 order) gets ``rank_offset`` plus the ranks of the nodes before it; a node's
 ranks are its tensor-parallel size (``tp_size`` in its state, 1 for this
 engine). A ``world_size`` that does not add up is a 400 naming the right one.
-The nodes join concurrently; if any fails, every other node is told
-``destroy_weights_update_group`` at once (a node still waiting in its join is
-released by it), so no node is left in a half-formed group, and the answer is a
-502 naming the failed nodes, with what the rollback did.
+The nodes join concurrently; if any fails, the rollback begins at once: a node
+that joined is told ``destroy_weights_update_group``, a node still waiting in its
+join is told to abandon it (``abandon_join_only``: a group of that name it holds
+already, another init's, stays), and a node that refused (409: a group by that
+name exists or is being joined there) is left alone. No node is left in a
+half-formed group, and the answer is a 502 naming the failed nodes, with what
+the rollback did. One init per group name at a time goes through the LB (409
+otherwise), so a retry cannot abandon the join of the call it retries.
 
 ``update_weights_from_tensor`` goes to the nodes the caller names
 (``?node=URL``, repeatable; default all): its payload is shared memory or CUDA
@@ -26,9 +30,10 @@ import json
 import time
 from typing import Any
 
-from handoff.protocol.weights import DestroyWeightsUpdateGroupBody, InitWeightsUpdateGroupBody
+from handoff.protocol.weights import (DESTROY_GROUP_PATH, INIT_GROUP_PATH, DestroyWeightsUpdateGroupBody,
+                                      InitWeightsUpdateGroupBody)
 from handoff.service.bodies import parse_value
-from handoff.service.errors import InvalidRequest, parse_json_bytes
+from handoff.service.errors import Conflict, InvalidRequest, parse_json_bytes
 from handoff.service.peer_json import PeerJSONError, loads_bounded
 from handoff.service.upstream import UpstreamClient, UpstreamError
 from lb.addresses import canonical_url
@@ -38,8 +43,6 @@ from lb.fanout import FanOut, NodeResult
 from lb.health import HealthMonitor
 from lb.membership import Membership, Node
 
-INIT_PATH = "/init_weights_update_group"
-DESTROY_PATH = "/destroy_weights_update_group"
 JSON = "application/json"
 MAX_INFO_BYTES = 64 * 1024
 
@@ -51,15 +54,18 @@ def node_ranks(node: Node) -> int:
 
 
 class WeightSync:
-    def __init__(self, fanout: FanOut, membership: Membership, health: HealthMonitor) -> None:
+    def __init__(self, fanout: FanOut, membership: Membership, health: HealthMonitor,
+                 initializing: set[str] | None = None) -> None:
+        """``initializing``: the group names with an init under way through this LB, shared by every call."""
         self._fanout = fanout
         self._membership = membership
         self._health = health
+        self._initializing = set() if initializing is None else initializing
 
     # -- the group --------------------------------------------------------------------
     async def init_group(self, raw: bytes, role: Role | None, timeout_s: float) -> tuple[int, dict[str, Any]]:
         body = parse_value(parse_json_bytes(raw) if raw.strip() else None, InitWeightsUpdateGroupBody)
-        nodes = self._nodes(role, INIT_PATH)
+        nodes = self._nodes(role, INIT_GROUP_PATH)
         offsets, next_rank = [], body.rank_offset
         for node in nodes:
             offsets.append(next_rank)
@@ -69,32 +75,61 @@ class WeightSync:
                 f"world_size must be {next_rank}: rank_offset {body.rank_offset} (the trainer's ranks) plus "
                 f"{next_rank - body.rank_offset} engine rank(s) on {len(nodes)} node(s); got {body.world_size}",
                 extra={"world_size": next_rank, "rank_offsets": {n.url: o for n, o in zip(nodes, offsets)}})
+        if body.group_name in self._initializing:
+            raise Conflict(f"an init_weights_update_group of group {body.group_name!r} is already under way "
+                           "through this LB; wait for its answer")
+        self._initializing.add(body.group_name)
         started = time.perf_counter()
-        calls = {asyncio.ensure_future(self._fanout.call_node(
-            node, "POST", INIT_PATH, _json({**body.model_dump(), "rank_offset": offset}), JSON, timeout_s)): node
-            for node, offset in zip(nodes, offsets)}
-        rollback: list[NodeResult] = []
-        pending = set(calls)
-        while pending:
-            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            if not rollback and any(not task.result().is_ok for task in done):
-                rollback = await self._roll_back(body.group_name, [calls[t] for t in calls], timeout_s)
-        results = [task.result() for task in calls]
-        status, payload = self._fanout.answer("POST", INIT_PATH, results, time.perf_counter() - started)
+        try:
+            results, rolled_back = await self._join_all(body, nodes, offsets, timeout_s)
+        finally:
+            self._initializing.discard(body.group_name)
+        status, payload = self._fanout.answer("POST", INIT_GROUP_PATH, results, time.perf_counter() - started)
         by_url = dict(zip((n.url for n in nodes), offsets))
         for entry in payload.get("results", []) + payload.get("failures", []) + payload.get("succeeded", []):
             entry["rank_offset"] = by_url[entry["node"]]
         payload["world_size"] = body.world_size
-        if rollback:
-            payload["message"] += "; the group was destroyed on every other node"
-            payload["rolled_back"] = [r.as_json() for r in rollback]
+        if rolled_back:
+            payload["message"] += "; the nodes this call joined (or was joining) left the group again"
+            payload["rolled_back"] = [r.as_json() for r in rolled_back]
         return status, payload
 
-    async def _roll_back(self, group_name: str, nodes: list[Node], timeout_s: float) -> list[NodeResult]:
-        """``destroy_weights_update_group`` on every node (joined, or still waiting in its join)."""
-        body = _json(DestroyWeightsUpdateGroupBody(group_name=group_name).model_dump())
-        return list(await asyncio.gather(*(self._fanout.call_node(node, "POST", DESTROY_PATH, body, JSON,
-                                                                   min(timeout_s, 30.0)) for node in nodes)))
+    async def _join_all(self, body: InitWeightsUpdateGroupBody, nodes: list[Node], offsets: list[int],
+                        timeout_s: float) -> tuple[list[NodeResult], list[NodeResult]]:
+        """Every node's join, concurrently; once one fails, the others are rolled back: a node that joined
+        leaves the group, a node still joining (or that stopped answering) abandons its join, and leaves if it
+        joined before the abandon reached it. A node that answered a refusal (409: a group by that name exists
+        there, say) is left as it was."""
+        calls = {asyncio.ensure_future(self._fanout.call_node(
+            node, "POST", INIT_GROUP_PATH, _json({**body.engine_body(), "rank_offset": offset}), JSON, timeout_s)):
+            node for node, offset in zip(nodes, offsets)}
+        rolled_back: list[NodeResult] = []
+        abandoned: set[asyncio.Future[NodeResult]] = set()  # still joining when the rollback began
+        is_rolling_back = False
+        pending = set(calls)
+        while pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            if not is_rolling_back and any(not task.result().is_ok for task in done):
+                is_rolling_back, abandoned = True, set(pending)
+                joined = [calls[t] for t in calls if t.done() and t.result().is_ok]
+                # still joining, or gone quiet (a timeout, a dropped connection): its join may still be under way
+                joining = [calls[t] for t in calls if not t.done() or t.result().status is None]
+                rolled_back += await self._roll_back(body.group_name, joined, joining, timeout_s)
+        late = [calls[t] for t in abandoned if t.result().is_ok]  # joined before the abandon arrived
+        if late:
+            rolled_back += await self._roll_back(body.group_name, late, [], timeout_s)
+        return [task.result() for task in calls], rolled_back
+
+    async def _roll_back(self, group_name: str, joined: list[Node], joining: list[Node],
+                         timeout_s: float) -> list[NodeResult]:
+        """``destroy_weights_update_group`` on the nodes that joined; on those still joining, only the
+        abandon of that join (``abandon_join_only``)."""
+        leave = _json(DestroyWeightsUpdateGroupBody(group_name=group_name).engine_body())
+        abandon = _json(DestroyWeightsUpdateGroupBody(group_name=group_name, abandon_join_only=True).engine_body())
+        timeout = min(timeout_s, 30.0)
+        return list(await asyncio.gather(
+            *(self._fanout.call_node(node, "POST", DESTROY_GROUP_PATH, leave, JSON, timeout) for node in joined),
+            *(self._fanout.call_node(node, "POST", DESTROY_GROUP_PATH, abandon, JSON, timeout) for node in joining)))
 
     # -- tensors to the sender's host -------------------------------------------------
     async def to_nodes(self, path: str, raw: bytes, content_type: str | None, urls: list[str],

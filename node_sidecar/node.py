@@ -211,6 +211,7 @@ class Node:
             "weights_valid": state.weights_valid,
             "weight_version": state.weight_version,
             "weights_backup": state.weights_backup,
+            "tp_size": state.tp_size,
             "in_flight": self.admission.num_in_flight,
             "held": self.admission.num_held,
             "last_error": self.last_error,

@@ -81,8 +81,8 @@ def control_router(config: SidecarConfig, metrics: SidecarMetrics, admin: Bearer
         admin.check(request)
         raw = await request.body()
         body = parse_value(parse_json_bytes(raw) if raw.strip() else None, UpdateWeightsFromDiskBody)
-        engine_body = body.model_dump(exclude={"drain_timeout", "dry_run", "abort_all_requests", "keep_pause"},
-                                      exclude_none=True)
+        engine_body = body.engine_body(exclude=frozenset({"drain_timeout", "dry_run", "abort_all_requests",
+                                                          "keep_pause"}), exclude_none=True)
         control = control_of(request)
         if body.dry_run:  # only the check: nothing drains, nothing loads
             return JSONResponse(await control.check_weights(engine_body))

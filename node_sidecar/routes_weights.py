@@ -12,13 +12,16 @@ control calls (a join waits for the trainer, up to the engine's
 
 from __future__ import annotations
 
+from collections import Counter
+
 from fastapi import APIRouter, Request
-from pydantic import BaseModel
 from starlette.responses import JSONResponse, Response
 
-from handoff.protocol.weights import (BeginWeightUpdateBody, DestroyWeightsUpdateGroupBody, EndWeightUpdateBody,
-                                      InitWeightsUpdateGroupBody, UpdateWeightsFromDistributedBody,
-                                      UpdateWeightsFromTensorBody, UpdateWeightVersionBody, WeightUpdateCommon)
+from handoff.protocol.control import SGLangRequest
+from handoff.protocol.weights import (DESTROY_GROUP_PATH, INIT_GROUP_PATH, BeginWeightUpdateBody,
+                                      DestroyWeightsUpdateGroupBody, EndWeightUpdateBody, InitWeightsUpdateGroupBody,
+                                      UpdateWeightsFromDistributedBody, UpdateWeightsFromTensorBody,
+                                      UpdateWeightVersionBody, WeightUpdateCommon)
 from handoff.service.auth import BearerToken
 from handoff.service.bodies import openapi_body, parse_body
 from node_sidecar.config import SidecarConfig
@@ -42,7 +45,7 @@ def weight_router(config: SidecarConfig, admin: BearerToken) -> APIRouter:
     def update_route(path: str, model: type[WeightUpdateCommon]) -> None:
         async def update(request: Request) -> JSONResponse:
             admin.check(request)
-            body = (await parse_body(request, model)).model_dump(exclude_none=True)
+            body = (await parse_body(request, model)).engine_body(exclude_none=True)
             control = _control_of(request)
             return JSONResponse(await control.update_weights(
                 lambda: control.node.engine_adapter.weight_call(path, body),
@@ -55,25 +58,37 @@ def weight_router(config: SidecarConfig, admin: BearerToken) -> APIRouter:
     update_route("/update_weights_from_tensor", UpdateWeightsFromTensorBody)
     update_route("/update_weights_from_distributed", UpdateWeightsFromDistributedBody)
 
-    def call_route(path: str, model: type[BaseModel], *, serialized: bool) -> None:
+    joins_in_flight: Counter[str] = Counter()  # group name -> init calls through this sidecar not answered yet
+
+    def call_route(path: str, model: type[SGLangRequest], *, serialized: bool) -> None:
         """Checked here, done by the engine; ``serialized``: one at a time with the other control calls (a join
         is not: it waits for the trainer, and a destroy must be able to abandon it)."""
         empty_ok = not any(field.is_required() for field in model.model_fields.values())
 
         async def call(request: Request) -> JSONResponse:
             admin.check(request)
-            body = (await parse_body(request, model, empty_ok=empty_ok)).model_dump()
+            body = (await parse_body(request, model, empty_ok=empty_ok)).engine_body()
             control = _control_of(request)
             if serialized:
                 return JSONResponse(await control.weight_call(path, body))
             control.node.require_engine()
-            return JSONResponse(await control.node.engine_adapter.weight_call(path, body))
+            if path == DESTROY_GROUP_PATH and body["abandon_join_only"] and not joins_in_flight[body["group_name"]]:
+                # an engine of another kind would destroy a group by that name: the LB's rollback must not
+                return JSONResponse({"success": True, "message": f"No join of group {body['group_name']!r} was "
+                                                                 "under way; nothing was destroyed."})
+            if path != INIT_GROUP_PATH:
+                return JSONResponse(await control.node.engine_adapter.weight_call(path, body))
+            joins_in_flight[body["group_name"]] += 1
+            try:
+                return JSONResponse(await control.node.engine_adapter.weight_call(path, body))
+            finally:
+                joins_in_flight[body["group_name"]] -= 1
 
         router.add_api_route(path, call, methods=["POST"], openapi_extra=openapi_body(model, required=not empty_ok),
                              name=path.strip("/"))
 
-    call_route("/init_weights_update_group", InitWeightsUpdateGroupBody, serialized=False)
-    call_route("/destroy_weights_update_group", DestroyWeightsUpdateGroupBody, serialized=False)
+    call_route(INIT_GROUP_PATH, InitWeightsUpdateGroupBody, serialized=False)
+    call_route(DESTROY_GROUP_PATH, DestroyWeightsUpdateGroupBody, serialized=False)
     call_route("/begin_weight_update", BeginWeightUpdateBody, serialized=True)
     call_route("/end_weight_update", EndWeightUpdateBody, serialized=True)
     call_route("/update_weight_version", UpdateWeightVersionBody, serialized=True)

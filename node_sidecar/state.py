@@ -44,6 +44,7 @@ class NodeState:
     is_engine_reachable: bool = False
     is_synced: bool = False          # the view was read from the engine since it (re)appeared
     is_paused: bool = False          # pause_generation without a continue
+    tp_size: int = 1                 # ranks in a weight update group (the LB hands out rank offsets by it)
 
     def transition(self, tag: str, new: TagState) -> None:
         old = self.tags[tag]
@@ -60,6 +61,7 @@ class NodeState:
         self.weights_backup = view.weights_backup
         self.memory_saver = view.memory_saver
         self.can_stage_weights = view.can_stage_weights
+        self.tp_size = view.tp_size
         if view.paused:  # requests the engine keeps paused (retract, in_place) wait for a continue
             self.is_paused = True
         self.is_synced = True

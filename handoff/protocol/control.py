@@ -6,7 +6,7 @@ models; the sidecar parses them and sends the engine the same shapes.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -25,7 +25,21 @@ PauseMode = Literal["abort", "retract", "in_place", "wait"]
 MAX_MODEL_PATH_CHARS = 4096  # PATH_MAX: longer is never a path
 
 
-class ReleaseBody(BaseModel):
+class SGLangRequest(BaseModel):
+    """A body modelled on one of SGLang 0.5.23's request structs. Each of those is a ``BaseReq`` and takes its
+    ``rid`` and ``http_worker_ipc`` (a serialized struct carries them, often null): accepted, and ignored
+    here as SGLang ignores them on these calls."""
+
+    model_config = STRICT
+    rid: str | None = None
+    http_worker_ipc: str | None = None
+
+    def engine_body(self, *, exclude: frozenset[str] = frozenset(), exclude_none: bool = False) -> dict[str, Any]:
+        """The fields passed on to an engine: all but ``exclude``; ``rid`` and ``http_worker_ipc`` stay here."""
+        return self.model_dump(exclude=set(exclude) | {"rid", "http_worker_ipc"}, exclude_none=exclude_none)
+
+
+class ReleaseBody(SGLangRequest):
     """``POST /release_memory_occupation``.
 
     ``tags``: null or absent means all four, ``[]`` means none (a no-op).
@@ -41,14 +55,14 @@ class ReleaseBody(BaseModel):
     stage_to_cpu: bool | None = None
 
 
-class ResumeBody(BaseModel):
+class ResumeBody(SGLangRequest):
     """``POST /resume_memory_occupation``: ``tags`` null or absent means every released tag, ``[]`` none."""
 
     model_config = STRICT
     tags: list[str] | None = None
 
 
-class PauseBody(BaseModel):
+class PauseBody(SGLangRequest):
     """``POST /pause_generation`` (SGLang's ``PauseGenerationReqInput`` plus ``wait``).
 
     ``abort`` ends running requests; ``retract`` sends them back to the queue (their
@@ -62,14 +76,14 @@ class PauseBody(BaseModel):
     drain_timeout: float | None = Field(default=None, gt=0)
 
 
-class ContinueBody(BaseModel):
+class ContinueBody(SGLangRequest):
     """``POST /continue_generation``: SGLang's ``torch_empty_cache`` (return cached device blocks first)."""
 
     model_config = STRICT
     torch_empty_cache: bool = True
 
 
-class UpdateWeightsFromDiskBody(BaseModel):
+class UpdateWeightsFromDiskBody(SGLangRequest):
     """``POST /update_weights_from_disk``: SGLang 0.5.23's ``UpdateWeightFromDiskReqInput``.
 
     ``abort_all_requests`` aborts running generation instead of waiting for it;

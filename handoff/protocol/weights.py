@@ -16,7 +16,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
-from handoff.protocol.control import STRICT
+from handoff.protocol.control import STRICT, SGLangRequest
 from handoff.protocol.hosts import canonical_host
 
 DEFAULT_GROUP_NAME = "weight_update_group"
@@ -24,6 +24,7 @@ MAX_TENSORS_PER_UPDATE = 100_000
 MAX_TENSOR_RANK = 8
 MAX_ELEMENTS = 1 << 48  # per tensor: past any real one, and within torch's int64 sizes
 MAX_NAME_CHARS = 1024
+MAX_WORLD_SIZE = 2**31 - 1  # torch.distributed's ranks are C ints
 Selector = Literal["target", "draft", "all"]
 TensorLoadFormat = Literal["direct", "flattened_bucket"]
 GroupBackend = Literal["gloo", "nccl"]
@@ -32,7 +33,7 @@ GroupBackend = Literal["gloo", "nccl"]
 WEIGHT_DTYPES: tuple[str, ...] = ("float32", "float16", "bfloat16", "float64")
 
 
-class WeightUpdateCommon(BaseModel):
+class WeightUpdateCommon(SGLangRequest):
     """Fields every weight update shares (SGLang's meaning)."""
 
     model_config = STRICT
@@ -99,7 +100,7 @@ class UpdateWeightsFromDistributedBody(WeightUpdateCommon):
         return self
 
 
-class InitWeightsUpdateGroupBody(BaseModel):
+class InitWeightsUpdateGroupBody(SGLangRequest):
     """``POST /init_weights_update_group``: join the trainer's group (rank 0 hosts its TCP store).
 
     ``master_port`` may be a string of digits (AReaL sends one). Through the LB,
@@ -110,8 +111,8 @@ class InitWeightsUpdateGroupBody(BaseModel):
     model_config = STRICT
     master_address: str = Field(min_length=1, max_length=255)
     master_port: int = Field(ge=1, le=65535)
-    rank_offset: int = Field(ge=1)
-    world_size: int = Field(ge=2)
+    rank_offset: int = Field(ge=1, lt=MAX_WORLD_SIZE)
+    world_size: int = Field(ge=2, le=MAX_WORLD_SIZE)
     group_name: str = Field(default=DEFAULT_GROUP_NAME, min_length=1, max_length=MAX_NAME_CHARS)
     backend: GroupBackend = "nccl"
 
@@ -139,27 +140,34 @@ class InitWeightsUpdateGroupBody(BaseModel):
         return self
 
 
-class DestroyWeightsUpdateGroupBody(BaseModel):
-    """``POST /destroy_weights_update_group``."""
+class DestroyWeightsUpdateGroupBody(SGLangRequest):
+    """``POST /destroy_weights_update_group``.
+
+    ``abandon_join_only`` (handoff's, what the LB's rollback sends to a node whose
+    join had not answered yet): abandon a join of ``group_name`` under way, and
+    leave a group already joined alone (another init's, which a duplicate init
+    must not tear down); with no join under way it does nothing.
+    """
 
     model_config = STRICT
     group_name: str = Field(default=DEFAULT_GROUP_NAME, min_length=1, max_length=MAX_NAME_CHARS)
+    abandon_join_only: bool = False
 
 
-class BeginWeightUpdateBody(BaseModel):
+class BeginWeightUpdateBody(SGLangRequest):
     """``POST /begin_weight_update``: open SGLang's update session (one at a time)."""
 
     model_config = STRICT
     selector: Selector = "all"
 
 
-class EndWeightUpdateBody(BaseModel):
+class EndWeightUpdateBody(SGLangRequest):
     """``POST /end_weight_update``: close the session."""
 
     model_config = STRICT
 
 
-class UpdateWeightVersionBody(BaseModel):
+class UpdateWeightVersionBody(SGLangRequest):
     """``POST /update_weight_version``: set the served version (``abort_all_requests`` defaults to true)."""
 
     model_config = STRICT
@@ -167,11 +175,14 @@ class UpdateWeightVersionBody(BaseModel):
     abort_all_requests: bool = True
 
 
+INIT_GROUP_PATH = "/init_weights_update_group"
+DESTROY_GROUP_PATH = "/destroy_weights_update_group"
+
 WEIGHT_BODIES: dict[str, type[BaseModel]] = {
     "/update_weights_from_tensor": UpdateWeightsFromTensorBody,
-    "/init_weights_update_group": InitWeightsUpdateGroupBody,
+    INIT_GROUP_PATH: InitWeightsUpdateGroupBody,
     "/update_weights_from_distributed": UpdateWeightsFromDistributedBody,
-    "/destroy_weights_update_group": DestroyWeightsUpdateGroupBody,
+    DESTROY_GROUP_PATH: DestroyWeightsUpdateGroupBody,
     "/begin_weight_update": BeginWeightUpdateBody,
     "/end_weight_update": EndWeightUpdateBody,
     "/update_weight_version": UpdateWeightVersionBody,

@@ -101,6 +101,7 @@ async def get_server_info(request: Request) -> JSONResponse:
         "memory_saver": engine.saver.name, "weights_backup": config.weights_backup.value,
         "cuda_graph": engine.runner.graphs is not None, "torch_compile": config.enable_torch_compile,
         "memory": engine.control.occupation(), "vision": _vision_info(engine),
+        "weight_groups": engine.weight_groups.view(),
     })
 
 

@@ -31,11 +31,12 @@ import torch
 
 from handoff.protocol.weights import (DestroyWeightsUpdateGroupBody, InitWeightsUpdateGroupBody,
                                       UpdateWeightsFromDistributedBody)
-from node_engine.bounded_thread import Aborted, Overdue, TooManyStuck
+from handoff.weight_sync import JoinCancelled
+from node_engine.bounded_thread import Aborted, BoundedThreads, Overdue, TooManyStuck
 from node_engine.errors import Conflict, InvalidRequest, WeightSyncBroken, WeightSyncTimeout
 from node_engine.model.arch import ModelConfigError
 from node_engine.model.loader import by_checkpoint_key, check_named_tensors
-from node_engine.weight_sync.group import GroupJoinCancelled, WeightGroup, join_group, receive
+from node_engine.weight_sync.group import WeightGroup, join_group, receive
 
 if TYPE_CHECKING:
     from node_engine.engine import Engine
@@ -50,6 +51,9 @@ class WeightGroups:
         self.engine = engine
         self.groups: dict[str, WeightGroup] = {}
         self.joining: dict[str, asyncio.Event] = {}  # joins under way; setting the event abandons one
+        # Joins wait for the trainer, so they have threads of their own: joins that overran cannot hold up a
+        # reload or a push (and a join given up stops within STORE_PROBE_INTERVAL_S while the store is absent).
+        self._join_threads = BoundedThreads()
         self._lock = asyncio.Lock()
 
     @property
@@ -66,15 +70,15 @@ class WeightGroups:
         abandon = self.joining[name] = asyncio.Event()
         started = time.perf_counter()
         try:
-            group = await self.engine.weights.threads.run(
+            group = await self._join_threads.run(
                 lambda cancel: join_group(body, self._timeout, cancel), self._timeout, abort=abandon)
-        except (Overdue, TooManyStuck) as exc:
+        except (Overdue, TooManyStuck, TimeoutError) as exc:
             raise WeightSyncTimeout(f"joining group {name!r} at {body.master_address}:{body.master_port} as rank "
                                     f"{body.rank_offset} of {body.world_size}: {exc} (did the trainer, rank 0, and "
                                     "every other rank join?)") from None
         except Aborted:
             raise Conflict(f"the join of group {name!r} was abandoned by destroy_weights_update_group") from None
-        except (RuntimeError, ValueError, OSError, GroupJoinCancelled) as exc:
+        except (RuntimeError, ValueError, OSError, JoinCancelled) as exc:
             raise InvalidRequest(f"failed to join group {name!r}: {exc}") from exc
         finally:
             self.joining.pop(name, None)
@@ -84,6 +88,10 @@ class WeightGroups:
         return {"success": True, "message": "Succeeded to initialize custom process group.", "rank": group.rank,
                 "world_size": group.world_size}
 
+    def view(self) -> dict[str, list[str]]:
+        """The groups joined and the joins under way, by name (``/get_server_info``'s ``weight_groups``)."""
+        return {"joined": sorted(self.groups), "joining": sorted(self.joining)}
+
     async def destroy(self, body: DestroyWeightsUpdateGroupBody) -> dict[str, Any]:
         """Leave a group; a join still under way is abandoned (its thread destroys what it makes, if it ever
         completes)."""
@@ -91,6 +99,9 @@ class WeightGroups:
         if abandon is not None:
             abandon.set()
             return {"success": True, "message": f"The join of group {body.group_name!r} was abandoned."}
+        if body.abandon_join_only:
+            return {"success": True, "message": f"No join of group {body.group_name!r} was under way; nothing "
+                                                "was destroyed."}
         async with self._lock:
             group = self.groups.pop(body.group_name, None)
             if group is None:

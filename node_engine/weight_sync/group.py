@@ -19,11 +19,8 @@ import torch
 import torch.distributed as dist
 
 from handoff.protocol.weights import InitWeightsUpdateGroupBody
-from handoff.weight_sync import join_weight_group
+from handoff.weight_sync import JoinCancelled, join_weight_group
 
-
-class GroupJoinCancelled(Exception):
-    """The caller stopped waiting before the join completed; the group was destroyed."""
 
 
 @dataclass
@@ -42,14 +39,15 @@ class WeightGroup:
 
 
 def join_group(body: InitWeightsUpdateGroupBody, timeout_s: float, cancel: threading.Event) -> WeightGroup:
-    """Rendezvous with the trainer and build the group (blocking)."""
+    """Rendezvous with the trainer and build the group (blocking). :class:`JoinCancelled` when ``cancel`` is
+    set: before the trainer's store answered, nothing was joined; after, the group made is destroyed."""
     group = join_weight_group(master_address=body.master_address, master_port=body.master_port,
                               rank=body.rank_offset, world_size=body.world_size, group_name=body.group_name,
-                              backend=body.backend, timeout_s=timeout_s)
+                              backend=body.backend, timeout_s=timeout_s, cancel=cancel)
     joined = WeightGroup(body.group_name, group, body.rank_offset, body.world_size, body.backend)
     if cancel.is_set():
         joined.destroy()
-        raise GroupJoinCancelled()
+        raise JoinCancelled()
     return joined
 
 

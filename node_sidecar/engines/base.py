@@ -55,6 +55,7 @@ class EngineView:
     can_stage_weights: bool = False    # whether stage_to_cpu: true can be honoured
     tag_bytes: dict[str, int] = field(default_factory=lambda: {t: 0 for t in TAG_NAMES})
     paused: bool = False               # requests paused in the engine (SGLang's retract / in_place) wait
+    tp_size: int = 1                   # the ranks the engine takes in a weight update group (one per TP rank)
 
 
 @dataclass(frozen=True)

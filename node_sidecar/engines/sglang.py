@@ -39,6 +39,7 @@ from node_sidecar.errors import EngineRefused
 
 IDLE_WAIT_S = 10.0           # how long SGLang may take to look idle once the sidecar drained it
 INFO_TIMEOUT_S = 5.0
+MAX_TP_SIZE = 1024  # a peer's figure: anything past it is not a tensor-parallel size
 WEIGHTS = "weights"
 WEIGHT_UPDATES = frozenset({"/update_weights_from_tensor", "/update_weights_from_distributed"})
 
@@ -71,11 +72,13 @@ class SglangEngine(ForeignEngine):
         path = model.get("model_path", info.get("model_path"))
         self.model_path = path if isinstance(path, str) else None
         version = model.get("weight_version")
+        tp_size = info.get("tp_size")  # each TP rank joins a weight group as rank_offset + tp_rank
         return EngineView(
             tags={t: TagState.RELEASED if t in self.released else TagState.RESIDENT for t in TAG_NAMES},
             weights_valid=not self.weights_garbage, weight_version=version if isinstance(version, str) else None,
             weights_backup="cpu" if self.has_backup else "none",
-            memory_saver="torch_memory_saver" if self.memory_saver else "off", can_stage_weights=self.has_backup)
+            memory_saver="torch_memory_saver" if self.memory_saver else "off", can_stage_weights=self.has_backup,
+            tp_size=tp_size if type(tp_size) is int and 1 <= tp_size <= MAX_TP_SIZE else 1)
 
     async def release(self, tags: list[str], *, stage_to_cpu: bool | None) -> MemoryChange:
         engine_tags = tags_named(self.tag_meanings, [t for t in tags if t not in self.released])

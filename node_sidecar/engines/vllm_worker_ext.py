@@ -39,7 +39,8 @@ import torch
 from handoff.protocol import errors as E
 from handoff.protocol.weights import InitWeightsUpdateGroupBody
 from handoff.service.errors import ServiceError
-from node_engine.weight_sync.group import GroupJoinCancelled, WeightGroup, join_group, receive
+from handoff.weight_sync import JoinCancelled
+from node_engine.weight_sync.group import WeightGroup, join_group, receive
 from node_engine.weight_sync.tensor_payload import decode_payload
 from node_engine.weight_sync.unpickler import UnsafePayload
 from node_sidecar.engines.checkpoint import read_checkpoint
@@ -70,7 +71,7 @@ class _Join:
     def _run(self, body: InitWeightsUpdateGroupBody, timeout_s: float) -> None:
         try:
             self.group = join_group(body, timeout_s, self.cancel)
-        except GroupJoinCancelled:
+        except JoinCancelled:
             self.error = _failed(E.CONFLICT.name, f"the join of group {body.group_name!r} was abandoned")
         except (RuntimeError, ValueError, OSError) as exc:  # a store or rendezvous timeout is a RuntimeError
             kind = _kind_of(exc, otherwise=E.INVALID_REQUEST.name)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from handoff.cluster.local import ClusterSpec, LocalCluster
-from handoff.weight_sync import serialize_named_tensors
+from handoff.weight_sync import join_weight_group, serialize_named_tensors
 from tests.support.procs import ServerProcess, wait_until
 from tests.support.trainer import Trainer
 from tests.support.weights import greedy, save_tiny, tiny_weights
@@ -187,3 +187,76 @@ def test_router_worker_apis_map_onto_membership(cluster, lb) -> None:
     assert lb.post("/workers", json={"url": node.url}).status_code == 200
     assert lb.post("/workers", json={"url": node.url, "worker_type": "decode"}).status_code == 409
     wait_until(lambda: all(n["routable"] for n in lb.get("/nodes").json()["nodes"]), timeout=30, what="routable")
+
+
+def test_a_duplicate_init_leaves_the_live_group_alone(cluster, lb, weights) -> None:
+    """Found by review: the rollback of a second init with the same name destroyed the first init's live
+    group on every node. Now the nodes' 409s are left as they were and the live group keeps working."""
+    trainer = Trainer(cluster.url, world_size=3)
+    assert trainer.join().status_code == 200
+    try:
+        duplicate = Trainer(cluster.url, world_size=3)  # the same default group name, never joins
+        r = lb.post("/init_weights_update_group", json=duplicate.init_body())
+        assert r.status_code == 502 and {f["status"] for f in r.json()["failures"]} == {409}, r.text
+        # a node still answering when the first 409 came was only asked to abandon a join: there was none
+        assert all("nothing was destroyed" in rolled["body"]["message"] for rolled in r.json().get("rolled_back", []))
+        name = "model.norm.weight"
+        r = trainer.push([(name, weights["new"][name])])
+        assert r.status_code == 200, r.text
+    finally:
+        assert trainer.leave().status_code == 200
+
+
+def test_a_retried_init_is_refused_by_the_lb_and_the_first_goes_on(cluster, lb) -> None:
+    """Found by review: a retry sent while the first init waited for its trainer made the LB roll back (abandon)
+    the first one's joins. One init per group name at a time goes through the LB."""
+    trainer = Trainer(cluster.url, world_size=3)
+    first: dict[str, httpx.Response] = {}
+    thread = threading.Thread(target=lambda: first.update(r=lb.post("/init_weights_update_group",
+                                                                    json=trainer.init_body())))
+    thread.start()
+    try:
+        wait_until(lambda: all(trainer.group_name in httpx.get(node.url + "/get_server_info").json()[
+            "weight_groups"]["joining"] for node in cluster.nodes), timeout=10, what="the first init's joins")
+        r = lb.post("/init_weights_update_group", json=trainer.init_body())
+        assert r.status_code == 409 and "already under way" in r.json()["error"]["message"], r.text
+        trainer.group = join_weight_group(master_address="127.0.0.1", master_port=trainer.port, rank=0,
+                                          world_size=3, group_name=trainer.group_name, backend="gloo", timeout_s=30)
+    finally:
+        thread.join(60)
+    assert first["r"].status_code == 200, first["r"].text
+    assert trainer.leave().status_code == 200
+
+
+def test_an_abandoned_join_stops_and_never_pairs_with_a_later_trainer(tmp_path: Path) -> None:
+    """Found by review: a join abandoned by destroy_weights_update_group kept waiting for the trainer's store
+    until --weight-sync-timeout, so a trainer that came back on the same port paired with the stale join (its
+    broadcasts then failed), and four such threads blocked every reload and push."""
+    proc = ServerProcess("node_engine", ["--model-path", "builtin:tiny", "--weight-sync-timeout", "60"],
+                         log_dir=tmp_path)
+    proc.start()
+    try:
+        with httpx.Client(base_url=proc.url, timeout=60) as client:
+            trainer = Trainer(proc.url, world_size=2, group_name="g")
+            for _ in range(5):  # more than the four stuck threads that once blocked everything
+                answer: dict[str, httpx.Response] = {}
+                thread = threading.Thread(target=lambda: answer.update(
+                    r=client.post("/init_weights_update_group", json=trainer.init_body())))
+                thread.start()
+                wait_until(lambda: "g" in client.get("/get_server_info").json()["weight_groups"]["joining"],
+                           timeout=10, what="the join under way")
+                assert client.post("/destroy_weights_update_group", json={"group_name": "g"}).status_code == 200
+                thread.join(30)
+                assert answer["r"].status_code == 409 and "abandoned" in answer["r"].text
+            # the trainer comes up on the port every abandoned join waited for: only a new join pairs with it
+            r = trainer.join(timeout_s=20)
+            assert r.status_code == 200, r.text
+            name = "model.norm.weight"
+            r = trainer.push([(name, tiny_weights(3)[name])])
+            assert r.status_code == 200, r.text
+            assert trainer.leave().status_code == 200
+            r = client.post("/update_weights_from_tensor", json={
+                "serialized_named_tensors": [serialize_named_tensors(tiny_weights(0).items())]})
+            assert r.status_code == 200, r.text
+    finally:
+        proc.stop()

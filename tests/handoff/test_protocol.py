@@ -89,3 +89,38 @@ def test_the_contract_modules_import_without_torch() -> None:
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert len(modules) >= 8 and result.stdout.strip() == "", result.stdout
+
+
+def test_every_sglang_shaped_body_takes_basereqs_fields_and_keeps_them_from_engines() -> None:
+    """SGLang 0.5.23's request structs are all ``BaseReq``s (``rid``, ``http_worker_ipc``); a serialized one sends
+    them, often null. Accepted on every body modelled on one, and never passed on to an engine."""
+    from pydantic import BaseModel
+
+    from handoff.protocol.control import CONTROL_BODIES, AbortBody, SGLangRequest
+    from handoff.protocol.weights import WEIGHT_BODIES
+
+    required = {"/update_weights_from_tensor": {"serialized_named_tensors": ["x"]},
+                "/init_weights_update_group": {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1,
+                                               "world_size": 2},
+                "/update_weights_from_distributed": {"names": ["a"], "dtypes": ["float32"], "shapes": [[1]]},
+                "/update_weight_version": {"new_version": "v"}, "/update_weights_from_disk": {"model_path": "/m"}}
+    bodies: dict[str, type[BaseModel]] = {**CONTROL_BODIES, **WEIGHT_BODIES}
+    for path, model in bodies.items():
+        if model is AbortBody:  # its rid names the request to abort
+            continue
+        assert issubclass(model, SGLangRequest), path
+        body = model.model_validate({**required.get(path, {}), "rid": "r-1", "http_worker_ipc": None})
+        assert "rid" not in body.engine_body() and "http_worker_ipc" not in body.engine_body()
+
+
+def test_group_ranks_stay_within_what_torch_distributed_takes() -> None:
+    """Found by review: a rank_offset of 2^31 reached torch, whose TypeError was a 500."""
+    from pydantic import ValidationError
+
+    from handoff.protocol.weights import InitWeightsUpdateGroupBody
+
+    body = {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1, "world_size": 2**31 - 1}
+    assert InitWeightsUpdateGroupBody.model_validate(body).world_size == 2**31 - 1
+    for bad in ({"world_size": 2**31, "rank_offset": 1}, {"world_size": 2**31 + 1, "rank_offset": 2**31}):
+        with pytest.raises(ValidationError):
+            InitWeightsUpdateGroupBody.model_validate({**body, **bad})

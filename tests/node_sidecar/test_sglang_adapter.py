@@ -276,3 +276,28 @@ def test_sglang_pause_modes_retract_releases_and_in_place_is_409(make_node) -> N
         result = c.finish(60)
         assert result.saw_done and result.events[-1]["meta_info"]["finish_reason"]["type"] == "length"
     node.assert_fake_alive()
+
+
+def test_the_lb_gives_tensor_parallel_sglang_nodes_a_rank_per_tp_rank(make_node, proc_log_dir: Path) -> None:
+    """Found by review: no sidecar reported ``tp_size``, so the LB counted every node as one rank. SGLang joins
+    each TP rank as ``rank_offset + tp_rank``: two nodes at --tp-size 2 take ranks 1-2 and 3-4 of 5."""
+    nodes = [make_node("--tp-size", "2") for _ in range(2)]
+    assert all(node.occupation()["tp_size"] == 2 for node in nodes)
+    lb = ServerProcess("lb", ["--node", nodes[0].sidecar.url, "--node", nodes[1].sidecar.url,
+                              "--health-interval", "0.2"], log_dir=proc_log_dir, name="lb_tp").start()
+    try:
+        wait_until(lambda: all(n["routable"] and n["tp_size"] == 2
+                               for n in httpx.get(lb.url + "/nodes").json()["nodes"]), timeout=20,
+                   what="both nodes' states at the LB")
+        body = {"master_address": "127.0.0.1", "master_port": 29999, "rank_offset": 1, "group_name": "g",
+                "backend": "gloo"}
+        r = httpx.post(lb.url + "/init_weights_update_group", json={**body, "world_size": 3}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["world_size"] == 5, r.text
+        r = httpx.post(lb.url + "/init_weights_update_group", json={**body, "world_size": 5}, timeout=30)
+        assert r.status_code == 200, r.text
+        offsets = {result["node"]: result["rank_offset"] for result in r.json()["results"]}
+        assert offsets == {nodes[0].sidecar.url: 1, nodes[1].sidecar.url: 3}
+    finally:
+        lb.stop()
+        for node in nodes:
+            node.assert_fake_alive()

@@ -135,6 +135,7 @@ class FakeSglang:
     calls: list[str] = field(default_factory=list)
     num_model_info: int = 0
     startup_time: float = field(default_factory=time.time)
+    tp_size: int = 1
 
     def __post_init__(self) -> None:
         for tag in SGLANG_TAGS:
@@ -333,7 +334,7 @@ def create_app(fake: FakeSglang) -> Starlette:
     async def server_info(request: Request) -> Response:
         return JSONResponse({"model_path": fake.model_path, "enable_memory_saver": fake.enable_memory_saver,
                              "device": "cpu",  # the fake's regions are host memory (SGLang itself says cuda)
-                             "enable_weights_cpu_backup": fake.enable_weights_cpu_backup, "tp_size": 1,
+                             "enable_weights_cpu_backup": fake.enable_weights_cpu_backup, "tp_size": fake.tp_size,
                              "startup_time": fake.startup_time, "internal_states": [{}], "version": VERSION,
                              "frontend": "python"})
 
@@ -383,11 +384,12 @@ def main() -> None:
     parser.add_argument("--enable-weights-cpu-backup", action="store_true")
     parser.add_argument("--tag-mib", type=int, default=32, help="bytes each tag holds, in MiB")
     parser.add_argument("--model-path", default="/models/fake-sglang")
+    parser.add_argument("--tp-size", type=int, default=1)
     add_server_args(parser, default_host="127.0.0.1", default_port=0)
     args = parser.parse_args()
     fake = FakeSglang(enable_memory_saver=args.enable_memory_saver,
                       enable_weights_cpu_backup=args.enable_weights_cpu_backup, tag_bytes=args.tag_mib << 20,
-                      model_path=args.model_path)
+                      model_path=args.model_path, tp_size=args.tp_size)
     serve(create_app(fake), host=args.host, port=args.port, port_file=args.port_file,
           header_timeout_s=args.header_timeout)
 

@@ -7,11 +7,14 @@ import contextlib
 from typing import AsyncIterator
 
 from fastapi import FastAPI
+from starlette.requests import Request
+from starlette.responses import Response
 
 from handoff import __version__
 from handoff.protocol.control import AbortBody, ReleaseBody, ResumeBody, UpdateWeightsFromDiskBody
 from handoff.protocol.weights import WEIGHT_BODIES
 from handoff.service.bodies import install_schemas
+from handoff.service.disconnect import ClientGone
 from handoff.service.errors import install_error_handlers
 from handoff.service.limits import BodyLimitMiddleware
 from node_engine.engine import Engine
@@ -35,6 +38,7 @@ def create_app(engine: Engine, *, max_body_bytes: int, body_timeout_s: float | N
     app.state.engine = engine
     app.state.images = ImageLoader(engine)
     install_error_handlers(app)
+    app.add_exception_handler(ClientGone, _client_gone)  # type: ignore[arg-type]
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s)
     app.include_router(routes_generate.router)
     app.include_router(routes_openai.router)
@@ -43,3 +47,8 @@ def create_app(engine: Engine, *, max_body_bytes: int, body_timeout_s: float | N
     install_schemas(app, [protocol.GenerateBody, openai_bodies.CompletionBody, openai_bodies.ChatCompletionBody,
                           ReleaseBody, ResumeBody, UpdateWeightsFromDiskBody, AbortBody, *WEIGHT_BODIES.values()])
     return app
+
+
+async def _client_gone(request: Request, exc: ClientGone) -> Response:
+    """The client left while its request was prepared (its images, say): nobody reads the answer."""
+    return Response(status_code=routes_generate.CLIENT_CLOSED)

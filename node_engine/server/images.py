@@ -1,10 +1,13 @@
 """A request's images, ready for the engine: decoded, checked, resized, placeholders expanded.
 
 The work runs in a worker thread (decoding a large image takes the GIL off
-and on for a while) and at most ``DECODE_CONCURRENCY`` requests decode at
-once, so a burst of large images cannot hold many decoded images in memory
-at the same time. Anything wrong is a 400 before the engine sees the request:
-nothing is allocated for it.
+and on for a while), one image at a time, and at most ``DECODE_CONCURRENCY``
+images decode at once in the process, so a burst of large images cannot hold
+many decoded images in memory at the same time (each can take about 20 bytes a
+pixel while it is converted: ``docs/memory.md``), and requests take turns image
+by image. A request whose client left (or whose preparation is cancelled)
+decodes no further image. Anything wrong is a 400 before the engine sees the
+request: nothing is allocated for it.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from collections.abc import Sequence
 from handoff.protocol.generate_request import MAX_IMAGES_PER_PROMPT
 from handoff.service.errors import InvalidRequest, Unsupported
 from node_engine.engine import Engine
-from node_engine.vision.decode import ImageInputError, ImagePolicy, load_image
+from node_engine.vision.decode import ImageInputError, ImagePolicy, allow_pixels, load_image
 from node_engine.vision.inputs import MultimodalPrompt
 from node_engine.vision.placeholders import PlaceholderError, expand, native_placeholder, normalize_text
 from node_engine.vision.processor import ImageShapeError, ResizedImage
@@ -28,6 +31,7 @@ class ImageLoader:
         self.engine = engine
         config = engine.config
         self.policy = ImagePolicy(max_pixels=config.max_image_pixels, local_media_dir=config.allowed_local_media_path)
+        allow_pixels(self.policy.max_pixels)
         self._slots: asyncio.Semaphore | None = None
         vision_arch = engine.arch.vision
         self._placeholder = None if vision_arch is None else native_placeholder(
@@ -57,23 +61,21 @@ class ImageLoader:
             raise InvalidRequest(f"{field}: at most {MAX_IMAGES_PER_PROMPT} images per prompt, got {len(items)}")
         if self._slots is None:
             self._slots = asyncio.Semaphore(DECODE_CONCURRENCY)
-        async with self._slots:
-            resized = await asyncio.to_thread(self._resize_all, items, field)
+        resized = []
+        for i, item in enumerate(items):  # a cancellation stops it here, before the next image
+            async with self._slots:
+                resized.append(await asyncio.to_thread(self._resize, item, f"{field}[{i}]"))
         vision = self.engine.vision
         try:
             return expand(prompt_ids, resized, self.engine.arch.vision, vision.processor)
         except PlaceholderError as exc:
             raise InvalidRequest(f"{field}: {exc}") from exc
 
-    def _resize_all(self, items: Sequence[object], field: str) -> list[ResizedImage]:
-        processor = self.engine.vision.processor
-        resized = []
-        for i, item in enumerate(items):
-            try:
-                resized.append(processor.resize(load_image(item, self.policy)))
-            except (ImageInputError, ImageShapeError) as exc:
-                raise InvalidRequest(f"{field}[{i}]: {exc}") from exc
-        return resized
+    def _resize(self, item: object, field: str) -> ResizedImage:
+        try:
+            return self.engine.vision.processor.resize(load_image(item, self.policy))
+        except (ImageInputError, ImageShapeError) as exc:
+            raise InvalidRequest(f"{field}: {exc}") from exc
 
 
 def split_image_parts(messages: list[dict]) -> tuple[list[dict], list[object]]:

@@ -11,6 +11,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from handoff.protocol.generate_request import GenerateBody
 from handoff.service.bodies import openapi_body, parse_body
+from handoff.service.disconnect import unless_disconnected
 from handoff.service.errors import ServiceError
 from node_engine.engine import Engine
 from node_engine.request import RequestOutput
@@ -27,7 +28,7 @@ CLIENT_CLOSED = 499
 async def generate(request: Request) -> Response:
     engine: Engine = request.app.state.engine
     body = await parse_body(request, GenerateBody)
-    plan = await plan_generate(engine, body, request.app.state.images)
+    plan = await unless_disconnected(request, plan_generate(engine, body, request.app.state.images))
     run = GenerationRun(engine, plan.sequences, stream=body.stream)
     if body.stream:
         first = await first_unless_disconnected(request, run)

@@ -22,6 +22,7 @@ from handoff.protocol.generation import SequenceAnswer, SequenceChunk, finish_ma
 from handoff.service.bodies import openapi_body, parse_body, parse_value
 from handoff.service.errors import InvalidRequest, NotFound, ServiceError
 from handoff.service.peer_json import PeerJSONError, loads_bounded
+from handoff.service.disconnect import unless_disconnected
 from node_engine.engine import Engine
 from node_engine.request import RequestOutput
 from node_engine.server.generate_plan import GeneratePlan, plan_generate
@@ -47,7 +48,8 @@ async def _plan(request: Request, body: CompletionBody | ChatCompletionBody, pro
                             "stream": body.stream, **body.forwarded(), **logprobs}, GenerateBody)
     engine: Engine = request.app.state.engine
     default = engine.gate.room_after if fill_context else None
-    return await plan_generate(engine, generate, request.app.state.images, default_max_new_tokens=default)
+    return await unless_disconnected(request, plan_generate(engine, generate, request.app.state.images,
+                                                            default_max_new_tokens=default))
 
 
 def _token_ids(body: CompletionBody | ChatCompletionBody, plan: GeneratePlan) -> Callable[[int, list[int], bool],

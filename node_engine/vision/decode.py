@@ -17,7 +17,9 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import os
 import re
+import stat
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,9 +29,12 @@ from PIL import Image, UnidentifiedImageError
 
 ALLOWED_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".gif", ".bmp")
-DEFAULT_MAX_IMAGE_PIXELS = 32 * 2**20  # a 8192 x 4096 image; decoded RGBA: 128 MiB
+# An 8192 x 4096 image. Decoding it and compositing its transparency (processor.to_rgb, as transformers does)
+# peaks at about 20 bytes a pixel: 640 MiB for an RGBA image (docs/memory.md).
+DEFAULT_MAX_IMAGE_PIXELS = 32 * 2**20
 DEFAULT_MAX_IMAGE_BYTES = 64 * 2**20   # encoded, per image (a file; base64 is bounded by the body limit first)
 _WHITESPACE = re.compile(rb"\s+")
+_PILLOW_DEFAULT_MAX_PIXELS = Image.MAX_IMAGE_PIXELS
 
 
 class ImageInputError(ValueError):
@@ -76,22 +81,42 @@ def _base64(text: str) -> bytes:
 
 
 def _read_local(path: Path, policy: ImagePolicy) -> bytes:
+    """A file below the allowed folder. Whatever is outside it gets one answer whether or not it exists (the
+    path is checked as written before the file system is asked anything), and a file swapped for a FIFO or
+    a link after the check is refused at the open, not waited on."""
     allowed = policy.local_media_dir
     if allowed is None:
         raise ImageInputError("local image paths are not allowed here (the engine reads them only below "
                               "--allowed-local-media-path); send the bytes (base64 or a data URL)")
+    if "\x00" in str(path):
+        raise ImageInputError("an image path cannot hold a NUL character")
+    roots = (Path(os.path.abspath(allowed)), allowed.resolve())
+    missing = ImageInputError(f"no such image file below --allowed-local-media-path: {path}")
+    if not any(Path(os.path.abspath(path)).is_relative_to(root) for root in roots):
+        raise missing
     try:
         resolved = path.resolve(strict=True)
-    except (OSError, RuntimeError) as exc:
-        raise ImageInputError(f"no such image file: {path}") from exc
-    if not resolved.is_relative_to(allowed.resolve()):
-        raise ImageInputError(f"{path} is outside --allowed-local-media-path")
-    if not resolved.is_file():
-        raise ImageInputError(f"{path} is not a file")
-    if resolved.stat().st_size > policy.max_bytes:
-        raise ImageInputError(f"{path} is larger than {policy.max_bytes} bytes")
-    with open(resolved, "rb") as f:
+    except (OSError, RuntimeError, ValueError):
+        raise missing from None
+    if not resolved.is_relative_to(roots[1]):  # a link inside that points out
+        raise missing
+    try:
+        fd = os.open(resolved, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+    except OSError as exc:
+        raise ImageInputError(f"cannot read {path}: {exc.strerror}") from None
+    with os.fdopen(fd, "rb") as f:
+        info = os.fstat(f.fileno())
+        if not stat.S_ISREG(info.st_mode):
+            raise ImageInputError(f"{path} is not a file")
+        if info.st_size > policy.max_bytes:
+            raise ImageInputError(f"{path} is larger than {policy.max_bytes} bytes")
         return f.read(policy.max_bytes + 1)[:policy.max_bytes]
+
+
+def allow_pixels(max_pixels: int) -> None:
+    """Let Pillow decode images up to ``max_pixels`` (its own bomb check stops at about 89 million pixels
+    by default, below what ``--max-image-pixels`` may allow). Process-wide: one engine, one policy."""
+    Image.MAX_IMAGE_PIXELS = max(max_pixels, _PILLOW_DEFAULT_MAX_PIXELS)
 
 
 def decode_image(data: bytes, policy: ImagePolicy) -> Image.Image:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import base64
+import io
+import os
 import struct
 import zlib
 from pathlib import Path
@@ -75,7 +77,50 @@ def test_local_files_only_below_the_allowed_folder(tmp_path: Path) -> None:
     assert load_image(str(allowed / "cat.png"), policy).size == (30, 20)
     assert load_image(f"file://{allowed / 'cat.png'}", policy).size == (30, 20)
     for outside in (str(tmp_path / "secret.png"), str(allowed / "link.png"), str(allowed / ".." / "secret.png")):
-        with pytest.raises(ImageInputError, match="outside --allowed-local-media-path"):
+        with pytest.raises(ImageInputError, match="no such image file below --allowed-local-media-path"):
             image_bytes(outside, policy)
     with pytest.raises(ImageInputError, match="no such image file"):
         image_bytes(str(allowed / "missing.png"), policy)
+
+
+def test_paths_outside_the_folder_get_one_answer_whether_they_exist_or_not(tmp_path: Path) -> None:
+    """Found by review: an outside path that exists answered "outside", a missing one "no such file"."""
+    allowed = tmp_path / "media"
+    allowed.mkdir()
+    (tmp_path / "secret.png").write_bytes(PNG)
+    policy = ImagePolicy(local_media_dir=allowed)
+    answers = set()
+    for name in ("secret.png", "missing.png"):
+        for item in (str(tmp_path / name), f"file://{tmp_path / name}", str(allowed / ".." / name)):
+            with pytest.raises(ImageInputError) as refusal:
+                image_bytes(item, policy)
+            answers.add(str(refusal.value).replace(name, "NAME").replace(str(allowed / ".."), str(tmp_path)))
+    assert len(answers) == 1  # the same words for a file that exists and for one that does not
+
+
+@pytest.mark.parametrize("item", ["/media/cat\x00.png", "file:///media/cat%00.png"], ids=["path", "file-url"])
+def test_a_nul_in_a_local_path_is_refused(tmp_path: Path, item: str) -> None:
+    """Found by review: a NUL reached Path.resolve (ValueError): a 500."""
+    with pytest.raises(ImageInputError, match="NUL"):
+        image_bytes(item, ImagePolicy(local_media_dir=tmp_path))
+
+
+def test_a_fifo_swapped_in_below_the_folder_is_refused_not_waited_on(tmp_path: Path) -> None:
+    (tmp_path / "pipe.png").unlink(missing_ok=True)
+    os.mkfifo(tmp_path / "pipe.png")
+    with pytest.raises(ImageInputError, match="not a file"):
+        image_bytes(str(tmp_path / "pipe.png"), ImagePolicy(local_media_dir=tmp_path))
+
+
+def test_max_image_pixels_above_pillows_own_limit_is_honoured(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by review: Pillow's bomb check (about 89.5 million pixels) refused what the flag allowed."""
+    from node_engine.vision.decode import allow_pixels
+
+    buffer = io.BytesIO()
+    Image.new("1", (10000, 9000)).save(buffer, "PNG")  # 90 million pixels
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", Image.MAX_IMAGE_PIXELS)  # restored after the test
+    allow_pixels(120_000_000)
+    assert load_image(base64.b64encode(buffer.getvalue()).decode(), ImagePolicy(max_pixels=120_000_000)).size == (
+        10000, 9000)
+    with pytest.raises(ImageInputError, match="more than the 80000000 allowed"):
+        load_image(base64.b64encode(buffer.getvalue()).decode(), ImagePolicy(max_pixels=80_000_000))

@@ -145,7 +145,8 @@ def test_bad_images_are_400_and_nothing_runs(client: httpx.Client, tmp_path: Pat
         assert error["message"].startswith("image_data[0]:"), error
     outside = tmp_path / "outside.png"
     outside.write_bytes(IMAGES[0])
-    assert "outside --allowed-local-media-path" in refused(client, text=PROMPT, image_data=str(outside))["message"]
+    error = refused(client, text=PROMPT, image_data=str(outside))
+    assert "no such image file below --allowed-local-media-path" in error["message"]
     # A bad image anywhere in a batch: nothing of the batch runs, the good prompt included.
     error = refused(client, text=[PROMPT, PROMPT], image_data=[b64(IMAGES[0]), b64(b"junk")])
     assert error["message"].startswith("image_data[1][0]:")
@@ -194,3 +195,34 @@ def test_a_text_model_refuses_images_as_unsupported(tiny_engine: ServerProcess) 
         # A text model still takes image_data at its empty values (what sglang-router sends).
         r = c.post("/generate", json={"text": "hi", "image_data": [], "sampling_params": GREEDY})
         assert r.status_code == 200, r.text
+
+
+def test_an_abandoned_request_decodes_no_further_image_and_others_go_on(vl_engine: ServerProcess,
+                                                                         client: httpx.Client) -> None:
+    """Found by review: a request of 64 cheap-to-send, costly-to-decode images (a 4 KiB PNG of 32 Mi pixels
+    each) kept a core busy for half a minute after its client left, and image requests behind it waited."""
+    import io
+    import os
+    import time
+
+    buffer = io.BytesIO()
+    Image.new("P", (8192, 4096), 0).save(buffer, "PNG", transparency=0)  # under --max-image-pixels
+    body = {"text": PROMPT.replace("What", "") * 64 + "?", "image_data": [b64(buffer.getvalue())] * 64,
+            "sampling_params": GREEDY}
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(vl_engine.url + "/generate", json=body, timeout=1.5)  # the client gives up
+
+    def cpu_s() -> float:
+        fields = open(f"/proc/{vl_engine.proc.pid}/stat").read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    deadline = time.monotonic() + 10  # the 64 images take over 30 s of CPU to decode
+    while True:
+        before, started = cpu_s(), time.monotonic()
+        small = generate(client, text=PROMPT, image_data=b64(IMAGES[0]))  # an image request behind it
+        time.sleep(0.5)  # a window to measure the engine's CPU over, not a synchronisation
+        rate = (cpu_s() - before) / (time.monotonic() - started)
+        if rate < 0.5:
+            break
+        assert time.monotonic() < deadline, f"the engine still decodes for a client that left ({rate:.2f} CPU)"
+    assert small["meta_info"]["finish_reason"]["type"] == "length"

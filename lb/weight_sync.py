@@ -44,6 +44,7 @@ from lb.health import HealthMonitor
 from lb.membership import Membership, Node
 
 JSON = "application/json"
+ABANDON_AGAIN_S = 1.0  # while rolled-back nodes are still joining, their abandon is sent again this often
 MAX_INFO_BYTES = 64 * 1024
 
 
@@ -97,9 +98,10 @@ class WeightSync:
     async def _join_all(self, body: InitWeightsUpdateGroupBody, nodes: list[Node], offsets: list[int],
                         timeout_s: float) -> tuple[list[NodeResult], list[NodeResult]]:
         """Every node's join, concurrently; once one fails, the others are rolled back: a node that joined
-        leaves the group, a node still joining (or that stopped answering) abandons its join, and leaves if it
-        joined before the abandon reached it. A node that answered a refusal (409: a group by that name exists
-        there, say) is left as it was."""
+        leaves the group, a node still joining (or that stopped answering) abandons its join (asked again every
+        ``ABANDON_AGAIN_S`` while it has not answered: the first ask may have come before the join began), and
+        leaves if it joined before the abandon reached it. A node that answered a refusal (409: a group by that
+        name exists there, say) is left as it was."""
         calls = {asyncio.ensure_future(self._fanout.call_node(
             node, "POST", INIT_GROUP_PATH, _json({**body.engine_body(), "rank_offset": offset}), JSON, timeout_s)):
             node for node, offset in zip(nodes, offsets)}
@@ -108,8 +110,11 @@ class WeightSync:
         is_rolling_back = False
         pending = set(calls)
         while pending:
-            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            if not is_rolling_back and any(not task.result().is_ok for task in done):
+            done, pending = await asyncio.wait(pending, timeout=ABANDON_AGAIN_S if is_rolling_back else None,
+                                               return_when=asyncio.FIRST_COMPLETED)
+            if is_rolling_back and not done:  # an abandon that reached a node before its join began did nothing
+                await self._roll_back(body.group_name, [], [calls[t] for t in pending], timeout_s)
+            elif not is_rolling_back and any(not task.result().is_ok for task in done):
                 is_rolling_back, abandoned = True, set(pending)
                 joined = [calls[t] for t in calls if t.done() and t.result().is_ok]
                 # still joining, or gone quiet (a timeout, a dropped connection): its join may still be under way

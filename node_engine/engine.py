@@ -166,7 +166,12 @@ class Engine:
         return handle
 
     def abort(self, rid: str | None) -> None:
-        """Abort one request (or all with ``None``); it finishes with ``abort`` and the tokens it had."""
+        """Abort one request (or all with ``None``); it finishes with ``abort`` and the tokens it had.
+
+        Posted after the request's own submission, so the engine thread finds it even if it has not taken it
+        from its inbox yet; requests planned under ``rid`` (not submitted yet) are marked aborted.
+        """
+        self.gate.abort_planned(rid)
         self._post(Abort(rid))
 
     async def call(self, fn: Callable[[], Any]) -> Any:

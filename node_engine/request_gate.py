@@ -10,6 +10,11 @@ Rules:
 - An id is claimed when its request is submitted and given back when its final
   output reaches the event loop, so an abort by id reaches only its own
   request; a second request under an id in flight is 400, as in SGLang.
+- The ids an HTTP request will submit later (its ``n`` samples, once their
+  shared prompt is prefilled) are held by a :class:`PlannedRequests` from the
+  start: a duplicate is refused, and an abort by one of them (or of all)
+  marks it aborted, so the samples are never run (SGLang's abort reaches a
+  request it accepted, whatever its stage).
 
 Event-loop side only; the engine thread re-checks :meth:`check_can_generate`
 when it admits a request, since memory may be released in between.
@@ -28,6 +33,19 @@ from node_engine.scheduler import Scheduler
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default when a request names none
 
 
+class PlannedRequests:
+    """Ids an HTTP request holds before it submits them; ``is_aborted`` once an abort named one of them or
+    all. :meth:`close` (idempotent) gives them back: the run submitted them (claiming each first) or ended."""
+
+    def __init__(self, gate: RequestGate, rids: list[str]) -> None:
+        self._gate = gate
+        self.rids = rids
+        self.is_aborted = False
+
+    def close(self) -> None:
+        self._gate.drop_plan(self)
+
+
 class RequestGate:
     def __init__(self, scheduler: Scheduler, memory: MemoryManager, *, vocab_size: int, context_len: int) -> None:
         self._scheduler = scheduler
@@ -35,11 +53,15 @@ class RequestGate:
         self._vocab_size = vocab_size
         self._context_len = context_len
         self._live_rids: set[str] = set()
+        self._planned: dict[str, PlannedRequests] = {}
 
     def check(self, prompt_ids: list[int], params: SamplingParams, logprobs: LogprobOptions | None = None) -> None:
         """Raise 400 for a request that can never run, 409/503 while it cannot run now."""
         if not prompt_ids:
             raise InvalidRequest("the prompt is empty")
+        if len(prompt_ids) >= self._context_len:  # SGLang's rule, whatever max_new_tokens says
+            raise InvalidRequest(f"The input ({len(prompt_ids)} tokens) is longer than the model's context length "
+                                 f"({self._context_len} tokens).")
         limit = self._scheduler.max_request_tokens()
         if len(prompt_ids) + params.max_new_tokens > limit:
             raise InvalidRequest(
@@ -67,16 +89,38 @@ class RequestGate:
             raise WeightsNotLoaded("weights were resumed without a backup; call /update_weights_from_disk first")
 
     def check_rids_free(self, rids: list[str]) -> None:
-        """400 if one of ``rids`` is a request still in flight."""
-        taken = [rid for rid in rids if rid in self._live_rids]
+        """400 if one of ``rids`` is a request still in flight (or planned)."""
+        taken = [rid for rid in rids if self.is_live(rid)]
         if taken:
             raise InvalidRequest(f"Duplicate request ID detected: {taken[0][:200]!r} is already in flight")
+
+    def is_live(self, rid: str) -> bool:
+        return rid in self._live_rids or rid in self._planned
 
     def claim(self, rid: str) -> None:
         self._live_rids.add(rid)
 
     def give_back(self, rid: str) -> None:
         self._live_rids.discard(rid)
+
+    def plan(self, rids: list[str]) -> PlannedRequests:
+        """Hold ``rids`` for requests to be submitted later (400 if one is taken)."""
+        self.check_rids_free(rids)
+        planned = PlannedRequests(self, rids)
+        self._planned.update((rid, planned) for rid in rids)
+        return planned
+
+    def abort_planned(self, rid: str | None) -> None:
+        """An abort of ``rid`` (None: all) reaches the requests planned under it too."""
+        plans = set(self._planned.values()) if rid is None else {self._planned[rid]} if rid in self._planned \
+            else set()
+        for planned in plans:
+            planned.is_aborted = True
+
+    def drop_plan(self, planned: PlannedRequests) -> None:
+        for rid in planned.rids:
+            if self._planned.get(rid) is planned:
+                del self._planned[rid]
 
     def room_after(self, num_prompt_tokens: int) -> int:
         """What a request without a limit may generate (SGLang's chat: what the context leaves, less one)."""

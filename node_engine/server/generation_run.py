@@ -8,7 +8,10 @@ changes nothing. A client that goes away aborts whatever is still running.
 first and leaves its KV to the prefix cache; the samples are submitted when it
 is done, and each reuses all of the prompt but its last token: the prompt is
 prefilled once, not ``n`` times (SGLang does the same, in
-``TokenizerManager._handle_batch_request``).
+``TokenizerManager._handle_batch_request``). The samples' ids are held from
+the start (``RequestGate.plan``): an abort that names one of them, or all,
+while the prompt is prefilled makes every sample answer ``abort`` without
+running.
 """
 
 from __future__ import annotations
@@ -22,10 +25,10 @@ from typing import AsyncIterator
 from starlette.requests import Request
 
 from handoff.protocol.generate_sequences import LogprobOptions
-from handoff.protocol.generation import LogprobShape, SequenceAnswer, SequenceChunk
+from handoff.protocol.generation import LogprobShape, SequenceAnswer, SequenceChunk, finish_abort_waiting
 from handoff.service.disconnect import ClientGone, unless_disconnected
-from node_engine.engine import Engine, RequestHandle
-from node_engine.request import RequestOutput
+from node_engine.engine import Engine
+from node_engine.request import FinishReason, RequestHandle, RequestOutput
 from node_engine.sampling import SamplingParams
 from node_engine.server.answer_chunks import chunk_of
 from node_engine.server.generation import output_error
@@ -72,9 +75,11 @@ class GenerationRun:
         engine.gate.check_rids_free(self.rids)  # before any is submitted: nothing runs if one is taken
         self.handles: list[RequestHandle] = []
         self._finished = [False] * len(sequences)
+        shared = self._shared_prompts()
+        self._plan = engine.gate.plan(self.rids) if shared else None
         self._prefills = [engine.submit(sequences[first].prompt_ids, _PREFILL_ONLY, f"{self.rids[first]}-prefill",
                                         mm=_own(sequences[first].mm), prefill=True)
-                          for first in self._shared_prompts()]
+                          for first in shared]
         if not self._prefills:
             self._submit()
 
@@ -98,24 +103,44 @@ class GenerationRun:
                         for spec, rid in zip(self.sequences, self.rids, strict=True)]
 
     async def _prefill_shared_prompts(self) -> None:
-        """Wait for the shared prompts' prefills (a refusal is raised), then submit every sequence."""
+        """Wait for the shared prompts' prefills (a refusal is raised), then submit every sequence; if the run
+        was aborted meanwhile, every sequence answers ``abort`` instead."""
+        plan = self._plan
         try:
-            for handle in self._prefills:
-                output = await handle.next()
-                if output.error is not None:
-                    self._finished = [True] * len(self._finished)
-                    raise output_error(output)
+            try:
+                for handle in self._prefills:
+                    output = await handle.next()
+                    if output.error is not None:
+                        self._finished = [True] * len(self._finished)
+                        raise output_error(output)
+            finally:
+                prefills, self._prefills = self._prefills, []
+                for handle in prefills:
+                    self.engine.abort(handle.rid)  # a no-op for those that finished
+            if plan is not None and plan.is_aborted:
+                self._answer_aborted()
+            else:
+                self._submit()  # each id claimed before the plan gives it back
         finally:
-            prefills, self._prefills = self._prefills, []
-            for handle in prefills:
-                self.engine.abort(handle.rid)  # a no-op for those that finished
-        self._submit()
+            if plan is not None:
+                plan.close()
+
+    def _answer_aborted(self) -> None:
+        """Each sequence's final output, ``abort`` before it ran, without reaching the engine."""
+        self.handles = []
+        for spec, rid in zip(self.sequences, self.rids, strict=True):
+            handle = RequestHandle(rid)
+            handle.put(RequestOutput(rid, "", [], len(spec.prompt_ids), 0, finish_reason=FinishReason.ABORT,
+                                     finish_json=finish_abort_waiting()))
+            self.handles.append(handle)
 
     @property
     def num_prompts(self) -> int:
         return len(self.sequences)
 
     def abort_unfinished(self) -> None:
+        if self._plan is not None:
+            self._plan.close()
         for handle in self._prefills:
             self.engine.abort(handle.rid)
         for handle, done in zip(self.handles, self._finished):

@@ -55,8 +55,9 @@ async def abort_request(request: Request) -> JSONResponse:
     if body.abort_all:
         engine.abort(None)
         return JSONResponse({"success": True, "aborted": "all"})
-    # SGLang's semantics: an empty or unknown rid is a no-op (its request may have finished a moment ago).
-    if not body.rid or engine.scheduler.find(body.rid) is None:
+    # SGLang's semantics: an empty or unknown rid is a no-op (its request may have finished a moment ago). The
+    # gate knows every request accepted and not yet answered, the ones still in the engine's inbox included.
+    if not body.rid or not engine.gate.is_live(body.rid):
         return JSONResponse({"success": True, "aborted": []})
     engine.abort(body.rid)
     return JSONResponse({"success": True, "aborted": [body.rid]})

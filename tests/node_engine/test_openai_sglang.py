@@ -136,7 +136,13 @@ def test_completions_limits_seeds_and_long_id_prompts(client: httpx.Client) -> N
         r = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1, "seed": seed})
         assert r.status_code == 400 and "sampling_seed" in r.json()["error"]["message"], r.text
     r = client.post("/v1/completions", json={"prompt": [97] * 200_000, "max_tokens": 1})
-    assert r.status_code == 400 and "exceeds the" in r.json()["error"]["message"], r.text
+    assert r.status_code == 400 and "exceeds the" in r.json()["error"]["message"], r.text  # checked before parsing
+    # SGLang's rule (tokenizer_manager): a prompt of the context's length is refused whatever max_new_tokens says
+    for sampling in ({"max_new_tokens": 0}, {}):
+        r = client.post("/generate", json={"input_ids": [97] * CONTEXT, "sampling_params": sampling})
+        assert r.status_code == 400 and "longer than the model's context length" in r.text, r.text
+    r = client.post("/generate", json={"input_ids": [97] * (CONTEXT - 1), "sampling_params": {"max_new_tokens": 1}})
+    assert r.status_code == 200, r.text
     ids = client.post("/v1/completions", json={"prompt": [97, 98], "max_tokens": 2, "return_token_ids": True,
                                                "ignore_eos": True, "stream": True})
     events = [line for line in ids.text.splitlines() if line.startswith("data: {")]

@@ -1,0 +1,80 @@
+"""An abort reaches every request the engine accepted, whatever its stage, as in SGLang: one still in the
+engine's inbox while the engine thread is mid-step, and the ``n`` samples of a prompt still being prefilled
+(found by review: both ran to their full length after an abort answered ``aborted: []`` or ``all``)."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+from typing import Iterator
+
+import httpx
+import pytest
+
+from tests.support.procs import ServerProcess, wait_until
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerProcess, Path]]:
+    folder = tmp_path_factory.mktemp("abort_reach")
+    drill = folder / "drill.json"
+    proc = ServerProcess("node_engine", ["--model-path", "builtin:tiny", "--fault-drill-file", str(drill)],
+                         log_dir=folder)
+    proc.start()
+    yield proc, drill
+    proc.stop()
+
+
+def in_background(client: httpx.Client, body: dict) -> tuple[threading.Thread, dict]:
+    answer: dict = {}
+    thread = threading.Thread(target=lambda: answer.update(r=client.post("/generate", json=body)))
+    thread.start()
+    return thread, answer
+
+
+def test_an_abort_reaches_a_request_still_in_the_engines_inbox(engine) -> None:
+    proc, drill = engine
+    with httpx.Client(base_url=proc.url, timeout=60) as client:
+        drill.write_text(json.dumps({"kind": "stall", "at": "decode", "delay_s": 2}))  # its first decode step
+        busy, _ = in_background(client, {"input_ids": [5, 6, 7], "sampling_params": {
+            "max_new_tokens": 64, "ignore_eos": True, "temperature": 0}})
+        wait_until(lambda: drill.with_name("drill.json.fired").exists(), timeout=30, what="the engine thread stalled")
+        victim, answer = in_background(client, {"rid": "victim", "input_ids": [8, 9], "sampling_params": {
+            "max_new_tokens": 200, "ignore_eos": True, "temperature": 0}})
+        # accepted (its id is taken) while the engine thread cannot have taken it from its inbox
+        wait_until(lambda: client.post("/generate", json={"rid": "victim", "input_ids": [1]}).status_code == 400,
+                   timeout=10, what="the victim accepted")
+        assert client.post("/abort_request", json={"rid": "victim"}).json()["aborted"] == ["victim"]
+        victim.join(60)
+        busy.join(60)
+        meta = answer["r"].json()["meta_info"]
+        assert meta["finish_reason"]["type"] == "abort" and meta["completion_tokens"] < 200, meta
+    drill.with_name("drill.json.fired").unlink()
+
+
+@pytest.mark.parametrize("abort", [{"rid": "X_1"}, {"abort_all": True}, "pause"])
+def test_an_abort_during_the_shared_prompt_prefill_ends_every_sample(engine, abort) -> None:
+    proc, _ = engine
+    with httpx.Client(base_url=proc.url, timeout=60) as client:
+        assert client.post("/pause_generation", json={"mode": "in_place"}).status_code == 200  # holds the prefill
+        run, answer = in_background(client, {"rid": "X", "input_ids": [5, 6, 7, 8, 9], "sampling_params": {
+            "n": 2, "max_new_tokens": 200, "temperature": 0.7, "ignore_eos": True}})
+        wait_until(lambda: client.get("/memory_occupation").json()["queued_requests"] == 1, timeout=10,
+                   what="the shared prompt's prefill queued")
+        if abort == "pause":
+            assert client.post("/pause_generation", json={"mode": "abort"}).status_code == 200
+        else:
+            r = client.post("/abort_request", json=abort)
+            assert r.json()["aborted"] in (["X_1"], "all"), r.text
+        assert client.post("/continue_generation", json={}).status_code == 200
+        run.join(60)
+        outputs = answer["r"].json()
+        assert [o["meta_info"]["finish_reason"]["type"] for o in outputs] == ["abort", "abort"], outputs
+        assert all(o["meta_info"]["completion_tokens"] == 0 for o in outputs)
+        assert client.get("/memory_occupation").json()["queued_requests"] == 0
+        # the ids are free again, and the engine serves them
+        r = client.post("/generate", json={"rid": "X", "input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2}})
+        assert r.status_code == 200, r.text

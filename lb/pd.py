@@ -19,22 +19,21 @@ from typing import Any, Callable, Mapping
 
 from starlette.responses import Response
 
-from handoff.protocol.sse import DONE, EventSplitter, EventTooLarge, data_event, event_data
+from handoff.protocol.weights import WEIGHT_VERSION_HEADER
 from handoff.service.disconnect import DisconnectWatch
 from handoff.service.errors import InvalidRequest, ServiceError, parse_json_bytes
 from handoff.service.peer_json import PeerJSONError, loads_bounded
-from handoff.service.relay import ChunkTransform
 from handoff.service.upstream import UpstreamResponse
 from lb.config import Role
 from lb.errors import UpstreamFailed
 from lb.membership import Node, RequestLease
+from lb.pd_logprobs import MergeInputLogprobs, first_events, merge_input_logprobs
 from lb.relay import NodeCaller, Reroute, buffered_response, is_event_stream, relay_stream
 from lb.routing import Router
 
 log = logging.getLogger(__name__)
 
 MAX_PD_BATCH = 4096  # prompts in one PD request; a handoff engine takes at most 256 (SGLang sets no limit)
-INPUT_LOGPROB_KEYS = ("input_token_logprobs", "input_top_logprobs", "input_token_ids_logprobs")
 Outcome = Any  # UpstreamResponse | Response | Reroute | ServiceError: what one side of a pair did
 
 
@@ -79,64 +78,6 @@ def with_bootstrap(payload: dict[str, Any], prefill: Node, size: int | None) -> 
             "bootstrap_room": [random.getrandbits(63) for _ in range(size)]}
 
 
-def merge_input_logprobs(prefill: Any, decode: Any) -> None:
-    """Put the prefill answer's input logprobs in front of the decode answer's, in place (batches too)."""
-    if isinstance(prefill, list) and isinstance(decode, list):
-        for prefill_item, decode_item in zip(prefill, decode):
-            merge_input_logprobs(prefill_item, decode_item)
-        return
-    if not isinstance(prefill, dict) or not isinstance(decode, dict):
-        return
-    prefill_meta, decode_meta = prefill.get("meta_info"), decode.get("meta_info")
-    if not isinstance(prefill_meta, dict) or not isinstance(decode_meta, dict):
-        return
-    for key in INPUT_LOGPROB_KEYS:
-        ours, theirs = prefill_meta.get(key), decode_meta.get(key)
-        if isinstance(ours, list) and (theirs is None or isinstance(theirs, list)):
-            decode_meta[key] = ours + (theirs or [])
-
-
-def first_event(raw: bytes) -> Any:
-    """The JSON of the first ``data:`` event of an SSE body, or None."""
-    try:
-        events = EventSplitter().feed(raw)
-    except EventTooLarge:
-        return None
-    for event in events:
-        data = event_data(event)
-        if data is not None and data.strip() != DONE:
-            try:
-                return loads_bounded(data)
-            except PeerJSONError:
-                return None
-    return None
-
-
-class MergeInputLogprobs(ChunkTransform):
-    """Rewrites each ``data:`` event of the decode stream to carry the prefill's input logprobs."""
-
-    def __init__(self, prefill_event: Any) -> None:
-        self._prefill_event = prefill_event
-        self._splitter = EventSplitter()
-
-    def feed(self, chunk: bytes) -> bytes:
-        return b"".join(self._rewrite(event) for event in self._splitter.feed(chunk))
-
-    def finish(self) -> bytes:
-        return self._splitter.finish()
-
-    def _rewrite(self, event: bytes) -> bytes:
-        data = event_data(event)
-        if data is None or data.strip() == DONE:
-            return event
-        try:
-            payload = loads_bounded(data)
-        except PeerJSONError:
-            return event
-        merge_input_logprobs(self._prefill_event, payload)
-        return data_event(json.dumps(payload).encode())
-
-
 class PDDispatcher:
     def __init__(self, router: Router, caller: NodeCaller) -> None:
         self._router = router
@@ -148,9 +89,10 @@ class PDDispatcher:
         size = check_batch(payload)
         wants_logprobs = path == "/generate" and bool(payload.get("return_logprob"))
         tried: dict[Role, list[Node]] = {Role.PREFILL: [], Role.DECODE: []}
+        version = headers.get(WEIGHT_VERSION_HEADER)  # a pinned version: both nodes of the pair must serve it
         while True:
-            prefill = self._router.pick(Role.PREFILL, tried[Role.PREFILL])
-            decode = self._router.pick(Role.DECODE, tried[Role.DECODE])
+            prefill = self._router.pick(Role.PREFILL, tried[Role.PREFILL], weight_version=version)
+            decode = self._router.pick(Role.DECODE, tried[Role.DECODE], weight_version=version)
             data = json.dumps(with_bootstrap(payload, prefill, size)).encode()
             with prefill.begin_request() as prefill_lease, decode.begin_request() as decode_lease:
                 prefill_out, decode_out = await self._call_pair(prefill, decode, path, data, headers)
@@ -166,11 +108,13 @@ class PDDispatcher:
                                           decode_out, wants_logprobs, watch)
 
     async def _call_pair(self, prefill: Node, decode: Node, path: str, data: bytes,
-                         headers: Mapping[str, str]) -> tuple[Outcome, Outcome]:
+                         headers: Mapping[str, str]) -> tuple[Outcome | None, Outcome]:
         """Both calls at once (the prefill one in a task of its own); a failure is returned, not raised.
 
-        If this task is cancelled meanwhile (the client left), the prefill call is cancelled or its response
-        closed, and so is the decode response if it came: neither node goes on for nobody.
+        A decode call that failed decides the pair: the prefill call is given up at once (None), not awaited
+        (a prefill node waits long for a decode node that never comes). If this task is cancelled meanwhile
+        (the client left), the prefill call is given up and the decode response closed if it came: neither
+        node goes on for nobody.
         """
         prefill_call = asyncio.ensure_future(self._caller.call(prefill, path, data, headers))
         decode_out: Outcome | None = None
@@ -179,16 +123,15 @@ class PDDispatcher:
                 decode_out = await self._caller.call(decode, path, data, headers)
             except ServiceError as exc:
                 decode_out = exc
+            if not isinstance(decode_out, UpstreamResponse):
+                _give_up(prefill_call)
+                return None, decode_out
             try:
                 prefill_out: Outcome = await prefill_call
             except ServiceError as exc:
                 prefill_out = exc
         except BaseException:
-            if not prefill_call.done():
-                prefill_call.cancel()
-            elif (not prefill_call.cancelled() and prefill_call.exception() is None
-                  and isinstance(prefill_call.result(), UpstreamResponse)):
-                prefill_call.result().close()
+            _give_up(prefill_call)
             if isinstance(decode_out, UpstreamResponse):
                 decode_out.close()
             raise
@@ -205,7 +148,7 @@ class PDDispatcher:
             try:
                 if wants_logprobs:
                     raw = await self._read_prefill(prefill_lease, prefill_up, path)
-                    transform = MergeInputLogprobs(first_event(raw))
+                    transform = MergeInputLogprobs(first_events(raw))
                 else:
                     drain = asyncio.ensure_future(self._drain(prefill_lease, prefill_up, path))
                     self._drains.add(drain)
@@ -259,7 +202,22 @@ class PDDispatcher:
             upstream.close()
 
 
-def _settle_failed_pair(prefill_out: Outcome, decode_out: Outcome) -> Response | None:
+def _give_up(call: asyncio.Future[Outcome]) -> None:
+    """A node call no longer wanted: cancelled while under way; its response closed (its error read) if it
+    came anyway."""
+    if not call.done():
+        call.cancel()
+    call.add_done_callback(_discard)
+
+
+def _discard(call: asyncio.Future[Outcome]) -> None:
+    if call.cancelled() or call.exception() is not None:
+        return
+    if isinstance(call.result(), UpstreamResponse):
+        call.result().close()
+
+
+def _settle_failed_pair(prefill_out: Outcome | None, decode_out: Outcome) -> Response | None:
     """One side did not take the request: close the other side; raise, answer, or None to re-pick."""
     for out in (prefill_out, decode_out):
         if isinstance(out, UpstreamResponse):

@@ -7,7 +7,9 @@
   a response to relay, a final answer, or "try another node" (the connection
   was refused or could not be made in time, or a sidecar's admission refused
   it with a 503 of :data:`handoff.protocol.errors.NOT_SERVING_TYPES`: in every
-  case the node ran nothing).
+  case the node ran nothing). Such a 503 takes the node out of rotation until
+  its next health check, except ``weight_version_unavailable``: a client's pin
+  to a version the node does not serve says nothing of the node.
 - :func:`relay_stream` streams the node's body to the client chunk by chunk
   as it arrives (:class:`handoff.service.relay.StreamRelay`, shared with the
   sidecar); a node failing mid-stream ends it with an SSE error event.
@@ -121,7 +123,8 @@ class NodeCaller:
             raise translate(node, path, exc, self.timeout_s) from exc
         error_type = _error_type(raw)
         if error_type in NOT_SERVING_TYPES:
-            self._health.mark_not_serving(node, f"answered 503 {error_type}")
+            if error_type != E.WEIGHT_VERSION_UNAVAILABLE.name:  # that one says the request's pin, not the node
+                self._health.mark_not_serving(node, f"answered 503 {error_type}")
             self._metrics.generate_not_serving_retries.inc()
             return Reroute.NOT_SERVING
         return buffered_response(upstream, raw)

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import httpx
 import pytest
 
 from handoff.protocol.sse import EventSplitter, event_data
-from tests.lb.behaviours import Gate, reply, sse
+from tests.lb.behaviours import Gate, drop, hang, reply, sse
 from tests.lb.fakes import Exchange, FakeCluster, FakeNode
 from tests.lb.lbproc import LB, node_args, set_members
 from tests.support.procs import wait_until
@@ -210,3 +211,19 @@ def test_a_client_leaving_while_the_prefill_waits_closes_the_decode_stream(modul
     assert decode.disconnected.wait(5), "the decode stream stayed open after the client left"
     assert prefill.disconnected.wait(5)
     wait_until(lambda: shared_lb.node(decode.url)["in_flight"] == 0, timeout=5, what="in_flight 0")
+
+
+def test_a_decode_failure_known_at_once_does_not_wait_for_the_prefill(fakes: FakeCluster, start_lb) -> None:
+    """Found by review: the decode node dropped the request at once, yet the LB waited for the prefill node's
+    answer up to --generate-timeout (a real prefill node waits long for a decode node that never comes), while
+    the client got nothing. The prefill call is given up (its connection closed) as soon as the decode failed."""
+    prefill, decode = fakes.start(2)
+    prefill.handlers["/generate"] = hang()
+    decode.handlers["/generate"] = drop()
+    lb = start_lb("--prefill", prefill.url, "--decode", decode.url, "--generate-timeout", "20")
+    lb.wait_routable([prefill.url, decode.url])
+    started = time.monotonic()
+    answer = lb.http.post("/generate", json={"text": "hi"}, timeout=30)
+    assert answer.status_code == 502 and decode.url in answer.text, answer.text
+    assert time.monotonic() - started < 10, "the client waited for the prefill node after the decode failed"
+    wait_until(lambda: lb.node(prefill.url)["in_flight"] == 0, timeout=5, what="the prefill call given up")

@@ -14,8 +14,8 @@ from lb.discovery import DnsDiscovery, node_url
 from lb.errors import NoAvailableNode, NodeExists
 from lb.membership import Membership, Node, NodeHealth
 from lb.metrics import LBMetrics
-from lb.pd import (MAX_PD_BATCH, MergeInputLogprobs, batch_size, bootstrap_host, check_batch, merge_input_logprobs,
-                   with_bootstrap)
+from lb.pd import MAX_PD_BATCH, batch_size, bootstrap_host, check_batch, with_bootstrap
+from lb.pd_logprobs import MergeInputLogprobs, first_events, merge_input_logprobs
 from lb.routing import LeastInflight, PowerOfTwo, Router
 from lb.views import cluster_occupation
 
@@ -181,11 +181,25 @@ def test_merge_input_logprobs_leaves_what_a_node_sent_otherwise() -> None:
 def test_merging_stream_handles_events_split_anywhere() -> None:
     events = b'data: {"meta_info": {"input_token_logprobs": [3]}}\n\n: comment\n\ndata: [DONE]\n\n'
     for cut in range(1, len(events)):
-        merge = MergeInputLogprobs({"meta_info": {"input_token_logprobs": [1, 2]}})
+        merge = MergeInputLogprobs({0: {"meta_info": {"input_token_logprobs": [1, 2]}}})
         out = merge.feed(events[:cut]) + merge.feed(events[cut:]) + merge.finish()
         first, comment, done, _ = out.split(b"\n\n")
         assert json.loads(first[5:])["meta_info"]["input_token_logprobs"] == [1, 2, 3]
         assert (comment, done) == (b": comment", b"data: [DONE]")
+
+
+def test_a_streamed_batch_gets_each_prompts_own_input_logprobs() -> None:
+    """Found by review: every decode event got the prefill's first event (prompt 0's) merged in."""
+    prefill = b"".join(b"data: " + json.dumps(event).encode() + b"\n\n" for event in (
+        {"index": 0, "meta_info": {"input_token_logprobs": [[None, 100, None]]}},
+        {"index": 1, "meta_info": {"input_token_logprobs": [[None, 200, None], [-1.0, 201, None]]}},
+        {"index": 1, "meta_info": {"input_token_logprobs": [[-2.0, 202, None]]}})) + b"data: [DONE]\n\n"
+    merge = MergeInputLogprobs(first_events(prefill))
+    decode = b"".join(b"data: " + json.dumps({"index": i, "text": t, "meta_info": {"input_token_logprobs": []}})
+                      .encode() + b"\n\n" for i, t in ((1, "b"), (0, "a"), (7, "?")))
+    merged = [json.loads(event[5:]) for event in merge.feed(decode).split(b"\n\n") if event]
+    assert [(e["index"], [t[1] for t in e["meta_info"]["input_token_logprobs"]]) for e in merged] == [
+        (1, [200, 201]), (0, [100]), (7, [])]
 
 
 # -- discovery and views --------------------------------------------------------------

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from pathlib import Path
 from typing import Iterator
 
@@ -37,21 +38,25 @@ def in_background(client: httpx.Client, body: dict) -> tuple[threading.Thread, d
 
 def test_an_abort_reaches_a_request_still_in_the_engines_inbox(engine) -> None:
     proc, drill = engine
+    stall_s = 8.0
     with httpx.Client(base_url=proc.url, timeout=60) as client:
-        drill.write_text(json.dumps({"kind": "stall", "at": "decode", "delay_s": 2}))  # its first decode step
+        drill.write_text(json.dumps({"kind": "stall", "at": "decode", "delay_s": stall_s}))  # its first decode step
         busy, _ = in_background(client, {"input_ids": [5, 6, 7], "sampling_params": {
             "max_new_tokens": 64, "ignore_eos": True, "temperature": 0}})
         wait_until(lambda: drill.with_name("drill.json.fired").exists(), timeout=30, what="the engine thread stalled")
+        stalled_at = time.monotonic()
         victim, answer = in_background(client, {"rid": "victim", "input_ids": [8, 9], "sampling_params": {
             "max_new_tokens": 200, "ignore_eos": True, "temperature": 0}})
-        # accepted (its id is taken) while the engine thread cannot have taken it from its inbox
-        wait_until(lambda: client.post("/generate", json={"rid": "victim", "input_ids": [1]}).status_code == 400,
-                   timeout=10, what="the victim accepted")
-        assert client.post("/abort_request", json={"rid": "victim"}).json()["aborted"] == ["victim"]
+        # An abort before the victim is accepted is a no-op ("aborted": []), so it is asked until it takes. The
+        # engine thread cannot take anything from its inbox before the stall ends: an abort that takes before
+        # then reached a request still in the inbox (before the fix it took only once the stall was over).
+        wait_until(lambda: client.post("/abort_request", json={"rid": "victim"}).json()["aborted"] == ["victim"],
+                   timeout=stall_s, what="the abort taken")
+        assert time.monotonic() - stalled_at < stall_s - 1
         victim.join(60)
         busy.join(60)
         meta = answer["r"].json()["meta_info"]
-        assert meta["finish_reason"]["type"] == "abort" and meta["completion_tokens"] < 200, meta
+        assert meta["finish_reason"]["type"] == "abort" and meta["completion_tokens"] == 0, meta
     drill.with_name("drill.json.fired").unlink()
 
 

@@ -28,6 +28,7 @@ from handoff.service.bodies import install_schemas, openapi_body
 from handoff.service.errors import ServiceError, UnexpectedErrorMiddleware, install_error_handlers
 from handoff.service.generation_schema import GENERATION_RESPONSES
 from handoff.service.limits import BodyLimitMiddleware
+from handoff.service.status_count import CountByStatus
 from lb.addresses import Resolver
 from lb.cluster import Cluster
 from lb.config import LBConfig
@@ -41,38 +42,6 @@ from lb.routes_weights import weight_routes
 from lb.workers import workers_router
 
 VIEW_PATHS = ("/health", "/nodes", "/memory_occupation", "/metrics", "/openapi.json")
-
-
-class RequestMetrics:
-    """Counts every answered request by route and status code (unknown paths as ``other``)."""
-
-    def __init__(self, app: ASGIApp, metrics: LBMetrics) -> None:
-        self.app = app
-        self._counter = metrics.requests
-        self._routes = frozenset((*CONTROL_ROUTES, *GENERATION_PATHS, *VIEW_PATHS))
-        self._children: dict[tuple[str, int], Any] = {}
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        status = 500
-
-        async def send_and_note_status(message: Message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
-        try:
-            await self.app(scope, receive, send_and_note_status)
-        finally:
-            path = scope["path"]
-            key = (path if path in self._routes else "other", status)
-            child = self._children.get(key)
-            if child is None:
-                child = self._children[key] = self._counter.labels(route=key[0], code=str(status))
-            child.inc()
 
 
 class GenerationEndpoint:
@@ -131,15 +100,21 @@ def create_app(config: LBConfig, *, resolver: Resolver | None = None) -> LBApp:
     install_error_handlers(app)
     # the last added is the outermost: metrics, then the body limit, then FastAPI's router
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=config.max_body_bytes, body_timeout_s=config.body_timeout_s)
-    app.add_middleware(RequestMetrics, metrics=metrics)
+    known_routes = frozenset((*CONTROL_ROUTES, *GENERATION_PATHS, *VIEW_PATHS))
+
+    def route_of(scope: Scope) -> str:
+        return scope["path"] if scope["path"] in known_routes else "other"  # bounded labels
+
+    app.add_middleware(CountByStatus, counter=metrics.requests, route_of=route_of)
 
     async def generate(request: Request, path: str) -> Response:
         return await cluster.proxy.handle(request, path)
 
     api_key = BearerToken(config.api_key)
     endpoint = UnexpectedErrorMiddleware(GenerationEndpoint(handle=generate, api_key=api_key, admin=admin))
-    app.generation = RequestMetrics(BodyLimitMiddleware(endpoint, max_body_bytes=config.max_body_bytes,
-                                                        body_timeout_s=config.body_timeout_s), metrics=metrics)
+    app.generation = CountByStatus(BodyLimitMiddleware(endpoint, max_body_bytes=config.max_body_bytes,
+                                                       body_timeout_s=config.body_timeout_s),
+                                   counter=metrics.requests, route_of=route_of)
 
     app.include_router(control_router(cluster, config, admin))
 

@@ -22,8 +22,9 @@ from lb.discovery import DnsDiscovery
 from lb.errors import NodeNotFound
 from lb.fanout import FanOut
 from lb.health import HealthMonitor
-from lb.membership import Membership, Node
+from lb.membership import Membership
 from lb.metrics import LBMetrics
+from lb.node import Node
 from lb.proxy import GenerationProxy
 from lb.relay import NodeCaller
 from lb.routing import Router

@@ -16,7 +16,8 @@ from typing import Awaitable, Callable, Sequence
 
 from lb.addresses import Resolver, system_resolver
 from lb.config import DnsTarget, NodeSpec
-from lb.membership import Membership, Node
+from lb.membership import Membership
+from lb.node import Node
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ One request per node: a sidecar answers every control call with its state in
 health check, so the answer means the LB already routes by the node's new
 state. A node without that header (a plain server) is checked once more within
 what is left of the deadline. While a release or pause is under way its nodes
-take no new generation (a :class:`~lb.membership.Fence`); a node that did not
+take no new generation (a :class:`~lb.node.Fence`); a node that did not
 answer stays fenced until a check in the background has seen it.
 
 A body with a ``drain_timeout`` the per-node deadline cannot cover is refused
@@ -51,8 +51,9 @@ from handoff.service.upstream import (
 from lb.config import Role
 from lb.errors import NoNodes
 from lb.health import HealthMonitor
-from lb.membership import Fence, Membership, Node
+from lb.membership import Membership
 from lb.metrics import LBMetrics
+from lb.node import Fence, Node
 from lb.node_answer import (
     MAX_FAILURE_DETAIL_BYTES,
     MAX_RESULT_BODY_BYTES,

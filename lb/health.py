@@ -15,9 +15,10 @@ import logging
 from typing import Any, Iterable, Mapping
 
 from handoff.service.peer_json import PeerJSONError, loads_bounded
-from handoff.service.upstream import UpstreamClient, UpstreamError
+from handoff.service.upstream import ResponseTooLarge, UpstreamClient, UpstreamError
 from lb.config import LBConfig
-from lb.membership import Membership, Node, NodeHealth
+from lb.membership import Membership
+from lb.node import Node, NodeHealth
 
 log = logging.getLogger(__name__)
 
@@ -62,13 +63,17 @@ class HealthMonitor:
         if node.is_sidecar is not False:
             response = await self._client.request("GET", node.url + "/memory_occupation",
                                                   headers=self._headers, timeout=timeout)
-            body = await response.read(MAX_PROBE_BODY_BYTES)
             if response.status in (404, 405):
                 node.is_sidecar = False
+                await response.read(MAX_PROBE_BODY_BYTES)
             elif response.status != 200:
+                await response.read(MAX_PROBE_BODY_BYTES)
                 return f"GET /memory_occupation answered {response.status}"
             else:
-                return _parse_occupation(body)
+                try:
+                    return _parse_occupation(await response.read_whole(MAX_PROBE_BODY_BYTES))
+                except ResponseTooLarge:  # never judged on a cut body ("Unterminated string" says nothing)
+                    return f"GET /memory_occupation answered more than {MAX_PROBE_BODY_BYTES} bytes"
         response = await self._client.request("GET", node.url + "/health", headers=self._headers,
                                               timeout=timeout)
         await response.read(MAX_PROBE_BODY_BYTES)

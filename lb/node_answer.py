@@ -16,7 +16,7 @@ from typing import Any
 from handoff.protocol.control import MAX_NODE_STATE_HEADER_BYTES
 from handoff.service.peer_json import PeerJSONError, loads_bounded
 from handoff.service.upstream import UpstreamResponse
-from lb.membership import Node
+from lb.node import Node
 
 __all__ = ["MAX_FAILURE_DETAIL_BYTES", "MAX_RESULT_BODY_BYTES", "NodeResult", "ParsedAnswers", "capped_text",
            "judge_success"]

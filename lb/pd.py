@@ -26,7 +26,7 @@ from handoff.service.peer_json import PeerJSONError, loads_bounded
 from handoff.service.upstream import UpstreamResponse
 from lb.config import Role
 from lb.errors import UpstreamFailed
-from lb.membership import Node, RequestLease
+from lb.node import Node, RequestLease
 from lb.pd_logprobs import MergeInputLogprobs, first_events, merge_input_logprobs
 from lb.relay import NodeCaller, Reroute, buffered_response, is_event_stream, relay_stream
 from lb.routing import Router

@@ -27,7 +27,7 @@ from handoff.service.errors import ServiceError, Unavailable
 from handoff.service.peer_json import PeerJSONError, loads_bounded
 from handoff.service.upstream import UpstreamError
 from lb.cluster import Cluster
-from lb.membership import Node, NodeHealth
+from lb.node import Node, NodeHealth
 from lb.views import cluster_occupation
 
 MAX_PROBE_ANSWER_BYTES = 1024 * 1024

@@ -21,7 +21,8 @@ from handoff.service.relay import StreamRelay
 from handoff.service.upstream import UpstreamResponse
 from handoff.protocol.weights import WEIGHT_VERSION_HEADER
 from lb.config import Role
-from lb.membership import Membership, Node
+from lb.membership import Membership
+from lb.node import Node
 from lb.pd import PDDispatcher
 from lb.relay import (
     NodeCaller,

@@ -38,8 +38,8 @@ from handoff.service.upstream import (
 )
 from lb.errors import UpstreamFailed, UpstreamTimedOut
 from lb.health import HealthMonitor
-from lb.membership import Node, RequestLease
 from lb.metrics import LBMetrics
+from lb.node import Node, RequestLease
 
 log = logging.getLogger(__name__)
 

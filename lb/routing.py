@@ -14,7 +14,8 @@ from typing import Collection, Sequence
 
 from lb.config import Policy, Role
 from lb.errors import NoAvailableNode
-from lb.membership import Membership, Node, NodeHealth
+from lb.membership import Membership
+from lb.node import Node, NodeHealth
 
 
 class Picker:

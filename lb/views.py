@@ -7,7 +7,7 @@ from typing import Any, Iterable, Mapping
 
 from handoff.protocol.tags import TAG_NAMES as TAGS
 from handoff.protocol.tags import TAG_STATE_NAMES as TAG_STATES
-from lb.membership import Node, NodeHealth
+from lb.node import Node, NodeHealth
 
 
 def _kind(node: Node) -> str:

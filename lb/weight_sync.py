@@ -41,7 +41,8 @@ from lb.config import Role
 from lb.errors import NoAvailableNode, NoNodes, NodeNotFound
 from lb.fanout import FanOut, NodeResult
 from lb.health import HealthMonitor
-from lb.membership import Membership, Node
+from lb.membership import Membership
+from lb.node import Node
 
 JSON = "application/json"
 ABANDON_AGAIN_S = 1.0  # while rolled-back nodes are still joining, their abandon is sent again this often

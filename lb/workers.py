@@ -31,7 +31,7 @@ from handoff.service.errors import InvalidRequest
 from lb.cluster import Cluster
 from lb.config import NodeSpec, Role
 from lb.errors import NodeExists, NodeNotFound
-from lb.membership import Node
+from lb.node import Node
 
 WORKER_TYPES: dict[str, Role] = {"regular": Role.MIXED, "prefill": Role.PREFILL, "decode": Role.DECODE}
 ROLE_TYPES = {role: name for name, role in WORKER_TYPES.items()}

@@ -92,12 +92,16 @@ class RequestGate:
         """400 if one of ``rids`` is a request still in flight (or planned)."""
         taken = [rid for rid in rids if self.is_live(rid)]
         if taken:
-            raise InvalidRequest(f"Duplicate request ID detected: {taken[0][:200]!r} is already in flight")
+            raise _duplicate(taken[0])
 
     def is_live(self, rid: str) -> bool:
         return rid in self._live_rids or rid in self._planned
 
     def claim(self, rid: str) -> None:
+        """Hold ``rid`` for a request being submitted; an id in flight is never held twice (400), whatever path
+        submits it, so an abort or a final output can only ever name one request."""
+        if rid in self._live_rids:
+            raise _duplicate(rid)
         self._live_rids.add(rid)
 
     def give_back(self, rid: str) -> None:
@@ -128,3 +132,8 @@ class RequestGate:
 
     def default_max_new_tokens(self, num_prompt_tokens: int) -> int:
         return max(0, min(DEFAULT_MAX_NEW_TOKENS, self._scheduler.max_request_tokens() - num_prompt_tokens))
+
+
+def _duplicate(rid: str) -> InvalidRequest:
+    """SGLang's words for an id in flight (``TokenizerManager``: "Duplicate request ID detected")."""
+    return InvalidRequest(f"Duplicate request ID detected: {rid[:200]!r} is already in flight")

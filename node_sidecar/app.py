@@ -23,6 +23,7 @@ from handoff.service.bodies import install_schemas, openapi_body
 from handoff.service.errors import ServiceError, install_error_handlers
 from handoff.service.generation_schema import GENERATION_BODIES, GENERATION_RESPONSES
 from handoff.service.limits import BodyLimitMiddleware
+from handoff.service.status_count import CountByStatus
 from handoff.service.upstream import UpstreamClient
 from node_sidecar.config import SidecarConfig
 from node_sidecar.control import ControlPlane
@@ -37,25 +38,21 @@ from node_sidecar.routes_weights import weight_router
 GENERATION_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions")
 
 
-def _generation_router(metrics: SidecarMetrics, admin: BearerToken, api_key: BearerToken,
-                       fast_handlers: dict[str, AsgiHandler]) -> APIRouter:
+def _generation_router(admin: BearerToken, api_key: BearerToken, fast_handlers: dict[str, AsgiHandler]) -> APIRouter:
     """The generation routes (documented in OpenAPI); their fast handlers go into ``fast_handlers``."""
     router = APIRouter()
     for path in GENERATION_PATHS:
-        _add_generation_route(router, path, metrics, admin, api_key, fast_handlers)
+        _add_generation_route(router, path, admin, api_key, fast_handlers)
     return router
 
 
-def _add_generation_route(router: APIRouter, path: str, metrics: SidecarMetrics, admin: BearerToken,
-                          api_key: BearerToken, fast_handlers: dict[str, AsgiHandler]) -> None:
+def _add_generation_route(router: APIRouter, path: str, admin: BearerToken, api_key: BearerToken,
+                          fast_handlers: dict[str, AsgiHandler]) -> None:
     route = path.strip("/").replace("/", "_")
-
-    def count(code: int) -> None:
-        metrics.requests.labels(route, str(code)).inc()
 
     async def handler(request: Request) -> Response:
         api_key.check(request, also=admin)  # the admin token authorizes everything
-        return await relay_generation(request.app.state.node, request, path, count)
+        return await relay_generation(request.app.state.node, request, path)
 
     async def fast_handler(scope: Scope, receive: Receive, send: Send) -> None:
         request = Request(scope, receive)
@@ -68,6 +65,14 @@ def _add_generation_route(router: APIRouter, path: str, metrics: SidecarMetrics,
     router.add_api_route(path, handler, methods=["POST"], name=route,
                          openapi_extra={**openapi_body(GENERATION_BODIES[path]), **GENERATION_RESPONSES})
     fast_handlers[path] = fast_handler
+
+
+def _generation_route_of(scope: Scope) -> str | None:
+    """The ``route`` label of a generation request (counted by the status its client got), None for others."""
+    return _GENERATION_ROUTES.get(scope["path"]) if scope["method"] == "POST" else None
+
+
+_GENERATION_ROUTES = {path: path.strip("/").replace("/", "_") for path in GENERATION_PATHS}
 
 
 def create_app(config: SidecarConfig) -> FastAPI:
@@ -96,7 +101,8 @@ def create_app(config: SidecarConfig) -> FastAPI:
     app.add_middleware(NodeStateHeader, node=lambda: app.state.node,
                        paths=frozenset(CONTROL_ROUTES) | frozenset(WEIGHT_ROUTES) | {"/abort_request"})
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=config.max_body_bytes, body_timeout_s=config.body_timeout)
-    app.include_router(_generation_router(metrics, admin, api_key, fast_handlers))
+    app.add_middleware(CountByStatus, counter=metrics.requests, route_of=_generation_route_of)  # outermost
+    app.include_router(_generation_router(admin, api_key, fast_handlers))
     app.include_router(control_router(config, metrics, admin))
     app.include_router(views_router(metrics, admin, api_key))
     app.include_router(weight_router(config, admin))

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 from handoff.protocol import errors as E
+from handoff.protocol.control import peer_weight_version
 from handoff.protocol.engines import EngineKind
 from handoff.protocol.tags import Tag
 from handoff.service.errors import Conflict, ServiceError
@@ -208,7 +209,8 @@ class ControlPlane:
                     state.transition(WEIGHTS, TagState.RESIDENT)
                 valid = answer.get("weights_valid", True)
                 state.weights_valid = valid if isinstance(valid, bool) else True
-                state.weight_version = answer.get("weight_version", state.weight_version)
+                if "weight_version" in answer:
+                    state.weight_version = peer_weight_version(answer["weight_version"])
                 node.update_memory_metrics()
         log.info("weights updated, weight_version=%s (drained %d, aborted %d)", state.weight_version, drained,
                  aborted)
@@ -221,8 +223,8 @@ class ControlPlane:
         async with node.control_lock:
             node.require_engine()
             answer = await node.engine_adapter.weight_call(path, body)
-            if isinstance(answer.get("new_version"), str):
-                node.state.weight_version = answer["new_version"]
+            if "new_version" in answer:
+                node.state.weight_version = peer_weight_version(answer["new_version"])
         return answer
 
     async def pause(self, *, mode: str, drain: DrainLimit) -> dict[str, Any]:

@@ -53,6 +53,22 @@ class EngineClient:
         async with response:
             return response.status, await response.read(max_bytes)
 
+    async def scrape(self, path: str, *, timeout: float, max_bytes: int) -> bytes | None:
+        """``GET path`` for a Prometheus text exposition: the whole body of a 200 ``text/plain`` answer, None for
+        any other status (the engine serves none), :class:`ValueError` saying what came instead of one (an
+        answer over ``max_bytes`` is one, never a cut body). A transport failure is raised as the
+        :class:`UpstreamError` it is and reported to no one."""
+        response = await self.client.request("GET", self.base_url + path, timeout=timeout)
+        async with response:
+            if response.status != 200:
+                return None
+            if not response.content_type.startswith("text/plain"):
+                raise ValueError(f"answered Content-Type {response.content_type[:100]!r}, not text/plain")
+            try:
+                return await response.read_whole(max_bytes)
+            except ResponseTooLarge:
+                raise ValueError(f"answered more than {max_bytes} bytes") from None
+
     async def read(self, response: UpstreamResponse, max_bytes: int) -> bytes:
         """The whole body of an engine answer (the connection is released either way).
 

@@ -37,5 +37,6 @@ class SidecarMetrics:
                                          "Generation requests answered 503, by reason.", ["reason"], registry=r)
         self.control_calls = Counter("handoff_node_control_calls", "Control calls, by path and status code.",
                                      ["path", "code"], registry=r)
-        self.requests = Counter("handoff_node_requests", "Proxied generation requests, by route and status code.",
+        self.requests = Counter("handoff_node_requests",
+                                "Generation requests answered, by route and the status code the client got.",
                                 ["route", "code"], registry=r)

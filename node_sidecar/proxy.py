@@ -69,7 +69,7 @@ def _relayed_stream(node: Node, upstream: UpstreamResponse, lease: InFlight,
                        default_type=b"application/json")
 
 
-async def relay_generation(node: Node, request: Request, path: str, on_status: Callable[[int], None]) -> Response:
+async def relay_generation(node: Node, request: Request, path: str) -> Response:
     """Read the whole body, admit (hold or 503), forward to the engine, and relay its answer.
 
     The body comes first: a client that stalls in its body (the body limit
@@ -107,7 +107,6 @@ async def relay_generation(node: Node, request: Request, path: str, on_status: C
         upstream = await node.engine.open(
             "POST", call.path, body=call.body, timeout=node.config.generate_timeout,
             headers={"Content-Type": request.headers.get("content-type", "application/json")})
-        on_status(upstream.status)
         if upstream.content_type.startswith("text/event-stream"):
             watch.stop()  # the stream's own watcher takes over
             return _relayed_stream(node, upstream, lease, call.stream() if call.stream else None)

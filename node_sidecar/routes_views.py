@@ -3,11 +3,13 @@
 
 from __future__ import annotations
 
+import asyncio
 from urllib.parse import quote
 
 import psutil
 from fastapi import APIRouter, Request
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from handoff.service.auth import BearerToken
@@ -94,12 +96,34 @@ def views_router(metrics: SidecarMetrics, admin: BearerToken, api_key: BearerTok
         metrics.held_requests.set(node.admission.num_held)
         text = generate_latest(metrics.registry)
         if node.state.is_engine_reachable:
-            try:
-                status, engine_text = await node.engine.peek("/metrics", timeout=5, max_bytes=8 * 1024 * 1024)
-                if status == 200:
-                    text += engine_text
-            except UpstreamError as exc:  # the node's own metrics still answer; the health probe judges the engine
-                node.last_error = f"engine /metrics: {exc}"
+            text += await _engine_exposition(node)
         return Response(text, media_type=CONTENT_TYPE_LATEST)
 
     return router
+
+
+ENGINE_METRICS_MAX_BYTES = 8 * 1024 * 1024
+
+
+async def _engine_exposition(node: Node) -> bytes:
+    """The engine's own metrics, appended to the node's only when they parse as Prometheus text: an engine
+    answering an error page, or more than the cap, must not make the node's own metrics unreadable (a scrape
+    that fails to parse loses every series, the node's among them). What was left out is in ``last_error``."""
+    try:
+        text = await node.engine.scrape("/metrics", timeout=5, max_bytes=ENGINE_METRICS_MAX_BYTES)
+        if not text:
+            return b""  # the engine serves no metrics
+        await asyncio.to_thread(_check_exposition, text)  # 8 MiB parses in about a second: off the loop
+    except (UpstreamError, ValueError) as exc:  # the node's own metrics still answer; the probe judges the engine
+        node.last_error = f"engine /metrics left out: {exc}"
+        return b""
+    return text if text.endswith(b"\n") else text + b"\n"
+
+
+def _check_exposition(text: bytes) -> None:
+    """ValueError unless ``text`` is a Prometheus text exposition (what a scraper would parse)."""
+    try:
+        for _ in text_string_to_metric_families(text.decode("utf-8")):
+            pass
+    except (UnicodeDecodeError, ValueError, TypeError, IndexError, KeyError) as exc:
+        raise ValueError(f"not a Prometheus text exposition ({type(exc).__name__}: {str(exc)[:200]})") from None

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from handoff.protocol.control import peer_weight_version
 from handoff.protocol.errors import NotServingReason
 from handoff.protocol.tags import TAG_NAMES as TAGS
 from handoff.protocol.tags import TagState
@@ -57,7 +58,7 @@ class NodeState:
         self.tags.update(view.tags)
         self.tag_bytes.update(view.tag_bytes)
         self.weights_valid = view.weights_valid
-        self.weight_version = view.weight_version
+        self.weight_version = peer_weight_version(view.weight_version)
         self.weights_backup = view.weights_backup
         self.memory_saver = view.memory_saver
         self.can_stage_weights = view.can_stage_weights

@@ -23,6 +23,14 @@ ReleaseMode = Literal["wait", "abort"]
 # SGLang's modes (abort, retract, in_place) and handoff's wait (drain, then pause).
 PauseMode = Literal["abort", "retract", "in_place", "wait"]
 MAX_MODEL_PATH_CHARS = 4096  # PATH_MAX: longer is never a path
+MAX_NAME_CHARS = 1024  # a weight group's name, a weight version: past any real one
+
+
+def peer_weight_version(value: object) -> str | None:
+    """A weight version as a peer (an engine) reported it, kept only if a client could have set it (a string of
+    1 to :data:`MAX_NAME_CHARS` characters); anything else is no known version. Versions travel in every node's
+    state, its state header and each answer's ``meta_info``: an unbounded one would outgrow them."""
+    return value if isinstance(value, str) and 0 < len(value) <= MAX_NAME_CHARS else None
 
 
 class SGLangRequest(BaseModel):
@@ -109,7 +117,7 @@ class UpdateWeightsFromDiskBody(SGLangRequest):
             raise ValueError("a path cannot hold a NUL character")
         return value
     abort_all_requests: bool = False
-    weight_version: str | None = Field(default=None, min_length=1)
+    weight_version: str | None = Field(default=None, min_length=1, max_length=MAX_NAME_CHARS)
     is_async: bool = False
     torch_empty_cache: bool = False
     keep_pause: bool = False

@@ -16,14 +16,13 @@ from typing import Literal
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
-from handoff.protocol.control import STRICT, SGLangRequest
+from handoff.protocol.control import MAX_NAME_CHARS, STRICT, SGLangRequest
 from handoff.protocol.hosts import canonical_host
 
 DEFAULT_GROUP_NAME = "weight_update_group"
 MAX_TENSORS_PER_UPDATE = 100_000
 MAX_TENSOR_RANK = 8
 MAX_ELEMENTS = 1 << 48  # per tensor: past any real one, and within torch's int64 sizes
-MAX_NAME_CHARS = 1024
 MAX_WORLD_SIZE = 2**31 - 1  # torch.distributed's ranks are C ints
 Selector = Literal["target", "draft", "all"]
 TensorLoadFormat = Literal["direct", "flattened_bucket"]
@@ -39,7 +38,7 @@ class WeightUpdateCommon(SGLangRequest):
     model_config = STRICT
     flush_cache: bool = True
     abort_all_requests: bool = False
-    weight_version: str | None = Field(default=None, min_length=1)
+    weight_version: str | None = Field(default=None, min_length=1, max_length=MAX_NAME_CHARS)
     selector: Selector = "all"
     torch_empty_cache: bool = False
 

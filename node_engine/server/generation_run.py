@@ -77,7 +77,9 @@ class GenerationRun:
         self._finished = [False] * len(sequences)
         shared = self._shared_prompts()
         self._plan = engine.gate.plan(self.rids) if shared else None
-        self._prefills = [engine.submit(sequences[first].prompt_ids, _PREFILL_ONLY, f"{self.rids[first]}-prefill",
+        # A prefill's id is the engine's own, never derived from a client's id (SGLang regenerates it too): a
+        # client may well have a request running under "<rid>_0-prefill", which an abort of ours would then end.
+        self._prefills = [engine.submit(sequences[first].prompt_ids, _PREFILL_ONLY, f"prefill-{uuid.uuid4().hex}",
                                         mm=_own(sequences[first].mm), prefill=True)
                           for first in shared]
         if not self._prefills:

@@ -25,6 +25,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Mapping
 
+from handoff.protocol.control import peer_weight_version
 from handoff.protocol.engines import EngineKind
 from handoff.protocol.tags import TAG_NAMES, TagState
 from handoff.service.errors import Unsupported
@@ -132,7 +133,7 @@ class EngineAdapter(ABC):
         answer = await self.engine.call("POST", "/generate", {"input_ids": [0], "sampling_params": {
             "max_new_tokens": 1, "temperature": 0}}, timeout=HEALTH_GENERATE_TIMEOUT_S)
         meta = answer.get("meta_info")
-        return meta.get("weight_version") if isinstance(meta, dict) else None
+        return peer_weight_version(meta.get("weight_version")) if isinstance(meta, dict) else None
 
     # -- weights and cache -------------------------------------------------------------
     @abstractmethod

@@ -363,3 +363,13 @@ def test_nodes_answering_the_same_bytes_are_each_judged(module_fakes: FakeCluste
     assert reasons == {same_bad[0].url: "unreadable_answer", same_bad[1].url: "unreadable_answer",
                        same_bad[2].url: "success_false"}
     assert body["failures"][0]["error"] == body["failures"][1]["error"]
+
+
+def test_a_state_past_the_probe_cap_is_named_as_such(module_fakes: FakeCluster, shared_lb: LB) -> None:
+    """A ``/memory_occupation`` answer over 64 KiB was cut and parsed, and the node reported as answering
+    broken JSON ("Unterminated string"); the check now says what happened."""
+    good, big = module_fakes.start(2)
+    big.handlers["/memory_occupation"] = reply(200, b'{"tags": {}, "note": "' + b"x" * 70_000 + b'"}')
+    set_members(shared_lb, good.url, big.url)
+    shared_lb.wait_routable([big.url], expected=False)
+    assert "more than 65536 bytes" in shared_lb.node(big.url)["last_error"]

@@ -12,8 +12,9 @@ from handoff.service.errors import InvalidRequest
 from lb.config import DnsTarget, LBConfig, NodeSpec, Policy, Role
 from lb.discovery import DnsDiscovery, node_url
 from lb.errors import NoAvailableNode, NodeExists
-from lb.membership import Membership, Node, NodeHealth
+from lb.membership import Membership
 from lb.metrics import LBMetrics
+from lb.node import Node, NodeHealth
 from lb.pd import MAX_PD_BATCH, batch_size, bootstrap_host, check_batch, with_bootstrap
 from lb.pd_logprobs import MergeInputLogprobs, first_events, merge_input_logprobs
 from lb.routing import LeastInflight, PowerOfTwo, Router
@@ -236,6 +237,75 @@ async def test_discovery_follows_the_resolver_and_survives_failures() -> None:
     await discovery.refresh()
     assert [n.url for n in membership.nodes()] == ["http://10.0.0.9:80", "http://10.0.0.4:80"]
     assert membership.get("http://10.0.0.9:80").source == "flag"
+
+
+async def test_a_large_dns_answer_is_added_in_linear_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by review: each new address was compared with every member, each member's host parsed again
+    (2000 addresses held the LB's event loop for 34 s). Counted in host parses, not timed: at most a few per
+    address, where a scan would make millions."""
+    import lb.addresses
+    import lb.membership
+    import lb.node
+
+    parses = Counter()
+    real = lb.addresses.literal_addresses
+
+    def counted(host: str) -> frozenset[str] | None:
+        parses["host"] += 1
+        return real(host)
+
+    monkeypatch.setattr(lb.membership, "literal_addresses", counted)
+    monkeypatch.setattr(lb.node, "literal_addresses", counted)
+    addresses = [f"10.0.{i // 256}.{i % 256}" for i in range(2000)]
+
+    async def resolver(host: str, port: int) -> list[str]:
+        return addresses
+
+    membership = Membership(LBMetrics())
+    await DnsDiscovery([DnsTarget.parse("mixed=svc:8000")], membership, 1.0, resolver).refresh()
+    assert len(membership) == 2000
+    assert parses["host"] <= 3 * len(addresses), parses
+    assert membership.same_address("http://[::ffff:10.0.7.207]:8000").url == "http://10.0.7.207:8000"
+    await DnsDiscovery([DnsTarget.parse("mixed=svc:8000")], membership, 1.0, resolver).refresh()
+    assert [node.url for node in membership.nodes(Role.MIXED)][:2] == ["http://10.0.0.0:8000", "http://10.0.0.1:8000"]
+
+
+async def test_requests_stay_counted_on_a_node_that_left_and_came_back() -> None:
+    """Found by review: a node missing from one DNS round and back in the next was a new member counted at 0
+    while its requests still ran, so least-in-flight routing sent it work first and the gauge read 0."""
+    from prometheus_client import generate_latest
+
+    metrics = LBMetrics()
+    membership = Membership(metrics)
+    answer = ["10.0.0.1"]
+
+    async def resolver(host: str, port: int) -> list[str]:
+        return list(answer)
+
+    discovery = DnsDiscovery([DnsTarget.parse("mixed=svc:8000")], membership, 1.0, resolver)
+    await discovery.refresh()
+    leases = [membership.get("http://10.0.0.1:8000").begin_request() for _ in range(5)]
+    answer.clear()
+    await discovery.refresh()
+    answer.append("10.0.0.1")
+    await discovery.refresh()
+    again = membership.get("http://10.0.0.1:8000")
+
+    def gauge() -> str:
+        return [line for line in generate_latest(metrics.registry).decode().splitlines()
+                if line.startswith("handoff_lb_node_inflight{")][0].split()[-1]
+
+    assert (again.num_inflight, gauge()) == (5, "5.0")
+    for lease in leases[:3]:
+        lease.release()
+    assert (again.num_inflight, gauge()) == (2, "2.0")
+    answer.clear()
+    await discovery.refresh()  # gone while two still run; they end; it comes back idle
+    for lease in leases[3:]:
+        lease.release()
+    answer.append("10.0.0.1")
+    await discovery.refresh()
+    assert (membership.get("http://10.0.0.1:8000").num_inflight, gauge()) == (0, "0.0")
 
 
 def test_unhealthy_nodes_count_as_unknown_in_the_aggregate() -> None:

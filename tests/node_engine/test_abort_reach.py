@@ -83,3 +83,26 @@ def test_an_abort_during_the_shared_prompt_prefill_ends_every_sample(engine, abo
         # the ids are free again, and the engine serves them
         r = client.post("/generate", json={"rid": "X", "input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2}})
         assert r.status_code == 200, r.text
+
+
+def test_a_shared_prompt_prefill_never_takes_another_clients_id(engine) -> None:
+    """The prefill of ``n`` samples ran under "<rid>_0-prefill", an id a client may use: a request of that id was
+    ended by the prefill's clean-up abort (found by review: ``abort`` after 379 of 400 tokens). The engine's own
+    requests now have ids of their own, and an id in flight is never held twice."""
+    proc, _ = engine
+    with httpx.Client(base_url=proc.url, timeout=60) as client:
+        other, answer = in_background(client, {"rid": "job_0-prefill", "input_ids": [5, 6, 7], "sampling_params": {
+            "max_new_tokens": 400, "ignore_eos": True, "temperature": 0}})
+        wait_until(lambda: client.get("/memory_occupation").json()["running_requests"] == 1, timeout=20,
+                   what="the other client's request running")
+        assert client.post("/pause_generation", json={"mode": "in_place"}).status_code == 200  # it keeps running
+        run, samples = in_background(client, {"rid": "job", "input_ids": [8, 9, 10], "sampling_params": {
+            "n": 2, "max_new_tokens": 2, "ignore_eos": True}})
+        wait_until(lambda: client.get("/memory_occupation").json()["queued_requests"] == 1, timeout=10,
+                   what="the shared prompt's prefill queued")
+        assert client.post("/continue_generation", json={}).status_code == 200
+        run.join(60)
+        other.join(60)
+        assert [o["meta_info"]["finish_reason"]["type"] for o in samples["r"].json()] == ["length", "length"]
+        meta = answer["r"].json()["meta_info"]
+        assert meta["finish_reason"]["type"] == "length" and meta["completion_tokens"] == 400, meta

@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 import pytest
 
 from node_engine.model.builtin import builtin_arch, builtin_weights, save_checkpoint
@@ -301,3 +302,41 @@ def test_the_lb_gives_tensor_parallel_sglang_nodes_a_rank_per_tp_rank(make_node,
         lb.stop()
         for node in nodes:
             node.assert_fake_alive()
+
+
+def test_engine_metrics_that_do_not_parse_are_left_out_and_the_nodes_own_still_parse(make_node) -> None:
+    """Found by review: whatever the engine's ``/metrics`` answered with a 200 was appended to the node's own
+    exposition, so an engine's error page made the whole scrape unreadable, the node's series with it."""
+    node = make_node()
+
+    def families() -> set[str]:
+        text = httpx.get(node.sidecar.url + "/metrics", timeout=10).text
+        return {family.name for family in text_string_to_metric_families(text)}
+
+    assert {"sglang:num_running_reqs", "handoff_node_serving"} <= families()
+    for text, content_type in [("<html>500 oops</html>\n", "text/plain"), ('{"error": 1}', "application/json")]:
+        httpx.post(node.fake.url + "/_fake/metrics", json={"text": text, "content_type": content_type}, timeout=10)
+        names = families()
+        assert "handoff_node_serving" in names and "sglang:num_running_reqs" not in names
+        assert "engine /metrics left out" in node.occupation()["last_error"]
+    node.assert_fake_alive()
+
+
+def test_a_weight_version_no_client_could_set_is_no_version(make_node, proc_log_dir: Path) -> None:
+    """Found by review: an engine reporting a 70 kB ``weight_version`` grew the sidecar's state past what the
+    LB's health check reads, which then judged a cut body ("Unterminated string") and took the node out of
+    rotation. A version is 1 to 1024 characters, from clients and engines alike."""
+    node = make_node("--weight-version", "v" * 70_000)
+    assert node.occupation()["weight_version"] is None
+    lb = ServerProcess("lb", ["--node", node.sidecar.url, "--health-interval", "0.2"], log_dir=proc_log_dir,
+                       name="lb_version").start()
+    try:
+        wait_until(lambda: httpx.get(lb.url + "/nodes").json()["nodes"][0]["routable"], timeout=20,
+                   what="the node routable at the LB")
+        r = node.post("/update_weights_from_disk", {"model_path": "/models/x", "weight_version": "v" * 1025})
+        assert r.status_code == 400 and "weight_version" in r.text, r.text
+        assert node.post("/update_weight_version", {"new_version": "v2"}).status_code == 200
+        assert node.occupation()["weight_version"] == "v2"
+    finally:
+        lb.stop()
+        node.assert_fake_alive()

@@ -3,6 +3,7 @@ finish within ``--shutdown-timeout``; new connections are refused at once; bad a
 
 from __future__ import annotations
 
+import json
 import socket
 import subprocess
 import sys
@@ -18,10 +19,16 @@ from tests.support.streams import start_clients
 pytestmark = pytest.mark.timeout(90)
 
 GRACE = ["--shutdown-timeout", "30"]
+STALL_S = 7  # the engine thread's stall when the node is stopped: past uvicorn's default grace of 5 s
+NUM_TOKENS = 1500  # each stream's length: still decoding when the stall is armed, done well within the grace
 
 
 def test_streams_in_flight_finish_when_the_node_is_stopped(proc_log_dir: Path) -> None:
-    engine = ServerProcess("node_engine", ["--model-path", "builtin:tiny", *GRACE], log_dir=proc_log_dir,
+    """The streams outlive uvicorn's default grace (5 s) by construction: the engine thread is held in a stall
+    (the fault drill) when the signals go, so the test does not depend on how fast this machine decodes."""
+    drill = proc_log_dir / "shutdown_drill.json"
+    engine = ServerProcess("node_engine", ["--model-path", "builtin:tiny", "--incremental-streaming-output",
+                                           "--fault-drill-file", str(drill), *GRACE], log_dir=proc_log_dir,
                            name="stopped_engine")
     engine.start()
     sidecar = ServerProcess("node_sidecar", ["--engine-url", engine.url, "--engine-poll-interval", "0.2", *GRACE],
@@ -29,10 +36,14 @@ def test_streams_in_flight_finish_when_the_node_is_stopped(proc_log_dir: Path) -
     sidecar.start()
     try:
         body = {"text": "go on", "stream": True,
-                "sampling_params": {"max_new_tokens": 4000, "temperature": 0, "ignore_eos": True}}
+                "sampling_params": {"max_new_tokens": NUM_TOKENS, "temperature": 0, "ignore_eos": True}}
         clients = start_clients(sidecar.url + "/generate", body, 3, timeout=80)
         for client in clients:
             assert client.started_streaming.wait(20), "the stream never started"
+        armed = drill.with_suffix(".tmp")
+        armed.write_text(json.dumps({"kind": "stall", "at": "decode", "delay_s": STALL_S}))
+        armed.replace(drill)  # whole, never read half written
+        wait_until(lambda: drill.with_name(drill.name + ".fired").exists(), timeout=20, what="the engine stalled")
         stopped = time.monotonic()
         engine.terminate()
         sidecar.terminate()  # as the kubelet signals every container of the pod
@@ -40,7 +51,7 @@ def test_streams_in_flight_finish_when_the_node_is_stopped(proc_log_dir: Path) -
         for client in clients:
             result = client.finish(timeout=80)
             assert result.status == 200 and result.saw_done, result
-            assert result.finish_reason == "length" and result.num_tokens == 4000
+            assert result.finish_reason == "length" and result.events[-1]["meta_info"]["completion_tokens"] == NUM_TOKENS
         assert time.monotonic() - stopped > 5  # past uvicorn's default grace, which cut these streams before
         for proc in (sidecar, engine):  # each exits by itself once its streams are done
             wait_until(lambda: not proc.is_running(), timeout=30, what=f"{proc.name} to exit")

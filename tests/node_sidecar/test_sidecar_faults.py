@@ -116,6 +116,12 @@ def test_an_engine_answer_past_the_cap_is_a_502_not_a_cut_body(proc_log_dir: Pat
         again = httpx.post(sidecar.url + "/generate", timeout=60,
                            json={"text": "b", "sampling_params": {"max_new_tokens": 2}})
         assert again.status_code == 200
+        # counted by what the client got (found by review: the engine's 200 was counted for the 502)
+        counted = {line.split()[0]: float(line.split()[1])
+                   for line in httpx.get(sidecar.url + "/metrics", timeout=10).text.splitlines()
+                   if line.startswith("handoff_node_requests_total{")}
+        assert counted == {'handoff_node_requests_total{code="200",route="generate"}': 2.0,
+                           'handoff_node_requests_total{code="502",route="generate"}': 1.0}, counted
     finally:
         sidecar.stop()
         engine.stop()

@@ -136,6 +136,9 @@ class FakeSglang:
     num_model_info: int = 0
     startup_time: float = field(default_factory=time.time)
     tp_size: int = 1
+    # GET /metrics (SGLang's --enable-metrics); a test may make it answer anything (POST /_fake/metrics)
+    metrics_text: str = "# TYPE sglang:num_running_reqs gauge\nsglang:num_running_reqs 0.0\n"
+    metrics_type: str = "text/plain; version=0.0.4; charset=utf-8"
 
     def __post_init__(self) -> None:
         for tag in SGLANG_TAGS:
@@ -346,6 +349,14 @@ def create_app(fake: FakeSglang) -> Starlette:
     async def models(request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [{"id": fake.model_path, "object": "model"}]})
 
+    async def metrics(request: Request) -> Response:
+        return Response(fake.metrics_text, media_type=fake.metrics_type)
+
+    async def set_metrics(request: Request) -> Response:  # fault injection: what /metrics answers from now on
+        body = await request.json()
+        fake.metrics_text, fake.metrics_type = body["text"], body.get("content_type", fake.metrics_type)
+        return JSONResponse({"ok": True})
+
     async def fake_state(request: Request) -> Response:
         return JSONResponse({"offload_tags": sorted(fake.offload_tags), "regions": sorted(fake.regions),
                              "weights_garbage": fake.weights_garbage, "running": len(fake.running),
@@ -374,6 +385,8 @@ def create_app(fake: FakeSglang) -> Starlette:
         Route("/model_info", model_info, methods=["GET"]),
         Route("/get_model_info", model_info, methods=["GET"]),
         Route("/v1/models", models, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+        Route("/_fake/metrics", set_metrics, methods=["POST"]),
         Route("/_fake/state", fake_state, methods=["GET"]),
     ])
 
@@ -385,11 +398,12 @@ def main() -> None:
     parser.add_argument("--tag-mib", type=int, default=32, help="bytes each tag holds, in MiB")
     parser.add_argument("--model-path", default="/models/fake-sglang")
     parser.add_argument("--tp-size", type=int, default=1)
+    parser.add_argument("--weight-version", default="default", help="SGLang's --weight-version")
     add_server_args(parser, default_host="127.0.0.1", default_port=0)
     args = parser.parse_args()
     fake = FakeSglang(enable_memory_saver=args.enable_memory_saver,
                       enable_weights_cpu_backup=args.enable_weights_cpu_backup, tag_bytes=args.tag_mib << 20,
-                      model_path=args.model_path, tp_size=args.tp_size)
+                      model_path=args.model_path, tp_size=args.tp_size, weight_version=args.weight_version)
     serve(create_app(fake), host=args.host, port=args.port, port_file=args.port_file,
           header_timeout_s=args.header_timeout)
 

@@ -22,7 +22,6 @@ from lb.node import Node
 log = logging.getLogger(__name__)
 
 
-
 def node_url(address: str, port: int) -> str:
     return f"http://[{address}]:{port}" if ":" in address else f"http://{address}:{port}"
 
@@ -66,8 +65,12 @@ class DnsDiscovery:
         except (OSError, ValueError) as exc:  # ValueError: a name the resolver cannot encode (UnicodeError)
             log.warning("%s: lookup failed, keeping its current nodes: %s", source, exc)
             return []
-        specs = [NodeSpec(node_url(address, target.port), target.role, target.bootstrap_port)
-                 for address in addresses]
+        specs = []
+        for address in addresses:
+            try:
+                specs.append(NodeSpec(node_url(address, target.port), target.role, target.bootstrap_port))
+            except ValueError as exc:  # one address no node URL can hold (a zone index) leaves the others alone
+                log.warning("%s: leaving out %r: %s", source, address[:100], exc)
         added, removed = self._membership.sync(source, specs)
         if added or removed:
             log.info("%s: %d address(es); added %s; removed %s", source, len(specs),

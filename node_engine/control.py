@@ -19,7 +19,7 @@ import torch
 
 from node_engine.errors import (BackupFailed, InsufficientMemory, MemorySaverDisabledError, NoWeightsBackupError,
                                 RequestsInFlight)
-from node_engine.memory.manager import NotEnoughMemory, NoWeightsBackup
+from node_engine.memory.manager import BackupUnreadable, NotEnoughMemory, NoWeightsBackup
 from node_engine.memory.saver import MemorySaverDisabled
 from node_engine.memory.tags import MemoryTag
 
@@ -97,7 +97,7 @@ class EngineControl:
         return {"success": True, "released": result.released, "already_released": result.already_released,
                 "bytes_freed": result.bytes_freed, "duration_s": round(result.duration_s, 6)}
 
-    def resume(self, tags: Sequence[MemoryTag] | None) -> dict[str, Any]:
+    def resume(self, tags: Sequence[MemoryTag] | None, *, backup_optional: bool = False) -> dict[str, Any]:
         """Resume ``tags`` (None: all, resident ones reported in ``already_resident``; empty: nothing)."""
         engine = self.engine
         if not engine.saver.is_enabled and (tags is None or tags):
@@ -106,7 +106,11 @@ class EngineControl:
             engine.drill.fire("resume")
         started = time.perf_counter()
         try:
-            result = engine.memory.resume(tags)
+            result = engine.memory.resume(tags, backup_optional=backup_optional)
+        except BackupUnreadable as exc:
+            raise BackupFailed(f"could not read the weights backup back ({exc}); the weights stay released and the "
+                               "backup is kept: resume again, or reload or push the weights (which resume without "
+                               "it)", extra={"released": [t.value for t in engine.memory.released_tags()]}) from exc
         except NotEnoughMemory as exc:
             raise InsufficientMemory(str(exc), extra={"needed_bytes": exc.needed_bytes, "free_bytes": exc.free_bytes,
                                                       "step_headroom_bytes": exc.step_headroom_bytes}) from exc

@@ -32,6 +32,7 @@ from handoff.protocol import errors as E
 from handoff.protocol.generate_sequences import LogprobOptions
 from node_engine.config import EngineConfig
 from node_engine.control import EngineControl
+from node_engine.detokenizer import IncrementalDetokenizer
 from node_engine.errors import EngineStopped, MemoryReleased, WeightsNotLoaded
 from node_engine.failures import FaultDrill, leaves_device_unusable
 from node_engine.inbox import Abort, Add, Call, Closed, Inbox, Item
@@ -39,15 +40,14 @@ from node_engine.kv_cache import RowAllocator, SlotAllocator
 from node_engine.memory.manager import MemoryManager
 from node_engine.memory.setup import make_memory_info, make_saver
 from node_engine.metrics import EngineMetrics
+from node_engine.model.source import load_model_source
 from node_engine.prefix_cache import PrefixCache
 from node_engine.request import FinishReason, Request, RequestHandle, RequestOutput, RequestState, error_output
 from node_engine.request_gate import RequestGate
-from node_engine.model.source import load_model_source
 from node_engine.runner import ModelRunner
 from node_engine.sampling import SamplingParams
 from node_engine.scheduler import Scheduler, SchedulerConfig
 from node_engine.step import Step, StepKind
-from node_engine.tokenizer import IncrementalDetokenizer
 from node_engine.vision.inputs import MultimodalPrompt
 from node_engine.vision.runtime import VisionRuntime
 from node_engine.weight_sync.distributed import WeightGroups

@@ -79,7 +79,8 @@ class WeightsCorrupted(EngineError):
 
 
 class BackupFailed(EngineError):
-    """The weights backup could not be written (disk full, bad ``--backup-dir``): the weights stay resident."""
+    """The weights backup could not be written (disk full, bad ``--backup-dir``: the weights stay resident) or
+    read back (a file gone or cut short: the weights stay released, the backup kept)."""
 
     kind = E.BACKUP_FAILED
 

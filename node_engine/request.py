@@ -19,9 +19,9 @@ from handoff.protocol.errors import ErrorType
 from handoff.protocol.generate_sequences import LogprobOptions
 from handoff.protocol.generation import FinishReason as FinishJSON
 from handoff.protocol.generation import finish_abort, finish_abort_waiting, finish_length, finish_stop
+from node_engine.detokenizer import IncrementalDetokenizer
 from node_engine.logprobs import InputLogprobs, PromptLogprobs, TokenLogprobs
 from node_engine.sampling import SamplingParams
-from node_engine.tokenizer import IncrementalDetokenizer
 
 if TYPE_CHECKING:
     from node_engine.vision.inputs import MultimodalPrompt

@@ -1,4 +1,4 @@
-"""Tokenization, chat templates and incremental detokenization.
+"""Tokenization and chat templates (incremental detokenization is :mod:`node_engine.detokenizer`).
 
 One class serves both Hugging Face folders (``tokenizer.json`` +
 ``tokenizer_config.json``) and the built-in model, whose byte-level tokenizer
@@ -9,6 +9,7 @@ is an ordinary ``tokenizers`` object (id = byte value, then ``<bos>``,
 from __future__ import annotations
 
 import json
+import re
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,7 @@ class Tokenizer:
         self.eos_token_ids = eos_token_ids
         self.chat_template = chat_template
         self.vocab_size = hf.get_vocab_size(with_added_tokens=True)
+        self._byte_fallback_ids = _byte_fallback_ids(hf)
 
     @classmethod
     def from_folder(cls, folder: Path, extra_eos_ids: tuple[int, ...] = ()) -> "Tokenizer":
@@ -89,6 +91,11 @@ class Tokenizer:
 
     def decode(self, ids: list[int], *, skip_special_tokens: bool = True) -> str:
         return self._hf.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def is_byte_fallback(self, token_id: int) -> bool:
+        """A byte-fallback token (``<0xE2>``, Llama-2-style vocabularies): the decoder renders a run of them as
+        a whole, so text ending in one is not stable yet."""
+        return token_id in self._byte_fallback_ids
 
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes one token stands for (OpenAI's logprob ``bytes``): a byte-level BPE piece mapped back
@@ -165,90 +172,13 @@ def write_byte_tokenizer(folder: Path, *, vision: bool = False) -> None:
     }, indent=2))
 
 
-class IncrementalDetokenizer:
-    """Turns a growing list of token ids into text deltas.
+_BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 
-    Text is released only once it is stable: not the tail of an incomplete
-    UTF-8 sequence, and (with stop strings) not a possible start of a stop
-    string. The full text of a request is, by construction, the concatenation
-    of its deltas, so a stream and a non-stream answer always agree.
 
-    As SGLang's detokenizer does: a matched stop string is cut from the text
-    (kept with ``no_stop_trim``), and a sequence that ends on a stop token
-    leaves that token's text out (``finish(drop_last=True)``); special tokens
-    are skipped unless ``skip_special_tokens`` is false.
-
-    ``is_lazy`` (a request nobody reads before its end, with no stop strings
-    to watch): tokens are only collected, and :meth:`finish` decodes them all
-    at once, the same decode the last step of the incremental path makes.
-    """
-
-    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...] = (), *, is_lazy: bool = False,
-                 skip_special_tokens: bool = True, no_stop_trim: bool = False) -> None:
-        if is_lazy and stop:
-            raise ValueError("stop strings need incremental detokenization")
-        self._tokenizer = tokenizer
-        self._is_lazy = is_lazy
-        self._stop = stop
-        self._skip_special = skip_special_tokens
-        self._no_stop_trim = no_stop_trim
-        self._hold = max((len(s) for s in stop), default=1) - 1
-        self._ids: list[int] = []
-        self._prefix_offset = 0
-        self._read_offset = 0
-        self._before_last = (0, 0, 0)  # (text length, prefix offset, read offset) before the last token
-        self.text = ""          # stable text so far (stop strings cut away)
-        self._emitted = 0       # characters of ``text`` already handed out
-        self.matched_stop: str | None = None
-
-    def _decode(self, start: int, end: int) -> str:
-        return self._tokenizer.decode(self._ids[start:end], skip_special_tokens=self._skip_special)
-
-    def add(self, token_id: int) -> None:
-        """Append one token; sets ``matched_stop`` when a stop string appears."""
-        self._before_last = (len(self.text), self._prefix_offset, self._read_offset)
-        self._ids.append(token_id)
-        if self._is_lazy:
-            return
-        prefix = self._decode(self._prefix_offset, self._read_offset)
-        full = self._decode(self._prefix_offset, len(self._ids))
-        if len(full) > len(prefix) and not full.endswith("\ufffd"):
-            self._append(full[len(prefix):])
-            # The previous chunk stays as context, so merges across the boundary render right.
-            self._prefix_offset = self._read_offset
-            self._read_offset = len(self._ids)
-
-    def finish(self, *, drop_last: bool = False) -> None:
-        """Flush whatever is left (an incomplete character becomes U+FFFD); ``drop_last`` leaves the last
-        token's text out (the stop token a sequence ended on)."""
-        if self.matched_stop is not None:
-            return
-        end = len(self._ids)
-        if drop_last and end:
-            text_len, self._prefix_offset, self._read_offset = self._before_last
-            self.text = self.text[:text_len]
-            end -= 1
-        if self._read_offset < end:
-            prefix = self._decode(self._prefix_offset, self._read_offset)
-            full = self._decode(self._prefix_offset, end)
-            self._append(full[len(prefix):])
-            self._read_offset = end
-
-    def _append(self, delta: str) -> None:
-        if self.matched_stop is not None:
-            return
-        start = max(0, len(self.text) - self._hold)
-        self.text += delta
-        found = [(at, stop) for stop in self._stop if (at := self.text.find(stop, start)) != -1]
-        if found:
-            at, stop = min(found)
-            self.text = self.text[:at + len(stop)] if self._no_stop_trim else self.text[:at]
-            self.matched_stop = stop
-
-    def take_delta(self, *, is_final: bool) -> str:
-        """Text not yet handed out; holds back a possible stop-string prefix unless final."""
-        end = len(self.text) if is_final or self.matched_stop is not None else max(self._emitted,
-                                                                                      len(self.text) - self._hold)
-        delta = self.text[self._emitted:end]
-        self._emitted = end
-        return delta
+def _byte_fallback_ids(hf: HFTokenizer) -> frozenset[int]:
+    """The ids of ``<0xNN>`` tokens, when the decoder falls back to bytes (none otherwise)."""
+    decoder = hf.decoder
+    if decoder is None or b'"ByteFallback"' not in decoder.__getstate__():
+        return frozenset()
+    return frozenset(token_id for token, token_id in hf.get_vocab(with_added_tokens=False).items()
+                     if _BYTE_TOKEN.fullmatch(token))

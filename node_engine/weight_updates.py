@@ -153,7 +153,7 @@ class WeightUpdates:
             engine.control.require_idle("a weight update", paused_ok=True)
         resumed = []
         if MemoryTag.WEIGHTS in engine.memory.released_tags():
-            resumed = engine.control.resume([MemoryTag.WEIGHTS])["resumed"]
+            resumed = engine.control.resume([MemoryTag.WEIGHTS], backup_optional=True)["resumed"]
         try:
             engine.runner.weight_writer.apply(tensors, is_complete=is_complete)
         except Exception as exc:

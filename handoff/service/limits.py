@@ -10,7 +10,8 @@ the limit is a 413 there too, not a 200 that ignored it.
 With ``body_timeout_s``, the whole body must arrive within that time of the
 request's head: a client that declares 100 bytes and sends 9 gets a 408 and
 its connection closed, instead of holding a handler (and, in a sidecar, a
-place in flight that every drain would wait for) for as long as it likes.
+place in flight that every drain would wait for) for as long as it likes. A
+body that did arrive in time is never refused because the app read it late.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from handoff.service.errors import PayloadTooLarge, RequestTimeout, ServiceError
 
 DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
 DEFAULT_BODY_TIMEOUT_S = 60.0
+_BUFFERED_GRACE_S = 0.05
 # a peer's non-stream answer is buffered whole (so a failure midway is a status): this bounds it (LB, sidecar)
 DEFAULT_MAX_ANSWER_BYTES = 256 * 1024 * 1024
 
@@ -71,7 +73,10 @@ class _LimitedExchange:
             message = await self._receive()
         else:
             try:
-                message = await asyncio.wait_for(self._receive(), max(0.0, self._body_deadline - self._loop.time()))
+                # Past the deadline, what the client sent in time is buffered and comes at once: an app that
+                # was busy before reading (a control call waiting for a lock) must not make it a 408.
+                remaining = max(_BUFFERED_GRACE_S, self._body_deadline - self._loop.time())
+                message = await asyncio.wait_for(self._receive(), remaining)
             except asyncio.TimeoutError:
                 self.refusal = RequestTimeout(f"the request body did not arrive within {self._body_timeout_s:g} s")
                 raise self.refusal from None

@@ -19,6 +19,7 @@ Rules (SPEC section 2):
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Collection, Iterable, Protocol, Sequence
@@ -26,6 +27,8 @@ from typing import Collection, Iterable, Protocol, Sequence
 from node_engine.memory.info import DeviceMemory, MemoryInfo
 from node_engine.memory.saver import MemorySaver, MemorySaverDisabled
 from node_engine.memory.tags import ALL_TAGS, BackupMode, MemoryTag, TagState
+
+log = logging.getLogger(__name__)
 
 MIN_RESUME_MARGIN_BYTES = 16 * 1024 * 1024
 
@@ -49,6 +52,10 @@ class NotEnoughMemory(RuntimeError):
 
 class NoWeightsBackup(RuntimeError):
     pass
+
+
+class BackupUnreadable(OSError):
+    """The weights backup could not be read back: the weights stay released and the backup is kept."""
 
 
 @dataclass
@@ -144,7 +151,7 @@ class MemoryManager:
                     self.weights_listener.after_resume(is_valid=self.state.weights_valid)
                 raise
             if is_weights:
-                self._weights_kept = keep_weights and self.state.weights_valid
+                self._weights_kept = keep_weights  # invalid weights come back as invalid, their writes counted
             self.state.states[tag] = TagState.RELEASED
             released.append(tag.value)
         return ReleaseResult(released, already, freed, time.perf_counter() - start)
@@ -164,9 +171,11 @@ class MemoryManager:
             raise NotEnoughMemory(with_margin, device.free_bytes, headroom)
         return device
 
-    def resume(self, tags: Sequence[MemoryTag] | None) -> ResumeResult:
+    def resume(self, tags: Sequence[MemoryTag] | None, *, backup_optional: bool = False) -> ResumeResult:
         """Resume ``tags`` (None: all, the resident ones reported as already resident; empty: none), after
-        checking the memory fits."""
+        checking the memory fits. A weights backup that cannot be read back is :class:`BackupUnreadable` (the
+        weights stay released, the backup kept), unless ``backup_optional`` (an update about to write the
+        weights): then they resume without it, invalid until every weight is written."""
         start = time.perf_counter()
         wanted = list(ALL_TAGS) if tags is None else list(tags)
         self.check_fits(wanted)
@@ -175,7 +184,7 @@ class MemoryManager:
             if self.state.states[tag] is TagState.RESIDENT:
                 already.append(tag.value)
                 continue
-            restored[tag.value] = self.saver.resume(tag)
+            restored[tag.value] = self._resume_tag(tag, backup_optional=backup_optional)
             self.state.states[tag] = TagState.RESIDENT
             resumed.append(tag.value)
             if tag is MemoryTag.WEIGHTS:
@@ -184,6 +193,20 @@ class MemoryManager:
                 if self.weights_listener is not None:
                     self.weights_listener.after_resume(is_valid=self.state.weights_valid)
         return ResumeResult(resumed, already, restored, self.state.weights_valid, time.perf_counter() - start)
+
+    def _resume_tag(self, tag: MemoryTag, *, backup_optional: bool) -> int:
+        try:
+            return self.saver.resume(tag)
+        except OSError as exc:
+            if not (tag is MemoryTag.WEIGHTS and self._weights_kept):
+                raise
+            if not backup_optional:
+                raise BackupUnreadable(str(exc)) from exc
+            log.warning("the weights backup cannot be read back (%s): resumed without it, for an update to write",
+                        exc)
+            self.saver.discard_backup(tag)
+            self._weights_kept = False
+            return self.saver.resume(tag)
 
     def occupation(self) -> dict[str, dict[str, object]]:
         return {t.value: {"state": self.state.states[t].value, "bytes": self.saver.tag_bytes(t)} for t in ALL_TAGS}

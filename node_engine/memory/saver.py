@@ -97,7 +97,11 @@ class MemorySaver(abc.ABC):
 
     @abc.abstractmethod
     def resume(self, tag: MemoryTag) -> int:
-        """Allocate the tag's memory again (restoring contents if they were kept); returns bytes."""
+        """Allocate the tag's memory again (restoring contents if they were kept); returns bytes. An
+        ``OSError``: nothing was resumed, the kept contents are still kept."""
+
+    def discard_backup(self, tag: MemoryTag) -> None:
+        """Forget the contents kept for ``tag``: its next resume gives it memory only (zeros)."""
 
 
 def _unique_storages(tensors: Iterable[torch.Tensor]) -> list[torch.UntypedStorage]:
@@ -162,23 +166,38 @@ class CpuSaver(MemorySaver):
         return num_bytes
 
     def resume(self, tag: MemoryTag) -> int:
+        """All or nothing: if any storage cannot be given its memory back or its backup cannot be read, every
+        storage is freed again and the backup stays, files and all, for another try (an ``OSError``)."""
         entries = self._storages[tag]
+        paths = self._backed_up.get(tag)
         num_bytes = 0
-        paths = self._backed_up.pop(tag, None)
-        for storage, nbytes in entries:
-            storage.resize_(nbytes)
-            if paths is None:
-                # Touch the pages: a resume takes the memory back for real, as it does on a GPU.
-                torch.empty(0, dtype=torch.uint8).set_(storage).zero_()
-            num_bytes += nbytes
-        if paths is not None:
-            for (storage, nbytes), path in zip(entries, paths, strict=True):
-                with open(path, "rb") as f:
-                    num_read = f.readinto(memoryview(_as_bytes(storage)))
-                if num_read != nbytes:
-                    raise OSError(f"backup {path} is {num_read} bytes, expected {nbytes}")
-                path.unlink()
+        try:
+            for storage, nbytes in entries:
+                storage.resize_(nbytes)
+                if paths is None:
+                    # Touch the pages: a resume takes the memory back for real, as it does on a GPU.
+                    torch.empty(0, dtype=torch.uint8).set_(storage).zero_()
+                num_bytes += nbytes
+            if paths is not None:
+                for (storage, nbytes), path in zip(entries, paths, strict=True):
+                    with open(path, "rb") as f:
+                        num_read = f.readinto(memoryview(_as_bytes(storage)))
+                    if num_read != nbytes:
+                        raise OSError(f"backup {path} is {num_read} bytes, expected {nbytes}")
+        except BaseException:
+            for storage, _ in entries:
+                storage.resize_(0)
+            trim_host_heap()
+            raise
+        self.discard_backup(tag)
         return num_bytes
+
+    def discard_backup(self, tag: MemoryTag) -> None:
+        for path in self._backed_up.pop(tag, ()):
+            try:
+                path.unlink(missing_ok=True)
+            except OSError as exc:  # the contents are back in memory: a file left over is only disk space
+                log.warning("could not remove the backup file %s: %s", path, exc)
 
     def has_backup(self, tag: MemoryTag) -> bool:
         return tag in self._backed_up

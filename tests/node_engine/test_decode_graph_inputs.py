@@ -13,11 +13,11 @@ import torch
 
 from node_engine.config import EngineConfig
 from node_engine.cuda_graph import DecodeGraphInputs, context_buckets, graph_batch_sizes, padded
+from node_engine.detokenizer import IncrementalDetokenizer
 from node_engine.engine import Engine
 from node_engine.request import Request
 from node_engine.sampling import SamplingParams
 from node_engine.step import StepKind
-from node_engine.tokenizer import IncrementalDetokenizer
 
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
 CONTEXT = 128

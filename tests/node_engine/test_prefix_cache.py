@@ -5,12 +5,13 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from node_engine.detokenizer import IncrementalDetokenizer
 from node_engine.kv_cache import RowAllocator, SlotAllocator
 from node_engine.prefix_cache import PrefixCache
 from node_engine.request import FinishReason, Request
 from node_engine.sampling import SamplingParams
 from node_engine.scheduler import Scheduler, SchedulerConfig
-from node_engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from node_engine.tokenizer import Tokenizer
 
 TOKENIZER = Tokenizer.builtin_bytes()
 

@@ -9,8 +9,11 @@ import pytest
 import torch
 
 from handoff.protocol import errors as E
+from handoff.protocol.weights import UpdateWeightsFromTensorBody
+from handoff.weight_sync import serialize_named_tensors
 from node_engine import engine as engine_module
 from node_engine.config import EngineConfig
+from node_engine.detokenizer import IncrementalDetokenizer
 from node_engine.engine import Engine
 from node_engine.errors import BackupFailed
 from node_engine.memory.saver import CpuSaver
@@ -18,7 +21,8 @@ from node_engine.memory.tags import ALL_TAGS, BackupMode, MemoryTag
 from node_engine.request import Request
 from node_engine.sampling import SamplingParams
 from node_engine.step import StepKind
-from node_engine.tokenizer import IncrementalDetokenizer
+from tests.node_engine.engine_harness import running_engine
+from tests.support.weights import tiny_weights
 
 GREEDY = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)
 # Different lengths: decode steps are ragged, so attention reads (and masks) slots past the shorter sequences.
@@ -100,3 +104,71 @@ def test_a_backup_with_nowhere_to_go_is_507_before_anything_is_released(tmp_path
     assert engine.memory.released_tags() == list(ALL_TAGS)
     engine.control.resume(None)
     assert generate_together(engine, PROMPTS) == before
+
+
+# -- a weights backup that cannot be read back (found by review) ------------------------------------------
+
+_W = [MemoryTag.WEIGHTS]
+_PROMPT = [256] + list(range(40, 120, 3))
+_Q = "model.layers.0.self_attn.q_proj.weight"
+
+
+def _backed_up(folder: Path, backup: BackupMode = BackupMode.DISK) -> EngineConfig:
+    return EngineConfig(model_path="builtin:tiny", max_total_tokens=512, enable_memory_saver=True,
+                        weights_backup=backup, backup_dir=folder)
+
+
+async def _score(engine: Engine) -> torch.Tensor:
+    return await engine.call(lambda: engine.runner.score(_PROMPT).clone())
+
+
+async def _push(engine: Engine, named: list[tuple[str, torch.Tensor]]) -> dict:
+    body = UpdateWeightsFromTensorBody(serialized_named_tensors=[serialize_named_tensors(named)])
+    return await engine.weights.update_from_tensor(body)
+
+
+async def test_a_backup_that_cannot_be_read_leaves_the_weights_released_and_the_backup_kept(tmp_path: Path) -> None:
+    """A backup file cut short made the resume fail part way: the backup was forgotten and its other files
+    deleted, and the next resume filled the weights with zeros and called them valid (greedy outputs off,
+    logits 4.2 away). Now the failed resume changes nothing and says so (507); a repaired file resumes."""
+
+    async with running_engine(_backed_up(tmp_path)) as engine:
+        before = await _score(engine)
+        await engine.call(lambda: engine.control.release(_W, True))
+        victim = sorted((tmp_path / "weights").iterdir())[5]
+        whole = victim.read_bytes()
+        victim.write_bytes(whole[:10])
+        for _ in range(2):
+            with pytest.raises(BackupFailed) as info:
+                await engine.call(lambda: engine.control.resume(_W))
+            assert info.value.kind is E.BACKUP_FAILED and "stay released" in str(info.value)
+            assert engine.memory.released_tags() == [MemoryTag.WEIGHTS]
+        victim.write_bytes(whole)
+        answer = await engine.call(lambda: engine.control.resume(_W))
+        assert answer["weights_valid"] and torch.equal(await _score(engine), before)
+
+
+async def test_an_update_resumes_past_a_lost_backup_and_counts_every_weight(tmp_path: Path) -> None:
+    """A weight update resumes the weights first: past a backup that is gone it resumes without it, and the
+    weights are invalid until every one is written (a one-tensor bucket over zeros answered valid)."""
+
+    new = tiny_weights(5)
+    async with running_engine(_backed_up(tmp_path)) as engine:
+        await engine.call(lambda: engine.control.release(_W, True))
+        sorted((tmp_path / "weights").iterdir())[3].unlink()
+        assert not (await _push(engine, [(_Q, new[_Q])]))["weights_valid"]
+        assert (await _push(engine, [(k, v) for k, v in new.items() if k != _Q]))["weights_valid"]
+
+
+async def test_weights_written_before_a_backed_up_release_still_count_after_it(tmp_path: Path) -> None:
+    """Weights resumed without a backup become valid once every weight is written: writes made before a
+    release that kept a backup were forgotten by its resume."""
+
+    items = list(tiny_weights(5).items())
+    async with running_engine(_backed_up(tmp_path, BackupMode.CPU)) as engine:
+        await engine.call(lambda: engine.control.release(_W, False))
+        await engine.call(lambda: engine.control.resume(_W))
+        assert not (await _push(engine, items[:10]))["weights_valid"]
+        await engine.call(lambda: engine.control.release(_W, True))
+        await engine.call(lambda: engine.control.resume(_W))
+        assert (await _push(engine, items[10:]))["weights_valid"]

@@ -9,11 +9,11 @@ from __future__ import annotations
 import pytest
 
 from node_engine.config import EngineConfig
+from node_engine.detokenizer import IncrementalDetokenizer
 from node_engine.engine import Engine
 from node_engine.request import Request
 from node_engine.sampling import SamplingParams
 from node_engine.step import StepKind
-from node_engine.tokenizer import IncrementalDetokenizer
 
 GREEDY = SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True)
 

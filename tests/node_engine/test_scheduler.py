@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import pytest
 
+from node_engine.detokenizer import IncrementalDetokenizer
 from node_engine.kv_cache import RowAllocator, SlotAllocator
 from node_engine.request import FinishReason, IllegalTransition, Request, RequestState
 from node_engine.sampling import SamplingParams
 from node_engine.scheduler import Scheduler, SchedulerConfig
 from node_engine.step import StepKind
-from node_engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from node_engine.tokenizer import Tokenizer
 
 TOKENIZER = Tokenizer.builtin_bytes()
 

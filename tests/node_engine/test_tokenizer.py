@@ -1,6 +1,7 @@
 from __future__ import annotations
 
-from node_engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from node_engine.detokenizer import IncrementalDetokenizer
+from node_engine.tokenizer import Tokenizer
 
 TOK = Tokenizer.builtin_bytes()
 

@@ -6,12 +6,13 @@ import numpy as np
 import pytest
 import torch
 
+from node_engine.detokenizer import IncrementalDetokenizer
 from node_engine.kv_cache import RowAllocator, SlotAllocator
 from node_engine.request import Request
 from node_engine.sampling import SamplingParams
 from node_engine.scheduler import Scheduler, SchedulerConfig
 from node_engine.step import StepKind
-from node_engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from node_engine.tokenizer import Tokenizer
 from node_engine.vision.encoder import VisionEncoder
 from node_engine.vision.inputs import ImageInput, MultimodalPrompt
 from node_engine.vision.processor import ResizedImage

@@ -1,0 +1,156 @@
+"""Token ids to text, one token at a time, and SGLang's stop strings.
+
+**Text** is released only once it is stable: not the tail of an incomplete
+UTF-8 sequence, and not inside a run of byte-fallback tokens (``<0xE2>``...: a
+Llama-2-style decoder renders a run as a whole, so an invalid byte later in
+the run changes how the earlier ones render). A request's text is therefore
+the concatenation of its deltas and equals the tokenizer's own decode of its
+ids: a stream and a non-stream answer always agree.
+
+**Stop strings** are checked as SGLang 0.5.23 checks them
+(``schedule_batch.py``, ``Req._check_str_based_finish``): after each token,
+the end of the output is decoded with special tokens shown and an incomplete
+character as U+FFFD, and the first stop string *of the request's list* found
+there ends the request. The answer's text (decoded with the request's
+``skip_special_tokens``) is cut at that string's first occurrence, or kept
+with ``no_stop_trim``; a text that does not hold it (the string named a
+special token the text skips) is left whole (``detokenizer_manager.py``,
+``trim_matched_stop``). SGLang decodes the last (longest stop string in
+tokens + 1) ids, which misses a stop string spread over more tokens than its
+own encoding; handoff decodes enough ids to hold the longest stop string
+before the newest token, so it finds every stop string SGLang finds and
+those too.
+
+A stream holds back only the end of the text that could begin a stop string
+(SGLang holds an event back in that case: ``check_match_stop_str_prefix``).
+A sequence that ends on a stop token leaves that token's text out
+(``finish(drop_last=True)``).
+"""
+
+from __future__ import annotations
+
+from node_engine.tokenizer import Tokenizer
+
+__all__ = ["IncrementalDetokenizer"]
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas and finds stop strings.
+
+    ``is_lazy`` (a request nobody reads before its end, with no stop strings
+    to watch): tokens are only collected, and :meth:`finish` decodes them all
+    at once.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...] = (), *, is_lazy: bool = False,
+                 skip_special_tokens: bool = True, no_stop_trim: bool = False) -> None:
+        if is_lazy and stop:
+            raise ValueError("stop strings need incremental detokenization")
+        self._tokenizer = tokenizer
+        self._is_lazy = is_lazy
+        self._stop = stop
+        self._skip_special = skip_special_tokens
+        self._no_stop_trim = no_stop_trim
+        self._longest_stop = max((len(s) for s in stop), default=0)
+        # SGLang's window, in tokens; widened when it holds too few characters (see _tail)
+        self._tail_tokens = 1 + max((len(tokenizer.encode(s, add_special_tokens=False)) for s in stop), default=0)
+        self._ids: list[int] = []
+        self._prefix_offset = 0
+        self._read_offset = 0
+        self._before_last = (0, 0, 0)  # (text length, prefix offset, read offset) before the last token
+        self._in_byte_run = False  # the output ends in a run of byte-fallback tokens
+        self.text = ""          # stable text so far (a matched stop string cut away)
+        self._emitted = 0       # characters of ``text`` already handed out
+        self.matched_stop: str | None = None
+
+    def _decode(self, start: int, end: int) -> str:
+        return self._tokenizer.decode(self._ids[start:end], skip_special_tokens=self._skip_special)
+
+    def add(self, token_id: int) -> None:
+        """Append one token; sets ``matched_stop`` when a stop string appears."""
+        if self.matched_stop is not None:
+            return
+        self._before_last = (len(self.text), self._prefix_offset, self._read_offset)
+        self._ids.append(token_id)
+        if self._is_lazy:
+            return
+        if self._stop and self._match_stop():
+            return
+        # a byte-fallback run goes on through tokens that render nothing (special tokens skipped)
+        self._in_byte_run = self._tokenizer.is_byte_fallback(token_id) or (
+            self._in_byte_run and not self._tokenizer.decode([token_id], skip_special_tokens=self._skip_special))
+        prefix = self._decode(self._prefix_offset, self._read_offset)
+        full = self._decode(self._prefix_offset, len(self._ids))
+        if len(full) > len(prefix) and not full.endswith("\ufffd") and not self._in_byte_run:
+            self.text += full[len(prefix):]
+            # The previous chunk stays as context, so merges across the boundary render right.
+            self._prefix_offset = self._read_offset
+            self._read_offset = len(self._ids)
+
+    def finish(self, *, drop_last: bool = False) -> None:
+        """Flush whatever is left (an incomplete character becomes U+FFFD); ``drop_last`` leaves the last
+        token's text out (the stop token a sequence ended on)."""
+        if self.matched_stop is not None:
+            return
+        end = len(self._ids)
+        if drop_last and end:
+            text_len, self._prefix_offset, self._read_offset = self._before_last
+            self.text = self.text[:text_len]
+            end -= 1
+        self._flush(end)
+
+    def _flush(self, end: int) -> None:
+        """Everything decoded up to ``end``, stable or not, goes into the text."""
+        if self._read_offset < end:
+            prefix = self._decode(self._prefix_offset, self._read_offset)
+            full = self._decode(self._prefix_offset, end)
+            self.text += full[len(prefix):]
+            self._read_offset = end
+
+    def _match_stop(self) -> bool:
+        """SGLang's check after a token: the first stop string of the list in the output's end ends it."""
+        tail = self._tail()
+        matched = next((stop for stop in self._stop if stop in tail), None)
+        if matched is None:
+            return False
+        self._flush(len(self._ids))
+        at = self.text.find(matched, self._emitted)  # the first occurrence not yet streamed (SGLang: the first)
+        if at != -1:
+            self.text = self.text[:at + len(matched)] if self._no_stop_trim else self.text[:at]
+        self.matched_stop = matched
+        return True
+
+    def _tail(self) -> str:
+        """The output's end, special tokens shown: at least the longest stop string's length before the newest
+        token's text (a stop string found in it ends in the newest token: earlier ones were looked for
+        before)."""
+        newest = self._tokenizer.decode(self._ids[-1:], skip_special_tokens=False)
+        wanted = self._longest_stop + len(newest)
+        num_tokens = self._tail_tokens
+        while True:
+            tail = self._tokenizer.decode(self._ids[-num_tokens:], skip_special_tokens=False)
+            if len(tail) >= wanted or num_tokens >= len(self._ids):
+                return tail
+            num_tokens *= 2
+
+    def take_delta(self, *, is_final: bool) -> str:
+        """Text not yet handed out; unless final, the end that could begin a stop string is held back."""
+        end = len(self.text)
+        if not is_final and self.matched_stop is None:
+            end = max(self._emitted, end - self._stop_prefix_len())
+        delta = self.text[self._emitted:end]
+        self._emitted = end
+        return delta
+
+    def _stop_prefix_len(self) -> int:
+        """The length of the longest end of the text that begins a stop string (0: none)."""
+        window = self.text[-(self._longest_stop - 1):] if self._longest_stop > 1 else ""
+        longest = 0
+        for stop in self._stop:
+            at = window.find(stop[0])
+            while at != -1 and len(window) - at > longest:
+                if stop.startswith(window[at:]):
+                    longest = len(window) - at
+                    break
+                at = window.find(stop[0], at + 1)
+        return longest

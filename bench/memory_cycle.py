@@ -268,7 +268,8 @@ def main() -> int:
         results["cuda"] = run_cuda(args.cuda_model, args.cuda_dtype, max(2, args.repeats))
         print_cuda(results["cuda"])
     elif args.device is None:
-        print("\nCUDA: not available here; the CUDA figures are pending a GPU run (bench/memory_cycle.py --device cuda).")
+        print("\nCUDA: not available here; on a GPU, bench/memory_cycle.py --device cuda (the H200 figures are in "
+              "docs/benchmarks.md).")
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
     return 0

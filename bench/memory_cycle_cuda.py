@@ -267,6 +267,12 @@ def print_cuda(r: dict[str, Any]) -> None:
           f"{out_share:.2f} of a pinned D2H copy ({s['bytes'] / s['pinned_d2h_s'] / 1e9:.2f} GB/s); in "
           f"{s['bytes'] / s['resume_s'] / 1e9:.2f} GB/s = {in_share:.2f} of a pinned H2D copy "
           f"({s['bytes'] / s['pinned_h2d_s'] / 1e9:.2f} GB/s) (target >= 0.80)")
+    mapped = r["without_backup"]["weights"]  # the same release and resume without the copy: pages unmapped, mapped
+    copy_out_s, copy_in_s = s["release_s"] - mapped["release_s"], s["resume_s"] - mapped["resume_s"]
+    if s["bytes"] >= 64 * MiB and copy_out_s > 0 and copy_in_s > 0:  # smaller copies are too short to time
+        print(f"the copy alone (less the same tag's release / resume without a backup, {mapped['release_s'] * 1e3:.1f}"
+              f" / {mapped['resume_s'] * 1e3:.1f} ms): out {s['pinned_d2h_s'] / copy_out_s:.2f}, in "
+              f"{s['pinned_h2d_s'] / copy_in_s:.2f} of a pinned copy")
     print(f"zeroing the KV pool on resume: {r['tag_bytes']['kv_cache'] / MiB:.0f} MiB in "
           f"{s['zero_kv_s'] * 1e3:.2f} ms")
     print(f"engine RSS after each full cycle (retained pinned backup, must stay flat): "

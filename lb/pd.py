@@ -111,8 +111,9 @@ class PDDispatcher:
                          headers: Mapping[str, str]) -> tuple[Outcome | None, Outcome]:
         """Both calls at once (the prefill one in a task of its own); a failure is returned, not raised.
 
-        A decode call that failed decides the pair: the prefill call is given up at once (None), not awaited
-        (a prefill node waits long for a decode node that never comes). If this task is cancelled meanwhile
+        A decode call that failed or refused (an answer other than 2xx, read whole for the client) decides the
+        pair: the prefill call is given up at once (None), not awaited (a prefill node waits long for a decode
+        node that never comes). If this task is cancelled meanwhile
         (the client left), the prefill call is given up and the decode response closed if it came: neither
         node goes on for nobody.
         """
@@ -123,6 +124,9 @@ class PDDispatcher:
                 decode_out = await self._caller.call(decode, path, data, headers)
             except ServiceError as exc:
                 decode_out = exc
+            if isinstance(decode_out, UpstreamResponse) and not 200 <= decode_out.status < 300:
+                _give_up(prefill_call)  # the decode node refused: the prefill node would wait for it in vain
+                decode_out = await self._whole_refusal(decode, decode_out, path)
             if not isinstance(decode_out, UpstreamResponse):
                 _give_up(prefill_call)
                 return None, decode_out
@@ -136,6 +140,15 @@ class PDDispatcher:
                 decode_out.close()
             raise
         return prefill_out, decode_out
+
+    async def _whole_refusal(self, node: Node, upstream: UpstreamResponse, path: str) -> Response | ServiceError:
+        """A node's error answer, read whole for the client (or the error reading it)."""
+        try:
+            return buffered_response(upstream, await self._caller.read_body(node, upstream, path))
+        except ServiceError as exc:
+            return exc
+        finally:
+            upstream.close()
 
     async def _answer(self, path: str, prefill_lease: RequestLease, prefill_up: UpstreamResponse,
                       decode_lease: RequestLease, decode_up: UpstreamResponse, wants_logprobs: bool,

@@ -121,6 +121,9 @@ class NodeCaller:
             raw = await upstream.read(MAX_REFUSAL_BYTES)
         except UpstreamError as exc:
             raise translate(node, path, exc, self.timeout_s) from exc
+        if upstream.is_truncated:  # relayed, the cut body would be a broken answer
+            raise UpstreamFailed(f"{node.url} answered {path} with a 503 of more than {MAX_REFUSAL_BYTES} bytes: "
+                                 f"{raw[:512].decode('utf-8', 'replace')}", extra={"node": node.url})
         error_type = _error_type(raw)
         if error_type in NOT_SERVING_TYPES:
             if error_type != E.WEIGHT_VERSION_UNAVAILABLE.name:  # that one says the request's pin, not the node
@@ -166,7 +169,8 @@ def relay_stream(upstream: UpstreamResponse, lease: RequestLease, path: str, wat
     def failed(exc: UpstreamError) -> bytes:
         log.warning("%s failed mid-stream on %s: %s", node.url, path, exc)
         node.record_error(str(exc))
-        return sse_error_event(E.UPSTREAM_ERROR.name, f"{node.url} failed after the stream started: {exc}")
+        error = E.UPSTREAM_TIMEOUT if isinstance(exc, UpstreamTimeout) else E.UPSTREAM_ERROR
+        return sse_error_event(error.name, f"{node.url} failed after the stream started: {exc}")
 
     def closed(is_disconnected: bool) -> None:
         lease.release()

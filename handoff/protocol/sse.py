@@ -22,6 +22,25 @@ DEFAULT_MAX_EVENT_BYTES = 64 * 1024 * 1024
 _LINE_END = re.compile(rb"\r\n|\r|\n")
 
 
+EVENT_ENDS = (b"\n\n", b"\r\n\r\n", b"\r\r", b"\n\r")  # two line ends in a row (CR, LF, CRLF mixed)
+
+
+def split_after_last_event(data: bytes) -> tuple[bytes, bytes]:
+    """``data`` cut after the last blank line: (the whole events, the start of one still coming).
+
+    For a relay that passes bytes on as they are but never a part of an event, so that an error event it adds
+    stands alone. (A CR ending ``data`` may be half of a CRLF: its LF then travels with the next event.)
+    """
+    if data.endswith(EVENT_ENDS):
+        return data, b""
+    end = 0
+    for separator in EVENT_ENDS:
+        at = data.rfind(separator)
+        if at >= 0:
+            end = max(end, at + len(separator))
+    return data[:end], data[end:]
+
+
 class EventTooLarge(ValueError):
     """A peer's event grew past the splitter's bound without ending (no blank line)."""
 

@@ -58,6 +58,7 @@ class Connection(asyncio.Protocol):
         self._max_head_bytes = max_head_bytes
         self._max_fields = max_fields
         self._url = ""
+        self.deadline: float | None = None  # the exchange's, on the loop's clock
         self._waiter: asyncio.Future[None] | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._reset_exchange()
@@ -125,6 +126,7 @@ class Connection(asyncio.Protocol):
             return False
         self._parser = ResponseParser(self._chunks, is_head_request=method == "HEAD",
                                       max_head_bytes=self._max_head_bytes, max_fields=self._max_fields)
+        self.deadline = deadline
         if deadline is not None:
             self._timer = self._loop.call_at(deadline, self._on_deadline)
         if len(body) <= 65536:

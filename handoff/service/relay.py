@@ -12,7 +12,10 @@
   stream); the peer's connection is closed on the way out, which is how a node
   or an engine learns to abort. A peer failing mid-stream ends the stream
   with one error event and no ``[DONE]``: ``[DONE]`` means the answer is
-  complete.
+  complete. An event stream is passed on in whole events only, so that error
+  event never lands inside a half-sent one. A client that stops reading
+  holds its stream (and the peer's in-flight count) until the exchange's
+  deadline, a second more, then the stream is cut.
 """
 
 from __future__ import annotations
@@ -25,13 +28,14 @@ from typing import Callable
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from handoff.protocol.sse import EventTooLarge
+from handoff.protocol.sse import DEFAULT_MAX_EVENT_BYTES, EVENT_ENDS, EventTooLarge, split_after_last_event
 from handoff.service.disconnect import DisconnectWatch
 from handoff.service.errors import error_envelope
 from handoff.service.upstream import ProtocolError, UpstreamError, UpstreamResponse
 
 log = logging.getLogger(__name__)
 
+STALLED_CLIENT_GRACE_S = 1.0  # past the exchange's deadline, a send still waiting on the client is given up
 RELAYED_RESPONSE_HEADERS = frozenset({b"content-type", b"content-encoding", b"cache-control", b"retry-after",
                                       b"x-request-id"})
 
@@ -79,30 +83,70 @@ class StreamRelay(Response):
         self._on_close = on_close
         self._watch = watch
         self._transform = transform or ChunkTransform()
+        self._is_events = any(name == b"content-type" and value.startswith(b"text/event-stream")
+                              for name, value in self.raw_headers)
+        self._is_sending = False  # a send to the client is under way
+        self._is_stalled = False  # ... and was given up past the deadline
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         upstream, transform = self._upstream, self._transform
         watch = self._watch or DisconnectWatch(receive)
+        stall_timer = self._arm_stall_timer(upstream.deadline)
         try:
-            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            await self._send(send, {"type": "http.response.start", "status": self.status_code,
+                                    "headers": self.raw_headers})
+            pending = b""  # the start of an event still coming
             while chunk := await upstream.next_chunk():
                 out = transform.feed(chunk)
-                if out:
+                if out and self._is_events and (pending or not out.endswith(EVENT_ENDS)):
+                    out, pending = split_after_last_event(pending + out)
+                    if len(pending) > DEFAULT_MAX_EVENT_BYTES:
+                        raise EventTooLarge(f"an event grew past {DEFAULT_MAX_EVENT_BYTES} bytes without ending")
+                if out:  # the hot path: the send written out, not through _send_body
+                    self._is_sending = True
                     await send({"type": "http.response.body", "body": out, "more_body": True})
+                    self._is_sending = False
             watch.finish()
-            await send({"type": "http.response.body", "body": transform.finish(), "more_body": False})
+            await self._send_body(send, pending + transform.finish(), more_body=False)
         except UpstreamError as exc:
             watch.finish()
-            await send({"type": "http.response.body", "body": self._on_failure(exc), "more_body": False})
+            await self._send_body(send, self._on_failure(exc), more_body=False)
         except EventTooLarge as exc:  # the peer's stream, not ours: its failure, and its connection closed
             watch.finish()
             failure = ProtocolError(f"invalid event stream: {exc}", url=upstream.url)
-            await send({"type": "http.response.body", "body": self._on_failure(failure), "more_body": False})
+            await self._send_body(send, self._on_failure(failure), more_body=False)
         except asyncio.CancelledError:
-            if not watch.is_disconnected:
+            if self._is_stalled:
+                log.warning("a client of %s stopped reading its stream; cut at the deadline", upstream.url)
+            elif not watch.is_disconnected:
                 raise
-            watch.absorb_cancel()
+            else:
+                watch.absorb_cancel()
         finally:
+            if stall_timer is not None:
+                stall_timer.cancel()
             watch.stop()
             upstream.close()  # a stream cut short closes the peer's connection: the peer aborts
-            self._on_close(watch.is_disconnected)
+            self._on_close(watch.is_disconnected or self._is_stalled)
+
+    async def _send(self, send: Send, message: dict) -> None:
+        self._is_sending = True
+        await send(message)
+        self._is_sending = False
+
+    async def _send_body(self, send: Send, body: bytes, *, more_body: bool) -> None:
+        await self._send(send, {"type": "http.response.body", "body": body, "more_body": more_body})
+
+    def _arm_stall_timer(self, deadline: float | None) -> asyncio.TimerHandle | None:
+        """Past ``deadline`` (and a grace), a send still waiting on the client cancels this stream: a client
+        that stops reading must not hold it, and the peer's in-flight count, for good."""
+        if deadline is None:
+            return None
+        task = asyncio.current_task()
+
+        def give_up() -> None:
+            if self._is_sending and task is not None:
+                self._is_stalled = True
+                task.cancel()
+
+        return asyncio.get_running_loop().call_at(deadline + STALLED_CLIENT_GRACE_S, give_up)

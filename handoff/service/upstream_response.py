@@ -35,6 +35,11 @@ class UpstreamResponse:
         return None
 
     @property
+    def deadline(self) -> float | None:
+        """When the exchange must be over (the loop's clock), or None when no timeout bounds it."""
+        return self._conn.deadline
+
+    @property
     def content_type(self) -> str:
         return self.header("content-type") or ""
 

@@ -32,6 +32,7 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
+from node_engine.memory.backup_folder import BackupFolder, create_file, open_exact
 from node_engine.memory.backup_room import check_dir_room
 from node_engine.memory.host_heap import trim_host_heap
 from node_engine.memory.tags import MemoryTag
@@ -142,7 +143,7 @@ class CpuSaver(MemorySaver):
     def __init__(self, backup_dir: Path) -> None:
         super().__init__()
         self._storages: dict[MemoryTag, list[tuple[torch.UntypedStorage, int]]] = {tag: [] for tag in MemoryTag}
-        self._backup_dir = backup_dir
+        self.backup_folder = BackupFolder(backup_dir)
         self._backed_up: dict[MemoryTag, list[Path]] = {}
 
     def _track(self, tag: MemoryTag, storage: torch.UntypedStorage) -> None:
@@ -152,7 +153,7 @@ class CpuSaver(MemorySaver):
 
     def check_release(self, tag: MemoryTag, *, keep_contents: bool) -> None:
         if keep_contents:
-            check_dir_room(self._backup_dir / tag.value, self.tag_bytes(tag))
+            check_dir_room(self.backup_folder.claim() / tag.value, self.tag_bytes(tag))
 
     def release(self, tag: MemoryTag, *, keep_contents: bool) -> int:
         entries = self._storages[tag]
@@ -180,10 +181,10 @@ class CpuSaver(MemorySaver):
                 num_bytes += nbytes
             if paths is not None:
                 for (storage, nbytes), path in zip(entries, paths, strict=True):
-                    with open(path, "rb") as f:
+                    with open(open_exact(path, nbytes), "rb") as f:
                         num_read = f.readinto(memoryview(_as_bytes(storage)))
                     if num_read != nbytes:
-                        raise OSError(f"backup {path} is {num_read} bytes, expected {nbytes}")
+                        raise OSError(f"backup {path} gave {num_read} bytes, expected {nbytes}")
         except BaseException:
             for storage, _ in entries:
                 storage.resize_(0)
@@ -193,24 +194,33 @@ class CpuSaver(MemorySaver):
         return num_bytes
 
     def discard_backup(self, tag: MemoryTag) -> None:
-        for path in self._backed_up.pop(tag, ()):
+        self._remove_files(self._backed_up.pop(tag, []))
+
+    @staticmethod
+    def _remove_files(paths: list[Path]) -> None:
+        for path in paths:
             try:
                 path.unlink(missing_ok=True)
-            except OSError as exc:  # the contents are back in memory: a file left over is only disk space
+            except OSError as exc:  # nothing reads it again: a file left over is only disk space
                 log.warning("could not remove the backup file %s: %s", path, exc)
 
     def has_backup(self, tag: MemoryTag) -> bool:
         return tag in self._backed_up
 
     def _spill(self, tag: MemoryTag, entries: list[tuple[torch.UntypedStorage, int]]) -> list[Path]:
-        folder = self._backup_dir / tag.value
-        folder.mkdir(parents=True, exist_ok=True)
-        paths = []
-        for n, (storage, _) in enumerate(entries):
-            path = folder / f"{n:05d}.bin"
-            with open(path, "wb") as f:
-                f.write(memoryview(_as_bytes(storage)))
-            paths.append(path)
+        """One file per storage in this engine's own folder; on any error the files written so far go too."""
+        folder = self.backup_folder.claim() / tag.value
+        folder.mkdir(mode=0o700, exist_ok=True)
+        paths: list[Path] = []
+        try:
+            for n, (storage, _) in enumerate(entries):
+                path = folder / f"{n:05d}.bin"
+                paths.append(path)
+                with open(create_file(path), "wb") as f:
+                    f.write(memoryview(_as_bytes(storage)))
+        except BaseException:
+            self._remove_files(paths)
+            raise
         return paths
 
 

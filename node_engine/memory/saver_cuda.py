@@ -25,14 +25,18 @@ more than the weights' bytes.
 from __future__ import annotations
 
 import contextlib
+import logging
 from pathlib import Path
 from typing import Any, Iterator
 
 import torch
 
-from node_engine.memory.backup_room import check_dir_room, check_host_room
+from node_engine.memory.backup_folder import BackupFolder
+from node_engine.memory.backup_room import BackupUnavailable, check_dir_room, check_host_room
 from node_engine.memory.saver import MemorySaver
 from node_engine.memory.tags import BackupMode, MemoryTag
+
+log = logging.getLogger(__name__)
 
 _DEFAULT_POOL = (0, 0)  # torch's own pool: never a tag's, whatever a region block let slip into it
 DISK_STAGING_BYTES = 256 * 1024 * 1024  # torch_memory_saver's pinned disk staging buffer (TMS_DISK_BACKUP_CHUNK_MB)
@@ -48,7 +52,8 @@ class CudaSaver(MemorySaver):
 
         self._tms = torch_memory_saver
         self._weights_backup = weights_backup
-        self._backup_dir = backup_dir
+        self.backup_folder = BackupFolder(backup_dir)
+        self._disk_dir: Path | None = None  # where torch_memory_saver spills, once told
         self._has_backup_storage = False  # the retained pinned buffer, or the disk files, exist
         self._pools: dict[MemoryTag, set[tuple[int, int]]] = {tag: set() for tag in MemoryTag}
         if weights_backup is BackupMode.CPU:
@@ -56,7 +61,10 @@ class CudaSaver(MemorySaver):
             if not self._tms.retain_cpu_backup:
                 raise RuntimeError("torch_memory_saver did not keep the CPU backup policy; it needs version 0.0.10")
         elif weights_backup is BackupMode.DISK:
-            self._tms.set_disk_backup_dir(str(backup_dir))
+            try:  # before the first region, where torch_memory_saver has always been told
+                self._point_disk_backup()
+            except BackupUnavailable as exc:
+                log.warning("%s; a release with the backup will try again", exc)
 
     @contextlib.contextmanager
     def region(self, tag: MemoryTag) -> Iterator[None]:
@@ -108,9 +116,21 @@ class CudaSaver(MemorySaver):
             if needed:
                 check_host_room(needed, "the pinned CPU backup of the weights")
             return
-        check_dir_room(self._backup_dir, needed)
+        if self._point_disk_backup():  # the first folder, or the old one went away
+            needed = self.tag_bytes(tag)
+        check_dir_room(self.backup_folder.claim(), needed)
         if not self._has_backup_storage:
             check_host_room(DISK_STAGING_BYTES, "the disk backup's pinned staging buffer")
+
+    def _point_disk_backup(self) -> bool:
+        """Tell torch_memory_saver this engine's own folder (``memory/backup_folder.py``); True when that is a
+        new folder, holding no backup yet. :class:`BackupUnavailable` when none can be made."""
+        folder = self.backup_folder.claim()
+        if folder == self._disk_dir:
+            return False
+        self._tms.set_disk_backup_dir(str(folder))
+        self._disk_dir = folder
+        return True
 
     def release(self, tag: MemoryTag, *, keep_contents: bool) -> int:
         # keep_contents is decided when the region was made (the backup mode); nothing to do per call.

@@ -48,7 +48,7 @@ from handoff.service.errors import Conflict, Unsupported
 from node_sidecar.engines.base import EngineView, GenerationCall, MemoryChange, TagMeaning, tags_named
 from node_sidecar.engines.foreign import ForeignEngine
 from node_sidecar.engines.vllm_answer import Translator
-from node_sidecar.engines.vllm_generate import to_completion
+from node_sidecar.engines.vllm_generate import PromptCounts, to_completion
 from node_sidecar.engines.vllm_weights import GROUP_CALLS, SESSION_CALLS, UPDATES, VllmWeightSync, WeightsLost
 from node_sidecar.errors import EngineRefused, EngineUnavailable
 
@@ -77,6 +77,7 @@ class VllmEngine(ForeignEngine):
         self.sleep_mode = False
         self.weight_version: str | None = None
         self.version: str | None = None
+        self._prompts_by_rid = PromptCounts()
 
     async def read_view(self) -> EngineView:
         try:
@@ -171,12 +172,15 @@ class VllmEngine(ForeignEngine):
         if path != "/generate":
             return super().generation_call(path, body, query)
         completion, request = to_completion(body)
+        if request.rid is not None:
+            self._prompts_by_rid.add(request.rid, request.num_prompts)
         translator = Translator(request, lambda: self.weight_version)
         return GenerationCall("/v1/completions", completion, answer=translator.answer, stream=translator.stream)
 
     async def abort(self, *, rid: str | None, abort_all: bool) -> dict[str, Any]:
-        # vLLM's id for the one prompt of a completion with request_id R is "cmpl-R-0"; [] aborts everything
-        ids = [] if abort_all else [f"cmpl-{rid}-0"]
+        # vLLM's ids for the prompts of a completion with request_id R are "cmpl-R-0", "cmpl-R-1", ... (one
+        # prompt, or a greedy prompt sent n times); [] aborts everything
+        ids = [] if abort_all else [f"cmpl-{rid}-{i}" for i in range(self._prompts_by_rid.get(rid or ""))]
         answer = await self.engine.call("POST", "/abort_requests", {"request_ids": ids})
         return {"success": True, "aborted": answer.get("aborted")}
 

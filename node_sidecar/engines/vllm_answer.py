@@ -40,6 +40,7 @@ class GenerateRequest:
     top_logprobs_num: int
     logprob_start_len: int
     return_prompt_token_ids: bool = False
+    num_prompts: int = 1  # vLLM's requests: "cmpl-<rid>-0" to "cmpl-<rid>-<num_prompts - 1>"
 
 
 @dataclass
@@ -131,7 +132,7 @@ class Translator:
         out: dict[str, Any] = {"output_token_logprobs": [
             [lp, token, None] for lp, token in zip(state.token_logprobs, state.token_ids)]}
         if self.request.top_logprobs_num > 0:
-            out["output_top_logprobs"] = [_top(row) for row in state.top_logprobs]
+            out["output_top_logprobs"] = [_top(row, self.request.top_logprobs_num) for row in state.top_logprobs]
         start = self.request.logprob_start_len
         if start >= 0:
             prompt = state.prompt_token_ids
@@ -242,11 +243,12 @@ def _token_id(key: str) -> int | None:
     return int(number) if prefix == "token_id" and number.isdigit() else None
 
 
-def _top(row: dict[str, float] | None) -> list[list[Any]] | None:
+def _top(row: dict[str, float] | None, num: int) -> list[list[Any]] | None:
+    """The ``num`` likeliest tokens at an output position (vLLM's row may hold the sampled token as one more)."""
     if not row or not isinstance(row, dict):
         return None
     pairs = [(lp, _token_id(key)) for key, lp in row.items() if isinstance(lp, (int, float))]
-    return [[lp, token, None] for lp, token in sorted(pairs, key=lambda p: -p[0]) if token is not None]
+    return [[lp, token, None] for lp, token in sorted(pairs, key=lambda p: -p[0]) if token is not None][:num]
 
 
 def _prompt_logprob(row: Any, token: int) -> float | None:

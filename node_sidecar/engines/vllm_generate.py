@@ -17,6 +17,7 @@ The answer's way back: :mod:`node_sidecar.engines.vllm_answer`.
 from __future__ import annotations
 
 import json
+from collections import OrderedDict
 from typing import Any
 
 from handoff.protocol.generate_request import MAX_SEQUENCES
@@ -102,7 +103,8 @@ def to_completion(raw: bytes) -> tuple[bytes, GenerateRequest]:
         else:  # vLLM's choices come in SGLang's order: index = prompt * n + sample
             completion["prompt"], completion["n"] = prompts, n
     request = GenerateRequest(is_batch, rid, bool(body.get("return_logprob")), _int(body, "top_logprobs_num", 0),
-                              _int(body, "logprob_start_len", -1), bool(body.get("return_prompt_token_ids")))
+                              _int(body, "logprob_start_len", -1), bool(body.get("return_prompt_token_ids")),
+                              num_prompts=len(completion["prompt"]) if is_batch else 1)
     if request.return_logprob:
         if body.get("return_text_in_logprobs"):
             raise Unsupported("return_text_in_logprobs is not supported on vLLM nodes",
@@ -168,3 +170,21 @@ def _int(body: dict[str, Any], name: str, default: int) -> int:
     if not isinstance(value, int) or isinstance(value, bool):
         raise InvalidRequest(f"{name} must be an integer")
     return value
+
+
+class PromptCounts:
+    """How many vLLM requests each client request id became (a greedy prompt sent ``n`` times is ``n``), so
+    an abort by id reaches all of them; the newest ``capacity`` ids are kept (an id not known counts 1)."""
+
+    def __init__(self, capacity: int = 4096) -> None:
+        self._counts: OrderedDict[str, int] = OrderedDict()
+        self._capacity = capacity
+
+    def add(self, rid: str, count: int) -> None:
+        self._counts[rid] = count
+        self._counts.move_to_end(rid)
+        while len(self._counts) > self._capacity:
+            self._counts.popitem(last=False)
+
+    def get(self, rid: str) -> int:
+        return self._counts.get(rid, 1)

@@ -3,6 +3,7 @@ in silence, and nodes that refuse generation for a reason the LB's view has not 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import time
@@ -11,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from handoff.protocol.errors import NOT_SERVING_TYPES
+from handoff.protocol.sse import EventSplitter, event_data
 from tests.lb.behaviours import Gate, drop, reply
 from tests.lb.fakes import Exchange, FakeCluster, FakeNode
 from tests.lb.lbproc import LB, node_args, set_members
@@ -92,11 +94,44 @@ def test_a_stream_cut_by_a_clean_close_ends_with_an_error_event(module_fakes: Fa
     set_members(shared_lb, node.url)
     with shared_lb.http.stream("POST", "/generate", json={"stream": True}) as answer:
         body = answer.read()  # the LB's chunked body ends properly
-    assert body.startswith(FIRST_EVENT + b'data: {"text": "b')
-    last = body.rsplit(b"\n\n", 2)[-2].rsplit(b"data: ", 1)[-1]
-    error = json.loads(last)["error"]
+    # Whole events only (found by review: the error event was glued onto the half-sent one, so a client's
+    # parser failed on it and lost the error): the half event is dropped, the error event stands alone.
+    splitter = EventSplitter()
+    events = [json.loads(event_data(e)) for e in splitter.feed(body)]
+    assert splitter.finish() == b""
+    assert events[0] == {"text": "a"} and len(events) == 2
+    error = events[1]["error"]
     assert error["type"] == "upstream_error" and node.url in error["message"]
-    assert not body.rstrip().endswith(b"[DONE]")
+
+
+def test_a_client_that_stops_reading_is_cut_at_the_deadline(module_fakes: FakeCluster, start_lb) -> None:
+    """Found by review: a client that kept its socket open without reading held its stream, and the node's
+    in-flight count, for good (the LB waited on the client to drain). It is cut a second past the deadline."""
+    node = module_fakes.start_one()
+
+    async def endless(fake: FakeNode, ex: Exchange) -> None:
+        ex.start_chunked()
+        for _ in range(2000):  # far more than the client's and the LB's buffers hold
+            if ex.is_closed:
+                return
+            ex.chunk(b"data: " + b"x" * 60_000 + b"\n\n")
+            await asyncio.sleep(0.005)
+
+    node.handlers["/generate"] = endless
+    lb = start_lb(*node_args(node.url), "--generate-timeout", "3")
+    lb.wait_routable([node.url])
+    host, port = lb.url.removeprefix("http://").split(":")
+    client = socket.socket()
+    client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    client.connect((host, int(port)))
+    body = b'{"text": "x", "stream": true}'
+    client.sendall(b"POST /generate HTTP/1.1\r\nHost: lb\r\nContent-Type: application/json\r\n"
+                   b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    try:
+        wait_until(lambda: lb.node(node.url)["in_flight"] == 1, timeout=5, what="the stream under way")
+        wait_until(lambda: lb.node(node.url)["in_flight"] == 0, timeout=12, what="the stalled stream cut")
+    finally:
+        client.close()
 
 
 def test_a_truncated_answer_is_a_502_naming_the_node(module_fakes: FakeCluster, shared_lb: LB) -> None:
@@ -170,3 +205,18 @@ def test_a_node_that_cannot_be_connected_to_costs_the_connect_timeout(fakes: Fak
     finally:
         for sock in sockets:
             sock.close()
+
+
+def test_a_long_503_the_lb_does_not_reroute_is_a_502_never_a_cut_body(module_fakes: FakeCluster,
+                                                                     shared_lb: LB) -> None:
+    """Found by review: the first 4 KiB of such an answer was relayed as if whole (invalid JSON)."""
+    node = module_fakes.start_one()
+    node.handlers["/generate"] = reply(503, {"error": {"type": "overloaded", "message": "x" * 10_000}})
+    set_members(shared_lb, node.url)
+    answer = shared_lb.http.post("/generate", json={"text": "x"})
+    error = answer.json()["error"]
+    assert answer.status_code == 502 and error["type"] == "upstream_error" and node.url in error["message"]
+    node.handlers["/generate"] = reply(503, {"error": {"type": "overloaded", "message": "short"}})
+    short = shared_lb.http.post("/generate", json={"text": "x"})
+    assert short.status_code == 503 and short.json()["error"]["message"] == "short"  # relayed as before
+    set_members(shared_lb)

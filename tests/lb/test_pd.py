@@ -227,3 +227,20 @@ def test_a_decode_failure_known_at_once_does_not_wait_for_the_prefill(fakes: Fak
     assert answer.status_code == 502 and decode.url in answer.text, answer.text
     assert time.monotonic() - started < 10, "the client waited for the prefill node after the decode failed"
     wait_until(lambda: lb.node(prefill.url)["in_flight"] == 0, timeout=5, what="the prefill call given up")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_decode_refusal_is_answered_at_once(fakes: FakeCluster, start_lb, stream: bool) -> None:
+    """Found by review: a decode node's 400 counted as taking the request, so the LB waited for the prefill
+    node (a real one waits for a decode that never comes) and answered 504 naming the prefill node."""
+    prefill, decode = fakes.start(2)
+    prefill.handlers["/generate"] = hang()
+    refusal = {"error": {"type": "invalid_request", "message": "max_new_tokens too large"}}
+    decode.handlers["/generate"] = reply(400, refusal)
+    lb = start_lb("--prefill", prefill.url, "--decode", decode.url, "--generate-timeout", "20")
+    lb.wait_routable([prefill.url, decode.url])
+    started = time.monotonic()
+    answer = lb.http.post("/generate", json={"text": "hi", "stream": stream}, timeout=30)
+    assert answer.status_code == 400 and answer.json() == refusal, answer.text
+    assert time.monotonic() - started < 10, "the client waited for the prefill node after the decode refused"
+    wait_until(lambda: lb.node(prefill.url)["in_flight"] == 0, timeout=5, what="the prefill call given up")

@@ -135,7 +135,7 @@ async def test_a_backup_that_cannot_be_read_leaves_the_weights_released_and_the_
     async with running_engine(_backed_up(tmp_path)) as engine:
         before = await _score(engine)
         await engine.call(lambda: engine.control.release(_W, True))
-        victim = sorted((tmp_path / "weights").iterdir())[5]
+        victim = sorted((engine.saver.backup_folder.path / "weights").iterdir())[5]
         whole = victim.read_bytes()
         victim.write_bytes(whole[:10])
         for _ in range(2):
@@ -155,7 +155,7 @@ async def test_an_update_resumes_past_a_lost_backup_and_counts_every_weight(tmp_
     new = tiny_weights(5)
     async with running_engine(_backed_up(tmp_path)) as engine:
         await engine.call(lambda: engine.control.release(_W, True))
-        sorted((tmp_path / "weights").iterdir())[3].unlink()
+        sorted((engine.saver.backup_folder.path / "weights").iterdir())[3].unlink()
         assert not (await _push(engine, [(_Q, new[_Q])]))["weights_valid"]
         assert (await _push(engine, [(k, v) for k, v in new.items() if k != _Q]))["weights_valid"]
 

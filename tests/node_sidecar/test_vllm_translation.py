@@ -199,3 +199,42 @@ def test_n_null_still_bounds_the_batch() -> None:
         to_completion(json.dumps({"input_ids": prompts, "sampling_params": {"n": None}}).encode())
     raw, request = to_completion(json.dumps({"input_ids": [[1], [2]], "sampling_params": {"n": None}}).encode())
     assert json.loads(raw)["prompt"] == [[1], [2]] and request.is_batch
+
+
+def test_output_top_logprobs_hold_top_logprobs_num_entries_when_the_sampled_token_is_added() -> None:
+    """vLLM adds the sampled token to a row when it is not among the top k (found by review: rows of k + 1,
+    which break code stacking them into [T, k]); SGLang answers exactly k."""
+    answer = json.loads(ANSWERS["logprobs"])
+    row = answer["choices"][0]["logprobs"]["top_logprobs"][0]
+    row["token_id:65000"] = min(row.values()) - 1.0  # the sampled token, below the top 2
+    request = GenerateRequest(is_batch=False, rid=None, return_logprob=True, top_logprobs_num=2, logprob_start_len=-1)
+    meta = json.loads(Translator(request, lambda: None).answer(json.dumps(answer).encode()))["meta_info"]
+    assert len(row) == 3 and all(len(top) == 2 for top in meta["output_top_logprobs"])
+    assert 65000 not in [t for _, t, _ in meta["output_top_logprobs"][0]]
+
+
+async def test_an_abort_by_id_reaches_every_copy_of_a_greedy_n_request() -> None:
+    """A greedy ``n`` goes to vLLM as the prompt n times (vLLM refuses greedy n > 1), so one id became n vLLM
+    requests; the abort named only the first and the others ran on (found by review)."""
+    from node_sidecar.engines.vllm import VllmEngine
+
+    class Engine:
+        base_url = "http://127.0.0.1:9"  # never called: only the abort's body is looked at
+
+        def __init__(self) -> None:
+            self.calls: list[tuple[str, str, object]] = []
+
+        async def call(self, method: str, path: str, body: object = None, **_: object) -> dict:
+            self.calls.append((method, path, body))
+            return {"aborted": []}
+
+    engine = Engine()
+    adapter = VllmEngine(engine)
+    for body in ({"text": "hi", "rid": "R", "sampling_params": {"n": 3, "temperature": 0}},
+                 {"text": "hi", "rid": "S", "sampling_params": {"n": 3, "temperature": 1}},
+                 {"text": "hi", "rid": "T"}):
+        adapter.generation_call("/generate", json.dumps(body).encode(), "")
+    for rid in ("R", "S", "T", "unknown"):
+        await adapter.abort(rid=rid, abort_all=False)
+    assert [body["request_ids"] for _, _, body in engine.calls] == [
+        ["cmpl-R-0", "cmpl-R-1", "cmpl-R-2"], ["cmpl-S-0"], ["cmpl-T-0"], ["cmpl-unknown-0"]]

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from handoff.protocol.sse import EventSplitter, EventTooLarge, event_data
+from handoff.protocol.sse import EventSplitter, EventTooLarge, event_data, split_after_last_event
 
 LINE_ENDS = st.sampled_from([b"\n", b"\r\n", b"\r"])
 LINES = st.one_of(st.builds(lambda t: b"data: " + t, st.binary(max_size=12).map(
@@ -85,3 +85,18 @@ def test_an_event_growing_past_the_bound_in_small_reads_raises() -> None:
         for _ in range(200):  # bounded: 1200 bytes must have raised
             assert splitter.feed(b"data: " + b"y" * 10) == []  # one line, never ended
     assert EventSplitter(max_event_bytes=1000).feed(b"data: " + b"y" * 990 + b"\n\n") != []  # at the bound: fine
+
+
+@settings(max_examples=300, deadline=None)
+@given(stream=streams(), cut=st.integers(min_value=0, max_value=400))
+def test_a_relay_passes_on_whole_events_only(stream: tuple[bytes, list[list[bytes]]], cut: int) -> None:
+    """What a relay sends at any point is whole events (the splitter finds no event left open in it), and
+    what it holds back never holds the end of an event it could have sent, wherever the stream is cut."""
+    data, events = stream
+    sent, held = split_after_last_event(data[:cut])
+    assert sent + held == data[:cut]
+    splitter = EventSplitter()
+    num_sent = len(splitter.feed(sent))
+    assert splitter.finish() == b"" or sent.endswith(b"\r")  # a CR may end a CRLF blank line's first half
+    assert len(EventSplitter().feed(held)) == 0 or held.startswith(b"\n")
+    assert num_sent <= len(events)

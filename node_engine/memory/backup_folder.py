@@ -1,0 +1,141 @@
+"""The weights backup's own folder: one per engine process, private, and removed once its engine is gone.
+
+Engines may share a ``--backup-dir`` (a chart value, a host path mounted into several pods). Each engine spills
+into a folder of its own inside it, ``engine-XXXXXXXX`` (mode 0700), on which it holds an exclusive ``flock``
+for its whole life, so:
+
+- one engine never reads, overwrites or deletes another's backup;
+- nothing planted in the backup directory is followed: the folder is new, and every file in it is created
+  new (``O_EXCL | O_NOFOLLOW``, mode 0600) by :func:`create_file`;
+- a folder whose engine died (its lock free) is removed by the next engine that claims a folder there, or
+  that starts; an engine removes its own at exit.
+
+The folder is claimed when the first backup needs it (:meth:`BackupFolder.claim`), not at start: a backup
+directory that cannot be used is a 507 for that release, as any other room check, and a later release tries
+again.
+"""
+
+from __future__ import annotations
+
+import atexit
+import fcntl
+import logging
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+from node_engine.memory.backup_room import BackupUnavailable
+
+log = logging.getLogger(__name__)
+
+PREFIX = "engine-"
+LOCK_NAME = ".lock"
+_CLAIMING_PREFIX = ".claiming-"  # a folder being set up; never swept (its lock may not be held yet)
+
+
+class BackupFolder:
+    """This engine's folder inside ``root``, made on the first :meth:`claim` and kept for the process's life."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._path: Path | None = None
+        self._lock_fd: int | None = None
+        if root.is_dir():
+            sweep_orphans(root)
+
+    @property
+    def path(self) -> Path | None:
+        """The folder, once claimed."""
+        return self._path
+
+    def claim(self) -> Path:
+        """The folder, made (and the orphans of dead engines removed) on the first call;
+        :class:`BackupUnavailable` when ``root`` cannot hold it, and the next call tries again."""
+        if self._path is not None and self._path.is_dir():
+            return self._path
+        try:
+            return self._make()
+        except OSError as exc:
+            raise BackupUnavailable(f"the backup directory {self.root} cannot take a file (this engine's "
+                                    f"folder): {exc}") from exc
+
+    def _make(self) -> Path:
+        self.root.mkdir(parents=True, exist_ok=True)
+        sweep_orphans(self.root)
+        claiming = Path(tempfile.mkdtemp(prefix=_CLAIMING_PREFIX, dir=self.root))  # mode 0700
+        lock_fd = os.open(claiming / LOCK_NAME, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                          0o600)
+        fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        path = self.root / (PREFIX + claiming.name.removeprefix(_CLAIMING_PREFIX))
+        os.rename(claiming, path)  # only now can a sweeper see it, locked
+        self.release_lock()
+        self._path, self._lock_fd = path, lock_fd
+        atexit.register(self.remove)
+        return path
+
+    def remove(self) -> None:
+        """Delete the folder and its files (at exit: the backup dies with the engine)."""
+        if self._path is not None:
+            if self._path.is_dir() and not self._path.is_symlink():  # not whatever took its name since
+                _rmtree(self._path)
+            self._path = None
+        self.release_lock()
+
+    def release_lock(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+
+def sweep_orphans(root: Path) -> None:
+    """Remove the folders in ``root`` whose engine is gone: those whose lock nobody holds."""
+    try:
+        entries = list(os.scandir(root))
+    except OSError as exc:
+        log.warning("could not list the backup directory %s: %s", root, exc)
+        return
+    for entry in entries:
+        if not entry.name.startswith(PREFIX) or not entry.is_dir(follow_symlinks=False):
+            continue
+        try:
+            fd = os.open(Path(entry.path) / LOCK_NAME, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            continue  # no lock of ours: not a folder this code made
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            continue  # its engine is alive
+        finally:
+            os.close(fd)
+        log.info("removing the backup folder %s of an engine that is gone", entry.path)
+        _rmtree(Path(entry.path))
+
+
+def create_file(path: Path) -> int:
+    """A new file at ``path`` for writing (mode 0600), never through a link; what was there is removed first."""
+    path.unlink(missing_ok=True)
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+
+
+def open_exact(path: Path, num_bytes: int) -> int:
+    """``path`` opened for reading, never through a link; an ``OSError`` unless it holds exactly ``num_bytes``."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    size = os.fstat(fd).st_size
+    if size != num_bytes:
+        os.close(fd)
+        raise OSError(f"backup {path} is {size} bytes, expected {num_bytes}")
+    return fd
+
+
+def _rmtree(path: Path) -> None:
+    """Remove ``path`` with everything in it, warning about what cannot be removed rather than stopping."""
+
+    def warn(function: object, failed: str, exc: object) -> None:
+        log.warning("could not remove %s from the backup directory: %s", failed, exc)
+
+    if sys.version_info >= (3, 12):
+        shutil.rmtree(path, onexc=warn)
+    else:
+        shutil.rmtree(path, onerror=warn)

@@ -4,6 +4,7 @@ the process."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Iterator
 
@@ -27,13 +28,14 @@ def node(proc_log_dir: Path) -> Iterator[tuple[GpuEngine, Path]]:
 def test_a_backup_with_nowhere_to_go_is_507_and_the_engine_lives(node) -> None:
     engine, backup_dir = node
     expected = engine.greedy()
-    backup_dir.rmdir()  # created at start, empty until the first release
+    # it holds only the engine's own folder (memory/backup_folder.py), empty until the first release
+    shutil.rmtree(backup_dir)
     backup_dir.write_text("a file where the backup directory was")
     try:
         refused = engine.release(None, status=507)
     finally:
         backup_dir.unlink()
-        backup_dir.mkdir()
+        backup_dir.mkdir()  # the next release makes the engine a new folder
     assert refused["error"]["type"] == "backup_failed"
     assert engine.client.get("/health").status_code == 200
     assert all(t["state"] == "resident" for t in engine.occupation()["tags"].values())
@@ -45,6 +47,7 @@ def test_greedy_output_is_identical_after_a_cycle_with_disk_backup(node) -> None
     before = engine.greedy()
     for _ in range(2):
         engine.release(None)
-        assert any(backup_dir.iterdir())  # torch_memory_saver's backup files
+        # torch_memory_saver's backup files, in the engine's own folder
+        assert any(f.name != ".lock" for folder in backup_dir.glob("engine-*") for f in folder.iterdir())
         assert engine.resume(None)["weights_valid"] is True
         assert engine.greedy() == before

@@ -24,7 +24,7 @@ def test_release_resume_keeps_objects_and_restores_contents(tmp_path: Path) -> N
         assert weights.untyped_storage().nbytes() == 0
         assert saver.resume(MemoryTag.WEIGHTS) == weights.nbytes
         assert torch.equal(weights, original) and torch.equal(view, original[10:20])
-    assert not list((tmp_path / "weights").iterdir())  # backups are removed once restored
+    assert not list((saver.backup_folder.path / "weights").iterdir())  # backups are removed once restored
 
 
 def test_resume_without_backup_zero_fills_and_rss_follows(tmp_path: Path) -> None:

@@ -3,6 +3,7 @@ tag names as SGLang clients know them, reloads while released, versions, aborts,
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from pathlib import Path
@@ -13,7 +14,7 @@ import pytest
 from handoff.weight_sync import serialize_named_tensors
 from node_engine.model.builtin import builtin_arch, builtin_weights, save_checkpoint
 from tests.support.procs import ServerProcess, wait_until
-from tests.support.sse import read_stream
+from tests.support.sse import DONE, iter_events
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
 
@@ -58,16 +59,27 @@ def greedy(client: httpx.Client, n: int = 10) -> list[int]:
 
 
 def stream_in_thread(client_url: str, n: int) -> tuple[threading.Thread, dict]:
+    """A stream read in a thread; returns once its first event came (the request is prefilled and holds KV:
+    a request still queued holds none, and a release around it succeeds, as a slow CI run showed)."""
     result: dict = {}
+    first_event = threading.Event()
 
     def run() -> None:
-        with httpx.Client(base_url=client_url, timeout=120) as c:
-            events, done = read_stream(c, "/generate", {"text": "probe", "stream": True,
-                                                        "sampling_params": dict(GREEDY, max_new_tokens=n)})
-            result.update(events=events, done=done)
+        events: list[dict] = []
+        done = False
+        with httpx.Client(base_url=client_url, timeout=120) as c, c.stream("POST", "/generate", json={
+                "text": "probe", "stream": True, "sampling_params": dict(GREEDY, max_new_tokens=n)}) as response:
+            for data in iter_events(response):
+                if data == DONE:
+                    done = True
+                    continue
+                events.append(json.loads(data))
+                first_event.set()
+        result.update(events=events, done=done)
 
     thread = threading.Thread(target=run)
     thread.start()
+    assert first_event.wait(60), "the stream sent no event"
     return thread, result
 
 

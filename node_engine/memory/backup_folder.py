@@ -44,6 +44,7 @@ class BackupFolder:
         self._lock_fd: int | None = None
         if root.is_dir():
             sweep_orphans(root)
+        atexit.register(self.remove)  # nothing to do unless a folder was claimed
 
     @property
     def path(self) -> Path | None:
@@ -65,14 +66,20 @@ class BackupFolder:
         self.root.mkdir(parents=True, exist_ok=True)
         sweep_orphans(self.root)
         claiming = Path(tempfile.mkdtemp(prefix=_CLAIMING_PREFIX, dir=self.root))  # mode 0700
-        lock_fd = os.open(claiming / LOCK_NAME, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                          0o600)
-        fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         path = self.root / (PREFIX + claiming.name.removeprefix(_CLAIMING_PREFIX))
-        os.rename(claiming, path)  # only now can a sweeper see it, locked
+        lock_fd = -1
+        try:
+            lock_fd = os.open(claiming / LOCK_NAME,
+                              os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.rename(claiming, path)  # only now can a sweeper see it, locked
+        except OSError:
+            if lock_fd >= 0:
+                os.close(lock_fd)
+            _rmtree(claiming)
+            raise
         self.release_lock()
         self._path, self._lock_fd = path, lock_fd
-        atexit.register(self.remove)
         return path
 
     def remove(self) -> None:

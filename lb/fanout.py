@@ -17,6 +17,11 @@ what is left of the deadline. While a release or pause is under way its nodes
 take no new generation (a :class:`~lb.node.Fence`); a node that did not
 answer stays fenced until a check in the background has seen it.
 
+Every node's request is written in one pass, and one coroutine reads the
+answers in the order they complete: no task per node (the most a large
+fan-out cost the LB), and a node answering late, or never, delays no other
+node's verdict.
+
 A body with a ``drain_timeout`` the per-node deadline cannot cover is refused
 (400, naming both); the deadline also goes to the node in
 :data:`~handoff.protocol.control.DEADLINE_HEADER`, so a sidecar ends a drain in
@@ -43,6 +48,7 @@ from handoff.service.peer_json import PeerJSONError, loads_bounded
 from handoff.service.upstream import (
     ConnectFailed,
     ConnectionDropped,
+    PendingRequest,
     ProtocolError,
     UpstreamClient,
     UpstreamError,
@@ -73,6 +79,23 @@ _REASONS: tuple[tuple[type[UpstreamError], str], ...] = (
     (ConnectionDropped, "dropped"),
     (ProtocolError, "protocol_error"),
 )
+
+
+def _is_answered(request: PendingRequest | UpstreamError) -> bool:
+    return isinstance(request, UpstreamError) or request.is_answered
+
+
+async def _any_answer(requests: list[PendingRequest]) -> None:
+    """Wait until one of ``requests`` is answered."""
+    answered = asyncio.get_running_loop().create_future()
+
+    def wake() -> None:
+        if not answered.done():
+            answered.set_result(None)
+
+    for request in requests:
+        request.call_when_answered(wake)
+    await answered
 
 
 def check_drain_fits(path: str, body: bytes, timeout_s: float) -> None:
@@ -110,62 +133,108 @@ class FanOut:
 
     async def run(self, method: str, path: str, body: bytes, content_type: str | None, role: Role | None,
                   timeout_s: float) -> tuple[int, dict[str, Any]]:
-        """Send the call to every node (of ``role``); (HTTP status, SPEC 4 body)."""
+        """Send the call to every node (of ``role``); (HTTP status, SPEC 4 body). The checks some nodes need
+        run together once every answer is in."""
         nodes = list(self._membership.nodes(role))
         if not nodes:
             raise NoNodes(f"no {role.value + ' ' if role else ''}nodes to send {path} to")
         check_drain_fits(path, body, timeout_s)
-        headers = {**self._node_headers, DEADLINE_HEADER: f"{timeout_s:g}"}
-        if content_type:
-            headers["Content-Type"] = content_type
+        headers = self._headers(timeout_s, content_type)
         started = time.perf_counter()
-        deadline = asyncio.get_running_loop().time() + timeout_s
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
         fences = [node.fence() if path in FENCING_PATHS else None for node in nodes]
-        parsed = ParsedAnswers()
-        results = await asyncio.gather(*(self._call_and_settle(node, fence, method, path, body, headers, timeout_s,
-                                                               deadline, parsed) for node, fence in zip(nodes, fences)))
+        sent = [self._send(node, method, path, body, headers, timeout_s) for node in nodes]
+        results: list[NodeResult | None] = [None] * len(nodes)
+        checks: dict[asyncio.Future[None], Fence | None] = {}
+        try:
+            await self._read_answers(nodes, fences, sent, path, timeout_s, results, checks)
+            if checks:
+                await asyncio.wait(checks, timeout=max(0.0, deadline - loop.time()))
+        finally:
+            unread = [index for index, result in enumerate(results) if result is None]  # left by a cancellation
+            self._abandon([sent[index] for index in unread], [fences[index] for index in unread], checks)
         duration_s = time.perf_counter() - started
         self._metrics.fanout_seconds.labels(path=path).observe(duration_s)
-        return self.answer(method, path, results, duration_s)
+        return self.answer(method, path, [result for result in results if result is not None], duration_s)
+
+    async def _read_answers(self, nodes: list[Node], fences: list[Fence | None],
+                            sent: list[PendingRequest | UpstreamError], path: str, timeout_s: float,
+                            results: list[NodeResult | None], checks: dict[asyncio.Future[None], Fence | None]) -> None:
+        """Each node's answer into ``results`` (in node order), read as they complete: every pass takes the
+        answers already in (reading one waits for no peer, but for the one retry of a request that met a stale
+        keep-alive connection), or waits until one is; a check a node needs goes into ``checks``."""
+        parsed = ParsedAnswers()
+        waiting = list(range(len(nodes)))
+        while waiting:
+            answered = [index for index in waiting if _is_answered(sent[index])]
+            if not answered:
+                await _any_answer([request for index in waiting if isinstance(request := sent[index], PendingRequest)])
+                continue
+            for index in answered:
+                result, state = await self._answer_of(nodes[index], sent[index], timeout_s, parsed)
+                results[index] = result
+                check = self._settle(nodes[index], fences[index], path, result, state)
+                if check is not None:
+                    checks[check] = fences[index]
+            waiting = [index for index in waiting if results[index] is None]
 
     async def call_node(self, node: Node, method: str, path: str, body: bytes, content_type: str | None,
                         timeout_s: float) -> NodeResult:
         """One node's call under the fan-out's rules (deadline header, answer judged, the state it carries
         adopted), for calls that send each node its own body or go to some nodes only."""
-        headers = {**self._node_headers, DEADLINE_HEADER: f"{timeout_s:g}"}
-        if content_type:
-            headers["Content-Type"] = content_type
-        result, state = await self._call(node, method, path, body, headers, timeout_s, ParsedAnswers())
+        request = self._send(node, method, path, body, self._headers(timeout_s, content_type), timeout_s)
+        result, state = await self._answer_of(node, request, timeout_s, ParsedAnswers())
         if state is not None:
             self._health.apply_state(node, state)
         return result
 
-    async def _call_and_settle(self, node: Node, fence: Fence | None, method: str, path: str, body: bytes,
-                               headers: Mapping[str, str], timeout_s: float, deadline: float,
-                               parsed: ParsedAnswers) -> NodeResult:
-        """One node's call, then its state: from its answer, or a check within the deadline, or (for a node that
-        did not answer, or whose check does not fit) a check in the background that the fence waits for."""
+    def _headers(self, timeout_s: float, content_type: str | None) -> dict[str, str]:
+        headers = {**self._node_headers, DEADLINE_HEADER: f"{timeout_s:g}"}
+        if content_type:
+            headers["Content-Type"] = content_type
+        return headers
+
+    def _send(self, node: Node, method: str, path: str, body: bytes, headers: Mapping[str, str],
+              timeout_s: float) -> PendingRequest | UpstreamError:
+        """The node's request, written now (or connecting); the error when it cannot even be sent."""
         try:
-            result, state = await self._call(node, method, path, body, headers, timeout_s, parsed)
-        except BaseException:
-            if fence is not None:
-                fence.lift()
-            raise
+            return self._client.start(method, node.url + path, headers=headers, body=body, timeout=timeout_s)
+        except UpstreamError as exc:
+            return exc
+
+    def _settle(self, node: Node, fence: Fence | None, path: str, result: NodeResult,
+                state: dict[str, Any] | None) -> asyncio.Future[None] | None:
+        """The node's state after its answer: adopted from the answer (fence lifted), or a check to wait for
+        within the deadline (returned), or, for a node that did not answer, a check in the background that the
+        fence waits for."""
         if state is not None:
             self._health.apply_state(node, state)
         elif result.status is not None and path in STATE_CHANGING_PATHS:
-            check = asyncio.ensure_future(self._health.check(node))
-            remaining = deadline - asyncio.get_running_loop().time()
-            done, _ = await asyncio.wait({check}, timeout=max(0.0, remaining))
-            if not done:
-                self._finish_in_background(check, fence)
-                return result
+            return asyncio.ensure_future(self._health.check(node))
         elif fence is not None or path in STATE_CHANGING_PATHS:
             self._finish_in_background(asyncio.ensure_future(self._health.check(node)), fence)
-            return result
+            return None
         if fence is not None:
             fence.lift()
-        return result
+        return None
+
+    def _abandon(self, unread: list[PendingRequest | UpstreamError], fences: list[Fence | None],
+                 checks: dict[asyncio.Future[None], Fence | None]) -> None:
+        """What a fan-out leaves when it ends (or is cancelled): requests whose answer was never read closed and
+        their fences lifted; checks done lift their fence, the others do in the background."""
+        for request in unread:
+            if isinstance(request, PendingRequest):
+                request.close()
+        for fence in fences:
+            if fence is not None:
+                fence.lift()
+        for check, fence in checks.items():
+            if check.done():
+                if fence is not None:
+                    fence.lift()
+            else:
+                self._finish_in_background(check, fence)
 
     def _finish_in_background(self, check: asyncio.Future[None], fence: Fence | None) -> None:
         async def settle() -> None:
@@ -179,13 +248,14 @@ class FanOut:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def _call(self, node: Node, method: str, path: str, body: bytes, headers: Mapping[str, str],
-                    timeout_s: float, parsed: ParsedAnswers) -> tuple[NodeResult, dict[str, Any] | None]:
+    async def _answer_of(self, node: Node, request: PendingRequest | UpstreamError, timeout_s: float,
+                         parsed: ParsedAnswers) -> tuple[NodeResult, dict[str, Any] | None]:
         """The node's result and the state its answer carried (None: no answer, or no state header); ``parsed``
         holds what this fan-out's nodes already answered."""
         try:
-            response = await self._client.request(method, node.url + path, headers=headers, body=body,
-                                                  timeout=timeout_s)
+            if isinstance(request, UpstreamError):
+                raise request
+            response = await request.response()
             async with response:
                 state = parsed.state(response.header(NODE_STATE_HEADER))
                 if not 200 <= response.status < 300:

@@ -94,7 +94,7 @@ class Node:
         inflight.publish_to(metrics.node_inflight.labels(**labels))
         self._healthy_gauge = metrics.node_healthy.labels(**labels)
         self._serving_gauge = metrics.node_serving.labels(**labels)
-        self._published = (0, 0)  # (healthy, routable) as the gauges show them; a new labelled gauge shows 0
+        self._published = (False, False)  # (healthy, routable) as the gauges show them; a new one shows 0
 
     @property
     def num_inflight(self) -> int:
@@ -127,9 +127,10 @@ class Node:
         self._update_gauges()
 
     def set_serving(self, is_serving: bool, admission: str | None) -> None:
-        self.is_serving = is_serving
+        if is_serving is not self.is_serving:
+            self.is_serving = is_serving
+            self._update_gauges()
         self.admission = admission
-        self._update_gauges()
 
     def record_error(self, message: str) -> None:
         self.last_error = message
@@ -145,23 +146,28 @@ class Node:
     def fence(self) -> Fence:
         """Stop routing here while a release or pause is under way, until the returned fence is lifted."""
         self.num_fences += 1
-        self._update_gauges()
+        if self.num_fences == 1:  # only the first fence and the last lift can change what the gauges show
+            self._update_gauges()
         return Fence(self)
 
     def _lift_fence(self) -> None:
         self.num_fences -= 1
-        self._update_gauges()
+        if self.num_fences == 0:
+            self._update_gauges()
 
     def _update_gauges(self) -> None:
-        """Publish what changed (a fan-out touches every node's state three times; most leave it as it was)."""
-        if self.is_removed:
+        """Publish what changed (a fan-out touches every node's state; most of the time nothing changes)."""
+        health = self.health
+        if health is NodeHealth.REMOVED:
             return
-        healthy, routable = int(self.health is NodeHealth.HEALTHY), int(self.is_routable)
-        if healthy != self._published[0]:
-            self._healthy_gauge.set(healthy)
-        if routable != self._published[1]:
-            self._serving_gauge.set(routable)
-        self._published = (healthy, routable)
+        healthy = health is NodeHealth.HEALTHY
+        published = (healthy, healthy and self.is_serving and self.num_fences == 0)  # is_routable, inlined
+        if published != self._published:
+            if published[0] != self._published[0]:
+                self._healthy_gauge.set(int(published[0]))
+            if published[1] != self._published[1]:
+                self._serving_gauge.set(int(published[1]))
+            self._published = published
 
     def mark_seen(self) -> None:
         self.last_seen = time.time()

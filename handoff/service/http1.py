@@ -75,6 +75,7 @@ class Connection(asyncio.Protocol):
         self._num_buffered = 0
         self._is_reading_paused = False
         self._failure: UpstreamError | None = None
+        self._on_answer: Callable[[], None] | None = None
 
     # -- lifecycle ---------------------------------------------------------
     def _transition(self, new: ConnState, *, allowed_from: tuple[ConnState, ...]) -> None:
@@ -96,6 +97,20 @@ class Connection(asyncio.Protocol):
     def is_drained(self) -> bool:
         """The response is complete, without error, and the reader took every byte."""
         return self.is_message_done and not self._chunks and self._failure is None
+
+    @property
+    def has_answer(self) -> bool:
+        """A reader of whole (capped) answers would wait for nothing: the response is complete, or failed, or
+        fills the read buffer (reading paused: a capped read takes what is there)."""
+        return (self.is_message_done or self._failure is not None or self._is_reading_paused
+                or self.state is ConnState.CLOSED)
+
+    def call_when_answered(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` once :attr:`has_answer` (now, if it already is); a later call replaces it."""
+        if self.has_answer:
+            callback()
+        else:
+            self._on_answer = callback
 
     def is_fresh_enough(self, now: float, max_idle_s: float) -> bool:
         return (self.state is ConnState.IDLE and self.transport is not None
@@ -224,6 +239,9 @@ class Connection(asyncio.Protocol):
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
+        if self._on_answer is not None and self.has_answer:
+            callback, self._on_answer = self._on_answer, None
+            callback()
 
     def _complete(self) -> None:
         self.is_message_done = True

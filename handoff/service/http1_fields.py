@@ -6,10 +6,17 @@ the value holds no NUL and no whitespace but SP and HTAB between its visible
 characters; obs-fold continuation lines are joined with one space (RFC 9112
 5.2). Content-Length must be digits, one value however often repeated;
 Transfer-Encoding must be exactly ``chunked``, once.
+
+A head is a pure function of its bytes, and the heads a client sees repeat
+(the nodes of a fan-out answer alike; one node answers alike call after call),
+so :func:`parse_head` keeps the last :data:`HEAD_CACHE_ENTRIES` parsed heads of
+at most :data:`MAX_CACHED_HEAD_BYTES` each: a peer sending distinct heads costs
+a bounded amount of memory, and a head that fails is parsed (and fails) again.
 """
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import NamedTuple
 
@@ -25,6 +32,9 @@ _DIGITS = re.compile(rb"[0-9]{1,20}")
 
 Fields = list[tuple[bytes, bytes]]
 
+HEAD_CACHE_ENTRIES = 256
+MAX_CACHED_HEAD_BYTES = 4096
+
 
 class MalformedResponse(Exception):
     """The bytes are not a valid HTTP/1.1 response, or pass a cap."""
@@ -36,6 +46,46 @@ class Framing(NamedTuple):
     content_length: int | None
     is_chunked: bool
     is_close: bool
+
+
+class Head(NamedTuple):
+    """A final or interim response head: its fields are a tuple, shared by every parse of the same bytes."""
+
+    version: bytes
+    status: int
+    fields: tuple[tuple[bytes, bytes], ...]
+    framing: Framing
+
+
+def parse_head(head: bytes, max_fields: int) -> Head:
+    """A head section (status line, fields, the blank line) -> :class:`Head`; statuses outside 100-599 and 101
+    (no upgrade is ever asked for) are errors."""
+    if len(head) <= MAX_CACHED_HEAD_BYTES:
+        return _parse_head_cached(head, max_fields)
+    return _parse_head(head, max_fields)
+
+
+def _parse_head(head: bytes, max_fields: int) -> Head:
+    lines = section_lines(head)
+    if not lines:
+        raise MalformedResponse("no status line")
+    version, status = parse_status_line(lines[0])
+    fields = parse_fields(lines[1:], max_fields)
+    if status < 100 or status > 599:
+        raise MalformedResponse(f"status {status} is outside 100-599")
+    if status == 101:
+        raise MalformedResponse("101 Switching Protocols, but no upgrade was asked for")
+    return Head(version, status, tuple(fields), framing(fields))
+
+
+_parse_head_cached = functools.lru_cache(maxsize=HEAD_CACHE_ENTRIES)(_parse_head)
+
+
+def section_lines(section: bytes) -> list[bytes]:
+    """The lines of a head or trailer section that ends in its blank line, without line ends."""
+    lines = section.split(b"\n")
+    del lines[-2:]
+    return [line[:-1] if line.endswith(b"\r") else line for line in lines]
 
 
 def parse_status_line(line: bytes) -> tuple[bytes, int]:

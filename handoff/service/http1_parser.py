@@ -32,7 +32,14 @@ import enum
 import re
 from collections import deque
 
-from handoff.service.http1_fields import Fields, MalformedResponse, framing, parse_fields, parse_status_line
+from handoff.service.http1_fields import (
+    Fields,
+    Framing,
+    MalformedResponse,
+    parse_fields,
+    parse_head,
+    section_lines,
+)
 
 __all__ = ["DEFAULT_MAX_FIELDS", "DEFAULT_MAX_HEAD_BYTES", "MAX_INTERIM_RESPONSES", "MalformedResponse",
            "ResponseParser"]
@@ -162,11 +169,7 @@ class ResponseParser:
         if phase is Phase.CHUNK_END:
             return self._read_chunk_end(buf, pos)
         if phase is Phase.TRAILERS:
-            lines, new_pos = self._read_section(buf, pos)
-            if lines is not None:
-                parse_fields(lines, self._max_fields)  # validated like headers, then dropped
-                self._phase = Phase.DONE
-            return new_pos
+            return self._read_trailers(buf, pos)
         self.has_trailing_bytes = True  # DONE: bytes after the response
         return len(buf)
 
@@ -182,48 +185,47 @@ class ResponseParser:
         self._search_from = 0
 
     # -- heads ---------------------------------------------------------------
-    def _read_section(self, buf: bytes | bytearray, pos: int) -> tuple[list[bytes] | None, int | None]:
-        """The lines of the section at ``pos`` up to its blank line (h11's ``maybe_extract_lines``)."""
+    def _section_end(self, buf: bytes | bytearray, pos: int) -> int | None:
+        """The end of the section at ``pos``, after its blank line (h11's ``maybe_extract_lines``); None when
+        more bytes are needed."""
         if buf[pos:pos + 1] == b"\n":
-            return [], pos + 1
+            return pos + 1
         if buf[pos:pos + 2] == b"\r\n":
-            return [], pos + 2
+            return pos + 2
         match = _BLANK_LINE.search(buf, max(pos, self._search_from))
         if match is None:
             self._need_more(buf, pos, len(buf) - 2)
-            return None, None
+            return None
         end = match.end()
         self._check_size(end - pos)
-        lines = bytes(buf[pos:end]).split(b"\n")
-        del lines[-2:]
-        return [line[:-1] if line.endswith(b"\r") else line for line in lines], end
+        return end
+
+    def _read_trailers(self, buf: bytes | bytearray, pos: int) -> int | None:
+        end = self._section_end(buf, pos)
+        if end is not None:
+            parse_fields(section_lines(bytes(buf[pos:end])), self._max_fields)  # validated like headers, dropped
+            self._phase = Phase.DONE
+        return end
 
     def _read_head(self, buf: bytes | bytearray, pos: int) -> int | None:
-        lines, new_pos = self._read_section(buf, pos)
-        if lines is None:
+        end = self._section_end(buf, pos)
+        if end is None:
             if buf[pos] < 0x21:  # as h11: no status line starts with a control byte or a space
                 raise MalformedResponse("the response does not start with a status line")
             return None
-        if not lines:
-            raise MalformedResponse("no status line")
-        version, status = parse_status_line(lines[0])
-        fields = parse_fields(lines[1:], self._max_fields)
-        if status < 100 or status > 599:
-            raise MalformedResponse(f"status {status} is outside 100-599")
-        if status == 101:
-            raise MalformedResponse("101 Switching Protocols, but no upgrade was asked for")
-        if status >= 200:
-            self.status, self.http_version, self.headers = status, version, fields
+        head = parse_head(bytes(buf[pos:end]), self._max_fields)
+        if head.status >= 200:
+            self.status, self.http_version, self.headers = head.status, head.version, list(head.fields)
             self.is_head_done = True
-            self._start_body()
+            self._start_body(head.framing)
         else:
             self._num_interim += 1
             if self._num_interim > MAX_INTERIM_RESPONSES:
                 raise MalformedResponse(f"more than {MAX_INTERIM_RESPONSES} interim (1xx) responses")
-        return new_pos  # after an interim response: the next head, its fields dropped with it
+        return end  # after an interim response: the next head, its fields dropped with it
 
-    def _start_body(self) -> None:
-        length, is_chunked, is_close = framing(self.headers)
+    def _start_body(self, framing: Framing) -> None:
+        length, is_chunked, is_close = framing
         self.is_keep_alive = not is_close and self.http_version >= b"1.1"
         if self.status in _NO_BODY_STATUSES or self._is_head_request:
             self._phase = Phase.DONE

@@ -17,6 +17,11 @@ objects, no cookie jars and no per-request session.
             ...
     await client.aclose()
 
+A caller with many requests to make at once (a fan-out) writes them all first
+with :meth:`UpstreamClient.start` and reads the answers as they come
+(:class:`~handoff.service.upstream_pending.PendingRequest`): no task per
+request.
+
 Semantics:
 
 - One pool of idle keep-alive connections per origin and no limit on open
@@ -63,6 +68,7 @@ from typing import Callable
 from handoff.service.http1 import Connection, ConnState
 from handoff.service.http1_parser import DEFAULT_MAX_FIELDS, DEFAULT_MAX_HEAD_BYTES
 from handoff.service.http1_request import Headers, Origin, encode_head, split_url
+from handoff.service.upstream_pending import PendingRequest
 from handoff.service.upstream_response import UpstreamResponse
 from handoff.service.upstream_errors import (
     ClientClosed,
@@ -79,13 +85,11 @@ from handoff.service.upstream_errors import (
 
 __all__ = [
     "ClientClosed", "ConnectFailed", "ConnectTimedOut", "ConnectionDropped", "Headers", "InvalidHeader",
-    "InvalidURL", "ProtocolError", "ResponseTooLarge", "UpstreamClient", "UpstreamError", "UpstreamResponse",
-    "UpstreamTimeout",
+    "InvalidURL", "PendingRequest", "ProtocolError", "ResponseTooLarge", "UpstreamClient", "UpstreamError",
+    "UpstreamResponse", "UpstreamTimeout",
 ]
 
 log = logging.getLogger(__name__)
-
-IDEMPOTENT_METHODS = frozenset({"GET", "PUT", "DELETE", "OPTIONS"})
 
 
 class ClientState(enum.Enum):
@@ -141,6 +145,18 @@ class UpstreamClient:
         later. Raises an :class:`UpstreamError` subclass, whatever the peer or the
         URL does.
         """
+        return await self._begin(method, url, headers, body, timeout, connect_now=False).response()
+
+    def start(self, method: str, url: str, *, headers: Headers | None = None, body: bytes = b"",
+              timeout: float | None = None) -> PendingRequest:
+        """Send a request now without waiting for its answer: written at once on an idle pooled connection,
+        else as soon as a new one (connecting in the background) is up. Await
+        :meth:`PendingRequest.response`, or :meth:`PendingRequest.close` it; ``timeout`` as for
+        :meth:`request`. Raises :class:`UpstreamError` for a URL or header that cannot be sent."""
+        return self._begin(method, url, headers, body, timeout, connect_now=True)
+
+    def _begin(self, method: str, url: str, headers: Headers | None, body: bytes, timeout: float | None, *,
+               connect_now: bool) -> PendingRequest:
         if self.state is not ClientState.OPEN:
             raise ClientClosed(f"client is {self.state.value}", url=url)
         origin, target = split_url(url)
@@ -150,34 +166,13 @@ class UpstreamClient:
         except InvalidHeader as exc:
             exc.url = url
             raise
-        is_retry = False
-        while True:
-            conn = await self._acquire(origin, url, deadline, force_new=is_retry)
-            is_written = False
-            try:
-                is_written = conn.send(url, method, head, body, deadline)
-                if not is_written:
-                    raise ConnectionDropped(f"{origin.host_header} closed the connection before the request",
-                                            url=url)
-                await conn.receive_headers()
-            except ConnectionDropped:
-                conn.close()
-                could_not_have_acted = not is_written or (conn.num_response_bytes == 0
-                                                          and method in IDEMPOTENT_METHODS)
-                if not is_retry and conn.is_reused and could_not_have_acted:
-                    log.debug("retrying %s %s on a fresh connection (stale keep-alive)", method, url)
-                    is_retry = True
-                    continue
-                raise
-            except BaseException:
-                conn.close()
-                raise
-            return UpstreamResponse(url, conn, self._release)
+        return PendingRequest(method, url, origin, head, body, deadline, take_idle=self._take_idle,
+                              connect=self._connect, release=self._release, connect_now=connect_now)
 
-    async def _acquire(self, origin: Origin, url: str, deadline: float | None, *,
-                       force_new: bool) -> Connection:
+    def _take_idle(self, origin: Origin) -> Connection | None:
+        """A pooled connection to ``origin`` still fit for use, marked busy; None when there is none."""
         pool = self._idle.get(origin.host_header)
-        if pool and not force_new:
+        if pool:
             now = self._loop.time()
             while pool:
                 conn = pool.pop()
@@ -185,7 +180,7 @@ class UpstreamClient:
                     conn.mark_busy()
                     return conn
                 conn.close()
-        return await self._connect(origin, url, deadline)
+        return None
 
     async def _connect(self, origin: Origin, url: str, deadline: float | None) -> Connection:
         connect = self._loop.create_connection(self._new_connection(origin), origin.host, origin.port)

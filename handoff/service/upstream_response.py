@@ -79,6 +79,10 @@ class UpstreamResponse:
                 return b"".join(parts)
             parts.append(chunk)
             num_read += len(chunk)
+            if self._conn.is_drained:  # that was the last piece: the end needs no further call
+                self._is_done = True
+                self._release(self._conn)
+                return b"".join(parts)
 
     async def read_whole(self, max_bytes: int) -> bytes:
         """The whole body; past ``max_bytes`` raises :class:`ResponseTooLarge` (connection closed).

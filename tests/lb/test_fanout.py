@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -115,6 +116,36 @@ def test_refused_hung_stalled_and_dropped_nodes_each_cost_the_timeout(module_fak
     assert all(f["error"] for f in body["failures"])
     assert shared_lb.metric("handoff_lb_fanout_node_failures_total", path="/pause_generation",
                             reason="timeout") >= 2
+
+
+def test_a_node_answering_late_changes_nothing_for_the_others(module_fakes: FakeCluster, shared_lb: LB) -> None:
+    """Answers are read as they arrive, not in node order: an endless answer behind a node that has not
+    answered yet is cut at the result cap at once, not left paused in its connection until the other answers
+    (or, were that at the deadline, reported as a timeout)."""
+    late, endless_node, good = module_fakes.start(3)
+    gate = Gate(module_fakes)
+    endless_cut = threading.Event()
+
+    async def answer_after_the_gate(node: FakeNode, ex: Exchange) -> None:
+        await gate.wait()
+        ex.respond(200, {"success": True})
+
+    async def endless_until_cut(node: FakeNode, ex: Exchange) -> None:
+        await endless(200)(node, ex)
+        endless_cut.set()
+
+    late.handlers["/flush_cache"] = answer_after_the_gate
+    endless_node.handlers["/flush_cache"] = endless_until_cut
+    set_members(shared_lb, late.url, endless_node.url, good.url)
+    with ThreadPoolExecutor(1) as pool:
+        call = pool.submit(shared_lb.http.post, "/flush_cache", params={"timeout": "20"})
+        try:
+            assert endless_cut.wait(10), "the endless answer was not cut while an earlier node had not answered"
+        finally:
+            gate.open()
+        answer = call.result(timeout=20)
+    [failure] = assert_failure_shape(answer, "/flush_cache", failed=1, total=3)["failures"]
+    assert failure["node"] == endless_node.url and failure["reason"] == "oversized_answer"
 
 
 def test_all_nodes_failing(module_fakes: FakeCluster, shared_lb: LB) -> None:

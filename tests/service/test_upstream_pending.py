@@ -1,0 +1,129 @@
+"""Requests started now and read later (``UpstreamClient.start``) against real loopback servers."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from handoff.service.upstream import ConnectFailed, InvalidURL, PendingRequest, UpstreamClient
+from tests.service.peers import CAP, Conn, ScriptedServer, until
+from tests.service.test_upstream import free_port, serve_ok
+
+pytestmark = pytest.mark.timeout(20)
+
+
+@pytest.fixture
+async def client():
+    c = UpstreamClient()
+    yield c
+    await c.aclose()
+
+
+async def warm(client: UpstreamClient, url: str) -> None:
+    """Leave one idle connection to ``url`` in the pool."""
+    await (await client.request("GET", url, timeout=5)).read_whole(CAP)
+    assert client.num_idle == 1
+
+
+@pytest.mark.parametrize("pooled", [True, False], ids=["pooled", "new-connection"])
+async def test_start_writes_the_request_before_anyone_awaits_it(client: UpstreamClient, pooled: bool) -> None:
+    arrived = asyncio.Event()
+    release = asyncio.Event()
+
+    async def handler(conn: Conn) -> None:
+        while (request := await conn.read_request()) is not None:
+            if request[0].startswith("POST"):
+                arrived.set()
+                await release.wait()
+            await conn.respond(200, request[2])
+
+    async with ScriptedServer(handler) as server:
+        if pooled:
+            await warm(client, server.url)
+        pending = client.start("POST", server.url + "/p", body=b"payload", timeout=5)
+        await asyncio.wait_for(arrived.wait(), 5)  # nothing awaited the pending request yet
+        assert not pending.is_answered
+        release.set()
+        await until(lambda: pending.is_answered)
+        assert await (await pending.response()).read_whole(CAP) == b"payload"
+        assert server.num_connections == 1 and client.num_idle == 1
+
+
+async def test_a_refused_background_connect_is_an_answer_and_a_connect_failed(client: UpstreamClient) -> None:
+    pending = client.start("GET", f"http://127.0.0.1:{free_port()}/", timeout=5)
+    called = asyncio.Event()
+    pending.call_when_answered(called.set)
+    await asyncio.wait_for(called.wait(), 5)
+    assert pending.is_answered
+    with pytest.raises(ConnectFailed):
+        await pending.response()
+
+
+async def test_answered_means_the_whole_body_or_a_full_buffer(client: UpstreamClient) -> None:
+    """Headers alone are not an answer (reading the body would wait); a complete body is, and so is one that
+    fills the read buffer (a capped read takes it without waiting)."""
+    send_rest = asyncio.Event()
+
+    async def handler(conn: Conn) -> None:
+        await conn.read_request()
+        conn.writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nhalf.")
+        await send_rest.wait()
+        conn.writer.write(b"rest.")
+        await conn.read_request()
+        conn.writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 4194304\r\n\r\n" + b"x" * (1 << 20))
+        await conn.reader.read()
+
+    async with ScriptedServer(handler) as server:
+        pending = client.start("GET", server.url, timeout=5)
+        called = asyncio.Event()
+        pending.call_when_answered(called.set)
+        await asyncio.sleep(0.2)  # the head and half the body are in by now; the answer is not
+        assert not pending.is_answered and not called.is_set()
+        send_rest.set()
+        await asyncio.wait_for(called.wait(), 5)
+        assert await (await pending.response()).read_whole(CAP) == b"half.rest."
+        big = client.start("GET", server.url, timeout=5)
+        await until(lambda: big.is_answered)
+        response = await big.response()
+        assert await response.read(65536) == b"x" * 65536 and response.is_truncated
+
+
+@pytest.mark.parametrize("when", ["sent", "connecting", "connected"])
+async def test_an_abandoned_request_leaves_no_connection(client: UpstreamClient, when: str) -> None:
+    accepted = asyncio.Event()
+
+    async def handler(conn: Conn) -> None:
+        accepted.set()
+        await serve_ok(conn)
+
+    async with ScriptedServer(handler) as server:
+        if when == "sent":
+            await warm(client, server.url)
+        pending = client.start("GET", server.url, timeout=5)
+        if when == "connected":
+            await asyncio.wait_for(accepted.wait(), 5)
+        pending.close()
+        pending.close()  # twice: nothing more
+        await until(lambda: client.num_connections == 0)
+        with pytest.raises(RuntimeError):
+            await pending.response()
+
+
+async def test_one_response_per_request(client: UpstreamClient) -> None:
+    async with ScriptedServer(serve_ok) as server:
+        pending = client.start("GET", server.url + "/x", timeout=5)
+        response = await pending.response()
+        pending.close()  # after the response: the response owns the connection
+        assert await response.read_whole(CAP) == b"GET /x HTTP/1.1||"
+        with pytest.raises(RuntimeError):
+            await pending.response()
+        assert client.num_idle == 1
+
+
+async def test_a_url_that_cannot_be_sent_fails_at_start(client: UpstreamClient) -> None:
+    with pytest.raises(InvalidURL):
+        client.start("GET", "https://127.0.0.1/", timeout=1)
+    pending = client.start("GET", f"http://127.0.0.1:{free_port()}/", timeout=1)
+    assert isinstance(pending, PendingRequest)  # a refused port is the answer's to tell, not start's
+    pending.close()

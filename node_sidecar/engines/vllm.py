@@ -53,6 +53,7 @@ from node_sidecar.engines.vllm_weights import GROUP_CALLS, SESSION_CALLS, UPDATE
 from node_sidecar.errors import EngineRefused, EngineUnavailable
 
 INFO_TIMEOUT_S = 30.0        # vLLM's first /server_info collects its environment: seconds
+FLUSH_AFTER_UPDATE_S = 10.0  # how long an update's prefix-cache reset may wait for running requests' blocks
 WEIGHTS, KV_CACHE = "weights", "kv_cache"
 SLEEPING_TAGS = (WEIGHTS, KV_CACHE)
 
@@ -231,7 +232,12 @@ class VllmEngine(ForeignEngine):
             await self.engine.call("POST", "/update_weight_version", {"new_version": body["weight_version"]})
             self.weight_version = body["weight_version"]
         if body.get("flush_cache", True) and KV_CACHE not in self.released:
-            await self.engine.call("POST", "/reset_prefix_cache")
+            try:
+                await self.flush_cache(FLUSH_AFTER_UPDATE_S)
+            except Conflict as exc:  # never a success with the old weights' prefixes still cached
+                raise Conflict(f"the weights are updated (version {self.weight_version!r}), but {exc.message}: "
+                               "cached prefixes may still be the old weights'; call /flush_cache once the "
+                               "running requests end", kind=E.REQUESTS_IN_FLIGHT) from exc
 
     async def _push(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         """A tensor or broadcast update, ended as a reload is (version, prefix cache)."""

@@ -80,3 +80,44 @@ def test_without_the_extension_the_calls_say_how_to_enable_it_and_the_session_is
     assert sync.session_call("/end_weight_update", {})["success"] is True
     with pytest.raises(InvalidRequest, match="no weight update session"):
         sync.session_call("/end_weight_update", {})
+
+
+class ResettingEngine:
+    """vLLM's HTTP surface as an update uses it; ``/reset_prefix_cache`` fails ``num_refusals`` times first
+    (vLLM answers ``success: false`` while running requests hold blocks)."""
+
+    base_url = "http://127.0.0.1:9"
+
+    def __init__(self, num_refusals: int) -> None:
+        self.num_refusals = num_refusals
+        self.paths: list[str] = []
+
+    async def call(self, method: str, path: str, body: object = None, **_: object) -> dict:
+        self.paths.append(path)
+        if path == "/reset_prefix_cache":
+            self.num_refusals -= 1
+            return {"success": self.num_refusals < 0}
+        return {}
+
+
+async def test_an_update_resets_the_prefix_cache_or_says_it_could_not(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An update's prefix-cache reset was sent once and its answer ignored: a refused reset (running requests
+    hold blocks) answered success with the old weights' prefixes still cached (found by review)."""
+    from handoff.service.errors import Conflict
+    from node_sidecar.engines import vllm
+
+    body = {"model_path": "/ckpt", "weight_version": "v2"}
+    engine = ResettingEngine(num_refusals=2)
+    answer = await vllm.VllmEngine(engine).update_weights_from_disk(body)
+    assert answer["success"] is True and answer["weight_version"] == "v2"
+    assert engine.paths.count("/reset_prefix_cache") == 3  # retried until it succeeded
+    monkeypatch.setattr(vllm, "FLUSH_AFTER_UPDATE_S", 0.2)
+    engine = ResettingEngine(num_refusals=1000)
+    with pytest.raises(Conflict) as refused:
+        await vllm.VllmEngine(engine).update_weights_from_disk(body)
+    assert refused.value.type == "requests_in_flight"
+    assert "the weights are updated (version 'v2')" in refused.value.message
+    assert "call /flush_cache" in refused.value.message
+    engine = ResettingEngine(num_refusals=1000)
+    answer = await vllm.VllmEngine(engine).update_weights_from_disk({**body, "flush_cache": False})
+    assert answer["success"] is True and "/reset_prefix_cache" not in engine.paths

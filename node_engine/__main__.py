@@ -45,6 +45,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--incremental-streaming-output", action="store_true",
                    help="stream events carry only the new text, ids and logprobs (default: the whole answer so "
                         "far, as SGLang streams by default)")
+    p.add_argument("--sampling-defaults", choices=("model", "openai"), default="model",
+                   help="what a chat request that leaves out temperature, top_p, top_k, min_p or "
+                        "repetition_penalty gets: the model's generation_config.json values (default, as SGLang), "
+                        "or the OpenAI defaults")
     p.add_argument("--return-original-logprob", action="store_true",
                    help="output logprobs from the logits before the temperature is applied (default: after, as "
                         "SGLang; its SGLANG_RETURN_ORIGINAL_LOGPROB)")
@@ -108,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
             vision_reserve_mb=args.vision_reserve_mb, memory_budget_mb=args.memory_budget_mb,
             max_image_pixels=args.max_image_pixels, allowed_local_media_path=args.allowed_local_media_path,
             incremental_streaming_output=args.incremental_streaming_output,
+            sampling_defaults=args.sampling_defaults,
             return_original_logprob=args.return_original_logprob)
     except ConfigError as exc:
         log.error("%s", exc)

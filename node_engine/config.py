@@ -58,6 +58,7 @@ class EngineConfig:
     # CPU: the most resident memory (RSS) the engine process may use; the KV pool is sized from it.
     memory_budget_mb: int | None = None
     incremental_streaming_output: bool = False  # stream events carry only what is new (SGLang's flag)
+    sampling_defaults: str = "model"  # chat's defaults: the model's generation_config.json, or "openai"
     return_original_logprob: bool = False       # output logprobs without the temperature (node_engine/logprobs.py)
 
     def __post_init__(self) -> None:

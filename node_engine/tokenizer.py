@@ -37,12 +37,19 @@ BUILTIN_VL_CHAT_TEMPLATE = (
 
 
 _GIL_FREE_ENCODE_CHARS = 16 * 1024
+# What a model's generation_config.json may set for chat requests that leave it out (SGLang's
+# ModelConfig.get_default_sampling_params)
+SAMPLING_DEFAULT_KEYS = ("repetition_penalty", "temperature", "top_k", "top_p", "min_p")
 
 
 class Tokenizer:
     def __init__(self, hf: HFTokenizer, *, bos_token: str | None, eos_token: str | None,
-                 eos_token_ids: tuple[int, ...], chat_template: str | None) -> None:
+                 eos_token_ids: tuple[int, ...], chat_template: str | None,
+                 sampling_defaults: dict[str, float] | None = None) -> None:
+        """``sampling_defaults``: what the model's ``generation_config.json`` sets of :data:`SAMPLING_DEFAULT_KEYS`
+        (chat requests that leave them out use them, SGLang's ``--sampling-defaults model``)."""
         self._hf = hf
+        self.sampling_defaults = dict(sampling_defaults or {})
         self.bos_token = bos_token
         self.eos_token = eos_token
         self.eos_token_ids = eos_token_ids
@@ -64,9 +71,10 @@ class Tokenizer:
         eos = _token_content(config.get("eos_token"))
         eos_ids = set(extra_eos_ids)
         gen_config = folder / "generation_config.json"
-        if gen_config.is_file():
-            value = json.loads(gen_config.read_text()).get("eos_token_id")
-            eos_ids.update([value] if isinstance(value, int) else [v for v in value or [] if isinstance(v, int)])
+        generation = json.loads(gen_config.read_text()) if gen_config.is_file() else {}
+        generation = generation if isinstance(generation, dict) else {}
+        value = generation.get("eos_token_id")
+        eos_ids.update([value] if isinstance(value, int) else [v for v in value or [] if isinstance(v, int)])
         if eos is not None and hf.token_to_id(eos) is not None:
             eos_ids.add(hf.token_to_id(eos))
         template = config.get("chat_template")
@@ -74,7 +82,10 @@ class Tokenizer:
             template = next((t.get("template") for t in template if t.get("name") == "default"), None)
         if template is None and (folder / "chat_template.jinja").is_file():
             template = (folder / "chat_template.jinja").read_text()
-        return cls(hf, bos_token=bos, eos_token=eos, eos_token_ids=tuple(sorted(eos_ids)), chat_template=template)
+        sampling_defaults = {key: generation[key] for key in SAMPLING_DEFAULT_KEYS
+                             if isinstance(generation.get(key), (int, float)) and not isinstance(generation[key], bool)}
+        return cls(hf, bos_token=bos, eos_token=eos, eos_token_ids=tuple(sorted(eos_ids)), chat_template=template,
+                   sampling_defaults=sampling_defaults)
 
     @classmethod
     def builtin_bytes(cls, *, vision: bool = False) -> "Tokenizer":

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 from typing import Any, AsyncIterator, Callable
 
 from fastapi import APIRouter, Request
@@ -40,14 +39,16 @@ Choice = Callable[[int, SequenceChunk, bool], dict[str, Any]]  # (index, chunk, 
 
 
 async def _plan(request: Request, body: CompletionBody | ChatCompletionBody, prompt: dict[str, Any],
-                max_new_tokens: int | None, logprobs: dict[str, Any], *, fill_context: bool = False) -> GeneratePlan:
+                max_new_tokens: int | None, logprobs: dict[str, Any], *, is_chat: bool = False) -> GeneratePlan:
     """The plan of the equivalent ``/generate`` body (``prompt``: its ``text`` or ``input_ids``, and
-    ``image_data``). ``fill_context``: without ``max_new_tokens`` a sequence may use what the context leaves
-    (SGLang's chat), instead of ``/generate``'s default of 128. The route has refused unsupported fields."""
-    generate = parse_value({**prompt, "sampling_params": body.sampling_params(max_new_tokens), "rid": body.rid,
-                            "stream": body.stream, **body.forwarded(), **logprobs}, GenerateBody)
+    ``image_data``). The route has refused unsupported fields. For chat, as SGLang's: without
+    ``max_new_tokens`` a sequence may use what the context leaves (instead of ``/generate``'s default of 128),
+    and sampling fields left out take the model's defaults (``--sampling-defaults model``)."""
     engine: Engine = request.app.state.engine
-    default = engine.gate.room_after if fill_context else None
+    defaults = engine.tokenizer.sampling_defaults if is_chat and engine.config.sampling_defaults == "model" else {}
+    generate = parse_value({**prompt, "sampling_params": {**defaults, **body.sampling_params(max_new_tokens)},
+                            "rid": body.rid, "stream": body.stream, **body.forwarded(), **logprobs}, GenerateBody)
+    default = engine.gate.room_after if is_chat else None
     return await unless_disconnected(request, plan_generate(engine, generate, request.app.state.images,
                                                             default_max_new_tokens=default))
 
@@ -74,17 +75,19 @@ def _include_usage(body: CompletionBody | ChatCompletionBody) -> bool:
 class _Answer:
     """The OpenAI envelope of one answer (``object``, id, model, weight version), whole or streamed."""
 
-    def __init__(self, engine: Engine, obj: str, id_prefix: str, n: int, model: str | None) -> None:
+    def __init__(self, engine: Engine, obj: str, rids: list[str], n: int, model: str | None) -> None:
+        """``rids``: the engine's request id of each choice. As SGLang's, the answer's ``id`` is the first's and
+        a stream chunk's is its choice's, so a client can abort the request by the id it was given."""
         self.engine = engine
         self.model = model or engine.config.model_name  # SGLang repeats the request's model
         self.obj = obj
         self.n = n
-        self.id = f"{id_prefix}-{uuid.uuid4().hex}"
+        self.rids = rids
         self.created = int(time.time())
 
     def payload(self, choices: list[dict[str, Any]], usage: dict[str, int] | None = None,
-                obj: str | None = None) -> dict[str, Any]:
-        body: dict[str, Any] = {"id": self.id, "object": obj or self.obj, "created": self.created,
+                obj: str | None = None, index: int = 0) -> dict[str, Any]:
+        body: dict[str, Any] = {"id": self.rids[index], "object": obj or self.obj, "created": self.created,
                                 "model": self.model,
                                 "metadata": {"weight_version": self.engine.weight_version}, "choices": choices}
         if usage is not None:
@@ -105,8 +108,9 @@ class _Answer:
             piece = run.chunk(index, out)
             is_first = index not in last
             last[index] = piece
-            lead = sse_event(self.payload([preamble(index)], obj=chunk_obj)) if is_first and preamble else b""
-            return lead + sse_event(self.payload([choice(index, piece, is_first)], obj=chunk_obj))
+            lead = sse_event(self.payload([preamble(index)], obj=chunk_obj, index=index)) if is_first and preamble \
+                else b""
+            return lead + sse_event(self.payload([choice(index, piece, is_first)], obj=chunk_obj, index=index))
 
         yield chunk(*head)
         try:
@@ -117,7 +121,7 @@ class _Answer:
             return
         if finale is not None:
             for index in sorted(last):
-                yield sse_event(self.payload([finale(index, last[index])], obj=chunk_obj))
+                yield sse_event(self.payload([finale(index, last[index])], obj=chunk_obj, index=index))
         if include_usage:
             yield sse_event(self.payload([], usage([last[i] for i in sorted(last)], self.n), obj=chunk_obj))
         yield DONE_EVENT
@@ -176,7 +180,7 @@ async def completions(request: Request) -> Response:
             tops = list(get("input_top_logprobs") or []) + tops
         return completion_logprobs(tokens, tops)
 
-    return await _Answer(engine, "text_completion", "cmpl", plan.n, body.model).respond(
+    return await _Answer(engine, "text_completion", run.rids, plan.n, body.model).respond(
         request, run, lambda i, a: {"index": i, "text": echoes[i] + a.text, "logprobs": lists(a, True),
                                     **_finish_fields(a.finish_reason), **ids(i, a.output_ids, True)},
         lambda i, c, first: {"index": i, "text": (echoes[i] if first else "") + c.text, "logprobs": lists(c, first),
@@ -207,8 +211,11 @@ def _messages(body: ChatCompletionBody, content_format: str) -> tuple[list[dict[
 
     For a ``"string"`` template (:func:`node_engine.chat_template.content_format`) a content list of text parts
     is joined with spaces, as SGLang joins it; an ``"openai"`` template gets the parts, each image a
-    ``{"type": "image"}`` part (one placeholder each). An assistant's tool-call arguments written as a JSON
-    string are given to the template as the object (SGLang's ``normalize_assistant_tool_call_arguments``)."""
+    ``{"type": "image"}`` part (one placeholder each), but a tool message's text parts are joined whatever the
+    template (SGLang's ``normalize_tool_content``: templates print a tool result as it is). An assistant's
+    tool-call arguments written as a JSON string are given to the template as the object (SGLang's
+    ``normalize_assistant_tool_call_arguments``). A last message from the assistant with text content becomes
+    a user message (SGLang's ``_handle_last_assistant_message``: the prompt always ends with the user's turn)."""
     rendered, items = split_image_parts([m.model_dump(exclude_none=True) for m in body.messages])
     messages = []
     for n, message in enumerate(rendered):
@@ -218,10 +225,12 @@ def _messages(body: ChatCompletionBody, content_format: str) -> tuple[list[dict[
                 if part["type"] == "text" and not isinstance(part.get("text"), str):
                     raise InvalidRequest(f"messages.{n}.content: a text part needs a string text")
             texts = [part["text"] for part in content if part["type"] == "text"]
-            if len(texts) == len(content) and content_format == "string":
+            if len(texts) == len(content) and (content_format == "string" or message["role"] == "tool"):
                 content = " ".join(texts)
         messages.append({**message, "content": content or ""})
         _parse_tool_call_arguments(messages[-1], n)
+    if messages and messages[-1]["role"] == "assistant" and isinstance(messages[-1]["content"], str):
+        messages[-1] = {"role": "user", "content": messages[-1]["content"]}
     return messages, items
 
 
@@ -265,7 +274,7 @@ async def chat_completions(request: Request) -> Response:
     logprobs = {"return_logprob": True, "top_logprobs_num": body.top_logprobs or 0,
                 "return_text_in_logprobs": True} if body.logprobs else {}
     plan = await _plan(request, body, {"input_ids": ids, "image_data": images or None}, body.max_new_tokens,
-                       logprobs, fill_context=True)
+                       logprobs, is_chat=True)
     run = GenerationRun(engine, plan.sequences, stream=body.stream)
     token_ids = _token_ids(body, plan)
 
@@ -278,7 +287,7 @@ async def chat_completions(request: Request) -> Response:
                 "logprobs": lists(meta.get("output_token_logprobs"), meta.get("output_top_logprobs")),
                 **_finish_fields(a.finish_reason), **token_ids(i, a.output_ids, True)}
 
-    return await _Answer(engine, "chat.completion", "chatcmpl", plan.n, body.model).respond(
+    return await _Answer(engine, "chat.completion", run.rids, plan.n, body.model).respond(
         request, run, whole,
         lambda i, c, first: {"index": i, "delta": {"content": c.text},
                              "logprobs": lists(c.output_token_logprobs, c.output_top_logprobs),

@@ -34,6 +34,7 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     config_file = folder / "tokenizer_config.json"
     config = json.loads(config_file.read_text())
     config_file.write_text(json.dumps({**config, "chat_template": TEMPLATE}))
+    (folder / "generation_config.json").write_text(json.dumps({"top_k": 1, "max_length": 4096}))  # chat's default
     proc = ServerProcess("node_engine", ["--model-path", str(folder), "--context-length", str(CONTEXT),
                                          "--served-model-name", "tiny-llama"], log_dir=folder)
     proc.start()
@@ -162,3 +163,57 @@ def test_a_chat_stream_ends_each_choice_with_a_finish_chunk_as_sglang_does(clien
     assert all(c["delta"] == {} and c["finish_reason"] == "length" and "matched_stop" in c for c in finals)
     assert choices[-2:] == finals  # after every content chunk of both choices
     assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 8
+
+
+def test_a_chat_leaving_sampling_out_takes_the_models_defaults(client: httpx.Client) -> None:
+    """SGLang 0.5.23 (``--sampling-defaults model``, its default) fills the chat fields a request leaves out
+    from the model's generation_config.json, here ``top_k: 1``: sampling at temperature 1 gives the greedy
+    answer whatever the seed. A request's own value wins; completions keep the OpenAI defaults."""
+    body = {"messages": [USER], "max_tokens": 8, "ignore_eos": True}
+    greedy = chat(client, **body, temperature=0)["choices"][0]["message"]["content"]
+    assert all(chat(client, **body, seed=seed)["choices"][0]["message"]["content"] == greedy for seed in (1, 2, 3))
+    sampled = {chat(client, **body, seed=seed, top_k=-1)["choices"][0]["message"]["content"] for seed in (1, 2, 3)}
+    assert sampled != {greedy}
+    prompt = client.post("/v1/completions", json={"prompt": "<user>hi<assistant>", "max_tokens": 8, "ignore_eos": True,
+                                                  "temperature": 0}).json()["choices"][0]["text"]
+    completions = {client.post("/v1/completions", json={"prompt": "<user>hi<assistant>", "max_tokens": 8,
+                                                       "ignore_eos": True, "seed": seed}).json()["choices"][0]["text"]
+                   for seed in (1, 2, 3)}
+    assert completions != {prompt}
+
+
+def test_the_answer_id_is_the_request_id_so_a_client_can_abort_by_it(client: httpx.Client) -> None:
+    """SGLang's answer and stream chunk ids are the request's rid (given or generated); a fresh id of its own
+    could not be aborted (found by review)."""
+    assert chat(client, rid="my-rid")["id"] == "my-rid"
+    events, saw_done = read_stream(client, "/v1/chat/completions", {
+        "messages": [USER], "max_tokens": 3, "stream": True, "rid": "my-stream", "stream_options": {"include_usage": True}})
+    assert saw_done and {event["id"] for event in events} == {"my-stream"}
+    completion = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1, "rid": "my-completion"})
+    assert completion.json()["id"] == "my-completion"
+    generated = chat(client)["id"]
+    assert generated and client.post("/abort_request", json={"rid": generated}).status_code == 200
+
+
+def test_a_trailing_assistant_message_becomes_the_users_turn(client: httpx.Client) -> None:
+    """SGLang's ``_handle_last_assistant_message``: a chat that ends with the assistant's text is rendered with
+    that text as the user's, never as an open assistant turn."""
+    def prompt_ids(messages: list[dict[str, Any]]) -> list[int]:
+        return chat(client, messages=messages, return_prompt_token_ids=True)["choices"][0]["prompt_token_ids"]
+
+    ending_with_assistant = prompt_ids([USER, {"role": "assistant", "content": "partial"}])
+    assert ending_with_assistant == prompt_ids([USER, {"role": "user", "content": "partial"}])
+    assert bytes(ending_with_assistant).endswith(b"<user>partial<assistant>")
+
+
+def test_a_tool_messages_text_parts_are_joined_for_any_template() -> None:
+    """SGLang's ``normalize_tool_content``: a tool result sent as text parts reaches even a template that reads
+    content parts as one string (templates print a tool message's content as it is)."""
+    from node_engine.server.openai_bodies import ChatCompletionBody
+    from node_engine.server.routes_openai import _messages
+
+    body = ChatCompletionBody.model_validate({"messages": [USER, {"role": "tool", "tool_call_id": "c1", "content": [
+        {"type": "text", "text": "r1"}, {"type": "text", "text": "r2"}]}, USER]})
+    messages, _ = _messages(body, "openai")
+    assert messages[1]["content"] == "r1 r2"
+    assert messages[2]["content"] == "hi"

@@ -31,8 +31,10 @@ time to answer instead of being reported timed out while it drains.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
+from collections import deque
 from typing import Any, Mapping
 
 from handoff.protocol import errors as E
@@ -81,21 +83,28 @@ _REASONS: tuple[tuple[type[UpstreamError], str], ...] = (
 )
 
 
-def _is_answered(request: PendingRequest | UpstreamError) -> bool:
-    return isinstance(request, UpstreamError) or request.is_answered
+class _Arrivals:
+    """The indexes of a fan-out's requests in the order their answers come in (one callback per request)."""
 
+    def __init__(self, sent: list[PendingRequest | UpstreamError]) -> None:
+        self._ready: deque[int] = deque()
+        self._wakeup: asyncio.Future[None] | None = None
+        for index, request in enumerate(sent):
+            if isinstance(request, UpstreamError):
+                self._ready.append(index)
+            else:
+                request.call_when_answered(functools.partial(self._arrived, index))
 
-async def _any_answer(requests: list[PendingRequest]) -> None:
-    """Wait until one of ``requests`` is answered."""
-    answered = asyncio.get_running_loop().create_future()
+    def _arrived(self, index: int) -> None:
+        self._ready.append(index)
+        if self._wakeup is not None and not self._wakeup.done():
+            self._wakeup.set_result(None)
 
-    def wake() -> None:
-        if not answered.done():
-            answered.set_result(None)
-
-    for request in requests:
-        request.call_when_answered(wake)
-    await answered
+    async def next(self) -> int:
+        while not self._ready:
+            self._wakeup = asyncio.get_running_loop().create_future()
+            await self._wakeup
+        return self._ready.popleft()
 
 
 def check_drain_fits(path: str, body: bytes, timeout_s: float) -> None:
@@ -161,23 +170,18 @@ class FanOut:
     async def _read_answers(self, nodes: list[Node], fences: list[Fence | None],
                             sent: list[PendingRequest | UpstreamError], path: str, timeout_s: float,
                             results: list[NodeResult | None], checks: dict[asyncio.Future[None], Fence | None]) -> None:
-        """Each node's answer into ``results`` (in node order), read as they complete: every pass takes the
-        answers already in (reading one waits for no peer, but for the one retry of a request that met a stale
-        keep-alive connection), or waits until one is; a check a node needs goes into ``checks``."""
+        """Each node's answer into ``results`` (in node order), read in the order they come in (reading one
+        waits for no peer: see :mod:`handoff.service.upstream_pending`); a check a node needs goes into
+        ``checks``."""
         parsed = ParsedAnswers()
-        waiting = list(range(len(nodes)))
-        while waiting:
-            answered = [index for index in waiting if _is_answered(sent[index])]
-            if not answered:
-                await _any_answer([request for index in waiting if isinstance(request := sent[index], PendingRequest)])
-                continue
-            for index in answered:
-                result, state = await self._answer_of(nodes[index], sent[index], timeout_s, parsed)
-                results[index] = result
-                check = self._settle(nodes[index], fences[index], path, result, state)
-                if check is not None:
-                    checks[check] = fences[index]
-            waiting = [index for index in waiting if results[index] is None]
+        arrivals = _Arrivals(sent)
+        for _ in nodes:
+            index = await arrivals.next()
+            result, state = await self._answer_of(nodes[index], sent[index], timeout_s, parsed)
+            results[index] = result
+            check = self._settle(nodes[index], fences[index], path, result, state)
+            if check is not None:
+                checks[check] = fences[index]
 
     async def call_node(self, node: Node, method: str, path: str, body: bytes, content_type: str | None,
                         timeout_s: float) -> NodeResult:
@@ -199,7 +203,8 @@ class FanOut:
               timeout_s: float) -> PendingRequest | UpstreamError:
         """The node's request, written now (or connecting); the error when it cannot even be sent."""
         try:
-            return self._client.start(method, node.url + path, headers=headers, body=body, timeout=timeout_s)
+            return self._client.start(method, node.url + path, headers=headers, body=body, timeout=timeout_s,
+                                      answer_caps=(MAX_RESULT_BODY_BYTES, MAX_FAILURE_DETAIL_BYTES))
         except UpstreamError as exc:
             return exc
 

@@ -7,6 +7,7 @@ import os
 
 from starlette.requests import Request
 
+from handoff.protocol.bearer import checked_token
 from handoff.service.errors import Unauthorized
 
 
@@ -63,9 +64,4 @@ def token_from(flag_value: str | None, env_var: str, flag: str) -> str | None:
     value = flag_value or os.environ.get(env_var) or None
     if value is None:
         return None
-    token = value.strip()
-    if not token:
-        raise ValueError(f"{flag} (or {env_var}) is blank: give a token, or leave it unset for open endpoints")
-    if not all(0x21 <= ord(char) <= 0x7E for char in token):
-        raise ValueError(f"{flag} (or {env_var}) must be visible ASCII characters without spaces")
-    return token
+    return checked_token(value, f"{flag} (or {env_var})")

@@ -76,6 +76,7 @@ class Connection(asyncio.Protocol):
         self._is_reading_paused = False
         self._failure: UpstreamError | None = None
         self._on_answer: Callable[[], None] | None = None
+        self._answer_caps: tuple[int, int] | None = None
 
     # -- lifecycle ---------------------------------------------------------
     def _transition(self, new: ConnState, *, allowed_from: tuple[ConnState, ...]) -> None:
@@ -101,9 +102,20 @@ class Connection(asyncio.Protocol):
     @property
     def has_answer(self) -> bool:
         """A reader of whole (capped) answers would wait for nothing: the response is complete, or failed, or
-        fills the read buffer (reading paused: a capped read takes what is there)."""
-        return (self.is_message_done or self._failure is not None or self._is_reading_paused
-                or self.state is ConnState.CLOSED)
+        holds what the reader will take (the exchange's ``answer_caps``, or a full read buffer)."""
+        if self.is_message_done or self._failure is not None or self._is_reading_paused:
+            return True
+        if self.state is ConnState.CLOSED:
+            return True
+        caps = self._answer_caps
+        if caps is None or not self.is_headers_done:
+            return False
+        return self._num_buffered >= (caps[0] if 200 <= self.status < 300 else caps[1])
+
+    @property
+    def failure(self) -> UpstreamError | None:
+        """Why the exchange failed, once it has."""
+        return self._failure
 
     def call_when_answered(self, callback: Callable[[], None]) -> None:
         """Call ``callback`` once :attr:`has_answer` (now, if it already is); a later call replaces it."""
@@ -134,9 +146,12 @@ class Connection(asyncio.Protocol):
         self._on_closed(self)
 
     # -- sending -----------------------------------------------------------
-    def send(self, url: str, method: str, head: bytes, body: bytes, deadline: float | None) -> bool:
-        """Write one request; False when the transport was already closed (nothing written)."""
+    def send(self, url: str, method: str, head: bytes, body: bytes, deadline: float | None, *,
+             answer_caps: tuple[int, int] | None = None) -> bool:
+        """Write one request; False when the transport was already closed (nothing written). ``answer_caps``:
+        the body bytes its reader takes of a 2xx answer and of any other (:attr:`has_answer` counts them)."""
         self._url = url
+        self._answer_caps = answer_caps
         if self.transport is None or self.transport.is_closing() or self.state is not ConnState.BUSY:
             return False
         self._parser = ResponseParser(self._chunks, is_head_request=method == "HEAD",

@@ -148,15 +148,17 @@ class UpstreamClient:
         return await self._begin(method, url, headers, body, timeout, connect_now=False).response()
 
     def start(self, method: str, url: str, *, headers: Headers | None = None, body: bytes = b"",
-              timeout: float | None = None) -> PendingRequest:
+              timeout: float | None = None, answer_caps: tuple[int, int] | None = None) -> PendingRequest:
         """Send a request now without waiting for its answer: written at once on an idle pooled connection,
         else as soon as a new one (connecting in the background) is up. Await
         :meth:`PendingRequest.response`, or :meth:`PendingRequest.close` it; ``timeout`` as for
-        :meth:`request`. Raises :class:`UpstreamError` for a URL or header that cannot be sent."""
-        return self._begin(method, url, headers, body, timeout, connect_now=True)
+        :meth:`request`; ``answer_caps``: the body bytes the caller will read of a 2xx answer and of any other
+        (the request is answered once they are in). Raises :class:`UpstreamError` for a URL or header that
+        cannot be sent."""
+        return self._begin(method, url, headers, body, timeout, connect_now=True, answer_caps=answer_caps)
 
     def _begin(self, method: str, url: str, headers: Headers | None, body: bytes, timeout: float | None, *,
-               connect_now: bool) -> PendingRequest:
+               connect_now: bool, answer_caps: tuple[int, int] | None = None) -> PendingRequest:
         if self.state is not ClientState.OPEN:
             raise ClientClosed(f"client is {self.state.value}", url=url)
         origin, target = split_url(url)
@@ -167,7 +169,8 @@ class UpstreamClient:
             exc.url = url
             raise
         return PendingRequest(method, url, origin, head, body, deadline, take_idle=self._take_idle,
-                              connect=self._connect, release=self._release, connect_now=connect_now)
+                              connect=self._connect, release=self._release, connect_now=connect_now,
+                              answer_caps=answer_caps)
 
     def _take_idle(self, origin: Origin) -> Connection | None:
         """A pooled connection to ``origin`` still fit for use, marked busy; None when there is none."""

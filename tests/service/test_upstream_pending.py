@@ -127,3 +127,36 @@ async def test_a_url_that_cannot_be_sent_fails_at_start(client: UpstreamClient) 
     pending = client.start("GET", f"http://127.0.0.1:{free_port()}/", timeout=1)
     assert isinstance(pending, PendingRequest)  # a refused port is the answer's to tell, not start's
     pending.close()
+
+
+async def test_a_stale_keep_alive_is_retried_in_the_background_before_the_request_counts_as_answered(
+        client: UpstreamClient) -> None:
+    """The peer closes the pooled connection as the GET goes out: the retry on a fresh connection runs in the
+    background, and the request is answered only by it. It ran inside ``response()``, so a reader of answered
+    requests waited there on the peer (found by review)."""
+    retry_arrived = asyncio.Event()
+    answer_retry = asyncio.Event()
+    num_requests = 0
+
+    async def handler(conn: Conn) -> None:
+        nonlocal num_requests
+        while (request := await conn.read_request()) is not None:
+            num_requests += 1
+            if num_requests == 2:
+                return  # the stale keep-alive: read, closed without a byte
+            if num_requests == 3:
+                retry_arrived.set()
+                await answer_retry.wait()
+            await conn.respond(200, request[0].encode())
+
+    async with ScriptedServer(handler) as server:
+        await warm(client, server.url)
+        pending = client.start("GET", server.url + "/again", timeout=5)
+        answered = asyncio.Event()
+        pending.call_when_answered(answered.set)
+        await asyncio.wait_for(retry_arrived.wait(), 5)  # nothing awaited the request: the retry went by itself
+        assert not pending.is_answered and not answered.is_set()
+        answer_retry.set()
+        await asyncio.wait_for(answered.wait(), 5)
+        assert await (await pending.response()).read_whole(CAP) == b"GET /again HTTP/1.1"
+        assert server.num_connections == 2

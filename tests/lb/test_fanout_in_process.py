@@ -1,0 +1,94 @@
+"""A control fan-out in process against loopback nodes, for what a real LB process cannot show: a fan-out
+cancelled part way (the LB stopping under it), and when each node's verdict is reached."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from handoff.service.upstream import UpstreamClient
+from lb.config import LBConfig, NodeSpec
+from lb.fanout import FanOut
+from lb.health import HealthMonitor
+from lb.membership import Membership
+from lb.metrics import LBMetrics
+from lb.node import NodeHealth
+from tests.service.peers import Conn, ScriptedServer, until
+
+STATE = 'X-Handoff-Node-State: {"serving": true, "admission": "open", "tags": {}}\r\n'
+
+
+def make_fanout(client: UpstreamClient, urls: list[str]) -> tuple[FanOut, list]:
+    metrics = LBMetrics()
+    membership = Membership(metrics)
+    nodes = [membership.add(NodeSpec(url), "test") for url in urls]
+    for node in nodes:
+        node.set_health(NodeHealth.HEALTHY)
+        node.set_serving(True, "open")
+    return FanOut(client, membership, HealthMonitor(client, membership, LBConfig(), {}), metrics, {}), nodes
+
+pytestmark = pytest.mark.timeout(20)
+
+
+async def test_a_cancelled_fanout_lifts_its_fences_and_closes_its_requests() -> None:
+    answered = asyncio.Event()
+
+    async def answer_at_once(conn: Conn) -> None:
+        while await conn.read_request() is not None:
+            await conn.respond(200, b'{"success": true}', extra="Content-Type: application/json\r\n")
+            answered.set()
+
+    async def never_answer(conn: Conn) -> None:
+        await conn.read_request()
+        await conn.reader.read()
+
+    client = UpstreamClient()
+    async with ScriptedServer(answer_at_once) as quick, ScriptedServer(never_answer) as hung, \
+            ScriptedServer(never_answer) as hung_too:
+        fanout, nodes = make_fanout(client, [hung.url, quick.url, hung_too.url])
+        call = asyncio.ensure_future(fanout.run("POST", "/release_memory_occupation", b"{}", "application/json",
+                                                None, 10.0))
+        await asyncio.wait_for(answered.wait(), 5)
+        await until(lambda: client.num_connections == 3)
+        assert all(node.num_fences == 1 and not node.is_routable for node in nodes)
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        assert [node.num_fences for node in nodes] == [0, 0, 0]
+        await until(lambda: client.num_connections == client.num_idle)  # the hung nodes' connections closed
+        assert client.num_idle <= 1
+    await client.aclose()
+
+
+@pytest.mark.parametrize("head", [b"HTTP/1.1 200 OK\r\nContent-Length: 1000000\r\n\r\n" + b"x" * 100_000,
+                                  b"HTTP/1.1 500 X\r\nContent-Length: 9999\r\n\r\n" + b"e" * 700],
+                         ids=["2xx-past-the-result-cap", "500-past-the-detail-cap"])
+async def test_an_answer_past_what_is_read_of_it_is_judged_at_once(head: bytes) -> None:
+    """A node that sends more than the LB reads of its answer (64 KiB of a 2xx, 512 bytes of an error) and then
+    stalls is judged as soon as those bytes are in, as before the fan-out read answers as they complete; it was
+    judged at the deadline, with its fence up past the answer (found by review)."""
+    async def quick(conn: Conn) -> None:
+        while await conn.read_request() is not None:
+            await conn.respond(200, b'{"success": true}', extra=STATE)
+
+    async def oversized_then_stalled(conn: Conn) -> None:
+        while (request := await conn.read_request()) is not None:
+            if request[0].startswith("GET"):  # the follow-up check of a node that sent no state
+                await conn.respond(200, b'{"serving": true}')
+                continue
+            conn.writer.write(head)
+            await conn.writer.drain()
+            await conn.reader.read()
+
+    client = UpstreamClient()
+    async with ScriptedServer(quick) as good, ScriptedServer(oversized_then_stalled) as odd:
+        fanout, nodes = make_fanout(client, [odd.url, good.url])
+        started = time.monotonic()
+        status, body = await fanout.run("POST", "/pause_generation", b"{}", "application/json", None, 3.0)
+        assert time.monotonic() - started < 1.5
+        assert status == 502 and [failure["node"] for failure in body["failures"]] == [odd.url]
+        assert body["failures"][0]["reason"] in ("oversized_answer", "http_status")
+        await until(lambda: all(node.num_fences == 0 for node in nodes))
+    await client.aclose()

@@ -45,10 +45,13 @@ def _count(text: str) -> int:
 
 
 def _usable_log_dir(path: Path | None, command: str) -> Path | None:
-    """``path`` created if needed; None (after one line on stderr) when it cannot hold the logs."""
+    """``path`` created if needed; None (after one line on stderr) when it cannot hold the logs (not a folder,
+    or one this process cannot write a file in)."""
     target = path or Path(tempfile.mkdtemp(prefix=f"handoff-{command}-"))
     try:
         target.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=target, prefix=".handoff-write-check-"):
+            pass
     except OSError as exc:
         print(f"handoff {command}: --log-dir {target}: {exc.strerror or exc}", file=sys.stderr)
         return None
@@ -65,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "demo":
         from handoff.demo import run_demo
 
-        return run_demo(args.nodes, model=args.model, log_dir=args.log_dir)
+        return run_demo(args.nodes, model=args.model, log_dir=_usable_log_dir(args.log_dir, "demo"))
     from handoff.cluster.local import ClusterSpec
     from handoff.cluster.up import run_up
 

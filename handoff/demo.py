@@ -26,6 +26,7 @@ import psutil
 
 from handoff.client import AsyncHandoffClient, FanoutFailed, HandoffError
 from handoff.cluster.local import ClusterSpec, LocalCluster
+from handoff.cluster.process import ProcessFailed
 
 # A built-in model big enough for memory figures to mean something (~70 MB of weights, ~100 MB of KV).
 DEMO_MODEL = json.dumps({"hidden_size": 512, "intermediate_size": 1408, "num_layers": 6, "num_heads": 8,
@@ -246,9 +247,9 @@ def run_demo(num_nodes: int = 2, *, model: str = DEFAULT_MODEL, log_dir: Path | 
     if model not in (DEFAULT_MODEL, VL_MODEL):
         raise ValueError(f"the demo runs {DEFAULT_MODEL} or {VL_MODEL}, not {model!r}")
     started = time.perf_counter()
+    logs = log_dir or Path(tempfile.mkdtemp(prefix="handoff-demo-logs-"))  # kept: a failure points at them
     with tempfile.TemporaryDirectory(prefix="handoff-demo-") as tmp:
         workdir = Path(tmp)
-        logs = log_dir or workdir / "logs"
         spec = ClusterSpec(num_mixed=num_nodes, model_path=model, model_override=DEMO_MODEL, weights_backup="disk")
         say(f"starting {num_nodes} nodes of {model} (engine + sidecar each) and the LB; logs in {logs}")
         cluster = LocalCluster(spec, logs)
@@ -256,7 +257,7 @@ def run_demo(num_nodes: int = 2, *, model: str = DEFAULT_MODEL, log_dir: Path | 
             cluster.start()
             say(f"LB at {cluster.url}; nodes: {', '.join(n.url for n in cluster.nodes)}")
             reports = asyncio.run(_play(cluster, workdir, say, model))
-        except DemoFailed as exc:
+        except (DemoFailed, ProcessFailed, HandoffError, OSError) as exc:
             say(f"\nDEMO FAILED: {exc}\n(logs: {logs})")
             return 1
         finally:

@@ -8,9 +8,9 @@ from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 import httpx
 
-from handoff.client.answers import AnswerReader, decode, error_of, transport_failure
+from handoff.client.answers import AnswerReader, decode, error_of, node_list, transport_failure
 from handoff.client.calls import RetryPolicy, _Base, _Call, _Calls, _control, _retry_delay, _SseDecoder
-from handoff.client.errors import FanoutResult, ServiceUnavailable
+from handoff.client.errors import FanoutResult, HandoffError, ServiceUnavailable
 
 T = TypeVar("T")
 
@@ -42,13 +42,17 @@ class AsyncHandoffClient(_Base):
         raise RuntimeError("unreachable: the last attempt returns or raises")  # pragma: no cover
 
     async def _once(self, call: _Call) -> Any:
-        deadline = time.monotonic() + self._timeout_of(call)
+        timeout_s = self._timeout_of(call)
+        deadline = time.monotonic() + timeout_s
         try:
-            async with self._http.stream(call.method, call.path, **self._request_args(call)) as response:
-                reader = AnswerReader(self.max_answer_bytes, deadline, response.status_code)
-                async for chunk in response.aiter_bytes():
-                    reader.feed(chunk)
-        except httpx.TransportError as exc:
+            async with asyncio.timeout(timeout_s):  # the head too: httpx bounds each read, not the answer
+                async with self._http.stream(call.method, call.path, **self._request_args(call)) as response:
+                    reader = AnswerReader(self.max_answer_bytes, deadline, response.status_code)
+                    async for chunk in response.aiter_bytes():
+                        reader.feed(chunk)
+        except TimeoutError as exc:
+            raise HandoffError(0, "timeout", "the answer did not arrive whole within the call's timeout") from exc
+        except httpx.RequestError as exc:
             raise transport_failure(exc) from exc
         return decode(response.status_code, response.headers, reader.body, is_fanout=call.decode == "fanout",
                       node=self.base_url)
@@ -70,7 +74,7 @@ class AsyncHandoffClient(_Base):
                         yield event
                     if decoder.is_done:
                         return
-            except httpx.TransportError as exc:
+            except httpx.RequestError as exc:
                 raise transport_failure(exc, is_stream=True) from exc
             decoder.finish()
         finally:
@@ -79,19 +83,23 @@ class AsyncHandoffClient(_Base):
     async def _open_stream(self, call: _Call) -> httpx.Response:
         """The stream's response once its status is 2xx; an error answer is read (within the cap), closed and
         raised."""
-        deadline = time.monotonic() + self._timeout_of(call)
+        timeout_s = self._timeout_of(call)
+        deadline = time.monotonic() + timeout_s
         try:
-            response = await self._http.send(
-                self._http.build_request(call.method, call.path, **self._request_args(call)), stream=True)
-            if response.is_success:
-                return response
-            try:
-                reader = AnswerReader(self.max_answer_bytes, deadline, response.status_code)
-                async for chunk in response.aiter_bytes():
-                    reader.feed(chunk)
-            finally:
-                await response.aclose()
-        except httpx.TransportError as exc:
+            async with asyncio.timeout(timeout_s):
+                response = await self._http.send(
+                    self._http.build_request(call.method, call.path, **self._request_args(call)), stream=True)
+                if response.is_success:
+                    return response
+                try:
+                    reader = AnswerReader(self.max_answer_bytes, deadline, response.status_code)
+                    async for chunk in response.aiter_bytes():
+                        reader.feed(chunk)
+                finally:
+                    await response.aclose()
+        except TimeoutError as exc:
+            raise HandoffError(0, "timeout", "the stream did not start within the call's timeout") from exc
+        except httpx.RequestError as exc:
             raise transport_failure(exc) from exc
         raise error_of(response.status_code, response.headers, reader.body, response.reason_phrase)
 
@@ -119,8 +127,7 @@ class AsyncHandoffClient(_Base):
         return await self._send(_control("/continue_generation", None, role, timeout))
 
     async def nodes(self) -> list[dict[str, Any]]:
-        body = await self._send(_Call("GET", "/nodes"))
-        return body["nodes"] if isinstance(body, dict) else body
+        return node_list(await self._send(_Call("GET", "/nodes")))
 
     async def memory_occupation(self) -> dict[str, Any]:
         return await self._send(_Call("GET", "/memory_occupation"))

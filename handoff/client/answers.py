@@ -26,15 +26,23 @@ from handoff.client.errors import FanoutFailed, FanoutResult, HandoffError, Node
 from handoff.service.peer_json import PeerJSONError, loads_bounded
 
 DEFAULT_MAX_ANSWER_BYTES = 256 * 1024 * 1024
+MAX_ERROR_ANSWER_BYTES = 8 * 1024 * 1024  # an error answer (a 502 names every failed node: ~1 KiB each)
+MAX_ERROR_MESSAGE_CHARS = 2000
+
+
+def answer_cap(status: int, max_answer_bytes: int) -> int:
+    """The most bytes read of an answer with ``status``: an error's is small whatever the success cap."""
+    return max_answer_bytes if 200 <= status < 300 else min(max_answer_bytes, MAX_ERROR_ANSWER_BYTES)
 
 
 class AnswerReader:
     """Collects an answer's bytes, refusing more than ``max_bytes`` or any chunk after ``deadline``."""
 
     def __init__(self, max_bytes: int, deadline: float, status: int) -> None:
+        """``max_bytes``: a success's cap; an error answer's is :data:`MAX_ERROR_ANSWER_BYTES` at most."""
         self._chunks: list[bytes] = []
         self._num_bytes = 0
-        self._max_bytes = max_bytes
+        self._max_bytes = answer_cap(status, max_bytes)
         self._deadline = deadline
         self._status = status
 
@@ -52,13 +60,19 @@ class AnswerReader:
         return b"".join(self._chunks)
 
 
-def transport_failure(exc: httpx.TransportError, *, is_stream: bool = False) -> HandoffError:
-    """The client's error for what the network did (``exc`` is httpx's)."""
+def transport_failure(exc: httpx.RequestError, *, is_stream: bool = False) -> HandoffError:
+    """The client's error for what the network or the server's framing did (``exc`` is httpx's). httpx's own
+    text is left out where it could quote a request header (a token): a protocol error names only its kind."""
     if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout):
         return HandoffError(0, "unreachable", f"could not connect: {exc}")
     if isinstance(exc, httpx.TimeoutException):
         return HandoffError(0, "timeout", f"no answer within the call's timeout: {exc}")
+    if isinstance(exc, httpx.DecodingError):  # a Content-Encoding the body does not follow
+        return HandoffError(200 if is_stream else 0, "invalid_stream" if is_stream else "invalid_response",
+                            f"the answer's content encoding cannot be decoded: {exc}")
     kind = "incomplete_stream" if is_stream else "incomplete_response"
+    if isinstance(exc, httpx.LocalProtocolError):
+        return HandoffError(0, kind, "the request could not be sent (a header or the URL cannot be written)")
     return HandoffError(0, kind, f"the connection ended mid-answer: {exc}")
 
 
@@ -80,8 +94,8 @@ def error_of(status: int, headers: Mapping[str, str], raw: bytes, reason: str = 
         return FanoutFailed(body)
     error = body.get("error") if isinstance(body, dict) else None
     error = error if isinstance(error, dict) else {"message": str(error)[:500]} if error is not None else {}
-    type_ = str(error.get("type", "http_error"))
-    message = str(error.get("message", reason))
+    type_ = str(error.get("type", "http_error"))[:100]
+    message = str(error.get("message", reason))[:MAX_ERROR_MESSAGE_CHARS]
     if status == 503:
         return ServiceUnavailable(503, type_, message, body, retry_after_seconds(headers.get("retry-after")))
     return HandoffError(status, type_, message, body)
@@ -94,6 +108,14 @@ def retry_after_seconds(retry_after: str | None) -> float | None:
     except ValueError:
         return None
     return seconds if seconds is not None and 0 <= seconds < 86400 else None
+
+
+def node_list(body: Any) -> list[dict[str, Any]]:
+    """``GET /nodes``'s members (``{"nodes": [...]}``, or the list itself): anything else is ``invalid_response``."""
+    nodes = body.get("nodes") if isinstance(body, dict) else body
+    if not isinstance(nodes, list) or not all(isinstance(node, dict) for node in nodes):
+        raise HandoffError(200, "invalid_response", "GET /nodes did not answer a list of nodes", body)
+    return nodes
 
 
 def decode(status: int, headers: Mapping[str, str], raw: bytes, *, is_fanout: bool, node: str) -> Any:

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
-
+from urllib.parse import urlsplit
 
 from handoff.client.answers import DEFAULT_MAX_ANSWER_BYTES
 from handoff.client.errors import HandoffError, ServiceUnavailable
+from handoff.protocol.bearer import checked_token
 from handoff.protocol.sse import DONE, EventSplitter, EventTooLarge, event_data
 from handoff.service.peer_json import PeerJSONError, loads_bounded
 
@@ -46,6 +47,21 @@ class _Call:
     decode: str = "json"                     # "json" or "fanout"
 
 
+def _bearer(token: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"} if token else {}
+
+
+def _checked_base_url(base_url: str) -> str:
+    parts = urlsplit(base_url.rstrip("/"))
+    if parts.scheme not in ("http", "https") or not parts.hostname or parts.query or parts.fragment:
+        raise ValueError(f"base_url must be http(s)://host[:port][/prefix], got {base_url!r}")
+    try:
+        parts.port  # noqa: B018 (raises for a port that is not a number in range)
+    except ValueError as exc:
+        raise ValueError(f"base_url has a bad port: {base_url!r}") from exc
+    return base_url.rstrip("/")
+
+
 def _drop_none(values: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in values.items() if v is not None}
 
@@ -72,7 +88,11 @@ class _Calls:
     @staticmethod
     def release(tags: list[str] | None, mode: str, drain_timeout: float | None, stage_to_cpu: bool | None,
                 role: str | None, timeout: float | None) -> _Call:
+        """Without ``timeout``, a ``drain_timeout`` sets the per-node deadline to itself plus a margin: the LB
+        refuses a drain its per-node deadline cannot cover."""
         body = _drop_none({"tags": tags, "mode": mode, "drain_timeout": drain_timeout, "stage_to_cpu": stage_to_cpu})
+        if timeout is None and isinstance(drain_timeout, (int, float)) and not isinstance(drain_timeout, bool):
+            timeout = drain_timeout + _MARGIN_S
         return _control("/release_memory_occupation", body, role, timeout)
 
     @staticmethod
@@ -156,12 +176,18 @@ class _SseDecoder:
 class _Base:
     def __init__(self, base_url: str, *, admin_token: str | None, api_key: str | None,
                  retry: RetryPolicy | None, timeout: float, max_answer_bytes: int | None) -> None:
-        self.base_url = base_url.rstrip("/")
+        """Raises ``ValueError`` naming the parameter (never a token's value) for a URL that is not
+        ``http(s)://host[:port]``, a timeout that is not a positive number, or a token that cannot be sent."""
+        self.base_url = _checked_base_url(base_url)
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
+            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
         self.retry = retry or RetryPolicy()
-        self.timeout_s = timeout
+        self.timeout_s = float(timeout)
         self.max_answer_bytes = max_answer_bytes or DEFAULT_MAX_ANSWER_BYTES
-        self._headers = {"admin": {"Authorization": f"Bearer {admin_token}"} if admin_token else {},
-                         "api": {"Authorization": f"Bearer {api_key}"} if api_key else {}}
+        admin = checked_token(admin_token, "admin_token") if admin_token else None  # "" or None: no token
+        api = checked_token(api_key, "api_key") if api_key else None
+        # the services take the admin token wherever they take the API key
+        self._headers = {"admin": _bearer(admin), "api": _bearer(api or admin)}
 
     def _timeout_of(self, call: _Call) -> float:
         """The whole call's deadline, in seconds from its start (see :func:`_control` for control calls)."""

@@ -2,16 +2,51 @@
 
 from __future__ import annotations
 
+import threading
 import time
+from concurrent.futures import Future
 from typing import Any, Callable, Iterator, TypeVar
 
 import httpx
 
-from handoff.client.answers import AnswerReader, decode, error_of, transport_failure
+from handoff.client.answers import AnswerReader, decode, error_of, node_list, transport_failure
 from handoff.client.calls import RetryPolicy, _Base, _Call, _Calls, _control, _retry_delay, _SseDecoder
-from handoff.client.errors import FanoutResult, ServiceUnavailable
+from handoff.client.errors import FanoutResult, HandoffError, ServiceUnavailable
 
 T = TypeVar("T")
+
+
+def _within(timeout_s: float, work: Callable[[], T], late: str, *, abandon: Callable[[T], None] | None = None) -> T:
+    """``work()`` on a thread of its own, waited for ``timeout_s``: httpx bounds each read, not a whole answer,
+    so a server dribbling its head a byte at a time would hold the caller past the call's timeout. Past it:
+    ``timeout`` (``late`` says what was late); what the work returns afterwards goes to ``abandon``."""
+    outcome: Future[T] = Future()
+    lock = threading.Lock()
+    is_abandoned = False
+
+    def run() -> None:
+        try:
+            result = work()
+        except BaseException as exc:  # handed to the caller, who raises it
+            outcome.set_exception(exc)
+            return
+        with lock:
+            if not is_abandoned:
+                outcome.set_result(result)
+                return
+        if abandon is not None:
+            abandon(result)
+
+    threading.Thread(target=run, name="handoff-client-call", daemon=True).start()
+    try:
+        return outcome.result(timeout=timeout_s)
+    except TimeoutError:
+        with lock:
+            if not outcome.done():
+                is_abandoned = True
+        if is_abandoned:
+            raise HandoffError(0, "timeout", late) from None
+        return outcome.result()
 
 
 class HandoffClient(_Base):
@@ -45,15 +80,21 @@ class HandoffClient(_Base):
         raise RuntimeError("unreachable: the last attempt returns or raises")  # pragma: no cover
 
     def _once(self, call: _Call) -> Any:
-        deadline = time.monotonic() + self._timeout_of(call)
-        try:
-            with self._http.stream(call.method, call.path, **self._request_args(call)) as response:
-                reader = AnswerReader(self.max_answer_bytes, deadline, response.status_code)
-                for chunk in response.iter_bytes():
-                    reader.feed(chunk)
-        except httpx.TransportError as exc:
-            raise transport_failure(exc) from exc
-        return decode(response.status_code, response.headers, reader.body, is_fanout=call.decode == "fanout",
+        timeout_s = self._timeout_of(call)
+        deadline = time.monotonic() + timeout_s
+
+        def read_whole() -> tuple[httpx.Response, bytes]:
+            try:
+                with self._http.stream(call.method, call.path, **self._request_args(call)) as response:
+                    reader = AnswerReader(self.max_answer_bytes, deadline, response.status_code)
+                    for chunk in response.iter_bytes():
+                        reader.feed(chunk)
+            except httpx.RequestError as exc:
+                raise transport_failure(exc) from exc
+            return response, reader.body
+
+        response, body = _within(timeout_s, read_whole, "the answer did not arrive whole within the call's timeout")
+        return decode(response.status_code, response.headers, body, is_fanout=call.decode == "fanout",
                       node=self.base_url)
 
     def generate(self, text: str | list[str] | None = None, *, input_ids: Any = None,
@@ -74,7 +115,7 @@ class HandoffClient(_Base):
                     yield from decoder.feed(chunk)
                     if decoder.is_done:
                         return
-            except httpx.TransportError as exc:
+            except httpx.RequestError as exc:
                 raise transport_failure(exc, is_stream=True) from exc
             decoder.finish()
         finally:
@@ -83,21 +124,27 @@ class HandoffClient(_Base):
     def _open_stream(self, call: _Call) -> httpx.Response:
         """The stream's response once its status is 2xx; an error answer is read (within the cap), closed and
         raised."""
-        deadline = time.monotonic() + self._timeout_of(call)
-        try:
-            response = self._http.send(self._http.build_request(call.method, call.path, **self._request_args(call)),
-                                       stream=True)
-            if response.is_success:
-                return response
+        timeout_s = self._timeout_of(call)
+        deadline = time.monotonic() + timeout_s
+
+        def open_stream() -> httpx.Response:
             try:
-                reader = AnswerReader(self.max_answer_bytes, deadline, response.status_code)
-                for chunk in response.iter_bytes():
-                    reader.feed(chunk)
-            finally:
-                response.close()
-        except httpx.TransportError as exc:
-            raise transport_failure(exc) from exc
-        raise error_of(response.status_code, response.headers, reader.body, response.reason_phrase)
+                response = self._http.send(
+                    self._http.build_request(call.method, call.path, **self._request_args(call)), stream=True)
+                if response.is_success:
+                    return response
+                try:
+                    reader = AnswerReader(self.max_answer_bytes, deadline, response.status_code)
+                    for chunk in response.iter_bytes():
+                        reader.feed(chunk)
+                finally:
+                    response.close()
+            except httpx.RequestError as exc:
+                raise transport_failure(exc) from exc
+            raise error_of(response.status_code, response.headers, reader.body, response.reason_phrase)
+
+        return _within(timeout_s, open_stream, "the stream did not start within the call's timeout",
+                       abandon=lambda response: response.close())
 
     def release(self, tags: list[str] | None = None, *, mode: str = "wait", drain_timeout: float | None = None,
                 stage_to_cpu: bool | None = None, role: str | None = None,
@@ -124,8 +171,7 @@ class HandoffClient(_Base):
         return self._send(_control("/continue_generation", None, role, timeout))
 
     def nodes(self) -> list[dict[str, Any]]:
-        body = self._send(_Call("GET", "/nodes"))
-        return body["nodes"] if isinstance(body, dict) else body
+        return node_list(self._send(_Call("GET", "/nodes")))
 
     def memory_occupation(self) -> dict[str, Any]:
         return self._send(_Call("GET", "/memory_occupation"))

@@ -105,7 +105,9 @@ def test_ctrl_c_while_starting_stops_at_once(tmp_path: Path) -> None:
 def test_bad_flags_are_one_line_and_exit_2(tmp_path: Path) -> None:
     not_a_dir = tmp_path / "file"
     not_a_dir.write_text("x")
+    unwritable = "/proc/self"  # a folder no file can be made in, for root too (it gave a traceback and exit 1)
     for args, message in ((["up", "--log-dir", str(not_a_dir)], "--log-dir"), (["demo", "--nodes", "0"], "--nodes"),
+                          (["up", "--log-dir", unwritable], "--log-dir"), (["demo", "--log-dir", unwritable], "--log-dir"),
                           (["up", "--nodes", "-1"], "a number of nodes"), (["up", "--port", "70000"], "0-65535")):
         done = subprocess.run([sys.executable, "-m", "handoff", *args], cwd=REPO_ROOT, capture_output=True,
                               text=True, timeout=60)

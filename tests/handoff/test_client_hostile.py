@@ -188,3 +188,92 @@ def test_a_control_call_waits_at_least_the_lbs_own_timeout() -> None:
     assert short._timeout_of(_Calls.resume(None, None, 30)) == 40  # asked 30 s per node, plus the margin
     client.close()
     short.close()
+
+
+def _dribbled_head(conn: socket.socket) -> None:
+    conn.sendall(b"HTTP/1.1 200 OK\r\nX-Slow: ")
+    for _ in range(200):  # a byte every 50 ms: each read well within any per-read timeout, the head never ends
+        conn.sendall(b"a")
+        time.sleep(0.05)
+
+
+def _not_gzip(conn: socket.socket) -> None:
+    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Encoding: gzip\r\nContent-Length: 15\r\n\r\nnot gzip at all")
+
+
+def test_the_calls_timeout_covers_a_dribbled_head(raw_server) -> None:
+    """The deadline was checked per body chunk only: a head dribbled a byte at a time held a timeout=1 call for
+    as long as the server liked (found by review)."""
+    url = raw_server(_dribbled_head)
+    for call in (lambda c: c.generate("x"), lambda c: next(iter(c.stream_generate("x")))):
+        started = time.monotonic()
+        with HandoffClient(url, timeout=1.0) as client:
+            error = error_of(lambda: call(client))
+        assert (error.status, error.type) == (0, "timeout") and time.monotonic() - started < 3
+
+    async def run_async() -> tuple[HandoffError, HandoffError]:
+        async with AsyncHandoffClient(url, timeout=1.0) as client:
+            with pytest.raises(HandoffError) as whole:
+                await client.generate("x")
+            with pytest.raises(HandoffError) as stream:
+                async for _ in client.stream_generate("x"):
+                    pass
+        return whole.value, stream.value
+
+    started = time.monotonic()
+    errors = asyncio.run(run_async())
+    assert [e.type for e in errors] == ["timeout", "timeout"] and time.monotonic() - started < 5
+
+
+def test_a_body_that_breaks_its_content_encoding_is_one_error(raw_server) -> None:
+    url = raw_server(_not_gzip)
+    with HandoffClient(url) as client:
+        assert error_of(lambda: client.generate("x")).type == "invalid_response"
+        assert error_of(client.release).type == "invalid_response"
+
+    async def run_async() -> str:
+        async with AsyncHandoffClient(url) as client:
+            with pytest.raises(HandoffError) as info:
+                await client.memory_occupation()
+        return info.value.type
+
+    assert asyncio.run(run_async()) == "invalid_response"
+
+
+@pytest.mark.parametrize("answer", [{}, {"nodes": 5}, [1, 2]])
+def test_a_nodes_answer_that_is_not_a_list_of_nodes_is_one_error(server, answer) -> None:
+    """``{}`` raised KeyError; the others came back as if they were nodes (found by review)."""
+    script(server, {"body": answer})
+    with HandoffClient(server.url) as client:
+        assert error_of(client.nodes).type == "invalid_response"
+
+
+def test_tokens_urls_and_timeouts_are_checked_when_the_client_is_made() -> None:
+    """A token read from a file keeps its newline: it is stripped as the services strip it; one that cannot be
+    sent is a ValueError naming the parameter, never quoting the token (it was sent, and httpx's error quoted
+    the header in the exception's text)."""
+    client = HandoffClient("http://127.0.0.1:1", admin_token="s3cr3t\n", api_key=" key ")
+    assert client._headers == {"admin": {"Authorization": "Bearer s3cr3t"}, "api": {"Authorization": "Bearer key"}}
+    admin_only = HandoffClient("http://127.0.0.1:1", admin_token="adm")  # the admin token opens generation too
+    assert admin_only._headers["api"] == {"Authorization": "Bearer adm"}
+    for token in ("s3cr3t-tökén", "two words", "  "):
+        with pytest.raises(ValueError, match="admin_token") as info:
+            HandoffClient("http://127.0.0.1:1", admin_token=token)
+        assert token.strip() not in str(info.value) or not token.strip()
+    for url in ("lb:8000", "127.0.0.1:8000", "ftp://x", "http://", "http://h:99999"):
+        with pytest.raises(ValueError, match="base_url"):
+            HandoffClient(url)
+    for timeout in (None, 0, -1, float("nan")):
+        with pytest.raises(ValueError, match="timeout"):
+            HandoffClient("http://127.0.0.1:1", timeout=timeout)
+    client.close()
+    admin_only.close()
+
+
+def test_a_drain_timeout_sets_the_per_node_deadline_it_needs() -> None:
+    """docs/rl-guide.md's loop calls release(drain_timeout=120) without timeout: the LB's default per-node 120 s
+    cannot cover it, and it answered 400 (found by review)."""
+    call = _Calls.release(None, "wait", 120, None, None, None)
+    assert call.params == {"timeout": 130.0} and call.timeout == 140.0
+    assert _Calls.release(None, "wait", 120, None, None, 300).params == {"timeout": 300}
+    assert "timeout" not in _Calls.release(None, "wait", None, None, None, None).params

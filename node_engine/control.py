@@ -153,6 +153,7 @@ class EngineControl:
             "outside_tags": engine.runner.memory_outside_tags(),
             "process_rss_bytes": psutil.Process().memory_info().rss,
             "paused": engine.is_paused,
+            "control_calls_pending": engine.num_calls_pending,
             "running_requests": len(engine.scheduler.running),
             "queued_requests": len(engine.scheduler.waiting),
         }

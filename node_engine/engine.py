@@ -92,6 +92,8 @@ class Engine:
         self.weight_version = config.weight_version
         self.is_paused = False  # pause_generation (retract, in_place): requests stay, nothing steps
         self._inbox = Inbox()
+        self._calls_lock = threading.Lock()  # posted from the event loop, finished on the engine thread
+        self._num_calls_pending = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -180,8 +182,20 @@ class Engine:
             raise EngineStopped("the engine is stopping")
         loop = asyncio.get_running_loop()
         future = loop.create_future()
+        with self._calls_lock:
+            self._num_calls_pending += 1
         self._post(Call(fn, future, loop))
         return await future
+
+    @property
+    def num_calls_pending(self) -> int:
+        """Calls posted and not run yet (or running): a caller that gave up on one (a sidecar's timeout) can
+        tell that what it asked for may still happen, and wait before it reads the state."""
+        return self._num_calls_pending
+
+    def _call_finished(self) -> None:
+        with self._calls_lock:
+            self._num_calls_pending -= 1
 
     def _post(self, item: Item) -> None:
         """Queue ``item`` for the engine thread, or answer it at once if the inbox is closed."""
@@ -232,6 +246,8 @@ class Engine:
                 item.fail(exc)
             else:
                 item.resolve(result)
+            finally:
+                self._call_finished()
             self._update_memory_metrics()
 
     def _admit(self, request: Request) -> None:
@@ -326,6 +342,7 @@ class Engine:
         if isinstance(item, Add):
             self._deliver([(item.request, error_output(item.request, E.ENGINE_STOPPED, closed.message))])
         elif isinstance(item, Call):
+            self._call_finished()
             item.fail(EngineStopped(closed.message))
 
     def _dispatch(self, outputs: list[tuple[Request, RequestOutput]]) -> None:

@@ -218,13 +218,17 @@ class ControlPlane:
 
     async def weight_call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         """A weight call that changes nothing but the engine's own bookkeeping (the session, the version), one
-        at a time with the other control calls; the version is adopted."""
+        at a time with the other control calls; the version is adopted, and whether the weights are valid when
+        the answer says (the end of an update session can make them so)."""
         node = self.node
         async with node.control_lock:
             node.require_engine()
             answer = await node.engine_adapter.weight_call(path, body)
             if "new_version" in answer:
                 node.state.weight_version = peer_weight_version(answer["new_version"])
+            if isinstance(answer.get("weights_valid"), bool):
+                node.state.weights_valid = answer["weights_valid"]
+                node.refresh_admission()
         return answer
 
     async def pause(self, *, mode: str, drain: DrainLimit) -> dict[str, Any]:
@@ -253,18 +257,24 @@ class ControlPlane:
                 node.state.is_paused = was_paused
                 node.refresh_admission()
                 raise
+            if mode in ENGINE_PAUSE_MODES:
+                node.state.is_engine_paused = True
         return {"success": True, "paused": True, "mode": mode, "drained_requests": drained,
                 "aborted_requests": aborted, "retracted_requests": answer.get("retracted_requests", 0),
                 "paused_requests": answer.get("paused_requests", 0), "message": "Generation paused successfully.",
                 "status": "ok"}
 
     async def resume_generation(self, *, torch_empty_cache: bool = True) -> dict[str, Any]:
-        """Continue: the engine's paused requests step again, held requests enter."""
+        """Continue: the engine's paused requests step again, held requests enter. A pause the engine holds
+        (retract, in_place) needs the engine: unreachable, 503 and nothing changes (a 200 would leave the engine
+        paused and the node holding requests again once it is back)."""
         node = self.node
         async with node.control_lock:
             if node.state.is_engine_reachable:
                 await node.engine_adapter.continue_generation(torch_empty_cache=torch_empty_cache)
-            node.state.is_paused = False
+            elif node.state.is_engine_paused:
+                node.require_engine()
+            node.state.is_paused = node.state.is_engine_paused = False
             node.refresh_admission()
         return {"success": True, "paused": False, "serving": node.state.is_serving,
                 "message": "Generation continued successfully.", "status": "ok"}

@@ -121,6 +121,12 @@ class Node:
             self.last_error = exc.message
             raise EngineUnavailable(f"the engine's state cannot be read: {exc.message}",
                                     retry_after=self.config.retry_after_s) from exc
+        if view.control_calls_pending:  # a call this sidecar gave up on may still change the state: wait for it
+            self.state.is_synced = False
+            self.refresh_admission()
+            raise EngineUnavailable(f"the engine is still running {view.control_calls_pending} control call(s) "
+                                    "(one that got no answer in time, say); its state is read once they are done",
+                                    retry_after=self.config.retry_after_s)
         was_reachable = self.state.is_engine_reachable
         self.state.sync(view)
         self.state.is_engine_reachable = True

@@ -45,6 +45,7 @@ class NodeState:
     is_engine_reachable: bool = False
     is_synced: bool = False          # the view was read from the engine since it (re)appeared
     is_paused: bool = False          # pause_generation without a continue
+    is_engine_paused: bool = False   # ... one the engine itself holds (retract, in_place): a continue must reach it
     tp_size: int = 1                 # ranks in a weight update group (the LB hands out rank offsets by it)
 
     def transition(self, tag: str, new: TagState) -> None:
@@ -64,7 +65,7 @@ class NodeState:
         self.can_stage_weights = view.can_stage_weights
         self.tp_size = view.tp_size
         if view.paused:  # requests the engine keeps paused (retract, in_place) wait for a continue
-            self.is_paused = True
+            self.is_paused = self.is_engine_paused = True
         self.is_synced = True
 
     def tags_in(self, state: TagState) -> list[str]:

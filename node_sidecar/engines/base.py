@@ -57,6 +57,7 @@ class EngineView:
     tag_bytes: dict[str, int] = field(default_factory=lambda: {t: 0 for t in TAG_NAMES})
     paused: bool = False               # requests paused in the engine (SGLang's retract / in_place) wait
     tp_size: int = 1                   # the ranks the engine takes in a weight update group (one per TP rank)
+    control_calls_pending: int = 0     # calls the engine has not finished: what they change is not in the view
 
 
 @dataclass(frozen=True)

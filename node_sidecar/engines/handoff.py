@@ -43,7 +43,8 @@ class HandoffEngine(EngineAdapter):
         return EngineView(tags=tags, tag_bytes=tag_bytes, weights_valid=bool(occupation.get("weights_valid")),
                           weight_version=occupation.get("weight_version"), weights_backup=backup,
                           memory_saver=str(occupation.get("memory_saver", "off")), can_stage_weights=backup != "none",
-                          paused=occupation.get("paused") is True)
+                          paused=occupation.get("paused") is True,
+                          control_calls_pending=_count(occupation.get("control_calls_pending")))
 
     async def memory_view(self) -> dict[str, Any]:
         try:
@@ -94,3 +95,7 @@ class HandoffEngine(EngineAdapter):
 
     async def continue_generation(self, *, torch_empty_cache: bool) -> dict[str, Any]:
         return await self.engine.call("POST", "/continue_generation", {"torch_empty_cache": torch_empty_cache})
+
+
+def _count(value: object) -> int:
+    return value if type(value) is int and value > 0 else 0

@@ -19,7 +19,22 @@ survives (line numbers: ``sglang/srt/`` of 0.5.23; the fake in
 - ``GET /health`` generates a token (fatal while released): liveness is
   ``GET /model_info``.
 - SGLang does not say what it has released: the adapter remembers its own
-  calls and forgets them when SGLang is a new process (``startup_time``).
+  calls and forgets them when SGLang is a new process (``startup_time``). A
+  release or resume SGLang got but did not answer in time still runs (it
+  runs control calls in order), so it is remembered as done.
+- Tensor and broadcast updates run only inside SGLang's update session
+  (``begin_weight_update`` .. ``end_weight_update``, ``weight_updater.py:192``,
+  ``234``): outside one they are refused before released weights are woken.
+  Weights resumed as garbage are valid again after a reload, or when a session
+  in which updates succeeded ends (the trainer's session is its word that every
+  weight was sent; the sidecar cannot see the names inside a tensor payload).
+- Every weight call answers ``{"success": bool, "message"}``
+  (``http_server.py:1302-1557``): a 2xx without ``"success": true`` is an
+  upstream error, never taken for a success.
+- A ``continue_generation`` while a tag is released or the weights are
+  garbage is held back: SGLang would run the retracted requests on unmapped
+  memory or on garbage. It is sent once every tag is resident and the weights
+  are valid.
 """
 
 from __future__ import annotations
@@ -35,7 +50,7 @@ from handoff.service.errors import Conflict
 from handoff.service.peer_json import PeerJSONError, loads_bounded
 from node_sidecar.engines.base import EngineView, MemoryChange, TagMeaning, tags_named
 from node_sidecar.engines.foreign import ForeignEngine
-from node_sidecar.errors import EngineRefused
+from node_sidecar.errors import EngineRefused, EngineUnavailable
 
 IDLE_WAIT_S = 10.0           # how long SGLang may take to look idle once the sidecar drained it
 INFO_TIMEOUT_S = 5.0
@@ -60,12 +75,16 @@ class SglangEngine(ForeignEngine):
         self.has_backup = False
         self.memory_saver = False
         self.weights_garbage = False  # weights resumed without a backup, not reloaded since
+        self.is_session_open = False  # SGLang's weight update session (a new SGLang process has none)
+        self.updated_since_garbage = False  # an update succeeded in a session since the weights became garbage
+        self.pending_continue: bool | None = None  # a continue held back (its torch_empty_cache)
 
     async def read_view(self) -> EngineView:
         info = await self.engine.call("GET", "/get_server_info", timeout=INFO_TIMEOUT_S)
         model = await self.engine.call("GET", "/model_info", timeout=INFO_TIMEOUT_S)
         if self.adopt_instance(info.get("startup_time")):
-            self.weights_garbage = False
+            self.weights_garbage = self.is_session_open = self.updated_since_garbage = False
+            self.pending_continue = None
         self.memory_saver = info.get("enable_memory_saver") is True
         self.has_backup = info.get("enable_weights_cpu_backup") is True
         self.device = str(info.get("device") or "cuda")
@@ -86,8 +105,14 @@ class SglangEngine(ForeignEngine):
         measured_by = None
         if engine_tags:
             await self._wait_idle(IDLE_WAIT_S)
-            _, change, measured_by = await self.measured(
-                lambda: self.engine.call("POST", "/release_memory_occupation", {"tags": engine_tags}), engine_tags)
+            try:
+                _, change, measured_by = await self.measured(
+                    lambda: self.engine.call("POST", "/release_memory_occupation", {"tags": engine_tags}),
+                    engine_tags)
+            except EngineUnavailable as exc:
+                if _reached_sglang(exc):  # it will release them: never to be released twice
+                    self.released.update(tags)
+                raise
         self.released.update(tags)
         return MemoryChange(tags, change, measured_by)
 
@@ -96,13 +121,23 @@ class SglangEngine(ForeignEngine):
         change: dict[str, int] = {}
         measured_by = None
         if engine_tags:
-            _, change, measured_by = await self.measured(
-                lambda: self.engine.call("POST", "/resume_memory_occupation", {"tags": engine_tags}), engine_tags,
-                restoring=True)
+            try:
+                _, change, measured_by = await self.measured(
+                    lambda: self.engine.call("POST", "/resume_memory_occupation", {"tags": engine_tags}),
+                    engine_tags, restoring=True)
+            except EngineUnavailable as exc:
+                if _reached_sglang(exc):  # it will resume them: never to be resumed twice
+                    self._resumed(tags, engine_tags)
+                raise
+        self._resumed(tags, engine_tags)
+        await self._send_pending_continue()
+        return MemoryChange(tags, change, measured_by, weights_valid=not self.weights_garbage)
+
+    def _resumed(self, tags: list[str], engine_tags: list[str]) -> None:
         self.released.difference_update(tags)
         if WEIGHTS in engine_tags and not self.has_backup:
             self.weights_garbage = True
-        return MemoryChange(tags, change, measured_by, weights_valid=not self.weights_garbage)
+            self.updated_since_garbage = False
 
     async def abort(self, *, rid: str | None, abort_all: bool) -> dict[str, Any]:
         await self.engine.call("POST", "/abort_request", {"abort_all": True} if abort_all else {"rid": rid})
@@ -115,40 +150,63 @@ class SglangEngine(ForeignEngine):
     async def update_weights_from_disk(self, body: dict[str, Any]) -> dict[str, Any]:
         answer = await self._update("/update_weights_from_disk", body)
         self.model_path = body["model_path"]
-        return answer
+        self.weights_garbage = False  # every weight was read from the checkpoint
+        await self._send_pending_continue()
+        return {**answer, "weights_valid": not self.weights_garbage}
 
     async def weight_call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         """SGLang has every weight call of its own API: passed through; an update (tensors, broadcast) resumes
-        released weights first, as a reload does."""
+        released weights first, as a reload does, and runs only inside SGLang's update session."""
         if path in WEIGHT_UPDATES:
-            return await self._update(path, body)
-        return await self._sglang_call(path, body)
+            if not self.is_session_open:
+                raise EngineRefused(400, {"error": {"type": E.INVALID_REQUEST.name, "message": (
+                    f"{path} must run between begin_weight_update and end_weight_update (SGLang 0.5.23 refuses it "
+                    "otherwise); nothing was resumed or sent")}})
+            answer = await self._update(path, body)
+            self.updated_since_garbage = True
+            return {**answer, "weights_valid": not self.weights_garbage}
+        answer = await self._sglang_call(path, body)
+        if path == "/begin_weight_update":
+            self.is_session_open = True
+        elif path == "/end_weight_update":
+            self.is_session_open = False
+            if self.weights_garbage and self.updated_since_garbage:
+                self.weights_garbage = False
+                await self._send_pending_continue()
+            return {**answer, "weights_valid": not self.weights_garbage}
+        elif path == "/update_weight_version" and "new_version" in answer and not isinstance(
+                answer["new_version"], str):
+            raise _not_understood(path, "a new_version that is not a string")
+        return answer
 
     async def _update(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        """Released weights are resumed first (SGLang would write into unmapped memory); the weights are valid
-        once the update succeeded."""
+        """Released weights are resumed first (SGLang would write into unmapped memory)."""
         resumed = []
         if WEIGHTS in self.released:
             await self.resume([WEIGHTS])
             resumed.append(WEIGHTS)
         answer = await self._sglang_call(path, body, resumed=resumed)
-        self.weights_garbage = False
         version = body.get("weight_version")
         if version is None:
             version = (await self.engine.call("GET", "/model_info", timeout=INFO_TIMEOUT_S)).get("weight_version")
-        return {**answer, "success": True, "weight_version": version, "resumed": resumed}
+        return {**answer, "success": True, "weight_version": version if isinstance(version, str) else None,
+                "resumed": resumed}
 
     async def _sglang_call(self, path: str, body: dict[str, Any], *,
                            resumed: list[str] | None = None) -> dict[str, Any]:
         """SGLang's weight calls answer ``{"success", "message", ...}``, 400 when they failed."""
         response, raw = await self.engine.exchange("POST", path, body)
         answer = _json_object(raw)
-        if not 200 <= response.status < 300 or answer.get("success") is False:
-            raise EngineRefused(response.status if response.status >= 400 else 500, {"error": {
-                "type": E.INVALID_REQUEST.name if response.status == 400 else E.ENGINE_FAILED.name,
-                "message": f"SGLang {path}: {answer.get('message', raw[:200].decode('utf-8', 'replace'))}",
-                **({"resumed": resumed} if resumed else {})}})
-        return answer
+        if 200 <= response.status < 300 and answer.get("success") is not True:
+            if answer.get("success") is not False:  # not SGLang's answer: nothing can be taken from it
+                raise _not_understood(path, f"{response.status} without \"success\": true ({_quoted(raw)})",
+                                      resumed)
+        elif 200 <= response.status < 300:
+            return answer
+        raise EngineRefused(response.status if response.status >= 400 else 500, {"error": {
+            "type": E.INVALID_REQUEST.name if response.status == 400 else E.ENGINE_FAILED.name,
+            "message": f"SGLang {path}: {answer.get('message', _quoted(raw))}",
+            **({"resumed": resumed} if resumed else {})}})
 
     async def pause(self, mode: str) -> dict[str, Any]:
         """SGLang's own ``retract`` / ``in_place`` pause; a release under it waits for SGLang to look idle (the
@@ -156,7 +214,16 @@ class SglangEngine(ForeignEngine):
         return await self.engine.call("POST", "/pause_generation", {"mode": mode})
 
     async def continue_generation(self, *, torch_empty_cache: bool) -> dict[str, Any]:
+        """Sent now, or held back while a tag is released or the weights are garbage (module docstring)."""
+        if self.released or self.weights_garbage:
+            self.pending_continue = torch_empty_cache
+            return {"held_back": True}
+        self.pending_continue = None
         return await self.engine.call("POST", "/continue_generation", {"torch_empty_cache": torch_empty_cache})
+
+    async def _send_pending_continue(self) -> None:
+        if self.pending_continue is not None and not self.released and not self.weights_garbage:
+            await self.continue_generation(torch_empty_cache=self.pending_continue)
 
     async def info(self, path: str) -> dict[str, Any] | None:
         if path == "/get_weight_version":  # not in SGLang 0.5.23: its /model_info carries the version
@@ -185,6 +252,21 @@ class SglangEngine(ForeignEngine):
                                "nothing was released", kind=E.REQUESTS_IN_FLIGHT)
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.5)
+
+
+def _reached_sglang(exc: EngineUnavailable) -> bool:
+    """SGLang got the call (it timed out, or the connection dropped) and is not gone: it will run it."""
+    return exc.extra.get("sent") is not False and not exc.extra.get("engine_died")
+
+
+def _quoted(raw: bytes) -> str:
+    return raw[:200].decode("utf-8", "replace")
+
+
+def _not_understood(path: str, what: str, resumed: list[str] | None = None) -> EngineRefused:
+    return EngineRefused(502, {"error": {"type": E.UPSTREAM_ERROR.name, "message": (
+        f"SGLang answered {path} with {what}: not SGLang's answer, so what it did is not known"),
+        **({"resumed": resumed} if resumed else {})}})
 
 
 def _json_object(raw: bytes) -> dict[str, Any]:

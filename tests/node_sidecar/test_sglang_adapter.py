@@ -245,11 +245,17 @@ def test_sglang_weight_calls_pass_through_and_updates_resume_released_weights(ma
     assert node.occupation()["weight_version"] == "v9"
     assert httpx.get(node.sidecar.url + "/get_weight_version", timeout=10).json() == {"weight_version": "v9"}
     assert node.post("/release_memory_occupation").status_code == 200
+    outside = node.post("/update_weights_from_tensor", {"serialized_named_tensors": ["AAAA"]})
+    assert outside.status_code == 400 and "begin_weight_update" in outside.json()["error"]["message"]
+    assert node.occupation()["tags"]["weights"]["state"] == "released"  # refused before anything was woken
+    assert node.post("/begin_weight_update", {}).json()["success"] is True
     pushed = node.post("/update_weights_from_tensor", {"serialized_named_tensors": ["AAAA"], "weight_version": "v10"})
     assert pushed.status_code == 200, pushed.text
     assert pushed.json()["resumed"] == ["weights"] and pushed.json()["weight_version"] == "v10"
     assert node.occupation()["tags"]["weights"]["state"] == "resident"
-    assert node.occupation()["weights_valid"] is True  # updated in full, so valid without a CPU backup
+    assert node.occupation()["weights_valid"] is False  # garbage (no CPU backup) until the session ends
+    assert node.post("/end_weight_update", {}).json()["success"] is True
+    assert node.occupation()["weights_valid"] is True  # the session's updates are the trainer's whole weights
     assert node.post("/destroy_weights_update_group", {}).json()["success"] is True
     assert node.post("/resume_memory_occupation").json()["serving"] is True
     calls = node.fake_state()["calls"]
@@ -340,3 +346,66 @@ def test_a_weight_version_no_client_could_set_is_no_version(make_node, proc_log_
     finally:
         lb.stop()
         node.assert_fake_alive()
+
+
+def fault_next(node: Node, path: str, **fault: object) -> None:
+    """The stand-in's next answer on ``path``: late (``delay_s``) or replaced (``status``, ``raw``)."""
+    httpx.post(node.fake.url + "/_fake/next", json={"path": path, **fault}, timeout=10).raise_for_status()
+
+
+def test_a_2xx_that_is_not_sglangs_answer_is_never_a_success(make_node, checkpoint: Path) -> None:
+    """Every SGLang weight call answers ``{"success": bool, "message"}``: a 200 without ``success: true`` (a proxy's
+    text, an empty object) answered success, and after a resume without a backup made garbage weights valid with
+    a version SGLang never took (found by review). It is a 502 now, and nothing is adopted."""
+    node = make_node("--enable-memory-saver")
+    assert node.post("/release_memory_occupation").status_code == 200
+    assert node.post("/resume_memory_occupation").json()["weights_valid"] is False
+    fault_next(node, "/update_weights_from_disk", status=200, raw="upstream connect error or disconnect")
+    answer = node.post("/update_weights_from_disk", {"model_path": str(checkpoint), "weight_version": "v12"})
+    assert answer.status_code == 502 and answer.json()["error"]["type"] == "upstream_error", answer.text
+    view = node.occupation()
+    assert view["weights_valid"] is False and view["weight_version"] != "v12" and view["serving"] is False
+    assert node.post("/begin_weight_update", {}).json()["success"] is True
+    fault_next(node, "/update_weights_from_tensor", status=200, raw="{}", content_type="application/json")
+    pushed = node.post("/update_weights_from_tensor", {"serialized_named_tensors": ["AAAA"]})
+    assert pushed.status_code == 502, pushed.text
+    assert node.post("/end_weight_update", {}).status_code == 200
+    assert node.occupation()["weights_valid"] is False  # no update succeeded in that session
+    node.assert_fake_alive()
+
+
+def test_a_continue_while_released_waits_for_every_tag(make_node) -> None:
+    """slime's order continues generation before the KV cache is back: SGLang would run the retracted requests
+    on unmapped memory (the stand-in dies as SGLang would) or, after a resume without a backup, on garbage
+    weights (found by review). The continue is held back until every tag is resident and the weights valid."""
+    node = make_node("--enable-memory-saver", "--enable-weights-cpu-backup")
+    kept = start_clients(node.sidecar.url + "/generate", stream_body(150), 1)
+    wait_until(lambda: node.fake_state()["running"] == 1, timeout=10, what="a request running")
+    assert node.post("/pause_generation", {"mode": "retract"}).status_code == 200
+    assert node.post("/release_memory_occupation").status_code == 200
+    assert node.post("/resume_memory_occupation", {"tags": ["weights"]}).status_code == 200
+    assert node.post("/continue_generation", {}).status_code == 200
+    assert "continue" not in node.fake_state()["calls"]
+    assert node.post("/resume_memory_occupation", {"tags": ["kv_cache", "cuda_graph"]}).status_code == 200
+    assert "continue" in node.fake_state()["calls"]
+    for client in kept:
+        result = client.finish()
+        assert result.status == 200 and result.saw_done, result.error
+    node.assert_fake_alive()
+
+
+def test_a_release_sglang_answers_late_is_remembered_as_done(make_node) -> None:
+    """SGLang runs control calls in order: a release it got but answered after the sidecar's timeout still
+    happens. The sidecar put the tags back to resident, reported the node serving, and the next generation
+    killed SGLang (found by review)."""
+    node = make_node("--enable-memory-saver", "--enable-weights-cpu-backup", sidecar_flags=("--control-timeout",
+                                                                                             "1.5"))
+    fault_next(node, "/release_memory_occupation", delay_s=3)
+    late = node.post("/release_memory_occupation")
+    assert late.status_code == 503, late.text
+    view = node.occupation()
+    assert view["serving"] is False and view["tags"]["weights"]["state"] == "released", view
+    wait_until(lambda: "weights" in node.fake_state()["offload_tags"], timeout=10, what="the late release")
+    assert node.post("/generate", {"text": "x"}).status_code == 503
+    assert node.post("/resume_memory_occupation").json()["serving"] is True
+    node.assert_fake_alive()

@@ -170,3 +170,76 @@ def test_an_engine_answering_late_is_taken_for_down_only_after_misses_in_a_row(p
     finally:
         for proc in (patient, strict, engine):
             proc.stop()
+
+
+def test_a_continue_the_engine_cannot_hear_is_a_503_and_changes_nothing(proc_log_dir: Path) -> None:
+    """A ``retract`` pause is held by the engine: a continue sent while the engine is unreachable answered 200
+    without reaching it, and once the engine was back the node was paused again, holding requests for up to
+    an hour (found by review). It is now a 503 with ``Retry-After``; the continue works once the engine is
+    back."""
+    engine = ServerProcess("node_engine", ["--model-path", "builtin:tiny"], log_dir=proc_log_dir,
+                           name="engine-continue").start()
+    sidecar = ServerProcess("node_sidecar", ["--engine-url", engine.url, "--engine-poll-interval", "0.1",
+                                             "--engine-health-timeout", "0.3", "--engine-health-misses", "1"],
+                            log_dir=proc_log_dir, name="sidecar-continue").start()
+
+    def view() -> dict:
+        return httpx.get(sidecar.url + "/memory_occupation", timeout=10).json()
+
+    try:
+        wait_until(lambda: httpx.get(sidecar.url + "/ready").status_code == 200, timeout=20, what="ready")
+        assert httpx.post(sidecar.url + "/pause_generation", json={"mode": "retract"}, timeout=10).status_code == 200
+        os.kill(engine.pid, signal.SIGSTOP)
+        try:
+            wait_until(lambda: view()["engine_reachable"] is False, timeout=20, what="engine down")
+            refused = httpx.post(sidecar.url + "/continue_generation", json={}, timeout=10)
+            assert refused.status_code == 503 and refused.json()["error"]["type"] == "engine_unavailable"
+            assert refused.headers.get("retry-after") and view()["paused"] is True
+        finally:
+            os.kill(engine.pid, signal.SIGCONT)
+        wait_until(lambda: view()["engine_reachable"] is True, timeout=30, what="engine back")
+        assert httpx.post(sidecar.url + "/continue_generation", json={}, timeout=10).status_code == 200
+        wait_until(lambda: httpx.get(sidecar.url + "/ready").status_code == 200, timeout=20, what="serving again")
+        answer = httpx.post(sidecar.url + "/generate", json={"text": "a", "sampling_params": {"max_new_tokens": 2}},
+                            timeout=30)
+        assert answer.status_code == 200, answer.text
+    finally:
+        for proc in (sidecar, engine):
+            proc.stop()
+
+
+def test_a_release_that_runs_after_the_sidecar_gave_up_on_it_is_seen(proc_log_dir: Path) -> None:
+    """A release the engine answers only after the sidecar's control timeout (a hung mount that comes back)
+    still runs on the engine. The sidecar re-read the engine's state at once, before the release had run,
+    reported all tags resident and serving while the engine released them, and answered a resume with a 200
+    that did nothing (found by review). The engine now counts the control calls it has not finished, and the
+    sidecar reads its state only once there are none: not serving meanwhile, then the release as it is."""
+    import json
+
+    drill = proc_log_dir / "drill.json"
+    engine = ServerProcess("node_engine", ["--model-path", "builtin:tiny", "--enable-memory-saver",
+                                           "--weights-backup", "cpu", "--fault-drill-file", str(drill)],
+                           log_dir=proc_log_dir, name="engine-late-release").start()
+    sidecar = ServerProcess("node_sidecar", ["--engine-url", engine.url, "--engine-poll-interval", "0.1",
+                                             "--control-timeout", "2"],
+                            log_dir=proc_log_dir, name="sidecar-late-release").start()
+
+    def view() -> dict:
+        return httpx.get(sidecar.url + "/memory_occupation", timeout=10).json()
+
+    try:
+        wait_until(lambda: httpx.get(sidecar.url + "/ready").status_code == 200, timeout=20, what="ready")
+        drill.write_text(json.dumps({"kind": "stall", "at": "release", "delay_s": 4}))
+        late = httpx.post(sidecar.url + "/release_memory_occupation", json={}, timeout=20)
+        assert late.status_code == 503 and late.json()["error"]["type"] == "engine_unavailable", late.text
+        assert view()["serving"] is False and httpx.get(sidecar.url + "/ready").status_code == 503
+        wait_until(lambda: view()["tags"]["weights"]["state"] == "released", timeout=20, what="the late release")
+        assert view()["serving"] is False
+        resumed = httpx.post(sidecar.url + "/resume_memory_occupation", json={}, timeout=30)
+        assert resumed.status_code == 200 and "weights" in resumed.json()["resumed"], resumed.text
+        wait_until(lambda: httpx.get(sidecar.url + "/ready").status_code == 200, timeout=20, what="serving again")
+        engine_view = httpx.get(engine.url + "/memory_occupation", timeout=10).json()
+        assert {row["state"] for row in engine_view["tags"].values()} == {"resident"}
+    finally:
+        for proc in (sidecar, engine):
+            proc.stop()

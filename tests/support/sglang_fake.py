@@ -63,8 +63,12 @@ torch_memory_saver 0.0.10, which SGLang's memory saver calls):
   ``/destroy_weights_update_group``, ``/begin_weight_update``,
   ``/end_weight_update`` answer ``{"success", "message"}`` (400 when they
   fail); ``/update_weight_version`` answers ``{"success", "message",
-  "new_version"}``. An update writes into the weights region: with it released,
-  an illegal access, the server dies. The fake checks nothing of the tensors.
+  "new_version"}``. A tensor or broadcast update outside a session
+  (``begin_weight_update`` .. ``end_weight_update``) answers 400 ``success:
+  false`` (``weight_updater.py:192-197``, ``234-239``); a second begin while
+  one is open, or an end without one, too (``weight_updater.py:311``, ``325``).
+  An update writes into the weights region: with it released, an illegal
+  access, the server dies. The fake checks nothing of the tensors.
 - Pause (``tokenizer_manager.py:2267-2286``; modes in ``io_struct.py:
   1927-1946``): ``abort`` aborts every request; ``retract`` and ``in_place``
   stop the scheduler with the requests kept (retracted ones wait in the queue,
@@ -132,6 +136,8 @@ class FakeSglang:
     running: dict[str, Running] = field(default_factory=dict)
     paused: bool = False
     pause_mode: str | None = None
+    is_session_open: bool = False
+    next_answers: dict[str, dict] = field(default_factory=dict)  # POST /_fake/next
     calls: list[str] = field(default_factory=list)
     num_model_info: int = 0
     startup_time: float = field(default_factory=time.time)
@@ -199,7 +205,7 @@ def _text(ids: list[int]) -> str:
     return "".join(chr(ord("a") + i % 26) for i in ids)
 
 
-def create_app(fake: FakeSglang) -> Starlette:
+def create_app(fake: FakeSglang) -> Any:
     async def generate(request: Request) -> Response:
         body = await request.json()
         fake.calls.append("generate")
@@ -311,6 +317,9 @@ def create_app(fake: FakeSglang) -> Starlette:
     async def weight_update(request: Request) -> Response:
         body = await request.json()
         fake.calls.append(request.url.path.strip("/"))
+        if not fake.is_session_open:
+            return JSONResponse({"success": False, "message": f"{request.url.path.strip('/')} must run between "
+                                 "begin_weight_update() and end_weight_update()"}, status_code=400)
         if "weights" in fake.offload_tags and fake.enable_memory_saver:
             die(f"{request.url.path}: CUDA error: an illegal memory access was encountered (weights released)")
         fake.weights_garbage = False
@@ -319,7 +328,14 @@ def create_app(fake: FakeSglang) -> Starlette:
         return JSONResponse({"success": True, "message": "Succeeded to update parameter online."})
 
     async def weight_call(request: Request) -> Response:
-        fake.calls.append(request.url.path.strip("/"))
+        path = request.url.path.strip("/")
+        fake.calls.append(path)
+        if path in ("begin_weight_update", "end_weight_update"):
+            if fake.is_session_open == (path == "begin_weight_update"):
+                return JSONResponse({"success": False, "message": "a weight update session is already open"
+                                     if fake.is_session_open else "no weight update session is open"},
+                                    status_code=400)
+            fake.is_session_open = path == "begin_weight_update"
         return JSONResponse({"success": True, "message": "Success"})
 
     async def update_weight_version(request: Request) -> Response:
@@ -362,7 +378,31 @@ def create_app(fake: FakeSglang) -> Starlette:
                              "weights_garbage": fake.weights_garbage, "running": len(fake.running),
                              "calls": fake.calls, "num_model_info": fake.num_model_info})
 
-    return Starlette(routes=[
+    async def set_next(request: Request) -> Response:  # fault injection: the next call of a path, once
+        body = await request.json()
+        fake.next_answers[body["path"]] = body
+        return JSONResponse({"ok": True})
+
+    async def faults(scope: Any, receive: Any, send: Any) -> None:
+        """An answer set with ``POST /_fake/next``: the call done at once but answered ``delay_s`` later (as a
+        busy SGLang answers late), or ``status`` and ``raw`` instead of its answer (a broken SGLang, a proxy)."""
+        fault = fake.next_answers.pop(scope["path"], None) if scope["type"] == "http" else None
+        if fault is not None and fault.get("delay_s"):
+            async def late_send(message: Any) -> None:
+                if message["type"] == "http.response.start":
+                    await asyncio.sleep(fault["delay_s"])
+                await send(message)
+
+            await app(scope, receive, late_send)
+            return
+        if fault is not None and "raw" in fault:
+            fake.calls.append(scope["path"].strip("/") + " (faulted)")
+            await Response(fault["raw"], status_code=fault.get("status", 200),
+                           media_type=fault.get("content_type", "text/plain"))(scope, receive, send)
+            return
+        await app(scope, receive, send)
+
+    app = Starlette(routes=[
         Route("/generate", generate, methods=["POST"]),
         Route("/abort_request", abort_request, methods=["POST"]),
         Route("/release_memory_occupation", release, methods=["GET", "POST"]),
@@ -387,8 +427,10 @@ def create_app(fake: FakeSglang) -> Starlette:
         Route("/v1/models", models, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/_fake/metrics", set_metrics, methods=["POST"]),
+        Route("/_fake/next", set_next, methods=["POST"]),
         Route("/_fake/state", fake_state, methods=["GET"]),
     ])
+    return faults
 
 
 def main() -> None:

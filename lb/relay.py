@@ -26,7 +26,7 @@ from starlette.responses import Response
 from handoff.protocol import errors as E
 from handoff.protocol.errors import NOT_SERVING_TYPES
 from handoff.protocol.weights import WEIGHT_VERSION_HEADER
-from handoff.service.disconnect import DisconnectWatch
+from handoff.service.disconnect import CLIENT_CLOSED, DisconnectWatch
 from handoff.service.peer_json import PeerJSONError, loads_bounded
 from handoff.service.relay import ChunkTransform, StreamRelay, relayed_headers, sse_error_event
 from handoff.service.upstream import (
@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 
 REQUEST_HEADERS_TO_NODE = frozenset({b"content-type", b"accept", b"x-request-id", WEIGHT_VERSION_HEADER.encode()})
 MAX_REFUSAL_BYTES = 4096
-CLIENT_CLOSED_REQUEST = 499  # nginx's code for "the client went away first": only the metrics see it
+CLIENT_CLOSED_REQUEST = CLIENT_CLOSED
 
 
 def client_gone_response() -> Response:

@@ -256,6 +256,8 @@ class ControlPlane:
             except ServiceError:
                 node.state.is_paused = was_paused
                 node.refresh_admission()
+                if mode in ENGINE_PAUSE_MODES:  # the engine may still pause (a call it answers late runs)
+                    await node.resync_quietly()
                 raise
             if mode in ENGINE_PAUSE_MODES:
                 node.state.is_engine_paused = True

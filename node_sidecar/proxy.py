@@ -19,14 +19,13 @@ from starlette.types import Receive, Scope, Send
 from handoff.protocol import errors as E
 from handoff.protocol.errors import NotServingReason
 from handoff.protocol.weights import WEIGHT_VERSION_HEADER
-from handoff.service.disconnect import DisconnectWatch
+from handoff.service.disconnect import CLIENT_CLOSED, DisconnectWatch
 from handoff.service.errors import NotServing
 from handoff.service.relay import ChunkTransform, StreamRelay, relayed_headers, sse_error_event
 from handoff.service.upstream import UpstreamError, UpstreamResponse
 from node_sidecar.admission import InFlight
 from node_sidecar.node import Node
 
-CLIENT_CLOSED = 499
 
 
 def _answer(upstream: UpstreamResponse, content: bytes) -> Response:

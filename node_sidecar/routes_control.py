@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 
 from fastapi import APIRouter, Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, Response
 
 from handoff.protocol.control import (
     DEADLINE_HEADER,
@@ -23,6 +23,7 @@ from handoff.protocol.control import (
 )
 from handoff.service.auth import BearerToken
 from handoff.service.bodies import openapi_body, parse_body, parse_tag_names, parse_value
+from handoff.service.disconnect import CLIENT_CLOSED, ClientGone, unless_disconnected
 from handoff.service.errors import InvalidRequest, parse_json_bytes
 from node_sidecar.config import SidecarConfig
 from node_sidecar.control import ControlPlane, DrainLimit
@@ -107,10 +108,15 @@ def control_router(config: SidecarConfig, metrics: SidecarMetrics, admin: Bearer
         body = await parse_body(request, ContinueBody, empty_ok=True)
         return JSONResponse(await control_of(request).resume_generation(torch_empty_cache=body.torch_empty_cache))
 
-    async def flush_cache(request: Request) -> JSONResponse:
+    async def flush_cache(request: Request) -> Response:
+        """An engine that flushes only when idle is asked again until the deadline, holding the control lock: a
+        client that leaves stops that at once (else every release waited behind a flush nobody reads)."""
         admin.check(request)
-        return JSONResponse(await control_of(request).flush_cache(DrainLimit(config.control_timeout,
-                                                                             answer_by(request))))
+        flushing = control_of(request).flush_cache(DrainLimit(config.control_timeout, answer_by(request)))
+        try:
+            return JSONResponse(await unless_disconnected(request, flushing))
+        except ClientGone:
+            return Response(status_code=CLIENT_CLOSED)
 
     for method in ("GET", "POST"):  # one route per method: one operation id each in the schema
         router.add_api_route("/flush_cache", flush_cache, methods=[method], name=f"flush_cache_{method.lower()}")

@@ -16,6 +16,8 @@ from starlette.types import Receive
 
 T = TypeVar("T")
 
+CLIENT_CLOSED = 499  # nginx's status for "the client went away first": never sent, only logs and metrics see it
+
 
 class ClientGone(Exception):
     """The client disconnected before the awaited work finished (the work was cancelled)."""

@@ -11,7 +11,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from handoff.protocol.generate_request import GenerateBody
 from handoff.service.bodies import openapi_body, parse_body
-from handoff.service.disconnect import unless_disconnected
+from handoff.service.disconnect import CLIENT_CLOSED, unless_disconnected
 from handoff.service.errors import ServiceError
 from node_engine.engine import Engine
 from node_engine.request import RequestOutput
@@ -21,7 +21,6 @@ from node_engine.server.generation_run import (GenerationRun, SequenceSpec, coll
                                                first_unless_disconnected, stream_with_abort)
 
 router = APIRouter()
-CLIENT_CLOSED = 499
 
 
 @router.post("/generate", openapi_extra=openapi_body(GenerateBody))

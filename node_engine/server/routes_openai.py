@@ -21,7 +21,7 @@ from handoff.protocol.generation import SequenceAnswer, SequenceChunk, finish_ma
 from handoff.service.bodies import openapi_body, parse_body, parse_value
 from handoff.service.errors import InvalidRequest, NotFound, ServiceError
 from handoff.service.peer_json import PeerJSONError, loads_bounded
-from handoff.service.disconnect import unless_disconnected
+from handoff.service.disconnect import CLIENT_CLOSED, unless_disconnected
 from node_engine.engine import Engine
 from node_engine.request import RequestOutput
 from node_engine.server.generate_plan import GeneratePlan, plan_generate
@@ -31,7 +31,6 @@ from node_engine.server.generation_run import (GenerationRun, collect_unless_dis
 from node_engine.server.images import split_image_parts
 from node_engine.server.openai_shapes import chat_logprobs, completion_logprobs, usage
 from node_engine.server.openai_bodies import ChatCompletionBody, CompletionBody, refuse_unsupported_openai
-from node_engine.server.routes_generate import CLIENT_CLOSED
 from node_engine.chat_template import ChatTemplateError
 
 router = APIRouter()

@@ -9,6 +9,7 @@ GPU): the fake reproduces SGLang 0.5.23's behaviours from its source.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import httpx
@@ -408,4 +409,21 @@ def test_a_release_sglang_answers_late_is_remembered_as_done(make_node) -> None:
     wait_until(lambda: "weights" in node.fake_state()["offload_tags"], timeout=10, what="the late release")
     assert node.post("/generate", {"text": "x"}).status_code == 503
     assert node.post("/resume_memory_occupation").json()["serving"] is True
+    node.assert_fake_alive()
+
+
+def test_a_flush_its_client_left_stops_holding_the_control_lock(make_node) -> None:
+    """A flush waits for SGLang to be idle holding the control lock; its client giving up left it waiting (up to
+    ``--control-timeout``) and every release behind it (found by review: an abort-mode release answered after
+    13.6 s, aborting nothing). A client that leaves now ends the wait."""
+    node = make_node("--enable-memory-saver", "--enable-weights-cpu-backup")
+    running = start_clients(node.sidecar.url + "/generate", stream_body(1500), 1)  # 15 s at the stand-in's pace
+    wait_until(lambda: node.occupation()["in_flight"] == 1, timeout=10, what="a request running")
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(node.sidecar.url + "/flush_cache", timeout=1.0)
+    started = time.monotonic()
+    release = node.post("/release_memory_occupation", {"mode": "abort"})
+    assert release.status_code == 200 and release.json()["aborted_requests"] == 1, release.text
+    assert time.monotonic() - started < 5
+    running[0].finish()
     node.assert_fake_alive()

@@ -243,11 +243,11 @@ class Engine:
             try:
                 result = item.fn()
             except BaseException as exc:  # handed to the caller, who raises it
+                self._call_finished()  # before the caller can hear of it: its next read must not count the call
                 item.fail(exc)
             else:
-                item.resolve(result)
-            finally:
                 self._call_finished()
+                item.resolve(result)
             self._update_memory_metrics()
 
     def _admit(self, request: Request) -> None:

@@ -36,3 +36,20 @@ async def test_openmp_in_the_engine_thread_uses_the_process_thread_count() -> No
         assert in_engine == 1
     finally:
         torch.set_num_threads(before)
+
+
+async def test_a_call_is_no_longer_pending_once_its_caller_has_the_answer() -> None:
+    """``control_calls_pending`` tells a sidecar whose call got no answer in time to wait before it reads the
+    state: a call must stop counting before its answer can reach the caller, or a sidecar that reads the
+    state right after a refused call takes the engine for busy and stops serving (CI found this under load)."""
+    async with running_engine(EngineConfig(model_path="builtin:tiny", max_total_tokens=256)) as engine:
+        for _ in range(300):
+            assert await engine.call(lambda: engine.num_calls_pending) == 1  # counted while it runs
+            assert engine.num_calls_pending == 0
+
+            def refused() -> None:
+                raise ValueError("refused")
+
+            with pytest.raises(ValueError):
+                await engine.call(refused)
+            assert engine.num_calls_pending == 0

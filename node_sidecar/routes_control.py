@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 
 from fastapi import APIRouter, Request
+from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, Response
 
 from handoff.protocol.control import (
@@ -112,6 +113,10 @@ def control_router(config: SidecarConfig, metrics: SidecarMetrics, admin: Bearer
         """An engine that flushes only when idle is asked again until the deadline, holding the control lock: a
         client that leaves stops that at once (else every release waited behind a flush nobody reads)."""
         admin.check(request)
+        try:
+            await request.body()  # read first: the watch for the client leaving takes over the request's receive
+        except ClientDisconnect:
+            return Response(status_code=CLIENT_CLOSED)
         flushing = control_of(request).flush_cache(DrainLimit(config.control_timeout, answer_by(request)))
         try:
             return JSONResponse(await unless_disconnected(request, flushing))

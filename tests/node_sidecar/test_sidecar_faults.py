@@ -8,6 +8,8 @@ import os
 import re
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -241,5 +243,29 @@ def test_a_release_that_runs_after_the_sidecar_gave_up_on_it_is_seen(proc_log_di
         engine_view = httpx.get(engine.url + "/memory_occupation", timeout=10).json()
         assert {row["state"] for row in engine_view["tags"].values()} == {"resident"}
     finally:
+        for proc in (sidecar, engine):
+            proc.stop()
+
+
+def test_flushes_on_a_busy_host_never_wait_for_a_body(proc_log_dir: Path) -> None:
+    """The flush route watched for its client leaving before it had read the (empty) body; on a busy host the
+    watch could be cancelled holding the body's only message, and the answer then waited for a body that had
+    already come: a 408 after ``--body-timeout`` (CI: a fan-out's flush took 60 s and failed). The body is read
+    first now. Two processes spin on the host's cores meanwhile, as CI's other work does."""
+    engine = ServerProcess("node_engine", ["--model-path", "builtin:tiny"], log_dir=proc_log_dir,
+                           name="engine-flushes").start()
+    sidecar = ServerProcess("node_sidecar", ["--engine-url", engine.url, "--body-timeout", "3"],
+                            log_dir=proc_log_dir, name="sidecar-flushes").start()
+    spin = "import time\nend = time.time() + 20\nwhile time.time() < end: pass"  # bounded: 20 s at most
+    hogs = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(2)]
+    try:
+        wait_until(lambda: httpx.get(sidecar.url + "/ready").status_code == 200, timeout=20, what="ready")
+        with httpx.Client(timeout=10) as client:
+            statuses = [client.get(sidecar.url + "/flush_cache").status_code for _ in range(300)]
+        assert set(statuses) == {200}, {status: statuses.count(status) for status in set(statuses)}
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
         for proc in (sidecar, engine):
             proc.stop()

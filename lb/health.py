@@ -46,7 +46,10 @@ class HealthMonitor:
         await asyncio.gather(*(self.check(node) for node in nodes))
 
     async def check(self, node: Node) -> None:
-        """One check of ``node``; the outcome is applied to it. Never raises for the node's fault."""
+        """One check of ``node``; the outcome is applied to it. Never raises for the node's fault. A state read
+        while a control call changed the node is dropped when that call's answer (newer) was applied meanwhile:
+        a check started before a resume must not take the node back to released after it."""
+        num_applied = node.num_states_applied
         try:
             outcome = await self._probe(node)
         except UpstreamError as exc:
@@ -54,7 +57,7 @@ class HealthMonitor:
             return
         if isinstance(outcome, str):
             self._record_failure(node, outcome)
-        else:
+        elif node.num_states_applied == num_applied:
             self._record_success(node, outcome)
 
     async def _probe(self, node: Node) -> dict[str, Any] | str:
@@ -82,7 +85,9 @@ class HealthMonitor:
         return {"serving": True}
 
     def apply_state(self, node: Node, state: dict[str, Any]) -> None:
-        """A node's answer carried its state (a sidecar's control answers do): it counts as a good check."""
+        """A node's answer carried its state (a sidecar's control answers do): it counts as a good check, and
+        wins over a check that was under way when it came."""
+        node.num_states_applied += 1
         self._record_success(node, state)
 
     def _record_failure(self, node: Node, error: str) -> None:

@@ -85,6 +85,7 @@ class Node:
         self.admission: str | None = None
         self.occupation: dict[str, Any] = {}
         self.num_fences = 0  # release/pause fan-outs in progress that target this node
+        self.num_states_applied = 0  # states taken from control answers (a check under way meanwhile is stale)
         self.num_failures_in_row = 0
         self.num_successes_in_row = 0
         self.last_error: str | None = None

@@ -5,11 +5,13 @@ be judged: longer than :data:`MAX_RESULT_BODY_BYTES` (a ``"success": false``
 could be past what was read) or JSON that does not parse within bounds. A
 failing answer's body is kept to :data:`MAX_FAILURE_DETAIL_BYTES`. What the
 nodes of one fan-out answered is parsed once per distinct value
-(:class:`ParsedAnswers`).
+(:class:`ParsedAnswers`), and the fan-out's answer encodes each distinct
+body once too (:func:`dumps_answer`).
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,7 +21,7 @@ from handoff.service.upstream import UpstreamResponse
 from lb.node import Node
 
 __all__ = ["MAX_FAILURE_DETAIL_BYTES", "MAX_RESULT_BODY_BYTES", "NodeResult", "ParsedAnswers", "capped_text",
-           "judge_success"]
+           "dumps_answer", "judge_success"]
 
 MAX_FAILURE_DETAIL_BYTES = 512
 MAX_RESULT_BODY_BYTES = 64 * 1024
@@ -125,3 +127,46 @@ def judge_success(node: Node, response: UpstreamResponse, raw: bytes, parsed: Pa
     if isinstance(body, dict) and body.get("success") is False:
         return NodeResult(node, status=status, reason="success_false", detail=capped_text(raw))
     return NodeResult(node, status=status, body=body)
+
+
+# what Starlette's JSONResponse writes: UTF-8, compact, NaN refused
+_ENCODER = json.JSONEncoder(ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+_encode_str = json.encoder.encode_basestring  # the C function JSONEncoder.encode uses for a str
+_RESULT_LISTS = frozenset({"results", "failures", "succeeded", "rolled_back"})
+_KEY_TEXTS = {key: f'"{key}":' for key in ("node", "role", "status", "body", "reason", "error", "detail")}
+
+
+def dumps_answer(payload: dict[str, Any]) -> bytes:
+    """A fan-out's answer (the dict :meth:`NodeResult.as_json` entries go in) as the bytes
+    ``JSONResponse(payload)`` would send, each node's ``body`` encoded once per distinct object: nodes that
+    answered alike share one parsed body (:class:`ParsedAnswers`), so 128 of them cost one encoding of it, not
+    128 (about two thirds of the encoding's CPU on a release to 128 nodes)."""
+    bodies: dict[int, str] = {}  # id -> text; every body stays referenced by ``payload`` meanwhile
+    parts = []
+    for key, value in payload.items():
+        if key in _RESULT_LISTS and isinstance(value, list):
+            text = "[" + ",".join(_dumps_entry(entry, bodies) for entry in value) + "]"
+        else:
+            text = _ENCODER.encode(value)
+        parts.append(_encode_str(key) + ":" + text)
+    return ("{" + ",".join(parts) + "}").encode("utf-8")
+
+
+def _dumps_entry(entry: Any, bodies: dict[int, str]) -> str:
+    if not isinstance(entry, dict):
+        return _ENCODER.encode(entry)
+    items = []
+    for key, value in entry.items():
+        kind = type(value)
+        if kind is str:
+            text = _encode_str(value)
+        elif kind is int:
+            text = int.__repr__(value)
+        elif key == "body" and (kind is dict or kind is list):
+            text = bodies.get(id(value))
+            if text is None:
+                text = bodies[id(value)] = _ENCODER.encode(value)
+        else:
+            text = _ENCODER.encode(value)
+        items.append((_KEY_TEXTS.get(key) or _encode_str(key) + ":") + text)
+    return "{" + ",".join(items) + "}"

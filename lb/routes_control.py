@@ -13,13 +13,14 @@ from typing import Any, Awaitable, Callable
 
 from fastapi import APIRouter, Request
 from starlette.requests import ClientDisconnect
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 from handoff.protocol.control import CONTROL_ROUTES
 from handoff.service.auth import BearerToken
 from handoff.service.bodies import openapi_body
 from lb.cluster import Cluster
 from lb.config import LBConfig
+from lb.node_answer import dumps_answer
 from lb.openapi import CONTROL_BODIES, CONTROL_PARAMETERS
 from lb.params import FANOUT_QUERY, check_query, role_param, timeout_param
 from lb.relay import client_gone_response
@@ -44,7 +45,7 @@ def fanout_endpoint(send: FanoutSend, admin: BearerToken, config: LBConfig, defa
         except ClientDisconnect:
             return client_gone_response()
         status, payload = await send(request, body, timeout_s)
-        return JSONResponse(payload, status_code=status)
+        return Response(dumps_answer(payload), status_code=status, media_type="application/json")
     return call
 
 

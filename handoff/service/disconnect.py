@@ -60,9 +60,8 @@ class DisconnectWatch:
 
     def absorb_cancel(self) -> None:
         """Swallow the cancellation this watch caused (the task goes on to clean up and return)."""
-        uncancel = getattr(self._task, "uncancel", None)  # Python 3.11+
-        if uncancel is not None:
-            uncancel()
+        if self._task is not None:
+            self._task.uncancel()
 
 
 async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:

@@ -76,8 +76,9 @@ class _LimitedExchange:
                 # Past the deadline, what the client sent in time is buffered and comes at once: an app that
                 # was busy before reading (a control call waiting for a lock) must not make it a 408.
                 remaining = max(_BUFFERED_GRACE_S, self._body_deadline - self._loop.time())
-                message = await asyncio.wait_for(self._receive(), remaining)
-            except asyncio.TimeoutError:
+                async with asyncio.timeout(remaining):  # not wait_for: no task per message (about 4 us)
+                    message = await self._receive()
+            except TimeoutError:
                 self.refusal = RequestTimeout(f"the request body did not arrive within {self._body_timeout_s:g} s")
                 raise self.refusal from None
         if message["type"] == "http.request":

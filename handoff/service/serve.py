@@ -105,6 +105,7 @@ def serve(app: object, *, host: str, port: int, port_file: Path | None = None,
         lifespan="on",
         access_log=False,
         log_config=None,
+        proxy_headers=False,  # nothing reads a forwarded client address; its middleware ran on every request
         timeout_keep_alive=75,
         timeout_graceful_shutdown=graceful_shutdown_s,
     )

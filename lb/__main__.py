@@ -104,9 +104,12 @@ def main(argv: Sequence[str] | None = None, *, resolver: Resolver | None = None)
     setup_logging("lb", fmt=args.log_format, level=args.log_level,
                   secrets=[s for s in (config.admin_token, config.api_key) if s])
     log.info("starting: %r", config)
-    if config.admin_token is None:
+    if config.admin_token is None and config.api_key is None:
         log.warning("no --admin-token: control calls (release, reload, membership) are open to anyone who can "
                     "reach this port")
+    elif config.admin_token is None:
+        log.warning("no --admin-token: control calls (release, reload, membership) take the --api-key, as "
+                    "SGLang's do")
     serve_from_args(create_app(config, resolver=resolver), args)
 
 

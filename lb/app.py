@@ -13,17 +13,17 @@ route of the LB is documented there, bodies from :mod:`lb.openapi`).
 from __future__ import annotations
 
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import AsyncIterator, Awaitable, Callable
 
 from fastapi import FastAPI, Request
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.responses import PlainTextResponse, Response
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from handoff import __version__
 from handoff.protocol import errors as E
 from handoff.protocol.control import CONTROL_ROUTES
-from handoff.service.auth import BearerToken
+from handoff.service.auth import BearerToken, admin_token_of
 from handoff.service.bodies import install_schemas, openapi_body
 from handoff.service.errors import ServiceError, UnexpectedErrorMiddleware, install_error_handlers
 from handoff.service.generation_schema import GENERATION_RESPONSES
@@ -84,7 +84,7 @@ def create_app(config: LBConfig, *, resolver: Resolver | None = None) -> LBApp:
     """The LB as an ASGI app; its cluster starts and stops with the app's lifespan."""
     metrics = LBMetrics()
     cluster = Cluster(config, metrics, resolver=resolver)
-    admin = BearerToken(config.admin_token)
+    admin = BearerToken(admin_token_of(config.admin_token, config.api_key))
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

@@ -14,7 +14,7 @@ import enum
 import logging
 from dataclasses import dataclass
 
-from handoff.service.auth import BearerToken
+from handoff.service.auth import BearerToken, admin_token_of
 from handoff.service.upstream import UpstreamClient
 from lb.addresses import Resolver, resolve, split_canonical
 from lb.config import LBConfig, NodeSpec
@@ -55,7 +55,7 @@ class Cluster:
         self.config = config
         self.metrics = metrics
         self.state = ClusterState.CREATED
-        self.node_headers = BearerToken(config.admin_token).header()
+        self.node_headers = BearerToken(admin_token_of(config.admin_token, config.api_key)).header()
         self.membership = Membership(metrics)
         for spec in config.nodes:
             self.membership.add(spec, "flag")

@@ -85,9 +85,11 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         log.error("%s", exc)
         return 2
-    if admin_token is None:
+    if admin_token is None and api_key is None:
         log.warning("no --admin-token: control calls (release, resume, reload) are open to anyone who can reach "
                     "this port")
+    elif admin_token is None:
+        log.warning("no --admin-token: control calls (release, resume, reload) take the --api-key, as SGLang's do")
     from node_sidecar.app import create_app
 
     serve_from_args(create_app(config), args)

@@ -18,7 +18,7 @@ from starlette.types import Receive, Scope, Send
 from handoff import __version__
 from handoff.protocol.control import CONTROL_ROUTES
 from handoff.protocol.weights import WEIGHT_BODIES, WEIGHT_ROUTES
-from handoff.service.auth import BearerToken
+from handoff.service.auth import BearerToken, admin_token_of
 from handoff.service.bodies import install_schemas, openapi_body
 from handoff.service.errors import ServiceError, install_error_handlers
 from handoff.service.generation_schema import GENERATION_BODIES, GENERATION_RESPONSES
@@ -77,7 +77,7 @@ _GENERATION_ROUTES = {path: path.strip("/").replace("/", "_") for path in GENERA
 
 def create_app(config: SidecarConfig) -> FastAPI:
     metrics = SidecarMetrics()
-    admin = BearerToken(config.admin_token)
+    admin = BearerToken(admin_token_of(config.admin_token, config.api_key))
     api_key = BearerToken(config.api_key)
 
     @contextlib.asynccontextmanager

@@ -186,8 +186,9 @@ class _Base:
         self.max_answer_bytes = max_answer_bytes or DEFAULT_MAX_ANSWER_BYTES
         admin = checked_token(admin_token, "admin_token") if admin_token else None  # "" or None: no token
         api = checked_token(api_key, "api_key") if api_key else None
-        # the services take the admin token wherever they take the API key
-        self._headers = {"admin": _bearer(admin), "api": _bearer(api or admin)}
+        # the services take the admin token wherever they take the API key, and with no admin token set, the API
+        # key for control calls (SGLang's rule: handoff.service.auth.admin_token_of)
+        self._headers = {"admin": _bearer(admin or api), "api": _bearer(api or admin)}
 
     def _timeout_of(self, call: _Call) -> float:
         """The whole call's deadline, in seconds from its start (see :func:`_control` for control calls)."""

@@ -15,8 +15,9 @@ from handoff.cluster.process import ProcessFailed, ServerProcess
 def banner(cluster: LocalCluster, out: TextIO) -> None:
     spec = cluster.spec
     lb = cluster.url
-    auth = ' -H "Authorization: Bearer $HANDOFF_ADMIN_TOKEN"' if spec.admin_token else ""
     gen_auth = ' -H "Authorization: Bearer $HANDOFF_API_KEY"' if spec.api_key else ""
+    # with no admin token, control calls take the API key (handoff.service.auth.admin_token_of)
+    auth = ' -H "Authorization: Bearer $HANDOFF_ADMIN_TOKEN"' if spec.admin_token else gen_auth
     kinds = sorted({spec.engine_kind(i) for i in range(spec.num_nodes)})
     print(f"\nhandoff cluster up: {spec.num_nodes} node(s) ({', '.join(kinds)}), model {spec.model_path} on "
           f"{spec.device}, weights backup {spec.weights_backup}", file=out)

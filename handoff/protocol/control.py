@@ -140,6 +140,12 @@ class AbortBody(BaseModel):
     model_config = STRICT
     rid: str | None = ""  # SGLang's BaseReq.rid is Optional; a serialized AbortReq sends null
     abort_all: bool = False
+    # The rest of SGLang 0.5.23's AbortReq (a BaseReq): its HTTP handler reads only rid and abort_all, so these are
+    # accepted and ignored there, and here (a serialized AbortReq carries them, often null).
+    http_worker_ipc: str | None = None
+    abort_message: str | None = None
+    finished_reason: dict[str, str | int | list[int] | None] | None = None
+    weight_versions: list[Any] | None = None
 
     @field_validator("rid")
     @classmethod

@@ -47,6 +47,19 @@ class UnknownTag(ValueError):
     """A tag name outside :data:`TAG_NAMES`."""
 
 
+MAX_SHOWN_NAMES = 8
+MAX_SHOWN_CHARS = 80
+
+
+def shown_names(names: list[str]) -> str:
+    """Unknown names as an error shows them: the first few, each cut short, so a body of megabytes of tag names
+    is not echoed back whole."""
+    shown = [name if len(name) <= MAX_SHOWN_CHARS else f"{name[:MAX_SHOWN_CHARS]}...({len(name)} characters)"
+             for name in names[:MAX_SHOWN_NAMES]]
+    more = f" and {len(names) - MAX_SHOWN_NAMES} more" if len(names) > MAX_SHOWN_NAMES else ""
+    return f"{shown}{more}"
+
+
 def parse_tags(names: Iterable[str] | None) -> tuple[Tag, ...] | None:
     """Tag names -> tags in canonical order, without duplicates.
 
@@ -59,7 +72,7 @@ def parse_tags(names: Iterable[str] | None) -> tuple[Tag, ...] | None:
     wanted = list(names)
     unknown = [name for name in wanted if name not in TAG_NAMES]
     if unknown:
-        raise UnknownTag(f"unknown memory tag(s) {unknown}; known: {list(TAG_NAMES)}")
+        raise UnknownTag(f"unknown memory tag(s) {shown_names(unknown)}; known: {list(TAG_NAMES)}")
     return tuple(tag for tag in ALL_TAGS if tag.value in wanted)
 
 
@@ -111,5 +124,5 @@ def parse_tag_request(names: Iterable[str] | None) -> TagRequest:
         tags = parse_tags(own)
     except UnknownTag:
         unknown = [name for name in wanted if name not in SGLANG_TAG_NAMES]
-        raise UnknownTag(f"unknown memory tag(s) {unknown}; known: {list(SGLANG_TAG_NAMES)}") from None
+        raise UnknownTag(f"unknown memory tag(s) {shown_names(unknown)}; known: {list(SGLANG_TAG_NAMES)}") from None
     return TagRequest(tags, not_present)

@@ -114,6 +114,13 @@ class InitWeightsUpdateGroupBody(SGLangRequest):
     world_size: int = Field(ge=2, le=MAX_WORLD_SIZE)
     group_name: str = Field(default=DEFAULT_GROUP_NAME, min_length=1, max_length=MAX_NAME_CHARS)
     backend: GroupBackend = "nccl"
+    # AReaL 1.0.4 adds the pipeline stage of a per-stage group (``pp_rank``) when its servers run PP > 1. SGLang
+    # 0.5.23's struct has no such field and its HTTP layer drops unknown fields, so the join is the same with or
+    # without it: accepted, checked, and not passed on (see :meth:`engine_body`).
+    pp_rank: int | None = Field(default=None, ge=0, lt=MAX_WORLD_SIZE)
+
+    def engine_body(self, *, exclude: frozenset[str] = frozenset(), exclude_none: bool = False) -> dict[str, object]:
+        return super().engine_body(exclude=exclude | {"pp_rank"}, exclude_none=exclude_none)
 
     @field_validator("master_address")
     @classmethod

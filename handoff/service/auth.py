@@ -55,6 +55,15 @@ class BearerToken:
         return f"BearerToken(enabled={self.is_enabled})"
 
 
+def admin_token_of(admin_token: str | None, api_key: str | None) -> str | None:
+    """The token that guards control, weight and membership calls: the admin token, or, when only an API key is
+    set, the API key. SGLang 0.5.23's rule for these endpoints (``AuthLevel.ADMIN_OPTIONAL``, ``utils/auth.py``):
+    open only when no key at all is configured. A deployment that sets only ``--api-key``, as an SGLang server is
+    started, must not leave its weights and memory open to anyone who can reach the port; and the LB, which
+    sends its nodes this token, reaches sidecars configured the same way."""
+    return admin_token or api_key
+
+
 def token_from(flag_value: str | None, env_var: str, flag: str) -> str | None:
     """A flag wins over its environment variable; unset or empty means no token.
 

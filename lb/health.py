@@ -2,7 +2,10 @@
 
 A handoff sidecar answers ``/memory_occupation`` with its per-tag state and
 whether it serves; a node that answers 404 there (a plain SGLang server) is
-checked with ``GET /health`` from then on. A node that answers is healthy,
+checked with ``GET /health`` from then on, and its weight version read from its
+``GET /model_info`` (where SGLang tells it: it has no ``/get_weight_version``),
+so the version views and pinned requests know what a plain server serves. A
+node that answers is healthy,
 released or not: released only means not routable. ``unhealthy_threshold``
 failures in a row make a healthy node unhealthy, ``healthy_threshold``
 successes bring it back; a node never checked becomes either at its first check.
@@ -14,6 +17,7 @@ import asyncio
 import logging
 from typing import Any, Iterable, Mapping
 
+from handoff.protocol.control import peer_weight_version
 from handoff.service.peer_json import PeerJSONError, loads_bounded
 from handoff.service.upstream import ResponseTooLarge, UpstreamClient, UpstreamError
 from lb.config import LBConfig
@@ -77,12 +81,34 @@ class HealthMonitor:
                     return _parse_occupation(await response.read_whole(MAX_PROBE_BODY_BYTES))
                 except ResponseTooLarge:  # never judged on a cut body ("Unterminated string" says nothing)
                     return f"GET /memory_occupation answered more than {MAX_PROBE_BODY_BYTES} bytes"
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
         response = await self._client.request("GET", node.url + "/health", headers=self._headers,
                                               timeout=timeout)
         await response.read(MAX_PROBE_BODY_BYTES)
         if response.status != 200:
             return f"GET /health answered {response.status}"
-        return {"serving": True}
+        return {"serving": True, "weight_version": await self._plain_weight_version(node, deadline - loop.time())}
+
+    async def _plain_weight_version(self, node: Node, timeout_s: float) -> str | None:
+        """The version a plain server reports in ``GET /model_info`` (SGLang's; within what is left of the
+        check's time), None if it tells none, the last one known if it did not answer: its failing to tell
+        never fails the health check."""
+        known = node.occupation.get("weight_version")
+        if timeout_s <= 0:
+            return known
+        try:
+            response = await self._client.request("GET", node.url + "/model_info", headers=self._headers,
+                                                  timeout=timeout_s)
+            async with response:
+                if response.status != 200:
+                    return None
+                info = loads_bounded(await response.read_whole(MAX_PROBE_BODY_BYTES))
+        except UpstreamError:
+            return known
+        except PeerJSONError:
+            return None
+        return peer_weight_version(info.get("weight_version")) if isinstance(info, dict) else None
 
     def apply_state(self, node: Node, state: dict[str, Any]) -> None:
         """A node's answer carried its state (a sidecar's control answers do): it counts as a good check, and

@@ -73,6 +73,7 @@ class Node:
     def __init__(self, spec: NodeSpec, source: str, metrics: LBMetrics, inflight: InflightCount,
                  addresses: frozenset[str] = frozenset()) -> None:
         self.url = spec.url
+        self.registered_url = spec.url  # the spelling the worker API lists (sglang-router lists a URL as given)
         self.host, self.port = split_canonical(spec.url)
         self.literal_addresses = literal_addresses(self.host) or frozenset()  # empty: a host name
         self.addresses = addresses  # what the host stood for when the node joined (may be empty: not resolved)

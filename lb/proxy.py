@@ -19,7 +19,9 @@ from starlette.responses import Response
 from handoff.service.disconnect import DisconnectWatch
 from handoff.service.relay import StreamRelay
 from handoff.service.upstream import UpstreamResponse
+from handoff.protocol.control import MAX_NAME_CHARS, peer_weight_version
 from handoff.protocol.weights import WEIGHT_VERSION_HEADER
+from handoff.service.errors import InvalidRequest
 from lb.config import Role
 from lb.membership import Membership
 from lb.node import Node
@@ -60,6 +62,10 @@ class GenerationProxy:
         except ClientDisconnect:
             return client_gone_response()
         headers = headers_to_node(request.scope["headers"], self._node_headers)
+        pinned = headers.get(WEIGHT_VERSION_HEADER)
+        if pinned is not None and peer_weight_version(pinned) is None:  # no node could ever serve it: not a 503
+            raise InvalidRequest(f"{WEIGHT_VERSION_HEADER} must be a version of 1 to {MAX_NAME_CHARS} characters, "
+                                 f"got {len(pinned)}")
         watch = DisconnectWatch(request.receive)
         is_handed_over = False
         try:

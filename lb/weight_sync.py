@@ -42,7 +42,7 @@ from lb.errors import NoAvailableNode, NoNodes, NodeNotFound
 from lb.fanout import FanOut, NodeResult
 from lb.health import HealthMonitor
 from lb.membership import Membership
-from lb.node import Node
+from lb.node import Node, NodeHealth
 
 JSON = "application/json"
 ABANDON_AGAIN_S = 1.0  # while rolled-back nodes are still joining, their abandon is sent again this often
@@ -165,12 +165,15 @@ class WeightSync:
 
     # -- versions -----------------------------------------------------------------------
     async def weight_versions(self) -> dict[str, Any]:
-        """Every node's version (checked now) and whether they agree; ``weight_version`` is null if they do not."""
+        """Every node's version (checked now) and whether the nodes that answered agree; ``weight_version`` is
+        null if they do not. A node that is not healthy serves no version: what it reported before it went down
+        is not shown as what it serves (``GET /memory_occupation`` counts only healthy nodes' versions too)."""
         nodes = self._membership.nodes()
         await self._health.check_many(nodes)
-        versions = [{"node": node.url, "role": node.role.value, "weight_version": node.occupation.get("weight_version")}
-                    for node in nodes]
-        reported = [entry["weight_version"] for entry in versions]
+        versions = [{"node": node.url, "role": node.role.value, "health": node.health.value,
+                     "weight_version": node.occupation.get("weight_version")
+                     if node.health is NodeHealth.HEALTHY else None} for node in nodes]
+        reported = [entry["weight_version"] for entry in versions if entry["health"] == NodeHealth.HEALTHY.value]
         # a node's state is a peer's JSON: a version that is neither a string nor null agrees with nothing
         distinct = set(reported) if all(v is None or isinstance(v, str) for v in reported) else set()
         consistent = len(distinct) == 1

@@ -7,7 +7,11 @@
   ``DELETE /workers/{id}`` (the id ``GET /workers`` gave, or the URL, percent-encoded,
   as older routers took it).
 
-A worker is a node: ``regular`` is the ``mixed`` role. Registering is
+A worker is a node: ``regular`` is the ``mixed`` role. ``GET /workers`` and
+``GET /list_workers`` list a worker under the URL it was last registered as,
+spelled as given (as sglang-router does: slime finds its worker at shutdown by
+comparing ``url`` with what it registered); the LB itself uses the canonical
+spelling (``GET /nodes``). Registering is
 idempotent: adding a member again (under any spelling of its address) with the
 same role and bootstrap port answers 200 (an RL loop that restarts its engines
 registers them again); removing a URL that is not a member answers 200 saying
@@ -33,6 +37,7 @@ from lb.config import NodeSpec, Role
 from lb.errors import NodeExists, NodeNotFound
 from lb.node import Node
 
+MAX_URL_CHARS = 2048
 WORKER_TYPES: dict[str, Role] = {"regular": Role.MIXED, "prefill": Role.PREFILL, "decode": Role.DECODE}
 ROLE_TYPES = {role: name for name, role in WORKER_TYPES.items()}
 
@@ -41,9 +46,29 @@ class WorkerBody(BaseModel):
     """``POST /workers`` (the gateway's ``WorkerConfigRequest``, the fields an RL loop sends)."""
 
     model_config = ConfigDict(extra="forbid")
-    url: str = Field(min_length=1, max_length=2048)
+    url: str = Field(min_length=1, max_length=MAX_URL_CHARS)
     worker_type: Literal["regular", "prefill", "decode"] = "regular"
     bootstrap_port: StrictInt | None = None
+    # the rest of sglang-router 0.3's WorkerConfigRequest: taken (a client written for the router sends them) and
+    # meaning nothing here (the LB checks health its own way and calls nodes with its own token); a field no
+    # router knows is still a 400 (a typo)
+    api_key: str | None = None
+    model_id: str | None = None
+    priority: StrictInt | None = None
+    cost: float | None = None
+    runtime: str | None = None
+    tokenizer_path: str | None = None
+    reasoning_parser: str | None = None
+    tool_parser: str | None = None
+    chat_template: str | None = None
+    labels: dict[str, str] = Field(default_factory=dict)
+    health_check_timeout_secs: StrictInt | None = None
+    health_check_interval_secs: StrictInt | None = None
+    health_success_threshold: StrictInt | None = None
+    health_failure_threshold: StrictInt | None = None
+    disable_health_check: bool = False
+    max_connection_attempts: StrictInt | None = None
+    dp_aware: bool = False
 
 
 def worker_id(url: str) -> str:
@@ -52,7 +77,7 @@ def worker_id(url: str) -> str:
 
 
 def worker_view(node: Node) -> dict[str, Any]:
-    view: dict[str, Any] = {"id": worker_id(node.url), "url": node.url, "model_id": "unknown",
+    view: dict[str, Any] = {"id": worker_id(node.url), "url": node.registered_url, "model_id": "unknown",
                             "worker_type": ROLE_TYPES[node.role], "is_healthy": node.health.value == "healthy",
                             "load": node.num_inflight, "connection_mode": "Http",
                             "weight_version": node.occupation.get("weight_version")}
@@ -72,25 +97,32 @@ def workers_router(cluster: Cluster, admin: BearerToken) -> APIRouter:
     def spec_of(url: str | None, role: Role = Role.MIXED, bootstrap_port: int | None = None) -> NodeSpec:
         if not url:
             raise InvalidRequest("give the worker as ?url=http://HOST:PORT")
+        if len(url) > MAX_URL_CHARS:
+            raise InvalidRequest(f"a worker URL is at most {MAX_URL_CHARS} characters, got {len(url)}")
         try:
             return NodeSpec(url, role, bootstrap_port)
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from exc
 
-    async def add(spec: NodeSpec) -> tuple[Node, bool]:
-        """(the member, whether it was added now). A member under any spelling of the same address is that
-        member; under another role or bootstrap port it is 409 (the registration would change what it is)."""
+    async def add(spec: NodeSpec, given: str) -> tuple[Node, bool]:
+        """(the member, whether it was added now), listed from now on as ``given`` (the URL as the caller
+        spelled it). A member under any spelling of the same address is that member; under another role or
+        bootstrap port it is 409 (the registration would change what it is)."""
         existing = cluster.membership.same_address(spec.url, learned=False)
         if existing is None:
             try:
-                return await cluster.add_node(spec), True
+                node = await cluster.add_node(spec)
             except NodeExists as exc:  # a name that resolved to a member's address
                 existing = cluster.membership.get(exc.extra["node"])
                 if existing is None:
                     raise
+            else:
+                node.registered_url = given.strip()
+                return node, True
         if existing.role is not spec.role or existing.bootstrap_port != spec.bootstrap_port:
             raise NodeExists(f"{spec.url} is already a member as {_described(existing)}; remove it first to "
                              f"register it as {_described(spec)}", extra={"node": existing.url})
+        existing.registered_url = given.strip()
         return existing, False
 
     def remove(url: str) -> str | None:
@@ -104,7 +136,8 @@ def workers_router(cluster: Cluster, admin: BearerToken) -> APIRouter:
     @router.post("/add_worker")
     async def add_worker(request: Request) -> Response:
         admin.check(request)
-        node, added = await add(spec_of(request.query_params.get("url")))
+        url = request.query_params.get("url")
+        node, added = await add(spec_of(url), url or "")
         verb = "Successfully added worker" if added else "Worker already added"
         return PlainTextResponse(f"{verb}: {node.url}")
 
@@ -119,13 +152,13 @@ def workers_router(cluster: Cluster, admin: BearerToken) -> APIRouter:
 
     @router.get("/list_workers")
     async def list_workers() -> dict[str, Any]:
-        return {"urls": [node.url for node in cluster.membership.nodes()]}
+        return {"urls": [node.registered_url for node in cluster.membership.nodes()]}
 
     @router.post("/workers", openapi_extra=openapi_body(WorkerBody))
     async def create_worker(request: Request) -> JSONResponse:
         admin.check(request)
         body = await parse_body(request, WorkerBody)
-        node, added = await add(spec_of(body.url, WORKER_TYPES[body.worker_type], body.bootstrap_port))
+        node, added = await add(spec_of(body.url, WORKER_TYPES[body.worker_type], body.bootstrap_port), body.url)
         message = f"Worker {node.url} added successfully" if added else f"Worker {node.url} was already added"
         return JSONResponse({"success": True, "message": message, "worker": worker_view(node)})
 

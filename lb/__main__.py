@@ -36,8 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     routing.add_argument("--control-timeout", type=float, default=120.0, metavar="S",
                          help="per-node deadline of a control fan-out (default 120)")
     routing.add_argument("--weight-sync-timeout", type=float, default=600.0, metavar="S",
-                         help="per-node deadline of a weight group join, tensor push or broadcast update "
-                              "(default 600; ?timeout= overrides)")
+                         help="per-node deadline of a weight group join, tensor push, broadcast update or disk "
+                              "reload (default 600; ?timeout= overrides)")
     routing.add_argument("--max-control-timeout", type=float, default=3600.0, metavar="S",
                          help="the largest ?timeout= a caller may ask for (default 3600)")
     routing.add_argument("--generate-timeout", type=float, default=3600.0, metavar="S",

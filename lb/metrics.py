@@ -29,6 +29,6 @@ class LBMetrics:
                                         registry=r)
         self.generate_not_serving_retries = Counter(
             "handoff_lb_generate_not_serving_retries",
-            "Generation requests retried on another node after a node answered 503 node_released or "
-            "engine_unavailable (it ran nothing).", registry=r)
+            "Generation requests retried on another node after a node answered a 503 saying it does not serve "
+            "(node_released, engine_unavailable, ...: it ran nothing).", registry=r)
         self.nodes = Gauge("handoff_lb_nodes", "Nodes in the membership, by role.", ["role"], registry=r)

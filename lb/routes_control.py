@@ -27,6 +27,8 @@ from lb.relay import client_gone_response
 
 __all__ = ["FanoutSend", "control_router", "fanned_out", "fanout_endpoint"]
 
+RELOAD_PATH = "/update_weights_from_disk"
+
 # what a route does with a checked request: (request, its body, the per-node timeout) -> (status, JSON answer)
 FanoutSend = Callable[[Request, bytes, float], Awaitable[tuple[int, dict[str, Any]]]]
 
@@ -64,7 +66,9 @@ def control_router(cluster: Cluster, config: LBConfig, admin: BearerToken) -> AP
         extra: dict[str, Any] = {"parameters": CONTROL_PARAMETERS}
         if path in CONTROL_BODIES:
             extra.update(openapi_body(CONTROL_BODIES[path], required=False))
-        endpoint = fanout_endpoint(fanned_out(cluster, path), admin, config)
+        # a disk reload moves weights as the weight calls do: the engine may read for its --reload-timeout (300 s)
+        default_s = config.weight_sync_timeout_s if path == RELOAD_PATH else None
+        endpoint = fanout_endpoint(fanned_out(cluster, path), admin, config, default_s)
         for method in methods:
             router.add_api_route(path, endpoint, methods=[method], openapi_extra=extra,
                                  name=f"{method.lower()}_{path.strip('/')}")

@@ -98,12 +98,14 @@ def create_app(config: SidecarConfig) -> FastAPI:
     fast_handlers: dict[str, AsgiHandler] = {}
     app.add_middleware(GenerationFastPath, handlers=fast_handlers)  # added first: the innermost middleware
     install_error_handlers(app)
-    app.add_middleware(NodeStateHeader, node=lambda: app.state.node,
-                       paths=frozenset(CONTROL_ROUTES) | frozenset(WEIGHT_ROUTES) | {"/abort_request"})
+    control_paths = frozenset(CONTROL_ROUTES) | frozenset(WEIGHT_ROUTES) | {"/abort_request"}
+    app.add_middleware(NodeStateHeader, node=lambda: app.state.node, paths=control_paths)
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=config.max_body_bytes, body_timeout_s=config.body_timeout)
+    app.add_middleware(CountByStatus, counter=metrics.control_calls, route_label="path",
+                       route_of=lambda scope: scope["path"].strip("/") if scope["path"] in control_paths else None)
     app.add_middleware(CountByStatus, counter=metrics.requests, route_of=_generation_route_of)  # outermost
     app.include_router(_generation_router(admin, api_key, fast_handlers))
-    app.include_router(control_router(config, metrics, admin))
+    app.include_router(control_router(config, admin))
     app.include_router(views_router(metrics, admin, api_key))
     app.include_router(weight_router(config, admin))
     install_schemas(app, [*CONTROL_BODIES, *WEIGHT_BODIES.values(), *GENERATION_BODIES.values()])

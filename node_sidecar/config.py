@@ -50,16 +50,26 @@ class SidecarConfig:
             raise ConfigError(f"--vllm-sleep-level must be 1 or 2, got {self.vllm_sleep_level}")
         if self.role not in ROLES:
             raise ConfigError(f"--role must be one of {', '.join(ROLES)}, got {self.role!r}")
-        for name in ("hold_max", "pause_hold_max", "hold_max_bytes", "retry_after_s", "max_body_bytes", "max_answer_bytes", "engine_health_misses"):
+        for name in ("hold_max", "pause_hold_max", "hold_max_bytes", "retry_after_s", "max_body_bytes",
+                     "max_answer_bytes", "engine_health_misses"):
             if getattr(self, name) < 1:
-                raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        for name in ("hold_timeout", "pause_hold_timeout", "drain_timeout", "max_drain_timeout", "generate_timeout", "control_timeout",
-                     "vllm_weight_sync_timeout", "engine_poll_interval", "engine_health_timeout", "body_timeout"):
+                raise ConfigError(f"{_flag(name)} must be >= 1, got {getattr(self, name)}")
+        for name in ("hold_timeout", "pause_hold_timeout", "drain_timeout", "max_drain_timeout", "generate_timeout",
+                     "control_timeout", "vllm_weight_sync_timeout", "engine_poll_interval", "engine_health_timeout",
+                     "body_timeout"):
             if not getattr(self, name) > 0:
-                raise ConfigError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
+                raise ConfigError(f"{_flag(name)} must be > 0, got {getattr(self, name)}")
         if self.drain_timeout > self.max_drain_timeout:
             raise ConfigError("--drain-timeout must not exceed --max-drain-timeout")
 
     @property
     def engine_base(self) -> str:
         return self.engine_url.rstrip("/")
+
+
+_FLAGS = {"retry_after_s": "--retry-after"}  # fields not named as their flag
+
+
+def _flag(field_name: str) -> str:
+    """The command-line flag of a config field, as the user typed it."""
+    return _FLAGS.get(field_name, "--" + field_name.replace("_", "-"))

@@ -35,7 +35,8 @@ class SidecarMetrics:
                                         registry=r)
         self.rejected_requests = Counter("handoff_node_rejected_requests",
                                          "Generation requests answered 503, by reason.", ["reason"], registry=r)
-        self.control_calls = Counter("handoff_node_control_calls", "Control calls, by path and status code.",
+        self.control_calls = Counter("handoff_node_control_calls",
+                                     "Control and weight calls answered, by path and the status code the caller got.",
                                      ["path", "code"], registry=r)
         self.requests = Counter("handoff_node_requests",
                                 "Generation requests answered, by route and the status code the client got.",

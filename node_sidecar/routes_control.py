@@ -28,7 +28,6 @@ from handoff.service.disconnect import CLIENT_CLOSED, ClientGone, unless_disconn
 from handoff.service.errors import InvalidRequest, parse_json_bytes
 from node_sidecar.config import SidecarConfig
 from node_sidecar.control import ControlPlane, DrainLimit
-from node_sidecar.metrics import SidecarMetrics
 
 CONTROL_BODIES = [ReleaseBody, ResumeBody, PauseBody, ContinueBody, UpdateWeightsFromDiskBody, AbortBody]
 
@@ -46,7 +45,7 @@ def answer_by(request: Request) -> float | None:
     return asyncio.get_running_loop().time() + deadline - margin
 
 
-def control_router(config: SidecarConfig, metrics: SidecarMetrics, admin: BearerToken) -> APIRouter:
+def control_router(config: SidecarConfig, admin: BearerToken) -> APIRouter:
     router = APIRouter()
 
     def control_of(request: Request) -> ControlPlane:
@@ -66,7 +65,6 @@ def control_router(config: SidecarConfig, metrics: SidecarMetrics, admin: Bearer
         answer = await control_of(request).release(asked.names, mode=body.mode,
                                                    drain=drain_limit(request, body.drain_timeout),
                                                    stage_to_cpu=body.stage_to_cpu)
-        metrics.control_calls.labels("release_memory_occupation", "200").inc()
         return JSONResponse(asked.report(answer))
 
     @router.post("/resume_memory_occupation", openapi_extra=openapi_body(ResumeBody, required=False))
@@ -75,7 +73,6 @@ def control_router(config: SidecarConfig, metrics: SidecarMetrics, admin: Bearer
         body = await parse_body(request, ResumeBody, empty_ok=True)
         asked = parse_tag_names(body.tags)
         answer = await control_of(request).resume(asked.names)
-        metrics.control_calls.labels("resume_memory_occupation", "200").inc()
         return JSONResponse(asked.report(answer))
 
     @router.post("/update_weights_from_disk", openapi_extra=openapi_body(UpdateWeightsFromDiskBody))
@@ -93,7 +90,6 @@ def control_router(config: SidecarConfig, metrics: SidecarMetrics, admin: Bearer
             lambda: adapter.update_weights_from_disk(engine_body), drain=drain_limit(request, body.drain_timeout),
             mode="abort" if body.abort_all_requests else "wait",
             check=lambda: adapter.check_weights(engine_body))
-        metrics.control_calls.labels("update_weights_from_disk", "200").inc()
         return JSONResponse(answer)
 
     @router.post("/pause_generation", openapi_extra=openapi_body(PauseBody, required=False))

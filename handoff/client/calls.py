@@ -13,6 +13,7 @@ from handoff.protocol.sse import DONE, EventSplitter, EventTooLarge, event_data
 from handoff.service.peer_json import PeerJSONError, loads_bounded
 
 DEFAULT_CONTROL_TIMEOUT_S = 120.0
+DEFAULT_WEIGHT_SYNC_TIMEOUT_S = 600.0  # the LB's per-node default for the calls that move weights, disk reloads too
 _MARGIN_S = 10.0  # the LB answers within the per-node timeout; give its answer time to arrive
 
 
@@ -45,6 +46,7 @@ class _Call:
     params: dict[str, Any] = field(default_factory=dict)
     timeout: float | None = None
     decode: str = "json"                     # "json" or "fanout"
+    lb_default_timeout: float = DEFAULT_CONTROL_TIMEOUT_S  # a fan-out's per-node deadline when no ?timeout= is sent
 
 
 def _bearer(token: str | None) -> dict[str, str]:
@@ -102,7 +104,9 @@ class _Calls:
     @staticmethod
     def update_weights(model_path: str, weight_version: str | None, role: str | None, timeout: float | None) -> _Call:
         body = _drop_none({"model_path": model_path, "weight_version": weight_version})
-        return _control("/update_weights_from_disk", body, role, timeout)
+        call = _control("/update_weights_from_disk", body, role, timeout)
+        call.lb_default_timeout = DEFAULT_WEIGHT_SYNC_TIMEOUT_S  # without ?timeout=, the LB waits this long per node
+        return call
 
     @staticmethod
     def pause(mode: str, role: str | None, timeout: float | None) -> _Call:
@@ -195,7 +199,7 @@ class _Base:
         if call.timeout is not None:
             return call.timeout
         if call.decode == "fanout":
-            return max(self.timeout_s, DEFAULT_CONTROL_TIMEOUT_S + _MARGIN_S)
+            return max(self.timeout_s, call.lb_default_timeout + _MARGIN_S)
         return self.timeout_s
 
     def _request_args(self, call: _Call) -> dict[str, Any]:

@@ -19,12 +19,13 @@ RouteOf = Callable[[Scope], "str | None"]
 
 class CountByStatus:
     """ASGI middleware: each HTTP request that ``route_of`` names (None: not counted) is counted once in
-    ``counter`` (labels ``route`` and ``code``) when its answer is done."""
+    ``counter`` (labels ``route_label``, ``route`` unless told, and ``code``) when its answer is done."""
 
-    def __init__(self, app: ASGIApp, counter: Counter, route_of: RouteOf) -> None:
+    def __init__(self, app: ASGIApp, counter: Counter, route_of: RouteOf, route_label: str = "route") -> None:
         self.app = app
         self._counter = counter
         self._route_of = route_of
+        self._route_label = route_label
         self._children: dict[tuple[str, int], Any] = {}  # labels resolved once per (route, status)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -45,5 +46,5 @@ class CountByStatus:
         finally:
             child = self._children.get((route, status))
             if child is None:
-                child = self._children[(route, status)] = self._counter.labels(route=route, code=str(status))
+                child = self._children[(route, status)] = self._counter.labels(**{self._route_label: route, "code": str(status)})
             child.inc()

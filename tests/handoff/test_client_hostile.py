@@ -13,7 +13,7 @@ from typing import Callable, Iterator
 import pytest
 
 from handoff.client import AsyncHandoffClient, FanoutFailed, HandoffClient, HandoffError, RetryPolicy
-from handoff.client.calls import DEFAULT_CONTROL_TIMEOUT_S, _Calls
+from handoff.client.calls import DEFAULT_CONTROL_TIMEOUT_S, DEFAULT_WEIGHT_SYNC_TIMEOUT_S, _Calls
 from tests.handoff.scripted import UNAVAILABLE, script
 
 pytestmark = pytest.mark.timeout(60)
@@ -186,6 +186,9 @@ def test_a_control_call_waits_at_least_the_lbs_own_timeout() -> None:
     short = HandoffClient("http://127.0.0.1:1", timeout=1)
     assert short._timeout_of(_Calls.resume(None, None, None)) > DEFAULT_CONTROL_TIMEOUT_S  # what the LB may take
     assert short._timeout_of(_Calls.resume(None, None, 30)) == 40  # asked 30 s per node, plus the margin
+    # a disk reload gets the LB's --weight-sync-timeout per node (600 s), not --control-timeout
+    assert short._timeout_of(_Calls.update_weights("/ckpt", None, None, None)) > DEFAULT_WEIGHT_SYNC_TIMEOUT_S
+    assert short._timeout_of(_Calls.update_weights("/ckpt", None, None, 30)) == 40
     client.close()
     short.close()
 

@@ -238,6 +238,8 @@ def test_schema_rejects_bad_values_with_a_clear_message(values: Obj, message: st
                  "roles.mixed.engineExtraArgs must not set --port=1234", id="engine-port-override"),
     pytest.param({"auth": {"apiKeyKey": "admin-token"}}, "auth.adminTokenKey and auth.apiKeyKey must differ",
                  id="same-secret-keys"),
+    pytest.param({"lb": {"maxControlTimeout": 300}}, "lb.weightSyncTimeout (600) must not exceed lb.maxControlTimeout",
+                 id="weight-sync-over-max"),
     pytest.param({"lb": {"controlTimeout": 5000}}, "lb.controlTimeout (5000) must not exceed lb.maxControlTimeout",
                  id="control-over-max"),
     pytest.param({"node": {"sidecar": {"drainTimeout": 4000}}, "lb": {"controlTimeout": 5000, "maxControlTimeout": 9000}},
@@ -373,6 +375,7 @@ def test_lb_flags_follow_the_values(rendered: Rendered) -> None:
     assert float(flag_value(args, "--discover-interval")) == lb_values["discoverInterval"]
     assert float(flag_value(args, "--control-timeout")) == lb_values["controlTimeout"]
     assert float(flag_value(args, "--max-control-timeout")) == lb_values["maxControlTimeout"]
+    assert float(flag_value(args, "--weight-sync-timeout")) == lb_values["weightSyncTimeout"]
     assert flag_value(args, "--policy") == lb_values["policy"]
     assert flag_values(args, "--log-format") == (["json"] if rendered.merged["logFormat"] == "json" else [])
     assert _lb(rendered).obj["spec"]["replicas"] == lb_values["replicas"]

@@ -404,3 +404,18 @@ def test_a_state_past_the_probe_cap_is_named_as_such(module_fakes: FakeCluster, 
     set_members(shared_lb, good.url, big.url)
     shared_lb.wait_routable([big.url], expected=False)
     assert "more than 65536 bytes" in shared_lb.node(big.url)["last_error"]
+
+
+def test_a_disk_reload_gets_the_weight_sync_timeout_not_the_control_timeout(module_fakes: FakeCluster,
+                                                                            start_lb) -> None:
+    """A disk reload moves weights as a tensor push does: the engine may read its checkpoint for its
+    --reload-timeout (300 s). It used to get --control-timeout (120 s): a slow reload was reported timed out
+    while the node went on loading it."""
+    node = module_fakes.start_one()
+    for path in ("/update_weights_from_disk", "/flush_cache"):
+        node.handlers[path] = reply(200, {"success": True}, delay=1.5)
+    lb = start_lb("--node", node.url, "--control-timeout", "0.5", "--weight-sync-timeout", "10")
+    reload = lb.http.post("/update_weights_from_disk", json={"model_path": "/ckpt"})
+    assert reload.status_code == 200, reload.text
+    flush = lb.http.post("/flush_cache")  # every other control call keeps --control-timeout
+    assert flush.status_code == 502 and flush.json()["failures"][0]["reason"] == "timeout"

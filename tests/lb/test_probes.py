@@ -53,6 +53,24 @@ def test_no_serving_node_means_503(module_fakes, shared_lb) -> None:
     assert shared_lb.http.get("/v1/models").json() == CARD  # a released node still knows its model
 
 
+def test_health_generate_passes_over_a_node_that_stopped_serving(module_fakes, shared_lb) -> None:
+    """The first routable node answering that it stopped serving (released between two health checks) made the
+    LB's /health_generate a 503 while another node served; it now asks the next one."""
+    stopping, serving = module_fakes.start(2)
+    stopping.handlers["/health_generate"] = reply(200, {"serving": False})
+    serving.handlers["/health_generate"] = reply(200, {"serving": True, "weight_version": "v9"})
+    set_members(shared_lb, stopping.url, serving.url)
+    shared_lb.wait_routable([stopping.url, serving.url])
+    for _ in range(4):  # whichever node the LB asks first
+        health = shared_lb.http.get("/health_generate")
+        assert health.status_code == 200, health.text
+        assert health.json()["node"] == serving.url and health.json()["weight_version"] == "v9"
+    serving.handlers["/health_generate"] = reply(200, {"serving": False})
+    answer = shared_lb.http.get("/health_generate")
+    assert answer.status_code == 503 and answer.json()["error"]["type"] == "no_available_node"
+    assert stopping.url in answer.json()["error"]["message"] and answer.headers["retry-after"]
+
+
 def test_a_node_without_the_endpoint_is_skipped_but_an_unknown_model_is_404(module_fakes, shared_lb) -> None:
     other_kind, handoff_node = module_fakes.start(2)
     other_kind.handlers["/get_server_info"] = reply(404, {"detail": "Not Found"})

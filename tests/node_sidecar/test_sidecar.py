@@ -335,6 +335,28 @@ def test_metrics_relay_the_engine_and_count_the_node(sidecars: Sidecars) -> None
     assert "handoff_engine_generated_tokens_total" in text  # the engine's own, relayed
 
 
+def test_control_calls_are_counted_by_the_status_their_caller_got(sidecars: Sidecars) -> None:
+    """``handoff_node_control_calls_total`` counted only the successes of three paths (always code 200): a
+    refused release, a pause, a flush were never counted."""
+    sidecar = sidecars.start()
+    calls = [("/release_memory_occupation", {"tags": ["kv_cache"]}), ("/release_memory_occupation", {"tags": ["x"]}),
+             ("/resume_memory_occupation", {}), ("/pause_generation", {}), ("/continue_generation", {}),
+             ("/flush_cache", None)]
+    statuses = [httpx.post(sidecar.url + path, json=body, timeout=30).status_code for path, body in calls]
+    assert statuses == [200, 400, 200, 200, 200, 200]
+    counted = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+               for line in httpx.get(sidecar.url + "/metrics", timeout=10).text.splitlines()
+               if line.startswith("handoff_node_control_calls_total{")}
+    assert counted == {
+        'handoff_node_control_calls_total{code="200",path="release_memory_occupation"}': 1.0,
+        'handoff_node_control_calls_total{code="400",path="release_memory_occupation"}': 1.0,
+        'handoff_node_control_calls_total{code="200",path="resume_memory_occupation"}': 1.0,
+        'handoff_node_control_calls_total{code="200",path="pause_generation"}': 1.0,
+        'handoff_node_control_calls_total{code="200",path="continue_generation"}': 1.0,
+        'handoff_node_control_calls_total{code="200",path="flush_cache"}': 1.0,
+    }, counted
+
+
 def engine_aborts(sidecar: ServerProcess) -> float:
     for line in httpx.get(sidecar.url + "/metrics", timeout=10).text.splitlines():
         if line.startswith('handoff_engine_requests_total{finish_reason="abort"}'):

@@ -209,8 +209,10 @@ or a release fan-out cut work short: checked here, with the value's name.
 {{- define "handoff.checkTimeoutsAndPorts" -}}
 {{- $lb := .Values.lb }}
 {{- $node := .Values.node }}
-{{- if gt (float64 $lb.controlTimeout) (float64 $lb.maxControlTimeout) }}
-{{- fail (printf "handoff: lb.controlTimeout (%v) must not exceed lb.maxControlTimeout (%v): the LB would exit at start" $lb.controlTimeout $lb.maxControlTimeout) }}
+{{- range $name := list "controlTimeout" "weightSyncTimeout" }}
+{{- if gt (float64 (get $lb $name)) (float64 $lb.maxControlTimeout) }}
+{{- fail (printf "handoff: lb.%s (%v) must not exceed lb.maxControlTimeout (%v): the LB would exit at start" $name (get $lb $name) $lb.maxControlTimeout) }}
+{{- end }}
 {{- end }}
 {{- if gt (float64 $node.sidecar.drainTimeout) 3600.0 }}
 {{- fail (printf "handoff: node.sidecar.drainTimeout (%v) must be at most 3600 (the sidecar's --max-drain-timeout)" $node.sidecar.drainTimeout) }}

@@ -1,0 +1,85 @@
+"""A response's head and the start of its body go out in one write (handoff/service/one_write.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from pathlib import Path
+
+from handoff.service.one_write import _HeadWithBody
+from tests.support.procs import ServerProcess
+
+
+class RecordingTransport(asyncio.Transport):
+    """What the real transport was asked to write, write by write."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.writes: list[bytes] = []
+        self.closed = False
+
+    def write(self, data: bytes) -> None:  # type: ignore[override]
+        self.writes.append(bytes(data))
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+    def close(self) -> None:
+        self.closed = True
+
+
+async def test_a_head_and_its_body_are_one_write_and_later_writes_pass_through() -> None:
+    transport = RecordingTransport()
+    cycle = _HeadWithBody(transport, asyncio.get_running_loop())
+    cycle.write(b"HTTP/1.1 200 OK\r\n\r\n")
+    cycle.write(b"body")
+    cycle.write(b"more")
+    await asyncio.sleep(0)  # the end of the turn: nothing held is left to flush
+    assert transport.writes == [b"HTTP/1.1 200 OK\r\n\r\nbody", b"more"]
+
+
+async def test_a_head_alone_goes_out_at_the_end_of_the_turn() -> None:
+    """A stream whose first chunk is not in yet: its client gets the head now, not with the first chunk."""
+    transport = RecordingTransport()
+    cycle = _HeadWithBody(transport, asyncio.get_running_loop())
+    cycle.write(b"HTTP/1.1 200 OK\r\n\r\n")
+    assert transport.writes == []
+    await asyncio.sleep(0)
+    assert transport.writes == [b"HTTP/1.1 200 OK\r\n\r\n"]
+    cycle.write(b"data: 1\n\n")
+    assert transport.writes[-1] == b"data: 1\n\n"
+
+
+async def test_close_sends_what_is_held_first_and_a_gone_client_gets_nothing() -> None:
+    loop = asyncio.get_running_loop()
+    closing = RecordingTransport()
+    cycle = _HeadWithBody(closing, loop)
+    cycle.write(b"head")
+    cycle.close()
+    assert closing.writes == [b"head"] and closing.closed
+    gone = RecordingTransport()
+    cycle = _HeadWithBody(gone, loop)
+    cycle.write(b"head")
+    gone.closed = True  # the client left before the end of the turn
+    await asyncio.sleep(0)
+    assert gone.writes == []
+
+
+def test_pipelined_answers_of_a_real_service_stay_whole_and_in_order(proc_log_dir: Path) -> None:
+    """Through a real service (the engine, served by ``handoff.service.serve``): three requests pipelined on
+    one connection get three answers, in order, each head with its own body."""
+    engine = ServerProcess("node_engine", ["--model-path", "builtin:tiny"], log_dir=proc_log_dir,
+                           name="engine-one-write").start(timeout=120)
+    try:
+        with socket.create_connection(("127.0.0.1", engine.port), timeout=10) as sock:
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n" * 3)
+            received = b""
+            while received.count(b'{"status":"ok"}') < 3:
+                chunk = sock.recv(65536)
+                assert chunk, received
+                received += chunk
+        answers = received.split(b"HTTP/1.1 ")[1:]
+        assert len(answers) == 3, received
+        assert all(a.startswith(b"200 OK\r\n") and a.endswith(b'\r\n\r\n{"status":"ok"}') for a in answers), received
+    finally:
+        engine.stop()

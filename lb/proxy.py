@@ -66,7 +66,7 @@ class GenerationProxy:
         if pinned is not None and peer_weight_version(pinned) is None:  # no node could ever serve it: not a 503
             raise InvalidRequest(f"{WEIGHT_VERSION_HEADER} must be a version of 1 to {MAX_NAME_CHARS} characters, "
                                  f"got {len(pinned)}")
-        watch = DisconnectWatch(request.receive)
+        watch = DisconnectWatch(request.receive, request.scope)
         is_handed_over = False
         try:
             if self._is_pd():

@@ -88,7 +88,7 @@ async def relay_generation(node: Node, request: Request, path: str) -> Response:
     # The engine's form of the request, made before it is admitted (a body the engine cannot serve is a 400 that
     # never counts in flight); before the engine's kind is known the node does not serve, so admission decides.
     call = node.adapter.generation_call(path, body, query) if node.adapter is not None else None
-    watch = DisconnectWatch(request.receive)  # from here a client that leaves cancels the wait: held, or for the answer
+    watch = DisconnectWatch(request.receive, request.scope)  # from here a client that leaves cancels the wait: held, or for the answer
     try:
         lease = await node.admission.enter(num_bytes=len(body))
     except asyncio.CancelledError:

@@ -90,7 +90,7 @@ class StreamRelay(Response):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         upstream, transform = self._upstream, self._transform
-        watch = self._watch or DisconnectWatch(receive)
+        watch = self._watch or DisconnectWatch(receive, scope)
         stall_timer = self._arm_stall_timer(upstream.deadline)
         try:
             await self._send(send, {"type": "http.response.start", "status": self.status_code,

@@ -17,7 +17,7 @@ from pathlib import Path
 import uvicorn
 
 from handoff.service.head_timeout import DEFAULT_HEAD_TIMEOUT_S
-from handoff.service.one_write import OneWriteProtocol
+from handoff.service.http_protocol import ServiceProtocol
 from handoff.service.limits import DEFAULT_BODY_TIMEOUT_S
 
 log = logging.getLogger(__name__)
@@ -102,7 +102,7 @@ def serve(app: object, *, host: str, port: int, port_file: Path | None = None,
     config = uvicorn.Config(
         app,
         loop=loop,
-        http=OneWriteProtocol.with_timeout(header_timeout_s),
+        http=ServiceProtocol.with_timeout(header_timeout_s),
         lifespan="on",
         access_log=False,
         log_config=None,

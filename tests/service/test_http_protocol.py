@@ -1,4 +1,4 @@
-"""A response's head and the start of its body go out in one write (handoff/service/one_write.py)."""
+"""The services' HTTP protocol (handoff/service/http_protocol.py): one write per answer, disconnects noticed."""
 
 from __future__ import annotations
 
@@ -6,7 +6,8 @@ import asyncio
 import socket
 from pathlib import Path
 
-from handoff.service.one_write import _HeadWithBody
+from handoff.service.disconnect import NOTICE_EXTENSION, DisconnectNotice, DisconnectWatch
+from handoff.service.http_protocol import _HeadWithBody
 from tests.support.procs import ServerProcess
 
 
@@ -83,3 +84,62 @@ def test_pipelined_answers_of_a_real_service_stay_whole_and_in_order(proc_log_di
         assert all(a.startswith(b"200 OK\r\n") and a.endswith(b'\r\n\r\n{"status":"ok"}') for a in answers), received
     finally:
         engine.stop()
+
+
+async def never() -> dict:
+    await asyncio.Event().wait()
+    return {}
+
+
+async def serving(watch_of) -> tuple[bool, bool]:
+    """A task serving a request under a DisconnectWatch: (whether it was cancelled by it, whether the watch
+    says the client left)."""
+    watch = watch_of()
+    try:
+        await asyncio.Event().wait()
+    except asyncio.CancelledError:
+        return watch.is_disconnected, True
+    finally:
+        watch.stop()
+    return False, False
+
+
+async def test_the_servers_notice_cancels_the_request_without_a_task_per_request() -> None:
+    notice = DisconnectNotice()
+    scope = {"type": "http", "extensions": {NOTICE_EXTENSION: notice}}
+    tasks_before = len(asyncio.all_tasks())
+    task = asyncio.ensure_future(serving(lambda: DisconnectWatch(never, scope)))
+    await asyncio.sleep(0)
+    assert len(asyncio.all_tasks()) == tasks_before + 1  # the request's own task, no watcher beside it
+    notice.lost()
+    assert await asyncio.wait_for(task, 5) == (True, True)
+    # a watch started after the connection was lost cancels its request at once
+    late = asyncio.ensure_future(serving(lambda: DisconnectWatch(never, scope)))
+    assert await asyncio.wait_for(late, 5) == (True, True)
+
+
+async def test_a_stopped_watch_is_not_called_and_a_finished_one_cancels_nothing() -> None:
+    notice = DisconnectNotice()
+    scope = {"type": "http", "extensions": {NOTICE_EXTENSION: notice}}
+    stopped = DisconnectWatch(never, scope)
+    stopped.stop()
+    finished = DisconnectWatch(never, scope)
+    finished.finish()
+    notice.lost()  # neither cancels this test's task
+    await asyncio.sleep(0)
+    assert not stopped.is_disconnected and not finished.is_disconnected
+    finished.stop()
+
+
+async def test_without_the_notice_a_watcher_waits_on_receive() -> None:
+    """Another ASGI server (or an in-process transport): the watch consumes ``receive`` as before."""
+    left = asyncio.Event()
+
+    async def receive() -> dict:
+        await left.wait()
+        return {"type": "http.disconnect"}
+
+    task = asyncio.ensure_future(serving(lambda: DisconnectWatch(receive, {"type": "http"})))
+    await asyncio.sleep(0)
+    left.set()
+    assert await asyncio.wait_for(task, 5) == (True, True)

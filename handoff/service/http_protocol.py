@@ -1,0 +1,94 @@
+"""uvicorn's HTTP/1.1 protocol as every handoff service runs it: :class:`ServiceProtocol`.
+
+On top of :class:`~handoff.service.head_timeout.HeadTimeoutProtocol` (a
+deadline on every request head), two things uvicorn does at a cost on every
+request:
+
+- **One write per answer.** uvicorn writes a response's head when the app
+  sends ``http.response.start`` and its body when it sends
+  ``http.response.body``: two ``send`` system calls and two packets for every
+  buffered answer. Here the head is held until the first body write of the
+  same event-loop turn and both go out together; a head with no body write in
+  that turn (a stream whose first chunk is not in yet) goes out by itself at
+  the end of the turn, so no client waits longer for it.
+- **A disconnect noticed without a task.** A request's scope carries a
+  :class:`~handoff.service.disconnect.DisconnectNotice` that this protocol
+  fires when the connection is lost, so a
+  :class:`~handoff.service.disconnect.DisconnectWatch` needs no task parked on
+  ``receive()`` per request (about 10 us of CPU each).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
+
+from handoff.service.disconnect import NOTICE_EXTENSION, DisconnectNotice
+from handoff.service.head_timeout import HeadTimeoutProtocol
+
+__all__ = ["ServiceProtocol"]
+
+
+class _HeadWithBody:
+    """The transport of one request's response cycle: holds its first write until the second or the end of
+    the loop turn, whichever comes first; anything else goes to the real transport."""
+
+    __slots__ = ("_transport", "_loop", "_held", "_has_held")
+
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
+        self._transport = transport
+        self._loop = loop
+        self._held: bytes | None = None
+        self._has_held = False
+
+    def write(self, data: bytes) -> None:
+        if self._held is not None:
+            held, self._held = self._held, None
+            self._transport.write(held + data)
+        elif not self._has_held:
+            self._has_held = True
+            self._held = data
+            self._loop.call_soon(self._flush)
+        else:
+            self._transport.write(data)
+
+    def _flush(self) -> None:
+        held, self._held = self._held, None
+        if held is not None and not self._transport.is_closing():  # a client gone meanwhile gets nothing
+            self._transport.write(held)
+
+    def close(self) -> None:
+        self._flush()
+        self._transport.close()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+
+class ServiceProtocol(HeadTimeoutProtocol):
+    """:class:`HeadTimeoutProtocol` whose response cycles write a head and the first body bytes together and
+    whose requests are told when their connection is lost."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._notices: list[tuple[RequestResponseCycle, DisconnectNotice]] = []  # requests not answered yet
+
+    def on_headers_complete(self) -> None:
+        super().on_headers_complete()
+        cycle = self.cycle
+        if cycle is None or cycle.transport is not self.transport:  # no new request (refused, or upgraded)
+            return
+        cycle.transport = _HeadWithBody(self.transport, self.loop)  # type: ignore[assignment]
+        notice = DisconnectNotice()
+        cycle.scope.setdefault("extensions", {})[NOTICE_EXTENSION] = notice  # type: ignore[typeddict-item]
+        self._notices = [(c, n) for c, n in self._notices if not c.response_complete]
+        self._notices.append((cycle, notice))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        notices, self._notices = self._notices, []
+        super().connection_lost(exc)
+        for cycle, notice in notices:
+            if not cycle.response_complete:
+                notice.lost()

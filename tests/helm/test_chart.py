@@ -8,6 +8,7 @@ strict), and the invariants the deployment depends on are checked on the objects
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import re
 from typing import Any
@@ -214,6 +215,24 @@ def test_default_values_match_the_schema_and_the_schema_is_closed() -> None:
                  "at '/node/engine/device': value must be one of 'cuda', 'cpu'", id="unknown-device"),
     pytest.param({"node": {"sidecar": {"port": 70000}}},
                  "at '/node/sidecar/port': maximum: got 70,000, want 65,535", id="port-range"),
+    # The processes run as a non-root user with every capability dropped: a port under 1024 cannot be bound
+    # (exit 2 "Permission denied" on runtimes that keep net.ipv4.ip_unprivileged_port_start at 1024).
+    pytest.param({"lb": {"port": 80}}, "at '/lb/port': minimum: got 80, want 1,024", id="lb-privileged-port"),
+    pytest.param({"node": {"sidecar": {"port": 443}}}, "at '/node/sidecar/port': minimum: got 443, want 1,024",
+                 id="sidecar-privileged-port"),
+    pytest.param({"node": {"engine": {"port": 1000}}}, "at '/node/engine/port': minimum: got 1,000, want 1,024",
+                 id="engine-privileged-port"),
+    # The LB and the sidecars refuse a token with a space, a blank one or non-ASCII at start (exit 2).
+    pytest.param({"auth": {"adminToken": "my token"}}, "at '/auth/adminToken': 'my token' does not match pattern",
+                 id="token-with-space"),
+    pytest.param({"auth": {"apiKey": "   "}}, "at '/auth/apiKey': '   ' does not match pattern", id="blank-token"),
+    pytest.param({"auth": {"apiKey": "clé"}}, "at '/auth/apiKey': 'clé' does not match pattern", id="non-ascii-token"),
+    # The LB refuses a discovery name with an empty or over-long label at start (exit 2).
+    pytest.param({"clusterDomain": "cluster..local"}, "at '/clusterDomain': 'cluster..local' does not match pattern",
+                 id="domain-empty-label"),
+    pytest.param({"clusterDomain": "a" * 64 + ".local"}, "at '/clusterDomain':", id="domain-long-label"),
+    # The engine runs on one GPU: more would be reserved and idle.
+    pytest.param({"node": {"engine": {"gpus": 2}}}, "at '/node/engine/gpus': maximum: got 2, want 1", id="gpus"),
 ])
 def test_schema_rejects_bad_values_with_a_clear_message(values: Obj, message: str) -> None:
     with pytest.raises(helm.HelmValuesError) as caught:
@@ -250,6 +269,19 @@ def test_schema_rejects_bad_values_with_a_clear_message(values: Obj, message: st
                  "node.terminationGracePeriodSeconds (30) must exceed node.sidecar.drainTimeout", id="grace-under-drain"),
     pytest.param({"node": {"engine": {"port": 8080}}}, "node.engine.port and node.sidecar.port must differ",
                  id="same-ports"),
+    pytest.param({"node": {"engine": {"maxTotalTokens": 1}}},
+                 "node.engine.maxTotalTokens must be 0 (sized from free memory) or at least 2", id="one-kv-token"),
+    pytest.param({"lb": {"replicas": 2, "pdb": {"minAvailable": 2}}},
+                 "lb.pdb.minAvailable (2) must be below lb.replicas (2)", id="lb-pdb-blocks-drains"),
+    pytest.param({"lb": {"shutdownTimeout": 600, "terminationGracePeriodSeconds": 600}},
+                 "lb.terminationGracePeriodSeconds (600) must exceed lb.shutdownTimeout (600) plus the 5 s preStop",
+                 id="lb-grace-under-shutdown"),
+    pytest.param({"lb": {"extraArgs": ["--admin-token", "s3cret"]}}, "lb.extraArgs must not set --admin-token",
+                 id="lb-token-flag"),
+    pytest.param({"node": {"sidecar": {"extraArgs": ["--api-key=s3cret"]}}},
+                 "node.sidecar.extraArgs must not set --api-key", id="sidecar-token-flag"),
+    pytest.param({"clusterDomain": ".".join(["d" * 59] * 4)}, "over DNS's 253 (the LB would exit at start)",
+                 id="discovery-name-too-long"),
 ])
 def test_template_rejects_inconsistent_values_with_a_clear_message(values: Obj, message: str) -> None:
     with pytest.raises(helm.HelmRenderError) as caught:
@@ -380,6 +412,54 @@ def test_lb_flags_follow_the_values(rendered: Rendered) -> None:
     assert flag_values(args, "--log-format") == (["json"] if rendered.merged["logFormat"] == "json" else [])
     assert _lb(rendered).obj["spec"]["replicas"] == lb_values["replicas"]
     assert all(re.fullmatch(r"[0-9.]+", flag_value(args, f)) for f in ("--control-timeout", "--max-control-timeout"))
+
+
+def test_a_stopping_lb_lets_its_calls_finish(rendered: Rendered) -> None:
+    """uvicorn's default cuts the calls in flight 5 s after SIGTERM: an LB rollout or a drain would cut a
+    release fan-out, a weight call (lb.weightSyncTimeout) or a generation stream."""
+    lb_values = rendered.merged["lb"]
+    lb = container(_lb(rendered), "lb")
+    shutdown = float(flag_value(lb["args"], "--shutdown-timeout"))
+    assert shutdown == lb_values["shutdownTimeout"] >= lb_values["weightSyncTimeout"]
+    assert pod_spec(_lb(rendered))["terminationGracePeriodSeconds"] > shutdown + 5
+    assert lb["lifecycle"]["preStop"]["exec"]["command"][0] == "python", "keep serving while the Service drops it"
+
+
+def test_weight_timeouts_reach_the_engine_and_the_sidecar(rendered: Rendered) -> None:
+    """lb.weightSyncTimeout is the per-node bound of joins, pushes, broadcasts and disk reloads; the engine's
+    own bounds (300 s by default) and the sidecar's bound on an engine call (600 s) must not cut them first."""
+    weight = rendered.merged["lb"]["weightSyncTimeout"]
+    for sts in _node_sets(rendered).values():
+        engine, sidecar = container(sts, "engine")["args"], container(sts, "sidecar")["args"]
+        assert float(flag_value(engine, "--weight-sync-timeout")) == weight
+        assert float(flag_value(engine, "--reload-timeout")) == weight
+        assert float(flag_value(sidecar, "--control-timeout")) > weight
+
+
+def test_raised_weight_timeout_reaches_the_engine() -> None:
+    r = render({"lb": {"weightSyncTimeout": 1800, "shutdownTimeout": 1800, "terminationGracePeriodSeconds": 1830}})
+    for sts in _node_sets(r).values():
+        engine, sidecar = container(sts, "engine")["args"], container(sts, "sidecar")["args"]
+        assert flag_value(engine, "--weight-sync-timeout") == flag_value(engine, "--reload-timeout") == "1800"
+        assert flag_value(sidecar, "--control-timeout") == "1860"
+
+
+def test_an_auth_change_restarts_the_lb_and_the_nodes_together() -> None:
+    """A Secret's new value reaches a container only when it starts: unless the pods roll, a node that restarts
+    later gets a token the LB does not send (401 on every control call)."""
+    def annotations(values: Obj) -> list[str]:
+        r = render(values)
+        return [w.obj["spec"]["template"]["metadata"]["annotations"]["checksum/auth"] for w in _workloads(r)]
+
+    first = annotations(TOKENS)
+    assert len(set(first)) == 1 and first == annotations(TOKENS), "stable when nothing changes"
+    rotated = annotations(deep_merge(TOKENS, {"auth": {"adminToken": "adm-rotated-0123456789"}}))
+    assert not set(first) & set(rotated)
+    assert not set(annotations({})) & set(annotations({"auth": {"existingSecret": "rl-tokens"}}))
+    assert annotations({}) == annotations({}), "generated tokens are kept, so nothing rolls"
+    everything = render(TOKENS).all_text
+    for token in (ADMIN_TOKEN, API_KEY):
+        assert hashlib.sha256(token.encode()).hexdigest() not in everything
 
 
 # ---- the node pod: engine on localhost, sidecar the only port ----

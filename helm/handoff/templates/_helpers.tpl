@@ -223,6 +223,15 @@ or a release fan-out cut work short: checked here, with the value's name.
 {{- if le (float64 $node.terminationGracePeriodSeconds) (float64 $node.sidecar.drainTimeout) }}
 {{- fail (printf "handoff: node.terminationGracePeriodSeconds (%v) must exceed node.sidecar.drainTimeout (%v): a stopping node's requests get the drain timeout to finish" $node.terminationGracePeriodSeconds $node.sidecar.drainTimeout) }}
 {{- end }}
+{{- if le (float64 $lb.terminationGracePeriodSeconds) (addf $lb.shutdownTimeout 5) }}
+{{- fail (printf "handoff: lb.terminationGracePeriodSeconds (%v) must exceed lb.shutdownTimeout (%v) plus the 5 s preStop pause: a stopping LB would be killed while its calls still run" $lb.terminationGracePeriodSeconds $lb.shutdownTimeout) }}
+{{- end }}
+{{- if eq (int64 $node.engine.maxTotalTokens) 1 }}
+{{- fail "handoff: node.engine.maxTotalTokens must be 0 (sized from free memory) or at least 2: the engine refuses --max-total-tokens 1 at start" }}
+{{- end }}
+{{- if and $lb.pdb.enabled (gt (int $lb.replicas) 1) (ge (int $lb.pdb.minAvailable) (int $lb.replicas)) }}
+{{- fail (printf "handoff: lb.pdb.minAvailable (%v) must be below lb.replicas (%v): the budget would allow no eviction and block every node drain" $lb.pdb.minAvailable $lb.replicas) }}
+{{- end }}
 {{- if eq (int $node.engine.port) (int $node.sidecar.port) }}
 {{- fail (printf "handoff: node.engine.port and node.sidecar.port must differ (both %v): the containers share the pod's network" $node.sidecar.port) }}
 {{- end }}
@@ -267,4 +276,44 @@ The engine's health check, run inside the engine container: its /health on local
 - python
 - -c
 - {{ printf "import urllib.request; urllib.request.urlopen('http://127.0.0.1:%d/health', timeout=5)" (int .Values.node.engine.port) | quote }}
+{{- end }}
+
+{{/*
+Refuse token flags in extra args: the tokens reach the processes from the Secret only, never in a pod spec.
+Called with (dict "args" LIST "where" "lb.extraArgs").
+*/}}
+{{- define "handoff.checkNoTokenArgs" -}}
+{{- range $arg := .args }}
+{{- range $flag := list "--admin-token" "--api-key" }}
+{{- if or (eq $arg $flag) (hasPrefix (printf "%s=" $flag) $arg) }}
+{{- fail (printf "handoff: %s must not set %s: a token in the args is readable in the pod spec; use auth.* (the Secret)" $.where $flag) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/*
+A hash of the auth values, on the pod templates: a change of a token, of a key or of the Secret's name rolls
+the LB and the nodes together, so that no pod keeps a token the others no longer have (a Secret's new value
+reaches a container only when it starts). Tokens given in the values go through scrypt (derivePassword,
+about 0.3 s), so that the annotation does not let anyone who can read pods test guesses of a chosen token
+cheaply; generated tokens are not in the values and are kept across upgrades.
+*/}}
+{{- define "handoff.authChecksum" -}}
+{{- $auth := .Values.auth }}
+{{- $names := omit $auth "adminToken" "apiKey" | toJson }}
+{{- if or $auth.adminToken $auth.apiKey }}
+{{- printf "%s/%s" $names (derivePassword 1 "maximum" (toJson $auth) "handoff-auth" (include "handoff.fullname" .)) | sha256sum }}
+{{- else }}
+{{- sha256sum $names }}
+{{- end }}
+{{- end }}
+
+{{/*
+The sidecar's bound on one call to its engine (--control-timeout): above the engine's own bound on weight
+calls (lb.weightSyncTimeout), so that the engine's clean answer comes back, and never below the sidecar's
+default of 600 s.
+*/}}
+{{- define "handoff.sidecarControlTimeout" -}}
+{{- include "handoff.num" (maxf 600 (addf .Values.lb.weightSyncTimeout 60)) }}
 {{- end }}

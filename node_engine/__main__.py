@@ -9,7 +9,7 @@ from pathlib import Path
 
 from handoff.service.limits import DEFAULT_MAX_BODY_BYTES
 from handoff.service.logs import setup_logging
-from handoff.service.serve import add_server_args, serve_from_args
+from handoff.service.serve import add_server_args, exit_on_sigterm, serve_from_args
 from node_engine.config import ConfigError, EngineConfig
 from node_engine.memory.tags import BackupMode
 from node_engine.model.arch import ModelConfigError
@@ -93,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     setup_logging("node_engine", fmt=args.log_format, level=args.log_level)
+    exit_on_sigterm()  # loading a model takes minutes; a pod deleted meanwhile must not wait its grace period
     try:
         config = EngineConfig(
             model_path=args.model_path, device=args.device, dtype=args.dtype, seed=args.seed,

@@ -11,7 +11,9 @@ import argparse
 import asyncio
 import logging
 import os
+import signal
 import socket
+import sys
 from pathlib import Path
 
 import uvicorn
@@ -61,6 +63,18 @@ def add_server_args(parser: argparse.ArgumentParser, *, default_host: str, defau
                         help="on SIGTERM, stop taking connections and give the requests in flight this long to "
                              "finish before they are cut (default "
                              f"{DEFAULT_SHUTDOWN_TIMEOUT_S:g}; in Kubernetes, the node's drain timeout)")
+
+
+def exit_on_sigterm() -> None:
+    """Until :func:`serve` installs uvicorn's graceful handlers, SIGTERM ends the process (exit 143).
+
+    In a container the process is PID 1, for which the kernel ignores a signal that has no handler: an engine
+    still loading its model would otherwise sit out the pod's whole termination grace period."""
+    def stop(signum: int, frame: object) -> None:
+        log.info("SIGTERM before serving: exiting")
+        sys.exit(128 + signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, stop)
 
 
 def serve_from_args(app: object, args: argparse.Namespace) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -19,3 +20,9 @@ class ServerProcess(process.ServerProcess):
     def __init__(self, module: str, args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("cwd", REPO_ROOT)
         super().__init__(module, args, **kwargs)
+
+    def launch(self, *args: Any, **kwargs: Any) -> "ServerProcess":
+        # A test run killed outright (a timeout's SIGKILL) leaves no service behind. Linux signals the death of
+        # the *thread* that started the child, so only the main thread's children (the fixtures') get it.
+        self.die_with_parent = threading.current_thread() is threading.main_thread()
+        return super().launch(*args, **kwargs)

@@ -43,8 +43,8 @@ def _penalize_row(row: torch.Tensor, p: SamplingParams, output_ids: list[int], e
         values = row[seen]
         row[seen] = torch.where(values < 0, values * p.repetition_penalty, values / p.repetition_penalty)
     if p.logit_bias:
-        ids = torch.tensor([token for token, _ in p.logit_bias], device=row.device)
-        row.index_add_(0, ids, torch.tensor([bias for _, bias in p.logit_bias], dtype=row.dtype, device=row.device))
+        ids, biases = p.logit_bias_tensors
+        row.index_add_(0, ids.to(row.device), biases.to(device=row.device, dtype=row.dtype))
     # a bias near the largest float on top of a logit, or a logit over a tiny penalty, overflows: the largest
     # float keeps softmax (and the logprobs) free of NaN, for this request and the others of its step
     row.nan_to_num_(nan=float("-inf"), posinf=torch.finfo(row.dtype).max)

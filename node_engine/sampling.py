@@ -87,6 +87,12 @@ class SamplingParams:
     def stop_token_set(self) -> frozenset[int]:
         return frozenset(self.stop_token_ids)
 
+    @cached_property
+    def logit_bias_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``logit_bias`` as (token ids, float32 biases) on the CPU, built once for every step of the request."""
+        return (torch.tensor([token for token, _ in self.logit_bias], dtype=torch.long),
+                torch.tensor([bias for _, bias in self.logit_bias], dtype=torch.float32))
+
     @property
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import enum
-from collections import deque
 from dataclasses import dataclass
 from typing import Awaitable, Callable
 
@@ -89,7 +88,12 @@ class Admission:
         self._hold_limits = hold_limits
         self._refuse = refuse
         self.num_in_flight = 0
-        self._held: deque[_Held] = deque()
+        # the requests waiting, in arrival order; each leaves the moment it is admitted, refused, expired or
+        # given up by its client (a queue pruned only from its head kept every one that left behind a request
+        # still waiting: a client sending and dropping requests grew it without bound, and each arrival counted
+        # it whole)
+        self._held: dict[_Held, None] = {}
+        self._held_bytes = 0
         self._idle = asyncio.Event()
         self._idle.set()
 
@@ -104,11 +108,11 @@ class Admission:
 
     @property
     def num_held(self) -> int:
-        return sum(1 for held in self._held if not held.future.done())
+        return len(self._held)
 
     @property
     def held_bytes(self) -> int:
-        return sum(held.num_bytes for held in self._held if not held.future.done())
+        return self._held_bytes
 
     def try_enter(self) -> InFlight | None:
         """Enter now if open (counted in flight until the lease is released); never waits."""
@@ -129,7 +133,9 @@ class Admission:
         loop = asyncio.get_running_loop()
         held = _Held(loop.create_future(), loop.time(), num_bytes)
         held.arm(loop, limits.timeout_s)
-        self._held.append(held)
+        self._held[held] = None
+        self._held_bytes += num_bytes
+        held.future.add_done_callback(lambda _: self._forget(held))  # refused or expired: out of the counts
         # Awaited bare (no wait_for): a client leaving in the same loop tick as it is admitted or refused is
         # still seen leaving (wait_for before Python 3.12 swallows that cancellation).
         try:
@@ -143,7 +149,7 @@ class Admission:
         finally:
             if held.timer is not None:
                 held.timer.cancel()
-            self._prune()
+            self._forget(held)
         return InFlight(self)
 
     def reapply_limits(self) -> None:
@@ -172,16 +178,14 @@ class Admission:
     def open(self) -> None:
         """Open and admit the held requests, oldest first."""
         self.state = AdmissionState.OPEN
-        while self._held:
-            held = self._held.popleft()
+        for held in self._take_all():
             if not held.future.done():
                 self._count_in()
                 held.future.set_result(None)
 
     def refuse_held(self) -> None:
         """Refuse every held request now (the node cannot serve for a while)."""
-        while self._held:
-            held = self._held.popleft()
+        for held in self._take_all():
             if not held.future.done():
                 held.future.set_exception(self._refuse())
 
@@ -224,9 +228,18 @@ class Admission:
         if self.num_in_flight == 0:
             self._idle.set()
 
-    def _prune(self) -> None:
-        while self._held and self._held[0].future.done():
-            self._held.popleft()
+    def _forget(self, held: _Held) -> None:
+        """``held`` has left the queue (idempotent)."""
+        if held in self._held:
+            del self._held[held]
+            self._held_bytes -= held.num_bytes
+
+    def _take_all(self) -> list[_Held]:
+        """Every held request, oldest first, out of the queue."""
+        taken = list(self._held)
+        self._held.clear()
+        self._held_bytes = 0
+        return taken
 
 
 class _HoldExpired(Exception):

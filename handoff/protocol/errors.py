@@ -46,6 +46,7 @@ WEIGHT_SYNC_BROKEN = ErrorType("weight_sync_broken", 409)  # a group missed a br
 
 # -- not serving: 503 + Retry-After; nothing ran, so a router may send the request elsewhere --
 UNAVAILABLE = ErrorType("unavailable", 503)
+OVERLOADED = ErrorType("overloaded", 503)  # the process holds as many request bodies (or connections) as it may
 NODE_RELEASED = ErrorType("node_released", 503)
 MEMORY_RELEASED = ErrorType("memory_released", 503)
 WEIGHTS_NOT_LOADED = ErrorType("weights_not_loaded", 503)

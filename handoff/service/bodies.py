@@ -9,7 +9,7 @@ definitions to the app's schema.
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+from typing import Any, Callable, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
@@ -34,13 +34,19 @@ def describe_validation_error(exc: ValidationError) -> str:
     return "; ".join(parts)
 
 
-async def parse_body(request: Request, model: type[M], *, empty_ok: bool = False) -> M:
+async def parse_body(request: Request, model: type[M], *, empty_ok: bool = False,
+                     before_validation: Callable[[Any], None] | None = None) -> M:
+    """The body as ``model``; ``before_validation`` sees the parsed JSON first (to refuse, cheaply, a body whose
+    validation would cost too much)."""
     raw = await request.body()
     if not raw.strip():
         if empty_ok:
             return parse_value({}, model)  # a model with required fields still answers 400 naming them
         raise InvalidRequest("request body is empty; a JSON object is required")
-    return parse_value(parse_json_bytes(raw), model)
+    value = parse_json_bytes(raw)
+    if before_validation is not None:
+        before_validation(value)
+    return parse_value(value, model)
 
 
 def parse_value(value: Any, model: type[M]) -> M:

@@ -7,36 +7,92 @@ indefinitely). Here the head (request line and headers) must be complete
 within ``head_timeout_s`` of the connection's opening or of the request's
 first byte; if not, the client gets a 408 and the connection is closed. The
 body has its own deadline (:mod:`handoff.service.limits`).
+
+The open connections are bounded too (``max_connections``, ``--max-connections``):
+uvicorn takes any number, so a client that kept as many idle keep-alive
+connections (or dribbled heads) as the process may open files made every
+other client's connection reset and left no descriptor for the connections to
+the nodes or the engine. Past the bound, a new connection closes the oldest
+one that has no request in progress (idle between requests, or still sending
+its head); when every connection has a request in progress, the new one is
+answered 503 ``overloaded`` with ``Retry-After`` and closed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
+import logging
+import resource
 from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from handoff.service.errors import RequestTimeout
+from handoff.protocol import errors as E
+from handoff.service.errors import RequestTimeout, Unavailable
+
+log = logging.getLogger(__name__)
 
 DEFAULT_HEAD_TIMEOUT_S = 30.0
+_FDS_KEPT = 128  # descriptors left for files, listeners and the process's own use
+
+
+def default_max_connections() -> int:
+    """Half the descriptors this process may open, less a reserve: each client connection may need one more
+    to a peer (the LB's to a node, the sidecar's to its engine)."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return 65536
+    return max(16, (soft - _FDS_KEPT) // 2)
+
+
+_opened = itertools.count()
 
 
 class HeadTimeoutProtocol(HttpToolsProtocol):
     head_timeout_s: float = DEFAULT_HEAD_TIMEOUT_S
+    max_connections: int | None = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._head_timer: asyncio.TimerHandle | None = None
+        self._number = next(_opened)
 
     @classmethod
-    def with_timeout(cls, head_timeout_s: float) -> type[HeadTimeoutProtocol]:
-        """This protocol with its own deadline, as uvicorn's ``http=`` wants a class."""
-        return type(cls.__name__, (cls,), {"head_timeout_s": head_timeout_s})
+    def with_timeout(cls, head_timeout_s: float, max_connections: int | None = None) -> type[HeadTimeoutProtocol]:
+        """This protocol with its own deadline (and bound on open connections), as uvicorn's ``http=`` wants
+        a class."""
+        return type(cls.__name__, (cls,), {"head_timeout_s": head_timeout_s, "max_connections": max_connections})
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        if self.max_connections is not None and len(self.connections) > self.max_connections \
+                and not self._close_oldest_idle():
+            error = Unavailable(f"this process has {self.max_connections} connections open, each with a request "
+                                "in progress (--max-connections); try again shortly",
+                                type=E.OVERLOADED.name, retry_after=1)
+            self._write_error(503, b"Service Unavailable", error, retry_after=1)
+            return
         self._arm_head_timer()
+
+    @property
+    def _is_idle(self) -> bool:
+        """No request in progress: between two requests, or its head still arriving."""
+        return (self.cycle is None or self.cycle.response_complete) and not self.pipeline \
+            and not self.transport.is_closing()
+
+    def _close_oldest_idle(self) -> bool:
+        """Close the oldest other connection with no request in progress; False when there is none."""
+        idle = [c for c in self.connections if c is not self and isinstance(c, HeadTimeoutProtocol) and c._is_idle]
+        if not idle:
+            return False
+        oldest = min(idle, key=lambda c: c._number)
+        log.debug("%d connections open (--max-connections %d): the oldest idle one closed",
+                  len(self.connections), self.max_connections)
+        oldest.transport.close()
+        oldest.connections.discard(oldest)  # counted out now; connection_lost discards it again
+        return True
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
@@ -69,7 +125,11 @@ class HeadTimeoutProtocol(HttpToolsProtocol):
         if self.transport.is_closing() or (self.cycle is not None and not self.cycle.response_complete):
             return
         error = RequestTimeout(f"the request head did not arrive within {self.head_timeout_s:g} s")
+        self._write_error(408, b"Request Timeout", error)
+
+    def _write_error(self, status: int, reason: bytes, error: Any, retry_after: int | None = None) -> None:
         body = json.dumps(error.envelope()).encode()
-        self.transport.write(b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
-                             b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(body), body))
+        extra = b"retry-after: %d\r\n" % retry_after if retry_after is not None else b""
+        self.transport.write(b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+                             b"connection: close\r\n%s\r\n%s" % (status, reason, len(body), extra, body))
         self.transport.close()

@@ -21,21 +21,53 @@ import json
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from handoff.service.errors import PayloadTooLarge, RequestTimeout, ServiceError
+from handoff.protocol import errors as E
+from handoff.service.errors import PayloadTooLarge, RequestTimeout, ServiceError, Unavailable
 
 DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
 DEFAULT_BODY_TIMEOUT_S = 60.0
 _BUFFERED_GRACE_S = 0.05
 # a peer's non-stream answer is buffered whole (so a failure midway is a status): this bounds it (LB, sidecar)
 DEFAULT_MAX_ANSWER_BYTES = 256 * 1024 * 1024
+# the bodies of all requests a process holds at once (sixteen bodies of the largest size)
+DEFAULT_MAX_BUFFERED_BODY_BYTES = 1024 * 1024 * 1024
+OVERLOADED_RETRY_AFTER_S = 1
+
+
+class BodyBudget:
+    """The bytes of request bodies that every request of this process holds at once, and their bound."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.in_use = 0
+
+    def take(self, num_bytes: int) -> bool:
+        """Count ``num_bytes`` more, unless they would pass the bound (then count nothing: False)."""
+        if self.in_use + num_bytes > self.limit:
+            return False
+        self.in_use += num_bytes
+        return True
+
+    def give_back(self, num_bytes: int) -> None:
+        self.in_use -= num_bytes
+
+
+BODY_BUDGET = BodyBudget(DEFAULT_MAX_BUFFERED_BODY_BYTES)  # one per process, shared by every BodyLimitMiddleware
+
+
+def _overloaded(budget: BodyBudget) -> Unavailable:
+    return Unavailable(f"this process holds {budget.in_use} bytes of request bodies, up to its limit of "
+                       f"{budget.limit} (--max-buffered-body-bytes); try again shortly",
+                       type=E.OVERLOADED.name, retry_after=OVERLOADED_RETRY_AFTER_S)
 
 
 class BodyLimitMiddleware:
     def __init__(self, app: ASGIApp, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-                 body_timeout_s: float | None = None) -> None:
+                 body_timeout_s: float | None = None, budget: BodyBudget | None = None) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
         self.body_timeout_s = body_timeout_s
+        self.budget = BODY_BUDGET if budget is None else budget
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -44,20 +76,28 @@ class BodyLimitMiddleware:
         if _declared_length(scope) > self.max_body_bytes:
             await _send_refusal(send, PayloadTooLarge(f"request body is larger than {self.max_body_bytes} bytes"))
             return
-        exchange = _LimitedExchange(receive, send, self.max_body_bytes, self.body_timeout_s)
+        exchange = _LimitedExchange(receive, send, self.max_body_bytes, self.body_timeout_s, self.budget)
         try:
             await self.app(scope, exchange.receive, exchange.send)
-        except (PayloadTooLarge, RequestTimeout) as exc:  # an app that let the refusal through
+        except (PayloadTooLarge, RequestTimeout, Unavailable) as exc:  # an app that let the refusal through
             if exc is not exchange.refusal or exchange.is_started:
                 raise
             await _send_refusal(send, exchange.refusal)
+        finally:
+            self.budget.give_back(exchange.num_counted)
 
 
 class _LimitedExchange:
     """One request's body, counted and timed as the app reads it; its answer, held back for a refusal."""
 
-    def __init__(self, receive: Receive, send: Send, max_body_bytes: int, body_timeout_s: float | None) -> None:
+    def __init__(self, receive: Receive, send: Send, max_body_bytes: int, body_timeout_s: float | None,
+                 budget: BodyBudget) -> None:
         self._receive = receive
+        self._budget = budget
+        # Bytes taken from the budget as they arrive (what is really held), given back when the request is done.
+        # Not the declared length at once: sixteen connections declaring 64 MiB and sending nothing would hold
+        # a 1 GiB budget, and every other client's body, for the body timeout.
+        self.num_counted = 0
         self._send = send
         self._max_body_bytes = max_body_bytes
         self._body_timeout_s = body_timeout_s
@@ -82,12 +122,18 @@ class _LimitedExchange:
                 self.refusal = RequestTimeout(f"the request body did not arrive within {self._body_timeout_s:g} s")
                 raise self.refusal from None
         if message["type"] == "http.request":
-            self._num_received += len(message.get("body", b""))
+            num_bytes = len(message.get("body", b""))
+            self._num_received += num_bytes
             if not message.get("more_body", False):
                 self.is_body_read = True
             if self._num_received > self._max_body_bytes:
                 self.refusal = PayloadTooLarge(f"request body is larger than {self._max_body_bytes} bytes")
                 raise self.refusal
+            if num_bytes:
+                if not self._budget.take(num_bytes):
+                    self.refusal = _overloaded(self._budget)
+                    raise self.refusal
+                self.num_counted += num_bytes
         elif message["type"] == "http.disconnect":
             self.is_body_read = True
         return message
@@ -97,7 +143,7 @@ class _LimitedExchange:
             try:  # the app answers without having read the body: count the rest before answering
                 while not self.is_body_read:
                     await self.receive()
-            except (PayloadTooLarge, RequestTimeout):
+            except (PayloadTooLarge, RequestTimeout, Unavailable):
                 pass  # the refusal is the answer below
         # Whatever the app made of the interrupted read (FastAPI turns it into a 400), the answer is the refusal.
         if self.refusal is None:
@@ -119,12 +165,10 @@ def _declared_length(scope: Scope) -> int:
 
 
 async def _send_refusal(send: Send, refusal: ServiceError) -> None:
-    """The 413 or 408; the connection closes (the rest of the body is not worth reading)."""
+    """The 413, 408 or 503; the connection closes (the rest of the body is not worth reading)."""
     body = json.dumps(refusal.envelope()).encode()
-    await send({
-        "type": "http.response.start",
-        "status": refusal.status,
-        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                    (b"connection", b"close")],
-    })
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+               (b"connection", b"close")]
+    headers += [(name.lower().encode("latin-1"), value.encode("latin-1")) for name, value in refusal.headers.items()]
+    await send({"type": "http.response.start", "status": refusal.status, "headers": headers})
     await send({"type": "http.response.body", "body": body})

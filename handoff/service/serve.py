@@ -18,9 +18,9 @@ from pathlib import Path
 
 import uvicorn
 
-from handoff.service.head_timeout import DEFAULT_HEAD_TIMEOUT_S
+from handoff.service.head_timeout import DEFAULT_HEAD_TIMEOUT_S, default_max_connections
 from handoff.service.http_protocol import ServiceProtocol
-from handoff.service.limits import DEFAULT_BODY_TIMEOUT_S
+from handoff.service.limits import BODY_BUDGET, DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BUFFERED_BODY_BYTES
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +59,14 @@ def add_server_args(parser: argparse.ArgumentParser, *, default_host: str, defau
     parser.add_argument("--body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT_S, metavar="S",
                         help="a request's body must arrive within this time of its head, else 408 "
                              f"(default {DEFAULT_BODY_TIMEOUT_S:g})")
+    parser.add_argument("--max-connections", type=int, default=None, metavar="N",
+                        help="open client connections at most: past it a new one closes the oldest idle one, or "
+                             "is 503 overloaded when all have a request in progress (default: half the open-file "
+                             "limit less 128)")
+    parser.add_argument("--max-buffered-body-bytes", type=int, default=DEFAULT_MAX_BUFFERED_BODY_BYTES, metavar="N",
+                        help="the request bodies all requests may hold at once; a request past it is 503 "
+                             f"overloaded with Retry-After (default {DEFAULT_MAX_BUFFERED_BODY_BYTES}; at least "
+                             "--max-body-bytes)")
     parser.add_argument("--shutdown-timeout", type=_seconds, default=DEFAULT_SHUTDOWN_TIMEOUT_S, metavar="S",
                         help="on SIGTERM, stop taking connections and give the requests in flight this long to "
                              "finish before they are cut (default "
@@ -79,8 +87,17 @@ def exit_on_sigterm() -> None:
 
 def serve_from_args(app: object, args: argparse.Namespace) -> None:
     """:func:`serve` with the flags of :func:`add_server_args`."""
+    max_body_bytes = getattr(args, "max_body_bytes", 0)
+    if args.max_buffered_body_bytes < max_body_bytes:
+        log.error("--max-buffered-body-bytes (%d) must be at least --max-body-bytes (%d)",
+                  args.max_buffered_body_bytes, max_body_bytes)
+        raise SystemExit(2)
+    BODY_BUDGET.limit = args.max_buffered_body_bytes
+    if args.max_connections is not None and args.max_connections < 1:
+        log.error("--max-connections must be at least 1, got %d", args.max_connections)
+        raise SystemExit(2)
     serve(app, host=args.host, port=args.port, port_file=args.port_file, graceful_shutdown_s=args.shutdown_timeout,
-          header_timeout_s=args.header_timeout)
+          header_timeout_s=args.header_timeout, max_connections=args.max_connections)
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -101,8 +118,10 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 
 def serve(app: object, *, host: str, port: int, port_file: Path | None = None,
-          graceful_shutdown_s: float = 5.0, header_timeout_s: float = DEFAULT_HEAD_TIMEOUT_S) -> None:
-    """Run ``app`` until SIGINT/SIGTERM; blocks. Request heads must arrive within ``header_timeout_s``."""
+          graceful_shutdown_s: float = 5.0, header_timeout_s: float = DEFAULT_HEAD_TIMEOUT_S,
+          max_connections: int | None = None) -> None:
+    """Run ``app`` until SIGINT/SIGTERM; blocks. Request heads must arrive within ``header_timeout_s``; at most
+    ``max_connections`` client connections are open (None: :func:`default_max_connections`)."""
     if not header_timeout_s > 0:
         raise ValueError(f"--header-timeout must be > 0, got {header_timeout_s}")
     sock = bind_socket(host, port)
@@ -116,7 +135,8 @@ def serve(app: object, *, host: str, port: int, port_file: Path | None = None,
     config = uvicorn.Config(
         app,
         loop=loop,
-        http=ServiceProtocol.with_timeout(header_timeout_s),
+        http=ServiceProtocol.with_timeout(
+            header_timeout_s, default_max_connections() if max_connections is None else max_connections),
         lifespan="on",
         access_log=False,
         log_config=None,

@@ -46,5 +46,6 @@ class CountByStatus:
         finally:
             child = self._children.get((route, status))
             if child is None:
-                child = self._children[(route, status)] = self._counter.labels(**{self._route_label: route, "code": str(status)})
+                labels = {self._route_label: route, "code": str(status)}
+                child = self._children[(route, status)] = self._counter.labels(**labels)
             child.inc()

@@ -31,12 +31,14 @@ def to_sampling_params(body: SamplingParamsBody, default_max_new_tokens: int, *,
     if seed is not None and not MIN_SEED <= seed <= MAX_SEED:  # checked before it is folded to 64 bits
         raise ValueError(f"sampling_seed must be an integer in [-2**63, 2**64), got {seed}")
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
-    bias = []
+    # one entry per token, the last one given (SGLang assigns each key in turn): "7", "07" and "007" are one
+    # token, so a body's worth of spellings never becomes a body's worth of entries applied at every step
+    bias: dict[int, float] = {}
     for key, amount in (body.logit_bias or {}).items():
         token = int(key) if key.isdigit() else None
         if token is None or not token < vocab_size:
             raise ValueError(f"logit_bias keys must be token ids in [0, {vocab_size}), got {key!r}")
-        bias.append((token, amount))
+        bias[token] = amount
     return SamplingParams(
         max_new_tokens=value("max_new_tokens", default_max_new_tokens), temperature=value("temperature", 1.0),
         top_p=value("top_p", 1.0), top_k=value("top_k", -1), min_p=value("min_p", 0.0), stop=stop,
@@ -44,6 +46,6 @@ def to_sampling_params(body: SamplingParamsBody, default_max_new_tokens: int, *,
         seed=None if seed is None else generator_seed(seed, sample_index),
         frequency_penalty=value("frequency_penalty", 0.0), presence_penalty=value("presence_penalty", 0.0),
         repetition_penalty=value("repetition_penalty", 1.0), min_new_tokens=value("min_new_tokens", 0),
-        logit_bias=tuple(bias), skip_special_tokens=value("skip_special_tokens", True),
+        logit_bias=tuple(bias.items()), skip_special_tokens=value("skip_special_tokens", True),
         spaces_between_special_tokens=value("spaces_between_special_tokens", True),
         no_stop_trim=value("no_stop_trim", False), stream_interval=value("stream_interval", 1))

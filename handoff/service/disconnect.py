@@ -35,19 +35,26 @@ async def wait_for_disconnect(receive: Receive) -> None:
 
 class DisconnectNotice:
     """One request's "the connection was lost", fired by the server: callbacks added run once, then (or at
-    once, added after it)."""
+    once, added after it).
 
-    __slots__ = ("is_lost", "_callbacks")
+    ``on_watch`` runs when a callback is added: the server resumes reading the connection there, which its
+    flow control may have paused while the body came in, so that a client leaving is seen at all (a watcher
+    task on ``receive()`` did the same by calling it)."""
 
-    def __init__(self) -> None:
+    __slots__ = ("is_lost", "_callbacks", "_on_watch")
+
+    def __init__(self, on_watch: Callable[[], None] | None = None) -> None:
         self.is_lost = False
         self._callbacks: list[Callable[[], None]] = []
+        self._on_watch = on_watch
 
     def add(self, callback: Callable[[], None]) -> None:
         if self.is_lost:
             callback()
-        else:
-            self._callbacks.append(callback)
+            return
+        self._callbacks.append(callback)
+        if self._on_watch is not None:
+            self._on_watch()
 
     def discard(self, callback: Callable[[], None]) -> None:
         if callback in self._callbacks:

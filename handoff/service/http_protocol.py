@@ -81,10 +81,16 @@ class ServiceProtocol(HeadTimeoutProtocol):
         if cycle is None or cycle.transport is not self.transport:  # no new request (refused, or upgraded)
             return
         cycle.transport = _HeadWithBody(self.transport, self.loop)  # type: ignore[assignment]
-        notice = DisconnectNotice()
+        notice = DisconnectNotice(on_watch=self._resume_reading)
         cycle.scope.setdefault("extensions", {})[NOTICE_EXTENSION] = notice  # type: ignore[typeddict-item]
         self._notices = [(c, n) for c, n in self._notices if not c.response_complete]
         self._notices.append((cycle, notice))
+
+    def _resume_reading(self) -> None:
+        """Read again (uvicorn pauses reading while a body waits for the app): a closed connection is only seen
+        while reading."""
+        if self.flow is not None and not self.transport.is_closing():
+            self.flow.resume_reading()
 
     def connection_lost(self, exc: Exception | None) -> None:
         notices, self._notices = self._notices, []

@@ -82,7 +82,7 @@ class BodyLimitMiddleware:
         except (PayloadTooLarge, RequestTimeout, Unavailable) as exc:  # an app that let the refusal through
             if exc is not exchange.refusal or exchange.is_started:
                 raise
-            await _send_refusal(send, exchange.refusal)
+            await exchange.send_refusal()
         finally:
             self.budget.give_back(exchange.num_counted)
 
@@ -149,8 +149,28 @@ class _LimitedExchange:
         if self.refusal is None:
             await self._send(message)
         elif message["type"] == "http.response.start":
-            await _send_refusal(self._send, self.refusal)
+            await self.send_refusal()
         self.is_started = self.is_started or message["type"] == "http.response.start"
+
+    async def send_refusal(self) -> None:
+        """The refusal as the answer. Refused for the budget (503), the rest of the body is first read and
+        dropped (never held), so a client that sends its whole body before it reads gets the 503, not a reset
+        connection; a 413 or 408 closes at once."""
+        if isinstance(self.refusal, Unavailable):
+            await self._drop_rest()
+        if self.refusal is not None:
+            await _send_refusal(self._send, self.refusal)
+
+    async def _drop_rest(self) -> None:
+        remaining = None if self._body_deadline is None else max(0.0, self._body_deadline - self._loop.time())
+        try:
+            async with asyncio.timeout(remaining):
+                while not self.is_body_read:
+                    message = await self._receive()
+                    if message["type"] != "http.request" or not message.get("more_body", False):
+                        self.is_body_read = True
+        except TimeoutError:
+            return  # what did not come in time is not waited for: the answer goes out, the connection closes
 
 
 def _declared_length(scope: Scope) -> int:

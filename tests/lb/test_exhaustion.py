@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import time
 
 import httpx
 import pytest
@@ -37,10 +38,12 @@ def test_the_bodies_all_clients_hold_at_once_are_bounded(fakes: FakeCluster, sta
     assert lb.http.post("/generate", content=body).status_code == 200
     uploads = [_open_upload(lb.url, 4 * MIB, 4 * MIB - 1) for _ in range(2)]  # 8 MiB held, less 2 bytes
 
-    answers = []
-    wait_until(lambda: answers.append(lb.http.post("/generate", content=body)) or answers[-1].status_code == 503,
-               timeout=20, what="the uploads' bytes counted as the LB reads them")
-    answer = answers[-1]
+    deadline = time.monotonic() + 20  # until the LB has read (and counted) the uploads' bytes
+    while (answer := lb.http.post("/generate", content=body)).status_code == 200:
+        assert time.monotonic() < deadline, "the uploads' bytes were never counted"
+    # a 503, read whole by a client that sent its whole body first (the rest was read and dropped, never held):
+    # never a reset connection
+    assert answer.status_code == 503, answer.text
     assert answer.json()["error"]["type"] == "overloaded" and int(answer.headers["retry-after"]) >= 1
     assert lb.http.get("/health").status_code == 200  # a request without a body still passes
     for conn in uploads:

@@ -120,6 +120,21 @@ def test_client_disconnect_cancels_a_waiting_request(module_fakes: FakeCluster, 
                timeout=5, what="499 counted")
 
 
+def test_client_disconnect_after_a_large_body_cancels_a_waiting_request(module_fakes: FakeCluster,
+                                                                        shared_lb: LB) -> None:
+    """A body over uvicorn's 64 KiB read buffer leaves the connection's reading paused once it is in: the LB
+    must read again to see the client leave (a disconnect noticed without a watcher task first missed it, and
+    the node's request ran on for a client long gone)."""
+    node = module_fakes.start_one()
+    node.handlers["/generate"] = hang()
+    set_members(shared_lb, node.url)
+    body = b'{"text": "x"}' + b" " * (1 << 20)  # JSON allows the trailing whitespace
+    with pytest.raises(httpx.ReadTimeout):
+        shared_lb.http.post("/generate", content=body, headers={"content-type": "application/json"}, timeout=1)
+    assert node.disconnected.wait(5), "the LB never closed the node's request after its client left"
+    wait_until(lambda: shared_lb.node(node.url)["in_flight"] == 0, timeout=5, what="in_flight 0")
+
+
 def test_refused_connection_is_retried_on_another_node(fakes: FakeCluster, start_lb) -> None:
     gone, alive = fakes.start(2)
     lb = start_lb(*node_args(gone.url, alive.url), "--policy", "round_robin", "--health-interval", "60",

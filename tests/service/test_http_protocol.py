@@ -143,3 +143,13 @@ async def test_without_the_notice_a_watcher_waits_on_receive() -> None:
     await asyncio.sleep(0)
     left.set()
     assert await asyncio.wait_for(task, 5) == (True, True)
+
+
+async def test_watching_asks_the_server_to_read_again() -> None:
+    """uvicorn stops reading while a body waits for the app; a client leaving is only seen while reading, so a
+    watch started on the server's notice asks it to read again (``on_watch``), once per watch."""
+    resumed = []
+    notice = DisconnectNotice(on_watch=lambda: resumed.append(True))
+    watch = DisconnectWatch(never, {"type": "http", "extensions": {NOTICE_EXTENSION: notice}})
+    assert resumed == [True]
+    watch.stop()

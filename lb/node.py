@@ -98,6 +98,10 @@ class Node:
         self._serving_gauge = metrics.node_serving.labels(**labels)
         self._published = (False, False)  # (healthy, routable) as the gauges show them; a new one shows 0
 
+    def register_as(self, url: str) -> None:
+        """The URL the worker API lists this node under from now on: as its last registration spelled it."""
+        self.registered_url = url.strip()
+
     @property
     def num_inflight(self) -> int:
         """Generation requests this LB has running on the node's URL (those sent before it left and joined

@@ -117,12 +117,12 @@ def workers_router(cluster: Cluster, admin: BearerToken) -> APIRouter:
                 if existing is None:
                     raise
             else:
-                node.registered_url = given.strip()
+                node.register_as(given)
                 return node, True
         if existing.role is not spec.role or existing.bootstrap_port != spec.bootstrap_port:
             raise NodeExists(f"{spec.url} is already a member as {_described(existing)}; remove it first to "
                              f"register it as {_described(spec)}", extra={"node": existing.url})
-        existing.registered_url = given.strip()
+        existing.register_as(given)
         return existing, False
 
     def remove(url: str) -> str | None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,6 +22,13 @@ class ClientResult:
     saw_done: bool = False
     error: str | None = None
     retry_after: str | None = None
+    ended_at: float | None = None  # time.monotonic() when the request ended (for a failure's account)
+
+    def summary(self, since: float) -> str:
+        """One line on how the request ended, ``since`` a moment of the test (a time.monotonic() value)."""
+        when = "still running" if self.ended_at is None else f"ended {self.ended_at - since:+.2f} s"
+        return (f"{when}: status {self.status}, finish {self.finish_reason}, {self.num_tokens} tokens, "
+                f"error {self.error}")
 
     @property
     def finish_reason(self) -> str | None:
@@ -67,6 +75,7 @@ class GenerationClient(threading.Thread):
         except httpx.HTTPError as exc:
             self.result.error = f"{type(exc).__name__}: {exc}"
         finally:
+            self.result.ended_at = time.monotonic()
             self.started_streaming.set()
 
     def _stream(self, client: httpx.Client) -> None:

@@ -44,21 +44,28 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 def tokens_lasting(generate_url: str, seconds: float, *, concurrency: int = 4, most: int = 4000,
                    least: int = 1000) -> int:
     """How many new tokens a request needs to run about ``seconds`` beside ``concurrency - 1`` others here and now
-    (CPU speed varies by machine and load: a drain or an abort must find the requests still running). The
-    fastest of three probes counts (a probe slowed by something else on the box would make the requests too
-    short to be seen running together), and never fewer than ``least`` tokens."""
+    (CPU speed varies by machine and load: a drain or an abort must find the requests still running). Each probe
+    is ``concurrency`` requests run together, as the test will run them (how much a batch slows each request
+    depends on the engine and the box); the fastest of two probes counts (one slowed by something else on the
+    box would make the requests too short to be seen running together), and never fewer than ``least`` tokens."""
     import time
+    from concurrent.futures import ThreadPoolExecutor
 
     import httpx
 
-    probe = 64
-    fastest = float("inf")
-    for attempt in range(3):  # the first request to a fresh engine also pays its warm-up: it is not counted
-        started = time.perf_counter()
+    probe = 128
+
+    def one(_: int) -> None:
         r = httpx.post(generate_url, json={"input_ids": [1, 2, 3], "sampling_params": {
             "max_new_tokens": probe, "ignore_eos": True, "temperature": 0}}, timeout=300)
         assert r.status_code == 200, r.text
-        if attempt:
+
+    one(0)  # the first request to a fresh engine also pays its warm-up: it is not counted
+    fastest = float("inf")
+    with ThreadPoolExecutor(concurrency) as pool:
+        for _ in range(2):
+            started = time.perf_counter()
+            list(pool.map(one, range(concurrency)))
             fastest = min(fastest, time.perf_counter() - started)
-    per_second = probe / max(fastest, 1e-3) / max(1, concurrency // 2)
+    per_second = probe / max(fastest, 1e-3)  # tokens a second of each request, ``concurrency`` running
     return min(most, max(least, int(per_second * seconds)))

@@ -182,22 +182,23 @@ class Connection(asyncio.Protocol):
             self._fail(ProtocolError(f"invalid HTTP response from {self.origin.host_header}: {exc}",
                                      url=self._url), exc)
             return
+        is_news = bool(num_body_bytes)  # the reader is woken once per piece, for all it brought
         if not self.is_headers_done and parser.is_head_done:
             self.status = parser.status
             self.headers = parser.headers
-            self.is_headers_done = True
-            self._wake()
+            self.is_headers_done = is_news = True
         if num_body_bytes:
             self._num_buffered += num_body_bytes
             if self._num_buffered > _HIGH_WATER_BYTES and not self._is_reading_paused and self.transport:
                 self._is_reading_paused = True
                 self.transport.pause_reading()
-            self._wake()
         if parser.is_done:
             self.is_keep_alive = parser.is_keep_alive and not parser.has_trailing_bytes
             self._complete()
             if parser.has_trailing_bytes:
                 self.close()  # a second answer nobody asked for: never hand it to the next request
+        elif is_news:
+            self._wake()
 
     def eof_received(self) -> bool | None:
         parser = self._parser

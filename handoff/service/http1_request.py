@@ -89,13 +89,17 @@ def split_url(url: str) -> tuple[Origin, str]:
         raise
 
 
-@functools.lru_cache(maxsize=1024)  # the same few headers go with most requests
 def _header_line(name: str, value: str) -> str:
     if not _TOKEN.fullmatch(name) or name.lower() in _CLIENT_OWNED_HEADERS:
         raise InvalidHeader(f"header name {name[:40]!r} is not a token, or is set by the client")
     if _BAD_VALUE_CHARS.search(value):
         raise InvalidHeader(f"header {name!r} contains a line break or NUL")
     return f"{name}: {value}\r\n"
+
+
+@functools.lru_cache(maxsize=1024)  # the same few sets of headers go with most requests (a fan-out: one set)
+def _header_lines(items: tuple[tuple[str, str], ...]) -> str:
+    return "".join([_header_line(name, value) for name, value in items])
 
 
 def encode_head(method: str, target: str, origin: Origin, headers: Headers | None, body_length: int) -> bytes:
@@ -105,15 +109,15 @@ def encode_head(method: str, target: str, origin: Origin, headers: Headers | Non
     """
     if not _TOKEN.fullmatch(method):
         raise InvalidHeader(f"bad method {method[:40]!r}")
-    lines = [f"{method} {target} HTTP/1.1\r\nHost: {origin.host_header}\r\n"]
+    lines = ""
     if headers:
         items = headers.items() if isinstance(headers, (dict, Mapping)) else headers
-        for name, value in items:
-            lines.append(_header_line(name, value))
-    if body_length or method not in _BODILESS_METHODS:
-        lines.append(f"Content-Length: {body_length}\r\n")
-    lines.append("\r\n")
+        try:
+            lines = _header_lines(tuple(items))
+        except TypeError as exc:  # a name or value that is not a string (unhashable): as the check would say
+            raise InvalidHeader(f"a header name or value is not a string: {exc}") from exc
+    length = f"Content-Length: {body_length}\r\n" if body_length or method not in _BODILESS_METHODS else ""
     try:
-        return "".join(lines).encode("latin-1")
+        return f"{method} {target} HTTP/1.1\r\nHost: {origin.host_header}\r\n{lines}{length}\r\n".encode("latin-1")
     except UnicodeEncodeError as exc:
         raise InvalidHeader(f"a header holds characters outside latin-1: {exc}") from exc

@@ -285,7 +285,7 @@ async def test_bad_urls_are_invalid_url(client: UpstreamClient, url: str) -> Non
 
 
 @pytest.mark.parametrize("headers", [{"X": "a\x00b"}, {"X": "snow ☃"}, {"Bad Name": "v"}, {"Host": "evil"},
-                                     {"Content-Length": "5"}])
+                                     {"Content-Length": "5"}, {"X": None}, {"X": ["a list"]}])
 async def test_bad_headers_are_invalid_header(client: UpstreamClient, headers: dict[str, str]) -> None:
     with pytest.raises(InvalidHeader):
         await client.request("GET", "http://127.0.0.1:9/", headers=headers, timeout=1)

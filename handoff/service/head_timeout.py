@@ -5,7 +5,9 @@ nothing else: a connection that never sends a byte, or sends its head one
 byte a minute, stays open for good (thirty such connections were held
 indefinitely). Here the head (request line and headers) must be complete
 within ``head_timeout_s`` of the connection's opening or of the request's
-first byte; if not, the client gets a 408 and the connection is closed. The
+first byte; if not, the client gets a 408 and the connection is closed. A head
+that starts while the previous answer on the connection is still going out
+(pipelined) has the same deadline; past it, the 408 follows that answer. The
 body has its own deadline (:mod:`handoff.service.limits`).
 
 The open connections are bounded too (``max_connections``, ``--max-connections``):
@@ -14,17 +16,24 @@ connections (or dribbled heads) as the process may open files made every
 other client's connection reset and left no descriptor for the connections to
 the nodes or the engine. Past the bound, a new connection closes the oldest
 one that has no request in progress (idle between requests, or still sending
-its head); when every connection has a request in progress, the new one is
-answered 503 ``overloaded`` with ``Retry-After`` and closed.
+its head); a connection whose next request already arrived, unread yet (a busy
+loop reads it a turn later), has one in progress: closed, its client would get
+a reset for a request it sent (a POST no client may retry). When every
+connection has a request in progress, the new one is answered 503
+``overloaded`` with ``Retry-After`` and closed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import fcntl
+import heapq
 import itertools
 import json
 import logging
 import resource
+import struct
+import termios
 from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -57,6 +66,8 @@ class HeadTimeoutProtocol(HttpToolsProtocol):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._head_timer: asyncio.TimerHandle | None = None
+        self._is_head_pending = False  # a request head began and is not complete
+        self._is_head_overdue = False  # ... and its deadline passed while an answer was going out: 408 after it
         self._number = next(_opened)
 
     @classmethod
@@ -82,12 +93,33 @@ class HeadTimeoutProtocol(HttpToolsProtocol):
         return (self.cycle is None or self.cycle.response_complete) and not self.pipeline \
             and not self.transport.is_closing()
 
+    def _has_unread_bytes(self) -> bool:
+        """Bytes arrived that this protocol has not seen yet (a request the loop reads a turn later)."""
+        sock = self.transport.get_extra_info("socket")
+        if sock is None:
+            return False
+        try:
+            pending = fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0\0\0\0")
+        except (OSError, ValueError):  # a socket closed meanwhile, or no descriptor: nothing can come from it
+            return False
+        return struct.unpack("i", pending)[0] > 0
+
+    def _oldest_idle(self) -> HeadTimeoutProtocol | None:
+        """The oldest other connection with no request in progress, nor one arrived unread."""
+        idle = [(c._number, c) for c in self.connections
+                if c is not self and isinstance(c, HeadTimeoutProtocol) and c._is_idle]
+        heapq.heapify(idle)  # oldest first, without sorting them all: the first one almost always fits
+        while idle:
+            _, oldest = heapq.heappop(idle)
+            if not oldest._has_unread_bytes():
+                return oldest
+        return None
+
     def _close_oldest_idle(self) -> bool:
         """Close the oldest other connection with no request in progress; False when there is none."""
-        idle = [c for c in self.connections if c is not self and isinstance(c, HeadTimeoutProtocol) and c._is_idle]
-        if not idle:
+        oldest = self._oldest_idle()
+        if oldest is None:
             return False
-        oldest = min(idle, key=lambda c: c._number)
         log.debug("%d connections open (--max-connections %d): the oldest idle one closed",
                   len(self.connections), self.max_connections)
         oldest.transport.close()
@@ -96,10 +128,12 @@ class HeadTimeoutProtocol(HttpToolsProtocol):
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
+        self._is_head_pending = True
         if self._head_timer is None:  # a kept-alive connection's next request: its head starts now
             self._arm_head_timer()
 
     def on_headers_complete(self) -> None:
+        self._is_head_pending = self._is_head_overdue = False
         self._disarm_head_timer()
         super().on_headers_complete()
 
@@ -109,7 +143,10 @@ class HeadTimeoutProtocol(HttpToolsProtocol):
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
-        self._disarm_head_timer()  # the keep-alive timer watches the idle time until the next request
+        if self._is_head_overdue:  # the next head's deadline passed while this answer went out
+            self._head_timed_out()
+        elif not self._is_head_pending:
+            self._disarm_head_timer()  # the keep-alive timer watches the idle time until the next request
 
     def _arm_head_timer(self) -> None:
         self._disarm_head_timer()
@@ -122,7 +159,10 @@ class HeadTimeoutProtocol(HttpToolsProtocol):
 
     def _head_timed_out(self) -> None:
         self._head_timer = None
-        if self.transport.is_closing() or (self.cycle is not None and not self.cycle.response_complete):
+        if self.transport.is_closing():
+            return
+        if self.cycle is not None and not self.cycle.response_complete:  # an answer is going out: 408 after it
+            self._is_head_overdue = self._is_head_pending
             return
         error = RequestTimeout(f"the request head did not arrive within {self.head_timeout_s:g} s")
         self._write_error(408, b"Request Timeout", error)

@@ -1,0 +1,127 @@
+"""Edges of the services' connection handling (handoff/service/head_timeout.py) on a kept-alive connection: a
+request already sent is never closed as idle, and a pipelined head still has its deadline."""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import socket
+import struct
+import termios
+import time
+from typing import AsyncIterator
+
+import pytest
+import uvicorn
+from starlette.types import Receive, Scope, Send
+
+from handoff.service.head_timeout import HeadTimeoutProtocol
+from handoff.service.http_protocol import ServiceProtocol
+
+HEAD_TIMEOUT_S = 0.5
+SLOW_S = 1.5  # /slow answers after this long: longer than the head timeout
+
+
+async def app(scope: Scope, receive: Receive, send: Send) -> None:
+    if scope["type"] == "lifespan":
+        while (await receive())["type"] != "lifespan.shutdown":
+            await send({"type": "lifespan.startup.complete"})
+        await send({"type": "lifespan.shutdown.complete"})
+        return
+    while (await receive()).get("more_body"):
+        pass
+    if scope["path"] == "/slow":
+        await asyncio.sleep(SLOW_S)
+    body = scope["path"].encode()
+    await send({"type": "http.response.start", "status": 200,
+                "headers": [(b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
+@pytest.fixture
+async def server() -> AsyncIterator[uvicorn.Server]:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    config = uvicorn.Config(app, http=ServiceProtocol.with_timeout(HEAD_TIMEOUT_S, max_connections=100),
+                            log_config=None, timeout_keep_alive=75)
+    server = uvicorn.Server(config)
+    task = asyncio.ensure_future(server.serve(sockets=[sock]))
+    while not server.started:
+        await asyncio.sleep(0.01)
+    yield server
+    server.should_exit = True
+    await asyncio.wait_for(task, 10)
+
+
+def _port(server: uvicorn.Server) -> int:
+    return server.servers[0].sockets[0].getsockname()[1]
+
+
+def _protocols(server: uvicorn.Server) -> list[HeadTimeoutProtocol]:
+    return sorted((c for c in server.server_state.connections if isinstance(c, HeadTimeoutProtocol)),
+                  key=lambda c: c._number)
+
+
+async def _answer(reader: asyncio.StreamReader) -> bytes:
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = next(int(line.split(b":")[1]) for line in head.lower().split(b"\r\n")
+                  if line.startswith(b"content-length:"))
+    return head + await reader.readexactly(length)
+
+
+async def test_a_kept_alive_connection_whose_next_request_is_in_is_not_closed_as_idle(
+        server: uvicorn.Server) -> None:
+    """Past --max-connections the oldest idle connection makes way; one whose next request already arrived (in
+    the socket, not read yet: the loop is busy) has a request in progress. Before the fix it was closed with the
+    request unread: the client, still there, got a reset for a request it had sent (no retry for a POST)."""
+    port = _port(server)
+    socks = [socket.create_connection(("127.0.0.1", port)) for _ in range(3)]
+    streams = [await asyncio.open_connection(sock=sock) for sock in socks]
+    for _, writer in streams:
+        writer.write(b"GET /first HTTP/1.1\r\nHost: x\r\n\r\n")
+    for reader, _ in streams:
+        assert (await _answer(reader)).endswith(b"/first")
+    oldest, newer, newest = _protocols(server)
+    (reader, _), (newer_reader, _), _ = streams
+    # the oldest one's next request reaches the server's socket while its loop is busy elsewhere: no await from
+    # the send to the bound's check, so the server has not read it
+    socks[0].send(b"POST /second HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}")
+    deadline = time.monotonic() + 5
+    while not _unread_bytes(oldest) and time.monotonic() < deadline:
+        time.sleep(0.001)  # the bytes cross the loopback without the loop running
+    assert newest._close_oldest_idle() is True  # what a new connection past the bound does
+    assert not oldest.transport.is_closing() and newer.transport.is_closing()
+    assert (await asyncio.wait_for(_answer(reader), 5)).endswith(b"/second")
+    assert await asyncio.wait_for(newer_reader.read(), 5) == b""  # the idle one made way instead
+    for _, writer in streams:
+        writer.close()
+
+
+def _unread_bytes(protocol: HeadTimeoutProtocol) -> int:
+    """What arrived in the server's socket and was not read yet."""
+    fd = protocol.transport.get_extra_info("socket").fileno()
+    return struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0"))[0]
+
+
+async def test_a_pipelined_head_that_starts_during_an_answer_still_has_its_deadline(server: uvicorn.Server) -> None:
+    """A request head that begins while the previous answer is in progress must still arrive within the head
+    timeout: past it, once that answer is out, it is a 408 and the connection closes. Before the fix its timer
+    was dropped (fired during the answer, or disarmed when the answer completed): a client could dribble a
+    head for as long as it liked after a slow request."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", _port(server))
+    writer.write(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\nGET /next HTTP/1.1\r\nHo")  # the next head stalls
+    assert (await asyncio.wait_for(_answer(reader), 5)).endswith(b"/slow")
+    late = await asyncio.wait_for(reader.read(), SLOW_S + 2 * HEAD_TIMEOUT_S)  # the 408, then the close
+    assert late.startswith(b"HTTP/1.1 408 "), late
+    writer.close()
+
+
+async def test_a_pipelined_head_completed_in_time_is_answered(server: uvicorn.Server) -> None:
+    """The deadline of a head that started during an answer is the head's own: in time, it is served."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", _port(server))
+    writer.write(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\nGET /next HTTP/1.1\r\nHo")
+    await writer.drain()
+    writer.write(b"st: x\r\n\r\n")
+    assert (await asyncio.wait_for(_answer(reader), 5)).endswith(b"/slow")
+    assert (await asyncio.wait_for(_answer(reader), 5)).endswith(b"/next")
+    writer.close()

@@ -1,7 +1,9 @@
 """The engine requests of one HTTP request, run together: submitted, merged, collected or streamed, aborted.
 
 Every sequence is checked before any is submitted, so a bad item in a batch
-changes nothing. A client that goes away aborts whatever is still running.
+changes nothing. A client that goes away aborts whatever is still running, and
+so does a sequence that fails: its siblings are aborted before the error is
+raised.
 
 ``n`` samples share their prompt. When a prompt has more than one sequence
 (and the prefix cache is on), a prefill-only request computes that prompt
@@ -141,6 +143,8 @@ class GenerationRun:
         return len(self.sequences)
 
     def abort_unfinished(self) -> None:
+        """Abort every sequence not finished yet, once: a later call (the stream's end after a failed sequence)
+        aborts nothing, so it can never reach a new request that took a freed id meanwhile."""
         if self._plan is not None:
             self._plan.close()
         for handle in self._prefills:
@@ -148,6 +152,7 @@ class GenerationRun:
         for handle, done in zip(self.handles, self._finished):
             if not done:
                 self.engine.abort(handle.rid)
+        self._finished = [True] * len(self._finished)
 
     async def events(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Outputs of every sequence as they come: ``(index, output)``; errors are raised."""
@@ -181,6 +186,9 @@ class GenerationRun:
                     self._finished[index] = True
                     num_open -= 1
                 if output.error is not None:
+                    # The other sequences would run on to their full length with nobody to answer, holding
+                    # their KV and their ids (a retry under the same ids would be refused as duplicates).
+                    self.abort_unfinished()
                     raise output_error(output)
                 yield index, output
         finally:

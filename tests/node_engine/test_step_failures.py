@@ -19,10 +19,12 @@ import torch
 from handoff.protocol import errors as E
 from node_engine.config import EngineConfig
 from node_engine.engine import DeviceFailed, Engine, RequestHandle
-from node_engine.errors import EngineStopped
+from node_engine.errors import EngineStopped, StepFailed
 from node_engine.failures import FaultDrill, leaves_device_unusable
-from node_engine.request import RequestOutput
+from node_engine.request import FinishReason, RequestOutput
 from node_engine.sampling import SamplingParams
+from node_engine.server.generation_run import GenerationRun, SequenceSpec
+from node_engine.step import Step, StepResult
 from tests.node_engine.engine_harness import generate, running_engine
 
 pytestmark = pytest.mark.timeout(60)
@@ -201,3 +203,30 @@ def test_the_drill_fires_once_and_only_where_it_is_armed(drill_file: Path) -> No
     arm(drill_file, "fatal", "step")
     with pytest.raises(torch.AcceleratorError):
         drill.fire("decode")
+
+
+async def test_a_failed_sample_aborts_its_siblings(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``n`` samples answered 500 for one failed sample: the others are aborted, not left running to their
+    full length with nobody to answer (found by review: they held their KV and their ids, so a retry under
+    the same ids was refused as a duplicate)."""
+    params = SamplingParams(max_new_tokens=200, temperature=0, ignore_eos=True)
+    specs = [SequenceSpec(PROMPT_A, params, rid=f"sample-{i}", prompt_index=0) for i in range(2)]
+    # One row: the second sample waits while the first decodes, so the failure reaches the first alone.
+    async with running_engine(EngineConfig(model_path="builtin:tiny", max_running_requests=1,
+                                           max_total_tokens=512)) as engine:
+        run_step = engine.runner.run
+
+        def failing_run(step: Step, eos_token_ids: tuple[int, ...]) -> StepResult:
+            if any(e.request.rid == "sample-0" and e.request.output_ids for e in step.entries):
+                raise ValueError("the drill: sample-0's first decode fails")
+            return run_step(step, eos_token_ids)
+
+        monkeypatch.setattr(engine.runner, "run", failing_run)
+        run = GenerationRun(engine, specs)
+        with pytest.raises(StepFailed):
+            await run.collect()
+        _, sibling = await final(run.handles[1])
+        assert sibling.finish_reason is FinishReason.ABORT and sibling.num_output_tokens < params.max_new_tokens
+        await engine.call(lambda: None)  # the engine thread took everything before
+        assert_kv_settled(engine)
+        assert not engine.gate.is_live("sample-1")

@@ -73,12 +73,12 @@ class WeightGroups:
             group = await self._join_threads.run(
                 lambda cancel: join_group(body, self._timeout, cancel), self._timeout, abort=abandon)
         except (Overdue, TooManyStuck, TimeoutError) as exc:
-            raise WeightSyncTimeout(f"joining group {name!r} at {body.master_address}:{body.master_port} as rank "
-                                    f"{body.rank_offset} of {body.world_size}: {exc} (did the trainer, rank 0, and "
-                                    "every other rank join?)") from None
+            raise _join_timed_out(body, exc) from None
         except Aborted:
             raise Conflict(f"the join of group {name!r} was abandoned by destroy_weights_update_group") from None
         except (RuntimeError, ValueError, OSError, JoinCancelled) as exc:
+            if is_collective_timeout(exc):  # the store's own timeout (the same length) went off first
+                raise _join_timed_out(body, exc) from exc
             raise InvalidRequest(f"failed to join group {name!r}: {exc}") from exc
         finally:
             self.joining.pop(name, None)
@@ -173,9 +173,32 @@ class WeightGroups:
         try:
             return await self.engine.weights.threads.run(work, self._timeout)
         except (Overdue, TooManyStuck) as exc:
-            group.broken = f"a broadcast did not arrive within --weight-sync-timeout ({exc})"
-            raise WeightSyncTimeout(f"receiving {len(body.names)} tensor(s) on group {group.name!r}: {exc}; nothing "
-                                    "was loaded and the group is out of step (destroy it and join again)") from None
+            raise self._timed_out(group, body, exc) from None
         except (RuntimeError, ValueError) as exc:
+            if is_collective_timeout(exc):  # the group's own timeout (the same length) went off first
+                raise self._timed_out(group, body, exc) from exc
             group.broken = f"a broadcast failed ({exc})"
             raise WeightSyncBroken(f"receiving on group {group.name!r} failed: {exc}; nothing was loaded") from exc
+
+    @staticmethod
+    def _timed_out(group: WeightGroup, body: UpdateWeightsFromDistributedBody,
+                   exc: BaseException) -> WeightSyncTimeout:
+        group.broken = f"a broadcast did not arrive within --weight-sync-timeout ({exc})"
+        return WeightSyncTimeout(f"receiving {len(body.names)} tensor(s) on group {group.name!r}: {exc}; nothing "
+                                 "was loaded and the group is out of step (destroy it and join again)")
+
+
+def _join_timed_out(body: InitWeightsUpdateGroupBody, exc: BaseException) -> WeightSyncTimeout:
+    return WeightSyncTimeout(f"joining group {body.group_name!r} at {body.master_address}:{body.master_port} as rank "
+                             f"{body.rank_offset} of {body.world_size}: {exc} (did the trainer, rank 0, and every "
+                             "other rank join?)")
+
+
+def is_collective_timeout(exc: BaseException) -> bool:
+    """Whether a join or a collective failed because no peer came or sent in time: gloo says "Timed out waiting
+    3938ms for recv operation to complete" (a ``DistBackendError``), the store "Timed out" or "timeout" too
+    (``RuntimeError`` subclasses). The group and its store get ``--weight-sync-timeout`` as their own timeout,
+    so which of the two clocks goes off first is a race; either way the caller gets the timeout (504), not a
+    failure (409, or 400 for a join)."""
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and ("timed out" in text or "timeout" in text)

@@ -22,6 +22,7 @@ from starlette.responses import Response
 from handoff.protocol.weights import WEIGHT_VERSION_HEADER
 from handoff.service.disconnect import DisconnectWatch
 from handoff.service.errors import InvalidRequest, ServiceError, parse_json_bytes
+from handoff.service.logs import rate_limit
 from handoff.service.peer_json import PeerJSONError, loads_bounded
 from handoff.service.upstream import UpstreamResponse
 from lb.config import Role
@@ -32,6 +33,7 @@ from lb.relay import NodeCaller, Reroute, buffered_response, is_event_stream, re
 from lb.routing import Router
 
 log = logging.getLogger(__name__)
+rate_limit(log)  # a failing prefill node is a warning per request
 
 MAX_PD_BATCH = 4096  # prompts in one PD request; a handoff engine takes at most 256 (SGLang sets no limit)
 Outcome = Any  # UpstreamResponse | Response | Reroute | ServiceError: what one side of a pair did

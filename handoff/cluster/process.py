@@ -42,9 +42,24 @@ def wait_until(predicate: Callable[[], T], *, timeout: float, interval: float = 
         time.sleep(interval)
 
 
+def _is_secret_flag(name: str) -> bool:
+    """``--admin-token`` or ``--api-key``, or a prefix argparse takes for one (``--admin-tok``)."""
+    return len(name) > 2 and name.startswith("--") and any(flag.startswith(name) for flag in _SECRET_FLAGS)
+
+
 def _redacted(argv: list[str]) -> list[str]:
-    """The command line with token values hidden, so a log holds only what the process itself wrote."""
-    return ["***" if i and argv[i - 1] in _SECRET_FLAGS else arg for i, arg in enumerate(argv)]
+    """The command line with token values hidden (``--api-key X``, ``--api-key=X``, ``--api-k X``), so a log
+    holds only what the process itself wrote."""
+    shown = []
+    for i, arg in enumerate(argv):
+        name, equals, _ = arg.partition("=")
+        if i and _is_secret_flag(argv[i - 1]):
+            shown.append("***")
+        elif equals and _is_secret_flag(name):
+            shown.append(f"{name}=***")
+        else:
+            shown.append(arg)
+    return shown
 
 
 def _die_with_parent() -> None:

@@ -5,6 +5,13 @@ replaced by ``***`` in every line written, as a last line of defence: the code
 never formats a token into a message in the first place. The whole formatted
 line is redacted (message, extra fields, traceback), in JSON in its escaped
 form too.
+
+A text line is one line: control characters in a message (a peer's error text
+with CR/LF or ANSI escapes in it) are written escaped, so no value can forge a
+line of its own. What a stranger can make a process log once per request
+(uvicorn's ``Invalid HTTP request received.``, a node's failure on the
+request path) goes through :class:`RateLimit`: a burst per message, then one
+line saying how many were left out.
 """
 
 from __future__ import annotations
@@ -12,10 +19,79 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import threading
 import time
-from typing import Iterable
+from dataclasses import dataclass
+from typing import Callable, Iterable
 
 _RESERVED = set(vars(logging.makeLogRecord({}))) | {"message", "asctime"}
+
+# C0 and C1 controls, DEL and the Unicode line breaks some viewers honour: written as escapes in a text line
+_LINE_BREAKERS = [*range(0x20), 0x7F, *range(0x80, 0xA0), 0x2028, 0x2029]
+_ESCAPES = {code: f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}" for code in _LINE_BREAKERS}
+_ESCAPES.update({ord("\n"): "\\n", ord("\r"): "\\r", ord("\t"): "\\t"})
+
+# loggers that a stranger (a client, a node) can make write once per request; see RateLimit
+RATE_LIMITED_LOGGERS = ("uvicorn.error",)
+
+
+def one_line(text: str) -> str:
+    """``text`` with every control character escaped (``\\n``, ``\\x1b``): it cannot start a line of its own."""
+    return text.translate(_ESCAPES)
+
+
+@dataclass
+class _Window:
+    started: float
+    num_logged: int = 0
+    num_dropped: int = 0
+
+
+class RateLimit(logging.Filter):
+    """At most ``burst`` records of one message template (per logger) every ``window_s`` seconds; the others are
+    dropped and counted, and the first record let through after a window that dropped some says how many."""
+
+    MAX_TEMPLATES = 256  # a logger that formats its own messages makes one template each: they share one window
+
+    def __init__(self, burst: int = 10, window_s: float = 60.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__()
+        self._burst = burst
+        self._window_s = window_s
+        self._clock = clock
+        self._windows: dict[tuple[str, str], _Window] = {}
+        self._lock = threading.Lock()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        with self._lock:
+            window, dropped = self._window_of(record)
+            if window.num_logged >= self._burst:
+                window.num_dropped += 1
+                return False
+            window.num_logged += 1
+        if dropped:
+            record.msg = f"{record.getMessage()} ({dropped} more like this in the {self._window_s:g} s before " \
+                         "were not logged)"
+            record.args = None
+        return True
+
+    def _window_of(self, record: logging.LogRecord) -> tuple[_Window, int]:
+        """The record's current window, and how many records the window it replaced dropped."""
+        key = (record.name, str(record.msg))
+        now = self._clock()
+        if key not in self._windows and len(self._windows) >= self.MAX_TEMPLATES:
+            self._forget_ended(now)
+            if len(self._windows) >= self.MAX_TEMPLATES:
+                key = (record.name, "")
+        window = self._windows.get(key)
+        if window is not None and now - window.started < self._window_s:
+            return window, 0
+        self._windows[key] = _Window(now)
+        return self._windows[key], 0 if window is None else window.num_dropped
+
+    def _forget_ended(self, now: float) -> None:
+        for key in [k for k, w in self._windows.items() if now - w.started >= self._window_s and not w.num_dropped]:
+            del self._windows[key]
 
 
 class _Redactor(logging.Filter):
@@ -79,7 +155,7 @@ class TextFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         stamp = time.strftime("%H:%M:%S", time.localtime(record.created))
-        line = f"{stamp} {record.levelname:<7} {self.service} {record.name}: {record.getMessage()}"
+        line = f"{stamp} {record.levelname:<7} {self.service} {record.name}: {one_line(record.getMessage())}"
         if record.exc_info:
             line += "\n" + self.formatException(record.exc_info)
         return line
@@ -100,3 +176,11 @@ def setup_logging(service: str, *, fmt: str = "text", level: str = "info",
         logger = logging.getLogger(name)
         logger.handlers[:] = []
         logger.propagate = True
+    for name in RATE_LIMITED_LOGGERS:
+        rate_limit(logging.getLogger(name))
+
+
+def rate_limit(logger: logging.Logger) -> None:
+    """Put ``logger`` under a :class:`RateLimit` (once, however often this is called)."""
+    if not any(isinstance(f, RateLimit) for f in logger.filters):
+        logger.addFilter(RateLimit())

@@ -1,0 +1,60 @@
+"""What strangers can do to a real LB's log: forge lines of their own, or write one line per request for ever."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from tests.lb.behaviours import reply
+from tests.lb.fakes import FakeCluster
+from tests.lb.lbproc import LB, node_args
+from tests.support.procs import wait_until
+
+pytestmark = pytest.mark.timeout(30)
+
+FORGED = "07:07:55 INFO    lb lb.membership: node http://10.9.9.9:80 (mixed) added by POST /nodes"
+BURST = 10  # handoff.service.logs.RateLimit's default
+
+
+def own_lines(lb: LB) -> list[str]:
+    """The LB's log without the harness's command line."""
+    return [line for line in lb.log().splitlines() if line and not line.startswith("=== start")]
+
+
+def send_garbage(url: str) -> None:
+    """One request the HTTP parser refuses; returns once the LB answered it (its warning is written by then)."""
+    host, port = url[len("http://"):].rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=5) as conn:
+        conn.sendall(b"GARBAGE\x00\r\n\r\n")
+        assert conn.recv(4096).startswith(b"HTTP/1.1 400")
+
+
+def test_malformed_requests_cannot_flood_the_log(start_lb) -> None:
+    """Anyone who reaches the port wrote one WARNING line per malformed request, without limit (a loop of them
+    wrote about 5000 lines a second to disk); a burst is logged, then one line a minute says how many more."""
+    lb = start_lb()
+    for _ in range(5 * BURST):
+        send_garbage(lb.url)
+    warnings = [line for line in own_lines(lb) if "Invalid HTTP request received" in line]
+    assert 1 <= len(warnings) <= BURST, len(warnings)
+
+
+def test_a_node_error_cannot_forge_log_lines(fakes: FakeCluster, start_lb) -> None:
+    """A prefill node's error text went into a WARNING line as it was: its CR/LF started lines of the node's
+    choosing (and its ANSI escapes reached the operator's terminal). It is escaped, and rate limited."""
+    prefill, decode = fakes.start(2)
+    prefill.handlers["/generate"] = reply(500, f"x\r\n{FORGED}\x1b[2J".encode(), content_type="text/plain")
+    decode.handlers["/generate"] = reply(200, {"text": "ok", "meta_info": {}})
+    lb = start_lb(*node_args(prefill.url, flag="--prefill"), *node_args(decode.url, flag="--decode"))
+    wait_until(lambda: all(node["routable"] for node in lb.nodes()), timeout=10, what="both nodes routable")
+    for _ in range(2 * BURST):
+        assert lb.http.post("/generate", json={"text": "hi"}).status_code == 200
+    wait_until(lambda: any("prefill answer lost" in line for line in own_lines(lb)), timeout=10,
+               what="the warning")
+    lines = own_lines(lb)
+    assert not any(line.startswith(FORGED) for line in lines), lines
+    assert not any("\x1b" in line for line in lines), lines
+    lost = [line for line in lines if "prefill answer lost" in line]
+    assert all(f"x\\r\\n{FORGED}\\x1b[2J" in line for line in lost), lost
+    assert len(lost) <= BURST, len(lost)

@@ -45,6 +45,16 @@ def tcp_init_method(address: str, port: int) -> str:
     return f"tcp://{host}:{port}"
 
 
+def is_collective_timeout(exc: BaseException) -> bool:
+    """Whether a join or a collective failed because no peer came or sent in time. torch.distributed says so
+    only in words: gloo "Timed out waiting 3938ms for recv operation to complete" (a ``DistBackendError``), the
+    store "Timed out" or "Socket Timeout" (``RuntimeError`` subclasses), a socket ``OSError``. An engine gives
+    the group and its store its own weight-sync timeout, so which clock goes off first is a race; either way
+    the caller must get the timeout (504), not a failure."""
+    text = str(exc).lower()
+    return isinstance(exc, (RuntimeError, OSError)) and ("timed out" in text or "timeout" in text)
+
+
 class JoinCancelled(Exception):
     """The join was cancelled before it reached the trainer's store; nothing was joined."""
 

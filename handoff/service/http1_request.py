@@ -89,6 +89,7 @@ def split_url(url: str) -> tuple[Origin, str]:
         raise
 
 
+@functools.lru_cache(maxsize=1024)  # per line too: a set with a per-request value (a request id) misses below
 def _header_line(name: str, value: str) -> str:
     if not _TOKEN.fullmatch(name) or name.lower() in _CLIENT_OWNED_HEADERS:
         raise InvalidHeader(f"header name {name[:40]!r} is not a token, or is set by the client")

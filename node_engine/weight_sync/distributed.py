@@ -31,7 +31,7 @@ import torch
 
 from handoff.protocol.weights import (DestroyWeightsUpdateGroupBody, InitWeightsUpdateGroupBody,
                                       UpdateWeightsFromDistributedBody)
-from handoff.weight_sync import JoinCancelled
+from handoff.weight_sync import JoinCancelled, is_collective_timeout
 from node_engine.bounded_thread import Aborted, BoundedThreads, Overdue, TooManyStuck
 from node_engine.errors import Conflict, InvalidRequest, WeightSyncBroken, WeightSyncTimeout
 from node_engine.model.arch import ModelConfigError
@@ -77,7 +77,7 @@ class WeightGroups:
         except Aborted:
             raise Conflict(f"the join of group {name!r} was abandoned by destroy_weights_update_group") from None
         except (RuntimeError, ValueError, OSError, JoinCancelled) as exc:
-            if is_collective_timeout(exc):  # the store's own timeout (the same length) went off first
+            if is_collective_timeout(exc):  # the store's own clock (the same length) went off first
                 raise _join_timed_out(body, exc) from exc
             raise InvalidRequest(f"failed to join group {name!r}: {exc}") from exc
         finally:
@@ -175,7 +175,7 @@ class WeightGroups:
         except (Overdue, TooManyStuck) as exc:
             raise self._timed_out(group, body, exc) from None
         except (RuntimeError, ValueError) as exc:
-            if is_collective_timeout(exc):  # the group's own timeout (the same length) went off first
+            if is_collective_timeout(exc):  # the group's own clock (the same length) went off first
                 raise self._timed_out(group, body, exc) from exc
             group.broken = f"a broadcast failed ({exc})"
             raise WeightSyncBroken(f"receiving on group {group.name!r} failed: {exc}; nothing was loaded") from exc
@@ -193,12 +193,3 @@ def _join_timed_out(body: InitWeightsUpdateGroupBody, exc: BaseException) -> Wei
                              f"{body.rank_offset} of {body.world_size}: {exc} (did the trainer, rank 0, and every "
                              "other rank join?)")
 
-
-def is_collective_timeout(exc: BaseException) -> bool:
-    """Whether a join or a collective failed because no peer came or sent in time: gloo says "Timed out waiting
-    3938ms for recv operation to complete" (a ``DistBackendError``), the store "Timed out" or "timeout" too
-    (``RuntimeError`` subclasses). The group and its store get ``--weight-sync-timeout`` as their own timeout,
-    so which of the two clocks goes off first is a race; either way the caller gets the timeout (504), not a
-    failure (409, or 400 for a join)."""
-    text = str(exc).lower()
-    return isinstance(exc, RuntimeError) and ("timed out" in text or "timeout" in text)

@@ -39,7 +39,7 @@ import torch
 from handoff.protocol import errors as E
 from handoff.protocol.weights import InitWeightsUpdateGroupBody
 from handoff.service.errors import ServiceError
-from handoff.weight_sync import JoinCancelled
+from handoff.weight_sync import JoinCancelled, is_collective_timeout
 from node_engine.weight_sync.group import WeightGroup, join_group, receive
 from node_engine.weight_sync.tensor_payload import decode_payload
 from node_engine.weight_sync.unpickler import UnsafePayload
@@ -49,9 +49,9 @@ SCRATCH_FACTOR = 2  # a refused update's broadcasts are still received when they
 
 
 def _kind_of(exc: Exception, *, otherwise: str) -> str:
-    """torch.distributed reports a store, rendezvous or collective timeout as a RuntimeError saying so."""
-    text = str(exc).lower()
-    return E.WEIGHT_SYNC_TIMEOUT.name if "timeout" in text or "timed out" in text else otherwise
+    """torch.distributed reports a store, rendezvous or collective timeout only in words (one rule for both ends:
+    :func:`handoff.weight_sync.is_collective_timeout`)."""
+    return E.WEIGHT_SYNC_TIMEOUT.name if is_collective_timeout(exc) else otherwise
 
 
 def _failed(error: str, message: str, **extra: Any) -> dict[str, Any]:

@@ -12,7 +12,7 @@ import httpx
 import pytest
 import torch
 
-from node_engine.weight_sync.distributed import is_collective_timeout
+from handoff.weight_sync import is_collective_timeout
 from tests.support.procs import ServerProcess
 from tests.support.trainer import Trainer, distributed_body, free_port
 from tests.support.weights import greedy, save_tiny, tiny_weights

@@ -5,7 +5,7 @@ Every path has the same two phases:
 
 1. **Get and check** the new tensors without touching the model: read a
    checkpoint, unpickle a tensor payload, receive broadcasts. This runs on a
-   thread of its own (:class:`~node_engine.bounded_thread.BoundedThreads`) with a
+   thread of its own (:class:`~handoff.bounded_thread.BoundedThreads`) with a
    deadline (``--reload-timeout``, ``--weight-sync-timeout``), so the engine keeps
    serving meanwhile and a stalled read or peer costs its deadline and no more.
    Names, shapes and dtypes are checked here; any problem is a 400 and nothing
@@ -30,9 +30,10 @@ from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 import torch
 
+from handoff.checkpoint.files import shown
 from handoff.protocol.control import UpdateWeightsFromDiskBody
 from handoff.protocol.weights import BeginWeightUpdateBody, UpdateWeightsFromTensorBody, UpdateWeightVersionBody
-from node_engine.bounded_thread import BoundedThreads, Overdue, TooManyStuck
+from handoff.bounded_thread import BoundedThreads, Overdue, TooManyStuck
 from node_engine.errors import CheckpointTimeout, InvalidRequest, WeightsCorrupted, WeightSyncTimeout
 from node_engine.memory.host_heap import trim_host_heap
 from node_engine.memory.tags import MemoryTag
@@ -49,11 +50,6 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-def shown_path(path: str, limit: int = 200) -> str:
-    """A path as error messages show it: a 5000-character path is cut, not echoed whole."""
-    return path if len(path) <= limit else f"{path[:120]}...({len(path)} characters)"
-
-
 class WeightUpdates:
     def __init__(self, engine: "Engine") -> None:
         self.engine = engine
@@ -66,7 +62,7 @@ class WeightUpdates:
         """The dry run: files, keys, shapes, dtypes from the headers; changes nothing, needs no idle engine."""
         runner = self.engine.runner
         await self._read(lambda cancel: runner.weight_writer.check(Path(model_path)), model_path)
-        return {"success": True, "dry_run": True, "message": f"{shown_path(model_path)} can be loaded"}
+        return {"success": True, "dry_run": True, "message": f"{shown(model_path)} can be loaded"}
 
     async def update_from_disk(self, body: UpdateWeightsFromDiskBody) -> dict[str, Any]:
         """Read the whole checkpoint (bounded), then copy it in on the engine thread."""
@@ -87,9 +83,9 @@ class WeightUpdates:
         self.token_step = body.token_step
         duration = time.perf_counter() - started
         self.engine.metrics.weight_update_seconds.labels("disk").observe(duration)
-        log.info("weights reloaded from %s in %.2fs (read %.2fs), weight_version=%s", shown_path(path), duration,
+        log.info("weights reloaded from %s in %.2fs (read %.2fs), weight_version=%s", shown(path), duration,
                  read_s, self.engine.weight_version)
-        return {"success": True, "message": f"weights loaded from {shown_path(path)}", "num_paused_requests": 0,
+        return {"success": True, "message": f"weights loaded from {shown(path)}", "num_paused_requests": 0,
                 **answer, "read_s": round(read_s, 6), "duration_s": round(duration, 6)}
 
     async def _read(self, work: Callable[[threading.Event], T], model_path: str) -> T:
@@ -97,12 +93,12 @@ class WeightUpdates:
         try:
             return await self.threads.run(work, timeout)
         except ModelConfigError as exc:
-            raise InvalidRequest(f"cannot load {shown_path(model_path)}: {exc}") from exc
+            raise InvalidRequest(f"cannot load {shown(model_path)}: {exc}") from exc
         except Overdue:
-            raise CheckpointTimeout(f"reading {shown_path(model_path)} took longer than --reload-timeout "
+            raise CheckpointTimeout(f"reading {shown(model_path)} took longer than --reload-timeout "
                                     f"({timeout:g} s); nothing was loaded, the old weights keep serving") from None
         except TooManyStuck as exc:
-            raise CheckpointTimeout(f"cannot read {shown_path(model_path)} now: {exc} (hung storage?); nothing "
+            raise CheckpointTimeout(f"cannot read {shown(model_path)} now: {exc} (hung storage?); nothing "
                                     "was loaded") from None
 
     # -- tensors of a process on this host ---------------------------------------------

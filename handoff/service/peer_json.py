@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from typing import Any
+from typing import Any, Callable
 
 MAX_DEPTH = 64
 # a string, or an unterminated one to the end; possessive, so no input makes it backtrack
@@ -63,8 +63,15 @@ def _finite_float(text: str) -> float:
     return value
 
 
-def loads_bounded(raw: bytes | str, *, max_bytes: int | None = None, max_depth: int = MAX_DEPTH) -> Any:
-    """``json.loads`` for a peer's body; raises :class:`PeerJSONError` naming what is wrong."""
+def loads_bounded(raw: bytes | str, *, max_bytes: int | None = None, max_depth: int = MAX_DEPTH,
+                  parse_int: Callable[[str], Any] | None = None,
+                  object_pairs_hook: Callable[[list[tuple[str, Any]]], Any] | None = None) -> Any:
+    """``json.loads`` for a peer's body; raises :class:`PeerJSONError` naming what is wrong.
+
+    A ``str`` is parsed as text (no encoding is guessed from its first bytes, a BOM is an error);
+    ``parse_int``, ``object_pairs_hook``: as ``json.loads``'s (a ValueError or OverflowError they raise is a
+    PeerJSONError).
+    """
     data = raw.encode() if isinstance(raw, str) else raw
     if max_bytes is not None and len(data) > max_bytes:
         raise PeerJSONError(f"{len(data)} bytes of JSON, over the {max_bytes}-byte limit")
@@ -74,10 +81,11 @@ def loads_bounded(raw: bytes | str, *, max_bytes: int | None = None, max_depth: 
         # a float past its range needs an exponent of 3+ digits or 309+ digits in a row: only then is each float
         # parsed through Python (otherwise the C scanner's own float parsing stays the only cost)
         check_floats = _finite_float if _MAYBE_OUT_OF_RANGE.search(data) else None
-        value = json.loads(data, parse_constant=_refuse_constant, parse_float=check_floats)
+        value = json.loads(raw if isinstance(raw, str) else data, parse_constant=_refuse_constant,
+                           parse_float=check_floats, parse_int=parse_int, object_pairs_hook=object_pairs_hook)
         if _SURROGATE_ESCAPE.search(data):
             _check_text(value)
-    except (UnicodeError, ValueError, RecursionError) as exc:
+    except (UnicodeError, ValueError, OverflowError, RecursionError) as exc:
         raise PeerJSONError(f"not valid JSON: {exc}") from exc
     return value
 

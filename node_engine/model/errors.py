@@ -1,7 +1,7 @@
-"""The error a model folder or config raises when the engine cannot load it."""
+"""The error a model folder or config raises when the engine cannot load it (shared with the sidecar)."""
 
 from __future__ import annotations
 
+from handoff.checkpoint.errors import CheckpointError, ModelConfigError
 
-class ModelConfigError(ValueError):
-    """A checkpoint folder or config the engine cannot load; the message names the problem."""
+__all__ = ["CheckpointError", "ModelConfigError"]

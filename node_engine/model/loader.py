@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from node_engine.model.arch import ModelArch, ModelConfigError
+from handoff.checkpoint.safetensors_header import read_folder_headers
 from node_engine.model.checkpoint_io import CheckpointError, CheckpointReader, TensorEntry
 from node_engine.model.llama import CausalLM, WeightTarget
 
@@ -45,36 +46,18 @@ def canonical_key(key: str) -> str:
 
 def checkpoint_files(folder: Path, reader: CheckpointReader | None = None) -> list[Path]:
     """The safetensors files of a checkpoint folder: from its index when present."""
-    reader = reader or CheckpointReader()
-    if not reader.is_dir(folder):
-        raise ModelConfigError(f"model folder {folder} does not exist")
-    index = folder / "model.safetensors.index.json"
-    if reader.exists(index):
-        value = reader.read_json(index)
-        weight_map = value.get("weight_map") if isinstance(value, dict) else None
-        if not isinstance(weight_map, dict) or not all(isinstance(n, str) and "/" not in n
-                                                       for n in weight_map.values()):
-            raise ModelConfigError(f"{index} is not a valid safetensors index (weight_map of file names)")
-        files = sorted({folder / name for name in weight_map.values()})
-        missing = [f.name for f in files if not reader.exists(f)]
-        if missing:
-            raise ModelConfigError(f"{index.name} names shard files that are missing: {', '.join(missing)}")
-        return files
-    try:
-        files = sorted(folder.glob("*.safetensors"))
-    except OSError as exc:
-        raise CheckpointError(f"cannot list {folder}: {exc}") from exc
-    if not files:
-        raise ModelConfigError(f"no *.safetensors file in {folder}")
-    return files
+    return (reader or CheckpointReader()).shard_files(folder)
 
 
 def read_header(folder: Path, reader: CheckpointReader | None = None) -> dict[str, TensorEntry]:
     """Key → where and what, for every tensor of the checkpoint, reading headers only."""
     reader = reader or CheckpointReader()
     entries: dict[str, TensorEntry] = {}
-    for path in checkpoint_files(folder, reader):
-        entries.update((canonical_key(key), entry) for key, entry in reader.header(path).items())
+    for name, entry in read_folder_headers(reader, folder).items():
+        key = canonical_key(name)
+        if key in entries:
+            raise CheckpointError(f"tensor {key} is in the checkpoint under two names ({name} is one)")
+        entries[key] = reader.entry(name, entry)
     return entries
 
 

@@ -32,7 +32,7 @@ import torch
 from handoff.protocol.weights import (DestroyWeightsUpdateGroupBody, InitWeightsUpdateGroupBody,
                                       UpdateWeightsFromDistributedBody)
 from handoff.weight_sync import JoinCancelled, is_collective_timeout
-from node_engine.bounded_thread import Aborted, BoundedThreads, Overdue, TooManyStuck
+from handoff.bounded_thread import Aborted, BoundedThreads, Overdue, TooManyStuck
 from node_engine.errors import Conflict, InvalidRequest, WeightSyncBroken, WeightSyncTimeout
 from node_engine.model.arch import ModelConfigError
 from node_engine.model.loader import by_checkpoint_key, check_named_tensors

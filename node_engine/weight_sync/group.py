@@ -4,7 +4,7 @@ unchanged. One rank per engine (no tensor parallelism): the engine's rank is ``r
 
 Backend ``gloo`` on CPU (and into CPU buffers on a CUDA engine), ``nccl`` on
 CUDA. Joining and receiving block; they run on
-:mod:`node_engine.bounded_thread` threads with ``--weight-sync-timeout`` as both
+:mod:`handoff.bounded_thread` threads with ``--weight-sync-timeout`` as both
 the thread's deadline and the group's own timeout, so a trainer that never joins
 or never sends costs that long and no more. A join that completes after its
 caller gave up destroys the group it made.

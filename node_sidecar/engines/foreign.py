@@ -13,9 +13,12 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Awaitable, Callable, TypeVar
 
-from handoff.service.errors import InvalidRequest
+from handoff.bounded_thread import BoundedThreads, Overdue, TooManyStuck
+from handoff.checkpoint.files import shown
+from handoff.protocol import errors as E
+from handoff.service.errors import InvalidRequest, ServiceError
 from node_sidecar.engines.base import EngineAdapter
-from node_sidecar.engines.checkpoint import check_compatible, read_checkpoint
+from node_sidecar.engines.checkpoint import CHECK_TIMEOUT_S, CheckpointShape, check_compatible, read_checkpoint
 from node_sidecar.engines.measure import PROCESS_RSS, EngineMemory, freed
 
 T = TypeVar("T")
@@ -29,6 +32,7 @@ class ForeignEngine(EngineAdapter):
         self.released: set[str] = set()     # SPEC tags this adapter released and has not resumed
         self.instance: object = None         # what tells one engine process from the next
         self.model_path: str | None = None   # the checkpoint the engine serves
+        self.check_threads = BoundedThreads()  # checkpoint checks: a hung mount costs a bounded thread
 
     def adopt_instance(self, instance: object) -> bool:
         """Note the engine process answering now; True (and everything remembered forgotten) if it is not the
@@ -64,11 +68,18 @@ class ForeignEngine(EngineAdapter):
     async def check_checkpoint(self, model_path: str) -> None:
         """InvalidRequest unless ``model_path`` holds a readable checkpoint of the served model's shape (compared
         when the served checkpoint can be read too)."""
-        new = await asyncio.to_thread(read_checkpoint, model_path)
+        new = await self._read_checkpoint(model_path)
         if self.model_path is None:
             return
         try:
-            current = await asyncio.to_thread(read_checkpoint, self.model_path)
+            current = await self._read_checkpoint(self.model_path)
         except InvalidRequest:
             return  # the served checkpoint is not a folder here (a hub id, another volume): nothing to compare
         check_compatible(new, current)
+
+    async def _read_checkpoint(self, path: str) -> CheckpointShape:
+        try:
+            return await self.check_threads.run(lambda cancel: read_checkpoint(path), CHECK_TIMEOUT_S)
+        except (Overdue, TooManyStuck) as exc:
+            raise ServiceError(f"reading the checkpoint's headers at {shown(path)!r} did not finish ({exc}): hung "
+                               "storage? Nothing was loaded", kind=E.CHECKPOINT_TIMEOUT) from None

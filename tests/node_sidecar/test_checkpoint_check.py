@@ -94,23 +94,55 @@ def with_file(name: str, content: bytes | str, header: bytes | None = None):
     return build
 
 
+def sparse_file(name: str, num_bytes: int):
+    def build(folder: Path) -> Path:
+        folder.mkdir(parents=True)
+        with open(folder / name, "wb") as f:
+            f.truncate(num_bytes)
+        return folder
+    return build
+
+
 @pytest.mark.parametrize("build, message", [
     (lambda d: d / "nope", "not a folder"),
     (with_file("other.txt", "x"), "config.json"),
     (with_file("config.json", "{}"), r"no \*.safetensors"),
-    (with_file("config.json", "{"), "not JSON"),
-    (with_file("config.json", " " * (2 << 20)), "larger"),
-    (lambda d: with_file("model.safetensors", b"\x01", header=b"{}")(d), "not a safetensors"),
-    (lambda d: header_file(d, b"{}", declared=1 << 40), "header of"),
-    (lambda d: header_file(d, b"{not json"), "not JSON"),
-    (lambda d: header_file(d, b"[" * 100_000 + b"]" * 100_000), "not JSON"),
+    (with_file("config.json", "{"), "not valid JSON"),
+    (sparse_file("config.json", 65 << 20), "at most"),
+    (lambda d: with_file("model.safetensors", b"\x01", header=b"{}")(d), "too short to be a safetensors"),
+    (lambda d: header_file(d, b"{}", declared=1 << 40), "header length"),
+    (lambda d: header_file(d, b"{not json"), "not valid JSON"),
+    (lambda d: header_file(d, b"[" * 100_000 + b"]" * 100_000), "more than 127 deep"),
     (lambda d: header_file(d, b"[1, 2]"), "not a JSON object"),
-    (lambda d: header_file(d, b'{"w": {"dtype": "F32", "shape": ["x"]}}'), "no readable shape"),
+    (lambda d: header_file(d, b'{"w": {"dtype": "F32", "shape": ["x"], "data_offsets": [0, 0]}}'), "malformed shape"),
     (with_file("model.safetensors.index.json", json.dumps({"weight_map": {"w": "../elsewhere.safetensors"}}), b"{}"),
-     "outside"),
-    (with_file("model.safetensors.index.json", "[]", b"{}"), "no weight_map"),
+     "file names in the folder"),
+    (with_file("model.safetensors.index.json", "[]", b"{}"), "not a valid safetensors index"),
 ], ids=["missing", "no config", "no weights", "config not json", "config too big", "short file", "huge header",
         "header not json", "deep header", "header not an object", "bad shape", "index outside", "index without map"])
 def test_malformed_folders_are_one_clear_400(tmp_path: Path, build, message: str) -> None:
     with pytest.raises(InvalidRequest, match=message):
         read_checkpoint(str(build(tmp_path / "ckpt")))
+
+
+def test_a_check_that_hangs_is_a_504_after_its_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A folder on a hung mount (stood in for by a read that blocks) costs the check's deadline, not the request."""
+    import asyncio
+    import threading
+    import types
+
+    from handoff.service.errors import ServiceError
+    from node_sidecar.engines import foreign
+    from node_sidecar.engines.sglang import SglangEngine
+
+    release = threading.Event()
+    monkeypatch.setattr(foreign, "read_checkpoint", lambda path: release.wait(30))
+    monkeypatch.setattr(foreign, "CHECK_TIMEOUT_S", 0.2)
+    adapter = SglangEngine(types.SimpleNamespace(base_url="http://127.0.0.1:9"))
+    try:
+        with pytest.raises(ServiceError) as refused:
+            asyncio.run(asyncio.wait_for(adapter.check_checkpoint("/hung/ckpt"), 10))
+    finally:
+        release.set()
+    assert refused.value.status == 504 and refused.value.type == "checkpoint_timeout"
+    assert "hung storage" in refused.value.message

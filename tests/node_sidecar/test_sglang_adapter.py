@@ -9,6 +9,8 @@ GPU): the fake reproduces SGLang 0.5.23's behaviours from its source.
 
 from __future__ import annotations
 
+import os
+import shutil
 import time
 from pathlib import Path
 
@@ -199,6 +201,27 @@ def test_bad_checkpoints_are_400_while_the_node_keeps_serving(make_node, checkpo
     assert node.occupation()["serving"] is True and "update_weights_from_disk" not in node.fake_state()["calls"]
     dry = node.post("/update_weights_from_disk", {"model_path": str(checkpoint), "dry_run": True})
     assert dry.status_code == 200 and "update_weights_from_disk" not in node.fake_state()["calls"]
+
+
+def test_files_the_engine_would_refuse_part_way_are_400_before_it_loads(make_node, checkpoint: Path,
+                                                                        tmp_path: Path) -> None:
+    """A truncated shard (SGLang's safetensors refuses it when it gets there) and a FIFO (whose open never returns)
+    are refused by the sidecar's own check, at once, and the engine is never asked to load."""
+    node = make_node("--enable-memory-saver", "--model-path", str(checkpoint))
+    truncated = tmp_path / "truncated"
+    shutil.copytree(checkpoint, truncated)
+    shard = truncated / "model.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-4])
+    r = node.post("/update_weights_from_disk", {"model_path": str(truncated)})
+    assert r.status_code == 400 and "bytes after the header" in r.json()["error"]["message"], r.text
+    fifo = tmp_path / "fifo"
+    shutil.copytree(checkpoint, fifo)
+    (fifo / "model.safetensors").unlink()
+    os.mkfifo(fifo / "model.safetensors")
+    r = node.post("/update_weights_from_disk", {"model_path": str(fifo)})
+    assert r.status_code == 400 and "a FIFO" in r.json()["error"]["message"], r.text
+    assert node.occupation()["serving"] is True and "update_weights_from_disk" not in node.fake_state()["calls"]
+    node.assert_fake_alive()
 
 
 def test_flush_cache_is_retried_while_sglang_has_requests_pending(make_node) -> None:

@@ -4,7 +4,8 @@ never comes) on a thread of its own, awaited with a deadline.
 Rules:
 
 - The work runs on a new daemon thread, never on the engine thread or the
-  event loop; what it does must release the GIL while it blocks (system calls,
+  event loop (the engine's checkpoint reads and weight-group calls, the
+  sidecar's checkpoint checks); what it does must release the GIL while it blocks (system calls,
   torch.distributed calls), so a stalled call holds nothing but its thread.
 - Past the deadline the caller gets :class:`Overdue` at once; the work is told
   through its ``cancel`` event and its result, when it comes, is dropped.
@@ -48,9 +49,17 @@ class _Call(Generic[T]):
         try:
             result = self._work(self.cancel)
         except BaseException as exc:  # handed to the awaiting coroutine
-            self._loop.call_soon_threadsafe(_settle, self.future, None, exc)
+            self._hand_over(None, exc)
         else:
-            self._loop.call_soon_threadsafe(_settle, self.future, result, None)
+            self._hand_over(result, None)
+
+    def _hand_over(self, result: object, exc: BaseException | None) -> None:
+        if self._loop.is_closed():
+            return  # a late result after the loop ended: nobody waits for it
+        try:
+            self._loop.call_soon_threadsafe(_settle, self.future, result, exc)
+        except RuntimeError:
+            return  # the loop closed between the check and the call
 
 
 def _settle(future: asyncio.Future, result: object, exc: BaseException | None) -> None:

@@ -1,0 +1,192 @@
+"""A safetensors file's header, read and checked by the ``safetensors`` library's own rules.
+
+The format: 8 bytes (little-endian length N), N bytes of UTF-8 JSON, then the
+tensors' bytes. A file is accepted here exactly when ``safetensors.safe_open``
+(0.8, its Rust ``read_metadata``) accepts it, with the same names, dtypes and
+shapes (``tests/handoff/test_safetensors_header.py`` checks this against the
+library on generated and mutated files), so that an engine loading a file
+this module passed cannot refuse it half way through a reload:
+
+- N is at most 100,000,000 and 8 + N fits the file.
+- The JSON is strict UTF-8 (no BOM) and an object. Each key but
+  ``__metadata__`` is a tensor: ``{"dtype", "shape", "data_offsets"}`` (other
+  fields ignored) or those three as an array; dtypes are the library's names;
+  shape entries and offsets are unsigned 64-bit integers (``-0``, ``1.0`` and
+  ``true`` are not); ``__metadata__`` is null or an object of strings. A
+  tensor given twice is checked twice and the last one counts; ``__metadata__``
+  or a tensor's field given twice is refused. Nesting deeper than
+  serde_json's limit (128 levels) is refused.
+- Sorted by their offsets, the tensors tile the data exactly: each begins
+  where the previous ends, each spans its shape times its dtype's size (no
+  element count or bit count past 2**64 - 1, whole bytes), and the last ends
+  at the end of the file.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from handoff.checkpoint.errors import CheckpointError
+from handoff.checkpoint.files import FileReader
+from handoff.service.peer_json import PeerJSONError, loads_bounded
+
+MAX_HEADER_BYTES = 100_000_000   # the library's limit
+MAX_HEADER_DEPTH = 127           # serde_json refuses a 128th level
+USIZE_MAX = 2**64 - 1
+METADATA_KEY = "__metadata__"
+_TENSOR_FIELDS = ("dtype", "shape", "data_offsets")
+
+# Each dtype the library knows, with its size in bits.
+DTYPE_BITS = {
+    "BOOL": 8, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8,
+    "F8_E4M3FNUZ": 8, "F8_E5M2FNUZ": 8, "I16": 16, "U16": 16, "F16": 16, "BF16": 16, "I32": 32, "U32": 32,
+    "F32": 32, "C64": 64, "F64": 64, "I64": 64, "U64": 64,
+}
+
+
+@dataclass(frozen=True)
+class HeaderEntry:
+    """One tensor of a safetensors file: its dtype (the library's name), shape, and absolute byte range."""
+
+    file: Path
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+    num_bytes: int
+
+
+def read_header(reader: FileReader, path: Path) -> dict[str, HeaderEntry]:
+    """Every tensor of one safetensors file, from its header (checked against the file's size)."""
+    fd, size = reader.open(path)
+    try:
+        if size < 8:
+            raise CheckpointError(f"{path.name} is too short to be a safetensors file ({size} bytes)")
+        (header_len,) = struct.unpack("<Q", reader.pread(fd, 8, 0, path))
+        if header_len > MAX_HEADER_BYTES or 8 + header_len > size:
+            raise CheckpointError(f"{path.name}: header length {header_len} does not fit the file ({size} "
+                                  f"bytes) or the {MAX_HEADER_BYTES}-byte limit")
+        raw = reader.pread(fd, header_len, 8, path)
+    finally:
+        os.close(fd)
+    return parse_header(raw, path=path, data_size=size - 8 - header_len)
+
+
+def parse_header(raw: bytes, *, path: Path, data_size: int) -> dict[str, HeaderEntry]:
+    """The tensors of a header ``raw`` followed by ``data_size`` bytes of data (the module docstring's rules)."""
+    header = _decode(raw, path.name)
+    infos: dict[str, tuple[str, tuple[int, ...], tuple[int, int]]] = {}
+    for name, value in header.pairs:
+        if name == METADATA_KEY:
+            _check_metadata(value, path.name, given_twice=name in infos)
+            infos[name] = ("", (), (0, 0))  # seen; not a tensor
+        else:
+            infos[name] = _tensor_info(name, value, path.name)  # a name given twice: each checked, the last kept
+    infos.pop(METADATA_KEY, None)
+    entries: dict[str, HeaderEntry] = {}
+    covered = 0
+    for name, (dtype, shape, (begin, end)) in sorted(infos.items(), key=lambda item: item[1][2]):
+        if begin != covered or end < begin:
+            raise CheckpointError(f"{path.name}: tensor {name!r} has data_offsets [{begin}, {end}], where "
+                                  f"[{covered}, ...) was due (the tensors must tile the data)")
+        covered = end
+        num_bits = _num_bits(shape, DTYPE_BITS[dtype], name, path.name)
+        if num_bits % 8 or end - begin != num_bits // 8:
+            raise CheckpointError(f"{path.name}: tensor {name!r} ({dtype} {list(shape)}) does not span its "
+                                  f"data_offsets [{begin}, {end}]")
+        entries[name] = HeaderEntry(path, dtype, shape, 8 + len(raw) + begin, end - begin)
+    if covered != data_size:
+        raise CheckpointError(f"{path.name}: the tensors cover {covered} of the {data_size} bytes after the "
+                              "header")
+    return entries
+
+
+class _Object(dict):
+    """A JSON object that keeps its (key, value) pairs as written: serde checks each, a key given twice too."""
+
+    __slots__ = ("pairs",)
+
+    def __init__(self, pairs: list[tuple[str, Any]]) -> None:
+        super().__init__(pairs)
+        self.pairs = pairs
+
+
+def _check_metadata(value: object, file_name: str, *, given_twice: bool) -> None:
+    if given_twice:
+        raise CheckpointError(f"{file_name}: {METADATA_KEY} is given twice")
+    if value is not None and not (isinstance(value, _Object) and all(isinstance(v, str) for _, v in value.pairs)):
+        raise CheckpointError(f"{file_name}: {METADATA_KEY} is not an object of strings")
+
+
+def _json_int(text: str) -> int | float:
+    """A JSON integer as serde_json reads it: a usize when it is one, else a float (never a usize)."""
+    value = int(text)
+    if text[0] != "-" and value <= USIZE_MAX:
+        return value
+    as_float = float(value)  # OverflowError past a float's range: serde_json's "number out of range" too
+    if not math.isfinite(as_float):
+        raise ValueError(f"{text[:40]} is out of range")
+    return as_float
+
+
+def _decode(raw: bytes, name: str) -> _Object:
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise CheckpointError(f"{name}: the safetensors header is not UTF-8 ({exc.reason} at byte {exc.start})")
+    try:
+        header = loads_bounded(text, max_depth=MAX_HEADER_DEPTH, parse_int=_json_int, object_pairs_hook=_Object)
+    except PeerJSONError as exc:
+        raise CheckpointError(f"{name}: the safetensors header is not valid JSON ({exc})") from exc
+    if not isinstance(header, _Object):
+        raise CheckpointError(f"{name}: the safetensors header is not a JSON object")
+    return header
+
+
+def _is_usize(value: object) -> bool:
+    return type(value) is int and 0 <= value <= USIZE_MAX
+
+
+def _tensor_info(name: str, value: object, file_name: str) -> tuple[str, tuple[int, ...], tuple[int, int]]:
+    """(dtype, shape, (begin, end)) of one header entry, in either of the forms serde accepts."""
+    if isinstance(value, _Object) and all(field in value for field in _TENSOR_FIELDS):
+        if len([key for key, _ in value.pairs if key in _TENSOR_FIELDS]) != len(_TENSOR_FIELDS):
+            raise CheckpointError(f"{file_name}: tensor {name!r} gives a field twice")
+        dtype, shape, offsets = value["dtype"], value["shape"], value["data_offsets"]
+    elif isinstance(value, list) and len(value) == 3:
+        dtype, shape, offsets = value
+    else:
+        raise CheckpointError(f"{file_name}: tensor {name!r} is not an object with dtype, shape and data_offsets")
+    if not isinstance(dtype, str) or dtype not in DTYPE_BITS:
+        raise CheckpointError(f"{file_name}: tensor {name!r} has an unknown dtype {str(dtype)[:40]!r}")
+    if (not isinstance(shape, list) or not all(map(_is_usize, shape)) or not isinstance(offsets, list)
+            or len(offsets) != 2 or not all(map(_is_usize, offsets))):
+        raise CheckpointError(f"{file_name}: tensor {name!r} has a malformed shape or data_offsets (unsigned "
+                              "integers)")
+    return dtype, tuple(shape), (offsets[0], offsets[1])
+
+
+def _num_bits(shape: tuple[int, ...], dtype_bits: int, name: str, file_name: str) -> int:
+    count = 1
+    for dim in shape:
+        count *= dim
+        if count > USIZE_MAX:  # the library multiplies left to right in 64 bits
+            raise CheckpointError(f"{file_name}: tensor {name!r}'s shape {list(shape)} overflows")
+    if count * dtype_bits > USIZE_MAX:
+        raise CheckpointError(f"{file_name}: tensor {name!r}'s size in bits overflows")
+    return count * dtype_bits
+
+
+def read_folder_headers(reader: FileReader, folder: Path) -> dict[str, HeaderEntry]:
+    """Every tensor of a checkpoint folder (its shards' headers); a tensor in two shards is a CheckpointError."""
+    entries: dict[str, HeaderEntry] = {}
+    for path in reader.shard_files(folder):
+        for name, entry in read_header(reader, path).items():
+            if name in entries:
+                raise CheckpointError(f"tensor {name!r} is in two shards: {entries[name].file.name} and {path.name}")
+            entries[name] = entry
+    return entries

@@ -3,8 +3,10 @@
 - ``GET /v1/models``, ``/v1/models/{id}``: a node's answer, relayed (the OpenAI
   SDK's ``models.list()``, ``models.retrieve()``); ``/model_info`` is
   ``lb/routes_weights.py``'s (it adds the cluster's weight version);
-- ``GET /get_server_info``, ``/server_info``: a node's answer plus
-  ``handoff_cluster``, the cluster's view (``GET /memory_occupation``'s);
+- ``GET /get_server_info``, ``/server_info``: a node's answer without its
+  secrets (a plain SGLang node's has its ``api_key``, which may be the
+  LB's own token to it), plus ``handoff_cluster``, the cluster's view
+  (``GET /memory_occupation``'s);
 - ``GET /health_generate`` (API key): 200 once one serving node's own
   ``/health_generate`` generated a token, else 503 ``no_available_node``.
 
@@ -16,6 +18,7 @@ and named if none answers (502 ``upstream_error``).
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any, Callable
 from urllib.parse import quote
 
@@ -26,6 +29,7 @@ from handoff.protocol import errors as E
 from handoff.service.auth import BearerToken
 from handoff.service.errors import ServiceError, Unavailable
 from handoff.service.peer_json import PeerJSONError, loads_bounded
+from handoff.service.redact import redact_secrets
 from handoff.service.upstream import UpstreamError
 from lb.cluster import Cluster
 from lb.node import Node, NodeHealth
@@ -86,8 +90,8 @@ class Probes:
 
     async def server_info(self, path: str) -> JSONResponse:
         node, status, body = await self.ask(path)
-        try:
-            info = loads_bounded(body) if status == 200 else None
+        try:  # parsed and redacted off the loop: up to MAX_PROBE_ANSWER_BYTES of a peer's JSON
+            info = await asyncio.to_thread(_redacted_object, body) if status == 200 else None
         except PeerJSONError as exc:
             raise ServiceError(f"{node.url}{path} answered JSON we cannot read: {exc}",
                                kind=E.UPSTREAM_ERROR) from exc
@@ -131,6 +135,11 @@ def install_probes(app: FastAPI, cluster: Cluster, api_key: BearerToken, admin: 
     async def health_generate(request: Request) -> JSONResponse:
         api_key.check(request, also=admin)
         return await probes.health_generate()
+
+
+def _redacted_object(body: bytes) -> Any:
+    """A node's server info without its secrets (:func:`handoff.service.redact.redact_secrets`)."""
+    return redact_secrets(loads_bounded(body))
 
 
 def _answer_object(body: bytes) -> dict[str, Any]:

@@ -27,6 +27,7 @@ from handoff.protocol import errors as E
 from handoff.protocol.errors import NOT_SERVING_TYPES
 from handoff.protocol.weights import WEIGHT_VERSION_HEADER
 from handoff.service.disconnect import CLIENT_CLOSED, DisconnectWatch
+from handoff.service.logs import rate_limit
 from handoff.service.peer_json import PeerJSONError, loads_bounded
 from handoff.service.relay import ChunkTransform, StreamRelay, relayed_headers, sse_error_event
 from handoff.service.upstream import (
@@ -42,6 +43,7 @@ from lb.metrics import LBMetrics
 from lb.node import Node, RequestLease
 
 log = logging.getLogger(__name__)
+rate_limit(log)  # a node failing every stream is a warning per request
 
 REQUEST_HEADERS_TO_NODE = frozenset({b"content-type", b"accept", b"x-request-id", WEIGHT_VERSION_HEADER.encode()})
 MAX_REFUSAL_BYTES = 4096

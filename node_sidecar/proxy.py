@@ -136,11 +136,13 @@ def _check_pinned_version(node: Node, request: Request) -> None:
                          extra={"weight_version": node.state.weight_version})
 
 
-async def forward(node: Node, request: Request, path: str, *, timeout: float = 30.0) -> Response:
-    """A plain pass-through of a non-generation engine endpoint."""
+async def forward(node: Node, request: Request, path: str, *, timeout: float = 30.0,
+                  max_bytes: int | None = None) -> Response:
+    """A plain pass-through of a non-generation engine endpoint (an answer over ``max_bytes``, by default
+    ``--max-answer-bytes``, is a 502)."""
     body = await request.body()
     target = path + (f"?{request.url.query}" if request.url.query else "")
     headers: dict[str, Any] = {"Content-Type": request.headers.get("content-type", "application/json")} if body else {}
     upstream = await node.engine.open(request.method, target, body=body, headers=headers, timeout=timeout)
-    content = await node.engine.read(upstream, node.config.max_answer_bytes)
+    content = await node.engine.read(upstream, node.config.max_answer_bytes if max_bytes is None else max_bytes)
     return _answer(upstream, content)

@@ -1,9 +1,10 @@
 """The sidecar's views and probes: ``/memory_occupation``, ``/health``, ``/ready``, ``/health_generate``,
-``/metrics`` and the engine's info endpoints passed through."""
+``/metrics`` and the engine's info endpoints passed through (``/get_server_info`` without the engine's secrets)."""
 
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 from urllib.parse import quote
 
 import psutil
@@ -12,7 +13,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
+from handoff.protocol import errors as E
 from handoff.service.auth import BearerToken
+from handoff.service.errors import ServiceError
+from handoff.service.peer_json import PeerJSONError, loads_bounded
+from handoff.service.redact import redact_secrets
 from handoff.service.upstream import UpstreamError
 from node_sidecar.errors import EngineUnavailable
 from node_sidecar.metrics import SidecarMetrics
@@ -51,9 +56,16 @@ def views_router(metrics: SidecarMetrics, admin: BearerToken, api_key: BearerTok
     @router.get("/get_server_info")
     @router.get("/server_info")
     async def get_server_info(request: Request) -> Response:
+        """The engine's, without its secrets (SGLang's server arguments carry ``api_key`` and ``admin_api_key``,
+        its ``launch_command`` the flags): :func:`handoff.service.redact.redact_secrets`."""
         node = node_of(request)
         info = None if node.adapter is None else await node.adapter.info("/get_server_info")
-        return JSONResponse(info) if info is not None else await forward(node, request, "/get_server_info")
+        if info is not None:
+            return JSONResponse(redact_secrets(info))
+        answer = await forward(node, request, "/get_server_info", max_bytes=SERVER_INFO_MAX_BYTES)
+        if not 200 <= answer.status_code < 300:
+            return answer  # the engine's error, as it was
+        return JSONResponse(await asyncio.to_thread(_relayable_info, bytes(answer.body)))
 
     @router.get("/v1/models/{model:path}")
     async def model(request: Request, model: str) -> Response:
@@ -103,6 +115,17 @@ def views_router(metrics: SidecarMetrics, admin: BearerToken, api_key: BearerTok
 
 
 ENGINE_METRICS_MAX_BYTES = 8 * 1024 * 1024
+SERVER_INFO_MAX_BYTES = 8 * 1024 * 1024  # SGLang's is tens of KiB: an answer past this is no server info
+
+
+def _relayable_info(raw: bytes) -> Any:
+    """The engine's 2xx ``/get_server_info`` answer without its secrets (parsed and redacted off the loop); an
+    answer that is not JSON cannot be redacted, so it is not relayed: 502."""
+    try:
+        return redact_secrets(loads_bounded(raw))
+    except PeerJSONError as exc:
+        raise ServiceError(f"the engine answered /get_server_info with JSON we cannot read: {exc}",
+                           kind=E.UPSTREAM_ERROR) from exc
 
 
 async def _engine_exposition(node: Node) -> bytes:

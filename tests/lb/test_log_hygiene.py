@@ -58,3 +58,24 @@ def test_a_node_error_cannot_forge_log_lines(fakes: FakeCluster, start_lb) -> No
     lost = [line for line in lines if "prefill answer lost" in line]
     assert all(f"x\\r\\n{FORGED}\\x1b[2J" in line for line in lost), lost
     assert len(lost) <= BURST, len(lost)
+
+
+def test_a_node_failing_every_stream_cannot_flood_the_log(fakes: FakeCluster, start_lb) -> None:
+    """lb/relay.py wrote one WARNING line per stream a node cut mid-way, without limit: a node failing every
+    stream (or a client that makes it fail) wrote a line per request. A burst is logged, then it is counted."""
+    node = fakes.start_one()
+
+    async def first_event_then_reset(fake, ex) -> None:
+        ex.start_chunked()
+        ex.chunk(b'data: {"text": "a"}\n\n')
+        ex.abort()
+
+    node.handlers["/generate"] = first_event_then_reset
+    lb = start_lb(*node_args(node.url))
+    lb.wait_routable([node.url])
+    for _ in range(3 * BURST):
+        with lb.http.stream("POST", "/generate", json={"text": "hi", "stream": True}) as answer:
+            assert b"upstream_error" in answer.read()  # each stream still ends with its error event
+    wait_until(lambda: any("failed mid-stream" in line for line in own_lines(lb)), timeout=10, what="the warning")
+    failed = [line for line in own_lines(lb) if "failed mid-stream" in line]
+    assert 1 <= len(failed) <= BURST, len(failed)

@@ -55,7 +55,13 @@ torch_memory_saver 0.0.10, which SGLang's memory saver calls):
   ``POST /update_weights_from_disk`` answers ``{"success", "message",
   "num_paused_requests"}``, 400 when it fails (``http_server.py:1300-1326``);
   ``GET /get_server_info`` is the flat server arguments plus ``version``
-  (``http_server.py:853-890``, ``utils/common.py:3584-3593``);
+  (``http_server.py:853-890``, ``utils/common.py:3584-3593``), ``api_key`` and
+  ``admin_api_key`` among them as given (``arg_groups/fields/serving.py:160-167``),
+  and ``launch_command``, the command line joined with only the watermark
+  config hidden (``server_args.py:717``, ``sampling/watermarking/core.py:110``);
+  ``--server-info-extra`` adds fields (a test's nested secrets). The fake does
+  not check the keys (SGLang requires ``api_key`` on every endpoint but
+  ``/health*``, ``utils/auth.py:74-150``);
   ``GET /model_info`` has ``model_path``, ``is_generation``, ``weight_version``
   (``http_server.py:812-850``).
 - Weight calls beyond disk (``http_server.py:1404-1557``): ``/update_weights_from_tensor``,
@@ -142,6 +148,10 @@ class FakeSglang:
     num_model_info: int = 0
     startup_time: float = field(default_factory=time.time)
     tp_size: int = 1
+    api_key: str | None = None
+    admin_api_key: str | None = None
+    launch_command: str = ""
+    server_info_extra: dict[str, Any] = field(default_factory=dict)
     # GET /metrics (SGLang's --enable-metrics); a test may make it answer anything (POST /_fake/metrics)
     metrics_text: str = "# TYPE sglang:num_running_reqs gauge\nsglang:num_running_reqs 0.0\n"
     metrics_type: str = "text/plain; version=0.0.4; charset=utf-8"
@@ -354,6 +364,8 @@ def create_app(fake: FakeSglang) -> Any:
         return JSONResponse({"model_path": fake.model_path, "enable_memory_saver": fake.enable_memory_saver,
                              "device": "cpu",  # the fake's regions are host memory (SGLang itself says cuda)
                              "enable_weights_cpu_backup": fake.enable_weights_cpu_backup, "tp_size": fake.tp_size,
+                             "api_key": fake.api_key, "admin_api_key": fake.admin_api_key,
+                             "launch_command": fake.launch_command, **fake.server_info_extra,
                              "startup_time": fake.startup_time, "internal_states": [{}], "version": VERSION,
                              "frontend": "python"})
 
@@ -441,11 +453,17 @@ def main() -> None:
     parser.add_argument("--model-path", default="/models/fake-sglang")
     parser.add_argument("--tp-size", type=int, default=1)
     parser.add_argument("--weight-version", default="default", help="SGLang's --weight-version")
+    parser.add_argument("--api-key", help="SGLang's --api-key: reported in /get_server_info, not checked")
+    parser.add_argument("--admin-api-key", help="SGLang's --admin-api-key: reported, not checked")
+    parser.add_argument("--server-info-extra", type=json.loads, default={},
+                        help="a JSON object of fields /get_server_info answers besides its own")
     add_server_args(parser, default_host="127.0.0.1", default_port=0)
     args = parser.parse_args()
     fake = FakeSglang(enable_memory_saver=args.enable_memory_saver,
                       enable_weights_cpu_backup=args.enable_weights_cpu_backup, tag_bytes=args.tag_mib << 20,
-                      model_path=args.model_path, tp_size=args.tp_size, weight_version=args.weight_version)
+                      model_path=args.model_path, tp_size=args.tp_size, weight_version=args.weight_version,
+                      api_key=args.api_key, admin_api_key=args.admin_api_key, launch_command=" ".join(sys.argv[1:]),
+                      server_info_extra=args.server_info_extra)
     serve(create_app(fake), host=args.host, port=args.port, port_file=args.port_file,
           header_timeout_s=args.header_timeout)
 

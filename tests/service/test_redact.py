@@ -1,0 +1,86 @@
+"""A peer's configuration is relayed without its secrets (``handoff/service/redact.py``): names, fields at any
+depth, argv lists, text; in linear time."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from handoff.service.redact import is_secret_name, redact_secrets, redact_text
+
+# SGLang 0.5.23's server arguments that name a secret (api_key, admin_api_key, ssl_keyfile_password, watermark_key,
+# watermark_key_b), some that do not, and other spellings
+SECRET_NAMES = ["api_key", "admin_api_key", "ssl_keyfile_password", "watermark_key", "watermark_key_b", "hf_token",
+                "HF_TOKEN", "OPENAI_API_KEY", "apiKey", "accessToken", "HFToken", "X-Api-Key", "aws_secret_access_key",
+                "client_secret", "secrets", "password", "db_passwd", "key", "token", "private_key", "secret2",
+                "Authorization"]
+PLAIN_NAMES = ["tokenizer_path", "tokenizer_mode", "max_total_tokens", "max_prefill_tokens", "speculative_token_map",
+               "image_token_id", "skip_tokenizer_init", "ssl_keyfile", "ssl_certfile", "tokens", "keys", "model_path",
+               "tp_size", "enable_memory_saver", "kv_cache_dtype", "monkey", "", "_"]
+
+
+@pytest.mark.parametrize("name", SECRET_NAMES)
+def test_secret_names(name: str) -> None:
+    assert is_secret_name(name)
+
+
+@pytest.mark.parametrize("name", PLAIN_NAMES)
+def test_plain_names(name: str) -> None:
+    assert not is_secret_name(name)
+
+
+def test_secrets_are_null_at_any_depth_and_the_shape_is_kept() -> None:
+    info = {"api_key": "sk-1", "admin_api_key": None, "tp_size": 2, "model_path": "/m",
+            "nested": {"deeper": [{"hf_token": "hf-2", "max_total_tokens": 7}, {"secrets": {"a": ["s-3"]}}]},
+            "hf_token": True, "bucket_time_to_first_token": [0.1, 0.5], "client_secret": {"n": 1},
+            "internal_states": [{"last_gen_throughput": 1.5}], "empty": {}, "list": []}
+    assert redact_secrets(info) == {
+        "api_key": None, "admin_api_key": None, "tp_size": 2, "model_path": "/m",
+        "nested": {"deeper": [{"hf_token": None, "max_total_tokens": 7}, {"secrets": None}]},
+        "hf_token": True, "bucket_time_to_first_token": [0.1, 0.5], "client_secret": {"n": 1},
+        "internal_states": [{"last_gen_throughput": 1.5}], "empty": {}, "list": []}
+    assert info["api_key"] == "sk-1"  # a copy: the peer's value is left alone
+    for scalar in (None, True, 3, 1.5, "plain"):
+        assert redact_secrets(scalar) == scalar
+
+
+def test_an_argv_and_a_command_line_lose_their_secret_values() -> None:
+    argv = ["--model-path", "m", "--api-key", "sk-1", "--admin-api-key=adm-2", "--port", "30000"]
+    assert redact_secrets({"argv": argv})["argv"] == ["--model-path", "m", "--api-key", "<redacted>",
+                                                      "--admin-api-key=<redacted>", "--port", "30000"]
+    command = "python -m sglang.launch_server --model-path m --api-key sk-1 --admin-api-key=adm-2 --port 30000"
+    assert redact_secrets({"launch_command": command}) == {"launch_command": (
+        "python -m sglang.launch_server --model-path m --api-key <redacted> --admin-api-key=<redacted> --port 30000")}
+    assert redact_text("--api-key 123456 --tp-size 2") == "--api-key <redacted> --tp-size 2"  # a flag's value is text
+    assert redact_text("--api-key --port 3") == "--api-key --port 3"  # no value: nothing to hide
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("model='m', hf_token='hf_abc', seed=0", "model='m', hf_token='<redacted>', seed=0"),
+    ('{"secret_key": "abc", "bucket": "b", "n_token": 3}', '{"secret_key": "<redacted>", "bucket": "b", "n_token": 3}'),
+    ('{"cfg": {"hf_token": "x"}}', '{"cfg": {"hf_token": "<redacted>"}}'),
+    ("['--api-key', 'sk-1', '--port', '1']", "['--api-key', '<redacted>', '--port', '1']"),
+    ("HF_TOKEN=hf_x\nPATH=/bin", "HF_TOKEN=<redacted>\nPATH=/bin"),
+    ("s3://user:pw@bucket/k http://h:80/a@b", "s3://user:<redacted>@bucket/k http://h:80/a@b"),
+    ("max_total_tokens=5, tokenizer_path=/t", "max_total_tokens=5, tokenizer_path=/t"),
+])
+def test_secrets_in_text(text: str, expected: str) -> None:
+    assert redact_text(text) == expected
+
+
+def test_anything_deeper_than_the_bound_is_null() -> None:
+    value: object = "sk-deep"
+    for _ in range(5):
+        value = {"a": value}
+    assert redact_secrets(value, max_depth=3) == {"a": {"a": {"a": None}}}
+    assert redact_secrets({"api_key": [[["x"]]]}, max_depth=1) == {"api_key": None}
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize("text", ["a.-a" * 300_000, "a." * 500_000, "-a" + " " * 1_000_000 + "-", "x" * 1_000_000 + "=",
+                                  "a://" * 250_000, "-token " * 150_000, '"a": ' * 200_000, "k=" * 500_000])
+def test_no_text_makes_the_redaction_quadratic(text: str) -> None:
+    started = time.monotonic()
+    redact_text(text)
+    assert time.monotonic() - started < 5

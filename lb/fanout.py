@@ -141,10 +141,10 @@ class FanOut:
         self._background: set[asyncio.Task[None]] = set()
 
     async def run(self, method: str, path: str, body: bytes, content_type: str | None, role: Role | None,
-                  timeout_s: float) -> tuple[int, dict[str, Any]]:
-        """Send the call to every node (of ``role``); (HTTP status, SPEC 4 body). The checks some nodes need
-        run together once every answer is in."""
-        nodes = list(self._membership.nodes(role))
+                  timeout_s: float, nodes: list[Node] | None = None) -> tuple[int, dict[str, Any]]:
+        """Send the call to every node (of ``role``), or to ``nodes``; (HTTP status, SPEC 4 body). The checks
+        some nodes need run together once every answer is in."""
+        nodes = list(self._membership.nodes(role) if nodes is None else nodes)
         if not nodes:
             raise NoNodes(f"no {role.value + ' ' if role else ''}nodes to send {path} to")
         check_drain_fits(path, body, timeout_s)

@@ -144,6 +144,11 @@ class Membership:
         wanted = {spec.url: spec for spec in specs}
         removed = [self.remove(node.url, f"no longer listed by {source}") for node in list(self._nodes.values())
                    if node.source == source and node.url not in wanted]
+        for node in [node for node in self._nodes.values() if node.source == source]:
+            twin = self._on_address(node.port, node.literal_addresses, but=node)  # a name that moved onto it
+            if twin is not None and twin.source != source:
+                removed.append(self.remove(node.url, f"the same address and port as {twin.url} (added by "
+                                                     f"{twin.source})"))
         added = []
         for spec in wanted.values():
             existing = self.same_address(spec.url)

@@ -1,10 +1,11 @@
 """The LB's weight and SGLang control routes (admin token; ``?role=``, ``?timeout=`` as for control calls).
 
 Fanned out byte for byte to every node, like the control calls:
-``update_weights_from_distributed`` (every node receives the same broadcasts),
-``destroy_weights_update_group``, ``begin_weight_update`` / ``end_weight_update``,
-``update_weight_version`` and ``abort_request``. ``init_weights_update_group``
-gives each node its rank offset and rolls back on failure;
+``begin_weight_update`` / ``end_weight_update``, ``update_weight_version`` and
+``abort_request``; ``update_weights_from_distributed`` (every node of the group
+receives the same broadcasts) and ``destroy_weights_update_group`` to the nodes
+of the group, if it was formed through this LB, else to every node.
+``init_weights_update_group`` gives each node its rank offset and rolls back on failure;
 ``update_weights_from_tensor`` goes to the nodes named by ``?node=``
 (:mod:`lb.weight_sync`). Calls that move weights (the group join, tensors,
 broadcasts) get ``--weight-sync-timeout`` per node unless ``?timeout=`` says otherwise.
@@ -17,7 +18,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from handoff.protocol.control import AbortBody
-from handoff.protocol.weights import INIT_GROUP_PATH, WEIGHT_BODIES
+from handoff.protocol.weights import DESTROY_GROUP_PATH, INIT_GROUP_PATH, WEIGHT_BODIES
 from handoff.service.auth import BearerToken
 from handoff.service.bodies import openapi_body
 from lb.cluster import Cluster
@@ -25,21 +26,23 @@ from lb.config import LBConfig
 from lb.openapi import CONTROL_PARAMETERS, NODE_PARAMETER
 from lb.params import FANOUT_QUERY, role_param
 from lb.routes_control import FanoutSend, fanned_out, fanout_endpoint
-from lb.weight_sync import WeightSync
+from lb.weight_sync import WeightGroups, WeightSync
 
 TENSOR_PATH = "/update_weights_from_tensor"
 # the calls that move weights and so may wait on a trainer or a large payload
 WEIGHT_MOVING_PATHS = frozenset({INIT_GROUP_PATH, TENSOR_PATH, "/update_weights_from_distributed"})
-FANNED_OUT = [path for path in WEIGHT_BODIES if path not in (INIT_GROUP_PATH, TENSOR_PATH)] + ["/abort_request"]
+GROUP_PATHS = ("/update_weights_from_distributed", DESTROY_GROUP_PATH)  # to the nodes of the group they name
+FANNED_OUT = [path for path in WEIGHT_BODIES
+              if path not in (INIT_GROUP_PATH, TENSOR_PATH, *GROUP_PATHS)] + ["/abort_request"]
 
 
 def weight_routes(cluster: Cluster, config: LBConfig, admin: BearerToken) -> APIRouter:
     router = APIRouter()
 
-    initializing: set[str] = set()  # group names with an init under way through this LB (every call shares it)
+    groups = WeightGroups()  # inits under way and groups formed through this LB (every call shares it)
 
     def weight_sync() -> WeightSync:
-        return WeightSync(cluster.fanout, cluster.membership, cluster.health, initializing)
+        return WeightSync(cluster.fanout, cluster.membership, cluster.health, groups)
 
     def route(path: str, send: FanoutSend, parameters: list[dict[str, Any]],
               query: frozenset[str] = FANOUT_QUERY) -> None:
@@ -59,6 +62,14 @@ def weight_routes(cluster: Cluster, config: LBConfig, admin: BearerToken) -> API
         return await weight_sync().to_nodes(TENSOR_PATH, body, request.headers.get("content-type"),
                                             request.query_params.getlist("node"), timeout_s)
 
+    def to_group(path: str) -> FanoutSend:
+        async def send(request: Request, body: bytes, timeout_s: float) -> tuple[int, dict[str, Any]]:
+            return await weight_sync().to_group(path, body, request.headers.get("content-type"),
+                                                role_param(request), timeout_s)
+        return send
+
+    for path in GROUP_PATHS:
+        route(path, to_group(path), CONTROL_PARAMETERS)
     route(INIT_GROUP_PATH, init, CONTROL_PARAMETERS)
     route(TENSOR_PATH, tensors, [NODE_PARAMETER, CONTROL_PARAMETERS[1]], frozenset({"node", "timeout"}))
 

@@ -15,6 +15,14 @@ half-formed group, and the answer is a 502 naming the failed nodes, with what
 the rollback did. One init per group name at a time goes through the LB (409
 otherwise), so a retry cannot abandon the join of the call it retries.
 
+A group formed through this LB is remembered (:class:`WeightGroups`) until it
+is destroyed: ``update_weights_from_distributed`` and
+``destroy_weights_update_group`` naming it go to the nodes that joined it,
+whatever the membership did since (a node that left still holds its rank, and
+its group until it is told to destroy it; a node that joined since holds none).
+A group this LB did not form (through another replica, or before a restart)
+is sent to every member.
+
 ``update_weights_from_tensor`` goes to the nodes the caller names
 (``?node=URL``, repeatable; default all): its payload is shared memory or CUDA
 IPC handles, valid only on the sender's host. torch counts one reader per
@@ -30,8 +38,8 @@ import json
 import time
 from typing import Any
 
-from handoff.protocol.weights import (DESTROY_GROUP_PATH, INIT_GROUP_PATH, DestroyWeightsUpdateGroupBody,
-                                      InitWeightsUpdateGroupBody)
+from handoff.protocol.weights import (DEFAULT_GROUP_NAME, DESTROY_GROUP_PATH, INIT_GROUP_PATH,
+                                      DestroyWeightsUpdateGroupBody, InitWeightsUpdateGroupBody)
 from handoff.service.bodies import parse_value
 from handoff.service.errors import Conflict, InvalidRequest, parse_json_bytes
 from handoff.service.peer_json import PeerJSONError, loads_bounded
@@ -55,14 +63,49 @@ def node_ranks(node: Node) -> int:
     return tp_size if isinstance(tp_size, int) and not isinstance(tp_size, bool) and tp_size >= 1 else 1
 
 
+class WeightGroups:
+    """The weight groups of this LB, shared by every call: the names with an init under way, and the nodes of each
+    group formed (from its init's 200 to its destroy)."""
+
+    def __init__(self) -> None:
+        self.initializing: set[str] = set()
+        self._nodes: dict[str, list[Node]] = {}
+
+    @property
+    def is_empty(self) -> bool:
+        """No group formed through this LB is alive (a group call's body need not be read for its name)."""
+        return not self._nodes
+
+    def formed(self, name: str, nodes: list[Node]) -> None:
+        self._nodes[name] = list(nodes)
+
+    def nodes_of(self, name: str, membership: Membership) -> list[Node] | None:
+        """The group's nodes (None: not formed through this LB), each as the member at its URL now (it left and
+        joined again) or, no longer a member, as it was."""
+        nodes = self._nodes.get(name)
+        return None if nodes is None else [membership.get(node.url) or node for node in nodes]
+
+    def destroyed(self, name: str, called: list[Node], payload: dict[str, Any]) -> None:
+        """After a destroy sent to ``called`` (``payload``: its answer): the nodes that left (answered 2xx) are
+        out of the group; the others, those it failed on included, stay in it (a destroy again goes to them)."""
+        failed = {failure["node"] for failure in payload.get("failures", ())}
+        left = {node.url for node in called if node.url not in failed}
+        kept = [node for node in self._nodes.get(name, ()) if node.url not in left]
+        if kept:
+            self._nodes[name] = kept
+        else:
+            self._nodes.pop(name, None)
+
+
 class WeightSync:
     def __init__(self, fanout: FanOut, membership: Membership, health: HealthMonitor,
-                 initializing: set[str] | None = None) -> None:
-        """``initializing``: the group names with an init under way through this LB, shared by every call."""
+                 groups: WeightGroups | None = None) -> None:
+        """``groups``: this LB's weight groups, shared by every call."""
         self._fanout = fanout
         self._membership = membership
         self._health = health
-        self._initializing = set() if initializing is None else initializing
+        self._groups = WeightGroups() if groups is None else groups
+        self._initializing = self._groups.initializing
 
     # -- the group --------------------------------------------------------------------
     async def init_group(self, raw: bytes, role: Role | None, timeout_s: float) -> tuple[int, dict[str, Any]]:
@@ -91,6 +134,8 @@ class WeightSync:
         for entry in payload.get("results", []) + payload.get("failures", []) + payload.get("succeeded", []):
             entry["rank_offset"] = by_url[entry["node"]]
         payload["world_size"] = body.world_size
+        if status == 200:
+            self._groups.formed(body.group_name, nodes)
         if rolled_back:
             payload["message"] += "; the nodes this call joined (or was joining) left the group again"
             payload["rolled_back"] = [r.as_json() for r in rolled_back]
@@ -136,6 +181,21 @@ class WeightSync:
         return list(await asyncio.gather(
             *(self._fanout.call_node(node, "POST", DESTROY_GROUP_PATH, leave, JSON, timeout) for node in joined),
             *(self._fanout.call_node(node, "POST", DESTROY_GROUP_PATH, abandon, JSON, timeout) for node in joining)))
+
+    async def to_group(self, path: str, raw: bytes, content_type: str | None, role: Role | None,
+                       timeout_s: float) -> tuple[int, dict[str, Any]]:
+        """``update_weights_from_distributed`` or ``destroy_weights_update_group``: to the nodes of the group the
+        body names (of ``role``) if it was formed through this LB, members or not; else to every member."""
+        body = None if self._groups.is_empty else _json_object(raw)
+        name = body.get("group_name", DEFAULT_GROUP_NAME) if body is not None else None
+        nodes = self._groups.nodes_of(name, self._membership) if isinstance(name, str) else None
+        if body is None or nodes is None:
+            return await self._fanout.run("POST", path, raw, content_type, role, timeout_s)
+        called = nodes if role is None else [node for node in nodes if node.role is role]
+        status, payload = await self._fanout.run("POST", path, raw, content_type, role, timeout_s, called)
+        if path == DESTROY_GROUP_PATH and body.get("abandon_join_only") is not True:
+            self._groups.destroyed(name, called, payload)
+        return status, payload
 
     # -- tensors to the sender's host -------------------------------------------------
     async def to_nodes(self, path: str, raw: bytes, content_type: str | None, urls: list[str],
@@ -221,6 +281,18 @@ def _one_reader_releases(raw: bytes, num_nodes: int) -> list[bytes]:
     borrowing = _json({**body, "release_sender_reference": False})
     return [_json({**body, "release_sender_reference": body.get("release_sender_reference", True)}), *(
         [borrowing] * (num_nodes - 1))]
+
+
+def _json_object(raw: bytes) -> dict[str, Any] | None:
+    """A weight call's body as a JSON object (an empty body is SGLang's defaults); None when it is not one (the
+    nodes refuse it)."""
+    if not raw.strip():
+        return {}
+    try:
+        body = loads_bounded(raw)
+    except PeerJSONError:
+        return None
+    return body if isinstance(body, dict) else None
 
 
 def _json(value: dict[str, Any]) -> bytes:

@@ -3,7 +3,11 @@
 Transport failures become :class:`EngineUnavailable` (503) raised ``from`` the
 transport error and reported to ``on_unreachable``; an error the engine
 answers becomes :class:`EngineRefused` with the engine's own status and
-envelope. A JSON call that got no answer says which call it was and what
+envelope. One exception: a generation (a call that changes no state) that the
+engine took and did not finish within its timeout is a 504 ``upstream_timeout``
+(:func:`generation_overdue`), and the engine is not reported: it is slow, not
+gone, and the request may have run, so it must not look like one that reached
+no model (which the LB sends to another node). A JSON call that got no answer says which call it was and what
 became of it: the engine died during it, did not answer in time, or was not
 reached at all.
 """
@@ -36,11 +40,16 @@ class EngineClient:
         self._on_unreachable = on_unreachable
 
     async def open(self, method: str, path: str, *, body: bytes = b"", headers: dict[str, str] | None = None,
-                   timeout: float) -> UpstreamResponse:
-        """Send a request; the caller reads (or relays) the response."""
+                   timeout: float, is_generation: bool = False) -> UpstreamResponse:
+        """Send a request; the caller reads (or relays) the response. ``is_generation``: see the module docstring."""
         try:
             return await self.client.request(method, self.base_url + path, headers=headers, body=body,
                                              timeout=timeout)
+        except UpstreamTimeout as exc:
+            if is_generation:  # taken and not answered (a connect timeout is a ConnectFailed: not sent)
+                raise generation_overdue(exc, timeout) from exc
+            self._on_unreachable(exc)
+            raise EngineUnavailable(f"engine unreachable: {exc}", retry_after=1) from exc
         except UpstreamError as exc:
             self._on_unreachable(exc)
             raise EngineUnavailable(f"engine unreachable: {exc}", retry_after=1) from exc
@@ -69,18 +78,25 @@ class EngineClient:
             except ResponseTooLarge:
                 raise ValueError(f"answered more than {max_bytes} bytes") from None
 
-    async def read(self, response: UpstreamResponse, max_bytes: int) -> bytes:
+    async def read(self, response: UpstreamResponse, max_bytes: int, *, is_generation: bool = False,
+                   timeout: float = 0.0) -> bytes:
         """The whole body of an engine answer (the connection is released either way).
 
         An answer longer than ``max_bytes`` is a 502 ``upstream_error`` (never a cut body; the engine is
         alive, so it is not reported unreachable). A failure mid-answer is reported to ``on_unreachable``
-        and raised as :class:`EngineUnavailable`.
+        and raised as :class:`EngineUnavailable`, but a generation's answer not finished in its ``timeout``
+        (the exchange's deadline) is :func:`generation_overdue`.
         """
         try:
             return await response.read_whole(max_bytes)
         except ResponseTooLarge as exc:
             raise ServiceError(f"the engine's answer to {response.url} is longer than {max_bytes} bytes "
                                "(--max-answer-bytes)", kind=E.UPSTREAM_ERROR, extra={"max_bytes": max_bytes}) from exc
+        except UpstreamTimeout as exc:
+            if is_generation:
+                raise generation_overdue(exc, timeout) from exc
+            self._on_unreachable(exc)
+            raise EngineUnavailable(f"the engine failed while answering: {exc}", retry_after=1) from exc
         except UpstreamError as exc:
             self._on_unreachable(exc)
             raise EngineUnavailable(f"the engine failed while answering: {exc}", retry_after=1) from exc
@@ -155,3 +171,10 @@ class EngineClient:
             writer.close()
             await asyncio.sleep(0.02)
         return False
+
+
+def generation_overdue(exc: UpstreamError, timeout: float) -> ServiceError:
+    """A generation the engine took and did not finish within ``timeout`` (``--generate-timeout``): 504."""
+    return ServiceError(f"the engine did not finish this generation within --generate-timeout ({timeout:g} s); it "
+                        f"may have run, so it is not sent elsewhere ({exc})", kind=E.UPSTREAM_TIMEOUT,
+                        extra={"timeout_s": timeout})

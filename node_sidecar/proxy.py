@@ -22,8 +22,9 @@ from handoff.protocol.weights import WEIGHT_VERSION_HEADER
 from handoff.service.disconnect import CLIENT_CLOSED, DisconnectWatch
 from handoff.service.errors import NotServing
 from handoff.service.relay import ChunkTransform, StreamRelay, relayed_headers, sse_error_event
-from handoff.service.upstream import UpstreamError, UpstreamResponse
+from handoff.service.upstream import UpstreamError, UpstreamResponse, UpstreamTimeout
 from node_sidecar.admission import InFlight
+from node_sidecar.engine_client import generation_overdue
 from node_sidecar.node import Node
 
 
@@ -61,6 +62,9 @@ def _relayed_stream(node: Node, upstream: UpstreamResponse, lease: InFlight,
     An engine failing mid-stream ends it with an ``engine_unavailable`` event."""
 
     def failed(exc: UpstreamError) -> bytes:
+        if isinstance(exc, UpstreamTimeout):  # slow, not gone (engine_client.py's module docstring)
+            overdue = generation_overdue(exc, node.config.generate_timeout)
+            return sse_error_event(overdue.type, overdue.message)
         node.mark_unreachable(exc)
         return sse_error_event(E.ENGINE_UNAVAILABLE.name, f"the engine failed mid-stream: {exc}")
 
@@ -103,13 +107,14 @@ async def relay_generation(node: Node, request: Request, path: str) -> Response:
     try:
         _check_pinned_version(node, request)
         call = call or node.engine_adapter.generation_call(path, body, query)
+        timeout = node.config.generate_timeout
         upstream = await node.engine.open(
-            "POST", call.path, body=call.body, timeout=node.config.generate_timeout,
+            "POST", call.path, body=call.body, timeout=timeout, is_generation=True,
             headers={"Content-Type": request.headers.get("content-type", "application/json")})
         if upstream.content_type.startswith("text/event-stream"):
             watch.stop()  # the stream's own watcher takes over
             return _relayed_stream(node, upstream, lease, call.stream() if call.stream else None)
-        content = await node.engine.read(upstream, node.config.max_answer_bytes)
+        content = await node.engine.read(upstream, node.config.max_answer_bytes, is_generation=True, timeout=timeout)
         if call.answer is not None and 200 <= upstream.status < 300:
             content = call.answer(content)
     except asyncio.CancelledError:

@@ -269,3 +269,36 @@ def test_flushes_on_a_busy_host_never_wait_for_a_body(proc_log_dir: Path) -> Non
             hog.wait()
         for proc in (sidecar, engine):
             proc.stop()
+
+
+def test_a_generation_past_the_generate_timeout_is_a_504_and_the_engine_stays_up(proc_log_dir: Path) -> None:
+    """A generation the engine took and did not finish within ``--generate-timeout`` was a 503
+    ``engine_unavailable`` (which the LB sends to another node: the request ran twice) and took the engine for
+    down: admission closed, held requests refused, the node not serving until the next read. It is a 504
+    ``upstream_timeout`` now, streamed or not, and the node serves on (found by review)."""
+    engine = ServerProcess("node_engine", ["--model-path", "builtin:tiny"], log_dir=proc_log_dir,
+                           name="engine-overdue").start()
+    sidecar = ServerProcess("node_sidecar", ["--engine-url", engine.url, "--engine-poll-interval", "5",
+                                             "--generate-timeout", "0.3"],
+                            log_dir=proc_log_dir, name="sidecar-overdue").start()
+    long_body = {"text": "a", "sampling_params": {"max_new_tokens": 4000, "ignore_eos": True}}
+
+    def view() -> dict:
+        return httpx.get(sidecar.url + "/memory_occupation", timeout=10).json()
+
+    try:
+        wait_until(lambda: httpx.get(sidecar.url + "/ready").status_code == 200, timeout=20, what="ready")
+        overdue = httpx.post(sidecar.url + "/generate", json=long_body, timeout=30)
+        assert overdue.status_code == 504, overdue.text
+        assert overdue.json()["error"]["type"] == "upstream_timeout" and "--generate-timeout" in overdue.text
+        assert view()["engine_reachable"] is True and view()["serving"] is True
+        with httpx.stream("POST", sidecar.url + "/generate", json={**long_body, "stream": True}, timeout=30) as r:
+            events = [line for line in r.iter_lines() if line.startswith("data: {")]
+        assert r.status_code == 200 and '"upstream_timeout"' in events[-1], events[-1:]
+        assert view()["engine_reachable"] is True and view()["serving"] is True
+        short = httpx.post(sidecar.url + "/generate", json={"text": "b", "sampling_params": {"max_new_tokens": 2}},
+                           timeout=30)
+        assert short.status_code == 200, short.text
+    finally:
+        sidecar.stop()
+        engine.stop()

@@ -16,7 +16,7 @@ ARG VARIANT=cuda
 ARG CUDA_BASE=nvidia/cuda:12.8.1-runtime-ubuntu24.04
 ARG CPU_BASE=python:3.12-slim-bookworm
 
-# ---- bases: a Python 3.10+ interpreter on each; build and runtime share it ----
+# ---- bases: a Python 3.11+ interpreter on each; build and runtime share it ----
 FROM ${CUDA_BASE} AS base-cuda
 RUN apt-get update \
     && apt-get install -y --no-install-recommends python3 python3-venv ca-certificates \

@@ -17,7 +17,7 @@ from handoff.service.errors import (
 )
 
 __all__ = ["EngineError", "InvalidRequest", "Unsupported", "RequestsInFlight", "MemorySaverDisabledError",
-           "NoWeightsBackupError", "WeightsNotLoaded", "WeightsReleased", "MemoryReleased", "InsufficientMemory",
+           "NoWeightsBackupError", "WeightsNotLoaded", "MemoryReleased", "InsufficientMemory",
            "EngineStopped", "WeightsCorrupted", "BackupFailed", "StepFailed", "CheckpointTimeout", "WeightSyncTimeout",
            "WeightSyncBroken"]
 
@@ -36,10 +36,6 @@ class MemorySaverDisabledError(Conflict):
 
 class NoWeightsBackupError(Conflict):
     kind = E.NO_WEIGHTS_BACKUP
-
-
-class WeightsReleased(Conflict):
-    kind = E.WEIGHTS_RELEASED
 
 
 class WeightsNotLoaded(NotServing):

@@ -4,7 +4,7 @@ Rules:
 
 - :meth:`RequestGate.check` answers 400 for a request that can never run on
   this engine (empty prompt, too long for the pool, token ids outside the
-  vocabulary), then 409/503 while it cannot run now (memory released, weights
+  vocabulary), then 503 while it cannot run now (memory released, weights
   not valid). The cheap length check comes first: the scans after it cost the
   prompt's length.
 - An id is claimed when its request is submitted and given back when its final
@@ -56,7 +56,7 @@ class RequestGate:
         self._planned: dict[str, PlannedRequests] = {}
 
     def check(self, prompt_ids: list[int], params: SamplingParams, logprobs: LogprobOptions | None = None) -> None:
-        """Raise 400 for a request that can never run, 409/503 while it cannot run now."""
+        """Raise 400 for a request that can never run, 503 while it cannot run now."""
         if not prompt_ids:
             raise InvalidRequest("the prompt is empty")
         if len(prompt_ids) >= self._context_len:  # SGLang's rule, whatever max_new_tokens says

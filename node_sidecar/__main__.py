@@ -48,7 +48,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--engine-health-misses", type=int, default=3,
                    help="health probes in a row that get no answer in time before the engine counts as down "
                         "(a refused connection, a dropped one or an error status count at once)")
-    p.add_argument("--retry-after", type=int, default=2, help="Retry-After seconds on 503s")
+    p.add_argument("--retry-after", type=int, default=2,
+                   help="Retry-After seconds on the 503s of a node that does not serve")
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                    help="larger request bodies get 413 (default 64 MiB)")
     p.add_argument("--max-answer-bytes", type=int, default=DEFAULT_MAX_ANSWER_BYTES, metavar="N",

@@ -41,7 +41,6 @@ REQUESTS_IN_FLIGHT = ErrorType("requests_in_flight", 409)
 DRAIN_TIMEOUT = ErrorType("drain_timeout", 409)
 MEMORY_SAVER_DISABLED = ErrorType("memory_saver_disabled", 409)
 NO_WEIGHTS_BACKUP = ErrorType("no_weights_backup", 409)
-WEIGHTS_RELEASED = ErrorType("weights_released", 409)
 WEIGHT_SYNC_BROKEN = ErrorType("weight_sync_broken", 409)  # a group missed a broadcast: destroy it, init again
 
 # -- not serving: 503 + Retry-After; nothing ran, so a router may send the request elsewhere --

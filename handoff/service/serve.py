@@ -61,8 +61,8 @@ def add_server_args(parser: argparse.ArgumentParser, *, default_host: str, defau
                              f"(default {DEFAULT_BODY_TIMEOUT_S:g})")
     parser.add_argument("--max-connections", type=int, default=None, metavar="N",
                         help="open client connections at most: past it a new one closes the oldest idle one, or "
-                             "is 503 overloaded when all have a request in progress (default: half the open-file "
-                             "limit less 128)")
+                             "is 503 overloaded when all have a request in progress (default: the open-file limit "
+                             "less 128, halved)")
     parser.add_argument("--max-buffered-body-bytes", type=int, default=DEFAULT_MAX_BUFFERED_BODY_BYTES, metavar="N",
                         help="the request bodies all requests may hold at once; a request past it is 503 "
                              f"overloaded with Retry-After (default {DEFAULT_MAX_BUFFERED_BODY_BYTES}; at least "

@@ -23,8 +23,8 @@ from urllib.parse import urlsplit
 from handoff.protocol import errors as E
 from handoff.service.errors import ServiceError
 from handoff.service.peer_json import PeerJSONError, loads_bounded
-from handoff.service.upstream import (ConnectFailed, ConnectionDropped, ResponseTooLarge, UpstreamClient,
-                                     UpstreamError, UpstreamResponse, UpstreamTimeout)
+from handoff.service.upstream import (ConnectFailed, ConnectionDropped, ResponseTooLarge, TimedOutConnecting,
+                                     UpstreamClient, UpstreamError, UpstreamResponse, UpstreamTimeout)
 from node_sidecar.errors import EngineRefused, EngineUnavailable
 
 _JSON = {"Content-Type": "application/json"}
@@ -46,7 +46,7 @@ class EngineClient:
             return await self.client.request(method, self.base_url + path, headers=headers, body=body,
                                              timeout=timeout)
         except UpstreamTimeout as exc:
-            if is_generation:  # taken and not answered (a connect timeout is a ConnectFailed: not sent)
+            if is_generation and not isinstance(exc, TimedOutConnecting):  # taken, not answered (not: never sent)
                 raise generation_overdue(exc, timeout) from exc
             self._on_unreachable(exc)
             raise EngineUnavailable(f"engine unreachable: {exc}", retry_after=1) from exc

@@ -113,6 +113,13 @@ class FileReader:
             raise
         return fd, info.st_size
 
+    @staticmethod
+    def version(fd: int) -> tuple[int, ...]:
+        """What tells an open file from itself rewritten, or replaced by another, since: its size and modification
+        time (not its inode number: a network or FUSE mount need not keep a file's from one open to the next)."""
+        info = os.fstat(fd)
+        return info.st_size, info.st_mtime_ns
+
     def read_small(self, path: Path, limit: int = MAX_SMALL_FILE_BYTES) -> bytes:
         fd, size = self.open(path)
         try:

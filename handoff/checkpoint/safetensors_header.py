@@ -10,7 +10,8 @@ this module passed cannot refuse it half way through a reload:
 - N is at most 100,000,000 and 8 + N fits the file.
 - The JSON is strict UTF-8 (no BOM) and an object. Each key but
   ``__metadata__`` is a tensor: ``{"dtype", "shape", "data_offsets"}`` (other
-  fields ignored) or those three as an array; dtypes are the library's names;
+  fields ignored) or those three as an array; dtypes are the library's names
+  (``"F32"``, or ``{"F32": null}`` as serde also reads an enum);
   shape entries and offsets are unsigned 64-bit integers (``-0``, ``1.0`` and
   ``true`` are not); ``__metadata__`` is null or an object of strings. A
   tensor given twice is checked twice and the last one counts; ``__metadata__``
@@ -32,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from handoff.checkpoint.errors import CheckpointError
-from handoff.checkpoint.files import FileReader
+from handoff.checkpoint.files import FileReader, shown
 from handoff.service.peer_json import PeerJSONError, loads_bounded
 
 MAX_HEADER_BYTES = 100_000_000   # the library's limit
@@ -58,12 +59,14 @@ class HeaderEntry:
     shape: tuple[int, ...]
     offset: int
     num_bytes: int
+    version: tuple[int, ...] = ()  # the file's when its header was read (:meth:`FileReader.version`)
 
 
 def read_header(reader: FileReader, path: Path) -> dict[str, HeaderEntry]:
     """Every tensor of one safetensors file, from its header (checked against the file's size)."""
     fd, size = reader.open(path)
     try:
+        version = reader.version(fd)
         if size < 8:
             raise CheckpointError(f"{path.name} is too short to be a safetensors file ({size} bytes)")
         (header_len,) = struct.unpack("<Q", reader.pread(fd, 8, 0, path))
@@ -73,10 +76,10 @@ def read_header(reader: FileReader, path: Path) -> dict[str, HeaderEntry]:
         raw = reader.pread(fd, header_len, 8, path)
     finally:
         os.close(fd)
-    return parse_header(raw, path=path, data_size=size - 8 - header_len)
+    return parse_header(raw, path=path, data_size=size - 8 - header_len, version=version)
 
 
-def parse_header(raw: bytes, *, path: Path, data_size: int) -> dict[str, HeaderEntry]:
+def parse_header(raw: bytes, *, path: Path, data_size: int, version: tuple[int, ...] = ()) -> dict[str, HeaderEntry]:
     """The tensors of a header ``raw`` followed by ``data_size`` bytes of data (the module docstring's rules)."""
     header = _decode(raw, path.name)
     infos: dict[str, tuple[str, tuple[int, ...], tuple[int, int]]] = {}
@@ -91,18 +94,28 @@ def parse_header(raw: bytes, *, path: Path, data_size: int) -> dict[str, HeaderE
     covered = 0
     for name, (dtype, shape, (begin, end)) in sorted(infos.items(), key=lambda item: item[1][2]):
         if begin != covered or end < begin:
-            raise CheckpointError(f"{path.name}: tensor {name!r} has data_offsets [{begin}, {end}], where "
+            raise CheckpointError(f"{path.name}: tensor {_name(name)} has data_offsets [{begin}, {end}], where "
                                   f"[{covered}, ...) was due (the tensors must tile the data)")
         covered = end
         num_bits = _num_bits(shape, DTYPE_BITS[dtype], name, path.name)
         if num_bits % 8 or end - begin != num_bits // 8:
-            raise CheckpointError(f"{path.name}: tensor {name!r} ({dtype} {list(shape)}) does not span its "
+            raise CheckpointError(f"{path.name}: tensor {_name(name)} ({dtype} {shown_shape(shape)}) does not span its "
                                   f"data_offsets [{begin}, {end}]")
-        entries[name] = HeaderEntry(path, dtype, shape, 8 + len(raw) + begin, end - begin)
+        entries[name] = HeaderEntry(path, dtype, shape, 8 + len(raw) + begin, end - begin, version)
     if covered != data_size:
         raise CheckpointError(f"{path.name}: the tensors cover {covered} of the {data_size} bytes after the "
                               "header")
     return entries
+
+
+def _name(name: str) -> str:
+    """A tensor name as messages show it: cut as a path is (a header's names are the file's to choose)."""
+    return repr(shown(name))
+
+
+def shown_shape(shape: tuple[int, ...]) -> str:
+    """A shape as messages show it: its first 16 dimensions."""
+    return str(list(shape)) if len(shape) <= 16 else f"{str(list(shape[:16]))[:-1]}, ...] ({len(shape)} dimensions)"
 
 
 class _Object(dict):
@@ -155,17 +168,19 @@ def _tensor_info(name: str, value: object, file_name: str) -> tuple[str, tuple[i
     """(dtype, shape, (begin, end)) of one header entry, in either of the forms serde accepts."""
     if isinstance(value, _Object) and all(field in value for field in _TENSOR_FIELDS):
         if len([key for key, _ in value.pairs if key in _TENSOR_FIELDS]) != len(_TENSOR_FIELDS):
-            raise CheckpointError(f"{file_name}: tensor {name!r} gives a field twice")
+            raise CheckpointError(f"{file_name}: tensor {_name(name)} gives a field twice")
         dtype, shape, offsets = value["dtype"], value["shape"], value["data_offsets"]
     elif isinstance(value, list) and len(value) == 3:
         dtype, shape, offsets = value
     else:
-        raise CheckpointError(f"{file_name}: tensor {name!r} is not an object with dtype, shape and data_offsets")
+        raise CheckpointError(f"{file_name}: tensor {_name(name)} is not an object with dtype, shape and data_offsets")
+    if isinstance(dtype, _Object) and len(dtype.pairs) == 1 and dtype.pairs[0][1] is None:
+        dtype = dtype.pairs[0][0]  # serde reads an enum's variant from {"F32": null} too
     if not isinstance(dtype, str) or dtype not in DTYPE_BITS:
-        raise CheckpointError(f"{file_name}: tensor {name!r} has an unknown dtype {str(dtype)[:40]!r}")
+        raise CheckpointError(f"{file_name}: tensor {_name(name)} has an unknown dtype {str(dtype)[:40]!r}")
     if (not isinstance(shape, list) or not all(map(_is_usize, shape)) or not isinstance(offsets, list)
             or len(offsets) != 2 or not all(map(_is_usize, offsets))):
-        raise CheckpointError(f"{file_name}: tensor {name!r} has a malformed shape or data_offsets (unsigned "
+        raise CheckpointError(f"{file_name}: tensor {_name(name)} has a malformed shape or data_offsets (unsigned "
                               "integers)")
     return dtype, tuple(shape), (offsets[0], offsets[1])
 
@@ -175,9 +190,9 @@ def _num_bits(shape: tuple[int, ...], dtype_bits: int, name: str, file_name: str
     for dim in shape:
         count *= dim
         if count > USIZE_MAX:  # the library multiplies left to right in 64 bits
-            raise CheckpointError(f"{file_name}: tensor {name!r}'s shape {list(shape)} overflows")
+            raise CheckpointError(f"{file_name}: tensor {_name(name)}'s shape {shown_shape(shape)} overflows")
     if count * dtype_bits > USIZE_MAX:
-        raise CheckpointError(f"{file_name}: tensor {name!r}'s size in bits overflows")
+        raise CheckpointError(f"{file_name}: tensor {_name(name)}'s size in bits overflows")
     return count * dtype_bits
 
 
@@ -187,6 +202,7 @@ def read_folder_headers(reader: FileReader, folder: Path) -> dict[str, HeaderEnt
     for path in reader.shard_files(folder):
         for name, entry in read_header(reader, path).items():
             if name in entries:
-                raise CheckpointError(f"tensor {name!r} is in two shards: {entries[name].file.name} and {path.name}")
+                raise CheckpointError(f"tensor {_name(name)} is in two shards: {entries[name].file.name} and "
+                                      f"{path.name}")
             entries[name] = entry
     return entries

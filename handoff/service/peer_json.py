@@ -23,7 +23,9 @@ _STRING = re.compile(rb'"(?:[^"\\]++|\\.)*+(?:"|\\?\Z)', re.DOTALL)
 _BRACKETS_ONLY = bytes.maketrans(b"{}", b"[]")
 _NOT_BRACKETS = bytes(set(range(256)) - set(b"[]{}"))
 _OPENERS = re.compile(rb"\[+")
-_MAYBE_OUT_OF_RANGE = re.compile(rb"[eE]\+?0*[1-9][0-9]{2}|[0-9]{309}")
+# a float past a double's range (about 1.8e308) has an exponent of 3+ digits, or, with one of at most 99, 210+ digits
+# before its point: ``2`` and 250 zeros ``e60`` is one
+_MAYBE_OUT_OF_RANGE = re.compile(rb"[eE]\+?0*[1-9][0-9]{2}|[0-9]{210}")
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # paired ones decode to one character, lone ones stay
 
 
@@ -68,7 +70,8 @@ def loads_bounded(raw: bytes | str, *, max_bytes: int | None = None, max_depth: 
                   object_pairs_hook: Callable[[list[tuple[str, Any]]], Any] | None = None) -> Any:
     """``json.loads`` for a peer's body; raises :class:`PeerJSONError` naming what is wrong.
 
-    A ``str`` is parsed as text (no encoding is guessed from its first bytes, a BOM is an error);
+    ``bytes`` are UTF-8, a ``str`` is parsed as text (no encoding is guessed from the first bytes, a BOM is an
+    error);
     ``parse_int``, ``object_pairs_hook``: as ``json.loads``'s (a ValueError or OverflowError they raise is a
     PeerJSONError).
     """
@@ -78,27 +81,42 @@ def loads_bounded(raw: bytes | str, *, max_bytes: int | None = None, max_depth: 
     if nests_deeper_than(data, max_depth):
         raise PeerJSONError(f"JSON nesting arrays or objects more than {max_depth} deep")
     try:
-        # a float past its range needs an exponent of 3+ digits or 309+ digits in a row: only then is each float
+        # a float past its range needs an exponent of 3+ digits or 210+ digits in a row: only then is each float
         # parsed through Python (otherwise the C scanner's own float parsing stays the only cost)
         check_floats = _finite_float if _MAYBE_OUT_OF_RANGE.search(data) else None
-        value = json.loads(raw if isinstance(raw, str) else data, parse_constant=_refuse_constant,
-                           parse_float=check_floats, parse_int=parse_int, object_pairs_hook=object_pairs_hook)
-        if _SURROGATE_ESCAPE.search(data):
-            _check_text(value)
+        # bytes are UTF-8 (RFC 8259), decoded strictly: json.loads would guess UTF-16 or 32 (which the checks on
+        # ``data`` do not read) and decode with "surrogatepass" (UTF-8 for a lone surrogate would pass); an escaped
+        # one (\ud800) is looked for in every string, a key given twice included
+        text = raw if isinstance(raw, str) else data.decode("utf-8")
+        has_surrogates = _SURROGATE_ESCAPE.search(data) is not None
+        pairs_hook = _checking_pairs(object_pairs_hook) if has_surrogates else object_pairs_hook
+        value = json.loads(text, parse_constant=_refuse_constant, parse_float=check_floats, parse_int=parse_int,
+                           object_pairs_hook=pairs_hook)
+        if has_surrogates:
+            _check_strings(value)
     except (UnicodeError, ValueError, OverflowError, RecursionError) as exc:
         raise PeerJSONError(f"not valid JSON: {exc}") from exc
     return value
 
 
-def _check_text(value: Any) -> None:
-    """Every string (and key) is valid Unicode: UnicodeEncodeError names a lone surrogate."""
+def _checking_pairs(hook: Callable[[list[tuple[str, Any]]], Any] | None) -> Callable[[list[tuple[str, Any]]], Any]:
+    """An ``object_pairs_hook`` that checks every key and string of an object as it is made, those of a key given
+    twice too (the object keeps only the last; the ``safetensors`` library reads both): UnicodeEncodeError names
+    a lone surrogate. An object inside is checked when it is made."""
+    def checked(pairs: list[tuple[str, Any]]) -> Any:
+        for key, item in pairs:
+            key.encode("utf-8")
+            _check_strings(item)
+        return dict(pairs) if hook is None else hook(pairs)
+    return checked
+
+
+def _check_strings(value: Any) -> None:
+    """Every string of ``value`` outside its objects (each checked as it was made) is valid Unicode."""
     pending = [value]
     while pending:
         item = pending.pop()
         if isinstance(item, str):
             item.encode("utf-8")
-        elif isinstance(item, dict):
-            pending.extend(item)
-            pending.extend(item.values())
         elif isinstance(item, list):
             pending.extend(item)

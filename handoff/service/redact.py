@@ -29,8 +29,15 @@ _WORD_SEPARATORS = re.compile(r"[^a-z]+")
 # in text: ``--api-key X``, ``--api-key=X`` (a command line: SGLang's ``launch_command``), ``'--api-key', 'X'`` (a
 # list's text), ``hf_token='X'``, ``"secret_key": "X"`` (a config's text, a JSON string), a URL's ``user:password@``
 _VALUE = r"""("(?:[^"\\]|\\.)*"|'[^']*'|[^\s,;()\[\]{}"']+)"""  # not an object or list: its fields are looked at
-_FLAG = re.compile(r"""(?<![\w.-])--?([A-Za-z][\w.-]*)(=|\s+|["'],\s*(?=["']))(?!-)""" + _VALUE)
-_FIELD = re.compile(r"""(?<![\w.-])(["']?)([A-Za-z_][\w.-]*)\1(\s*[=:]\s*)""" + _VALUE)
+# a flag's value: a quoted item of a list's text, or a command line's word (SGLang's ``launch_command`` is its argv
+# joined by spaces, unquoted: a password's ``(``, ``,``, ``;`` or quote is part of it). After a space or an item a word
+# that begins with ``-`` is the next flag (``--api-key --port 1``); after ``=`` it is the value (``--api-key=-k``).
+_FLAG_VALUE = r"""("(?:[^"\\]|\\.)*"|'[^']*'|["']?[^\s"']+(?:["'][^\s"',\]})]+)*)"""
+_FLAG = re.compile(r"""(?<![\w.-])--?([A-Za-z][\w.-]*)(=|(?:\s+|["'],\s*(?=["']))(?!-))""" + _FLAG_VALUE)
+# an assignment's name; its value is read only after a secret name, so a value is no hiding place for the names
+# in it (``url=http://h/?token=X``, ``https://h/?token=X``); an HTTP authorization's scheme is part of the value
+_FIELD = re.compile(r"""(?<![\w.-])(["']?)([A-Za-z_][\w.-]*)\1\s*[=:]\s*""")
+_FIELD_VALUE = re.compile(r"""(?:(?:Bearer|Basic|Token)\s+)?""" + _VALUE)
 _LITERAL = re.compile(r"-?[0-9][0-9.eE+-]*|true|false|null|True|False|None")
 _URL_PASSWORD = re.compile(r"((?<![\w+.-])[A-Za-z][A-Za-z0-9+.-]*://[^\s/:@]*:)[^\s/@]+@")
 
@@ -52,58 +59,70 @@ def redact_text(text: str) -> str:
     if not text or ("=" not in text and ":" not in text and "-" not in text):
         return text
 
-    def flag(match: re.Match[str]) -> str:
-        return _redacted_match(match, name=1, value=3, keeps_literals=False)  # a command line's value is text
+    def flag(match: re.Match[str]) -> str:  # a command line's value is text, a number too
+        if not is_secret_name(match.group(1)):
+            return match.group(0)
+        return match.group(0)[:match.start(3) - match.start(0)] + _redacted_value(match.group(3))
 
-    def field(match: re.Match[str]) -> str:
-        return _redacted_match(match, name=2, value=4, keeps_literals=True)
-
-    return _URL_PASSWORD.sub(rf"\1{REDACTED_TEXT}@", _FIELD.sub(field, _FLAG.sub(flag, text)))
+    return _URL_PASSWORD.sub(rf"\1{REDACTED_TEXT}@", _redacted_fields(_FLAG.sub(flag, text)))
 
 
-def _redacted_match(match: re.Match[str], *, name: int, value: int, keeps_literals: bool) -> str:
-    """The match with its value group redacted when its name group names a secret (a number, bool or null kept
-    with ``keeps_literals``, as a field's)."""
-    text = match.group(value)
-    if not is_secret_name(match.group(name)) or (keeps_literals and _LITERAL.fullmatch(text)):
-        return match.group(0)
+def _redacted_fields(text: str) -> str:
+    """``text`` with the value of every secret-named assignment redacted (a number, bool or null kept). Every name
+    is looked at, one inside another's value too; a value is read once, after a secret name, and skipped."""
+    parts: list[str] = []
+    done = 0
+    for name in _FIELD.finditer(text):
+        if name.start() < done or not is_secret_name(name.group(2)):
+            continue
+        value = _FIELD_VALUE.match(text, name.end())
+        if value is None or _LITERAL.fullmatch(value.group(0)):
+            continue
+        parts += [text[done:value.start()], _redacted_value(value.group(0))]
+        done = value.end()
+    return "".join(parts) + text[done:] if parts else text
+
+
+def _redacted_value(text: str) -> str:
     quote = text[0] if text[0] in "'\"" else ""
-    return match.group(0)[:match.start(value) - match.start(0)] + f"{quote}{REDACTED_TEXT}{quote}"
+    return f"{quote}{REDACTED_TEXT}{quote}"
 
 
 def redact_secrets(value: Any, *, max_depth: int = MAX_DEPTH) -> Any:
     """A copy of a peer's JSON ``value`` fit to relay: every secret-named field (:func:`is_secret_name`, at
     any depth) whose value holds text is null (a number, a bool or null stays: no secret, and a client may
     read it), and every string is passed through :func:`redact_text`. Anything nested deeper than
-    ``max_depth`` is null (:func:`loads_bounded` never returns such a value). The shape is otherwise kept."""
-    return _redacted(value, max_depth)
+    ``max_depth`` is null (:func:`loads_bounded` never returns such a value). The shape is otherwise kept.
+    One walk of the value: whether a field holds text is learnt as its copy is made."""
+    return _redacted(value, max_depth)[0]
 
 
-def _redacted(value: Any, depth: int) -> Any:
+def _redacted(value: Any, depth: int) -> tuple[Any, bool]:
+    """(the copy of ``value`` fit to relay, whether ``value`` is or holds text: anything nested past ``depth``
+    counts as text, and is null)."""
     if isinstance(value, str):
-        return redact_text(value)
+        return redact_text(value), True
     if isinstance(value, (dict, list)) and depth <= 0:
-        return None
+        return None, True
     if isinstance(value, dict):
-        return {key: None if isinstance(key, str) and is_secret_name(key) and _holds_text(item, depth)
-                else _redacted(item, depth - 1) for key, item in value.items()}
+        copy: dict[Any, Any] = {}
+        holds_text = False
+        for key, item in value.items():
+            item_copy, item_holds_text = _redacted(item, depth - 1)
+            holds_text = holds_text or item_holds_text
+            copy[key] = None if item_holds_text and isinstance(key, str) and is_secret_name(key) else item_copy
+        return copy, holds_text
     if isinstance(value, list):  # an argv: a secret flag's value is the next item
-        return [REDACTED_TEXT if i and isinstance(item, str) and _is_secret_flag(value[i - 1])
-                else _redacted(item, depth - 1) for i, item in enumerate(value)]
-    return value
+        items = []
+        holds_text = False
+        for i, item in enumerate(value):
+            item_copy, item_holds_text = _redacted(item, depth - 1)
+            holds_text = holds_text or item_holds_text
+            items.append(REDACTED_TEXT if i and isinstance(item, str) and _is_secret_flag(value[i - 1])
+                         else item_copy)
+        return items, holds_text
+    return value, False
 
 
 def _is_secret_flag(item: Any) -> bool:
     return isinstance(item, str) and item.startswith("-") and "=" not in item and is_secret_name(item)
-
-
-def _holds_text(value: Any, depth: int) -> bool:
-    """Whether ``value`` is a string or holds one (anything nested past ``depth`` counts as text)."""
-    if isinstance(value, str):
-        return True
-    if isinstance(value, (dict, list)):
-        if depth <= 0:
-            return True
-        items = value.values() if isinstance(value, dict) else value
-        return any(_holds_text(item, depth - 1) for item in items)
-    return False

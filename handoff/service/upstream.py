@@ -79,14 +79,15 @@ from handoff.service.upstream_errors import (
     InvalidURL,
     ProtocolError,
     ResponseTooLarge,
+    TimedOutConnecting,
     UpstreamError,
     UpstreamTimeout,
 )
 
 __all__ = [
     "ClientClosed", "ConnectFailed", "ConnectTimedOut", "ConnectionDropped", "Headers", "InvalidHeader",
-    "InvalidURL", "PendingRequest", "ProtocolError", "ResponseTooLarge", "UpstreamClient", "UpstreamError",
-    "UpstreamResponse", "UpstreamTimeout",
+    "InvalidURL", "PendingRequest", "ProtocolError", "ResponseTooLarge", "TimedOutConnecting", "UpstreamClient",
+    "UpstreamError", "UpstreamResponse", "UpstreamTimeout",
 ]
 
 log = logging.getLogger(__name__)
@@ -202,7 +203,7 @@ class UpstreamClient:
             if is_connect_timeout_first:
                 raise ConnectTimedOut(f"cannot connect to {origin.host_header}: no connection within "
                                       f"{self.connect_timeout_s:g} s", url=url) from exc
-            raise UpstreamTimeout(f"connecting to {origin.host_header} timed out", url=url) from exc
+            raise TimedOutConnecting(f"connecting to {origin.host_header} timed out", url=url) from exc
         except OSError as exc:
             raise ConnectFailed(f"cannot connect to {origin.host_header}: {exc.strerror or exc}",
                                 url=url) from exc

@@ -8,7 +8,8 @@ result per node.
   the peer saw nothing; the request may go to another peer.
 - :class:`UpstreamTimeout`, :class:`ConnectionDropped`, :class:`ProtocolError`,
   :class:`ResponseTooLarge`: the peer may have acted on the request; answer
-  502/504 naming it.
+  502/504 naming it. (An :class:`UpstreamTimeout` that is a
+  :class:`TimedOutConnecting` came before anything was sent.)
 - :class:`InvalidHeader`, :class:`ClientClosed`: this process's own request or
   state; nothing was sent.
 """
@@ -40,6 +41,11 @@ class InvalidURL(ConnectFailed):
 
 class UpstreamTimeout(UpstreamError):
     """The request's deadline passed before the response was complete."""
+
+
+class TimedOutConnecting(UpstreamTimeout):
+    """The request's deadline passed while its connection was being made (the client has no connect timeout, or
+    a longer one): nothing was sent, so the peer cannot have acted on it."""
 
 
 class ConnectionDropped(UpstreamError):

@@ -26,7 +26,7 @@ from typing import Iterator
 import torch
 
 from handoff.checkpoint.errors import CheckpointError
-from handoff.checkpoint.files import READ_CHUNK_BYTES, FileReader, ReadCancelled, describe_os_error
+from handoff.checkpoint.files import READ_CHUNK_BYTES, FileReader, ReadCancelled, describe_os_error, shown
 from handoff.checkpoint.safetensors_header import HeaderEntry, read_header
 from node_engine.failures import FaultDrill
 
@@ -49,6 +49,7 @@ class TensorEntry:
     dtype: torch.dtype
     offset: int = 0   # absolute byte offset in ``file``
     num_bytes: int = 0
+    version: tuple[int, ...] = ()  # the file's when its header was read: a file changed since is not read
 
 
 class CheckpointReader(FileReader):
@@ -67,9 +68,9 @@ class CheckpointReader(FileReader):
         """A header's tensor with its torch dtype; a dtype the engine does not load is named."""
         dtype = SAFETENSORS_DTYPES.get(entry.dtype)
         if dtype is None:
-            raise CheckpointError(f"{entry.file.name}: tensor {name} has dtype {entry.dtype}, which this engine "
+            raise CheckpointError(f"{entry.file.name}: tensor {shown(name)} has dtype {entry.dtype}, which this engine "
                                   f"does not load (it loads {', '.join(SAFETENSORS_DTYPES)})")
-        return TensorEntry(entry.file, entry.shape, dtype, entry.offset, entry.num_bytes)
+        return TensorEntry(entry.file, entry.shape, dtype, entry.offset, entry.num_bytes, entry.version)
 
     def iter_tensors(self, entries: dict[str, TensorEntry], keys: list[str],
                      cancel: threading.Event | None = None) -> Iterator[tuple[str, torch.Tensor]]:
@@ -82,13 +83,20 @@ class CheckpointReader(FileReader):
             try:
                 for key in sorted(file_keys, key=lambda k: entries[k].offset):
                     entry = entries[key]
+                    self._check_unchanged(fd, entry, path)  # the header's offsets may describe another file
                     if entry.offset + entry.num_bytes > size:
                         raise CheckpointError(f"{path.name} shrank while it was read (tensor {key})")
                     tensor = torch.empty(entry.shape, dtype=entry.dtype)
                     self._read_into(fd, tensor, entry.offset, path, cancel)
+                    self._check_unchanged(fd, entry, path)  # written to while this tensor was read
                     yield key, tensor
             finally:
                 os.close(fd)
+
+    def _check_unchanged(self, fd: int, entry: TensorEntry, path: Path) -> None:
+        if entry.version and self.version(fd) != entry.version:
+            raise CheckpointError(f"{path.name} changed since its header was read (rewritten or replaced while it "
+                                  "was loaded)")
 
     def _read_into(self, fd: int, tensor: torch.Tensor, offset: int, path: Path,
                    cancel: threading.Event | None) -> None:

@@ -19,8 +19,9 @@ from pathlib import Path
 
 import torch
 
-from node_engine.model.arch import ModelArch, ModelConfigError
+from handoff.checkpoint.files import shown
 from handoff.checkpoint.safetensors_header import read_folder_headers
+from node_engine.model.arch import ModelArch, ModelConfigError
 from node_engine.model.checkpoint_io import CheckpointError, CheckpointReader, TensorEntry
 from node_engine.model.llama import CausalLM, WeightTarget
 
@@ -79,8 +80,8 @@ def _check_keys(model: CausalLM, entries: dict[str, TensorEntry]) -> dict[str, W
 
 
 def _short_list(keys: list[str], limit: int = 8) -> str:
-    shown = ", ".join(keys[:limit])
-    return shown + (f" (and {len(keys) - limit} more)" if len(keys) > limit else "")
+    listed = ", ".join(shown(key) for key in keys[:limit])  # a checkpoint's key may be megabytes long
+    return listed + (f" (and {len(keys) - limit} more)" if len(keys) > limit else "")
 
 
 def _target_view(params: dict[str, torch.Tensor], target: WeightTarget) -> torch.Tensor:

@@ -27,7 +27,7 @@ from typing import Any
 
 from handoff.checkpoint.errors import ModelConfigError
 from handoff.checkpoint.files import FileReader, shown
-from handoff.checkpoint.safetensors_header import read_folder_headers
+from handoff.checkpoint.safetensors_header import read_folder_headers, shown_shape
 from handoff.service.errors import InvalidRequest
 
 CHECK_TIMEOUT_S = 60.0  # reading a folder's headers; a healthy mount takes well under a second
@@ -65,16 +65,19 @@ def read_checkpoint(path: str) -> CheckpointShape:
 
 def check_compatible(new: CheckpointShape, current: CheckpointShape) -> None:
     """InvalidRequest naming the first difference between a checkpoint and the one being served."""
+    # what a checkpoint holds is shown cut, as its path is: a config value or a tensor name may be megabytes long
+    path = shown(new.path)
     for key in SHAPE_FIELDS:
         if new.config[key] != current.config[key]:
-            raise InvalidRequest(f"model_path {new.path!r} is not the served model's shape: config.json {key} is "
-                                 f"{new.config[key]!r}, the served model's is {current.config[key]!r}")
+            raise InvalidRequest(f"model_path {path!r} is not the served model's shape: config.json {key} is "
+                                 f"{shown(repr(new.config[key]))}, the served model's is "
+                                 f"{shown(repr(current.config[key]))}")
     missing = sorted(set(current.tensors) - set(new.tensors))
     extra = sorted(set(new.tensors) - set(current.tensors))
     if missing or extra:
-        raise InvalidRequest(f"model_path {new.path!r} does not hold the served model's tensors: "
-                             f"missing {missing[:5]}, unexpected {extra[:5]}")
+        raise InvalidRequest(f"model_path {path!r} does not hold the served model's tensors: "
+                             f"missing {[shown(n) for n in missing[:5]]}, unexpected {[shown(n) for n in extra[:5]]}")
     for name, shape in current.tensors.items():
         if new.tensors[name] != shape:
-            raise InvalidRequest(f"model_path {new.path!r}: tensor {name} has shape {list(new.tensors[name])}, "
-                                 f"the served model's has {list(shape)}")
+            raise InvalidRequest(f"model_path {path!r}: tensor {shown(name)} has shape "
+                                 f"{shown_shape(new.tensors[name])}, the served model's has {shown_shape(shape)}")

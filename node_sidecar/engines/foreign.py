@@ -11,6 +11,7 @@ and checks checkpoints itself (:mod:`~node_sidecar.engines.checkpoint`).
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any, Awaitable, Callable, TypeVar
 
 from handoff.bounded_thread import BoundedThreads, Overdue, TooManyStuck
@@ -23,6 +24,8 @@ from node_sidecar.engines.measure import PROCESS_RSS, EngineMemory, freed
 
 T = TypeVar("T")
 
+log = logging.getLogger(__name__)
+
 
 class ForeignEngine(EngineAdapter):
     def __init__(self, engine: Any) -> None:
@@ -33,6 +36,8 @@ class ForeignEngine(EngineAdapter):
         self.instance: object = None         # what tells one engine process from the next
         self.model_path: str | None = None   # the checkpoint the engine serves
         self.check_threads = BoundedThreads()  # checkpoint checks: a hung mount costs a bounded thread
+        self.served_check_threads = BoundedThreads()  # the served checkpoint's, read to compare: apart, so that
+        # reads stuck on the storage of the checkpoint served never refuse the check of the one that replaces it
 
     def adopt_instance(self, instance: object) -> bool:
         """Note the engine process answering now; True (and everything remembered forgotten) if it is not the
@@ -68,18 +73,24 @@ class ForeignEngine(EngineAdapter):
     async def check_checkpoint(self, model_path: str) -> None:
         """InvalidRequest unless ``model_path`` holds a readable checkpoint of the served model's shape (compared
         when the served checkpoint can be read too)."""
-        new = await self._read_checkpoint(model_path)
+        new = await self._read_checkpoint(model_path, self.check_threads)
         if self.model_path is None:
             return
         try:
-            current = await self._read_checkpoint(self.model_path)
+            current = await self._read_checkpoint(self.model_path, self.served_check_threads)
         except InvalidRequest:
             return  # the served checkpoint is not a folder here (a hub id, another volume): nothing to compare
+        except ServiceError as exc:
+            if exc.type != E.CHECKPOINT_TIMEOUT.name:
+                raise
+            # its storage does not answer (a hung mount): nothing to compare either, and a reload is the way off it
+            log.warning("the served checkpoint is not compared with %s: %s", shown(model_path), exc.message)
+            return
         check_compatible(new, current)
 
-    async def _read_checkpoint(self, path: str) -> CheckpointShape:
+    async def _read_checkpoint(self, path: str, threads: BoundedThreads) -> CheckpointShape:
         try:
-            return await self.check_threads.run(lambda cancel: read_checkpoint(path), CHECK_TIMEOUT_S)
+            return await threads.run(lambda cancel: read_checkpoint(path), CHECK_TIMEOUT_S)
         except (Overdue, TooManyStuck) as exc:
             raise ServiceError(f"reading the checkpoint's headers at {shown(path)!r} did not finish ({exc}): hung "
                                "storage? Nothing was loaded", kind=E.CHECKPOINT_TIMEOUT) from None

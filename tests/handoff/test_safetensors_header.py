@@ -79,7 +79,8 @@ def mostly(usual: list, odd: list, weight: int = 12) -> st.SearchStrategy:
     return st.sampled_from(usual * weight + odd)
 
 
-dims = st.one_of(*[st.integers(1, 6)] * 40, st.just(0), st.sampled_from([2**32, USIZE_MAX]), st.sampled_from(ODD_NUMBERS))
+dims = st.one_of(*[st.integers(1, 6)] * 40, st.just(0), st.sampled_from([2**32, USIZE_MAX]),
+                 st.sampled_from(ODD_NUMBERS))
 dtypes = mostly(sorted(DTYPE_BITS), ["X", "f32", "F32 ", ""], weight=15)
 tensor_specs = st.lists(st.tuples(st.text("abc._", min_size=1, max_size=4), dtypes, st.lists(dims, max_size=3)),
                         max_size=5)
@@ -184,6 +185,15 @@ def test_mutated_headers_are_judged_as_the_library_judges_them(tmp_path: Path, l
     (b'{\x00}\x00', 0, None),         # UTF-16 to a guesser, not JSON in UTF-8
     (b'\xef\xbb\xbf{}', 0, None),     # a UTF-8 BOM
     (b'{"a": {"dtype": "F32", "shape": [1e400], "data_offsets": [0, 4]}}', 4, None),
+    (b'{"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4], "z": 2' + b"0" * 250 + b'e60}}', 4, None),  # 2e310
+    (b'{"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4], "z": "\\ud800"}, "a": {"dtype": "F32", '
+     b'"shape": [1], "data_offsets": [0, 4]}}', 4, None),                           # a lone surrogate in the first a
+    (b'{"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4], "z": {"q": "\\udc00", "q": 1}}}', 4, None),
+    (b'{"__metadata__": {"k": "\\ud800", "k": "v"}}', 0, None),                   # hidden by a key given twice
+    (b'{"a": {"dtype": {"F32": null}, "shape": [1], "data_offsets": [0, 4]}}', 4, None),  # serde's enum as a map
+    (b'{"a": [{"F32": null}, [1], [0, 4]]}', 4, None),
+    (b'{"a": {"dtype": {"F32": null, "F32": null}, "shape": [1], "data_offsets": [0, 4]}}', 4, None),
+    (b'{"a": {"dtype": {"F32": 1}, "shape": [1], "data_offsets": [0, 4]}}', 4, None),
 ])
 def test_edges_are_judged_as_the_library_judges_them(tmp_path: Path, header: bytes, data_size: int,
                                                      declared: int | None) -> None:

@@ -79,3 +79,40 @@ def test_builtin_seed_is_reproducible() -> None:
     a, b, c = builtin_weights(arch, 3), builtin_weights(arch, 3), builtin_weights(arch, 4)
     assert all((a[k] == b[k]).all() for k in a)
     assert not (a["lm_head.weight"] == c["lm_head.weight"]).all()
+
+
+def _two_tensor_file(path: Path, a: float, b: float, *, a_first: bool) -> None:
+    """A safetensors file of two F32 [2] tensors, ``a`` laid out first or second (the header is as long either
+    way, so both files have one size)."""
+    import struct
+
+    first, second = ("a", "b") if a_first else ("b", "a")
+    header = json.dumps({first: {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+                         second: {"dtype": "F32", "shape": [2], "data_offsets": [8, 16]}}).encode()
+    values = {"a": a, "b": b}
+    path.write_bytes(struct.pack("<Q", len(header)) + header + struct.pack("<4f", *[values[first]] * 2,
+                                                                         *[values[second]] * 2))
+
+
+def test_a_shard_replaced_after_its_header_was_read_is_refused(tmp_path: Path) -> None:
+    """A trainer that writes its next checkpoint over the folder a reload is reading (same size, another
+    layout): the header's offsets no longer describe the file, and reading by them loaded b's bytes as a, with
+    no error. Refused now (found by review)."""
+    import os
+    import time
+
+    from node_engine.model.checkpoint_io import CheckpointError, CheckpointReader
+
+    shard = tmp_path / "model.safetensors"
+    _two_tensor_file(shard, 1.0, 2.0, a_first=True)
+    an_hour_ago = time.time_ns() - 3600 * 10**9
+    os.utime(shard, ns=(an_hour_ago, an_hour_ago))  # written before the reload began
+    reader = CheckpointReader()
+    entries = reader.header(shard)  # the reload's check
+    _two_tensor_file(tmp_path / "next.tmp", 3.0, 4.0, a_first=False)
+    os.replace(tmp_path / "next.tmp", shard)  # the next checkpoint, saved over it
+    assert shard.stat().st_size == entries["a"].offset + 16
+    with pytest.raises(CheckpointError, match="changed since its header was read"):
+        dict(reader.iter_tensors(entries, ["a", "b"]))
+    assert {k: t.tolist() for k, t in reader.iter_tensors(reader.header(shard), ["a", "b"])} == {
+        "a": [3.0, 3.0], "b": [4.0, 4.0]}  # read again from the start, the new file is whole

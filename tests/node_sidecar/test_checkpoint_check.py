@@ -146,3 +146,60 @@ def test_a_check_that_hangs_is_a_504_after_its_deadline(monkeypatch: pytest.Monk
         release.set()
     assert refused.value.status == 504 and refused.value.type == "checkpoint_timeout"
     assert "hung storage" in refused.value.message
+
+
+def test_a_served_checkpoint_on_hung_storage_does_not_block_a_reload_off_it(monkeypatch: pytest.MonkeyPatch,
+                                                                          tmp_path: Path) -> None:
+    """The folder the engine serves is on a mount that hung; a reload to a healthy folder is the way off it. The
+    check read the served folder as well (to compare shapes), so every reload was a 504 ``checkpoint_timeout``
+    naming the served folder, and once four reads of it were stuck, the healthy folder's check was refused at
+    once too (``TooManyStuck``): no reload could pass (found by review). Nothing to compare with is what a
+    served checkpoint that cannot be read already means."""
+    import asyncio
+    import threading
+    import types
+
+    from node_sidecar.engines import foreign
+    from node_sidecar.engines.sglang import SglangEngine
+
+    release = threading.Event()
+    healthy = write(tmp_path / "next", {"w": torch.zeros(2)})
+    read = foreign.read_checkpoint
+
+    def read_or_hang(path: str):
+        if path == "/hung/served":
+            release.wait(30)
+        return read(path)
+
+    monkeypatch.setattr(foreign, "read_checkpoint", read_or_hang)
+    monkeypatch.setattr(foreign, "CHECK_TIMEOUT_S", 0.2)
+    adapter = SglangEngine(types.SimpleNamespace(base_url="http://127.0.0.1:9"))
+    adapter.model_path = "/hung/served"
+    try:
+        for _ in range(6):  # more reloads than stuck reads are allowed
+            asyncio.run(asyncio.wait_for(adapter.check_checkpoint(str(healthy)), 10))
+        with pytest.raises(InvalidRequest, match="not a folder"):  # the new folder is still checked
+            asyncio.run(asyncio.wait_for(adapter.check_checkpoint(str(tmp_path / "nope")), 10))
+    finally:
+        release.set()
+
+
+def test_what_a_checkpoint_holds_is_cut_in_messages(tmp_path: Path) -> None:
+    """A header's tensor name, a shape and a config value are the file's to choose: a 5 MB tensor name with an
+    unknown dtype was a 5 MB 400 (and log line), a tensor the served model lacks or a config value likewise. They
+    are cut as a long path already was (found by review)."""
+    from node_sidecar.engines.checkpoint import CheckpointShape
+
+    name = "w" * 5_000_000
+    header = json.dumps({name: {"dtype": "X", "shape": [1] * 100_000, "data_offsets": [0, 4]}}).encode()
+    folder = with_file("config.json", json.dumps(CONFIG), header=header)(tmp_path / "ckpt")
+    with pytest.raises(InvalidRequest, match="unknown dtype") as refused:
+        read_checkpoint(str(folder))
+    assert len(refused.value.message) < 2000
+    served = CheckpointShape("/served", dict(CONFIG), {"w": (2,)})
+    for new in (CheckpointShape("/new", {**CONFIG, "model_type": "x" * 5_000_000}, {"w": (2,)}),
+                CheckpointShape("/new", dict(CONFIG), {"w": (2,), name: (1,)}),
+                CheckpointShape("/new", dict(CONFIG), {"w": (1,) * 5_000_000})):
+        with pytest.raises(InvalidRequest) as refused:
+            check_compatible(new, served)
+        assert len(refused.value.message) < 2000

@@ -62,3 +62,23 @@ def test_no_input_makes_the_check_quadratic(raw: bytes) -> None:
     """Megabytes of quotes and backslashes are refused in one linear pass (a backtracking scan took minutes)."""
     with pytest.raises(PeerJSONError):
         loads_bounded(raw)
+
+
+@pytest.mark.parametrize("raw", [b"[2" + b"0" * 250 + b"e60]", b'{"a": -' + b"9" * 300 + b'.5e9}',
+                                 b"[2" + b"0" * 209 + b"e99]"])
+def test_a_float_past_its_range_without_a_long_exponent_is_refused(raw: bytes) -> None:
+    """``2`` and 250 zeros ``e60`` is 2e310: past a double's range with neither a 3-digit exponent nor 309
+    digits in a row, so it was read as ``inf`` (found by review)."""
+    with pytest.raises(PeerJSONError, match="not valid JSON"):
+        loads_bounded(raw)
+    assert loads_bounded(b"[" + b"9" * 209 + b"e99]") == [float("9" * 209 + "e99")]  # just within: kept
+
+
+def test_a_lone_surrogate_in_utf8_bytes_is_refused() -> None:
+    """``json.loads`` decodes bytes with ``surrogatepass``: a peer's UTF-8 for U+D800 (``ED A0 80``, no escape to
+    look for) was read as a lone surrogate, and the LB's ``/get_server_info`` answer built from it could not be
+    written (a 500, not the 502 naming the node). Bytes are strict UTF-8 now (found by review)."""
+    for raw in (b'["\xed\xa0\x80"]', b'{"\xed\xb0\x80": 1}', b'\xff\xfe[\x001\x00]\x00'):  # the last: UTF-16
+        with pytest.raises(PeerJSONError, match="not valid JSON"):
+            loads_bounded(raw)
+    assert loads_bounded('["\U0001f600"]'.encode()) == ["\U0001f600"]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 from pathlib import Path
 
 import httpx
@@ -102,14 +101,19 @@ def test_release_under_steady_load_loses_nothing(cluster: LocalCluster, client: 
     load = [LoadClient(cluster.url, i, stop) for i in range(6)]
     for t in load:
         t.start()
+
+    def count(outcome: str) -> int:
+        return sum(t.outcomes.count(outcome) for t in load)
+
     try:
         wait_until(lambda: sum(len(t.outcomes) for t in load) >= 12, timeout=30, what="load running")
         for _ in range(3):
             result = client.release(mode=mode, stage_to_cpu=True)
             assert result.total == 2
-            time.sleep(0.2)  # let refused requests pile up while released; the checks are on their outcomes
+            refused = count("refused")
+            wait_until(lambda: count("refused") > refused, timeout=30, what="a request refused while released")
             client.resume()
-            wait_until(lambda: sum(len(t.outcomes) for t in load) >= 12, timeout=30)
+            wait_until(lambda: any(n["in_flight"] for n in client.nodes()), timeout=30, what="the load served again")
     finally:
         stop.set()
         for t in load:

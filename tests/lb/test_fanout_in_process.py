@@ -87,8 +87,8 @@ async def test_an_answer_past_what_is_read_of_it_is_judged_at_once(head: bytes) 
     async with ScriptedServer(quick) as good, ScriptedServer(oversized_then_stalled) as odd:
         fanout, nodes, _ = make_fanout(client, [odd.url, good.url])
         started = time.monotonic()
-        status, body = await fanout.run("POST", "/pause_generation", b"{}", "application/json", None, 3.0)
-        assert time.monotonic() - started < 1.5
+        status, body = await fanout.run("POST", "/pause_generation", b"{}", "application/json", None, 10.0)
+        assert time.monotonic() - started < 5  # at once, not at the 10 s deadline (seconds of room for a busy CPU)
         assert status == 502 and [failure["node"] for failure in body["failures"]] == [odd.url]
         assert body["failures"][0]["reason"] in ("oversized_answer", "http_status")
         await until(lambda: all(node.num_fences == 0 for node in nodes))

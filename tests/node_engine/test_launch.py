@@ -58,10 +58,10 @@ def fake_wheels(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     (root / "rt.c").write_text("int fake_cudart_version(void) { return 12; }\n")
     (root / "pre.c").write_text("extern int fake_cudart_version(void);\nint hook(void) { return fake_cudart_version(); }\n")
     subprocess.run([CC, "-shared", "-fPIC", "-Wl,-soname,libfakecudart.so.12", "-o",
-                    str(lib_dir / "libfakecudart.so.12"), str(root / "rt.c")], check=True)
+                    str(lib_dir / "libfakecudart.so.12"), str(root / "rt.c")], check=True, timeout=60)
     preload = root / "torch_memory_saver_hook_mode_preload_fake.so"
     subprocess.run([CC, "-shared", "-fPIC", "-o", str(preload), str(root / "pre.c"), f"-L{lib_dir}",
-                    "-l:libfakecudart.so.12"], check=True)
+                    "-l:libfakecudart.so.12"], check=True, timeout=60)
     return root / "site", preload
 
 

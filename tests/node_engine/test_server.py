@@ -150,7 +150,7 @@ def test_abort_ends_the_stream_and_frees_slots(client, engine) -> None:
     r = client.post("/abort_request", json={"rid": "to-abort"})
     assert r.status_code == 200
     assert done.wait(10)
-    t.join()
+    t.join(10)
     assert events[-1]["meta_info"]["finish_reason"] == {"type": "abort", "message": "Aborted", "status_code": None,
                                                         "err_type": None}
     assert 0 < len(events[-1]["output_ids"]) < 3000
@@ -183,7 +183,7 @@ def test_a_request_id_in_flight_is_refused_to_another_client(client, engine) -> 
     assert batch.status_code == 400  # nothing of the batch ran: "other" is free again at once
     assert client.post("/abort_request", json={"rid": "job-1"}).status_code == 200
     assert done.wait(10)
-    thread.join()
+    thread.join(10)
     assert events[-1]["meta_info"]["finish_reason"]["type"] == "abort"
     again = client.post("/generate", json={"text": "x", "rid": "job-1", "sampling_params": {"max_new_tokens": 2}})
     assert again.status_code == 200, again.text
@@ -272,7 +272,7 @@ def test_late_request_joins_without_waiting_for_the_batch(client, engine) -> Non
                                                        "sampling_params": dict(GREEDY, max_new_tokens=4)})
         ttft = time.monotonic() - arrived  # upper bound: the whole (4-token) late request
         for f in futures:
-            f.result()
+            f.result(60)
     remaining = max(finished_at) - arrived
     assert events and remaining > 0.3, f"the batch ended too soon to judge ({remaining:.2f}s)"
     assert ttft < remaining / 4, f"late request took {ttft:.3f}s while the batch ran {remaining:.3f}s more"

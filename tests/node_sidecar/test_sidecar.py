@@ -102,7 +102,9 @@ def test_release_abort_ends_every_stream_at_once(sidecars: Sidecars) -> None:
     r = httpx.post(sidecar.url + "/release_memory_occupation", json={"mode": "abort"}, timeout=60)
     elapsed = time.monotonic() - started
     assert r.status_code == 200, r.text
-    assert r.json()["aborted_requests"] == 8 and elapsed < 1.0
+    # at once (0.13 s here), where draining the 8 streams of 3000 tokens takes minutes (148 s here): 5 s is room for
+    # a busy CPU, and the streams' lengths below say they were cut
+    assert r.json()["aborted_requests"] == 8 and elapsed < 5.0, elapsed
     for c in clients:
         result = c.finish(10)
         assert result.saw_done and result.finish_reason == "abort"
@@ -118,7 +120,7 @@ def test_generation_during_drain_or_release_gets_503_with_retry_after(sidecars: 
                               timeout=60)
         wait_until(lambda: occupation(sidecar)["admission"] == "closed", timeout=10, what="drain started")
         during = httpx.post(sidecar.url + "/generate", json={"text": "late"}, timeout=10)
-        assert release.result().status_code == 200
+        assert release.result(60).status_code == 200
     assert during.status_code == 503 and during.headers["retry-after"] == "2"
     assert during.json()["error"]["type"] == "node_released"  # SPEC section 3, step 3
     after = httpx.post(sidecar.url + "/generate", json={"text": "late"}, timeout=10)
@@ -233,8 +235,8 @@ def test_concurrent_identical_releases_and_ordered_release_resume(sidecars: Side
         release = pool.submit(httpx.post, url + "/release_memory_occupation", json={"tags": ["kv_cache"]}, timeout=60)
         wait_until(lambda: occupation(sidecar)["admission"] == "closed", timeout=10, what="the release under way")
         resume = pool.submit(httpx.post, url + "/resume_memory_occupation", json={"tags": ["kv_cache"]}, timeout=60)
-        assert release.result().json()["released"] == ["kv_cache", "workspace"]  # the workspace follows kv_cache
-        assert resume.result().json()["resumed"] == ["kv_cache", "workspace"]
+        assert release.result(60).json()["released"] == ["kv_cache", "workspace"]  # the workspace follows kv_cache
+        assert resume.result(60).json()["resumed"] == ["kv_cache", "workspace"]
     assert stream.finish(30).finish_reason == "length"  # drained, not cut
     assert occupation(sidecar)["serving"] is True
 
@@ -264,7 +266,7 @@ def test_pause_and_continue(sidecars: Sidecars) -> None:
         assert occupation(sidecar)["admission"] == "holding"
         assert all(t["state"] == "resident" for t in occupation(sidecar)["tags"].values())
         assert httpx.post(sidecar.url + "/continue_generation", timeout=10).json()["serving"] is True
-        assert held.result().status_code == 200
+        assert held.result(30).status_code == 200
     assert httpx.post(sidecar.url + "/generate", json={"text": "x"}, timeout=10).status_code == 200
 
 

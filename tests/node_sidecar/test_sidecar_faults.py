@@ -72,13 +72,16 @@ def test_a_huge_prompt_does_not_stall_the_node(proc_log_dir: Path) -> None:
         slowest = 0.0
         with httpx.Client(timeout=30) as probe:
             while worker.is_alive():
+                assert time.monotonic() - started < 30, "the huge prompt is still unanswered"
                 asked = time.monotonic()
                 assert probe.get(engine.url + "/health").status_code == 200
                 slowest = max(slowest, time.monotonic() - asked)
                 assert probe.get(sidecar.url + "/ready").status_code == 200  # never taken for dead
-        worker.join()
+        worker.join(30)
         assert answers[0].status_code == 400 and "can never fit" in answers[0].json()["error"]["message"]
-        assert time.monotonic() - started < 2 and slowest < 1, (time.monotonic() - started, slowest)
+        # tokenizing the prompt held the engine 4 s; refused at once it takes 0.6 s with a 0.36 s probe on a loaded
+        # machine, and a busy CI box has taken 0.69 s for one health call without any freeze: bounds between the two
+        assert time.monotonic() - started < 3 and slowest < 2, (time.monotonic() - started, slowest)
         # the guard is generous: a prompt that may fit is still judged by its tokens
         judged = httpx.post(sidecar.url + "/generate", json={"text": "b" * 20_000}, timeout=60)
         assert judged.status_code == 400 and "context length" in judged.json()["error"]["message"]
@@ -266,7 +269,7 @@ def test_flushes_on_a_busy_host_never_wait_for_a_body(proc_log_dir: Path) -> Non
     finally:
         for hog in hogs:
             hog.kill()
-            hog.wait()
+            hog.wait(10)
         for proc in (sidecar, engine):
             proc.stop()
 

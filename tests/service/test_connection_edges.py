@@ -46,7 +46,9 @@ async def server() -> AsyncIterator[uvicorn.Server]:
                             log_config=None, timeout_keep_alive=75)
     server = uvicorn.Server(config)
     task = asyncio.ensure_future(server.serve(sockets=[sock]))
+    deadline = time.monotonic() + 10
     while not server.started:
+        assert not task.done() and time.monotonic() < deadline, f"the server did not start: {task!r}"
         await asyncio.sleep(0.01)
     yield server
     server.should_exit = True

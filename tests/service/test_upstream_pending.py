@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from handoff.service.upstream import ConnectFailed, InvalidURL, PendingRequest, UpstreamClient
+from handoff.service.upstream import ConnectFailed, InvalidURL, UpstreamClient
 from tests.service.peers import CAP, Conn, ScriptedServer, until
 from tests.service.test_upstream import free_port, serve_ok
 
@@ -64,10 +64,11 @@ async def test_answered_means_the_whole_body_or_a_full_buffer(client: UpstreamCl
     """Headers alone are not an answer (reading the body would wait); a complete body is, and so is one that
     fills the read buffer (a capped read takes it without waiting)."""
     send_rest = asyncio.Event()
+    head_and_half = b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nhalf."
 
     async def handler(conn: Conn) -> None:
         await conn.read_request()
-        conn.writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nhalf.")
+        conn.writer.write(head_and_half)
         await send_rest.wait()
         conn.writer.write(b"rest.")
         await conn.read_request()
@@ -78,7 +79,8 @@ async def test_answered_means_the_whole_body_or_a_full_buffer(client: UpstreamCl
         pending = client.start("GET", server.url, timeout=5)
         called = asyncio.Event()
         pending.call_when_answered(called.set)
-        await asyncio.sleep(0.2)  # the head and half the body are in by now; the answer is not
+        # the head and half the body are in (the connection read them); the answer is not
+        await until(lambda: pending._conn is not None and pending._conn.num_response_bytes == len(head_and_half))
         assert not pending.is_answered and not called.is_set()
         send_rest.set()
         await asyncio.wait_for(called.wait(), 5)
@@ -125,8 +127,9 @@ async def test_a_url_that_cannot_be_sent_fails_at_start(client: UpstreamClient) 
     with pytest.raises(InvalidURL):
         client.start("GET", "https://127.0.0.1/", timeout=1)
     pending = client.start("GET", f"http://127.0.0.1:{free_port()}/", timeout=1)
-    assert isinstance(pending, PendingRequest)  # a refused port is the answer's to tell, not start's
-    pending.close()
+    assert not pending.is_answered  # a refused port is the answer's to tell, not start's: nothing known yet
+    with pytest.raises(ConnectFailed):
+        await pending.response()
 
 
 async def test_a_stale_keep_alive_is_retried_in_the_background_before_the_request_counts_as_answered(

@@ -95,10 +95,16 @@ class FileReader:
         return self._stat(path, absent=(errno.ENOENT, errno.ENOTDIR)) is not None
 
     def open(self, path: Path) -> tuple[int, int]:
-        """(descriptor, size) of a regular file; anything else is a :class:`CheckpointError`."""
+        """(descriptor, size) of a regular file; anything else is a :class:`CheckpointError`.
+
+        What the path names is checked before it is opened (opening some devices acts: a watchdog starts, a tape
+        rewinds) and again on the open descriptor (it may have been swapped in between)."""
         self._before_read()
+        info = self._stat(path, absent=())
+        if info is not None and not stat.S_ISREG(info.st_mode):
+            raise CheckpointError(f"{path.name} is {_mode_name(info.st_mode)}; checkpoint files must be regular files")
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
         except ValueError as exc:  # a NUL in the path
             raise CheckpointError(f"{shown(path)!r} is not a path: {exc}") from None
         except OSError as exc:

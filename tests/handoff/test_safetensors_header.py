@@ -206,3 +206,17 @@ def test_a_file_shorter_than_its_length_prefix_and_non_files_are_refused(tmp_pat
     (tmp_path / "dir.safetensors").mkdir()
     with pytest.raises(CheckpointError, match="regular files"):
         read_header(FileReader(), tmp_path / "dir.safetensors")
+
+
+def test_a_device_is_refused_before_it_is_opened(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Opening some devices acts (a watchdog starts): a shard that links to one is refused on what it names."""
+    import os
+
+    (tmp_path / "model.safetensors").symlink_to("/dev/zero")
+    opened: list[str] = []
+    real_open = os.open
+    monkeypatch.setattr(os, "open", lambda path, *args, **kwargs: opened.append(str(path)) or real_open(
+        path, *args, **kwargs))
+    with pytest.raises(CheckpointError, match="a character device"):
+        read_header(FileReader(), tmp_path / "model.safetensors")
+    assert opened == []

@@ -77,7 +77,11 @@ class WeightGroups:
         return not self._nodes
 
     def formed(self, name: str, nodes: list[Node]) -> None:
-        self._nodes[name] = list(nodes)
+        """``nodes`` joined a group called ``name``. Nodes that hold a group by that name already (an init of
+        another ``?role=`` before) keep it: an engine refuses a second group of a name it holds, so the name's
+        nodes are all of them."""
+        joined = {node.url for node in nodes}
+        self._nodes[name] = [node for node in self._nodes.get(name, ()) if node.url not in joined] + list(nodes)
 
     def nodes_of(self, name: str, membership: Membership) -> list[Node] | None:
         """The group's nodes (None: not formed through this LB), each as the member at its URL now (it left and

@@ -7,7 +7,7 @@ from typing import Any
 from handoff.protocol import errors as E
 from handoff.service.errors import Conflict, NotServing, ServiceError, Unavailable
 
-__all__ = ["SidecarError", "NotServing", "EngineUnavailable", "DrainTimeout", "EngineRefused"]
+__all__ = ["SidecarError", "NotServing", "EngineUnavailable", "DrainTimeout", "CheckpointTimeout", "EngineRefused"]
 
 
 class SidecarError(ServiceError):
@@ -20,6 +20,12 @@ class EngineUnavailable(Unavailable):
 
 class DrainTimeout(Conflict):
     kind = E.DRAIN_TIMEOUT
+
+
+class CheckpointTimeout(ServiceError):
+    """Reading a checkpoint's headers (the check before a foreign engine's reload) did not finish in time."""
+
+    kind = E.CHECKPOINT_TIMEOUT
 
 
 class EngineRefused(ServiceError):

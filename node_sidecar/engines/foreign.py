@@ -16,11 +16,11 @@ from typing import Any, Awaitable, Callable, TypeVar
 
 from handoff.bounded_thread import BoundedThreads, Overdue, TooManyStuck
 from handoff.checkpoint.files import shown
-from handoff.protocol import errors as E
-from handoff.service.errors import InvalidRequest, ServiceError
+from handoff.service.errors import InvalidRequest
 from node_sidecar.engines.base import EngineAdapter
 from node_sidecar.engines.checkpoint import CHECK_TIMEOUT_S, CheckpointShape, check_compatible, read_checkpoint
 from node_sidecar.engines.measure import PROCESS_RSS, EngineMemory, freed
+from node_sidecar.errors import CheckpointTimeout
 
 T = TypeVar("T")
 
@@ -80,9 +80,7 @@ class ForeignEngine(EngineAdapter):
             current = await self._read_checkpoint(self.model_path, self.served_check_threads)
         except InvalidRequest:
             return  # the served checkpoint is not a folder here (a hub id, another volume): nothing to compare
-        except ServiceError as exc:
-            if exc.type != E.CHECKPOINT_TIMEOUT.name:
-                raise
+        except CheckpointTimeout as exc:
             # its storage does not answer (a hung mount): nothing to compare either, and a reload is the way off it
             log.warning("the served checkpoint is not compared with %s: %s", shown(model_path), exc.message)
             return
@@ -92,5 +90,5 @@ class ForeignEngine(EngineAdapter):
         try:
             return await threads.run(lambda cancel: read_checkpoint(path), CHECK_TIMEOUT_S)
         except (Overdue, TooManyStuck) as exc:
-            raise ServiceError(f"reading the checkpoint's headers at {shown(path)!r} did not finish ({exc}): hung "
-                               "storage? Nothing was loaded", kind=E.CHECKPOINT_TIMEOUT) from None
+            raise CheckpointTimeout(f"reading the checkpoint's headers at {shown(path)!r} did not finish ({exc}): "
+                                    "hung storage? Nothing was loaded") from None

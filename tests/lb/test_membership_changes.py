@@ -79,6 +79,32 @@ def test_a_weight_group_keeps_its_nodes_while_the_membership_changes(fakes: Fake
     assert groups == {first.url: set(), second.url: set(), later.url: set()}
 
 
+def test_groups_of_one_name_for_two_roles_keep_both_sets_of_nodes(fakes: FakeCluster, start_lb) -> None:
+    """Two inits of one group name, one per ``?role=``, each with its own trainer: the second init used to
+    replace the first one's nodes, so the prefill nodes' update went nowhere (503) and their group was never
+    destroyed."""
+    prefill, decode = fakes.start(2)
+    groups = {node.url: keeps_groups(node) for node in (prefill, decode)}
+    lb = start_lb("--prefill", prefill.url, "--decode", decode.url)
+    one = {**GROUP, "world_size": 2, "group_name": "g"}
+    for role in ("prefill", "decode"):
+        joined = lb.http.post(INIT, params={"role": role}, json=one)
+        assert joined.status_code == 200, joined.text
+    assert groups == {prefill.url: {"g"}, decode.url: {"g"}}
+    for role, node in (("prefill", prefill), ("decode", decode)):
+        update = lb.http.post(UPDATE, params={"role": role}, json={**BROADCAST, "group_name": "g"})
+        assert update.status_code == 200, update.text
+        assert [r["node"] for r in update.json()["results"]] == [node.url]
+    both = lb.http.post(UPDATE, json={**BROADCAST, "group_name": "g"})
+    assert both.status_code == 200 and len(both.json()["results"]) == 2, both.text
+    left = lb.http.post(DESTROY, params={"role": "prefill"}, json={"group_name": "g"})
+    assert left.status_code == 200 and [r["node"] for r in left.json()["results"]] == [prefill.url], left.text
+    assert groups == {prefill.url: set(), decode.url: {"g"}}
+    rest = lb.http.post(DESTROY, json={"group_name": "g"})
+    assert rest.status_code == 200 and [r["node"] for r in rest.json()["results"]] == [decode.url], rest.text
+    assert groups == {prefill.url: set(), decode.url: set()}
+
+
 def test_a_destroy_that_failed_on_a_node_goes_to_it_again(fakes: FakeCluster, start_lb) -> None:
     first, second = fakes.start(2)
     groups = {node.url: keeps_groups(node) for node in (first, second)}

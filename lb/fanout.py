@@ -75,6 +75,8 @@ log = logging.getLogger(__name__)
 
 __all__ = ["FanOut", "NodeResult", "check_drain_fits"]
 
+ANSWER_CAPS = (MAX_RESULT_BODY_BYTES, MAX_FAILURE_DETAIL_BYTES)  # what a node's answer is read to, 2xx / other
+
 _REASONS: tuple[tuple[type[UpstreamError], str], ...] = (
     (ConnectFailed, "unreachable"),
     (UpstreamTimeout, "timeout"),
@@ -153,7 +155,8 @@ class FanOut:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         fences = [node.fence() if path in FENCING_PATHS else None for node in nodes]
-        sent = [self._send(node, method, path, body, headers, timeout_s) for node in nodes]
+        sent = self._client.start_many(method, [node.url + path for node in nodes], headers=headers, body=body,
+                                       timeout=timeout_s, answer_caps=ANSWER_CAPS)
         results: list[NodeResult | None] = [None] * len(nodes)
         checks: dict[asyncio.Future[None], Fence | None] = {}
         try:
@@ -204,7 +207,7 @@ class FanOut:
         """The node's request, written now (or connecting); the error when it cannot even be sent."""
         try:
             return self._client.start(method, node.url + path, headers=headers, body=body, timeout=timeout_s,
-                                      answer_caps=(MAX_RESULT_BODY_BYTES, MAX_FAILURE_DETAIL_BYTES))
+                                      answer_caps=ANSWER_CAPS)
         except UpstreamError as exc:
             return exc
 

@@ -32,6 +32,13 @@ _HIGH_WATER_BYTES = 256 * 1024
 _LOW_WATER_BYTES = 64 * 1024
 
 
+Write = Callable[[asyncio.Transport, bytes], None]
+
+
+def write_now(transport: asyncio.Transport, data: bytes) -> None:
+    transport.write(data)
+
+
 class ConnState(enum.Enum):
     BUSY = "busy"      # one exchange in progress
     IDLE = "idle"      # in the pool, waiting for the next request
@@ -47,8 +54,11 @@ class Connection(asyncio.Protocol):
 
     def __init__(self, origin: Origin, loop: asyncio.AbstractEventLoop,
                  on_closed: Callable[[Connection], None], *, max_head_bytes: int = DEFAULT_MAX_HEAD_BYTES,
-                 max_fields: int = DEFAULT_MAX_FIELDS) -> None:
+                 max_fields: int = DEFAULT_MAX_FIELDS, write: Write = write_now) -> None:
+        """``write(transport, data)`` puts a request's bytes on the wire (the pool may hold them back a moment:
+        :meth:`UpstreamClient.start_many <handoff.service.upstream.UpstreamClient.start_many>`)."""
         self.origin = origin
+        self._write = write
         self.state = ConnState.BUSY
         self.is_reused = False
         self.idle_since = 0.0
@@ -160,10 +170,10 @@ class Connection(asyncio.Protocol):
         if deadline is not None:
             self._timer = self._loop.call_at(deadline, self._on_deadline)
         if len(body) <= 65536:
-            self.transport.write(head + body)
+            self._write(self.transport, head + body)
         else:
-            self.transport.write(head)
-            self.transport.write(body)
+            self._write(self.transport, head)
+            self._write(self.transport, body)
         return True
 
     # -- asyncio.Protocol --------------------------------------------------

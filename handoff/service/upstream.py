@@ -18,7 +18,8 @@ objects, no cookie jars and no per-request session.
     await client.aclose()
 
 A caller with many requests to make at once (a fan-out) writes them all first
-with :meth:`UpstreamClient.start` and reads the answers as they come
+with :meth:`UpstreamClient.start_many` (or :meth:`UpstreamClient.start` each)
+and reads the answers as they come
 (:class:`~handoff.service.upstream_pending.PendingRequest`): no task per
 request.
 
@@ -63,7 +64,7 @@ import asyncio
 import enum
 import logging
 from collections import deque
-from typing import Callable
+from typing import Callable, Iterable
 
 from handoff.service.http1 import Connection, ConnState
 from handoff.service.http1_parser import DEFAULT_MAX_FIELDS, DEFAULT_MAX_HEAD_BYTES
@@ -128,6 +129,7 @@ class UpstreamClient:
         self._loop = asyncio.get_running_loop()
         self._idle: dict[str, deque[Connection]] = {}
         self._conns: set[Connection] = set()
+        self._held_writes: list[tuple[asyncio.Transport, bytes]] | None = None  # during start_many
 
     @property
     def num_connections(self) -> int:
@@ -157,6 +159,42 @@ class UpstreamClient:
         (the request is answered once they are in). Raises :class:`UpstreamError` for a URL or header that
         cannot be sent."""
         return self._begin(method, url, headers, body, timeout, connect_now=True, answer_caps=answer_caps)
+
+    def start_many(self, method: str, urls: Iterable[str], *, headers: Headers | None = None, body: bytes = b"",
+                   timeout: float | None = None,
+                   answer_caps: tuple[int, int] | None = None) -> list[PendingRequest | UpstreamError]:
+        """:meth:`start` of one request to each of ``urls``, in order; a URL's request that cannot be sent is
+        its :class:`UpstreamError`, in its place.
+
+        The requests that go out on pooled connections are written once all are prepared, back to back. A
+        fan-out's peers then get their requests in one burst: each write between the preparation of the next
+        request woke an idle peer process per request, and made the fan-out's writes and its answers' reads
+        cost more (``docs/benchmarks.md``, load balancer, eighth pass).
+        """
+        held: list[tuple[asyncio.Transport, bytes]] = []
+        self._held_writes = held
+        started: list[PendingRequest | UpstreamError] = []
+        try:
+            for url in urls:
+                try:
+                    started.append(self._begin(method, url, headers, body, timeout, connect_now=True,
+                                               answer_caps=answer_caps))
+                except UpstreamError as exc:
+                    started.append(exc)
+        finally:
+            self._held_writes = None
+            for transport, data in held:
+                if not transport.is_closing():  # closed since (by this client): its reader hears of the drop
+                    transport.write(data)
+        return started
+
+    def _write(self, transport: asyncio.Transport, data: bytes) -> None:
+        """How every connection of this client writes a request: now, or at the end of :meth:`start_many`."""
+        held = self._held_writes
+        if held is None:
+            transport.write(data)
+        else:
+            held.append((transport, data))
 
     def _begin(self, method: str, url: str, headers: Headers | None, body: bytes, timeout: float | None, *,
                connect_now: bool, answer_caps: tuple[int, int] | None = None) -> PendingRequest:
@@ -217,7 +255,7 @@ class UpstreamClient:
 
     def _new_connection(self, origin: Origin) -> Callable[[], Connection]:
         return lambda: Connection(origin, self._loop, self._forget, max_head_bytes=self.max_head_bytes,
-                                  max_fields=self.max_header_fields)
+                                  max_fields=self.max_header_fields, write=self._write)
 
     def _release(self, conn: Connection) -> None:
         """Return a connection whose exchange completed cleanly to its pool (or close it)."""

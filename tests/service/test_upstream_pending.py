@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import socket
+from typing import Iterator
 
 import pytest
 
@@ -163,3 +165,59 @@ async def test_a_stale_keep_alive_is_retried_in_the_background_before_the_reques
         await asyncio.wait_for(answered.wait(), 5)
         assert await (await pending.response()).read_whole(CAP) == b"GET /again HTTP/1.1"
         assert server.num_connections == 2
+
+
+async def test_start_many_answers_each_url_in_its_place(client: UpstreamClient) -> None:
+    """One request to several URLs: a pooled connection, a new one, a URL that cannot be sent (its error in its
+    place); every request is answered, in the order of the URLs."""
+    async with ScriptedServer(serve_ok) as pooled, ScriptedServer(serve_ok) as fresh:
+        await warm(client, pooled.url)
+        started = client.start_many("POST", [pooled.url + "/a", fresh.url + "/b", "http://[::1/c"], body=b"x",
+                                    timeout=5)
+        assert isinstance(started[2], InvalidURL)
+        bodies = []
+        for request in started[:2]:
+            assert not isinstance(request, Exception)
+            bodies.append(await (await request.response()).read_whole(CAP))
+        assert bodies == [b"POST /a HTTP/1.1||x", b"POST /b HTTP/1.1||x"]
+        assert pooled.num_connections == 1 and client.num_idle == 2
+
+
+async def test_start_many_writes_once_every_request_is_prepared() -> None:
+    """The requests on pooled connections go out back to back after the last is prepared, not one by one:
+    the peer's socket, read without waiting while the second URL is still to come, holds nothing yet."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+        client = UpstreamClient()
+        try:
+            def answer_one_get() -> socket.socket:
+                peer, _ = listener.accept()
+                peer.settimeout(5)
+                assert peer.recv(65536).startswith(b"GET / HTTP/1.1")
+                peer.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+                return peer
+
+            listener.settimeout(5)
+            answering = asyncio.ensure_future(asyncio.to_thread(answer_one_get))
+            await (await client.request("GET", url, timeout=5)).read_whole(CAP)
+            with await answering as peer:
+                seen_while_preparing: list[bytes] = []
+
+                def urls() -> Iterator[str]:
+                    yield url + "/first"
+                    peer.setblocking(False)
+                    try:
+                        seen_while_preparing.append(peer.recv(65536))
+                    except BlockingIOError:
+                        pass  # nothing written yet, as it should be
+                    peer.settimeout(5)
+                    yield "http://[::1/not-sent"
+
+                started = client.start_many("POST", urls(), body=b"x", timeout=5)
+                assert seen_while_preparing == [] and isinstance(started[1], InvalidURL)
+                assert peer.recv(65536).startswith(b"POST /first HTTP/1.1")  # written when start_many returned
+                peer.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+                assert not isinstance(started[0], Exception)
+                assert await (await started[0].response()).read_whole(CAP) == b"ok"
+        finally:
+            await client.aclose()

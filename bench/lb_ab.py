@@ -7,9 +7,9 @@
 Two LB processes, ``python -m lb`` from ``--base`` (A) and from this checkout
 (B), stand in front of the same fake nodes (``bench/lb_nodes.py``); their
 calls alternate round by round (A first on even rounds, B first on odd ones),
-so a busy or slow machine weighs on both alike. Printed: each LB's p50 and
-CPU per call (user + system of its process, psutil), and B/A of both. For a
-change whose effect is smaller than the noise between separate benchmark runs
+so a busy or slow machine weighs on both alike. Printed: each LB's p50, p99,
+slowest call and CPU per call (user + system of its process, psutil), and B/A
+of p50 and CPU. For a change whose effect is smaller than the noise between separate benchmark runs
 on a shared machine.
 """
 
@@ -59,7 +59,9 @@ async def measure(lbs: dict[str, ServerProcess], path: str, body: bytes, rounds:
                 await call(client, "POST", lbs[name].url + path, body, timeout=30)
                 latencies[name].append(time.perf_counter() - started)
                 cpu_s[name] += process_cpu_seconds(lbs[name].pid) - cpu_before
-        return {name: [statistics.median(latencies[name]) * 1000, cpu_s[name] / rounds * 1000] for name in lbs}
+        return {name: [statistics.median(latencies[name]) * 1000, cpu_s[name] / rounds * 1000,
+                       statistics.quantiles(latencies[name], n=100)[98] * 1000, max(latencies[name]) * 1000]
+                for name in lbs}
     finally:
         await client.aclose()
 
@@ -87,9 +89,9 @@ def main() -> None:
                 lb.stop()
     print(f"{time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} CPUs, {args.nodes} {args.behaviour} nodes, "
           f"POST {args.path}, {args.rounds} rounds; A = {args.base}, B = {here}")
-    for name, (p50_ms, cpu_ms) in figures.items():
-        print(f"{name}: p50 {p50_ms:.2f} ms, CPU per call {cpu_ms:.2f} ms")
-    (a_p50, a_cpu), (b_p50, b_cpu) = figures["A"], figures["B"]
+    for name, (p50_ms, cpu_ms, p99_ms, max_ms) in figures.items():
+        print(f"{name}: p50 {p50_ms:.2f} ms, p99 {p99_ms:.2f} ms, max {max_ms:.2f} ms, CPU per call {cpu_ms:.2f} ms")
+    (a_p50, a_cpu, _, _), (b_p50, b_cpu, _, _) = figures["A"], figures["B"]
     print(f"B/A: p50 {b_p50 / a_p50:.3f}, CPU {b_cpu / a_cpu:.3f}")
 
 

@@ -13,9 +13,11 @@ One request per node: a sidecar answers every control call with its state in
 :data:`~handoff.protocol.control.NODE_STATE_HEADER`, which the LB adopts as a
 health check, so the answer means the LB already routes by the node's new
 state. A node without that header (a plain server) is checked once more within
-what is left of the deadline. While a release or pause is under way its nodes
-take no new generation (a :class:`~lb.node.Fence`); a node that did not
-answer stays fenced until a check in the background has seen it.
+what is left of the deadline, after a call that may change whether it serves or
+the weight version it serves (:data:`RECHECKED_PATHS`). While a release or pause
+is under way its nodes take no new generation (a :class:`~lb.node.Fence`); a
+node that did not answer stays fenced until a check in the background has seen
+it.
 
 Every node's request is written in one pass, and one coroutine reads the
 answers in the order they complete: no task per node (the most a large
@@ -76,6 +78,10 @@ log = logging.getLogger(__name__)
 __all__ = ["FanOut", "NodeResult", "check_drain_fits"]
 
 ANSWER_CAPS = (MAX_RESULT_BODY_BYTES, MAX_FAILURE_DETAIL_BYTES)  # what a node's answer is read to, 2xx / other
+# the calls after which a node's state is known before the answer: those that may change whether it serves, and the
+# weight calls that change the version it serves (a pinned request is routed by it)
+RECHECKED_PATHS = STATE_CHANGING_PATHS | {"/update_weights_from_distributed", "/update_weights_from_tensor",
+                                          "/update_weight_version"}
 
 _REASONS: tuple[tuple[type[UpstreamError], str], ...] = (
     (ConnectFailed, "unreachable"),
@@ -189,11 +195,17 @@ class FanOut:
     async def call_node(self, node: Node, method: str, path: str, body: bytes, content_type: str | None,
                         timeout_s: float) -> NodeResult:
         """One node's call under the fan-out's rules (deadline header, answer judged, the state it carries
-        adopted), for calls that send each node its own body or go to some nodes only."""
+        adopted, or the node checked within the deadline as in :meth:`run`), for calls that send each node its
+        own body or go to some nodes only."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
         request = self._send(node, method, path, body, self._headers(timeout_s, content_type), timeout_s)
         result, state = await self._answer_of(node, request, timeout_s, ParsedAnswers())
-        if state is not None:
-            self._health.apply_state(node, state)
+        check = self._settle(node, None, path, result, state)
+        if check is not None:
+            await asyncio.wait({check}, timeout=max(0.0, deadline - loop.time()))
+            if not check.done():
+                self._finish_in_background(check, None)
         return result
 
     def _headers(self, timeout_s: float, content_type: str | None) -> dict[str, str]:
@@ -218,9 +230,9 @@ class FanOut:
         fence waits for."""
         if state is not None:
             self._health.apply_state(node, state)
-        elif result.status is not None and path in STATE_CHANGING_PATHS:
+        elif result.status is not None and path in RECHECKED_PATHS:
             return asyncio.ensure_future(self._health.check(node))
-        elif fence is not None or path in STATE_CHANGING_PATHS:
+        elif fence is not None or path in RECHECKED_PATHS:
             self._finish_in_background(asyncio.ensure_future(self._health.check(node)), fence)
             return None
         if fence is not None:

@@ -12,16 +12,21 @@ join is told to abandon it (``abandon_join_only``: a group of that name it holds
 already, another init's, stays), and a node that refused (409: a group by that
 name exists or is being joined there) is left alone. No node is left in a
 half-formed group, and the answer is a 502 naming the failed nodes, with what
-the rollback did. One init per group name at a time goes through the LB (409
-otherwise), so a retry cannot abandon the join of the call it retries.
+the rollback did (a node that joined and could not be made to leave gets the
+next destroy of that name). One init per group name at a time goes through the
+LB (409 otherwise), so a retry cannot abandon the join of the call it retries.
 
 A group formed through this LB is remembered (:class:`WeightGroups`) until it
 is destroyed: ``update_weights_from_distributed`` and
 ``destroy_weights_update_group`` naming it go to the nodes that joined it,
 whatever the membership did since (a node that left still holds its rank, and
-its group until it is told to destroy it; a node that joined since holds none).
-A group this LB did not form (through another replica, or before a restart)
-is sent to every member.
+its group until it is told to destroy it; a node that joined since holds none;
+a node that left and joined again, under another spelling or role, is called as
+the member it is now). With ``?role=``, the nodes that joined as nodes of that
+role. A destroy that some nodes of a group answered ends it: the nodes it failed
+on get the next destroy and no update. A group this LB did not form (through
+another replica, or before a restart), or formed for other roles only, is sent
+to every member (of the role).
 
 ``update_weights_from_tensor`` goes to the nodes the caller names
 (``?node=URL``, repeatable; default all): its payload is shared memory or CUDA
@@ -51,6 +56,7 @@ from lb.fanout import FanOut, NodeResult
 from lb.health import HealthMonitor
 from lb.membership import Membership
 from lb.node import Node, NodeHealth
+from lb.weight_groups import WeightGroups
 
 JSON = "application/json"
 ABANDON_AGAIN_S = 1.0  # while rolled-back nodes are still joining, their abandon is sent again this often
@@ -61,44 +67,6 @@ def node_ranks(node: Node) -> int:
     """How many ranks a node takes in a group: its tensor-parallel size if it reports one, else 1."""
     tp_size = node.occupation.get("tp_size")
     return tp_size if isinstance(tp_size, int) and not isinstance(tp_size, bool) and tp_size >= 1 else 1
-
-
-class WeightGroups:
-    """The weight groups of this LB, shared by every call: the names with an init under way, and the nodes of each
-    group formed (from its init's 200 to its destroy)."""
-
-    def __init__(self) -> None:
-        self.initializing: set[str] = set()
-        self._nodes: dict[str, list[Node]] = {}
-
-    @property
-    def is_empty(self) -> bool:
-        """No group formed through this LB is alive (a group call's body need not be read for its name)."""
-        return not self._nodes
-
-    def formed(self, name: str, nodes: list[Node]) -> None:
-        """``nodes`` joined a group called ``name``. Nodes that hold a group by that name already (an init of
-        another ``?role=`` before) keep it: an engine refuses a second group of a name it holds, so the name's
-        nodes are all of them."""
-        joined = {node.url for node in nodes}
-        self._nodes[name] = [node for node in self._nodes.get(name, ()) if node.url not in joined] + list(nodes)
-
-    def nodes_of(self, name: str, membership: Membership) -> list[Node] | None:
-        """The group's nodes (None: not formed through this LB), each as the member at its URL now (it left and
-        joined again) or, no longer a member, as it was."""
-        nodes = self._nodes.get(name)
-        return None if nodes is None else [membership.get(node.url) or node for node in nodes]
-
-    def destroyed(self, name: str, called: list[Node], payload: dict[str, Any]) -> None:
-        """After a destroy sent to ``called`` (``payload``: its answer): the nodes that left (answered 2xx) are
-        out of the group; the others, those it failed on included, stay in it (a destroy again goes to them)."""
-        failed = {failure["node"] for failure in payload.get("failures", ())}
-        left = {node.url for node in called if node.url not in failed}
-        kept = [node for node in self._nodes.get(name, ()) if node.url not in left]
-        if kept:
-            self._nodes[name] = kept
-        else:
-            self._nodes.pop(name, None)
 
 
 class WeightSync:
@@ -139,7 +107,7 @@ class WeightSync:
             entry["rank_offset"] = by_url[entry["node"]]
         payload["world_size"] = body.world_size
         if status == 200:
-            self._groups.formed(body.group_name, nodes)
+            self._groups.formed(body.group_name, nodes, self._membership)
         if rolled_back:
             payload["message"] += "; the nodes this call joined (or was joining) left the group again"
             payload["rolled_back"] = [r.as_json() for r in rolled_back]
@@ -178,27 +146,33 @@ class WeightSync:
     async def _roll_back(self, group_name: str, joined: list[Node], joining: list[Node],
                          timeout_s: float) -> list[NodeResult]:
         """``destroy_weights_update_group`` on the nodes that joined; on those still joining, only the
-        abandon of that join (``abandon_join_only``)."""
+        abandon of that join (``abandon_join_only``). A node that joined and did not leave gets the group's next
+        destroy."""
         leave = _json(DestroyWeightsUpdateGroupBody(group_name=group_name).engine_body())
         abandon = _json(DestroyWeightsUpdateGroupBody(group_name=group_name, abandon_join_only=True).engine_body())
         timeout = min(timeout_s, 30.0)
-        return list(await asyncio.gather(
+        results = list(await asyncio.gather(
             *(self._fanout.call_node(node, "POST", DESTROY_GROUP_PATH, leave, JSON, timeout) for node in joined),
             *(self._fanout.call_node(node, "POST", DESTROY_GROUP_PATH, abandon, JSON, timeout) for node in joining)))
+        self._groups.left_holding(group_name, [result.node for result in results[:len(joined)] if not result.is_ok])
+        return results
 
     async def to_group(self, path: str, raw: bytes, content_type: str | None, role: Role | None,
                        timeout_s: float) -> tuple[int, dict[str, Any]]:
         """``update_weights_from_distributed`` or ``destroy_weights_update_group``: to the nodes of the group the
-        body names (of ``role``) if it was formed through this LB, members or not; else to every member."""
+        body names that joined it as ``role`` nodes, if it was formed through this LB, members or not; else (no
+        such node) to every member of ``role``."""
         body = None if self._groups.is_empty else _json_object(raw)
         name = body.get("group_name", DEFAULT_GROUP_NAME) if body is not None else None
-        nodes = self._groups.nodes_of(name, self._membership) if isinstance(name, str) else None
+        destroy = path == DESTROY_GROUP_PATH and body is not None and body.get("abandon_join_only") is not True
+        nodes = (self._groups.nodes_of(name, self._membership, role, leaving=destroy) if isinstance(name, str)
+                 else None)
         if body is None or nodes is None:
             return await self._fanout.run("POST", path, raw, content_type, role, timeout_s)
-        called = nodes if role is None else [node for node in nodes if node.role is role]
+        called = list({now.url: now for _, now in nodes}.values())  # one call per address
         status, payload = await self._fanout.run("POST", path, raw, content_type, role, timeout_s, called)
-        if path == DESTROY_GROUP_PATH and body.get("abandon_join_only") is not True:
-            self._groups.destroyed(name, called, payload)
+        if destroy:
+            self._groups.destroyed(name, nodes, payload)
         return status, payload
 
     # -- tensors to the sender's host -------------------------------------------------

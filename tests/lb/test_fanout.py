@@ -419,3 +419,34 @@ def test_a_disk_reload_gets_the_weight_sync_timeout_not_the_control_timeout(modu
     assert reload.status_code == 200, reload.text
     flush = lb.http.post("/flush_cache")  # every other control call keeps --control-timeout
     assert flush.status_code == 502 and flush.json()["failures"][0]["reason"] == "timeout"
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/update_weights_from_distributed", {"names": ["w"], "dtypes": ["float32"], "shapes": [[1]],
+                                          "weight_version": "v2"}),
+    ("/update_weights_from_tensor", {"serialized_named_tensors": ["x"], "weight_version": "v2"}),
+    ("/update_weight_version", {"new_version": "v2"}),
+])
+def test_a_plain_node_is_checked_after_a_weight_update(fakes: FakeCluster, start_lb, path: str, body: dict) -> None:
+    """A plain server's answer carries no state: after a weight call that changes its version it is checked
+    before the answer, as after a reload. It was not, so the LB routed it by its old version until its next
+    check (a request pinned to the new one: 503 ``no_available_node``)."""
+    plain = fakes.start_one(is_sidecar=False)
+    version = {"served": "v1"}
+
+    async def model_info(node: FakeNode, ex: Exchange) -> None:
+        ex.respond(200, {"model_path": "m", "weight_version": version["served"]})
+
+    async def update(node: FakeNode, ex: Exchange) -> None:
+        payload = ex.request.json()
+        version["served"] = payload.get("weight_version") or payload["new_version"]
+        ex.respond(200, {"success": True})
+
+    plain.handlers.update({"/model_info": model_info, path: update})
+    lb = start_lb("--node", plain.url, "--health-interval", "60", fast_health=False)
+    wait_until(lambda: lb.node(plain.url)["weight_version"] == "v1", timeout=10, what="the node's first check")
+    answer = lb.http.post(path, json=body)
+    assert answer.status_code == 200, answer.text
+    assert lb.node(plain.url)["weight_version"] == "v2"
+    pinned = lb.http.post("/generate", json={"text": "x"}, headers={"X-Weight-Version": "v2"})
+    assert pinned.status_code == 200, pinned.text

@@ -105,6 +105,72 @@ def test_groups_of_one_name_for_two_roles_keep_both_sets_of_nodes(fakes: FakeClu
     assert groups == {prefill.url: set(), decode.url: set()}
 
 
+def test_a_role_with_no_node_in_the_group_goes_to_that_roles_members(fakes: FakeCluster, start_lb) -> None:
+    """A group formed through this LB for prefill only, and for decode elsewhere (another LB replica): an update
+    ``?role=decode`` was a 503 ``no_nodes`` ("no decode nodes") with a decode member right there."""
+    prefill, decode = fakes.start(2)
+    groups = {node.url: keeps_groups(node) for node in (prefill, decode)}
+    lb = start_lb("--prefill", prefill.url, "--decode", decode.url)
+    one = {**GROUP, "world_size": 2, "group_name": "g"}
+    assert lb.http.post(INIT, params={"role": "prefill"}, json=one).status_code == 200
+    groups[decode.url].add("g")  # joined through another replica
+    update = lb.http.post(UPDATE, params={"role": "decode"}, json={**BROADCAST, "group_name": "g"})
+    assert update.status_code == 200 and [r["node"] for r in update.json()["results"]] == [decode.url], update.text
+    left = lb.http.post(DESTROY, params={"role": "decode"}, json={"group_name": "g"})
+    assert left.status_code == 200 and [r["node"] for r in left.json()["results"]] == [decode.url], left.text
+    assert groups == {prefill.url: {"g"}, decode.url: set()}
+    # the prefill nodes this LB formed the group on are still its group's
+    rest = lb.http.post(DESTROY, params={"role": "prefill"}, json={"group_name": "g"})
+    assert rest.status_code == 200 and [r["node"] for r in rest.json()["results"]] == [prefill.url], rest.text
+    assert groups == {prefill.url: set(), decode.url: set()}
+
+
+def test_a_node_back_under_another_role_is_still_in_the_group_of_its_first_role(fakes: FakeCluster,
+                                                                              start_lb) -> None:
+    """A prefill node of a group leaves and joins again as a decode node: it still holds its prefill rank, so
+    an update ``?role=prefill`` must reach it (it went to the other prefill node only: the trainer's broadcast to
+    the group would wait for a rank never called)."""
+    first, second = fakes.start(2)
+    groups = {node.url: keeps_groups(node) for node in (first, second)}
+    lb = start_lb("--prefill", first.url, "--prefill", second.url)
+    assert lb.http.post(INIT, params={"role": "prefill"}, json=GROUP).status_code == 200
+    assert lb.http.delete("/nodes", params={"url": second.url}).status_code == 200
+    assert lb.http.post("/nodes", json={"url": second.url, "role": "decode"}).status_code == 201
+    update = lb.http.post(UPDATE, params={"role": "prefill"}, json=BROADCAST)
+    assert update.status_code == 200, update.text
+    assert sorted(r["node"] for r in update.json()["results"]) == sorted([first.url, second.url])
+    left = lb.http.post(DESTROY, params={"role": "prefill"}, json={})
+    assert left.status_code == 200 and len(left.json()["results"]) == 2, left.text
+    assert groups == {first.url: set(), second.url: set()}
+
+
+def test_a_node_back_under_another_spelling_is_called_as_the_member_it_is(fakes: FakeCluster, start_lb) -> None:
+    """A node of a group leaves as ``localhost`` and joins again as ``127.0.0.1``: the update's answer named the
+    URL that is no longer a member, and the state it carried went to that old node, so the LB routed the member
+    by its old weight version (a request pinned to the new one: 503) until its next check."""
+    node = fakes.start_one()
+    groups = keeps_groups(node)
+    spelled = f"http://localhost:{node.port}"
+    lb = start_lb("--node", spelled, "--health-interval", "60", fast_health=False)
+    wait_until(lambda: lb.node(spelled)["health"] == "healthy", timeout=10, what="the node's first check")
+    assert lb.http.post(INIT, json={**GROUP, "world_size": 2}).status_code == 200
+    assert lb.http.delete("/nodes", params={"url": spelled}).status_code == 200
+    assert lb.http.post("/nodes", json={"url": node.url}).status_code == 201
+    node.state = {**node.state, "weight_version": "v2"}  # what its update answer carries
+    update = lb.http.post(UPDATE, json={**BROADCAST, "weight_version": "v2"})
+    assert update.status_code == 200 and [r["node"] for r in update.json()["results"]] == [node.url], update.text
+    assert lb.node(node.url)["weight_version"] == "v2"
+    pinned = lb.http.post("/generate", json={"text": "x"}, headers={"X-Weight-Version": "v2"})
+    assert pinned.status_code == 200, pinned.text
+    left = lb.http.post(DESTROY, json={})
+    assert left.status_code == 200 and [r["node"] for r in left.json()["results"]] == [node.url], left.text
+    assert groups == set()
+    # forgotten: the next init's group is its own (a stale entry would get this destroy too, and fail it)
+    assert lb.http.post(INIT, json={**GROUP, "world_size": 2}).status_code == 200
+    again = lb.http.post(DESTROY, json={})
+    assert again.status_code == 200 and len(again.json()["results"]) == 1, again.text
+
+
 def test_a_destroy_that_failed_on_a_node_goes_to_it_again(fakes: FakeCluster, start_lb) -> None:
     first, second = fakes.start(2)
     groups = {node.url: keeps_groups(node) for node in (first, second)}
@@ -123,6 +189,59 @@ def test_a_destroy_that_failed_on_a_node_goes_to_it_again(fakes: FakeCluster, st
     retried = lb.http.post(DESTROY, json={})
     assert retried.status_code == 200 and [r["node"] for r in retried.json()["results"]] == [second.url], retried.text
     assert groups == {first.url: set(), second.url: set()}
+
+
+def test_a_dead_node_of_a_destroyed_group_is_not_in_the_next_group_of_its_name(fakes: FakeCluster,
+                                                                                  start_lb) -> None:
+    """A node of the group dies and is removed; the trainer destroys the group (502: that node is unreachable)
+    and forms it again, same name, over the members of now. Each later update went to the dead node too (the
+    new group was merged with what was left of the old one): 502 on every update, for good."""
+    first, dead, later = fakes.start(3)
+    groups = {node.url: keeps_groups(node) for node in (first, dead, later)}
+    lb = start_lb(*node_args(first.url, dead.url))
+    assert lb.http.post(INIT, json=GROUP).status_code == 200
+    dead.stop()
+    assert lb.http.delete("/nodes", params={"url": dead.url}).status_code == 200
+    assert lb.http.post("/nodes", json={"url": later.url}).status_code == 201
+    failed = lb.http.post(DESTROY, json={})
+    assert failed.status_code == 502 and [f["node"] for f in failed.json()["failures"]] == [dead.url], failed.text
+    assert lb.http.post(INIT, json=GROUP).status_code == 200
+    update = lb.http.post(UPDATE, json=BROADCAST)
+    assert update.status_code == 200, update.text
+    assert sorted(r["node"] for r in update.json()["results"]) == sorted([first.url, later.url])
+    # the destroy still goes to the dead node (it may come back holding its group), and to the new group's
+    again = lb.http.post(DESTROY, json={})
+    assert again.status_code == 502 and [f["node"] for f in again.json()["failures"]] == [dead.url], again.text
+    assert groups == {first.url: set(), dead.url: {"weight_update_group"}, later.url: set()}
+
+
+def test_a_node_a_rollback_could_not_take_out_gets_the_next_destroy(fakes: FakeCluster, start_lb) -> None:
+    """An init of a name the LB knows (formed for prefill) fails for decode; the rollback's destroy fails on the
+    decode node that joined. The next destroy of the name went to the prefill group only: the decode node kept
+    the group, and refused every later init of that name (409)."""
+    prefill, joined, failing = fakes.start(3)
+    groups = {node.url: keeps_groups(node) for node in (prefill, joined, failing)}
+    lb = start_lb("--prefill", prefill.url, "--decode", joined.url, "--decode", failing.url)
+    one = {**GROUP, "world_size": 2, "group_name": "g"}
+    assert lb.http.post(INIT, params={"role": "prefill"}, json=one).status_code == 200
+
+    async def refuse(node: FakeNode, ex: Exchange) -> None:
+        ex.respond(500, {"error": {"type": "internal_error", "message": "join failed"}})
+
+    async def unavailable(node: FakeNode, ex: Exchange) -> None:
+        ex.respond(503, {"error": {"type": "engine_unavailable", "message": "engine restarting"}})
+
+    failing.handlers[INIT] = refuse
+    destroy = joined.handlers[DESTROY]
+    joined.handlers[DESTROY] = unavailable
+    init = lb.http.post(INIT, params={"role": "decode"}, json={**one, "world_size": 3})
+    assert init.status_code == 502 and [r["node"] for r in init.json()["rolled_back"]] == [joined.url], init.text
+    assert groups[joined.url] == {"g"}
+    joined.handlers[DESTROY] = destroy
+    left = lb.http.post(DESTROY, json={"group_name": "g"})
+    assert left.status_code == 200, left.text
+    assert sorted(r["node"] for r in left.json()["results"]) == sorted([prefill.url, joined.url])
+    assert groups == {prefill.url: set(), joined.url: set(), failing.url: set()}
 
 
 def test_a_name_that_moves_onto_a_discovered_address_is_one_member(fakes: FakeCluster, start_lb,

@@ -166,8 +166,9 @@ def _rebuild_tensor(cls: object, storage: object, metadata: object) -> torch.Ten
     if len(size) != len(stride):
         raise UnsafePayload("a tensor's size and stride differ in rank")
     last = offset + sum((n - 1) * s for n, s in zip(size, stride) if n > 0) if all(size) else offset - 1
-    if last >= storage.size():
-        raise UnsafePayload(f"a tensor reaches element {last} of a storage of {storage.size()}")
+    num_elements = storage._size()  # size() warns that TypedStorage is deprecated: torch's own rebuilds use this
+    if last >= num_elements:
+        raise UnsafePayload(f"a tensor reaches element {last} of a storage of {num_elements}")
     return torch._utils._rebuild_tensor(storage, offset, size, stride)
 
 

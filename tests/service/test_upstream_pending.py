@@ -8,6 +8,7 @@ from typing import Iterator
 
 import pytest
 
+from handoff.service import upstream
 from handoff.service.upstream import ConnectFailed, InvalidURL, UpstreamClient
 from tests.service.peers import CAP, Conn, ScriptedServer, until
 from tests.service.test_upstream import free_port, serve_ok
@@ -183,9 +184,12 @@ async def test_start_many_answers_each_url_in_its_place(client: UpstreamClient) 
         assert pooled.num_connections == 1 and client.num_idle == 2
 
 
-async def test_start_many_writes_once_every_request_is_prepared() -> None:
-    """The requests on pooled connections go out back to back after the last is prepared, not one by one:
-    the peer's socket, read without waiting while the second URL is still to come, holds nothing yet."""
+@pytest.mark.parametrize("burst", [2, 1])
+async def test_start_many_writes_in_bursts(monkeypatch: pytest.MonkeyPatch, burst: int) -> None:
+    """The requests on pooled connections go out back to back once a burst of them is prepared (or the last
+    is), not one by one: with bursts of 2, the peer's socket, read without waiting while the second URL is
+    still to come, holds nothing yet; with bursts of 1, the first request is there."""
+    monkeypatch.setattr(upstream, "WRITE_BURST", burst)
     with socket.create_server(("127.0.0.1", 0)) as listener:
         url = f"http://127.0.0.1:{listener.getsockname()[1]}"
         client = UpstreamClient()
@@ -214,8 +218,12 @@ async def test_start_many_writes_once_every_request_is_prepared() -> None:
                     yield "http://[::1/not-sent"
 
                 started = client.start_many("POST", urls(), body=b"x", timeout=5)
-                assert seen_while_preparing == [] and isinstance(started[1], InvalidURL)
-                assert peer.recv(65536).startswith(b"POST /first HTTP/1.1")  # written when start_many returned
+                assert isinstance(started[1], InvalidURL)
+                if burst == 1:
+                    assert len(seen_while_preparing) == 1 and seen_while_preparing[0].startswith(b"POST /first ")
+                else:
+                    assert seen_while_preparing == []
+                    assert peer.recv(65536).startswith(b"POST /first HTTP/1.1")  # written when start_many returned
                 peer.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
                 assert not isinstance(started[0], Exception)
                 assert await (await started[0].response()).read_whole(CAP) == b"ok"

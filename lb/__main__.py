@@ -110,7 +110,7 @@ def main(argv: Sequence[str] | None = None, *, resolver: Resolver | None = None)
     elif config.admin_token is None:
         log.warning("no --admin-token: control calls (release, reload, membership) take the --api-key, as "
                     "SGLang's do")
-    serve_from_args(create_app(config, resolver=resolver), args)
+    serve_from_args(create_app(config, resolver=resolver), args, freeze_startup_objects=True)
 
 
 if __name__ == "__main__":

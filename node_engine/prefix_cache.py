@@ -160,7 +160,10 @@ class PrefixCache:
         """Forget every entry without freeing slots (the slot allocator was reset); nothing may be locked."""
         if any(n.lock_ref for n in self._nodes()):
             raise RuntimeError("the prefix cache was reset with prefixes in use")
-        self._root = _Node((), self._root.slots, None)
+        old, self._root = self._root, _Node((), self._root.slots, None)
+        # The old root lets go of its tree, so its nodes (each pointing back up) and their slot tensors are freed
+        # now rather than by the cycle collector's next pass, or never if the root is frozen out of it (gc.freeze)
+        old.children = {}
         self.num_cached_tokens = 0
         self.epoch += 1
 

@@ -86,7 +86,7 @@ def exit_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, stop)
 
 
-def serve_from_args(app: object, args: argparse.Namespace) -> None:
+def serve_from_args(app: object, args: argparse.Namespace, *, freeze_startup_objects: bool = False) -> None:
     """:func:`serve` with the flags of :func:`add_server_args`."""
     max_body_bytes = getattr(args, "max_body_bytes", 0)
     if args.max_buffered_body_bytes < max_body_bytes:
@@ -98,7 +98,8 @@ def serve_from_args(app: object, args: argparse.Namespace) -> None:
         log.error("--max-connections must be at least 1, got %d", args.max_connections)
         raise SystemExit(2)
     serve(app, host=args.host, port=args.port, port_file=args.port_file, graceful_shutdown_s=args.shutdown_timeout,
-          header_timeout_s=args.header_timeout, max_connections=args.max_connections)
+          header_timeout_s=args.header_timeout, max_connections=args.max_connections,
+          freeze_startup_objects=freeze_startup_objects)
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -120,9 +121,14 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 def serve(app: object, *, host: str, port: int, port_file: Path | None = None,
           graceful_shutdown_s: float = 5.0, header_timeout_s: float = DEFAULT_HEAD_TIMEOUT_S,
-          max_connections: int | None = None) -> None:
+          max_connections: int | None = None, freeze_startup_objects: bool = False) -> None:
     """Run ``app`` until SIGINT/SIGTERM; blocks. Request heads must arrive within ``header_timeout_s``; at most
-    ``max_connections`` client connections are open (None: :func:`default_max_connections`)."""
+    ``max_connections`` client connections are open (None: :func:`default_max_connections`).
+
+    ``freeze_startup_objects``: what exists when serving starts (the imports, the app) leaves the garbage
+    collector's generations (``gc.freeze``): a full collection no longer walks it. Only for a process whose
+    startup objects live until exit and are never dropped in a reference cycle with later ones (such a cycle
+    would never be collected): the LB, which builds its cluster in the lifespan, after the freeze."""
     if not header_timeout_s > 0:
         raise ValueError(f"--header-timeout must be > 0, got {header_timeout_s}")
     sock = bind_socket(host, port)
@@ -151,9 +157,10 @@ def serve(app: object, *, host: str, port: int, port_file: Path | None = None,
         tmp = port_file.with_suffix(port_file.suffix + ".tmp")
         tmp.write_text(str(bound_port))
         os.replace(tmp, port_file)
-    # What the imports and the app built (tens of thousands of objects, alive until exit) leaves the collector's
-    # generations: each full collection walked all of them, a pause of ~25 ms every few hundred requests
-    gc.freeze()
+    if freeze_startup_objects:
+        # each full collection walked all of them (tens of thousands): a pause of ~25 ms every few hundred requests
+        gc.collect()  # what is garbage already goes first, not into the frozen set
+        gc.freeze()
     asyncio.run(server.serve(sockets=[sock])) if loop == "asyncio" else _run_uvloop(server, sock)
 
 

@@ -64,7 +64,7 @@ import asyncio
 import enum
 import logging
 from collections import deque
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Mapping
 
 from handoff.service.http1 import Connection, ConnState
 from handoff.service.http1_parser import DEFAULT_MAX_FIELDS, DEFAULT_MAX_HEAD_BYTES
@@ -101,10 +101,17 @@ WRITE_BURST = 16
 
 
 def _write_all(held: list[tuple[asyncio.Transport, bytes]]) -> None:
-    for transport, data in held:
+    burst = held[:]
+    held.clear()  # first: a write that raises leaves none of the burst to be written a second time
+    for transport, data in burst:
         if not transport.is_closing():  # closed since (by this client): its reader hears of the drop
             transport.write(data)
-    held.clear()
+
+
+def _close_all(started: list[PendingRequest | UpstreamError]) -> None:
+    for request in started:
+        if isinstance(request, PendingRequest):
+            request.close()
 
 
 class ClientState(enum.Enum):
@@ -183,7 +190,12 @@ class UpstreamClient:
         time, once those are prepared: each write between the preparation of the next request woke an idle
         peer process per request, and made the fan-out's writes and its answers' reads cost more
         (``docs/benchmarks.md``, load balancer, eighth pass).
+
+        An exception other than :class:`UpstreamError` (one out of ``urls``) abandons every request started:
+        the caller has none to read or close.
         """
+        if headers is not None and not isinstance(headers, Mapping):
+            headers = tuple(headers)  # every URL's request gets them, not only the first (an iterator is read once)
         held: list[tuple[asyncio.Transport, bytes]] = []
         self._held_writes = held
         started: list[PendingRequest | UpstreamError] = []
@@ -196,9 +208,15 @@ class UpstreamClient:
                     started.append(exc)
                 if len(held) >= WRITE_BURST:
                     _write_all(held)
-        finally:
             self._held_writes = None
             _write_all(held)
+        except BaseException:
+            # The caller gets no request to read or close (a URL iterator that raised): none stays in flight. What
+            # is not on the wire stays off it; the requests of earlier bursts lose their connections.
+            self._held_writes = None
+            held.clear()
+            _close_all(started)
+            raise
         return started
 
     def _write(self, transport: asyncio.Transport, data: bytes) -> None:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -124,3 +127,23 @@ def test_slots_always_balance(prompts: list[list[int]], max_new: int, num_slots:
     assert not s.has_work
     cache.flush()
     assert slots.num_free == slots.capacity and cache.num_cached_tokens == 0
+
+
+def test_reset_frees_the_old_tree_when_the_first_root_is_frozen() -> None:
+    """A root built at startup and frozen out of the collector (``gc.freeze``, which a service may call before
+    serving): the tree cached under it later is freed by a reset. It never was: the nodes point back at the
+    root, and the frozen root's dict kept them from the collector."""
+    cache, slots = cache_with()
+    gc.collect()
+    gc.freeze()
+    try:
+        cache.insert([1, 2, 3, 4], slots.allocate(4))
+        cache.insert([1, 2, 7], slots.allocate(3))  # a split: an inner node and two leaves, each pointing up
+        cached = [weakref.ref(node.slots) for node in cache._nodes()]
+        assert len(cached) == 3
+        slots.reset()
+        cache.reset()
+        gc.collect()
+        assert [ref() for ref in cached] == [None, None, None]
+    finally:
+        gc.unfreeze()

@@ -229,3 +229,49 @@ async def test_start_many_writes_in_bursts(monkeypatch: pytest.MonkeyPatch, burs
                 assert await (await started[0].response()).read_whole(CAP) == b"ok"
         finally:
             await client.aclose()
+
+
+@pytest.mark.parametrize("burst", [16, 1], ids=["held", "written"])
+async def test_start_many_that_raises_leaves_no_request_behind(monkeypatch: pytest.MonkeyPatch, burst: int) -> None:
+    """A URL iterator that raises: the exception comes out and no request it started stays in flight, none is
+    written after the fact (held, or connecting), and the connections of those already written are closed."""
+    monkeypatch.setattr(upstream, "WRITE_BURST", burst)
+    seen: list[str] = []
+    pooled_closed = asyncio.Event()
+
+    async def record(conn: Conn) -> None:
+        while (request := await conn.read_request()) is not None:
+            seen.append(request[0])
+            if request[0].startswith("GET"):
+                await conn.respond(200, b"ok")
+        pooled_closed.set()
+
+    client = UpstreamClient()
+    try:
+        async with ScriptedServer(record) as pooled, ScriptedServer(serve_ok) as fresh:
+            await warm(client, pooled.url)
+
+            def urls() -> Iterator[str]:
+                yield pooled.url + "/a"
+                yield fresh.url + "/b"
+                raise RuntimeError("the node list broke")
+
+            with pytest.raises(RuntimeError, match="node list"):
+                client.start_many("POST", urls(), body=b"x", timeout=60)
+            await asyncio.wait_for(pooled_closed.wait(), 5)
+            await until(lambda: client.num_connections == 0)
+            assert seen == ["GET / HTTP/1.1"] + (["POST /a HTTP/1.1"] if burst == 1 else [])
+            assert fresh.num_connections == 0
+    finally:
+        await client.aclose()
+
+
+async def test_start_many_sends_headers_from_an_iterator_with_every_request(client: UpstreamClient) -> None:
+    async with ScriptedServer(serve_ok) as server:
+        started = client.start_many("POST", [server.url + "/a", server.url + "/b"],
+                                    headers=iter([("X-Tag", "t")]), body=b"x", timeout=5)
+        bodies = []
+        for request in started:
+            assert not isinstance(request, Exception)
+            bodies.append(await (await request.response()).read_whole(CAP))
+        assert bodies == [b"POST /a HTTP/1.1|t|x", b"POST /b HTTP/1.1|t|x"]

@@ -140,12 +140,15 @@ def start_mixed_load(node: VllmNode, max_tokens: int) -> list[GenerationClient]:
 def test_release_wait_drains_every_request_then_sleeps(serving: VllmNode) -> None:
     node = serving
     clients = start_mixed_load(node, tokens_lasting(node.sidecar.url + "/generate", 10))
+    before = node.occupation()  # what the sidecar counted just before the release (CI twice saw none drained)
     sent_at = time.monotonic()
     r = node.post("/release_memory_occupation", {"mode": "wait", "drain_timeout": 90}, via_lb=True)
+    took_s = time.monotonic() - sent_at
     assert r.status_code == 200, r.text
     body = r.json()["results"][0]["body"]
-    # on a failure, how each request ended, against when the release was sent (CI once saw none in flight)
-    account = [body, *(f"{c.url}: {c.result.summary(sent_at)}" for c in clients)]
+    # on a failure: what was in flight, how long the release took, how each request ended against when it was sent
+    account = [f"before the release: in flight {before['in_flight']}, held {before['held']}; it took {took_s:.2f} s",
+               body, *(f"{c.url}: {c.result.summary(sent_at)}" for c in clients)]
     assert body["released"] == ALL and body["drained_requests"] == 4 and body["aborted_requests"] == 0, account
     assert body["bytes_measured_by"] == "process_rss" and set(body["bytes_freed"]) == {"weights+kv_cache"}
     for c in clients:  # none lost: each ran to its end

@@ -32,21 +32,28 @@ class ClientResult:
 
     @property
     def finish_reason(self) -> str | None:
-        """The ``type`` of SGLang's ``finish_reason`` object (``stop``, ``length``, ``abort``), if it ended."""
-        if self.body is not None and isinstance(self.body, dict):
-            return finish_type(self.body.get("meta_info", {}).get("finish_reason"))
-        for event in reversed(self.events):
-            reason = event.get("meta_info", {}).get("finish_reason")
+        """How it ended, from an SGLang answer (``meta_info.finish_reason``'s type) or an OpenAI one
+        (``choices[0].finish_reason``): ``stop``, ``length``, ``abort``; None while it has not."""
+        answers = [self.body] if isinstance(self.body, dict) else list(reversed(self.events))
+        for answer in answers:
+            reason = answer.get("meta_info", {}).get("finish_reason")
             if reason:
                 return finish_type(reason)
+            choices = answer.get("choices") or [{}]
+            if choices[0].get("finish_reason"):
+                return choices[0]["finish_reason"]
         return None
 
     @property
     def num_tokens(self) -> int:
-        """Tokens of the answer (a stream's events each carry the whole answer so far)."""
+        """Tokens of the answer: SGLang's ``output_ids`` (a stream's events each carry the whole answer so far),
+        OpenAI's ``usage.completion_tokens``, or one per OpenAI stream event with a choice."""
         if isinstance(self.body, dict):
-            return len(self.body.get("output_ids", []))
-        return len(self.events[-1].get("output_ids", [])) if self.events else 0
+            usage = self.body.get("usage") or {}
+            return len(self.body.get("output_ids", [])) or usage.get("completion_tokens", 0)
+        if self.events and "output_ids" in self.events[-1]:
+            return len(self.events[-1]["output_ids"])
+        return sum(1 for event in self.events if event.get("choices"))
 
 
 class GenerationClient(threading.Thread):

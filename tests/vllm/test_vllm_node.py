@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -95,17 +96,6 @@ def serving(node: VllmNode, checkpoints: tuple[Path, Path]):
     node.wait_serving()
 
 
-def finish_reason(result: Any) -> str | None:
-    """The finish reason of a client's result, from an SGLang-shaped or an OpenAI-shaped answer."""
-    last = result.body if result.body is not None else (result.events[-1] if result.events else {})
-    if "meta_info" in last:
-        reason = last["meta_info"]["finish_reason"]
-        return reason["type"] if isinstance(reason, dict) else reason
-    reasons = [e["choices"][0].get("finish_reason") for e in result.events if e.get("choices")] if \
-        result.body is None else [last["choices"][0]["finish_reason"]]
-    return next((r for r in reversed(reasons) if r), None)
-
-
 def start_mixed_load(node: VllmNode, max_tokens: int) -> list[GenerationClient]:
     """Through the LB: SGLang /generate (stream and not) and OpenAI completions (stream and not), all running
     together. The node is paused while they arrive (its sidecar holds them, as SGLang queues requests while
@@ -139,24 +129,44 @@ def start_mixed_load(node: VllmNode, max_tokens: int) -> list[GenerationClient]:
 
 def test_release_wait_drains_every_request_then_sleeps(serving: VllmNode) -> None:
     node = serving
-    clients = start_mixed_load(node, tokens_lasting(node.sidecar.url + "/generate", 10))
-    before = node.occupation()  # what the sidecar counted just before the release (CI twice saw none drained)
+    for attempt in (1, 2):
+        clients = start_mixed_load(node, tokens_lasting(node.sidecar.url + "/generate", 10))
+        before = node.occupation()  # what the sidecar counts just before the release
+        if before["in_flight"] == len(clients):
+            break
+        # The load ended before the release went out: nothing to drain, nothing tested. Seen once in about 130
+        # runs here, unexplained (every request, each of 1000 tokens or more, had ended a moment after the
+        # continue): said as a warning with the whole account, and the load started once more.
+        for c in clients:
+            c.finish(120)
+        warnings.warn(UserWarning(_account(node, f"attempt {attempt}: in flight {before['in_flight']} of "
+                                                 f"{len(clients)} before the release", clients, time.monotonic())))
     sent_at = time.monotonic()
     r = node.post("/release_memory_occupation", {"mode": "wait", "drain_timeout": 90}, via_lb=True)
     took_s = time.monotonic() - sent_at
     assert r.status_code == 200, r.text
     body = r.json()["results"][0]["body"]
-    # on a failure: what was in flight, how long the release took, how each request ended against when it was sent
-    account = [f"before the release: in flight {before['in_flight']}, held {before['held']}; it took {took_s:.2f} s",
-               body, *(f"{c.url}: {c.result.summary(sent_at)}" for c in clients)]
-    assert body["released"] == ALL and body["drained_requests"] == 4 and body["aborted_requests"] == 0, account
+    if not (body["released"] == ALL and body["drained_requests"] == 4 and body["aborted_requests"] == 0):
+        pytest.fail(_account(node, f"before the release: in flight {before['in_flight']}, held {before['held']}; "
+                                   f"it took {took_s:.2f} s and answered {body}", clients, sent_at))
     assert body["bytes_measured_by"] == "process_rss" and set(body["bytes_freed"]) == {"weights+kv_cache"}
     for c in clients:  # none lost: each ran to its end
         result = c.finish(120)
-        assert result.status == 200 and result.error is None and finish_reason(result) == "length"
+        assert result.status == 200 and result.error is None and result.finish_reason == "length"
         assert result.body is not None or result.saw_done
     assert node.is_sleeping()
     assert all(t["state"] == "released" for t in node.occupation()["tags"].values())
+
+
+def _account(node: VllmNode, what: str, clients: list[GenerationClient], since: float) -> str:
+    """A failure's whole story, untruncated: what happened, how each request ended (against ``since``), and the
+    end of each process's log (vLLM's without its health checks)."""
+    lines = [f"{what} (at {time.strftime('%H:%M:%S')}, the logs' clock)",
+             *(f"{c.url} (stream {bool(c.body.get('stream'))}): {c.result.summary(since)}" for c in clients)]
+    for proc in (node.sidecar, node.lb.proc, node.vllm):
+        log = proc.log_path.read_text(errors="replace").splitlines() if proc.log_path.exists() else []
+        lines += [f"--- {proc.log_path} ---", *[line for line in log if "GET /" not in line][-25:]]
+    return "\n".join(lines)
 
 
 def test_generation_while_released_is_503_at_once_never_the_hang(serving: VllmNode) -> None:
@@ -187,7 +197,7 @@ def test_release_abort_ends_every_request_with_its_tokens(serving: VllmNode) -> 
     assert r.json()["results"][0]["body"]["aborted_requests"] == 4
     for c in clients:
         result = c.finish(120)
-        assert result.status == 200 and result.error is None and finish_reason(result) == "abort", result
+        assert result.status == 200 and result.error is None and result.finish_reason == "abort", result
         if c.body.get("stream"):
             assert result.saw_done
     assert node.is_sleeping()

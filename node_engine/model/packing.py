@@ -24,6 +24,9 @@ Rules:
   is dropped first, so the new one takes its memory, and the plain parameter
   stays parked (no copy into it, no pages faulted in and trimmed again).
 
+- While SGLang's update session is open (:meth:`hold_plain`), a resume leaves
+  the weights plain: the session's buckets only copy, and its end packs them.
+
 CPU bookkeeping for the memory manager goes through :meth:`before_release` and
 :meth:`after_resume`. On CUDA there is nothing to pack and every method is a
 no-op.
@@ -69,6 +72,7 @@ class WeightPacking:
                 raise ValueError("only projections that run through oneDNN can be packed")
         self.projections = projections if can_pack() else []
         self.batch_hint = batch_hint
+        self._is_held_plain = False  # an update session is open: a resume leaves the weights plain
 
     @property
     def num_projections(self) -> int:
@@ -79,10 +83,11 @@ class WeightPacking:
         return bool(self.projections) and all(p.packed is not None for p in self.projections)
 
     def pack(self) -> None:
-        """Build the packed copies and park the plain parameters; packed projections are left as they are."""
+        """Build the packed copies and park the plain parameters; packed projections are left as they are, and so
+        are released ones (no packed copy, no memory: the resume packs them)."""
         num_packed = 0
         for projection in self.projections:
-            if projection.packed is not None:
+            if projection.packed is not None or projection.weight.untyped_storage().nbytes() == 0:
                 continue
             weight = projection.weight
             projection.packed = _reorder(weight, self.batch_hint)
@@ -171,6 +176,12 @@ class WeightPacking:
             self.discard()
 
     def after_resume(self, *, is_valid: bool) -> None:
-        """The weights are resident again; pack them if they hold real weights (else a reload will)."""
-        if is_valid:
+        """The weights are resident again; pack them if they hold real weights (else a reload will) and no update
+        session keeps them plain (its end packs them)."""
+        if is_valid and not self._is_held_plain:
             self.try_pack()
+
+    def hold_plain(self, is_held: bool) -> None:
+        """While held (SGLang's update session is open), a resume leaves the weights plain; :meth:`pack` and
+        :meth:`repack_from` are not affected (the session's owner decides when to call them)."""
+        self._is_held_plain = is_held

@@ -67,10 +67,16 @@ class WeightWriter:
             torch.cuda.synchronize()
 
     def open_session(self) -> None:
-        """SGLang's ``begin_weight_update``: plain weights until the session ends."""
-        self.is_session_open = True
+        """SGLang's ``begin_weight_update``: plain weights until the session ends (a resume meanwhile too).
+
+        An unpack that fails (out of memory) opens no session: the projections it reached stay plain, the
+        others packed, and updates go on as outside a session."""
         self._packing.unpack()
+        self.is_session_open = True
+        self._packing.hold_plain(True)
 
     def close_session(self) -> None:
+        """SGLang's ``end_weight_update``: the weights are packed again (released ones when they resume)."""
         self.is_session_open = False
+        self._packing.hold_plain(False)
         self._packing.try_pack()

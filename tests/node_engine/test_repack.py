@@ -3,9 +3,16 @@ outputs are those of the plain way (unpack, copy, pack again), which buckets and
 
 from __future__ import annotations
 
+import logging
+from pathlib import Path
+
 import pytest
 import torch
 
+from handoff.protocol.weights import BeginWeightUpdateBody
+from node_engine.config import EngineConfig
+from node_engine.engine import Engine
+from node_engine.memory.tags import BackupMode, MemoryTag
 from node_engine.model import packing
 from node_engine.runner import ModelRunner
 from tests.node_engine.test_packing import PROMPT, pack_everything, tiny_runner  # noqa: F401 (an autouse fixture)
@@ -124,3 +131,60 @@ def test_an_unexpected_failure_leaves_every_projection_writable(monkeypatch: pyt
     runner.weight_writer.apply(dict(new), is_complete=True)
     assert runner.packing.is_packed
     assert torch.equal(runner.score(PROMPT), plain_way_logits(new))
+
+
+# -- update sessions across a release and a resume, and a session that could not open (found by review) ------
+
+def _session_engine(tmp_path: Path, backup: BackupMode) -> Engine:
+    return Engine(EngineConfig(model_path="builtin:tiny", max_total_tokens=512, enable_memory_saver=True,
+                               weights_backup=backup, backup_dir=tmp_path / "backup"))
+
+
+@pytest.mark.parametrize("backup", [BackupMode.DISK, BackupMode.NONE])
+def test_a_session_ended_while_the_weights_are_released_packs_nothing_until_they_resume(
+        tmp_path: Path, backup: BackupMode, caplog: pytest.LogCaptureFixture) -> None:
+    """``end_weight_update`` with the weights released packed parameters that had no memory: torch refused each
+    one and the engine warned that every projection stays unpacked. Now nothing is packed until the resume."""
+    engine = _session_engine(tmp_path, backup)
+    engine.weights.begin_session(BeginWeightUpdateBody())
+    engine.control.release([MemoryTag.WEIGHTS], stage_to_cpu=None)
+    with caplog.at_level(logging.WARNING, logger=packing.__name__):
+        engine.weights.end_session()
+    assert caplog.records == []
+    assert all(p.packed is None and p.weight.untyped_storage().nbytes() == 0 for p in engine.runner.packing.projections)
+    new = tiny_weights(5)
+    engine.weights.commit(dict(new), is_complete=True, version="v1", flush_cache=True, torch_empty_cache=False)
+    assert engine.memory.weights_valid and engine.runner.packing.is_packed
+    assert torch.equal(engine.runner.score(PROMPT), plain_way_logits(new))
+
+
+def test_a_resume_inside_a_session_leaves_the_weights_plain(tmp_path: Path) -> None:
+    """Inside an update session the weights stay plain (docs/api.md): a resume there packed them again, so the
+    session's next bucket unpacked (allocated and copied) what it wrote. The session's end packs them."""
+    engine = _session_engine(tmp_path, BackupMode.DISK)
+    expected = engine.runner.score(PROMPT).clone()
+    engine.weights.begin_session(BeginWeightUpdateBody())
+    engine.control.release([MemoryTag.WEIGHTS], stage_to_cpu=True)
+    engine.control.resume([MemoryTag.WEIGHTS])
+    projections = engine.runner.packing.projections
+    assert all(p.packed is None and p.weight.untyped_storage().nbytes() > 0 for p in projections)
+    assert torch.equal(engine.runner.score(PROMPT), plain_way_logits(tiny_weights(0)))
+    engine.weights.end_session()
+    assert engine.runner.packing.is_packed and torch.equal(engine.runner.score(PROMPT), expected)
+
+
+def test_a_session_that_could_not_unpack_is_not_left_open_in_the_writer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``begin_weight_update`` that ran out of memory unpacking answered an error with no session open, but the
+    writer kept its session flag: every later update skipped repacking, and the weights stayed plain for good."""
+    runner = tiny_runner()
+
+    def out_of_memory(**kwargs: object) -> None:
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(runner.packing, "unpack", out_of_memory)
+        with pytest.raises(RuntimeError):
+            runner.weight_writer.open_session()
+    bucket = {key: tiny_weights(5)[key] for key in QKV[:1]}  # a part of a projection: unpacked, then packed again
+    runner.weight_writer.apply(dict(bucket), is_complete=False)
+    assert runner.packing.is_packed

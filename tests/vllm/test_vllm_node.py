@@ -134,7 +134,7 @@ def test_release_wait_drains_every_request_then_sleeps(serving: VllmNode) -> Non
         before = node.occupation()  # what the sidecar counts just before the release
         if before["in_flight"] == len(clients):
             break
-        # The load ended before the release went out: nothing to drain, nothing tested. Seen once in about 130
+        # The load ended before the release went out: nothing to drain, nothing tested. Seen once in 139
         # runs here, unexplained (every request, each of 1000 tokens or more, had ended a moment after the
         # continue): said as a warning with the whole account, and the load started once more.
         for c in clients:

@@ -38,8 +38,10 @@ class Aborted(Exception):
 
 
 class _Call(Generic[T]):
-    def __init__(self, work: Callable[[threading.Event], T], loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, work: Callable[[threading.Event], T], loop: asyncio.AbstractEventLoop,
+                 discard: Callable[[T], None] | None = None) -> None:
         self.cancel = threading.Event()
+        self.discard = discard
         self.future: asyncio.Future[T] = loop.create_future()
         self._work = work
         self._loop = loop
@@ -57,13 +59,16 @@ class _Call(Generic[T]):
         if self._loop.is_closed():
             return  # a late result after the loop ended: nobody waits for it
         try:
-            self._loop.call_soon_threadsafe(_settle, self.future, result, exc)
+            self._loop.call_soon_threadsafe(_settle, self.future, result, exc, self.discard)
         except RuntimeError:
             return  # the loop closed between the check and the call
 
 
-def _settle(future: asyncio.Future, result: object, exc: BaseException | None) -> None:
+def _settle(future: asyncio.Future, result: object, exc: BaseException | None,
+            discard: Callable[[object], None] | None) -> None:
     if future.done():
+        if exc is None and discard is not None:
+            discard(result)  # the caller gave up after the work's own last look at ``cancel``
         return
     if exc is not None:
         future.set_exception(exc)
@@ -84,12 +89,13 @@ class BoundedThreads:
         return len(self._stuck)
 
     async def run(self, work: Callable[[threading.Event], T], timeout_s: float,
-                  abort: asyncio.Event | None = None) -> T:
+                  abort: asyncio.Event | None = None, discard: Callable[[T], None] | None = None) -> T:
         """``work(cancel)`` on its own thread; its result, its exception, :class:`Overdue` after ``timeout_s``, or
-        :class:`Aborted` as soon as ``abort`` is set."""
+        :class:`Aborted` as soon as ``abort`` is set. ``discard`` (on the event loop) gets a result that came
+        after the caller gave up."""
         if self.num_stuck >= self.max_stuck:
             raise TooManyStuck(f"{self.num_stuck} earlier call(s) are still blocked past their deadlines")
-        call = _Call(work, asyncio.get_running_loop())
+        call = _Call(work, asyncio.get_running_loop(), discard)
         call.thread.start()
         aborted = asyncio.ensure_future(abort.wait()) if abort is not None else None
         try:

@@ -29,7 +29,7 @@ from node_engine.model.llama import CausalLM, WeightTarget
 _IGNORED_KEYS = re.compile(r"^model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq$")
 
 __all__ = ["TensorEntry", "checkpoint_files", "read_header", "load_weights", "load_tensors", "check_update",
-           "stage_update", "apply_staged", "check_named_tensors", "touched_parameters",
+           "stage_update", "apply_staged", "check_named_tensors", "is_dropped_key", "touched_parameters",
            "by_checkpoint_key"]
 
 
@@ -185,6 +185,12 @@ def by_checkpoint_key(model: CausalLM, named: list[tuple[str, object]]) -> list[
     return out
 
 
+def is_dropped_key(model: CausalLM, name: str) -> bool:
+    """Whether an update's tensor of this name is taken and dropped, as at load: rotary buffers, and
+    ``lm_head.weight`` of a model with tied embeddings."""
+    return bool(_IGNORED_KEYS.match(name)) or (model.arch.tie_word_embeddings and name == "lm_head.weight")
+
+
 def check_named_tensors(model: CausalLM, named: list[tuple[str, object]]) -> dict[str, torch.Tensor]:
     """Checkpoint-keyed tensors of a weight update (all of the weights, or a bucket of them), checked against
     the running model without touching it: known keys, each once, the target's shape, a floating dtype.
@@ -197,7 +203,7 @@ def check_named_tensors(model: CausalLM, named: list[tuple[str, object]]) -> dic
     checked: dict[str, torch.Tensor] = {}
     problems: list[str] = []
     for name, tensor in named:
-        if _IGNORED_KEYS.match(name) or (model.arch.tie_word_embeddings and name == "lm_head.weight"):
+        if is_dropped_key(model, name):
             continue
         if not isinstance(tensor, torch.Tensor):
             problems.append(f"{name} is a {type(tensor).__name__}, not a tensor")

@@ -25,7 +25,7 @@ import asyncio
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
 
@@ -35,7 +35,7 @@ from handoff.weight_sync import JoinCancelled, is_collective_timeout
 from handoff.bounded_thread import Aborted, BoundedThreads, Overdue, TooManyStuck
 from node_engine.errors import Conflict, InvalidRequest, WeightSyncBroken, WeightSyncTimeout
 from node_engine.model.arch import ModelConfigError
-from node_engine.model.loader import by_checkpoint_key, check_named_tensors
+from node_engine.model.loader import by_checkpoint_key, check_named_tensors, is_dropped_key
 from node_engine.weight_sync.group import WeightGroup, join_group, receive
 
 if TYPE_CHECKING:
@@ -71,7 +71,8 @@ class WeightGroups:
         started = time.perf_counter()
         try:
             group = await self._join_threads.run(
-                lambda cancel: join_group(body, self._timeout, cancel), self._timeout, abort=abandon)
+                lambda cancel: join_group(body, self._timeout, cancel), self._timeout, abort=abandon,
+                discard=lambda late: late.destroy())
         except (Overdue, TooManyStuck, TimeoutError) as exc:
             raise _join_timed_out(body, exc) from None
         except Aborted:
@@ -82,6 +83,9 @@ class WeightGroups:
             raise InvalidRequest(f"failed to join group {name!r}: {exc}") from exc
         finally:
             self.joining.pop(name, None)
+        if abandon.is_set():  # a destroy answered "abandoned" while the join's result waited on the loop
+            group.destroy()
+            raise Conflict(f"the join of group {name!r} was abandoned by destroy_weights_update_group")
         self.groups[name] = group
         log.info("joined weight group %s as rank %d of %d (%s) in %.2fs", name, group.rank, group.world_size,
                  group.backend, time.perf_counter() - started)
@@ -116,7 +120,12 @@ class WeightGroups:
         async with self._lock:
             group = self._usable(body.group_name)
             problem = self._check(body)
-            if problem is not None and not self._fits_scratch(body):
+            dropped = [(dtype, shape) for name, dtype, shape in zip(body.names, body.dtypes, body.shapes, strict=True)
+                       if is_dropped_key(self.engine.runner.model, name)]
+            if problem is None and not self._fits_scratch(dropped):
+                # received and dropped (rotary buffers, a tied lm_head), so the check bounds nothing of theirs
+                problem = "the tensors this model takes and drops are too large"
+            if problem is not None and not self._fits_scratch(zip(body.dtypes, body.shapes, strict=True)):
                 group.broken = f"an update it could not receive was refused ({problem})"
                 raise InvalidRequest(f"{problem}; its broadcasts are too large to receive and discard, so group "
                                      f"{body.group_name!r} is now out of step: destroy it and join again")
@@ -156,10 +165,11 @@ class WeightGroups:
             return str(exc)
         return None
 
-    def _fits_scratch(self, body: UpdateWeightsFromDistributedBody) -> bool:
+    def _fits_scratch(self, announced_tensors: Iterable[tuple[str, list[int]]]) -> bool:
+        """Whether tensors of these dtypes and shapes fit in ``SCRATCH_FACTOR`` times the model's size."""
         model_bytes = sum(p.numel() * p.element_size() for p in self.engine.runner.model.parameters())
         announced = sum(getattr(torch, dtype).itemsize * torch.Size(shape).numel()
-                        for dtype, shape in zip(body.dtypes, body.shapes, strict=True))
+                        for dtype, shape in announced_tensors)
         return announced <= SCRATCH_FACTOR * model_bytes
 
     async def _receive(self, group: WeightGroup, body: UpdateWeightsFromDistributedBody

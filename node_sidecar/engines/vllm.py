@@ -93,16 +93,18 @@ class VllmEngine(ForeignEngine):
         model = config.get("model_config") if isinstance(config.get("model_config"), dict) else {}
         device = config.get("device_config") if isinstance(config.get("device_config"), dict) else {}
         parallel = config.get("parallel_config") if isinstance(config.get("parallel_config"), dict) else {}
-        self.weight_sync.extension = parallel.get("worker_extension_cls") or None
+        extension = parallel.get("worker_extension_cls")
+        self.weight_sync.extension = extension if isinstance(extension, str) and extension else None
         if self.adopt_instance(config.get("instance_id")):
             self.level, self.weights_discarded = 0, False
-        self.device = str(device.get("device") or "cuda")
+        self.device = device.get("device") if isinstance(device.get("device"), str) and device["device"] else "cuda"
         self.sleep_mode = model.get("enable_sleep_mode") is True
         self.model_path = model.get("model") if isinstance(model.get("model"), str) else None
         self._adopt_sleeping(sleeping)
         version = (await self.engine.call("GET", "/weight_info", timeout=INFO_TIMEOUT_S)).get("weight_version")
         self.weight_version = version if isinstance(version, str) else None
-        self.version = (await self.engine.call("GET", "/version", timeout=INFO_TIMEOUT_S)).get("version")
+        served = (await self.engine.call("GET", "/version", timeout=INFO_TIMEOUT_S)).get("version")
+        self.version = served if isinstance(served, str) else None
         usable = self.sleep_mode or self.device == "cpu"  # on CPU the sleep endpoints answer, freeing nothing
         return EngineView(
             tags={t: TagState.RELEASED if t in self.released else TagState.RESIDENT for t in TAG_NAMES},

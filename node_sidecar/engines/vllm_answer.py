@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 from handoff.protocol import errors as E
 from handoff.protocol.generation import finish_abort, finish_length, finish_stop
-from handoff.protocol.sse import DONE, EventSplitter, data_event, event_data
+from handoff.protocol.sse import DEFAULT_MAX_EVENT_BYTES, DONE, EventSplitter, data_event, event_data
 from handoff.service.errors import ServiceError
 from handoff.service.peer_json import PeerJSONError, loads_bounded
 from handoff.service.relay import ChunkTransform, sse_error_event
@@ -41,6 +41,12 @@ class GenerateRequest:
     logprob_start_len: int
     return_prompt_token_ids: bool = False
     num_prompts: int = 1  # vLLM's requests: "cmpl-<rid>-0" to "cmpl-<rid>-<num_prompts - 1>"
+    num_choices: int = 1  # the choices the answer must hold, indexes 0 to num_choices - 1 (prompts x n)
+
+
+# the most a stream's choices may hold put together (the data of the events read): SGLang's events each repeat the
+# whole answer so far, so one answer past an event's bound could not be relayed anyway
+MAX_STREAM_ANSWER_BYTES = DEFAULT_MAX_EVENT_BYTES
 
 
 @dataclass
@@ -69,8 +75,11 @@ class ChoiceState:
             self.token_logprobs += _typed(logprobs, "token_logprobs", list) or []
             self.top_logprobs += _typed(logprobs, "top_logprobs", list) or []
         if choice.get("finish_reason") is not None:
-            self.finish_reason = choice["finish_reason"]
-            self.stop_reason = choice.get("stop_reason")
+            self.finish_reason = _typed(choice, "finish_reason", str)
+            stop_reason = choice.get("stop_reason")
+            if stop_reason is not None and (not isinstance(stop_reason, (int, str)) or isinstance(stop_reason, bool)):
+                raise MalformedChoice(f"stop_reason is {type(stop_reason).__name__}, not a token id or a string")
+            self.stop_reason = stop_reason
 
 
 class Translator:
@@ -93,14 +102,26 @@ class Translator:
         states: dict[int, ChoiceState] = {}
         try:
             for choice in choices:
-                if isinstance(choice, dict):
-                    states.setdefault(_choice_index(choice), ChoiceState()).add(choice)
+                index = self.choice_index(choice)
+                if index in states:
+                    raise MalformedChoice(f"two choices have the index {index}")
+                states[index] = ChoiceState()
+                states[index].add(choice)
+            if len(states) != self.request.num_choices:
+                raise MalformedChoice(f"{len(states)} choice(s), not the {self.request.num_choices} asked for")
             results = [self.result(index, states[index]) for index in sorted(states)]
         except _MALFORMED as exc:
             raise ServiceError(f"the engine's completion cannot be read: {exc}", kind=E.UPSTREAM_ERROR) from exc
-        if not results:
-            raise ServiceError("the engine's completion has no choices", kind=E.UPSTREAM_ERROR)
         return json.dumps(results if self.request.is_batch else results[0]).encode()
+
+    def choice_index(self, choice: Any) -> int:
+        """A choice's index, checked to be one the request asked for; :class:`MalformedChoice` otherwise."""
+        if not isinstance(choice, dict):
+            raise MalformedChoice(f"a choice is {type(choice).__name__}, not an object")
+        index = _choice_index(choice)
+        if index >= self.request.num_choices:
+            raise MalformedChoice(f"a choice's index is {index}, past the {self.request.num_choices} asked for")
+        return index
 
     def stream(self) -> ChunkTransform:
         return _StreamTranslator(self)
@@ -129,6 +150,12 @@ class Translator:
         return finish_abort(f"the request ended early ({reason})")
 
     def _logprobs(self, state: ChoiceState) -> dict[str, Any]:
+        if len(state.token_logprobs) != len(state.token_ids):
+            raise MalformedChoice(f"{len(state.token_logprobs)} token logprobs for {len(state.token_ids)} tokens")
+        if not all(isinstance(lp, (int, float)) and not isinstance(lp, bool) for lp in state.token_logprobs):
+            raise MalformedChoice("token_logprobs holds something other than numbers")
+        if self.request.top_logprobs_num > 0 and len(state.top_logprobs) != len(state.token_ids):
+            raise MalformedChoice(f"{len(state.top_logprobs)} top logprob rows for {len(state.token_ids)} tokens")
         out: dict[str, Any] = {"output_token_logprobs": [
             [lp, token, None] for lp, token in zip(state.token_logprobs, state.token_ids)]}
         if self.request.top_logprobs_num > 0:
@@ -150,41 +177,56 @@ class _StreamTranslator(ChunkTransform):
     """vLLM's SSE events → SGLang's (each event the whole answer so far, for the choice it moved).
 
     An event that cannot be read ends the translated stream as SGLang ends a failed one (an error event, then
-    ``[DONE]``): the choices' states may hold half of it, so nothing the engine sends later is translated.
+    ``[DONE]``): the choices' states may hold half of it, so nothing the engine sends later is translated. So
+    does a stream that ends without ``[DONE]`` (never silence), and one whose choices grow past
+    :data:`MAX_STREAM_ANSWER_BYTES`; what comes after ``[DONE]`` is dropped. The engine's own error event
+    (``{"error": ...}``) passes as it is.
     """
 
     def __init__(self, translator: Translator) -> None:
         self.translator = translator
         self.splitter = EventSplitter()
         self.states: dict[int, ChoiceState] = {}
-        self.has_failed = False
+        self.has_ended = False  # [DONE] passed on, or the stream failed: nothing more is sent
+        self.read_bytes = 0
 
     def feed(self, chunk: bytes) -> bytes:
         return b"".join(self._event(event) for event in self.splitter.feed(chunk))
 
     def finish(self) -> bytes:
         rest = self.splitter.finish()
-        return self._event(rest) if rest.strip() else b""
+        out = self._event(rest) if rest.strip() else b""
+        if self.has_ended:
+            return out
+        return out + self._failed("the engine's stream ended without [DONE]")
+
+    def _failed(self, message: str) -> bytes:
+        self.has_ended = True
+        return b"".join([sse_error_event(E.UPSTREAM_ERROR.name, message), data_event(DONE)])
 
     def _event(self, event: bytes) -> bytes:
         data = event_data(event)
-        if data is None or self.has_failed:
+        if data is None or self.has_ended:
             return b""
         if data.strip() == DONE:
+            self.has_ended = True
             return data_event(DONE)
+        self.read_bytes += len(data)
+        if self.read_bytes > MAX_STREAM_ANSWER_BYTES:
+            return self._failed(f"the engine's stream holds more than {MAX_STREAM_ANSWER_BYTES} bytes of answer")
         try:
             chunk = _peer_object(data)
-        except ValueError:
-            return event  # not JSON: passed on as the engine wrote it
+        except ValueError as exc:
+            return self._failed(f"the engine's stream cannot be read: {exc}")
         choices = chunk.get("choices")
         if not isinstance(choices, list):
-            return event  # an error event, or anything that is not a completion chunk, passes as it is
+            if "error" in chunk:
+                return event  # the engine's error event passes as it is
+            return self._failed("the engine's stream cannot be read: an event without a list of choices")
         out = []
         try:
             for choice in choices:
-                if not isinstance(choice, dict):
-                    continue
-                index = _choice_index(choice)
+                index = self.translator.choice_index(choice)
                 state = self.states.setdefault(index, ChoiceState())
                 state.add(choice)
                 result = self.translator.result(index, state)
@@ -192,9 +234,7 @@ class _StreamTranslator(ChunkTransform):
                     result["index"] = index
                 out.append(data_event(json.dumps(result).encode()))
         except _MALFORMED as exc:
-            self.has_failed = True
-            return b"".join([sse_error_event(E.UPSTREAM_ERROR.name, f"the engine's stream cannot be read: {exc}"),
-                             data_event(DONE)])
+            return self._failed(f"the engine's stream cannot be read: {exc}")
         return b"".join(out)
 
 
@@ -202,6 +242,7 @@ class MalformedChoice(ValueError):
     """A choice of the engine's answer holds a field of the wrong type."""
 
 
+MAX_TOKEN_ID = 2**31  # a vocabulary's ids fit an int32
 # what reading a malformed answer raises (the helpers below, and a value of an unexpected type met on the way)
 _MALFORMED = (MalformedChoice, TypeError, ValueError, AttributeError)
 
@@ -215,7 +256,7 @@ def _typed(mapping: dict[str, Any], key: str, kind: type) -> Any:
 
 def _token_list(choice: dict[str, Any], key: str) -> list[int]:
     values = _typed(choice, key, list) or []
-    if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+    if not all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < MAX_TOKEN_ID for v in values):
         raise MalformedChoice(f"{key} holds something other than token ids")
     return list(values)
 

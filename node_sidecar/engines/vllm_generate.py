@@ -104,7 +104,8 @@ def to_completion(raw: bytes) -> tuple[bytes, GenerateRequest]:
             completion["prompt"], completion["n"] = prompts, n
     request = GenerateRequest(is_batch, rid, bool(body.get("return_logprob")), _int(body, "top_logprobs_num", 0),
                               _int(body, "logprob_start_len", -1), bool(body.get("return_prompt_token_ids")),
-                              num_prompts=len(completion["prompt"]) if is_batch else 1)
+                              num_prompts=len(completion["prompt"]) if is_batch else 1,
+                              num_choices=len(completion["prompt"]) * completion.get("n", 1) if is_batch else 1)
     if request.return_logprob:
         if body.get("return_text_in_logprobs"):
             raise Unsupported("return_text_in_logprobs is not supported on vLLM nodes",

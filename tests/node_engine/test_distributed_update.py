@@ -133,3 +133,33 @@ def test_bodies_torch_cannot_take_are_400_before_anything_runs(engines, path: st
     """Sizes past int64 and addresses no ``tcp://`` URL can hold were 500s from inside torch."""
     r = httpx.post(engines[0] + path, json=body, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request", r.text
+
+
+@pytest.mark.parametrize("name", ["model.layers.0.self_attn.rotary_emb.inv_freq",
+                                  "model.layers.123456.self_attn.rotary_emb.inv_freq"])
+def test_names_the_model_drops_cannot_declare_unbounded_sizes(engines, name: str) -> None:
+    """Rotary buffers (and a tied ``lm_head.weight``) are received and dropped, so they passed the check whatever
+    their size: 2^40 floats were allocated (a 409 from the allocator, or 4 TiB taken). Refused before anything is
+    allocated, like any body too large to receive and discard."""
+    url, _ = engines
+    trainer = Trainer(url, group_name="dropped")
+    assert trainer.join().status_code == 200
+    try:
+        body = {"names": [name], "dtypes": ["float32"], "shapes": [[1 << 40]], "group_name": "dropped"}
+        r = httpx.post(url + "/update_weights_from_distributed", json=body, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request", r.text
+        assert "too large" in r.json()["error"]["message"]
+    finally:
+        trainer.leave()
+
+
+def test_a_dropped_name_of_a_sane_size_is_still_received_and_dropped(engines) -> None:
+    url, _ = engines
+    trainer = Trainer(url, group_name="dropped-small")
+    assert trainer.join().status_code == 200
+    try:
+        r = trainer.push([("model.layers.0.self_attn.rotary_emb.inv_freq", torch.ones(8)),
+                          ("model.norm.weight", tiny_weights(0)["model.norm.weight"])])
+        assert r.status_code == 200, r.text
+    finally:
+        trainer.leave()

@@ -131,7 +131,7 @@ def test_finish_reasons_and_batches() -> None:
     stop = translate("stop_token", GenerateRequest(False, None, False, 0, -1, return_prompt_token_ids=True))
     assert stop["meta_info"]["finish_reason"] == {"type": "stop", "matched": 191}
     assert stop["prompt_token_ids"] == [72, 101]
-    batch = translate("batch", GenerateRequest(True, None, False, 0, -1))
+    batch = translate("batch", GenerateRequest(True, None, False, 0, -1, num_choices=2))
     vllm = json.loads(ANSWERS["batch"])["choices"]
     assert [a["output_ids"] for a in batch] == [c["token_ids"] for c in sorted(vllm, key=lambda c: c["index"])]
     assert [a["meta_info"]["prompt_tokens"] for a in batch] == [2, 3]
@@ -151,10 +151,11 @@ def test_streams_carry_the_whole_answer_so_far_and_end_with_done() -> None:
     assert payloads[-1]["meta_info"]["output_token_logprobs"] == whole["meta_info"]["output_token_logprobs"]
     assert payloads[-1]["meta_info"]["finish_reason"] == {"type": "length", "length": 4}
     assert all(p["meta_info"]["finish_reason"] is None for p in payloads[:-1])
-    batch = [json.loads(e) for e in stream_events("batch_stream", GenerateRequest(True, None, False, 0, -1), 3)
+    batch_request = GenerateRequest(True, None, False, 0, -1, num_choices=2)
+    batch = [json.loads(e) for e in stream_events("batch_stream", batch_request, 3)
              if e != DONE]
     finals = {p["index"]: p for p in batch if p["meta_info"]["finish_reason"]}
-    whole_batch = translate("batch", GenerateRequest(True, None, False, 0, -1))
+    whole_batch = translate("batch", GenerateRequest(True, None, False, 0, -1, num_choices=2))
     assert [finals[i]["output_ids"] for i in (0, 1)] == [a["output_ids"] for a in whole_batch]
 
 
@@ -173,10 +174,8 @@ def test_a_malformed_vllm_answer_is_an_upstream_error_never_a_crash(choice: obje
     out = stream.feed(b"data: " + json.dumps({"choices": [choice]}).encode() + b"\n\n" + good + b"data: [DONE]\n\n")
     out += stream.finish()
     payloads = [event_data(e) for e in EventSplitter().feed(out)]
-    if choice == "not a choice":  # skipped, not an error: the stream goes on
-        assert payloads[-1] == DONE and len(payloads) == 2
-        return
-    # the error, then [DONE] as SGLang ends a failed stream; what the engine sent after it is not translated
+    # the error (a choice that is not an object too: skipping it would drop a prompt's answer), then [DONE] as
+    # SGLang ends a failed stream; what the engine sent after it is not translated
     assert len(payloads) == 2 and payloads[1] == DONE, payloads
     assert json.loads(payloads[0])["error"]["type"] == "upstream_error"
 
@@ -238,3 +237,99 @@ async def test_an_abort_by_id_reaches_every_copy_of_a_greedy_n_request() -> None
         await adapter.abort(rid=rid, abort_all=False)
     assert [body["request_ids"] for _, _, body in engine.calls] == [
         ["cmpl-R-0", "cmpl-R-1", "cmpl-R-2"], ["cmpl-S-0"], ["cmpl-T-0"], ["cmpl-unknown-0"]]
+
+
+def feed_stream(request: GenerateRequest, events: list[object], tail: bytes = b"") -> list[bytes]:
+    """``events`` (objects as JSON, bytes as they are) through a stream translation; the payloads out."""
+    transform = Translator(request, lambda: "v1").stream()
+    raw = b"".join(e if isinstance(e, bytes) else b"data: " + json.dumps(e).encode() + b"\n\n" for e in events)
+    out = transform.feed(raw + tail) + transform.finish()
+    return [event_data(e) for e in EventSplitter().feed(out)]
+
+
+def piece(index: int, tokens: list[int], **more: object) -> dict:
+    return {"choices": [{"index": index, "text": "x" * len(tokens), "token_ids": tokens, **more}]}
+
+
+def assert_upstream_error(payloads: list[bytes]) -> None:
+    assert payloads[-1] == DONE and json.loads(payloads[-2])["error"]["type"] == "upstream_error", payloads
+
+
+@pytest.mark.parametrize("choices", [
+    [{"index": 0, "text": "a", "token_ids": [1]}, {"index": 0, "text": "b", "token_ids": [2]}],  # a duplicate
+    [{"index": 0, "text": "a", "token_ids": [1]}],  # one of two missing
+    [{"index": 0, "text": "a", "token_ids": [1]}, {"index": 7, "text": "b", "token_ids": [2]}],  # past the batch
+    [{"index": 0, "text": "a", "token_ids": [1]}, None],  # a choice that is not one
+])
+def test_a_batch_answer_must_hold_each_asked_choice_once(choices: list) -> None:
+    """Found by review: a duplicate index was merged into one answer (texts run together), a missing or extra
+    choice gave a batch of the wrong length, a null choice was dropped: all passed as success."""
+    translator = Translator(GenerateRequest(True, None, False, 0, -1, num_choices=2), lambda: None)
+    with pytest.raises(ServiceError) as info:
+        translator.answer(json.dumps({"choices": choices}).encode())
+    assert info.value.kind.name == "upstream_error"
+    one = Translator(GenerateRequest(False, None, False, 0, -1), lambda: None)
+    with pytest.raises(ServiceError):  # a single prompt's answer: index 3 of 1
+        one.answer(json.dumps({"choices": [{"index": 3, "text": "a", "token_ids": [1]}]}).encode())
+
+
+@pytest.mark.parametrize("bad", [
+    {"logprobs": {"token_logprobs": [-1.0], "top_logprobs": [None]}},  # 1 logprob for 2 tokens
+    {"logprobs": {"token_logprobs": ["-1", "x"], "top_logprobs": [None, None]}},  # not numbers
+    {"logprobs": None},  # none at all, though asked for
+    {"finish_reason": {"type": "length"}},  # not vLLM's string
+    {"finish_reason": "stop", "stop_reason": [1, 2]},
+    {"token_ids": [-5, 2]}, {"token_ids": [2**40, 2]},
+])
+def test_logprobs_finish_reasons_and_token_ids_of_the_wrong_shape_are_an_upstream_error(bad: dict) -> None:
+    """Found by review: logprobs shorter than the tokens were cut by zip, non-number logprobs and odd stop_reason
+    or finish_reason values were passed on, negative or huge token ids were output_ids: all as success."""
+    choice = {"index": 0, "text": "ab", "token_ids": [5, 6], "finish_reason": "length", **bad}
+    translator = Translator(GenerateRequest(False, None, True, 0, -1), lambda: None)
+    with pytest.raises(ServiceError) as info:
+        translator.answer(json.dumps({"choices": [choice]}).encode())
+    assert info.value.kind.name == "upstream_error"
+    assert_upstream_error(feed_stream(GenerateRequest(False, None, True, 0, -1), [{"choices": [choice]}],
+                                      b"data: [DONE]\n\n"))
+
+
+def test_a_stream_without_done_ends_with_an_error_and_nothing_passes_after_done() -> None:
+    """Found by review: a stream the engine closed without [DONE] ended in silence, and events after [DONE]
+    were translated and sent after it."""
+    request = GenerateRequest(False, None, False, 0, -1)
+    payloads = feed_stream(request, [piece(0, [1]), piece(0, [2])])
+    assert [json.loads(p)["output_ids"] for p in payloads[:2]] == [[1], [1, 2]]
+    assert_upstream_error(payloads)
+    after = feed_stream(request, [piece(0, [1], finish_reason="length")], b"data: [DONE]\n\n" + b"data: "
+                        + json.dumps(piece(0, [9])).encode() + b"\n\n")
+    assert len(after) == 2 and after[-1] == DONE
+
+
+@pytest.mark.parametrize("event", [b"data: hello\n\n", b"data: {\"choices\": null}\n\n", b"data: [1, 2]\n\n",
+                                   json.dumps(piece(4, [1])).encode().join([b"data: ", b"\n\n"])])
+def test_a_stream_event_that_is_not_a_completion_chunk_is_an_error_not_passed_on(event: bytes) -> None:
+    """Found by review: an event that was not JSON, or JSON without choices, reached the SGLang client as the
+    engine wrote it, and a choice index past the request's made a state of its own (unbounded)."""
+    payloads = feed_stream(GenerateRequest(False, None, False, 0, -1), [event], b"data: [DONE]\n\n")
+    assert len(payloads) == 2
+    assert_upstream_error(payloads)
+    engine_error = {"error": {"type": "BadRequestError", "message": "no"}}
+    assert json.loads(feed_stream(GenerateRequest(False, None, False, 0, -1), [engine_error])[0]) == engine_error
+
+
+def test_a_streams_answer_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by review: a stream's choices were put together without bound (the sidecar's memory grew with
+    whatever the engine streamed); past the bound the stream ends with an error."""
+    from node_sidecar.engines import vllm_answer
+
+    monkeypatch.setattr(vllm_answer, "MAX_STREAM_ANSWER_BYTES", 10_000)
+    payloads = feed_stream(GenerateRequest(False, None, False, 0, -1), [piece(0, [1] * 100)] * 50)
+    assert_upstream_error(payloads)
+    assert len(payloads) < 50
+
+
+def test_a_requests_choice_count_is_prompts_times_n() -> None:
+    for body, count in [({"text": "a"}, 1), ({"text": ["a", "b"]}, 2),
+                        ({"text": ["a", "b"], "sampling_params": {"n": 3, "temperature": 1}}, 6),
+                        ({"text": ["a", "b"], "sampling_params": {"n": 3, "temperature": 0}}, 6)]:
+        assert to_completion(json.dumps(body).encode())[1].num_choices == count

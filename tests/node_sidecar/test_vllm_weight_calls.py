@@ -121,3 +121,33 @@ async def test_an_update_resets_the_prefix_cache_or_says_it_could_not(monkeypatc
     engine = ResettingEngine(num_refusals=1000)
     answer = await vllm.VllmEngine(engine).update_weights_from_disk({**body, "flush_cache": False})
     assert answer["success"] is True and "/reset_prefix_cache" not in engine.paths
+
+
+class OddViewEngine:
+    """vLLM's view endpoints answering values of the wrong types (a hostile or broken engine)."""
+
+    base_url = "http://127.0.0.1:9"
+
+    async def call(self, method: str, path: str, body: object = None, **_: object) -> dict:
+        if path.startswith("/server_info"):
+            return {"vllm_config": {"device_config": {"device": {"kind": "cpu"}},
+                                    "parallel_config": {"worker_extension_cls": ["a", "b"]},
+                                    "model_config": {"model": 7, "enable_sleep_mode": "yes"}}}
+        if path == "/is_sleeping":
+            return {"is_sleeping": "true"}
+        if path == "/weight_info":
+            return {"weight_version": 3}
+        return {"version": {"major": 0}}
+
+
+async def test_a_view_of_the_wrong_types_is_not_adopted() -> None:
+    """``device``, ``worker_extension_cls`` and ``version`` were kept whatever their type (the device as the
+    text of a whole object; a list taken for an extension's class name): each is kept only as a string now, as
+    ``weight_version`` and the model path were (found by review)."""
+    from node_sidecar.engines import vllm
+
+    adapter = vllm.VllmEngine(OddViewEngine())
+    view = await adapter.read_view()
+    assert adapter.device == "cuda" and adapter.weight_sync.extension is None and adapter.version is None
+    assert adapter.model_path is None and adapter.sleep_mode is False and adapter.weight_version is None
+    assert view.memory_saver == "off" and all(state.value == "resident" for state in view.tags.values())

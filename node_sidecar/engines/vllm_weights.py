@@ -63,40 +63,55 @@ class VllmWeightSync:
                               "/update_weights_from_disk", extra={"path": path})
 
     async def rpc(self, method: str, timeout: float, **kwargs: Any) -> dict[str, Any]:
-        """One extension method on the worker; its ``{"ok": false}`` answers raised as handoff errors."""
+        """One extension method on every worker; a failure on any of them (its ``{"ok": false}`` answer, or an
+        answer that is not one) raised as a handoff error, never a success. An update that loaded on some workers
+        and failed on others leaves shards of two versions: :class:`WeightsLost`. Answers worker 0's result, its
+        ``complete`` true only if every worker's is."""
         answer = await self.engine.call("POST", "/collective_rpc", {"method": method, "kwargs": kwargs,
                                                                     "timeout": timeout}, timeout=timeout + 30)
         results = answer.get("results") if isinstance(answer, dict) else None
-        result = results[0] if isinstance(results, list) and results and isinstance(results[0], dict) else None
-        if result is None:
+        if not isinstance(results, list) or not results or not all(isinstance(r, dict) for r in results):
             raise EngineRefused(502, {"error": {"type": E.ENGINE_FAILED.name,
                                                 "message": f"vLLM's {method} answered {str(answer)[:200]}"}})
-        if result.get("ok") is not True:
+        failed = [(i, r) for i, r in enumerate(results) if r.get("ok") is not True]
+        if failed:
+            index, result = failed[0]
             kind = _ERRORS.get(str(result.get("error")), E.ENGINE_FAILED)
-            error = WeightsLost if result.get("weights_lost") else EngineRefused
-            raise error(kind.status, {"error": {"type": kind.name, "message": str(result.get("message"))}})
-        return result
+            mixed = method.startswith("handoff_update") and len(failed) < len(results)
+            lost = mixed or any(r.get("weights_lost") is True for _, r in failed)
+            error = WeightsLost if lost else EngineRefused
+            where = f" (worker {index} of {len(results)}; {len(failed)} failed)" if len(results) > 1 else ""
+            message = f"{str(result.get('message'))[:2000]}{where}"
+            if mixed:
+                message += "; the other workers loaded theirs, so the weights are not usable until a reload"
+            raise error(kind.status, {"error": {"type": kind.name, "message": message}})
+        return {**results[0], "complete": all(r.get("complete") is True for r in results)}
 
     async def group_call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         self.require(path)
         name = body["group_name"]
         if path == "/destroy_weights_update_group":
             left = await self.rpc("handoff_leave_group", self.timeout_s, group_name=name)
-            return {"success": True, "message": left["message"]}
+            return {"success": True, "message": _field(left, "message", str, method="handoff_leave_group")}
         await self.rpc("handoff_join_group", self.timeout_s, body=body, timeout_s=self.timeout_s)
         deadline = time.monotonic() + self.timeout_s + 5
         while True:
             state = await self.rpc("handoff_weight_group", 30, group_name=name)
-            if state["state"] == "joined":
+            if _field(state, "state", str, method="handoff_weight_group") == "joined":
                 return {"success": True, "message": "Succeeded to initialize custom process group.",
-                        "rank": state["rank"], "world_size": state["world_size"]}
+                        "rank": _field(state, "rank", int, method="handoff_weight_group"),
+                        "world_size": _field(state, "world_size", int, method="handoff_weight_group")}
             if time.monotonic() > deadline:
-                await self.rpc("handoff_leave_group", 30, group_name=name)
+                try:
+                    await self.rpc("handoff_leave_group", 30, group_name=name)
+                    abandoned = "the join was abandoned"
+                except EngineRefused as exc:  # the timeout is still the answer; the failed abandon is told in it
+                    abandoned = f"abandoning the join failed too ({exc.message}); destroy the group"
                 raise EngineRefused(E.WEIGHT_SYNC_TIMEOUT.status, {"error": {
                     "type": E.WEIGHT_SYNC_TIMEOUT.name,
                     "message": f"joining group {name!r} at {body['master_address']}:{body['master_port']} as rank "
                                f"{body['rank_offset']} of {body['world_size']} took over {self.timeout_s:g}s (did "
-                               "the trainer, rank 0, and every other rank join?); the join was abandoned"}})
+                               "the trainer, rank 0, and every other rank join?); " + abandoned}})
             await asyncio.sleep(POLL_S)
 
     def session_call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -128,5 +143,15 @@ class VllmWeightSync:
                                     serialized_named_tensors=body["serialized_named_tensors"],
                                     load_format=body.get("load_format"),
                                     release_sender_reference=body.get("release_sender_reference", True))
-        return {"success": True, "message": "Succeeded to update parameter online.", "loaded": result["loaded"],
+        loaded = _field(result, "loaded", int, method="update")
+        return {"success": True, "message": "Succeeded to update parameter online.", "loaded": loaded,
                 "complete": result.get("complete") is True, "duration_s": round(time.perf_counter() - started, 6)}
+
+
+def _field(result: dict[str, Any], key: str, kind: type, *, method: str) -> Any:
+    """``result[key]`` of an extension's successful answer, checked to be a ``kind``; 502 otherwise."""
+    value = result.get(key)
+    if not isinstance(value, kind) or isinstance(value, bool):
+        raise EngineRefused(502, {"error": {"type": E.ENGINE_FAILED.name,
+                                            "message": f"vLLM's {method} answered {key}={str(value)[:200]}"}})
+    return value

@@ -178,7 +178,7 @@ class HandoffWeightSync:
         """vLLM's in-place reload with these tensors (checkpoint format), the disk reload's own path."""
         try:
             self.reload_weights(weights_iterator=iter(named), is_checkpoint_format=True)
-        except (RuntimeError, ValueError, KeyError, AssertionError) as exc:
+        except Exception as exc:  # any failure part way (a TypeError, IndexError, ...) leaves the weights half-loaded
             return _failed(E.ENGINE_FAILED.name, f"vLLM's load of {len(named)} tensor(s) failed part way; its weights are "
                                             f"not usable until a reload succeeds: {exc}", weights_lost=True)
         complete = {name for name, _ in named} == set(self._handoff_shapes())

@@ -151,3 +151,106 @@ async def test_a_view_of_the_wrong_types_is_not_adopted() -> None:
     assert adapter.device == "cuda" and adapter.weight_sync.extension is None and adapter.version is None
     assert adapter.model_path is None and adapter.sleep_mode is False and adapter.weight_version is None
     assert view.memory_saver == "off" and all(state.value == "resident" for state in view.tags.values())
+
+
+class RpcEngine:
+    """vLLM's ``/collective_rpc`` answering scripted ``results`` (one per worker) for each extension method."""
+
+    base_url = "http://127.0.0.1:9"
+
+    def __init__(self, results: dict[str, list]) -> None:
+        self.results = results
+        self.methods: list[str] = []
+
+    async def call(self, method: str, path: str, body: dict | None = None, **_: object) -> dict:
+        assert path == "/collective_rpc" and body is not None
+        self.methods.append(body["method"])
+        return {"results": self.results[body["method"]]}
+
+
+def synced(results: dict[str, list]) -> VllmWeightSync:
+    sync = VllmWeightSync(RpcEngine(results), timeout_s=1)
+    sync.extension = "node_sidecar.engines.vllm_worker_ext.HandoffWeightSync"
+    return sync
+
+
+DISTRIBUTED = {"group_name": "g", "names": ["w"], "dtypes": ["float32"], "shapes": [[1]]}
+JOIN = {"group_name": "g", "master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1, "world_size": 2,
+        "backend": "gloo"}
+
+
+async def test_a_failure_on_any_worker_is_not_a_success() -> None:
+    """Only ``results[0]`` was read: with several workers (tensor parallel), worker 1 refusing or failing its load
+    while worker 0 loaded was answered success (found by review). Now any failure raises, and an update that loaded
+    on some workers but not others is WeightsLost (shards of two versions)."""
+    from node_sidecar.engines.vllm_weights import WeightsLost
+    from node_sidecar.errors import EngineRefused
+
+    ok = {"ok": True, "loaded": 1, "complete": True}
+    refused = {"ok": False, "error": "invalid_request", "message": "w: shape [1] does not match the model's [2]"}
+    sync = synced({"handoff_update_from_distributed": [ok, refused]})
+    with pytest.raises(WeightsLost) as lost:
+        await sync.update("/update_weights_from_distributed", DISTRIBUTED)
+    assert lost.value.status == 400 and "worker 1 of 2" in lost.value.message
+    sync = synced({"handoff_update_from_distributed": [refused, refused]})
+    with pytest.raises(EngineRefused) as both:
+        await sync.update("/update_weights_from_distributed", DISTRIBUTED)
+    assert not isinstance(both.value, WeightsLost) and both.value.type == "invalid_request"
+    sync = synced({"handoff_update_from_distributed": [ok, {**ok, "complete": False}]})
+    answer = await sync.update("/update_weights_from_distributed", DISTRIBUTED)
+    assert answer["success"] is True and answer["complete"] is False
+    joined = {"ok": True, "state": "joined", "rank": 1, "world_size": 2}
+    sync = synced({"handoff_join_group": [{"ok": True}, {"ok": True}],
+                   "handoff_weight_group": [joined, {"ok": False, "error": "weight_sync_timeout", "message": "x"}]})
+    with pytest.raises(EngineRefused) as join:
+        await sync.group_call("/init_weights_update_group", JOIN)
+    assert join.value.status == 504 and join.value.type == "weight_sync_timeout"
+
+
+async def test_a_success_answer_missing_its_fields_is_a_clear_502() -> None:
+    """An ``ok`` answer without ``loaded`` / ``state`` / ``message`` was a KeyError: a 500 (found by review)."""
+    from node_sidecar.errors import EngineRefused
+
+    for results, call, body in (
+            ({"handoff_update_from_distributed": [{"ok": True}]}, "/update_weights_from_distributed", DISTRIBUTED),
+            ({"handoff_join_group": [{"ok": True}], "handoff_weight_group": [{"ok": True}]},
+             "/init_weights_update_group", JOIN),
+            ({"handoff_leave_group": [{"ok": True}]}, "/destroy_weights_update_group", {"group_name": "g"})):
+        sync = synced(results)
+        with pytest.raises(EngineRefused) as refused:
+            if call in ("/init_weights_update_group", "/destroy_weights_update_group"):
+                await sync.group_call(call, body)
+            else:
+                await sync.update(call, body)
+        assert refused.value.status == 502 and refused.value.type == "engine_failed"
+
+
+async def test_a_join_timeout_is_the_answer_even_when_abandoning_it_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The abandon after a join's timeout raised its own error in place of the 504 (found by review)."""
+    from node_sidecar.engines import vllm_weights
+    from node_sidecar.errors import EngineRefused
+
+    monkeypatch.setattr(vllm_weights, "POLL_S", 0.01)
+    sync = synced({"handoff_join_group": [{"ok": True}], "handoff_weight_group": [{"ok": True, "state": "joining"}],
+                   "handoff_leave_group": [{"ok": False, "error": "engine_failed", "message": "gone"}]})
+    sync.timeout_s = -4.9  # the poll's deadline (timeout + 5s) is already past
+    with pytest.raises(EngineRefused) as timed_out:
+        await sync.group_call("/init_weights_update_group", JOIN)
+    assert timed_out.value.status == 504 and "abandoning the join failed too" in timed_out.value.message
+
+
+def test_a_load_failing_with_any_exception_reports_the_weights_lost(tmp_path: Path) -> None:
+    """Only RuntimeError/ValueError/KeyError/AssertionError were caught: a TypeError part way through vLLM's load
+    escaped the extension (vLLM answers 500) and the sidecar kept the half-loaded weights as valid (found by
+    review)."""
+    arch = builtin_arch("builtin:tiny")
+    weights = builtin_weights(arch, 0)
+    save_checkpoint(tmp_path, arch, weights)
+
+    class Failing(Worker):
+        def reload_weights(self, *, weights_iterator, is_checkpoint_format: bool) -> None:
+            next(weights_iterator)
+            raise TypeError("unexpected keyword")
+
+    answer = Failing(tmp_path)._handoff_load(list(weights.items()))
+    assert answer["ok"] is False and answer["weights_lost"] is True and "unexpected keyword" in answer["message"]

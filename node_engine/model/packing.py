@@ -181,6 +181,10 @@ class WeightPacking:
         if is_valid and not self._is_held_plain:
             self.try_pack()
 
+    @property
+    def is_held_plain(self) -> bool:
+        return self._is_held_plain
+
     def hold_plain(self, is_held: bool) -> None:
         """While held (SGLang's update session is open), a resume leaves the weights plain; :meth:`pack` and
         :meth:`repack_from` are not affected (the session's owner decides when to call them)."""

@@ -30,13 +30,17 @@ class WeightWriter:
         self._packing = packing
         self._reader = reader
         self._source_dtypes = source_dtypes
-        self.is_session_open = False
         names = {id(param): name for name, param in model.named_parameters(remove_duplicate=False)}
         packable = {names[id(p.weight)]: p for p in packing.projections}
         self._keys_of: dict[Projection, list[str]] = {}  # each packable projection's checkpoint keys, top row first
         for key, target in sorted(model.hf_weight_map().items(), key=lambda item: item[1].row_start or 0):
             if target.param_name in packable:
                 self._keys_of.setdefault(packable[target.param_name], []).append(key)
+
+    @property
+    def is_session_open(self) -> bool:
+        """SGLang's update session is open (the packing holds the weights plain for it)."""
+        return self._packing.is_held_plain
 
     def check(self, folder: Path) -> dict[str, TensorEntry]:
         """Headers only; any thread (reads the parameters' shapes, never their storage)."""
@@ -72,11 +76,9 @@ class WeightWriter:
         An unpack that fails (out of memory) opens no session: the projections it reached stay plain, the
         others packed, and updates go on as outside a session."""
         self._packing.unpack()
-        self.is_session_open = True
         self._packing.hold_plain(True)
 
     def close_session(self) -> None:
         """SGLang's ``end_weight_update``: the weights are packed again (released ones when they resume)."""
-        self.is_session_open = False
         self._packing.hold_plain(False)
         self._packing.try_pack()

@@ -166,13 +166,16 @@ def stage_update(model: CausalLM, entries: dict[str, TensorEntry], reader: Check
 
 def by_checkpoint_key(model: CausalLM, named: list[tuple[str, object]]) -> list[tuple[str, object]]:
     """Checkpoint keys for every tensor: a fused parameter's name (SGLang's ``direct`` format names
-    ``qkv_proj`` and ``gate_up_proj``) becomes the checkpoint tensors it holds, as row views."""
+    ``qkv_proj`` and ``gate_up_proj``) becomes the checkpoint tensors it holds, as row views, and a
+    vision-language model's names as transformers 5 holds them in memory (``model.language_model.``,
+    ``model.visual.``: what a trainer's ``state_dict()`` pushes) become the published ones."""
     fused: dict[str, list[tuple[str, WeightTarget]]] = {}
     for key, target in model.hf_weight_map().items():
         if target.row_start is not None:
             fused.setdefault(target.param_name, []).append((key, target))
     out: list[tuple[str, object]] = []
     for name, tensor in named:
+        name = canonical_key(name)
         parts = fused.get(name)
         if parts is None or not isinstance(tensor, torch.Tensor):
             out.append((name, tensor))
@@ -188,6 +191,7 @@ def by_checkpoint_key(model: CausalLM, named: list[tuple[str, object]]) -> list[
 def is_dropped_key(model: CausalLM, name: str) -> bool:
     """Whether an update's tensor of this name is taken and dropped, as at load: rotary buffers, and
     ``lm_head.weight`` of a model with tied embeddings."""
+    name = canonical_key(name)
     return bool(_IGNORED_KEYS.match(name)) or (model.arch.tie_word_embeddings and name == "lm_head.weight")
 
 

@@ -33,6 +33,13 @@ CONTROL_PARAMETERS: list[dict[str, Any]] = [
      "description": "seconds each node gets (0 < S <= --max-control-timeout; default --control-timeout)",
      "schema": {"type": "number", "exclusiveMinimum": 0}},
 ]
+# /flush_cache: SGLang's route takes ?timeout= >= 0 (0, its default, flush now): 0 is the LB's default there
+FLUSH_PARAMETERS: list[dict[str, Any]] = [
+    CONTROL_PARAMETERS[0],
+    {"name": "timeout", "in": "query", "required": False,
+     "description": "seconds each node gets (0 <= S <= --max-control-timeout; 0 or absent: --control-timeout)",
+     "schema": {"type": "number", "minimum": 0}},
+]
 NODE_PARAMETER: dict[str, Any] = {
     "name": "node", "in": "query", "required": False, "style": "form", "explode": True,
     "description": "a member to send the call to (repeatable; default: every member)",

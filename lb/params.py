@@ -22,8 +22,10 @@ def role_param(request: Request) -> Role | None:
         raise InvalidRequest(f"role must be one of {', '.join(r.value for r in Role)}, got {value!r}") from None
 
 
-def timeout_param(request: Request, config: LBConfig, default_s: float | None = None) -> float:
-    """``?timeout=S`` (0 < S <= --max-control-timeout), else ``default_s`` (--control-timeout when None)."""
+def timeout_param(request: Request, config: LBConfig, default_s: float | None = None, *,
+                  zero_is_default: bool = False) -> float:
+    """``?timeout=S`` (0 < S <= --max-control-timeout), else ``default_s`` (--control-timeout when None).
+    ``zero_is_default``: ``0`` is taken as absent (SGLang's ``/flush_cache?timeout=0``, its default)."""
     value = request.query_params.get("timeout")
     if value is None:
         return config.control_timeout_s if default_s is None else default_s
@@ -31,6 +33,8 @@ def timeout_param(request: Request, config: LBConfig, default_s: float | None = 
         timeout_s = float(value)
     except ValueError:
         raise InvalidRequest(f"timeout must be a number of seconds, got {value!r}") from None
+    if zero_is_default and timeout_s == 0:
+        return config.control_timeout_s if default_s is None else default_s
     if not 0 < timeout_s <= config.max_control_timeout_s:
         raise InvalidRequest(f"timeout must be > 0 and at most {config.max_control_timeout_s:g} s "
                              f"(--max-control-timeout), got {value}")

@@ -21,27 +21,29 @@ from handoff.service.bodies import openapi_body
 from lb.cluster import Cluster
 from lb.config import LBConfig
 from lb.node_answer import dumps_answer
-from lb.openapi import CONTROL_BODIES, CONTROL_PARAMETERS
+from lb.openapi import CONTROL_BODIES, CONTROL_PARAMETERS, FLUSH_PARAMETERS
 from lb.params import FANOUT_QUERY, check_query, role_param, timeout_param
 from lb.relay import client_gone_response
 
 __all__ = ["FanoutSend", "control_router", "fanned_out", "fanout_endpoint"]
 
 RELOAD_PATH = "/update_weights_from_disk"
+FLUSH_PATH = "/flush_cache"
 
 # what a route does with a checked request: (request, its body, the per-node timeout) -> (status, JSON answer)
 FanoutSend = Callable[[Request, bytes, float], Awaitable[tuple[int, dict[str, Any]]]]
 
 
 def fanout_endpoint(send: FanoutSend, admin: BearerToken, config: LBConfig, default_timeout_s: float | None = None,
-                    query: frozenset[str] = FANOUT_QUERY) -> Callable[[Request], Awaitable[Response]]:
+                    query: frozenset[str] = FANOUT_QUERY, *,
+                    zero_timeout_is_default: bool = False) -> Callable[[Request], Awaitable[Response]]:
     """An admin route that takes the query parameters ``query`` (any other is 400), checks ``?timeout=``
-    (``default_timeout_s`` when absent, else ``--control-timeout``), reads the body whole and answers what
-    ``send`` returns; a client gone before its body came gets nothing."""
+    (``default_timeout_s`` when absent, else ``--control-timeout``; ``0`` too with ``zero_timeout_is_default``),
+    reads the body whole and answers what ``send`` returns; a client gone before its body came gets nothing."""
     async def call(request: Request) -> Response:
         admin.check(request)
         check_query(request, query)
-        timeout_s = timeout_param(request, config, default_timeout_s)
+        timeout_s = timeout_param(request, config, default_timeout_s, zero_is_default=zero_timeout_is_default)
         try:
             body = await request.body()
         except ClientDisconnect:
@@ -63,12 +65,14 @@ def control_router(cluster: Cluster, config: LBConfig, admin: BearerToken) -> AP
     """One route per control path and method (one operation id each in the schema)."""
     router = APIRouter()
     for path, methods in CONTROL_ROUTES.items():
-        extra: dict[str, Any] = {"parameters": CONTROL_PARAMETERS}
+        extra: dict[str, Any] = {"parameters": FLUSH_PARAMETERS if path == FLUSH_PATH else CONTROL_PARAMETERS}
         if path in CONTROL_BODIES:
             extra.update(openapi_body(CONTROL_BODIES[path], required=False))
         # a disk reload moves weights as the weight calls do: the engine may read for its --reload-timeout (300 s)
         default_s = config.weight_sync_timeout_s if path == RELOAD_PATH else None
-        endpoint = fanout_endpoint(fanned_out(cluster, path), admin, config, default_s)
+        # SGLang's /flush_cache takes ?timeout= too (seconds to wait for idle, 0 by default): 0 is its default here
+        endpoint = fanout_endpoint(fanned_out(cluster, path), admin, config, default_s,
+                                   zero_timeout_is_default=path == FLUSH_PATH)
         for method in methods:
             router.add_api_route(path, endpoint, methods=[method], openapi_extra=extra,
                                  name=f"{method.lower()}_{path.strip('/')}")

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import psutil
 import torch
 
+from handoff.protocol.control import FLUSHED
 from node_engine.errors import (BackupFailed, InsufficientMemory, MemorySaverDisabledError, NoWeightsBackupError,
                                 RequestsInFlight)
 from node_engine.memory.manager import BackupUnreadable, NotEnoughMemory, NoWeightsBackup
@@ -132,7 +133,8 @@ class EngineControl:
                 "duration_s": round(duration, 6)}
 
     def flush_cache(self) -> dict[str, Any]:
-        return {"success": True, "num_cached_tokens_dropped": self.flush()}
+        """``message`` begins as SGLang's plain-text answer does: scripts written for SGLang look for it."""
+        return {"success": True, "message": FLUSHED, "num_cached_tokens_dropped": self.flush()}
 
     def flush(self) -> int:
         """Drop every cached prefix (in-use ones are freed when their requests end); returns tokens dropped."""

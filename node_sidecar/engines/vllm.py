@@ -42,6 +42,7 @@ from typing import Any
 from urllib.parse import urlencode
 
 from handoff.protocol import errors as E
+from handoff.protocol.control import FLUSHED
 from handoff.protocol.engines import EngineKind
 from handoff.protocol.tags import TAG_NAMES, TagState
 from handoff.service.errors import Conflict, Unsupported
@@ -271,7 +272,7 @@ class VllmEngine(ForeignEngine):
         delay = 0.02
         while True:
             if (await self.engine.call("POST", "/reset_prefix_cache")).get("success") is True:
-                return {"success": True, "message": "prefix cache reset"}
+                return {"success": True, "message": f"{FLUSHED} (vLLM's prefix cache was reset)"}
             if time.monotonic() + delay > deadline:
                 raise Conflict(f"vLLM could not reset its prefix cache within {timeout:g}s (running requests hold "
                                "blocks)", kind=E.REQUESTS_IN_FLIGHT)

@@ -213,6 +213,20 @@ def test_bad_role_and_timeout_parameters(module_fakes: FakeCluster, shared_lb: L
         assert answer.status_code == 400 and answer.json()["error"]["type"] == "invalid_request", params
 
 
+def test_flush_cache_takes_sglangs_timeout_zero(module_fakes: FakeCluster, shared_lb: LB) -> None:
+    """SGLang 0.5.23's ``/flush_cache`` takes ``?timeout=`` in seconds, 0 by default (``Query(0.0, ge=0.0)``:
+    flush now), and clients send ``?timeout=0`` explicitly. The LB refused it (400: its timeout had to be > 0).
+    On any other fan-out 0 stays a 400: there ``timeout`` is only the LB's."""
+    node = module_fakes.start_one()
+    set_members(shared_lb, node.url)
+    for method in ("GET", "POST"):
+        answer = shared_lb.http.request(method, "/flush_cache", params={"timeout": "0"})
+        assert answer.status_code == 200, (method, answer.text)
+    assert [r.method for r in node.requests_to("/flush_cache")] == ["GET", "POST"]
+    answer = shared_lb.http.post("/release_memory_occupation", params={"timeout": "0"}, json={})
+    assert answer.status_code == 400 and answer.json()["error"]["type"] == "invalid_request"
+
+
 def test_150_nodes_are_called_all_at_once(fakes: FakeCluster, start_lb) -> None:
     """Each node holds its answer until all 150 have the call (or 20 s pass): a fan-out that called them in
     turns, or in bounded waves, would never have them all in flight at once."""

@@ -106,6 +106,7 @@ class EngineControl:
         if engine.drill is not None:
             engine.drill.fire("resume")
         started = time.perf_counter()
+        released_before = set(engine.memory.released_tags())
         try:
             result = engine.memory.resume(tags, backup_optional=backup_optional)
         except BackupUnreadable as exc:
@@ -115,22 +116,28 @@ class EngineControl:
         except NotEnoughMemory as exc:
             raise InsufficientMemory(str(exc), extra={"needed_bytes": exc.needed_bytes, "free_bytes": exc.free_bytes,
                                                       "step_headroom_bytes": exc.step_headroom_bytes}) from exc
-        resumed = set(result.resumed)
-        if MemoryTag.KV_CACHE.value in resumed:
-            # The KV contents are gone: every slot is free again and no cached prefix survives.
-            engine.scheduler.slots.reset()
-            engine.scheduler.rows.reset()
-            if engine.scheduler.cache is not None:
-                engine.scheduler.cache.reset()
-            engine.runner.reset_kv_cache()
-        if MemoryTag.WORKSPACE.value in resumed:
-            engine.runner.reset_workspace()
+        finally:
+            # Also when it failed part way: the tags it brought back before that lost their contents all the same.
+            self._forget_contents(released_before - set(engine.memory.released_tags()))
         duration = time.perf_counter() - started
         engine.metrics.resume_seconds.observe(duration)
         log.info("resumed %s in %.3fs; weights_valid=%s", result.resumed, duration, result.weights_valid)
         return {"success": True, "resumed": result.resumed, "already_resident": result.already_resident,
                 "bytes_restored": result.bytes_restored, "weights_valid": result.weights_valid,
                 "duration_s": round(duration, 6)}
+
+    def _forget_contents(self, resumed: set[MemoryTag]) -> None:
+        """Resumed tags hold zeros (or undefined pages), whatever they held before their release."""
+        engine = self.engine
+        if MemoryTag.KV_CACHE in resumed:
+            # The KV contents are gone: every slot is free again and no cached prefix survives.
+            engine.scheduler.slots.reset()
+            engine.scheduler.rows.reset()
+            if engine.scheduler.cache is not None:
+                engine.scheduler.cache.reset()
+            engine.runner.reset_kv_cache()
+        if MemoryTag.WORKSPACE in resumed:
+            engine.runner.reset_workspace()
 
     def flush_cache(self) -> dict[str, Any]:
         """``message`` begins as SGLang's plain-text answer does: scripts written for SGLang look for it."""

@@ -58,6 +58,7 @@ class PrefixCache:
         self._root = _Node((), torch.empty(0, dtype=torch.int64), None)
         self._clock = itertools.count(1)
         self.num_cached_tokens = 0   # tokens whose slots the cache holds (detached ones included)
+        self._num_detached_tokens = 0  # of which in detached entries (dropped by a flush, still in use)
         self.epoch = 0               # bumped by every flush and reset
 
     @property
@@ -148,10 +149,11 @@ class PrefixCache:
 
     def flush(self) -> int:
         """Drop every cached prefix; returns the tokens dropped (in-use ones are freed when unlocked)."""
-        num_before = self.num_cached_tokens
+        num_before = self.num_cached_tokens - self._num_detached_tokens  # an earlier flush dropped those
         self.evict(self.num_cached_tokens)
         for node in self._nodes():  # still locked: detached with the old root, freed on their last unlock
             node.is_detached = True
+            self._num_detached_tokens += node.slots.numel()
         self._root = _Node((), self._root.slots, None)
         self.epoch += 1
         return num_before
@@ -165,6 +167,7 @@ class PrefixCache:
         # now rather than by the cycle collector's next pass, or never if the root is frozen out of it (gc.freeze)
         old.children = {}
         self.num_cached_tokens = 0
+        self._num_detached_tokens = 0
         self.epoch += 1
 
     @property
@@ -186,4 +189,6 @@ class PrefixCache:
         del parent.children[node.key[0]]
         self.slots.free(node.slots)
         self.num_cached_tokens -= node.slots.numel()
+        if node.is_detached:
+            self._num_detached_tokens -= node.slots.numel()
         node.parent = None

@@ -147,3 +147,19 @@ def test_reset_frees_the_old_tree_when_the_first_root_is_frozen() -> None:
         assert [ref() for ref in cached] == [None, None, None]
     finally:
         gc.unfreeze()
+
+
+def test_a_second_flush_does_not_count_again_what_the_first_dropped() -> None:
+    """Entries in use at a flush are dropped by it (freed at their last unlock): a second flush before then
+    reported them dropped again (a weight update per bucket with ``flush_cache`` under an in-place pause)."""
+    cache, slots = cache_with()
+    cache.insert([1, 2, 3], slots.allocate(3))
+    cache.insert([5, 6], slots.allocate(2))
+    _, in_use = cache.match([1, 2, 3])
+    cache.lock(in_use)
+    assert cache.flush() == 5
+    cache.insert([7, 8], slots.allocate(2))
+    assert cache.flush() == 2
+    assert cache.num_cached_tokens == 3  # the slots it still holds: the detached entry in use
+    cache.unlock(in_use)
+    assert slots.num_used == 0 and cache.num_cached_tokens == 0 and cache.flush() == 0

@@ -172,3 +172,38 @@ async def test_weights_written_before_a_backed_up_release_still_count_after_it(t
         await engine.call(lambda: engine.control.release(_W, True))
         await engine.call(lambda: engine.control.resume(_W))
         assert (await _push(engine, items[10:]))["weights_valid"]
+
+
+class FailsOnceSaver(CpuSaver):
+    """The CPU backend, but the resume of ``fail_next`` raises once, as a storage that cannot get its memory
+    back does (``resize_`` out of host memory, a CUDA map out of device memory)."""
+
+    fail_next: MemoryTag | None = None
+
+    def resume(self, tag: MemoryTag) -> int:
+        if tag is self.fail_next:
+            self.fail_next = None
+            raise RuntimeError(f"cannot allocate the {tag.value} storages (simulated)")
+        return super().resume(tag)
+
+
+def test_a_resume_that_fails_after_the_kv_pool_came_back_still_forgets_the_cached_prefixes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A resume of kv_cache and workspace failed at the workspace, after the KV pool came back (zeroed): the
+    scheduler kept its slots and the prefix cache its entries, and the retried resume found kv_cache already
+    resident and reset nothing, so a repeated prompt reused cached prefixes that were zeros (outputs off)."""
+    saver = FailsOnceSaver(tmp_path / "backup")
+    monkeypatch.setattr(engine_module, "make_saver", lambda config: saver)
+    engine = Engine(EngineConfig(model_path="builtin:tiny", max_total_tokens=1024, enable_memory_saver=True))
+    expected = generate_together(engine, PROMPTS)
+    assert engine.scheduler.cache is not None and engine.scheduler.cache.num_cached_tokens
+    tags = [MemoryTag.KV_CACHE, MemoryTag.WORKSPACE]
+    engine.control.release(tags, stage_to_cpu=None)
+    saver.fail_next = MemoryTag.WORKSPACE
+    with pytest.raises(RuntimeError, match="simulated"):
+        engine.control.resume(tags)
+    assert engine.memory.released_tags() == [MemoryTag.WORKSPACE]
+    engine.control.resume(tags)
+    slots = engine.scheduler.slots
+    assert engine.scheduler.cache.num_cached_tokens == 0 and slots.num_free == slots.capacity
+    assert generate_together(engine, PROMPTS) == expected

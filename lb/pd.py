@@ -110,38 +110,34 @@ class PDDispatcher:
                                           decode_out, wants_logprobs, watch)
 
     async def _call_pair(self, prefill: Node, decode: Node, path: str, data: bytes,
-                         headers: Mapping[str, str]) -> tuple[Outcome | None, Outcome]:
-        """Both calls at once (the prefill one in a task of its own); a failure is returned, not raised.
+                         headers: Mapping[str, str]) -> tuple[Outcome | None, Outcome | None]:
+        """Both calls at once, each in a task of its own; a failure is returned, not raised.
 
-        A decode call that failed or refused (an answer other than 2xx, read whole for the client) decides the
-        pair: the prefill call is given up at once (None), not awaited (a prefill node waits long for a decode
-        node that never comes). If this task is cancelled meanwhile
-        (the client left), the prefill call is given up and the decode response closed if it came: neither
-        node goes on for nobody.
+        Either node of a pair waits long for the other, so the first to fail decides the pair and the other
+        call is given up at once (None), not awaited: a decode call that failed or refused (an answer other
+        than 2xx, read whole for the client), or a prefill call that failed or refused (no response: a reroute
+        or an error) while the decode call is still under way. If this task is cancelled meanwhile (the client
+        left), both calls are given up (a response that came, closed): neither node goes on for nobody.
         """
         prefill_call = asyncio.ensure_future(self._caller.call(prefill, path, data, headers))
-        decode_out: Outcome | None = None
+        decode_call = asyncio.ensure_future(self._caller.call(decode, path, data, headers))
         try:
-            try:
-                decode_out = await self._caller.call(decode, path, data, headers)
-            except ServiceError as exc:
-                decode_out = exc
+            await asyncio.wait((prefill_call, decode_call), return_when=asyncio.FIRST_COMPLETED)
+            if not decode_call.done() and not isinstance(prefill_out := _outcome(prefill_call), UpstreamResponse):
+                _give_up(decode_call)  # the prefill node took nothing: the decode node would wait for it in vain
+                return prefill_out, None
+            decode_out = await _settled(decode_call)
             if isinstance(decode_out, UpstreamResponse) and not 200 <= decode_out.status < 300:
                 _give_up(prefill_call)  # the decode node refused: the prefill node would wait for it in vain
                 decode_out = await self._whole_refusal(decode, decode_out, path)
             if not isinstance(decode_out, UpstreamResponse):
                 _give_up(prefill_call)
                 return None, decode_out
-            try:
-                prefill_out: Outcome = await prefill_call
-            except ServiceError as exc:
-                prefill_out = exc
+            return await _settled(prefill_call), decode_out
         except BaseException:
             _give_up(prefill_call)
-            if isinstance(decode_out, UpstreamResponse):
-                decode_out.close()
+            _give_up(decode_call)
             raise
-        return prefill_out, decode_out
 
     async def _whole_refusal(self, node: Node, upstream: UpstreamResponse, path: str) -> Response | ServiceError:
         """A node's error answer, read whole for the client (or the error reading it)."""
@@ -225,6 +221,18 @@ def _give_up(call: asyncio.Future[Outcome]) -> None:
     call.add_done_callback(_discard)
 
 
+async def _settled(call: asyncio.Future[Outcome]) -> Outcome:
+    """What a node call came to, once it finished (:func:`_outcome`); cancelling the waiter leaves it running."""
+    await asyncio.wait((call,))
+    return _outcome(call)
+
+
+def _outcome(call: asyncio.Future[Outcome]) -> Outcome:
+    """A finished node call's result, or the :class:`ServiceError` it raised (any other exception raises)."""
+    error = call.exception()
+    return error if isinstance(error, ServiceError) else call.result()
+
+
 def _discard(call: asyncio.Future[Outcome]) -> None:
     if call.cancelled() or call.exception() is not None:
         return
@@ -232,7 +240,7 @@ def _discard(call: asyncio.Future[Outcome]) -> None:
         call.result().close()
 
 
-def _settle_failed_pair(prefill_out: Outcome | None, decode_out: Outcome) -> Response | None:
+def _settle_failed_pair(prefill_out: Outcome | None, decode_out: Outcome | None) -> Response | None:
     """One side did not take the request: close the other side; raise, answer, or None to re-pick."""
     for out in (prefill_out, decode_out):
         if isinstance(out, UpstreamResponse):

@@ -244,3 +244,60 @@ def test_a_decode_refusal_is_answered_at_once(fakes: FakeCluster, start_lb, stre
     assert answer.status_code == 400 and answer.json() == refusal, answer.text
     assert time.monotonic() - started < 10, "the client waited for the prefill node after the decode refused"
     wait_until(lambda: lb.node(prefill.url)["in_flight"] == 0, timeout=5, what="the prefill call given up")
+
+
+class BootstrapRooms:
+    """SGLang's PD hand-off, faked on the fakes' loop: a decode node answers once a prefill node took the
+    request's bootstrap room, and waits for it until its connection closes (a prefill node that never took the
+    request sends no KV)."""
+
+    def __init__(self) -> None:
+        self._taken: dict[int, asyncio.Event] = {}
+
+    def _room(self, exchange: Exchange) -> asyncio.Event:
+        return self._taken.setdefault(exchange.request.json()["bootstrap_room"], asyncio.Event())
+
+    async def prefill(self, node: FakeNode, exchange: Exchange) -> None:
+        self._room(exchange).set()
+        exchange.respond(200, PREFILL_ANSWER)
+
+    async def decode(self, node: FakeNode, exchange: Exchange) -> None:
+        taken = asyncio.ensure_future(self._room(exchange).wait())
+        closed = asyncio.ensure_future(exchange.wait_closed())
+        await asyncio.wait({taken, closed}, return_when=asyncio.FIRST_COMPLETED)
+        closed.cancel()
+        if taken.cancel():
+            return
+        exchange.respond(200, DECODE_ANSWER)
+
+
+@pytest.mark.parametrize("refusal", ["node_released", "weight_version_unavailable", "connection_refused"])
+def test_a_prefill_refusal_known_at_once_does_not_wait_for_the_decode(fakes: FakeCluster, start_lb,
+                                                                       refusal: str) -> None:
+    """Found by review: a prefill node that ran nothing (its connection refused, a not-serving 503, or a pin it
+    no longer serves) was noticed only once the decode node answered, and a real decode node waits for the KV
+    of a prefill node that never took the request: the client waited for the decode node's bootstrap timeout,
+    then got its error, where another prefill node could have served it at once. The decode call is given up
+    and the pair picked again as soon as the prefill refused."""
+    refusing, prefill, decode = fakes.start(3)
+    rooms = BootstrapRooms()
+    prefill.handlers["/generate"] = rooms.prefill
+    decode.handlers["/generate"] = rooms.decode
+    refusing.handlers["/generate"] = reply(503, {"error": {"type": refusal, "message": "refused"}})
+    lb = start_lb(*node_args(refusing.url, prefill.url, flag="--prefill"), "--decode", decode.url,
+                  "--policy", "round_robin", "--health-interval", "60", "--generate-timeout", "20",
+                  fast_health=False)
+    lb.wait_routable([refusing.url, prefill.url, decode.url])
+    if refusal == "connection_refused":
+        refusing.stop()
+    for _ in range(2):  # round robin: one of the two goes to the refusing prefill node first
+        started = time.monotonic()
+        try:
+            answer = lb.http.post("/generate", json={"text": "hi"}, headers={"X-Weight-Version": "default"},
+                                  timeout=8)
+        except httpx.ReadTimeout:
+            pytest.fail("the LB waited for the decode node after the prefill node refused")
+        assert answer.status_code == 200 and answer.json() == DECODE_ANSWER, answer.text
+        assert time.monotonic() - started < 5
+    assert len(refusing.requests_to("/generate")) == (0 if refusal == "connection_refused" else 1)
+    wait_until(lambda: lb.node(decode.url)["in_flight"] == 0, timeout=5, what="the decode calls given up")

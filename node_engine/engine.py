@@ -60,6 +60,15 @@ class DeviceFailed(RuntimeError):
     """A step raised an error that leaves the device unusable; the engine thread stops."""
 
 
+def _scores(logprobs: LogprobOptions | None, num_prompt: int) -> bool:
+    """Whether a request with ``max_new_tokens`` 0 still answers logprobs, so must be prefilled: the prompt's
+    (``logprob_start_len`` inside it), or the row after the prompt that ``top_logprobs_num`` or
+    ``token_ids_logprob`` asks for (SGLang's ``compute_logprobs_only``)."""
+    if logprobs is None:
+        return False
+    return 0 <= logprobs.start_len < num_prompt or logprobs.top_logprobs_num > 0 or logprobs.token_ids is not None
+
+
 class Engine:
     def __init__(self, config: EngineConfig, metrics: EngineMetrics | None = None, *,
                  on_fatal: Callable[[BaseException], None] | None = None) -> None:
@@ -147,7 +156,8 @@ class Engine:
         images (placeholders already expanded). ``use_prefix_cache`` false: it
         neither reuses cached KV nor leaves its own (cache isolation). With
         ``max_new_tokens`` 0 the prompt is still prefilled (and cached) if
-        ``prefill`` or if prompt logprobs are asked for.
+        ``prefill`` or if logprobs it answers are asked for: the prompt's, or the top / ``token_ids_logprob`` row of
+        the distribution after the prompt (SGLang's scoring request).
         """
         self._num_rids += 1
         rid = rid or f"req-{uuid.uuid4().hex[:16]}"
@@ -162,8 +172,7 @@ class Engine:
                                                              no_stop_trim=params.no_stop_trim),
                           on_output=handle.put, generator=generator, is_streaming=stream, mm=mm,
                           logprobs=logprobs, use_prefix_cache=use_prefix_cache,
-                          prefill_only=params.max_new_tokens == 0 and (prefill or (
-                              logprobs is not None and 0 <= logprobs.start_len < len(prompt_ids))))
+                          prefill_only=params.max_new_tokens == 0 and (prefill or _scores(logprobs, len(prompt_ids))))
         self._post(Add(request))
         return handle
 

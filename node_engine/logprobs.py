@@ -5,7 +5,9 @@ Which distribution (``layers/sampler.py``, ``layers/logprob_processor.py``):
 - **output tokens**: ``log_softmax(logits / temperature)`` of the logits after
   penalties and ``logit_bias`` (:mod:`node_engine.logits`) and *before* top-k,
   top-p and min-p filtering; a greedy request (temperature below 1e-6, or
-  ``top_k`` 1) uses temperature 1. The engine flag ``--return-original-logprob``
+  ``top_k`` 1) uses temperature 1. A request with ``max_new_tokens`` 0 that asks for
+  ``top_logprobs_num`` or ``token_ids_logprob`` gets one such row, of the distribution after the prompt,
+  without the temperature (SGLang's ``compute_logprobs_only``). The engine flag ``--return-original-logprob``
   (SGLang's ``SGLANG_RETURN_ORIGINAL_LOGPROB``) drops the temperature for every
   request. The top logprobs and ``token_ids_logprob`` of an output position come
   from the same distribution.
@@ -106,14 +108,18 @@ def _per_row(logprobs: torch.Tensor, options: Sequence[LogprobOptions]) -> tuple
 
 
 def output_logprobs(logits: torch.Tensor, params: Sequence[SamplingParams], options: Sequence[LogprobOptions | None],
-                    tokens: Sequence[int], *, original: bool = False) -> list[TokenLogprobs | None]:
-    """Logprobs of the sampled ``tokens`` for the rows of ``logits`` [B, V] whose ``options`` ask for them."""
+                    tokens: Sequence[int], *, original: bool = False,
+                    untempered: Sequence[bool] | None = None) -> list[TokenLogprobs | None]:
+    """Logprobs of the sampled ``tokens`` for the rows of ``logits`` [B, V] whose ``options`` ask for them;
+    ``untempered`` rows leave the temperature out (a ``max_new_tokens`` 0 request's row after the prompt, as
+    SGLang's ``compute_logprobs_only``)."""
     rows = [i for i, o in enumerate(options) if o is not None]
     result: list[TokenLogprobs | None] = [None] * len(options)
     if not rows:
         return result
     index = torch.tensor(rows, device=logits.device)
-    temperatures = torch.tensor([1.0 if original or params[i].is_greedy else params[i].temperature for i in rows],
+    temperatures = torch.tensor([1.0 if original or params[i].is_greedy or (untempered and untempered[i])
+                                 else params[i].temperature for i in rows],
                                 dtype=torch.float32, device=logits.device)
     logprobs = torch.log_softmax(logits.index_select(0, index) / temperatures.unsqueeze(1), dim=-1)
     logprobs.clamp_(min=_LOWEST)

@@ -65,6 +65,7 @@ class RequestOutput:
     num_retractions: int = 0               # times the request was preempted and recomputed
     output_logprobs: list[TokenLogprobs] | None = None  # one per token of token_ids_delta (when asked)
     input_logprobs: InputLogprobs | None = None         # once, in the first output after the prompt's prefill
+    scoring_logprobs: TokenLogprobs | None = None       # max_new_tokens 0: the top / token_ids row after the prompt
     error_type: str | None = None  # set (with ``error``) when the request failed instead of finishing
     error: str | None = None
 
@@ -100,6 +101,7 @@ class Request:
     use_prefix_cache: bool = True            # false: neither reuse cached KV nor leave its own
     prefill_only: bool = False               # max_new_tokens 0 that still prefills (prompt logprobs, n warm-up)
     output_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    scoring_logprobs: TokenLogprobs | None = None   # prefill_only: the row after the prompt (no token is kept)
     prompt_logprobs: PromptLogprobs | None = None   # computed so far (positions from logprob_start_len)
     prompt_logprobs_sent: bool = False
     arrival_time: float = field(default_factory=time.monotonic)
@@ -209,7 +211,7 @@ class Request:
             finish_reason=self.finish_reason, finish_json=self.finish_json,
             num_cached_tokens=self.num_cached_prompt_tokens, num_retractions=self.num_retractions,
             output_logprobs=self.output_logprobs[num_emitted:len(self.output_ids)] if self.logprobs else None,
-            input_logprobs=input_logprobs)
+            input_logprobs=input_logprobs, scoring_logprobs=self.scoring_logprobs if is_final else None)
 
 
 class RequestHandle:

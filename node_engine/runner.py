@@ -225,7 +225,8 @@ class ModelRunner:
         logprobs = None
         if any(r.logprobs is not None for r in requests):
             logprobs = output_logprobs(logits, params, [r.logprobs for r in requests], tokens,
-                                       original=self.config.return_original_logprob)
+                                       original=self.config.return_original_logprob,
+                                       untempered=[r.prefill_only for r in requests])
         return StepResult(tokens, logprobs, prompt_logprobs)
 
     def prepare_decode(self, step: Step) -> DecodeInputs:

@@ -240,6 +240,7 @@ class Scheduler:
             if request.state is not RequestState.RUNNING:
                 continue  # aborted while the step ran
             if request.prefill_only:  # its prompt is computed (and goes to the cache); it generates nothing
+                request.scoring_logprobs = token_logprobs  # but answers the top / token_ids row after the prompt
                 self.finish(request, FinishReason.LENGTH)
                 changed.append(request)
                 continue

@@ -61,6 +61,12 @@ def chunk_of(output: RequestOutput, options: LogprobOptions | None, tokenizer: T
     if output.output_logprobs:
         chunk.output_token_logprobs, chunk.output_top_logprobs, chunk.output_token_ids_logprobs = _output_lists(
             output.output_logprobs, output.token_ids_delta, options, texts)
+    scoring = output.scoring_logprobs
+    if scoring is not None:  # max_new_tokens 0: one top / token_ids row, no token (as SGLang answers a score)
+        if options.top_logprobs_num and scoring.top is not None:
+            chunk.output_top_logprobs = [_row(*scoring.top, texts)]
+        if options.token_ids is not None and scoring.token_ids is not None:
+            chunk.output_token_ids_logprobs = [_row(scoring.token_ids, options.token_ids, texts)]
     if output.input_logprobs is not None:
         chunk.input_token_logprobs, chunk.input_top_logprobs, chunk.input_token_ids_logprobs = _input_lists(
             output.input_logprobs, options, texts)

@@ -90,8 +90,8 @@ def _num_logprob_entries(spec: SequenceSpec) -> int:
     options = spec.logprobs
     if options is None:
         return 0
-    positions = spec.params.max_new_tokens + (len(spec.prompt_ids) - options.start_len if options.start_len >= 0
-                                              else 0)
+    num_prompt = len(spec.prompt_ids) - options.start_len if options.start_len >= 0 else 0
+    positions = max(spec.params.max_new_tokens, 1) + num_prompt  # max_new_tokens 0: still the row after the prompt
     return positions * (1 + options.top_logprobs_num + len(options.token_ids or ()))
 
 

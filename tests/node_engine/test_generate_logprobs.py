@@ -72,3 +72,21 @@ def test_streamed_logprobs_end_as_the_whole_answer(client) -> None:
     last = events[-1]["meta_info"]
     for key in ("output_token_logprobs", "output_top_logprobs", "input_token_logprobs", "input_top_logprobs"):
         assert last[key] == whole["meta_info"][key], key
+
+
+@pytest.mark.parametrize("start", [-1, 0])
+def test_a_prompt_only_request_answers_the_next_token_rows(client, start: int) -> None:
+    """SGLang's scoring request (its /v1/score sends it): max_new_tokens 0 with ``token_ids_logprob`` or
+    ``top_logprobs_num`` answers one output row, the distribution after the prompt (untempered), and no token."""
+    body = {"input_ids": PROMPT, "return_logprob": True, "logprob_start_len": start, "top_logprobs_num": 2,
+            "token_ids_logprob": [65, 66]}
+    scored = gen(client, {**body, "sampling_params": {"max_new_tokens": 0, "temperature": 0.5}})
+    meta = scored["meta_info"]
+    assert scored["output_ids"] == [] and meta["output_token_logprobs"] == []
+    assert meta["output_token_logprobs_length"] == 0
+    assert len(meta["input_token_logprobs"]) == (len(PROMPT) if start == 0 else 0)
+    one = gen(client, {**body, "sampling_params": {"max_new_tokens": 1, "temperature": 1.0}})["meta_info"]
+    for key in ("output_top_logprobs", "output_token_ids_logprobs"):
+        assert len(meta[key]) == 1, key
+        assert [e[1] for e in meta[key][0]] == [e[1] for e in one[key][0]], key
+        assert [e[0] for e in meta[key][0]] == pytest.approx([e[0] for e in one[key][0]], abs=1e-4), key

@@ -45,7 +45,8 @@ class GenerateFieldError(ValueError):
 
 
 class SamplingParamsBody(BaseModel):
-    """``sampling_params``; ``null`` for a field means its default, as in SGLang."""
+    """``sampling_params``; ``null`` for a field means its default, as in SGLang, but for ``max_new_tokens``:
+    left out it is 128, ``null`` is no limit but the context's (``model_fields_set`` tells them apart)."""
 
     model_config = STRICT
     max_new_tokens: int | None = None

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from handoff.protocol.generate_request import GenerateBody, GenerateFieldError
+from handoff.protocol.generate_request import GenerateBody, GenerateFieldError, SamplingParamsBody
 from handoff.protocol.generate_sequences import normalize
 from handoff.service.errors import InvalidRequest, ServiceError
 from node_engine.engine import Engine
@@ -46,8 +46,9 @@ def check_model(engine: Engine, model: str | None) -> None:
 
 async def plan_generate(engine: Engine, body: GenerateBody, images: ImageLoader, *,
                         default_max_new_tokens: Callable[[int], int] | None = None) -> GeneratePlan:
-    """``default_max_new_tokens``: a prompt's token count -> the limit of a sequence that names none
-    (``/generate``'s 128, unless given)."""
+    """``default_max_new_tokens``: a prompt's token count -> the limit of a sequence that leaves
+    ``max_new_tokens`` out (``/generate``'s 128, unless given); one that gives it as ``null`` may use what the
+    context leaves, as in SGLang."""
     default = default_max_new_tokens or engine.gate.default_max_new_tokens
     try:
         request = normalize(body, max_sequences=MAX_BATCH)
@@ -67,8 +68,10 @@ async def plan_generate(engine: Engine, body: GenerateBody, images: ImageLoader,
     sequences = []
     for seq in request.sequences:
         ids, mm = prompts[seq.prompt_index]
+        # SGLang tells max_new_tokens left out (its default) from an explicit null: no limit but the context
+        limit = engine.gate.room_after(len(ids)) if _explicit_null_limit(seq.sampling) else default(len(ids))
         try:
-            params = to_sampling_params(seq.sampling, default(len(ids)),
+            params = to_sampling_params(seq.sampling, limit,
                                         vocab_size=engine.arch.vocab_size, sample_index=seq.sample_index)
         except ValueError as exc:
             raise InvalidRequest(f"sampling_params: {exc}") from exc
@@ -83,6 +86,12 @@ async def plan_generate(engine: Engine, body: GenerateBody, images: ImageLoader,
                              f"top_logprobs_num + token_ids_logprob) x sequences), more than {MAX_LOGPROB_ENTRIES}: "
                              "ask for fewer positions (logprob_start_len), fewer top logprobs or fewer samples")
     return GeneratePlan(sequences, request.is_batch, request.n, body.return_prompt_token_ids)
+
+
+def _explicit_null_limit(sampling: SamplingParamsBody) -> bool:
+    """``max_new_tokens: null`` given (``sampling_params.py``: ``__post_init__`` keeps it, ``verify`` skips the
+    ``min_new_tokens`` bound, ``Scheduler.init_req_max_new_tokens`` runs to the end of the context)."""
+    return sampling.max_new_tokens is None and "max_new_tokens" in sampling.model_fields_set
 
 
 def _num_logprob_entries(spec: SequenceSpec) -> int:

@@ -48,4 +48,6 @@ def to_sampling_params(body: SamplingParamsBody, default_max_new_tokens: int, *,
         repetition_penalty=value("repetition_penalty", 1.0), min_new_tokens=value("min_new_tokens", 0),
         logit_bias=tuple(bias.items()), skip_special_tokens=value("skip_special_tokens", True),
         spaces_between_special_tokens=value("spaces_between_special_tokens", True),
-        no_stop_trim=value("no_stop_trim", False), stream_interval=value("stream_interval", 1))
+        no_stop_trim=value("no_stop_trim", False),
+        # SGLang: 0 (or null) is the server's interval, 1 here; below it, every step (output_streamer.py:455-468)
+        stream_interval=max(1, value("stream_interval", 1)))

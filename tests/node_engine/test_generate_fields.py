@@ -165,3 +165,29 @@ def test_penalties_change_a_greedy_continuation(client) -> None:
     assert all(abs((f - p) - 0.5 * i) < 1e-3 for i, (f, p) in enumerate(zip(frequency, plain)))
     assert abs(presence[0] - plain[0]) < 1e-3 and all(abs((q - p) - 2.0) < 1e-3
                                                       for q, p in zip(presence[1:], plain[1:]))
+
+
+def test_an_explicit_null_max_new_tokens_is_no_limit_but_the_context(client) -> None:
+    """SGLang tells ``max_new_tokens`` left out (128) from ``null``: ``SamplingParams.__post_init__`` keeps the
+    null (``sampling_params.py:149,191-251``), ``verify`` then skips ``min_new_tokens <= max_new_tokens``
+    (``:285``) and ``Scheduler.init_req_max_new_tokens`` lets the sequence run to the end of the context
+    (``scheduler.py:2693-2713``)."""
+    prompt = [256] + [65] * 3949  # 4096-token context: room for 145 more, past /generate's default of 128
+    unbounded = gen(client, {"input_ids": prompt, "sampling_params": {"temperature": 0, "ignore_eos": True,
+                                                                       "max_new_tokens": None}})
+    assert 128 < len(unbounded["output_ids"]) <= 4096 - len(prompt)
+    assert unbounded["meta_info"]["finish_reason"]["type"] == "length"
+    held = gen(client, {"input_ids": prompt, "sampling_params": {
+        "temperature": 0, "max_new_tokens": None, "min_new_tokens": 140, "logit_bias": {str(EOS): 100.0}}})
+    assert len(held["output_ids"]) == 141 and held["output_ids"][-1] == EOS
+    left_out = gen(client, {"input_ids": prompt, "sampling_params": {"temperature": 0, "ignore_eos": True}})
+    assert len(left_out["output_ids"]) == 128  # left out: SGLang's default
+
+
+@pytest.mark.parametrize("interval", [0, -1])
+def test_a_stream_interval_below_one_streams_every_token(client, interval: int) -> None:
+    """SGLang takes 0 for its server default (1) and streams a negative one every step
+    (``output_streamer.py:455-468``: ``stream_interval or default``, then ``num_unsent >= stream_interval``)."""
+    events, saw_done = read_stream(client, "/generate", {"text": "x", "stream": True, "sampling_params": dict(
+        GREEDY, stream_interval=interval)})
+    assert saw_done and [e["meta_info"]["completion_tokens"] for e in events] == [1, 2, 3, 4]

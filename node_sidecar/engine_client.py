@@ -120,7 +120,8 @@ class EngineClient:
     async def call(self, method: str, path: str, body: dict[str, Any] | bytes | None = None, *,
                    timeout: float | None = None) -> dict[str, Any]:
         """A JSON call (``body`` as an object, or bytes passed as they are); returns the engine's JSON
-        object on 2xx, raises otherwise."""
+        object on 2xx, raises otherwise (the engine's error status, or a 502 ``upstream_error`` for a 1xx or a 3xx:
+        a redirect passed on would read as the sidecar's own, without ``Location``)."""
         response, raw = await self.exchange(method, path, body, timeout=timeout)
         try:
             value = loads_bounded(raw) if raw else {}
@@ -129,6 +130,10 @@ class EngineClient:
                 raise EngineUnavailable(f"the engine's answer to {method} {path} cannot be read: {exc}",
                                         retry_after=1) from exc
             value = {"error": {"type": "engine_error", "message": raw[:200].decode("utf-8", "replace")}}
+        if 300 <= response.status < 400 or response.status < 200:  # a redirect is no answer: never passed on
+            raise EngineRefused(E.UPSTREAM_ERROR.status, {"error": {"type": E.UPSTREAM_ERROR.name, "message": (
+                f"the engine answered {method} {path} with {response.status}, not an answer to the call: what it "
+                "did is not known")}})
         if not 200 <= response.status < 300:
             retry_after = response.header("retry-after")
             raise EngineRefused(response.status, value if isinstance(value, dict) else {},

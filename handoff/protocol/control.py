@@ -22,7 +22,8 @@ DEADLINE_HEADER = "x-handoff-deadline"
 ReleaseMode = Literal["wait", "abort"]
 # SGLang's modes (abort, retract, in_place) and handoff's wait (drain, then pause).
 PauseMode = Literal["abort", "retract", "in_place", "wait"]
-# How SGLang's /flush_cache answer begins (plain text there); the message of every node's flush answer.
+# How SGLang's 2xx /flush_cache answer begins (plain text there, http_server.py:1031: its word that it was idle
+# and flushed); the message of every node's flush answer.
 FLUSHED = "Cache flushed."
 MAX_MODEL_PATH_CHARS = 4096  # PATH_MAX: longer is never a path
 MAX_NAME_CHARS = 1024  # a weight group's name, a weight version: past any real one

@@ -19,7 +19,9 @@ survives (line numbers: ``sglang/srt/`` of 0.5.23; the fake in
 - ``GET /health`` generates a token (fatal while released): liveness is
   ``GET /model_info``.
 - SGLang does not say what it has released: the adapter remembers its own
-  calls and forgets them when SGLang is a new process (``startup_time``). A
+  calls and forgets them when SGLang is a new process (``startup_time``, the
+  durations of its start: a server info without one is not SGLang's, and no
+  state is read from it). A
   release or resume SGLang got but did not answer in time still runs (it
   runs control calls in order), so it is remembered as done.
 - Tensor and broadcast updates run only inside SGLang's update session
@@ -40,13 +42,16 @@ survives (line numbers: ``sglang/srt/`` of 0.5.23; the fake in
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 import time
 from typing import Any
 
 from handoff.protocol import errors as E
+from handoff.protocol.control import FLUSHED, peer_weight_version
 from handoff.protocol.engines import EngineKind
 from handoff.protocol.tags import TAG_NAMES, TagState
-from handoff.service.errors import Conflict
+from handoff.service.errors import Conflict, ServiceError
 from handoff.service.peer_json import PeerJSONError, loads_bounded
 from node_sidecar.engines.base import EngineView, MemoryChange, TagMeaning, tags_named
 from node_sidecar.engines.foreign import ForeignEngine
@@ -56,7 +61,10 @@ IDLE_WAIT_S = 10.0           # how long SGLang may take to look idle once the si
 INFO_TIMEOUT_S = 5.0
 MAX_TP_SIZE = 1024  # a peer's figure: anything past it is not a tensor-parallel size
 WEIGHTS = "weights"
+ACKNOWLEDGED = ("status", "ok")  # in every 2xx of SGLang's /pause_generation and /continue_generation (1831-1857)
 WEIGHT_UPDATES = frozenset({"/update_weights_from_tensor", "/update_weights_from_distributed"})
+
+log = logging.getLogger(__name__)
 
 
 class SglangEngine(ForeignEngine):
@@ -81,8 +89,14 @@ class SglangEngine(ForeignEngine):
 
     async def read_view(self) -> EngineView:
         info = await self.engine.call("GET", "/get_server_info", timeout=INFO_TIMEOUT_S)
+        instance = info.get("startup_time")
+        if not isinstance(instance, (dict, int, float)) or isinstance(instance, bool):
+            # no process named: taken for a new one, it would forget every release SGLang still holds
+            raise EngineRefused(502, {"error": {"type": E.UPSTREAM_ERROR.name, "message": (
+                "SGLang's /get_server_info has no startup_time (an object in 0.5.23): not SGLang's answer, so the "
+                "node's state is not read from it")}})
         model = await self.engine.call("GET", "/model_info", timeout=INFO_TIMEOUT_S)
-        if self.adopt_instance(info.get("startup_time")):
+        if self.adopt_instance(instance):
             self.weights_garbage = self.is_session_open = self.updated_since_garbage = False
             self.pending_continue = None
         self.memory_saver = info.get("enable_memory_saver") is True
@@ -185,24 +199,30 @@ class SglangEngine(ForeignEngine):
         if WEIGHTS in self.released:
             await self.resume([WEIGHTS])
             resumed.append(WEIGHTS)
-        answer = await self._sglang_call(path, body, resumed=resumed)
+        answer = {**await self._sglang_call(path, body, resumed=resumed), "success": True, "resumed": resumed}
         version = body.get("weight_version")
-        if version is None:
-            version = (await self.engine.call("GET", "/model_info", timeout=INFO_TIMEOUT_S)).get("weight_version")
-        return {**answer, "success": True, "weight_version": version if isinstance(version, str) else None,
-                "resumed": resumed}
+        if version is None:  # SGLang kept its version: read, as a refresh
+            try:
+                version = (await self.engine.call("GET", "/model_info", timeout=INFO_TIMEOUT_S)).get("weight_version")
+            except ServiceError as exc:  # the update is done all the same: the version stays the one known
+                log.warning("the weight version after %s cannot be read: %s", path, exc.message)
+                return answer
+        return {**answer, "weight_version": version if isinstance(version, str) else None}
 
-    async def _sglang_call(self, path: str, body: dict[str, Any], *,
-                           resumed: list[str] | None = None) -> dict[str, Any]:
-        """SGLang's weight calls answer ``{"success", "message", ...}``, 400 when they failed."""
+    async def _sglang_call(self, path: str, body: dict[str, Any], *, resumed: list[str] | None = None,
+                           acknowledged: tuple[str, object] = ("success", True)) -> dict[str, Any]:
+        """SGLang's weight calls answer ``{"success", "message", ...}``, 400 when they failed; its pause and continue
+        ``{"message", "status": "ok"}`` (``acknowledged``: the field and value a 2xx must have to be its answer)."""
         response, raw = await self.engine.exchange("POST", path, body)
         answer = _json_object(raw)
-        if 200 <= response.status < 300 and answer.get("success") is not True:
-            if answer.get("success") is not False:  # not SGLang's answer: nothing can be taken from it
-                raise _not_understood(path, f"{response.status} without \"success\": true ({_quoted(raw)})",
-                                      resumed)
-        elif 200 <= response.status < 300:
+        key, value = acknowledged
+        is_2xx = 200 <= response.status < 300
+        if is_2xx and type(answer.get(key)) is type(value) and answer[key] == value:
             return answer
+        if response.status < 400 and not (is_2xx and key == "success" and answer.get(key) is False):
+            # not SGLang's answer (a 2xx without its word, a proxy's redirect): nothing can be taken from it
+            raise _not_understood(path, f"{response.status} without {json.dumps({key: value})[1:-1]} "
+                                        f"({_quoted(raw)})", resumed)
         raise EngineRefused(response.status if response.status >= 400 else 500, {"error": {
             "type": E.INVALID_REQUEST.name if response.status == 400 else E.ENGINE_FAILED.name,
             "message": f"SGLang {path}: {answer.get('message', _quoted(raw))}",
@@ -211,7 +231,7 @@ class SglangEngine(ForeignEngine):
     async def pause(self, mode: str) -> dict[str, Any]:
         """SGLang's own ``retract`` / ``in_place`` pause; a release under it waits for SGLang to look idle (the
         idle barrier), which ``in_place`` requests holding their KV prevent: 409, nothing released."""
-        return await self.engine.call("POST", "/pause_generation", {"mode": mode})
+        return await self._sglang_call("/pause_generation", {"mode": mode}, acknowledged=ACKNOWLEDGED)
 
     async def continue_generation(self, *, torch_empty_cache: bool) -> dict[str, Any]:
         """Sent now, or held back while a tag is released or the weights are garbage (module docstring)."""
@@ -219,7 +239,8 @@ class SglangEngine(ForeignEngine):
             self.pending_continue = torch_empty_cache
             return {"held_back": True}
         self.pending_continue = None
-        return await self.engine.call("POST", "/continue_generation", {"torch_empty_cache": torch_empty_cache})
+        return await self._sglang_call("/continue_generation", {"torch_empty_cache": torch_empty_cache},
+                                       acknowledged=ACKNOWLEDGED)
 
     async def _send_pending_continue(self) -> None:
         if self.pending_continue is not None and not self.released and not self.weights_garbage:
@@ -228,7 +249,7 @@ class SglangEngine(ForeignEngine):
     async def info(self, path: str) -> dict[str, Any] | None:
         if path == "/get_weight_version":  # not in SGLang 0.5.23: its /model_info carries the version
             model = await self.engine.call("GET", "/model_info", timeout=INFO_TIMEOUT_S)
-            return {"weight_version": model.get("weight_version")}
+            return {"weight_version": peer_weight_version(model.get("weight_version"))}
         return None
 
     async def flush_cache(self, timeout: float) -> dict[str, Any]:
@@ -242,11 +263,12 @@ class SglangEngine(ForeignEngine):
         while True:
             response, raw = await self.engine.exchange("POST", "/flush_cache", timeout=max(1.0, timeout))
             text = raw[:300].decode("utf-8", "replace").strip()
-            if 200 <= response.status < 300:
+            if 200 <= response.status < 300 and text.startswith(FLUSHED):
                 return text
-            if response.status != 400:
-                raise EngineRefused(response.status, {"error": {"type": E.UPSTREAM_ERROR.name,
-                                                                "message": f"SGLang /flush_cache: {text}"}})
+            if response.status != 400:  # not SGLang's answer (a proxy's page, an error page): no word that it is idle
+                raise EngineRefused(502, {"error": {"type": E.UPSTREAM_ERROR.name, "message": (
+                    f"SGLang answered /flush_cache with {response.status} {text[:200]!r}: not SGLang's answer, so it "
+                    "is not known to have flushed or to be idle (a release waiting for it is not sent)")}})
             if time.monotonic() + delay > deadline:
                 raise Conflict(f"SGLang still has requests pending after {timeout:g}s (its /flush_cache: {text!r}); "
                                "nothing was released", kind=E.REQUESTS_IN_FLIGHT)

@@ -450,3 +450,110 @@ def test_a_flush_its_client_left_stops_holding_the_control_lock(make_node) -> No
     assert time.monotonic() - started < 5
     running[0].finish()
     node.assert_fake_alive()
+
+
+@pytest.mark.parametrize("info", ["{}", "[]", '{"startup_time": null, "enable_memory_saver": true}'])
+def test_server_info_that_names_no_sglang_process_forgets_no_release(make_node, info: str) -> None:
+    """SGLang does not say what it released: the adapter forgets its releases when ``startup_time`` names another
+    process. A ``/get_server_info`` 2xx without one (a proxy's ``{}``, a list) was taken for a new process: the
+    tags released in SGLang were read back as resident, the node served, and the next generation ran on unmapped
+    memory (found by review). Such an answer is not SGLang's: the state is not read from it."""
+    node = make_node("--enable-memory-saver", "--enable-weights-cpu-backup")
+    assert node.post("/release_memory_occupation").status_code == 200
+    fault_next(node, "/get_server_info", status=200, raw=info, content_type="application/json")
+    fault_next(node, "/resume_memory_occupation", status=400, raw='{"error": {"message": "refused"}}',
+               content_type="application/json")
+    assert node.post("/resume_memory_occupation").status_code == 400  # a failed call: the state is read again
+    view = node.occupation()
+    assert view["serving"] is False and {row["state"] for row in view["tags"].values()} == {"released"}, view
+    assert node.post("/generate", {"text": "x"}).status_code == 503
+    assert node.post("/resume_memory_occupation").json()["serving"] is True
+    node.assert_fake_alive()
+
+
+def test_get_weight_version_reports_only_a_version_a_client_could_set(make_node) -> None:
+    """``/get_weight_version`` is read from SGLang's ``/model_info``; what it carried was relayed as it came (a
+    70 kB string), where the node's state holds no version for it (found by review). It is the node's rule now:
+    1 to 1024 characters, else no version."""
+    node = make_node("--weight-version", "v" * 70_000)
+    assert httpx.get(node.sidecar.url + "/get_weight_version", timeout=10).json() == {"weight_version": None}
+    node.assert_fake_alive()
+
+
+def test_a_flush_answer_that_is_not_sglangs_is_no_idle_barrier(make_node) -> None:
+    """A release waits for SGLang to flush, its only word that it is idle (a release while busy kills it). Any 2xx
+    was taken for that word: a proxy's 200 page under an ``in_place`` pause sent the release to a busy SGLang, which
+    died; an error page's 500 was the sidecar's own 500 (found by review). Neither is SGLang's answer: 502
+    ``upstream_error``, nothing released."""
+    node = make_node("--enable-memory-saver", "--enable-weights-cpu-backup")
+    kept = start_clients(node.sidecar.url + "/generate", stream_body(300), 1)
+    assert kept[0].started_streaming.wait(10)
+    assert node.post("/pause_generation", {"mode": "in_place"}).status_code == 200
+    fault_next(node, "/flush_cache", status=200, raw="<html>OK</html>", content_type="text/html")
+    refused = node.post("/release_memory_occupation", {"tags": ["kv_cache"]})
+    assert refused.status_code == 502 and refused.json()["error"]["type"] == "upstream_error", refused.text
+    assert not any(call.startswith("release") for call in node.fake_state()["calls"])
+    assert node.occupation()["tags"]["kv_cache"]["state"] == "resident"
+    fault_next(node, "/flush_cache", status=500, raw="<html>Internal Server Error</html>", content_type="text/html")
+    failed = node.post("/flush_cache")
+    assert failed.status_code == 502 and failed.json()["error"]["type"] == "upstream_error", failed.text
+    assert node.post("/continue_generation").status_code == 200
+    assert kept[0].finish(60).saw_done
+    node.assert_fake_alive()
+
+
+@pytest.mark.parametrize("raw", ["{}", '{"status": "error", "message": "not paused"}', "upstream connect error"])
+def test_a_pause_or_continue_sglang_did_not_acknowledge_changes_nothing(make_node, raw: str) -> None:
+    """SGLang's pause and continue answer 200 ``{"message", "status": "ok"}`` (``http_server.py:1831-1857``). Any
+    2xx JSON object was taken for them (found by review): a continue SGLang never acknowledged unpaused the node
+    while SGLang still held every request, and a pause was reported done. It is a 502 now, the node as it was."""
+    node = make_node("--enable-memory-saver", "--enable-weights-cpu-backup")
+    fault_next(node, "/pause_generation", status=200, raw=raw, content_type="application/json")
+    refused = node.post("/pause_generation", {"mode": "retract"})
+    assert refused.status_code == 502 and refused.json()["error"]["type"] == "upstream_error", refused.text
+    assert node.occupation()["paused"] is False
+    assert node.post("/pause_generation", {"mode": "retract"}).status_code == 200
+    fault_next(node, "/continue_generation", status=200, raw=raw, content_type="application/json")
+    refused = node.post("/continue_generation", {})
+    assert refused.status_code == 502 and refused.json()["error"]["type"] == "upstream_error", refused.text
+    assert node.occupation()["paused"] is True
+    assert node.post("/continue_generation", {}).status_code == 200
+    assert node.occupation()["paused"] is False and greedy(node)
+    node.assert_fake_alive()
+
+
+def test_a_reload_sglang_did_is_not_undone_by_the_version_read_after_it(make_node, checkpoint: Path) -> None:
+    """A reload without ``weight_version`` reads the version from SGLang's ``/model_info`` afterwards; that read
+    failing (an error page) failed the reload SGLang had done: a 500, and the node left ``weights_valid: false``,
+    not serving on weights SGLang had loaded (found by review). The reload stands; the version stays as known."""
+    node = make_node("--enable-memory-saver", sidecar_flags=("--engine-poll-interval", "60"))
+    assert node.post("/release_memory_occupation").status_code == 200
+    assert node.post("/resume_memory_occupation").json()["weights_valid"] is False
+    fault_next(node, "/model_info", status=500, raw="<html>Internal Server Error</html>", content_type="text/html")
+    loaded = node.post("/update_weights_from_disk", {"model_path": str(checkpoint)})
+    assert loaded.status_code == 200, loaded.text
+    assert "update_weights_from_disk" in node.fake_state()["calls"]
+    view = node.occupation()
+    assert view["weights_valid"] is True and view["serving"] is True and view["weight_version"] == "default", view
+    assert greedy(node)
+    node.assert_fake_alive()
+
+
+def test_a_redirect_is_no_answer_to_a_control_call(make_node) -> None:
+    """A proxy in front of SGLang that redirects (to a login page, say) answered no control call, yet its 302 was
+    passed on as the sidecar's own status, without ``Location`` (``raise_for_status`` lets a 3xx through: a
+    trainer took the release for done), a 304 lost the error's body, and a weight call's 3xx became a 500 (found
+    by review). Each is a 502 ``upstream_error``; nothing is recorded as done."""
+    node = make_node("--enable-memory-saver", "--enable-weights-cpu-backup")
+    for status in (302, 304):
+        fault_next(node, "/release_memory_occupation", status=status, raw="")
+        refused = node.post("/release_memory_occupation", {"tags": ["kv_cache"]})
+        assert refused.status_code == 502 and refused.json()["error"]["type"] == "upstream_error", refused.text
+        assert node.occupation()["tags"]["kv_cache"]["state"] == "resident"
+    fault_next(node, "/begin_weight_update", status=307, raw="")
+    refused = node.post("/begin_weight_update", {})
+    assert refused.status_code == 502 and refused.json()["error"]["type"] == "upstream_error", refused.text
+    assert node.fake_state()["offload_tags"] == [] and node.occupation()["serving"] is True
+    assert node.post("/release_memory_occupation", {"tags": ["kv_cache"]}).status_code == 200
+    assert node.post("/resume_memory_occupation").status_code == 200
+    node.assert_fake_alive()

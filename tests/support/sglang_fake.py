@@ -54,8 +54,9 @@ torch_memory_saver 0.0.10, which SGLang's memory saver calls):
 - ``POST /abort_request`` answers 200 with no body (``http_server.py:1721-1731``);
   ``POST /update_weights_from_disk`` answers ``{"success", "message",
   "num_paused_requests"}``, 400 when it fails (``http_server.py:1300-1326``);
-  ``GET /get_server_info`` is the flat server arguments plus ``version``
-  (``http_server.py:853-890``, ``utils/common.py:3584-3593``), ``api_key`` and
+  ``GET /get_server_info`` is the flat server arguments plus ``version`` and
+  ``startup_time``, an object of startup durations (``http_server.py:853-890``,
+  ``observability/startup_time.py``; :func:`startup_time`), ``api_key`` and
   ``admin_api_key`` among them as given (``arg_groups/fields/serving.py:160-167``),
   and ``launch_command``, the command line joined with only the watermark
   config hidden (``server_args.py:717``, ``sampling/watermarking/core.py:110``);
@@ -209,6 +210,13 @@ def _allocate(num_bytes: int) -> mmap.mmap:
     for offset in range(0, num_bytes, mmap.PAGESIZE):
         region[offset] = 1
     return region
+
+
+def startup_time(fake: FakeSglang) -> dict[str, Any]:
+    """SGLang's ``startup_time``: the durations of its start's phases (``observability/startup_time.py:62-70``, set
+    at ``http_server.py:284``), an object that differs from one process to the next."""
+    return {"load_weight": 1.5, "kv_cache_allocation": 0.25, "scheduler_e2e": 3.0, "cuda_graph": {},
+            "tokenizer_e2e": fake.startup_time % 1000}
 
 
 def _text(ids: list[int]) -> str:
@@ -366,7 +374,7 @@ def create_app(fake: FakeSglang) -> Any:
                              "enable_weights_cpu_backup": fake.enable_weights_cpu_backup, "tp_size": fake.tp_size,
                              "api_key": fake.api_key, "admin_api_key": fake.admin_api_key,
                              "launch_command": fake.launch_command, **fake.server_info_extra,
-                             "startup_time": fake.startup_time, "internal_states": [{}], "version": VERSION,
+                             "startup_time": startup_time(fake), "internal_states": [{}], "version": VERSION,
                              "frontend": "python"})
 
     async def model_info(request: Request) -> Response:

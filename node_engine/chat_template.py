@@ -12,7 +12,8 @@ Rules:
   list of text parts joined with single spaces, as SGLang joins them.
 - ``chat_template_kwargs`` are passed to the template as extra variables
   (``enable_thinking`` for Qwen3, say); they may not replace the variables the
-  renderer sets itself.
+  renderer sets itself, nor name a ``chat_template`` (a 400, as in SGLang without
+  ``--trust-request-chat-template``: ``serving_chat.py`` ``_validate_request``).
 """
 
 from __future__ import annotations
@@ -42,6 +43,9 @@ def render(source: str, messages: list[dict[str, Any]], *, add_generation_prompt
     clashing = sorted(RESERVED_VARIABLES & set(extra))
     if clashing:
         raise ChatTemplateError(f"chat_template_kwargs may not set {clashing[0]!r}: the server sets it")
+    if "chat_template" in extra:
+        raise ChatTemplateError("chat_template_kwargs may not set 'chat_template': a request-supplied chat template "
+                                "is not allowed (the model's is used)")
     try:
         return _compile(source).render(**extra, messages=messages, add_generation_prompt=add_generation_prompt,
                                        bos_token=bos_token, eos_token=eos_token, tools=None, documents=None)

@@ -27,7 +27,8 @@ class StreamOptions(BaseModel):
 # given, so ``/generate``'s rules (implemented, accepted as metadata, default only) apply to them unchanged.
 FORWARDED_TO_GENERATE = ("extra_key", "cache_salt", "priority", "session_id", "session_params",
                          "data_parallel_rank", "return_routed_experts", "routed_experts_start_len",
-                         "images_config", "mm_processor_kwargs")
+                         "images_config", "mm_processor_kwargs", "bootstrap_host", "bootstrap_port", "bootstrap_room",
+                         "routed_dp_rank", "disagg_prefill_dp_rank")
 
 
 class _OpenAIRequest(BaseModel):
@@ -73,6 +74,11 @@ class _OpenAIRequest(BaseModel):
     routed_experts_start_len: Any = None
     images_config: Any = None
     mm_processor_kwargs: Any = None
+    bootstrap_host: Any = None  # SGLang's PDRoutingFields (protocol.py), a base of both bodies
+    bootstrap_port: Any = None
+    bootstrap_room: Any = None
+    routed_dp_rank: Any = None
+    disagg_prefill_dp_rank: Any = None
     # default only
     response_format: Any = None
     regex: Any = None

@@ -2,7 +2,9 @@
 
 Completions: ``logprobs`` is ``{"tokens", "token_logprobs", "top_logprobs",
 "text_offset"}`` (``text_offset`` -1 throughout, as SGLang answers it; with
-``echo`` the prompt's entries come first, its first token's logprob ``null``).
+``echo`` the prompt's entries come first, its first token's logprob ``null``;
+a token that is part of a character is named by its bytes read as latin-1,
+SGLang's ``_lossless_token_text``, so fragments keep distinct names).
 Chat: ``logprobs`` is ``{"content": [{"token", "bytes", "logprob",
 "top_logprobs": [{"token", "bytes", "logprob"}]}]}``. Usage counts each
 prompt once, however many samples it has.
@@ -25,11 +27,28 @@ def usage(answers: Sequence[SequenceAnswer | SequenceChunk], n: int) -> dict[str
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def completion_logprobs(tokens: Sequence[LogprobEntry], tops: Sequence[TopRow] | None) -> dict[str, Any]:
+def completion_logprobs(tokenizer: Tokenizer, tokens: Sequence[LogprobEntry], tops: Sequence[TopRow] | None,
+                        ) -> dict[str, Any]:
     return {"text_offset": [-1] * len(tokens),
             "token_logprobs": [entry[0] for entry in tokens],
-            "tokens": [entry[2] for entry in tokens],
-            "top_logprobs": [None if row is None else {entry[2]: entry[0] for entry in row} for row in tops or []]}
+            "tokens": [_lossless_text(tokenizer, entry) for entry in tokens],
+            "top_logprobs": [None if row is None else {_lossless_text(tokenizer, entry): entry[0] for entry in row}
+                             for row in tops or []]}
+
+
+def _lossless_text(tokenizer: Tokenizer, entry: LogprobEntry) -> str:
+    """A completions logprob's token name (SGLang 0.5.23 ``entrypoints/openai/utils.py`` ``_lossless_token_text``):
+    its text, unless that holds U+FFFD and the token's bytes are not UTF-8 (part of a character), then those bytes
+    read as latin-1, one character per byte, so two fragments never share the name U+FFFD."""
+    text = entry[2]
+    if text is not None and "\ufffd" not in text:
+        return text
+    raw = tokenizer.token_bytes(entry[1])
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return raw.decode("latin-1")
+    return text or ""
 
 
 def _token(tokenizer: Tokenizer, entry: LogprobEntry) -> dict[str, Any]:

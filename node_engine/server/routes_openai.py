@@ -177,7 +177,7 @@ async def completions(request: Request) -> Response:
         if with_prompt_logprobs and first:
             tokens = list(get("input_token_logprobs") or []) + tokens
             tops = list(get("input_top_logprobs") or []) + tops
-        return completion_logprobs(tokens, tops)
+        return completion_logprobs(engine.tokenizer, tokens, tops)
 
     return await _Answer(engine, "text_completion", run.rids, plan.n, body.model).respond(
         request, run, lambda i, a: {"index": i, "text": echoes[i] + a.text, "logprobs": lists(a, True),

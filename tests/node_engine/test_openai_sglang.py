@@ -217,3 +217,45 @@ def test_a_tool_messages_text_parts_are_joined_for_any_template() -> None:
     messages, _ = _messages(body, "openai")
     assert messages[1]["content"] == "r1 r2"
     assert messages[2]["content"] == "hi"
+
+
+def test_a_chat_template_in_chat_template_kwargs_is_refused_as_sglang_does(client: httpx.Client) -> None:
+    """SGLang 0.5.23 ``serving_chat.py:1108``: a request-supplied ``chat_template`` is a 400 unless the server
+    trusts it; it was passed to the template as an unused variable, so the request was served with another."""
+    r = client.post("/v1/chat/completions", json={"messages": [USER], "max_tokens": 1,
+                                                  "chat_template_kwargs": {"chat_template": "{{ 'x' }}"}})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["type"] == "invalid_request"
+    assert "chat_template" in r.json()["error"]["message"]
+
+
+def test_completion_logprobs_keep_each_byte_fragment_apart_as_sglang_does(engine: ServerProcess) -> None:
+    """SGLang 0.5.23 ``utils.py:177`` (``_lossless_token_text``): a token that is part of a character is named
+    by its bytes as latin-1, not U+FFFD, so ``top_logprobs`` keeps ``logprobs`` entries per position (two
+    fragments under one U+FFFD key dropped one and kept the other's logprob). This byte-level tokenizer's
+    tokens above 127 are all fragments."""
+    with openai.OpenAI(base_url=engine.url + "/v1", api_key="unused", timeout=60) as client:
+        whole = client.completions.create(model="m", prompt="hi", max_tokens=8, logprobs=5, temperature=0)
+        chunks = list(client.completions.create(model="m", prompt="hi", max_tokens=8, logprobs=5, temperature=0,
+                                                stream=True))
+    for logprobs in [whole.choices[0].logprobs] + [c.choices[0].logprobs for c in chunks if c.choices]:
+        assert logprobs is not None
+        assert not any("\ufffd" in token for token in logprobs.tokens), logprobs.tokens
+        assert [len(row) for row in logprobs.top_logprobs] == [5] * len(logprobs.tokens), logprobs.top_logprobs
+        for token, logprob, row in zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs):
+            assert row[token] == logprob  # temperature 0: the token is its row's best
+    assert "".join(whole.choices[0].logprobs.tokens).encode("latin-1").decode("utf-8", "replace") \
+        == whole.choices[0].text
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_pd_and_dp_routing_fields_are_taken_as_sglang_takes_them(client: httpx.Client, path: str) -> None:
+    """SGLang 0.5.23 ``protocol.py:348`` (``PDRoutingFields``, a base of both OpenAI bodies): a PD or DP router
+    adds them to OpenAI requests as to ``/generate``; they were 400 ``unknown field`` here."""
+    routing = {"bootstrap_host": "10.0.0.1", "bootstrap_port": 8998, "bootstrap_room": 7, "routed_dp_rank": 0,
+               "disagg_prefill_dp_rank": 0}
+    prompt = {"prompt": "hi"} if path == "/v1/completions" else {"messages": [USER]}
+    r = client.post(path, json={**prompt, "max_tokens": 1, **routing})
+    assert r.status_code == 200, r.text
+    r = client.post(path, json={**prompt, "max_tokens": 1, "routed_dp_rank": "zero"})
+    assert r.status_code == 400 and "routed_dp_rank" in r.json()["error"]["message"], r.text

@@ -42,6 +42,7 @@ class GenerateRequest:
     return_prompt_token_ids: bool = False
     num_prompts: int = 1  # vLLM's requests: "cmpl-<rid>-0" to "cmpl-<rid>-<num_prompts - 1>"
     num_choices: int = 1  # the choices the answer must hold, indexes 0 to num_choices - 1 (prompts x n)
+    prompt_only: bool = False  # max_new_tokens 0: vLLM generates one token (its least), the answer drops it
 
 
 # the most a stream's choices may hold put together (the data of the events read): SGLang's events each repeat the
@@ -128,12 +129,22 @@ class Translator:
 
     def result(self, index: int, state: ChoiceState) -> dict[str, Any]:
         rid = self.base_id if not self.request.is_batch else f"{self.base_id}-{index}"
+        finish_reason = self._finish_reason(state)
+        logprobs = self._logprobs(state) if self.request.return_logprob else {}
+        text, token_ids = state.text, list(state.token_ids)
+        if self.request.prompt_only:  # SGLang's max_new_tokens 0: nothing generated, finished by length 0
+            text, token_ids = "", []
+            if finish_reason is not None and finish_reason.get("type") != "abort":
+                finish_reason = finish_length(0)
+            if logprobs:  # the row after the prompt stays (SGLang's scoring request), the token it sampled not
+                logprobs["output_token_logprobs"] = []
+                if "output_top_logprobs" in logprobs:
+                    logprobs["output_top_logprobs"] = logprobs["output_top_logprobs"][:1]
         meta: dict[str, Any] = {
-            "id": rid, "finish_reason": self._finish_reason(state), "prompt_tokens": len(state.prompt_token_ids),
-            "completion_tokens": len(state.token_ids), "cached_tokens": 0, "weight_version": self.weight_version()}
-        if self.request.return_logprob:
-            meta.update(self._logprobs(state))
-        result = {"text": state.text, "output_ids": list(state.token_ids), "meta_info": meta}
+            "id": rid, "finish_reason": finish_reason, "prompt_tokens": len(state.prompt_token_ids),
+            "completion_tokens": len(token_ids), "cached_tokens": 0, "weight_version": self.weight_version(),
+            **logprobs}
+        result = {"text": text, "output_ids": token_ids, "meta_info": meta}
         if self.request.return_prompt_token_ids:
             result["prompt_token_ids"] = list(state.prompt_token_ids)
         return result

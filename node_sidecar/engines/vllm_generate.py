@@ -37,6 +37,14 @@ SAMPLING_FIELDS = {
 SAMPLING_UNSUPPORTED = frozenset({"stop_regex", "beam_width", "json_schema", "regex", "ebnf", "structural_tag",
                                   "custom_params", "watermark"})
 SGLANG_MAX_NEW_TOKENS = 128
+# SGLang's /generate samples with SamplingParams' own defaults (sampling_params.py:157-163); vLLM fills a field a
+# completion leaves out (or sends null) from the model's generation_config.json (--generation-config auto, its
+# default): each is sent, always. top_k 0 is vLLM's "off" (SGLang's -1, the whole vocabulary).
+SGLANG_SAMPLING_DEFAULTS: dict[str, Any] = {
+    "temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
+    "repetition_penalty": 1.0}
+SGLANG_GREEDY_BELOW = 1e-6    # SGLang samples greedily for 0 <= temperature < this (sampling_params.py:245)
+VLLM_MAX_TEMPERATURE = 2.0    # vLLM refuses a temperature above this; SGLang takes any finite one
 # GenerateReqInput's fields (managers/io_struct.py:177-330) beside those translated: ones that change nothing
 # here (routing, logging, tracing: accepted and unused), and ones that ask for what vLLM nodes do not do
 # (accepted unset: null, false, 0, empty; 400 unsupported otherwise).
@@ -63,8 +71,9 @@ def _is_unset(value: Any) -> bool:
     return value is None or value is False or value == 0 or value == [] or value == {}
 
 
-def to_completion(raw: bytes) -> tuple[bytes, GenerateRequest]:
-    """An SGLang ``/generate`` body as a vLLM ``/v1/completions`` body; 400 for what cannot be served."""
+def to_completion(raw: bytes, *, max_model_len: int | None = None) -> tuple[bytes, GenerateRequest]:
+    """An SGLang ``/generate`` body as a vLLM ``/v1/completions`` body; 400 for what cannot be served.
+    ``max_model_len``: vLLM's context, what an explicit null ``max_new_tokens`` asks for (None: not known)."""
     body = parse_json_bytes(raw)
     if not isinstance(body, dict):
         raise InvalidRequest("the body must be a JSON object")
@@ -75,7 +84,8 @@ def to_completion(raw: bytes) -> tuple[bytes, GenerateRequest]:
         raise Unsupported("sampling_params as a list (one per prompt) is not supported on vLLM nodes; give one "
                           "object for the whole batch", extra={"field": "sampling_params"})
     completion: dict[str, Any] = {"prompt": prompts if is_batch else prompts[0], "return_token_ids": True,
-                                  "stream": bool(body.get("stream", False)), "max_tokens": SGLANG_MAX_NEW_TOKENS}
+                                  "stream": bool(body.get("stream", False)), "max_tokens": SGLANG_MAX_NEW_TOKENS,
+                                  **SGLANG_SAMPLING_DEFAULTS}
     for name, value in params.items():
         if name == "n":
             continue  # below
@@ -87,7 +97,13 @@ def to_completion(raw: bytes) -> tuple[bytes, GenerateRequest]:
                 continue
             raise Unsupported(f"sampling_params.{name} is not supported on vLLM nodes",
                               extra={"field": f"sampling_params.{name}"})
-        if value is not None and not (name == "top_k" and value == -1):
+        if name == "max_new_tokens" and value is None:
+            completion[target] = _whole_context(max_model_len)
+        elif name == "max_new_tokens" and value == 0 and not isinstance(value, bool):
+            completion[target] = 1  # vLLM's least; the answer drops the token (GenerateRequest.prompt_only)
+        elif name == "temperature" and _is_number(value):
+            completion[target] = _temperature(value)
+        elif value is not None and not (name == "top_k" and value == -1):
             completion[target] = value
     rid = body.get("rid")
     if rid is not None:
@@ -98,14 +114,15 @@ def to_completion(raw: bytes) -> tuple[bytes, GenerateRequest]:
     n = _sample_count(params, len(prompts))
     if n > 1:
         is_batch = True  # SGLang answers a list for n > 1, prompt by prompt, each prompt's samples together
-        if params.get("temperature") == 0:  # vLLM refuses n > 1 when greedy; SGLang gives n equal answers
+        if completion["temperature"] == 0:  # vLLM refuses n > 1 when greedy; SGLang gives n equal answers
             completion["prompt"] = [prompt for prompt in prompts for _ in range(n)]
         else:  # vLLM's choices come in SGLang's order: index = prompt * n + sample
             completion["prompt"], completion["n"] = prompts, n
     request = GenerateRequest(is_batch, rid, bool(body.get("return_logprob")), _int(body, "top_logprobs_num", 0),
                               _int(body, "logprob_start_len", -1), bool(body.get("return_prompt_token_ids")),
                               num_prompts=len(completion["prompt"]) if is_batch else 1,
-                              num_choices=len(completion["prompt"]) * completion.get("n", 1) if is_batch else 1)
+                              num_choices=len(completion["prompt"]) * completion.get("n", 1) if is_batch else 1,
+                              prompt_only=_is_number(params.get("max_new_tokens")) and params["max_new_tokens"] == 0)
     if request.return_logprob:
         if body.get("return_text_in_logprobs"):
             raise Unsupported("return_text_in_logprobs is not supported on vLLM nodes",
@@ -118,6 +135,31 @@ def to_completion(raw: bytes) -> tuple[bytes, GenerateRequest]:
                                   "nodes; ask without stream", extra={"field": "logprob_start_len"})
             completion["prompt_logprobs"] = request.top_logprobs_num
     return json.dumps(completion).encode(), request
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _temperature(value: float) -> float:
+    """SGLang's temperature as vLLM's: greedy below SGLang's threshold (vLLM would raise a temperature under 0.01
+    to 0.01 and sample); above 2, which vLLM refuses, 400 ``unsupported``. A negative one is vLLM's to refuse."""
+    if 0 <= value < SGLANG_GREEDY_BELOW:
+        return 0.0
+    if value > VLLM_MAX_TEMPERATURE:
+        raise Unsupported(f"sampling_params.temperature above {VLLM_MAX_TEMPERATURE:g} is not supported on vLLM "
+                          f"nodes (vLLM refuses it), got {value!r}", extra={"field": "sampling_params.temperature"})
+    return value
+
+
+def _whole_context(max_model_len: int | None) -> int:
+    """An explicit null ``max_new_tokens``, SGLang's "up to the context": vLLM's ``max_model_len`` (vLLM caps it at
+    what the prompt leaves of the context)."""
+    if max_model_len is None:
+        raise Unsupported("sampling_params.max_new_tokens null (up to the context) needs vLLM's max_model_len, not "
+                          "read from its /server_info; give a number",
+                          extra={"field": "sampling_params.max_new_tokens"})
+    return max_model_len
 
 
 def _refuse_unknown(body: dict[str, Any]) -> None:

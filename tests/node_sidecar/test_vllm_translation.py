@@ -47,7 +47,8 @@ def test_request_fields_are_mapped_with_sglang_defaults() -> None:
         "rid": "r1", "bootstrap_room": 5})
     assert body == {"prompt": [1, 2], "return_token_ids": True, "stream": False, "max_tokens": 5, "temperature": 0,
                     "top_p": 0.9, "stop": ["x"], "stop_token_ids": [7], "ignore_eos": True, "min_tokens": 1,
-                    "include_stop_str_in_output": True, "seed": 3, "request_id": "r1"}
+                    "include_stop_str_in_output": True, "seed": 3, "request_id": "r1", "top_k": 0, "min_p": 0.0,
+                    "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0}
     assert completion({"text": "hi"})["max_tokens"] == 128  # SGLang's default, not vLLM's 16
     batch = completion({"text": ["a", "b"], "stream": True})
     assert batch["prompt"] == ["a", "b"] and batch["stream"] is True
@@ -88,6 +89,56 @@ def test_what_vllm_cannot_serve_is_refused_naming_the_field(body: dict, error: t
     with pytest.raises(error, match=name.replace("[", r"\[")):
         to_completion(json.dumps(body).encode())
     assert to_completion(json.dumps({"input_ids": [1], "lora_path": None, "return_hidden_states": False}).encode())
+
+
+def test_sglangs_sampling_defaults_are_always_sent() -> None:
+    """vLLM fills a field left out or null from the model's generation_config.json; SGLang's /generate uses its
+    SamplingParams defaults: each is sent, a null as SGLang's default."""
+    defaults = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "frequency_penalty": 0.0,
+                "presence_penalty": 0.0, "repetition_penalty": 1.0}
+    for params in ({}, dict.fromkeys(defaults)):
+        body = completion({"input_ids": [1], "sampling_params": params})
+        assert {k: body.get(k) for k in defaults} == defaults
+
+
+def test_max_new_tokens_null_asks_for_the_whole_context() -> None:
+    raw, _ = to_completion(json.dumps({"text": "a", "sampling_params": {"max_new_tokens": None}}).encode(),
+                           max_model_len=4096)
+    assert json.loads(raw)["max_tokens"] == 4096  # vLLM caps it at what the prompt leaves
+    with pytest.raises(Unsupported, match="sampling_params.max_new_tokens"):
+        to_completion(json.dumps({"text": "a", "sampling_params": {"max_new_tokens": None}}).encode())
+
+
+def test_temperature_below_sglangs_greedy_threshold_is_greedy_and_above_vllms_range_refused() -> None:
+    greedy = completion({"input_ids": [1], "sampling_params": {"temperature": 5e-7, "n": 2}})
+    assert greedy["temperature"] == 0 and greedy["prompt"] == [[1], [1]] and "n" not in greedy
+    assert completion({"input_ids": [1], "sampling_params": {"temperature": 1e-6}})["temperature"] == 1e-6
+    with pytest.raises(Unsupported, match="sampling_params.temperature"):
+        completion({"input_ids": [1], "sampling_params": {"temperature": 2.5}})
+
+
+def test_max_new_tokens_0_is_served_as_sglang_does() -> None:
+    """SGLang serves max_new_tokens 0 (a prompt scored: output_ids [], finish length 0; with top_logprobs_num
+    the row after the prompt, its scoring request); vLLM refuses max_tokens 0: it is asked for one token, the
+    answer drops it."""
+    raw, request = to_completion(json.dumps({"input_ids": [72, 101], "sampling_params": {"max_new_tokens": 0},
+                                             "return_logprob": True, "top_logprobs_num": 1,
+                                             "logprob_start_len": 0}).encode())
+    assert json.loads(raw)["max_tokens"] == 1 and json.loads(raw)["prompt_logprobs"] == 1
+    answer = {"choices": [{"index": 0, "text": "7", "finish_reason": "length", "stop_reason": None,
+                           "token_ids": [55], "prompt_token_ids": [72, 101],
+                           "prompt_logprobs": [None, {"101": {"logprob": -2.0, "rank": 1}}],
+                           "logprobs": {"token_logprobs": [-3.5], "top_logprobs": [{"token_id:55": -3.5}]}}]}
+    result = json.loads(Translator(request, lambda: "v7").answer(json.dumps(answer).encode()))
+    meta = result["meta_info"]
+    assert result["text"] == "" and result["output_ids"] == [] and meta["completion_tokens"] == 0
+    assert meta["finish_reason"] == {"type": "length", "length": 0} and meta["output_token_logprobs"] == []
+    assert meta["output_top_logprobs"] == [[[-3.5, 55, None]]]
+    assert [row[1] for row in meta["input_token_logprobs"]] == [72, 101]
+    plain, request = to_completion(json.dumps({"text": "a", "sampling_params": {"max_new_tokens": 0}}).encode())
+    assert json.loads(plain)["max_tokens"] == 1 and request.prompt_only
+    assert not to_completion(json.dumps({"text": "a", "sampling_params": {"max_new_tokens": 5}}).encode())[1] \
+        .prompt_only
 
 
 def test_n_samples_in_sglangs_order() -> None:

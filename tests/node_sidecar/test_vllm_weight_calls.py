@@ -153,6 +153,33 @@ async def test_a_view_of_the_wrong_types_is_not_adopted() -> None:
     assert view.memory_saver == "off" and all(state.value == "resident" for state in view.tags.values())
 
 
+class ContextViewEngine(OddViewEngine):
+    def __init__(self, max_model_len: object) -> None:
+        self.max_model_len = max_model_len
+
+    async def call(self, method: str, path: str, body: object = None, **_: object) -> dict:
+        if path.startswith("/server_info"):
+            return {"vllm_config": {"model_config": {"model": "m", "max_model_len": self.max_model_len}}}
+        return await super().call(method, path, body)
+
+
+async def test_a_null_max_new_tokens_asks_vllm_for_its_whole_context() -> None:
+    """SGLang's explicit null ``max_new_tokens`` is "up to the context": vLLM's ``max_model_len``, read with its
+    view, where the translation had sent SGLang's default 128 (found by review)."""
+    import json
+
+    from node_sidecar.engines import vllm
+
+    adapter = vllm.VllmEngine(ContextViewEngine(4096))
+    await adapter.read_view()
+    body = json.dumps({"input_ids": [1], "sampling_params": {"max_new_tokens": None}}).encode()
+    assert json.loads(adapter.generation_call("/generate", body, "").body)["max_tokens"] == 4096
+    adapter = vllm.VllmEngine(ContextViewEngine("4096"))
+    await adapter.read_view()
+    with pytest.raises(Unsupported, match="max_model_len"):
+        adapter.generation_call("/generate", body, "")
+
+
 class RpcEngine:
     """vLLM's ``/collective_rpc`` answering scripted ``results`` (one per worker) for each extension method."""
 

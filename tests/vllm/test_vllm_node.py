@@ -298,6 +298,25 @@ def test_sglang_generate_through_the_lb_with_logprobs(serving: VllmNode) -> None
     assert completion["choices"][0]["token_ids"] == answer["output_ids"]
 
 
+def test_sglangs_null_and_zero_max_new_tokens_on_real_vllm(serving: VllmNode) -> None:
+    """SGLang's ``max_new_tokens: null`` runs to the end of the context (the sidecar asks vLLM for its
+    ``max_model_len``, read from its ``/server_info``, and vLLM caps it at what the prompt leaves); ``0`` scores the
+    prompt and generates nothing (vLLM's least is 1 token, which the answer drops)."""
+    node = serving
+    room = 40
+    prompt = [65] * (builtin_arch("builtin:tiny", {}).max_position_embeddings - room)
+    whole = node.post("/generate", {"input_ids": prompt, "sampling_params": {
+        "temperature": 0, "ignore_eos": True, "max_new_tokens": None}}, via_lb=True)
+    assert whole.status_code == 200, whole.text
+    assert len(whole.json()["output_ids"]) == room, whole.json()["meta_info"]
+    scored = node.post("/generate", {"input_ids": PROMPT, "return_logprob": True, "logprob_start_len": 0,
+                                     "sampling_params": {"max_new_tokens": 0}}, via_lb=True)
+    assert scored.status_code == 200, scored.text
+    answer = scored.json()
+    assert answer["output_ids"] == [] and answer["text"] == "" and answer["meta_info"]["output_token_logprobs"] == []
+    assert [t for _, t, _ in answer["meta_info"]["input_token_logprobs"]] == PROMPT
+
+
 def test_sglang_n_samples_through_the_lb(serving: VllmNode) -> None:
     """sampling_params.n on a vLLM node as on SGLang: a list of prompts x n answers, prompt by prompt; greedy n
     gives n equal answers (vLLM alone refuses n > 1 at temperature 0), seeded sampling is reproducible."""

@@ -178,7 +178,8 @@ def normalize(body: GenerateBody, *, max_sequences: int = MAX_SEQUENCES) -> Norm
         raise GenerateFieldError(f"prompts x n must be at most {max_sequences}, got {num_prompts} x {n}")
     rids = _rids(body, num_prompts, n, is_batch)
     logprobs = _logprob_options(body, num_prompts, n)
-    salts = [_per_prompt(name, getattr(body, name), num_prompts, n) for name in ("extra_key", "cache_salt")]
+    # a list per prompt goes with n > 1 here, as in SGLang (io_struct.py:850-886 repeat it for the samples)
+    salts = [_per_prompt(name, getattr(body, name), num_prompts, 1) for name in ("extra_key", "cache_salt")]
     images = _image_lists(body.image_data, num_prompts, is_batch)
     sequences = []
     for i in range(num_prompts):

@@ -65,3 +65,21 @@ def test_n_streams_carry_indices_and_logprob_lists_must_not_be_per_prompt(client
     r = client.post("/generate", json={"text": ["a", "b"], "return_logprob": [True, False],
                                        "sampling_params": {"n": 2}})
     assert r.status_code == 400 and "n > 1" in r.json()["error"]["message"]
+
+
+def test_extra_key_and_cache_salt_lists_go_with_n_per_prompt(client) -> None:
+    """SGLang 0.5.23 ``io_struct.py:850-886``: a per-prompt ``extra_key`` / ``cache_salt`` list is repeated for the
+    ``n`` samples (a list per prompt is refused with ``n`` > 1 only for the logprob fields, ``:776-821``)."""
+    other = [256] + list(range(200, 240))
+    for name in ("extra_key", "cache_salt"):
+        assert client.post("/flush_cache").status_code == 200
+        answers = gen(client, {"input_ids": [PROMPT, other], name: ["", "tenant"], "rid": [f"{name}-a", f"{name}-b"],
+                               "sampling_params": {"n": 2, "temperature": 0, "max_new_tokens": 3,
+                                                   "ignore_eos": True}})
+        assert [a["meta_info"]["id"] for a in answers] == [f"{name}-a_0", f"{name}-a_1", f"{name}-b_0", f"{name}-b_1"]
+        # "" is no key (SGLang makes it None): that prompt's samples share its prefill; the salted ones share nothing
+        assert [a["meta_info"]["cached_tokens"] for a in answers] == [len(PROMPT) - 1] * 2 + [0, 0]
+        single = gen(client, {"input_ids": PROMPT, name: ["tenant"], "sampling_params": {"n": 2, "max_new_tokens": 2}})
+        assert len(single) == 2
+        r = client.post("/generate", json={"text": ["a", "b"], name: ["x"], "sampling_params": {"n": 2}})
+        assert r.status_code == 400 and name in r.json()["error"]["message"]

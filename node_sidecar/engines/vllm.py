@@ -80,6 +80,7 @@ class VllmEngine(ForeignEngine):
         self.weight_version: str | None = None
         self.version: str | None = None
         self.max_model_len: int | None = None  # vLLM's context: what a null max_new_tokens asks for
+        self.logprobs_mode: str | None = None  # vLLM's --logprobs-mode: which logprobs mean SGLang's
         self._prompts_by_rid = PromptCounts()
 
     async def read_view(self) -> EngineView:
@@ -102,6 +103,8 @@ class VllmEngine(ForeignEngine):
         self.device = device.get("device") if isinstance(device.get("device"), str) and device["device"] else "cuda"
         self.sleep_mode = model.get("enable_sleep_mode") is True
         self.model_path = model.get("model") if isinstance(model.get("model"), str) else None
+        mode = model.get("logprobs_mode")
+        self.logprobs_mode = mode if isinstance(mode, str) and mode else None
         length = model.get("max_model_len")
         self.max_model_len = length if isinstance(length, int) and not isinstance(length, bool) and length > 0 \
             else None
@@ -179,7 +182,7 @@ class VllmEngine(ForeignEngine):
     def generation_call(self, path: str, body: bytes, query: str) -> GenerationCall:
         if path != "/generate":
             return super().generation_call(path, body, query)
-        completion, request = to_completion(body, max_model_len=self.max_model_len)
+        completion, request = to_completion(body, max_model_len=self.max_model_len, logprobs_mode=self.logprobs_mode)
         if request.rid is not None:
             self._prompts_by_rid.add(request.rid, request.num_prompts)
         translator = Translator(request, lambda: self.weight_version)

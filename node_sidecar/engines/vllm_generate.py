@@ -23,6 +23,7 @@ from typing import Any
 from handoff.protocol.generate_request import MAX_SEQUENCES
 from handoff.service.errors import InvalidRequest, Unsupported, parse_json_bytes
 from node_sidecar.engines.vllm_answer import GenerateRequest
+from node_sidecar.engines.vllm_logprob_mode import logprob_mismatch
 
 # SGLang sampling_params → vLLM completion fields (SGLang's defaults where vLLM's differ: max_new_tokens 128)
 SAMPLING_FIELDS = {
@@ -71,9 +72,12 @@ def _is_unset(value: Any) -> bool:
     return value is None or value is False or value == 0 or value == [] or value == {}
 
 
-def to_completion(raw: bytes, *, max_model_len: int | None = None) -> tuple[bytes, GenerateRequest]:
+def to_completion(raw: bytes, *, max_model_len: int | None = None,
+                  logprobs_mode: str | None = None) -> tuple[bytes, GenerateRequest]:
     """An SGLang ``/generate`` body as a vLLM ``/v1/completions`` body; 400 for what cannot be served.
-    ``max_model_len``: vLLM's context, what an explicit null ``max_new_tokens`` asks for (None: not known)."""
+    ``max_model_len``: vLLM's context, what an explicit null ``max_new_tokens`` asks for (None: not known);
+    ``logprobs_mode``: vLLM's ``--logprobs-mode`` (None: not known, its default), which logprobs it can answer
+    with SGLang's meaning (:mod:`node_sidecar.engines.vllm_logprob_mode`)."""
     body = parse_json_bytes(raw)
     if not isinstance(body, dict):
         raise InvalidRequest("the body must be a JSON object")
@@ -129,6 +133,13 @@ def to_completion(raw: bytes, *, max_model_len: int | None = None) -> tuple[byte
                               extra={"field": "return_text_in_logprobs"})
         completion["logprobs"] = request.top_logprobs_num
         completion["return_tokens_as_token_ids"] = True
+        if request.prompt_only:  # SGLang's row after the prompt is untempered, its token dropped: sample plainly
+            completion.update(SGLANG_SAMPLING_DEFAULTS)
+            completion.pop("logit_bias", None)
+            completion.pop("min_tokens", None)
+        problem = logprob_mismatch(completion, logprobs_mode)
+        if problem is not None:
+            raise Unsupported(problem, extra={"field": "return_logprob"})
         if request.logprob_start_len >= 0:
             if completion["stream"]:
                 raise Unsupported("prompt logprobs (logprob_start_len >= 0) in a stream are not available on vLLM "

@@ -141,6 +141,47 @@ def test_max_new_tokens_0_is_served_as_sglang_does() -> None:
         .prompt_only
 
 
+LOGPROBS = {"input_ids": [72, 101], "return_logprob": True, "top_logprobs_num": 2}
+
+
+@pytest.mark.parametrize(("mode", "params", "refused_for"), [
+    (None, {"temperature": 1.0, "top_p": 0.9, "top_k": 5}, None),  # raw: before filtering, as SGLang's
+    (None, {"temperature": 0, "max_new_tokens": 4}, None),  # greedy: temperature 1 in SGLang too
+    (None, {"temperature": 0.7}, "a temperature other than 1"),
+    ("raw_logprobs", {"temperature": 1.0, "repetition_penalty": 1.2}, "penalties"),
+    ("raw_logprobs", {"temperature": 0, "logit_bias": {"5": 2.0}}, "logit_bias"),
+    ("raw_logprobs", {"min_new_tokens": 2}, "min_new_tokens"),
+    ("processed_logprobs", {"temperature": 0.7, "frequency_penalty": 0.5}, None),  # after both, as SGLang's
+    ("processed_logprobs", {"temperature": 0.7, "top_p": 0.9}, "top_p"),
+    ("processed_logprobs", {"temperature": 0, "top_k": 5}, None),  # greedy: no filter applies
+    ("raw_logits", {"temperature": 1.0}, "logits, not logprobs"),
+])
+def test_logprobs_of_another_distribution_than_sglangs_are_refused(mode: str | None, params: dict,
+                                                                   refused_for: str | None) -> None:
+    """vLLM answers logprobs from one distribution per server (``--logprobs-mode``), SGLang from the logits after
+    penalties over the temperature, before filtering: a request whose logprobs would be of another distribution
+    (an RL loop's importance ratios built on them) is a 400 naming the mode that serves it, never answered."""
+    body = json.dumps({**LOGPROBS, "sampling_params": params}).encode()
+    if refused_for is None:
+        assert json.loads(to_completion(body, logprobs_mode=mode)[0])["logprobs"] == 2
+        return
+    with pytest.raises(Unsupported, match=refused_for) as refused:
+        to_completion(body, logprobs_mode=mode)
+    assert refused.value.extra["field"] == "return_logprob"
+    to_completion(json.dumps({"input_ids": [72], "sampling_params": params}).encode(), logprobs_mode=mode)
+
+
+def test_a_prompt_only_request_scores_untempered_in_any_logprobs_mode() -> None:
+    """SGLang's row after the prompt of a max_new_tokens 0 request is untempered and its token dropped: vLLM is
+    asked to sample plainly, so raw and processed logprobs are both SGLang's."""
+    for mode in (None, "processed_logprobs"):
+        raw, _ = to_completion(json.dumps({**LOGPROBS, "sampling_params": {
+            "max_new_tokens": 0, "temperature": 0.5, "top_p": 0.5, "repetition_penalty": 1.3}}).encode(),
+            logprobs_mode=mode)
+        sent = json.loads(raw)
+        assert (sent["temperature"], sent["top_p"], sent["repetition_penalty"]) == (1.0, 1.0, 1.0)
+
+
 def test_n_samples_in_sglangs_order() -> None:
     """n > 1: vLLM's n when sampling (its choices are prompt-major, as SGLang's answers); each prompt n times
     when greedy (vLLM refuses n > 1 there); a list answer either way."""

@@ -317,6 +317,21 @@ def test_sglangs_null_and_zero_max_new_tokens_on_real_vllm(serving: VllmNode) ->
     assert [t for _, t, _ in answer["meta_info"]["input_token_logprobs"]] == PROMPT
 
 
+def test_logprobs_vllm_would_answer_from_another_distribution_are_refused(serving: VllmNode) -> None:
+    """vLLM's default ``--logprobs-mode raw_logprobs`` answers logprobs before the temperature: at 0.7 they would
+    not be SGLang's (tempered), so the request is a 400 naming the mode, and nothing runs; at 1 it is served."""
+    node = serving
+    body = {"input_ids": PROMPT, "return_logprob": True, "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}}
+    refused = node.post("/generate", {**body, "sampling_params": {**body["sampling_params"], "temperature": 0.7}},
+                        via_lb=True)
+    assert refused.status_code == 400 and refused.json()["error"]["type"] == "unsupported", refused.text
+    assert "--logprobs-mode" in refused.json()["error"]["message"]
+    served = node.post("/generate", {**body, "sampling_params": {**body["sampling_params"], "temperature": 1.0,
+                                                                  "sampling_seed": 5}}, via_lb=True)
+    assert served.status_code == 200, served.text
+    assert len(served.json()["meta_info"]["output_token_logprobs"]) == 4
+
+
 def test_sglang_n_samples_through_the_lb(serving: VllmNode) -> None:
     """sampling_params.n on a vLLM node as on SGLang: a list of prompts x n answers, prompt by prompt; greedy n
     gives n equal answers (vLLM alone refuses n > 1 at temperature 0), seeded sampling is reproducible."""

@@ -313,6 +313,10 @@ class Engine:
 
     def _deliver(self, outputs: list[tuple[Request, RequestOutput]]) -> None:
         if outputs and self._loop is not None:
+            # stamped here, on the engine thread, where the version changes: the event loop may read these
+            # after a weight update that ran on this thread in the meantime
+            for _, output in outputs:
+                output.weight_version = self.weight_version
             self._loop.call_soon_threadsafe(self._dispatch, outputs)
 
     def _fail_step(self, step: Step, exc: Exception) -> None:

@@ -203,7 +203,8 @@ class GenerationRun:
 
     def chunk(self, index: int, output: RequestOutput) -> SequenceChunk:
         """Output ``output`` of sequence ``index`` in SGLang's terms."""
-        return chunk_of(output, self.sequences[index].logprobs, self.engine.tokenizer, self.engine.weight_version)
+        version = self.engine.weight_version if output.weight_version is None else output.weight_version
+        return chunk_of(output, self.sequences[index].logprobs, self.engine.tokenizer, version)
 
     async def collect(self) -> list[SequenceAnswer]:
         answers = self.answers()

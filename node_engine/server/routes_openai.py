@@ -85,10 +85,13 @@ class _Answer:
         self.created = int(time.time())
 
     def payload(self, choices: list[dict[str, Any]], usage: dict[str, int] | None = None,
-                obj: str | None = None, index: int = 0) -> dict[str, Any]:
+                obj: str | None = None, index: int = 0, version: str | None = None) -> dict[str, Any]:
+        """``version``: the one its tokens were made under (a request aborted by a version update keeps its
+        own); None for a chunk without tokens, which reports the version serving now."""
         body: dict[str, Any] = {"id": self.rids[index], "object": obj or self.obj, "created": self.created,
                                 "model": self.model,
-                                "metadata": {"weight_version": self.engine.weight_version}, "choices": choices}
+                                "metadata": {"weight_version": version or self.engine.weight_version},
+                                "choices": choices}
         if usage is not None:
             body["usage"] = usage
         return body
@@ -109,7 +112,8 @@ class _Answer:
             last[index] = piece
             lead = sse_event(self.payload([preamble(index)], obj=chunk_obj, index=index)) if is_first and preamble \
                 else b""
-            return lead + sse_event(self.payload([choice(index, piece, is_first)], obj=chunk_obj, index=index))
+            return lead + sse_event(self.payload([choice(index, piece, is_first)], obj=chunk_obj, index=index,
+                                                 version=piece.weight_version))
 
         yield chunk(*head)
         try:
@@ -120,7 +124,8 @@ class _Answer:
             return
         if finale is not None:
             for index in sorted(last):
-                yield sse_event(self.payload([finale(index, last[index])], obj=chunk_obj, index=index))
+                yield sse_event(self.payload([finale(index, last[index])], obj=chunk_obj, index=index,
+                                             version=last[index].weight_version))
         if include_usage:
             yield sse_event(self.payload([], usage([last[i] for i in sorted(last)], self.n), obj=chunk_obj))
         yield DONE_EVENT
@@ -139,7 +144,8 @@ class _Answer:
         answers = await collect_unless_disconnected(request, run)
         if answers is None:
             return Response(status_code=CLIENT_CLOSED)
-        return JSONResponse(self.payload([choice(i, a) for i, a in enumerate(answers)], usage(answers, self.n)))
+        return JSONResponse(self.payload([choice(i, a) for i, a in enumerate(answers)], usage(answers, self.n),
+                                         version=answers[-1].weight_version if answers else None))
 
 
 def _finish_fields(reason: dict | None) -> dict[str, Any]:

@@ -18,6 +18,7 @@ with ``index`` for a batch, then ``data: [DONE]``.
 from __future__ import annotations
 
 import json
+import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -90,6 +91,7 @@ class Translator:
         self.request = request
         self.weight_version = weight_version
         self.base_id = request.rid or uuid.uuid4().hex
+        self.started = time.monotonic()  # SGLang's e2e_latency is counted from here
 
     def answer(self, raw: bytes) -> bytes:
         """A whole (non-stream) answer; 502 ``upstream_error`` if the engine's cannot be read."""
@@ -144,6 +146,8 @@ class Translator:
             "id": rid, "finish_reason": finish_reason, "prompt_tokens": len(state.prompt_token_ids),
             "completion_tokens": len(token_ids), "cached_tokens": 0, "weight_version": self.weight_version(),
             **logprobs}
+        if finish_reason is not None:  # as SGLang: a finished answer says how long it took (sglang-router needs it)
+            meta["e2e_latency"] = round(time.monotonic() - self.started, 6)
         result = {"text": text, "output_ids": token_ids, "meta_info": meta}
         if self.request.return_prompt_token_ids:
             result["prompt_token_ids"] = list(state.prompt_token_ids)

@@ -13,7 +13,7 @@ import pytest
 
 from handoff.protocol.sse import DONE, EventSplitter, event_data
 from handoff.service.errors import InvalidRequest, ServiceError, Unsupported
-from node_sidecar.engines.vllm_answer import GenerateRequest, Translator
+from node_sidecar.engines.vllm_answer import ChoiceState, GenerateRequest, Translator
 from node_sidecar.engines.vllm_generate import to_completion
 
 RECORDED = json.loads((Path(__file__).parent / "data" / "vllm_completions.json").read_text())
@@ -217,6 +217,19 @@ def test_answer_in_sglang_shape_with_logprobs() -> None:
     assert all(len(row) == 2 and [r[1] for r in row] != [] for row in meta["input_top_logprobs"][1:])
     start_at_2 = translate("logprobs", GenerateRequest(False, None, True, 0, 2))["meta_info"]
     assert [t for _, t, _ in start_at_2["input_token_logprobs"]] == [108] and "input_top_logprobs" not in start_at_2
+
+
+def test_a_finished_answer_says_its_e2e_latency_as_sglang_does() -> None:
+    """SGLang's finished answers carry ``meta_info.e2e_latency`` (sglang-router's ``GenerateMetaInfo`` requires
+    it); a stream's unfinished events do not."""
+    _, request = to_completion(json.dumps({"input_ids": [72, 101],
+                                           "sampling_params": {"max_new_tokens": 1}}).encode())
+    answer = {"choices": [{"index": 0, "text": "7", "finish_reason": "length", "stop_reason": None,
+                           "token_ids": [55], "prompt_token_ids": [72, 101]}]}
+    meta = json.loads(Translator(request, lambda: "v7").answer(json.dumps(answer).encode()))["meta_info"]
+    assert isinstance(meta["e2e_latency"], float) and meta["e2e_latency"] >= 0
+    unfinished = Translator(request, lambda: "v7").result(0, ChoiceState())
+    assert "e2e_latency" not in unfinished["meta_info"]
 
 
 def test_finish_reasons_and_batches() -> None:

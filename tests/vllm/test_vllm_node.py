@@ -272,7 +272,7 @@ def test_sglang_generate_through_the_lb_with_logprobs(serving: VllmNode) -> None
     meta = answer["meta_info"]
     assert meta["id"] == "req-1" and meta["finish_reason"] == {"type": "length", "length": 8}
     assert meta["prompt_tokens"] == 5 and meta["completion_tokens"] == 8 == len(answer["output_ids"])
-    assert meta["weight_version"] == "step-0"
+    assert meta["weight_version"] == "step-0" and isinstance(meta["e2e_latency"], float)
     assert [t for _, t, _ in meta["output_token_logprobs"]] == answer["output_ids"]
     for (lp, token, _), top in zip(meta["output_token_logprobs"], meta["output_top_logprobs"]):
         assert len(top) == 2 and top[0][1] == token and top[0][0] == pytest.approx(lp)  # greedy: the top token

@@ -57,6 +57,9 @@ def _token(tokenizer: Tokenizer, entry: LogprobEntry) -> dict[str, Any]:
 
 def chat_logprobs(tokenizer: Tokenizer, tokens: Sequence[LogprobEntry], tops: Sequence[TopRow] | None,
                   ) -> dict[str, Any]:
-    rows = list(tops) if tops else [None] * len(tokens)
+    # a row per token, as SGLang's _build_token_logprobs_from_raw reads them: a max_new_tokens 0 answer has the
+    # top row after the prompt (SGLang's scoring request) and no token, so no entry
+    rows = list(tops or [])[:len(tokens)]
+    rows += [None] * (len(tokens) - len(rows))
     return {"content": [{**_token(tokenizer, entry), "top_logprobs": [_token(tokenizer, e) for e in row or []]}
                         for entry, row in zip(tokens, rows, strict=True)]}

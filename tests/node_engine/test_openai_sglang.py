@@ -259,3 +259,21 @@ def test_pd_and_dp_routing_fields_are_taken_as_sglang_takes_them(client: httpx.C
     assert r.status_code == 200, r.text
     r = client.post(path, json={**prompt, "max_tokens": 1, "routed_dp_rank": "zero"})
     assert r.status_code == 400 and "routed_dp_rank" in r.json()["error"]["message"], r.text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_chat_of_max_tokens_0_with_top_logprobs_answers_no_logprob_entries(client: httpx.Client,
+                                                                              stream: bool) -> None:
+    """Found by review: a max_new_tokens 0 request with top logprobs became SGLang's scoring request (one top
+    row after the prompt, no token), and chat's logprobs zipped that row with no token strictly: a 500, a stream
+    cut by an error. SGLang's chat builds ``content`` from the output tokens (``serving_chat.py``
+    ``_build_token_logprobs_from_raw``): none here, so ``[]``."""
+    body = {"messages": [USER], "max_tokens": 0, "logprobs": True, "top_logprobs": 2, "stream": stream}
+    if not stream:
+        r = client.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["logprobs"] == {"content": []}, r.text
+        return
+    events, is_done = read_stream(client, "/v1/chat/completions", body)
+    assert is_done and events and not any("error" in e for e in events), events
+    assert all(choice["logprobs"] in (None, {"content": []}) for e in events for choice in e["choices"]), events

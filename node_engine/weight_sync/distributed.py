@@ -114,12 +114,12 @@ class WeightGroups:
         return {"success": True, "message": "Succeeded to destroy custom process group."}
 
     async def update(self, body: UpdateWeightsFromDistributedBody) -> dict[str, Any]:
-        if body.selector == "draft":
-            raise InvalidRequest("this engine has no draft model (selector 'draft')")
         started = time.perf_counter()
         async with self._lock:
             group = self._usable(body.group_name)
-            problem = self._check(body)
+            # the trainer broadcasts whatever the answer: refused, the broadcasts are still taken (group in step)
+            problem = ("this engine has no draft model (selector 'draft')" if body.selector == "draft"
+                       else self._check(body))
             dropped = [(dtype, shape) for name, dtype, shape in zip(body.names, body.dtypes, body.shapes, strict=True)
                        if is_dropped_key(self.engine.runner.model, name)]
             if problem is None and not self._fits_scratch(dropped):

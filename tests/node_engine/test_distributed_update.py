@@ -163,3 +163,20 @@ def test_a_dropped_name_of_a_sane_size_is_still_received_and_dropped(engines) ->
         assert r.status_code == 200, r.text
     finally:
         trainer.leave()
+
+
+def test_a_draft_update_on_an_engine_without_one_still_takes_the_broadcasts(engines) -> None:
+    """``selector: "draft"`` on an engine without a draft model: refused, but only after taking the trainer's
+    broadcasts (it sends them whatever the answer), so the group stays in step and the next update lands; refused
+    before receiving, the trainer's broadcast waited for a receiver until the group's timeout."""
+    url, _ = engines
+    trainer = Trainer(url, group_name="draft-refused")
+    assert trainer.join().status_code == 200
+    norm = tiny_weights(0)["model.norm.weight"]
+    try:
+        r = trainer.push([("model.norm.weight", norm)], selector="draft")
+        assert r.status_code == 400 and "no draft model" in r.json()["error"]["message"], r.text
+        assert "received and discarded" in r.json()["error"]["message"]
+        assert trainer.push([("model.norm.weight", norm)]).status_code == 200
+    finally:
+        trainer.leave()

@@ -25,12 +25,14 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Mapping
 
+from handoff.protocol import errors as E
 from handoff.protocol.control import peer_weight_version
 from handoff.protocol.engines import EngineKind
 from handoff.protocol.tags import TAG_NAMES, TagState
 from handoff.service.errors import Unsupported
 from handoff.service.relay import ChunkTransform
 from node_sidecar.engine_client import EngineClient
+from node_sidecar.errors import EngineRefused
 
 HEALTH_GENERATE_TIMEOUT_S = 30.0
 
@@ -173,3 +175,10 @@ class EngineAdapter(ABC):
 def tags_named(meanings: Mapping[str, TagMeaning], names: list[str]) -> list[str]:
     """The engine's own names for the SPEC tags ``names`` that have a region in the engine, in order."""
     return [meanings[name].engine_tag for name in names if meanings[name].engine_tag is not None]  # type: ignore[misc]
+
+
+def not_understood(engine: str, path: str, what: str, **extra: Any) -> EngineRefused:
+    """An answer to ``path`` that is not ``engine``'s (a 2xx without its word, a proxy's redirect): 502
+    ``upstream_error``, and nothing is taken from it (no state, no version, no validity)."""
+    return EngineRefused(E.UPSTREAM_ERROR.status, {"error": {"type": E.UPSTREAM_ERROR.name, "message": (
+        f"{engine} answered {path} with {what}: not {engine}'s answer, so what it did is not known"), **extra}})

@@ -3,22 +3,34 @@
 The engine keeps its per-tag state itself (``GET /memory_occupation``), frees
 each tag separately and measures what it freed (``bytes_freed`` per tag), and
 refuses a release while anything runs (409 ``requests_in_flight``), so this
-adapter only passes calls through.
+adapter only passes calls through, and judges every answer before the sidecar
+records anything from it (the engine is another process, maybe of another
+version, maybe broken): a 2xx without ``"success": true``, a release or resume
+that does not account for every tag asked, a tag list, byte count or
+``weights_valid`` of the wrong type is 502 ``upstream_error``; a state view
+with a tag state other than ``resident`` / ``released`` or such a field is not
+read (the node stays unsynced, ``last_error`` says why).
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from handoff.protocol.tags import TAG_NAMES, TagState
 from handoff.service.peer_json import PeerJSONError, loads_bounded
 from handoff.service.upstream import UpstreamError
 from node_sidecar.engine_client import MAX_CONTROL_ANSWER_BYTES
-from node_sidecar.engines.base import EngineAdapter, EngineKind, EngineView, MemoryChange, TagMeaning
+from node_sidecar.engines.base import EngineAdapter, EngineKind, EngineView, MemoryChange, TagMeaning, not_understood
 from node_sidecar.errors import EngineUnavailable
 
 STATE_READ_TIMEOUT_S = 5.0   # reading the engine's state (a sync): the node serves only once it is read
 MEMORY_VIEW_TIMEOUT_S = 1.0  # the figures of a view: a late answer leaves them out (the LB polls the view)
+ENGINE = "handoff's engine"
+ENGINE_TAG_STATES = (TagState.RESIDENT, TagState.RELEASED)  # the moves between are the sidecar's own
+MAX_BYTES = 2 ** 63  # a byte count past it is no figure of this machine
+TAG_LISTS = ("released", "already_released", "resumed", "already_resident")
+BYTE_COUNTS = ("bytes_freed", "bytes_restored")
 
 
 class HandoffEngine(EngineAdapter):
@@ -34,13 +46,16 @@ class HandoffEngine(EngineAdapter):
         occupation = await self.engine.call("GET", "/memory_occupation", timeout=STATE_READ_TIMEOUT_S)
         try:
             rows = occupation["tags"]
-            tags = {t: TagState(rows[t]["state"]) for t in TAG_NAMES}
-            tag_bytes = {t: int(rows[t]["bytes"]) for t in TAG_NAMES}
+            tags = {t: _engine_tag_state(rows[t]["state"]) for t in TAG_NAMES}
+            tag_bytes = {t: _byte_count(rows[t]["bytes"]) for t in TAG_NAMES}
+            weights_valid = occupation["weights_valid"]
+            if not isinstance(weights_valid, bool):
+                raise ValueError(f"weights_valid is {_shown(weights_valid)}, not a boolean")
         except (KeyError, TypeError, ValueError) as exc:
             raise EngineUnavailable(f"the engine's /memory_occupation cannot be read: {exc!r}",
                                     retry_after=1) from exc
         backup = str(occupation.get("weights_backup", "none"))
-        return EngineView(tags=tags, tag_bytes=tag_bytes, weights_valid=bool(occupation.get("weights_valid")),
+        return EngineView(tags=tags, tag_bytes=tag_bytes, weights_valid=weights_valid,
                           weight_version=occupation.get("weight_version"), weights_backup=backup,
                           memory_saver=str(occupation.get("memory_saver", "off")), can_stage_weights=backup != "none",
                           paused=occupation.get("paused") is True,
@@ -65,37 +80,91 @@ class HandoffEngine(EngineAdapter):
         body: dict[str, Any] = {"tags": tags}
         if stage_to_cpu is not None:
             body["stage_to_cpu"] = stage_to_cpu
-        answer = await self.engine.call("POST", "/release_memory_occupation", body)
-        return MemoryChange(list(answer.get("released", tags)), dict(answer.get("bytes_freed", {})), "engine")
+        path = "/release_memory_occupation"
+        answer = _accounting_for(path, await self._call(path, body), tags, "released", "already_released")
+        return MemoryChange(list(answer.get("released", [])), dict(answer.get("bytes_freed", {})), "engine")
 
     async def resume(self, tags: list[str]) -> MemoryChange:
-        answer = await self.engine.call("POST", "/resume_memory_occupation", {"tags": tags})
-        valid = answer.get("weights_valid")
-        return MemoryChange(list(answer.get("resumed", tags)), dict(answer.get("bytes_restored", {})), "engine",
-                            weights_valid=valid if isinstance(valid, bool) else None)
+        path = "/resume_memory_occupation"
+        answer = _accounting_for(path, await self._call(path, {"tags": tags}), tags, "resumed", "already_resident")
+        return MemoryChange(list(answer.get("resumed", [])), dict(answer.get("bytes_restored", {})), "engine",
+                            weights_valid=answer.get("weights_valid"))
 
     async def abort(self, *, rid: str | None, abort_all: bool) -> dict[str, Any]:
         body: dict[str, Any] = {"abort_all": True} if abort_all else {"rid": rid}
-        return await self.engine.call("POST", "/abort_request", body)
+        return await self._call("/abort_request", body)
 
     async def check_weights(self, body: dict[str, Any]) -> dict[str, Any]:
-        return await self.engine.call("POST", "/update_weights_from_disk", {**body, "dry_run": True})
+        return await self._call("/update_weights_from_disk", {**body, "dry_run": True})
 
     async def update_weights_from_disk(self, body: dict[str, Any]) -> dict[str, Any]:
-        return await self.engine.call("POST", "/update_weights_from_disk", body)
+        return await self._call("/update_weights_from_disk", body)
 
     async def flush_cache(self, timeout: float) -> dict[str, Any]:
-        return await self.engine.call("POST", "/flush_cache", timeout=timeout)
+        return await self._call("/flush_cache", timeout=timeout)
 
     async def weight_call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        return await self.engine.call("POST", path, body)
+        return await self._call(path, body)
 
     async def pause(self, mode: str) -> dict[str, Any]:
-        return await self.engine.call("POST", "/pause_generation", {"mode": mode})
+        return await self._call("/pause_generation", {"mode": mode})
 
     async def continue_generation(self, *, torch_empty_cache: bool) -> dict[str, Any]:
-        return await self.engine.call("POST", "/continue_generation", {"torch_empty_cache": torch_empty_cache})
+        return await self._call("/continue_generation", {"torch_empty_cache": torch_empty_cache})
+
+    async def _call(self, path: str, body: dict[str, Any] | None = None, *,
+                    timeout: float | None = None) -> dict[str, Any]:
+        """``POST path``; the engine's answer, judged before anything is taken from it: every 2xx of the engine
+        says ``"success": true``, and its tag lists, byte counts and ``weights_valid`` have their types."""
+        answer = await self.engine.call("POST", path, body, timeout=timeout)
+        if answer.get("success") is not True:
+            raise not_understood(ENGINE, path, f'a 2xx without "success": true ({_shown(answer)})')
+        for key in TAG_LISTS:
+            value = answer.get(key, [])
+            if not isinstance(value, list) or not all(isinstance(t, str) and t in TAG_NAMES for t in value):
+                raise not_understood(ENGINE, path, f"{key} {_shown(value)}, not a list of tag names")
+        for key in BYTE_COUNTS:
+            value = answer.get(key, {})
+            try:
+                if not isinstance(value, dict):
+                    raise ValueError("not an object")
+                for count in value.values():
+                    _byte_count(count)
+            except ValueError as exc:
+                raise not_understood(ENGINE, path, f"{key} {_shown(value)} ({exc})") from exc
+        if not isinstance(answer.get("weights_valid", False), bool):
+            raise not_understood(ENGINE, path, f"weights_valid {_shown(answer['weights_valid'])}, not a boolean")
+        return answer
 
 
 def _count(value: object) -> int:
     return value if type(value) is int and value > 0 else 0
+
+
+def _accounting_for(path: str, answer: dict[str, Any], tags: list[str], done: str, already: str) -> dict[str, Any]:
+    """``answer``, if its ``done`` and ``already`` lists hold exactly the ``tags`` asked (a tag the engine had
+    already moved is in ``already``); 502 otherwise: the engine did not do what the sidecar would record."""
+    named = set(answer.get(done, [])) | set(answer.get(already, []))
+    if named != set(tags):
+        raise not_understood(ENGINE, path, f"{done} {_shown(answer.get(done))} and {already} "
+                                           f"{_shown(answer.get(already))}, not the tags asked {tags}")
+    return answer
+
+
+def _engine_tag_state(value: object) -> TagState:
+    """A tag state the engine may report: ``resident`` or ``released`` (ValueError otherwise)."""
+    for state in ENGINE_TAG_STATES:
+        if value == state.value:
+            return state
+    raise ValueError(f"a tag state {_shown(value)}, not resident or released")
+
+
+def _byte_count(value: object) -> int:
+    """A byte count of the engine's: an integer from 0 (ValueError otherwise)."""
+    if type(value) is not int or not 0 <= value < MAX_BYTES:
+        raise ValueError(f"a byte count {_shown(value)}, not an integer from 0")
+    return value
+
+
+def _shown(value: object) -> str:
+    return json.dumps(value)[:200]

@@ -53,7 +53,7 @@ from handoff.protocol.engines import EngineKind
 from handoff.protocol.tags import TAG_NAMES, TagState
 from handoff.service.errors import Conflict, ServiceError
 from handoff.service.peer_json import PeerJSONError, loads_bounded
-from node_sidecar.engines.base import EngineView, MemoryChange, TagMeaning, tags_named
+from node_sidecar.engines.base import EngineView, MemoryChange, TagMeaning, not_understood, tags_named
 from node_sidecar.engines.foreign import ForeignEngine
 from node_sidecar.errors import EngineRefused, EngineUnavailable
 
@@ -286,9 +286,7 @@ def _quoted(raw: bytes) -> str:
 
 
 def _not_understood(path: str, what: str, resumed: list[str] | None = None) -> EngineRefused:
-    return EngineRefused(502, {"error": {"type": E.UPSTREAM_ERROR.name, "message": (
-        f"SGLang answered {path} with {what}: not SGLang's answer, so what it did is not known"),
-        **({"resumed": resumed} if resumed else {})}})
+    return not_understood("SGLang", path, what, **({"resumed": resumed} if resumed else {}))
 
 
 def _json_object(raw: bytes) -> dict[str, Any]:

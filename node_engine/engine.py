@@ -42,7 +42,8 @@ from node_engine.memory.setup import make_memory_info, make_saver
 from node_engine.metrics import EngineMetrics
 from node_engine.model.source import load_model_source
 from node_engine.prefix_cache import PrefixCache
-from node_engine.request import FinishReason, Request, RequestHandle, RequestOutput, RequestState, error_output
+from node_engine.request import (FinishReason, Request, RequestHandle, RequestOutput, RequestState, error_output,
+                                 weight_version_spans)
 from node_engine.request_gate import RequestGate
 from node_engine.runner import ModelRunner
 from node_engine.sampling import SamplingParams
@@ -311,12 +312,28 @@ class Engine:
             outputs.append((request, request.take_output()))
         self._deliver(outputs)
 
+    def set_weight_version(self, version: str) -> None:
+        """Engine thread: serve under ``version`` from now on. Requests that made tokens already (running, or
+        paused or retracted by ``pause_generation``) remember how many the old version made (SGLang's
+        ``record_weight_version_change``), for the ``weight_versions`` of their answers."""
+        old = self.weight_version
+        if version == old:
+            return
+        for request in [*self.scheduler.running, *self.scheduler.waiting]:
+            if request.output_ids:
+                request.weight_version_events.append((old, len(request.output_ids)))
+        self.weight_version = version
+
     def _deliver(self, outputs: list[tuple[Request, RequestOutput]]) -> None:
         if outputs and self._loop is not None:
             # stamped here, on the engine thread, where the version changes: the event loop may read these
             # after a weight update that ran on this thread in the meantime
-            for _, output in outputs:
+            for request, output in outputs:
                 output.weight_version = self.weight_version
+                if output.finish_reason is not None:
+                    output.weight_versions = weight_version_spans(request.weight_version_events, self.weight_version,
+                                                                  output.num_output_tokens)
+                    output.weight_version = output.weight_versions[-1]["version"]
             self._loop.call_soon_threadsafe(self._dispatch, outputs)
 
     def _fail_step(self, step: Step, exc: Exception) -> None:

@@ -69,8 +69,11 @@ class RequestOutput:
     error_type: str | None = None  # set (with ``error``) when the request failed instead of finishing
     error: str | None = None
     # the version serving when the engine thread handed this output over (:meth:`Engine._deliver`): the weights
-    # its tokens were made under, whatever an update changed since (SGLang reports an aborted request so)
+    # its tokens were made under, whatever an update changed since (SGLang reports an aborted request so); a final
+    # output's is the version of its last tokens
     weight_version: str | None = None
+    # a final output's: which output tokens each version made (:func:`weight_version_spans`)
+    weight_versions: list[dict[str, Any]] | None = None
 
     @property
     def is_final(self) -> bool:
@@ -110,6 +113,8 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     num_emitted_tokens: int = 0
     mm: MultimodalPrompt | None = None  # the prompt's images (vision-language models)
+    # (the version before a change, output tokens made until then), one per change while it had tokens
+    weight_version_events: list[tuple[str, int]] = field(default_factory=list)
     _cache_keys: list[int] | None = field(default=None, repr=False)
 
     def transition(self, new_state: RequestState) -> None:
@@ -235,3 +240,20 @@ def error_output(request: Request, kind: ErrorType, message: str) -> RequestOutp
     """The final output of a request that failed (``kind``) instead of finishing."""
     return RequestOutput(request.rid, "", [], len(request.prompt_ids), len(request.output_ids),
                          error_type=kind.name, error=message)
+
+
+def weight_version_spans(events: list[tuple[str, int]], current: str,
+                         num_output_tokens: int) -> list[dict[str, Any]]:
+    """Which output tokens each weight version made, as SGLang 0.5.23 reports them in ``meta_info.weight_versions``
+    (``compute_weight_version_spans`` and ``add_weight_versions_to_meta_info`` in its ``utils/weight_versions.py``):
+    ``{"version", "start", "end"}`` in order, adjacent spans of one version merged; never empty."""
+    spans: list[dict[str, Any]] = []
+    for version, end in [*events, (current, num_output_tokens)]:
+        end = min(end, num_output_tokens)
+        if spans and end <= spans[-1]["end"]:
+            continue
+        if spans and version == spans[-1]["version"]:
+            spans[-1]["end"] = end
+            continue
+        spans.append({"version": version, "start": spans[-1]["end"] if spans else 0, "end": end})
+    return spans

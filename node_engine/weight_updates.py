@@ -161,7 +161,7 @@ class WeightUpdates:
         else:
             engine.memory.note_weights_written(tensors, engine.runner.model.hf_weight_map())
         if version is not None:
-            engine.weight_version = version
+            engine.set_weight_version(version)
         dropped = engine.control.flush() if flush_cache else 0
         if torch_empty_cache:
             if engine.runner.device.type == "cuda":
@@ -192,6 +192,6 @@ class WeightUpdates:
 
     def update_version(self, body: UpdateWeightVersionBody) -> dict[str, Any]:
         """Engine thread: running requests (aborted first by the caller when asked) finish under the new name."""
-        self.engine.weight_version = body.new_version
+        self.engine.set_weight_version(body.new_version)
         return {"success": True, "message": f"Weight version updated to {body.new_version}",
                 "new_version": body.new_version}

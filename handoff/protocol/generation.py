@@ -94,6 +94,7 @@ class SequenceChunk:
     input_top_logprobs: list[list[LogprobEntry] | None] | None = None
     input_token_ids_logprobs: list[list[LogprobEntry] | None] | None = None
     weight_version: str | None = None   # the version serving when this chunk came (None: unchanged)
+    weight_versions: list[dict[str, Any]] | None = None  # a final chunk's: which output tokens each version made
 
 
 @dataclass(frozen=True)
@@ -125,6 +126,7 @@ class SequenceAnswer:
         self.cached_tokens = 0
         self.num_retractions = 0
         self.finish_reason: FinishReason | None = None
+        self.weight_versions: list[dict[str, Any]] | None = None
         self._lists: dict[str, list] = {}
         if logprobs is not None:
             keys = ["input_token_logprobs", "output_token_logprobs"]
@@ -152,6 +154,8 @@ class SequenceAnswer:
             self.finish_reason = chunk.finish_reason
         if chunk.weight_version is not None:  # the version that produced the latest tokens, as SGLang reports
             self.weight_version = chunk.weight_version
+        if chunk.weight_versions is not None:
+            self.weight_versions = chunk.weight_versions
         for key, values in self._lists.items():
             new = getattr(chunk, key)
             if new:
@@ -173,6 +177,8 @@ class SequenceAnswer:
         meta["reasoning_tokens"] = 0
         meta["completion_tokens"] = self.completion_tokens
         meta["cached_tokens"] = self.cached_tokens
+        if self.weight_versions is not None:  # SGLang 0.5.23: a final answer's, which tokens each version made
+            meta["weight_versions"] = [dict(span) for span in self.weight_versions]
         if self.cached_tokens:
             meta["cached_tokens_details"] = {"device": self.cached_tokens, "host": 0}
         if self.finish_reason is not None:

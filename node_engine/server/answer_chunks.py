@@ -54,7 +54,8 @@ def chunk_of(output: RequestOutput, options: LogprobOptions | None, tokenizer: T
     chunk = SequenceChunk(text=output.text_delta, output_ids=output.token_ids_delta,
                           prompt_tokens=output.num_prompt_tokens, completion_tokens=output.num_output_tokens,
                           cached_tokens=output.num_cached_tokens, num_retractions=output.num_retractions,
-                          finish_reason=output.finish_json, weight_version=weight_version)
+                          finish_reason=output.finish_json, weight_version=weight_version,
+                          weight_versions=output.weight_versions)
     if options is None:
         return chunk
     texts = _texts_for(tokenizer, options)

@@ -85,13 +85,16 @@ class _Answer:
         self.created = int(time.time())
 
     def payload(self, choices: list[dict[str, Any]], usage: dict[str, int] | None = None,
-                obj: str | None = None, index: int = 0, version: str | None = None) -> dict[str, Any]:
+                obj: str | None = None, index: int = 0, version: str | None = None,
+                versions: list[dict[str, Any]] | None = None) -> dict[str, Any]:
         """``version``: the one its tokens were made under (a request aborted by a version update keeps its
-        own); None for a chunk without tokens, which reports the version serving now."""
+        own); None for a chunk without tokens, which reports the version serving now. ``versions``: a whole
+        answer's spans (SGLang's ``metadata.weight_versions``)."""
+        metadata: dict[str, Any] = {"weight_version": version or self.engine.weight_version}
+        if versions is not None:
+            metadata["weight_versions"] = versions
         body: dict[str, Any] = {"id": self.rids[index], "object": obj or self.obj, "created": self.created,
-                                "model": self.model,
-                                "metadata": {"weight_version": version or self.engine.weight_version},
-                                "choices": choices}
+                                "model": self.model, "metadata": metadata, "choices": choices}
         if usage is not None:
             body["usage"] = usage
         return body
@@ -145,7 +148,8 @@ class _Answer:
         if answers is None:
             return Response(status_code=CLIENT_CLOSED)
         return JSONResponse(self.payload([choice(i, a) for i, a in enumerate(answers)], usage(answers, self.n),
-                                         version=answers[-1].weight_version if answers else None))
+                                         version=answers[-1].weight_version if answers else None,
+                                         versions=answers[-1].weight_versions if answers else None))
 
 
 def _finish_fields(reason: dict | None) -> dict[str, Any]:

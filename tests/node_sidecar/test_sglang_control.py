@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from pathlib import Path
 
 import httpx
@@ -128,6 +127,51 @@ def test_a_push_while_paused_in_place_loads_without_draining(client, node) -> No
     thread.join(60)
     assert result["done"] and result["events"][-1]["meta_info"]["weight_version"] == "v-paused"
     assert client.get("/get_weight_version").json() == {"weight_version": "v-paused"}
+
+
+@pytest.mark.parametrize("mode", ["in_place", "retract"])
+def test_an_answer_spanning_a_version_change_under_a_pause_reports_its_spans(client, node, mode: str) -> None:
+    """SGLang 0.5.23 (``utils/weight_versions.py``): a final answer's ``meta_info.weight_versions`` says which
+    output tokens each version made; ``weight_version`` is the last span's. A request paused across an update
+    keeps the old version for the tokens it had; a retracted one aborted before it ran again has only those
+    (``_make_abort_req`` in its scheduler)."""
+    old = client.get("/get_weight_version").json()["weight_version"]
+    thread, result = stream_in_thread(node.url, 300)
+    assert client.post("/pause_generation", json={"mode": mode}).status_code == 200
+    r = client.post("/update_weight_version", json={"new_version": "v-spans", "abort_all_requests": False})
+    assert r.status_code == 200, r.text
+    assert client.post("/continue_generation", json={}).status_code == 200
+    thread.join(60)
+    assert result["done"]
+    meta = result["events"][-1]["meta_info"]
+    spans = meta.get("weight_versions")
+    assert spans is not None and len(spans) == 2, meta
+    made_before = spans[0]["end"]
+    assert 0 < made_before < 300 and len(result["events"][0]["output_ids"]) <= made_before
+    assert spans == [{"version": old, "start": 0, "end": made_before},
+                     {"version": "v-spans", "start": made_before, "end": 300}]
+    assert meta["weight_version"] == "v-spans" and "weight_versions" not in result["events"][0]["meta_info"]
+    r = client.post("/generate", json={"text": "probe", "sampling_params": dict(GREEDY, max_new_tokens=5)})
+    assert r.json()["meta_info"]["weight_versions"] == [{"version": "v-spans", "start": 0, "end": 5}]
+    model = client.get("/v1/models").json()["data"][0]["id"]
+    r = client.post("/v1/completions", json={"model": model, "prompt": "probe", "max_tokens": 3, "temperature": 0,
+                                             "ignore_eos": True})
+    assert r.json()["metadata"] == {"weight_version": "v-spans",
+                                    "weight_versions": [{"version": "v-spans", "start": 0, "end": 3}]}, r.text
+    if mode == "in_place":
+        return  # SGLang answers an abort of an in_place paused request only after the continue
+    # retracted under "v-spans", renamed, aborted while waiting: it made all its tokens under "v-spans"
+    thread, result = stream_in_thread(node.url, 300)
+    assert client.post("/pause_generation", json={"mode": mode}).status_code == 200
+    r = client.post("/update_weight_version", json={"new_version": "v-after", "abort_all_requests": False})
+    assert r.status_code == 200, r.text
+    assert client.post("/abort_request", json={"rid": "", "abort_all": True}).status_code == 200
+    thread.join(60)
+    meta = result["events"][-1]["meta_info"]
+    made = len(result["events"][-1]["output_ids"])
+    assert meta["finish_reason"]["type"] == "abort" and 0 < made < 300, meta
+    assert meta["weight_version"] == "v-spans"
+    assert meta["weight_versions"] == [{"version": "v-spans", "start": 0, "end": made}]
 
 
 def test_slimes_resume_order_ends_serving(client) -> None:

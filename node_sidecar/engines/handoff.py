@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from handoff.protocol.tags import TAG_NAMES, TagState
+from handoff.protocol.tags import TAG_NAMES, TagState, parse_tag_request
 from handoff.service.peer_json import PeerJSONError, loads_bounded
 from handoff.service.upstream import UpstreamError
 from node_sidecar.engine_client import MAX_CONTROL_ANSWER_BYTES
@@ -143,9 +143,12 @@ def _count(value: object) -> int:
 
 def _accounting_for(path: str, answer: dict[str, Any], tags: list[str], done: str, already: str) -> dict[str, Any]:
     """``answer``, if its ``done`` and ``already`` lists hold exactly the ``tags`` asked (a tag the engine had
-    already moved is in ``already``); 502 otherwise: the engine did not do what the sidecar would record."""
-    named = set(answer.get(done, [])) | set(answer.get(already, []))
-    if named != set(tags):
+    already moved is in ``already``) and the workspace the engine adds to ``kv_cache`` (in ``already``: the
+    sidecar sends ``kv_cache`` alone only when the workspace is moved already); 502 otherwise: the engine did
+    not do what the sidecar would record."""
+    moved = set(answer.get(done, []))
+    named = moved | set(answer.get(already, []))
+    if named != set(parse_tag_request(tags).names or []) or not moved <= set(tags):
         raise not_understood(ENGINE, path, f"{done} {_shown(answer.get(done))} and {already} "
                                            f"{_shown(answer.get(already))}, not the tags asked {tags}")
     return answer

@@ -495,3 +495,22 @@ def test_the_python_client_pointed_at_one_sidecar_gets_that_nodes_answer(sidecar
     assert released.total == 1 and released.results[0].node == sidecar.url
     assert released.results[0].body["released"] == ["kv_cache", "workspace"] and released.results[0].status == 200
     assert resumed.total == 1 and "kv_cache" in resumed.results[0].body["resumed"]
+
+
+def test_kv_cache_alone_after_the_workspace_is_released_and_resumed_through_the_engine(sidecars: Sidecars) -> None:
+    """The workspace released (or resumed) alone first, then ``kv_cache``: the sidecar sends the engine
+    ``["kv_cache"]``, to which the engine adds the workspace, reported in ``already_released`` /
+    ``already_resident``. That is the engine's whole answer to what was asked, not a 502 (the engine did move
+    ``kv_cache``, which the sidecar would then not record)."""
+    sidecar = sidecars.start()
+    with httpx.Client(base_url=sidecar.url, timeout=30) as c:
+        assert c.post("/release_memory_occupation", json={"tags": ["workspace"]}).status_code == 200
+        r = c.post("/release_memory_occupation", json={"tags": ["kv_cache"]})
+        assert r.status_code == 200, r.text
+        assert r.json()["released"] == ["kv_cache"] and r.json()["already_released"] == ["workspace"], r.text
+        assert c.post("/resume_memory_occupation", json={"tags": ["workspace"]}).status_code == 200
+        r = c.post("/resume_memory_occupation", json={"tags": ["kv_cache"]})
+        assert r.status_code == 200, r.text
+        assert r.json()["resumed"] == ["kv_cache"] and r.json()["already_resident"] == ["workspace"], r.text
+        assert occupation(sidecar)["serving"] is True
+        assert greedy(sidecar)

@@ -150,7 +150,8 @@ def test_a_session_ended_while_the_weights_are_released_packs_nothing_until_they
     engine.control.release([MemoryTag.WEIGHTS], stage_to_cpu=None)
     with caplog.at_level(logging.WARNING, logger=packing.__name__):
         engine.weights.end_session()
-    assert caplog.records == []
+    # only warnings count: another test in the same process may have let INFO lines (the load, the release) through
+    assert [record.getMessage() for record in caplog.records if record.levelno >= logging.WARNING] == []
     assert all(p.packed is None and p.weight.untyped_storage().nbytes() == 0 for p in engine.runner.packing.projections)
     new = tiny_weights(5)
     engine.weights.commit(dict(new), is_complete=True, version="v1", flush_cache=True, torch_empty_cache=False)

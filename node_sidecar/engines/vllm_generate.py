@@ -23,7 +23,7 @@ from typing import Any
 from handoff.protocol.generate_request import MAX_SEQUENCES
 from handoff.service.errors import InvalidRequest, Unsupported, parse_json_bytes
 from node_sidecar.engines.vllm_answer import GenerateRequest
-from node_sidecar.engines.vllm_logprob_mode import logprob_mismatch
+from node_sidecar.engines.vllm_logprob_mode import is_number, logprob_mismatch
 
 # SGLang sampling_params → vLLM completion fields (SGLang's defaults where vLLM's differ: max_new_tokens 128)
 SAMPLING_FIELDS = {
@@ -105,7 +105,7 @@ def to_completion(raw: bytes, *, max_model_len: int | None = None,
             completion[target] = _whole_context(max_model_len)
         elif name == "max_new_tokens" and value == 0 and not isinstance(value, bool):
             completion[target] = 1  # vLLM's least; the answer drops the token (GenerateRequest.prompt_only)
-        elif name == "temperature" and _is_number(value):
+        elif name == "temperature" and is_number(value):
             completion[target] = _temperature(value)
         elif value is not None and not (name == "top_k" and value == -1):
             completion[target] = value
@@ -126,7 +126,7 @@ def to_completion(raw: bytes, *, max_model_len: int | None = None,
                               _int(body, "logprob_start_len", -1), bool(body.get("return_prompt_token_ids")),
                               num_prompts=len(completion["prompt"]) if is_batch else 1,
                               num_choices=len(completion["prompt"]) * completion.get("n", 1) if is_batch else 1,
-                              prompt_only=_is_number(params.get("max_new_tokens")) and params["max_new_tokens"] == 0)
+                              prompt_only=is_number(params.get("max_new_tokens")) and params["max_new_tokens"] == 0)
     if request.return_logprob:
         if body.get("return_text_in_logprobs"):
             raise Unsupported("return_text_in_logprobs is not supported on vLLM nodes",
@@ -146,10 +146,6 @@ def to_completion(raw: bytes, *, max_model_len: int | None = None,
                                   "nodes; ask without stream", extra={"field": "logprob_start_len"})
             completion["prompt_logprobs"] = request.top_logprobs_num
     return json.dumps(completion).encode(), request
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _temperature(value: float) -> float:

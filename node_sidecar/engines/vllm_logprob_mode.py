@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["RAW_LOGPROBS", "PROCESSED_LOGPROBS", "logprob_mismatch"]
+__all__ = ["RAW_LOGPROBS", "PROCESSED_LOGPROBS", "is_number", "logprob_mismatch"]
 
 RAW_LOGPROBS = "raw_logprobs"
 PROCESSED_LOGPROBS = "processed_logprobs"
@@ -79,6 +79,11 @@ def _filters(completion: dict[str, Any]) -> list[str]:
     return filters
 
 
+def is_number(value: Any) -> bool:
+    """A JSON number (a bool is not one)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def _number(value: Any, default: float) -> float:
     """A field's number; anything else is taken as the default (vLLM refuses a value of the wrong type itself)."""
-    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else default
+    return value if is_number(value) else default

@@ -9,7 +9,9 @@ from the network: an ``http(s)://`` URL is refused.
 Every failure is an :class:`ImageInputError` (a 400 for the caller): not an
 image or a format outside ``ALLOWED_FORMATS``, zero-sized, truncated or
 corrupt, more pixels than ``max_pixels`` (a decompression bomb: checked from
-the header, before decoding), a path outside the allowed folder.
+the header, before decoding), a JPEG of more than ``MAX_JPEG_SCANS`` scans
+(each scan makes the decoder go over every block of the image again: a few
+bytes each, hours of CPU in a megabyte), a path outside the allowed folder.
 """
 
 from __future__ import annotations
@@ -33,6 +35,11 @@ IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".gif", ".bmp")
 # peaks at about 20 bytes a pixel: 640 MiB for an RGBA image (docs/memory.md).
 DEFAULT_MAX_IMAGE_PIXELS = 32 * 2**20
 DEFAULT_MAX_IMAGE_BYTES = 64 * 2**20   # encoded, per image (a file; base64 is bounded by the body limit first)
+MAX_JPEG_SCANS = 100      # libjpeg's progressive scripts write 6 to 18; each costs a pass over every block
+MAX_JPEG_MARKERS = 4096   # segments walked to count them (ICC profiles split in 255 at most, a few per scan)
+# A JPEG marker: 0xFF (repeated as fill) and a code that is neither a stuffed zero nor a restart (RST0-7).
+_JPEG_MARKER = re.compile(rb"\xff+([^\x00\xd0-\xd7\xff])")
+_JPEG_NO_LENGTH = (0x01, 0xD8)  # TEM, SOI: markers without a segment
 _WHITESPACE = re.compile(rb"\s+")
 _PILLOW_DEFAULT_MAX_PIXELS = Image.MAX_IMAGE_PIXELS
 
@@ -123,6 +130,8 @@ def decode_image(data: bytes, policy: ImagePolicy) -> Image.Image:
     """The decoded image (first frame), after checking its size from the header."""
     if len(data) > policy.max_bytes:
         raise ImageInputError(f"the image is {len(data)} bytes, more than {policy.max_bytes}")
+    if data.startswith(b"\xff\xd8\xff"):  # what Pillow takes for a JPEG
+        check_jpeg_scans(data)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
@@ -143,6 +152,27 @@ def decode_image(data: bytes, policy: ImagePolicy) -> Image.Image:
     except (OSError, SyntaxError, ValueError, EOFError) as exc:  # PIL's ways of saying truncated or corrupt
         raise ImageInputError(f"the image is truncated or corrupt: {exc}") from exc
     return image
+
+
+def check_jpeg_scans(data: bytes) -> None:
+    """Refuse a JPEG of more than ``MAX_JPEG_SCANS`` scans (SOS markers before its first EOI), as libjpeg-turbo's
+    scan limit does. Segments are skipped by their length, as the decoder skips them, so bytes inside one (an
+    EXIF thumbnail, an ICC profile) are not counted; in a scan's entropy-coded data a 0xFF is followed by a
+    stuffed zero or a restart marker, so the next match after a scan is the next real marker."""
+    scans, pos = 0, 2
+    for _ in range(MAX_JPEG_MARKERS):
+        match = _JPEG_MARKER.search(data, pos)
+        if match is None or match[1] == b"\xd9":
+            return
+        if match[1] == b"\xda":
+            scans += 1
+            if scans > MAX_JPEG_SCANS:
+                raise ImageInputError(f"the JPEG has more than {MAX_JPEG_SCANS} scans (each makes the decoder go "
+                                      "over the whole image again)")
+        pos = match.end()
+        if match[1][0] not in _JPEG_NO_LENGTH:  # the segment's length counts its own two bytes
+            pos += int.from_bytes(data[pos:pos + 2], "big")
+    raise ImageInputError(f"the JPEG has more than {MAX_JPEG_MARKERS} segments")
 
 
 def load_image(item: object, policy: ImagePolicy) -> Image.Image:

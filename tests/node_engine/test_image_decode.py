@@ -13,7 +13,7 @@ import pytest
 from PIL import Image
 
 from node_engine.vision.decode import ImageInputError, ImagePolicy, image_bytes, load_image
-from tests.node_engine.vl_checkpoints import encoded
+from tests.node_engine.vl_checkpoints import encoded, progressive_jpeg
 
 POLICY = ImagePolicy()
 
@@ -65,6 +65,33 @@ def test_common_formats(fmt: str) -> None:
 def test_refusals(item, reason: str) -> None:
     with pytest.raises(ImageInputError, match=reason):
         load_image(item, POLICY)
+
+
+def test_a_jpeg_of_too_many_scans_is_refused_before_decoding() -> None:
+    """Found by review: a progressive JPEG may repeat scans, a dozen bytes each, and libjpeg goes over every block
+    of the image for each (a 131 KiB JPEG of 25 Mi pixels took 7.5 s of CPU in a decode slot, a megabyte of them
+    would take minutes): no client could stop it, and two held every image decode of the engine."""
+    with pytest.raises(ImageInputError, match="more than 100 scans"):
+        load_image(b64(progressive_jpeg(100)), POLICY)
+    from node_engine.vision.decode import MAX_JPEG_SCANS, check_jpeg_scans
+
+    # Real JPEGs pass: baseline, progressive (color, CMYK), with EXIF, and up to the limit of scans.
+    exif = Image.Exif()
+    exif[0x0110] = "camera"
+    for image, options in [(Image.new("RGB", (40, 30)), {}), (Image.new("RGB", (40, 30)), {"progressive": True}),
+                           (Image.new("CMYK", (40, 30)), {"progressive": True}),
+                           (Image.new("RGB", (40, 30)), {"exif": exif.tobytes(), "progressive": True})]:
+        buffer = io.BytesIO()
+        image.save(buffer, "JPEG", **options)
+        assert load_image(b64(buffer.getvalue()), POLICY).size == (40, 30)
+    scans = progressive_jpeg(0).count(b"\xff\xda")
+    assert load_image(b64(progressive_jpeg(MAX_JPEG_SCANS - scans)), POLICY).size == (64, 64)
+    # Bytes that look like scans inside a segment (a comment, an EXIF thumbnail) or after the EOI are not.
+    comment = b"\xff\xfe" + (2 + 4 * 200).to_bytes(2, "big") + b"\xff\xda\x00\x02" * 200
+    jpeg = progressive_jpeg(0)
+    check_jpeg_scans(jpeg[:2] + comment + jpeg[2:] + b"\xff\xda\x00\x02" * 200)
+    with pytest.raises(ImageInputError, match="segments"):
+        check_jpeg_scans(jpeg[:2] + b"\xff\xfe\x00\x02" * 5000 + jpeg[2:])
 
 
 def test_local_files_only_below_the_allowed_folder(tmp_path: Path) -> None:

@@ -12,7 +12,7 @@ import openai
 import pytest
 from PIL import Image
 
-from tests.node_engine.vl_checkpoints import encoded, random_image
+from tests.node_engine.vl_checkpoints import encoded, progressive_jpeg, random_image
 from tests.support.procs import ServerProcess
 
 GREEDY = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
@@ -134,6 +134,7 @@ BAD_IMAGES = [
     ("not base64!", "not valid base64"),
     ("", "empty"),
     (7, "must be a string"),
+    (b64(progressive_jpeg(150)), "more than 100 scans"),
 ]
 
 

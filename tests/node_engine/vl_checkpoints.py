@@ -79,6 +79,15 @@ def encoded(image: Image.Image, fmt: str = "PNG") -> bytes:
     return buffer.getvalue()
 
 
+def progressive_jpeg(extra_scans: int) -> bytes:
+    """A 64 x 64 progressive JPEG with ``extra_scans`` more DC refinement scans of its first component before its EOI:
+    each a dozen bytes, each a pass of the decoder over every block of the image."""
+    buffer = io.BytesIO()
+    Image.new("L", (64, 64), 128).save(buffer, "JPEG", progressive=True)
+    sos = b"\xff\xda\x00\x08\x01\x01\x00\x00\x00\x10" + b"\x00"  # 1 component, Ss=Se=0, Ah=1 Al=0
+    return buffer.getvalue()[:-2] + sos * extra_scans + b"\xff\xd9"
+
+
 def text_ids(text: str) -> list[int]:
     return list(text.encode())
 

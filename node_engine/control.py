@@ -53,14 +53,14 @@ class EngineControl:
 
     # -- pause (SGLang's retract and in_place modes) --------------------------------
     def pause(self, mode: str) -> dict[str, Any]:
-        """``retract``: running requests go back to the queue, their KV freed (recomputed after continue);
-        ``in_place``: they keep their KV. Either way nothing steps until :meth:`continue_generation`; new
-        requests queue."""
+        """``retract``: running requests go back to the queue, their KV freed (recomputed after continue),
+        behind the requests already waiting, in their order, as SGLang appends them; ``in_place``: they keep
+        their KV. Either way nothing steps until :meth:`continue_generation`; new requests queue."""
         scheduler = self.engine.scheduler
         retracted = 0
         if mode == "retract":
-            for request in reversed(list(scheduler.running)):  # preempt() puts each at the queue's front
-                scheduler.preempt(request)
+            for request in list(scheduler.running):
+                scheduler.preempt(request, to_back=True)
                 retracted += 1
         self.engine.is_paused = True
         log.info("generation paused (%s): %d retracted, %d request(s) kept", mode, retracted,

@@ -291,13 +291,18 @@ class Scheduler:
             self.running.remove(request)
         request.transition(RequestState.FINISHED)
 
-    def preempt(self, request: Request) -> None:
+    def preempt(self, request: Request, *, to_back: bool = False) -> None:
+        """Back to the waiting queue, its KV freed (recomputed when it runs again): at the front (the pool ran
+        out: it goes on first), or with ``to_back`` behind the requests waiting (SGLang's retract pause)."""
         self._free_kv(request)
         self.running.remove(request)
         request.num_cached = 0
         request.num_retractions += 1
         request.transition(RequestState.WAITING)
-        self.waiting.appendleft(request)
+        if to_back:
+            self.waiting.append(request)
+        else:
+            self.waiting.appendleft(request)
         self.num_preemptions += 1
 
     def _free_kv(self, request: Request, *, keep_in_cache: bool = False) -> None:

@@ -53,6 +53,8 @@ T = TypeVar("T")
 class WeightUpdates:
     def __init__(self, engine: "Engine") -> None:
         self.engine = engine
+        # the checkpoint loaded last, as SGLang's tokenizer manager keeps it (reported as model_path)
+        self.model_path = engine.config.model_path
         self.threads = BoundedThreads()
         self.token_step = 0
         self.session_selector: str | None = None  # an update session is open (SGLang's begin_weight_update)
@@ -81,6 +83,7 @@ class WeightUpdates:
             torch_empty_cache=body.torch_empty_cache))
         del staged
         self.token_step = body.token_step
+        self.model_path = path
         duration = time.perf_counter() - started
         self.engine.metrics.weight_update_seconds.labels("disk").observe(duration)
         log.info("weights reloaded from %s in %.2fs (read %.2fs), weight_version=%s", shown(path), duration,

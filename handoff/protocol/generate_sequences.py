@@ -76,8 +76,6 @@ def _prompts(body: GenerateBody) -> tuple[list[str] | None, list[list[int]] | No
         raise GenerateFieldError("give exactly one of text or input_ids")
     if body.text is not None:
         texts = body.text if isinstance(body.text, list) else [body.text]
-        if not texts:
-            raise GenerateFieldError("text is an empty list: a batch needs at least one prompt")
         if any(not t for t in texts):
             raise GenerateFieldError("text must not be empty")
         return texts, None, isinstance(body.text, list)
@@ -90,7 +88,8 @@ def _prompts(body: GenerateBody) -> tuple[list[str] | None, list[list[int]] | No
 
 
 def _sample_count(params: list[SamplingParamsBody | None]) -> int:
-    counts = {(p.n if p is not None and p.n is not None else 1) for p in params}
+    """``n``; an empty batch (``text: []``) has no sequences, whatever it says."""
+    counts = {(p.n if p is not None and p.n is not None else 1) for p in params} or {1}
     if len(counts) > 1:
         raise GenerateFieldError("sampling_params.n must be the same for every prompt")
     n = counts.pop()
@@ -166,7 +165,8 @@ def _image_lists(value: Any, num_prompts: int, is_batch: bool) -> list[tuple[Any
 
 
 def normalize(body: GenerateBody, *, max_sequences: int = MAX_SEQUENCES) -> NormalizedRequest:
-    """The sequences of ``body`` in SGLang's order; raises :class:`GenerateFieldError`."""
+    """The sequences of ``body`` in SGLang's order (none for ``text: []``, which SGLang answers with ``[]``);
+    raises :class:`GenerateFieldError`."""
     refuse_unsupported(body)
     texts, id_lists, is_batch = _prompts(body)
     num_prompts = len(texts if texts is not None else id_lists)  # type: ignore[arg-type]

@@ -10,7 +10,6 @@ before any is submitted, so a bad item (a bad image included) changes nothing.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
 
 from handoff.protocol.generate_request import GenerateBody, GenerateFieldError, SamplingParamsBody
 from handoff.protocol.generate_sequences import normalize
@@ -45,16 +44,17 @@ def check_model(engine: Engine, model: str | None) -> None:
 
 
 async def plan_generate(engine: Engine, body: GenerateBody, images: ImageLoader, *,
-                        default_max_new_tokens: Callable[[int], int] | None = None) -> GeneratePlan:
-    """``default_max_new_tokens``: a prompt's token count -> the limit of a sequence that leaves
-    ``max_new_tokens`` out (``/generate``'s 128, unless given); one that gives it as ``null`` may use what the
-    context leaves, as in SGLang."""
-    default = default_max_new_tokens or engine.gate.default_max_new_tokens
+                        to_context_by_default: bool = False) -> GeneratePlan:
+    """A sequence that leaves ``max_new_tokens`` out gets ``/generate``'s 128 (what fits of it), or with
+    ``to_context_by_default`` (chat) what the context leaves; one that gives it as ``null`` gets the latter, as
+    in SGLang. An empty batch (``text: []``) plans no sequence."""
     try:
         request = normalize(body, max_sequences=MAX_BATCH)
     except GenerateFieldError as exc:
         raise refusal(exc) from exc
     check_model(engine, body.model)
+    if not request.sequences:
+        return GeneratePlan([], request.is_batch, request.n, body.return_prompt_token_ids)
     firsts = [s for s in request.sequences if s.sample_index == 0]
     if any(s.images for s in firsts):
         images.check_supported("image_data")
@@ -69,9 +69,13 @@ async def plan_generate(engine: Engine, body: GenerateBody, images: ImageLoader,
     for seq in request.sequences:
         ids, mm = prompts[seq.prompt_index]
         # SGLang tells max_new_tokens left out (its default) from an explicit null: no limit but the context
-        limit = engine.gate.room_after(len(ids)) if _explicit_null_limit(seq.sampling) else default(len(ids))
+        if _to_context(seq.sampling, to_context_by_default):
+            limit = engine.gate.room_after(len(ids))
+            sampling = _min_new_tokens_within(seq.sampling, limit)
+        else:
+            limit, sampling = engine.gate.default_max_new_tokens(len(ids)), seq.sampling
         try:
-            params = to_sampling_params(seq.sampling, limit,
+            params = to_sampling_params(sampling, limit,
                                         vocab_size=engine.arch.vocab_size, sample_index=seq.sample_index)
         except ValueError as exc:
             raise InvalidRequest(f"sampling_params: {exc}") from exc
@@ -88,10 +92,22 @@ async def plan_generate(engine: Engine, body: GenerateBody, images: ImageLoader,
     return GeneratePlan(sequences, request.is_batch, request.n, body.return_prompt_token_ids)
 
 
-def _explicit_null_limit(sampling: SamplingParamsBody) -> bool:
-    """``max_new_tokens: null`` given (``sampling_params.py``: ``__post_init__`` keeps it, ``verify`` skips the
-    ``min_new_tokens`` bound, ``Scheduler.init_req_max_new_tokens`` runs to the end of the context)."""
-    return sampling.max_new_tokens is None and "max_new_tokens" in sampling.model_fields_set
+def _to_context(sampling: SamplingParamsBody, by_default: bool) -> bool:
+    """No limit but the context's: ``max_new_tokens: null`` given (``sampling_params.py``: ``__post_init__``
+    keeps it, ``verify`` skips the ``min_new_tokens`` bound, ``Scheduler.init_req_max_new_tokens`` runs to the
+    end of the context), or left out where that is the default."""
+    if "max_new_tokens" in sampling.model_fields_set:
+        return sampling.max_new_tokens is None
+    return by_default
+
+
+def _min_new_tokens_within(sampling: SamplingParamsBody, room: int) -> SamplingParamsBody:
+    """``min_new_tokens`` past what the context leaves holds EOS back to its end, where the length stops the
+    sequence, as in SGLang (a negative one stays, for the 400)."""
+    wanted = sampling.min_new_tokens
+    if wanted is None or wanted <= room:
+        return sampling
+    return sampling.model_copy(update={"min_new_tokens": room})
 
 
 def _num_logprob_entries(spec: SequenceSpec) -> int:

@@ -94,7 +94,7 @@ async def get_server_info(request: Request) -> JSONResponse:
     config = engine.config
     arch = engine.arch
     return JSONResponse({
-        "model_path": config.model_path, "served_model_name": config.model_name, "device": config.device,
+        "model_path": engine.weights.model_path, "served_model_name": config.model_name, "device": config.device,
         "dtype": config.resolved_dtype, "role": config.role, "weight_version": engine.weight_version,
         "architecture": arch.architecture, "num_parameters": arch.num_params(),
         "context_length": engine.runner.kv_plan.context_len, "max_total_tokens": engine.scheduler.slots.capacity,

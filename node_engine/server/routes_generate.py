@@ -28,6 +28,11 @@ async def generate(request: Request) -> Response:
     engine: Engine = request.app.state.engine
     body = await parse_body(request, GenerateBody)
     plan = await unless_disconnected(request, plan_generate(engine, body, request.app.state.images))
+    if not plan.sequences:  # text: [] (SGLang: [], or a stream of only [DONE])
+        if body.stream:
+            return StreamingResponse(iter((DONE_EVENT,)), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        return JSONResponse([])
     run = GenerationRun(engine, plan.sequences, stream=body.stream)
     if body.stream:
         first = await first_unless_disconnected(request, run)

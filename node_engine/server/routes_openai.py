@@ -47,9 +47,8 @@ async def _plan(request: Request, body: CompletionBody | ChatCompletionBody, pro
     defaults = engine.tokenizer.sampling_defaults if is_chat and engine.config.sampling_defaults == "model" else {}
     generate = parse_value({**prompt, "sampling_params": {**defaults, **body.sampling_params(max_new_tokens)},
                             "rid": body.rid, "stream": body.stream, **body.forwarded(), **logprobs}, GenerateBody)
-    default = engine.gate.room_after if is_chat else None
     return await unless_disconnected(request, plan_generate(engine, generate, request.app.state.images,
-                                                            default_max_new_tokens=default))
+                                                            to_context_by_default=is_chat))
 
 
 def _token_ids(body: CompletionBody | ChatCompletionBody, plan: GeneratePlan) -> Callable[[int, list[int], bool],

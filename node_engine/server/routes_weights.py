@@ -96,7 +96,7 @@ async def model_info(request: Request) -> JSONResponse:
     engine = _engine(request)
     config = engine.config
     return JSONResponse({
-        "model_path": config.model_path, "served_model_name": config.model_name,
+        "model_path": engine.weights.model_path, "served_model_name": config.model_name,
         "tokenizer_path": config.model_path, "is_generation": True, "preferred_sampling_params": None,
         "weight_version": engine.weight_version, "token_step": engine.weights.token_step,
         "load_format": "auto", "reasoning_parser": None, "tool_call_parser": None, "disaggregation_mode": "null",

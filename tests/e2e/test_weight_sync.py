@@ -96,6 +96,18 @@ def test_a_trainer_pushes_new_weights_to_two_nodes_through_the_lb(cluster, lb, w
         assert trainer.leave().status_code == 200
 
 
+def test_model_info_through_the_lb_and_the_sidecars_names_the_checkpoint_loaded(cluster, lb, weights,
+                                                                               tmp_path: Path) -> None:
+    """SGLang reports a successful reload's ``model_path`` (``tokenizer_manager.py:2365-2390``); so do the LB
+    and each node's sidecar, which relay the engine's."""
+    folder = str(save_tiny(tmp_path / "old_ckpt", weights["old"]))
+    r = lb.post("/update_weights_from_disk", json={"model_path": folder})
+    assert r.status_code == 200, r.text
+    for path in ("/model_info", "/get_model_info"):
+        assert lb.get(path).json()["model_path"] == folder
+        assert {httpx.get(node.url + path, timeout=10).json()["model_path"] for node in cluster.nodes} == {folder}
+
+
 def test_world_size_that_does_not_add_up_is_400_naming_the_right_one(cluster, lb) -> None:
     body = {**Trainer(cluster.url, world_size=2).init_body()}
     r = lb.post("/init_weights_update_group", json=body)

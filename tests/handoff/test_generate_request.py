@@ -40,10 +40,28 @@ def test_per_prompt_values_and_their_limits() -> None:
         norm(text=["a", "b"], sampling_params=[{"n": 1}, {"n": 2}])
     with pytest.raises(GenerateFieldError, match="at most"):
         normalize(GenerateBody.model_validate({"text": "a", "sampling_params": {"n": 9}}), max_sequences=8)
-    for empty in ({"text": []}, {"text": [], "sampling_params": {"max_new_tokens": 4}}, {"input_ids": []},
-                  {"input_ids": [[]]}, {"text": [""]}):  # an empty batch was a KeyError (500), found by schemathesis
+    for empty in ({"input_ids": []}, {"input_ids": [[]]}, {"text": [""]}, {"text": ["a", ""]}):
         with pytest.raises(GenerateFieldError, match="empty"):
             norm(**empty)
+
+
+@pytest.mark.parametrize("body", [{"text": []}, {"text": [], "sampling_params": {"max_new_tokens": 4}},
+                                  {"text": [], "sampling_params": {"n": 3}}, {"text": [], "sampling_params": []},
+                                  {"text": [], "rid": "r", "return_logprob": True}])
+def test_an_empty_text_batch_is_an_empty_request(body: dict) -> None:
+    """SGLang: ``text: []`` is a batch of 0 (``io_struct.py:481-486``), every per-prompt list repeated 0 times,
+    and the tokenizer manager answers ``[]`` (``tokenizer_manager.py:2074-2187``); an empty ``input_ids`` is a
+    400 there (``io_struct.py:488-498``). Once a KeyError (500), found by schemathesis."""
+    request = norm(**body)
+    assert request.sequences == [] and request.num_prompts == 0 and request.is_batch
+
+
+def test_text_and_input_ids_together_are_refused() -> None:
+    """SGLang runs ``input_ids`` and drops ``text`` when both are given (``tokenizer_manager.py:1118``), with
+    the batch shape taken from ``text`` (``io_struct.py:481``): shapes that disagree crash there. A 400 here."""
+    for body in ({"text": "a", "input_ids": [1]}, {"text": ["a"], "input_ids": [[1]]}, {"text": [], "input_ids": []}):
+        with pytest.raises(GenerateFieldError, match="exactly one"):
+            norm(**body)
 
 
 def test_image_data_per_prompt_by_sglangs_rules() -> None:

@@ -184,6 +184,46 @@ def test_an_explicit_null_max_new_tokens_is_no_limit_but_the_context(client) -> 
     assert len(left_out["output_ids"]) == 128  # left out: SGLang's default
 
 
+def test_min_new_tokens_past_the_context_runs_to_its_end_without_a_limit(client) -> None:
+    """With ``max_new_tokens`` null, SGLang bounds ``min_new_tokens`` by nothing (``sampling_params.py:280-293``
+    checks only >= 0): EOS stays held back to the end of the context, where the sequence stops on its length.
+    With a limit given, ``min_new_tokens`` above it is a 400, as there."""
+    prompt = [256] + [65] * 3949  # room for 145 more tokens
+    to_eos = {"temperature": 0, "max_new_tokens": None, "min_new_tokens": 1000, "logit_bias": {str(EOS): 100.0}}
+    held = gen(client, {"input_ids": prompt, "sampling_params": to_eos})
+    room = len(gen(client, {"input_ids": prompt, "sampling_params": {"temperature": 0, "ignore_eos": True,
+                                                                      "max_new_tokens": None}})["output_ids"])
+    assert len(held["output_ids"]) == room and EOS not in held["output_ids"]
+    assert held["meta_info"]["finish_reason"]["type"] == "length"
+    refused_body = {"input_ids": prompt, "sampling_params": dict(to_eos, max_new_tokens=100)}
+    assert "min_new_tokens" in refused(client, refused_body)["message"]
+    for negative in (None, 100):
+        body = {"input_ids": prompt, "sampling_params": dict(to_eos, max_new_tokens=negative, min_new_tokens=-1)}
+        assert "min_new_tokens" in refused(client, body)["message"]
+
+
+def test_chat_without_max_tokens_takes_min_tokens_past_the_context(client) -> None:
+    """SGLang's chat leaves ``max_new_tokens`` null when ``max_tokens`` is left out (``protocol.py:1214``), so
+    ``min_tokens`` is bounded by nothing there either."""
+    r = client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "A" * 3900}], "temperature": 0, "min_tokens": 1000,
+        "logit_bias": {str(EOS): 100.0}})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "length" and r.json()["usage"]["completion_tokens"] < 1000
+
+
+def test_an_empty_text_batch_answers_an_empty_list(client) -> None:
+    """SGLang answers ``text: []`` with ``[]`` (a stream: only ``[DONE]``); ``input_ids: []`` is its 400
+    "input_ids cannot be empty" (``io_struct.py:481-498``, ``tokenizer_manager.py:2074-2187``)."""
+    assert gen(client, {"text": [], "sampling_params": GREEDY}) == []
+    assert gen(client, {"text": [], "sampling_params": {"n": 2}, "return_logprob": True}) == []
+    events, saw_done = read_stream(client, "/generate", {"text": [], "stream": True})
+    assert events == [] and saw_done
+    assert "empty" in refused(client, {"input_ids": []})["message"]
+    assert "exactly one" in refused(client, {"text": [], "input_ids": []})["message"]
+
+
 @pytest.mark.parametrize("interval", [0, -1])
 def test_a_stream_interval_below_one_streams_every_token(client, interval: int) -> None:
     """SGLang takes 0 for its server default (1) and streams a negative one every step
@@ -191,3 +231,18 @@ def test_a_stream_interval_below_one_streams_every_token(client, interval: int) 
     events, saw_done = read_stream(client, "/generate", {"text": "x", "stream": True, "sampling_params": dict(
         GREEDY, stream_interval=interval)})
     assert saw_done and [e["meta_info"]["completion_tokens"] for e in events] == [1, 2, 3, 4]
+
+
+def test_top_logprobs_are_at_most_64_on_every_route(client) -> None:
+    """A documented bound SGLang lacks (it takes any count up to the vocabulary, a negative one for 0)."""
+    for top in (65, -1):
+        error = refused(client, {"text": "x", "return_logprob": True, "top_logprobs_num": top})
+        assert error["type"] == "invalid_request" and "top_logprobs_num" in error["message"]
+    answer = gen(client, {"text": "x", "return_logprob": True, "top_logprobs_num": 64,
+                          "sampling_params": dict(GREEDY, max_new_tokens=1)})
+    assert len(answer["meta_info"]["output_top_logprobs"][0]) == 64
+    for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True,
+                                                 "top_logprobs": 65}),
+                       ("/v1/completions", {"prompt": "x", "logprobs": 65})):
+        r = client.post(path, json=body)
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request", r.text

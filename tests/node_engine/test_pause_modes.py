@@ -93,3 +93,25 @@ async def test_release_under_a_retract_pause_and_refused_under_in_place() -> Non
                 await e.call(lambda: e.control.release(None, None))
 
         assert await _paused_run(engine, "in_place", refused) == expected
+
+
+async def test_retracted_requests_queue_behind_the_requests_already_waiting() -> None:
+    """SGLang's retract pause hands each running request to ``_add_request_to_queue``
+    (``scheduler.py:5897-5905``), which appends it to the waiting queue (``:3493``), behind the requests that
+    were waiting; its default policy, FCFS, keeps that order (``schedule_policy.py:231-265``)."""
+    config = EngineConfig(model_path="builtin:tiny", max_running_requests=1)
+    async with running_engine(config) as engine:
+        expected, _ = await generate(engine, PROMPT, PARAMS)
+        running = engine.submit(PROMPT, PARAMS, stream=True)
+        got: list[int] = []
+        await _tokens_until(running, 2, got)
+        waiting = engine.submit(PROMPT, SamplingParams(max_new_tokens=2, temperature=0.0, ignore_eos=True))
+        deadline = time.monotonic() + 10
+        while engine.scheduler.num_requests < 2 and time.monotonic() < deadline:  # admitted on the engine thread
+            await asyncio.sleep(0.005)
+        await engine.call(lambda: engine.control.pause("retract"))
+        order = await engine.call(lambda: [r.rid for r in engine.scheduler.waiting])
+        assert order == [waiting.rid, running.rid]
+        await engine.call(engine.control.continue_generation)
+        assert len(await _rest(waiting, [])) == 2
+        assert await _rest(running, got) == expected

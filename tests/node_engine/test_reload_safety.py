@@ -187,3 +187,23 @@ def test_a_header_dtype_that_is_not_a_string_is_400(client, tmp_path: Path, chec
     (folder / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + b"\0" * 256)
     r = client.post("/update_weights_from_disk", json={"model_path": str(folder), "dry_run": True})
     assert r.status_code == 400 and "dtype" in r.json()["error"]["message"], r.text
+
+
+def test_model_info_reports_the_checkpoint_loaded_last(client, checkpoints, tmp_path: Path) -> None:
+    """SGLang's tokenizer manager takes a successful reload's path for its ``model_path``
+    (``tokenizer_manager.py:2365-2390``), which ``/model_info`` (``http_server.py:813-820``) and the server
+    info report; a dry run, a refused reload and a tensor push leave it."""
+    def paths() -> set[str]:
+        return {client.get(p).json()["model_path"] for p in ("/model_info", "/get_model_info", "/get_server_info")}
+
+    before = paths()
+    assert len(before) == 1
+    assert client.post("/update_weights_from_disk", json={"model_path": str(checkpoints["other"]),
+                                                          "dry_run": True}).status_code == 200
+    assert client.post("/update_weights_from_disk", json={"model_path": str(tmp_path / "none")}).status_code == 400
+    assert paths() == before
+    r = client.post("/update_weights_from_disk", json={"model_path": str(checkpoints["other"])})
+    assert r.status_code == 200, r.text
+    assert paths() == {str(checkpoints["other"])}
+    info = client.get("/model_info").json()
+    assert info["served_model_name"] == info["tokenizer_path"] == "builtin:tiny"  # as started (a difference)

@@ -227,9 +227,13 @@ class RequestHandle:
 
     def __init__(self, rid: str) -> None:
         self.rid = rid
+        # the final output reached the loop: the request is over and its id given back (in the same call), so
+        # the id may already name another client's request, read or not
+        self.is_over = False
         self._queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
 
     def put(self, output: RequestOutput) -> None:
+        self.is_over = self.is_over or output.is_final
         self._queue.put_nowait(output)
 
     async def next(self) -> RequestOutput:

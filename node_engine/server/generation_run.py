@@ -144,13 +144,15 @@ class GenerationRun:
 
     def abort_unfinished(self) -> None:
         """Abort every sequence not finished yet, once: a later call (the stream's end after a failed sequence)
-        aborts nothing, so it can never reach a new request that took a freed id meanwhile."""
+        aborts nothing, so it can never reach a new request that took a freed id meanwhile. Nor does a sequence
+        whose final output came but was not read yet (a client that left in the same loop turn): its id was
+        given back when it came, and may name another client's request by now."""
         if self._plan is not None:
             self._plan.close()
         for handle in self._prefills:
             self.engine.abort(handle.rid)
         for handle, done in zip(self.handles, self._finished):
-            if not done:
+            if not done and not handle.is_over:
                 self.engine.abort(handle.rid)
         self._finished = [True] * len(self._finished)
 

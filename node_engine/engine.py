@@ -30,6 +30,7 @@ import torch
 
 from handoff.protocol import errors as E
 from handoff.protocol.generate_sequences import LogprobOptions
+from handoff.protocol.generation import weight_version_spans
 from node_engine.config import EngineConfig
 from node_engine.control import EngineControl
 from node_engine.detokenizer import IncrementalDetokenizer
@@ -42,8 +43,7 @@ from node_engine.memory.setup import make_memory_info, make_saver
 from node_engine.metrics import EngineMetrics
 from node_engine.model.source import load_model_source
 from node_engine.prefix_cache import PrefixCache
-from node_engine.request import (FinishReason, Request, RequestHandle, RequestOutput, RequestState, error_output,
-                                 weight_version_spans)
+from node_engine.request import FinishReason, Request, RequestHandle, RequestOutput, RequestState, error_output
 from node_engine.request_gate import RequestGate
 from node_engine.runner import ModelRunner
 from node_engine.sampling import SamplingParams

@@ -200,3 +200,20 @@ class SequenceAnswer:
         if self.logprobs is not None:
             self._last_output_lists_len = len(self._lists["output_token_logprobs"])
         return event
+
+
+def weight_version_spans(events: list[tuple[str, int]], current: str,
+                         num_output_tokens: int) -> list[dict[str, Any]]:
+    """Which output tokens each weight version made, as SGLang 0.5.23 reports them in ``meta_info.weight_versions``
+    (``compute_weight_version_spans`` and ``add_weight_versions_to_meta_info`` in its ``utils/weight_versions.py``):
+    ``{"version", "start", "end"}`` in order, adjacent spans of one version merged; never empty."""
+    spans: list[dict[str, Any]] = []
+    for version, end in [*events, (current, num_output_tokens)]:
+        end = min(end, num_output_tokens)
+        if spans and end <= spans[-1]["end"]:
+            continue
+        if spans and version == spans[-1]["version"]:
+            spans[-1]["end"] = end
+            continue
+        spans.append({"version": version, "start": spans[-1]["end"] if spans else 0, "end": end})
+    return spans

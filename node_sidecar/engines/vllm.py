@@ -50,6 +50,7 @@ from node_sidecar.engines.base import EngineView, GenerationCall, MemoryChange, 
 from node_sidecar.engines.foreign import ForeignEngine
 from node_sidecar.engines.vllm_answer import Translator
 from node_sidecar.engines.vllm_generate import PromptCounts, to_completion
+from node_sidecar.engines.vllm_versions import ServedVersions
 from node_sidecar.engines.vllm_weights import GROUP_CALLS, SESSION_CALLS, UPDATES, VllmWeightSync, WeightsLost
 from node_sidecar.errors import EngineRefused, EngineUnavailable
 
@@ -77,7 +78,7 @@ class VllmEngine(ForeignEngine):
         self.level = 0                 # the level of the sleep the weights went to (0: not asleep)
         self.weights_discarded = False  # woken after a level-2 sleep, not reloaded since
         self.sleep_mode = False
-        self.weight_version: str | None = None
+        self.versions = ServedVersions()  # the version served, and its renames (answers' weight_versions)
         self.version: str | None = None
         self.max_model_len: int | None = None  # vLLM's context: what a null max_new_tokens asks for
         self.logprobs_mode: str | None = None  # vLLM's --logprobs-mode: which logprobs mean SGLang's
@@ -110,7 +111,7 @@ class VllmEngine(ForeignEngine):
             else None
         self._adopt_sleeping(sleeping)
         version = (await self.engine.call("GET", "/weight_info", timeout=INFO_TIMEOUT_S)).get("weight_version")
-        self.weight_version = version if isinstance(version, str) else None
+        self.versions.rename(version if isinstance(version, str) else None)
         served = (await self.engine.call("GET", "/version", timeout=INFO_TIMEOUT_S)).get("version")
         self.version = served if isinstance(served, str) else None
         usable = self.sleep_mode or self.device == "cpu"  # on CPU the sleep endpoints answer, freeing nothing
@@ -178,6 +179,10 @@ class VllmEngine(ForeignEngine):
     async def _wake(self, engine_tags: list[str]) -> None:
         await self.engine.call("POST", "/wake_up?" + urlencode([("tags", t) for t in engine_tags]))
 
+    @property
+    def weight_version(self) -> str | None:
+        return self.versions.current
+
     # -- generation -------------------------------------------------------------------------------------------
     def generation_call(self, path: str, body: bytes, query: str) -> GenerationCall:
         if path != "/generate":
@@ -185,7 +190,7 @@ class VllmEngine(ForeignEngine):
         completion, request = to_completion(body, max_model_len=self.max_model_len, logprobs_mode=self.logprobs_mode)
         if request.rid is not None:
             self._prompts_by_rid.add(request.rid, request.num_prompts)
-        translator = Translator(request, lambda: self.weight_version)
+        translator = Translator(request, self.versions)
         return GenerationCall("/v1/completions", completion, answer=translator.answer, stream=translator.stream)
 
     async def abort(self, *, rid: str | None, abort_all: bool) -> dict[str, Any]:
@@ -240,7 +245,7 @@ class VllmEngine(ForeignEngine):
         true) no prefix computed with the old weights."""
         if body.get("weight_version") is not None:
             await self.engine.call("POST", "/update_weight_version", {"new_version": body["weight_version"]})
-            self.weight_version = body["weight_version"]
+            self.versions.rename(body["weight_version"])
         if body.get("flush_cache", True) and KV_CACHE not in self.released:
             try:
                 await self.flush_cache(FLUSH_AFTER_UPDATE_S)
@@ -299,10 +304,12 @@ class VllmEngine(ForeignEngine):
             raise Unsupported(f"{path} is not available on vLLM nodes (vLLM's own weight-transfer API takes "
                               "backend-specific arguments); reload from disk with /update_weights_from_disk",
                               extra={"path": path})
-        if body.get("abort_all_requests"):
+        aborted_at = None
+        if body.get("abort_all_requests"):  # answers of the requests it ends keep the old version (as in SGLang)
+            aborted_at = self.versions.abort_all()
             await self.abort(rid=None, abort_all=True)
         await self.engine.call("POST", "/update_weight_version", {"new_version": body["new_version"]})
-        self.weight_version = body["new_version"]
+        self.versions.rename(body["new_version"], aborted_at=aborted_at)
         return {"success": True, "message": f"Weight version updated to {self.weight_version}",
                 "new_version": self.weight_version}
 

@@ -4,7 +4,8 @@
 
 ``{"text", "output_ids", "meta_info": {"id", "finish_reason", "prompt_tokens",
 "completion_tokens", "cached_tokens", "weight_version", logprobs...}}``, a
-list for a batch (or ``n`` > 1). ``finish_reason``: ``{"type": "length", "length": n}``,
+list for a batch (or ``n`` > 1); a finished answer also has ``weight_versions``
+(:mod:`node_sidecar.engines.vllm_versions`). ``finish_reason``: ``{"type": "length", "length": n}``,
 ``{"type": "stop", "matched": token id or string}`` (vLLM's ``stop_reason``;
 the last token, the EOS, when vLLM gives none), ``{"type": "abort", "message"}``.
 Logprobs: ``output_token_logprobs`` ``[[logprob, token_id, null], ...]``,
@@ -21,7 +22,7 @@ import json
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from handoff.protocol import errors as E
 from handoff.protocol.generation import finish_abort, finish_length, finish_stop
@@ -29,6 +30,7 @@ from handoff.protocol.sse import DEFAULT_MAX_EVENT_BYTES, DONE, EventSplitter, d
 from handoff.service.errors import ServiceError
 from handoff.service.peer_json import PeerJSONError, loads_bounded
 from handoff.service.relay import ChunkTransform, sse_error_event
+from node_sidecar.engines.vllm_versions import ServedVersions, VersionTrail
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,7 @@ class ChoiceState:
     prompt_logprobs: list[Any] | None = None
     finish_reason: str | None = None
     stop_reason: Any = None
+    trail: VersionTrail | None = None  # the versions its tokens were made under (the translator's)
 
     def add(self, choice: dict[str, Any]) -> None:
         """One choice (or a stream's piece of it) added; :class:`MalformedChoice` for a field of the wrong type."""
@@ -87,11 +90,22 @@ class ChoiceState:
 class Translator:
     """vLLM completion answers → SGLang ``/generate`` answers, for one request."""
 
-    def __init__(self, request: GenerateRequest, weight_version: Callable[[], str | None]) -> None:
+    def __init__(self, request: GenerateRequest, versions: ServedVersions) -> None:
         self.request = request
-        self.weight_version = weight_version
+        self.versions = versions
+        self.start = versions.trail()  # the version served as the request starts
         self.base_id = request.rid or uuid.uuid4().hex
         self.started = time.monotonic()  # SGLang's e2e_latency is counted from here
+
+    def add(self, state: ChoiceState, choice: dict[str, Any]) -> None:
+        """A choice (or a stream's piece of it) added to its state, after the renames its earlier tokens preceded."""
+        self._trail(state).follow(self.versions, len(state.token_ids))
+        state.add(choice)
+
+    def _trail(self, state: ChoiceState) -> VersionTrail:
+        if state.trail is None:
+            state.trail = VersionTrail(self.start.version, self.start.started, self.start.seen)
+        return state.trail
 
     def answer(self, raw: bytes) -> bytes:
         """A whole (non-stream) answer; 502 ``upstream_error`` if the engine's cannot be read."""
@@ -109,7 +123,7 @@ class Translator:
                 if index in states:
                     raise MalformedChoice(f"two choices have the index {index}")
                 states[index] = ChoiceState()
-                states[index].add(choice)
+                self.add(states[index], choice)
             if len(states) != self.request.num_choices:
                 raise MalformedChoice(f"{len(states)} choice(s), not the {self.request.num_choices} asked for")
             results = [self.result(index, states[index]) for index in sorted(states)]
@@ -142,11 +156,14 @@ class Translator:
                 logprobs["output_token_logprobs"] = []
                 if "output_top_logprobs" in logprobs:
                     logprobs["output_top_logprobs"] = logprobs["output_top_logprobs"][:1]
+        trail = self._trail(state)
         meta: dict[str, Any] = {
             "id": rid, "finish_reason": finish_reason, "prompt_tokens": len(state.prompt_token_ids),
-            "completion_tokens": len(token_ids), "cached_tokens": 0, "weight_version": self.weight_version(),
-            **logprobs}
+            "completion_tokens": len(token_ids), "cached_tokens": 0, "weight_version": trail.version, **logprobs}
         if finish_reason is not None:  # as SGLang: a finished answer says how long it took (sglang-router needs it)
+            spans = trail.spans(len(token_ids))  # and which tokens each version made
+            if spans is not None:
+                meta["weight_versions"], meta["weight_version"] = spans, spans[-1]["version"]
             meta["e2e_latency"] = round(time.monotonic() - self.started, 6)
         result = {"text": text, "output_ids": token_ids, "meta_info": meta}
         if self.request.return_prompt_token_ids:
@@ -243,7 +260,7 @@ class _StreamTranslator(ChunkTransform):
             for choice in choices:
                 index = self.translator.choice_index(choice)
                 state = self.states.setdefault(index, ChoiceState())
-                state.add(choice)
+                self.translator.add(state, choice)
                 result = self.translator.result(index, state)
                 if self.translator.request.is_batch:
                     result["index"] = index

@@ -20,7 +20,10 @@ import json
 from collections import OrderedDict
 from typing import Any
 
-from handoff.protocol.generate_request import MAX_SEQUENCES
+from pydantic import BaseModel
+
+from handoff.protocol.generate_request import MAX_SEQUENCES, STRICT, SamplingParamsBody
+from handoff.service.bodies import parse_value
 from handoff.service.errors import InvalidRequest, Unsupported, parse_json_bytes
 from node_sidecar.engines.vllm_answer import GenerateRequest
 from node_sidecar.engines.vllm_logprob_mode import is_number, logprob_mismatch
@@ -68,6 +71,14 @@ KNOWN_FIELDS = frozenset({"text", "input_ids", "sampling_params", "stream", "rid
                           "return_prompt_token_ids"})
 
 
+class _SamplingTypes(BaseModel):
+    """SGLang's types for ``sampling_params`` (its HTTP contract refuses a value of another type, a null inside
+    ``stop_token_ids`` included: the types handoff's engine checks), so vLLM never coerces one."""
+
+    model_config = STRICT
+    sampling_params: SamplingParamsBody
+
+
 def _is_unset(value: Any) -> bool:
     return value is None or value is False or value == 0 or value == [] or value == {}
 
@@ -88,27 +99,8 @@ def to_completion(raw: bytes, *, max_model_len: int | None = None,
         raise Unsupported("sampling_params as a list (one per prompt) is not supported on vLLM nodes; give one "
                           "object for the whole batch", extra={"field": "sampling_params"})
     completion: dict[str, Any] = {"prompt": prompts if is_batch else prompts[0], "return_token_ids": True,
-                                  "stream": bool(body.get("stream", False)), "max_tokens": SGLANG_MAX_NEW_TOKENS,
-                                  **SGLANG_SAMPLING_DEFAULTS}
-    for name, value in params.items():
-        if name == "n":
-            continue  # below
-        target = SAMPLING_FIELDS.get(name)
-        if target is None:
-            if name not in SAMPLING_UNSUPPORTED:
-                raise InvalidRequest(f"unknown field sampling_params.{name!r}")
-            if value is None:
-                continue
-            raise Unsupported(f"sampling_params.{name} is not supported on vLLM nodes",
-                              extra={"field": f"sampling_params.{name}"})
-        if name == "max_new_tokens" and value is None:
-            completion[target] = _whole_context(max_model_len)
-        elif name == "max_new_tokens" and value == 0 and not isinstance(value, bool):
-            completion[target] = 1  # vLLM's least; the answer drops the token (GenerateRequest.prompt_only)
-        elif name == "temperature" and is_number(value):
-            completion[target] = _temperature(value)
-        elif value is not None and not (name == "top_k" and value == -1):
-            completion[target] = value
+                                  "stream": bool(body.get("stream", False)),
+                                  **_sampling(params, max_model_len)}
     rid = body.get("rid")
     if rid is not None:
         if is_batch or not isinstance(rid, str):
@@ -146,6 +138,34 @@ def to_completion(raw: bytes, *, max_model_len: int | None = None,
                                   "nodes; ask without stream", extra={"field": "logprob_start_len"})
             completion["prompt_logprobs"] = request.top_logprobs_num
     return json.dumps(completion).encode(), request
+
+
+def _sampling(params: dict[str, Any], max_model_len: int | None) -> dict[str, Any]:
+    """SGLang's ``sampling_params`` (but ``n``) as vLLM's completion fields, SGLang's defaults filled in."""
+    for name, value in params.items():
+        if name != "n" and name not in SAMPLING_FIELDS:
+            if name not in SAMPLING_UNSUPPORTED:
+                raise InvalidRequest(f"unknown field sampling_params.{name!r}")
+            if value is not None:
+                raise Unsupported(f"sampling_params.{name} is not supported on vLLM nodes",
+                                  extra={"field": f"sampling_params.{name}"})
+    parse_value({"sampling_params": params}, _SamplingTypes)
+    out: dict[str, Any] = {"max_tokens": SGLANG_MAX_NEW_TOKENS, **SGLANG_SAMPLING_DEFAULTS}
+    for name, value in params.items():
+        target = SAMPLING_FIELDS.get(name)
+        if target is None:
+            continue
+        if name == "max_new_tokens" and value is None:
+            out[target] = _whole_context(max_model_len)
+        elif name == "max_new_tokens" and value == 0:
+            out[target] = 1  # vLLM's least; the answer drops the token (GenerateRequest.prompt_only)
+        elif name == "temperature" and value is not None:
+            out[target] = _temperature(value)
+        elif value is not None and not (name == "top_k" and value == -1):
+            out[target] = value
+    if out["temperature"] == 0:  # SGLang's greedy takes any top_k (sampling_params.py:245-248); vLLM refuses < -1
+        out["top_k"] = 0
+    return out
 
 
 def _temperature(value: float) -> float:

@@ -131,13 +131,14 @@ class VllmWeightSync:
     async def update(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         """Receive (or decode) and load on the worker; ``{"success", "message", "loaded", "duration_s"}``."""
         self.require(path)
-        if body.get("selector") == "draft":
-            raise InvalidRequest("this vLLM node has no draft model (selector 'draft')")
+        no_draft = "this vLLM node has no draft model (selector 'draft')" if body.get("selector") == "draft" else None
         started = time.perf_counter()
-        if path == "/update_weights_from_distributed":
+        if path == "/update_weights_from_distributed":  # refused, its broadcasts are still taken (group in step)
             result = await self.rpc("handoff_update_from_distributed", self.timeout_s, group_name=body["group_name"],
                                     names=body["names"], dtypes=body["dtypes"], shapes=body["shapes"],
-                                    flattened=body.get("load_format") == "flattened_bucket")
+                                    flattened=body.get("load_format") == "flattened_bucket", refused=no_draft)
+        elif no_draft is not None:
+            raise InvalidRequest(no_draft)
         else:
             result = await self.rpc("handoff_update_from_tensor", self.timeout_s,
                                     serialized_named_tensors=body["serialized_named_tensors"],

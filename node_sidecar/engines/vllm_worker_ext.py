@@ -133,7 +133,10 @@ class HandoffWeightSync:
 
     # -- updates ---------------------------------------------------------------------------------------------
     def handoff_update_from_distributed(self, group_name: str, names: list[str], dtypes: list[str],
-                                        shapes: list[list[int]], flattened: bool = False) -> dict[str, Any]:
+                                        shapes: list[list[int]], flattened: bool = False,
+                                        refused: str | None = None) -> dict[str, Any]:
+        """Receive the broadcasts, then load them; ``refused`` (why, decided by the sidecar) or a failed check:
+        received and discarded, nothing loaded (the trainer broadcasts whatever the answer)."""
         group = self._handoff_state()["groups"].get(group_name)
         if group is None:
             return _failed(E.INVALID_REQUEST.name, f"group {group_name!r} does not exist; call init_weights_update_group "
@@ -142,7 +145,7 @@ class HandoffWeightSync:
             return _failed(E.WEIGHT_SYNC_BROKEN.name, f"group {group_name!r} is out of step: {group.broken}; destroy it "
                                                  "and join again")
         sizes = [_nbytes(dtype, shape) for dtype, shape in zip(dtypes, shapes, strict=True)]
-        problem = self._handoff_check(names, shapes, dtypes)
+        problem = refused or self._handoff_check(names, shapes, dtypes)
         if problem is not None and (None in sizes or sum(sizes) > SCRATCH_FACTOR * self._handoff_model_bytes()):
             group.broken = f"an update it could not receive was refused ({problem})"
             return _failed(E.INVALID_REQUEST.name, f"{problem}; its broadcasts cannot be received and discarded, so group "

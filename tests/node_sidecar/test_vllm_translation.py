@@ -13,8 +13,10 @@ import pytest
 
 from handoff.protocol.sse import DONE, EventSplitter, event_data
 from handoff.service.errors import InvalidRequest, ServiceError, Unsupported
+from node_sidecar.engines.vllm import VllmEngine
 from node_sidecar.engines.vllm_answer import ChoiceState, GenerateRequest, Translator
 from node_sidecar.engines.vllm_generate import to_completion
+from node_sidecar.engines.vllm_versions import ServedVersions
 
 RECORDED = json.loads((Path(__file__).parent / "data" / "vllm_completions.json").read_text())
 ANSWERS = RECORDED["answers"]
@@ -26,12 +28,12 @@ def completion(body: dict) -> dict:
 
 
 def translate(name: str, request: GenerateRequest) -> object:
-    return json.loads(Translator(request, lambda: "v7").answer(ANSWERS[name].encode()))
+    return json.loads(Translator(request, ServedVersions("v7")).answer(ANSWERS[name].encode()))
 
 
 def stream_events(name: str, request: GenerateRequest, piece: int = 7) -> list[bytes]:
     """The recorded stream fed in small pieces, as a relay would; the translated events' payloads."""
-    transform = Translator(request, lambda: "v7").stream()
+    transform = Translator(request, ServedVersions("v7")).stream()
     raw = ANSWERS[name].encode()
     out = b"".join(transform.feed(raw[i:i + piece]) for i in range(0, len(raw), piece)) + transform.finish()
     splitter = EventSplitter()
@@ -129,7 +131,7 @@ def test_max_new_tokens_0_is_served_as_sglang_does() -> None:
                            "token_ids": [55], "prompt_token_ids": [72, 101],
                            "prompt_logprobs": [None, {"101": {"logprob": -2.0, "rank": 1}}],
                            "logprobs": {"token_logprobs": [-3.5], "top_logprobs": [{"token_id:55": -3.5}]}}]}
-    result = json.loads(Translator(request, lambda: "v7").answer(json.dumps(answer).encode()))
+    result = json.loads(Translator(request, ServedVersions("v7")).answer(json.dumps(answer).encode()))
     meta = result["meta_info"]
     assert result["text"] == "" and result["output_ids"] == [] and meta["completion_tokens"] == 0
     assert meta["finish_reason"] == {"type": "length", "length": 0} and meta["output_token_logprobs"] == []
@@ -226,9 +228,9 @@ def test_a_finished_answer_says_its_e2e_latency_as_sglang_does() -> None:
                                            "sampling_params": {"max_new_tokens": 1}}).encode())
     answer = {"choices": [{"index": 0, "text": "7", "finish_reason": "length", "stop_reason": None,
                            "token_ids": [55], "prompt_token_ids": [72, 101]}]}
-    meta = json.loads(Translator(request, lambda: "v7").answer(json.dumps(answer).encode()))["meta_info"]
+    meta = json.loads(Translator(request, ServedVersions("v7")).answer(json.dumps(answer).encode()))["meta_info"]
     assert isinstance(meta["e2e_latency"], float) and meta["e2e_latency"] >= 0
-    unfinished = Translator(request, lambda: "v7").result(0, ChoiceState())
+    unfinished = Translator(request, ServedVersions("v7")).result(0, ChoiceState())
     assert "e2e_latency" not in unfinished["meta_info"]
 
 
@@ -242,7 +244,7 @@ def test_finish_reasons_and_batches() -> None:
     assert [a["meta_info"]["prompt_tokens"] for a in batch] == [2, 3]
     assert len({a["meta_info"]["id"] for a in batch}) == 2
     with pytest.raises(ServiceError, match="not JSON"):
-        Translator(GenerateRequest(False, None, False, 0, -1), lambda: None).answer(b"<html>")
+        Translator(GenerateRequest(False, None, False, 0, -1), ServedVersions()).answer(b"<html>")
 
 
 def test_streams_carry_the_whole_answer_so_far_and_end_with_done() -> None:
@@ -270,7 +272,7 @@ def test_streams_carry_the_whole_answer_so_far_and_end_with_done() -> None:
     {"logprobs": {"token_logprobs": 3}}, "not a choice"])
 def test_a_malformed_vllm_answer_is_an_upstream_error_never_a_crash(choice: object) -> None:
     """Each field the translation reads is checked: a 502 naming the engine's answer (a 500 before)."""
-    translator = Translator(GenerateRequest(False, None, True, 2, 0), lambda: None)
+    translator = Translator(GenerateRequest(False, None, True, 2, 0), ServedVersions())
     with pytest.raises(ServiceError) as info:
         translator.answer(json.dumps({"choices": [choice]}).encode())
     assert info.value.kind.name == "upstream_error"
@@ -290,7 +292,7 @@ def test_prompt_logprobs_shorter_than_the_prompt_leave_the_rest_empty() -> None:
                            "prompt_logprobs": [None, {"2": {"logprob": -0.5, "rank": 1}}],
                            "logprobs": {"token_logprobs": [-1.0], "top_logprobs": [None]},
                            "finish_reason": "length"}]}
-    result = json.loads(Translator(GenerateRequest(False, None, True, 0, 0), lambda: None)
+    result = json.loads(Translator(GenerateRequest(False, None, True, 0, 0), ServedVersions())
                         .answer(json.dumps(answer).encode()))
     assert result["meta_info"]["input_token_logprobs"] == [[None, 1, None], [-0.5, 2, None], [None, 3, None]]
 
@@ -312,27 +314,28 @@ def test_output_top_logprobs_hold_top_logprobs_num_entries_when_the_sampled_toke
     row = answer["choices"][0]["logprobs"]["top_logprobs"][0]
     row["token_id:65000"] = min(row.values()) - 1.0  # the sampled token, below the top 2
     request = GenerateRequest(is_batch=False, rid=None, return_logprob=True, top_logprobs_num=2, logprob_start_len=-1)
-    meta = json.loads(Translator(request, lambda: None).answer(json.dumps(answer).encode()))["meta_info"]
+    meta = json.loads(Translator(request, ServedVersions()).answer(json.dumps(answer).encode()))["meta_info"]
     assert len(row) == 3 and all(len(top) == 2 for top in meta["output_top_logprobs"])
     assert 65000 not in [t for _, t, _ in meta["output_top_logprobs"][0]]
+
+
+class RecordingEngine:
+    """vLLM as the adapter's calls see it: each call recorded, answered ``{"aborted": []}``."""
+
+    base_url = "http://127.0.0.1:9"  # never called: only the calls' bodies are looked at
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str, object]] = []
+
+    async def call(self, method: str, path: str, body: object = None, **_: object) -> dict:
+        self.calls.append((method, path, body))
+        return {"aborted": []}
 
 
 async def test_an_abort_by_id_reaches_every_copy_of_a_greedy_n_request() -> None:
     """A greedy ``n`` goes to vLLM as the prompt n times (vLLM refuses greedy n > 1), so one id became n vLLM
     requests; the abort named only the first and the others ran on (found by review)."""
-    from node_sidecar.engines.vllm import VllmEngine
-
-    class Engine:
-        base_url = "http://127.0.0.1:9"  # never called: only the abort's body is looked at
-
-        def __init__(self) -> None:
-            self.calls: list[tuple[str, str, object]] = []
-
-        async def call(self, method: str, path: str, body: object = None, **_: object) -> dict:
-            self.calls.append((method, path, body))
-            return {"aborted": []}
-
-    engine = Engine()
+    engine = RecordingEngine()
     adapter = VllmEngine(engine)
     for body in ({"text": "hi", "rid": "R", "sampling_params": {"n": 3, "temperature": 0}},
                  {"text": "hi", "rid": "S", "sampling_params": {"n": 3, "temperature": 1}},
@@ -346,7 +349,7 @@ async def test_an_abort_by_id_reaches_every_copy_of_a_greedy_n_request() -> None
 
 def feed_stream(request: GenerateRequest, events: list[object], tail: bytes = b"") -> list[bytes]:
     """``events`` (objects as JSON, bytes as they are) through a stream translation; the payloads out."""
-    transform = Translator(request, lambda: "v1").stream()
+    transform = Translator(request, ServedVersions("v1")).stream()
     raw = b"".join(e if isinstance(e, bytes) else b"data: " + json.dumps(e).encode() + b"\n\n" for e in events)
     out = transform.feed(raw + tail) + transform.finish()
     return [event_data(e) for e in EventSplitter().feed(out)]
@@ -369,11 +372,11 @@ def assert_upstream_error(payloads: list[bytes]) -> None:
 def test_a_batch_answer_must_hold_each_asked_choice_once(choices: list) -> None:
     """Found by review: a duplicate index was merged into one answer (texts run together), a missing or extra
     choice gave a batch of the wrong length, a null choice was dropped: all passed as success."""
-    translator = Translator(GenerateRequest(True, None, False, 0, -1, num_choices=2), lambda: None)
+    translator = Translator(GenerateRequest(True, None, False, 0, -1, num_choices=2), ServedVersions())
     with pytest.raises(ServiceError) as info:
         translator.answer(json.dumps({"choices": choices}).encode())
     assert info.value.kind.name == "upstream_error"
-    one = Translator(GenerateRequest(False, None, False, 0, -1), lambda: None)
+    one = Translator(GenerateRequest(False, None, False, 0, -1), ServedVersions())
     with pytest.raises(ServiceError):  # a single prompt's answer: index 3 of 1
         one.answer(json.dumps({"choices": [{"index": 3, "text": "a", "token_ids": [1]}]}).encode())
 
@@ -390,7 +393,7 @@ def test_logprobs_finish_reasons_and_token_ids_of_the_wrong_shape_are_an_upstrea
     """Found by review: logprobs shorter than the tokens were cut by zip, non-number logprobs and odd stop_reason
     or finish_reason values were passed on, negative or huge token ids were output_ids: all as success."""
     choice = {"index": 0, "text": "ab", "token_ids": [5, 6], "finish_reason": "length", **bad}
-    translator = Translator(GenerateRequest(False, None, True, 0, -1), lambda: None)
+    translator = Translator(GenerateRequest(False, None, True, 0, -1), ServedVersions())
     with pytest.raises(ServiceError) as info:
         translator.answer(json.dumps({"choices": [choice]}).encode())
     assert info.value.kind.name == "upstream_error"
@@ -438,3 +441,54 @@ def test_a_requests_choice_count_is_prompts_times_n() -> None:
                         ({"text": ["a", "b"], "sampling_params": {"n": 3, "temperature": 1}}, 6),
                         ({"text": ["a", "b"], "sampling_params": {"n": 3, "temperature": 0}}, 6)]:
         assert to_completion(json.dumps(body).encode())[1].num_choices == count
+
+
+def test_a_finished_answer_carries_sglangs_weight_versions_span() -> None:
+    """SGLang 0.5.23's final answers carry ``meta_info.weight_versions`` (``utils/weight_versions.py``
+    ``add_weight_versions_to_meta_info``, ``tokenizer_manager.py:2560-2567``); a stream's unfinished events do not."""
+    _, request = to_completion(json.dumps({"input_ids": [72, 101], "sampling_params": {"max_new_tokens": 2}}).encode())
+    answer = {"choices": [{"index": 0, "text": "ab", "finish_reason": "length", "token_ids": [55, 56],
+                           "prompt_token_ids": [72, 101]}]}
+    meta = json.loads(Translator(request, ServedVersions("v7")).answer(json.dumps(answer).encode()))["meta_info"]
+    assert meta["weight_versions"] == [{"version": "v7", "start": 0, "end": 2}] and meta["weight_version"] == "v7"
+    payloads = feed_stream(request, [piece(0, [55]), piece(0, [56], finish_reason="length"), b"data: [DONE]\n\n"])
+    first, last = (json.loads(p)["meta_info"] for p in payloads[:2])
+    assert "weight_versions" not in first and first["weight_version"] == "v1"
+    assert last["weight_versions"] == [{"version": "v1", "start": 0, "end": 2}]
+
+
+async def test_an_answer_ended_by_a_version_update_keeps_the_version_it_ran_under() -> None:
+    """``/update_weight_version`` aborts running requests (SGLang's default), then renames: SGLang answers the
+    aborts first, with the old version (``http_server.py:1527-1540``). The aborted answer reached the sidecar after
+    the rename and said the new one, which never ran it."""
+    adapter = VllmEngine(RecordingEngine())
+    await adapter.weight_call("/update_weight_version", {"new_version": "v7"})
+    body = json.dumps({"input_ids": [72, 101], "sampling_params": {"max_new_tokens": 8}}).encode()
+    call = adapter.generation_call("/generate", body, "")
+    await adapter.weight_call("/update_weight_version", {"new_version": "v8", "abort_all_requests": True})
+    aborted = {"choices": [{"index": 0, "text": "ab", "finish_reason": "abort", "token_ids": [55, 56],
+                            "prompt_token_ids": [72, 101]}]}
+    meta = json.loads(call.answer(json.dumps(aborted).encode()))["meta_info"]
+    assert meta["weight_version"] == "v7" and meta["weight_versions"] == [{"version": "v7", "start": 0, "end": 2}]
+    later = json.loads(adapter.generation_call("/generate", body, "").answer(json.dumps(aborted).encode()))
+    assert later["meta_info"]["weight_versions"] == [{"version": "v8", "start": 0, "end": 2}]
+
+
+async def test_a_rename_under_a_running_stream_splits_its_spans_where_the_sidecar_saw_it() -> None:
+    """Without ``abort_all_requests`` a request runs on across the rename: SGLang reports two spans (the old
+    version's tokens first) and the new version; the sidecar splits at the tokens it had relayed by then."""
+    adapter = VllmEngine(RecordingEngine())
+    await adapter.weight_call("/update_weight_version", {"new_version": "v7"})
+    body = json.dumps({"input_ids": [72, 101], "stream": True, "sampling_params": {"max_new_tokens": 4}}).encode()
+    transform = adapter.generation_call("/generate", body, "").stream()
+
+    def feed(event: dict) -> dict:
+        (payload,) = [event_data(e) for e in EventSplitter().feed(transform.feed(
+            b"data: " + json.dumps(event).encode() + b"\n\n"))]
+        return json.loads(payload)["meta_info"]
+
+    assert feed(piece(0, [55, 56]))["weight_version"] == "v7"
+    await adapter.weight_call("/update_weight_version", {"new_version": "v8", "abort_all_requests": False})
+    meta = feed(piece(0, [57, 58], finish_reason="length"))
+    assert meta["weight_versions"] == [{"version": "v7", "start": 0, "end": 2}, {"version": "v8", "start": 2, "end": 4}]
+    assert meta["weight_version"] == "v8"

@@ -76,3 +76,33 @@ def test_max_new_tokens_0_reaches_vllm_as_a_request_it_serves() -> None:
     (params,) = vllm_params({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 0}, "return_logprob": True,
                              "logprob_start_len": 0})
     assert params.max_tokens == 1 and params.prompt_logprobs == 0
+
+
+@pytest.mark.parametrize("sampling_params, field", [
+    ({"stop_token_ids": [2, None]}, "sampling_params.stop_token_ids.1"),
+    ({"top_k": True}, "sampling_params.top_k"), ({"top_k": "5"}, "sampling_params.top_k"),
+    ({"max_new_tokens": 4.0}, "sampling_params.max_new_tokens")])
+def test_a_value_of_another_type_than_sglangs_is_refused_naming_it(sampling_params: dict[str, Any],
+                                                                    field: str) -> None:
+    """SGLang 0.5.23's HTTP contract (``api_types.py`` ``decode_Int64List``, ``_expect_int``) refuses a null inside
+    stop_token_ids and a top_k or max_new_tokens that is not an integer (400); vLLM's completion either refused it
+    in its own words or coerced it (true became top_k 1, "5" became 5)."""
+    from handoff.service.errors import InvalidRequest
+
+    with pytest.raises(InvalidRequest, match=field.replace(".", r"\.")):
+        vllm_params({"input_ids": [1, 2], "sampling_params": sampling_params})
+
+
+@pytest.mark.parametrize("top_k", [-5, 0, 1, 7])
+def test_greedy_takes_any_top_k_as_sglang_does(top_k: int) -> None:
+    """SGLang's greedy override (temperature below 1e-6) replaces top_k before checking it (sampling_params.py:
+    245-248, then 263): any integer is served greedily. vLLM checks top_k < -1 first and refused it."""
+    (params,) = vllm_params({"input_ids": [1, 2], "sampling_params": {"temperature": 0, "top_k": top_k}})
+    assert params.temperature == 0 and params.top_k in (0, -1)
+
+
+def test_top_k_0_sampling_is_the_whole_vocabulary_as_on_handoffs_engine() -> None:
+    """SGLang refuses top_k 0 unless greedy (sampling_params.py:263); handoff's engine takes it for off, and so
+    does a vLLM node (vLLM's own meaning), so one body gets one answer across a mixed cluster."""
+    (params,) = vllm_params({"input_ids": [1, 2], "sampling_params": {"temperature": 1.0, "top_k": 0}})
+    assert params.top_k in (0, -1) and params.temperature == 1.0

@@ -1,7 +1,8 @@
 """SGLang's weight sync on a real vLLM node (CPU), through handoff's worker extension: a trainer (this test
 process, rank 0 of a gloo group) joins through the LB and broadcasts a checkpoint's weights; the node then
 answers exactly as it does after a reload of that checkpoint from disk. Refused updates (a wrong shape, half a
-fused layer) load nothing and leave the group in step; a tensor push from this host loads the same way."""
+fused layer, a draft model's) load nothing and leave the group in step; a tensor push from this host loads the
+same way."""
 
 from __future__ import annotations
 
@@ -105,6 +106,11 @@ def test_a_trainer_broadcast_through_the_lb_serves_as_a_reload_of_the_same_check
         name, tensor = rest[0]
         r = trainer.push([(name, tensor[..., :-1].contiguous())])
         assert r.status_code == 502 and "does not match the model's" in r.text, r.text
+        # a draft model's (this node has none): refused only once its broadcasts are taken, so the trainer is not
+        # left waiting for a receiver until the group's timeout and the group stays in step
+        r = trainer.push([(name, tensor)], selector="draft")
+        assert r.status_code == 502 and r.json()["failures"][0]["status"] == 400, r.text
+        assert "no draft model" in r.text and "received and discarded" in r.text, r.text
         assert node.greedy() == expected["step-0"] and node.version() == "step-0"
         # every tensor, in two updates (one a flattened bucket), as a bucketing trainer sends them
         r = trainer.push(layer_0, flush_cache=False)

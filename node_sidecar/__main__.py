@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from pathlib import Path
 
 from handoff.service.auth import token_from
 from handoff.service.limits import DEFAULT_MAX_ANSWER_BYTES, DEFAULT_MAX_BODY_BYTES
@@ -55,6 +56,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--max-answer-bytes", type=int, default=DEFAULT_MAX_ANSWER_BYTES, metavar="N",
                    help="an engine's non-stream answer larger than this is a 502 (streams are relayed as they "
                         "come and are not limited) (default 256 MiB)")
+    p.add_argument("--allowed-local-media-path", type=Path, default=None,
+                   help="SGLang / vLLM engines: media items may name files below this folder (default: a local path "
+                        "or file:// URL is a 400 at the sidecar)")
+    p.add_argument("--refuse-media-urls", action="store_true",
+                   help="SGLang / vLLM engines: an http(s) media URL is a 400 at the sidecar (default: passed on, "
+                        "and the engine fetches it)")
     add_server_args(p, default_host="0.0.0.0", default_port=8080)
     return p.parse_args(argv)
 
@@ -82,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
             engine_poll_interval=args.engine_poll_interval, engine_health_timeout=args.engine_health_timeout,
             engine_health_misses=args.engine_health_misses, retry_after_s=args.retry_after,
             max_body_bytes=args.max_body_bytes, max_answer_bytes=args.max_answer_bytes,
-            body_timeout=args.body_timeout)
+            body_timeout=args.body_timeout, allowed_local_media_path=args.allowed_local_media_path,
+            refuse_media_urls=args.refuse_media_urls)
     except ConfigError as exc:
         log.error("%s", exc)
         return 2

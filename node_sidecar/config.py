@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from handoff.protocol.engines import ENGINE_KIND_NAMES
 from handoff.service.limits import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_ANSWER_BYTES, DEFAULT_MAX_BODY_BYTES
@@ -40,6 +41,8 @@ class SidecarConfig:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_answer_bytes: int = DEFAULT_MAX_ANSWER_BYTES  # an engine's non-stream answer larger than this is a 502
     body_timeout: float = DEFAULT_BODY_TIMEOUT_S  # a request's whole body, from its head
+    allowed_local_media_path: Path | None = None  # SGLang / vLLM: media files below it reach the engine (None: none)
+    refuse_media_urls: bool = False     # SGLang / vLLM: http(s) media URLs are refused, not passed on
 
     def __post_init__(self) -> None:
         if not self.engine_url.startswith("http://"):
@@ -59,6 +62,8 @@ class SidecarConfig:
                      "body_timeout"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{_flag(name)} must be > 0, got {getattr(self, name)}")
+        if self.allowed_local_media_path is not None and not self.allowed_local_media_path.is_dir():
+            raise ConfigError(f"--allowed-local-media-path {self.allowed_local_media_path} is not a folder")
         if self.drain_timeout > self.max_drain_timeout:
             raise ConfigError("--drain-timeout must not exceed --max-drain-timeout")
 

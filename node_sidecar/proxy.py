@@ -1,6 +1,8 @@
 """Generation through the sidecar: admitted, counted in flight to the last byte, relayed as it comes.
 
-The body goes to the engine untouched. A stream is relayed chunk by chunk with
+The body goes to the engine untouched (one that names media an engine not
+handoff's would fetch or read on its own is screened first:
+:mod:`node_sidecar.media`). A stream is relayed chunk by chunk with
 its SSE framing as the engine wrote it; a non-stream answer is read whole and
 passed on with the engine's status. A client that goes away closes the engine
 connection, which aborts the request in the engine. An engine that dies
@@ -25,6 +27,8 @@ from handoff.service.relay import ChunkTransform, StreamRelay, relayed_headers, 
 from handoff.service.upstream import UpstreamError, UpstreamResponse, UpstreamTimeout
 from node_sidecar.admission import InFlight
 from node_sidecar.engine_client import generation_overdue
+from node_sidecar.engines.base import EngineAdapter
+from node_sidecar.media import MediaPolicy, may_hold_media, screen_body
 from node_sidecar.node import Node
 
 
@@ -91,7 +95,10 @@ async def relay_generation(node: Node, request: Request, path: str) -> Response:
     query = request.scope.get("query_string", b"").decode("latin-1")
     # The engine's form of the request, made before it is admitted (a body the engine cannot serve is a 400 that
     # never counts in flight); before the engine's kind is known the node does not serve, so admission decides.
-    call = node.adapter.generation_call(path, body, query) if node.adapter is not None else None
+    call = None
+    if node.adapter is not None:
+        await _screen_media(node, node.adapter, body)
+        call = node.adapter.generation_call(path, body, query)
     watch = DisconnectWatch(request.receive, request.scope)  # from here a client that leaves cancels the wait: held, or for the answer
     try:
         lease = await node.admission.enter(num_bytes=len(body))
@@ -106,7 +113,9 @@ async def relay_generation(node: Node, request: Request, path: str) -> Response:
         raise
     try:
         _check_pinned_version(node, request)
-        call = call or node.engine_adapter.generation_call(path, body, query)
+        if call is None:
+            await _screen_media(node, node.engine_adapter, body)
+            call = node.engine_adapter.generation_call(path, body, query)
         timeout = node.config.generate_timeout
         upstream = await node.engine.open(
             "POST", call.path, body=call.body, timeout=timeout, is_generation=True,
@@ -129,6 +138,14 @@ async def relay_generation(node: Node, request: Request, path: str) -> Response:
     finally:
         watch.stop()
     return _CountedResponse(upstream, content, lease.release)
+
+
+async def _screen_media(node: Node, adapter: EngineAdapter, body: bytes) -> None:
+    """400 for a media item the node keeps from an engine that loads media on its own; a body without one is not
+    parsed, one with one is parsed off the event loop."""
+    if adapter.screens_media and may_hold_media(body):
+        policy = MediaPolicy(node.config.allowed_local_media_path, node.config.refuse_media_urls)
+        await asyncio.to_thread(screen_body, body, policy)
 
 
 def _check_pinned_version(node: Node, request: Request) -> None:

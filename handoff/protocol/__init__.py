@@ -8,6 +8,7 @@ and the Python client import it alike:
 - :mod:`handoff.protocol.control`: the bodies of the control calls.
 - :mod:`handoff.protocol.sse`: server-sent-event framing.
 - :mod:`handoff.protocol.engines`: the kinds of engine behind a sidecar.
+- :mod:`handoff.protocol.image_source`: what an image item points at (its bytes, a local file, the network).
 
 A name used on the wire by more than one process is defined here and nowhere else.
 """

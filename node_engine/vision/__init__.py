@@ -8,6 +8,7 @@
 - ``inputs.py``: a request's images (spans in the prompt, features while prefill needs them);
 - ``placeholders.py``: image placeholders in a prompt, expanded to each image's token count;
 - ``decode.py``: image bytes from a request (base64, data URL, allowed local file), checked;
+- ``prescan.py``: bounded walks over an image's structure, before Pillow spends unbounded time on it;
 - ``encoder.py``: what the runner does with images in a step (encode, embed, free);
 - ``reservation.py``: the worst-case vision peak, measured at start and held in ``workspace``.
 """

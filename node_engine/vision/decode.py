@@ -9,9 +9,11 @@ from the network: an ``http(s)://`` URL is refused.
 Every failure is an :class:`ImageInputError` (a 400 for the caller): not an
 image or a format outside ``ALLOWED_FORMATS``, zero-sized, truncated or
 corrupt, more pixels than ``max_pixels`` (a decompression bomb: checked from
-the header, before decoding), a JPEG of more than ``MAX_JPEG_SCANS`` scans
-(each scan makes the decoder go over every block of the image again: a few
-bytes each, hours of CPU in a megabyte), a path outside the allowed folder.
+the header, before decoding), a structure that would cost the decoder far
+more than its size (:mod:`node_engine.vision.prescan`: a JPEG of too many
+scans, a PNG or a GIF of too many chunks or blocks), a path outside the
+allowed folder. What an item points at is read as the sidecar reads it
+(:mod:`handoff.protocol.image_source`).
 """
 
 from __future__ import annotations
@@ -25,27 +27,19 @@ import stat
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import unquote, urlparse
 
 from PIL import Image, UnidentifiedImageError
 
+from handoff.protocol.image_source import ImageInputError, SourceKind, allowed_local_path, image_source
+from node_engine.vision.prescan import prescan
+
 ALLOWED_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
-IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".gif", ".bmp")
 # An 8192 x 4096 image. Decoding it and compositing its transparency (processor.to_rgb, as transformers does)
 # peaks at about 20 bytes a pixel: 640 MiB for an RGBA image (docs/memory.md).
 DEFAULT_MAX_IMAGE_PIXELS = 32 * 2**20
 DEFAULT_MAX_IMAGE_BYTES = 64 * 2**20   # encoded, per image (a file; base64 is bounded by the body limit first)
-MAX_JPEG_SCANS = 100      # libjpeg's progressive scripts write 6 to 18; each costs a pass over every block
-MAX_JPEG_MARKERS = 4096   # segments walked to count them (ICC profiles split in 255 at most, a few per scan)
-# A JPEG marker: 0xFF (repeated as fill) and a code that is neither a stuffed zero nor a restart (RST0-7).
-_JPEG_MARKER = re.compile(rb"\xff+([^\x00\xd0-\xd7\xff])")
-_JPEG_NO_LENGTH = (0x01, 0xD8)  # TEM, SOI: markers without a segment
 _WHITESPACE = re.compile(rb"\s+")
 _PILLOW_DEFAULT_MAX_PIXELS = Image.MAX_IMAGE_PIXELS
-
-
-class ImageInputError(ValueError):
-    """An image a request cannot use; the message says why (the caller answers 400)."""
 
 
 @dataclass(frozen=True)
@@ -57,24 +51,17 @@ class ImagePolicy:
 
 def image_bytes(item: object, policy: ImagePolicy) -> bytes:
     """The encoded bytes an ``image_data`` item or an ``image_url`` URL stands for."""
-    if not isinstance(item, str):
-        raise ImageInputError(f"an image must be a string (base64, a data URL or an allowed file path), "
-                              f"got {type(item).__name__}")
-    if not item:
-        raise ImageInputError("the image is empty")
-    lowered = item[:16].lower()
-    if lowered.startswith(("http://", "https://")):
+    source = image_source(item)
+    if source.kind is SourceKind.NETWORK:
         raise ImageInputError("images are not fetched from the network; send the bytes (base64 or a data URL)")
-    if lowered.startswith("file://"):
-        return _read_local(Path(unquote(urlparse(item).path)), policy)
-    if item.lower().endswith(IMAGE_EXTENSIONS) and len(item) < 4096:
-        return _read_local(Path(item), policy)
-    if lowered.startswith("data:"):
-        header, comma, payload = item.partition(",")
+    if source.kind is SourceKind.LOCAL:
+        return _read_local(Path(source.text), policy)
+    if source.kind is SourceKind.DATA_URL:
+        header, comma, payload = source.text.partition(",")
         if not comma or not header.lower().endswith(";base64"):
             raise ImageInputError("a data URL image must be base64: data:image/<type>;base64,<data>")
         return _base64(payload)
-    return _base64(item)
+    return _base64(source.text)
 
 
 def _base64(text: str) -> bytes:
@@ -88,25 +75,9 @@ def _base64(text: str) -> bytes:
 
 
 def _read_local(path: Path, policy: ImagePolicy) -> bytes:
-    """A file below the allowed folder. Whatever is outside it gets one answer whether or not it exists (the
-    path is checked as written before the file system is asked anything), and a file swapped for a FIFO or
-    a link after the check is refused at the open, not waited on."""
-    allowed = policy.local_media_dir
-    if allowed is None:
-        raise ImageInputError("local image paths are not allowed here (the engine reads them only below "
-                              "--allowed-local-media-path); send the bytes (base64 or a data URL)")
-    if "\x00" in str(path):
-        raise ImageInputError("an image path cannot hold a NUL character")
-    roots = (Path(os.path.abspath(allowed)), allowed.resolve())
-    missing = ImageInputError(f"no such image file below --allowed-local-media-path: {path}")
-    if not any(Path(os.path.abspath(path)).is_relative_to(root) for root in roots):
-        raise missing
-    try:
-        resolved = path.resolve(strict=True)
-    except (OSError, RuntimeError, ValueError):
-        raise missing from None
-    if not resolved.is_relative_to(roots[1]):  # a link inside that points out
-        raise missing
+    """A file below the allowed folder (:func:`~handoff.protocol.image_source.allowed_local_path`); a file swapped
+    for a FIFO or a link after the check is refused at the open, not waited on."""
+    resolved = allowed_local_path(path, policy.local_media_dir)
     try:
         fd = os.open(resolved, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
     except OSError as exc:
@@ -130,8 +101,7 @@ def decode_image(data: bytes, policy: ImagePolicy) -> Image.Image:
     """The decoded image (first frame), after checking its size from the header."""
     if len(data) > policy.max_bytes:
         raise ImageInputError(f"the image is {len(data)} bytes, more than {policy.max_bytes}")
-    if data.startswith(b"\xff\xd8\xff"):  # what Pillow takes for a JPEG
-        check_jpeg_scans(data)
+    prescan(data)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
@@ -152,27 +122,6 @@ def decode_image(data: bytes, policy: ImagePolicy) -> Image.Image:
     except (OSError, SyntaxError, ValueError, EOFError) as exc:  # PIL's ways of saying truncated or corrupt
         raise ImageInputError(f"the image is truncated or corrupt: {exc}") from exc
     return image
-
-
-def check_jpeg_scans(data: bytes) -> None:
-    """Refuse a JPEG of more than ``MAX_JPEG_SCANS`` scans (SOS markers before its first EOI), as libjpeg-turbo's
-    scan limit does. Segments are skipped by their length, as the decoder skips them, so bytes inside one (an
-    EXIF thumbnail, an ICC profile) are not counted; in a scan's entropy-coded data a 0xFF is followed by a
-    stuffed zero or a restart marker, so the next match after a scan is the next real marker."""
-    scans, pos = 0, 2
-    for _ in range(MAX_JPEG_MARKERS):
-        match = _JPEG_MARKER.search(data, pos)
-        if match is None or match[1] == b"\xd9":
-            return
-        if match[1] == b"\xda":
-            scans += 1
-            if scans > MAX_JPEG_SCANS:
-                raise ImageInputError(f"the JPEG has more than {MAX_JPEG_SCANS} scans (each makes the decoder go "
-                                      "over the whole image again)")
-        pos = match.end()
-        if match[1][0] not in _JPEG_NO_LENGTH:  # the segment's length counts its own two bytes
-            pos += int.from_bytes(data[pos:pos + 2], "big")
-    raise ImageInputError(f"the JPEG has more than {MAX_JPEG_MARKERS} segments")
 
 
 def load_image(item: object, policy: ImagePolicy) -> Image.Image:

@@ -92,6 +92,7 @@ class EngineAdapter(ABC):
     kind: ClassVar[EngineKind]
     tag_meanings: ClassVar[Mapping[str, TagMeaning]]
     health_path: ClassVar[str] = "/health"   # a cheap liveness check that never generates
+    screens_media: ClassVar[bool] = False    # the sidecar screens media items for it (node_sidecar/media.py)
 
     def __init__(self, engine: EngineClient) -> None:
         self.engine = engine

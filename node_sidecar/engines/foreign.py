@@ -28,6 +28,8 @@ log = logging.getLogger(__name__)
 
 
 class ForeignEngine(EngineAdapter):
+    screens_media = True  # it fetches URLs and reads files on its own (node_sidecar/media.py)
+
     def __init__(self, engine: Any) -> None:
         super().__init__(engine)
         self.memory = EngineMemory(engine.base_url)

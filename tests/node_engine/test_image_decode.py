@@ -6,6 +6,7 @@ import base64
 import io
 import os
 import struct
+import time
 import zlib
 from pathlib import Path
 
@@ -60,8 +61,10 @@ def test_common_formats(fmt: str) -> None:
     (b64(encoded(Image.new("RGB", (8, 8)), "TIFF")), "not an image"),      # a format we do not take
     ("/etc/hostname.png", "not allowed here"),
     ("file:///etc/hosts", "not allowed here"),
+    ("file://host/etc/hosts.png", "names no host"),
+    (" \tHTTPS://example.com/cat", "not fetched from the network"),  # as urllib and vLLM read a URL
 ], ids=["empty", "not-a-string", "http", "https", "bad-base64", "data-url-not-base64", "text", "truncated",
-        "zero-sized", "bomb", "over-our-bound", "tiff", "path", "file-url"])
+        "zero-sized", "bomb", "over-our-bound", "tiff", "path", "file-url", "file-url-host", "url-spelt-otherwise"])
 def test_refusals(item, reason: str) -> None:
     with pytest.raises(ImageInputError, match=reason):
         load_image(item, POLICY)
@@ -73,7 +76,7 @@ def test_a_jpeg_of_too_many_scans_is_refused_before_decoding() -> None:
     would take minutes): no client could stop it, and two held every image decode of the engine."""
     with pytest.raises(ImageInputError, match="more than 100 scans"):
         load_image(b64(progressive_jpeg(100)), POLICY)
-    from node_engine.vision.decode import MAX_JPEG_SCANS, check_jpeg_scans
+    from node_engine.vision.prescan import MAX_JPEG_SCANS, check_jpeg_scans
 
     # Real JPEGs pass: baseline, progressive (color, CMYK), with EXIF, and up to the limit of scans.
     exif = Image.Exif()
@@ -92,6 +95,119 @@ def test_a_jpeg_of_too_many_scans_is_refused_before_decoding() -> None:
     check_jpeg_scans(jpeg[:2] + comment + jpeg[2:] + b"\xff\xda\x00\x02" * 200)
     with pytest.raises(ImageInputError, match="segments"):
         check_jpeg_scans(jpeg[:2] + b"\xff\xfe\x00\x02" * 5000 + jpeg[2:])
+
+
+def _chunk(kind: bytes, data: bytes = b"") -> bytes:
+    return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+
+def _png_chunks(data: bytes) -> list[bytes]:
+    """A PNG's chunks, each whole (length, type, data, CRC)."""
+    pos, chunks = 8, []
+    while pos < len(data):
+        end = pos + 12 + int.from_bytes(data[pos:pos + 4], "big")
+        chunks.append(data[pos:end])
+        pos = end
+    return chunks
+
+
+def _png(chunks: list[bytes]) -> bytes:
+    return b"\x89PNG\r\n\x1a\n" + b"".join(chunks)
+
+
+def _apng(frames: int) -> bytes:
+    buffer = io.BytesIO()
+    images = [Image.new("RGB", (8, 8), (i % 256, i // 256, 7)) for i in range(frames)]
+    images[0].save(buffer, "PNG", save_all=True, append_images=images[1:])
+    return buffer.getvalue()
+
+
+def _refused_quickly(data: bytes, reason: str) -> None:
+    started = time.monotonic()
+    with pytest.raises(ImageInputError, match=reason):
+        load_image(b64(data), POLICY)
+    assert time.monotonic() - started < 1.0
+
+
+def test_a_png_of_too_many_chunks_is_refused_before_decoding() -> None:
+    """Found by review: Pillow reads a PNG's chunks one by one in Python, holding the GIL (an empty chunk is 12
+    bytes and about 2.6 us: a 36 MB image of them held the engine's event loop and engine thread for 8 s), before
+    the image data, between its IDAT chunks and after them."""
+    ihdr, idat, iend = _png_chunks(PNG)[0], b"".join(_png_chunks(PNG)[1:-1]), _png_chunks(PNG)[-1]
+    junk = 100_000
+    _refused_quickly(_png([ihdr, _chunk(b"abCd") * junk, idat, iend]), "more than .* chunks in its first frame")
+    _refused_quickly(_png([ihdr, idat, _chunk(b"tEXt") * junk, iend]), "chunks in its first frame")
+    _refused_quickly(_png([ihdr, _chunk(b"IDAT") * junk, idat, iend]), "chunks in its first frame")
+    # An acTL of one frame with the image data first: Pillow takes it for a still image and reads to IEND.
+    def fctl(sequence: int) -> bytes:
+        return _chunk(b"fcTL", struct.pack(">IIIIIHHBB", sequence, 30, 20, 0, 0, 1, 10, 0, 0))
+
+    one_frame = _chunk(b"acTL", struct.pack(">II", 1, 0))
+    _refused_quickly(_png([ihdr, one_frame, fctl(0), idat, fctl(1), _chunk(b"abCd") * junk, iend]),
+                     "chunks in its first frame")
+
+
+def test_real_pngs_pass_the_chunk_walk() -> None:
+    from node_engine.vision.prescan import MAX_HEADER_STEPS, check_png_chunks, header_steps
+
+    ihdr, idat, iend = _png_chunks(PNG)[0], b"".join(_png_chunks(PNG)[1:-1]), _png_chunks(PNG)[-1]
+    fits = _png([ihdr, _chunk(b"abCd") * (MAX_HEADER_STEPS - 2), idat, iend])  # IHDR, junk, IDAT: the budget
+    assert header_steps(fits) == MAX_HEADER_STEPS + len(fits) // 4096 and len(fits) < 4096 * 13
+    fits = _png([ihdr, _chunk(b"abCd") * (header_steps(fits) - 2), idat, iend])
+    assert load_image(b64(fits), POLICY).size == (30, 20)
+    with pytest.raises(ImageInputError, match="chunks"):
+        check_png_chunks(_png([ihdr, _chunk(b"abCd") * (header_steps(fits) - 1), idat, iend]))
+    # Image data in many chunks, as large images come (libpng writes 8 KiB chunks; here 2 KiB ones).
+    buffer = io.BytesIO()
+    Image.frombytes("L", (2900, 2900), os.urandom(2900 * 2900)).save(buffer, "PNG", compress_level=0)
+    chunks = _png_chunks(buffer.getvalue())
+    data = b"".join(chunk[8:-4] for chunk in chunks if chunk[4:8] == b"IDAT")
+    split = _png([chunks[0], *(_chunk(b"IDAT", data[i:i + 2048]) for i in range(0, len(data), 2048)), chunks[-1]])
+    assert len(_png_chunks(split)) > MAX_HEADER_STEPS
+    assert load_image(b64(split), POLICY).size == (2900, 2900)
+    # An animated PNG: only its first frame is read, so its length does not count (Pillow admits 2**31 frames).
+    apng = _apng(3000)
+    assert len(_png_chunks(apng)) > header_steps(apng)
+    image = load_image(b64(apng), POLICY)
+    assert image.size == (8, 8) and image.n_frames == 3000
+    # Its first frame's chunks count, whether the image data is that frame or a default image before it.
+    first, *rest = _png_chunks(apng)[:-1]
+    cut = next(i for i, chunk in enumerate(rest) if chunk[4:8] == b"IDAT") + 1
+    with pytest.raises(ImageInputError, match="chunks"):
+        check_png_chunks(_png([first, *rest[:cut], _chunk(b"abCd") * 6000, *rest[cut:], iend]))
+
+
+def _gif(blocks: bytes) -> bytes:
+    """A 9 x 7 GIF with ``blocks`` between its header (and palette) and its first image."""
+    data = encoded(Image.new("P", (9, 7)), "GIF")
+    start = 13 + (3 << ((data[10] & 7) + 1) if data[10] & 0x80 else 0)
+    return data[:start] + blocks + data[start:]
+
+
+def test_a_gif_of_too_many_blocks_before_its_image_is_refused_before_decoding() -> None:
+    """Found by review: Pillow walks a GIF's extensions, their data sub-blocks and stray bytes up to the first
+    image one by one in Python (about 0.1 s a megabyte, holding the GIL)."""
+    junk = 600_000
+    _refused_quickly(_gif(b"\x21\xfe\x00" * junk), "more than .* blocks before its first image")  # comments
+    _refused_quickly(_gif(b"\x21\xfe" + b"\x01x" * junk + b"\x00"), "blocks before its first image")  # 1 comment
+    _refused_quickly(_gif(b"\x00" * junk), "blocks before its first image")                 # stray bytes
+
+
+def test_real_gifs_pass_the_block_walk() -> None:
+    from node_engine.vision.prescan import check_gif_blocks, header_steps
+
+    comment = b"\x21\xfe" + (b"\xff" + b"c" * 255) * 1000 + b"\x00"  # a 255 KB comment: 1000 sub-blocks
+    assert load_image(b64(_gif(b"\x21\xf9\x04\x00\x00\x00\x00\x00" + comment)), POLICY).size == (9, 7)
+    fits = _gif(b"\x00" * 4096)
+    fits = _gif(b"\x00" * header_steps(fits))
+    check_gif_blocks(fits)
+    with pytest.raises(ImageInputError, match="blocks"):
+        check_gif_blocks(_gif(b"\x00" * (header_steps(fits) + 1)))
+    # An animated GIF: what comes after the first image is not walked.
+    buffer = io.BytesIO()
+    images = [Image.new("P", (9, 7), i % 256) for i in range(5000)]
+    images[0].save(buffer, "GIF", save_all=True, append_images=images[1:], comment=b"x")
+    assert load_image(b64(buffer.getvalue()), POLICY).size == (9, 7)
 
 
 def test_local_files_only_below_the_allowed_folder(tmp_path: Path) -> None:

@@ -146,6 +146,7 @@ class FakeSglang:
     is_session_open: bool = False
     next_answers: dict[str, dict] = field(default_factory=dict)  # POST /_fake/next
     calls: list[str] = field(default_factory=list)
+    media: list[Any] = field(default_factory=list)  # the image_data of each /generate, the messages of each chat
     num_model_info: int = 0
     startup_time: float = field(default_factory=time.time)
     tp_size: int = 1
@@ -227,6 +228,8 @@ def create_app(fake: FakeSglang) -> Any:
     async def generate(request: Request) -> Response:
         body = await request.json()
         fake.calls.append("generate")
+        if body.get("image_data") is not None:
+            fake.media.append(body["image_data"])
         while fake.paused:  # tokenizer_manager.py:2267-2286: new requests wait until continue_generation
             await asyncio.sleep(0.01)
         if "input_ids" in body:
@@ -275,6 +278,14 @@ def create_app(fake: FakeSglang) -> Any:
         async for ids, finish in steps():
             last = answer(ids, finish)
         return JSONResponse(last)
+
+    async def chat(request: Request) -> Response:  # recorded and answered "ok" (the sidecar passes chat through)
+        body = await request.json()
+        fake.calls.append("chat")
+        fake.media.append(body.get("messages"))
+        return JSONResponse({"id": "chatcmpl-fake", "object": "chat.completion", "model": fake.model_path,
+                             "choices": [{"index": 0, "finish_reason": "stop",
+                                          "message": {"role": "assistant", "content": "ok"}}]})
 
     async def abort_request(request: Request) -> Response:
         body = await request.json()
@@ -396,7 +407,7 @@ def create_app(fake: FakeSglang) -> Any:
     async def fake_state(request: Request) -> Response:
         return JSONResponse({"offload_tags": sorted(fake.offload_tags), "regions": sorted(fake.regions),
                              "weights_garbage": fake.weights_garbage, "running": len(fake.running),
-                             "calls": fake.calls, "num_model_info": fake.num_model_info})
+                             "calls": fake.calls, "media": fake.media, "num_model_info": fake.num_model_info})
 
     async def set_next(request: Request) -> Response:  # fault injection: the next call of a path, once
         body = await request.json()
@@ -424,6 +435,7 @@ def create_app(fake: FakeSglang) -> Any:
 
     app = Starlette(routes=[
         Route("/generate", generate, methods=["POST"]),
+        Route("/v1/chat/completions", chat, methods=["POST"]),
         Route("/abort_request", abort_request, methods=["POST"]),
         Route("/release_memory_occupation", release, methods=["GET", "POST"]),
         Route("/resume_memory_occupation", resume, methods=["GET", "POST"]),

@@ -66,9 +66,10 @@ VALUE_SETS: dict[str, Obj] = {
         "prefill": {"enabled": True, "replicas": 2, "engineExtraArgs": ["--seed", "7"]},
         "decode": {"enabled": True, "replicas": 3, "nodeSelector": {"pool": "decode-gpus"}},
     }}),
-    # Many mixed nodes on CPU, every optional engine and sidecar flag, another cluster domain.
+    # Many mixed nodes on CPU, every optional engine and sidecar flag, another cluster domain, IPv6.
     "mixed": deep_merge(TOKENS, {
         "clusterDomain": "k8s.internal",
+        "listenAddress": "::",
         "logFormat": "text",
         "lb": {"replicas": 1, "policy": "power_of_two", "discoverInterval": 2.5, "controlTimeout": 90,
                "maxControlTimeout": 1800},
@@ -280,6 +281,13 @@ def test_schema_rejects_bad_values_with_a_clear_message(values: Obj, message: st
                  id="lb-token-flag"),
     pytest.param({"node": {"sidecar": {"extraArgs": ["--api-key=s3cret"]}}},
                  "node.sidecar.extraArgs must not set --api-key", id="sidecar-token-flag"),
+    # argparse takes an unambiguous abbreviation for the flag: the same refusals.
+    pytest.param({"lb": {"extraArgs": ["--admin-tok=s3cret"]}}, "lb.extraArgs must not set --admin-token",
+                 id="lb-token-flag-abbreviated"),
+    pytest.param({"node": {"sidecar": {"extraArgs": ["--api", "s3cret"]}}},
+                 "node.sidecar.extraArgs must not set --api-key", id="sidecar-token-flag-abbreviated"),
+    pytest.param({"node": {"engine": {"extraArgs": ["--hos", "0.0.0.0"]}}},
+                 "node.engine.extraArgs must not set --hos", id="engine-host-override-abbreviated"),
     pytest.param({"clusterDomain": ".".join(["d" * 59] * 4)}, "over DNS's 253 (the LB would exit at start)",
                  id="discovery-name-too-long"),
 ])
@@ -402,7 +410,7 @@ def test_lb_flags_follow_the_values(rendered: Rendered) -> None:
     lb = container(_lb(rendered), "lb")
     args = lb["args"]
     assert args[0] == "lb", "the image's entrypoint takes the process name first"
-    assert flag_value(args, "--host") == "0.0.0.0"
+    assert flag_value(args, "--host") == rendered.merged["listenAddress"]
     assert int(flag_value(args, "--port")) == lb_values["port"] == resolve_port(lb, "http")
     assert float(flag_value(args, "--discover-interval")) == lb_values["discoverInterval"]
     assert float(flag_value(args, "--control-timeout")) == lb_values["controlTimeout"]
@@ -476,10 +484,24 @@ def test_engine_listens_on_localhost_only_and_sidecar_is_the_only_port(rendered:
         engine_port = int(flag_value(engine["args"], "--port"))
         assert engine_port == rendered.merged["node"]["engine"]["port"]
         assert flag_value(sidecar["args"], "--engine-url") == f"http://127.0.0.1:{engine_port}"
-        assert flag_value(sidecar["args"], "--host") == "0.0.0.0"
+        assert flag_value(sidecar["args"], "--host") == rendered.merged["listenAddress"]
         (port,) = sidecar["ports"]
         assert port["containerPort"] == int(flag_value(sidecar["args"], "--port")) != engine_port
         assert "--enable-memory-saver" in engine["args"]
+
+
+def test_lb_and_sidecars_listen_on_ipv6_when_asked() -> None:
+    """On an IPv6 cluster a pod has no IPv4 address: bound to 0.0.0.0, the LB and the sidecars were reachable by
+    neither the kubelet's probes nor the LB (every node restarted by its liveness probe, forever)."""
+    default = render({})
+    assert flag_value(container(_lb(default), "lb")["args"], "--host") == "0.0.0.0"
+    r = render({"listenAddress": "::"})
+    assert flag_value(container(_lb(r), "lb")["args"], "--host") == "::"
+    for sts in _node_sets(r).values():
+        assert flag_value(container(sts, "sidecar")["args"], "--host") == "::"
+        assert flag_value(container(sts, "engine")["args"], "--host") == "127.0.0.1"
+    with pytest.raises(helm.HelmValuesError, match="at '/listenAddress'"):
+        render({"listenAddress": "10.0.0.1"})
 
 
 def test_probes_point_at_health_and_ready(rendered: Rendered) -> None:
@@ -517,6 +539,29 @@ def test_gpus_are_requested_by_the_engine_only(rendered: Rendered) -> None:
             assert gpu not in resources.get("limits", {}) and gpu not in resources.get("requests", {})
         assert gpu not in json.dumps(container(sts, "sidecar").get("resources", {}))
     assert gpu not in json.dumps(container(_lb(rendered), "lb").get("resources", {}))
+
+
+def test_containers_given_no_gpu_get_none_from_the_nvidia_runtime(rendered: Rendered) -> None:
+    """The CUDA image sets NVIDIA_VISIBLE_DEVICES=all: where the NVIDIA runtime is the node's default, a container
+    that requests no GPU got every GPU of the host (other pods' GPUs) unless the variable says otherwise."""
+    void = {"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"}
+    engine_values = rendered.merged["node"]["engine"]
+    assert env_entries(container(_lb(rendered), "lb"))["NVIDIA_VISIBLE_DEVICES"] == void
+    for sts in _node_sets(rendered).values():
+        assert env_entries(container(sts, "sidecar"))["NVIDIA_VISIBLE_DEVICES"] == void
+        engine_env = env_entries(container(sts, "engine"))
+        if engine_values["device"] == "cuda" and engine_values["gpus"]:
+            assert "NVIDIA_VISIBLE_DEVICES" not in engine_env, "the device plugin names the engine's GPU"
+        else:
+            assert engine_env["NVIDIA_VISIBLE_DEVICES"] == void
+
+
+def test_an_engine_given_no_gpu_gets_none() -> None:
+    r = render({"node": {"engine": {"gpus": 0}}})
+    for sts in _node_sets(r).values():
+        engine = container(sts, "engine")
+        assert "nvidia.com/gpu" not in json.dumps(engine["resources"])
+        assert env_entries(engine)["NVIDIA_VISIBLE_DEVICES"]["value"] == "void"
 
 
 def test_engine_and_sidecar_flags_follow_the_values(rendered: Rendered) -> None:

@@ -179,6 +179,16 @@ root filesystem is read-only.
 {{- end }}
 
 {{/*
+For a container the chart gives no GPU: the CUDA image sets NVIDIA_VISIBLE_DEVICES=all, and where the NVIDIA
+runtime is the node's default it reads that variable and mounts every GPU of the host into a container that
+requested none (the LB, the sidecar, a CPU engine), GPUs the device plugin gave to other pods. "void" mounts none.
+*/}}
+{{- define "handoff.noGpuEnv" -}}
+- name: NVIDIA_VISIBLE_DEVICES
+  value: void
+{{- end }}
+
+{{/*
 A number as a flag value: integers without a decimal point or exponent (values arrive
 as float64), other numbers as written.
 */}}
@@ -196,10 +206,21 @@ Called with (dict "args" LIST "where" "node.engine.extraArgs").
 */}}
 {{- define "handoff.checkEngineArgs" -}}
 {{- range $arg := .args }}
-{{- if or (eq $arg "--host") (hasPrefix "--host=" $arg) (eq $arg "--port") (hasPrefix "--port=" $arg) }}
+{{- range $flag := list "--host" "--port" }}
+{{- if include "handoff.argSetsFlag" (dict "arg" $arg "flag" $flag) }}
 {{- fail (printf "handoff: %s must not set %s: the engine listens on 127.0.0.1:node.engine.port only" $.where $arg) }}
 {{- end }}
 {{- end }}
+{{- end }}
+{{- end }}
+
+{{/*
+"true" when one argument gives FLAG: "--flag", "--flag=V", or an abbreviation of it ("--hos", "--admin-tok=V"),
+which the processes' argparse takes for the flag. Called with (dict "arg" ARG "flag" "--host").
+*/}}
+{{- define "handoff.argSetsFlag" -}}
+{{- $name := first (splitList "=" .arg) }}
+{{- if and (ge (len $name) 4) (hasPrefix "--" $name) (hasPrefix $name .flag) }}true{{ end }}
 {{- end }}
 
 {{/*
@@ -285,7 +306,7 @@ Called with (dict "args" LIST "where" "lb.extraArgs").
 {{- define "handoff.checkNoTokenArgs" -}}
 {{- range $arg := .args }}
 {{- range $flag := list "--admin-token" "--api-key" }}
-{{- if or (eq $arg $flag) (hasPrefix (printf "%s=" $flag) $arg) }}
+{{- if include "handoff.argSetsFlag" (dict "arg" $arg "flag" $flag) }}
 {{- fail (printf "handoff: %s must not set %s: a token in the args is readable in the pod spec; use auth.* (the Secret)" $.where $flag) }}
 {{- end }}
 {{- end }}

@@ -252,7 +252,7 @@ def run_demo(num_nodes: int = 2, *, model: str = DEFAULT_MODEL, log_dir: Path | 
         workdir = Path(tmp)
         spec = ClusterSpec(num_mixed=num_nodes, model_path=model, model_override=DEMO_MODEL, weights_backup="disk")
         say(f"starting {num_nodes} nodes of {model} (engine + sidecar each) and the LB; logs in {logs}")
-        cluster = LocalCluster(spec, logs)
+        cluster = LocalCluster(spec, logs, die_with_parent=True)  # a demo killed (SIGTERM: no handler) leaves none
         try:
             cluster.start()
             say(f"LB at {cluster.url}; nodes: {', '.join(n.url for n in cluster.nodes)}")
@@ -260,6 +260,9 @@ def run_demo(num_nodes: int = 2, *, model: str = DEFAULT_MODEL, log_dir: Path | 
         except (DemoFailed, ProcessFailed, HandoffError, OSError) as exc:
             say(f"\nDEMO FAILED: {exc}\n(logs: {logs})")
             return 1
+        except KeyboardInterrupt:
+            say(f"\ninterrupted: stopping the cluster (logs: {logs})")
+            return 130
         finally:
             cluster.stop()
     say("\nsummary")

@@ -202,6 +202,12 @@ class LocalCluster:
             for proc in group:
                 proc.stop(timeout)
 
+    def kill(self, *, wait: bool = True) -> None:
+        """SIGKILL every process still running (``wait=False``: without waiting for them to end; safe in a signal
+        handler that interrupted :meth:`stop`, which then sees them end)."""
+        for proc in self._launched:
+            proc.kill(wait=wait)
+
     def __enter__(self) -> "LocalCluster":
         return self.start()
 

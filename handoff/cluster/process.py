@@ -193,11 +193,12 @@ class ServerProcess:
             self.proc.wait(5)
         return self.proc.returncode
 
-    def kill(self) -> None:
-        """SIGKILL the process (a crash, as far as its peers can tell)."""
+    def kill(self, *, wait: bool = True) -> None:
+        """SIGKILL the process (a crash, as far as its peers can tell); ``wait``: and reap it."""
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
-            self.proc.wait(5)
+            if wait:
+                self.proc.wait(5)
 
     def log_tail(self, num_lines: int = 40) -> str:
         try:

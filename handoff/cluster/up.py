@@ -47,13 +47,20 @@ class Interrupted(Exception):
 def run_up(spec: ClusterSpec, log_dir: Path, *, out: TextIO = sys.stdout) -> int:
     """Start the cluster and keep it until SIGINT, SIGTERM or SIGHUP (a closed terminal); 0 when every process
     ran until then, 1 if one died meanwhile or the cluster could not start, 130 when stopped while starting.
+    Stopping gives each process its graceful shutdown; a second signal meanwhile kills them at once.
 
     The processes die with this one however it ends (SIGKILL included: Linux's parent-death signal), so none
     is left behind listening on a port."""
+    cluster = LocalCluster(spec, log_dir, die_with_parent=True)
     stop = threading.Event()
     starting = True
+    forced: list[str] = []
 
     def on_signal(signum: int, _frame: object) -> None:
+        if stop.is_set():  # a second signal: no more waiting on graceful shutdowns
+            forced.append(signal.Signals(signum).name)
+            cluster.kill(wait=False)
+            return
         stop.set()
         if starting:  # break out of the waits of a start (seconds to minutes for a model's load)
             raise Interrupted(signal.Signals(signum).name)
@@ -61,7 +68,6 @@ def run_up(spec: ClusterSpec, log_dir: Path, *, out: TextIO = sys.stdout) -> int
     # a signal this process was told to ignore (nohup's SIGHUP, a background job's SIGINT) stays ignored
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
                 if signal.getsignal(sig) is not signal.SIG_IGN}
-    cluster = LocalCluster(spec, log_dir, die_with_parent=True)
     try:
         print(f"starting {spec.num_nodes} node(s) and the LB (logs in {log_dir}) ...", file=out, flush=True)
         try:
@@ -82,10 +88,13 @@ def run_up(spec: ClusterSpec, log_dir: Path, *, out: TextIO = sys.stdout) -> int
                 if proc.pid not in reported:
                     reported.add(proc.pid)
                     report_death(proc, out)
-        print("\nstopping ...", file=out, flush=True)
+        print("\nstopping (each process gets its graceful shutdown; Ctrl-C again kills them at once) ...", file=out,
+              flush=True)
         return 1 if reported else 0
     finally:
         starting = False
         cluster.stop()
+        if forced:  # said here, not in the handler, whose print could land inside one this thread was making
+            print(f"{forced[0]} again: killed every process still stopping", file=out, flush=True)
         for sig, handler in previous.items():
             signal.signal(sig, handler)

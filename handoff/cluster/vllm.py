@@ -96,9 +96,9 @@ class VllmProcess(ServerProcess):
         self._signal_group(signal.SIGKILL)  # a child that outlived its parent
         return code
 
-    def kill(self) -> None:
+    def kill(self, *, wait: bool = True) -> None:
         self._signal_group(signal.SIGKILL)
-        super().kill()
+        super().kill(wait=wait)
 
     def _signal_group(self, sig: signal.Signals) -> None:
         if self.proc is not None:

@@ -15,6 +15,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 from pathlib import Path
 
 import uvicorn
@@ -22,6 +23,7 @@ import uvicorn
 from handoff.service.head_timeout import DEFAULT_HEAD_TIMEOUT_S, default_max_connections
 from handoff.service.http_protocol import ServiceProtocol
 from handoff.service.limits import BODY_BUDGET, DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BUFFERED_BODY_BYTES
+from handoff.service.shutdown_cut import ShutdownCut
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +77,7 @@ def add_server_args(parser: argparse.ArgumentParser, *, default_host: str, defau
 
 
 def exit_on_sigterm() -> None:
-    """Until :func:`serve` installs uvicorn's graceful handlers, SIGTERM ends the process (exit 143).
+    """Until :func:`serve` installs its graceful handlers, SIGTERM ends the process (exit 143).
 
     In a container the process is PID 1, for which the kernel ignores a signal that has no handler: an engine
     still loading its model would otherwise sit out the pod's whole termination grace period."""
@@ -140,7 +142,7 @@ def serve(app: object, *, host: str, port: int, port_file: Path | None = None,
     except ImportError:
         loop = "asyncio"
     config = uvicorn.Config(
-        app,
+        ShutdownCut(app, grace_s=graceful_shutdown_s),
         loop=loop,
         http=ServiceProtocol.with_timeout(
             header_timeout_s, default_max_connections() if max_connections is None else max_connections),
@@ -157,11 +159,28 @@ def serve(app: object, *, host: str, port: int, port_file: Path | None = None,
         tmp = port_file.with_suffix(port_file.suffix + ".tmp")
         tmp.write_text(str(bound_port))
         os.replace(tmp, port_file)
+    _stop_on_signals(server)
     if freeze_startup_objects:
         # each full collection walked all of them (tens of thousands): a pause of ~25 ms every few hundred requests
         gc.collect()  # what is garbage already goes first, not into the frozen set
         gc.freeze()
     asyncio.run(server.serve(sockets=[sock])) if loop == "asyncio" else _run_uvloop(server, sock)
+
+
+def _stop_on_signals(server: uvicorn.Server) -> None:
+    """SIGINT and SIGTERM stop ``server`` gracefully from here on, in place of what was there (the engine's
+    :func:`exit_on_sigterm`, Python's KeyboardInterrupt). uvicorn takes both over while it serves, then puts these
+    back and raises the signal it caught once more: this handler takes it as done, so the process exits 0 after its
+    graceful shutdown, not by the signal (143) nor with a traceback. A signal ignored (``nohup``) stays ignored."""
+    if threading.current_thread() is not threading.main_thread():
+        return  # only the main thread may set handlers (and uvicorn then sets none)
+
+    def stop(signum: int, frame: object) -> None:
+        server.should_exit = True  # before uvicorn serves: it starts, then stops at once
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        if signal.getsignal(sig) is not signal.SIG_IGN:
+            signal.signal(sig, stop)
 
 
 def _run_uvloop(server: uvicorn.Server, sock: socket.socket) -> None:

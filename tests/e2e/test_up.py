@@ -15,6 +15,7 @@ import psutil
 import pytest
 
 from tests.support.procs import REPO_ROOT, wait_until
+from tests.support.streams import GenerationClient
 
 
 def test_up_starts_serves_and_stops_cleanly(tmp_path: Path) -> None:
@@ -121,3 +122,52 @@ def test_a_port_in_use_fails_before_any_engine_loads(tmp_path: Path) -> None:
                               capture_output=True, text=True, timeout=60)
     assert done.returncode == 1 and "cannot be listened on" in done.stdout, done.stdout[-500:]
     assert not list((tmp_path / "logs").glob("*engine*.log"))  # nothing was started
+
+
+def test_a_second_ctrl_c_kills_what_is_still_stopping(tmp_path: Path) -> None:
+    """A stream in flight holds the LB in its graceful shutdown (5 s); a second Ctrl-C then did nothing more."""
+    proc, out = start_up(tmp_path)
+    try:
+        text = wait_until(lambda: (t := out.read_text()) and "Ctrl-C" in t and t, timeout=120, what="the banner")
+        lb = re.search(r"LB\s+(http://\S+)", text).group(1)
+        children = psutil.Process(proc.pid).children(recursive=True)
+        stream = GenerationClient(lb + "/generate", {"text": "go on", "stream": True, "sampling_params": {
+            "max_new_tokens": 4000, "ignore_eos": True}}, timeout=60)
+        stream.start()
+        assert stream.started_streaming.wait(30) and stream.result.error is None, stream.result
+        proc.send_signal(signal.SIGINT)
+        wait_until(lambda: "\nstopping" in out.read_text(), timeout=10, what="the stop under way")
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 0
+        assert "SIGINT again: killed every process still stopping" in out.read_text(), out.read_text()[-500:]
+        assert "Application shutdown complete" not in (tmp_path / "logs" / "lb.log").read_text()  # cut short
+        wait_until(lambda: no_child_left(children), timeout=30, what="every child gone")
+        stream.finish(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_no_process_outlives_a_stopped_demo(tmp_path: Path, sig: signal.Signals) -> None:
+    """``handoff demo`` stopped by SIGTERM died at once and left its LB, sidecar and engine running (its cluster
+    had no parent-death signal); Ctrl-C ended in a KeyboardInterrupt traceback."""
+    out = tmp_path / "demo.out"
+    with open(out, "wb") as sink:
+        proc = subprocess.Popen([sys.executable, "-m", "handoff", "demo", "--nodes", "1", "--log-dir",
+                                 str(tmp_path / "logs")], stdout=sink, stderr=subprocess.STDOUT, cwd=REPO_ROOT)
+    children: list[psutil.Process] = []
+    try:
+        wait_until(lambda: "LB at" in out.read_text(), timeout=120, what="the demo's cluster")
+        children = psutil.Process(proc.pid).children(recursive=True)
+        assert len(children) == 3
+        proc.send_signal(sig)
+        assert proc.wait(60) == (130 if sig == signal.SIGINT else -signal.SIGTERM)
+        wait_until(lambda: no_child_left(children), timeout=30, what="every child gone")
+        assert "Traceback" not in out.read_text(), out.read_text()[-2000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for child in children:
+            if child.is_running():
+                child.kill()

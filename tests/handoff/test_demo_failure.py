@@ -13,7 +13,7 @@ from handoff.cluster.process import ProcessFailed
 class ClusterThatCannotStart:
     """Fault injection: a local cluster whose start fails as a real one does when an engine exits."""
 
-    def __init__(self, spec: object, logs: Path) -> None:
+    def __init__(self, spec: object, logs: Path, *, die_with_parent: bool = False) -> None:
         self.logs = logs
         logs.mkdir(parents=True, exist_ok=True)
         (logs / "node0-engine.log").write_text("the engine's last words\n")

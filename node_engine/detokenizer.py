@@ -4,8 +4,13 @@
 UTF-8 sequence, and not inside a run of byte-fallback tokens (``<0xE2>``...: a
 Llama-2-style decoder renders a run as a whole, so an invalid byte later in
 the run changes how the earlier ones render). A request's text is therefore
-the concatenation of its deltas and equals the tokenizer's own decode of its
-ids: a stream and a non-stream answer always agree.
+the concatenation of its deltas and equals the tokenizer's own decode of the
+prompt's last ids (``context``) and its ids, less the decode of those prompt
+ids: a stream and a non-stream answer always agree. As in SGLang 0.5.23
+(``Req.init_incremental_detokenize``, up to ``INIT_INCREMENTAL_DETOKENIZATION_OFFSET``
+= 5 prompt ids), the prompt's end is the first token's context: a SentencePiece
+decoder (Llama-2, Mistral) drops the leading space of a text's first token, so
+an answer's ``▁Hello`` reads `` Hello`` after a prompt.
 
 **Stop strings** are checked as SGLang 0.5.23 checks them
 (``schedule_batch.py``, ``Req._check_str_based_finish``): after each token,
@@ -29,9 +34,13 @@ A sequence that ends on a stop token leaves that token's text out
 
 from __future__ import annotations
 
+from typing import Sequence
+
 from node_engine.tokenizer import Tokenizer
 
-__all__ = ["IncrementalDetokenizer"]
+__all__ = ["CONTEXT_TOKENS", "IncrementalDetokenizer"]
+
+CONTEXT_TOKENS = 5  # prompt ids decoded before the output (SGLang's INIT_INCREMENTAL_DETOKENIZATION_OFFSET)
 
 
 class IncrementalDetokenizer:
@@ -39,11 +48,13 @@ class IncrementalDetokenizer:
 
     ``is_lazy`` (a request nobody reads before its end, with no stop strings
     to watch): tokens are only collected, and :meth:`finish` decodes them all
-    at once.
+    at once. ``context``: the prompt's last :data:`CONTEXT_TOKENS` ids, decoded
+    before the output (their text is not the output's).
     """
 
     def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...] = (), *, is_lazy: bool = False,
-                 skip_special_tokens: bool = True, no_stop_trim: bool = False) -> None:
+                 skip_special_tokens: bool = True, no_stop_trim: bool = False,
+                 context: Sequence[int] = ()) -> None:
         if is_lazy and stop:
             raise ValueError("stop strings need incremental detokenization")
         self._tokenizer = tokenizer
@@ -54,10 +65,11 @@ class IncrementalDetokenizer:
         self._longest_stop = max((len(s) for s in stop), default=0)
         # SGLang's window, in tokens; widened when it holds too few characters (see _tail)
         self._tail_tokens = 1 + max((len(tokenizer.encode(s, add_special_tokens=False)) for s in stop), default=0)
-        self._ids: list[int] = []
+        self._ids: list[int] = list(context)[-CONTEXT_TOKENS:] if context else []
+        self._num_context = len(self._ids)
         self._prefix_offset = 0
-        self._read_offset = 0
-        self._before_last = (0, 0, 0)  # (text length, prefix offset, read offset) before the last token
+        self._read_offset = self._num_context
+        self._before_last = (0, 0, self._num_context)  # (text length, prefix offset, read offset) before the last token
         self._in_byte_run = False  # the output ends in a run of byte-fallback tokens
         self.text = ""          # stable text so far (a matched stop string cut away)
         self._emitted = 0       # characters of ``text`` already handed out
@@ -93,7 +105,7 @@ class IncrementalDetokenizer:
         if self.matched_stop is not None:
             return
         end = len(self._ids)
-        if drop_last and end:
+        if drop_last and end > self._num_context:
             text_len, self._prefix_offset, self._read_offset = self._before_last
             self.text = self.text[:text_len]
             end -= 1
@@ -126,12 +138,13 @@ class IncrementalDetokenizer:
         before)."""
         newest = self._tokenizer.decode(self._ids[-1:], skip_special_tokens=False)
         wanted = self._longest_stop + len(newest)
-        num_tokens = self._tail_tokens
+        num_outputs = len(self._ids) - self._num_context  # the prompt is no part of it (SGLang's ``tail_str``)
+        num_tokens = min(self._tail_tokens, num_outputs)
         while True:
             tail = self._tokenizer.decode(self._ids[-num_tokens:], skip_special_tokens=False)
-            if len(tail) >= wanted or num_tokens >= len(self._ids):
+            if len(tail) >= wanted or num_tokens >= num_outputs:
                 return tail
-            num_tokens *= 2
+            num_tokens = min(2 * num_tokens, num_outputs)
 
     def take_delta(self, *, is_final: bool) -> str:
         """Text not yet handed out; unless final, the end that could begin a stop string is held back."""

@@ -33,7 +33,7 @@ from handoff.protocol.generate_sequences import LogprobOptions
 from handoff.protocol.generation import weight_version_spans
 from node_engine.config import EngineConfig
 from node_engine.control import EngineControl
-from node_engine.detokenizer import IncrementalDetokenizer
+from node_engine.detokenizer import CONTEXT_TOKENS, IncrementalDetokenizer
 from node_engine.errors import EngineStopped, MemoryReleased, WeightsNotLoaded
 from node_engine.failures import FaultDrill, leaves_device_unusable
 from node_engine.inbox import Abort, Add, Call, Closed, Inbox, Item
@@ -170,7 +170,8 @@ class Engine:
                           detokenizer=IncrementalDetokenizer(self.tokenizer, params.stop,
                                                              is_lazy=not stream and not params.stop,
                                                              skip_special_tokens=params.skip_special_tokens,
-                                                             no_stop_trim=params.no_stop_trim),
+                                                             no_stop_trim=params.no_stop_trim,
+                                                             context=prompt_ids[-CONTEXT_TOKENS:]),
                           on_output=handle.put, generator=generator, is_streaming=stream, mm=mm,
                           logprobs=logprobs, use_prefix_cache=use_prefix_cache,
                           prefill_only=params.max_new_tokens == 0 and (prefill or _scores(logprobs, len(prompt_ids))))

@@ -11,61 +11,20 @@ it (``trim_matched_stop``).
 
 from __future__ import annotations
 
-import json
-import random
-from pathlib import Path
-
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import decoders, models, normalizers, pre_tokenizers, trainers
 
 from node_engine.detokenizer import IncrementalDetokenizer
 from node_engine.tokenizer import Tokenizer
+from tests.node_engine.tokenizer_kinds import BYTES, all_kinds
 
-BYTES = Tokenizer.builtin_bytes()
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-
-
-def _bpe(folder: Path) -> Tokenizer:
-    """A byte-level BPE trained so that some tokens hold a character and part of the next one."""
-    hf = HFTokenizer(models.BPE())
-    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    hf.decoder = decoders.ByteLevel()
-    rng = random.Random(0)
-    pieces = ["A", "B", "ab", "xy", "€", "é", "你好", "世界", "😀", " ", "\n", "A€", "stop"]
-    corpus = ["".join(rng.choice(pieces) for _ in range(30)) for _ in range(400)]
-    hf.train_from_iterator(corpus, trainers.BpeTrainer(
-        vocab_size=400, special_tokens=["<bos>", "<eos>", "<|sp|>"], show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    return _saved(hf, folder, "<bos>", "<eos>")
-
-
-def _byte_fallback(folder: Path) -> Tokenizer:
-    """A Llama-2-style tokenizer: pieces, and ``<0xNN>`` tokens rendered by a byte-fallback decoder."""
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
-    for piece in ["▁", "▁Hello", "Hello", "a", "b", "▁a", "ab", "é", "你", "好"]:
-        vocab.setdefault(piece, len(vocab))
-    hf = HFTokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True, fuse_unk=True))
-    hf.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
-    hf.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
-                                    decoders.Strip(" ", 1, 0)])
-    hf.add_special_tokens(["<unk>", "<s>", "</s>"])
-    return _saved(hf, folder, "<s>", "</s>")
-
-
-def _saved(hf: HFTokenizer, folder: Path, bos: str, eos: str) -> Tokenizer:
-    folder.mkdir(parents=True, exist_ok=True)
-    hf.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({"bos_token": bos, "eos_token": eos}))
-    return Tokenizer.from_folder(folder)
 
 
 @pytest.fixture(scope="module")
 def tokenizers(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Tokenizer]:
-    folder = tmp_path_factory.mktemp("tokenizers")
-    return {"bytes": BYTES, "bpe": _bpe(folder / "bpe"), "byte_fallback": _byte_fallback(folder / "fallback")}
+    return all_kinds(tmp_path_factory.mktemp("tokenizers"))
 
 
 def run(tokenizer: Tokenizer, ids: list[int], stop: tuple[str, ...] = (), *, skip: bool = True,

@@ -18,6 +18,7 @@ import socket
 from typing import Awaitable, Callable, Sequence
 
 from handoff.protocol.hosts import canonical_host, canonical_ip
+from handoff.service.redact import shown_url
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +34,7 @@ def canonical_url(url: str) -> str:
     if not isinstance(url, str):
         raise ValueError(f"node URL must be a string, got {type(url).__name__}")
     text = url.strip()
+    url = shown_url(url)  # as every message below shows it: a password refused is not written out
     scheme, sep, rest = text.partition("://")
     if not sep or scheme.lower() != "http":
         raise ValueError(f"node URL must start with http://, got {url!r}")

@@ -10,6 +10,11 @@ if TYPE_CHECKING:
     from node_engine.scheduler import Scheduler
 
 
+# a release or resume moves the weights (to a disk backup and back: tens of seconds for a large model); the
+# default buckets end at 10 s. The sidecar's handoff_node_release_seconds has the same ones.
+CONTROL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
 class EngineMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
@@ -42,9 +47,9 @@ class EngineMetrics:
                                       ["kind"], registry=r,
                                       buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5))
         self.release_seconds = Histogram("handoff_engine_release_seconds", "Duration of a memory release.",
-                                         registry=r)
+                                         registry=r, buckets=CONTROL_BUCKETS)
         self.resume_seconds = Histogram("handoff_engine_resume_seconds", "Duration of a memory resume.",
-                                        registry=r)
+                                        registry=r, buckets=CONTROL_BUCKETS)
         self.weight_update_seconds = Histogram(
             "handoff_engine_weight_update_seconds", "Duration of a weight update, by source (disk, tensor, "
             "distributed).", ["source"], registry=r, buckets=(0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 300))

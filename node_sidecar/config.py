@@ -7,6 +7,7 @@ from pathlib import Path
 
 from handoff.protocol.engines import ENGINE_KIND_NAMES
 from handoff.service.limits import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_ANSWER_BYTES, DEFAULT_MAX_BODY_BYTES
+from handoff.service.redact import shown_url
 
 ROLES = ("mixed", "prefill", "decode")
 
@@ -46,7 +47,12 @@ class SidecarConfig:
 
     def __post_init__(self) -> None:
         if not self.engine_url.startswith("http://"):
-            raise ConfigError(f"--engine-url must be an http:// URL, got {self.engine_url!r}")
+            raise ConfigError(f"--engine-url must be an http:// URL, got {shown_url(self.engine_url)!r}")
+        for char, what in (("@", "credentials (the engine takes none; they would be written to the logs)"),
+                           ("?", "a query"), ("#", "a fragment")):
+            if char in self.engine_url:
+                raise ConfigError(f"--engine-url must be http://HOST:PORT without {what}, got "
+                                  f"{shown_url(self.engine_url)!r}")
         if self.engine_kind is not None and self.engine_kind not in ENGINE_KIND_NAMES:
             raise ConfigError(f"--engine-kind must be one of {', '.join(ENGINE_KIND_NAMES)}, got {self.engine_kind!r}")
         if self.vllm_sleep_level not in (1, 2):

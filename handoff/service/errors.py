@@ -20,9 +20,13 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from handoff.protocol import errors as E
+from handoff.service.logs import rate_limit
 from handoff.service.peer_json import PeerJSONError, loads_bounded
 
 log = logging.getLogger(__name__)
+rate_limit(log)  # a bug a client can reach is a traceback per request: a burst, then a count
+
+MAX_LOGGED_PATH_CHARS = 200  # a request's path in a log line: past it, cut (a URL has no length limit)
 
 
 class ServiceError(Exception):
@@ -208,11 +212,18 @@ class UnexpectedErrorMiddleware:
         try:
             await self.app(scope, receive, tracking_send)
         except Exception as exc:
-            log.exception("unhandled error on %s %s", scope.get("method"), scope.get("path"))
+            log.exception("unhandled error on %s %s", scope.get("method"), _shown_path(scope))
             if started:
                 raise  # half a response is out: only closing the connection is honest
             response = error_response(500, E.INTERNAL_ERROR.name, f"{type(exc).__name__}: internal error")
             await response(scope, receive, send)
+
+
+def _shown_path(scope: Scope) -> str:
+    path = str(scope.get("path"))
+    if len(path) <= MAX_LOGGED_PATH_CHARS:
+        return path
+    return f"{path[:MAX_LOGGED_PATH_CHARS]}...({len(path)} characters)"
 
 
 async def read_json_object(request: Request) -> dict[str, Any]:

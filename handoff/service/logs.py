@@ -8,10 +8,13 @@ form too.
 
 A text line is one line: control characters in a message (a peer's error text
 with CR/LF or ANSI escapes in it) are written escaped, so no value can forge a
-line of its own. What a stranger can make a process log once per request
-(uvicorn's ``Invalid HTTP request received.``, a node's failure on the
-request path) goes through :class:`RateLimit`: a burst per message, then one
-line saying how many were left out.
+line of its own. A traceback follows its record on lines of its own, each
+indented and escaped the same way: an exception's message (which may quote a
+client's value) cannot start a line that reads as a record either; it is cut
+at :data:`MAX_TRACEBACK_CHARS`. What a stranger can make a process log once
+per request (uvicorn's ``Invalid HTTP request received.``, a node's failure on
+the request path, a bug's traceback) goes through :class:`RateLimit`: a burst
+per message, then one line saying how many were left out.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 _RESERVED = set(vars(logging.makeLogRecord({}))) | {"message", "asctime"}
 
@@ -30,6 +33,9 @@ _RESERVED = set(vars(logging.makeLogRecord({}))) | {"message", "asctime"}
 _LINE_BREAKERS = [*range(0x20), 0x7F, *range(0x80, 0xA0), 0x2028, 0x2029]
 _ESCAPES = {code: f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}" for code in _LINE_BREAKERS}
 _ESCAPES.update({ord("\n"): "\\n", ord("\r"): "\\r", ord("\t"): "\\t"})
+
+MAX_TRACEBACK_CHARS = 16 * 1024
+TRACEBACK_INDENT = "  | "  # a traceback's lines in a text log: never read as a record (which starts with its time)
 
 # loggers that a stranger (a client, a node) can make write once per request; see RateLimit
 RATE_LIMITED_LOGGERS = ("uvicorn.error",)
@@ -52,8 +58,9 @@ class RateLimit(logging.Filter):
     dropped and counted, and the first record let through after a window that dropped some says how many."""
 
     MAX_TEMPLATES = 256  # a logger that formats its own messages makes one template each: they share one window
+    DEFAULT_BURST = 10
 
-    def __init__(self, burst: int = 10, window_s: float = 60.0,
+    def __init__(self, burst: int = DEFAULT_BURST, window_s: float = 60.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__()
         self._burst = burst
@@ -127,7 +134,17 @@ class _RedactingFormatter(logging.Formatter):
         return line
 
 
-class JsonFormatter(logging.Formatter):
+class _BoundedTraceback(logging.Formatter):
+    """A traceback cut at :data:`MAX_TRACEBACK_CHARS`: its exception's message may quote a whole request body."""
+
+    def formatException(self, ei: Any) -> str:
+        text = super().formatException(ei)
+        if len(text) <= MAX_TRACEBACK_CHARS:
+            return text
+        return f"{text[:MAX_TRACEBACK_CHARS]}\n...({len(text) - MAX_TRACEBACK_CHARS} more characters)"
+
+
+class JsonFormatter(_BoundedTraceback):
     def __init__(self, service: str) -> None:
         super().__init__()
         self.service = service
@@ -148,7 +165,7 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(event, default=str)
 
 
-class TextFormatter(logging.Formatter):
+class TextFormatter(_BoundedTraceback):
     def __init__(self, service: str) -> None:
         super().__init__()
         self.service = service
@@ -157,7 +174,8 @@ class TextFormatter(logging.Formatter):
         stamp = time.strftime("%H:%M:%S", time.localtime(record.created))
         line = f"{stamp} {record.levelname:<7} {self.service} {record.name}: {one_line(record.getMessage())}"
         if record.exc_info:
-            line += "\n" + self.formatException(record.exc_info)
+            line += "".join(f"\n{TRACEBACK_INDENT}{one_line(part)}"
+                            for part in self.formatException(record.exc_info).split("\n"))
         return line
 
 

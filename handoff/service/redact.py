@@ -40,6 +40,13 @@ _FIELD = re.compile(r"""(?<![\w.-])(["']?)([A-Za-z_][\w.-]*)\1\s*[=:]\s*""")
 _FIELD_VALUE = re.compile(r"""(?:(?:Bearer|Basic|Token)\s+)?""" + _VALUE)
 _LITERAL = re.compile(r"-?[0-9][0-9.eE+-]*|true|false|null|True|False|None")
 _URL_PASSWORD = re.compile(r"((?<![\w+.-])[A-Za-z][A-Za-z0-9+.-]*://[^\s/:@]*:)[^\s/@]+@")
+_USERINFO = re.compile(r"(?<=://)\S*@")  # up to the last @: a password may hold what ends an authority
+
+
+def shown_url(url: str) -> str:
+    """``url`` as a message may show it: whatever stands before an ``@`` (``user:password@``, a token given as
+    the user) is ``***``, a secret-named query parameter's value (``?token=X``) redacted."""
+    return redact_text(_USERINFO.sub("***@", url))
 
 
 def is_secret_name(name: str) -> bool:

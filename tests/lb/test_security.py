@@ -103,6 +103,15 @@ def test_bad_flags_exit_naming_the_field(args: list[str], field: str, capsys: py
     assert info.value.code == 2 and field in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("url", ["http://user:s3cr3t@127.0.0.1:1", "http://s3cr3t@127.0.0.1:1",
+                                 "http://u:s3cr3t@127.0.0.1:1/x", "http://127.0.0.1:1/?token=s3cr3t"])
+def test_a_node_url_refused_is_not_written_out_with_its_secret(url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        lb_main(["--node", url, "--port", "0"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "node URL must be http://HOST[:PORT] without" in err and "s3cr3t" not in err
+
+
 def test_the_module_entry_point_reports_bad_flags() -> None:
     done = subprocess.run([sys.executable, "-m", "lb", "--control-timeout", "-1"], cwd=REPO_ROOT,
                           capture_output=True, text=True, timeout=20)

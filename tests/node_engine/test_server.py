@@ -356,6 +356,8 @@ def test_info_health_metrics_and_openapi(client) -> None:
     for name in ("handoff_engine_requests_total", "handoff_engine_generated_tokens_total",
                  "handoff_engine_running_requests", "handoff_engine_queued_requests", "handoff_engine_kv_slots_used"):
         assert name in text
+    for name in ("handoff_engine_release_seconds", "handoff_engine_resume_seconds"):  # moving weights takes minutes
+        assert f'{name}_bucket{{le="120.0"}}' in text, f"{name} has no bucket past 10 s"
     schema = client.get("/openapi.json").json()
     assert "/generate" in schema["paths"] and "GenerateBody" in schema["components"]["schemas"]
     assert client.get("/nope").json()["error"]["type"] == "not_found"

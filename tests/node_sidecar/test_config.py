@@ -24,3 +24,15 @@ def test_every_field_is_named_by_a_flag_the_sidecar_has() -> None:
     flags = set(re.findall(r"--[a-z][a-z-]*", help_text))
     missing = [f.name for f in dataclasses.fields(SidecarConfig) if _flag(f.name) not in flags]
     assert not missing, missing
+
+
+@pytest.mark.parametrize("url,problem", [
+    ("http://user:s3cr3t@127.0.0.1:1", "credentials"), ("http://s3cr3t@127.0.0.1:1", "credentials"),
+    ("http://127.0.0.1:1/?token=s3cr3t", "a query"), ("https://u:s3cr3t@127.0.0.1:1", "an http:// URL"),
+])
+def test_an_engine_url_with_a_secret_is_refused_without_writing_it_out(url: str, problem: str) -> None:
+    """The engine takes no credentials: a password in --engine-url was written to the log on every failed read."""
+    done = subprocess.run([sys.executable, "-m", "node_sidecar", "--engine-url", url, "--port", "0"],
+                          capture_output=True, text=True, timeout=30)
+    assert done.returncode == 2 and "--engine-url must be" in done.stderr and problem in done.stderr, done.stderr
+    assert "s3cr3t" not in done.stderr

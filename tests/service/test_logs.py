@@ -10,7 +10,7 @@ from contextlib import redirect_stderr
 import pytest
 
 from handoff.cluster.process import _redacted
-from handoff.service.logs import RateLimit, one_line, setup_logging
+from handoff.service.logs import MAX_TRACEBACK_CHARS, TRACEBACK_INDENT, RateLimit, one_line, setup_logging
 
 
 def record(msg: str, *args: object, name: str = "t") -> logging.LogRecord:
@@ -65,3 +65,24 @@ def test_the_command_line_shown_hides_every_spelling_of_a_token(argv: list[str])
     shown = _redacted(["python", "-m", "lb", *argv, "--port", "0"])
     assert not any("s3cret" in arg for arg in shown), shown
     assert shown[-2:] == ["--port", "0"]
+
+
+@pytest.mark.parametrize("fmt", ["text", "json"])
+def test_a_traceback_quoting_a_client_is_bounded_and_forges_no_record(fmt: str) -> None:
+    stream = io.StringIO()
+    with redirect_stderr(stream):
+        setup_logging("test", fmt=fmt)
+        try:
+            raise ValueError("bad value " + "\n12:00:00 ERROR test forged \x1b[2J" + "v" * 1_000_000)
+        except ValueError:
+            logging.getLogger("traceback-test").exception("a bug")
+    logging.getLogger().handlers.clear()
+    lines = stream.getvalue().splitlines()
+    assert len(stream.getvalue()) < 2 * MAX_TRACEBACK_CHARS
+    if fmt == "json":
+        [line] = lines
+        assert json.loads(line)["exc"].endswith("more characters)")
+    else:
+        assert lines[0].endswith("traceback-test: a bug")
+        assert all(line.startswith(TRACEBACK_INDENT) and "\x1b" not in line for line in lines[1:])
+        assert f"{TRACEBACK_INDENT}12:00:00 ERROR test forged \\x1b[2J" + "v" * 10 in stream.getvalue()

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import argparse
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 
 from handoff.service.errors import Conflict, install_error_handlers
 from handoff.service.limits import BodyLimitMiddleware
+from handoff.service.logs import setup_logging
 from handoff.service.serve import add_server_args, serve
 
 
@@ -19,6 +20,11 @@ def create_app() -> FastAPI:
     @app.post("/bug")
     async def bug() -> dict:
         raise RuntimeError("a bug")
+
+    @app.post("/bug/{anything:path}")
+    async def bug_quoting_the_client(request: Request) -> dict:
+        # an exception's message may quote what a client sent
+        raise RuntimeError(f"a bug on {(await request.body()).decode('utf-8', 'replace')}")
 
     @app.post("/conflict")
     async def conflict() -> dict:
@@ -39,4 +45,5 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     add_server_args(parser, default_host="127.0.0.1", default_port=0)
     args = parser.parse_args()
+    setup_logging("error_app", fmt=args.log_format, level=args.log_level)
     serve(create_app(), host=args.host, port=args.port, port_file=args.port_file)

@@ -32,6 +32,7 @@ NOT_FOUND = ErrorType("not_found", 404)
 METHOD_NOT_ALLOWED = ErrorType("method_not_allowed", 405)
 REQUEST_TIMEOUT = ErrorType("request_timeout", 408)   # the request's head or body did not arrive in time
 PAYLOAD_TOO_LARGE = ErrorType("payload_too_large", 413)
+HEAD_TOO_LARGE = ErrorType("head_too_large", 431)  # a request line and headers past the server's bound
 NODE_NOT_FOUND = ErrorType("node_not_found", 404)
 NODE_EXISTS = ErrorType("node_exists", 409)
 

@@ -104,6 +104,12 @@ class PayloadTooLarge(ServiceError):
     kind = E.PAYLOAD_TOO_LARGE
 
 
+class HeadTooLarge(ServiceError):
+    """The request line and headers are larger than the server takes (431)."""
+
+    kind = E.HEAD_TOO_LARGE
+
+
 class Unavailable(ServiceError):
     """503; ``retry_after`` seconds go into a ``Retry-After`` header."""
 

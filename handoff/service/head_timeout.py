@@ -1,4 +1,4 @@
-"""uvicorn's HTTP/1.1 protocol with a deadline on every request head.
+"""uvicorn's HTTP/1.1 protocol with a deadline and a size bound on every request head.
 
 uvicorn bounds the time between two requests of a kept-alive connection and
 nothing else: a connection that never sends a byte, or sends its head one
@@ -9,6 +9,14 @@ first byte; if not, the client gets a 408 and the connection is closed. A head
 that starts while the previous answer on the connection is still going out
 (pipelined) has the same deadline; past it, the 408 follows that answer. The
 body has its own deadline (:mod:`handoff.service.limits`).
+
+A head is also bounded in size (``MAX_HEAD_BYTES``): uvicorn's httptools
+protocol keeps the URL and every header line it is sent, with no limit of its
+own, so one client sending header lines as fast as loopback carries them grew
+a process by 2 GiB in 3 s, well within the deadline. Past the bound the client
+gets a 431 ``head_too_large`` and the connection is closed. The bytes are
+counted as they arrive, so a process holds at most the bound and one read
+more of a head.
 
 The open connections are bounded too (``max_connections``, ``--max-connections``):
 uvicorn takes any number, so a client that kept as many idle keep-alive
@@ -39,11 +47,13 @@ from typing import Any
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from handoff.protocol import errors as E
-from handoff.service.errors import RequestTimeout, Unavailable
+from handoff.service.errors import HeadTooLarge, RequestTimeout, Unavailable
 
 log = logging.getLogger(__name__)
 
 DEFAULT_HEAD_TIMEOUT_S = 30.0
+LINGER_S = 2.0  # how long a connection answered while its client still sends stays open to drop what comes
+MAX_HEAD_BYTES = 64 * 1024  # a request line and its headers (nginx takes 4 x 8 KiB by default, uvicorn's h11 16 KiB)
 _FDS_KEPT = 128  # descriptors left for files, listeners and the process's own use
 
 
@@ -68,6 +78,8 @@ class HeadTimeoutProtocol(HttpToolsProtocol):
         self._head_timer: asyncio.TimerHandle | None = None
         self._is_head_pending = False  # a request head began and is not complete
         self._is_head_overdue = False  # ... and its deadline passed while an answer was going out: 408 after it
+        self._head_bytes = 0  # bytes received since the current head began (more once its body streams: unused)
+        self._is_discarding = False  # answered and closing: what the client still sends is dropped unread
         self._number = next(_opened)
 
     @classmethod
@@ -126,14 +138,32 @@ class HeadTimeoutProtocol(HttpToolsProtocol):
         oldest.connections.discard(oldest)  # counted out now; connection_lost discards it again
         return True
 
+    def data_received(self, data: bytes) -> None:
+        if self._is_discarding:
+            return
+        self._head_bytes += len(data)
+        super().data_received(data)
+        if self._is_head_pending and self._head_bytes > MAX_HEAD_BYTES and not self.transport.is_closing():
+            self._head_too_large()
+
+    def _head_too_large(self) -> None:
+        self._disarm_head_timer()
+        if self.cycle is not None and not self.cycle.response_complete:
+            self.transport.close()  # a pipelined head under an answer still going out: no room for a 431
+            return
+        self._write_error(431, b"Request Header Fields Too Large",
+                          HeadTooLarge(f"the request head is larger than {MAX_HEAD_BYTES} bytes"), linger=True)
+
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self._is_head_pending = True
+        self._head_bytes = 0  # the bytes of this head in the read that began it are not counted: one read at most
         if self._head_timer is None:  # a kept-alive connection's next request: its head starts now
             self._arm_head_timer()
 
     def on_headers_complete(self) -> None:
         self._is_head_pending = self._is_head_overdue = False
+        self._head_bytes = 0
         self._disarm_head_timer()
         super().on_headers_complete()
 
@@ -167,9 +197,19 @@ class HeadTimeoutProtocol(HttpToolsProtocol):
         error = RequestTimeout(f"the request head did not arrive within {self.head_timeout_s:g} s")
         self._write_error(408, b"Request Timeout", error)
 
-    def _write_error(self, status: int, reason: bytes, error: Any, retry_after: int | None = None) -> None:
+    def _write_error(self, status: int, reason: bytes, error: Any, retry_after: int | None = None,
+                     linger: bool = False) -> None:
+        """Answer ``error`` and close. ``linger``: for a client still sending (a head past its bound), whose
+        kernel would drop the answer unread if the close found its bytes unread here (a reset): the write side
+        is shut at once, what comes is dropped, and the connection closes after ``LINGER_S`` or the client's
+        close, whichever is first."""
         body = json.dumps(error.envelope()).encode()
         extra = b"retry-after: %d\r\n" % retry_after if retry_after is not None else b""
         self.transport.write(b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
                              b"connection: close\r\n%s\r\n%s" % (status, reason, len(body), extra, body))
-        self.transport.close()
+        if not linger or not self.transport.can_write_eof():
+            self.transport.close()
+            return
+        self._is_discarding = True
+        self.transport.write_eof()
+        self.loop.call_later(LINGER_S, self.transport.close)

@@ -1,5 +1,6 @@
 """Edges of the services' connection handling (handoff/service/head_timeout.py) on a kept-alive connection: a
-request already sent is never closed as idle, and a pipelined head still has its deadline."""
+request already sent is never closed as idle, a pipelined head still has its deadline, and a head is bounded in
+size."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import pytest
 import uvicorn
 from starlette.types import Receive, Scope, Send
 
-from handoff.service.head_timeout import HeadTimeoutProtocol
+from handoff.service.head_timeout import MAX_HEAD_BYTES, HeadTimeoutProtocol
 from handoff.service.http_protocol import ServiceProtocol
 
 HEAD_TIMEOUT_S = 0.5
@@ -126,4 +127,47 @@ async def test_a_pipelined_head_completed_in_time_is_answered(server: uvicorn.Se
     writer.write(b"st: x\r\n\r\n")
     assert (await asyncio.wait_for(_answer(reader), 5)).endswith(b"/slow")
     assert (await asyncio.wait_for(_answer(reader), 5)).endswith(b"/next")
+    writer.close()
+
+
+async def _send_until_answered(writer: asyncio.StreamWriter, reader: asyncio.StreamReader, chunk: bytes,
+                               max_bytes: int) -> tuple[bytes, int]:
+    """Write ``chunk`` again and again until the server answers (or ``max_bytes`` are out); the answer and the
+    bytes written."""
+    answer = asyncio.ensure_future(reader.read())
+    sent = 0
+    try:
+        while not answer.done() and sent < max_bytes:
+            writer.write(chunk)
+            await writer.drain()
+            sent += len(chunk)
+            await asyncio.sleep(0)  # a turn for the reader (drain yields only when the buffer is full)
+    except ConnectionError:
+        pass  # closed by the server: its answer is read below
+    return await asyncio.wait_for(answer, 5), sent
+
+
+@pytest.mark.parametrize("line", [b"X-Filler: " + b"a" * 1000 + b"\r\n", b"a" * 1000], ids=["lines", "one-value"])
+async def test_an_endless_head_is_431_within_its_bound(server: uvicorn.Server, line: bytes) -> None:
+    """Header lines (or one header value) sent without end: a 431 ``head_too_large`` once the head passes
+    ``MAX_HEAD_BYTES`` (a read more at most), the connection closed. Before, httptools kept every byte until the
+    head deadline (a client grew the LB by 2 GiB in 3 s) and the client got a 408 from the deadline."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", _port(server))
+    writer.write(b"POST /x HTTP/1.1\r\nHost: x\r\n" + (b"X-Long: " if line.startswith(b"a") else b""))
+    answer, sent = await _send_until_answered(writer, reader, line, max_bytes=64 * MAX_HEAD_BYTES)
+    assert answer.startswith(b"HTTP/1.1 431 "), answer[:200]
+    assert b'"type": "head_too_large"' in answer or b'"type":"head_too_large"' in answer, answer
+    assert sent < 8 * MAX_HEAD_BYTES, sent
+    writer.close()
+
+
+async def test_a_head_within_the_bound_is_served_whatever_follows_it(server: uvicorn.Server) -> None:
+    """A head just under the bound, and a small head with a large body in the same write, are answered."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", _port(server))
+    filler = b"X-Filler: " + b"a" * (MAX_HEAD_BYTES - 200) + b"\r\n"
+    body = b"b" * (4 * MAX_HEAD_BYTES)
+    writer.write(b"GET /big-head HTTP/1.1\r\nHost: x\r\n" + filler + b"\r\n"
+                 + b"POST /big-body HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+    assert (await asyncio.wait_for(_answer(reader), 5)).endswith(b"/big-head")
+    assert (await asyncio.wait_for(_answer(reader), 5)).endswith(b"/big-body")
     writer.close()

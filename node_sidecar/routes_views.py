@@ -18,6 +18,7 @@ from handoff.service.auth import BearerToken
 from handoff.service.errors import ServiceError
 from handoff.service.peer_json import PeerJSONError, loads_bounded
 from handoff.service.redact import redact_secrets
+from handoff.service.shared_run import SharedRun
 from handoff.service.upstream import UpstreamError
 from node_sidecar.errors import EngineUnavailable
 from node_sidecar.metrics import SidecarMetrics
@@ -101,6 +102,8 @@ def views_router(metrics: SidecarMetrics, admin: BearerToken, api_key: BearerTok
             return JSONResponse({"ready": True})
         return JSONResponse({"ready": False, "reason": node.state.not_serving_reason().value}, status_code=503)
 
+    engine_exposition = _SharedExposition()  # /metrics needs no token: concurrent scrapes share one engine scrape
+
     @router.get("/metrics", response_class=PlainTextResponse)
     async def metrics_view(request: Request) -> Response:
         node = node_of(request)
@@ -108,7 +111,7 @@ def views_router(metrics: SidecarMetrics, admin: BearerToken, api_key: BearerTok
         metrics.held_requests.set(node.admission.num_held)
         text = generate_latest(metrics.registry)
         if node.state.is_engine_reachable:
-            text += await _engine_exposition(node)
+            text += await engine_exposition(node)
         return Response(text, media_type=CONTENT_TYPE_LATEST)
 
     return router
@@ -141,6 +144,19 @@ async def _engine_exposition(node: Node) -> bytes:
         node.last_error = f"engine /metrics left out: {exc}"
         return b""
     return text if text.endswith(b"\n") else text + b"\n"
+
+
+class _SharedExposition:
+    """:func:`_engine_exposition` of the app's node, one run for every scrape asked while it runs."""
+
+    def __init__(self) -> None:
+        self._node: Node | None = None
+        self._run: SharedRun[bytes] | None = None
+
+    async def __call__(self, node: Node) -> bytes:
+        if self._run is None or node is not self._node:
+            self._node, self._run = node, SharedRun(lambda: _engine_exposition(node))
+        return await self._run()
 
 
 def _check_exposition(text: bytes) -> None:

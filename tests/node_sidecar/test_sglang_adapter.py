@@ -9,6 +9,7 @@ GPU): the fake reproduces SGLang 0.5.23's behaviours from its source.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import time
@@ -349,6 +350,24 @@ def test_engine_metrics_that_do_not_parse_are_left_out_and_the_nodes_own_still_p
         names = families()
         assert "handoff_node_serving" in names and "sglang:num_running_reqs" not in names
         assert "engine /metrics left out" in node.occupation()["last_error"]
+    node.assert_fake_alive()
+
+
+def test_concurrent_scrapes_share_one_engine_scrape(make_node) -> None:
+    """Found by review: ``/metrics`` needs no token, and every scrape made the sidecar scrape the engine (up to
+    8 MiB, parsed in a thread): anyone could make the engine and the sidecar's threads work once per request.
+    Scrapes asked while one is under way now share it."""
+    node = make_node()
+    before = node.fake_state()["num_metrics"]
+    httpx.post(node.fake.url + "/_fake/next", json={"path": "/metrics", "delay_s": 1.0}, timeout=10)
+
+    async def scrape_together() -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=10) as client:
+            return await asyncio.gather(*(client.get(node.sidecar.url + "/metrics") for _ in range(8)))
+
+    answers = asyncio.run(scrape_together())
+    assert all(a.status_code == 200 and "sglang:num_running_reqs" in a.text for a in answers)
+    assert node.fake_state()["num_metrics"] == before + 1
     node.assert_fake_alive()
 
 

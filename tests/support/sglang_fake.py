@@ -148,6 +148,7 @@ class FakeSglang:
     calls: list[str] = field(default_factory=list)
     media: list[Any] = field(default_factory=list)  # the image_data of each /generate, the messages of each chat
     num_model_info: int = 0
+    num_metrics: int = 0  # GET /metrics answered
     startup_time: float = field(default_factory=time.time)
     tp_size: int = 1
     api_key: str | None = None
@@ -397,6 +398,7 @@ def create_app(fake: FakeSglang) -> Any:
         return JSONResponse({"object": "list", "data": [{"id": fake.model_path, "object": "model"}]})
 
     async def metrics(request: Request) -> Response:
+        fake.num_metrics += 1
         return Response(fake.metrics_text, media_type=fake.metrics_type)
 
     async def set_metrics(request: Request) -> Response:  # fault injection: what /metrics answers from now on
@@ -407,7 +409,8 @@ def create_app(fake: FakeSglang) -> Any:
     async def fake_state(request: Request) -> Response:
         return JSONResponse({"offload_tags": sorted(fake.offload_tags), "regions": sorted(fake.regions),
                              "weights_garbage": fake.weights_garbage, "running": len(fake.running),
-                             "calls": fake.calls, "media": fake.media, "num_model_info": fake.num_model_info})
+                             "calls": fake.calls, "media": fake.media, "num_model_info": fake.num_model_info,
+                             "num_metrics": fake.num_metrics})
 
     async def set_next(request: Request) -> Response:  # fault injection: the next call of a path, once
         body = await request.json()

@@ -8,7 +8,7 @@ import tempfile
 from pathlib import Path
 
 from handoff.service.auth import token_from
-from handoff.service.serve import port_number
+from handoff.service.flag_types import port_number
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -26,13 +26,13 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     up.add_argument("--weights-backup", choices=("none", "cpu", "disk"), default="none")
     up.add_argument("--port", type=port_number, default=8000, help="the LB's port (0: any free port)")
-    up.add_argument("--log-dir", type=Path, default=None)
+    up.add_argument("--log-dir", type=_log_dir, default=None)
     up.add_argument("--hold-requests", action="store_true", help="sidecars hold generation while released")
     up.add_argument("--admin-token", default=None, help="or HANDOFF_ADMIN_TOKEN")
     up.add_argument("--api-key", default=None, help="or HANDOFF_API_KEY")
     demo = sub.add_parser("demo", help="play one RL step on a local cluster and check every result")
     demo.add_argument("--nodes", type=_count, default=2)
-    demo.add_argument("--log-dir", type=Path, default=None)
+    demo.add_argument("--log-dir", type=_log_dir, default=None)
     demo.add_argument("--model", choices=("builtin:tiny", "builtin:tiny-vl"), default="builtin:tiny",
                       help="builtin:tiny-vl adds a step with image requests and a release/resume of the VL nodes")
     return parser
@@ -42,6 +42,12 @@ def _count(text: str) -> int:
     if not text.isdigit():
         raise argparse.ArgumentTypeError(f"a number of nodes (0 or more), got {text!r}")
     return int(text)
+
+
+def _log_dir(text: str) -> Path:
+    if not text.strip():  # Path("") is the current folder: an unset variable would scatter logs there
+        raise argparse.ArgumentTypeError("a folder for the logs, got a blank one")
+    return Path(text)
 
 
 def _usable_log_dir(path: Path | None, command: str) -> Path | None:
@@ -85,7 +91,8 @@ def main(argv: list[str] | None = None) -> int:
                            model_path=args.model_path, model_override=args.model_override, device=args.device,
                            weights_backup=args.weights_backup, lb_port=args.port,
                            admin_token=token_from(args.admin_token, "HANDOFF_ADMIN_TOKEN", "--admin-token"),
-                           api_key=token_from(args.api_key, "HANDOFF_API_KEY", "--api-key"), hold_requests=args.hold_requests,
+                           api_key=token_from(args.api_key, "HANDOFF_API_KEY", "--api-key"),
+                           hold_requests=args.hold_requests,
                            engine_kinds=(args.engine_kind,) * (num_mixed + args.prefill + args.decode))
     except ValueError as exc:
         print(f"handoff up: {exc}", file=sys.stderr)

@@ -1,14 +1,14 @@
-"""The LB's configuration: one frozen dataclass, validated once, naming the bad field."""
+"""The LB's configuration: one frozen dataclass, validated once, naming the bad flag."""
 
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 
 from handoff.protocol.hosts import canonical_host
 from handoff.service.limits import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_ANSWER_BYTES, DEFAULT_MAX_BODY_BYTES
 from lb.addresses import canonical_url, literal_addresses, split_canonical
-
 
 
 class Role(str, enum.Enum):
@@ -52,7 +52,7 @@ class NodeSpec:
         """``URL`` or, for prefill, ``URL@BOOTSTRAP_PORT``."""
         url, sep, port = text.rpartition("@")
         if sep and role is Role.PREFILL:
-            return cls(url, role, _parse_port(port, "bootstrap port"))
+            return cls(url, role, _parse_port(port, "--prefill bootstrap port"))
         return cls(text, role)
 
 
@@ -69,26 +69,26 @@ class DnsTarget:
         try:
             object.__setattr__(self, "host", canonical_host(self.host))
         except ValueError as exc:
-            raise ValueError(f"discover_dns host {self.host[:80]!r}: {exc}") from None
+            raise ValueError(f"--discover-dns host {self.host[:80]!r}: {exc}") from None
         if self.bootstrap_port is not None and self.role is not Role.PREFILL:
-            raise ValueError(f"discover_dns: a bootstrap port is only for prefill, not {self.role.value}")
+            raise ValueError(f"--discover-dns: a bootstrap port is only for prefill, not {self.role.value}")
 
     @classmethod
     def parse(cls, text: str) -> DnsTarget:
         role_text, sep, rest = text.partition("=")
         if not sep:
-            raise ValueError(f"discover_dns must be ROLE=HOST:PORT, got {text!r}")
+            raise ValueError(f"--discover-dns must be ROLE=HOST:PORT, got {text!r}")
         try:
             role = Role(role_text.strip())
         except ValueError:
-            raise ValueError(f"discover_dns role must be one of "
+            raise ValueError(f"--discover-dns role must be one of "
                              f"{', '.join(r.value for r in Role)}, got {role_text!r}") from None
         rest, at, bootstrap = rest.partition("@")
         host, colon, port = rest.rpartition(":")
         if not colon:
-            raise ValueError(f"discover_dns must be ROLE=HOST:PORT, got {text!r}")
-        return cls(role, host.strip("[]"), _parse_port(port, "discover_dns port"),
-                   _parse_port(bootstrap, "discover_dns bootstrap port") if at else None)
+            raise ValueError(f"--discover-dns must be ROLE=HOST:PORT, got {text!r}")
+        return cls(role, host.strip("[]"), _parse_port(port, "--discover-dns port"),
+                   _parse_port(bootstrap, "--discover-dns bootstrap port") if at else None)
 
     def __str__(self) -> str:
         return f"{self.role.value}={self.host}:{self.port}"
@@ -125,16 +125,19 @@ class LBConfig:
                      "generate_timeout_s", "connect_timeout_s", "health_interval_s", "health_timeout_s",
                      "body_timeout_s"):
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not value > 0:
-                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+            if not isinstance(value, (int, float)) or not 0 < value < math.inf:
+                raise ValueError(f"{_flag(name)} must be a positive finite number of seconds, got {value!r}")
         for name in ("control_timeout_s", "weight_sync_timeout_s"):
             if self.max_control_timeout_s < getattr(self, name):
-                raise ValueError(f"max_control_timeout_s ({self.max_control_timeout_s}) must be at least "
-                                 f"{name} ({getattr(self, name)})")
+                raise ValueError(f"--max-control-timeout ({self.max_control_timeout_s:g}) must be at least "
+                                 f"{_flag(name)} ({getattr(self, name):g})")
         for name in ("unhealthy_threshold", "healthy_threshold", "max_body_bytes", "max_answer_bytes"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+                raise ValueError(f"{_flag(name)} must be a positive integer, got {value!r}")
+        repeated = sorted({str(t) for t in self.discover_dns if self.discover_dns.count(t) > 1})
+        if repeated:
+            raise ValueError(f"--discover-dns {repeated[0]} is listed twice")
         seen: dict[tuple[str, int], str] = {}
         for spec in self.nodes:
             host, port = split_canonical(spec.url)
@@ -144,3 +147,8 @@ class LBConfig:
                     twice = "listed twice" if other == spec.url else f"the same address and port as {other}"
                     raise ValueError(f"nodes: {spec.url} is {twice}")
                 seen[(address, port)] = spec.url
+
+
+def _flag(field_name: str) -> str:
+    """The command-line flag of a config field, as the user typed it (``control_timeout_s``: ``--control-timeout``)."""
+    return "--" + field_name.removesuffix("_s").replace("_", "-")

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 
+from handoff.service.flag_types import positive_int
 from handoff.service.limits import DEFAULT_MAX_BODY_BYTES
 from handoff.service.logs import setup_logging
 from handoff.service.serve import add_server_args, exit_on_sigterm, serve_from_args
@@ -54,7 +56,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "SGLang; its SGLANG_RETURN_ORIGINAL_LOGPROB)")
     p.add_argument("--cuda-graph-max-bs", type=int, default=32)
     p.add_argument("--mem-fraction", type=float, default=0.85, help="share of free GPU memory for the KV pool")
-    p.add_argument("--num-threads", type=int, default=None,
+    p.add_argument("--num-threads", type=_thread_count, default=None,
                    help="CPU threads for torch (default on CPU: torch's default minus one, at least 1)")
     p.add_argument("--role", default="mixed", help="only mixed is available today")
     p.add_argument("--free-memory-override-file", type=Path, default=None,
@@ -66,7 +68,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="seconds a reload may spend reading its checkpoint; past it: 504, the old weights serve")
     p.add_argument("--weight-sync-timeout", type=float, default=300.0,
                    help="seconds a weight group join, or one update's broadcasts, may take")
-    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+    p.add_argument("--max-body-bytes", type=positive_int, default=DEFAULT_MAX_BODY_BYTES,
                    help="largest request body (images travel base64 in it; the sidecar's and LB's default too)")
     vision = p.add_argument_group("vision-language models")
     vision.add_argument("--max-image-tokens", type=int, default=None,
@@ -87,6 +89,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "measuring peaks (default: a fixed pool, see --max-total-tokens)")
     add_server_args(p, default_host="127.0.0.1", default_port=30000)
     return p.parse_args(argv)
+
+
+def _thread_count(text: str) -> int:
+    """1 to this machine's CPUs: 0 meant the default without a word, and OpenMP crashes (SIGSEGV) when asked
+    for tens of thousands."""
+    value = positive_int(text)
+    cpus = os.cpu_count() or 1
+    if value > cpus:
+        raise argparse.ArgumentTypeError(f"at most this machine's {cpus} CPUs, got {text!r}")
+    return value
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -128,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     import torch
 
-    if args.num_threads:
+    if args.num_threads is not None:
         torch.set_num_threads(args.num_threads)
     elif config.device == "cpu":
         # Leave a core to the HTTP thread: the two contend for the GIL and the cores (measured in bench/).

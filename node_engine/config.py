@@ -7,6 +7,7 @@ used) are not written back here; they live in the runner's ``KVPlan``.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -66,6 +67,8 @@ class EngineConfig:
             raise ConfigError(f"--device must be cpu or cuda, got {self.device!r}")
         if self.dtype is not None and self.dtype not in ("float32", "float16", "bfloat16"):
             raise ConfigError(f"--dtype must be float32, float16 or bfloat16, got {self.dtype!r}")
+        if self.role not in ("mixed", "prefill", "decode"):
+            raise ConfigError(f"--role must be mixed, got {self.role!r}")
         if self.role != "mixed":
             raise ConfigError(
                 f"--role {self.role} is not available yet: moving KV from a prefill engine to a decode engine is a "
@@ -84,10 +87,12 @@ class EngineConfig:
         if self.weights_backup is not BackupMode.NONE and not self.enable_memory_saver:
             raise ConfigError("--weights-backup needs --enable-memory-saver")
         for name in ("reload_timeout", "weight_sync_timeout"):
-            if not getattr(self, name) > 0:
-                raise ConfigError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
-        if not self.weight_version:
-            raise ConfigError("--weight-version must not be empty")
+            if not 0 < getattr(self, name) < math.inf:
+                raise ConfigError(f"--{name.replace('_', '-')} must be > 0 and finite, got {getattr(self, name)}")
+        if not self.weight_version.strip():
+            raise ConfigError("--weight-version must not be blank")
+        if self.served_model_name is not None and not self.served_model_name.strip():
+            raise ConfigError("--served-model-name must not be blank (leave it out for the path's last part)")
         for name in ("max_image_tokens", "memory_budget_mb", "max_image_pixels"):
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -96,12 +101,22 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and value < 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {value}")
-        if self.allowed_local_media_path is not None and not self.allowed_local_media_path.is_dir():
-            raise ConfigError(f"--allowed-local-media-path {self.allowed_local_media_path} is not a folder")
+        self._check_paths()
         if self.memory_budget_mb is not None and self.device != "cpu":
             raise ConfigError("--memory-budget-mb is for CPU engines; on CUDA the KV pool is sized from the "
                               "device's free memory (--mem-fraction)")
         self.model_override_dict()  # validates the JSON
+
+    def _check_paths(self) -> None:
+        if self.allowed_local_media_path is not None and not self.allowed_local_media_path.is_dir():
+            raise ConfigError(f"--allowed-local-media-path {self.allowed_local_media_path} is not a folder")
+        # made on the first release that needs it; a file in its place would fail that release, not the start
+        if self.backup_dir is not None and self.backup_dir.exists() and not self.backup_dir.is_dir():
+            raise ConfigError(f"--backup-dir {self.backup_dir} is not a folder")
+        for name in ("free_memory_override_file", "fault_drill_file"):
+            path = getattr(self, name)
+            if path is not None and path.is_dir():
+                raise ConfigError(f"--{name.replace('_', '-')} {path} is a folder, not a file")
 
     @property
     def resolved_dtype(self) -> str:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from handoff.protocol.engines import ENGINE_KIND_NAMES
+from handoff.service.http1_request import split_url
 from handoff.service.limits import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_ANSWER_BYTES, DEFAULT_MAX_BODY_BYTES
 from handoff.service.redact import shown_url
+from handoff.service.upstream_errors import InvalidURL
 
 ROLES = ("mixed", "prefill", "decode")
 
@@ -46,13 +49,7 @@ class SidecarConfig:
     refuse_media_urls: bool = False     # SGLang / vLLM: http(s) media URLs are refused, not passed on
 
     def __post_init__(self) -> None:
-        if not self.engine_url.startswith("http://"):
-            raise ConfigError(f"--engine-url must be an http:// URL, got {shown_url(self.engine_url)!r}")
-        for char, what in (("@", "credentials (the engine takes none; they would be written to the logs)"),
-                           ("?", "a query"), ("#", "a fragment")):
-            if char in self.engine_url:
-                raise ConfigError(f"--engine-url must be http://HOST:PORT without {what}, got "
-                                  f"{shown_url(self.engine_url)!r}")
+        _check_engine_url(self.engine_url)
         if self.engine_kind is not None and self.engine_kind not in ENGINE_KIND_NAMES:
             raise ConfigError(f"--engine-kind must be one of {', '.join(ENGINE_KIND_NAMES)}, got {self.engine_kind!r}")
         if self.vllm_sleep_level not in (1, 2):
@@ -66,8 +63,8 @@ class SidecarConfig:
         for name in ("hold_timeout", "pause_hold_timeout", "drain_timeout", "max_drain_timeout", "generate_timeout",
                      "control_timeout", "vllm_weight_sync_timeout", "engine_poll_interval", "engine_health_timeout",
                      "body_timeout"):
-            if not getattr(self, name) > 0:
-                raise ConfigError(f"{_flag(name)} must be > 0, got {getattr(self, name)}")
+            if not 0 < getattr(self, name) < math.inf:
+                raise ConfigError(f"{_flag(name)} must be > 0 and finite, got {getattr(self, name)}")
         if self.allowed_local_media_path is not None and not self.allowed_local_media_path.is_dir():
             raise ConfigError(f"--allowed-local-media-path {self.allowed_local_media_path} is not a folder")
         if self.drain_timeout > self.max_drain_timeout:
@@ -76,6 +73,22 @@ class SidecarConfig:
     @property
     def engine_base(self) -> str:
         return self.engine_url.rstrip("/")
+
+
+def _check_engine_url(url: str) -> None:
+    """``http://HOST[:PORT][/PREFIX]``, as the sidecar's client can reach it: refused now, naming the flag, rather
+    than a node that starts and finds its engine unreachable on every call."""
+    shown = shown_url(url)  # a password in it is never written out
+    if not url.startswith("http://"):
+        raise ConfigError(f"--engine-url must be an http:// URL, got {shown!r}")
+    for char, what in (("@", "credentials (the engine takes none; they would be written to the logs)"),
+                       ("?", "a query"), ("#", "a fragment")):
+        if char in url:
+            raise ConfigError(f"--engine-url must be http://HOST[:PORT] without {what}, got {shown!r}")
+    try:
+        split_url(url.rstrip("/") + "/health")
+    except InvalidURL as exc:
+        raise ConfigError(f"--engine-url {shown!r}: {exc}") from None
 
 
 _FLAGS = {"retry_after_s": "--retry-after"}  # fields not named as their flag

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import uvicorn
 
+from handoff.service.flag_types import host_name, port_file, port_number, positive_seconds, seconds
 from handoff.service.head_timeout import DEFAULT_HEAD_TIMEOUT_S, default_max_connections
 from handoff.service.http_protocol import ServiceProtocol
 from handoff.service.limits import BODY_BUDGET, DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BUFFERED_BODY_BYTES
@@ -31,35 +32,19 @@ log = logging.getLogger(__name__)
 DEFAULT_SHUTDOWN_TIMEOUT_S = 5.0
 
 
-def port_number(text: str) -> int:
-    """argparse type of a port flag: 0-65535."""
-    if not text.isdigit() or not 0 <= int(text) <= 65535:
-        raise argparse.ArgumentTypeError(f"a port is a number in 0-65535, got {text!r}")
-    return int(text)
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"a number of seconds, got {text!r}") from None
-    if not 0 <= value < float("inf"):
-        raise argparse.ArgumentTypeError(f"a number of seconds >= 0, got {text!r}")
-    return value
-
-
 def add_server_args(parser: argparse.ArgumentParser, *, default_host: str, default_port: int) -> None:
     """Flags every service shares: address, port file, logging, timeouts of a request and of shutting down."""
-    parser.add_argument("--host", default=default_host, help=f"address to bind (default {default_host})")
+    parser.add_argument("--host", type=host_name, default=default_host,
+                        help=f"address to bind (default {default_host})")
     parser.add_argument("--port", type=port_number, default=default_port, help="port to bind; 0 picks a free one")
-    parser.add_argument("--port-file", type=Path, default=None,
+    parser.add_argument("--port-file", type=port_file, default=None,
                         help="write the bound port to this file once listening")
     parser.add_argument("--log-format", choices=("text", "json"), default="text")
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
-    parser.add_argument("--header-timeout", type=float, default=DEFAULT_HEAD_TIMEOUT_S, metavar="S",
+    parser.add_argument("--header-timeout", type=positive_seconds, default=DEFAULT_HEAD_TIMEOUT_S, metavar="S",
                         help="a request's head must arrive within this time, else 408 and the connection "
                              f"closes (default {DEFAULT_HEAD_TIMEOUT_S:g})")
-    parser.add_argument("--body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT_S, metavar="S",
+    parser.add_argument("--body-timeout", type=positive_seconds, default=DEFAULT_BODY_TIMEOUT_S, metavar="S",
                         help="a request's body must arrive within this time of its head, else 408 "
                              f"(default {DEFAULT_BODY_TIMEOUT_S:g})")
     parser.add_argument("--max-connections", type=int, default=None, metavar="N",
@@ -70,7 +55,7 @@ def add_server_args(parser: argparse.ArgumentParser, *, default_host: str, defau
                         help="the request bodies all requests may hold at once; a request past it is 503 "
                              f"overloaded with Retry-After (default {DEFAULT_MAX_BUFFERED_BODY_BYTES}; at least "
                              "--max-body-bytes)")
-    parser.add_argument("--shutdown-timeout", type=_seconds, default=DEFAULT_SHUTDOWN_TIMEOUT_S, metavar="S",
+    parser.add_argument("--shutdown-timeout", type=seconds, default=DEFAULT_SHUTDOWN_TIMEOUT_S, metavar="S",
                         help="on SIGTERM, stop taking connections and give the requests in flight this long to "
                              "finish before they are cut (default "
                              f"{DEFAULT_SHUTDOWN_TIMEOUT_S:g}; in Kubernetes, the node's drain timeout)")
@@ -156,9 +141,7 @@ def serve(app: object, *, host: str, port: int, port_file: Path | None = None,
     server = uvicorn.Server(config)
     log.info("listening on http://%s:%d", host if ":" not in host else f"[{host}]", bound_port)
     if port_file is not None:
-        tmp = port_file.with_suffix(port_file.suffix + ".tmp")
-        tmp.write_text(str(bound_port))
-        os.replace(tmp, port_file)
+        _write_port_file(port_file, bound_port)
     _stop_on_signals(server)
     if freeze_startup_objects:
         # each full collection walked all of them (tens of thousands): a pause of ~25 ms every few hundred requests
@@ -181,6 +164,17 @@ def _stop_on_signals(server: uvicorn.Server) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         if signal.getsignal(sig) is not signal.SIG_IGN:
             signal.signal(sig, stop)
+
+
+def _write_port_file(port_file: Path, port: int) -> None:
+    """Written whole (a reader polling for it never sees half a number); exits 2 naming the file when it cannot be."""
+    tmp = port_file.with_suffix(port_file.suffix + ".tmp")
+    try:
+        tmp.write_text(str(port))
+        os.replace(tmp, port_file)
+    except OSError as exc:
+        log.error("--port-file %s: %s", port_file, exc.strerror or exc)
+        raise SystemExit(2) from None
 
 
 def _run_uvloop(server: uvicorn.Server, sock: socket.socket) -> None:

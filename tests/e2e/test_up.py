@@ -14,7 +14,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.support.procs import REPO_ROOT, wait_until
+from tests.support.procs import REPO_ROOT, assert_refused_at_start, wait_until
 from tests.support.streams import GenerationClient
 
 
@@ -103,16 +103,29 @@ def test_ctrl_c_while_starting_stops_at_once(tmp_path: Path) -> None:
             proc.kill()
 
 
-def test_bad_flags_are_one_line_and_exit_2(tmp_path: Path) -> None:
+BAD_FLAGS = [  # (the flag the message must name, the arguments, the environment); {file}: a file, not a folder
+    ("--log-dir", ["up", "--log-dir", "{file}"], {}),
+    ("--log-dir", ["up", "--log-dir", "/proc/self"], {}),  # no file can be made in it, for root too
+    ("--log-dir", ["demo", "--log-dir", "/proc/self"], {}),
+    ("--log-dir", ["up", "--nodes", "0", "--log-dir", ""], {}),  # it was the current folder (--nodes 0: never up)
+    ("--nodes", ["demo", "--nodes", "0"], {}),
+    ("--nodes", ["up", "--nodes", "-1"], {}),
+    ("--nodes", ["up", "--nodes", "1.5"], {}),
+    ("--port", ["up", "--port", "70000"], {}),
+    ("--port", ["up", "--port", ""], {}),
+    ("--device", ["up", "--device", "CUDA"], {}),
+    ("--engine-kind", ["up", "--engine-kind", "VLLM"], {}),
+    ("--model", ["demo", "--model", "builtin:TINY"], {}),
+    ("--admin-token", ["up", "--admin-token", " "], {}),
+    ("--api-key", ["up"], {"HANDOFF_API_KEY": "t\u00f6k"}),
+]
+
+
+@pytest.mark.parametrize(("flag", "args", "env"), BAD_FLAGS, ids=[" ".join(c[1]) for c in BAD_FLAGS])
+def test_bad_flags_are_one_line_and_exit_2(flag: str, args: list[str], env: dict[str, str], tmp_path: Path) -> None:
     not_a_dir = tmp_path / "file"
     not_a_dir.write_text("x")
-    unwritable = "/proc/self"  # a folder no file can be made in, for root too (it gave a traceback and exit 1)
-    for args, message in ((["up", "--log-dir", str(not_a_dir)], "--log-dir"), (["demo", "--nodes", "0"], "--nodes"),
-                          (["up", "--log-dir", unwritable], "--log-dir"), (["demo", "--log-dir", unwritable], "--log-dir"),
-                          (["up", "--nodes", "-1"], "a number of nodes"), (["up", "--port", "70000"], "0-65535")):
-        done = subprocess.run([sys.executable, "-m", "handoff", *args], cwd=REPO_ROOT, capture_output=True,
-                              text=True, timeout=60)
-        assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr, (args, done.stderr)
+    assert_refused_at_start(["handoff", *(a.replace("{file}", str(not_a_dir)) for a in args)], flag, env=env)
 
 
 def test_a_port_in_use_fails_before_any_engine_loads(tmp_path: Path) -> None:

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 from handoff.cluster import process
 from handoff.cluster.process import ProcessFailed, wait_until
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
-__all__ = ["ProcessFailed", "ServerProcess", "wait_until", "REPO_ROOT"]
+__all__ = ["ProcessFailed", "ServerProcess", "assert_refused_at_start", "wait_until", "REPO_ROOT"]
 
 
 class ServerProcess(process.ServerProcess):
@@ -26,3 +29,22 @@ class ServerProcess(process.ServerProcess):
         # the *thread* that started the child, so only the main thread's children (the fixtures') get it.
         self.die_with_parent = threading.current_thread() is threading.main_thread()
         return super().launch(*args, **kwargs)
+
+
+_TOKEN_VARS = ("HANDOFF_ADMIN_TOKEN", "HANDOFF_API_KEY")
+
+
+def assert_refused_at_start(argv: list[str], flag: str, *, env: Mapping[str, str] | None = None,
+                            timeout_s: float = 60.0) -> None:
+    """``python -m *argv`` exits 2 with one last line on stderr naming ``flag`` and no traceback. A process still
+    running after ``timeout_s`` took the bad value and started (it is killed)."""
+    environ = {k: v for k, v in os.environ.items() if k not in _TOKEN_VARS}
+    environ.update(env or {})
+    try:
+        done = subprocess.run([sys.executable, "-m", *argv], cwd=REPO_ROOT, env=environ, capture_output=True,
+                              text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"{argv} started: still running after {timeout_s:g} s") from None
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert done.returncode == 2 and lines and flag in lines[-1] and "Traceback" not in done.stderr, \
+        (argv, done.returncode, done.stderr[-2000:])

@@ -1,0 +1,50 @@
+"""Every bad flag value of ``python -m node_engine`` is a one-line error naming the flag, exit 2, before a
+model loads."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from tests.support.procs import assert_refused_at_start
+
+# (the flag the message must name, the arguments); {tmp} is a folder of the test's own, {file} a file in it
+CASES = [
+    ("--num-threads", ["--num-threads", "0"]),
+    ("--num-threads", ["--num-threads", "-1"]),
+    ("--num-threads", ["--num-threads", str((os.cpu_count() or 1) + 1)]),
+    ("--num-threads", ["--num-threads", "1.5"]),
+    ("--max-body-bytes", ["--max-body-bytes", "0"]),
+    ("--max-body-bytes", ["--max-body-bytes", "-5"]),
+    ("--body-timeout", ["--body-timeout", "0"]),
+    ("--body-timeout", ["--body-timeout", "nan"]),
+    ("--header-timeout", ["--header-timeout", "0"]),
+    ("--reload-timeout", ["--reload-timeout", "inf"]),
+    ("--weight-sync-timeout", ["--weight-sync-timeout", "nan"]),
+    ("--mem-fraction", ["--mem-fraction", "1.5"]),
+    ("--max-total-tokens", ["--max-total-tokens", "1"]),
+    ("--max-batch-tokens", ["--max-batch-tokens", "0"]),
+    ("--context-length", ["--context-length", "1e30"]),
+    ("--max-image-pixels", ["--max-image-pixels", "0"]),
+    ("--backup-dir", ["--enable-memory-saver", "--weights-backup", "disk", "--backup-dir", "{file}"]),
+    ("--free-memory-override-file", ["--free-memory-override-file", "{tmp}"]),
+    ("--fault-drill-file", ["--fault-drill-file", "{tmp}"]),
+    ("--allowed-local-media-path", ["--allowed-local-media-path", "{file}"]),
+    ("--weight-version", ["--weight-version", " "]),
+    ("--served-model-name", ["--served-model-name", ""]),
+    ("--role", ["--role", "MIXED"]),
+    ("--model-override", ["--model-override", "[]"]),
+    ("--device", ["--device", "CUDA"]),
+    ("--host", ["--host", ""]),
+    ("--port-file", ["--port-file", "{tmp}"]),
+]
+
+
+@pytest.mark.parametrize(("flag", "args"), CASES, ids=[" ".join(c[1]) for c in CASES])
+def test_a_bad_flag_value_stops_the_engine_naming_the_flag(flag: str, args: list[str], tmp_path: Path) -> None:
+    file = tmp_path / "file"
+    file.write_text("x")
+    values = (a.replace("{tmp}", str(tmp_path)).replace("{file}", str(file)) for a in args)
+    assert_refused_at_start(["node_engine", "--model-path", "builtin:tiny", "--port", "0", *values], flag)

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from typing import Callable, Sequence, TypeVar
 
@@ -62,10 +63,14 @@ def _redacted(argv: list[str]) -> list[str]:
     return shown
 
 
-def _die_with_parent() -> None:
-    """In the child, before it runs: ask Linux for SIGTERM when the parent dies (``PR_SET_PDEATHSIG``)."""
+def _die_with_parent(parent_pid: int) -> None:
+    """In the child, before it runs: ask Linux for SIGTERM when the parent dies (``PR_SET_PDEATHSIG``). A parent
+    that died between the fork and this call sends nothing (the child has a new parent by then): the child, seeing
+    another parent than ``parent_pid``, exits at once."""
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent_pid:
+            os._exit(1)
 
 
 _PR_SET_PDEATHSIG = 1
@@ -128,7 +133,8 @@ class ServerProcess:
             log.flush()
             self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=self.cwd,
                                          start_new_session=True,
-                                         preexec_fn=_die_with_parent if self.die_with_parent else None)
+                                         preexec_fn=partial(_die_with_parent, os.getpid())
+                                         if self.die_with_parent else None)
         return self
 
     def command(self, port: int) -> list[str]:

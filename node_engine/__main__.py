@@ -11,7 +11,7 @@ from pathlib import Path
 from handoff.service.flag_types import positive_int
 from handoff.service.limits import DEFAULT_MAX_BODY_BYTES
 from handoff.service.logs import setup_logging
-from handoff.service.serve import add_server_args, exit_on_sigterm, serve_from_args
+from handoff.service.serve import add_server_args, check_server_args, exit_on_sigterm, serve_from_args
 from node_engine.config import ConfigError, EngineConfig
 from node_engine.memory.tags import BackupMode
 from node_engine.model.arch import ModelConfigError
@@ -105,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     setup_logging("node_engine", fmt=args.log_format, level=args.log_level)
+    check_server_args(args)
     exit_on_sigterm()  # loading a model takes minutes; a pod deleted meanwhile must not wait its grace period
     try:
         config = EngineConfig(

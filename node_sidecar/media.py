@@ -17,7 +17,10 @@ such an engine every media item (``image_data``, ``video_data``,
   device are refused);
 - an ``http(s)`` URL passes (SGLang's users send them), unless the sidecar
   runs with ``--refuse-media-urls``;
-- the bytes themselves (a data URL, base64) pass.
+- the bytes themselves (a data URL, base64) pass. A bare base64 video of
+  ``MAX_PATH_CHARS`` characters or more passes too: SGLang reads a video item
+  that names no existing file as base64, and the file system refuses a path
+  that long (a shorter one is read as a path, as above).
 
 A body that cannot hold such an item costs one search of its bytes: a key of
 one ends in ``_data`` or ``_url``, and JSON can spell a letter of it only as
@@ -34,12 +37,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-from handoff.protocol.image_source import ImageInputError, SourceKind, allowed_local_path, image_source
+from handoff.protocol.image_source import (MAX_PATH_CHARS, ImageInputError, SourceKind, allowed_local_path,
+                                           image_source)
 from handoff.service.errors import InvalidRequest, parse_json_bytes
 
 IMAGE_KEYS = frozenset({"image_data", "image_url"})
 OTHER_MEDIA_KEYS = frozenset({"video_data", "audio_data", "video_url", "audio_url"})
 _MAY_HOLD_MEDIA = re.compile(rb'_(?:data|url)"|\\u')
+_BASE64 = re.compile(r"[A-Za-z0-9+/]+={0,2}")  # no scheme, query, fragment or escape a path reader could act on
 
 
 @dataclass(frozen=True)
@@ -56,20 +61,21 @@ def may_hold_media(body: bytes) -> bool:
 def screen_body(body: bytes, policy: MediaPolicy) -> None:
     """400 (InvalidRequest naming the field) for a media item the policy keeps from the engine. Reads the file
     system for local paths: run it off the event loop."""
-    for field, item, is_image in media_items(parse_json_bytes(body)):
+    for field, item, kind in media_items(parse_json_bytes(body)):
         try:
-            _screen(item, is_image, policy)
+            _screen(item, kind, policy)
         except ImageInputError as exc:
             raise InvalidRequest(f"{field}: {exc}", extra={"field": field}) from None
 
 
-def media_items(value: Any, where: str = "body") -> Iterator[tuple[str, str, bool]]:
-    """Every string an engine may load as media: ``(field, item, is_image)``. Below a media key, an item is a
-    string, in lists at any depth, or a dict's ``url`` (SGLang's ``ImageData``, OpenAI's ``{"url": ...}``)."""
+def media_items(value: Any, where: str = "body") -> Iterator[tuple[str, str, str]]:
+    """Every string an engine may load as media: ``(field, item, kind)`` (``image``, ``video``, ``audio``). Below
+    a media key, an item is a string, in lists at any depth, or a dict's ``url`` (SGLang's ``ImageData``,
+    OpenAI's ``{"url": ...}``)."""
     if isinstance(value, dict):
         for key, inner in value.items():
             if key in IMAGE_KEYS or key in OTHER_MEDIA_KEYS:
-                yield from _items(inner, f"{where}.{key}", key in IMAGE_KEYS)
+                yield from _items(inner, f"{where}.{key}", key.split("_")[0])
             else:
                 yield from media_items(inner, f"{where}.{key}")
     elif isinstance(value, list):
@@ -77,17 +83,17 @@ def media_items(value: Any, where: str = "body") -> Iterator[tuple[str, str, boo
             yield from media_items(inner, f"{where}[{i}]")
 
 
-def _items(value: Any, where: str, is_image: bool) -> Iterator[tuple[str, str, bool]]:
+def _items(value: Any, where: str, kind: str) -> Iterator[tuple[str, str, str]]:
     if isinstance(value, str):
-        yield where, value, is_image
+        yield where, value, kind
     elif isinstance(value, list):
         for i, inner in enumerate(value):
-            yield from _items(inner, f"{where}[{i}]", is_image)
+            yield from _items(inner, f"{where}[{i}]", kind)
     elif isinstance(value, dict) and "url" in value:
-        yield from _items(value["url"], f"{where}.url", is_image)
+        yield from _items(value["url"], f"{where}.url", kind)
 
 
-def _screen(item: str, is_image: bool, policy: MediaPolicy) -> None:
+def _screen(item: str, kind: str, policy: MediaPolicy) -> None:
     if not item:
         return  # nothing to load: the engine answers for it
     source = image_source(item)
@@ -100,7 +106,9 @@ def _screen(item: str, is_image: bool, policy: MediaPolicy) -> None:
         return
     if source.kind is SourceKind.LOCAL:
         _check_local(source.text, policy)
-    elif item.startswith("/") or not is_image:  # SGLang reads these as paths
+    elif kind == "video" and len(item) >= MAX_PATH_CHARS and _BASE64.fullmatch(item):
+        return  # SGLang's base64 video (it would be a path only if such a file existed: none can)
+    elif item.startswith("/") or kind != "image":  # SGLang reads these as paths
         if policy.local_media_dir is None:
             raise ImageInputError("the engine would read this as a local file path (SGLang opens any image that "
                                   "starts with '/', and any video or audio that is not a URL); local paths are not "

@@ -79,7 +79,10 @@ def image_source(item: object) -> ImageSource:
 def file_url_path(url: str) -> str:
     """The path of a ``file:`` URL; one naming a host is refused (engines disagree on what it means: SGLang drops
     the host, vLLM reads it as the path's first folder)."""
-    parts = urlsplit(url)
+    try:
+        parts = urlsplit(url)
+    except ValueError:  # an authority urllib cannot read ("file://[::1/..."): a host, or nothing usable
+        raise ImageInputError(f"not a file URL (file:///path): {url[:200]!r}") from None
     if parts.netloc:
         raise ImageInputError(f"a file URL names no host (file:///path), got {url[:200]!r}")
     return unquote(parts.path)

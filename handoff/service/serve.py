@@ -20,7 +20,7 @@ from pathlib import Path
 
 import uvicorn
 
-from handoff.service.flag_types import host_name, port_file, port_number, positive_seconds, seconds
+from handoff.service.flag_types import host_name, port_file, port_number, positive_int, positive_seconds, seconds
 from handoff.service.head_timeout import DEFAULT_HEAD_TIMEOUT_S, default_max_connections
 from handoff.service.http_protocol import ServiceProtocol
 from handoff.service.limits import BODY_BUDGET, DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BUFFERED_BODY_BYTES
@@ -47,11 +47,12 @@ def add_server_args(parser: argparse.ArgumentParser, *, default_host: str, defau
     parser.add_argument("--body-timeout", type=positive_seconds, default=DEFAULT_BODY_TIMEOUT_S, metavar="S",
                         help="a request's body must arrive within this time of its head, else 408 "
                              f"(default {DEFAULT_BODY_TIMEOUT_S:g})")
-    parser.add_argument("--max-connections", type=int, default=None, metavar="N",
+    parser.add_argument("--max-connections", type=positive_int, default=None, metavar="N",
                         help="open client connections at most: past it a new one closes the oldest idle one, or "
                              "is 503 overloaded when all have a request in progress (default: the open-file limit "
                              "less 128, halved)")
-    parser.add_argument("--max-buffered-body-bytes", type=int, default=DEFAULT_MAX_BUFFERED_BODY_BYTES, metavar="N",
+    parser.add_argument("--max-buffered-body-bytes", type=positive_int, default=DEFAULT_MAX_BUFFERED_BODY_BYTES,
+                        metavar="N",
                         help="the request bodies all requests may hold at once; a request past it is 503 "
                              f"overloaded with Retry-After (default {DEFAULT_MAX_BUFFERED_BODY_BYTES}; at least "
                              "--max-body-bytes)")
@@ -73,17 +74,20 @@ def exit_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, stop)
 
 
-def serve_from_args(app: object, args: argparse.Namespace, *, freeze_startup_objects: bool = False) -> None:
-    """:func:`serve` with the flags of :func:`add_server_args`."""
+def check_server_args(args: argparse.Namespace) -> None:
+    """Exits 2 naming the flag when flags of :func:`add_server_args` disagree (each alone is checked by its
+    type); a process that loads a model calls it before loading."""
     max_body_bytes = getattr(args, "max_body_bytes", 0)
     if args.max_buffered_body_bytes < max_body_bytes:
         log.error("--max-buffered-body-bytes (%d) must be at least --max-body-bytes (%d)",
                   args.max_buffered_body_bytes, max_body_bytes)
         raise SystemExit(2)
+
+
+def serve_from_args(app: object, args: argparse.Namespace, *, freeze_startup_objects: bool = False) -> None:
+    """:func:`serve` with the flags of :func:`add_server_args`."""
+    check_server_args(args)
     BODY_BUDGET.limit = args.max_buffered_body_bytes
-    if args.max_connections is not None and args.max_connections < 1:
-        log.error("--max-connections must be at least 1, got %d", args.max_connections)
-        raise SystemExit(2)
     serve(app, host=args.host, port=args.port, port_file=args.port_file, graceful_shutdown_s=args.shutdown_timeout,
           header_timeout_s=args.header_timeout, max_connections=args.max_connections,
           freeze_startup_objects=freeze_startup_objects)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from itertools import takewhile
 from typing import Any
 
 from handoff.protocol.generation import weight_version_spans
@@ -54,7 +55,10 @@ class ServedVersions:
         self.current = version
 
     def since(self, seq: int) -> list[Rename]:
-        return [rename for rename in self._renames if rename.seq > seq]
+        """The renames after ``seq``, oldest first; walks only those (it runs for every piece of every stream)."""
+        newer = list(takewhile(lambda rename: rename.seq > seq, reversed(self._renames)))
+        newer.reverse()
+        return newer
 
     def trail(self) -> VersionTrail:
         return VersionTrail(self.current, self.seq, self.seq)
@@ -73,6 +77,8 @@ class VersionTrail:
 
     def follow(self, versions: ServedVersions, tokens_relayed: int) -> None:
         """The renames since last seen, with ``tokens_relayed`` tokens of this answer relayed before them."""
+        if self.seen == versions.seq:
+            return  # nothing since (every piece of a stream asks)
         for rename in versions.since(self.seen):
             if self.ended:
                 break

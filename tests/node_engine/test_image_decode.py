@@ -63,8 +63,10 @@ def test_common_formats(fmt: str) -> None:
     ("file:///etc/hosts", "not allowed here"),
     ("file://host/etc/hosts.png", "names no host"),
     (" \tHTTPS://example.com/cat", "not fetched from the network"),  # as urllib and vLLM read a URL
+    ("file://[::1/etc/hosts.png", "not a file URL"),  # urllib raises ValueError on it: was a 500
 ], ids=["empty", "not-a-string", "http", "https", "bad-base64", "data-url-not-base64", "text", "truncated",
-        "zero-sized", "bomb", "over-our-bound", "tiff", "path", "file-url", "file-url-host", "url-spelt-otherwise"])
+        "zero-sized", "bomb", "over-our-bound", "tiff", "path", "file-url", "file-url-host", "url-spelt-otherwise",
+        "file-url-unparsable"])
 def test_refusals(item, reason: str) -> None:
     with pytest.raises(ImageInputError, match=reason):
         load_image(item, POLICY)

@@ -93,8 +93,10 @@ def assert_refused(node: Node, path: str, body: dict | bytes, field: str, words:
      "body.messages[0].content[1].video_url.url", "not allowed here"),
     ("/generate", b'{"input_ids": [1], "image\\u005fdata": "file:///etc/passwd"}', "body.image_data",
      "not allowed here"),
+    ("/generate", generate("file://[::1/etc/passwd"), "body.image_data", "not a file URL"),  # was a 500
 ], ids=["file-url", "dev-zero", "slash-path", "file-url-spelt-otherwise", "nested-batch", "image-data-object",
-        "relative-video", "audio-batch", "chat-image-url", "chat-simple-image-url", "chat-video-url", "escaped-key"])
+        "relative-video", "audio-batch", "chat-image-url", "chat-simple-image-url", "chat-video-url", "escaped-key",
+        "file-url-unparsable"])
 def test_local_media_is_refused_at_the_sidecar_by_default(plain_node: Node, path: str, body, field: str,
                                                           words: str) -> None:
     assert_refused(plain_node, path, body, field, words)
@@ -144,3 +146,23 @@ def test_the_sidecar_reads_image_sources_without_torch() -> None:
     code = "import sys, node_sidecar.app, node_sidecar.media; print(sorted({'torch', 'PIL'} & set(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_bare_base64_video_passes_to_sglang(plain_node: Node) -> None:
+    """SGLang reads a video item that names no existing file as base64 (``utils/common.py``:
+    ``_normalize_video_input``), and one of PATH_MAX characters or more can never name one (the file system
+    refuses the path): such bytes pass, where a shorter item, which could be a relative path, stays a 400."""
+    video = base64.b64encode(b"\x00\x00\x00\x18ftypmp42" + bytes(range(256)) * 16).decode()
+    assert len(video) >= 4096 and "/" in video
+    body = {"input_ids": [1], "video_data": video, "sampling_params": {"max_new_tokens": 2}}
+    r = plain_node.post("/generate", body)
+    assert r.status_code == 200, r.text
+    part = {"type": "video_url", "video_url": {"url": video}}
+    r = plain_node.post("/v1/chat/completions", chat(part))
+    assert r.status_code == 200, r.text
+    assert plain_node.fake_state()["media"][-1][0]["content"][1] == part
+    # a long item that is not base64 may still be read as a path by SGLang or its decoder: refused
+    for item in ("concat:/etc/passwd?" + "A" * 5000, "etc/passwd#" + "A" * 5000):
+        assert_refused(plain_node, "/generate", {"input_ids": [1], "video_data": item}, "body.video_data",
+                       "any video or audio")
+    plain_node.assert_fake_alive()

@@ -7,6 +7,7 @@ rules without one: every field mapped or refused, the answer's SGLang shape, str
 from __future__ import annotations
 
 import json
+from collections import deque
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,7 @@ from handoff.service.errors import InvalidRequest, ServiceError, Unsupported
 from node_sidecar.engines.vllm import VllmEngine
 from node_sidecar.engines.vllm_answer import ChoiceState, GenerateRequest, Translator
 from node_sidecar.engines.vllm_generate import to_completion
-from node_sidecar.engines.vllm_versions import ServedVersions
+from node_sidecar.engines.vllm_versions import MAX_RENAMES, ServedVersions
 
 RECORDED = json.loads((Path(__file__).parent / "data" / "vllm_completions.json").read_text())
 ANSWERS = RECORDED["answers"]
@@ -492,3 +493,23 @@ async def test_a_rename_under_a_running_stream_splits_its_spans_where_the_sideca
     meta = feed(piece(0, [57, 58], finish_reason="length"))
     assert meta["weight_versions"] == [{"version": "v7", "start": 0, "end": 2}, {"version": "v8", "start": 2, "end": 4}]
     assert meta["weight_version"] == "v8"
+
+
+def test_a_relayed_piece_does_not_walk_the_rename_history() -> None:
+    """Every piece of a stream follows the renames since the last one: with a long training run's renames kept
+    (one a step, up to MAX_RENAMES), walking them all cost each piece 20 us or more, however few came since. The
+    history here refuses a walk from its oldest end: a piece walks nothing when no rename came, else the new ones."""
+
+    class NoWalkFromTheOldest(deque):  # type: ignore[type-arg]
+        def __iter__(self):  # type: ignore[no-untyped-def]
+            raise AssertionError("every rename kept was walked")
+
+    long = ServedVersions("v0")
+    for i in range(MAX_RENAMES):
+        long.rename(f"v{i + 1}")
+    long._renames = NoWalkFromTheOldest(list(deque.__iter__(long._renames)), maxlen=MAX_RENAMES)
+    trail = long.trail()
+    trail.follow(long, 3)
+    long.rename("next")
+    trail.follow(long, 3)
+    assert trail.version == "next" and trail.events == [(f"v{MAX_RENAMES}", 3)]

@@ -35,9 +35,9 @@ _TOKEN_VARS = ("HANDOFF_ADMIN_TOKEN", "HANDOFF_API_KEY")
 
 
 def assert_refused_at_start(argv: list[str], flag: str, *, env: Mapping[str, str] | None = None,
-                            timeout_s: float = 60.0) -> None:
-    """``python -m *argv`` exits 2 with one last line on stderr naming ``flag`` and no traceback. A process still
-    running after ``timeout_s`` took the bad value and started (it is killed)."""
+                            timeout_s: float = 60.0) -> str:
+    """``python -m *argv`` exits 2 with one last line on stderr naming ``flag`` and no traceback (its stderr is
+    returned). A process still running after ``timeout_s`` took the bad value and started (it is killed)."""
     environ = {k: v for k, v in os.environ.items() if k not in _TOKEN_VARS}
     environ.update(env or {})
     try:
@@ -48,3 +48,4 @@ def assert_refused_at_start(argv: list[str], flag: str, *, env: Mapping[str, str
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     assert done.returncode == 2 and lines and flag in lines[-1] and "Traceback" not in done.stderr, \
         (argv, done.returncode, done.stderr[-2000:])
+    return done.stderr

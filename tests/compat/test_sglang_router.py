@@ -83,7 +83,8 @@ def test_what_the_gateway_probes_on_a_worker(http) -> None:
     """A worker is added after ``/health`` and read with ``/get_model_info`` / ``/get_server_info``."""
     assert http.get("/health").status_code == 200
     info = http.get("/get_model_info").json()
-    assert info["model_path"] == "builtin:tiny" and info["is_generation"] is True
+    # model_path names the checkpoint loaded last, as SGLang's does: another test of the session may have reloaded
+    assert info["tokenizer_path"] == "builtin:tiny" and info["model_path"] and info["is_generation"] is True
     server = http.get("/get_server_info").json()
     assert server["served_model_name"] == "builtin:tiny" and server["handoff_cluster"]["total"] == 2
     assert server["handoff_cluster"]["answered_by"].startswith("http://127.0.0.1:")

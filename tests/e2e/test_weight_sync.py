@@ -143,7 +143,12 @@ def test_a_trainer_that_never_joins_is_a_bounded_timeout(cluster, lb) -> None:
     trainer = Trainer(cluster.url, world_size=3)
     started = time.monotonic()
     r = lb.post("/init_weights_update_group", json=trainer.init_body(), params={"timeout": "3"})
-    assert r.status_code == 502 and {f["reason"] for f in r.json()["failures"]} == {"timeout"}, r.text
+    assert r.status_code == 502, r.text
+    # every node timed out, or (its timer a moment behind the first one's) had its join abandoned by the rollback
+    for failure in r.json()["failures"]:
+        assert failure["reason"] == "timeout" or (failure.get("status") == 409
+                                                  and "abandoned" in failure["detail"]), r.text
+    assert "timeout" in {f["reason"] for f in r.json()["failures"]}, r.text
     assert time.monotonic() - started < 10 and r.json()["rolled_back"]
     # nothing is left behind: the same group name joins at once with a trainer that does come
     trainer = Trainer(cluster.url, world_size=3)

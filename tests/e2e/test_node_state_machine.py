@@ -545,5 +545,6 @@ class NodeMachine(RuleBasedStateMachine):
 
 def test_node_answers_as_its_model(node: Node) -> None:
     run_state_machine_as_test(lambda: NodeMachine(node), settings=settings(
-        max_examples=15, stateful_step_count=20, deadline=None, database=None, print_blob=True,
+        # the same sequences every run (CI is no place to find a new one; runs of 500 examples explored wider)
+        max_examples=15, stateful_step_count=20, deadline=None, database=None, print_blob=True, derandomize=True,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]))

@@ -31,6 +31,7 @@ import torch
 from handoff.protocol import errors as E
 from handoff.protocol.generate_sequences import LogprobOptions
 from handoff.protocol.generation import weight_version_spans
+from handoff.service.logs import rate_limit
 from node_engine.config import EngineConfig
 from node_engine.control import EngineControl
 from node_engine.detokenizer import CONTEXT_TOKENS, IncrementalDetokenizer
@@ -55,6 +56,10 @@ from node_engine.weight_sync.distributed import WeightGroups
 from node_engine.weight_updates import WeightUpdates
 
 log = logging.getLogger(__name__)
+# A batch that hits a bug fails every step it is in, and a client can send it again: a burst of tracebacks, then
+# a count.
+step_failure_log = logging.getLogger(f"{__name__}.step_failures")
+rate_limit(step_failure_log)
 
 
 class DeviceFailed(RuntimeError):
@@ -340,8 +345,8 @@ class Engine:
     def _fail_step(self, step: Step, exc: Exception) -> None:
         """The requests of a step that raised fail; their KV (maybe half written) is freed, never cached."""
         requests = list(dict.fromkeys(e.request for e in step.entries))
-        log.error("a %s step of %d request(s) failed; they are answered engine_failed and the engine goes on",
-                  step.kind.value, len(requests), exc_info=exc)
+        step_failure_log.error("a %s step of %d request(s) failed; they are answered engine_failed and the engine "
+                               "goes on", step.kind.value, len(requests), exc_info=exc)
         message = (f"the model step failed ({type(exc).__name__}: {exc}); this request's work is lost, "
                    "the engine goes on serving")
         outputs = []

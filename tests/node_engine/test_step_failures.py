@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import threading
 import time
 from pathlib import Path
@@ -17,8 +18,9 @@ import pytest
 import torch
 
 from handoff.protocol import errors as E
+from handoff.service.logs import RateLimit
 from node_engine.config import EngineConfig
-from node_engine.engine import DeviceFailed, Engine, RequestHandle
+from node_engine.engine import DeviceFailed, Engine, RequestHandle, step_failure_log
 from node_engine.errors import EngineStopped, StepFailed
 from node_engine.failures import FaultDrill, leaves_device_unusable
 from node_engine.request import FinishReason, RequestOutput
@@ -230,3 +232,20 @@ async def test_a_failed_sample_aborts_its_siblings(monkeypatch: pytest.MonkeyPat
         await engine.call(lambda: None)  # the engine thread took everything before
         assert_kv_settled(engine)
         assert not engine.gate.is_live("sample-1")
+
+
+async def test_a_step_failing_again_and_again_logs_a_burst_not_a_traceback_each(
+        drill_file: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    burst = RateLimit.DEFAULT_BURST
+    fresh = [RateLimit() if isinstance(f, RateLimit) else f for f in step_failure_log.filters]
+    monkeypatch.setattr(step_failure_log, "filters", fresh)  # a window no earlier test has used
+    async with running_engine(config(drill_file)) as engine:
+        with caplog.at_level(logging.ERROR, logger=step_failure_log.name):
+            for _ in range(burst + 5):  # a client sending the batch that hits a bug again and again
+                arm(drill_file, "error", "prefill")
+                _, out = await final(submit(engine, PROMPT_B, SHORT))
+                assert out.error_type == E.ENGINE_FAILED.name
+        logged = [r for r in caplog.records if r.name == step_failure_log.name]
+        assert len(logged) == burst and all(r.exc_info for r in logged)
+        tokens, _ = await generate(engine, PROMPT_A, SHORT)
+        assert len(tokens) == SHORT.max_new_tokens

@@ -11,7 +11,8 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError,
 from handoff.protocol.generate_request import MAX_TOP_LOGPROBS, is_empty
 from handoff.service.errors import Unsupported
 
-__all__ = ["ChatCompletionBody", "CompletionBody", "OPENAI_DEFAULT_ONLY", "refuse_unsupported_openai"]
+__all__ = ["ChatCompletionBody", "CompletionBody", "OPENAI_DEFAULT_ONLY", "refuse_adapter_model",
+           "refuse_unsupported_openai"]
 
 _STRICT = ConfigDict(extra="forbid", strict=True)
 _STRICT_VALUES = ConfigDict(strict=True)
@@ -20,7 +21,7 @@ _STRICT_VALUES = ConfigDict(strict=True)
 class StreamOptions(BaseModel):
     model_config = _STRICT
     include_usage: bool | None = None
-    continuous_usage_stats: bool | None = None  # default only
+    continuous_usage_stats: bool | None = None
 
 
 # Fields of SGLang's OpenAI bodies that its server copies into the ``/generate`` request: they go there as
@@ -139,10 +140,19 @@ def refuse_unsupported_openai(body: BaseModel) -> None:
             continue
         if not is_empty(value):
             raise Unsupported(f"{name}: {why} are not supported by this engine")
-    options = getattr(body, "stream_options", None)
-    if options is not None and options.continuous_usage_stats:
-        raise Unsupported("stream_options.continuous_usage_stats: usage in every chunk is not supported by this "
-                          "engine (include_usage sends it once, last)")
+
+
+def refuse_adapter_model(model: str | None, served_name: str) -> None:
+    """400 ``unsupported`` for a ``model`` naming a LoRA adapter, as SGLang 0.5.23 reads it
+    (``serving_base.py`` ``_parse_model_parameter``): ``<served name>:<adapter>``, or any other name with a
+    colon split at its first. The served name itself, and a name with nothing after the colon, name none."""
+    if model is None or ":" not in model or model == served_name:
+        return
+    prefix = served_name + ":"
+    adapter = model[len(prefix):] if model.startswith(prefix) else model.split(":", 1)[1]
+    if adapter.strip():
+        raise Unsupported(f"model: {model[:200]!r} names the LoRA adapter {adapter.strip()[:100]!r}; LoRA adapters "
+                          "are not supported by this engine")
 
 
 class CompletionBody(_OpenAIRequest):

@@ -30,11 +30,13 @@ from node_engine.server.generation_run import (GenerationRun, collect_unless_dis
                                                stream_with_abort)
 from node_engine.server.images import split_image_parts
 from node_engine.server.openai_shapes import chat_logprobs, completion_logprobs, usage
-from node_engine.server.openai_bodies import ChatCompletionBody, CompletionBody, refuse_unsupported_openai
+from node_engine.server.openai_bodies import (ChatCompletionBody, CompletionBody, refuse_adapter_model,
+                                              refuse_unsupported_openai)
 from node_engine.chat_template import ChatTemplateError
 
 router = APIRouter()
-Choice = Callable[[int, SequenceChunk, bool], dict[str, Any]]  # (index, chunk, first of its index) -> choice
+# (index, chunk, first of its index) -> the choice of its stream chunk, or None for no chunk
+Choice = Callable[[int, SequenceChunk, bool], dict[str, Any] | None]
 
 
 async def _plan(request: Request, body: CompletionBody | ChatCompletionBody, prompt: dict[str, Any],
@@ -53,13 +55,15 @@ async def _plan(request: Request, body: CompletionBody | ChatCompletionBody, pro
 
 def _token_ids(body: CompletionBody | ChatCompletionBody, plan: GeneratePlan) -> Callable[[int, list[int], bool],
                                                                                          dict[str, Any]]:
-    """The ``token_ids`` / ``prompt_token_ids`` fields of choice ``i`` (SGLang's ``return_token_ids``; chat's
-    ``return_prompt_token_ids`` gives the prompt's alone); ``first``: the choice's first chunk of a stream."""
+    """The output ids' field of choice ``i`` (SGLang's ``return_token_ids``: ``token_ids`` in a completion,
+    ``response_token_ids`` in a chat) and ``prompt_token_ids`` (chat's ``return_prompt_token_ids`` gives the
+    prompt's alone); ``first``: the choice's first chunk of a stream."""
     with_outputs = body.return_token_ids
     with_prompt = with_outputs or getattr(body, "return_prompt_token_ids", False)
+    outputs_key = "response_token_ids" if isinstance(body, ChatCompletionBody) else "token_ids"
 
     def fields(i: int, output_ids: list[int], first: bool) -> dict[str, Any]:
-        out: dict[str, Any] = {"token_ids": list(output_ids)} if with_outputs else {}
+        out: dict[str, Any] = {outputs_key: list(output_ids)} if with_outputs else {}
         if with_prompt and first:
             out["prompt_token_ids"] = plan.sequences[i].prompt_ids
         return out
@@ -68,6 +72,10 @@ def _token_ids(body: CompletionBody | ChatCompletionBody, plan: GeneratePlan) ->
 
 def _include_usage(body: CompletionBody | ChatCompletionBody) -> bool:
     return body.stream_options is not None and bool(body.stream_options.include_usage)
+
+
+def _continuous_usage(body: CompletionBody | ChatCompletionBody) -> bool:
+    return body.stream_options is not None and bool(body.stream_options.continuous_usage_stats)
 
 
 class _Answer:
@@ -100,11 +108,13 @@ class _Answer:
 
     async def stream(self, run: GenerationRun, first: tuple[AsyncIterator[tuple[int, RequestOutput]],
                                                             tuple[int, RequestOutput]],
-                     choice: Choice, *, include_usage: bool, chunk_obj: str,
+                     choice: Choice, *, include_usage: bool, continuous_usage: bool, chunk_obj: str,
                      preamble: Callable[[int], dict[str, Any]] | None = None,
                      finale: Callable[[int, SequenceChunk], dict[str, Any]] | None = None) -> AsyncIterator[bytes]:
-        """The SSE body: one chunk per output; then ``finale``'s chunk per choice (SGLang's chat streams end each
-        choice with one, for its finish reason); usage last if asked; an error event (and no [DONE]) on failure."""
+        """The SSE body: a chunk per output that ``choice`` gives one for; then ``finale``'s chunk per choice
+        (SGLang's chat streams end each choice with one, for its finish reason); usage last if asked; an error
+        event (and no [DONE]) on failure. ``continuous_usage``: each output's chunk carries its choice's usage
+        so far (SGLang's ``continuous_usage_stats``)."""
         events, head = first
         last: dict[int, SequenceChunk] = {}
 
@@ -114,8 +124,11 @@ class _Answer:
             last[index] = piece
             lead = sse_event(self.payload([preamble(index)], obj=chunk_obj, index=index)) if is_first and preamble \
                 else b""
-            return lead + sse_event(self.payload([choice(index, piece, is_first)], obj=chunk_obj, index=index,
-                                                 version=piece.weight_version))
+            content = choice(index, piece, is_first)
+            if content is None:
+                return lead
+            return lead + sse_event(self.payload([content], usage([piece], 1) if continuous_usage else None,
+                                                 obj=chunk_obj, index=index, version=piece.weight_version))
 
         yield chunk(*head)
         try:
@@ -133,15 +146,16 @@ class _Answer:
         yield DONE_EVENT
 
     async def respond(self, request: Request, run: GenerationRun, choice: Callable[[int, SequenceAnswer], dict],
-                      stream_choice: Choice, *, stream: bool, include_usage: bool, chunk_obj: str,
-                      preamble: Callable[[int], dict[str, Any]] | None = None,
+                      stream_choice: Choice, *, stream: bool, include_usage: bool, continuous_usage: bool,
+                      chunk_obj: str, preamble: Callable[[int], dict[str, Any]] | None = None,
                       finale: Callable[[int, SequenceChunk], dict[str, Any]] | None = None) -> Response:
         if stream:
             first = await first_unless_disconnected(request, run)
             if first is None:
                 return Response(status_code=CLIENT_CLOSED)
-            chunks = self.stream(run, first, stream_choice, include_usage=include_usage, chunk_obj=chunk_obj,
-                                 preamble=preamble, finale=finale)
+            chunks = self.stream(run, first, stream_choice, include_usage=include_usage,
+                                 continuous_usage=continuous_usage, chunk_obj=chunk_obj, preamble=preamble,
+                                 finale=finale)
             return StreamingResponse(stream_with_abort(run, chunks), media_type="text/event-stream")
         answers = await collect_unless_disconnected(request, run)
         if answers is None:
@@ -160,6 +174,7 @@ async def completions(request: Request) -> Response:
     engine: Engine = request.app.state.engine
     body = await parse_body(request, CompletionBody)
     refuse_unsupported_openai(body)
+    refuse_adapter_model(body.model, engine.config.model_name)
     prompt = body.prompt
     if not prompt or (isinstance(prompt, list) and all(not p for p in prompt)):
         raise InvalidRequest("prompt must not be empty")
@@ -193,7 +208,8 @@ async def completions(request: Request) -> Response:
                                     **_finish_fields(a.finish_reason), **ids(i, a.output_ids, True)},
         lambda i, c, first: {"index": i, "text": (echoes[i] if first else "") + c.text, "logprobs": lists(c, first),
                              **_finish_fields(c.finish_reason), **ids(i, c.output_ids, first)},
-        stream=body.stream, include_usage=_include_usage(body), chunk_obj="text_completion")
+        stream=body.stream, include_usage=_include_usage(body), continuous_usage=_continuous_usage(body),
+        chunk_obj="text_completion")
 
 
 def _echo(engine: Engine, prompt: Any, prompt_ids: list[int], index: int, is_text: bool) -> str:
@@ -292,6 +308,7 @@ async def chat_completions(request: Request) -> Response:
     body = await parse_body(request, ChatCompletionBody,
                             before_validation=lambda value: _check_message_counts(engine, value))
     refuse_unsupported_openai(body)
+    refuse_adapter_model(body.model, engine.config.model_name)
     if body.stream and (body.return_token_ids or body.return_prompt_token_ids):
         raise InvalidRequest("return_token_ids and return_prompt_token_ids are not supported with streaming; "
                              "set stream=false to get them")
@@ -316,19 +333,45 @@ async def chat_completions(request: Request) -> Response:
 
     def whole(i: int, a: SequenceAnswer) -> dict[str, Any]:
         meta = a.meta_info()
-        return {"index": i, "message": {"role": "assistant", "content": a.text},
+        return {"index": i, "message": {"role": "assistant", "content": a.text, "reasoning_content": None},
                 "logprobs": lists(meta.get("output_token_logprobs"), meta.get("output_top_logprobs")),
                 **_finish_fields(a.finish_reason), **token_ids(i, a.output_ids, True)}
 
+    deltas = _ChatDeltas(lists)
     return await _Answer(engine, "chat.completion", run.rids, plan.n, body.model).respond(
-        request, run, whole,
-        lambda i, c, first: {"index": i, "delta": {"content": c.text},
-                             "logprobs": lists(c.output_token_logprobs, c.output_top_logprobs),
-                             "finish_reason": None, "matched_stop": None},
-        stream=body.stream, include_usage=_include_usage(body), chunk_obj="chat.completion.chunk",
-        preamble=lambda i: {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                            "finish_reason": None},
-        finale=lambda i, c: {"index": i, "delta": {}, "logprobs": None, **_finish_fields(c.finish_reason)})
+        request, run, whole, deltas.choice, stream=body.stream, include_usage=_include_usage(body),
+        continuous_usage=_continuous_usage(body), chunk_obj="chat.completion.chunk",
+        preamble=lambda i: {"index": i, "delta": {"role": "assistant", "content": "", "reasoning_content": None},
+                            "logprobs": None, "finish_reason": None, "matched_stop": None},
+        finale=deltas.finale)
+
+
+class _ChatDeltas:
+    """A chat stream's choices, as SGLang's stream loop sends them (``serving_chat.py``
+    ``_generate_stream_content``): a chunk only for an output with text, so an output whose tokens decode to no
+    text yet (part of a character, a stop string held back) sends none. Its logprobs wait for the choice's next
+    chunk, or its finish chunk, so each token's reaches the client (SGLang drops them)."""
+
+    def __init__(self, lists: Callable[[Any, Any], dict[str, Any] | None]) -> None:
+        self.lists = lists
+        self.tokens: dict[int, list[Any]] = {}
+        self.tops: dict[int, list[Any]] = {}
+
+    def _take(self, index: int) -> dict[str, Any] | None:
+        tokens, tops = self.tokens.pop(index, []), self.tops.pop(index, [])
+        return self.lists(tokens, tops) if tokens else None
+
+    def choice(self, index: int, piece: SequenceChunk, first: bool) -> dict[str, Any] | None:
+        self.tokens.setdefault(index, []).extend(piece.output_token_logprobs)
+        self.tops.setdefault(index, []).extend(piece.output_top_logprobs)
+        if not piece.text:
+            return None
+        return {"index": index, "delta": {"content": piece.text, "reasoning_content": None},
+                "logprobs": self._take(index), "finish_reason": None, "matched_stop": None}
+
+    def finale(self, index: int, piece: SequenceChunk) -> dict[str, Any]:
+        return {"index": index, "delta": {"reasoning_content": None}, "logprobs": self._take(index),
+                **_finish_fields(piece.finish_reason)}
 
 
 def _model_card(engine: Engine) -> dict[str, Any]:

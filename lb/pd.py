@@ -114,30 +114,42 @@ class PDDispatcher:
         """Both calls at once, each in a task of its own; a failure is returned, not raised.
 
         Either node of a pair waits long for the other, so the first to fail decides the pair and the other
-        call is given up at once (None), not awaited: a decode call that failed or refused (an answer other
-        than 2xx, read whole for the client), or a prefill call that failed or refused (no response: a reroute
-        or an error) while the decode call is still under way. If this task is cancelled meanwhile (the client
-        left), both calls are given up (a response that came, closed): neither node goes on for nobody.
+        call is given up at once (None), not awaited: a call that failed or refused (no response: a reroute or
+        an error; or an answer other than 2xx, read whole for the client). A prefill node's such answer
+        decides the pair whenever it comes: that node made no KV cache, so the decode node would wait for it
+        in vain (a decode stream that already began is closed). If this task is cancelled meanwhile (the
+        client left), both calls are given up (a response that came, closed): neither node goes on for nobody.
         """
         prefill_call = asyncio.ensure_future(self._caller.call(prefill, path, data, headers))
         decode_call = asyncio.ensure_future(self._caller.call(decode, path, data, headers))
         try:
             await asyncio.wait((prefill_call, decode_call), return_when=asyncio.FIRST_COMPLETED)
-            if not decode_call.done() and not isinstance(prefill_out := _outcome(prefill_call), UpstreamResponse):
-                _give_up(decode_call)  # the prefill node took nothing: the decode node would wait for it in vain
-                return prefill_out, None
+            if not decode_call.done() and not _took(prefill_out := _outcome(prefill_call)):
+                _give_up(decode_call)
+                return await self._settle(prefill, prefill_out, path), None
             decode_out = await _settled(decode_call)
-            if isinstance(decode_out, UpstreamResponse) and not 200 <= decode_out.status < 300:
-                _give_up(prefill_call)  # the decode node refused: the prefill node would wait for it in vain
-                decode_out = await self._whole_refusal(decode, decode_out, path)
-            if not isinstance(decode_out, UpstreamResponse):
-                _give_up(prefill_call)
-                return None, decode_out
-            return await _settled(prefill_call), decode_out
+            if not _took(decode_out):
+                _give_up(prefill_call)  # the decode node took nothing: the prefill node would wait for it in vain
+                return None, await self._settle(decode, decode_out, path)
+            prefill_out = await _settled(prefill_call)
+            if not _took(prefill_out):
+                decode_out.close()
+                return await self._settle(prefill, prefill_out, path), None
+            return prefill_out, decode_out
         except BaseException:
             _give_up(prefill_call)
             _give_up(decode_call)
             raise
+
+    async def _settle(self, node: Node, out: Outcome, path: str) -> Outcome:
+        """The outcome of a side that did not take the request (its pair given up), an answer other than 2xx
+        read whole for the client; a prefill node's is logged (the client may take it for the decode node's)."""
+        if isinstance(out, UpstreamResponse):
+            out = await self._whole_refusal(node, out, path)
+        if node.role is Role.PREFILL and isinstance(out, Response):
+            log.warning("prefill node %s answered %d on %s; its decode call was given up: %s", node.url,
+                        out.status_code, path, bytes(out.body[:512]).decode("utf-8", "replace"))
+        return out
 
     async def _whole_refusal(self, node: Node, upstream: UpstreamResponse, path: str) -> Response | ServiceError:
         """A node's error answer, read whole for the client (or the error reading it)."""
@@ -197,12 +209,8 @@ class PDDispatcher:
 
     async def _read_prefill(self, lease: RequestLease, upstream: UpstreamResponse, path: str) -> bytes:
         node = lease.node
-        with lease:
-            raw = await self._caller.read_body(node, upstream, path)
-        if not 200 <= upstream.status < 300:
-            raise UpstreamFailed(f"prefill node {node.url} answered {upstream.status} on {path}: "
-                                 f"{raw[:512].decode('utf-8', 'replace')}", extra={"node": node.url})
-        return raw
+        with lease:  # a 2xx answer (:meth:`_call_pair`)
+            return await self._caller.read_body(node, upstream, path)
 
     async def _drain(self, lease: RequestLease, upstream: UpstreamResponse, path: str) -> None:
         try:
@@ -211,6 +219,11 @@ class PDDispatcher:
             log.warning("prefill answer lost while the decode stream went on: %s", exc.message)
         finally:
             upstream.close()
+
+
+def _took(out: Outcome) -> bool:
+    """Whether a node took the request: it answered 2xx (its body may still fail)."""
+    return isinstance(out, UpstreamResponse) and 200 <= out.status < 300
 
 
 def _give_up(call: asyncio.Future[Outcome]) -> None:

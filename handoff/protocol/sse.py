@@ -8,7 +8,8 @@ ends a complete answer.
 
 :class:`EventSplitter` cuts a byte stream, fed as it arrives, into whole
 events without altering their bytes, so a relay can pass them on as they were
-or rewrite only the ones it must.
+or rewrite only the ones it must; :class:`WholeEvents` holds back the start of an
+event still coming, for a relay that passes bytes on as they arrive.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ _LINE_END = re.compile(rb"\r\n|\r|\n")
 
 
 EVENT_ENDS = (b"\n\n", b"\r\n\r\n", b"\r\r", b"\n\r")  # two line ends in a row (CR, LF, CRLF mixed)
+_LONGEST_EVENT_END = 4
 
 
 def split_after_last_event(data: bytes) -> tuple[bytes, bytes]:
@@ -33,12 +35,60 @@ def split_after_last_event(data: bytes) -> tuple[bytes, bytes]:
     """
     if data.endswith(EVENT_ENDS):
         return data, b""
+    end = _last_event_end(data, 0)
+    return data[:end], data[end:]
+
+
+def _last_event_end(data: bytes | bytearray, start: int) -> int:
+    """Where the last blank line of ``data[start:]`` ends; 0 when there is none."""
     end = 0
     for separator in EVENT_ENDS:
-        at = data.rfind(separator)
+        at = data.rfind(separator, start)
         if at >= 0:
             end = max(end, at + len(separator))
-    return data[:end], data[end:]
+    return end
+
+
+class WholeEvents:
+    """A relay's hold on an event still coming: fed a stream's bytes as they arrive, :meth:`feed` hands out
+    those up to the last blank line (as :func:`split_after_last_event`) and keeps the rest, at most
+    ``max_event_bytes`` (past that :class:`EventTooLarge`).
+
+    The bytes held are appended to, never copied again, and only the new bytes are searched (the held ones
+    hold no blank line): an event arriving in many small reads costs time linear in its size, where cutting
+    ``held + new`` again at each read cost time quadratic in it.
+    """
+
+    def __init__(self, max_event_bytes: int = DEFAULT_MAX_EVENT_BYTES) -> None:
+        self._max_event_bytes = max_event_bytes
+        self._held = bytearray()
+
+    @property
+    def is_holding(self) -> bool:
+        return bool(self._held)
+
+    def feed(self, data: bytes) -> bytes:
+        """The whole events ``data`` completes, with what was held of the first of them."""
+        held = self._held
+        if not held:
+            whole, rest = split_after_last_event(data)
+            held += rest
+        else:
+            num_old = len(held)
+            held += data
+            # a blank line may begin in the last bytes held (a CRLF CRLF cut between two reads)
+            end = _last_event_end(held, max(0, num_old - _LONGEST_EVENT_END + 1))
+            whole = bytes(held[:end])
+            del held[:end]
+        if len(held) > self._max_event_bytes:
+            raise EventTooLarge(f"an event grew past {self._max_event_bytes} bytes without ending")
+        return whole
+
+    def finish(self) -> bytes:
+        """What is held when the stream ends (an event cut short), else ``b""``."""
+        rest = bytes(self._held)
+        self._held.clear()
+        return rest
 
 
 class EventTooLarge(ValueError):

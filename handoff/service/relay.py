@@ -28,7 +28,7 @@ from typing import Callable
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from handoff.protocol.sse import DEFAULT_MAX_EVENT_BYTES, EVENT_ENDS, EventTooLarge, split_after_last_event
+from handoff.protocol.sse import EVENT_ENDS, EventTooLarge, WholeEvents
 from handoff.service.disconnect import DisconnectWatch
 from handoff.service.errors import error_envelope
 from handoff.service.upstream import ProtocolError, UpstreamError, UpstreamResponse
@@ -95,19 +95,18 @@ class StreamRelay(Response):
         try:
             await self._send(send, {"type": "http.response.start", "status": self.status_code,
                                     "headers": self.raw_headers})
-            pending = b""  # the start of an event still coming
+            hold = WholeEvents() if self._is_events else None  # the start of an event still coming
             while chunk := await upstream.next_chunk():
                 out = transform.feed(chunk)
-                if out and self._is_events and (pending or not out.endswith(EVENT_ENDS)):
-                    out, pending = split_after_last_event(pending + out)
-                    if len(pending) > DEFAULT_MAX_EVENT_BYTES:
-                        raise EventTooLarge(f"an event grew past {DEFAULT_MAX_EVENT_BYTES} bytes without ending")
+                if out and hold is not None and (hold.is_holding or not out.endswith(EVENT_ENDS)):
+                    out = hold.feed(out)
                 if out:  # the hot path: the send written out, not through _send_body
                     self._is_sending = True
                     await send({"type": "http.response.body", "body": out, "more_body": True})
                     self._is_sending = False
             watch.finish()
-            await self._send_body(send, pending + transform.finish(), more_body=False)
+            rest = hold.finish() if hold is not None else b""
+            await self._send_body(send, rest + transform.finish(), more_body=False)
         except UpstreamError as exc:
             watch.finish()
             await self._send_body(send, self._on_failure(exc), more_body=False)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -220,3 +221,42 @@ def test_a_long_503_the_lb_does_not_reroute_is_a_502_never_a_cut_body(module_fak
     short = shared_lb.http.post("/generate", json={"text": "x"})
     assert short.status_code == 503 and short.json()["error"]["message"] == "short"  # relayed as before
     set_members(shared_lb)
+
+
+def _cpu_s(pid: int) -> float:
+    """User and system CPU seconds the process has used."""
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_a_long_event_arriving_in_small_reads_costs_the_lb_linear_time(module_fakes: FakeCluster, start_lb) -> None:
+    """Found by review: the relay held the start of an event as ``bytes`` and cut ``held + new`` again at each
+    read (a copy and four searches of everything held): with 48 MB held, each byte a node then trickled cost the
+    LB's one event loop about 10 ms of CPU (300 bytes: 3 s, every other request waiting meanwhile; the same in
+    the sidecar). Only the new bytes are searched now, and the held ones appended to."""
+    node = module_fakes.start_one()
+
+    async def long_event_then_trickle(fake: FakeNode, ex: Exchange) -> None:
+        ex.start_chunked()
+        ex.chunk(b'data: {"text": "')
+        for _ in range(48):
+            ex.chunk(b"x" * (1 << 20))
+            await asyncio.sleep(0.005)
+        for _ in range(300):
+            if ex.is_closed:
+                return
+            ex.chunk(b"y")
+            await asyncio.sleep(0.015)  # the node's own pacing: each byte a read of its own
+        ex.chunk(b'"}\n\n')
+        ex.chunk(b"data: [DONE]\n\n")
+        ex.end_chunked()
+
+    node.handlers["/generate"] = long_event_then_trickle
+    lb = start_lb(*node_args(node.url))
+    lb.wait_routable([node.url])
+    before = _cpu_s(lb.proc.pid)
+    answer = lb.http.post("/generate", json={"text": "x", "stream": True}, timeout=60)
+    spent = _cpu_s(lb.proc.pid) - before
+    assert answer.status_code == 200 and answer.content.endswith(b'"}\n\ndata: [DONE]\n\n')
+    assert len(answer.content) == 48 * (1 << 20) + 300 + len(b'data: {"text": ""}\n\ndata: [DONE]\n\n')
+    assert spent < 1.5, f"the LB spent {spent:.1f} s of CPU relaying one 48 MB event"

@@ -246,6 +246,39 @@ def test_a_decode_refusal_is_answered_at_once(fakes: FakeCluster, start_lb, stre
     wait_until(lambda: lb.node(prefill.url)["in_flight"] == 0, timeout=5, what="the prefill call given up")
 
 
+async def waits_for_the_kv(node: FakeNode, exchange: Exchange) -> None:
+    """A decode node whose prefill node never sends the KV cache: it waits until its connection closes (a
+    stream's head goes out at once, as SGLang's does)."""
+    if exchange.request.json().get("stream"):
+        exchange.start_chunked()
+    await exchange.wait_closed()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_prefill_failure_ends_the_pair_at_once(fakes: FakeCluster, start_lb, stream: bool) -> None:
+    """Found by review: a prefill node's answer other than 2xx (a 500: it made no KV cache) was taken for a
+    node that took the request, so the LB waited for the decode node, which waits for that KV cache in vain:
+    the client got a 504 naming the decode node after --generate-timeout (3600 s by default), or a stream that
+    stayed silent that long. The prefill node's answer is the client's at once, and the decode call (a stream
+    already begun too) is closed, so that node aborts."""
+    prefill, decode = fakes.start(2)
+    failure = {"error": {"type": "internal_error", "message": "prefill ran out of memory"}}
+    prefill.handlers["/generate"] = reply(500, failure)
+    decode.handlers["/generate"] = waits_for_the_kv
+    lb = start_lb("--prefill", prefill.url, "--decode", decode.url, "--generate-timeout", "20")
+    lb.wait_routable([prefill.url, decode.url])
+    started = time.monotonic()
+    try:
+        answer = lb.http.post("/generate", json={"text": "hi", "stream": stream}, timeout=8)
+    except httpx.ReadTimeout:
+        pytest.fail("the LB waited for the decode node after the prefill node failed")
+    assert answer.status_code == 500 and answer.json() == failure, answer.text
+    assert time.monotonic() - started < 5
+    assert decode.disconnected.wait(5), "the decode call went on after its prefill node failed"
+    wait_until(lambda: lb.node(decode.url)["in_flight"] == 0 and lb.node(prefill.url)["in_flight"] == 0,
+               timeout=5, what="both calls over")
+
+
 class BootstrapRooms:
     """SGLang's PD hand-off, faked on the fakes' loop: a decode node answers once a prefill node took the
     request's bootstrap room, and waits for it until its connection closes (a prefill node that never took the

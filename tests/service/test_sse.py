@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from handoff.protocol.sse import EventSplitter, EventTooLarge, event_data, split_after_last_event
+from handoff.protocol.sse import EventSplitter, EventTooLarge, WholeEvents, event_data, split_after_last_event
 
 LINE_ENDS = st.sampled_from([b"\n", b"\r\n", b"\r"])
 LINES = st.one_of(st.builds(lambda t: b"data: " + t, st.binary(max_size=12).map(
@@ -100,3 +100,28 @@ def test_a_relay_passes_on_whole_events_only(stream: tuple[bytes, list[list[byte
     assert splitter.finish() == b"" or sent.endswith(b"\r")  # a CR may end a CRLF blank line's first half
     assert len(EventSplitter().feed(held)) == 0 or held.startswith(b"\n")
     assert num_sent <= len(events)
+
+
+@settings(max_examples=300, deadline=None)
+@given(stream=streams(), cuts=st.lists(st.integers(min_value=0, max_value=400), max_size=12))
+def test_a_held_event_is_cut_as_the_whole_stream_would_be(stream: tuple[bytes, list[list[bytes]]],
+                                                          cuts: list[int]) -> None:
+    """:class:`WholeEvents` searches only the bytes new since the last read: what it hands out after each read
+    is what cutting everything received so far would send, wherever the reads end."""
+    data, _ = stream
+    hold = WholeEvents()
+    sent = b""
+    previous = 0
+    for cut in sorted(set(cuts)) + [len(data)]:
+        sent += hold.feed(data[previous:cut])
+        previous = max(previous, cut)
+        assert sent == split_after_last_event(data[:previous])[0]
+    assert sent + hold.finish() == data
+
+
+def test_a_held_event_is_bounded() -> None:
+    hold = WholeEvents(max_event_bytes=1000)
+    assert hold.feed(b"data: a\n\ndata: ") == b"data: a\n\n"
+    with pytest.raises(EventTooLarge):
+        for _ in range(200):  # 1200 bytes must have raised
+            assert hold.feed(b"y" * 10) == b""

@@ -38,7 +38,9 @@ class ChatTemplateError(ValueError):
 
 
 def render(source: str, messages: list[dict[str, Any]], *, add_generation_prompt: bool, bos_token: str,
-           eos_token: str, template_kwargs: dict[str, Any] | None = None) -> str:
+           eos_token: str, template_kwargs: dict[str, Any] | None = None,
+           tools: list[dict[str, Any]] | None = None) -> str:
+    """The template's text for ``messages``; ``tools``: its ``tools`` variable (None without tools)."""
     extra = template_kwargs or {}
     clashing = sorted(RESERVED_VARIABLES & set(extra))
     if clashing:
@@ -48,7 +50,7 @@ def render(source: str, messages: list[dict[str, Any]], *, add_generation_prompt
                                 "is not allowed (the model's is used)")
     try:
         return _compile(source).render(**extra, messages=messages, add_generation_prompt=add_generation_prompt,
-                                       bos_token=bos_token, eos_token=eos_token, tools=None, documents=None)
+                                       bos_token=bos_token, eos_token=eos_token, tools=tools, documents=None)
     except jinja2.TemplateError as exc:
         raise ChatTemplateError(f"the chat template rejected the messages: {exc}") from exc
     except (TypeError, ValueError, KeyError, IndexError, AttributeError, ArithmeticError, RecursionError) as exc:

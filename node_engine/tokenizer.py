@@ -119,13 +119,24 @@ class Tokenizer:
         return self.decode([token_id], skip_special_tokens=False).encode()
 
     def apply_chat_template(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
-                            template_kwargs: dict[str, Any] | None = None) -> list[int]:
-        """Render ``messages`` (see :mod:`node_engine.chat_template`) and tokenize the text."""
+                            template_kwargs: dict[str, Any] | None = None,
+                            tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """Render ``messages`` (see :mod:`node_engine.chat_template`) with ``tools`` and tokenize the text. A
+        template that fails with the tools is given them once more as bare functions, as SGLang does (some
+        templates, Mistral's, expect tools without the OpenAI wrapper); its second error is the request's."""
         if not self.chat_template:
             raise ChatTemplateError("this model has no chat template; use /v1/completions or /generate")
-        text = render(self.chat_template, messages, add_generation_prompt=add_generation_prompt,
-                      bos_token=self.bos_token or "", eos_token=self.eos_token or "",
-                      template_kwargs=template_kwargs)
+
+        def text_with(template_tools: list[dict[str, Any]] | None) -> str:
+            return render(self.chat_template or "", messages, add_generation_prompt=add_generation_prompt,
+                          bos_token=self.bos_token or "", eos_token=self.eos_token or "",
+                          template_kwargs=template_kwargs, tools=template_tools)
+        try:
+            text = text_with(tools)
+        except ChatTemplateError:
+            if not tools:
+                raise
+            text = text_with([tool["function"] if "function" in tool else tool for tool in tools])
         return self.encode(text, add_special_tokens=False)
 
     @property

@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError,
 
 from handoff.protocol.generate_request import MAX_TOP_LOGPROBS, is_empty
 from handoff.service.errors import Unsupported
+from node_engine.server.openai_tools import Tool, ToolChoiceValue, default_tool_choice
 
 __all__ = ["ChatCompletionBody", "CompletionBody", "OPENAI_DEFAULT_ONLY", "refuse_adapter_model",
            "refuse_unsupported_openai"]
@@ -114,7 +115,7 @@ OPENAI_DEFAULT_ONLY = {"response_format": "response_format (constrained decoding
                        "regex": "constrained decoding", "json_schema": "constrained decoding",
                        "ebnf": "constrained decoding", "stop_regex": "stop regexes", "lora_path": "LoRA adapters",
                        "custom_logit_processor": "custom logit processors", "return_hidden_states": "hidden states",
-                       "tools": "tool calls", "tool_choice": "tool calls", "best_of": "best_of sampling",
+                       "best_of": "best_of sampling",
                        "suffix": "suffixes", "return_cached_tokens_details": "cached-token details",
                        "return_spec_tokens_details": "speculative decoding details",
                        "return_meta_info": "meta_info in choices", "return_input_ids_in_sglext": "sglext fields",
@@ -133,8 +134,6 @@ def refuse_unsupported_openai(body: BaseModel) -> None:
     for name, why in OPENAI_DEFAULT_ONLY.items():
         value = getattr(body, name, None)
         if name == "response_format" and isinstance(value, dict) and value.get("type") == "text":
-            continue
-        if name == "tool_choice" and value in ("none", "auto") and not getattr(body, "tools", None):
             continue
         if name == "best_of" and value == getattr(body, "n", 1):
             continue
@@ -222,6 +221,15 @@ class ChatMessage(BaseModel):
     role: str
     content: Union[str, list[dict[str, Any]], None] = None
     tool_calls: list[ToolCall] | None = None
+    tools: list[Tool] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _user_tools(cls, value: Any) -> Any:
+        # SGLang's user message has no tools: there they are an unknown field, dropped unread
+        if isinstance(value, dict) and value.get("role") == "user" and "tools" in value:
+            value = {key: item for key, item in value.items() if key != "tools"}
+        return value
 
     @field_validator("role")
     @classmethod
@@ -230,6 +238,14 @@ class ChatMessage(BaseModel):
             return value if value == "user" else value.lower()
         raise ValueError(f"'role' must be 'user' or one of {', '.join(map(repr, GENERIC_ROLES))} (any case), "
                          f"got {value[:40]!r}")
+
+    def template_dict(self) -> dict[str, Any]:
+        """The message as the chat template gets it: fields left out are absent, but its tools are dumped whole,
+        as SGLang dumps them (null ``description`` and ``parameters`` included)."""
+        message = self.model_dump(exclude_none=True)
+        if self.tools is not None:
+            message["tools"] = [tool.model_dump() for tool in self.tools]
+        return message
 
     @model_validator(mode="after")
     def _user_content(self) -> ChatMessage:
@@ -246,9 +262,9 @@ class ChatCompletionBody(_OpenAIRequest):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
-    tools: Any = None
-    tool_choice: Any = None
-    parallel_tool_calls: bool | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoiceValue = "auto"
+    parallel_tool_calls: bool = True  # shapes only the schema of 'required' calls (refused): changes nothing
     chat_template_kwargs: dict[str, Any] | None = None
     return_prompt_token_ids: bool = False
     # accepted: they change nothing without a reasoning parser or flat top-logprob arrays
@@ -271,6 +287,11 @@ class ChatCompletionBody(_OpenAIRequest):
     min_dynamic_patch: Any = None
     use_audio_in_video: Any = None
     video_config: Any = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _tool_choice_default(cls, values: Any) -> Any:
+        return default_tool_choice(values)
 
     @property
     def max_new_tokens(self) -> int | None:

@@ -32,6 +32,7 @@ from node_engine.server.images import split_image_parts
 from node_engine.server.openai_shapes import chat_logprobs, completion_logprobs, usage
 from node_engine.server.openai_bodies import (ChatCompletionBody, CompletionBody, refuse_adapter_model,
                                               refuse_unsupported_openai)
+from node_engine.server.openai_tools import check_tools, template_tools, tools_in_play
 from node_engine.chat_template import ChatTemplateError
 
 router = APIRouter()
@@ -240,7 +241,7 @@ def _messages(body: ChatCompletionBody, content_format: str) -> tuple[list[dict[
     tool-call arguments written as a JSON string are given to the template as the object (SGLang's
     ``normalize_assistant_tool_call_arguments``). A last message from the assistant with text content becomes
     a user message (SGLang's ``_handle_last_assistant_message``: the prompt always ends with the user's turn)."""
-    rendered, items = split_image_parts([m.model_dump(exclude_none=True) for m in body.messages])
+    rendered, items = split_image_parts([m.template_dict() for m in body.messages])
     messages = []
     for n, message in enumerate(rendered):
         content = message.get("content")
@@ -309,15 +310,19 @@ async def chat_completions(request: Request) -> Response:
                             before_validation=lambda value: _check_message_counts(engine, value))
     refuse_unsupported_openai(body)
     refuse_adapter_model(body.model, engine.config.model_name)
+    check_tools(body)
+    if tools_in_play(body):
+        body.skip_special_tokens = False  # SGLang keeps them for a tool-call parser, so without one as well
+    tools = template_tools(body)
     if body.stream and (body.return_token_ids or body.return_prompt_token_ids):
         raise InvalidRequest("return_token_ids and return_prompt_token_ids are not supported with streaming; "
                              "set stream=false to get them")
     messages, images = _messages(body, engine.tokenizer.content_format)
     if images:
         request.app.state.images.check_supported("messages: image_url")
-    check_prompt_chars(engine, _num_chars([messages, body.chat_template_kwargs]))  # all the template renders
+    check_prompt_chars(engine, _num_chars([messages, tools, body.chat_template_kwargs]))  # all the template renders
     try:  # rendered and tokenized off the event loop, like every prompt
-        ids = await asyncio.to_thread(engine.tokenizer.apply_chat_template, messages,
+        ids = await asyncio.to_thread(engine.tokenizer.apply_chat_template, messages, tools=tools,
                                       template_kwargs=body.chat_template_kwargs)
     except ChatTemplateError as exc:
         raise InvalidRequest(str(exc)) from exc

@@ -71,7 +71,8 @@ def test_completion_stream_with_logprobs(sdk) -> None:
     assert text == whole.choices[0].text and tokens == whole.choices[0].logprobs.tokens
 
 
-@pytest.mark.parametrize("extra", [{"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
+@pytest.mark.parametrize("extra", [{"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
+                                    "tool_choice": "required"},
                                    {"response_format": {"type": "json_object"}}])
 def test_what_the_engine_cannot_do_is_a_400(sdk, extra: dict) -> None:
     with pytest.raises(openai.BadRequestError) as info:

@@ -334,8 +334,8 @@ def test_openai_completions_and_chat(client) -> None:
     streamed = "".join(e["choices"][0]["delta"].get("content", "") for e in events if e["choices"])
     assert chat["choices"][0]["message"]["content"] == streamed
     tools = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "tools": [
-        {"type": "function", "function": {"name": "f"}}]})
-    assert tools.status_code == 400 and tools.json()["error"]["type"] == "unsupported"
+        {"type": "function", "function": {"name": "f"}}], "tool_choice": "required"})
+    assert tools.status_code == 400 and tools.json()["error"]["type"] == "unsupported"  # needs constrained decoding
     formatted = client.post("/v1/completions", json={"prompt": "x", "response_format": {"type": "json_object"}})
     assert formatted.status_code == 400 and formatted.json()["error"]["type"] == "unsupported"
     other = client.post("/v1/completions", json={"prompt": "x", "model": "other", "max_tokens": 1})

@@ -1,0 +1,158 @@
+"""A chat's ``tools`` and ``tool_choice`` as SGLang 0.5.23 serves them without a tool-call parser, on a real engine
+process: the tools reach the chat template, special tokens stay in the text, no tool calls are parsed, and what
+would need constrained decoding is refused.
+
+The checkpoint's template writes ``tools`` (and a message's) with ``tojson``; its tokenizer is byte-level, so the
+prompt's ids are the rendered text's bytes.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Iterator
+
+import httpx
+import openai
+import pytest
+
+from tests.node_engine.checkpoints import make_checkpoint
+from tests.support.procs import ServerProcess
+
+pytestmark = pytest.mark.timeout(120)
+
+TEMPLATE = ("{% if tools and tools[0]['function'] is defined and tools[0]['function']['name'] == 'flat' %}"
+            "{{ raise_exception('this template takes bare functions') }}{% endif %}"
+            "{% if tools %}[tools]{{ tools | tojson }}{% endif %}"
+            "{% for m in messages %}<{{ m['role'] }}>{% if m.tools %}{{ m.tools | tojson }}{% endif %}"
+            "{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}")
+USER = {"role": "user", "content": "hi"}
+CITY = {"type": "object", "properties": {"city": {"type": "string"}}}
+WEATHER = {"type": "function", "function": {"name": "weather", "description": "the weather", "parameters": CITY}}
+RESERVED_ID = 258  # a special token of the byte-level tokenizer ("<reserved_0>")
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    folder = tmp_path_factory.mktemp("tool_template")
+    make_checkpoint(folder, "llama-mha-tied", shard=False)
+    config_file = folder / "tokenizer_config.json"
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "chat_template": TEMPLATE}))
+    proc = ServerProcess("node_engine", ["--model-path", str(folder), "--context-length", "512",
+                                         "--served-model-name", "tiny-llama"], log_dir=folder)
+    proc.start()
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture
+def client(engine: ServerProcess) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=engine.url, timeout=60) as c:
+        yield c
+
+
+def post(client: httpx.Client, **body: Any) -> httpx.Response:
+    return client.post("/v1/chat/completions", json={"messages": [USER], "max_tokens": 1, **body})
+
+
+def rendered(client: httpx.Client, **body: Any) -> str:
+    """The prompt the template rendered (byte-level ids are the text's bytes)."""
+    r = post(client, return_prompt_token_ids=True, **body)
+    assert r.status_code == 200, r.text
+    return bytes(r.json()["choices"][0]["prompt_token_ids"]).decode()
+
+
+def test_tools_reach_the_template_as_sglang_dumps_them(engine: ServerProcess, client: httpx.Client) -> None:
+    """SGLang's ``Tool.model_dump``: the function's keys in the client's order, a null description and parameters
+    when left out, ``strict`` only when given, unknown fields dropped, the tool's ``defer_loading`` always."""
+    tools = [{"function": {"parameters": {"type": "object"}, "name": "f", "strict": True, "extra": 1}, "x": 2},
+             {"type": "function", "function": {"name": "g"}, "defer_loading": True}]
+    expected = [{"type": "function", "function": {"parameters": {"type": "object"}, "name": "f", "strict": True,
+                                                  "description": None}, "defer_loading": None},
+                {"type": "function", "function": {"name": "g", "description": None, "parameters": None,
+                                                  "defer_loading": True}, "defer_loading": True}]
+    assert rendered(client, tools=tools) == f"[tools]{json.dumps(expected)}<user>hi<assistant>"
+    assert rendered(client, tools=tools, tool_choice="auto") == rendered(client, tools=tools)
+    assert rendered(client, tools=tools, tool_choice="none") == "<user>hi<assistant>"
+    # through the OpenAI client: the answer is the raw text, no tool call parsed
+    with openai.OpenAI(base_url=engine.url + "/v1", api_key="unused", timeout=60) as sdk:
+        answer = sdk.chat.completions.create(model="tiny-llama", messages=[USER], tools=[WEATHER], max_tokens=3,
+                                             temperature=0, extra_body={"return_prompt_token_ids": True})
+    choice = answer.choices[0]
+    assert choice.message.tool_calls is None and choice.finish_reason in ("stop", "length")
+    prompt = bytes(choice.model_extra["prompt_token_ids"]).decode()
+    assert prompt == f"[tools]{json.dumps([{**WEATHER, 'defer_loading': None}])}<user>hi<assistant>"
+
+
+def test_a_system_messages_tools_stay_on_it_and_count_as_the_requests(client: httpx.Client) -> None:
+    system = {"role": "System", "content": "s", "tools": [{"function": {"name": "g"}}]}
+    dumped = [{"type": "function", "function": {"name": "g", "description": None, "parameters": None},
+               "defer_loading": None}]
+    assert rendered(client, messages=[system, USER]) == f"<system>{json.dumps(dumped)}s<user>hi<assistant>"
+    # a user message has no tools in SGLang: dropped unread
+    assert rendered(client, messages=[{**USER, "tools": [1]}]) == "<user>hi<assistant>"
+    # they make tools in play: special tokens stay (below), and names must be unique across both
+    r = post(client, messages=[system, USER], tools=[{"function": {"name": "g"}}])
+    assert r.status_code == 400 and r.json()["error"]["message"] == \
+        "Tool names must be unique across request and message tools."
+
+
+def test_special_tokens_stay_in_the_text_with_tools(client: httpx.Client) -> None:
+    """SGLang sets ``skip_special_tokens`` to false when tools are in play (even when the client sets it true)."""
+    forced = {"max_tokens": 2, "logit_bias": {str(RESERVED_ID): 100}, "temperature": 0}
+    plain = post(client, **forced).json()["choices"][0]["message"]["content"]
+    with_tools = post(client, tools=[WEATHER], skip_special_tokens=True, **forced).json()
+    declined = post(client, tools=[WEATHER], tool_choice="none", **forced).json()
+    assert plain == "" and declined["choices"][0]["message"]["content"] == ""
+    assert with_tools["choices"][0]["message"]["content"] == "<reserved_0><reserved_0>"
+    assert "tool_calls" not in with_tools["choices"][0]["message"]
+    assert with_tools["choices"][0]["finish_reason"] == "length"
+
+
+def test_a_template_that_wants_bare_functions_gets_them_on_a_second_try(client: httpx.Client) -> None:
+    """SGLang renders again with each tool's ``function`` alone when the template fails with the tools."""
+    tools = [{"type": "function", "function": {"name": "flat"}}]
+    flat = [{"name": "flat", "description": None, "parameters": None}]
+    assert rendered(client, tools=tools) == f"[tools]{json.dumps(flat)}<user>hi<assistant>"
+
+
+@pytest.mark.parametrize(("body", "message"), [
+    ({"tool_choice": "required"}, "Tools cannot be empty if tool choice is set to required."),
+    ({"tools": [], "tool_choice": "required"}, "Tools cannot be empty if tool choice is set to required."),
+    ({"tool_choice": {"type": "function", "function": {"name": "f"}}},
+     "Tools cannot be empty if tool choice is set to a specific tool."),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "f"}}},
+     "Tool 'f' not found in tools list."),
+])
+def test_tool_choice_against_the_tools_as_sglang_checks_it(client: httpx.Client, body: dict, message: str) -> None:
+    r = post(client, **body)
+    assert r.status_code == 400 and r.json()["error"] == {"type": "invalid_request", "message": message}
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "weather"}}])
+def test_a_tool_choice_that_needs_constrained_decoding_is_unsupported(client: httpx.Client, choice: Any) -> None:
+    r = post(client, tools=[WEATHER], tool_choice=choice)
+    assert r.status_code == 400 and r.json()["error"]["type"] == "unsupported"
+    assert "tool_choice" in r.json()["error"]["message"] and "constrained decoding" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("body", [
+    {"tools": [{"type": "function", "function": {"description": "no name"}}]},
+    {"tools": [{"type": "function"}]},
+    {"tools": [{"function": {"name": 1}}]},
+    {"tools": {"function": {"name": "f"}}},
+    {"tools": [WEATHER], "tool_choice": "AUTO"},
+    {"tools": [WEATHER], "parallel_tool_calls": None},
+    {"messages": [{"role": "system", "content": "s", "tools": [{"function": {}}]}, USER]},
+])
+def test_malformed_tools_are_400s(client: httpx.Client, body: dict) -> None:
+    r = post(client, **body)
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request", r.text
+
+
+def test_parallel_tool_calls_changes_nothing(client: httpx.Client) -> None:
+    """Without a tool-call parser SGLang reads it only for the schema of required calls."""
+    base = post(client, tools=[WEATHER], max_tokens=4, temperature=0, return_prompt_token_ids=True).json()
+    off = post(client, tools=[WEATHER], max_tokens=4, temperature=0, return_prompt_token_ids=True,
+               parallel_tool_calls=False).json()
+    assert off["choices"][0]["message"] == base["choices"][0]["message"]
+    assert off["choices"][0]["prompt_token_ids"] == base["choices"][0]["prompt_token_ids"]

@@ -23,7 +23,9 @@ DEFAULT_GROUP_NAME = "weight_update_group"
 MAX_TENSORS_PER_UPDATE = 100_000
 MAX_TENSOR_RANK = 8
 MAX_ELEMENTS = 1 << 48  # per tensor: past any real one, and within torch's int64 sizes
-MAX_WORLD_SIZE = 2**31 - 1  # torch.distributed's ranks are C ints
+# Ranks in a weight group: past any RL deployment's. gloo's full mesh takes about 1.4 KiB per rank in every joining
+# process before any peer answers (1.4 GB at 10^6 ranks), so torch's own bound (C ints) let one call exhaust memory.
+MAX_WORLD_SIZE = 1 << 16
 Selector = Literal["target", "draft", "all"]
 TensorLoadFormat = Literal["direct", "flattened_bucket"]
 GroupBackend = Literal["gloo", "nccl"]

@@ -36,7 +36,7 @@ from handoff.bounded_thread import Aborted, BoundedThreads, Overdue, TooManyStuc
 from node_engine.errors import Conflict, InvalidRequest, WeightSyncBroken, WeightSyncTimeout
 from node_engine.model.arch import ModelConfigError
 from node_engine.model.loader import by_checkpoint_key, check_named_tensors, is_dropped_key
-from node_engine.weight_sync.group import WeightGroup, join_group, receive
+from node_engine.weight_sync.group import WeightGroup, join_group, receive, unaligned
 
 if TYPE_CHECKING:
     from node_engine.engine import Engine
@@ -129,7 +129,7 @@ class WeightGroups:
                 group.broken = f"an update it could not receive was refused ({problem})"
                 raise InvalidRequest(f"{problem}; its broadcasts are too large to receive and discard, so group "
                                      f"{body.group_name!r} is now out of step: destroy it and join again")
-            tensors = await self._receive(group, body)
+            tensors = await self._receive(group, body, keep=problem is None)
             received_s = time.perf_counter() - started
             if problem is not None:
                 raise InvalidRequest(f"{problem}; the broadcasts were received and discarded, nothing was loaded")
@@ -163,6 +163,8 @@ class WeightGroups:
             check_named_tensors(model, by_checkpoint_key(model, announced))
         except ModelConfigError as exc:
             return str(exc)
+        if body.load_format == "flattened_bucket":
+            return unaligned(body.names, body.dtypes, body.shapes)
         return None
 
     def _fits_scratch(self, announced_tensors: Iterable[tuple[str, list[int]]]) -> bool:
@@ -172,13 +174,13 @@ class WeightGroups:
                         for dtype, shape in announced_tensors)
         return announced <= SCRATCH_FACTOR * model_bytes
 
-    async def _receive(self, group: WeightGroup, body: UpdateWeightsFromDistributedBody
-                       ) -> list[tuple[str, torch.Tensor]]:
+    async def _receive(self, group: WeightGroup, body: UpdateWeightsFromDistributedBody, *,
+                       keep: bool) -> list[tuple[str, torch.Tensor]]:
         device = self.engine.runner.device
 
         def work(cancel: threading.Event) -> list[tuple[str, torch.Tensor]]:
             return receive(group, body.names, body.dtypes, body.shapes,
-                           flattened=body.load_format == "flattened_bucket", device=device)
+                           flattened=body.load_format == "flattened_bucket", device=device, keep=keep)
 
         try:
             return await self.engine.weights.threads.run(work, self._timeout)

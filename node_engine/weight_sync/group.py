@@ -12,6 +12,7 @@ caller gave up destroys the group it made.
 
 from __future__ import annotations
 
+import itertools
 import threading
 from dataclasses import dataclass
 
@@ -51,29 +52,43 @@ def join_group(body: InitWeightsUpdateGroupBody, timeout_s: float, cancel: threa
     return joined
 
 
+def unaligned(names: list[str], dtypes: list[str], shapes: list[list[int]]) -> str | None:
+    """Why a flattened bucket of these tensors cannot be viewed as them (a tensor starting at a byte offset its
+    dtype does not divide, as SGLang's ``FlattenedTensorBucket.empty`` refuses), or None."""
+    offset = 0
+    for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
+        itemsize = getattr(torch, dtype).itemsize
+        if offset % itemsize:
+            return f"{name}: byte offset {offset} of the flattened bucket is not aligned to {dtype}"
+        offset += itemsize * torch.Size(shape).numel()
+    return None
+
+
 def receive(group: WeightGroup, names: list[str], dtypes: list[str], shapes: list[list[int]], *,
-            flattened: bool, device: torch.device) -> list[tuple[str, torch.Tensor]]:
+            flattened: bool, device: torch.device, keep: bool = True) -> list[tuple[str, torch.Tensor]]:
     """The trainer's broadcasts from rank 0, one per tensor in order (or one flattened buffer), into fresh tensors.
 
     gloo receives into CPU memory; nccl into ``device``. Blocking; the group's
-    timeout bounds each broadcast.
+    timeout bounds each broadcast. ``keep`` false: received and dropped (a
+    refused update's, taken so that the group stays in step), nothing returned.
     """
     where = device if group.backend == "nccl" else torch.device("cpu")
     torch_dtypes = [getattr(torch, dtype) for dtype in dtypes]
     if flattened:
-        offsets, offset = [], 0
-        for name, dtype, shape in zip(names, torch_dtypes, shapes, strict=True):
-            if offset % dtype.itemsize:
-                raise ValueError(f"{name}: byte offset {offset} is not aligned to {dtype}")
-            offsets.append(offset)
-            offset += dtype.itemsize * torch.Size(shape).numel()
-        flat = torch.empty(offset, dtype=torch.uint8, device=where)
+        problem = unaligned(names, dtypes, shapes) if keep else None
+        if problem is not None:
+            raise ValueError(problem)
+        sizes = [dtype.itemsize * torch.Size(shape).numel() for dtype, shape in zip(torch_dtypes, shapes, strict=True)]
+        flat = torch.empty(sum(sizes), dtype=torch.uint8, device=where)
         dist.broadcast(flat, src=0, group=group.group)
-        return [(name, flat[start:start + dtype.itemsize * torch.Size(shape).numel()].view(dtype).reshape(shape))
-                for name, dtype, shape, start in zip(names, torch_dtypes, shapes, offsets, strict=True)]
+        if not keep:
+            return []
+        starts = [0, *itertools.accumulate(sizes)][:-1]
+        return [(name, flat[start:start + size].view(dtype).reshape(shape))
+                for name, dtype, shape, start, size in zip(names, torch_dtypes, shapes, starts, sizes, strict=True)]
     received = [(name, torch.empty(shape, dtype=dtype, device=where))
                 for name, dtype, shape in zip(names, torch_dtypes, shapes, strict=True)]
     handles = [dist.broadcast(tensor, src=0, group=group.group, async_op=True) for _, tensor in received]
     for handle in handles:
         handle.wait()
-    return received
+    return received if keep else []

@@ -40,7 +40,7 @@ from handoff.protocol import errors as E
 from handoff.protocol.weights import InitWeightsUpdateGroupBody
 from handoff.service.errors import ServiceError
 from handoff.weight_sync import JoinCancelled, is_collective_timeout
-from node_engine.weight_sync.group import WeightGroup, join_group, receive
+from node_engine.weight_sync.group import WeightGroup, join_group, receive, unaligned
 from node_engine.weight_sync.tensor_payload import decode_payload
 from node_engine.weight_sync.unpickler import UnsafePayload
 from node_sidecar.engines.checkpoint import read_checkpoint
@@ -145,14 +145,15 @@ class HandoffWeightSync:
             return _failed(E.WEIGHT_SYNC_BROKEN.name, f"group {group_name!r} is out of step: {group.broken}; destroy it "
                                                  "and join again")
         sizes = [_nbytes(dtype, shape) for dtype, shape in zip(dtypes, shapes, strict=True)]
-        problem = refused or self._handoff_check(names, shapes, dtypes)
+        problem = (refused or self._handoff_check(names, shapes, dtypes)
+                   or (unaligned(names, dtypes, shapes) if flattened else None))
         if problem is not None and (None in sizes or sum(sizes) > SCRATCH_FACTOR * self._handoff_model_bytes()):
             group.broken = f"an update it could not receive was refused ({problem})"
             return _failed(E.INVALID_REQUEST.name, f"{problem}; its broadcasts cannot be received and discarded, so group "
                                               f"{group_name!r} is now out of step: destroy it and join again")
         try:
             device = getattr(self, "device", None)  # nccl receives there (a CUDA worker's device); gloo into CPU
-            received = receive(group, names, dtypes, shapes, flattened=flattened,
+            received = receive(group, names, dtypes, shapes, flattened=flattened, keep=problem is None,
                                device=device if isinstance(device, torch.device) else torch.device("cpu"))
         except (RuntimeError, ValueError) as exc:
             group.broken = f"a broadcast failed ({exc})"

@@ -119,8 +119,9 @@ def test_group_ranks_stay_within_what_torch_distributed_takes() -> None:
 
     from handoff.protocol.weights import InitWeightsUpdateGroupBody
 
-    body = {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1, "world_size": 2**31 - 1}
-    assert InitWeightsUpdateGroupBody.model_validate(body).world_size == 2**31 - 1
-    for bad in ({"world_size": 2**31, "rank_offset": 1}, {"world_size": 2**31 + 1, "rank_offset": 2**31}):
+    body = {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1, "world_size": 2**16}
+    assert InitWeightsUpdateGroupBody.model_validate(body).world_size == 2**16
+    for bad in ({"world_size": 2**31, "rank_offset": 1}, {"world_size": 2**31 + 1, "rank_offset": 2**31},
+                {"world_size": 2**16 + 1, "rank_offset": 1}, {"world_size": 2**16, "rank_offset": 2**16}):
         with pytest.raises(ValidationError):
             InitWeightsUpdateGroupBody.model_validate({**body, **bad})

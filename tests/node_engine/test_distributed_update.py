@@ -135,6 +135,19 @@ def test_bodies_torch_cannot_take_are_400_before_anything_runs(engines, path: st
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request", r.text
 
 
+def test_a_world_size_past_any_deployment_is_400_before_anything_is_joined(engines) -> None:
+    """A join allocates gloo's full mesh, about 1.4 KiB per rank, before any peer answers: world_size 10^6 took
+    1.4 GB of the engine's memory for --weight-sync-timeout, and 2^31 - 1 (then accepted) terabytes, as soon as
+    any store answered at the address given. Refused (400) before anything runs; the engine does not join."""
+    url, _ = engines
+    body = {"master_address": "127.0.0.1", "master_port": free_port(), "rank_offset": 1, "world_size": 2**20,
+            "group_name": "too-many-ranks", "backend": "gloo"}
+    started = time.monotonic()
+    r = httpx.post(url + "/init_weights_update_group", json=body, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request", r.text
+    assert "world_size" in r.json()["error"]["message"] and time.monotonic() - started < SYNC_TIMEOUT_S
+
+
 @pytest.mark.parametrize("name", ["model.layers.0.self_attn.rotary_emb.inv_freq",
                                   "model.layers.123456.self_attn.rotary_emb.inv_freq"])
 def test_names_the_model_drops_cannot_declare_unbounded_sizes(engines, name: str) -> None:
@@ -178,5 +191,27 @@ def test_a_draft_update_on_an_engine_without_one_still_takes_the_broadcasts(engi
         assert r.status_code == 400 and "no draft model" in r.json()["error"]["message"], r.text
         assert "received and discarded" in r.json()["error"]["message"]
         assert trainer.push([("model.norm.weight", norm)]).status_code == 200
+    finally:
+        trainer.leave()
+
+
+def test_a_misaligned_flattened_bucket_is_400_and_the_group_stays_in_step(engines) -> None:
+    """A flattened bucket whose tensor starts at a byte offset its dtype cannot be viewed at (a float16 of odd
+    length, here a rotary buffer the model drops, before a float32) was found only while receiving: 409
+    ``weight_sync_broken`` before any broadcast was taken, the trainer's broadcast blocked until the group's timeout
+    and the group was lost. Refused like any other body the model cannot take: 400, the bucket received and
+    discarded, the group usable."""
+    url, _ = engines
+    trainer = Trainer(url, group_name="misaligned")
+    assert trainer.join().status_code == 200
+    norm = tiny_weights(0)["model.norm.weight"]
+    before = greedy(url)
+    try:
+        r = trainer.push([("model.layers.0.self_attn.rotary_emb.inv_freq", torch.ones(3, dtype=torch.float16)),
+                          ("model.norm.weight", norm)], flattened=True)
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request", r.text
+        assert "aligned" in r.json()["error"]["message"] and "received and discarded" in r.json()["error"]["message"]
+        assert greedy(url) == before
+        assert trainer.push([("model.norm.weight", norm)], flattened=True).status_code == 200
     finally:
         trainer.leave()

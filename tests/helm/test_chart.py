@@ -271,7 +271,7 @@ def test_schema_rejects_bad_values_with_a_clear_message(values: Obj, message: st
     pytest.param({"node": {"engine": {"port": 8080}}}, "node.engine.port and node.sidecar.port must differ",
                  id="same-ports"),
     pytest.param({"node": {"engine": {"maxTotalTokens": 1}}},
-                 "node.engine.maxTotalTokens must be 0 (sized from free memory) or at least 2", id="one-kv-token"),
+                 "node.engine.maxTotalTokens must be 0 (the engine's default) or at least 2", id="one-kv-token"),
     pytest.param({"lb": {"replicas": 2, "pdb": {"minAvailable": 2}}},
                  "lb.pdb.minAvailable (2) must be below lb.replicas (2)", id="lb-pdb-blocks-drains"),
     pytest.param({"lb": {"shutdownTimeout": 600, "terminationGracePeriodSeconds": 600}},

@@ -248,7 +248,7 @@ or a release fan-out cut work short: checked here, with the value's name.
 {{- fail (printf "handoff: lb.terminationGracePeriodSeconds (%v) must exceed lb.shutdownTimeout (%v) plus the 5 s preStop pause: a stopping LB would be killed while its calls still run" $lb.terminationGracePeriodSeconds $lb.shutdownTimeout) }}
 {{- end }}
 {{- if eq (int64 $node.engine.maxTotalTokens) 1 }}
-{{- fail "handoff: node.engine.maxTotalTokens must be 0 (sized from free memory) or at least 2: the engine refuses --max-total-tokens 1 at start" }}
+{{- fail "handoff: node.engine.maxTotalTokens must be 0 (the engine's default) or at least 2: the engine refuses --max-total-tokens 1 at start" }}
 {{- end }}
 {{- if and $lb.pdb.enabled (gt (int $lb.replicas) 1) (ge (int $lb.pdb.minAvailable) (int $lb.replicas)) }}
 {{- fail (printf "handoff: lb.pdb.minAvailable (%v) must be below lb.replicas (%v): the budget would allow no eviction and block every node drain" $lb.pdb.minAvailable $lb.replicas) }}

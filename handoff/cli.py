@@ -7,6 +7,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from handoff.cluster.local import MAX_LOCAL_NODES
 from handoff.service.auth import token_from
 from handoff.service.flag_types import port_number
 
@@ -39,8 +40,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _count(text: str) -> int:
-    if not text.isdigit():
-        raise argparse.ArgumentTypeError(f"a number of nodes (0 or more), got {text!r}")
+    if not text.isdigit() or int(text) > MAX_LOCAL_NODES:
+        raise argparse.ArgumentTypeError(f"a number of nodes, 0 to {MAX_LOCAL_NODES}, got {text!r}")
     return int(text)
 
 

@@ -7,6 +7,7 @@ import logging
 from typing import Sequence
 
 from handoff.service.auth import token_from
+from handoff.service.flag_types import positive_seconds
 from handoff.service.limits import DEFAULT_MAX_BODY_BYTES
 from handoff.service.logs import setup_logging
 from handoff.service.serve import add_server_args, serve_from_args
@@ -28,26 +29,26 @@ def build_parser() -> argparse.ArgumentParser:
     nodes.add_argument("--decode", action="append", default=[], metavar="URL", help="a decode node (repeatable)")
     nodes.add_argument("--discover-dns", action="append", default=[], metavar="ROLE=HOST:PORT",
                        help="every address of HOST is a ROLE node on PORT (repeatable; prefill may add @PORT)")
-    nodes.add_argument("--discover-interval", type=float, default=10.0, metavar="S",
+    nodes.add_argument("--discover-interval", type=positive_seconds, default=10.0, metavar="S",
                        help="seconds between DNS lookups (default 10)")
     routing = parser.add_argument_group("routing and timeouts")
     routing.add_argument("--policy", choices=[p.value for p in Policy], default=Policy.LEAST_INFLIGHT.value,
                          help="how generation picks a node of a role (default least_inflight)")
-    routing.add_argument("--control-timeout", type=float, default=120.0, metavar="S",
+    routing.add_argument("--control-timeout", type=positive_seconds, default=120.0, metavar="S",
                          help="per-node deadline of a control fan-out (default 120)")
-    routing.add_argument("--weight-sync-timeout", type=float, default=600.0, metavar="S",
+    routing.add_argument("--weight-sync-timeout", type=positive_seconds, default=600.0, metavar="S",
                          help="per-node deadline of a weight group join, tensor push, broadcast update or disk "
                               "reload (default 600; ?timeout= overrides)")
-    routing.add_argument("--max-control-timeout", type=float, default=3600.0, metavar="S",
+    routing.add_argument("--max-control-timeout", type=positive_seconds, default=3600.0, metavar="S",
                          help="the largest ?timeout= a caller may ask for (default 3600)")
-    routing.add_argument("--generate-timeout", type=float, default=3600.0, metavar="S",
+    routing.add_argument("--generate-timeout", type=positive_seconds, default=3600.0, metavar="S",
                          help="deadline of one generation request, stream included (default 3600)")
-    routing.add_argument("--connect-timeout", type=float, default=5.0, metavar="S",
+    routing.add_argument("--connect-timeout", type=positive_seconds, default=5.0, metavar="S",
                          help="deadline of opening a connection to a node; past it the node counts as unreachable "
                               "(a generation request moves to another node) (default 5)")
-    routing.add_argument("--health-interval", type=float, default=2.0, metavar="S",
+    routing.add_argument("--health-interval", type=positive_seconds, default=2.0, metavar="S",
                          help="seconds between two health checks of every node (default 2)")
-    routing.add_argument("--health-timeout", type=float, default=2.0, metavar="S",
+    routing.add_argument("--health-timeout", type=positive_seconds, default=2.0, metavar="S",
                          help="deadline of one health check (default 2)")
     routing.add_argument("--unhealthy-threshold", type=int, default=2, metavar="N",
                          help="failed checks in a row that make a node unhealthy (default 2)")

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import enum
-import math
 from dataclasses import dataclass, field
 
 from handoff.protocol.hosts import canonical_host
+from handoff.service.flag_types import seconds_problem
 from handoff.service.limits import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_ANSWER_BYTES, DEFAULT_MAX_BODY_BYTES
 from lb.addresses import canonical_url, literal_addresses, split_canonical
 
@@ -124,9 +124,9 @@ class LBConfig:
         for name in ("discover_interval_s", "control_timeout_s", "weight_sync_timeout_s", "max_control_timeout_s",
                      "generate_timeout_s", "connect_timeout_s", "health_interval_s", "health_timeout_s",
                      "body_timeout_s"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not 0 < value < math.inf:
-                raise ValueError(f"{_flag(name)} must be a positive finite number of seconds, got {value!r}")
+            problem = seconds_problem(getattr(self, name))
+            if problem is not None:
+                raise ValueError(f"{_flag(name)} must be {problem}")
         for name in ("control_timeout_s", "weight_sync_timeout_s"):
             if self.max_control_timeout_s < getattr(self, name):
                 raise ValueError(f"--max-control-timeout ({self.max_control_timeout_s:g}) must be at least "

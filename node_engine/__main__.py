@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from handoff.service.flag_types import positive_int
+from handoff.service.flag_types import positive_int, positive_seconds
 from handoff.service.limits import DEFAULT_MAX_BODY_BYTES
 from handoff.service.logs import setup_logging
 from handoff.service.serve import add_server_args, check_server_args, exit_on_sigterm, serve_from_args
@@ -21,6 +21,11 @@ log = logging.getLogger("node_engine")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Every flag of ``python -m node_engine``."""
     p = argparse.ArgumentParser(prog="python -m node_engine", description="handoff LLM engine")
     p.add_argument("--model-path", required=True, help="a Hugging Face model folder, or builtin:tiny")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
@@ -64,9 +69,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--fault-drill-file", type=Path, default=None,
                    help="fault drill: a one-shot fault written to this file as JSON fails the next matching step "
                         "or control call (docs/reliability.md); never for production")
-    p.add_argument("--reload-timeout", type=float, default=300.0,
+    p.add_argument("--reload-timeout", type=positive_seconds, default=300.0,
                    help="seconds a reload may spend reading its checkpoint; past it: 504, the old weights serve")
-    p.add_argument("--weight-sync-timeout", type=float, default=300.0,
+    p.add_argument("--weight-sync-timeout", type=positive_seconds, default=300.0,
                    help="seconds a weight group join, or one update's broadcasts, may take")
     p.add_argument("--max-body-bytes", type=positive_int, default=DEFAULT_MAX_BODY_BYTES,
                    help="largest request body (images travel base64 in it; the sidecar's and LB's default too)")
@@ -88,7 +93,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="CPU: the most resident memory the engine may use; the KV pool is sized from it by "
                         "measuring peaks (default: a fixed pool, see --max-total-tokens)")
     add_server_args(p, default_host="127.0.0.1", default_port=30000)
-    return p.parse_args(argv)
+    return p
 
 
 def _thread_count(text: str) -> int:
@@ -131,6 +136,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         log.error("%s", exc)
         return 2
+    if config.device == "cuda" and config.weights_backup is BackupMode.CPU and config.backup_dir is not None:
+        log.warning("--backup-dir %s is not used: a CUDA engine's --weights-backup cpu is held in pinned host "
+                    "memory (--weights-backup disk writes there)", config.backup_dir)
     if config.device == "cuda" and config.enable_memory_saver:
         from node_engine.launch import StartError, ensure_memory_saver_preload
 

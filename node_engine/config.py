@@ -7,11 +7,11 @@ used) are not written back here; they live in the runner's ``KVPlan``.
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from handoff.service.flag_types import seconds_problem
 from handoff.service.limits import DEFAULT_MAX_BODY_BYTES
 from node_engine.memory.tags import BackupMode
 from node_engine.vision.decode import DEFAULT_MAX_IMAGE_PIXELS
@@ -86,9 +86,14 @@ class EngineConfig:
             raise ConfigError("--enable-torch-compile is for CPU engines; on CUDA, decode runs through CUDA graphs")
         if self.weights_backup is not BackupMode.NONE and not self.enable_memory_saver:
             raise ConfigError("--weights-backup needs --enable-memory-saver")
+        if self.backup_dir is not None and self.weights_backup is BackupMode.NONE:
+            # it would be left empty, and a release discard the weights its owner believes backed up
+            raise ConfigError("--backup-dir holds a weights backup, and there is none: add --enable-memory-saver "
+                              "--weights-backup cpu|disk, or leave --backup-dir out")
         for name in ("reload_timeout", "weight_sync_timeout"):
-            if not 0 < getattr(self, name) < math.inf:
-                raise ConfigError(f"--{name.replace('_', '-')} must be > 0 and finite, got {getattr(self, name)}")
+            problem = seconds_problem(getattr(self, name))
+            if problem is not None:
+                raise ConfigError(f"--{name.replace('_', '-')} must be {problem}")
         if not self.weight_version.strip():
             raise ConfigError("--weight-version must not be blank")
         if self.served_model_name is not None and not self.served_model_name.strip():

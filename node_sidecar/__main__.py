@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from handoff.service.auth import token_from
+from handoff.service.flag_types import positive_seconds
 from handoff.service.limits import DEFAULT_MAX_ANSWER_BYTES, DEFAULT_MAX_BODY_BYTES
 from handoff.service.logs import setup_logging
 from handoff.service.serve import add_server_args, serve_from_args
@@ -18,6 +19,11 @@ log = logging.getLogger("node_sidecar")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Every flag of ``python -m node_sidecar``."""
     p = argparse.ArgumentParser(prog="python -m node_sidecar", description="handoff node sidecar")
     p.add_argument("--engine-url", required=True, help="the engine's URL, e.g. http://127.0.0.1:30000")
     p.add_argument("--role", choices=ROLES, default="mixed")
@@ -26,26 +32,26 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--vllm-sleep-level", type=int, choices=(1, 2), default=1,
                    help="vLLM: sleep level of a release without stage_to_cpu (1 keeps the weights in host memory, "
                         "2 discards them: the node then refuses generation until a reload)")
-    p.add_argument("--vllm-weight-sync-timeout", type=float, default=300.0,
+    p.add_argument("--vllm-weight-sync-timeout", type=positive_seconds, default=300.0,
                    help="vLLM: seconds a weight-group join, or one update's broadcasts, may take")
     p.add_argument("--admin-token", default=None, help="bearer token for control calls (or HANDOFF_ADMIN_TOKEN)")
     p.add_argument("--api-key", default=None, help="bearer token for generation (or HANDOFF_API_KEY)")
     p.add_argument("--hold-requests", action="store_true",
                    help="hold generation while not serving (bounded) instead of answering 503")
     p.add_argument("--hold-max", type=int, default=256)
-    p.add_argument("--hold-timeout", type=float, default=60.0)
+    p.add_argument("--hold-timeout", type=positive_seconds, default=60.0)
     p.add_argument("--pause-hold-max", type=int, default=16384,
                    help="requests held at most while generation is paused or weights update (SGLang queues them)")
-    p.add_argument("--pause-hold-timeout", type=float, default=3600.0,
+    p.add_argument("--pause-hold-timeout", type=positive_seconds, default=3600.0,
                    help="seconds each of them may wait (then 503)")
     p.add_argument("--hold-max-bytes", type=int, default=1 << 30,
                    help="bytes of request bodies held at once, paused or not (past it: 503) (default 1 GiB)")
-    p.add_argument("--drain-timeout", type=float, default=60.0, help="default drain bound of a release (s)")
-    p.add_argument("--max-drain-timeout", type=float, default=3600.0)
-    p.add_argument("--generate-timeout", type=float, default=3600.0)
-    p.add_argument("--control-timeout", type=float, default=600.0)
-    p.add_argument("--engine-poll-interval", type=float, default=1.0)
-    p.add_argument("--engine-health-timeout", type=float, default=5.0, help="one health probe's bound (s)")
+    p.add_argument("--drain-timeout", type=positive_seconds, default=60.0, help="default drain bound of a release (s)")
+    p.add_argument("--max-drain-timeout", type=positive_seconds, default=3600.0)
+    p.add_argument("--generate-timeout", type=positive_seconds, default=3600.0)
+    p.add_argument("--control-timeout", type=positive_seconds, default=600.0)
+    p.add_argument("--engine-poll-interval", type=positive_seconds, default=1.0)
+    p.add_argument("--engine-health-timeout", type=positive_seconds, default=5.0, help="one health probe's bound (s)")
     p.add_argument("--engine-health-misses", type=int, default=3,
                    help="health probes in a row that get no answer in time before the engine counts as down "
                         "(a refused connection, a dropped one or an error status count at once)")
@@ -63,7 +69,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="SGLang / vLLM engines: an http(s) media URL is a 400 at the sidecar (default: passed on, "
                         "and the engine fetches it)")
     add_server_args(p, default_host="0.0.0.0", default_port=8080)
-    return p.parse_args(argv)
+    return p
 
 
 def main(argv: list[str] | None = None) -> int:

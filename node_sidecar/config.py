@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from handoff.protocol.engines import ENGINE_KIND_NAMES
+from handoff.service.flag_types import seconds_problem
 from handoff.service.http1_request import split_url
 from handoff.service.limits import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_ANSWER_BYTES, DEFAULT_MAX_BODY_BYTES
 from handoff.service.redact import shown_url
@@ -63,8 +63,9 @@ class SidecarConfig:
         for name in ("hold_timeout", "pause_hold_timeout", "drain_timeout", "max_drain_timeout", "generate_timeout",
                      "control_timeout", "vllm_weight_sync_timeout", "engine_poll_interval", "engine_health_timeout",
                      "body_timeout"):
-            if not 0 < getattr(self, name) < math.inf:
-                raise ConfigError(f"{_flag(name)} must be > 0 and finite, got {getattr(self, name)}")
+            problem = seconds_problem(getattr(self, name))
+            if problem is not None:
+                raise ConfigError(f"{_flag(name)} must be {problem}")
         if self.allowed_local_media_path is not None and not self.allowed_local_media_path.is_dir():
             raise ConfigError(f"--allowed-local-media-path {self.allowed_local_media_path} is not a folder")
         if self.drain_timeout > self.max_drain_timeout:

@@ -10,6 +10,7 @@ from handoff.client.answers import DEFAULT_MAX_ANSWER_BYTES
 from handoff.client.errors import HandoffError, ServiceUnavailable
 from handoff.protocol.bearer import checked_token
 from handoff.protocol.sse import DONE, EventSplitter, EventTooLarge, event_data
+from handoff.service.flag_types import MAX_SECONDS, seconds_problem
 from handoff.service.peer_json import PeerJSONError, loads_bounded
 
 DEFAULT_CONTROL_TIMEOUT_S = 120.0
@@ -31,8 +32,10 @@ class RetryPolicy:
     def __post_init__(self) -> None:
         if self.max_attempts < 1:
             raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
-        if self.max_wait_s < 0 or self.default_retry_after_s <= 0:
-            raise ValueError("max_wait_s must be >= 0 and default_retry_after_s > 0")
+        for name, problem in (("max_wait_s", seconds_problem(self.max_wait_s, allow_zero=True)),
+                              ("default_retry_after_s", seconds_problem(self.default_retry_after_s))):
+            if problem is not None:  # time.sleep overflows past 2**63 ns
+                raise ValueError(f"{name}: {problem}")
 
 
 @dataclass
@@ -70,7 +73,11 @@ def _drop_none(values: dict[str, Any]) -> dict[str, Any]:
 
 def _control(path: str, body: dict[str, Any] | None, role: str | None, timeout: float | None) -> _Call:
     """A control call; ``timeout`` bounds each node (the LB's ``?timeout=``), and the client waits that long
-    plus a margin (without one: the client's own timeout, at least the LB's default per node plus the margin)."""
+    plus a margin (without one: the client's own timeout, at least the LB's default per node plus the margin).
+    A ``timeout`` that is not a number of seconds within :data:`MAX_SECONDS` is a ``ValueError``: nothing is sent."""
+    problem = None if timeout is None else seconds_problem(timeout)
+    if problem is not None:
+        raise ValueError(f"timeout: {problem}")
     params = _drop_none({"role": role, "timeout": timeout})
     client_timeout = None if timeout is None else timeout + _MARGIN_S
     return _Call("POST", path, auth="admin", body=body, params=params, timeout=client_timeout, decode="fanout")
@@ -93,8 +100,8 @@ class _Calls:
         """Without ``timeout``, a ``drain_timeout`` sets the per-node deadline to itself plus a margin: the LB
         refuses a drain its per-node deadline cannot cover."""
         body = _drop_none({"tags": tags, "mode": mode, "drain_timeout": drain_timeout, "stage_to_cpu": stage_to_cpu})
-        if timeout is None and isinstance(drain_timeout, (int, float)) and not isinstance(drain_timeout, bool):
-            timeout = drain_timeout + _MARGIN_S
+        if timeout is None and seconds_problem(drain_timeout, allow_zero=True) is None:
+            timeout = min(drain_timeout + _MARGIN_S, MAX_SECONDS)  # past a week: the node's 400 says why
         return _control("/release_memory_occupation", body, role, timeout)
 
     @staticmethod
@@ -183,8 +190,9 @@ class _Base:
         """Raises ``ValueError`` naming the parameter (never a token's value) for a URL that is not
         ``http(s)://host[:port]``, a timeout that is not a positive number, or a token that cannot be sent."""
         self.base_url = _checked_base_url(base_url)
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
-            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        problem = seconds_problem(timeout)
+        if problem is not None:  # past a week, Python's own waits overflow (OverflowError from a call)
+            raise ValueError(f"timeout: {problem}")
         self.retry = retry or RetryPolicy()
         self.timeout_s = float(timeout)
         self.max_answer_bytes = max_answer_bytes or DEFAULT_MAX_ANSWER_BYTES

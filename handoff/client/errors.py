@@ -39,11 +39,18 @@ class FanoutFailed(HandoffError):
     """502: a control call failed on some nodes. Nodes are idempotent: retrying the whole call is safe."""
 
     def __init__(self, body: dict[str, Any]) -> None:
-        super().__init__(E.FANOUT_FAILED.status, E.FANOUT_FAILED.name,
-                         str(body.get("message", "control call failed on some nodes")), body)
+        """The message names the failed nodes and why (the first :data:`MAX_NODES_NAMED`): a traceback in a
+        training log says which nodes to look at."""
+        failures = _dicts(body.get("failures"))
+        message = str(body.get("message", "control call failed on some nodes"))[:500]
+        if failures:
+            named = "; ".join(_failure_text(f) for f in failures[:MAX_NODES_NAMED])
+            more = len(failures) - MAX_NODES_NAMED
+            message += f": {named}" + (f" (and {more} more)" if more > 0 else "")
+        super().__init__(E.FANOUT_FAILED.status, E.FANOUT_FAILED.name, message, body)
         self.total: int = _int(body.get("total"))
         self.failed: int = _int(body.get("failed"))
-        self.failures: list[dict[str, Any]] = _dicts(body.get("failures"))
+        self.failures: list[dict[str, Any]] = failures
         self.succeeded: list[NodeResult] = [node_result(r) for r in _dicts(body.get("succeeded"))]
 
     @property
@@ -66,6 +73,15 @@ def node_result(item: dict[str, Any]) -> NodeResult:
     status = item.get("status")
     return NodeResult(node=str(item.get("node", "")), role=str(item.get("role", "")),
                       status=status if isinstance(status, int) else None, body=item.get("body"))
+
+
+MAX_NODES_NAMED = 10
+
+
+def _failure_text(failure: dict[str, Any]) -> str:
+    """``http://node:8000 (http_status 409)``: one failed node and the LB's reason, within a bounded length."""
+    why = " ".join(str(failure[key])[:60] for key in ("reason", "status") if failure.get(key) is not None)
+    return f"{str(failure.get('node', '?'))[:200]} ({why or 'failed'})"
 
 
 def _int(value: Any) -> int:

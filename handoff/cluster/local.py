@@ -15,12 +15,15 @@ from pathlib import Path
 
 import httpx
 
-from handoff.cluster.process import ProcessFailed, ServerProcess, wait_until
+from handoff.cluster.process import ProcessFailed, ServerProcess, wait_all_ready, wait_until
 from handoff.cluster.vllm import VLLM_START_TIMEOUT_S, VllmProcess
 
 log = logging.getLogger(__name__)
 
 ENGINE_KINDS = ("handoff", "vllm")  # what a local cluster can start (SGLang needs a GPU and its own launcher)
+# Each node is two processes and an engine's memory on one machine: past this, a typo (--nodes 1000) would fork
+# until the machine gives out; a larger cluster is a Kubernetes one (docs/kubernetes.md).
+MAX_LOCAL_NODES = 64
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,9 @@ class ClusterSpec:
                 raise ValueError(f"{name} must be >= 0")
         if self.num_nodes == 0:
             raise ValueError("a cluster needs at least one node")
+        if self.num_nodes > MAX_LOCAL_NODES:
+            raise ValueError(f"a local cluster has at most {MAX_LOCAL_NODES} nodes (--nodes, --prefill and --decode "
+                             f"together), got {self.num_nodes}")
         if (self.num_prefill == 0) != (self.num_decode == 0):
             raise ValueError("prefill and decode nodes come together: give both --prefill and --decode")
         if self.weights_backup not in ("none", "cpu", "disk"):
@@ -121,7 +127,9 @@ class LocalCluster:
     def _engine_args(self, index: int) -> tuple[list[str], dict[str, str]]:
         spec = self.spec
         args = ["--model-path", spec.model_path, "--device", spec.device, "--enable-memory-saver",
-                "--weights-backup", spec.weights_backup, "--backup-dir", str(self.log_dir / f"backup-node{index}")]
+                "--weights-backup", spec.weights_backup]
+        if spec.weights_backup != "none":
+            args += ["--backup-dir", str(self.log_dir / f"backup-node{index}")]
         if spec.model_override:
             args += ["--model-override", spec.model_override]
         drills = spec.free_memory_override_files
@@ -150,27 +158,22 @@ class LocalCluster:
         if spec.lb_port:
             _check_port_free(spec.host, spec.lb_port)  # before minutes of model loading, not after
         try:
-            engines = []
-            for index, role in enumerate(spec.roles()):
-                engine = self._engine(index)
-                self._launched.append(self._launch(engine))
-                engines.append((index, role, engine))
-            for index, role, engine in engines:
-                engine.wait_ready(timeout=max(timeout, VLLM_START_TIMEOUT_S) if isinstance(engine, VllmProcess)
-                                  else timeout)
-                sidecar_args = ["--engine-url", engine.url, "--engine-kind", spec.engine_kind(index), "--role", role,
-                                *spec.sidecar_args]
-                if spec.hold_requests:
-                    sidecar_args.append("--hold-requests")
-                sidecar = ServerProcess("node_sidecar", sidecar_args, log_dir=self.log_dir,
-                                        name=f"node{index}-sidecar", env=self._token_env(), host=spec.host)
-                self._launched.append(self._launch(sidecar))
-                self.nodes.append(NodeProcesses(f"node{index}", role, engine, sidecar))
-            for node in self.nodes:
-                node.sidecar.wait_ready(timeout=timeout)
-                # serving, not only up: the sidecar has read its engine's state (seconds for a vLLM engine)
-                wait_until(lambda url=node.url: httpx.get(url + "/ready", timeout=5).status_code == 200,
-                           timeout=timeout, what=f"{node.name} serving")
+            engines: dict[ServerProcess, float] = {}  # each engine and its start timeout
+            indexes: dict[ServerProcess, int] = {}
+            for index in range(spec.num_nodes):
+                engine = self._launch(self._engine(index))
+                self._launched.append(engine)
+                indexes[engine] = index
+                engines[engine] = max(timeout, VLLM_START_TIMEOUT_S) if isinstance(engine, VllmProcess) else timeout
+            # every process watched at once: one that failed is reported at once, not after the others' loads;
+            # each engine's sidecar starts as soon as that engine is up
+            wait_all_ready(engines, watched=self.processes,
+                           on_ready=lambda engine: self._start_sidecar(indexes[engine], engine))
+            self.nodes.sort(key=lambda node: indexes[node.engine])
+            wait_all_ready({node.sidecar: timeout for node in self.nodes}, watched=self.processes,
+                           on_ready=lambda _sidecar: None)
+            # serving, not only up: the sidecars have read their engines' state (seconds for a vLLM engine)
+            wait_until(self._all_serving, timeout=timeout, what="every node serving")
             lb_args = ["--health-interval", "1", *spec.lb_args]
             for node in self.nodes:
                 flag = {"mixed": "--node", "prefill": "--prefill", "decode": "--decode"}[node.role]
@@ -183,6 +186,25 @@ class LocalCluster:
             self.stop()
             raise
         return self
+
+    def _all_serving(self) -> bool:
+        """Every node's ``/ready`` is 200; :class:`ProcessFailed` as soon as any process has exited."""
+        for proc in self.processes():
+            proc.check_alive()
+        return all(httpx.get(node.url + "/ready", timeout=5).status_code == 200 for node in self.nodes)
+
+    def _start_sidecar(self, index: int, engine: ServerProcess) -> None:
+        """Launch the sidecar of node ``index``, whose ``engine`` is now up."""
+        spec = self.spec
+        role = spec.roles()[index]
+        sidecar_args = ["--engine-url", engine.url, "--engine-kind", spec.engine_kind(index), "--role", role,
+                        *spec.sidecar_args]
+        if spec.hold_requests:
+            sidecar_args.append("--hold-requests")
+        sidecar = ServerProcess("node_sidecar", sidecar_args, log_dir=self.log_dir, name=f"node{index}-sidecar",
+                                env=self._token_env(), host=spec.host)
+        self._launched.append(self._launch(sidecar))
+        self.nodes.append(NodeProcesses(f"node{index}", role, engine, sidecar))
 
     def _launch(self, proc: ServerProcess, *, port: int | None = None) -> ServerProcess:
         proc.die_with_parent = self.die_with_parent

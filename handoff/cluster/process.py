@@ -156,17 +156,30 @@ class ServerProcess:
     def start(self, *, timeout: float = 120.0, port: int | None = None) -> "ServerProcess":
         return self.launch(port=port).wait_ready(timeout=timeout)
 
-    def _check_alive(self) -> None:
+    def check_alive(self) -> None:
+        """:class:`ProcessFailed` naming this process, with its log's tail, once it has exited."""
         if self.proc is not None and self.proc.poll() is not None:
             raise ProcessFailed(f"{self.name} exited with {self.proc.returncode}\n{self.log_tail()}")
 
+    def is_ready_now(self) -> bool:
+        """One look, without waiting: bound (its port file written) and healthy; :class:`ProcessFailed` once it
+        has exited."""
+        try:
+            text = self._read_port_file()
+            if not text:
+                return False
+            self.port = int(text)
+            return self._is_healthy()
+        except (OSError, httpx.HTTPError, ValueError):  # not bound or not answering yet
+            return False
+
     def _read_port_file(self) -> str | None:
-        self._check_alive()
+        self.check_alive()
         path = self._port_file
         return path.read_text().strip() if path.exists() else None
 
     def _is_healthy(self) -> bool:
-        self._check_alive()
+        self.check_alive()
         return httpx.get(self.url + self.health_path, timeout=2.0).status_code == 200
 
     @property
@@ -212,3 +225,27 @@ class ServerProcess:
         except FileNotFoundError:
             return f"(no log for {self.name})"
         return f"--- last lines of {self.log_path} ---\n" + "\n".join(lines[-num_lines:])
+
+
+def wait_all_ready(timeouts: dict[ServerProcess, float], *, watched: Callable[[], list[ServerProcess]],
+                   on_ready: Callable[[ServerProcess], None], interval: float = 0.05) -> None:
+    """Wait for every process of ``timeouts`` (each its own timeout in seconds, from now) together, calling
+    ``on_ready`` with each as soon as it is ready. :class:`ProcessFailed` naming the process at once when any of
+    ``watched()`` exits, or when one is late (that one is killed): a process that failed is never noticed only
+    after the others' waits."""
+    started = time.monotonic()
+    pending = dict(timeouts)
+    while pending:
+        for proc in list(pending):
+            if proc.is_ready_now():
+                del pending[proc]
+                on_ready(proc)
+        for proc in watched():
+            proc.check_alive()
+        late = [(proc, limit) for proc, limit in pending.items() if time.monotonic() - started > limit]
+        if late:
+            proc, limit = late[0]
+            proc.kill()
+            raise ProcessFailed(f"{proc.name} did not start within {limit:g} s\n{proc.log_tail()}")
+        if pending:
+            time.sleep(interval)

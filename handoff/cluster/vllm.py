@@ -84,7 +84,7 @@ class VllmProcess(ServerProcess):
         return self.launch(port=port).wait_ready(timeout=timeout)
 
     def _read_port_file(self) -> str | None:
-        self._check_alive()
+        self.check_alive()
         return str(self.port)
 
     def stop(self, timeout: float = 30.0) -> int | None:

@@ -4,11 +4,11 @@
 from __future__ import annotations
 
 import argparse
-import math
 import os
 from pathlib import Path
 
-__all__ = ["host_name", "port_file", "port_number", "positive_int", "positive_seconds", "seconds"]
+__all__ = ["MAX_SECONDS", "host_name", "port_file", "port_number", "positive_int", "positive_seconds", "seconds",
+           "seconds_problem"]
 
 
 def port_number(text: str) -> int:
@@ -29,29 +29,39 @@ def positive_int(text: str) -> int:
     return value
 
 
+MAX_SECONDS = 7 * 24 * 3600.0
+"""The longest timeout or interval any flag or client call takes (a week). Past it a value means "never" without
+saying so, and some waits overflow: ``threading`` past 2**33 s, ``timedelta`` (a weight group's) past 1e14 s."""
+
+
+def seconds_problem(value: object, *, allow_zero: bool = False) -> str | None:
+    """Why ``value`` is not a number of seconds a timeout may take, or None when it is: a finite number above 0
+    (0 too with ``allow_zero``) and at most :data:`MAX_SECONDS`. The one rule of flags, configs and the client."""
+    is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if is_number and (0 < value <= MAX_SECONDS or (allow_zero and value == 0)):
+        return None
+    lowest = "0 or more" if allow_zero else "above 0"
+    return f"a number of seconds {lowest} and at most {MAX_SECONDS:g} (a week), got {value!r}"
+
+
 def seconds(text: str) -> float:
-    """A finite number of seconds, 0 or more."""
-    value = _finite(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"a number of seconds >= 0, got {text!r}")
-    return value
+    """A number of seconds, 0 to :data:`MAX_SECONDS`."""
+    return _seconds(text, allow_zero=True)
 
 
 def positive_seconds(text: str) -> float:
-    """A finite number of seconds above 0."""
-    value = _finite(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"a number of seconds > 0, got {text!r}")
-    return value
+    """A number of seconds above 0, at most :data:`MAX_SECONDS`."""
+    return _seconds(text, allow_zero=False)
 
 
-def _finite(text: str) -> float:
+def _seconds(text: str, *, allow_zero: bool) -> float:
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"a number of seconds, got {text!r}") from None
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"a finite number of seconds, got {text!r}")
+    problem = seconds_problem(value, allow_zero=allow_zero)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(problem.replace(f"got {value!r}", f"got {text!r}"))
     return value
 
 

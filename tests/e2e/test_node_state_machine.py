@@ -71,8 +71,9 @@ class Node:
 def node(request: pytest.FixtureRequest, proc_log_dir: Path) -> Iterator[Node]:
     """One engine and its sidecar per weights backup; the reference outputs are read while they are fresh."""
     backup = request.param
+    folder = [] if backup == "none" else ["--backup-dir", str(proc_log_dir / backup)]
     engine = ServerProcess("node_engine", ["--model-path", "builtin:tiny", "--enable-memory-saver",
-                                           "--weights-backup", backup, "--backup-dir", str(proc_log_dir / backup)],
+                                           "--weights-backup", backup, *folder],
                            log_dir=proc_log_dir, name=f"engine-{backup}")
     engine.start()
     sidecar = ServerProcess("node_sidecar", ["--engine-url", engine.url, "--engine-poll-interval", "0.2",

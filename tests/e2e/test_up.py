@@ -8,12 +8,16 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
 import psutil
 import pytest
 
+from handoff.cli import main as cli_main
+from handoff.cluster.local import MAX_LOCAL_NODES, ClusterSpec, LocalCluster
+from handoff.cluster.process import ProcessFailed, ServerProcess
 from tests.support.procs import REPO_ROOT, assert_refused_at_start, wait_until
 from tests.support.streams import GenerationClient
 
@@ -111,6 +115,9 @@ BAD_FLAGS = [  # (the flag the message must name, the arguments, the environment
     ("--nodes", ["demo", "--nodes", "0"], {}),
     ("--nodes", ["up", "--nodes", "-1"], {}),
     ("--nodes", ["up", "--nodes", "1.5"], {}),
+    ("--nodes", ["up", "--nodes", "100000"], {}),  # forked until the machine gave out (found by review)
+    ("--nodes", ["demo", "--nodes", "65"], {}),
+    ("--prefill", ["up", "--prefill", "40", "--decode", "40"], {}),
     ("--port", ["up", "--port", "70000"], {}),
     ("--port", ["up", "--port", ""], {}),
     ("--device", ["up", "--device", "CUDA"], {}),
@@ -184,3 +191,40 @@ def test_no_process_outlives_a_stopped_demo(tmp_path: Path, sig: signal.Signals)
         for child in children:
             if child.is_running():
                 child.kill()
+
+
+def test_a_cluster_past_the_local_bound_is_refused_before_anything_starts(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--nodes 100000`` started launching 100000 engines (found by review)."""
+    for argv in (["up", "--nodes", "100000"], ["demo", "--nodes", "65"], ["up", "--decode", "65"]):
+        with pytest.raises(SystemExit) as info:
+            cli_main(argv)
+        assert info.value.code == 2 and argv[1] in capsys.readouterr().err
+    with pytest.raises(ValueError, match=f"at most {MAX_LOCAL_NODES} nodes"):
+        ClusterSpec(num_mixed=MAX_LOCAL_NODES - 10, num_prefill=10, num_decode=10)
+    assert ClusterSpec(num_mixed=MAX_LOCAL_NODES).num_nodes == MAX_LOCAL_NODES
+
+
+# a real engine that takes two minutes to come up: it sleeps, then becomes the engine (same pid)
+SLOW_START = [sys.executable, "-c", "import os, sys, time; time.sleep(120); os.execv(sys.argv[1], sys.argv[1:])"]
+
+
+class _SlowFirstEngine(LocalCluster):
+    def _engine(self, index: int) -> ServerProcess:
+        engine = super()._engine(index)
+        if index == 0:
+            engine.wrapper = list(SLOW_START)
+        return engine
+
+
+def test_an_engine_that_fails_is_reported_at_once_whatever_its_place(tmp_path: Path) -> None:
+    """The engines were waited for in order: node1's engine, refused at once, was noticed only once node0's had
+    loaded (minutes for a real model, or its whole timeout when it hangs) (found by review)."""
+    folder = tmp_path / "a-folder"  # the engine's --free-memory-override-file must be a file: exit 2 at start
+    folder.mkdir()
+    spec = ClusterSpec(num_mixed=2, free_memory_override_files=(None, str(folder)))
+    cluster = _SlowFirstEngine(spec, tmp_path / "logs")
+    started = time.monotonic()
+    with pytest.raises(ProcessFailed, match="node1-engine exited with 2") as info:
+        cluster.start(timeout=100)
+    assert time.monotonic() - started < 60 and "--free-memory-override-file" in str(info.value), str(info.value)
+    assert not [p.name for p in cluster.processes() if p.is_running()]  # the slow one was stopped too

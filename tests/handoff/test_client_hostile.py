@@ -14,7 +14,8 @@ import pytest
 
 from handoff.client import AsyncHandoffClient, FanoutFailed, HandoffClient, HandoffError, RetryPolicy
 from handoff.client.calls import DEFAULT_CONTROL_TIMEOUT_S, DEFAULT_WEIGHT_SYNC_TIMEOUT_S, _Calls
-from tests.handoff.scripted import UNAVAILABLE, script
+from handoff.service.flag_types import MAX_SECONDS
+from tests.handoff.scripted import UNAVAILABLE, received, script
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -280,3 +281,62 @@ def test_a_drain_timeout_sets_the_per_node_deadline_it_needs() -> None:
     assert call.params == {"timeout": 130.0} and call.timeout == 140.0
     assert _Calls.release(None, "wait", 120, None, None, 300).params == {"timeout": 300}
     assert "timeout" not in _Calls.release(None, "wait", None, None, None, None).params
+
+
+@pytest.mark.parametrize("timeout", [float("nan"), float("inf"), 1e300, 1e10, -5, 0])
+def test_a_calls_timeout_out_of_bounds_is_refused_before_anything_is_sent(server, timeout: float) -> None:
+    """Found by review: ``release(timeout=nan)`` sent the release and raised ``timeout`` at once (the call went on
+    unseen); ``inf``, ``1e300`` and ``1e10`` raised ``OverflowError`` from Python's waits, the release sent too;
+    ``-5`` and ``0`` went to the LB. The client's own ``timeout=1e10`` was taken and every call overflowed."""
+    sent = len(received(server))
+    with HandoffClient(server.url) as client:
+        for call in (lambda: client.release(timeout=timeout), lambda: client.flush_cache(timeout=timeout)):
+            with pytest.raises(ValueError, match="timeout"):
+                call()
+
+    async def run_async() -> None:
+        async with AsyncHandoffClient(server.url) as client:
+            with pytest.raises(ValueError, match="timeout"):
+                await client.resume(timeout=timeout)
+    asyncio.run(run_async())
+    assert len(received(server)) == sent  # nothing reached the server
+    for make in (HandoffClient, AsyncHandoffClient):
+        with pytest.raises(ValueError, match="timeout"):
+            make(server.url, timeout=timeout)
+    with pytest.raises(ValueError, match="default_retry_after_s"):
+        RetryPolicy(max_attempts=2, default_retry_after_s=timeout)
+
+
+def test_a_week_long_timeout_still_works(server) -> None:
+    with HandoffClient(server.url, timeout=MAX_SECONDS, retry=RetryPolicy(max_wait_s=MAX_SECONDS)) as client:
+        assert client.memory_occupation() == {"ok": True}
+        assert client.flush_cache(timeout=MAX_SECONDS).total == 1
+
+
+def test_a_502_names_each_failed_node_and_why_in_its_message(server) -> None:
+    """A 502's text said only "failed on 2/3 nodes": a traceback in a training log did not say which (found by
+    review)."""
+    failures = [{"node": "http://a:1", "role": "mixed", "reason": "connect_failed"},
+                {"node": "http://b:2", "role": "mixed", "reason": "http_status", "status": 409, "detail": "x" * 5000}]
+    script(server, {"status": 502, "body": {"message": "/flush_cache failed on 2/3 nodes", "total": 3, "failed": 2,
+                                            "failures": failures}})
+    with HandoffClient(server.url) as client:
+        with pytest.raises(FanoutFailed) as info:
+            client.flush_cache()
+    text = str(info.value)
+    assert "http://a:1 (connect_failed)" in text and "http://b:2 (http_status 409)" in text, text
+    assert "xxxx" not in text and info.value.failed_nodes == ["http://a:1", "http://b:2"]
+    many = [{"node": f"http://n{i}:1", "reason": "timeout"} for i in range(25)]
+    script(server, {"status": 502, "body": {"message": "m", "failures": many}})
+    with HandoffClient(server.url) as client:
+        with pytest.raises(FanoutFailed) as info:
+            client.flush_cache()
+    assert "http://n9:1" in str(info.value) and "http://n10:1" not in str(info.value) and "15 more" in str(info.value)
+
+
+def test_a_redirect_is_an_error_not_followed(server) -> None:
+    """A redirect (a proxy in front of the LB) is not followed with the bearer token: it is the caller's error."""
+    script(server, {"status": 307, "headers": {"Location": "http://127.0.0.1:9/elsewhere"}, "raw": ""})
+    with HandoffClient(server.url, admin_token="adm") as client:
+        error = error_of(client.release)
+    assert error.status == 307 and error.type == "http_error"

@@ -11,7 +11,7 @@ import pytest
 
 from lb.__main__ import main as lb_main
 from tests.lb.fakes import FakeCluster
-from tests.support.procs import REPO_ROOT
+from tests.support.procs import REPO_ROOT, assert_refused_at_start
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -83,7 +83,7 @@ def test_every_error_is_the_envelope(fakes: FakeCluster, start_lb) -> None:
 
 
 @pytest.mark.parametrize("args,field", [
-    (["--control-timeout", "0"], "--control-timeout must be a positive finite number of seconds"),
+    (["--control-timeout", "0"], "--control-timeout: a number of seconds above 0"),
     (["--control-timeout", "100", "--max-control-timeout", "10"], "--max-control-timeout (10) must be at least"),
     (["--node", "localhost:8000"], "http://"),
     (["--prefill", "http://127.0.0.1:8000@notaport"], "bootstrap port"),
@@ -110,6 +110,11 @@ def test_a_node_url_refused_is_not_written_out_with_its_secret(url: str, capsys:
         lb_main(["--node", url, "--port", "0"])
     err = capsys.readouterr().err
     assert info.value.code == 2 and "node URL must be http://HOST[:PORT] without" in err and "s3cr3t" not in err
+
+
+def test_a_timeout_past_a_week_stops_the_lb_at_start() -> None:
+    """``--generate-timeout 1e300`` was taken: "never" without a word (found by review)."""
+    assert_refused_at_start(["lb", "--port", "0", "--generate-timeout", "1e300"], "--generate-timeout", timeout_s=20)
 
 
 def test_the_module_entry_point_reports_bad_flags() -> None:

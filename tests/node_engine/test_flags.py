@@ -23,12 +23,16 @@ CASES = [
     ("--header-timeout", ["--header-timeout", "0"]),
     ("--reload-timeout", ["--reload-timeout", "inf"]),
     ("--weight-sync-timeout", ["--weight-sync-timeout", "nan"]),
+    ("--weight-sync-timeout", ["--weight-sync-timeout", "1e300"]),  # overflowed a group join's timedelta
     ("--mem-fraction", ["--mem-fraction", "1.5"]),
     ("--max-total-tokens", ["--max-total-tokens", "1"]),
     ("--max-batch-tokens", ["--max-batch-tokens", "0"]),
     ("--context-length", ["--context-length", "1e30"]),
     ("--max-image-pixels", ["--max-image-pixels", "0"]),
     ("--backup-dir", ["--enable-memory-saver", "--weights-backup", "disk", "--backup-dir", "{file}"]),
+    # nothing would be written there (found by review: silently unused, the weights discarded on a release)
+    ("--backup-dir", ["--backup-dir", "{tmp}"]),
+    ("--backup-dir", ["--enable-memory-saver", "--weights-backup", "none", "--backup-dir", "{tmp}"]),
     ("--free-memory-override-file", ["--free-memory-override-file", "{tmp}"]),
     ("--fault-drill-file", ["--fault-drill-file", "{tmp}"]),
     ("--allowed-local-media-path", ["--allowed-local-media-path", "{file}"]),

@@ -137,7 +137,8 @@ def test_an_unexpected_failure_leaves_every_projection_writable(monkeypatch: pyt
 
 def _session_engine(tmp_path: Path, backup: BackupMode) -> Engine:
     return Engine(EngineConfig(model_path="builtin:tiny", max_total_tokens=512, enable_memory_saver=True,
-                               weights_backup=backup, backup_dir=tmp_path / "backup"))
+                               weights_backup=backup,
+                               backup_dir=None if backup is BackupMode.NONE else tmp_path / "backup"))
 
 
 @pytest.mark.parametrize("backup", [BackupMode.DISK, BackupMode.NONE])

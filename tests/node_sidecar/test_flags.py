@@ -28,6 +28,7 @@ CASES = [
     ("--generate-timeout", ["--generate-timeout", "inf"], {}),
     ("--control-timeout", ["--control-timeout", "inf"], {}),
     ("--engine-poll-interval", ["--engine-poll-interval", "inf"], {}),
+    ("--hold-timeout", ["--hold-timeout", "1e300"], {}),  # "never" without a word (found by review)
     ("--engine-health-timeout", ["--engine-health-timeout", "inf"], {}),
     ("--vllm-weight-sync-timeout", ["--vllm-weight-sync-timeout", "inf"], {}),
     ("--vllm-sleep-level", ["--vllm-sleep-level", "3"], {}),

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
+import os
 import sys
 import tempfile
 from pathlib import Path
+from typing import Iterator
 
 from handoff.cluster.local import MAX_LOCAL_NODES
 from handoff.service.auth import token_from
@@ -65,6 +69,34 @@ def _usable_log_dir(path: Path | None, command: str) -> Path | None:
     return target
 
 
+LOCK_FILE = ".handoff.lock"
+
+
+@contextlib.contextmanager
+def log_dir_held(path: Path, command: str) -> Iterator[bool]:
+    """Whether this process holds ``path`` for the block: two clusters sharing a log folder would read each
+    other's port files (a sidecar attached to the other cluster's engine) and mix their logs. The lock is the
+    kernel's (``flock``), so it goes with a process that dies however it dies; False after one line on stderr
+    naming the process that holds it."""
+    lock = open(path / LOCK_FILE, "a+")
+    try:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.seek(0)
+            holder = lock.read(32).strip() or "another process"
+            print(f"handoff {command}: --log-dir {path} is in use by another handoff cluster (pid {holder}); "
+                  "give each cluster a folder of its own", file=sys.stderr)
+            yield False
+            return
+        lock.truncate(0)
+        lock.write(str(os.getpid()))
+        lock.flush()
+        yield True
+    finally:
+        lock.close()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.log_dir is not None and _usable_log_dir(args.log_dir, args.command) is None:
@@ -75,7 +107,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "demo":
         from handoff.demo import run_demo
 
-        return run_demo(args.nodes, model=args.model, log_dir=_usable_log_dir(args.log_dir, "demo"))
+        demo_dir = _usable_log_dir(args.log_dir, "demo")
+        if demo_dir is None:
+            return 2
+        with log_dir_held(demo_dir, "demo") as held:
+            return run_demo(args.nodes, model=args.model, log_dir=demo_dir) if held else 2
     from handoff.cluster.local import ClusterSpec
     from handoff.cluster.up import run_up
 
@@ -106,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     log_dir = _usable_log_dir(args.log_dir, "up")
     if log_dir is None:
         return 2
-    return run_up(spec, log_dir)
+    with log_dir_held(log_dir, "up") as held:
+        return run_up(spec, log_dir) if held else 2
 
 
 if __name__ == "__main__":

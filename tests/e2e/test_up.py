@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 import signal
+import fcntl
 import socket
 import subprocess
 import sys
@@ -15,7 +16,7 @@ import httpx
 import psutil
 import pytest
 
-from handoff.cli import main as cli_main
+from handoff.cli import LOCK_FILE, main as cli_main
 from handoff.cluster.local import MAX_LOCAL_NODES, ClusterSpec, LocalCluster
 from handoff.cluster.process import ProcessFailed, ServerProcess
 from tests.support.procs import REPO_ROOT, assert_refused_at_start, wait_until
@@ -142,6 +143,23 @@ def test_a_port_in_use_fails_before_any_engine_loads(tmp_path: Path) -> None:
                               capture_output=True, text=True, timeout=60)
     assert done.returncode == 1 and "cannot be listened on" in done.stdout, done.stdout[-500:]
     assert not list((tmp_path / "logs").glob("*engine*.log"))  # nothing was started
+
+
+@pytest.mark.parametrize("command", ["up", "demo"])
+def test_a_log_folder_another_cluster_holds_is_refused_before_anything_starts(command: str, tmp_path: Path) -> None:
+    """Two clusters in one log folder read each other's port files (a sidecar attached to the other cluster's
+    engine) and mix their logs: the second is refused while the first holds the folder."""
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    with open(logs / LOCK_FILE, "a+") as held:  # what a running cluster holds
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        held.write("4242")
+        held.flush()
+        done = subprocess.run([sys.executable, "-m", "handoff", command, "--nodes", "1", "--log-dir", str(logs)],
+                              cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stdout[-500:] + done.stderr[-500:]
+    assert "in use by another handoff cluster (pid 4242)" in done.stderr, done.stderr
+    assert not list(logs.glob("*.log"))  # nothing was started
 
 
 def test_a_second_ctrl_c_kills_what_is_still_stopping(tmp_path: Path) -> None:

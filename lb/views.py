@@ -35,6 +35,7 @@ def node_view(node: Node) -> dict[str, Any]:
         "health": node.health.value,
         "routable": node.is_routable,
         "serving": node.is_serving,
+        "not_serving_reason": occupation.get("not_serving_reason"),  # a sidecar's word on why it does not serve
         "admission": node.admission,
         "tags": node_tags(node),
         "weights_valid": occupation.get("weights_valid"),

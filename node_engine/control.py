@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import psutil
 import torch
 
-from handoff.protocol.control import FLUSHED
+from handoff.protocol.control import ENGINE_INSTANCE, FLUSHED
 from node_engine.errors import (BackupFailed, InsufficientMemory, MemorySaverDisabledError, NoWeightsBackupError,
                                 RequestsInFlight)
 from node_engine.memory.manager import BackupUnreadable, NotEnoughMemory, NoWeightsBackup
@@ -165,4 +165,5 @@ class EngineControl:
             "control_calls_pending": engine.num_calls_pending,
             "running_requests": len(engine.scheduler.running),
             "queued_requests": len(engine.scheduler.waiting),
+            ENGINE_INSTANCE: engine.instance,
         }

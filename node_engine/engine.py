@@ -105,6 +105,7 @@ class Engine:
         self.gate = RequestGate(self.scheduler, self.memory, vocab_size=self.arch.vocab_size,
                                 context_len=plan.context_len)
         self.weight_version = config.weight_version
+        self.instance = uuid.uuid4().hex  # this process (GET /memory_occupation's engine_instance)
         self.is_paused = False  # pause_generation (retract, in_place): requests stay, nothing steps
         self._inbox = Inbox()
         self._calls_lock = threading.Lock()  # posted from the event loop, finished on the engine thread

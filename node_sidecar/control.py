@@ -120,6 +120,7 @@ class ControlPlane:
             already = [t for t in tags if state.tags[t] is TagState.RELEASED]
             asked = [t for t in tags if state.tags[t] is TagState.RESIDENT]
             if not asked:
+                state.intent.record_release(already)
                 return _release_answer([], already, MemoryChange([], {}, None), 0, 0, started)
             if state.memory_saver == "off":
                 raise Conflict(_SAVER_OFF[adapter.kind], kind=E.MEMORY_SAVER_DISABLED)
@@ -133,6 +134,7 @@ class ControlPlane:
                 drain_done = time.perf_counter()
                 async with self._moving(todo, TagState.RELEASING, TagState.RELEASED, TagState.RESIDENT):
                     change = await adapter.release(todo, stage_to_cpu=stage_to_cpu)
+                state.intent.record_release(todo + already)
                 if change.weights_valid is not None:
                     state.weights_valid = change.weights_valid
         duration = time.perf_counter() - started
@@ -160,6 +162,7 @@ class ControlPlane:
                     change = await node.engine_adapter.resume(todo)
                 if change.weights_valid is not None:
                     state.weights_valid = change.weights_valid
+            state.intent.record_resume(todo + already)
             node.refresh_admission()
         duration = time.perf_counter() - started
         self.metrics.resume_seconds.observe(duration)
@@ -211,6 +214,7 @@ class ControlPlane:
                 state.weights_valid = valid if isinstance(valid, bool) else True
                 if "weight_version" in answer:
                     state.weight_version = peer_weight_version(answer["weight_version"])
+                state.intent.record_weights_loaded()
                 node.update_memory_metrics()
         log.info("weights updated, weight_version=%s (drained %d, aborted %d)", state.weight_version, drained,
                  aborted)

@@ -4,7 +4,10 @@ Admission is open exactly while the node serves (every tag resident, weights
 valid, not paused, engine reachable) and no control call is draining it. The
 engine is polled; when it stops answering, generation is refused with
 ``engine_unavailable`` and held requests are released with that 503; when it
-answers again, the state is re-read from the engine, not assumed.
+answers again, the state is re-read from the engine, not assumed. When the
+engine answering is a new process (:mod:`node_sidecar.intent`), the tags the
+cluster had released are released again before the node admits anything, and a
+node whose weights had been updated does not serve its start checkpoint.
 """
 
 from __future__ import annotations
@@ -15,7 +18,9 @@ import logging
 import time
 from typing import Any
 
-from handoff.protocol.control import MAX_NODE_STATE_HEADER_BYTES
+from handoff.protocol.control import MAX_NODE_STATE_HEADER_BYTES, peer_weight_version
+from handoff.protocol.errors import NotServingReason
+from handoff.service.errors import ServiceError
 from handoff.service.upstream import UpstreamClient, UpstreamError, UpstreamTimeout
 from node_sidecar.admission import Admission, HoldLimits
 from node_sidecar.config import SidecarConfig
@@ -65,8 +70,10 @@ class Node:
     def _refusal(self) -> NotServing:
         reason = self.state.not_serving_reason()
         self.metrics.rejected_requests.labels(reason.value).inc()
-        released = [t for t in TAGS if self.state.tags[t] is not TagState.RESIDENT]
-        return NotServing(f"the node is not serving ({reason.value})", reason,
+        intent = self.state.intent
+        released = [t for t in TAGS if self.state.tags[t] is not TagState.RESIDENT or t in intent.unrestored]
+        why = f": {intent.stale.message()}" if reason is NotServingReason.WEIGHTS_STALE and intent.stale else ""
+        return NotServing(f"the node is not serving ({reason.value}){why}", reason,
                           retry_after=self.config.retry_after_s, extra={"released": released})
 
     def refresh_admission(self) -> None:
@@ -127,7 +134,9 @@ class Node:
             raise EngineUnavailable(f"the engine is still running {view.control_calls_pending} control call(s) "
                                     "(one that got no answer in time, say); its state is read once they are done",
                                     retry_after=self.config.retry_after_s)
-        was_reachable = self.state.is_engine_reachable
+        was_reachable, had_version = self.state.is_engine_reachable, self.state.weight_version
+        is_fresh = self.state.intent.meet_engine(view.instance, served_version=peer_weight_version(
+            view.weight_version), had_version=had_version)
         self.state.sync(view)
         self.state.is_engine_reachable = True
         self.metrics.engine_up.set(1)
@@ -135,8 +144,48 @@ class Node:
             log.info("engine reachable; state read from it: %s, weights_valid=%s, weight_version=%s",
                      {t: s.value for t, s in self.state.tags.items()}, self.state.weights_valid,
                      self.state.weight_version)
+        if is_fresh:
+            self._meet_fresh_engine()
+        if self.state.intent.unrestored:
+            await self.release_again()
         self.update_memory_metrics()
         self.refresh_admission()
+
+    def _meet_fresh_engine(self) -> None:
+        intent = self.state.intent
+        log.warning("the engine is a new process (%s); the cluster had released %s%s", intent.engine,
+                    intent.unrestored or "nothing",
+                    f"; {intent.stale.message()}" if intent.stale is not None else "")
+        if intent.stale is not None:
+            self.last_error = intent.stale.message()
+
+    async def release_again(self) -> None:
+        """Release on a fresh engine the tags the cluster had released (under the control lock, admission closed:
+        nothing was admitted to the fresh engine). If it fails the node stays not serving and the monitor tries
+        again; a resume or release through the sidecar settles it too."""
+        state, intent, adapter = self.state, self.state.intent, self.engine_adapter
+        resident = state.tags_in(TagState.RESIDENT)
+        todo = adapter.release_set([t for t in intent.unrestored if t in resident], resident)
+        for tag in todo:
+            state.transition(tag, TagState.RELEASING)
+        try:
+            change = await adapter.release(todo, stage_to_cpu=None) if todo else None
+        except ServiceError as exc:
+            for tag in todo:
+                state.transition(tag, TagState.RESIDENT)
+            error = (f"the restarted engine holds {intent.unrestored} resident, which the cluster had released; "
+                     f"releasing them again failed ({exc.message}): not serving until that succeeds (retried) or "
+                     "a resume or release through the sidecar")
+            if error != self.last_error:
+                log.error("%s", error)
+            self.last_error = error
+            return
+        for tag in todo:
+            state.transition(tag, TagState.RELEASED)
+        if change is not None and change.weights_valid is not None:
+            state.weights_valid = change.weights_valid
+        intent.restored(todo)
+        log.warning("released %s again on the restarted engine, as the cluster had released them", todo)
 
     async def resync_quietly(self) -> None:
         """After a control call failed: the engine's view wins, if it can be read."""
@@ -163,6 +212,12 @@ class Node:
                     async with self.control_lock:
                         if not self.state.is_synced:
                             await self.sync()
+                elif self.state.intent.unrestored and self.state.is_engine_reachable:
+                    async with self.control_lock:
+                        if self.state.intent.unrestored and self.state.is_synced:
+                            await self.release_again()
+                            self.update_memory_metrics()
+                            self.refresh_admission()
                 else:
                     await self._probe_health()
             except EngineUnavailable:
@@ -204,12 +259,14 @@ class Node:
         engine must not report what it merely assumes.
         """
         state = self.state
+        serving = state.is_serving and self.admission.is_open
         tags = ({t: {"state": state.tags[t].value, "bytes": state.tag_bytes[t]} for t in TAGS} if state.is_synced
                 else {t: {"state": "unknown", "bytes": None} for t in TAGS})
         return {
             "role": self.config.role,
             "engine_kind": None if self.adapter is None else self.adapter.kind.value,
-            "serving": state.is_serving and self.admission.is_open,
+            "serving": serving,
+            "not_serving_reason": None if serving else state.not_serving_reason().value,
             "admission": self.admission_view(),
             "engine_reachable": state.is_engine_reachable,
             "paused": state.is_paused,

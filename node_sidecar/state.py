@@ -4,7 +4,8 @@ Each tag moves ``resident → releasing → released → resuming → resident``
 release that fails goes back ``releasing → resident`` and a resume that fails
 ``resuming → released``. Any other move is a bug and raises, naming the state
 it was in. After the engine was unreachable the whole view is rebuilt from
-the engine (its adapter's :meth:`~node_sidecar.engines.base.EngineAdapter.read_view`), never assumed.
+the engine (its adapter's :meth:`~node_sidecar.engines.base.EngineAdapter.read_view`), never assumed;
+what the cluster asked of a node whose engine restarted is :mod:`node_sidecar.intent`'s.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from handoff.protocol.control import peer_weight_version
 from handoff.protocol.errors import NotServingReason
 from handoff.protocol.tags import TAG_NAMES as TAGS
 from handoff.protocol.tags import TagState
+from node_sidecar.intent import ClusterIntent
 
 if TYPE_CHECKING:
     from node_sidecar.engines.base import EngineView
@@ -47,6 +49,7 @@ class NodeState:
     is_paused: bool = False          # pause_generation without a continue
     is_engine_paused: bool = False   # ... one the engine itself holds (retract, in_place): a continue must reach it
     tp_size: int = 1                 # ranks in a weight update group (the LB hands out rank offsets by it)
+    intent: ClusterIntent = field(default_factory=ClusterIntent)  # what the cluster asked, across engine restarts
 
     def transition(self, tag: str, new: TagState) -> None:
         old = self.tags[tag]
@@ -78,7 +81,7 @@ class NodeState:
     @property
     def is_serving(self) -> bool:
         return (self.is_engine_reachable and self.is_synced and self.is_all_resident and self.weights_valid
-                and not self.is_paused)
+                and not self.is_paused and self.intent.blocking_reason() is None)
 
     def not_serving_reason(self) -> NotServingReason:
         """Why a generation gets a 503 while the node is not serving."""
@@ -86,6 +89,9 @@ class NodeState:
             return NotServingReason.ENGINE_UNAVAILABLE
         if not self.is_all_resident:
             return NotServingReason.NODE_RELEASED
+        blocked = self.intent.blocking_reason()
+        if blocked is not None:
+            return blocked
         if not self.weights_valid:
             return NotServingReason.WEIGHTS_NOT_LOADED
         if self.is_paused:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,9 +80,34 @@ MAX_NODES_NAMED = 10
 
 
 def _failure_text(failure: dict[str, Any]) -> str:
-    """``http://node:8000 (http_status 409)``: one failed node and the LB's reason, within a bounded length."""
-    why = " ".join(str(failure[key])[:60] for key in ("reason", "status") if failure.get(key) is not None)
-    return f"{str(failure.get('node', '?'))[:200]} ({why or 'failed'})"
+    """``http://node:8000 (409 requests_in_flight)``: one failed node and why, within a bounded length."""
+    return f"{str(failure.get('node', '?'))[:200]} ({failure_cause(failure)})"
+
+
+MAX_DETAIL_PARSED = 4096  # a node's error body, as the LB relays it: parsed for its type only when this short
+
+
+def failure_cause(failure: dict[str, Any]) -> str:
+    """Why one node of a 502 failed, in a few words: the node's status and error type (``503
+    engine_unavailable``), or the LB's reason (``connect_failed``, ``timeout: ...``)."""
+    reason = str(failure.get("reason") or "failed")[:60]
+    status = failure.get("status")
+    if isinstance(status, int) and not isinstance(status, bool):
+        return f"{status} {_error_type(failure.get('detail'))}".strip()
+    error = failure.get("error")
+    return f"{reason}: {str(error)[:200]}" if error else reason
+
+
+def _error_type(detail: Any) -> str:
+    """The ``error.type`` of a node's JSON error body, or ``""``."""
+    if not isinstance(detail, str) or len(detail) > MAX_DETAIL_PARSED:
+        return ""
+    try:
+        error = json.loads(detail).get("error")
+    except (ValueError, AttributeError, RecursionError):
+        return ""
+    kind = error.get("type") if isinstance(error, dict) else None
+    return kind[:60] if isinstance(kind, str) else ""
 
 
 def _int(value: Any) -> int:

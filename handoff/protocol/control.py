@@ -16,6 +16,9 @@ STRICT = ConfigDict(extra="forbid", strict=True)
 # that routing needs: serving, admission, tags, weights), as compact JSON, so the LB needs no second request.
 NODE_STATE_HEADER = "x-handoff-node-state"
 MAX_NODE_STATE_HEADER_BYTES = 4096
+# The engine process answering (a fresh value each start of the engine), in handoff's engine's
+# ``GET /memory_occupation``: the sidecar tells a restarted engine from one that was unreachable for a while.
+ENGINE_INSTANCE = "engine_instance"
 # The LB tells a node how long it will wait for this call (seconds, relative): a drain ends in time to answer.
 DEADLINE_HEADER = "x-handoff-deadline"
 

@@ -56,6 +56,8 @@ ENGINE_STOPPED = ErrorType("engine_stopped", 503)
 NO_AVAILABLE_NODE = ErrorType("no_available_node", 503)
 NO_NODES = ErrorType("no_nodes", 503)
 WEIGHT_VERSION_UNAVAILABLE = ErrorType("weight_version_unavailable", 503)  # a pinned version is not served here
+# a restarted engine serves its start checkpoint while the node's weights had been updated: until an update or reload
+WEIGHTS_STALE = ErrorType("weights_stale", 503)
 
 # -- something failed on a peer or the device ----------------------------------------
 INTERNAL_ERROR = ErrorType("internal_error", 500)
@@ -73,8 +75,10 @@ BACKUP_FAILED = ErrorType("backup_failed", 507)
 class NotServingReason(str, enum.Enum):
     """Why a node refuses generation with 503: the request reached no model, so it may go elsewhere.
 
-    The sidecar answers the first four (and ``weight_version_unavailable`` for a
-    request pinned to a version it does not serve); an engine reached directly
+    The sidecar answers the first four, ``weights_stale`` (its engine restarted
+    from its start checkpoint after the node's weights were updated), and
+    ``weight_version_unavailable`` for a request pinned to a version it does
+    not serve; an engine reached directly
     answers ``memory_released``, ``weights_not_loaded`` or ``engine_stopped``. The
     LB reroutes a generation request that got any of them.
     """
@@ -86,6 +90,7 @@ class NotServingReason(str, enum.Enum):
     MEMORY_RELEASED = MEMORY_RELEASED.name
     ENGINE_STOPPED = ENGINE_STOPPED.name
     WEIGHT_VERSION_UNAVAILABLE = WEIGHT_VERSION_UNAVAILABLE.name
+    WEIGHTS_STALE = WEIGHTS_STALE.name
 
 
 NOT_SERVING_TYPES: frozenset[str] = frozenset(reason.value for reason in NotServingReason)

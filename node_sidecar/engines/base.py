@@ -60,6 +60,7 @@ class EngineView:
     paused: bool = False               # requests paused in the engine (SGLang's retract / in_place) wait
     tp_size: int = 1                   # the ranks the engine takes in a weight update group (one per TP rank)
     control_calls_pending: int = 0     # calls the engine has not finished: what they change is not in the view
+    instance: str | None = None        # the engine process (another value: a restarted engine); None: not told
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ and checks checkpoints itself (:mod:`~node_sidecar.engines.checkpoint`).
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from typing import Any, Awaitable, Callable, TypeVar
 
@@ -49,6 +50,11 @@ class ForeignEngine(EngineAdapter):
         self.instance = instance
         self.released = set()
         return True
+
+    @property
+    def instance_key(self) -> str | None:
+        """The engine process for :attr:`EngineView.instance` (None: the engine names none)."""
+        return None if self.instance is None else json.dumps(self.instance, sort_keys=True, default=str)
 
     async def memory_view(self) -> dict[str, Any]:
         reading = await asyncio.to_thread(self.memory.read, self.device)

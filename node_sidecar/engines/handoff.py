@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from handoff.protocol.control import ENGINE_INSTANCE, MAX_NAME_CHARS
 from handoff.protocol.tags import TAG_NAMES, TagState, parse_tag_request
 from handoff.service.peer_json import PeerJSONError, loads_bounded
 from handoff.service.upstream import UpstreamError
@@ -59,7 +60,8 @@ class HandoffEngine(EngineAdapter):
                           weight_version=occupation.get("weight_version"), weights_backup=backup,
                           memory_saver=str(occupation.get("memory_saver", "off")), can_stage_weights=backup != "none",
                           paused=occupation.get("paused") is True,
-                          control_calls_pending=_count(occupation.get("control_calls_pending")))
+                          control_calls_pending=_count(occupation.get("control_calls_pending")),
+                          instance=_instance(occupation.get(ENGINE_INSTANCE)))
 
     async def memory_view(self) -> dict[str, Any]:
         try:
@@ -135,6 +137,11 @@ class HandoffEngine(EngineAdapter):
         if not isinstance(answer.get("weights_valid", False), bool):
             raise not_understood(ENGINE, path, f"weights_valid {_shown(answer['weights_valid'])}, not a boolean")
         return answer
+
+
+def _instance(value: object) -> str | None:
+    """The engine process's identity, if the engine names one (an engine of an older version does not)."""
+    return value if isinstance(value, str) and 0 < len(value) <= MAX_NAME_CHARS else None
 
 
 def _count(value: object) -> int:

@@ -111,7 +111,7 @@ class SglangEngine(ForeignEngine):
             weights_valid=not self.weights_garbage, weight_version=version if isinstance(version, str) else None,
             weights_backup="cpu" if self.has_backup else "none",
             memory_saver="torch_memory_saver" if self.memory_saver else "off", can_stage_weights=self.has_backup,
-            tp_size=tp_size if type(tp_size) is int and 1 <= tp_size <= MAX_TP_SIZE else 1)
+            tp_size=tp_size if type(tp_size) is int and 1 <= tp_size <= MAX_TP_SIZE else 1, instance=self.instance_key)
 
     async def release(self, tags: list[str], *, stage_to_cpu: bool | None) -> MemoryChange:
         engine_tags = tags_named(self.tag_meanings, [t for t in tags if t not in self.released])

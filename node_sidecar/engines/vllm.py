@@ -119,7 +119,7 @@ class VllmEngine(ForeignEngine):
             tags={t: TagState.RELEASED if t in self.released else TagState.RESIDENT for t in TAG_NAMES},
             weights_valid=not self.weights_discarded, weight_version=self.weight_version,
             weights_backup="cpu" if self.default_sleep_level == 1 else "none",
-            memory_saver="vllm_sleep" if usable else "off", can_stage_weights=True)
+            memory_saver="vllm_sleep" if usable else "off", can_stage_weights=True, instance=self.instance_key)
 
     def _adopt_sleeping(self, sleeping: bool) -> None:
         """Square what this adapter remembers with ``/is_sleeping``. Asleep with nothing remembered (the

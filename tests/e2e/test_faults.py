@@ -16,8 +16,10 @@ import pytest
 
 from handoff.client import FanoutFailed, HandoffClient
 from handoff.cluster.local import ClusterSpec, LocalCluster, NodeProcesses
+from handoff.weight_sync import serialize_named_tensors
 from tests.support.procs import wait_until
 from tests.support.streams import GenerationClient
+from tests.support.weights import greedy, save_tiny, tiny_weights
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -141,15 +143,140 @@ def test_engine_killed_mid_release(cluster: LocalCluster, lb: HandoffClient) -> 
     # the same call again completes the job: nodes are idempotent
     bodies = lb.release(mode="wait", stage_to_cpu=True).bodies()
     assert bodies[victim.url]["released"] == ALL and bodies[other.url]["already_released"] == ALL
-    # a crash while released: the new engine starts with everything resident, and the sidecar re-reads that
-    # instead of remembering "released"; the LB learns it from the sidecar
+    # a crash while released: the fresh engine starts with everything resident; the sidecar, which remembers that
+    # the cluster released the node, releases it again before admitting anything, and the LB keeps it unroutable
     victim.engine.kill()
+    wait_until(lambda: occupation(victim)["engine_reachable"] is False, timeout=10, what="the engine seen down")
     victim.engine.start(timeout=60)
-    wait_until(lambda: lb_view(lb, victim)["routable"], timeout=30, what="the re-read state to reach the LB")
-    view = lb_view(lb, victim)
-    assert {tag: t["state"] for tag, t in view["tags"].items()} == dict.fromkeys(ALL, "resident")
-    assert lb_view(lb, other)["tags"]["weights"]["state"] == "released"
-    assert lb.generate(**SHORT)["meta_info"]["finish_reason"]["type"] == "length"  # served by the victim
+    wait_until(lambda: occupation(victim)["engine_reachable"] and all(
+        t["state"] == "released" for t in occupation(victim)["tags"].values()), timeout=30,
+        what="the fresh engine released again")
+    engine_view = httpx.get(victim.engine.url + "/memory_occupation", timeout=10).json()
+    assert {tag: t["state"] for tag, t in engine_view["tags"].items()} == dict.fromkeys(ALL, "released")
+    wait_until(lambda: lb_view(lb, victim)["health"] == "healthy" and all(
+        t["state"] == "released" for t in lb_view(lb, victim)["tags"].values()), timeout=10, what="the LB to see it")
+    assert not lb_view(lb, victim)["routable"] and lb_view(lb, victim)["not_serving_reason"] == "node_released"
+    refused = httpx.post(victim.url + "/generate", json=SHORT, timeout=10)
+    assert refused.status_code == 503 and refused.json()["error"]["type"] == "node_released"
+    bodies = lb.resume().bodies()  # the cluster's resume brings both back, as after any release
+    assert bodies[victim.url]["resumed"] == ALL and bodies[other.url]["resumed"] == ALL
+    assert lb_view(lb, victim)["routable"]
+
+
+def restart_engine(node: NodeProcesses) -> None:
+    """Kill the node's engine, wait for its sidecar to see it down, start a fresh one on the same port."""
+    node.engine.kill()
+    wait_until(lambda: occupation(node)["engine_reachable"] is False, timeout=10, what="the engine seen down")
+    node.engine.start(timeout=60)
+    wait_until(lambda: occupation(node)["engine_reachable"] and occupation(node)["tags"]["weights"]["state"]
+               != "unknown", timeout=30, what="the fresh engine read")
+
+
+def push_tensors(node: NodeProcesses, seed: int, version: str) -> httpx.Response:
+    payload = serialize_named_tensors(tiny_weights(seed).items())
+    return httpx.post(node.url + "/update_weights_from_tensor", timeout=60,
+                      json={"serialized_named_tensors": [payload], "weight_version": version})
+
+
+def test_engine_restarted_with_nothing_changed_serves_at_once(cluster: LocalCluster, lb: HandoffClient) -> None:
+    node = cluster.nodes[0]
+    restart_engine(node)
+    wait_until(lambda: occupation(node)["serving"], timeout=10, what="the node to serve")
+    assert occupation(node)["not_serving_reason"] is None and occupation(node)["weight_version"] == "default"
+    assert httpx.post(node.url + "/generate", json=SHORT, timeout=30).status_code == 200
+
+
+@pytest.mark.parametrize("update", ["tensor", "disk"])
+def test_engine_restarted_after_a_weight_update_serves_no_stale_weights(
+        cluster: LocalCluster, lb: HandoffClient, tmp_path: Path, update: str) -> None:
+    node, other = cluster.nodes
+    start_answer = greedy(node.url)
+    checkpoint = str(save_tiny(tmp_path / "step-1", tiny_weights(11)))
+    if update == "tensor":
+        assert push_tensors(node, 11, "step-1").status_code == 200
+    else:
+        r = httpx.post(node.url + "/update_weights_from_disk", timeout=60,
+                       json={"model_path": checkpoint, "weight_version": "step-1"})
+        assert r.status_code == 200, r.text
+    updated_answer = greedy(node.url)
+    assert updated_answer != start_answer and occupation(node)["weight_version"] == "step-1"
+    restart_engine(node)
+    # the fresh engine serves its start checkpoint ("default"): the node refuses it, naming both versions
+    view = occupation(node)
+    assert view["serving"] is False and view["not_serving_reason"] == "weights_stale", view
+    assert view["weight_version"] == "default" and "'step-1'" in view["last_error"]
+    refused = httpx.post(node.url + "/generate", json=SHORT, timeout=10)
+    assert refused.status_code == 503 and refused.json()["error"]["type"] == "weights_stale"
+    assert "'default'" in refused.json()["error"]["message"] and refused.headers["retry-after"]
+    wait_until(lambda: lb_view(lb, node)["health"] == "healthy" and lb_view(lb, node)["weight_version"]
+               == "default", timeout=10, what="the LB to see the fresh engine")
+    assert not lb_view(lb, node)["routable"] and lb_view(lb, node)["not_serving_reason"] == "weights_stale"
+    assert lb_view(lb, other)["routable"]
+    for _ in range(3):  # the LB serves from the other node
+        assert lb.generate(**SHORT)["meta_info"]["finish_reason"]["type"] == "length"
+    # a rename labels the stale weights, it does not replace them: still not serving
+    r = httpx.post(node.url + "/update_weight_version", json={"new_version": "step-1"}, timeout=30)
+    assert r.status_code == 200 and occupation(node)["not_serving_reason"] == "weights_stale"
+    # the trainer's next update (the other kind here) ends it
+    if update == "tensor":
+        r = httpx.post(node.url + "/update_weights_from_disk", timeout=60,
+                       json={"model_path": checkpoint, "weight_version": "step-2"})
+        assert r.status_code == 200, r.text
+    else:
+        assert push_tensors(node, 11, "step-2").status_code == 200
+    view = occupation(node)
+    assert view["serving"] is True and view["weight_version"] == "step-2" and view["not_serving_reason"] is None
+    assert greedy(node.url) == updated_answer
+    wait_until(lambda: lb_view(lb, node)["routable"], timeout=10, what="the LB to route there again")
+    # as the module found it: a fresh engine on its start checkpoint behind a fresh sidecar (which knows of no update)
+    node.sidecar.stop()
+    node.engine.kill()
+    node.engine.start(timeout=60)
+    node.sidecar.start(timeout=60)
+    wait_until(lambda: lb_view(lb, node)["routable"], timeout=30, what="the fresh node routable")
+    assert occupation(node)["weight_version"] == "default"
+
+
+def without_memory_saver(args: list[str]) -> list[str]:
+    """An engine's arguments less the memory saver and the weights backup that needs it."""
+    out, skip = [], False
+    for arg in args:
+        if skip or arg == "--enable-memory-saver":
+            skip = False
+        elif arg in ("--weights-backup", "--backup-dir"):
+            skip = True
+        else:
+            out.append(arg)
+    return out
+
+
+def test_a_fresh_engine_that_cannot_be_released_again_does_not_serve(cluster: LocalCluster,
+                                                                     lb: HandoffClient) -> None:
+    node = cluster.nodes[0]
+    r = httpx.post(node.url + "/release_memory_occupation", json={"tags": ["kv_cache"]}, timeout=30)
+    assert r.status_code == 200 and r.json()["released"] == ["kv_cache", "workspace"]
+    args = list(node.engine.args)
+    node.engine.args = without_memory_saver(args)  # restarted with the wrong flags
+    try:
+        restart_engine(node)
+        wait_until(lambda: "releasing them again failed" in (occupation(node)["last_error"] or ""), timeout=10,
+                   what="the failed re-release")
+        view = occupation(node)
+        assert view["serving"] is False and view["not_serving_reason"] == "node_released", view
+        assert view["tags"]["kv_cache"]["state"] == "resident" and "memory saver" in view["last_error"]
+        refused = httpx.post(node.url + "/generate", json=SHORT, timeout=10)
+        assert refused.status_code == 503 and refused.json()["error"]["type"] == "node_released"
+        assert refused.json()["error"]["released"] == ["kv_cache", "workspace"]
+        wait_until(lambda: lb_view(lb, node)["not_serving_reason"] == "node_released", timeout=10,
+                   what="the LB to see it")
+        assert not lb_view(lb, node)["routable"]
+        # the cluster's resume settles it: the cluster wants the node resident again
+        r = httpx.post(node.url + "/resume_memory_occupation", json={}, timeout=30)
+        assert r.status_code == 200 and r.json()["resumed"] == [] and r.json()["serving"] is True
+    finally:
+        node.engine.args = args
+    restart_engine(node)  # as the module found it
+    wait_until(lambda: occupation(node)["serving"], timeout=10, what="the node to serve")
 
 
 def record_state(node: NodeProcesses) -> str | None:

@@ -5,6 +5,7 @@ not send, the scripted server otherwise) and against a real sidecar: every outco
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 import threading
 import time
@@ -317,15 +318,19 @@ def test_a_502_names_each_failed_node_and_why_in_its_message(server) -> None:
     """A 502's text said only "failed on 2/3 nodes": a traceback in a training log did not say which (found by
     review)."""
     failures = [{"node": "http://a:1", "role": "mixed", "reason": "connect_failed"},
-                {"node": "http://b:2", "role": "mixed", "reason": "http_status", "status": 409, "detail": "x" * 5000}]
+                {"node": "http://b:2", "role": "mixed", "reason": "http_status", "status": 409, "detail": "x" * 5000},
+                {"node": "http://c:3", "reason": "http_status", "status": 503,
+                 "detail": json.dumps({"error": {"type": "engine_unavailable", "message": "down"}})},
+                {"node": "http://d:4", "reason": "timeout", "error": "no answer within 5 s"}]
     script(server, {"status": 502, "body": {"message": "/flush_cache failed on 2/3 nodes", "total": 3, "failed": 2,
                                             "failures": failures}})
     with HandoffClient(server.url) as client:
         with pytest.raises(FanoutFailed) as info:
             client.flush_cache()
     text = str(info.value)
-    assert "http://a:1 (connect_failed)" in text and "http://b:2 (http_status 409)" in text, text
-    assert "xxxx" not in text and info.value.failed_nodes == ["http://a:1", "http://b:2"]
+    assert "http://a:1 (connect_failed)" in text and "http://b:2 (409)" in text, text
+    assert "http://c:3 (503 engine_unavailable)" in text and "http://d:4 (timeout: no answer within 5 s)" in text
+    assert "xxxx" not in text and info.value.failed_nodes == ["http://a:1", "http://b:2", "http://c:3", "http://d:4"]
     many = [{"node": f"http://n{i}:1", "reason": "timeout"} for i in range(25)]
     script(server, {"status": 502, "body": {"message": "m", "failures": many}})
     with HandoffClient(server.url) as client:

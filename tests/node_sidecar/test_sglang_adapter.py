@@ -248,15 +248,21 @@ def test_memory_saver_off_is_409_naming_sglang_flag(make_node) -> None:
     assert node.occupation()["serving"] is True
 
 
-def test_a_restarted_sglang_is_read_again_as_fully_resident(make_node) -> None:
+def test_a_restarted_sglang_is_released_again(make_node, checkpoint: Path) -> None:
     node = make_node("--enable-memory-saver", sidecar_flags=("--engine-kind", "sglang"))
     assert node.post("/release_memory_occupation").status_code == 200
     node.fake.kill()
     wait_until(lambda: node.occupation()["engine_reachable"] is False, timeout=10, what="engine seen down")
-    node.fake.start()  # same port: a new SGLang process, everything resident again
+    node.fake.start()  # same port: a new SGLang process (another startup_time), everything resident in it
+    # the cluster had released the node: the sidecar releases the fresh SGLang again before admitting anything
+    wait_until(lambda: node.occupation()["engine_reachable"] and all(
+        t["state"] == "released" for t in node.occupation()["tags"].values()), timeout=10, what="released again")
+    assert node.occupation()["serving"] is False and node.occupation()["not_serving_reason"] == "node_released"
+    assert node.fake_state()["calls"][-1] == "release ['weights', 'kv_cache', 'cuda_graph']"  # the fresh SGLang's
+    resumed = node.post("/resume_memory_occupation").json()
+    assert resumed["weights_valid"] is False  # no --enable-weights-cpu-backup: garbage until a reload
+    assert node.post("/update_weights_from_disk", {"model_path": str(checkpoint)}).status_code == 200
     node.wait_serving()
-    view = node.occupation()
-    assert all(t["state"] == "resident" for t in view["tags"].values()) and view["weights_valid"] is True
     assert greedy(node)
     node.assert_fake_alive()
 

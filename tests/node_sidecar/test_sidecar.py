@@ -407,9 +407,13 @@ def test_engine_killed_and_restarted(own_engine: ServerProcess, proc_log_dir: Pa
         assert httpx.get(sidecar.url + "/health").status_code == 200
         assert httpx.get(sidecar.url + "/ready").status_code == 503
         own_engine.start()  # same port; a fresh engine has everything resident
-        wait_until(lambda: httpx.get(sidecar.url + "/ready").status_code == 200, timeout=20, what="back")
-        view = occupation(sidecar)
-        assert view["tags"]["kv_cache"]["state"] == "resident"  # re-read, not remembered as released
+        # the sidecar released kv_cache for the cluster: it releases it again on the fresh engine
+        wait_until(lambda: occupation(sidecar)["engine_reachable"] and occupation(sidecar)["tags"]["kv_cache"][
+            "state"] == "released", timeout=20, what="back, kv_cache released again")
+        engine_view = httpx.get(own_engine.url + "/memory_occupation", timeout=10).json()
+        assert engine_view["tags"]["kv_cache"]["state"] == "released"
+        assert httpx.get(sidecar.url + "/ready").json() == {"ready": False, "reason": "node_released"}
+        assert httpx.post(sidecar.url + "/resume_memory_occupation", json={}, timeout=30).status_code == 200
         assert httpx.post(sidecar.url + "/generate", json={"text": "x"}, timeout=10).status_code == 200
         # and a stream cut by a crash ends with an error event
         stream.start()

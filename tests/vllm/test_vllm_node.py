@@ -405,8 +405,9 @@ def test_a_new_sidecar_reads_a_sleeping_vllm_as_released(serving: VllmNode, chec
 
 
 def test_a_restarted_vllm_is_read_again_as_a_fresh_engine(serving: VllmNode, checkpoints: tuple[Path, Path]) -> None:
-    """vLLM killed while asleep at level 2 and started again (same port): the sidecar sees a new instance_id and
-    /is_sleeping false, so every tag is resident and the weights (loaded at start) are valid."""
+    """vLLM killed while asleep at level 2 and started again (same port): the sidecar sees a new instance_id, puts
+    the fresh vLLM to sleep again (the cluster had released the node), and, since the node's weights came from a
+    reload (step-0), does not serve vLLM's start weights (weights_stale) until the next reload."""
     node = serving
     assert node.post("/release_memory_occupation", {"stage_to_cpu": False}).status_code == 200
     node.vllm.kill()
@@ -414,9 +415,10 @@ def test_a_restarted_vllm_is_read_again_as_a_fresh_engine(serving: VllmNode, che
     r = node.post("/generate", {"input_ids": PROMPT})
     assert r.status_code == 503 and r.json()["error"]["type"] == "engine_unavailable"
     node.vllm.start()
-    node.wait_serving()
-    view = node.occupation()
-    assert all(t["state"] == "resident" for t in view["tags"].values()) and view["weights_valid"] is True
-    assert node.greedy()
+    wait_until(lambda: node.occupation()["engine_reachable"] and all(
+        t["state"] == "released" for t in node.occupation()["tags"].values()), timeout=120, what="asleep again")
+    assert node.occupation()["not_serving_reason"] == "node_released"
+    assert node.post("/resume_memory_occupation").status_code == 200
+    assert node.occupation()["not_serving_reason"] == "weights_stale"
     assert node.post("/update_weights_from_disk", {"model_path": str(checkpoints[0]),
                                                    "weight_version": "step-0"}).status_code == 200

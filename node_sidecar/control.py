@@ -120,7 +120,7 @@ class ControlPlane:
             already = [t for t in tags if state.tags[t] is TagState.RELEASED]
             asked = [t for t in tags if state.tags[t] is TagState.RESIDENT]
             if not asked:
-                state.intent.record_release(already)
+                state.intent.record_release(already, stage_to_cpu=stage_to_cpu)
                 return _release_answer([], already, MemoryChange([], {}, None), 0, 0, started)
             if state.memory_saver == "off":
                 raise Conflict(_SAVER_OFF[adapter.kind], kind=E.MEMORY_SAVER_DISABLED)
@@ -134,7 +134,7 @@ class ControlPlane:
                 drain_done = time.perf_counter()
                 async with self._moving(todo, TagState.RELEASING, TagState.RELEASED, TagState.RESIDENT):
                     change = await adapter.release(todo, stage_to_cpu=stage_to_cpu)
-                state.intent.record_release(todo + already)
+                state.intent.record_release(todo + already, stage_to_cpu=stage_to_cpu)
                 if change.weights_valid is not None:
                     state.weights_valid = change.weights_valid
         duration = time.perf_counter() - started

@@ -45,9 +45,13 @@ class ClusterIntent:
     engine: str | None = None          # the engine process this holds for (None: none identified yet)
     unrestored: list[str] = field(default_factory=list)  # released tags a fresh engine holds resident still
     stale: StaleWeights | None = None  # a fresh engine's start weights, where the node had updated ones
+    stage_to_cpu: bool | None = None   # as the cluster's last release asked (a vLLM node's sleep level follows it)
 
-    def record_release(self, tags: list[str]) -> None:
-        """``tags`` are released now, as the cluster asked."""
+    def record_release(self, tags: list[str], *, stage_to_cpu: bool | None = None) -> None:
+        """``tags`` are released now, as the cluster asked; ``stage_to_cpu`` as it asked, kept for a release again
+        when the call released a tag not released before (a repeated release changes nothing)."""
+        if not self.released.issuperset(tags):
+            self.stage_to_cpu = stage_to_cpu
         self.released.update(tags)
         self.unrestored = [t for t in self.unrestored if t not in tags]
 
@@ -78,7 +82,7 @@ class ClusterIntent:
 
     def restored(self, tags: list[str]) -> None:
         """The fresh engine released ``tags`` again (the unrestored ones and any freed together with them)."""
-        self.record_release(tags)
+        self.record_release(tags, stage_to_cpu=self.stage_to_cpu)
         self.unrestored = []
 
     def blocking_reason(self) -> NotServingReason | None:

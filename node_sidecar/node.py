@@ -169,10 +169,12 @@ class Node:
         for tag in todo:
             state.transition(tag, TagState.RELEASING)
         try:
-            change = await adapter.release(todo, stage_to_cpu=None) if todo else None
-        except ServiceError as exc:
+            change = await adapter.release(todo, stage_to_cpu=intent.stage_to_cpu) if todo else None
+        except BaseException as exc:
             for tag in todo:
                 state.transition(tag, TagState.RESIDENT)
+            if not isinstance(exc, ServiceError):
+                raise
             error = (f"the restarted engine holds {intent.unrestored} resident, which the cluster had released; "
                      f"releasing them again failed ({exc.message}): not serving until that succeeds (retried) or "
                      "a resume or release through the sidecar")

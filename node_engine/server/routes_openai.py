@@ -10,34 +10,31 @@ order (a prompt's ``n`` samples next to each other).
 from __future__ import annotations
 
 import asyncio
-import time
-from typing import Any, AsyncIterator, Callable
+from typing import Any
 
 from fastapi import APIRouter, Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 
 from handoff.protocol.generate_request import GenerateBody
-from handoff.protocol.generation import SequenceAnswer, SequenceChunk, finish_matched, finish_type
+from handoff.protocol.generation import SequenceAnswer, SequenceChunk
 from handoff.service.bodies import openapi_body, parse_body, parse_value
-from handoff.service.errors import InvalidRequest, NotFound, ServiceError
+from handoff.service.errors import InvalidRequest, NotFound
 from handoff.service.peer_json import PeerJSONError, loads_bounded
-from handoff.service.disconnect import CLIENT_CLOSED, unless_disconnected
+from handoff.service.disconnect import unless_disconnected
 from node_engine.engine import Engine
-from node_engine.request import RequestOutput
 from node_engine.server.generate_plan import GeneratePlan, plan_generate
-from node_engine.server.generation import DONE_EVENT, check_prompt_chars, check_prompt_ids, max_prompt_chars, sse_event
-from node_engine.server.generation_run import (GenerationRun, collect_unless_disconnected, first_unless_disconnected,
-                                               stream_with_abort)
+from node_engine.server.generation import check_prompt_chars, check_prompt_ids, max_prompt_chars
+from node_engine.server.generation_run import GenerationRun
 from node_engine.server.images import split_image_parts
-from node_engine.server.openai_shapes import chat_logprobs, completion_logprobs, usage
+from node_engine.server.openai_answer import (Answer, ChatDeltas, continuous_usage_of, finish_fields,
+                                              include_usage_of, token_id_fields)
+from node_engine.server.openai_shapes import chat_logprobs, completion_logprobs
 from node_engine.server.openai_bodies import (ChatCompletionBody, CompletionBody, refuse_adapter_model,
                                               refuse_unsupported_openai)
 from node_engine.server.openai_tools import check_tools, template_tools, tools_in_play
 from node_engine.chat_template import ChatTemplateError
 
 router = APIRouter()
-# (index, chunk, first of its index) -> the choice of its stream chunk, or None for no chunk
-Choice = Callable[[int, SequenceChunk, bool], dict[str, Any] | None]
 
 
 async def _plan(request: Request, body: CompletionBody | ChatCompletionBody, prompt: dict[str, Any],
@@ -52,122 +49,6 @@ async def _plan(request: Request, body: CompletionBody | ChatCompletionBody, pro
                             "rid": body.rid, "stream": body.stream, **body.forwarded(), **logprobs}, GenerateBody)
     return await unless_disconnected(request, plan_generate(engine, generate, request.app.state.images,
                                                             to_context_by_default=is_chat))
-
-
-def _token_ids(body: CompletionBody | ChatCompletionBody, plan: GeneratePlan) -> Callable[[int, list[int], bool],
-                                                                                         dict[str, Any]]:
-    """The output ids' field of choice ``i`` (SGLang's ``return_token_ids``: ``token_ids`` in a completion,
-    ``response_token_ids`` in a chat) and ``prompt_token_ids`` (chat's ``return_prompt_token_ids`` gives the
-    prompt's alone); ``first``: the choice's first chunk of a stream."""
-    with_outputs = body.return_token_ids
-    with_prompt = with_outputs or getattr(body, "return_prompt_token_ids", False)
-    outputs_key = "response_token_ids" if isinstance(body, ChatCompletionBody) else "token_ids"
-
-    def fields(i: int, output_ids: list[int], first: bool) -> dict[str, Any]:
-        out: dict[str, Any] = {outputs_key: list(output_ids)} if with_outputs else {}
-        if with_prompt and first:
-            out["prompt_token_ids"] = plan.sequences[i].prompt_ids
-        return out
-    return fields
-
-
-def _include_usage(body: CompletionBody | ChatCompletionBody) -> bool:
-    return body.stream_options is not None and bool(body.stream_options.include_usage)
-
-
-def _continuous_usage(body: CompletionBody | ChatCompletionBody) -> bool:
-    return body.stream_options is not None and bool(body.stream_options.continuous_usage_stats)
-
-
-class _Answer:
-    """The OpenAI envelope of one answer (``object``, id, model, weight version), whole or streamed."""
-
-    def __init__(self, engine: Engine, obj: str, rids: list[str], n: int, model: str | None) -> None:
-        """``rids``: the engine's request id of each choice. As SGLang's, the answer's ``id`` is the first's and
-        a stream chunk's is its choice's, so a client can abort the request by the id it was given."""
-        self.engine = engine
-        self.model = model or engine.config.model_name  # SGLang repeats the request's model
-        self.obj = obj
-        self.n = n
-        self.rids = rids
-        self.created = int(time.time())
-
-    def payload(self, choices: list[dict[str, Any]], usage: dict[str, int] | None = None,
-                obj: str | None = None, index: int = 0, version: str | None = None,
-                versions: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-        """``version``: the one its tokens were made under (a request aborted by a version update keeps its
-        own); None for a chunk without tokens, which reports the version serving now. ``versions``: a whole
-        answer's spans (SGLang's ``metadata.weight_versions``)."""
-        metadata: dict[str, Any] = {"weight_version": version or self.engine.weight_version}
-        if versions is not None:
-            metadata["weight_versions"] = versions
-        body: dict[str, Any] = {"id": self.rids[index], "object": obj or self.obj, "created": self.created,
-                                "model": self.model, "metadata": metadata, "choices": choices}
-        if usage is not None:
-            body["usage"] = usage
-        return body
-
-    async def stream(self, run: GenerationRun, first: tuple[AsyncIterator[tuple[int, RequestOutput]],
-                                                            tuple[int, RequestOutput]],
-                     choice: Choice, *, include_usage: bool, continuous_usage: bool, chunk_obj: str,
-                     preamble: Callable[[int], dict[str, Any]] | None = None,
-                     finale: Callable[[int, SequenceChunk], dict[str, Any]] | None = None) -> AsyncIterator[bytes]:
-        """The SSE body: a chunk per output that ``choice`` gives one for; then ``finale``'s chunk per choice
-        (SGLang's chat streams end each choice with one, for its finish reason); usage last if asked; an error
-        event (and no [DONE]) on failure. ``continuous_usage``: each output's chunk carries its choice's usage
-        so far (SGLang's ``continuous_usage_stats``)."""
-        events, head = first
-        last: dict[int, SequenceChunk] = {}
-
-        def chunk(index: int, out: RequestOutput) -> bytes:
-            piece = run.chunk(index, out)
-            is_first = index not in last
-            last[index] = piece
-            lead = sse_event(self.payload([preamble(index)], obj=chunk_obj, index=index)) if is_first and preamble \
-                else b""
-            content = choice(index, piece, is_first)
-            if content is None:
-                return lead
-            return lead + sse_event(self.payload([content], usage([piece], 1) if continuous_usage else None,
-                                                 obj=chunk_obj, index=index, version=piece.weight_version))
-
-        yield chunk(*head)
-        try:
-            async for index, out in events:
-                yield chunk(index, out)
-        except ServiceError as exc:
-            yield sse_event(exc.envelope())
-            return
-        if finale is not None:
-            for index in sorted(last):
-                yield sse_event(self.payload([finale(index, last[index])], obj=chunk_obj, index=index,
-                                             version=last[index].weight_version))
-        if include_usage:
-            yield sse_event(self.payload([], usage([last[i] for i in sorted(last)], self.n), obj=chunk_obj))
-        yield DONE_EVENT
-
-    async def respond(self, request: Request, run: GenerationRun, choice: Callable[[int, SequenceAnswer], dict],
-                      stream_choice: Choice, *, stream: bool, include_usage: bool, continuous_usage: bool,
-                      chunk_obj: str, preamble: Callable[[int], dict[str, Any]] | None = None,
-                      finale: Callable[[int, SequenceChunk], dict[str, Any]] | None = None) -> Response:
-        if stream:
-            first = await first_unless_disconnected(request, run)
-            if first is None:
-                return Response(status_code=CLIENT_CLOSED)
-            chunks = self.stream(run, first, stream_choice, include_usage=include_usage,
-                                 continuous_usage=continuous_usage, chunk_obj=chunk_obj, preamble=preamble,
-                                 finale=finale)
-            return StreamingResponse(stream_with_abort(run, chunks), media_type="text/event-stream")
-        answers = await collect_unless_disconnected(request, run)
-        if answers is None:
-            return Response(status_code=CLIENT_CLOSED)
-        return JSONResponse(self.payload([choice(i, a) for i, a in enumerate(answers)], usage(answers, self.n),
-                                         version=answers[-1].weight_version if answers else None,
-                                         versions=answers[-1].weight_versions if answers else None))
-
-
-def _finish_fields(reason: dict | None) -> dict[str, Any]:
-    return {"finish_reason": finish_type(reason), "matched_stop": finish_matched(reason)}
 
 
 @router.post("/v1/completions", openapi_extra=openapi_body(CompletionBody))
@@ -188,7 +69,7 @@ async def completions(request: Request) -> Response:
         "logprob_start_len": 0 if with_prompt_logprobs else -1}
     plan = await _plan(request, body, {"text" if is_text else "input_ids": prompt}, body.max_tokens, logprobs)
     run = GenerationRun(engine, plan.sequences, stream=body.stream)
-    ids = _token_ids(body, plan)
+    ids = token_id_fields(body, plan)
     echoes = [_echo(engine, prompt, spec.prompt_ids, spec.prompt_index, is_text) if body.echo else ""
               for spec in plan.sequences]
 
@@ -204,12 +85,12 @@ async def completions(request: Request) -> Response:
             tops = list(get("input_top_logprobs") or []) + tops
         return completion_logprobs(engine.tokenizer, tokens, tops)
 
-    return await _Answer(engine, "text_completion", run.rids, plan.n, body.model).respond(
+    return await Answer(engine, "text_completion", run.rids, plan.n, body.model).respond(
         request, run, lambda i, a: {"index": i, "text": echoes[i] + a.text, "logprobs": lists(a, True),
-                                    **_finish_fields(a.finish_reason), **ids(i, a.output_ids, True)},
+                                    **finish_fields(a.finish_reason), **ids(i, a.output_ids, True)},
         lambda i, c, first: {"index": i, "text": (echoes[i] if first else "") + c.text, "logprobs": lists(c, first),
-                             **_finish_fields(c.finish_reason), **ids(i, c.output_ids, first)},
-        stream=body.stream, include_usage=_include_usage(body), continuous_usage=_continuous_usage(body),
+                             **finish_fields(c.finish_reason), **ids(i, c.output_ids, first)},
+        stream=body.stream, include_usage=include_usage_of(body), continuous_usage=continuous_usage_of(body),
         chunk_obj="text_completion")
 
 
@@ -331,7 +212,7 @@ async def chat_completions(request: Request) -> Response:
     plan = await _plan(request, body, {"input_ids": ids, "image_data": images or None}, body.max_new_tokens,
                        logprobs, is_chat=True)
     run = GenerationRun(engine, plan.sequences, stream=body.stream)
-    token_ids = _token_ids(body, plan)
+    token_ids = token_id_fields(body, plan)
 
     def lists(tokens: Any, tops: Any) -> dict[str, Any] | None:
         return chat_logprobs(engine.tokenizer, tokens or [], tops) if body.logprobs else None
@@ -340,43 +221,15 @@ async def chat_completions(request: Request) -> Response:
         meta = a.meta_info()
         return {"index": i, "message": {"role": "assistant", "content": a.text, "reasoning_content": None},
                 "logprobs": lists(meta.get("output_token_logprobs"), meta.get("output_top_logprobs")),
-                **_finish_fields(a.finish_reason), **token_ids(i, a.output_ids, True)}
+                **finish_fields(a.finish_reason), **token_ids(i, a.output_ids, True)}
 
-    deltas = _ChatDeltas(lists)
-    return await _Answer(engine, "chat.completion", run.rids, plan.n, body.model).respond(
-        request, run, whole, deltas.choice, stream=body.stream, include_usage=_include_usage(body),
-        continuous_usage=_continuous_usage(body), chunk_obj="chat.completion.chunk",
+    deltas = ChatDeltas(lists)
+    return await Answer(engine, "chat.completion", run.rids, plan.n, body.model).respond(
+        request, run, whole, deltas.choice, stream=body.stream, include_usage=include_usage_of(body),
+        continuous_usage=continuous_usage_of(body), chunk_obj="chat.completion.chunk",
         preamble=lambda i: {"index": i, "delta": {"role": "assistant", "content": "", "reasoning_content": None},
                             "logprobs": None, "finish_reason": None, "matched_stop": None},
         finale=deltas.finale)
-
-
-class _ChatDeltas:
-    """A chat stream's choices, as SGLang's stream loop sends them (``serving_chat.py``
-    ``_generate_stream_content``): a chunk only for an output with text, so an output whose tokens decode to no
-    text yet (part of a character, a stop string held back) sends none. Its logprobs wait for the choice's next
-    chunk, or its finish chunk, so each token's reaches the client (SGLang drops them)."""
-
-    def __init__(self, lists: Callable[[Any, Any], dict[str, Any] | None]) -> None:
-        self.lists = lists
-        self.tokens: dict[int, list[Any]] = {}
-        self.tops: dict[int, list[Any]] = {}
-
-    def _take(self, index: int) -> dict[str, Any] | None:
-        tokens, tops = self.tokens.pop(index, []), self.tops.pop(index, [])
-        return self.lists(tokens, tops) if tokens else None
-
-    def choice(self, index: int, piece: SequenceChunk, first: bool) -> dict[str, Any] | None:
-        self.tokens.setdefault(index, []).extend(piece.output_token_logprobs)
-        self.tops.setdefault(index, []).extend(piece.output_top_logprobs)
-        if not piece.text:
-            return None
-        return {"index": index, "delta": {"content": piece.text, "reasoning_content": None},
-                "logprobs": self._take(index), "finish_reason": None, "matched_stop": None}
-
-    def finale(self, index: int, piece: SequenceChunk) -> dict[str, Any]:
-        return {"index": index, "delta": {"reasoning_content": None}, "logprobs": self._take(index),
-                **_finish_fields(piece.finish_reason)}
 
 
 def _model_card(engine: Engine) -> dict[str, Any]:

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from node_engine.tokenizer import write_byte_tokenizer
+from tests.support.procs import ServerProcess
 
 VOCAB = 320  # the byte tokenizer's size, so every checkpoint here has a usable tokenizer
 
@@ -41,3 +44,19 @@ def make_checkpoint(folder: Path, kind: str, *, seed: int = 0, shard: bool = Tru
 
 
 KINDS = ("llama-gqa-untied-llama3", "llama-mha-tied", "qwen2-gqa-tied-bias", "qwen2-gqa-untied-bias")
+
+
+def templated_engine(folder: Path, template: str, context_length: int, *,
+                     generation_config: dict[str, Any] | None = None) -> ServerProcess:
+    """A ``llama-mha-tied`` checkpoint in ``folder`` whose tokenizer's chat template is ``template`` (and whose
+    ``generation_config.json`` is ``generation_config``, if given), served by an engine process started here
+    (``--served-model-name tiny-llama``); the caller stops it."""
+    make_checkpoint(folder, "llama-mha-tied", shard=False)
+    config_file = folder / "tokenizer_config.json"
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "chat_template": template}))
+    if generation_config is not None:
+        (folder / "generation_config.json").write_text(json.dumps(generation_config))
+    proc = ServerProcess("node_engine", ["--model-path", str(folder), "--context-length", str(context_length),
+                                         "--served-model-name", "tiny-llama"], log_dir=folder)
+    proc.start()
+    return proc

@@ -7,14 +7,13 @@ reads ``enable_thinking``; its tokenizer is byte-level, so a prompt's token coun
 
 from __future__ import annotations
 
-import json
 from typing import Any, Iterator
 
 import httpx
 import openai
 import pytest
 
-from tests.node_engine.checkpoints import make_checkpoint
+from tests.node_engine.checkpoints import templated_engine
 from tests.support.procs import ServerProcess
 from tests.support.sse import read_stream
 
@@ -29,15 +28,8 @@ USER = {"role": "user", "content": "hi"}
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    folder = tmp_path_factory.mktemp("templated")
-    make_checkpoint(folder, "llama-mha-tied", shard=False)
-    config_file = folder / "tokenizer_config.json"
-    config = json.loads(config_file.read_text())
-    config_file.write_text(json.dumps({**config, "chat_template": TEMPLATE}))
-    (folder / "generation_config.json").write_text(json.dumps({"top_k": 1, "max_length": 4096}))  # chat's default
-    proc = ServerProcess("node_engine", ["--model-path", str(folder), "--context-length", str(CONTEXT),
-                                         "--served-model-name", "tiny-llama"], log_dir=folder)
-    proc.start()
+    proc = templated_engine(tmp_path_factory.mktemp("templated"), TEMPLATE, CONTEXT,
+                            generation_config={"top_k": 1, "max_length": 4096})  # chat's default
     yield proc
     proc.stop()
 

@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from tests.node_engine.checkpoints import make_checkpoint
+from tests.node_engine.checkpoints import templated_engine
 from tests.support.procs import ServerProcess
 
 pytestmark = pytest.mark.timeout(120)
@@ -33,13 +33,7 @@ RESERVED_ID = 258  # a special token of the byte-level tokenizer ("<reserved_0>"
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    folder = tmp_path_factory.mktemp("tool_template")
-    make_checkpoint(folder, "llama-mha-tied", shard=False)
-    config_file = folder / "tokenizer_config.json"
-    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "chat_template": TEMPLATE}))
-    proc = ServerProcess("node_engine", ["--model-path", str(folder), "--context-length", "512",
-                                         "--served-model-name", "tiny-llama"], log_dir=folder)
-    proc.start()
+    proc = templated_engine(tmp_path_factory.mktemp("tool_template"), TEMPLATE, 512)
     yield proc
     proc.stop()
 

@@ -34,3 +34,9 @@ class NodeExists(Conflict):
 
 class NodeNotFound(NotFound):
     kind = E.NODE_NOT_FOUND
+
+
+class WeightGroupLost(Conflict):
+    """A node of the weight group an update names lost the group with a restart of its engine."""
+
+    kind = E.WEIGHT_SYNC_BROKEN

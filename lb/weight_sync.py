@@ -51,7 +51,7 @@ from handoff.service.peer_json import PeerJSONError, loads_bounded
 from handoff.service.upstream import UpstreamClient, UpstreamError
 from lb.addresses import canonical_url
 from lb.config import Role
-from lb.errors import NoAvailableNode, NoNodes, NodeNotFound
+from lb.errors import NoAvailableNode, NoNodes, NodeNotFound, WeightGroupLost
 from lb.fanout import FanOut, NodeResult
 from lb.health import HealthMonitor
 from lb.membership import Membership
@@ -162,14 +162,17 @@ class WeightSync:
         """``update_weights_from_distributed`` or ``destroy_weights_update_group``: to the nodes of the group the
         body names that joined it as ``role`` nodes, if it was formed through this LB, members or not; else (no
         such node) to every member of ``role``."""
-        body = None if self._groups.is_empty else _json_object(raw)
+        lost = [] if path == DESTROY_GROUP_PATH else [n for n in self._membership.nodes(role) if _lost_groups(n)]
+        body = None if self._groups.is_empty and not lost else _json_object(raw)
         name = body.get("group_name", DEFAULT_GROUP_NAME) if body is not None else None
         destroy = path == DESTROY_GROUP_PATH and body is not None and body.get("abandon_join_only") is not True
         nodes = (self._groups.nodes_of(name, self._membership, role, leaving=destroy) if isinstance(name, str)
                  else None)
-        if body is None or nodes is None:
+        called = None if nodes is None else list({now.url: now for _, now in nodes}.values())  # one per address
+        if path != DESTROY_GROUP_PATH:
+            _refuse_lost(name, lost if called is None else called)
+        if body is None or called is None:
             return await self._fanout.run("POST", path, raw, content_type, role, timeout_s)
-        called = list({now.url: now for _, now in nodes}.values())  # one call per address
         status, payload = await self._fanout.run("POST", path, raw, content_type, role, timeout_s, called)
         if destroy:
             self._groups.destroyed(name, nodes, payload)
@@ -259,6 +262,23 @@ def _one_reader_releases(raw: bytes, num_nodes: int) -> list[bytes]:
     borrowing = _json({**body, "release_sender_reference": False})
     return [_json({**body, "release_sender_reference": body.get("release_sender_reference", True)}), *(
         [borrowing] * (num_nodes - 1))]
+
+
+def _lost_groups(node: Node) -> list[str]:
+    """The weight groups the node's sidecar says its engine left by restarting (a peer's JSON: strings only)."""
+    names = node.occupation.get("weight_groups_lost")
+    return [name for name in names if isinstance(name, str)] if isinstance(names, list) else []
+
+
+def _refuse_lost(name: object, nodes: list[Node]) -> None:
+    """An update over group ``name``, which one of ``nodes`` lost with a restart of its engine, is refused before
+    anything is sent: the other nodes would wait for broadcasts the trainer's broken group cannot send."""
+    lost = [node.url for node in nodes if isinstance(name, str) and name in _lost_groups(node)]
+    if lost:
+        raise WeightGroupLost(
+            f"the engine of {', '.join(lost[:8])} restarted after it joined weight group {name!r} and is in no group "
+            "now: nothing was sent; destroy the group (destroy_weights_update_group) and call "
+            "init_weights_update_group again with the same world_size", extra={"nodes": lost[:8], "group_name": name})
 
 
 def _json_object(raw: bytes) -> dict[str, Any] | None:

@@ -7,7 +7,8 @@ from typing import Any
 from handoff.protocol import errors as E
 from handoff.service.errors import Conflict, NotServing, ServiceError, Unavailable
 
-__all__ = ["SidecarError", "NotServing", "EngineUnavailable", "DrainTimeout", "CheckpointTimeout", "EngineRefused"]
+__all__ = ["SidecarError", "NotServing", "EngineUnavailable", "DrainTimeout", "CheckpointTimeout", "EngineRefused",
+           "WeightSyncBroken"]
 
 
 class SidecarError(ServiceError):
@@ -20,6 +21,12 @@ class EngineUnavailable(Unavailable):
 
 class DrainTimeout(Conflict):
     kind = E.DRAIN_TIMEOUT
+
+
+class WeightSyncBroken(Conflict):
+    """A weight update group that cannot carry updates any more: destroy it and join again."""
+
+    kind = E.WEIGHT_SYNC_BROKEN
 
 
 class CheckpointTimeout(ServiceError):

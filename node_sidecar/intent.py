@@ -13,6 +13,12 @@ until done), and a node whose weights had been updated refuses generation with
 succeeds. Renaming the version (``update_weight_version``) does not lift it: it
 would only label the start checkpoint's weights with the new name.
 
+A fresh engine is in no weight update group either: the groups its predecessor
+joined through the sidecar become :attr:`ClusterIntent.lost_groups` until the
+trainer destroys them (a success: the node holds them no more) or joins them
+again. An update over a lost group is refused at once (``weight_sync_broken``):
+its trainer must form the group again, on every node.
+
 A restarted sidecar starts with nothing remembered: it reads the tags from the
 engine as before, and cannot tell whether that engine's weights are stale.
 """
@@ -46,6 +52,8 @@ class ClusterIntent:
     unrestored: list[str] = field(default_factory=list)  # released tags a fresh engine holds resident still
     stale: StaleWeights | None = None  # a fresh engine's start weights, where the node had updated ones
     stage_to_cpu: bool | None = None   # as the cluster's last release asked (a vLLM node's sleep level follows it)
+    joined_groups: set[str] = field(default_factory=set)  # weight groups this engine process joined through us
+    lost_groups: set[str] = field(default_factory=set)    # joined by an earlier engine process, not left since
 
     def record_release(self, tags: list[str], *, stage_to_cpu: bool | None = None) -> None:
         """``tags`` are released now, as the cluster asked; ``stage_to_cpu`` as it asked, kept for a release again
@@ -65,6 +73,16 @@ class ClusterIntent:
         self.weights_updated = True
         self.stale = None
 
+    def record_joined(self, group: str) -> None:
+        """The engine joined weight group ``group``."""
+        self.joined_groups.add(group)
+        self.lost_groups.discard(group)
+
+    def record_left(self, group: str) -> None:
+        """The node is in weight group ``group`` no more (destroyed, or lost with an engine and so acknowledged)."""
+        self.joined_groups.discard(group)
+        self.lost_groups.discard(group)
+
     def meet_engine(self, instance: str | None, *, served_version: str | None, had_version: str | None) -> bool:
         """Note the engine process read now; True if it is a fresh one replacing the process this held for (then
         :attr:`unrestored` and :attr:`stale` say what the node must do before it serves). An engine that names
@@ -75,6 +93,8 @@ class ClusterIntent:
         if first:
             return False
         self.unrestored = [t for t in TAGS if t in self.released]
+        self.lost_groups |= self.joined_groups
+        self.joined_groups = set()
         if self.weights_updated or self.stale is not None:
             self.stale = StaleWeights(served_version, self.stale.had if self.stale is not None else had_version)
         self.weights_updated = False
@@ -84,6 +104,12 @@ class ClusterIntent:
         """The fresh engine released ``tags`` again (the unrestored ones and any freed together with them)."""
         self.record_release(tags, stage_to_cpu=self.stage_to_cpu)
         self.unrestored = []
+
+    def lost_group_message(self, group: str) -> str:
+        """Why an update over ``group``, lost with an earlier engine process, is refused, and what to do."""
+        return (f"the engine restarted after it joined weight group {group!r} (engine process {self.engine}) and "
+                "is in no group now: the group is out of step; destroy it on every node "
+                "(destroy_weights_update_group) and call init_weights_update_group again")
 
     def blocking_reason(self) -> NotServingReason | None:
         """Why the node may not serve its fresh engine yet (None: nothing of the cluster's stands in the way)."""

@@ -277,6 +277,7 @@ class Node:
             "weight_version": state.weight_version,
             "weights_backup": state.weights_backup,
             "tp_size": state.tp_size,
+            "weight_groups_lost": sorted(state.intent.lost_groups),  # left with an engine that restarted
             "in_flight": self.admission.num_in_flight,
             "held": self.admission.num_held,
             "last_error": self.last_error,

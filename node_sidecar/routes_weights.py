@@ -18,17 +18,21 @@ from fastapi import APIRouter, Request
 from starlette.responses import JSONResponse, Response
 
 from handoff.protocol.control import SGLangRequest
-from handoff.protocol.weights import (DESTROY_GROUP_PATH, INIT_GROUP_PATH, BeginWeightUpdateBody,
-                                      DestroyWeightsUpdateGroupBody, EndWeightUpdateBody, InitWeightsUpdateGroupBody,
-                                      UpdateWeightsFromDistributedBody, UpdateWeightsFromTensorBody,
-                                      UpdateWeightVersionBody, WeightUpdateCommon)
+from handoff.protocol.weights import (DEFAULT_GROUP_NAME, DESTROY_GROUP_PATH, INIT_GROUP_PATH,
+                                      BeginWeightUpdateBody, DestroyWeightsUpdateGroupBody, EndWeightUpdateBody,
+                                      InitWeightsUpdateGroupBody, UpdateWeightsFromDistributedBody,
+                                      UpdateWeightsFromTensorBody, UpdateWeightVersionBody, WeightUpdateCommon)
 from handoff.service.auth import BearerToken
 from handoff.service.bodies import openapi_body, parse_body
 from node_sidecar.config import SidecarConfig
 from node_sidecar.control import ControlPlane, DrainLimit
+from node_sidecar.errors import WeightSyncBroken
+from node_sidecar.intent import ClusterIntent
 from node_sidecar.node import Node
 from node_sidecar.proxy import forward
 from node_sidecar.routes_control import answer_by
+
+DISTRIBUTED_PATH = "/update_weights_from_distributed"
 
 
 def _control_of(request: Request) -> ControlPlane:
@@ -47,6 +51,10 @@ def weight_router(config: SidecarConfig, admin: BearerToken) -> APIRouter:
             admin.check(request)
             body = (await parse_body(request, model)).engine_body(exclude_none=True)
             control = _control_of(request)
+            intent = control.node.state.intent
+            group = body.get("group_name", DEFAULT_GROUP_NAME)
+            if path == DISTRIBUTED_PATH and group in intent.lost_groups:
+                raise WeightSyncBroken(intent.lost_group_message(group), extra={"group_name": group})
             return JSONResponse(await control.update_weights(
                 lambda: control.node.engine_adapter.weight_call(path, body),
                 drain=DrainLimit(config.drain_timeout, answer_by(request)),
@@ -56,7 +64,7 @@ def weight_router(config: SidecarConfig, admin: BearerToken) -> APIRouter:
                              name=path.strip("/"))
 
     update_route("/update_weights_from_tensor", UpdateWeightsFromTensorBody)
-    update_route("/update_weights_from_distributed", UpdateWeightsFromDistributedBody)
+    update_route(DISTRIBUTED_PATH, UpdateWeightsFromDistributedBody)
 
     joins_in_flight: Counter[str] = Counter()  # group name -> init calls through this sidecar not answered yet
 
@@ -72,17 +80,25 @@ def weight_router(config: SidecarConfig, admin: BearerToken) -> APIRouter:
             if serialized:
                 return JSONResponse(await control.weight_call(path, body))
             control.node.require_engine()
-            if path == DESTROY_GROUP_PATH and body["abandon_join_only"] and not joins_in_flight[body["group_name"]]:
+            intent, group = control.node.state.intent, body.get("group_name", DEFAULT_GROUP_NAME)
+            if path == DESTROY_GROUP_PATH and body["abandon_join_only"] and not joins_in_flight[group]:
                 # an engine of another kind would destroy a group by that name: the LB's rollback must not
-                return JSONResponse({"success": True, "message": f"No join of group {body['group_name']!r} was "
+                return JSONResponse({"success": True, "message": f"No join of group {group!r} was "
                                                                  "under way; nothing was destroyed."})
+            if path == DESTROY_GROUP_PATH and not body["abandon_join_only"] and group in intent.lost_groups:
+                return JSONResponse(_forget_lost_group(intent, group))
             if path != INIT_GROUP_PATH:
-                return JSONResponse(await control.node.engine_adapter.weight_call(path, body))
-            joins_in_flight[body["group_name"]] += 1
+                answer = await control.node.engine_adapter.weight_call(path, body)
+                if path == DESTROY_GROUP_PATH and not body["abandon_join_only"]:
+                    intent.record_left(group)
+                return JSONResponse(answer)
+            joins_in_flight[group] += 1
             try:
-                return JSONResponse(await control.node.engine_adapter.weight_call(path, body))
+                answer = await control.node.engine_adapter.weight_call(path, body)
             finally:
-                joins_in_flight[body["group_name"]] -= 1
+                joins_in_flight[group] -= 1
+            intent.record_joined(group)
+            return JSONResponse(answer)
 
         router.add_api_route(path, call, methods=["POST"], openapi_extra=openapi_body(model, required=not empty_ok),
                              name=path.strip("/"))
@@ -101,3 +117,10 @@ def weight_router(config: SidecarConfig, admin: BearerToken) -> APIRouter:
     for path in ("/get_weight_version", "/get_model_info", "/model_info"):
         router.add_api_route(path, read_only, methods=["GET"], name=path.strip("/"))
     return router
+
+
+def _forget_lost_group(intent: ClusterIntent, group: str) -> dict[str, object]:
+    """A destroy of a group the node lost with its engine: done already (the fresh engine holds no such group)."""
+    intent.record_left(group)
+    return {"success": True, "message": f"The engine restarted after it joined group {group!r} and holds it no "
+                                        "more; nothing was destroyed."}

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import Counter, Gauge, Histogram
+
+from handoff.service.prometheus import new_registry
 
 if TYPE_CHECKING:
     from node_engine.scheduler import Scheduler
@@ -17,7 +19,7 @@ CONTROL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 
 
 class EngineMetrics:
     def __init__(self) -> None:
-        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry = new_registry()
         r = self.registry
         self.requests = Counter("handoff_engine_requests", "Generation requests finished, by finish reason.",
                                 ["finish_reason"], registry=r)

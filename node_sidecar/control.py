@@ -75,19 +75,16 @@ class ControlPlane:
         node, state = self.node, self.node.state
         for tag in tags:
             state.transition(tag, through)
-        node.update_memory_metrics()
         try:
             yield
         except BaseException as exc:
             for tag in tags:
                 state.transition(tag, undone)
-            node.update_memory_metrics()
             if isinstance(exc, ServiceError):
                 await node.resync_quietly()
             raise
         for tag in tags:
             state.transition(tag, done)
-        node.update_memory_metrics()
 
     async def _drain(self, mode: str, limit: DrainLimit) -> tuple[int, int]:
         """Empty the node of generation; returns (drained, aborted). Raises DrainTimeout."""
@@ -215,7 +212,6 @@ class ControlPlane:
                 if "weight_version" in answer:
                     state.weight_version = peer_weight_version(answer["weight_version"])
                 state.intent.record_weights_loaded()
-                node.update_memory_metrics()
         log.info("weights updated, weight_version=%s (drained %d, aborted %d)", state.weight_version, drained,
                  aborted)
         return {**answer, "drained_requests": drained, "aborted_requests": aborted, "serving": state.is_serving}

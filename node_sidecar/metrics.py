@@ -6,14 +6,16 @@ because in Kubernetes the engine listens on localhost only.
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import Counter, Gauge, Histogram
+
+from handoff.service.prometheus import new_registry
 
 _CONTROL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 
 class SidecarMetrics:
     def __init__(self) -> None:
-        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry = new_registry()
         r = self.registry
         self.memory_bytes = Gauge("handoff_node_memory_bytes", "Bytes of each memory tag, by state.",
                                   ["tag", "state"], registry=r)

@@ -148,7 +148,6 @@ class Node:
             self._meet_fresh_engine()
         if self.state.intent.unrestored:
             await self.release_again()
-        self.update_memory_metrics()
         self.refresh_admission()
 
     def _meet_fresh_engine(self) -> None:
@@ -218,7 +217,6 @@ class Node:
                     async with self.control_lock:
                         if self.state.intent.unrestored and self.state.is_synced:
                             await self.release_again()
-                            self.update_memory_metrics()
                             self.refresh_admission()
                 else:
                     await self._probe_health()
@@ -292,6 +290,12 @@ class Node:
         return value if len(value) <= MAX_NODE_STATE_HEADER_BYTES else None
 
     def update_memory_metrics(self) -> None:
+        """Set ``handoff_node_memory_bytes`` from what the node knows now (at each scrape). Until the engine's
+        view is read (at start, and again after it was unreachable) there are no series: as in
+        :meth:`state_view`, a dead or restarted engine's memory is not known, and must not be summed."""
+        if not self.state.is_synced:
+            self.metrics.memory_bytes.clear()
+            return
         for tag in TAGS:
             current = self.state.tags[tag]
             for state in TagState:

@@ -109,6 +109,7 @@ def views_router(metrics: SidecarMetrics, admin: BearerToken, api_key: BearerTok
         node = node_of(request)
         metrics.inflight_requests.set(node.admission.num_in_flight)
         metrics.held_requests.set(node.admission.num_held)
+        node.update_memory_metrics()
         text = generate_latest(metrics.registry)
         if node.state.is_engine_reachable:
             text += await engine_exposition(node)

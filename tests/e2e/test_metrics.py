@@ -1,0 +1,119 @@
+"""Every ``/metrics`` (LB, sidecar, engine) read by Prometheus's reference parser after hostile traffic: label
+values from bounded sets only, no series left for a node that left, none for a dead engine's memory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterator
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from handoff.cluster.local import ClusterSpec, LocalCluster
+from tests.support.procs import ServerProcess, wait_until
+
+pytestmark = pytest.mark.timeout(240)
+
+Series = set[tuple[str, tuple[tuple[str, str], ...]]]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    with LocalCluster(ClusterSpec(num_mixed=1), tmp_path_factory.mktemp("metrics")) as c:
+        yield c
+
+
+def scrape(url: str) -> Series:
+    """Every sample of ``url``'s ``/metrics`` as Prometheus's reference parser reads it (raises if it cannot)."""
+    answer = httpx.get(url + "/metrics", timeout=30)
+    assert answer.status_code == 200 and answer.headers["content-type"].startswith("text/plain")
+    return {(sample.name, tuple(sorted(sample.labels.items())))
+            for family in text_string_to_metric_families(answer.content.decode("utf-8"))
+            for sample in family.samples}
+
+
+def hostile_round(http: httpx.Client, urls: list[str], mark: str) -> None:
+    """Requests whose paths, models, versions, tags and bodies carry ``mark`` and characters a label must escape."""
+    odd = f'{mark}"\\\n\u00e9'
+    for url in urls:
+        for method in ("GET", "POST", "DELETE", "PUT"):
+            http.request(method, f"{url}/{mark}%22%0A%5C%FF")
+            http.request(method, f"{url}/v1/models/{mark}%22")
+        http.post(url + "/generate", json={"text": "x", "model": odd, "sampling_params": {"max_new_tokens": 1}})
+        http.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 1, "model": odd})
+        http.post(url + "/v1/completions", content=b'{"prompt": "x", "max_tokens": 1, "model": "\\udc80"}')
+        http.post(url + "/generate", content=b'\xff\xfe{"text": "' + mark.encode() + b'"}')
+        http.post(url + "/update_weight_version", json={"new_version": odd})
+        http.post(url + "/update_weights_from_disk", json={"model_path": f"/nowhere/{odd}"})
+        http.post(url + "/release_memory_occupation", json={"tags": [odd]})
+        http.post(url + "/abort_request", json={"rid": odd})
+
+
+def test_every_endpoint_parses_and_hostile_traffic_adds_no_series(cluster: LocalCluster) -> None:
+    """Label values come from bounded sets: a second round of requests with other paths, models, versions and
+    tags adds no series to any endpoint (each counter's ``*_created`` twin included: there are none)."""
+    node = cluster.nodes[0]
+    urls = [cluster.url, node.url, node.engine.url]
+    with httpx.Client(timeout=30) as http:
+        hostile_round(http, urls, "first")
+        for url in urls:
+            scrape(url)  # the LB counts its own scrapes: that series is there from now on
+        after_first = {url: scrape(url) for url in urls}
+        hostile_round(http, urls, "second")
+        for url in urls:
+            assert scrape(url) == after_first[url], url
+    for url, series in after_first.items():
+        assert not [name for name, _ in series if name.endswith("_created")], url
+        values = {value for _, labels in series for _, value in labels}
+        assert not [v for v in values if "first" in v or '"' in v or "\n" in v], (url, values)
+
+
+def test_a_removed_node_leaves_no_series(cluster: LocalCluster, proc_log_dir: Path) -> None:
+    """Nodes added through ``POST /nodes`` and removed again leave no ``handoff_lb_node_*`` series behind."""
+    before = scrape(cluster.url)
+    with httpx.Client(base_url=cluster.url, timeout=30) as http:
+        for port in range(1, 41):
+            http.post("/nodes", json={"url": f"http://127.0.0.3:{port}"}).raise_for_status()
+        added = {labels for name, labels in scrape(cluster.url) - before if name.startswith("handoff_lb_node_")}
+        assert len(added) == 40
+        for port in range(1, 41):
+            http.delete("/nodes", params={"url": f"http://127.0.0.3:{port}"}).raise_for_status()
+    def per_node(series: Series) -> Series:
+        return {(name, labels) for name, labels in series if name.startswith("handoff_lb_node")}
+
+    assert per_node(scrape(cluster.url)) == per_node(before) != set()
+
+
+def memory_series(sidecar: ServerProcess) -> dict[tuple[str, str], float]:
+    answer = httpx.get(sidecar.url + "/metrics", timeout=30).text
+    return {(sample.labels["tag"], sample.labels["state"]): sample.value
+            for family in text_string_to_metric_families(answer) if family.name == "handoff_node_memory_bytes"
+            for sample in family.samples}
+
+
+def test_a_dead_engines_memory_is_not_reported(proc_log_dir: Path) -> None:
+    """``handoff_node_memory_bytes`` kept the last bytes read while the engine was dead (summed by the memory
+    dashboard as if still held); it has no series while the engine's state is unknown, as ``/memory_occupation``
+    says ``unknown``, and the restarted engine's once it is read again."""
+    engine = ServerProcess("node_engine", ["--model-path", "builtin:tiny", "--enable-memory-saver"],
+                           log_dir=proc_log_dir, name="metrics-engine").start()
+    sidecar = ServerProcess("node_sidecar", ["--engine-url", engine.url, "--engine-poll-interval", "0.2"],
+                            log_dir=proc_log_dir, name="metrics-sidecar").start()
+    try:
+        wait_until(lambda: httpx.get(sidecar.url + "/ready").status_code == 200, timeout=20, what="serving")
+        assert httpx.post(sidecar.url + "/release_memory_occupation", json={"tags": ["kv_cache"]},
+                          timeout=30).status_code == 200
+        series = memory_series(sidecar)
+        assert series[("weights", "resident")] > 0 and series[("kv_cache", "released")] > 0
+        engine.kill()
+        wait_until(lambda: httpx.get(sidecar.url + "/memory_occupation").json()["engine_reachable"] is False,
+                   timeout=10, what="the engine seen down")
+        assert memory_series(sidecar) == {}
+        engine.start()  # same port; the sidecar releases kv_cache again on the fresh engine
+        wait_until(lambda: memory_series(sidecar).get(("kv_cache", "released"), 0) > 0, timeout=20,
+                   what="the fresh engine's memory read")
+        assert memory_series(sidecar)[("weights", "resident")] > 0
+    finally:
+        sidecar.stop()
+        engine.stop()

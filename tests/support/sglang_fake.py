@@ -50,7 +50,23 @@ torch_memory_saver 0.0.10, which SGLang's memory saver calls):
   a stream repeats the whole text and ids so far in every event (the default
   ``incremental_streaming_output`` false), then ``data: [DONE]``;
   ``finish_reason`` is ``{"type": "length", "length": n}`` or ``{"type":
-  "abort", "message": ...}`` (``managers/schedule_batch.py:320-345``).
+  "abort", "message": ...}`` (``managers/schedule_batch.py:320-345``). A
+  batch (``text`` a list, ``input_ids`` a list of lists) or ``n`` > 1 answers
+  a list, and each stream event carries its ``index``; rids as SGLang makes
+  them (a string rid ``rid_i`` per prompt, fresh ones per sample of n > 1).
+- **Generation errors** (``http_server.py:933-990``): a body that is not a JSON
+  object is FastAPI's 400 ``{"object": "error", "message", "type", "param",
+  "code"}``; a ValueError while normalizing (no prompt, empty ``input_ids``,
+  a rid list of the wrong length or with duplicates, a rid already running)
+  is 400 ``{"error": {"message"}}``, and for a stream (already 200) one event
+  ``{"error": {"message", "type": "invalid_request_error", "code", "retryable"}}``
+  then ``data: [DONE]``.
+- **A client that goes away aborts its request**: a stream's generator is
+  closed (``tokenizer_manager.py:966-980``, ``_release_req_states_on_failure``);
+  a non-stream request polls ``request.is_disconnected()`` every
+  ``SGLANG_REQUEST_STATE_WAIT_TIMEOUT`` (4 s; ``tokenizer_manager.py:1955-1975``),
+  here every ``DISCONNECT_POLL_S``. Each is recorded as
+  ``abort <rid> (client disconnected)`` in the calls.
 - ``POST /abort_request`` answers 200 with no body (``http_server.py:1721-1731``);
   ``POST /update_weights_from_disk`` answers ``{"success", "message",
   "num_paused_requests"}``, 400 when it fails (``http_server.py:1300-1326``);
@@ -116,6 +132,7 @@ TOKEN_SECONDS = 0.01                                   # one decode step
 LAST_BATCH_SECONDS = 0.5  # a finished batch counts until the next loop iteration (ms in SGLang; longer here, so
 #                          a release sent the moment the last answer arrives would find the server busy)
 VERSION = "0.5.23"
+DISCONNECT_POLL_S = 0.1  # SGLang's SGLANG_REQUEST_STATE_WAIT_TIMEOUT (4 s, environ.py:1679), shorter here
 
 
 def die(reason: str) -> None:
@@ -225,60 +242,171 @@ def _text(ids: list[int]) -> str:
     return "".join(chr(ord("a") + i % 26) for i in ids)
 
 
+class GenerateError(ValueError):
+    """A ValueError SGLang raises while it normalizes a ``/generate`` body or registers its rids."""
+
+
+def _prompts(fake: FakeSglang, body: dict[str, Any]) -> tuple[list[list[int]], list[str], bool]:
+    """``(prompts, rids, is_single)`` as ``GenerateReqInput.normalize_batch_and_arguments`` and
+    ``_init_req_state`` make them (``io_struct.py:440-456``, ``479-506``, ``518-545``, ``760-774``,
+    ``tokenizer_manager.py:3834-3837``); n > 1 expands each prompt into n samples of fresh rids."""
+    text, input_ids = body.get("text"), body.get("input_ids")
+    if text is None and input_ids is None:
+        raise GenerateError("Either text, input_ids or input_embeds should be provided.")
+    if text is not None:  # text wins over input_ids, as in _determine_batch_size
+        is_single = isinstance(text, str)
+        prompts = [[ord(c) for c in t] for t in ([text] if is_single else text)]
+    elif not input_ids:
+        raise GenerateError("input_ids cannot be empty.")
+    else:
+        is_single = isinstance(input_ids[0], int)
+        prompts = [list(input_ids)] if is_single else [list(ids) for ids in input_ids]
+    n = _num_samples(body.get("sampling_params"))
+    is_single = is_single and n == 1
+    rid = body.get("rid")
+    if is_single:
+        rids = [str(rid or uuid.uuid4().hex)]
+    elif rid is None:
+        rids = [uuid.uuid4().hex for _ in prompts]
+    elif isinstance(rid, str):
+        rids = [f"{rid}_{i}" for i in range(len(prompts))]
+    elif len(rid) != len(prompts):
+        raise GenerateError("The specified rids length mismatch with the batch_size for batch processing.")
+    elif len(set(rid)) != len(rid):
+        raise GenerateError(f"Duplicate request IDs detected within the request: {sorted(set(rid))}")
+    else:
+        rids = [str(r) for r in rid]
+    for r in rids:
+        if r in fake.running:
+            raise GenerateError(f"Duplicate request ID detected: {r}")
+    if n > 1:  # _handle_batch_request: every sample is a request of its own, with a rid of its own
+        prompts = [p for p in prompts for _ in range(n)]
+        rids = [uuid.uuid4().hex for _ in prompts]
+    return prompts, rids, is_single
+
+
+def _num_samples(params: Any) -> int:
+    """``n`` of the sampling parameters (a list of them shares one, ``io_struct.py:527-535``)."""
+    one = params[0] if isinstance(params, list) and params else params
+    return int(one.get("n", 1)) if isinstance(one, dict) else 1
+
+
+def _max_new_tokens(params: Any, index: int, n: int) -> int:
+    one = params[index // n] if isinstance(params, list) else (params or {})
+    return int(one.get("max_new_tokens", 16))
+
+
+def _error_answer(message: str, *, stream: bool) -> Response:
+    """A ValueError while generating: non-stream, 400 ``{"error": {"message"}}`` (``http_server.py:2246-2250``); a
+    stream is already 200, so one error event and ``[DONE]`` (``http_server.py:954-978``)."""
+    if not stream:
+        return JSONResponse({"error": {"message": message}}, status_code=400)
+    event = {"error": {"message": message, "type": "invalid_request_error", "code": 400, "retryable": False}}
+    return Response(b"data: " + json.dumps(event).encode() + b"\n\ndata: [DONE]\n\n", media_type="text/event-stream")
+
+
+def _bad_request(message: str) -> Response:
+    """FastAPI's validation error as SGLang answers it: 400 ``ErrorResponse`` (``http_server.py:636-692``)."""
+    return JSONResponse({"object": "error", "message": message, "type": "Bad Request", "param": None, "code": 400},
+                        status_code=400)
+
+
 def create_app(fake: FakeSglang) -> Any:
     async def generate(request: Request) -> Response:
-        body = await request.json()
+        try:
+            body = await request.json()
+        except ValueError as exc:
+            return _bad_request(f"JSON decode error: {exc}")
+        if not isinstance(body, dict):
+            return _bad_request("Input should be a valid dictionary or object to extract fields from")
         fake.calls.append("generate")
         if body.get("image_data") is not None:
             fake.media.append(body["image_data"])
+        is_stream = bool(body.get("stream"))
+        try:
+            prompts, rids, is_single = _prompts(fake, body)
+        except GenerateError as exc:
+            return _error_answer(str(exc), stream=is_stream)
         while fake.paused:  # tokenizer_manager.py:2267-2286: new requests wait until continue_generation
             await asyncio.sleep(0.01)
-        if "input_ids" in body:
-            prompt = list(body["input_ids"])
-        else:
-            prompt = [ord(c) for c in str(body.get("text", ""))]
         params = body.get("sampling_params") or {}
-        max_new_tokens = int(params.get("max_new_tokens", 16))
-        rid = str(body.get("rid") or uuid.uuid4().hex)
+        n = _num_samples(params)
+        jobs = [Running(rid) for rid in rids]
+        for job in jobs:
+            fake.running[job.rid] = job
         fake.touch_memory("generate")
-        job = Running(rid)
-        fake.running[rid] = job
+        limits = [_max_new_tokens(params, i, n) for i in range(len(jobs))]
+        outputs: list[list[int]] = [[] for _ in jobs]
+        finished: list[dict[str, Any] | None] = [None for _ in jobs]
 
-        def answer(ids: list[int], finish: dict[str, Any] | None) -> dict[str, Any]:
-            return {"text": _text(ids), "output_ids": list(ids), "meta_info": {
-                "id": rid, "finish_reason": finish, "prompt_tokens": len(prompt), "weight_version": fake.weight_version,
-                "completion_tokens": len(ids), "cached_tokens": 0}}
+        def answer(i: int) -> dict[str, Any]:
+            ids = outputs[i]
+            out = {"text": _text(ids), "output_ids": list(ids), "meta_info": {
+                "id": jobs[i].rid, "finish_reason": finished[i], "prompt_tokens": len(prompts[i]),
+                "weight_version": fake.weight_version, "completion_tokens": len(ids), "cached_tokens": 0}}
+            if not is_single:
+                out["index"] = i  # _stream_batch_responses (a whole batch answer is a list, in order)
+            return out
 
-        async def steps() -> AsyncIterator[tuple[list[int], dict[str, Any] | None]]:
-            ids: list[int] = []
+        async def steps() -> AsyncIterator[list[int]]:
+            """One decode step of every running sub-request; yields the indexes that made progress."""
             try:
-                for index in range(max_new_tokens):
+                empty = [i for i, limit in enumerate(limits) if limit <= 0]
+                for i in empty:
+                    finished[i] = {"type": "length", "length": 0}
+                if empty:
+                    yield empty
+                for step in range(max(limits, default=0)):
                     await asyncio.sleep(TOKEN_SECONDS)
-                    while fake.paused and not job.aborted:  # retract / in_place: kept, not stepped
+                    while fake.paused and not any(job.aborted for job in jobs):  # retract / in_place: kept
                         await asyncio.sleep(TOKEN_SECONDS)
-                    if job.aborted:
-                        yield ids, {"type": "abort", "message": "Abort in waiting queue", "status_code": None,
-                                    "err_type": None}
+                    moved = []
+                    for i, job in enumerate(jobs):
+                        if finished[i] is not None:
+                            continue
+                        if job.aborted:
+                            finished[i] = {"type": "abort", "message": "Abort in waiting queue", "status_code": None,
+                                           "err_type": None}
+                        else:
+                            fake.touch_memory("decode")
+                            outputs[i].append(fake.token(prompts[i], step))
+                            if len(outputs[i]) >= limits[i]:
+                                finished[i] = {"type": "length", "length": len(outputs[i])}
+                        moved.append(i)
+                    if moved:
+                        yield moved
+                    if all(f is not None for f in finished):
                         return
-                    fake.touch_memory("decode")
-                    ids.append(fake.token(prompt, index))
-                    done = len(ids) == max_new_tokens
-                    yield ids, {"type": "length", "length": len(ids)} if done else None
             finally:
-                # The batch that finished stays the scheduler's last_batch until its next loop iteration
-                # (scheduler.py:2039-2056), and is_fully_idle wants it empty (scheduler.py:5344-5351).
-                asyncio.get_running_loop().call_later(LAST_BATCH_SECONDS, fake.running.pop, rid, None)
+                for i, job in enumerate(jobs):
+                    if finished[i] is None:  # left unfinished: the client went away (generate_request's cleanup)
+                        fake.calls.append(f"abort {job.rid} (client disconnected)")
+                    # The batch that finished stays the scheduler's last_batch until its next loop iteration
+                    # (scheduler.py:2039-2056), and is_fully_idle wants it empty (scheduler.py:5344-5351).
+                    asyncio.get_running_loop().call_later(LAST_BATCH_SECONDS, fake.running.pop, job.rid, None)
 
-        if body.get("stream"):
+        if is_stream:
             async def events() -> AsyncIterator[bytes]:
-                async for ids, finish in steps():
-                    yield b"data: " + json.dumps(answer(ids, finish)).encode() + b"\n\n"
+                async for moved in steps():
+                    for i in moved:
+                        yield b"data: " + json.dumps(answer(i)).encode() + b"\n\n"
                 yield b"data: [DONE]\n\n"
             return StreamingResponse(events(), media_type="text/event-stream")
-        last: dict[str, Any] = answer([], None)
-        async for ids, finish in steps():
-            last = answer(ids, finish)
-        return JSONResponse(last)
+        # _stream_one_response: a non-stream request polls its client every SGLANG_REQUEST_STATE_WAIT_TIMEOUT
+        # (4 s) and aborts once it is gone (here every DISCONNECT_POLL_S)
+        gen = steps()
+        try:
+            next_poll = time.monotonic() + DISCONNECT_POLL_S
+            async for _ in gen:
+                if time.monotonic() >= next_poll:
+                    next_poll = time.monotonic() + DISCONNECT_POLL_S
+                    if await request.is_disconnected():
+                        break
+        finally:
+            await gen.aclose()
+        if any(f is None for f in finished):
+            return _error_answer("Request is disconnected from the client side (type 1). Abort request", stream=False)
+        return JSONResponse(answer(0) if is_single else [answer(i) for i in range(len(jobs))])
 
     async def chat(request: Request) -> Response:  # recorded and answered "ok" (the sidecar passes chat through)
         body = await request.json()
@@ -287,6 +415,23 @@ def create_app(fake: FakeSglang) -> Any:
         return JSONResponse({"id": "chatcmpl-fake", "object": "chat.completion", "model": fake.model_path,
                              "choices": [{"index": 0, "finish_reason": "stop",
                                           "message": {"role": "assistant", "content": "ok"}}]})
+
+    async def completions(request: Request) -> Response:  # SGLang's OpenAI server, answered "ok" (passed through)
+        try:
+            body = await request.json()
+        except ValueError as exc:
+            return _bad_request(f"JSON decode error: {exc}")
+        if not isinstance(body, dict) or "prompt" not in body:  # CompletionRequest.prompt is required
+            return _bad_request("1 validation error for CompletionRequest\nprompt\n  Field required")
+        fake.calls.append("completions")
+        answer = {"id": "cmpl-fake", "object": "text_completion", "created": int(time.time()),
+                  "model": fake.model_path, "choices": [{"index": 0, "text": "ok", "logprobs": None,
+                                                         "finish_reason": "length", "matched_stop": None}],
+                  "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}
+        if body.get("stream"):
+            return Response(b"data: " + json.dumps(answer).encode() + b"\n\ndata: [DONE]\n\n",
+                            media_type="text/event-stream")
+        return JSONResponse(answer)
 
     async def abort_request(request: Request) -> Response:
         body = await request.json()
@@ -439,6 +584,7 @@ def create_app(fake: FakeSglang) -> Any:
     app = Starlette(routes=[
         Route("/generate", generate, methods=["POST"]),
         Route("/v1/chat/completions", chat, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
         Route("/abort_request", abort_request, methods=["POST"]),
         Route("/release_memory_occupation", release, methods=["GET", "POST"]),
         Route("/resume_memory_occupation", resume, methods=["GET", "POST"]),

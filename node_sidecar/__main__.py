@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from handoff.service.auth import token_from
-from handoff.service.flag_types import positive_seconds
+from handoff.service.flag_types import positive_seconds, state_file
 from handoff.service.limits import DEFAULT_MAX_ANSWER_BYTES, DEFAULT_MAX_BODY_BYTES
 from handoff.service.logs import setup_logging
 from handoff.service.serve import add_server_args, serve_from_args
@@ -68,6 +68,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--refuse-media-urls", action="store_true",
                    help="SGLang / vLLM engines: an http(s) media URL is a 400 at the sidecar (default: passed on, "
                         "and the engine fetches it)")
+    p.add_argument("--state-file", type=state_file, default=None, metavar="PATH",
+                   help="keep what the cluster asked of the node (its releases, whether its weights were updated, "
+                        "the weight groups joined, the engine process) in this file, so that a sidecar restarted "
+                        "with its engine releases the fresh engine again and holds out stale weights (default: "
+                        "kept in memory only; a restarted sidecar remembers nothing)")
     add_server_args(p, default_host="0.0.0.0", default_port=8080)
     return p
 
@@ -96,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
             engine_health_misses=args.engine_health_misses, retry_after_s=args.retry_after,
             max_body_bytes=args.max_body_bytes, max_answer_bytes=args.max_answer_bytes,
             body_timeout=args.body_timeout, allowed_local_media_path=args.allowed_local_media_path,
-            refuse_media_urls=args.refuse_media_urls)
+            refuse_media_urls=args.refuse_media_urls, state_file=args.state_file)
     except ConfigError as exc:
         log.error("%s", exc)
         return 2

@@ -47,6 +47,7 @@ class SidecarConfig:
     body_timeout: float = DEFAULT_BODY_TIMEOUT_S  # a request's whole body, from its head
     allowed_local_media_path: Path | None = None  # SGLang / vLLM: media files below it reach the engine (None: none)
     refuse_media_urls: bool = False     # SGLang / vLLM: http(s) media URLs are refused, not passed on
+    state_file: Path | None = None      # the cluster's intent kept across a restart of the sidecar (None: memory only)
 
     def __post_init__(self) -> None:
         _check_engine_url(self.engine_url)

@@ -211,7 +211,7 @@ class ControlPlane:
                 state.weights_valid = valid if isinstance(valid, bool) else True
                 if "weight_version" in answer:
                     state.weight_version = peer_weight_version(answer["weight_version"])
-                state.intent.record_weights_loaded()
+                state.intent.record_weights_loaded(state.weight_version)
         log.info("weights updated, weight_version=%s (drained %d, aborted %d)", state.weight_version, drained,
                  aborted)
         return {**answer, "drained_requests": drained, "aborted_requests": aborted, "serving": state.is_serving}

@@ -19,16 +19,46 @@ trainer destroys them (a success: the node holds them no more) or joins them
 again. An update over a lost group is refused at once (``weight_sync_broken``):
 its trainer must form the group again, on every node.
 
-A restarted sidecar starts with nothing remembered: it reads the tags from the
-engine as before, and cannot tell whether that engine's weights are stale.
+A restarted sidecar starts with nothing remembered (it reads the tags from the
+engine as before, and cannot tell whether that engine's weights are stale),
+unless it was given ``--state-file``: then every change is written there
+(:mod:`node_sidecar.intent_file`, through :attr:`ClusterIntent.on_change`) and
+read back at start, so a sidecar restarted together with its engine meets the
+fresh engine as one restarted alone.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
+from typing import Any, Callable, TypeVar, cast
 
+from handoff.protocol.control import MAX_NAME_CHARS
 from handoff.protocol.errors import NotServingReason
 from handoff.protocol.tags import TAG_NAMES as TAGS
+
+STATE_FORMAT = 1
+MAX_ENGINE_CHARS = 1024  # an engine process's identity (a uuid, vLLM's instance_id, SGLang's startup_time as JSON)
+MAX_GROUPS = 16          # weight groups kept per list (a trainer forms one or two); past it the state is not written
+_KEYS = ("format", "engine", "released", "stage_to_cpu", "unrestored", "weights_updated", "weight_version",
+         "stale", "joined_groups", "lost_groups")
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _recorded(method: F) -> F:
+    """A method that changes the intent: :attr:`ClusterIntent.on_change` hears of it once it is done."""
+    @functools.wraps(method)
+    def changing(self: ClusterIntent, *args: Any, **kwargs: Any) -> Any:
+        result = method(self, *args, **kwargs)
+        if self.on_change is not None:
+            self.on_change(self)
+        return result
+    return cast(F, changing)
+
+
+class IntentShapeError(ValueError):
+    """Stored intent that is not of the shape :meth:`ClusterIntent.to_json` writes."""
 
 
 @dataclass(frozen=True)
@@ -54,7 +84,45 @@ class ClusterIntent:
     stage_to_cpu: bool | None = None   # as the cluster's last release asked (a vLLM node's sleep level follows it)
     joined_groups: set[str] = field(default_factory=set)  # weight groups this engine process joined through us
     lost_groups: set[str] = field(default_factory=set)    # joined by an earlier engine process, not left since
+    weight_version: str | None = None  # the node's version when an update last succeeded (named if stale later)
+    on_change: Callable[[ClusterIntent], None] | None = field(default=None, repr=False, compare=False)
 
+    def to_json(self) -> dict[str, Any]:
+        """The intent as JSON (what ``--state-file`` holds); :meth:`from_json` reads it back."""
+        return {"format": STATE_FORMAT, "engine": self.engine, "released": [t for t in TAGS if t in self.released],
+                "stage_to_cpu": self.stage_to_cpu, "unrestored": list(self.unrestored),
+                "weights_updated": self.weights_updated, "weight_version": self.weight_version,
+                "stale": None if self.stale is None else {"served": self.stale.served, "had": self.stale.had},
+                "joined_groups": sorted(self.joined_groups), "lost_groups": sorted(self.lost_groups)}
+
+    @classmethod
+    def from_json(cls, data: object, *, on_change: Callable[[ClusterIntent], None] | None = None) -> ClusterIntent:
+        """The intent :meth:`to_json` wrote; raises :class:`IntentShapeError` naming the first field that is not of
+        its shape, type or bounds (any key missing or extra included)."""
+        if not isinstance(data, dict) or sorted(data) != sorted(_KEYS):
+            raise IntentShapeError(f"an object with exactly the keys {', '.join(_KEYS)}")
+        if data["format"] != STATE_FORMAT or isinstance(data["format"], bool):
+            raise IntentShapeError(f"format: {STATE_FORMAT} expected, got {data['format']!r}")
+        released = _tags(data, "released")
+        unrestored = _tags(data, "unrestored")
+        if not set(unrestored) <= set(released):
+            raise IntentShapeError("unrestored: tags not released")
+        stale = data["stale"]
+        if stale is not None and (not isinstance(stale, dict) or sorted(stale) != ["had", "served"]):
+            raise IntentShapeError("stale: null or an object with the keys served and had")
+        if not isinstance(data["weights_updated"], bool):
+            raise IntentShapeError("weights_updated: a boolean expected")
+        if data["stage_to_cpu"] is not None and not isinstance(data["stage_to_cpu"], bool):
+            raise IntentShapeError("stage_to_cpu: null or a boolean expected")
+        return cls(released=set(released), weights_updated=data["weights_updated"],
+                   engine=_text(data["engine"], "engine", MAX_ENGINE_CHARS), unrestored=unrestored,
+                   stale=None if stale is None else StaleWeights(_text(stale["served"], "stale.served"),
+                                                                _text(stale["had"], "stale.had")),
+                   stage_to_cpu=data["stage_to_cpu"], joined_groups=_groups(data, "joined_groups"),
+                   lost_groups=_groups(data, "lost_groups"),
+                   weight_version=_text(data["weight_version"], "weight_version"), on_change=on_change)
+
+    @_recorded
     def record_release(self, tags: list[str], *, stage_to_cpu: bool | None = None) -> None:
         """``tags`` are released now, as the cluster asked; ``stage_to_cpu`` as it asked, kept for a release again
         when the call released a tag not released before (a repeated release changes nothing)."""
@@ -63,26 +131,32 @@ class ClusterIntent:
         self.released.update(tags)
         self.unrestored = [t for t in self.unrestored if t not in tags]
 
+    @_recorded
     def record_resume(self, tags: list[str]) -> None:
         """``tags`` are resident now, as the cluster asked (one never released again on a fresh engine may stay)."""
         self.released.difference_update(tags)
         self.unrestored = [t for t in self.unrestored if t not in tags]
 
-    def record_weights_loaded(self) -> None:
-        """A weight update or a reload succeeded: the engine serves the weights the cluster sent."""
+    @_recorded
+    def record_weights_loaded(self, version: str | None = None) -> None:
+        """A weight update or a reload succeeded: the engine serves the weights the cluster sent (``version``)."""
         self.weights_updated = True
+        self.weight_version = version
         self.stale = None
 
+    @_recorded
     def record_joined(self, group: str) -> None:
         """The engine joined weight group ``group``."""
         self.joined_groups.add(group)
         self.lost_groups.discard(group)
 
+    @_recorded
     def record_left(self, group: str) -> None:
         """The node is in weight group ``group`` no more (destroyed, or lost with an engine and so acknowledged)."""
         self.joined_groups.discard(group)
         self.lost_groups.discard(group)
 
+    @_recorded
     def meet_engine(self, instance: str | None, *, served_version: str | None, had_version: str | None) -> bool:
         """Note the engine process read now; True if it is a fresh one replacing the process this held for (then
         :attr:`unrestored` and :attr:`stale` say what the node must do before it serves). An engine that names
@@ -96,10 +170,13 @@ class ClusterIntent:
         self.lost_groups |= self.joined_groups
         self.joined_groups = set()
         if self.weights_updated or self.stale is not None:
-            self.stale = StaleWeights(served_version, self.stale.had if self.stale is not None else had_version)
+            had = self.stale.had if self.stale is not None else (
+                had_version if had_version is not None else self.weight_version)  # the latter: a restarted sidecar
+            self.stale = StaleWeights(served_version, had)
         self.weights_updated = False
         return True
 
+    @_recorded
     def restored(self, tags: list[str]) -> None:
         """The fresh engine released ``tags`` again (the unrestored ones and any freed together with them)."""
         self.record_release(tags, stage_to_cpu=self.stage_to_cpu)
@@ -118,3 +195,26 @@ class ClusterIntent:
         if self.stale is not None:
             return NotServingReason.WEIGHTS_STALE
         return None
+
+
+def _text(value: object, name: str, max_chars: int = MAX_NAME_CHARS) -> str | None:
+    if value is None or (isinstance(value, str) and len(value) <= max_chars):
+        return value
+    raise IntentShapeError(f"{name}: null or a string of at most {max_chars} characters expected")
+
+
+def _tags(data: dict[str, Any], name: str) -> list[str]:
+    tags = data[name]
+    if not isinstance(tags, list) or not all(isinstance(t, str) and t in TAGS for t in tags) \
+            or len(set(tags)) != len(tags):
+        raise IntentShapeError(f"{name}: a list of distinct tags among {', '.join(TAGS)} expected")
+    return tags
+
+
+def _groups(data: dict[str, Any], name: str) -> set[str]:
+    groups = data[name]
+    if not isinstance(groups, list) or len(groups) > MAX_GROUPS or len(set(groups)) != len(groups) or \
+            not all(isinstance(g, str) and 0 < len(g) <= MAX_NAME_CHARS for g in groups):
+        raise IntentShapeError(f"{name}: at most {MAX_GROUPS} distinct group names of 1 to {MAX_NAME_CHARS} "
+                               "characters expected")
+    return set(groups)

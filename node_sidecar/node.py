@@ -27,6 +27,7 @@ from node_sidecar.config import SidecarConfig
 from node_sidecar.engine_client import EngineClient
 from node_sidecar.engines import EngineAdapter, EngineKind, create_adapter, detect_kind
 from node_sidecar.errors import EngineRefused, EngineUnavailable, NotServing
+from node_sidecar.intent_file import load_intent
 from node_sidecar.metrics import SidecarMetrics
 from node_sidecar.state import TAGS, NodeState, TagState
 
@@ -37,7 +38,7 @@ class Node:
     def __init__(self, config: SidecarConfig, client: UpstreamClient, metrics: SidecarMetrics) -> None:
         self.config = config
         self.metrics = metrics
-        self.state = NodeState()
+        self.state = NodeState(intent=load_intent(config.state_file))
         self.admission = Admission(refuse=self._refusal, hold_limits=self._hold_limits)
         self.engine = EngineClient(config.engine_base, client, control_timeout=config.control_timeout,
                                    on_unreachable=self.mark_unreachable)

@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 
 __all__ = ["MAX_SECONDS", "host_name", "port_file", "port_number", "positive_int", "positive_seconds", "seconds",
-           "seconds_problem"]
+           "seconds_problem", "state_file"]
 
 
 def port_number(text: str) -> int:
@@ -76,9 +76,19 @@ def host_name(text: str) -> str:
 def port_file(text: str) -> Path:
     """Where the bound port is written: a file in a folder this process can write in (checked now, so that a
     typo fails before a model loads, not after)."""
+    return _writable_file(text, "a file to write the port in")
+
+
+def state_file(text: str) -> Path:
+    """Where a service keeps state across its restarts: a file in a folder this process can write in (it is
+    replaced whole there), checked before anything serves."""
+    return _writable_file(text, "a file to keep the state in")
+
+
+def _writable_file(text: str, what: str) -> Path:
     path = Path(text)
     if not text or path.is_dir():
-        raise argparse.ArgumentTypeError(f"a file to write the port in, got the folder {text!r}")
+        raise argparse.ArgumentTypeError(f"{what}, got the folder {text!r}")
     folder = path.parent
     if not folder.is_dir():
         raise argparse.ArgumentTypeError(f"{text!r}: no folder {str(folder)!r}")

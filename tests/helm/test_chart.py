@@ -607,6 +607,18 @@ def test_weights_backup_dir_is_a_mounted_volume(rendered: Rendered) -> None:
                 assert volumes[mounts[backup_dir]]["emptyDir"]["sizeLimit"] == engine_values["backupSizeLimit"]
 
 
+def test_the_sidecar_keeps_its_state_in_an_emptydir_of_its_own(rendered: Rendered) -> None:
+    """It outlives a restart of either container (an OOM, a rollout restart of one): a sidecar restarted with its
+    engine releases the fresh engine again and holds out its start weights."""
+    for sts in _node_sets(rendered).values():
+        state_file = flag_value(container(sts, "sidecar")["args"], "--state-file")
+        folder = state_file.rsplit("/", 1)[0]
+        mounts = {m["mountPath"]: m["name"] for m in container(sts, "sidecar")["volumeMounts"]}
+        volume = {v["name"]: v for v in pod_spec(sts)["volumes"]}[mounts[folder]]
+        assert "emptyDir" in volume and "medium" not in volume["emptyDir"]  # on the node's disk, not its memory
+        assert mounts[folder] not in {m["name"] for m in container(sts, "engine")["volumeMounts"]}
+
+
 def test_model_volume_follows_the_values(rendered: Rendered) -> None:
     model = rendered.merged["model"]
     kind = model["volume"]["type"]

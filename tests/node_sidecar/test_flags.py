@@ -46,6 +46,8 @@ CASES = [
     ("--body-timeout", ["--body-timeout", "inf"], {}),
     ("--host", ["--host", ""], {}),
     ("--port-file", ["--port-file", "{tmp}"], {}),
+    ("--state-file", ["--state-file", "{tmp}/no-such-folder/intent.json"], {}),
+    ("--state-file", ["--state-file", "{tmp}"], {}),
     ("--admin-token", ["--admin-token", " "], {}),
     ("--api-key", [], {"HANDOFF_API_KEY": "t\u00f6k"}),
 ]

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import json
+
+import pytest
+
+from handoff.protocol.control import MAX_NAME_CHARS
 from handoff.protocol.errors import NotServingReason
-from node_sidecar.intent import ClusterIntent
+from node_sidecar.intent import MAX_ENGINE_CHARS, MAX_GROUPS, ClusterIntent, IntentShapeError, StaleWeights
 
 
 def test_a_fresh_engine_owes_the_releases_and_the_weights_the_cluster_gave_the_one_before() -> None:
@@ -37,3 +42,88 @@ def test_a_release_again_is_made_as_the_cluster_made_it() -> None:
     intent.meet_engine("b", served_version=None, had_version=None)
     intent.restored(["weights", "kv_cache"])
     assert intent.stage_to_cpu is False and intent.released == {"weights", "kv_cache"}
+
+
+def full_intent() -> ClusterIntent:
+    """An intent with every field set: two engine processes seen, releases, an update, groups joined and lost."""
+    intent = ClusterIntent()
+    intent.meet_engine("a", served_version="default", had_version=None)
+    intent.record_release(["kv_cache", "weights"], stage_to_cpu=True)
+    intent.record_joined("g1")
+    intent.record_weights_loaded("step-1")
+    intent.meet_engine("b", served_version="default", had_version=None)
+    intent.record_joined("g2")
+    return intent
+
+
+def test_the_intent_reads_back_as_it_was_written() -> None:
+    intent = full_intent()
+    data = json.loads(json.dumps(intent.to_json()))
+    again = ClusterIntent.from_json(data)
+    assert again == intent and again.to_json() == data
+    assert again.unrestored == ["weights", "kv_cache"] and again.lost_groups == {"g1"}
+    assert again.joined_groups == {"g2"} and again.stale == StaleWeights("default", "step-1")
+    assert ClusterIntent.from_json(ClusterIntent().to_json()) == ClusterIntent()
+
+
+def test_a_restarted_sidecar_names_the_version_the_node_had() -> None:
+    """A sidecar restarted with its engine has read no version yet: the stored one is named."""
+    intent = ClusterIntent()
+    intent.meet_engine("a", served_version="default", had_version=None)
+    intent.record_weights_loaded("step-7")
+    again = ClusterIntent.from_json(intent.to_json())
+    assert again.meet_engine("b", served_version="default", had_version=None)
+    assert again.stale == StaleWeights("default", "step-7")
+
+
+def test_every_change_is_heard_once_it_is_made() -> None:
+    heard: list[dict] = []
+    intent = ClusterIntent(on_change=lambda i: heard.append(i.to_json()))
+    intent.record_release(["kv_cache"])
+    intent.record_resume(["kv_cache"])
+    intent.record_weights_loaded("v")
+    intent.record_joined("g")
+    intent.record_left("g")
+    intent.meet_engine("a", served_version=None, had_version=None)
+    assert [h["released"] for h in heard[:2]] == [["kv_cache"], []]
+    assert heard[2]["weights_updated"] and heard[3]["joined_groups"] == ["g"] and heard[4]["joined_groups"] == []
+    assert heard[5]["engine"] == "a" and len(heard) == 6
+
+
+def shaped(**changes: object) -> dict:
+    data = full_intent().to_json()
+    data.update(changes)
+    return data
+
+
+BAD_SHAPES = [
+    pytest.param([], id="a-list"),
+    pytest.param({k: v for k, v in shaped().items() if k != "engine"}, id="a-key-missing"),
+    pytest.param(shaped(extra=1), id="a-key-extra"),
+    pytest.param(shaped(format=2), id="another-format"),
+    pytest.param(shaped(format=True), id="format-true"),
+    pytest.param(shaped(released=["kv_cache", "memory"]), id="a-tag-unknown"),
+    pytest.param(shaped(released=["kv_cache", "kv_cache"]), id="a-tag-twice"),
+    pytest.param(shaped(released="kv_cache"), id="tags-a-string"),
+    pytest.param(shaped(unrestored=["cuda_graph"]), id="unrestored-not-released"),
+    pytest.param(shaped(engine=7), id="engine-a-number"),
+    pytest.param(shaped(engine="x" * (MAX_ENGINE_CHARS + 1)), id="engine-too-long"),
+    pytest.param(shaped(weight_version="v" * (MAX_NAME_CHARS + 1)), id="version-too-long"),
+    pytest.param(shaped(weights_updated=None), id="weights-updated-null"),
+    pytest.param(shaped(weights_updated=1), id="weights-updated-a-number"),
+    pytest.param(shaped(stage_to_cpu="yes"), id="stage-to-cpu-a-string"),
+    pytest.param(shaped(stale={"served": "a"}), id="stale-a-key-missing"),
+    pytest.param(shaped(stale={"served": "a", "had": 3}), id="stale-had-a-number"),
+    pytest.param(shaped(stale="stale"), id="stale-a-string"),
+    pytest.param(shaped(joined_groups=[f"g{i}" for i in range(MAX_GROUPS + 1)]), id="too-many-groups"),
+    pytest.param(shaped(lost_groups=["g" * (MAX_NAME_CHARS + 1)]), id="group-name-too-long"),
+    pytest.param(shaped(lost_groups=[""]), id="group-name-empty"),
+    pytest.param(shaped(lost_groups=["g", "g"]), id="group-twice"),
+    pytest.param(shaped(joined_groups=[1]), id="group-a-number"),
+]
+
+
+@pytest.mark.parametrize("data", BAD_SHAPES)
+def test_stored_intent_of_another_shape_is_refused(data: object) -> None:
+    with pytest.raises(IntentShapeError):
+        ClusterIntent.from_json(data)

@@ -1,0 +1,114 @@
+"""``--state-file``: what the cluster asked of the node (:class:`~node_sidecar.intent.ClusterIntent`), kept on disk
+so that it survives a restart of the sidecar.
+
+Written whole after every change (a temporary file in the same folder, fsync, rename: a sidecar killed mid-write
+leaves the previous intent or the new one, never half of one); read once at start. A missing file is a fresh start;
+one that cannot be read, is over :data:`MAX_STATE_BYTES` or is not of the intent's shape is logged at WARNING and
+ignored (the node starts with nothing remembered, as without the flag), never a failed start. The writes are a few
+hundred bytes, made under the control call that changed the intent.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+from handoff.service.peer_json import PeerJSONError, loads_bounded
+from node_sidecar.intent import ClusterIntent, IntentShapeError
+
+MAX_STATE_BYTES = 64 * 1024
+
+log = logging.getLogger(__name__)
+
+
+def load_intent(path: Path | None) -> ClusterIntent:
+    """The intent stored at ``path``, kept there at every change from now on (None: no state file, nothing kept)."""
+    if path is None:
+        return ClusterIntent()
+    store = IntentFile(path)
+    intent = store.read()
+    intent.on_change = store.write
+    return intent
+
+
+class IntentFile:
+    """One state file: :meth:`read` at start, :meth:`write` (the intent's ``on_change``) after every change."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._written: bytes | None = None  # what the file holds now, as far as this process knows
+
+    def read(self) -> ClusterIntent:
+        """The stored intent, or a fresh one when there is none or it cannot be used (logged)."""
+        path = self.path
+        try:
+            if path.exists() and not path.is_file():
+                raise OSError("not a regular file")  # a FIFO would block the open
+            with open(path, "rb") as f:
+                raw = f.read(MAX_STATE_BYTES + 1)
+        except FileNotFoundError:
+            log.info("--state-file %s: none yet; the node starts with nothing remembered", path)
+            return ClusterIntent()
+        except OSError as exc:
+            log.warning("--state-file %s cannot be read (%s): ignored; the node starts with nothing remembered",
+                        path, exc.strerror or exc)
+            return ClusterIntent()
+        try:
+            intent = ClusterIntent.from_json(loads_bounded(raw, max_bytes=MAX_STATE_BYTES, max_depth=4))
+        except (PeerJSONError, IntentShapeError) as exc:
+            log.warning("--state-file %s is not a stored intent (%s): ignored; the node starts with nothing "
+                        "remembered", path, str(exc)[:300])
+            return ClusterIntent()
+        self._written = raw
+        log.info("--state-file %s read: engine process %s, released %s, weights updated %s, weight groups %s",
+                 path, intent.engine, sorted(intent.released), intent.weights_updated or intent.stale is not None,
+                 sorted(intent.joined_groups | intent.lost_groups))
+        return intent
+
+    def write(self, intent: ClusterIntent) -> None:
+        """Store ``intent`` if it changed. One that would not be read back (past the bounds: more weight groups
+        than kept, say) removes the file, so a restart starts with nothing rather than an older intent; a write
+        that fails is logged at ERROR (the node goes on: the call that changed the intent did succeed)."""
+        data = json.dumps(intent.to_json(), separators=(",", ":")).encode()
+        if data == self._written:
+            return
+        try:
+            if len(data) > MAX_STATE_BYTES:
+                raise IntentShapeError(f"{len(data)} bytes, over {MAX_STATE_BYTES}")
+            ClusterIntent.from_json(json.loads(data))
+        except IntentShapeError as exc:
+            log.error("the node's intent cannot be kept in --state-file %s (%s): removed; a restart of the sidecar "
+                      "will remember nothing", self.path, exc)
+            self._replace(None)
+            return
+        self._replace(data)
+
+    def _replace(self, data: bytes | None) -> None:
+        tmp = self.path.with_name(f".{self.path.name}.tmp")
+        try:
+            if data is None:
+                self.path.unlink(missing_ok=True)
+            else:
+                with open(tmp, "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, self.path)
+            _sync_folder(self.path.parent)
+        except OSError as exc:
+            self._written = None  # unknown now: the next change writes again
+            log.error("--state-file %s cannot be written (%s): a restart of the sidecar may read an older intent",
+                      self.path, exc.strerror or exc)
+            return
+        self._written = data
+
+
+def _sync_folder(folder: Path) -> None:
+    """The rename itself is durable once its folder is synced (a node rebooting right after keeps it)."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

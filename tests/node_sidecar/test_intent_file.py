@@ -1,0 +1,102 @@
+"""node_sidecar/intent_file.py: the cluster's intent kept in ``--state-file`` (real files, CPU only)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+import pytest
+
+from node_sidecar.intent import MAX_GROUPS, ClusterIntent
+from node_sidecar.intent_file import MAX_STATE_BYTES, load_intent
+
+
+def test_every_change_is_written_and_read_back_by_the_next_sidecar(tmp_path: Path) -> None:
+    path = tmp_path / "intent.json"
+    intent = load_intent(path)
+    assert intent == ClusterIntent() and not path.exists()  # missing: a fresh start, nothing written yet
+    intent.meet_engine("a", served_version="default", had_version=None)
+    intent.record_release(["kv_cache"], stage_to_cpu=False)
+    assert json.loads(path.read_text())["released"] == ["kv_cache"]
+    intent.record_weights_loaded("step-1")
+    intent.record_joined("g")
+    again = load_intent(path)
+    assert again == intent and again.to_json() == json.loads(path.read_text())
+    assert [p.name for p in tmp_path.iterdir()] == ["intent.json"]  # no temporary file left
+    # the one read back keeps writing
+    again.record_resume(["kv_cache"])
+    assert load_intent(path).released == set()
+
+
+def test_an_unchanged_intent_is_not_written_again(tmp_path: Path) -> None:
+    path = tmp_path / "intent.json"
+    intent = load_intent(path)
+    intent.record_release(["kv_cache"])
+    written = path.stat().st_mtime_ns
+    os.utime(path, ns=(0, 0))
+    intent.record_release(["kv_cache"])  # changes nothing
+    assert path.stat().st_mtime_ns == 0 != written
+
+
+BAD_FILES = [
+    pytest.param(b"{", "not valid JSON", id="cut-short"),
+    pytest.param(b"", "not valid JSON", id="empty"),
+    pytest.param(b"\xff\xfe", "not valid JSON", id="not-utf8"),
+    pytest.param(b'{"format": NaN}', "not valid JSON", id="nan"),
+    pytest.param(b'{"released": ["kv_cache"]}', "exactly the keys", id="another-shape"),
+    pytest.param(b"[" * 100 + b"]" * 100, "nesting", id="deep"),
+    pytest.param(b" " * MAX_STATE_BYTES + b"{}", "over the", id="too-large"),
+]
+
+
+@pytest.mark.parametrize(("content", "why"), BAD_FILES)
+def test_a_file_that_is_not_an_intent_is_a_warning_and_a_fresh_start(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, content: bytes, why: str) -> None:
+    path = tmp_path / "intent.json"
+    path.write_bytes(content)
+    with caplog.at_level(logging.WARNING, logger="node_sidecar.intent_file"):
+        intent = load_intent(path)
+    assert intent == ClusterIntent()
+    [record] = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert "is not a stored intent" in record.getMessage() and why in record.getMessage()
+    intent.record_release(["weights"])  # the next change replaces it
+    assert load_intent(path).released == {"weights"}
+
+
+def test_something_other_than_a_file_is_a_warning_and_a_fresh_start(tmp_path: Path,
+                                                                    caplog: pytest.LogCaptureFixture) -> None:
+    path = tmp_path / "intent.fifo"
+    os.mkfifo(path)  # an open would block the start for good
+    with caplog.at_level(logging.WARNING, logger="node_sidecar.intent_file"):
+        assert load_intent(path) == ClusterIntent()
+    assert "cannot be read (not a regular file)" in caplog.text
+
+
+def test_an_intent_past_the_bounds_removes_the_file(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Rather than an older intent read back after a restart: nothing."""
+    path = tmp_path / "intent.json"
+    intent = load_intent(path)
+    intent.record_release(["kv_cache"])
+    with caplog.at_level(logging.ERROR, logger="node_sidecar.intent_file"):
+        for i in range(MAX_GROUPS + 1):
+            intent.record_joined(f"group-{i}")
+    assert not path.exists() and "cannot be kept in --state-file" in caplog.text
+    intent.record_left("group-0")  # back within the bounds: kept again
+    assert load_intent(path) == intent
+
+
+def test_a_write_that_fails_is_an_error_and_the_node_goes_on(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    folder = tmp_path / "state"
+    folder.mkdir()
+    intent = load_intent(folder / "intent.json")
+    intent.record_release(["kv_cache"])
+    (folder / "intent.json").unlink()
+    (folder / ".intent.json.tmp").mkdir()  # the temporary file cannot be made
+    with caplog.at_level(logging.ERROR, logger="node_sidecar.intent_file"):
+        intent.record_release(["weights"])
+    assert intent.released == {"kv_cache", "weights"} and "cannot be written" in caplog.text
+    (folder / ".intent.json.tmp").rmdir()
+    intent.record_resume(["weights"])  # written again at the next change
+    assert load_intent(folder / "intent.json").released == {"kv_cache"}

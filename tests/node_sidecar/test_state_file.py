@@ -1,0 +1,163 @@
+"""``--state-file`` on real processes: a sidecar and its engine killed together (a pod's memory OOM, a node reboot
+with the pod kept) and started again on the same ports meet the fresh engine as a sidecar that lived on would."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Iterator
+
+import httpx
+import pytest
+
+from handoff.weight_sync import serialize_named_tensors
+from tests.support.procs import ServerProcess, wait_until
+from tests.support.weights import greedy, tiny_weights
+
+pytestmark = pytest.mark.timeout(180)
+
+SHORT = {"text": "short", "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}}
+
+
+class Pair:
+    """An engine and its sidecar with ``--state-file``; both restart on their first ports."""
+
+    def __init__(self, log_dir: Path, name: str, state_file: Path) -> None:
+        self.state_file = state_file
+        self.engine = ServerProcess("node_engine", ["--model-path", "builtin:tiny", "--enable-memory-saver"],
+                                    log_dir=log_dir, name=f"{name}-engine").start(timeout=60)
+        self.sidecar = ServerProcess("node_sidecar", [
+            "--engine-url", self.engine.url, "--engine-poll-interval", "0.2", "--state-file", str(state_file)],
+            log_dir=log_dir, name=f"{name}-sidecar")
+        self.start_sidecar()
+
+    def start_sidecar(self) -> None:
+        self.sidecar.start(timeout=60)
+        wait_until(lambda: self.view()["tags"]["weights"]["state"] != "unknown", timeout=30,
+                   what="the sidecar to read its engine")
+
+    def kill_both(self) -> None:
+        self.sidecar.kill()
+        self.engine.kill()
+
+    def start_both(self) -> None:
+        self.engine.start(timeout=60)
+        self.start_sidecar()
+
+    def view(self) -> dict[str, Any]:
+        return httpx.get(self.sidecar.url + "/memory_occupation", timeout=10).json()
+
+    def engine_view(self) -> dict[str, Any]:
+        return httpx.get(self.engine.url + "/memory_occupation", timeout=10).json()
+
+    def last_log(self) -> str:
+        """The sidecar's log since its last start."""
+        return self.sidecar.log_path.read_text().rsplit("=== start #", 1)[-1]
+
+    def stop(self) -> None:
+        self.sidecar.stop()
+        self.engine.stop()
+
+
+@pytest.fixture
+def pair(proc_log_dir: Path, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Pair]:
+    (tmp_path / "state").mkdir()
+    p = Pair(proc_log_dir, request.node.name[:40], tmp_path / "state" / "intent.json")
+    yield p
+    p.stop()
+
+
+def refused(pair: Pair) -> dict[str, Any]:
+    r = httpx.post(pair.sidecar.url + "/generate", json=SHORT, timeout=10)
+    assert r.status_code == 503 and r.headers["retry-after"], r.text
+    return r.json()["error"]
+
+
+def test_a_sidecar_restarted_with_its_engine_releases_the_fresh_engine_again(pair: Pair) -> None:
+    r = httpx.post(pair.sidecar.url + "/release_memory_occupation", json={"tags": ["kv_cache"]}, timeout=30)
+    assert r.status_code == 200 and r.json()["released"] == ["kv_cache", "workspace"], r.text
+    instance = pair.engine_view()["engine_instance"]
+    # the sidecar alone: the same engine process, nothing to do
+    pair.sidecar.kill()
+    pair.start_sidecar()
+    assert pair.engine_view()["engine_instance"] == instance and "new process" not in pair.last_log()
+    assert pair.view()["tags"]["kv_cache"]["state"] == "released" and refused(pair)["type"] == "node_released"
+    # both: the fresh engine starts resident, and is released again before anything is admitted
+    pair.kill_both()
+    pair.engine.start(timeout=60)
+    fresh = pair.engine_view()
+    assert fresh["engine_instance"] != instance and fresh["tags"]["kv_cache"]["state"] == "resident"
+    pair.start_sidecar()
+    wait_until(lambda: pair.engine_view()["tags"]["kv_cache"]["state"] == "released", timeout=20,
+               what="kv_cache released again")
+    assert "the engine is a new process" in pair.last_log() and "again on the restarted engine" in pair.last_log()
+    view = pair.view()
+    assert view["serving"] is False and view["not_serving_reason"] == "node_released", view
+    assert pair.engine_view()["tags"]["weights"]["state"] == "resident"  # as the cluster left it
+    error = refused(pair)
+    assert error["type"] == "node_released" and error["released"] == ["kv_cache", "workspace"]
+    assert httpx.get(pair.sidecar.url + "/ready", timeout=10).status_code == 503
+    # the cluster's resume ends it, and that too is kept
+    r = httpx.post(pair.sidecar.url + "/resume_memory_occupation", json={}, timeout=30)
+    assert r.status_code == 200 and r.json()["serving"] is True, r.text
+    assert httpx.post(pair.sidecar.url + "/generate", json=SHORT, timeout=30).status_code == 200
+    pair.kill_both()
+    pair.start_both()
+    wait_until(lambda: pair.view()["serving"], timeout=20, what="the node to serve")
+
+
+def push_tensors(pair: Pair, seed: int, version: str) -> None:
+    payload = serialize_named_tensors(tiny_weights(seed).items())
+    r = httpx.post(pair.sidecar.url + "/update_weights_from_tensor", timeout=60,
+                   json={"serialized_named_tensors": [payload], "weight_version": version})
+    assert r.status_code == 200, r.text
+
+
+def test_a_sidecar_restarted_with_its_engine_after_an_update_holds_out_the_start_weights(pair: Pair) -> None:
+    push_tensors(pair, 11, "step-1")
+    updated = greedy(pair.sidecar.url)
+    pair.kill_both()
+    pair.start_both()
+    view = pair.view()
+    assert view["serving"] is False and view["not_serving_reason"] == "weights_stale", view
+    assert view["weight_version"] == "default" and "'step-1'" in view["last_error"]
+    error = refused(pair)
+    assert error["type"] == "weights_stale" and "'default'" in error["message"] and "'step-1'" in error["message"]
+    # held out across another restart of the sidecar alone, until the trainer's next update
+    pair.sidecar.kill()
+    pair.start_sidecar()
+    assert pair.view()["not_serving_reason"] == "weights_stale"
+    push_tensors(pair, 11, "step-2")
+    assert pair.view()["serving"] is True and greedy(pair.sidecar.url) == updated
+
+
+def test_a_sidecar_restarted_alone_after_an_update_still_knows_the_weights_were_updated(pair: Pair) -> None:
+    """Without the file it started knowing of no update, and served the next fresh engine's start weights."""
+    push_tensors(pair, 11, "step-1")
+    pair.sidecar.kill()
+    pair.start_sidecar()
+    assert pair.view()["serving"] is True  # the same engine: nothing to do
+    pair.engine.kill()
+    wait_until(lambda: pair.view()["engine_reachable"] is False, timeout=10, what="the engine seen down")
+    pair.engine.start(timeout=60)
+    wait_until(lambda: pair.view()["engine_reachable"] and pair.view()["tags"]["weights"]["state"] != "unknown",
+               timeout=30, what="the fresh engine read")
+    assert pair.view()["not_serving_reason"] == "weights_stale"
+    push_tensors(pair, 11, "step-2")
+    assert pair.view()["serving"] is True
+
+
+def test_a_corrupt_state_file_is_a_warning_and_a_fresh_start(pair: Pair) -> None:
+    assert httpx.post(pair.sidecar.url + "/release_memory_occupation", json={"tags": ["kv_cache"]},
+                      timeout=30).status_code == 200
+    assert httpx.post(pair.sidecar.url + "/resume_memory_occupation", json={}, timeout=30).status_code == 200
+    pair.kill_both()
+    pair.state_file.write_text('{"format": 1, "released": ["kv_cache"')  # cut short
+    pair.start_both()
+    line = next(line for line in pair.last_log().splitlines() if "is not a stored intent" in line)
+    assert "WARNING" in line and "not valid JSON" in line
+    wait_until(lambda: pair.view()["serving"], timeout=20, what="the node to serve")
+    assert pair.engine_view()["tags"]["kv_cache"]["state"] == "resident"
+    # and the file is a stored intent again from the next change
+    assert httpx.post(pair.sidecar.url + "/release_memory_occupation", json={"tags": ["weights"]},
+                      timeout=30).status_code == 200
+    assert '"released":["weights"]' in pair.state_file.read_text()

@@ -104,7 +104,7 @@ class EngineClient:
             response.close()
 
     async def exchange(self, method: str, path: str, body: dict[str, Any] | bytes | None = None, *,
-                       timeout: float | None = None) -> tuple[UpstreamResponse, bytes]:
+                       timeout: float | None = None, is_generation: bool = False) -> tuple[UpstreamResponse, bytes]:
         """One call whatever the answer's status or type: the response (closed) and its body, at most
         :data:`MAX_CONTROL_ANSWER_BYTES`. Raises EngineUnavailable (saying what became of the call) only when
         no answer came."""
@@ -112,17 +112,19 @@ class EngineClient:
         timeout = timeout or self.control_timeout
         try:
             response = await self.open(method, path, body=payload, headers=_JSON if body is not None else None,
-                                       timeout=timeout)
-            return response, await self.read(response, MAX_CONTROL_ANSWER_BYTES)
+                                       timeout=timeout, is_generation=is_generation)
+            return response, await self.read(response, MAX_CONTROL_ANSWER_BYTES, is_generation=is_generation,
+                                             timeout=timeout)
         except EngineUnavailable as exc:
             raise await self._unanswered(f"{method} {path}", exc, timeout) from exc.__cause__
 
     async def call(self, method: str, path: str, body: dict[str, Any] | bytes | None = None, *,
-                   timeout: float | None = None) -> dict[str, Any]:
+                   timeout: float | None = None, is_generation: bool = False) -> dict[str, Any]:
         """A JSON call (``body`` as an object, or bytes passed as they are); returns the engine's JSON
         object on 2xx, raises otherwise (the engine's error status, or a 502 ``upstream_error`` for a 1xx or a 3xx:
-        a redirect passed on would read as the sidecar's own, without ``Location``)."""
-        response, raw = await self.exchange(method, path, body, timeout=timeout)
+        a redirect passed on would read as the sidecar's own, without ``Location``). ``is_generation``: as
+        :meth:`open`'s (a timeout is a 504, the engine not reported)."""
+        response, raw = await self.exchange(method, path, body, timeout=timeout, is_generation=is_generation)
         try:
             value = loads_bounded(raw) if raw else {}
         except PeerJSONError as exc:

@@ -20,6 +20,7 @@ from handoff.service.peer_json import PeerJSONError, loads_bounded
 from handoff.service.redact import redact_secrets
 from handoff.service.shared_run import SharedRun
 from handoff.service.upstream import UpstreamError
+from node_sidecar.engines.base import HEALTH_GENERATE_TIMEOUT_S
 from node_sidecar.errors import EngineUnavailable
 from node_sidecar.metrics import SidecarMetrics
 from node_sidecar.node import Node
@@ -45,7 +46,8 @@ def views_router(metrics: SidecarMetrics, admin: BearerToken, api_key: BearerTok
             return JSONResponse({"serving": False, "reason": node.state.not_serving_reason().value,
                                  "released": released}, status_code=status)
         try:
-            weight_version = await node.engine_adapter.health_generate()
+            weight_version = await node.engine_adapter.health_generate(
+                min(HEALTH_GENERATE_TIMEOUT_S, node.config.generate_timeout))
         finally:
             lease.release()
         return JSONResponse({"serving": True, "success": True, "weight_version": weight_version})

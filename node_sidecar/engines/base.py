@@ -132,11 +132,12 @@ class EngineAdapter(ABC):
     async def abort(self, *, rid: str | None, abort_all: bool) -> dict[str, Any]:
         """End one request (by its ``rid``) or every request now; they finish with their tokens so far."""
 
-    async def health_generate(self) -> str | None:
-        """Generate one token; returns the weight version that served it (None if the engine does not say).
-        This one speaks SGLang's ``/generate``."""
+    async def health_generate(self, timeout: float) -> str | None:
+        """Generate one token within ``timeout`` seconds; returns the weight version that served it (None if the
+        engine does not say). A generation: not done in time is a 504 and the engine is not taken for down (a
+        busy engine queues the probe behind its work). This one speaks SGLang's ``/generate``."""
         answer = await self.engine.call("POST", "/generate", {"input_ids": [0], "sampling_params": {
-            "max_new_tokens": 1, "temperature": 0}}, timeout=HEALTH_GENERATE_TIMEOUT_S)
+            "max_new_tokens": 1, "temperature": 0}}, timeout=timeout, is_generation=True)
         meta = answer.get("meta_info")
         return peer_weight_version(meta.get("weight_version")) if isinstance(meta, dict) else None
 

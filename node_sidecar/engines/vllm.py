@@ -200,9 +200,9 @@ class VllmEngine(ForeignEngine):
         answer = await self.engine.call("POST", "/abort_requests", {"request_ids": ids})
         return {"success": True, "aborted": answer.get("aborted")}
 
-    async def health_generate(self) -> str | None:
+    async def health_generate(self, timeout: float) -> str | None:
         await self.engine.call("POST", "/v1/completions", {"prompt": [0], "max_tokens": 1, "temperature": 0},
-                               timeout=30)
+                               timeout=timeout, is_generation=True)
         return self.weight_version
 
     # -- weights and cache ------------------------------------------------------------------------------------

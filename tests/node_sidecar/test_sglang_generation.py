@@ -131,3 +131,21 @@ def test_completions_and_a_pinned_version_through_an_sglang_node(node: Node) -> 
                   headers={"x-weight-version": "default"})
     assert r.status_code == 200 and r.json()["meta_info"]["weight_version"] == "default", r.text
     assert in_flight(node) == 0
+
+
+def test_a_late_health_generate_is_a_504_and_leaves_the_node_serving(proc_log_dir: Path) -> None:
+    """The one-token probe waits behind a busy engine's queue: its timeout marked the engine unreachable, so the
+    node stopped admitting and the LB routed around a healthy node (found by review). It is a generation now: a
+    504, the engine not taken for down."""
+    node = Node(proc_log_dir, sidecar_flags=("--generate-timeout", "1"))
+    try:
+        httpx.post(node.fake.url + "/_fake/next", json={"path": "/generate", "delay_s": 3.0},
+                   timeout=10).raise_for_status()
+        probe = httpx.get(node.sidecar.url + "/health_generate", timeout=30)
+        assert probe.status_code == 504 and probe.json()["error"]["type"] == "upstream_timeout", probe.text
+        view = node.occupation()
+        assert view["engine_reachable"] is True and view["serving"] is True, view
+        answer = node.post("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 2}})
+        assert answer.status_code == 200, answer.text
+    finally:
+        node.stop()

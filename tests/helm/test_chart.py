@@ -422,6 +422,18 @@ def test_lb_flags_follow_the_values(rendered: Rendered) -> None:
     assert all(re.fullmatch(r"[0-9.]+", flag_value(args, f)) for f in ("--control-timeout", "--max-control-timeout"))
 
 
+def test_one_client_reaches_one_lb_replica(rendered: Rendered) -> None:
+    """Each LB replica keeps the weight groups formed through it: a trainer's update or destroy reaching another
+    replica goes to that replica's members, not to the group's nodes."""
+    def lb_service(r: Rendered) -> dict[str, Any]:
+        (service,) = [s for s in r.of_kind("Service") if s.obj["spec"].get("clusterIP") != "None"]
+        return service.obj["spec"]
+
+    assert lb_service(rendered)["sessionAffinity"] == rendered.merged["lb"]["service"]["sessionAffinity"] == "ClientIP"
+    spread = render(deep_merge(TOKENS, {"lb": {"service": {"sessionAffinity": "None"}}}))
+    assert lb_service(spread)["sessionAffinity"] == "None"
+
+
 def test_a_stopping_lb_lets_its_calls_finish(rendered: Rendered) -> None:
     """uvicorn's default cuts the calls in flight 5 s after SIGTERM: an LB rollout or a drain would cut a
     release fan-out, a weight call (lb.weightSyncTimeout) or a generation stream."""

@@ -204,14 +204,15 @@ class ControlPlane:
                 except ServiceError:
                     await node.resync_quietly()
                     raise
-                if WEIGHTS in answer.get("resumed", ()) and state.tags[WEIGHTS] is TagState.RELEASED:
+                woke = WEIGHTS in answer.get("resumed", ()) and state.tags[WEIGHTS] is TagState.RELEASED
+                if woke:
                     state.transition(WEIGHTS, TagState.RESUMING)
                     state.transition(WEIGHTS, TagState.RESIDENT)
                 valid = answer.get("weights_valid", True)
                 state.weights_valid = valid if isinstance(valid, bool) else True
                 if "weight_version" in answer:
                     state.weight_version = peer_weight_version(answer["weight_version"])
-                state.intent.record_weights_loaded(state.weight_version)
+                state.intent.record_weights_loaded(state.weight_version, resumed=[WEIGHTS] if woke else [])
         log.info("weights updated, weight_version=%s (drained %d, aborted %d)", state.weight_version, drained,
                  aborted)
         return {**answer, "drained_requests": drained, "aborted_requests": aborted, "serving": state.is_serving}

@@ -101,7 +101,7 @@ class ClusterIntent:
         its shape, type or bounds (any key missing or extra included)."""
         if not isinstance(data, dict) or sorted(data) != sorted(_KEYS):
             raise IntentShapeError(f"an object with exactly the keys {', '.join(_KEYS)}")
-        if data["format"] != STATE_FORMAT or isinstance(data["format"], bool):
+        if type(data["format"]) is not int or data["format"] != STATE_FORMAT:  # not 1.0, not true
             raise IntentShapeError(f"format: {STATE_FORMAT} expected, got {data['format']!r}")
         released = _tags(data, "released")
         unrestored = _tags(data, "unrestored")
@@ -114,18 +114,23 @@ class ClusterIntent:
             raise IntentShapeError("weights_updated: a boolean expected")
         if data["stage_to_cpu"] is not None and not isinstance(data["stage_to_cpu"], bool):
             raise IntentShapeError("stage_to_cpu: null or a boolean expected")
+        joined, lost = _groups(data, "joined_groups"), _groups(data, "lost_groups")
+        if joined & lost:
+            raise IntentShapeError("joined_groups and lost_groups: a group in both")
         return cls(released=set(released), weights_updated=data["weights_updated"],
                    engine=_text(data["engine"], "engine", MAX_ENGINE_CHARS), unrestored=unrestored,
                    stale=None if stale is None else StaleWeights(_text(stale["served"], "stale.served"),
                                                                 _text(stale["had"], "stale.had")),
-                   stage_to_cpu=data["stage_to_cpu"], joined_groups=_groups(data, "joined_groups"),
-                   lost_groups=_groups(data, "lost_groups"),
+                   stage_to_cpu=data["stage_to_cpu"], joined_groups=joined, lost_groups=lost,
                    weight_version=_text(data["weight_version"], "weight_version"), on_change=on_change)
 
     @_recorded
     def record_release(self, tags: list[str], *, stage_to_cpu: bool | None = None) -> None:
         """``tags`` are released now, as the cluster asked; ``stage_to_cpu`` as it asked, kept for a release again
         when the call released a tag not released before (a repeated release changes nothing)."""
+        self._release(tags, stage_to_cpu)
+
+    def _release(self, tags: list[str], stage_to_cpu: bool | None) -> None:
         if not self.released.issuperset(tags):
             self.stage_to_cpu = stage_to_cpu
         self.released.update(tags)
@@ -134,15 +139,20 @@ class ClusterIntent:
     @_recorded
     def record_resume(self, tags: list[str]) -> None:
         """``tags`` are resident now, as the cluster asked (one never released again on a fresh engine may stay)."""
+        self._resume(tags)
+
+    def _resume(self, tags: list[str]) -> None:
         self.released.difference_update(tags)
         self.unrestored = [t for t in self.unrestored if t not in tags]
 
     @_recorded
-    def record_weights_loaded(self, version: str | None = None) -> None:
-        """A weight update or a reload succeeded: the engine serves the weights the cluster sent (``version``)."""
+    def record_weights_loaded(self, version: str | None = None, *, resumed: list[str] | None = None) -> None:
+        """A weight update or a reload succeeded: the engine serves the weights the cluster sent (``version``);
+        ``resumed``: the released tags it woke to load them, resident now as after a resume."""
         self.weights_updated = True
         self.weight_version = version
         self.stale = None
+        self._resume(resumed or [])
 
     @_recorded
     def record_joined(self, group: str) -> None:
@@ -179,7 +189,7 @@ class ClusterIntent:
     @_recorded
     def restored(self, tags: list[str]) -> None:
         """The fresh engine released ``tags`` again (the unrestored ones and any freed together with them)."""
-        self.record_release(tags, stage_to_cpu=self.stage_to_cpu)
+        self._release(tags, self.stage_to_cpu)  # one change: on_change never hears the intent half restored
         self.unrestored = []
 
     def lost_group_message(self, group: str) -> str:
@@ -198,9 +208,9 @@ class ClusterIntent:
 
 
 def _text(value: object, name: str, max_chars: int = MAX_NAME_CHARS) -> str | None:
-    if value is None or (isinstance(value, str) and len(value) <= max_chars):
+    if value is None or (isinstance(value, str) and 0 < len(value) <= max_chars):
         return value
-    raise IntentShapeError(f"{name}: null or a string of at most {max_chars} characters expected")
+    raise IntentShapeError(f"{name}: null or a string of 1 to {max_chars} characters expected")
 
 
 def _tags(data: dict[str, Any], name: str) -> list[str]:

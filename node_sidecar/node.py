@@ -20,13 +20,13 @@ from typing import Any
 
 from handoff.protocol.control import MAX_NODE_STATE_HEADER_BYTES, peer_weight_version
 from handoff.protocol.errors import NotServingReason
-from handoff.service.errors import ServiceError
 from handoff.service.upstream import UpstreamClient, UpstreamError, UpstreamTimeout
 from node_sidecar.admission import Admission, HoldLimits
 from node_sidecar.config import SidecarConfig
 from node_sidecar.engine_client import EngineClient
 from node_sidecar.engines import EngineAdapter, EngineKind, create_adapter, detect_kind
 from node_sidecar.errors import EngineRefused, EngineUnavailable, NotServing
+from node_sidecar.fresh_engine import meet_fresh_engine, release_again
 from node_sidecar.intent_file import load_intent
 from node_sidecar.metrics import SidecarMetrics
 from node_sidecar.state import TAGS, NodeState, TagState
@@ -146,48 +146,10 @@ class Node:
                      {t: s.value for t, s in self.state.tags.items()}, self.state.weights_valid,
                      self.state.weight_version)
         if is_fresh:
-            self._meet_fresh_engine()
+            meet_fresh_engine(self)
         if self.state.intent.unrestored:
-            await self.release_again()
+            await release_again(self)
         self.refresh_admission()
-
-    def _meet_fresh_engine(self) -> None:
-        intent = self.state.intent
-        log.warning("the engine is a new process (%s); the cluster had released %s%s", intent.engine,
-                    intent.unrestored or "nothing",
-                    f"; {intent.stale.message()}" if intent.stale is not None else "")
-        if intent.stale is not None:
-            self.last_error = intent.stale.message()
-
-    async def release_again(self) -> None:
-        """Release on a fresh engine the tags the cluster had released (under the control lock, admission closed:
-        nothing was admitted to the fresh engine). If it fails the node stays not serving and the monitor tries
-        again; a resume or release through the sidecar settles it too."""
-        state, intent, adapter = self.state, self.state.intent, self.engine_adapter
-        resident = state.tags_in(TagState.RESIDENT)
-        todo = adapter.release_set([t for t in intent.unrestored if t in resident], resident)
-        for tag in todo:
-            state.transition(tag, TagState.RELEASING)
-        try:
-            change = await adapter.release(todo, stage_to_cpu=intent.stage_to_cpu) if todo else None
-        except BaseException as exc:
-            for tag in todo:
-                state.transition(tag, TagState.RESIDENT)
-            if not isinstance(exc, ServiceError):
-                raise
-            error = (f"the restarted engine holds {intent.unrestored} resident, which the cluster had released; "
-                     f"releasing them again failed ({exc.message}): not serving until that succeeds (retried) or "
-                     "a resume or release through the sidecar")
-            if error != self.last_error:
-                log.error("%s", error)
-            self.last_error = error
-            return
-        for tag in todo:
-            state.transition(tag, TagState.RELEASED)
-        if change is not None and change.weights_valid is not None:
-            state.weights_valid = change.weights_valid
-        intent.restored(todo)
-        log.warning("released %s again on the restarted engine, as the cluster had released them", todo)
 
     async def resync_quietly(self) -> None:
         """After a control call failed: the engine's view wins, if it can be read."""
@@ -217,7 +179,7 @@ class Node:
                 elif self.state.intent.unrestored and self.state.is_engine_reachable:
                     async with self.control_lock:
                         if self.state.intent.unrestored and self.state.is_synced:
-                            await self.release_again()
+                            await release_again(self)
                             self.refresh_admission()
                 else:
                     await self._probe_health()

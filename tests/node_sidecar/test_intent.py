@@ -90,6 +90,53 @@ def test_every_change_is_heard_once_it_is_made() -> None:
     assert heard[5]["engine"] == "a" and len(heard) == 6
 
 
+def test_a_restore_is_heard_once_and_whole() -> None:
+    """A release again that found a tag released already (not in ``todo``) was heard twice, first with that tag
+    still owed: a sidecar killed between the two writes read back an intent half restored."""
+    heard: list[dict] = []
+    intent = ClusterIntent()
+    intent.record_release(["weights", "kv_cache"])
+    intent.meet_engine("a", served_version=None, had_version=None)
+    intent.meet_engine("b", served_version=None, had_version=None)
+    intent.on_change = lambda i: heard.append(i.to_json())
+    intent.restored(["kv_cache"])
+    assert [h["unrestored"] for h in heard] == [[]]
+
+
+def test_a_weight_update_that_woke_the_weights_leaves_them_resident() -> None:
+    """An update over released weights wakes them (handoff's engine, vLLM): the cluster holds them resident, and a
+    fresh engine must not release them again (it did, and the node was ``node_released`` on top of stale)."""
+    heard: list[dict] = []
+    intent = ClusterIntent(on_change=lambda i: heard.append(i.to_json()))
+    intent.record_release(["weights", "kv_cache"], stage_to_cpu=True)
+    intent.record_weights_loaded("step-1", resumed=["weights"])
+    assert intent.released == {"kv_cache"} and heard[-1]["released"] == ["kv_cache"] and len(heard) == 2
+    intent.meet_engine("a", served_version=None, had_version=None)
+    intent.meet_engine("b", served_version="default", had_version="step-1")
+    assert intent.unrestored == ["kv_cache"]
+
+
+REACHABLE = [
+    pytest.param(lambda i: None, id="fresh"),
+    pytest.param(lambda i: i.record_release(["weights"], stage_to_cpu=False), id="stage-to-cpu-false"),
+    pytest.param(lambda i: i.record_release(["kv_cache"], stage_to_cpu=True), id="stage-to-cpu-true"),
+    pytest.param(lambda i: (i.meet_engine("a", served_version=None, had_version=None), i.record_weights_loaded(),
+                            i.meet_engine("b", served_version=None, had_version=None)), id="stale-no-versions"),
+    pytest.param(lambda i: (i.meet_engine("a", served_version=None, had_version=None), i.record_release(["weights"]),
+                            i.record_joined("g"), i.meet_engine("b", served_version=None, had_version=None)),
+                 id="unrestored-and-lost"),
+    pytest.param(lambda i: (i.record_joined("g"), i.record_left("g"), i.record_resume(["weights"])), id="left"),
+]
+
+
+@pytest.mark.parametrize("reach", REACHABLE)
+def test_every_reachable_intent_reads_back(reach) -> None:
+    intent = ClusterIntent()
+    reach(intent)
+    data = json.loads(json.dumps(intent.to_json()))
+    assert ClusterIntent.from_json(data) == intent
+
+
 def shaped(**changes: object) -> dict:
     data = full_intent().to_json()
     data.update(changes)
@@ -102,6 +149,10 @@ BAD_SHAPES = [
     pytest.param(shaped(extra=1), id="a-key-extra"),
     pytest.param(shaped(format=2), id="another-format"),
     pytest.param(shaped(format=True), id="format-true"),
+    pytest.param(shaped(format=1.0), id="format-a-float"),
+    pytest.param(shaped(weight_version=""), id="version-empty"),
+    pytest.param(shaped(engine=""), id="engine-empty"),
+    pytest.param(shaped(joined_groups=["g1"]), id="a-group-joined-and-lost"),
     pytest.param(shaped(released=["kv_cache", "memory"]), id="a-tag-unknown"),
     pytest.param(shaped(released=["kv_cache", "kv_cache"]), id="a-tag-twice"),
     pytest.param(shaped(released="kv_cache"), id="tags-a-string"),

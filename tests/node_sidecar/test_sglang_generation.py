@@ -111,10 +111,21 @@ def test_a_client_that_leaves_ends_its_request_in_sglang(node: Node) -> None:
 def test_a_rid_sglang_still_runs_is_its_400(node: Node) -> None:
     body = {"input_ids": [1], "rid": "twice", "stream": True, "sampling_params": {"max_new_tokens": 300}}
     with httpx.stream("POST", node.sidecar.url + "/generate", json=body, timeout=30) as r:
-        next(iter_events(r))
+        events = iter_events(r)  # held: a generator dropped closes the connection, and SGLang frees the rid
+        next(events)
         again = node.post("/generate", {**body, "stream": False})
         assert again.status_code == 400, again.text
         assert again.json() == {"error": {"message": "Duplicate request ID detected: twice"}}
+    node.assert_fake_alive()
+
+
+def test_a_finished_rid_is_free_at_once(node: Node) -> None:
+    """SGLang drops a request's rid when its answer is complete (``tokenizer_manager.py:2774``); the stand-in kept
+    it taken while the finished batch lingered, and refused a rid used again at once as a duplicate."""
+    body = {"input_ids": [1], "rid": "reused", "sampling_params": {"max_new_tokens": 1}}
+    for _ in range(2):
+        r = node.post("/generate", body)
+        assert r.status_code == 200 and r.json()["meta_info"]["id"] == "reused", r.text
     node.assert_fake_alive()
 
 

@@ -130,6 +130,21 @@ def test_a_sidecar_restarted_with_its_engine_after_an_update_holds_out_the_start
     assert pair.view()["serving"] is True and greedy(pair.sidecar.url) == updated
 
 
+def test_an_update_that_woke_the_released_weights_is_not_undone_on_a_fresh_engine(pair: Pair) -> None:
+    """The engine wakes released weights to load an update: the node serves them, and a fresh engine owes the
+    cluster only the update, not a release of weights it holds resident now."""
+    r = httpx.post(pair.sidecar.url + "/release_memory_occupation", json={"tags": ["weights"]}, timeout=30)
+    assert r.status_code == 200, r.text
+    push_tensors(pair, 11, "step-1")
+    assert pair.view()["serving"] is True and '"released":[]' in pair.state_file.read_text()
+    pair.kill_both()
+    pair.start_both()
+    assert pair.view()["not_serving_reason"] == "weights_stale"
+    assert pair.engine_view()["tags"]["weights"]["state"] == "resident"
+    push_tensors(pair, 11, "step-2")
+    assert pair.view()["serving"] is True
+
+
 def test_a_sidecar_restarted_alone_after_an_update_still_knows_the_weights_were_updated(pair: Pair) -> None:
     """Without the file it started knowing of no update, and served the next fresh engine's start weights."""
     push_tensors(pair, 11, "step-1")

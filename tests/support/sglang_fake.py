@@ -145,6 +145,7 @@ def die(reason: str) -> None:
 class Running:
     rid: str
     aborted: bool = False
+    finished: bool = False  # its answer is complete: the rid is free (rid_to_state dropped it), the batch lingers
 
 
 @dataclass
@@ -212,6 +213,11 @@ class FakeSglang:
         if self.enable_memory_saver and any(tag in SGLANG_TAGS for tag in self.offload_tags):
             die(f"{what}: CUDA error: an illegal memory access was encountered (released: {sorted(self.offload_tags)})")
 
+    def forget(self, job: Running) -> None:
+        """The scheduler's last batch let go of ``job`` (not of a later request that reused its rid)."""
+        if self.running.get(job.rid) is job:
+            del self.running[job.rid]
+
     def is_idle(self) -> bool:
         """is_fully_idle(ignore_waiting=paused): retracted requests wait in the queue, which does not count."""
         return not self.running or self.pause_mode == "retract"
@@ -277,7 +283,7 @@ def _prompts(fake: FakeSglang, body: dict[str, Any]) -> tuple[list[list[int]], l
     else:
         rids = [str(r) for r in rid]
     for r in rids:
-        if r in fake.running:
+        if r in fake.running and not fake.running[r].finished:  # tokenizer_manager.py:2774: freed when it ends
             raise GenerateError(f"Duplicate request ID detected: {r}")
     if n > 1:  # _handle_batch_request: every sample is a request of its own, with a rid of its own
         prompts = [p for p in prompts for _ in range(n)]
@@ -332,8 +338,6 @@ def create_app(fake: FakeSglang) -> Any:
         params = body.get("sampling_params") or {}
         n = _num_samples(params)
         jobs = [Running(rid) for rid in rids]
-        for job in jobs:
-            fake.running[job.rid] = job
         fake.touch_memory("generate")
         limits = [_max_new_tokens(params, i, n) for i in range(len(jobs))]
         outputs: list[list[int]] = [[] for _ in jobs]
@@ -349,7 +353,10 @@ def create_app(fake: FakeSglang) -> Any:
             return out
 
         async def steps() -> AsyncIterator[list[int]]:
-            """One decode step of every running sub-request; yields the indexes that made progress."""
+            """One decode step of every running sub-request; yields the indexes that made progress. The requests run
+            from its start: a stream whose client left before its first step never ran, and holds nothing."""
+            for job in jobs:
+                fake.running[job.rid] = job
             try:
                 empty = [i for i, limit in enumerate(limits) if limit <= 0]
                 for i in empty:
@@ -381,9 +388,10 @@ def create_app(fake: FakeSglang) -> Any:
                 for i, job in enumerate(jobs):
                     if finished[i] is None:  # left unfinished: the client went away (generate_request's cleanup)
                         fake.calls.append(f"abort {job.rid} (client disconnected)")
+                    job.finished = True
                     # The batch that finished stays the scheduler's last_batch until its next loop iteration
                     # (scheduler.py:2039-2056), and is_fully_idle wants it empty (scheduler.py:5344-5351).
-                    asyncio.get_running_loop().call_later(LAST_BATCH_SECONDS, fake.running.pop, job.rid, None)
+                    asyncio.get_running_loop().call_later(LAST_BATCH_SECONDS, fake.forget, job)
 
         if is_stream:
             async def events() -> AsyncIterator[bytes]:

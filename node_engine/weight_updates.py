@@ -18,6 +18,8 @@ Every path has the same two phases:
 
 Weights resumed without a backup are invalid until every weight was written
 again, by one complete update or by buckets that together cover them.
+Likewise each answer's ``weights_updated_fully`` says whether updates have written every weight since the process
+started (:mod:`node_engine.weight_coverage`): until then a restarted engine serves part of its start checkpoint.
 """
 
 from __future__ import annotations
@@ -32,13 +34,15 @@ import torch
 
 from handoff.checkpoint.files import shown
 from handoff.protocol.control import UpdateWeightsFromDiskBody
-from handoff.protocol.weights import BeginWeightUpdateBody, UpdateWeightsFromTensorBody, UpdateWeightVersionBody
+from handoff.protocol.weights import (WEIGHTS_UPDATED_FULLY, BeginWeightUpdateBody, UpdateWeightsFromTensorBody,
+                                     UpdateWeightVersionBody)
 from handoff.bounded_thread import BoundedThreads, Overdue, TooManyStuck
 from node_engine.errors import CheckpointTimeout, InvalidRequest, WeightsCorrupted, WeightSyncTimeout
 from node_engine.memory.host_heap import trim_host_heap
 from node_engine.memory.tags import MemoryTag
 from node_engine.model.arch import ModelConfigError
 from node_engine.model.loader import by_checkpoint_key, check_named_tensors
+from node_engine.weight_coverage import WeightCoverage
 from node_engine.weight_sync.tensor_payload import decode_payload
 from node_engine.weight_sync.unpickler import UnsafePayload
 
@@ -58,6 +62,7 @@ class WeightUpdates:
         self.threads = BoundedThreads()
         self.token_step = 0
         self.session_selector: str | None = None  # an update session is open (SGLang's begin_weight_update)
+        self.written = WeightCoverage()  # reported as weights_updated_fully: the start checkpoint is all replaced
 
     # -- disk ------------------------------------------------------------------------
     async def check_disk(self, model_path: str) -> dict[str, Any]:
@@ -161,8 +166,10 @@ class WeightUpdates:
                                    "update succeeds") from exc
         if is_complete:
             engine.memory.mark_weights_valid()
+            self.written.note_all()
         else:
             engine.memory.note_weights_written(tensors, engine.runner.model.hf_weight_map())
+            self.written.note(tensors, engine.runner.model.hf_weight_map())
         if version is not None:
             engine.set_weight_version(version)
         dropped = engine.control.flush() if flush_cache else 0
@@ -172,7 +179,7 @@ class WeightUpdates:
             else:
                 trim_host_heap()
         return {"weight_version": engine.weight_version, "weights_valid": engine.memory.weights_valid,
-                "resumed": resumed, "num_cached_tokens_dropped": dropped,
+                "resumed": resumed, "num_cached_tokens_dropped": dropped, WEIGHTS_UPDATED_FULLY: self.written.is_full,
                 "commit_s": round(time.perf_counter() - started, 6)}
 
     # -- session and version ---------------------------------------------------------

@@ -21,6 +21,7 @@ from handoff.protocol import errors as E
 from handoff.protocol.control import peer_weight_version
 from handoff.protocol.engines import EngineKind
 from handoff.protocol.tags import Tag
+from handoff.protocol.weights import WEIGHTS_UPDATED_FULLY
 from handoff.service.errors import Conflict, ServiceError
 from node_sidecar.engines.base import MemoryChange
 from node_sidecar.errors import DrainTimeout
@@ -212,7 +213,9 @@ class ControlPlane:
                 state.weights_valid = valid if isinstance(valid, bool) else True
                 if "weight_version" in answer:
                     state.weight_version = peer_weight_version(answer["weight_version"])
-                state.intent.record_weights_loaded(state.weight_version, resumed=[WEIGHTS] if woke else [])
+                # an engine that does not say (vLLM, SGLang): any update is taken to replace every weight
+                state.intent.record_weights_loaded(state.weight_version, resumed=[WEIGHTS] if woke else [],
+                                                   updated_fully=answer.get(WEIGHTS_UPDATED_FULLY) is not False)
         log.info("weights updated, weight_version=%s (drained %d, aborted %d)", state.weight_version, drained,
                  aborted)
         return {**answer, "drained_requests": drained, "aborted_requests": aborted, "serving": state.is_serving}

@@ -10,7 +10,9 @@ vLLM's ``instance_id``), the node does not serve the fresh engine as it comes
 up: the released tags are released again first (:attr:`ClusterIntent.unrestored`
 until done), and a node whose weights had been updated refuses generation with
 ``weights_stale`` until a weight update or a reload through the sidecar
-succeeds. Renaming the version (``update_weight_version``) does not lift it: it
+succeeds; for handoff's engine, until updates have written every weight of
+the fresh process (its answers' ``weights_updated_fully``: a trainer's buckets
+each write a part). Renaming the version (``update_weight_version``) does not lift it: it
 would only label the start checkpoint's weights with the new name.
 
 A fresh engine is in no weight update group either: the groups its predecessor
@@ -70,8 +72,8 @@ class StaleWeights:
 
     def message(self) -> str:
         return (f"the engine restarted and serves its start checkpoint (weight_version {self.served!r}), but the "
-                f"node's weights had been updated (weight_version {self.had!r}): not serving until a weight update "
-                "or update_weights_from_disk through the sidecar succeeds")
+                f"node's weights had been updated (weight_version {self.had!r}): not serving until weight updates "
+                "through the sidecar have replaced every weight, or update_weights_from_disk succeeds")
 
 
 @dataclass
@@ -146,12 +148,16 @@ class ClusterIntent:
         self.unrestored = [t for t in self.unrestored if t not in tags]
 
     @_recorded
-    def record_weights_loaded(self, version: str | None = None, *, resumed: list[str] | None = None) -> None:
+    def record_weights_loaded(self, version: str | None = None, *, resumed: list[str] | None = None,
+                              updated_fully: bool = True) -> None:
         """A weight update or a reload succeeded: the engine serves the weights the cluster sent (``version``);
-        ``resumed``: the released tags it woke to load them, resident now as after a resume."""
+        ``resumed``: the released tags it woke to load them, resident now as after a resume. ``updated_fully``
+        false: the engine said that updates have not yet written every weight since it started (a bucket), so a
+        fresh engine's start weights are still partly served and :attr:`stale` stays."""
         self.weights_updated = True
         self.weight_version = version
-        self.stale = None
+        if updated_fully:
+            self.stale = None
         self._resume(resumed or [])
 
     @_recorded

@@ -202,3 +202,9 @@ WEIGHT_ROUTES: dict[str, tuple[str, ...]] = {path: ("POST",) for path in WEIGHT_
 
 # The header a generation request pins a weight version with: only nodes serving that version take it.
 WEIGHT_VERSION_HEADER = "x-weight-version"
+
+# In handoff's engine's answer to every weight update (disk, tensor, broadcast): whether updates since the engine
+# process started have written every weight of its model (a reload writes all, a bucket its names). A sidecar lifts
+# ``weights_stale`` from a restarted engine only when it is true; an answer without it (vLLM, SGLang) lifts it as any
+# successful update does.
+WEIGHTS_UPDATED_FULLY = "weights_updated_fully"

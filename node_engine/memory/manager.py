@@ -27,6 +27,7 @@ from typing import Collection, Iterable, Protocol, Sequence
 from node_engine.memory.info import DeviceMemory, MemoryInfo
 from node_engine.memory.saver import MemorySaver, MemorySaverDisabled
 from node_engine.memory.tags import ALL_TAGS, BackupMode, MemoryTag, TagState
+from node_engine.weight_coverage import WeightCoverage
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +92,7 @@ class MemoryManager:
         self.weights_listener = weights_listener
         self.state = MemoryState()
         self._weights_kept = False
-        self._written_since_invalid: set[str] = set()
+        self._written_since_invalid = WeightCoverage()
 
     @property
     def weights_valid(self) -> bool:
@@ -99,18 +100,18 @@ class MemoryManager:
 
     def mark_weights_valid(self) -> None:
         self.state.weights_valid = True
-        self._written_since_invalid.clear()
+        self._written_since_invalid.restart()
 
     def mark_weights_invalid(self) -> None:
         self.state.weights_valid = False
-        self._written_since_invalid.clear()
+        self._written_since_invalid.restart()
 
     def note_weights_written(self, keys: Iterable[str], all_keys: Collection[str]) -> None:
         """Some weights were written (a bucket): invalid weights become valid once every key was written since."""
         if self.state.weights_valid:
             return
-        self._written_since_invalid.update(keys)
-        if self._written_since_invalid.issuperset(all_keys):
+        self._written_since_invalid.note(keys, all_keys)
+        if self._written_since_invalid.is_full:
             self.mark_weights_valid()
 
     def released_tags(self) -> list[MemoryTag]:

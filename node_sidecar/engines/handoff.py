@@ -6,8 +6,8 @@ refuses a release while anything runs (409 ``requests_in_flight``), so this
 adapter only passes calls through, and judges every answer before the sidecar
 records anything from it (the engine is another process, maybe of another
 version, maybe broken): a 2xx without ``"success": true``, a release or resume
-that does not account for every tag asked, a tag list, byte count or
-``weights_valid`` of the wrong type is 502 ``upstream_error``; a state view
+that does not account for every tag asked, a tag list, byte count,
+``weights_valid`` or ``weights_updated_fully`` of the wrong type is 502 ``upstream_error``; a state view
 with a tag state other than ``resident`` / ``released`` or such a field is not
 read (the node stays unsynced, ``last_error`` says why).
 """
@@ -19,6 +19,7 @@ from typing import Any
 
 from handoff.protocol.control import ENGINE_INSTANCE, MAX_NAME_CHARS
 from handoff.protocol.tags import TAG_NAMES, TagState, parse_tag_request
+from handoff.protocol.weights import WEIGHTS_UPDATED_FULLY
 from handoff.service.peer_json import PeerJSONError, loads_bounded
 from handoff.service.upstream import UpstreamError
 from node_sidecar.engine_client import MAX_CONTROL_ANSWER_BYTES
@@ -117,7 +118,8 @@ class HandoffEngine(EngineAdapter):
     async def _call(self, path: str, body: dict[str, Any] | None = None, *,
                     timeout: float | None = None) -> dict[str, Any]:
         """``POST path``; the engine's answer, judged before anything is taken from it: every 2xx of the engine
-        says ``"success": true``, and its tag lists, byte counts and ``weights_valid`` have their types."""
+        says ``"success": true``, and its tag lists, byte counts, ``weights_valid`` and ``weights_updated_fully``
+        have their types."""
         answer = await self.engine.call("POST", path, body, timeout=timeout)
         if answer.get("success") is not True:
             raise not_understood(ENGINE, path, f'a 2xx without "success": true ({_shown(answer)})')
@@ -134,8 +136,9 @@ class HandoffEngine(EngineAdapter):
                     _byte_count(count)
             except ValueError as exc:
                 raise not_understood(ENGINE, path, f"{key} {_shown(value)} ({exc})") from exc
-        if not isinstance(answer.get("weights_valid", False), bool):
-            raise not_understood(ENGINE, path, f"weights_valid {_shown(answer['weights_valid'])}, not a boolean")
+        for key in ("weights_valid", WEIGHTS_UPDATED_FULLY):
+            if not isinstance(answer.get(key, False), bool):
+                raise not_understood(ENGINE, path, f"{key} {_shown(answer[key])}, not a boolean")
         return answer
 
 

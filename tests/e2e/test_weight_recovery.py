@@ -156,3 +156,39 @@ def test_a_trainer_rejoins_after_an_engine_restart_and_its_broadcasts_reach_both
     assert r.status_code == 200, r.text
     assert_both_serve(cluster, lb, reference[12], "step-2")
     assert trainer.leave().status_code == 200
+
+
+def test_a_restarted_engine_serves_again_only_once_buckets_replaced_every_weight(cluster, lb, reference,
+                                                                                tmp_path: Path) -> None:
+    """A trainer pushes a step in buckets (as verl does): the first bucket after a restart lifted ``weights_stale``
+    and the node served a mix of the start checkpoint and the step until the last bucket landed."""
+    restarted = cluster.nodes[0]
+    weights = tiny_weights(12)
+    names = sorted(weights)
+    buckets = [names[:len(names) // 2], names[len(names) // 2:]]
+
+    def push(seed: int, keys: list[str], version: str) -> httpx.Response:
+        tensors = tiny_weights(seed)  # held until the nodes answered: the payload names its shared memory
+        return lb.post("/update_weights_from_tensor", json={
+            "serialized_named_tensors": [serialize_named_tensors((k, tensors[k]) for k in keys)],
+            "weight_version": version})
+
+    def restarted_answer(r: httpx.Response) -> dict[str, Any]:
+        assert r.status_code == 200, r.text
+        return next(x["body"] for x in r.json()["results"] if x["node"] == restarted.url)
+
+    assert push(11, names, "step-1").status_code == 200
+    restart_engine(lb, restarted)
+    assert restarted_answer(push(12, buckets[0], "step-2"))["weights_updated_fully"] is False
+    view = occupation(restarted)
+    assert view["not_serving_reason"] == "weights_stale" and view["weight_version"] == "step-2", view
+    assert not lb_view(lb, restarted)["routable"]
+    assert restarted_answer(push(12, buckets[1], "step-2"))["weights_updated_fully"] is True
+    assert_both_serve(cluster, lb, reference[12], "step-2")
+    # a disk reload writes every weight at once
+    restart_engine(lb, restarted)
+    assert restarted_answer(push(11, buckets[0], "step-3"))["weights_updated_fully"] is False
+    step3 = str(save_tiny(tmp_path / "step-3", tiny_weights(11)))
+    r = lb.post("/update_weights_from_disk", json={"model_path": step3, "weight_version": "step-3"})
+    assert r.status_code == 200, r.text
+    assert_both_serve(cluster, lb, reference[11], "step-3")

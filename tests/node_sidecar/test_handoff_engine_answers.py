@@ -137,7 +137,8 @@ def test_a_continue_the_engine_does_not_confirm_is_a_502_and_the_node_stays_paus
 
 
 @pytest.mark.parametrize("body", [{"success": False, "message": "could not load"}, {}, {"weights_valid": True},
-                                  {"success": True, "weights_valid": "false"}])
+                                  {"success": True, "weights_valid": "false"},
+                                  {"success": True, "weights_valid": True, "weights_updated_fully": "yes"}])
 def test_a_reload_the_engine_does_not_confirm_is_a_502_and_the_weights_stay_invalid(node: Node, body: Any) -> None:
     node.engine.state = engine_state(weights_valid=False)
     node.engine.handlers["/health"] = answering({"status": "starting"}, 503)

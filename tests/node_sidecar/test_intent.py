@@ -28,6 +28,20 @@ def test_a_fresh_engine_owes_the_releases_and_the_weights_the_cluster_gave_the_o
     assert intent.blocking_reason() is None
 
 
+def test_a_fresh_engine_stays_stale_until_its_updates_wrote_every_weight() -> None:
+    """Buckets (verl pushes several per step): the first lifted ``weights_stale``, and the node served a mix of
+    the start checkpoint and the new weights until the last one landed (found by review)."""
+    intent = ClusterIntent()
+    intent.meet_engine("a", served_version="default", had_version=None)
+    intent.record_weights_loaded("step-1", updated_fully=False)  # before a restart it changes nothing
+    assert intent.meet_engine("b", served_version="default", had_version="step-1")
+    intent.record_weights_loaded("step-2", updated_fully=False)
+    assert intent.blocking_reason() is NotServingReason.WEIGHTS_STALE and intent.weights_updated
+    assert intent.stale == StaleWeights("default", "step-1")
+    intent.record_weights_loaded("step-2", updated_fully=True)
+    assert intent.blocking_reason() is None
+
+
 def test_a_release_again_is_made_as_the_cluster_made_it() -> None:
     """A vLLM node's sleep level follows ``stage_to_cpu``: a fresh engine released at another level would come back
     without weights (found by review)."""

@@ -24,6 +24,7 @@ started (:mod:`node_engine.weight_coverage`): until then a restarted engine serv
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
@@ -76,17 +77,23 @@ class WeightUpdates:
         runner = self.engine.runner
         path = body.model_path
         started = time.perf_counter()
+        # Released weights are resumed by the commit, and must find the device memory a staging would hold.
+        on_device = MemoryTag.WEIGHTS not in self.engine.memory.released_tags()
 
         def stage(cancel: threading.Event) -> dict[str, torch.Tensor]:
-            return runner.weight_writer.stage(runner.weight_writer.check(Path(path)), cancel)
+            return runner.weight_writer.stage(runner.weight_writer.check(Path(path)), cancel, on_device=on_device)
 
         staged = await self._read(stage, path)
         read_s = time.perf_counter() - started
         version = body.weight_version  # None keeps the version served (SGLang's _update_weight_version_if_provided)
-        answer = await self.engine.call(lambda: self.commit(
-            staged, is_complete=True, version=version, flush_cache=body.flush_cache,
-            torch_empty_cache=body.torch_empty_cache))
-        del staged
+        try:
+            answer = await self.engine.call(lambda: self.commit(
+                staged, is_complete=True, version=version, flush_cache=body.flush_cache,
+                torch_empty_cache=body.torch_empty_cache))
+        finally:
+            del staged
+            if runner.device.type == "cuda":  # what a staging on the device held goes back to the device
+                await asyncio.to_thread(torch.cuda.empty_cache)
         self.token_step = body.token_step
         self.model_path = path
         duration = time.perf_counter() - started

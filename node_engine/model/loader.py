@@ -13,6 +13,7 @@ addresses stay valid and a stalled read never leaves the model half loaded.
 
 from __future__ import annotations
 
+import logging
 import re
 import threading
 from pathlib import Path
@@ -24,6 +25,10 @@ from handoff.checkpoint.safetensors_header import read_folder_headers
 from node_engine.model.arch import ModelArch, ModelConfigError
 from node_engine.model.checkpoint_io import CheckpointError, CheckpointReader, TensorEntry
 from node_engine.model.llama import CausalLM, WeightTarget
+
+log = logging.getLogger(__name__)
+
+STAGING_HEADROOM_BYTES = 1 << 30  # device memory a reload staged on the GPU leaves free for the engine's work
 
 # Buffers some older checkpoints carry; they are recomputed, never loaded.
 _IGNORED_KEYS = re.compile(r"^model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq$")
@@ -159,9 +164,20 @@ def check_update(model: CausalLM, folder: Path, source_dtypes: dict[str, torch.d
 
 
 def stage_update(model: CausalLM, entries: dict[str, TensorEntry], reader: CheckpointReader,
-                 cancel: threading.Event | None = None) -> dict[str, torch.Tensor]:
-    """Read every tensor a checked reload needs into host memory (the model is not touched)."""
-    return dict(reader.iter_tensors(entries, list(model.hf_weight_map()), cancel))
+                 cancel: threading.Event | None = None, *, on_device: bool = False) -> dict[str, torch.Tensor]:
+    """Read every tensor a checked reload needs (the model is not touched): into host memory, or with
+    ``on_device`` onto the model's CUDA device when its free memory holds them with ``STAGING_HEADROOM_BYTES``
+    to spare (the commit then copies device to device; an allocation that fails all the same falls back)."""
+    keys = list(model.hf_weight_map())
+    device = next(model.parameters()).device
+    if on_device and device.type == "cuda":
+        num_bytes = sum(entries[key].num_bytes for key in keys)
+        if torch.cuda.mem_get_info(device)[0] >= num_bytes + STAGING_HEADROOM_BYTES:
+            try:
+                return dict(reader.iter_tensors_on(device, entries, keys, cancel))
+            except torch.OutOfMemoryError:
+                log.warning("staging a reload on %s ran out of memory; reading it into host memory", device)
+    return dict(reader.iter_tensors(entries, keys, cancel))
 
 
 def by_checkpoint_key(model: CausalLM, named: list[tuple[str, object]]) -> list[tuple[str, object]]:

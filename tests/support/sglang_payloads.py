@@ -19,7 +19,9 @@ from multiprocessing.reduction import ForkingPickler
 
 import torch
 import torch.multiprocessing as mp
+from torch.multiprocessing import reductions
 
+_PATCH_TORCH = "sglang.srt.utils.patch_torch"
 _RUNNER = "sglang.srt.model_executor.model_runner_components.weight_updater"
 _BUCKET = "sglang.srt.weight_sync.tensor_bucket"
 
@@ -48,14 +50,35 @@ class FlattenedTensorMetadata:
     numel: int
 
 
+def _rebuild_cuda_tensor_modified(*args: object) -> torch.Tensor:
+    """Named by SGLang's patched CUDA reduction; registered here only so that pickles name it."""
+    raise NotImplementedError("only an engine rebuilds these")
+
+
 _register(_RUNNER, LocalSerializedTensor)
 _register(_BUCKET, FlattenedTensorMetadata)
+_register(_PATCH_TORCH, _rebuild_cuda_tensor_modified)
+_DEVICE_ARG = 6  # patch_torch's _REDUCE_TENSOR_ARG_DEVICE_INDEX
 
 
-def serialize(obj: object) -> bytes:
+class _SGLangPickler(ForkingPickler):
+    """``ForkingPickler`` after SGLang's ``monkey_patch_torch_reductions``: a CUDA tensor names
+    ``_rebuild_cuda_tensor_modified`` and its device by UUID instead of by index."""
+
+    def reducer_override(self, obj: object) -> object:
+        if not (isinstance(obj, torch.Tensor) and obj.is_cuda):
+            return NotImplemented
+        _, args = reductions.reduce_tensor(obj)
+        uuid = str(torch.cuda.get_device_properties(args[_DEVICE_ARG]).uuid)
+        return _rebuild_cuda_tensor_modified, (*args[:_DEVICE_ARG], uuid, *args[_DEVICE_ARG + 1:])
+
+
+def serialize(obj: object, *, patched_cuda: bool = False) -> bytes:
+    """``MultiprocessingSerializer.serialize``; ``patched_cuda``: as SGLang's process pickles CUDA tensors (verl
+    and slime import SGLang, so their pushes are patched)."""
     mp.set_sharing_strategy("file_system")
     buffer = io.BytesIO()
-    ForkingPickler(buffer).dump(obj)
+    (_SGLangPickler if patched_cuda else ForkingPickler)(buffer).dump(obj)
     return buffer.getvalue()
 
 
@@ -63,14 +86,14 @@ def b64(data: bytes) -> str:
     return base64.b64encode(data).decode()
 
 
-def verl_payload(named: list[tuple[str, torch.Tensor]]) -> str:
+def verl_payload(named: list[tuple[str, torch.Tensor]], *, patched_cuda: bool = False) -> str:
     """What ``sglang.srt.weight_sync.utils.update_weights`` sends for one bucket at TP size 1."""
-    return b64(serialize([(name, LocalSerializedTensor([serialize(t.detach())])) for name, t in named]))
+    return b64(serialize([(name, LocalSerializedTensor([serialize(t.detach(), patched_cuda=patched_cuda)]))
+                          for name, t in named], patched_cuda=patched_cuda))
 
 
-def flattened_payload(named: list[tuple[str, torch.Tensor]]) -> tuple[str, torch.Tensor]:
-    """A ``flattened_bucket`` payload (SGLang's ``FlattenedTensorBucket``), and the buffer to keep alive until
-    the engine answered (its shared memory goes with it)."""
+def flatten_bucket(named: list[tuple[str, torch.Tensor]]) -> dict[str, object]:
+    """SGLang's ``FlattenedTensorBucket``: one byte buffer and a ``FlattenedTensorMetadata`` per tensor."""
     metadata, parts, offset = [], [], 0
     for name, tensor in named:
         flat = tensor.detach().contiguous().flatten().view(torch.uint8)
@@ -78,5 +101,12 @@ def flattened_payload(named: list[tuple[str, torch.Tensor]]) -> tuple[str, torch
                                                 flat.numel()))
         parts.append(flat)
         offset += flat.numel()
-    buffer = torch.cat(parts)
-    return b64(serialize({"flattened_tensor": buffer, "metadata": metadata})), buffer
+    return {"flattened_tensor": torch.cat(parts), "metadata": metadata}
+
+
+def flattened_payload(named: list[tuple[str, torch.Tensor]], *, patched_cuda: bool = False
+                      ) -> tuple[str, torch.Tensor]:
+    """A ``flattened_bucket`` payload, and the buffer to keep alive until the engine answered (its shared
+    memory goes with it)."""
+    bucket = flatten_bucket(named)
+    return b64(serialize(bucket, patched_cuda=patched_cuda)), bucket["flattened_tensor"]

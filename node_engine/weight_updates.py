@@ -83,16 +83,17 @@ class WeightUpdates:
         def stage(cancel: threading.Event) -> dict[str, torch.Tensor]:
             return runner.weight_writer.stage(runner.weight_writer.check(Path(path)), cancel, on_device=on_device)
 
-        staged = await self._read(stage, path)
-        read_s = time.perf_counter() - started
+        staged: dict[str, torch.Tensor] | None = None
         version = body.weight_version  # None keeps the version served (SGLang's _update_weight_version_if_provided)
         try:
+            staged = await self._read(stage, path)
+            read_s = time.perf_counter() - started
             answer = await self.engine.call(lambda: self.commit(
                 staged, is_complete=True, version=version, flush_cache=body.flush_cache,
                 torch_empty_cache=body.torch_empty_cache))
         finally:
-            del staged
-            if runner.device.type == "cuda":  # what a staging on the device held goes back to the device
+            staged = None
+            if runner.device.type == "cuda":  # what a staging on the device held (a failed read's too) goes back
                 await asyncio.to_thread(torch.cuda.empty_cache)
         self.token_step = body.token_step
         self.model_path = path

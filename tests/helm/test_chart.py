@@ -290,6 +290,14 @@ def test_schema_rejects_bad_values_with_a_clear_message(values: Obj, message: st
                  "node.engine.extraArgs must not set --hos", id="engine-host-override-abbreviated"),
     pytest.param({"clusterDomain": ".".join(["d" * 59] * 4)}, "over DNS's 253 (the LB would exit at start)",
                  id="discovery-name-too-long"),
+    # A token variable in extra env is in the pod spec, or hides the Secret's (the last definition wins).
+    pytest.param({"lb": {"extraEnv": [{"name": "HANDOFF_ADMIN_TOKEN", "value": "s3cret"}]}},
+                 "lb.extraEnv must not set HANDOFF_ADMIN_TOKEN", id="lb-token-env"),
+    pytest.param({"node": {"sidecar": {"extraEnv": [
+        {"name": "HANDOFF_API_KEY", "valueFrom": {"secretKeyRef": {"name": "other", "key": "k"}}}]}}},
+                 "node.sidecar.extraEnv must not set HANDOFF_API_KEY", id="sidecar-token-env"),
+    pytest.param({"node": {"engine": {"extraEnv": [{"name": "HANDOFF_ADMIN_TOKEN", "value": "s3cret"}]}}},
+                 "node.engine.extraEnv must not set HANDOFF_ADMIN_TOKEN", id="engine-token-env"),
 ])
 def test_template_rejects_inconsistent_values_with_a_clear_message(values: Obj, message: str) -> None:
     with pytest.raises(helm.HelmRenderError) as caught:
@@ -665,11 +673,23 @@ def test_pods_run_as_non_root_without_api_credentials(rendered: Rendered) -> Non
     for w in _workloads(rendered):
         spec = pod_spec(w)
         assert spec["securityContext"]["runAsNonRoot"] is True
+        assert spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
         assert spec["automountServiceAccountToken"] is False
         for c in spec["containers"]:
             assert c["securityContext"]["allowPrivilegeEscalation"] is False
             assert c["securityContext"]["capabilities"]["drop"] == ["ALL"]
+            assert c["securityContext"]["readOnlyRootFilesystem"] is True
             assert c["image"].endswith(":0.1.0")
+            mounts = {m["mountPath"] for m in c["volumeMounts"]}
+            assert "/tmp" in mounts and env_entries(c)["HOME"]["value"] == "/tmp", "a writable HOME and caches"
+
+
+def test_volume_ownership_is_changed_only_when_its_root_differs(rendered: Rendered) -> None:
+    """With fsGroup and the default policy (Always) the kubelet walks every file of a model or checkpoint claim
+    at each node pod's start (minutes on a large claim) and rewrites the group and mode of the trainer's files."""
+    for w in _workloads(rendered):
+        context = pod_spec(w)["securityContext"]
+        assert context["fsGroup"] == 10001 and context["fsGroupChangePolicy"] == "OnRootMismatch"
 
 
 # ---- tokens ----

@@ -291,12 +291,16 @@ The name of the model's claim (pvc or existingClaim).
 {{- end }}
 
 {{/*
-The engine's health check, run inside the engine container: its /health on localhost.
+The engine's health check, run inside the engine container: its /health on localhost, given the probe's
+timeoutSeconds. Through no proxy: urllib would send it to an http_proxy of the container's environment (one
+set in node.engine.extraEnv to fetch models), and the engine would fail every check. Called with
+(dict "root" $ "timeout" SECONDS).
 */}}
 {{- define "handoff.engineHealthCommand" -}}
+{{- $url := printf "http://127.0.0.1:%d/health" (int .root.Values.node.engine.port) -}}
 - python
 - -c
-- {{ printf "import urllib.request; urllib.request.urlopen('http://127.0.0.1:%d/health', timeout=5)" (int .Values.node.engine.port) | quote }}
+- {{ printf "import urllib.request as u; u.build_opener(u.ProxyHandler({})).open('%s', timeout=%d)" $url (int .timeout) | quote }}
 {{- end }}
 
 {{/*
@@ -309,6 +313,19 @@ Called with (dict "args" LIST "where" "lb.extraArgs").
 {{- if include "handoff.argSetsFlag" (dict "arg" $arg "flag" $flag) }}
 {{- fail (printf "handoff: %s must not set %s: a token in the args is readable in the pod spec; use auth.* (the Secret)" $.where $flag) }}
 {{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/*
+Refuse the token variables in extra env: the chart sets them from the Secret; a second definition would put a token
+in the pod spec, or hide the Secret's (the last definition wins: the LB and the nodes would hold different tokens).
+Called with (dict "env" LIST "where" "lb.extraEnv").
+*/}}
+{{- define "handoff.checkNoTokenEnv" -}}
+{{- range $var := .env }}
+{{- if has $var.name (list "HANDOFF_ADMIN_TOKEN" "HANDOFF_API_KEY") }}
+{{- fail (printf "handoff: %s must not set %s: the tokens come from auth.* (the Secret) only" $.where $var.name) }}
 {{- end }}
 {{- end }}
 {{- end }}

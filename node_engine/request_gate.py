@@ -3,10 +3,11 @@
 Rules:
 
 - :meth:`RequestGate.check` answers 400 for a request that can never run on
-  this engine (empty prompt, too long for the pool, token ids outside the
-  vocabulary), then 503 while it cannot run now (memory released, weights
+  this engine (empty prompt, beyond the context, a prompt the pool cannot hold,
+  token ids outside the vocabulary), then 503 while it cannot run now (memory released, weights
   not valid). The cheap length check comes first: the scans after it cost the
-  prompt's length.
+  prompt's length. A request within the context whose ``max_new_tokens`` the
+  pool cannot hold is cut to what it holds first (:meth:`RequestGate.fit_to_pool`).
 - An id is claimed when its request is submitted and given back when its final
   output reaches the event loop, so an abort by id reaches only its own
   request; a second request under an id in flight is 400, as in SGLang.
@@ -23,6 +24,7 @@ when it admits a request, since memory may be released in between.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 from handoff.protocol.generate_sequences import LogprobOptions
 from node_engine.errors import InvalidRequest, MemoryReleased, WeightsNotLoaded
@@ -62,8 +64,15 @@ class RequestGate:
         if len(prompt_ids) >= self._context_len:  # SGLang's rule, whatever max_new_tokens says
             raise InvalidRequest(f"The input ({len(prompt_ids)} tokens) is longer than the model's context length "
                                  f"({self._context_len} tokens).")
+        total = len(prompt_ids) + params.max_new_tokens
+        if total > self._context_len:  # SGLang's words (TokenizerManager._validate_one_request)
+            raise InvalidRequest(
+                f"Requested token count exceeds the model's maximum context length of {self._context_len} tokens. "
+                f"You requested a total of {total} tokens: {len(prompt_ids)} tokens from the input messages and "
+                f"{params.max_new_tokens} tokens for the completion. Please reduce the number of tokens in the "
+                "input messages or the completion to fit within the limit.")
         limit = self._scheduler.max_request_tokens()
-        if len(prompt_ids) + params.max_new_tokens > limit:
+        if total > limit:  # a prompt the pool cannot hold (fit_to_pool cut max_new_tokens to what it holds)
             raise InvalidRequest(
                 f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds the "
                 f"{limit} tokens a request can use (context {self._context_len}, "
@@ -73,6 +82,15 @@ class RequestGate:
         if logprobs is not None:
             self._check_ids("token_ids_logprob", logprobs.token_ids or ())
         self.check_can_generate()
+
+    def fit_to_pool(self, num_prompt_tokens: int, params: SamplingParams) -> SamplingParams:
+        """``params`` with ``max_new_tokens`` (and ``min_new_tokens``) cut to what the KV pool leaves after the
+        prompt, when the request fits the context but not the pool: it runs and ends on its length, as SGLang's
+        scheduler cuts it (``Scheduler.init_req_max_new_tokens``). Anything else is left to :meth:`check`."""
+        room = self._scheduler.max_request_tokens() - num_prompt_tokens
+        if params.max_new_tokens <= room or room < 1 or num_prompt_tokens + params.max_new_tokens > self._context_len:
+            return params
+        return replace(params, max_new_tokens=room, min_new_tokens=min(params.min_new_tokens, room))
 
     def _check_ids(self, what: str, ids: Sequence[int]) -> None:
         vocab = self._vocab_size

@@ -1,7 +1,9 @@
 """The engine requests of one HTTP request, run together: submitted, merged, collected or streamed, aborted.
 
 Every sequence is checked before any is submitted, so a bad item in a batch
-changes nothing. A client that goes away aborts whatever is still running, and
+changes nothing; one within the context that the KV pool cannot hold to its
+``max_new_tokens`` has that cut to what the pool holds (as SGLang's scheduler
+does) and ends on its length. A client that goes away aborts whatever is still running, and
 so does a sequence that fails: its siblings are aborted before the error is
 raised.
 
@@ -21,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import AsyncIterator
 
 from starlette.requests import Request
@@ -67,6 +69,8 @@ class GenerationRun:
     """The engine requests of one HTTP request (one per sequence)."""
 
     def __init__(self, engine: Engine, sequences: list[SequenceSpec], *, stream: bool = False) -> None:
+        sequences = [replace(spec, params=engine.gate.fit_to_pool(len(spec.prompt_ids), spec.params))
+                     for spec in sequences]
         for spec in sequences:
             engine.gate.check(spec.prompt_ids, spec.params, spec.logprobs)
         self.engine = engine

@@ -1,0 +1,86 @@
+"""A real engine whose KV pool is smaller than its context and than what its requests need together: requests
+that fit the context but not the pool, concurrent greedy requests and ``n`` samples that must be preempted and
+recomputed (the same tokens as alone), and no slot left held afterwards."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.node_engine.test_server import slots_held_by_requests
+from tests.support.procs import ServerProcess
+
+pytestmark = pytest.mark.timeout(180)
+
+POOL = 200  # tokens; the built-in model's context is 4096
+CONTEXT = 4096
+
+
+@pytest.fixture(scope="module")
+def client(proc_log_dir: Path):
+    engine = ServerProcess("node_engine", ["--model-path", "builtin:tiny", "--max-total-tokens", str(POOL),
+                                           "--max-running-requests", "16", "--max-batch-tokens", "64"],
+                           log_dir=proc_log_dir, name="small-pool").start()
+    with httpx.Client(base_url=engine.url, timeout=120) as c:
+        yield c
+    engine.stop()
+
+
+def generate(client: httpx.Client, body: dict[str, Any]) -> Any:
+    answer = client.post("/generate", json=body)
+    assert answer.status_code == 200, answer.text
+    return answer.json()
+
+
+def test_a_request_within_the_context_but_beyond_the_pool_ends_on_its_length(client: httpx.Client) -> None:
+    """SGLang refuses prompt + ``max_new_tokens`` beyond the context (``TokenizerManager._validate_one_request``),
+    but cuts ``max_new_tokens`` to what the KV pool holds (``Scheduler.init_req_max_new_tokens``,
+    ``max_new_tokens_for_memory``): the request runs and ends on its length. Before the fix such a request (an RL
+    rollout's ``max_new_tokens`` = context - prompt on an engine whose pool is smaller) was a 400."""
+    greedy = {"temperature": 0, "ignore_eos": True}
+    prompt = [97] * 100
+    answer = generate(client, {"input_ids": prompt, "sampling_params": dict(greedy, max_new_tokens=CONTEXT - 101)})
+    assert len(answer["output_ids"]) == POOL - len(prompt)
+    assert answer["meta_info"]["finish_reason"] == {"type": "length", "length": POOL - len(prompt)}
+    alone = generate(client, {"input_ids": prompt, "sampling_params": dict(greedy, max_new_tokens=POOL - 100)})
+    assert answer["output_ids"] == alone["output_ids"]
+    samples = generate(client, {"input_ids": prompt, "sampling_params": dict(greedy, max_new_tokens=1000, n=3,
+                                                                             min_new_tokens=500)})
+    assert [s["output_ids"] for s in samples] == [alone["output_ids"]] * 3
+    completion = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1000, "temperature": 0})
+    assert completion.status_code == 200, completion.text
+    assert completion.json()["choices"][0]["finish_reason"] == "length"
+    assert completion.json()["usage"]["completion_tokens"] == POOL - len(prompt)
+    # still refused: beyond the context (SGLang's rule), a prompt the pool cannot hold
+    for ids, max_new in ((prompt, CONTEXT - 99), ([97] * (POOL + 1), 0), ([97] * POOL, 1)):
+        refused = client.post("/generate", json={"input_ids": ids, "sampling_params": {"max_new_tokens": max_new}})
+        assert refused.status_code == 400 and refused.json()["error"]["type"] == "invalid_request", refused.text
+    assert slots_held_by_requests(client) == 0
+
+
+def test_requests_that_overflow_the_pool_together_answer_as_alone(client: httpx.Client) -> None:
+    """24 greedy requests of ~100 tokens each and ``n`` = 6 samples of a 140-token sequence share a 200-token pool:
+    they are preempted and recomputed, and each answers the tokens it answers alone; no slot stays held."""
+    greedy = {"temperature": 0, "ignore_eos": True, "max_new_tokens": 60}
+    prompts = [f"{i:02d}" + "abcdefgh"[i % 8] * (20 + 2 * i) for i in range(24)]
+    alone = [generate(client, {"text": p, "sampling_params": greedy})["output_ids"] for p in prompts]
+    shared = "a prompt of about forty tokens, shared..."
+    shared_alone = generate(client, {"text": shared, "sampling_params": dict(greedy, max_new_tokens=100)})
+
+    def together(body: dict[str, Any]) -> Any:
+        return generate(client, body)
+
+    bodies = [{"text": p, "sampling_params": greedy} for p in prompts]
+    bodies.append({"text": shared, "sampling_params": dict(greedy, max_new_tokens=100, n=6)})
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        answers = list(pool.map(together, bodies))
+    assert [a["output_ids"] for a in answers[:-1]] == alone
+    assert [s["output_ids"] for s in answers[-1]] == [shared_alone["output_ids"]] * 6
+    num_retractions = sum(a["meta_info"]["num_retractions"] for a in answers[:-1])
+    num_retractions += sum(s["meta_info"]["num_retractions"] for s in answers[-1])
+    assert num_retractions > 0  # the pool did run out
+    assert slots_held_by_requests(client) == 0

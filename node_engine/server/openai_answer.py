@@ -87,8 +87,9 @@ class Answer:
                      preamble: Callable[[int], dict[str, Any]] | None = None,
                      finale: Callable[[int, SequenceChunk], dict[str, Any]] | None = None) -> AsyncIterator[bytes]:
         """The SSE body: a chunk per output that ``choice`` gives one for; then ``finale``'s chunk per choice
-        (SGLang's chat streams end each choice with one, for its finish reason); usage last if asked; an error
-        event (and no [DONE]) on failure. ``continuous_usage``: each output's chunk carries its choice's usage
+        (SGLang's chat streams end each choice with one, for its finish reason); usage last if asked; on a
+        failure an error event, then ``[DONE]`` as SGLang's stream generators send it (``serving_chat.py``,
+        ``serving_completions.py``: the ``except`` branch falls through to ``[DONE]``). ``continuous_usage``: each output's chunk carries its choice's usage
         so far (SGLang's ``continuous_usage_stats``)."""
         events, head = first
         last: dict[int, SequenceChunk] = {}
@@ -110,7 +111,7 @@ class Answer:
             async for index, out in events:
                 yield chunk(index, out)
         except ServiceError as exc:
-            yield sse_event(exc.envelope())
+            yield sse_event(exc.envelope()) + DONE_EVENT
             return
         if finale is not None:
             for index in sorted(last):

@@ -200,8 +200,13 @@ def _check_prompt(value: Any) -> Any:
 GENERIC_ROLES = ("system", "assistant", "tool", "function", "developer", "latest_reminder", "root")
 
 
+# SGLang's message models keep the fields they declare and drop the rest unread (pydantic's default): a field
+# they do not know never reaches the chat template
+_MESSAGE_CONFIG = ConfigDict(extra="ignore", strict=True)
+
+
 class ToolCallFunction(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
+    model_config = _MESSAGE_CONFIG
     name: str | None = None
     arguments: Union[str, dict[str, Any], None] = None
 
@@ -209,7 +214,7 @@ class ToolCallFunction(BaseModel):
 class ToolCall(BaseModel):
     """An assistant's earlier tool call, in the history (SGLang's ``ToolCall``)."""
 
-    model_config = ConfigDict(extra="allow", strict=True)
+    model_config = _MESSAGE_CONFIG
     id: str | None = None
     index: int | None = None
     type: Literal["function"] = "function"
@@ -217,18 +222,26 @@ class ToolCall(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
+    """A chat message, as SGLang's ``ChatCompletionMessageParam`` takes it: a ``user`` message has ``role`` and
+    ``content`` alone (``ChatCompletionMessageUserParam``), the other roles the fields of
+    ``ChatCompletionMessageGenericParam``; any other field is dropped unread."""
+
+    model_config = _MESSAGE_CONFIG
     role: str
     content: Union[str, list[dict[str, Any]], None] = None
+    tool_call_id: str | None = None
+    name: str | None = None
+    phase: Literal["commentary", "final_answer"] | None = None
+    reasoning_content: str | None = None
     tool_calls: list[ToolCall] | None = None
     tools: list[Tool] | None = None
+    prefix: bool | None = None  # DeepSeek's prefix completion: only its templates read it
 
     @model_validator(mode="before")
     @classmethod
-    def _user_tools(cls, value: Any) -> Any:
-        # SGLang's user message has no tools: there they are an unknown field, dropped unread
-        if isinstance(value, dict) and value.get("role") == "user" and "tools" in value:
-            value = {key: item for key, item in value.items() if key != "tools"}
+    def _user_fields(cls, value: Any) -> Any:
+        if isinstance(value, dict) and value.get("role") == "user":
+            value = {key: item for key, item in value.items() if key in ("role", "content")}
         return value
 
     @field_validator("role")
@@ -240,12 +253,10 @@ class ChatMessage(BaseModel):
                          f"got {value[:40]!r}")
 
     def template_dict(self) -> dict[str, Any]:
-        """The message as the chat template gets it: fields left out are absent, but its tools are dumped whole,
-        as SGLang dumps them (null ``description`` and ``parameters`` included)."""
-        message = self.model_dump(exclude_none=True)
-        if self.tools is not None:
-            message["tools"] = [tool.model_dump() for tool in self.tools]
-        return message
+        """The message as the chat template gets it (SGLang's ``model_dump``, then its null fields left out):
+        what is nested is dumped whole, a tool's null ``description`` and ``parameters`` and a tool call's null
+        ``id`` and ``index`` included."""
+        return {key: value for key, value in self.model_dump().items() if value is not None}
 
     @model_validator(mode="after")
     def _user_content(self) -> ChatMessage:

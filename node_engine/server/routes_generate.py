@@ -88,7 +88,7 @@ async def _sse(engine: Engine, run: GenerationRun, first: tuple[AsyncIterator, t
         async for index, out in events:
             yield event(index, out)
     except ServiceError as exc:
-        # A failure mid-stream ends with an error event and no [DONE]: [DONE] means complete.
-        yield sse_event(exc.envelope())
+        # A failure mid-stream ends with an error event, then [DONE], as SGLang's stream_results ends it
+        yield sse_event(exc.envelope()) + DONE_EVENT
         return
     yield DONE_EVENT

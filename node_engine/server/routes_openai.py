@@ -31,7 +31,8 @@ from node_engine.server.openai_answer import (Answer, ChatDeltas, continuous_usa
 from node_engine.server.openai_shapes import chat_logprobs, completion_logprobs
 from node_engine.server.openai_bodies import (ChatCompletionBody, CompletionBody, refuse_adapter_model,
                                               refuse_unsupported_openai)
-from node_engine.server.openai_tools import check_tools, template_tools, tools_in_play
+from node_engine.server.openai_tools import check_tools, effective_tools, template_tools, tools_in_play
+from node_engine.server.tool_schemas import check_tool_schemas
 from node_engine.chat_template import ChatTemplateError
 
 router = APIRouter()
@@ -184,6 +185,17 @@ def _check_message_counts(engine: Engine, value: Any) -> None:
                              f"{engine.runner.kv_plan.context_len} tokens")
 
 
+async def _check_tool_schemas(engine: Engine, body: ChatCompletionBody) -> None:
+    """SGLang's check of the tools' ``parameters`` (:func:`check_tool_schemas`), before the template renders them
+    (it rewrites database type names in place). Off the event loop: the metaschema check of 100k properties
+    takes 20 s; and after a 400 for schemas the template would render that are longer than any prompt."""
+    rendered = [tool for message in body.messages if message.tools for tool in message.tools]
+    if tools_in_play(body):
+        rendered += body.tools or []
+    check_prompt_chars(engine, _num_chars([tool.function.parameters for tool in rendered]))
+    await asyncio.to_thread(check_tool_schemas, effective_tools(body))
+
+
 @router.post("/v1/chat/completions", openapi_extra=openapi_body(ChatCompletionBody))
 async def chat_completions(request: Request) -> Response:
     engine: Engine = request.app.state.engine
@@ -194,6 +206,7 @@ async def chat_completions(request: Request) -> Response:
     check_tools(body)
     if tools_in_play(body):
         body.skip_special_tokens = False  # SGLang keeps them for a tool-call parser, so without one as well
+    await _check_tool_schemas(engine, body)
     tools = template_tools(body)
     if body.stream and (body.return_token_ids or body.return_prompt_token_ids):
         raise InvalidRequest("return_token_ids and return_prompt_token_ids are not supported with streaming; "

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Iterator
 
 import httpx
+import openai
 import pytest
 
 from node_engine.failures import EXIT_ENGINE_FAILED
@@ -97,12 +98,31 @@ def test_a_failed_step_fails_its_request_and_the_others_complete(node: Node) -> 
         rest = list(events)
     assert rest[-1] == "[DONE]"
     assert json.loads(rest[-2])["meta_info"]["completion_tokens"] == LONG["max_new_tokens"]
-    # a stream whose step fails ends with an error event and no [DONE]
+    assert node.client.post("/generate", json={"text": "after", "sampling_params": SHORT}).status_code == 200
+
+
+@pytest.mark.parametrize(("path", "body"), [
+    ("/generate", {"text": "streamed", "sampling_params": SHORT}),
+    ("/v1/completions", {"prompt": "streamed", "max_tokens": 4, "temperature": 0, "ignore_eos": True}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "streamed"}], "max_tokens": 4,
+                              "temperature": 0, "ignore_eos": True}),
+])
+def test_a_stream_whose_step_fails_ends_with_an_error_event_then_done(node: Node, path: str, body: dict) -> None:
+    """As SGLang's stream generators end a failed stream (``http_server.py`` ``stream_results``,
+    ``serving_chat.py`` and ``serving_completions.py``: the ``except`` branch falls through to ``[DONE]``)."""
+    node.ready()
     node.arm("error", "decode")
-    with node.client.stream("POST", "/generate", json={"text": "streamed", "stream": True,
-                                                       "sampling_params": SHORT}) as streamed:
+    with node.client.stream("POST", path, json={**body, "stream": True}) as streamed:
+        assert streamed.status_code == 200
         payloads = list(iter_events(streamed))
-    assert "[DONE]" not in payloads and json.loads(payloads[-1])["error"]["type"] == "engine_failed"
+    assert payloads[-1] == "[DONE]" and json.loads(payloads[-2])["error"]["type"] == "engine_failed"
+    assert "[DONE]" not in payloads[:-1]
+    if path == "/v1/chat/completions":  # the OpenAI client raises at the error event
+        node.arm("error", "decode")
+        with openai.OpenAI(base_url=node.sidecar.url + "/v1", api_key="unused", timeout=60, max_retries=0) as sdk:
+            with pytest.raises(openai.APIError, match="engine_failed|step"):
+                list(sdk.chat.completions.create(model="builtin:tiny", stream=True, messages=body["messages"],
+                                                 max_tokens=4, extra_body={"ignore_eos": True}))
     assert node.client.post("/generate", json={"text": "after", "sampling_params": SHORT}).status_code == 200
 
 

@@ -24,7 +24,8 @@ TEMPLATE = ("{% if tools and tools[0]['function'] is defined and tools[0]['funct
             "{{ raise_exception('this template takes bare functions') }}{% endif %}"
             "{% if tools %}[tools]{{ tools | tojson }}{% endif %}"
             "{% for m in messages %}<{{ m['role'] }}>{% if m.tools %}{{ m.tools | tojson }}{% endif %}"
-            "{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}")
+            "{% for k, v in m | dictsort if k not in ('role', 'content', 'tools') %}({{ k }}={{ v | tojson }})"
+            "{% endfor %}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}")
 USER = {"role": "user", "content": "hi"}
 CITY = {"type": "object", "properties": {"city": {"type": "string"}}}
 WEATHER = {"type": "function", "function": {"name": "weather", "description": "the weather", "parameters": CITY}}
@@ -90,6 +91,24 @@ def test_a_system_messages_tools_stay_on_it_and_count_as_the_requests(client: ht
         "Tool names must be unique across request and message tools."
 
 
+def test_a_messages_fields_reach_the_template_as_sglang_keeps_them(client: httpx.Client) -> None:
+    """SGLang's message models keep the fields they declare and drop the rest unread: a user message has
+    ``role`` and ``content`` alone, the other roles their own fields; a tool call is dumped whole (null ``id``
+    and ``index``), its unknown fields dropped. A declared field of the wrong type is a 400."""
+    user = {**USER, "name": "u", "foo": 1}
+    assistant = {"role": "assistant", "content": "a", "name": "bot", "reasoning_content": "r", "refusal": None,
+                 "audio": None, "annotations": [], "foo": {"x": 1}, "prefix": False,
+                 "tool_calls": [{"function": {"name": "f", "arguments": {"a": 1}, "extra": 2}, "x": 3}]}
+    tool = {"role": "tool", "content": "t", "tool_call_id": "c1", "bogus": "x"}
+    calls = [{"id": None, "index": None, "type": "function", "function": {"name": "f", "arguments": {"a": 1}}}]
+    assert rendered(client, messages=[user, assistant, tool, USER]) == (
+        '<user>hi<assistant>(name="bot")(prefix=false)(reasoning_content="r")'
+        f'(tool_calls={json.dumps(calls)})a<tool>(tool_call_id="c1")t<user>hi<assistant>')
+    for wrong in ({"name": 5}, {"phase": "draft"}, {"reasoning_content": ["r"]}, {"tool_call_id": 1}):
+        r = post(client, messages=[{"role": "assistant", "content": "a", **wrong}, USER])
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request", r.text
+
+
 def test_special_tokens_stay_in_the_text_with_tools(client: httpx.Client) -> None:
     """SGLang sets ``skip_special_tokens`` to false when tools are in play (even when the client sets it true)."""
     forced = {"max_tokens": 2, "logit_bias": {str(RESERVED_ID): 100}, "temperature": 0}
@@ -141,6 +160,50 @@ def test_a_tool_choice_that_needs_constrained_decoding_is_unsupported(client: ht
 def test_malformed_tools_are_400s(client: httpx.Client, body: dict) -> None:
     r = post(client, **body)
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request", r.text
+
+
+@pytest.mark.parametrize(("tools", "index", "why"), [
+    ([{"function": {"name": "f", "parameters": "a string"}}], 0, "'a string' is not of type 'object', 'boolean'"),
+    ([WEATHER, {"function": {"name": "f", "parameters": {"type": "varchar2"}}}], 1, "is not valid under any"),
+    ([{"function": {"name": "f", "parameters": {"properties": {"a": {"required": "a"}}}}}], 0, "is not of type"),
+    ([{"function": {"name": "f", "parameters": [1]}}], 0, "is not of type 'object', 'boolean'"),
+])
+def test_tool_parameters_that_are_no_json_schema_are_400s(engine: ServerProcess, client: httpx.Client,
+                                                           tools: list, index: int, why: str) -> None:
+    """SGLang checks each tool's ``parameters`` against JSON Schema 2020-12's metaschema (``_validate_request``),
+    with ``tool_choice`` "none" too, and a system message's tools after the request's."""
+    message = f"Tool {index} function has invalid 'parameters' schema: "
+    for body in ({"tools": tools}, {"tools": tools, "tool_choice": "none"},
+                 {"tools": tools[:-1], "messages": [{"role": "system", "content": "s", "tools": tools[-1:]}, USER]}):
+        r = post(client, **body)
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["type"] == "invalid_request" and error["message"].startswith(message) and why in error["message"]
+    with openai.OpenAI(base_url=engine.url + "/v1", api_key="unused", timeout=60, max_retries=0) as sdk:
+        with pytest.raises(openai.BadRequestError, match="invalid 'parameters' schema"):
+            sdk.chat.completions.create(model="tiny-llama", messages=[USER], tools=tools, max_tokens=1)
+
+
+def test_database_type_names_in_parameters_are_rewritten_as_sglang_does(client: httpx.Client) -> None:
+    """SGLang's ``normalize_json_schema_types``: the template renders JSON Schema's type names, the request's
+    tools and a system message's; a name it does not map is left as it is, and the metaschema refuses it."""
+    def tool(name: str, properties: dict) -> dict:
+        return {"function": {"name": name, "parameters": {"type": "object", "properties": properties}}}
+
+    def dumped(name: str, properties: dict) -> str:
+        parameters = {"type": "object", "properties": properties}
+        return json.dumps([{"type": "function", "function": {"name": name, "parameters": parameters,
+                                                             "description": None}, "defer_loading": None}])
+
+    r = post(client, tools=[tool("f", {"a": {"type": "internal"}})])  # "int" names no type inside "internal"
+    assert r.status_code == 400 and "'internal' is not valid" in r.json()["error"]["message"], r.text
+    given = {"a": {"type": "VARCHAR(9)"}, "b": {"type": ["int32", "bigint", "null"]},
+             "c": {"items": {"type": "decimal(9,2)"}}, "d": {"anyOf": [{"type": "list[str]"}, {"type": "map"}]}}
+    expected = {"a": {"type": "string"}, "b": {"type": ["integer", "null"]}, "c": {"items": {"type": "number"}},
+                "d": {"anyOf": [{"type": "array"}, {"type": "object"}]}}
+    system = {"role": "system", "content": "s", "tools": [tool("g", {"e": {"type": "bool"}})]}
+    assert rendered(client, tools=[tool("f", given)], messages=[system, USER]) == (
+        f"[tools]{dumped('f', expected)}<system>{dumped('g', {'e': {'type': 'boolean'}})}s<user>hi<assistant>")
 
 
 def test_parallel_tool_calls_changes_nothing(client: httpx.Client) -> None:

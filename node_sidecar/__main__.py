@@ -14,6 +14,7 @@ from handoff.service.logs import setup_logging
 from handoff.service.serve import add_server_args, serve_from_args
 from handoff.protocol.engines import ENGINE_KIND_NAMES
 from node_sidecar.config import ROLES, ConfigError, SidecarConfig
+from node_sidecar.intent_file import StateFileInUse, claim
 
 log = logging.getLogger("node_sidecar")
 
@@ -102,7 +103,9 @@ def main(argv: list[str] | None = None) -> int:
             max_body_bytes=args.max_body_bytes, max_answer_bytes=args.max_answer_bytes,
             body_timeout=args.body_timeout, allowed_local_media_path=args.allowed_local_media_path,
             refuse_media_urls=args.refuse_media_urls, state_file=args.state_file)
-    except ConfigError as exc:
+        if config.state_file is not None:
+            claim(config.state_file)  # held for the process's life: the node's intent file takes it again
+    except (ConfigError, StateFileInUse) as exc:
         log.error("%s", exc)
         return 2
     if admin_token is None and api_key is None:

@@ -22,7 +22,8 @@ again. An update over a lost group is refused at once (``weight_sync_broken``):
 its trainer must form the group again, on every node.
 
 A restarted sidecar starts with nothing remembered (it reads the tags from the
-engine as before, and cannot tell whether that engine's weights are stale),
+engine as before, keeps those it holds released as the cluster's, and cannot
+tell whether that engine's weights are stale),
 unless it was given ``--state-file``: then every change is written there
 (:mod:`node_sidecar.intent_file`, through :attr:`ClusterIntent.on_change`) and
 read back at start, so a sidecar restarted together with its engine meets the
@@ -33,7 +34,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from typing import Any, Callable, TypeVar, cast
+from typing import Any, Callable, Collection, TypeVar, cast
 
 from handoff.protocol.control import MAX_NAME_CHARS
 from handoff.protocol.errors import NotServingReason
@@ -173,15 +174,18 @@ class ClusterIntent:
         self.lost_groups.discard(group)
 
     @_recorded
-    def meet_engine(self, instance: str | None, *, served_version: str | None, had_version: str | None) -> bool:
-        """Note the engine process read now; True if it is a fresh one replacing the process this held for (then
-        :attr:`unrestored` and :attr:`stale` say what the node must do before it serves). An engine that names
-        no process, and the first one seen, are taken as they are."""
-        if instance is None or instance == self.engine:
+    def meet_engine(self, instance: str | None, *, served_version: str | None, had_version: str | None,
+                    released: Collection[str] = ()) -> bool:
+        """Note the engine process read now, which holds ``released`` released; True if it is a fresh one replacing
+        the process this held for (then :attr:`unrestored` and :attr:`stale` say what the node must do before it
+        serves). An engine that names no process, and the first one seen, are taken as they are, and the tags such
+        a process holds released were released by the cluster (through this sidecar or one before it, whose
+        record of it may be lost or was never written): kept for a fresh engine too."""
+        if instance is None or instance == self.engine or self.engine is None:
+            self.engine = self.engine if instance is None else instance
+            self.released.update(released)
             return False
-        first, self.engine = self.engine is None, instance
-        if first:
-            return False
+        self.engine = instance
         self.unrestored = [t for t in TAGS if t in self.released]
         self.lost_groups |= self.joined_groups
         self.joined_groups = set()

@@ -10,6 +10,7 @@ hundred bytes, made under the control call that changed the intent.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
@@ -23,18 +24,49 @@ MAX_STATE_BYTES = 64 * 1024
 log = logging.getLogger(__name__)
 
 
+_claimed: dict[Path, int] = {}  # state file -> the open lock file this process holds for it, while it lives
+
+
+class StateFileInUse(RuntimeError):
+    """Another process keeps its intent in the state file."""
+
+
+def claim(path: Path) -> Path:
+    """Take ``path`` for this process (the file a link names, if it is one): a lock on ``.NAME.lock`` beside it,
+    held until the process ends. Raises :class:`StateFileInUse` if another process holds it: two sidecars
+    writing one file would each overwrite the other's intent. Claiming it again in this process is a no-op."""
+    real = Path(os.path.realpath(path))
+    if real in _claimed:
+        return real
+    try:
+        fd = os.open(real.with_name(f".{real.name}.lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    except OSError as exc:  # the folder cannot be written: so neither can the file, which is logged at each change
+        log.warning("--state-file %s cannot be locked (%s)", path, exc.strerror or exc)
+        return real
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        os.close(fd)
+        raise StateFileInUse(f"--state-file {path}: another process keeps its state there (two sidecars must not "
+                             "share a file)") from exc
+    _claimed[real] = fd
+    return real
+
+
 def load_intent(path: Path | None) -> ClusterIntent:
-    """The intent stored at ``path``, kept there at every change from now on (None: no state file, nothing kept)."""
+    """The intent stored at ``path``, kept there at every change from now on (None: no state file, nothing kept).
+    Raises :class:`StateFileInUse` (:func:`claim`)."""
     if path is None:
         return ClusterIntent()
-    store = IntentFile(path)
+    store = IntentFile(claim(path))
     intent = store.read()
     intent.on_change = store.write
     return intent
 
 
 class IntentFile:
-    """One state file: :meth:`read` at start, :meth:`write` (the intent's ``on_change``) after every change."""
+    """One state file: :meth:`read` at start, :meth:`write` (the intent's ``on_change``) after every change.
+    ``path`` is the file itself, not a link to it (:func:`claim`): a rename over a link would replace the link."""
 
     def __init__(self, path: Path) -> None:
         self.path = path

@@ -137,7 +137,8 @@ class Node:
                                     retry_after=self.config.retry_after_s)
         was_reachable, had_version = self.state.is_engine_reachable, self.state.weight_version
         is_fresh = self.state.intent.meet_engine(view.instance, served_version=peer_weight_version(
-            view.weight_version), had_version=had_version)
+            view.weight_version), had_version=had_version,
+            released=[t for t, s in view.tags.items() if s is TagState.RELEASED])
         self.state.sync(view)
         self.state.is_engine_reachable = True
         self.metrics.engine_up.set(1)

@@ -28,6 +28,18 @@ def test_a_fresh_engine_owes_the_releases_and_the_weights_the_cluster_gave_the_o
     assert intent.blocking_reason() is None
 
 
+def test_the_tags_the_engine_met_holds_released_are_kept_for_a_fresh_one() -> None:
+    """A sidecar that lost its record of a release (restarted without the file, or its write failed) learns it
+    from the engine process it meets; before, the next fresh engine came up resident and was served."""
+    intent = ClusterIntent()
+    assert not intent.meet_engine("a", served_version=None, had_version=None, released=["kv_cache", "workspace"])
+    assert intent.released == {"kv_cache", "workspace"}
+    assert not intent.meet_engine("a", served_version=None, had_version=None, released=["weights", "kv_cache"])
+    assert intent.released == {"kv_cache", "workspace", "weights"}  # the same process: only ever added
+    assert intent.meet_engine("b", served_version=None, had_version=None, released=[])
+    assert intent.unrestored == ["weights", "kv_cache", "workspace"]
+
+
 def test_a_fresh_engine_stays_stale_until_its_updates_wrote_every_weight() -> None:
     """Buckets (verl pushes several per step): the first lifted ``weights_stale``, and the node served a mix of
     the start checkpoint and the new weights until the last one landed (found by review)."""

@@ -24,7 +24,7 @@ def test_every_change_is_written_and_read_back_by_the_next_sidecar(tmp_path: Pat
     intent.record_joined("g")
     again = load_intent(path)
     assert again == intent and again.to_json() == json.loads(path.read_text())
-    assert [p.name for p in tmp_path.iterdir()] == ["intent.json"]  # no temporary file left
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".intent.json.lock", "intent.json"]  # no temporary file
     # the one read back keeps writing
     again.record_resume(["kv_cache"])
     assert load_intent(path).released == set()

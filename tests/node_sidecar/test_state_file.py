@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from handoff.weight_sync import serialize_named_tensors
-from tests.support.procs import ServerProcess, wait_until
+from tests.support.procs import ServerProcess, assert_refused_at_start, wait_until
 from tests.support.weights import greedy, tiny_weights
 
 pytestmark = pytest.mark.timeout(180)
@@ -176,3 +176,50 @@ def test_a_corrupt_state_file_is_a_warning_and_a_fresh_start(pair: Pair) -> None
     assert httpx.post(pair.sidecar.url + "/release_memory_occupation", json={"tags": ["weights"]},
                       timeout=30).status_code == 200
     assert '"released":["weights"]' in pair.state_file.read_text()
+
+
+def test_a_release_the_file_missed_is_learnt_from_the_engine_and_kept_for_a_fresh_one(pair: Pair) -> None:
+    """The release's write failed (a folder in the file's place: a full or read-only disk alike) and the sidecar
+    restarted: it read no release, yet its engine holds ``kv_cache`` released. Before, a later engine restart came
+    up fully resident and the node served it, taking back the memory the trainer holds."""
+    pair.state_file.unlink()  # the engine process met, as written at start
+    pair.state_file.mkdir()
+    r = httpx.post(pair.sidecar.url + "/release_memory_occupation", json={"tags": ["kv_cache"]}, timeout=30)
+    assert r.status_code == 200, r.text
+    assert "cannot be written" in pair.last_log()
+    pair.sidecar.kill()
+    pair.state_file.rmdir()
+    pair.start_sidecar()
+    assert pair.view()["not_serving_reason"] == "node_released"
+    pair.engine.kill()
+    wait_until(lambda: pair.view()["engine_reachable"] is False, timeout=10, what="the engine seen down")
+    pair.engine.start(timeout=60)
+    wait_until(lambda: pair.engine_view()["tags"]["kv_cache"]["state"] == "released", timeout=20,
+               what="kv_cache released again on the fresh engine")
+    assert pair.view()["not_serving_reason"] == "node_released" and refused(pair)["type"] == "node_released"
+
+
+def test_a_state_file_that_is_a_link_is_written_through(pair: Pair, tmp_path: Path) -> None:
+    """Before, the first write renamed a regular file over the link: the file it named kept an older intent (read
+    back wherever the link is made again, a volume kept across pods say)."""
+    pair.sidecar.kill()
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    pair.state_file.unlink(missing_ok=True)
+    pair.state_file.symlink_to(kept / "intent.json")
+    pair.start_sidecar()
+    r = httpx.post(pair.sidecar.url + "/release_memory_occupation", json={"tags": ["kv_cache"]}, timeout=30)
+    assert r.status_code == 200, r.text
+    assert pair.state_file.is_symlink(), "the link was replaced"
+    assert '"released":["kv_cache","workspace"]' in (kept / "intent.json").read_text()
+
+
+def test_two_sidecars_on_one_state_file_the_second_is_refused(pair: Pair) -> None:
+    """Two writers of one file overwrite each other's intent (and shared one temporary file: a write could
+    interleave with the other's into a file neither wrote)."""
+    stderr = assert_refused_at_start(["node_sidecar", "--engine-url", pair.engine.url, "--port", "0",
+                                      "--state-file", str(pair.state_file)], "--state-file")
+    assert "another process" in stderr
+    assert httpx.post(pair.sidecar.url + "/release_memory_occupation", json={"tags": ["kv_cache"]},
+                      timeout=30).status_code == 200
+    assert '"released":["kv_cache","workspace"]' in pair.state_file.read_text()

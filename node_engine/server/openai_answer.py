@@ -89,8 +89,8 @@ class Answer:
         """The SSE body: a chunk per output that ``choice`` gives one for; then ``finale``'s chunk per choice
         (SGLang's chat streams end each choice with one, for its finish reason); usage last if asked; on a
         failure an error event, then ``[DONE]`` as SGLang's stream generators send it (``serving_chat.py``,
-        ``serving_completions.py``: the ``except`` branch falls through to ``[DONE]``). ``continuous_usage``: each output's chunk carries its choice's usage
-        so far (SGLang's ``continuous_usage_stats``)."""
+        ``serving_completions.py``: the ``except`` branch falls through to ``[DONE]``). ``continuous_usage``: each
+        output's chunk carries its choice's usage so far (SGLang's ``continuous_usage_stats``)."""
         events, head = first
         last: dict[int, SequenceChunk] = {}
 

@@ -77,23 +77,34 @@ class WeightUpdates:
         runner = self.engine.runner
         path = body.model_path
         started = time.perf_counter()
-        # Released weights are resumed by the commit, and must find the device memory a staging would hold.
-        on_device = MemoryTag.WEIGHTS not in self.engine.memory.released_tags()
+        # Only an engine holding all of its memory stages on the device: what a release gave back is the
+        # cluster's (a colocated trainer's), and released weights must find room to resume at the commit.
+        on_device = self.engine.memory.is_all_resident
+        staged: dict[str, torch.Tensor] = {}
 
         def stage(cancel: threading.Event) -> dict[str, torch.Tensor]:
-            return runner.weight_writer.stage(runner.weight_writer.check(Path(path)), cancel, on_device=on_device)
+            runner.weight_writer.stage(runner.weight_writer.check(Path(path)), staged, cancel, on_device=on_device)
+            return staged
 
-        staged: dict[str, torch.Tensor] | None = None
         version = body.weight_version  # None keeps the version served (SGLang's _update_weight_version_if_provided)
+
+        def commit() -> dict[str, Any]:
+            try:
+                return self.commit(staged, is_complete=True, version=version, flush_cache=body.flush_cache,
+                                   torch_empty_cache=body.torch_empty_cache)
+            finally:
+                staged.clear()  # on the engine thread, after the copy: a failed commit's traceback holds the dict
+
         try:
-            staged = await self._read(stage, path)
+            try:
+                await self._read(stage, path)
+            except BaseException:
+                staged.clear()  # what a read stuck past its deadline staged (but the tensor it is stuck on)
+                raise
             read_s = time.perf_counter() - started
-            answer = await self.engine.call(lambda: self.commit(
-                staged, is_complete=True, version=version, flush_cache=body.flush_cache,
-                torch_empty_cache=body.torch_empty_cache))
+            answer = await self.engine.call(commit)
         finally:
-            staged = None
-            if runner.device.type == "cuda":  # what a staging on the device held (a failed read's too) goes back
+            if runner.device.type == "cuda":  # what a staging on the device held goes back
                 await asyncio.to_thread(torch.cuda.empty_cache)
         self.token_step = body.token_step
         self.model_path = path

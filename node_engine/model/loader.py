@@ -5,8 +5,8 @@ Files are read by :class:`~node_engine.model.checkpoint_io.CheckpointReader`
 the engine's dtype and remembers the checkpoint's own dtype per key. A reload
 (``update_weights_from_disk``) is checked in full before any byte is read:
 same keys, same shapes, same checkpoint dtypes; then every tensor is staged in
-host memory (:func:`stage_update`, off the engine thread, bounded by the
-caller), and only a completely staged checkpoint is copied into the existing
+host memory, or on the GPU when it has room (:func:`stage_update`, off the
+engine thread, bounded by the caller), and only a completely staged checkpoint is copied into the existing
 parameters (:func:`apply_staged`), so CUDA graphs that captured their
 addresses stay valid and a stalled read never leaves the model half loaded.
 """
@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import re
 import threading
+import traceback
 from pathlib import Path
 
 import torch
@@ -164,20 +165,31 @@ def check_update(model: CausalLM, folder: Path, source_dtypes: dict[str, torch.d
 
 
 def stage_update(model: CausalLM, entries: dict[str, TensorEntry], reader: CheckpointReader,
-                 cancel: threading.Event | None = None, *, on_device: bool = False) -> dict[str, torch.Tensor]:
-    """Read every tensor a checked reload needs (the model is not touched): into host memory, or with
-    ``on_device`` onto the model's CUDA device when its free memory holds them with ``STAGING_HEADROOM_BYTES``
-    to spare (the commit then copies device to device; an allocation that fails all the same falls back)."""
+                 into: dict[str, torch.Tensor], cancel: threading.Event | None = None, *,
+                 on_device: bool = False) -> None:
+    """Read every tensor a checked reload needs into ``into`` (the model is not touched): into host memory, or
+    with ``on_device`` onto the model's CUDA device when its free memory holds them with ``STAGING_HEADROOM_BYTES``
+    to spare (the commit then copies device to device; an allocation that fails all the same falls back).
+
+    ``into`` is the caller's, so that a caller that stops waiting (a read stalled past its deadline) can let go of
+    what was staged. A staging on the device that fails empties ``into`` and gives its memory back to the device.
+    """
     keys = list(model.hf_weight_map())
     device = next(model.parameters()).device
     if on_device and device.type == "cuda":
         num_bytes = sum(entries[key].num_bytes for key in keys)
         if torch.cuda.mem_get_info(device)[0] >= num_bytes + STAGING_HEADROOM_BYTES:
             try:
-                return dict(reader.iter_tensors_on(device, entries, keys, cancel))
-            except torch.OutOfMemoryError:
-                log.warning("staging a reload on %s ran out of memory; reading it into host memory", device)
-    return dict(reader.iter_tensors(entries, keys, cancel))
+                into.update(reader.iter_tensors_on(device, entries, keys, cancel))
+                return
+            except BaseException as exc:
+                traceback.clear_frames(exc.__traceback__)  # the tensor being read, held by the read's frame
+                into.clear()
+                torch.cuda.empty_cache()  # blocks cached for the staging's own stream: no one else reuses them
+                if not isinstance(exc, torch.OutOfMemoryError):
+                    raise
+            log.warning("staging a reload on %s ran out of memory; reading it into host memory", device)
+    into.update(reader.iter_tensors(entries, keys, cancel))
 
 
 def by_checkpoint_key(model: CausalLM, named: list[tuple[str, object]]) -> list[tuple[str, object]]:

@@ -46,11 +46,11 @@ class WeightWriter:
         """Headers only; any thread (reads the parameters' shapes, never their storage)."""
         return check_update(self._model, folder, self._source_dtypes, self._reader)
 
-    def stage(self, entries: dict[str, TensorEntry], cancel: threading.Event | None = None, *,
-              on_device: bool = False) -> dict[str, torch.Tensor]:
-        """Every tensor of a checked reload, read into host memory (``on_device``: onto the GPU where it fits,
-        :func:`~node_engine.model.loader.stage_update`); any thread."""
-        return stage_update(self._model, entries, self._reader, cancel, on_device=on_device)
+    def stage(self, entries: dict[str, TensorEntry], into: dict[str, torch.Tensor],
+              cancel: threading.Event | None = None, *, on_device: bool = False) -> None:
+        """Every tensor of a checked reload, read into ``into`` in host memory (``on_device``: onto the GPU where
+        it fits, :func:`~node_engine.model.loader.stage_update`); any thread."""
+        stage_update(self._model, entries, self._reader, into, cancel, on_device=on_device)
 
     def apply(self, tensors: dict[str, torch.Tensor], *, is_complete: bool) -> None:
         """Copy checked tensors into the parameters; engine thread only.

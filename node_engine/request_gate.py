@@ -3,11 +3,13 @@
 Rules:
 
 - :meth:`RequestGate.check` answers 400 for a request that can never run on
-  this engine (empty prompt, beyond the context, a prompt the pool cannot hold,
-  token ids outside the vocabulary), then 503 while it cannot run now (memory released, weights
-  not valid). The cheap length check comes first: the scans after it cost the
-  prompt's length. A request within the context whose ``max_new_tokens`` the
-  pool cannot hold is cut to what it holds first (:meth:`RequestGate.fit_to_pool`).
+  this engine (empty prompt, beyond the context, a prompt too long for the
+  context or the pool, token ids outside the vocabulary), then 503 while it
+  cannot run now (memory released, weights not valid). The cheap length checks
+  come first: the scans after them cost the prompt's length. A request it
+  takes then has its ``max_new_tokens`` cut to SGLang's bound
+  (:meth:`RequestGate.cap_new_tokens`): the context and the pool, less the
+  prompt, less two.
 - An id is claimed when its request is submitted and given back when its final
   output reaches the event loop, so an abort by id reaches only its own
   request; a second request under an id in flight is 400, as in SGLang.
@@ -61,9 +63,7 @@ class RequestGate:
         """Raise 400 for a request that can never run, 503 while it cannot run now."""
         if not prompt_ids:
             raise InvalidRequest("the prompt is empty")
-        if len(prompt_ids) >= self._context_len:  # SGLang's rule, whatever max_new_tokens says
-            raise InvalidRequest(f"The input ({len(prompt_ids)} tokens) is longer than the model's context length "
-                                 f"({self._context_len} tokens).")
+        self.check_within_context(len(prompt_ids))
         total = len(prompt_ids) + params.max_new_tokens
         if total > self._context_len:  # SGLang's words (TokenizerManager._validate_one_request)
             raise InvalidRequest(
@@ -71,26 +71,39 @@ class RequestGate:
                 f"You requested a total of {total} tokens: {len(prompt_ids)} tokens from the input messages and "
                 f"{params.max_new_tokens} tokens for the completion. Please reduce the number of tokens in the "
                 "input messages or the completion to fit within the limit.")
-        limit = self._scheduler.max_request_tokens()
-        if total > limit:  # a prompt the pool cannot hold (fit_to_pool cut max_new_tokens to what it holds)
-            raise InvalidRequest(
-                f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds the "
-                f"{limit} tokens a request can use (context {self._context_len}, "
-                f"pool {self._scheduler.slots.capacity})")
+        limit = self.max_input_tokens()
+        if len(prompt_ids) >= limit:  # SGLang's scheduler (validate_input_length), in its words
+            raise InvalidRequest(f"Input length ({len(prompt_ids)} tokens) exceeds the maximum allowed length "
+                                 f"({limit} tokens). Use a shorter input.")
         self._check_ids("token ids", prompt_ids)
         self._check_ids("stop_token_ids", params.stop_token_ids)
         if logprobs is not None:
             self._check_ids("token_ids_logprob", logprobs.token_ids or ())
         self.check_can_generate()
 
-    def fit_to_pool(self, num_prompt_tokens: int, params: SamplingParams) -> SamplingParams:
-        """``params`` with ``max_new_tokens`` (and ``min_new_tokens``) cut to what the KV pool leaves after the
-        prompt, when the request fits the context but not the pool: it runs and ends on its length, as SGLang's
-        scheduler cuts it (``Scheduler.init_req_max_new_tokens``). Anything else is left to :meth:`check`."""
-        room = self._scheduler.max_request_tokens() - num_prompt_tokens
-        if params.max_new_tokens <= room or room < 1 or num_prompt_tokens + params.max_new_tokens > self._context_len:
+    def check_within_context(self, num_prompt_tokens: int) -> None:
+        """SGLang's first rule (``TokenizerManager._validate_one_request``), whatever ``max_new_tokens`` says."""
+        if num_prompt_tokens >= self._context_len:
+            raise InvalidRequest(f"The input ({num_prompt_tokens} tokens) is longer than the model's context "
+                                 f"length ({self._context_len} tokens).")
+
+    def max_input_tokens(self) -> int:
+        """SGLang's ``max_req_input_len``: ``max_req_len`` (the context and the pool, less one; tp_worker.py
+        ``get_worker_info``) less five. A prompt of this length or longer is refused."""
+        return self._max_req_len() - 5
+
+    def cap_new_tokens(self, num_prompt_tokens: int, params: SamplingParams) -> SamplingParams:
+        """``params`` with ``max_new_tokens`` (and ``min_new_tokens``) cut to what SGLang's scheduler lets a
+        request generate, for a request :meth:`check` took: ``max_req_len - prompt - 1``
+        (``Scheduler.init_req_max_new_tokens``; the pool's own bound, ``max_new_tokens_for_memory``, is
+        ``pool - prompt - 2``, the same). The sequence then ends on its length at the cut."""
+        room = max(0, self._max_req_len() - num_prompt_tokens - 1)
+        if params.max_new_tokens <= room:
             return params
         return replace(params, max_new_tokens=room, min_new_tokens=min(params.min_new_tokens, room))
+
+    def _max_req_len(self) -> int:
+        return self._scheduler.max_request_tokens() - 1
 
     def _check_ids(self, what: str, ids: Sequence[int]) -> None:
         vocab = self._vocab_size
@@ -145,12 +158,14 @@ class RequestGate:
                 del self._planned[rid]
 
     def room_after(self, num_prompt_tokens: int) -> int:
-        """What a request without a limit may generate (SGLang's chat: what the context leaves, less one)."""
-        return max(0, self._scheduler.max_request_tokens() - num_prompt_tokens - 1)
+        """What a request without a limit (``max_new_tokens`` null, or a chat without one) asks for: what the
+        context leaves, which SGLang's context check never refuses; :meth:`cap_new_tokens` then cuts it."""
+        return max(0, self._context_len - num_prompt_tokens)
 
     def default_max_new_tokens(self, num_prompt_tokens: int) -> int:
-        return max(0, min(DEFAULT_MAX_NEW_TOKENS, self._scheduler.max_request_tokens() - num_prompt_tokens))
-
+        """``/generate``'s default of 128 where the context leaves that much (SGLang checks no total for a
+        ``max_new_tokens`` left out); :meth:`cap_new_tokens` then cuts it."""
+        return min(DEFAULT_MAX_NEW_TOKENS, self.room_after(num_prompt_tokens))
 
 def _duplicate(rid: str) -> InvalidRequest:
     """SGLang's words for an id in flight (``TokenizerManager``: "Duplicate request ID detected")."""

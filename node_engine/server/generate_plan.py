@@ -15,6 +15,7 @@ from handoff.protocol.generate_request import GenerateBody, GenerateFieldError, 
 from handoff.protocol.generate_sequences import normalize
 from handoff.service.errors import InvalidRequest, ServiceError
 from node_engine.engine import Engine
+from node_engine.request_gate import DEFAULT_MAX_NEW_TOKENS
 from node_engine.server.generation import tokenize
 from node_engine.server.generation_run import SequenceSpec
 from node_engine.server.images import ImageLoader
@@ -45,9 +46,10 @@ def check_model(engine: Engine, model: str | None) -> None:
 
 async def plan_generate(engine: Engine, body: GenerateBody, images: ImageLoader, *,
                         to_context_by_default: bool = False) -> GeneratePlan:
-    """A sequence that leaves ``max_new_tokens`` out gets ``/generate``'s 128 (what fits of it), or with
-    ``to_context_by_default`` (chat) what the context leaves; one that gives it as ``null`` gets the latter, as
-    in SGLang. An empty batch (``text: []``) plans no sequence."""
+    """A sequence that leaves ``max_new_tokens`` out gets ``/generate``'s 128, or with ``to_context_by_default``
+    (chat) what the context leaves; one that gives it as ``null`` gets the latter, as in SGLang (either is cut
+    further when the run starts: :meth:`RequestGate.cap_new_tokens`). An empty batch (``text: []``) plans no
+    sequence."""
     try:
         request = normalize(body, max_sequences=MAX_BATCH)
     except GenerateFieldError as exc:
@@ -73,7 +75,8 @@ async def plan_generate(engine: Engine, body: GenerateBody, images: ImageLoader,
             limit = engine.gate.room_after(len(ids))
             sampling = _min_new_tokens_within(seq.sampling, limit)
         else:
-            limit, sampling = engine.gate.default_max_new_tokens(len(ids)), seq.sampling
+            limit = engine.gate.default_max_new_tokens(len(ids))
+            sampling = _default_within(seq.sampling, limit)
         try:
             params = to_sampling_params(sampling, limit,
                                         vocab_size=engine.arch.vocab_size, sample_index=seq.sample_index)
@@ -108,6 +111,14 @@ def _min_new_tokens_within(sampling: SamplingParamsBody, room: int) -> SamplingP
     if wanted is None or wanted <= room:
         return sampling
     return sampling.model_copy(update={"min_new_tokens": room})
+
+
+def _default_within(sampling: SamplingParamsBody, limit: int) -> SamplingParamsBody:
+    """SGLang bounds ``min_new_tokens`` by the default of 128 (``SamplingParams.verify``) before its scheduler cuts
+    both to what fits: one within 128 is cut to ``limit`` here, one beyond stays for the 400."""
+    if "max_new_tokens" in sampling.model_fields_set or (sampling.min_new_tokens or 0) > DEFAULT_MAX_NEW_TOKENS:
+        return sampling
+    return _min_new_tokens_within(sampling, limit)
 
 
 def _num_logprob_entries(spec: SequenceSpec) -> int:

@@ -58,12 +58,9 @@ def check_prompt_chars(engine: Engine, num_chars: int) -> None:
 
 
 def check_prompt_ids(engine: Engine, prompt: list[int] | list[list[int]]) -> None:
-    """400 for a token-id prompt longer than any request may be, before its ids are copied and checked again."""
-    limit = engine.scheduler.max_request_tokens()
+    """400 for a token-id prompt as long as the context or longer, before its ids are copied and checked again."""
     lengths = [len(prompt)] if prompt and isinstance(prompt[0], int) else [len(ids) for ids in prompt]  # type: ignore[arg-type]
-    longest = max(lengths, default=0)
-    if longest > limit:
-        raise InvalidRequest(f"a prompt of {longest} tokens exceeds the {limit} tokens a request can use")
+    engine.gate.check_within_context(max(lengths, default=0))
 
 
 async def tokenize(engine: Engine, texts: list[str]) -> list[list[int]]:

@@ -69,10 +69,10 @@ class GenerationRun:
     """The engine requests of one HTTP request (one per sequence)."""
 
     def __init__(self, engine: Engine, sequences: list[SequenceSpec], *, stream: bool = False) -> None:
-        sequences = [replace(spec, params=engine.gate.fit_to_pool(len(spec.prompt_ids), spec.params))
-                     for spec in sequences]
         for spec in sequences:
             engine.gate.check(spec.prompt_ids, spec.params, spec.logprobs)
+        sequences = [replace(spec, params=engine.gate.cap_new_tokens(len(spec.prompt_ids), spec.params))
+                     for spec in sequences]
         self.engine = engine
         self.sequences = sequences
         self.stream = stream

@@ -47,13 +47,14 @@ def chat(client: httpx.Client, **body: Any) -> dict[str, Any]:
 
 
 def test_a_chat_without_a_limit_fills_the_context_as_sglang_does(engine: ServerProcess) -> None:
-    """SGLang passes no max_new_tokens for a chat without one: the context less the prompt less one, not 128."""
+    """SGLang passes no max_new_tokens for a chat without one, not 128: its scheduler cuts it to ``max_req_len -
+    prompt - 1`` with ``max_req_len`` the context less one (scheduler.py:2709-2716, tp_worker.py:568-571)."""
     with openai.OpenAI(base_url=engine.url + "/v1", api_key="unused", timeout=60) as client:
         answer = client.chat.completions.create(model="any-name", messages=[USER], temperature=0,
                                                 extra_body={"ignore_eos": True})
     assert answer.model == "any-name"  # SGLang takes any model name and repeats it
     assert answer.choices[0].finish_reason == "length"
-    assert answer.usage.completion_tokens == CONTEXT - answer.usage.prompt_tokens - 1
+    assert answer.usage.completion_tokens == CONTEXT - answer.usage.prompt_tokens - 2
 
 
 def test_max_completion_tokens_or_max_tokens(client: httpx.Client) -> None:
@@ -130,13 +131,14 @@ def test_completions_limits_seeds_and_long_id_prompts(client: httpx.Client) -> N
         r = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1, "seed": seed})
         assert r.status_code == 400 and "sampling_seed" in r.json()["error"]["message"], r.text
     r = client.post("/v1/completions", json={"prompt": [97] * 200_000, "max_tokens": 1})
-    assert r.status_code == 400 and "exceeds the" in r.json()["error"]["message"], r.text  # checked before parsing
+    assert r.status_code == 400 and "longer than the model's context length" in r.text, r.text  # before parsing
     # SGLang's rule (tokenizer_manager): a prompt of the context's length is refused whatever max_new_tokens says
     for sampling in ({"max_new_tokens": 0}, {}):
         r = client.post("/generate", json={"input_ids": [97] * CONTEXT, "sampling_params": sampling})
         assert r.status_code == 400 and "longer than the model's context length" in r.text, r.text
+    # within the context, but at max_req_input_len (context - 6) or longer: SGLang's scheduler refuses it
     r = client.post("/generate", json={"input_ids": [97] * (CONTEXT - 1), "sampling_params": {"max_new_tokens": 1}})
-    assert r.status_code == 200, r.text
+    assert r.status_code == 400 and "Input length (95 tokens) exceeds" in r.text, r.text
     ids = client.post("/v1/completions", json={"prompt": [97, 98], "max_tokens": 2, "return_token_ids": True,
                                                "ignore_eos": True, "stream": True})
     events = [line for line in ids.text.splitlines() if line.startswith("data: {")]

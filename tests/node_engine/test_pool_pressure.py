@@ -38,15 +38,20 @@ def generate(client: httpx.Client, body: dict[str, Any]) -> Any:
 
 def test_a_request_within_the_context_but_beyond_the_pool_ends_on_its_length(client: httpx.Client) -> None:
     """SGLang refuses prompt + ``max_new_tokens`` beyond the context (``TokenizerManager._validate_one_request``),
-    but cuts ``max_new_tokens`` to what the KV pool holds (``Scheduler.init_req_max_new_tokens``,
-    ``max_new_tokens_for_memory``): the request runs and ends on its length. Before the fix such a request (an RL
-    rollout's ``max_new_tokens`` = context - prompt on an engine whose pool is smaller) was a 400."""
+    but cuts ``max_new_tokens`` to what the KV pool holds (``Scheduler.init_req_max_new_tokens``: ``max_req_len -
+    prompt - 1``, ``max_req_len`` the pool less one; ``max_new_tokens_for_memory``: pool - prompt - 2): the
+    request runs and ends on its length. Before the fix such a request (an RL rollout's ``max_new_tokens`` =
+    context - prompt on an engine whose pool is smaller) was a 400; then it ran to the pool, two more tokens."""
     greedy = {"temperature": 0, "ignore_eos": True}
     prompt = [97] * 100
+    room = POOL - len(prompt) - 2
     answer = generate(client, {"input_ids": prompt, "sampling_params": dict(greedy, max_new_tokens=CONTEXT - 101)})
-    assert len(answer["output_ids"]) == POOL - len(prompt)
-    assert answer["meta_info"]["finish_reason"] == {"type": "length", "length": POOL - len(prompt)}
-    alone = generate(client, {"input_ids": prompt, "sampling_params": dict(greedy, max_new_tokens=POOL - 100)})
+    assert len(answer["output_ids"]) == room
+    assert answer["meta_info"]["finish_reason"] == {"type": "length", "length": room}
+    for max_new in (room + 1, None):  # one past what the pool leaves; no limit
+        cut = generate(client, {"input_ids": prompt, "sampling_params": dict(greedy, max_new_tokens=max_new)})
+        assert cut["meta_info"]["finish_reason"] == {"type": "length", "length": room}
+    alone = generate(client, {"input_ids": prompt, "sampling_params": dict(greedy, max_new_tokens=room)})
     assert answer["output_ids"] == alone["output_ids"]
     samples = generate(client, {"input_ids": prompt, "sampling_params": dict(greedy, max_new_tokens=1000, n=3,
                                                                              min_new_tokens=500)})
@@ -54,9 +59,12 @@ def test_a_request_within_the_context_but_beyond_the_pool_ends_on_its_length(cli
     completion = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1000, "temperature": 0})
     assert completion.status_code == 200, completion.text
     assert completion.json()["choices"][0]["finish_reason"] == "length"
-    assert completion.json()["usage"]["completion_tokens"] == POOL - len(prompt)
+    assert completion.json()["usage"]["completion_tokens"] == room
+    # max_req_input_len (the pool less six) is SGLang's longest prompt, less one
+    longest = generate(client, {"input_ids": [97] * (POOL - 7), "sampling_params": dict(greedy, max_new_tokens=9)})
+    assert longest["meta_info"]["finish_reason"] == {"type": "length", "length": 5}
     # still refused: beyond the context (SGLang's rule), a prompt the pool cannot hold
-    for ids, max_new in ((prompt, CONTEXT - 99), ([97] * (POOL + 1), 0), ([97] * POOL, 1)):
+    for ids, max_new in ((prompt, CONTEXT - 99), ([97] * (POOL + 1), 0), ([97] * POOL, 1), ([97] * (POOL - 6), 1)):
         refused = client.post("/generate", json={"input_ids": ids, "sampling_params": {"max_new_tokens": max_new}})
         assert refused.status_code == 400 and refused.json()["error"]["type"] == "invalid_request", refused.text
     assert slots_held_by_requests(client) == 0

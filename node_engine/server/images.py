@@ -76,31 +76,3 @@ class ImageLoader:
             return self.engine.vision.processor.resize(load_image(item, self.policy))
         except (ImageInputError, ImageShapeError) as exc:
             raise InvalidRequest(f"{field}: {exc}") from exc
-
-
-def split_image_parts(messages: list[dict]) -> tuple[list[dict], list[object]]:
-    """OpenAI chat messages with their ``image_url`` parts taken out, in order, as ``image_data`` items; each
-    becomes ``{"type": "image"}``, which chat templates of vision-language models render as a placeholder."""
-    rendered: list[dict] = []
-    items: list[object] = []
-    for index, message in enumerate(messages):
-        content = message.get("content")
-        if not isinstance(content, list):
-            rendered.append(message)
-            continue
-        parts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") not in ("text", "image_url"):
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise InvalidRequest(f"messages[{index}].content: a part is text or image_url, got {kind!r}")
-            if part["type"] == "text":
-                parts.append(part)
-                continue
-            url = part.get("image_url")
-            url = url.get("url") if isinstance(url, dict) else url
-            if not isinstance(url, str):
-                raise InvalidRequest(f"messages[{index}].content: image_url needs a url (a data URL)")
-            items.append(url)
-            parts.append({"type": "image"})
-        rendered.append({**message, "content": parts})
-    return rendered, items

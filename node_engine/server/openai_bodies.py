@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError,
 
 from handoff.protocol.generate_request import MAX_TOP_LOGPROBS, is_empty
 from handoff.service.errors import Unsupported
+from node_engine.server.content_parts import Content, ThinkingPart
 from node_engine.server.openai_tools import Tool, ToolChoiceValue, default_tool_choice
 
 __all__ = ["ChatCompletionBody", "CompletionBody", "OPENAI_DEFAULT_ONLY", "refuse_adapter_model",
@@ -228,7 +229,7 @@ class ChatMessage(BaseModel):
 
     model_config = _MESSAGE_CONFIG
     role: str
-    content: Union[str, list[dict[str, Any]], None] = None
+    content: Content | None = None
     tool_call_id: str | None = None
     name: str | None = None
     phase: Literal["commentary", "final_answer"] | None = None
@@ -262,7 +263,49 @@ class ChatMessage(BaseModel):
     def _user_content(self) -> ChatMessage:
         if self.role == "user" and self.content is None:
             raise ValueError("a user message needs content")
+        parts = self.content if isinstance(self.content, list) else ()
+        if self.role != "assistant" and any(isinstance(part, ThinkingPart) for part in parts):
+            raise ValueError("thinking content parts are only valid in assistant messages")
         return self
+
+
+_EFFORT_LEVELS = ("none", "minimal", "low", "medium", "high", "xhigh", "ultra", "max")
+_TRUE_WORDS = ("1", "true", "yes", "y", "on")
+
+
+def reasoning_inputs(values: Any) -> Any:
+    """SGLang's ``normalize_reasoning_inputs``: a ``reasoning`` object (not a declared field: read, then
+    dropped) sets ``reasoning_effort`` from its ``effort`` (or ``reasoning_effort``), and with ``enabled`` (or
+    ``enable``) true, ``thinking`` and ``enable_thinking`` in ``chat_template_kwargs`` unless given there."""
+    if not isinstance(values, dict) or "reasoning" not in values:
+        return values
+    values = dict(values)
+    reasoning = values.pop("reasoning")
+    if not isinstance(reasoning, dict):
+        return values
+    effort = reasoning.get("effort")
+    effort = reasoning.get("reasoning_effort") if effort is None else effort
+    if isinstance(effort, str) and effort in _EFFORT_LEVELS:
+        values["reasoning_effort"] = effort
+    elif isinstance(effort, (int, float, str)) and not isinstance(effort, bool):
+        try:
+            values["reasoning_effort"] = float(effort)
+        except ValueError:
+            raise ValueError(f"invalid reasoning effort: {str(effort)[:40]!r}") from None
+    elif effort is not None:
+        raise ValueError(f"invalid reasoning effort: {str(effort)[:40]!r}")
+    enabled = reasoning.get("enabled") if reasoning.get("enabled") is not None else reasoning.get("enable", False)
+    if isinstance(enabled, str):
+        enabled = enabled.strip().lower() in _TRUE_WORDS
+    effort = values.get("reasoning_effort")
+    thinking = effort != "none" if effort is not None else (True if enabled else None)
+    if thinking is not None:
+        kwargs = values.get("chat_template_kwargs")
+        kwargs = dict(kwargs) if isinstance(kwargs, dict) else {}
+        kwargs.setdefault("thinking", thinking)
+        kwargs.setdefault("enable_thinking", thinking)
+        values["chat_template_kwargs"] = kwargs
+    return values
 
 
 class ChatCompletionBody(_OpenAIRequest):
@@ -302,7 +345,7 @@ class ChatCompletionBody(_OpenAIRequest):
     @model_validator(mode="before")
     @classmethod
     def _tool_choice_default(cls, values: Any) -> Any:
-        return default_tool_choice(values)
+        return default_tool_choice(reasoning_inputs(values))
 
     @property
     def max_new_tokens(self) -> int | None:

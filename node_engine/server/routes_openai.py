@@ -22,10 +22,10 @@ from handoff.service.errors import InvalidRequest, NotFound
 from handoff.service.peer_json import PeerJSONError, loads_bounded
 from handoff.service.disconnect import unless_disconnected
 from node_engine.engine import Engine
+from node_engine.server.content_parts import refuse_unsupported_parts, template_content
 from node_engine.server.generate_plan import GeneratePlan, plan_generate
 from node_engine.server.generation import check_prompt_chars, check_prompt_ids, max_prompt_chars
 from node_engine.server.generation_run import GenerationRun
-from node_engine.server.images import split_image_parts
 from node_engine.server.openai_answer import (Answer, ChatDeltas, continuous_usage_of, finish_fields,
                                               include_usage_of, token_id_fields)
 from node_engine.server.openai_shapes import chat_logprobs, completion_logprobs
@@ -116,29 +116,20 @@ def _num_chars(value: Any) -> int:
 def _messages(body: ChatCompletionBody, content_format: str) -> tuple[list[dict[str, Any]], list[object]]:
     """The messages as the chat template reads them, and the ``image_url`` parts' URLs in order.
 
-    For a ``"string"`` template (:func:`node_engine.chat_template.content_format`) a content list of text parts
-    is joined with spaces, as SGLang joins it; an ``"openai"`` template gets the parts, each image a
-    ``{"type": "image"}`` part (one placeholder each), but a tool message's text parts are joined whatever the
-    template (SGLang's ``normalize_tool_content``: templates print a tool result as it is). An assistant's
-    tool-call arguments written as a JSON string are given to the template as the object (SGLang's
+    Content parts as SGLang gives them to the template (:func:`template_content`). An assistant's tool-call
+    arguments written as a JSON string are given to the template as the object (SGLang's
     ``normalize_assistant_tool_call_arguments``). A last message from the assistant with text content becomes
     a user message (SGLang's ``_handle_last_assistant_message``: the prompt always ends with the user's turn)."""
-    rendered, items = split_image_parts([m.template_dict() for m in body.messages])
-    messages = []
-    for n, message in enumerate(rendered):
-        content = message.get("content")
-        if isinstance(content, list):
-            for part in content:
-                if part["type"] == "text" and not isinstance(part.get("text"), str):
-                    raise InvalidRequest(f"messages.{n}.content: a text part needs a string text")
-            texts = [part["text"] for part in content if part["type"] == "text"]
-            if len(texts) == len(content) and (content_format == "string" or message["role"] == "tool"):
-                content = " ".join(texts)
-        messages.append({**message, "content": content or ""})
+    messages: list[dict[str, Any]] = []
+    images: list[object] = []
+    for n, message in enumerate(body.messages):
+        fields = message.template_dict()
+        messages.append({**fields, "content": template_content(message.role, message.content, content_format,
+                                                                images)})
         _parse_tool_call_arguments(messages[-1], n)
     if messages and messages[-1]["role"] == "assistant" and isinstance(messages[-1]["content"], str):
         messages[-1] = {"role": "user", "content": messages[-1]["content"]}
-    return messages, items
+    return messages, images
 
 
 def _parse_tool_call_arguments(message: dict[str, Any], n: int) -> None:
@@ -202,6 +193,7 @@ async def chat_completions(request: Request) -> Response:
     body = await parse_body(request, ChatCompletionBody,
                             before_validation=lambda value: _check_message_counts(engine, value))
     refuse_unsupported_openai(body)
+    refuse_unsupported_parts([message.content for message in body.messages])
     refuse_adapter_model(body.model, engine.config.model_name)
     check_tools(body)
     if tools_in_play(body):

@@ -156,13 +156,15 @@ def test_bad_images_are_400_and_nothing_runs(client: httpx.Client, tmp_path: Pat
     assert "no image was given" in refused(client, text=PROMPT)["message"]
     assert "entries for 2 prompts" in refused(client, text=[PROMPT, PROMPT], image_data=[b64(IMAGES[0])])["message"]
     assert "at most 64 images per prompt" in refused(client, text=PROMPT, image_data=[b64(IMAGES[0])] * 65)["message"]
-    # OpenAI parts: a remote URL or another part type.
+    # OpenAI parts: a remote URL, an image_url that is no object, a video (the engine takes text and images).
     chat = {"model": "builtin:tiny-vl", "max_tokens": 2}
-    for content, reason in [([{"type": "image_url", "image_url": {"url": "https://127.0.0.1:1/x.png"}}],
-                             "not fetched from the network"),
-                            ([{"type": "input_audio", "input_audio": {}}], "a part is text or image_url")]:
+    for content, kind, reason in [
+            ([{"type": "image_url", "image_url": {"url": "https://127.0.0.1:1/x.png"}}], "invalid_request",
+             "not fetched from the network"),
+            ([{"type": "image_url", "image_url": data_url(IMAGES[0])}], "invalid_request", "image_url.image_url"),
+            ([{"type": "video_url", "video_url": {"url": data_url(IMAGES[0])}}], "unsupported", "video_url parts")]:
         error = refused(client, "/v1/chat/completions", messages=[{"role": "user", "content": content}], **chat)
-        assert reason in error["message"], error
+        assert error["type"] == kind and reason in error["message"], error
     assert counters(client) == before
     assert generate(client, text=PROMPT, image_data=b64(IMAGES[0]))["meta_info"]["finish_reason"]["type"] == "length"
 
@@ -186,12 +188,28 @@ def test_openai_chat_with_image_url_data_urls(vl_engine: ServerProcess, client: 
         assert swapped.usage.prompt_tokens == chat.usage.prompt_tokens
 
 
+def test_thinking_parts_in_the_history_reach_no_template(client: httpx.Client) -> None:
+    """SGLang's Jinja path drops an assistant's thinking parts: the prompt is the one without them."""
+    image = {"type": "image_url", "image_url": {"url": data_url(IMAGES[0])}}
+
+    def prompt_tokens(answer: list[dict]) -> int:
+        messages = [{"role": "user", "content": [image, {"type": "text", "text": "What is it?"}]},
+                    {"role": "assistant", "content": answer}, {"role": "user", "content": "Sure?"}]
+        r = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1})
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens"]
+
+    text = {"type": "text", "text": "A square."}
+    assert prompt_tokens([{"type": "thinking", "thinking": "Looks square."}, text]) == prompt_tokens([text])
+
+
 def test_a_text_model_refuses_images_as_unsupported(tiny_engine: ServerProcess) -> None:
     with httpx.Client(base_url=tiny_engine.url, timeout=30) as c:
         error = refused(c, text="<image>hi", image_data=b64(IMAGES[0]))
         assert error["type"] == "unsupported" and error["message"].startswith("image_data")
         content = [{"type": "image_url", "image_url": {"url": data_url(IMAGES[0])}}, {"type": "text", "text": "hi"}]
-        error = refused(c, "/v1/chat/completions", model="builtin:tiny", messages=[{"role": "user", "content": content}])
+        error = refused(c, "/v1/chat/completions", model="builtin:tiny",
+                        messages=[{"role": "user", "content": content}])
         assert error["type"] == "unsupported"
         # A text model still takes image_data at its empty values (what sglang-router sends).
         r = c.post("/generate", json={"text": "hi", "image_data": [], "sampling_params": GREEDY})

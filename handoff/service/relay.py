@@ -10,10 +10,11 @@
   client that goes away cancels it (a :class:`DisconnectWatch`, not
   Starlette's task group per stream, which cost a large share of the CPU per
   stream); the peer's connection is closed on the way out, which is how a node
-  or an engine learns to abort. A peer failing mid-stream ends the stream
-  with one error event and no ``[DONE]``: ``[DONE]`` means the answer is
-  complete. An event stream is passed on in whole events only, so that error
-  event never lands inside a half-sent one. A client that stops reading
+  or an engine learns to abort. A peer failing mid-stream (its connection
+  lost or silent) ends the stream with one error event and no ``[DONE]``; a
+  peer's own error event and any ``[DONE]`` after it pass as sent. An event
+  stream is passed on in whole events only, so that error event never lands
+  inside a half-sent one. A client that stops reading
   holds its stream (and the peer's in-flight count) until the exchange's
   deadline, a second more, then the stream is cut.
 """

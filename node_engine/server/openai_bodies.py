@@ -1,16 +1,17 @@
 """The OpenAI bodies of the engine, as SGLang 0.5.23 takes them (``entrypoints/openai/protocol.py``): strict, so
 wrong types and unknown fields are 400s that name them; fields asking for what the engine lacks are 400
-``unsupported`` unless empty, never silently ignored."""
+``unsupported`` unless empty, never silently ignored. A chat's messages are
+:mod:`node_engine.server.chat_messages`'s, its tools :mod:`node_engine.server.openai_tools`'s."""
 
 from __future__ import annotations
 
-from typing import Any, Literal, Union
+from typing import Any, Union
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
 
 from handoff.protocol.generate_request import MAX_TOP_LOGPROBS, is_empty
 from handoff.service.errors import Unsupported
-from node_engine.server.content_parts import Content, ThinkingPart
+from node_engine.server.chat_messages import ChatMessage
 from node_engine.server.openai_tools import Tool, ToolChoiceValue, default_tool_choice
 
 __all__ = ["ChatCompletionBody", "CompletionBody", "OPENAI_DEFAULT_ONLY", "refuse_adapter_model",
@@ -195,78 +196,6 @@ def _check_prompt(value: Any) -> Any:
         error = exc.errors()[0]
         where = ".".join(str(part) for part in error["loc"])
         raise ValueError(f"prompt.{where}: {error['msg']}") from None
-
-
-# SGLang's roles: "user" as written, the others in any case (``ChatCompletionMessageGenericParam``)
-GENERIC_ROLES = ("system", "assistant", "tool", "function", "developer", "latest_reminder", "root")
-
-
-# SGLang's message models keep the fields they declare and drop the rest unread (pydantic's default): a field
-# they do not know never reaches the chat template
-_MESSAGE_CONFIG = ConfigDict(extra="ignore", strict=True)
-
-
-class ToolCallFunction(BaseModel):
-    model_config = _MESSAGE_CONFIG
-    name: str | None = None
-    arguments: Union[str, dict[str, Any], None] = None
-
-
-class ToolCall(BaseModel):
-    """An assistant's earlier tool call, in the history (SGLang's ``ToolCall``)."""
-
-    model_config = _MESSAGE_CONFIG
-    id: str | None = None
-    index: int | None = None
-    type: Literal["function"] = "function"
-    function: ToolCallFunction
-
-
-class ChatMessage(BaseModel):
-    """A chat message, as SGLang's ``ChatCompletionMessageParam`` takes it: a ``user`` message has ``role`` and
-    ``content`` alone (``ChatCompletionMessageUserParam``), the other roles the fields of
-    ``ChatCompletionMessageGenericParam``; any other field is dropped unread."""
-
-    model_config = _MESSAGE_CONFIG
-    role: str
-    content: Content | None = None
-    tool_call_id: str | None = None
-    name: str | None = None
-    phase: Literal["commentary", "final_answer"] | None = None
-    reasoning_content: str | None = None
-    tool_calls: list[ToolCall] | None = None
-    tools: list[Tool] | None = None
-    prefix: bool | None = None  # DeepSeek's prefix completion: only its templates read it
-
-    @model_validator(mode="before")
-    @classmethod
-    def _user_fields(cls, value: Any) -> Any:
-        if isinstance(value, dict) and value.get("role") == "user":
-            value = {key: item for key, item in value.items() if key in ("role", "content")}
-        return value
-
-    @field_validator("role")
-    @classmethod
-    def _role(cls, value: str) -> str:
-        if value == "user" or value.lower() in GENERIC_ROLES:
-            return value if value == "user" else value.lower()
-        raise ValueError(f"'role' must be 'user' or one of {', '.join(map(repr, GENERIC_ROLES))} (any case), "
-                         f"got {value[:40]!r}")
-
-    def template_dict(self) -> dict[str, Any]:
-        """The message as the chat template gets it (SGLang's ``model_dump``, then its null fields left out):
-        what is nested is dumped whole, a tool's null ``description`` and ``parameters`` and a tool call's null
-        ``id`` and ``index`` included."""
-        return {key: value for key, value in self.model_dump().items() if value is not None}
-
-    @model_validator(mode="after")
-    def _user_content(self) -> ChatMessage:
-        if self.role == "user" and self.content is None:
-            raise ValueError("a user message needs content")
-        parts = self.content if isinstance(self.content, list) else ()
-        if self.role != "assistant" and any(isinstance(part, ThinkingPart) for part in parts):
-            raise ValueError("thinking content parts are only valid in assistant messages")
-        return self
 
 
 _EFFORT_LEVELS = ("none", "minimal", "low", "medium", "high", "xhigh", "ultra", "max")

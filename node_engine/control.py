@@ -18,6 +18,7 @@ import psutil
 import torch
 
 from handoff.protocol.control import ENGINE_INSTANCE, FLUSHED
+from handoff.protocol.weights import WEIGHTS_UPDATED
 from node_engine.errors import (BackupFailed, InsufficientMemory, MemorySaverDisabledError, NoWeightsBackupError,
                                 RequestsInFlight)
 from node_engine.memory.manager import BackupUnreadable, NotEnoughMemory, NoWeightsBackup
@@ -166,4 +167,5 @@ class EngineControl:
             "running_requests": len(engine.scheduler.running),
             "queued_requests": len(engine.scheduler.waiting),
             ENGINE_INSTANCE: engine.instance,
+            WEIGHTS_UPDATED: engine.weights.written.any_written,
         }

@@ -4,7 +4,8 @@ A trainer pushes weights in buckets, each a subset of the parameters. Two
 questions wait for every parameter to be written: whether weights resumed
 without a backup (garbage) are valid again (since they became invalid), and
 whether a restarted engine still serves part of its start checkpoint (since
-the process started; reported in each update's answer as ``weights_updated_fully``).
+the process started; reported in each update's answer as ``weights_updated_fully``, and whether any was written
+as ``weights_updated`` in ``GET /memory_occupation``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,11 @@ class WeightCoverage:
     @property
     def is_full(self) -> bool:
         return self._full
+
+    @property
+    def any_written(self) -> bool:
+        """Whether any weight was written since :meth:`restart`."""
+        return self._full or bool(self._written)
 
     def restart(self) -> None:
         """Count from now: nothing written yet."""

@@ -54,6 +54,15 @@ class ControlPlane:
         self.metrics = node.metrics
 
     @contextlib.asynccontextmanager
+    async def _keeping_intent(self) -> AsyncIterator[None]:
+        """The call answers once what it changed of the cluster's intent is in ``--state-file`` (or its write
+        failed, or stalled past a bound: logged), waited for off the event loop and out of the control lock."""
+        try:
+            yield
+        finally:
+            await self.node.intent_written()
+
+    @contextlib.asynccontextmanager
     async def _draining(self, *, updating_weights: bool = False) -> AsyncIterator[None]:
         """Admission stays closed for the block (new requests wait through a weight update, as SGLang's wait
         for its update lock, and are refused otherwise); afterwards it follows the node's state again."""
@@ -112,7 +121,7 @@ class ControlPlane:
         if tags is not None and not tags:
             return _release_answer([], [], MemoryChange([], {}, None), 0, 0, started)
         tags = list(TAGS) if tags is None else tags
-        async with node.control_lock:
+        async with self._keeping_intent(), node.control_lock:
             node.require_engine()
             adapter = node.engine_adapter
             already = [t for t in tags if state.tags[t] is TagState.RELEASED]
@@ -150,7 +159,7 @@ class ControlPlane:
             return {"success": True, "resumed": [], "already_resident": [], "bytes_restored": {},
                     "bytes_measured_by": None, "weights_valid": state.weights_valid, "serving": state.is_serving,
                     "duration_s": 0.0}
-        async with node.control_lock:
+        async with self._keeping_intent(), node.control_lock:
             node.require_engine()
             already = [t for t in wanted if state.tags[t] is TagState.RESIDENT]
             todo = [t for t in wanted if state.tags[t] is TagState.RELEASED]
@@ -192,7 +201,7 @@ class ControlPlane:
         ``resumed`` (the other tags stay as they are).
         """
         node, state = self.node, self.node.state
-        async with node.control_lock:
+        async with self._keeping_intent(), node.control_lock:
             node.require_engine()
             if check is not None:
                 await check()

@@ -22,9 +22,11 @@ again. An update over a lost group is refused at once (``weight_sync_broken``):
 its trainer must form the group again, on every node.
 
 A restarted sidecar starts with nothing remembered (it reads the tags from the
-engine as before, keeps those it holds released as the cluster's, and cannot
-tell whether that engine's weights are stale),
-unless it was given ``--state-file``: then every change is written there
+engine as before and keeps those it holds released as the cluster's; handoff's
+engine also says whether an update wrote its weights since it started, its
+``/memory_occupation``'s ``weights_updated``, which is kept the same way; of a
+vLLM or SGLang engine it cannot tell, and serves a later fresh engine's start
+checkpoint), unless it was given ``--state-file``: then every change is written there
 (:mod:`node_sidecar.intent_file`, through :attr:`ClusterIntent.on_change`) and
 read back at start, so a sidecar restarted together with its engine meets the
 fresh engine as one restarted alone.
@@ -175,15 +177,19 @@ class ClusterIntent:
 
     @_recorded
     def meet_engine(self, instance: str | None, *, served_version: str | None, had_version: str | None,
-                    released: Collection[str] = ()) -> bool:
-        """Note the engine process read now, which holds ``released`` released; True if it is a fresh one replacing
-        the process this held for (then :attr:`unrestored` and :attr:`stale` say what the node must do before it
-        serves). An engine that names no process, and the first one seen, are taken as they are, and the tags such
-        a process holds released were released by the cluster (through this sidecar or one before it, whose
-        record of it may be lost or was never written): kept for a fresh engine too."""
+                    released: Collection[str] = (), updated: bool = False) -> bool:
+        """Note the engine process read now, which holds ``released`` released and, if ``updated``, serves weights
+        an update wrote since it started; True if it is a fresh one replacing the process this held for (then
+        :attr:`unrestored` and :attr:`stale` say what the node must do before it serves). An engine that names no
+        process, and the first one seen, are taken as they are, and what the cluster did to such a process
+        (through this sidecar or one before it, whose record of it may be lost or was never written) is learnt
+        from it, never forgotten: its released tags, and that its weights came from an update (``served_version``
+        then the version the node had), kept for a fresh engine too."""
         if instance is None or instance == self.engine or self.engine is None:
             self.engine = self.engine if instance is None else instance
             self.released.update(released)
+            if updated and not self.weights_updated:
+                self.weights_updated, self.weight_version = True, served_version
             return False
         self.engine = instance
         self.unrestored = [t for t in TAGS if t in self.released]
@@ -193,7 +199,7 @@ class ClusterIntent:
             had = self.stale.had if self.stale is not None else (
                 had_version if had_version is not None else self.weight_version)  # the latter: a restarted sidecar
             self.stale = StaleWeights(served_version, had)
-        self.weights_updated = False
+        self.weights_updated = updated  # updated before this sidecar read it: not by the cluster's latest, maybe
         return True
 
     @_recorded

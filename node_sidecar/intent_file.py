@@ -4,8 +4,14 @@ so that it survives a restart of the sidecar.
 Written whole after every change (a temporary file in the same folder, fsync, rename: a sidecar killed mid-write
 leaves the previous intent or the new one, never half of one); read once at start. A missing file is a fresh start;
 one that cannot be read, is over :data:`MAX_STATE_BYTES` or is not of the intent's shape is logged at WARNING and
-ignored (the node starts with nothing remembered, as without the flag), never a failed start. The writes are a few
-hundred bytes, made under the control call that changed the intent.
+ignored (the node starts with nothing remembered, as without the flag), never a failed start.
+
+The writes are a few hundred bytes, made by a thread of their own (:class:`IntentWriter`): the change is taken as
+it is when it is made and written in the order made, but an fsync on a slow or stalled disk does not stall the
+event loop (health, generation, the other calls) meanwhile. A change made while an earlier one is still being
+written supersedes any not yet begun (the file only ever holds the latest). A control call that changed the
+intent answers once the write is done (or failed), waiting for it off the event loop for a bounded time (the
+sidecar's ``STATE_WRITE_WAIT_S``): a disk stalled longer delays its answer by that, and nothing else.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import fcntl
 import json
 import logging
 import os
+import threading
 from pathlib import Path
 
 from handoff.service.peer_json import PeerJSONError, loads_bounded
@@ -53,19 +60,64 @@ def claim(path: Path) -> Path:
     return real
 
 
-def load_intent(path: Path | None) -> ClusterIntent:
-    """The intent stored at ``path``, kept there at every change from now on (None: no state file, nothing kept).
-    Raises :class:`StateFileInUse` (:func:`claim`)."""
+def load_intent(path: Path | None) -> tuple[ClusterIntent, IntentWriter | None]:
+    """The intent stored at ``path``, kept there at every change from now on by the writer returned (None: no state
+    file, nothing kept). Raises :class:`StateFileInUse` (:func:`claim`)."""
     if path is None:
-        return ClusterIntent()
+        return ClusterIntent(), None
     store = IntentFile(claim(path))
     intent = store.read()
-    intent.on_change = store.write
-    return intent
+    writer = IntentWriter(store)
+    intent.on_change = writer.submit
+    return intent, writer
+
+
+class IntentWriter:
+    """Writes the intent to its :class:`IntentFile` on a thread of its own, in the order of the changes; a change
+    not yet begun when a newer one comes is superseded by it."""
+
+    def __init__(self, store: IntentFile) -> None:
+        self.store = store
+        self._changed = threading.Condition()
+        self._pending: bytes | None = None  # the latest change, not yet begun
+        self._writing = False
+        self._thread = threading.Thread(target=self._run, name=f"state-file {store.path.name}", daemon=True)
+        self._thread.start()
+
+    def submit(self, intent: ClusterIntent) -> None:
+        """The intent's ``on_change``: taken as it is now (the caller's thread owns it), written soon after."""
+        data = json.dumps(intent.to_json(), separators=(",", ":")).encode()
+        with self._changed:
+            self._pending = data
+            self._changed.notify_all()
+
+    @property
+    def is_idle(self) -> bool:
+        """Every change submitted so far is written (or its write failed)."""
+        with self._changed:
+            return self._pending is None and not self._writing
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every change submitted so far is written (or its write failed, logged); False if
+        ``timeout`` seconds passed first (a stalled disk)."""
+        with self._changed:
+            return self._changed.wait_for(lambda: self._pending is None and not self._writing, timeout)
+
+    def _run(self) -> None:
+        while True:
+            with self._changed:
+                self._changed.wait_for(lambda: self._pending is not None)
+                data, self._pending, self._writing = self._pending, None, True
+            try:
+                self.store.write(data)
+            finally:
+                with self._changed:
+                    self._writing = False
+                    self._changed.notify_all()
 
 
 class IntentFile:
-    """One state file: :meth:`read` at start, :meth:`write` (the intent's ``on_change``) after every change.
+    """One state file: :meth:`read` at start, :meth:`write` (by its :class:`IntentWriter`) after every change.
     ``path`` is the file itself, not a link to it (:func:`claim`): a rename over a link would replace the link."""
 
     def __init__(self, path: Path) -> None:
@@ -99,11 +151,11 @@ class IntentFile:
                  sorted(intent.joined_groups | intent.lost_groups))
         return intent
 
-    def write(self, intent: ClusterIntent) -> None:
-        """Store ``intent`` if it changed. One that would not be read back (past the bounds: more weight groups
-        than kept, say) removes the file, so a restart starts with nothing rather than an older intent; a write
-        that fails is logged at ERROR (the node goes on: the call that changed the intent did succeed)."""
-        data = json.dumps(intent.to_json(), separators=(",", ":")).encode()
+    def write(self, data: bytes) -> None:
+        """Store ``data`` (the intent as :meth:`ClusterIntent.to_json` gives it, encoded) if it changed. One that
+        would not be read back (past the bounds: more weight groups than kept, say) removes the file, so a restart
+        starts with nothing rather than an older intent; a write that fails is logged at ERROR (the node goes on:
+        the call that changed the intent did succeed)."""
         if data == self._written:
             return
         try:

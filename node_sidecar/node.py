@@ -33,12 +33,15 @@ from node_sidecar.state import TAGS, NodeState, TagState
 
 log = logging.getLogger(__name__)
 
+STATE_WRITE_WAIT_S = 10.0  # how long a control call (or the shutdown) waits for its change to reach --state-file
+
 
 class Node:
     def __init__(self, config: SidecarConfig, client: UpstreamClient, metrics: SidecarMetrics) -> None:
         self.config = config
         self.metrics = metrics
-        self.state = NodeState(intent=load_intent(config.state_file))
+        intent, self.state_writer = load_intent(config.state_file)
+        self.state = NodeState(intent=intent)
         self.admission = Admission(refuse=self._refusal, hold_limits=self._hold_limits)
         self.engine = EngineClient(config.engine_base, client, control_timeout=config.control_timeout,
                                    on_unreachable=self.mark_unreachable)
@@ -138,7 +141,7 @@ class Node:
         was_reachable, had_version = self.state.is_engine_reachable, self.state.weight_version
         is_fresh = self.state.intent.meet_engine(view.instance, served_version=peer_weight_version(
             view.weight_version), had_version=had_version,
-            released=[t for t, s in view.tags.items() if s is TagState.RELEASED])
+            released=[t for t, s in view.tags.items() if s is TagState.RELEASED], updated=view.weights_updated)
         self.state.sync(view)
         self.state.is_engine_reachable = True
         self.metrics.engine_up.set(1)
@@ -169,6 +172,16 @@ class Node:
                 await self._monitor
             except asyncio.CancelledError:
                 pass
+        await self.intent_written()
+
+    async def intent_written(self) -> None:
+        """Wait, off the event loop, until the changes of the cluster's intent made so far are in ``--state-file``
+        (or their write failed: logged), at most :data:`STATE_WRITE_WAIT_S` (a stalled disk: logged)."""
+        writer = self.state_writer
+        if writer is None or writer.is_idle or await asyncio.to_thread(writer.flush, STATE_WRITE_WAIT_S):
+            return
+        log.error("--state-file %s: a change is not written after %gs (a stalled disk?); the call answers, and a "
+                  "restart of the sidecar meanwhile would read an older intent", writer.store.path, STATE_WRITE_WAIT_S)
 
     async def _watch(self) -> None:
         while True:

@@ -53,12 +53,17 @@ def weight_router(config: SidecarConfig, admin: BearerToken) -> APIRouter:
             control = _control_of(request)
             intent = control.node.state.intent
             group = body.get("group_name", DEFAULT_GROUP_NAME)
-            if path == DISTRIBUTED_PATH and group in intent.lost_groups:
-                raise WeightSyncBroken(intent.lost_group_message(group), extra={"group_name": group})
+
+            async def refuse_a_lost_group() -> None:
+                if path == DISTRIBUTED_PATH and group in intent.lost_groups:
+                    raise WeightSyncBroken(intent.lost_group_message(group), extra={"group_name": group})
+
+            await refuse_a_lost_group()  # at once, without waiting for the lock; again under it (below): a restart
+            # noticed meanwhile (a sync holding the lock) loses the group, and the fresh engine knows no such group
             return JSONResponse(await control.update_weights(
                 lambda: control.node.engine_adapter.weight_call(path, body),
                 drain=DrainLimit(config.drain_timeout, answer_by(request)),
-                mode="abort" if body.get("abort_all_requests") else "wait"))
+                mode="abort" if body.get("abort_all_requests") else "wait", check=refuse_a_lost_group))
 
         router.add_api_route(path, update, methods=["POST"], openapi_extra=openapi_body(model),
                              name=path.strip("/"))
@@ -86,18 +91,19 @@ def weight_router(config: SidecarConfig, admin: BearerToken) -> APIRouter:
                 return JSONResponse({"success": True, "message": f"No join of group {group!r} was "
                                                                  "under way; nothing was destroyed."})
             if path == DESTROY_GROUP_PATH and not body["abandon_join_only"] and group in intent.lost_groups:
-                return JSONResponse(_forget_lost_group(intent, group))
-            if path != INIT_GROUP_PATH:
+                answer = _forget_lost_group(intent, group)
+            elif path != INIT_GROUP_PATH:
                 answer = await control.node.engine_adapter.weight_call(path, body)
                 if path == DESTROY_GROUP_PATH and not body["abandon_join_only"]:
                     intent.record_left(group)
-                return JSONResponse(answer)
-            joins_in_flight[group] += 1
-            try:
-                answer = await control.node.engine_adapter.weight_call(path, body)
-            finally:
-                joins_in_flight[group] -= 1
-            intent.record_joined(group)
+            else:
+                joins_in_flight[group] += 1
+                try:
+                    answer = await control.node.engine_adapter.weight_call(path, body)
+                finally:
+                    joins_in_flight[group] -= 1
+                intent.record_joined(group)
+            await control.node.intent_written()
             return JSONResponse(answer)
 
         router.add_api_route(path, call, methods=["POST"], openapi_extra=openapi_body(model, required=not empty_ok),

@@ -208,3 +208,9 @@ WEIGHT_VERSION_HEADER = "x-weight-version"
 # ``weights_stale`` from a restarted engine only when it is true; an answer without it (vLLM, SGLang) lifts it as any
 # successful update does.
 WEIGHTS_UPDATED_FULLY = "weights_updated_fully"
+
+# In handoff's engine's ``GET /memory_occupation``: whether an update since the engine process started wrote any of
+# its weights (it serves something other than its start checkpoint). A sidecar that lost its own record of the
+# update (its state file's write failed, it was killed mid-update) learns it from the engine, so that a later fresh
+# engine is held out with ``weights_stale``.
+WEIGHTS_UPDATED = "weights_updated"

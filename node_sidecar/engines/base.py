@@ -61,6 +61,7 @@ class EngineView:
     tp_size: int = 1                   # the ranks the engine takes in a weight update group (one per TP rank)
     control_calls_pending: int = 0     # calls the engine has not finished: what they change is not in the view
     instance: str | None = None        # the engine process (another value: a restarted engine); None: not told
+    weights_updated: bool = False      # the engine says an update since it started wrote weights (False: not told)
 
 
 @dataclass(frozen=True)

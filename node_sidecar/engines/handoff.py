@@ -19,7 +19,7 @@ from typing import Any
 
 from handoff.protocol.control import ENGINE_INSTANCE, MAX_NAME_CHARS
 from handoff.protocol.tags import TAG_NAMES, TagState, parse_tag_request
-from handoff.protocol.weights import WEIGHTS_UPDATED_FULLY
+from handoff.protocol.weights import WEIGHTS_UPDATED, WEIGHTS_UPDATED_FULLY
 from handoff.service.peer_json import PeerJSONError, loads_bounded
 from handoff.service.upstream import UpstreamError
 from node_sidecar.engine_client import MAX_CONTROL_ANSWER_BYTES
@@ -62,7 +62,8 @@ class HandoffEngine(EngineAdapter):
                           memory_saver=str(occupation.get("memory_saver", "off")), can_stage_weights=backup != "none",
                           paused=occupation.get("paused") is True,
                           control_calls_pending=_count(occupation.get("control_calls_pending")),
-                          instance=_instance(occupation.get(ENGINE_INSTANCE)))
+                          instance=_instance(occupation.get(ENGINE_INSTANCE)),
+                          weights_updated=occupation.get(WEIGHTS_UPDATED) is True)
 
     async def memory_view(self) -> dict[str, Any]:
         try:

@@ -204,3 +204,16 @@ BAD_SHAPES = [
 def test_stored_intent_of_another_shape_is_refused(data: object) -> None:
     with pytest.raises(IntentShapeError):
         ClusterIntent.from_json(data)
+
+
+def test_an_update_the_engine_met_reports_is_kept_for_a_fresh_one() -> None:
+    """A sidecar that lost its record of an update (its write failed, it was killed mid-update) learns it from
+    handoff's engine (``weights_updated``); before, the next fresh engine's start checkpoint was served."""
+    intent = ClusterIntent()
+    assert not intent.meet_engine("a", served_version="step-1", had_version=None, updated=True)
+    assert intent.weights_updated and intent.weight_version == "step-1"
+    assert not intent.meet_engine("a", served_version="step-1", had_version="step-1", updated=False)
+    assert intent.weights_updated  # only ever learnt, never forgotten
+    assert intent.meet_engine("b", served_version="default", had_version=None)
+    assert intent.stale == StaleWeights("default", "step-1")
+    assert intent.blocking_reason() is NotServingReason.WEIGHTS_STALE

@@ -10,34 +10,49 @@ from pathlib import Path
 import pytest
 
 from node_sidecar.intent import MAX_GROUPS, ClusterIntent
-from node_sidecar.intent_file import MAX_STATE_BYTES, load_intent
+from node_sidecar.intent_file import MAX_STATE_BYTES, IntentWriter, load_intent
+
+WRITE_TIMEOUT_S = 10
+
+
+def kept(path: Path) -> tuple[ClusterIntent, IntentWriter]:
+    intent, writer = load_intent(path)
+    assert writer is not None
+    return intent, writer
+
+
+def read_back(path: Path) -> ClusterIntent:
+    """What a sidecar started now would read."""
+    return kept(path)[0]
 
 
 def test_every_change_is_written_and_read_back_by_the_next_sidecar(tmp_path: Path) -> None:
     path = tmp_path / "intent.json"
-    intent = load_intent(path)
+    intent, writer = kept(path)
     assert intent == ClusterIntent() and not path.exists()  # missing: a fresh start, nothing written yet
     intent.meet_engine("a", served_version="default", had_version=None)
     intent.record_release(["kv_cache"], stage_to_cpu=False)
-    assert json.loads(path.read_text())["released"] == ["kv_cache"]
+    assert writer.flush(WRITE_TIMEOUT_S) and json.loads(path.read_text())["released"] == ["kv_cache"]
     intent.record_weights_loaded("step-1")
     intent.record_joined("g")
-    again = load_intent(path)
+    assert writer.flush(WRITE_TIMEOUT_S)
+    again, writer = kept(path)
     assert again == intent and again.to_json() == json.loads(path.read_text())
     assert sorted(p.name for p in tmp_path.iterdir()) == [".intent.json.lock", "intent.json"]  # no temporary file
     # the one read back keeps writing
     again.record_resume(["kv_cache"])
-    assert load_intent(path).released == set()
+    assert writer.flush(WRITE_TIMEOUT_S) and read_back(path).released == set()
 
 
 def test_an_unchanged_intent_is_not_written_again(tmp_path: Path) -> None:
     path = tmp_path / "intent.json"
-    intent = load_intent(path)
+    intent, writer = kept(path)
     intent.record_release(["kv_cache"])
+    assert writer.flush(WRITE_TIMEOUT_S)
     written = path.stat().st_mtime_ns
     os.utime(path, ns=(0, 0))
     intent.record_release(["kv_cache"])  # changes nothing
-    assert path.stat().st_mtime_ns == 0 != written
+    assert writer.flush(WRITE_TIMEOUT_S) and path.stat().st_mtime_ns == 0 != written
 
 
 BAD_FILES = [
@@ -57,12 +72,12 @@ def test_a_file_that_is_not_an_intent_is_a_warning_and_a_fresh_start(
     path = tmp_path / "intent.json"
     path.write_bytes(content)
     with caplog.at_level(logging.WARNING, logger="node_sidecar.intent_file"):
-        intent = load_intent(path)
+        intent, writer = kept(path)
     assert intent == ClusterIntent()
     [record] = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert "is not a stored intent" in record.getMessage() and why in record.getMessage()
     intent.record_release(["weights"])  # the next change replaces it
-    assert load_intent(path).released == {"weights"}
+    assert writer.flush(WRITE_TIMEOUT_S) and read_back(path).released == {"weights"}
 
 
 def test_something_other_than_a_file_is_a_warning_and_a_fresh_start(tmp_path: Path,
@@ -70,33 +85,36 @@ def test_something_other_than_a_file_is_a_warning_and_a_fresh_start(tmp_path: Pa
     path = tmp_path / "intent.fifo"
     os.mkfifo(path)  # an open would block the start for good
     with caplog.at_level(logging.WARNING, logger="node_sidecar.intent_file"):
-        assert load_intent(path) == ClusterIntent()
+        assert read_back(path) == ClusterIntent()
     assert "cannot be read (not a regular file)" in caplog.text
 
 
 def test_an_intent_past_the_bounds_removes_the_file(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """Rather than an older intent read back after a restart: nothing."""
     path = tmp_path / "intent.json"
-    intent = load_intent(path)
+    intent, writer = kept(path)
     intent.record_release(["kv_cache"])
     with caplog.at_level(logging.ERROR, logger="node_sidecar.intent_file"):
         for i in range(MAX_GROUPS + 1):
             intent.record_joined(f"group-{i}")
+        assert writer.flush(WRITE_TIMEOUT_S)
     assert not path.exists() and "cannot be kept in --state-file" in caplog.text
     intent.record_left("group-0")  # back within the bounds: kept again
-    assert load_intent(path) == intent
+    assert writer.flush(WRITE_TIMEOUT_S) and read_back(path) == intent
 
 
 def test_a_write_that_fails_is_an_error_and_the_node_goes_on(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     folder = tmp_path / "state"
     folder.mkdir()
-    intent = load_intent(folder / "intent.json")
+    intent, writer = kept(folder / "intent.json")
     intent.record_release(["kv_cache"])
+    assert writer.flush(WRITE_TIMEOUT_S)
     (folder / "intent.json").unlink()
     (folder / ".intent.json.tmp").mkdir()  # the temporary file cannot be made
     with caplog.at_level(logging.ERROR, logger="node_sidecar.intent_file"):
         intent.record_release(["weights"])
+        assert writer.flush(WRITE_TIMEOUT_S)
     assert intent.released == {"kv_cache", "weights"} and "cannot be written" in caplog.text
     (folder / ".intent.json.tmp").rmdir()
     intent.record_resume(["weights"])  # written again at the next change
-    assert load_intent(folder / "intent.json").released == {"kv_cache"}
+    assert writer.flush(WRITE_TIMEOUT_S) and read_back(folder / "intent.json").released == {"kv_cache"}

@@ -3,6 +3,11 @@ with the pod kept) and started again on the same ports meet the fresh engine as 
 
 from __future__ import annotations
 
+import http.client
+import json
+import os
+import signal
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -11,6 +16,7 @@ import pytest
 
 from handoff.weight_sync import serialize_named_tensors
 from tests.support.procs import ServerProcess, assert_refused_at_start, wait_until
+from tests.support.trainer import Trainer, distributed_body
 from tests.support.weights import greedy, tiny_weights
 
 pytestmark = pytest.mark.timeout(180)
@@ -21,12 +27,12 @@ SHORT = {"text": "short", "sampling_params": {"max_new_tokens": 4, "ignore_eos":
 class Pair:
     """An engine and its sidecar with ``--state-file``; both restart on their first ports."""
 
-    def __init__(self, log_dir: Path, name: str, state_file: Path) -> None:
+    def __init__(self, log_dir: Path, name: str, state_file: Path, *, poll_s: float = 0.2) -> None:
         self.state_file = state_file
         self.engine = ServerProcess("node_engine", ["--model-path", "builtin:tiny", "--enable-memory-saver"],
                                     log_dir=log_dir, name=f"{name}-engine").start(timeout=60)
         self.sidecar = ServerProcess("node_sidecar", [
-            "--engine-url", self.engine.url, "--engine-poll-interval", "0.2", "--state-file", str(state_file)],
+            "--engine-url", self.engine.url, "--engine-poll-interval", str(poll_s), "--state-file", str(state_file)],
             log_dir=log_dir, name=f"{name}-sidecar")
         self.start_sidecar()
 
@@ -34,6 +40,7 @@ class Pair:
         self.sidecar.start(timeout=60)
         wait_until(lambda: self.view()["tags"]["weights"]["state"] != "unknown", timeout=30,
                    what="the sidecar to read its engine")
+        wait_until(self.state_file.exists, timeout=10, what="the engine met written")
 
     def kill_both(self) -> None:
         self.sidecar.kill()
@@ -223,3 +230,96 @@ def test_two_sidecars_on_one_state_file_the_second_is_refused(pair: Pair) -> Non
     assert httpx.post(pair.sidecar.url + "/release_memory_occupation", json={"tags": ["kv_cache"]},
                       timeout=30).status_code == 200
     assert '"released":["kv_cache","workspace"]' in pair.state_file.read_text()
+
+
+def test_an_update_over_a_group_lost_while_it_waited_for_the_lock_is_refused(proc_log_dir: Path,
+                                                                              tmp_path: Path) -> None:
+    """Two broadcast updates reach the sidecar before it noticed that its engine restarted (its monitor sleeps):
+    the first goes to the fresh engine (nothing told the sidecar yet), which knows no such group, and the sidecar
+    reads the fresh engine then, under the lock the second waits for. Before, the second had been checked for a
+    lost group before it waited, and went to the fresh engine as well (its 400) instead of the 409 that tells the
+    trainer to form the group again."""
+    pair = Pair(proc_log_dir, "lost-group-race", tmp_path / "intent.json", poll_s=600)
+    connections: list[http.client.HTTPConnection] = []
+    try:
+        trainer = Trainer(pair.sidecar.url)
+        assert trainer.join().status_code == 200
+        pair.engine.kill()
+        pair.engine.start(timeout=60)
+        os.kill(pair.engine.pid, signal.SIGSTOP)  # the first update waits on it, holding the lock
+        body = json.dumps(distributed_body(list(tiny_weights(11).items()), trainer.group_name))
+        for _ in range(2):
+            connections.append(http.client.HTTPConnection("127.0.0.1", pair.sidecar.port, timeout=60))
+            connections[-1].request("POST", "/update_weights_from_distributed", body=body,
+                                    headers={"Content-Type": "application/json"})
+            if len(connections) == 1:
+                wait_until(lambda: httpx.get(pair.sidecar.url + "/ready", timeout=10).status_code == 503,
+                           timeout=10, what="the first update to hold the lock")
+        for _ in range(3):  # the second is read (and waits for the lock) while the sidecar answers these
+            assert httpx.get(pair.sidecar.url + "/health", timeout=10).status_code == 200
+        os.kill(pair.engine.pid, signal.SIGCONT)
+        first, second = (c.getresponse() for c in connections)
+        assert first.status == 400 and "does not exist" in first.read().decode()
+        error = json.loads(second.read())["error"]
+        assert second.status == 409 and error["type"] == "weight_sync_broken", error
+        assert error["group_name"] == trainer.group_name and "destroy" in error["message"]
+        assert trainer.leave().status_code == 200  # the lost group is forgotten; the node serves
+        wait_until(lambda: pair.view()["serving"], timeout=20, what="the node to serve")
+    finally:
+        if pair.engine.is_running():
+            os.kill(pair.engine.pid, signal.SIGCONT)
+        for connection in connections:
+            connection.close()
+        pair.stop()
+
+
+def test_an_update_the_file_missed_is_learnt_from_the_engine_and_a_fresh_one_is_held_out(pair: Pair) -> None:
+    """The update's write failed (a folder in the file's place: a full or read-only disk alike; a sidecar killed
+    mid-update the same) and the sidecar restarted: it read no update. Before, a later engine restart came up with
+    its start checkpoint and the node served it; handoff's engine says its weights came from an update."""
+    pair.state_file.unlink()
+    pair.state_file.mkdir()
+    push_tensors(pair, 11, "step-1")
+    assert "cannot be written" in pair.last_log() and pair.engine_view()["weights_updated"] is True
+    pair.sidecar.kill()
+    pair.state_file.rmdir()
+    pair.start_sidecar()
+    assert pair.view()["serving"] is True  # the same engine: nothing to do
+    pair.engine.kill()
+    wait_until(lambda: pair.view()["engine_reachable"] is False, timeout=10, what="the engine seen down")
+    pair.engine.start(timeout=60)
+    assert pair.engine_view()["weights_updated"] is False
+    wait_until(lambda: pair.view()["not_serving_reason"] == "weights_stale", timeout=20,
+               what="the fresh engine held out")
+    error = refused(pair)
+    assert error["type"] == "weights_stale" and "'default'" in error["message"] and "'step-1'" in error["message"]
+    push_tensors(pair, 11, "step-2")
+    assert pair.view()["serving"] is True
+
+
+def test_a_stalled_disk_stalls_no_more_than_the_call_that_changed_the_intent(pair: Pair) -> None:
+    """The state file's write hangs (its temporary file a FIFO nobody reads: an open that does not return, as on a
+    stalled network disk). Before, the write ran on the event loop: /health, generation and every other call
+    waited with the release that made the change."""
+    tmp = pair.state_file.with_name(f".{pair.state_file.name}.tmp")
+    os.mkfifo(tmp)
+    reader = None
+    with ThreadPoolExecutor(1) as pool:
+        release = pool.submit(httpx.post, pair.sidecar.url + "/release_memory_occupation",
+                              json={"tags": ["kv_cache"]}, timeout=60)
+        try:
+            wait_until(lambda: pair.engine_view()["tags"]["kv_cache"]["state"] == "released", timeout=20,
+                       what="the release done in the engine")
+            assert not release.done()  # its answer waits for the disk ...
+            assert httpx.get(pair.sidecar.url + "/health", timeout=5).status_code == 200  # ... and nothing else
+            assert pair.view()["tags"]["kv_cache"]["state"] == "released"
+        finally:
+            reader = os.open(tmp, os.O_RDONLY | os.O_NONBLOCK)  # the write goes on (and fails: a FIFO)
+        r = release.result()
+    os.close(reader)
+    assert r.status_code == 200 and r.json()["released"] == ["kv_cache", "workspace"], r.text
+    wait_until(lambda: "cannot be written" in pair.last_log(), timeout=10, what="the failed write logged")
+    tmp.unlink()
+    r = httpx.post(pair.sidecar.url + "/resume_memory_occupation", json={}, timeout=30)
+    assert r.status_code == 200, r.text
+    assert pair.state_file.is_file() and '"released":[]' in pair.state_file.read_text()

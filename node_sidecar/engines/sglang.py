@@ -32,7 +32,10 @@ survives (line numbers: ``sglang/srt/`` of 0.5.23; the fake in
   weight was sent; the sidecar cannot see the names inside a tensor payload).
 - Every weight call answers ``{"success": bool, "message"}``
   (``http_server.py:1302-1557``): a 2xx without ``"success": true`` is an
-  upstream error, never taken for a success.
+  upstream error, never taken for a success. SGLang fails a call only with a
+  400 and its JSON, passed on; any other error (a 5xx, a page) is a 502 naming
+  SGLang. A begin or end of the update session SGLang got but answered late
+  still runs, so it is remembered as done.
 - A ``continue_generation`` while a tag is released or the weights are
   garbage is held back: SGLang would run the retracted requests on unmapped
   memory or on garbage. It is sent once every tag is resident and the weights
@@ -63,6 +66,7 @@ MAX_TP_SIZE = 1024  # a peer's figure: anything past it is not a tensor-parallel
 WEIGHTS = "weights"
 ACKNOWLEDGED = ("status", "ok")  # in every 2xx of SGLang's /pause_generation and /continue_generation (1831-1857)
 WEIGHT_UPDATES = frozenset({"/update_weights_from_tensor", "/update_weights_from_distributed"})
+SESSION_CALLS = frozenset({"/begin_weight_update", "/end_weight_update"})
 
 log = logging.getLogger(__name__)
 
@@ -121,8 +125,7 @@ class SglangEngine(ForeignEngine):
             await self._wait_idle(IDLE_WAIT_S)
             try:
                 _, change, measured_by = await self.measured(
-                    lambda: self.engine.call("POST", "/release_memory_occupation", {"tags": engine_tags}),
-                    engine_tags)
+                    lambda: self._memory_call("/release_memory_occupation", engine_tags), engine_tags)
             except EngineUnavailable as exc:
                 if _reached_sglang(exc):  # it will release them: never to be released twice
                     self.released.update(tags)
@@ -137,8 +140,7 @@ class SglangEngine(ForeignEngine):
         if engine_tags:
             try:
                 _, change, measured_by = await self.measured(
-                    lambda: self.engine.call("POST", "/resume_memory_occupation", {"tags": engine_tags}),
-                    engine_tags, restoring=True)
+                    lambda: self._memory_call("/resume_memory_occupation", engine_tags), engine_tags, restoring=True)
             except EngineUnavailable as exc:
                 if _reached_sglang(exc):  # it will resume them: never to be resumed twice
                     self._resumed(tags, engine_tags)
@@ -146,6 +148,21 @@ class SglangEngine(ForeignEngine):
         self._resumed(tags, engine_tags)
         await self._send_pending_continue()
         return MemoryChange(tags, change, measured_by, weights_valid=not self.weights_garbage)
+
+    async def _memory_call(self, path: str, engine_tags: list[str]) -> None:
+        """SGLang's release and resume answer 200 ``null`` (``http_server.py:1575-1596``) and 400 ``{"error":
+        {"message"}}`` when they failed (2246-2250). Any other answer (a proxy's page, a 5xx) is not SGLang's word
+        that it ran: a 502 naming SGLang, nothing taken as done (as for a redirect)."""
+        response, raw = await self.engine.exchange("POST", path, {"tags": engine_tags})
+        if 200 <= response.status < 300 and raw.strip() in (b"", b"null"):
+            return
+        error = _json_object(raw).get("error")
+        if response.status == 400 and isinstance(error, dict) and isinstance(error.get("message"), str):
+            raise EngineRefused(400, {"error": {"type": E.INVALID_REQUEST.name,
+                                                "message": f"SGLang {path}: {error['message']}"}})
+        if response.status < 400:
+            raise _not_understood(path, f"{response.status} ({_quoted(raw)!r}) where SGLang answers null")
+        raise _failed(path, response.status, raw)
 
     def _resumed(self, tags: list[str], engine_tags: list[str]) -> None:
         self.released.difference_update(tags)
@@ -179,7 +196,12 @@ class SglangEngine(ForeignEngine):
             answer = await self._update(path, body)
             self.updated_since_garbage = True
             return {**answer, "weights_valid": not self.weights_garbage}
-        answer = await self._sglang_call(path, body)
+        try:
+            answer = await self._sglang_call(path, body)
+        except EngineUnavailable as exc:
+            if path in SESSION_CALLS and _reached_sglang(exc):  # it runs them in order, answered or not
+                self.is_session_open = path == "/begin_weight_update"
+            raise
         if path == "/begin_weight_update":
             self.is_session_open = True
         elif path == "/end_weight_update":
@@ -219,14 +241,15 @@ class SglangEngine(ForeignEngine):
         is_2xx = 200 <= response.status < 300
         if is_2xx and type(answer.get(key)) is type(value) and answer[key] == value:
             return answer
-        if response.status < 400 and not (is_2xx and key == "success" and answer.get(key) is False):
-            # not SGLang's answer (a 2xx without its word, a proxy's redirect): nothing can be taken from it
+        if response.status == 400 and answer:  # SGLang's own refusal (a JSON object, 400 in 0.5.23 for every
+            # failed weight call: http_server.py:1300-1557), passed on with its message
+            raise EngineRefused(400, {"error": {
+                "type": E.INVALID_REQUEST.name, "message": f"SGLang {path}: {answer.get('message', _quoted(raw))}",
+                **({"resumed": resumed} if resumed else {})}})
+        if response.status < 400:  # not SGLang's answer (a 2xx without its word, a proxy's redirect)
             raise _not_understood(path, f"{response.status} without {json.dumps({key: value})[1:-1]} "
                                         f"({_quoted(raw)})", resumed)
-        raise EngineRefused(response.status if response.status >= 400 else 500, {"error": {
-            "type": E.INVALID_REQUEST.name if response.status == 400 else E.ENGINE_FAILED.name,
-            "message": f"SGLang {path}: {answer.get('message', _quoted(raw))}",
-            **({"resumed": resumed} if resumed else {})}})
+        raise _failed(path, response.status, raw, resumed)
 
     async def pause(self, mode: str) -> dict[str, Any]:
         """SGLang's own ``retract`` / ``in_place`` pause; a release under it waits for SGLang to look idle (the
@@ -279,6 +302,15 @@ class SglangEngine(ForeignEngine):
 def _reached_sglang(exc: EngineUnavailable) -> bool:
     """SGLang got the call (it timed out, or the connection dropped) and is not gone: it will run it."""
     return exc.extra.get("sent") is not False and not exc.extra.get("engine_died")
+
+
+def _failed(path: str, status: int, raw: bytes, resumed: list[str] | None = None) -> EngineRefused:
+    """An error answer that is not SGLang's refusal of the call (a 5xx, a 400 without its JSON, a 401 for the
+    sidecar's own key): the peer failed, not the client: 502 naming SGLang and its status."""
+    return EngineRefused(E.UPSTREAM_ERROR.status, {"error": {
+        "type": E.UPSTREAM_ERROR.name, "engine_status": status, **({"resumed": resumed} if resumed else {}),
+        "message": f"SGLang answered {path} with {status} ({_quoted(raw)!r}): the call failed in SGLang or on the "
+                   "way to it, so what it did is not known"}})
 
 
 def _quoted(raw: bytes) -> str:

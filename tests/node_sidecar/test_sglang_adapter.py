@@ -582,3 +582,119 @@ def test_a_redirect_is_no_answer_to_a_control_call(make_node) -> None:
     assert node.post("/release_memory_occupation", {"tags": ["kv_cache"]}).status_code == 200
     assert node.post("/resume_memory_occupation").status_code == 200
     node.assert_fake_alive()
+
+
+JSON = "application/json"
+
+
+@pytest.mark.parametrize("status,raw,content_type", [
+    (200, '{"success": false, "message": "boom"}', JSON),   # success false with a 2xx: no SGLang 0.5.23 answer
+    (500, "Internal Server Error", "text/plain"),            # uvicorn's page for an exception SGLang did not catch
+    (400, "<html>400 Bad Request</html>", "text/html"),      # a proxy's 400: SGLang's 400s are JSON objects
+    (503, '{"detail": "upstream overloaded"}', JSON),
+])
+def test_a_weight_call_sglang_failed_is_502_naming_it(make_node, checkpoint: Path, status: int, raw: str,
+                                                      content_type: str) -> None:
+    """Found by review: a 2xx ``success: false`` and any 5xx from SGLang were the sidecar's own 500
+    (``engine_failed``, "a model step raised"), and a 400 that was not SGLang's (a proxy's page) a 400
+    ``invalid_request`` blaming the client. SGLang fails every weight call with 400 and its JSON
+    (``http_server.py:1300-1557``); anything else is the peer's failure: 502 ``upstream_error`` naming SGLang."""
+    node = make_node("--enable-memory-saver")
+    for path, body in [("/begin_weight_update", {}), ("/update_weights_from_disk", {"model_path": str(checkpoint),
+                                                                                   "weight_version": "v2"})]:
+        fault_next(node, path, status=status, raw=raw, content_type=content_type)
+        r = node.post(path, body)
+        assert r.status_code == 502 and r.json()["error"]["type"] == "upstream_error", r.text
+        assert "SGLang" in r.json()["error"]["message"] and path in r.json()["error"]["message"], r.text
+    view = node.occupation()
+    assert view["weight_version"] == "default" and view["weights_valid"] and view["serving"], view
+    # the session SGLang never opened stays closed: a push is refused before it is sent
+    pushed = node.post("/update_weights_from_tensor", {"serialized_named_tensors": ["AAAA"]})
+    assert pushed.status_code == 400 and "begin_weight_update" in pushed.json()["error"]["message"], pushed.text
+    assert "update_weights_from_tensor" not in node.fake_state()["calls"]
+    node.assert_fake_alive()
+
+
+def test_sglangs_own_refusal_is_its_400_with_its_message(make_node) -> None:
+    node = make_node("--enable-memory-saver")
+    r = node.post("/destroy_weights_update_group", {})  # weight_updater.py:153: no such group
+    assert r.status_code == 400 and "does not exist" in r.json()["error"]["message"], r.text
+    assert node.post("/end_weight_update", {}).status_code == 400  # no session open (weight_updater.py:322-327)
+    node.assert_fake_alive()
+
+
+@pytest.mark.parametrize("status,raw", [(500, "Internal Server Error"), (400, "Bad Request"), (401, "")])
+def test_a_release_sglang_failed_is_502_and_nothing_is_taken_as_done(make_node, status: int, raw: str) -> None:
+    """Found by review: a release or resume SGLang answered with an error page was the sidecar's own 500 (or the
+    status as it came, a 401 for the sidecar's own key blamed on the client). 502 naming SGLang now."""
+    node = make_node("--enable-memory-saver", "--enable-weights-cpu-backup")
+    fault_next(node, "/release_memory_occupation", status=status, raw=raw)
+    r = node.post("/release_memory_occupation", {"tags": ["kv_cache"]})
+    assert r.status_code == 502 and r.json()["error"]["type"] == "upstream_error", r.text
+    assert r.json()["error"]["engine_status"] == status and "SGLang" in r.json()["error"]["message"]
+    assert node.occupation()["tags"]["kv_cache"]["state"] == "resident" and node.occupation()["serving"]
+    assert node.post("/release_memory_occupation", {"tags": ["kv_cache"]}).status_code == 200
+    fault_next(node, "/resume_memory_occupation", status=status, raw=raw)
+    r = node.post("/resume_memory_occupation", {})
+    assert r.status_code == 502 and r.json()["error"]["type"] == "upstream_error", r.text
+    assert node.occupation()["tags"]["kv_cache"]["state"] == "released"
+    assert node.post("/resume_memory_occupation", {}).json()["serving"] is True
+    node.assert_fake_alive()
+
+
+def test_a_release_answered_2xx_but_not_null_is_502_and_nothing_is_taken_as_done(make_node) -> None:
+    """SGLang's release answers ``null``; a 2xx page (a proxy's, which never passed the call on) was a 503
+    ``engine_unavailable`` and the tags remembered as released, so the next resume asked SGLang for a tag it
+    never released, and SGLang died of the ``KeyError`` (found by review). Not SGLang's answer: 502, nothing done,
+    as for a redirect."""
+    node = make_node("--enable-memory-saver", "--enable-weights-cpu-backup")
+    fault_next(node, "/release_memory_occupation", status=200, raw="<html>ok</html>", content_type="text/html")
+    r = node.post("/release_memory_occupation", {"tags": ["kv_cache"]})
+    assert r.status_code == 502 and r.json()["error"]["type"] == "upstream_error", r.text
+    assert node.occupation()["tags"]["kv_cache"]["state"] == "resident" and node.occupation()["serving"]
+    assert node.post("/resume_memory_occupation", {}).json()["resumed"] == []
+    assert node.post("/release_memory_occupation", {"tags": ["kv_cache"]}).status_code == 200
+    assert node.post("/resume_memory_occupation", {}).json()["serving"] is True
+    node.assert_fake_alive()
+
+
+def test_a_session_call_sglang_answers_late_still_opens_and_closes_it(make_node) -> None:
+    """SGLang runs control calls in order: a ``begin_weight_update`` it answered after the sidecar's timeout still
+    opens its session. The sidecar took it as not opened and refused every push with "must run between
+    begin_weight_update and end_weight_update", while a begin again got SGLang's "already open" (found by
+    review): the trainer could not push. A late begin or end now counts as done, as a late release does."""
+    node = make_node("--enable-memory-saver", sidecar_flags=("--control-timeout", "1.5"))
+    fault_next(node, "/begin_weight_update", delay_s=3)
+    assert node.post("/begin_weight_update", {}).status_code == 503
+    wait_until(lambda: node.fake_state()["is_session_open"], timeout=10, what="SGLang's session open")
+    pushed = node.post("/update_weights_from_tensor", {"serialized_named_tensors": ["AAAA"], "weight_version": "v3"})
+    assert pushed.status_code == 200, pushed.text
+    fault_next(node, "/end_weight_update", delay_s=3)
+    assert node.post("/end_weight_update", {}).status_code == 503
+    wait_until(lambda: not node.fake_state()["is_session_open"], timeout=10, what="SGLang's session closed")
+    refused = node.post("/update_weights_from_tensor", {"serialized_named_tensors": ["AAAA"]})
+    assert refused.status_code == 400 and "begin_weight_update" in refused.json()["error"]["message"], refused.text
+    assert node.fake_state()["calls"].count("update_weights_from_tensor") == 1
+    node.assert_fake_alive()
+
+
+def test_an_update_sglang_loaded_but_could_not_flush_is_its_400_and_the_version_stays(make_node) -> None:
+    """Under an ``in_place`` pause the paused requests keep running in SGLang's batch: an update loads the weights,
+    then its cache flush is refused and SGLang answers 400 ``success: false`` "Weights were updated, but ...",
+    keeping the version its ``/model_info`` reports (``weight_updater.py:117-130``,
+    ``tokenizer_control_mixin.py:592-594``). The sidecar reports that 400 with SGLang's words and keeps the
+    version SGLang reports."""
+    node = make_node("--enable-memory-saver", "--enable-weights-cpu-backup")
+    kept = start_clients(node.sidecar.url + "/generate", stream_body(300), 1)
+    assert kept[0].started_streaming.wait(10)
+    assert node.post("/pause_generation", {"mode": "in_place"}).status_code == 200
+    assert node.post("/begin_weight_update", {}).status_code == 200
+    pushed = node.post("/update_weights_from_tensor", {"serialized_named_tensors": ["AAAA"], "weight_version": "v4"})
+    assert pushed.status_code == 400 and "Weights were updated" in pushed.json()["error"]["message"], pushed.text
+    assert node.occupation()["weight_version"] == "default" == node.fake_state()["weight_version"]
+    assert node.post("/end_weight_update", {}).status_code == 200
+    assert node.post("/continue_generation", {}).status_code == 200
+    assert kept[0].finish(60).saw_done
+    assert node.post("/update_weight_version", {"new_version": "v4"}).json()["new_version"] == "v4"
+    assert node.occupation()["weight_version"] == "v4" and node.occupation()["serving"]
+    node.assert_fake_alive()

@@ -90,8 +90,23 @@ torch_memory_saver 0.0.10, which SGLang's memory saver calls):
   (``begin_weight_update`` .. ``end_weight_update``) answers 400 ``success:
   false`` (``weight_updater.py:192-197``, ``234-239``); a second begin while
   one is open, or an end without one, too (``weight_updater.py:311``, ``325``).
+  A broadcast into a group not joined fails to receive (400, the assertion's
+  message, ``model_runner_components/weight_updater.py:265-268``).
   An update writes into the weights region: with it released, an illegal
   access, the server dies. The fake checks nothing of the tensors.
+- **An update that cannot flush fails after it loaded.** Every update (disk,
+  tensor, broadcast) with ``flush_cache`` (default true) flushes once the
+  weights are in; with requests still running (an ``in_place`` pause) the
+  flush is refused and the call answers 400 ``success: false`` "Weights were
+  updated, but the cache was not flushed ..." with the new weights loaded
+  (``weight_updater.py:117-130``, ``167-170``, ``232-235``), while the version
+  and model path ``/model_info`` reports stay the old ones (the tokenizer
+  adopts them only on success: ``tokenizer_manager.py:2382-2383``, ``2318``,
+  ``tokenizer_control_mixin.py:592-594``). A successful update with a
+  ``weight_version`` adds " Weight version updated to ..." to its message.
+- ``/update_weight_version`` aborts every request first unless
+  ``abort_all_requests`` is false (default true, ``io_struct.py:2159``;
+  ``http_server.py:1533-1534``).
 - Pause (``tokenizer_manager.py:2267-2286``; modes in ``io_struct.py:
   1927-1946``): ``abort`` aborts every request; ``retract`` and ``in_place``
   stop the scheduler with the requests kept (retracted ones wait in the queue,
@@ -162,6 +177,7 @@ class FakeSglang:
     paused: bool = False
     pause_mode: str | None = None
     is_session_open: bool = False
+    groups: set[str] = field(default_factory=set)  # weight update groups joined (init .. destroy)
     next_answers: dict[str, dict] = field(default_factory=dict)  # POST /_fake/next
     calls: list[str] = field(default_factory=list)
     media: list[Any] = field(default_factory=list)  # the image_data of each /generate, the messages of each chat
@@ -476,12 +492,22 @@ def create_app(fake: FakeSglang) -> Any:
             return JSONResponse({"success": False, "message": f"Failed to get weights iterator: {body['model_path']}",
                                  "num_paused_requests": 0}, status_code=400)
         fake.weights_garbage = False
-        fake.model_path = body["model_path"]
-        message = "Succeeded to update model weights."
-        if body.get("weight_version") is not None:  # tokenizer_manager.py:2318-2320
+        answer = loaded(body, "Succeeded to update model weights.", num_paused_requests=0)
+        if answer.status_code == 200:  # tokenizer_manager.py:2382-2383: the served path moves only on success
+            fake.model_path = body["model_path"]
+        return answer
+
+    def loaded(body: dict[str, Any], message: str, **extra: Any) -> JSONResponse:
+        """The weights are in: the flush after them (weight_updater.py:117-130) decides the answer, and the version
+        /model_info reports moves only with a success (tokenizer_control_mixin.py:592-594)."""
+        if body.get("flush_cache", True) and not fake.is_idle():
+            return JSONResponse({"success": False, "message": (
+                "Weights were updated, but the cache was not flushed because requests are still running or queued. "
+                "Retract or finish them, then call /flush_cache."), **extra}, status_code=400)
+        if body.get("weight_version") is not None:
             fake.weight_version = body["weight_version"]
             message += f" Weight version updated to {fake.weight_version}."
-        return JSONResponse({"success": True, "message": message, "num_paused_requests": 0})
+        return JSONResponse({"success": True, "message": message, **extra})
 
     async def pause_generation(request: Request) -> Response:
         body = await request.json()
@@ -499,31 +525,49 @@ def create_app(fake: FakeSglang) -> Any:
 
     async def weight_update(request: Request) -> Response:
         body = await request.json()
-        fake.calls.append(request.url.path.strip("/"))
+        path = request.url.path.strip("/")
+        fake.calls.append(path)
         if not fake.is_session_open:
-            return JSONResponse({"success": False, "message": f"{request.url.path.strip('/')} must run between "
+            return JSONResponse({"success": False, "message": f"{path} must run between "
                                  "begin_weight_update() and end_weight_update()"}, status_code=400)
+        group = body.get("group_name", "weight_update_group")
+        if path == "update_weights_from_distributed" and group not in fake.groups:
+            return JSONResponse({"success": False, "message": (
+                f"Failed to receive weights: Group {group} not in {sorted(fake.groups)}. Please call "
+                "`init_weights_update_group` first.")}, status_code=400)
         if "weights" in fake.offload_tags and fake.enable_memory_saver:
             die(f"{request.url.path}: CUDA error: an illegal memory access was encountered (weights released)")
         fake.weights_garbage = False
-        if body.get("weight_version") is not None:
-            fake.weight_version = body["weight_version"]
-        return JSONResponse({"success": True, "message": "Succeeded to update parameter online."})
+        return loaded(body, "Succeeded to update parameter online." if path == "update_weights_from_distributed"
+                      else "Success")
 
     async def weight_call(request: Request) -> Response:
+        body = await request.json()
         path = request.url.path.strip("/")
         fake.calls.append(path)
-        if path in ("begin_weight_update", "end_weight_update"):
-            if fake.is_session_open == (path == "begin_weight_update"):
-                return JSONResponse({"success": False, "message": "a weight update session is already open"
-                                     if fake.is_session_open else "no weight update session is open"},
+        group = body.get("group_name", "weight_update_group")
+        if path == "init_weights_update_group":  # model_runner_components/weight_updater.py:131-140
+            fake.groups.add(group)
+            return JSONResponse({"success": True, "message": "Succeeded to initialize custom process group."})
+        if path == "destroy_weights_update_group":  # model_runner_components/weight_updater.py:146-154
+            if group not in fake.groups:
+                return JSONResponse({"success": False, "message": "The group to be destroyed does not exist."},
                                     status_code=400)
-            fake.is_session_open = path == "begin_weight_update"
+            fake.groups.discard(group)
+            return JSONResponse({"success": True, "message": "Succeeded to destroy custom process group."})
+        if fake.is_session_open == (path == "begin_weight_update"):  # weight_updater.py:308-313, 322-327
+            return JSONResponse({"success": False, "message": "a weight-update session is already open; call "
+                                 "end_weight_update() first" if fake.is_session_open else "no weight-update session "
+                                 "is open; call begin_weight_update() first"}, status_code=400)
+        fake.is_session_open = path == "begin_weight_update"
         return JSONResponse({"success": True, "message": "Success"})
 
     async def update_weight_version(request: Request) -> Response:
         body = await request.json()
         fake.calls.append("update_weight_version")
+        if body.get("abort_all_requests", True):  # http_server.py:1533-1534
+            for job in fake.running.values():
+                job.aborted = True
         fake.weight_version = body["new_version"]
         return JSONResponse({"success": True, "message": f"Weight version updated to {fake.weight_version}",
                              "new_version": fake.weight_version})
@@ -562,6 +606,7 @@ def create_app(fake: FakeSglang) -> Any:
     async def fake_state(request: Request) -> Response:
         return JSONResponse({"offload_tags": sorted(fake.offload_tags), "regions": sorted(fake.regions),
                              "weights_garbage": fake.weights_garbage, "running": len(fake.running),
+                             "is_session_open": fake.is_session_open, "weight_version": fake.weight_version,
                              "calls": fake.calls, "media": fake.media, "num_model_info": fake.num_model_info,
                              "num_metrics": fake.num_metrics})
 

@@ -10,7 +10,7 @@ vLLM's ``instance_id``), the node does not serve the fresh engine as it comes
 up: the released tags are released again first (:attr:`ClusterIntent.unrestored`
 until done), and a node whose weights had been updated refuses generation with
 ``weights_stale`` until a weight update or a reload through the sidecar
-succeeds; for handoff's engine, until updates have written every weight of
+succeeds; for handoff's engine and vLLM, until updates have written every weight of
 the fresh process (its answers' ``weights_updated_fully``: a trainer's buckets
 each write a part). Renaming the version (``update_weight_version``) does not lift it: it
 would only label the start checkpoint's weights with the new name.

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 from typing import Any
 from urllib.parse import urlencode
 
@@ -45,6 +46,7 @@ from handoff.protocol import errors as E
 from handoff.protocol.control import FLUSHED
 from handoff.protocol.engines import EngineKind
 from handoff.protocol.tags import TAG_NAMES, TagState
+from handoff.protocol.weights import WEIGHTS_UPDATED_FULLY
 from handoff.service.errors import Conflict, Unsupported
 from node_sidecar.engines.base import EngineView, GenerationCall, MemoryChange, TagMeaning, tags_named
 from node_sidecar.engines.foreign import ForeignEngine
@@ -77,6 +79,9 @@ class VllmEngine(ForeignEngine):
         self.default_sleep_level = default_sleep_level
         self.level = 0                 # the level of the sleep the weights went to (0: not asleep)
         self.weights_discarded = False  # woken after a level-2 sleep, not reloaded since
+        self.weights_epoch = uuid.uuid4().hex  # renewed whenever the weights are lost: the worker counts the
+        # weights updates wrote since it changed
+        self.reloaded = False  # a reload from disk wrote every weight of this process since the epoch began
         self.sleep_mode = False
         self.versions = ServedVersions()  # the version served, and its renames (answers' weight_versions)
         self.version: str | None = None
@@ -100,7 +105,7 @@ class VllmEngine(ForeignEngine):
         extension = parallel.get("worker_extension_cls")
         self.weight_sync.extension = extension if isinstance(extension, str) and extension else None
         if self.adopt_instance(config.get("instance_id")):
-            self.level, self.weights_discarded = 0, False
+            self.level, self.weights_discarded, self.reloaded = 0, False, False
         self.device = device.get("device") if isinstance(device.get("device"), str) and device["device"] else "cuda"
         self.sleep_mode = model.get("enable_sleep_mode") is True
         self.model_path = model.get("model") if isinstance(model.get("model"), str) else None
@@ -131,7 +136,8 @@ class VllmEngine(ForeignEngine):
             self.level = 2
         elif not sleeping and asleep:
             self.released -= set(SLEEPING_TAGS)
-            self.weights_discarded = self.weights_discarded or self.level == 2
+            if self.level == 2:
+                self._lose_weights()
             self.level = 0
 
     def release_set(self, asked: list[str], resident: list[str]) -> list[str]:
@@ -166,7 +172,7 @@ class VllmEngine(ForeignEngine):
             _, change, measured_by = await self.measured(lambda: self._wake(engine_tags), engine_tags,
                                                          restoring=True)
             if WEIGHTS in engine_tags and self.level == 2:
-                self.weights_discarded = True
+                self._lose_weights()
         self.released.difference_update(tags)
         if not self.released & set(SLEEPING_TAGS):
             self.level = 0
@@ -220,16 +226,16 @@ class VllmEngine(ForeignEngine):
             await self.engine.call("POST", "/collective_rpc", {
                 "method": "reload_weights", "kwargs": {"weights_path": body["model_path"]}})
         except EngineRefused as exc:
-            self.weights_discarded = True  # a reload that failed part way leaves no usable weights
+            self._lose_weights()  # a reload that failed part way leaves no usable weights
             raise EngineRefused(exc.status, {"error": {
                 "type": E.ENGINE_FAILED.name, "resumed": resumed,
                 "message": f"vLLM's reload_weights failed; its weights are not usable until a reload succeeds: "
                            f"{exc.message}"}}) from exc
-        self.weights_discarded = False
+        self.weights_discarded, self.reloaded = False, True
         self.level = 0 if WEIGHTS in resumed else self.level
         self.model_path = body["model_path"]
         await self._finish_update(body)
-        return {"success": True, "weight_version": self.weight_version, "resumed": resumed,
+        return {"success": True, "weight_version": self.weight_version, "resumed": resumed, WEIGHTS_UPDATED_FULLY: True,
                 "message": f"reloaded {body['model_path']} in {time.perf_counter() - started:.3f}s"}
 
     async def _wake_weights_for_update(self) -> list[str]:
@@ -259,12 +265,13 @@ class VllmEngine(ForeignEngine):
         self.weight_sync.require(path)
         resumed = await self._wake_weights_for_update()
         if resumed:
-            self.weights_discarded = self.weights_discarded or self.level == 2  # valid again once all are sent
+            if self.level == 2:  # valid again once updates wrote every weight
+                self._lose_weights()
             self.level = 0
         try:
-            answer = await self.weight_sync.update(path, body)
+            answer = await self.weight_sync.update(path, body, epoch=self.weights_epoch)
         except WeightsLost as exc:
-            self.weights_discarded = True
+            self._lose_weights()
             raise EngineRefused(exc.status, {"error": {"type": exc.type, "message": exc.message,
                                                        "resumed": resumed}}) from exc
         except EngineRefused as exc:
@@ -272,11 +279,17 @@ class VllmEngine(ForeignEngine):
                 raise
             raise EngineRefused(exc.status, {"error": {"type": exc.type, "message": exc.message,
                                                        "resumed": resumed}}) from exc
-        if answer.pop("complete", False):
+        complete = answer.pop("complete", False) is True or self.reloaded
+        if complete:
             self.weights_discarded = False
         await self._finish_update(body)
         return {**answer, "weight_version": self.weight_version, "resumed": resumed,
-                "weights_valid": not self.weights_discarded}
+                "weights_valid": not self.weights_discarded, WEIGHTS_UPDATED_FULLY: complete}
+
+    def _lose_weights(self) -> None:
+        """The weights are not usable (discarded, or loaded half way): what updates wrote before counts no more."""
+        self.weights_discarded, self.reloaded = True, False
+        self.weights_epoch = uuid.uuid4().hex
 
     async def flush_cache(self, timeout: float) -> dict[str, Any]:
         """``POST /reset_prefix_cache`` until it succeeds (it fails while running requests hold blocks)."""

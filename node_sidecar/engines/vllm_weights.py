@@ -12,7 +12,10 @@ SGLang's shapes, as handoff's engine gives them:
 - ``destroy_weights_update_group``: leaves, or abandons a join under way.
 - ``update_weights_from_distributed`` / ``_from_tensor``: checked, received,
   loaded by the worker (see the extension); the adapter then sets the weight
-  version and resets the prefix cache, as a reload from disk does.
+  version and resets the prefix cache, as a reload from disk does. The worker
+  counts what the updates wrote since the weights were last lost: a trainer's
+  buckets together make discarded weights valid again, and lift a restarted
+  engine's ``weights_stale`` (``weights_updated_fully``), once they wrote all.
 - ``begin_weight_update`` / ``end_weight_update``: SGLang's session, kept here
   (one at a time); updates inside and outside it load the same way.
 
@@ -128,22 +131,26 @@ class VllmWeightSync:
         self.session = None
         return {"success": True, "message": "Weight update session ended."}
 
-    async def update(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        """Receive (or decode) and load on the worker; ``{"success", "message", "loaded", "duration_s"}``."""
+    async def update(self, path: str, body: dict[str, Any], *, epoch: str) -> dict[str, Any]:
+        """Receive (or decode) and load on the worker; ``{"success", "message", "loaded", "complete",
+        "duration_s"}``, ``complete`` true once the updates since ``epoch`` began (the adapter begins one whenever
+        the weights are lost) have written every weight."""
         self.require(path)
         no_draft = "this vLLM node has no draft model (selector 'draft')" if body.get("selector") == "draft" else None
         started = time.perf_counter()
         if path == "/update_weights_from_distributed":  # refused, its broadcasts are still taken (group in step)
             result = await self.rpc("handoff_update_from_distributed", self.timeout_s, group_name=body["group_name"],
                                     names=body["names"], dtypes=body["dtypes"], shapes=body["shapes"],
-                                    flattened=body.get("load_format") == "flattened_bucket", refused=no_draft)
+                                    flattened=body.get("load_format") == "flattened_bucket", refused=no_draft,
+                                    epoch=epoch)
         elif no_draft is not None:
             raise InvalidRequest(no_draft)
         else:
             result = await self.rpc("handoff_update_from_tensor", self.timeout_s,
                                     serialized_named_tensors=body["serialized_named_tensors"],
                                     load_format=body.get("load_format"),
-                                    release_sender_reference=body.get("release_sender_reference", True))
+                                    release_sender_reference=body.get("release_sender_reference", True),
+                                    epoch=epoch)
         loaded = _field(result, "loaded", int, method="update")
         return {"success": True, "message": "Succeeded to update parameter online.", "loaded": loaded,
                 "complete": result.get("complete") is True, "duration_s": round(time.perf_counter() - started, 6)}

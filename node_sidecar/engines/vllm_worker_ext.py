@@ -25,6 +25,10 @@ answers a JSON object ``{"ok": true, ...}`` or ``{"ok": false, "error": TYPE,
   reload (``reload_weights`` with the received tensors: the model's
   ``load_weights`` layer by layer, then its post-load processing), as a reload
   from disk does.
+- An update answers ``complete``: whether the updates since the sidecar's
+  ``epoch`` last changed (it changes it whenever the weights are lost: a level-2
+  sleep, a failed load; and the worker starts with none) have together written
+  every tensor of the checkpoint, so that a trainer's buckets count together.
 - ``update_weights_from_tensor`` payloads are decoded with handoff's restricted
   unpickler (:mod:`node_engine.weight_sync.tensor_payload`), never with pickle.
 """
@@ -85,7 +89,8 @@ class HandoffWeightSync:
     def _handoff_state(self) -> dict[str, Any]:
         state = self.__dict__.get("_handoff")
         if state is None:
-            state = self.__dict__["_handoff"] = {"groups": {}, "joins": {}, "shapes": None, "shapes_of": None}
+            state = self.__dict__["_handoff"] = {"groups": {}, "joins": {}, "shapes": None, "shapes_of": None,
+                                                 "epoch": None, "written": set()}
         return state
 
     # -- the group -------------------------------------------------------------------------------------------
@@ -95,7 +100,8 @@ class HandoffWeightSync:
         init = InitWeightsUpdateGroupBody.model_validate(body)
         name = init.group_name
         if init.backend != "gloo" and str(self.device_config.device) == "cpu":
-            return _failed(E.INVALID_REQUEST.name, f"backend {init.backend} needs CUDA; this vLLM runs on CPU, use gloo")
+            return _failed(E.INVALID_REQUEST.name,
+                           f"backend {init.backend} needs CUDA; this vLLM runs on CPU, use gloo")
         if name in state["groups"] or name in state["joins"]:
             return _failed(E.CONFLICT.name, f"group {name!r} exists or is being joined; destroy it first")
         join = state["joins"][name] = _Join(init, float(timeout_s))
@@ -115,7 +121,8 @@ class HandoffWeightSync:
             return {"ok": True, "state": "joining"}
         del state["joins"][group_name]
         if join.group is None:
-            return join.error or _failed(E.ENGINE_FAILED.name, f"the join of group {group_name!r} ended without a group")
+            return join.error or _failed(E.ENGINE_FAILED.name,
+                                         f"the join of group {group_name!r} ended without a group")
         state["groups"][group_name] = join.group
         return {"ok": True, "state": "joined", "rank": join.group.rank, "world_size": join.group.world_size}
 
@@ -134,23 +141,26 @@ class HandoffWeightSync:
     # -- updates ---------------------------------------------------------------------------------------------
     def handoff_update_from_distributed(self, group_name: str, names: list[str], dtypes: list[str],
                                         shapes: list[list[int]], flattened: bool = False,
-                                        refused: str | None = None) -> dict[str, Any]:
+                                        refused: str | None = None, epoch: str | None = None) -> dict[str, Any]:
         """Receive the broadcasts, then load them; ``refused`` (why, decided by the sidecar) or a failed check:
         received and discarded, nothing loaded (the trainer broadcasts whatever the answer)."""
         group = self._handoff_state()["groups"].get(group_name)
         if group is None:
-            return _failed(E.INVALID_REQUEST.name, f"group {group_name!r} does not exist; call init_weights_update_group "
-                                              "first")
+            return _failed(E.INVALID_REQUEST.name,
+                           f"group {group_name!r} does not exist; call init_weights_update_group "
+                           "first")
         if group.broken is not None:
-            return _failed(E.WEIGHT_SYNC_BROKEN.name, f"group {group_name!r} is out of step: {group.broken}; destroy it "
-                                                 "and join again")
+            return _failed(E.WEIGHT_SYNC_BROKEN.name,
+                           f"group {group_name!r} is out of step: {group.broken}; destroy it "
+                           "and join again")
         sizes = [_nbytes(dtype, shape) for dtype, shape in zip(dtypes, shapes, strict=True)]
         problem = (refused or self._handoff_check(names, shapes, dtypes)
                    or (unaligned(names, dtypes, shapes) if flattened else None))
         if problem is not None and (None in sizes or sum(sizes) > SCRATCH_FACTOR * self._handoff_model_bytes()):
             group.broken = f"an update it could not receive was refused ({problem})"
-            return _failed(E.INVALID_REQUEST.name, f"{problem}; its broadcasts cannot be received and discarded, so group "
-                                              f"{group_name!r} is now out of step: destroy it and join again")
+            return _failed(E.INVALID_REQUEST.name,
+                           f"{problem}; its broadcasts cannot be received and discarded, so group "
+                           f"{group_name!r} is now out of step: destroy it and join again")
         try:
             device = getattr(self, "device", None)  # nccl receives there (a CUDA worker's device); gloo into CPU
             received = receive(group, names, dtypes, shapes, flattened=flattened, keep=problem is None,
@@ -161,12 +171,14 @@ class HandoffWeightSync:
             return _failed(kind, f"receiving {len(names)} tensor(s) on group {group_name!r} failed: {exc}; nothing "
                                  "was loaded and the group is out of step (destroy it and join again)")
         if problem is not None:
-            return _failed(E.INVALID_REQUEST.name, f"{problem}; the broadcasts were received and discarded, nothing was "
-                                              "loaded")
-        return self._handoff_load(received)
+            return _failed(E.INVALID_REQUEST.name,
+                           f"{problem}; the broadcasts were received and discarded, nothing was "
+                           "loaded")
+        return self._handoff_load(received, epoch)
 
     def handoff_update_from_tensor(self, serialized_named_tensors: list[str], load_format: str | None = None,
-                                   release_sender_reference: bool = True) -> dict[str, Any]:
+                                   release_sender_reference: bool = True, epoch: str | None = None
+                                   ) -> dict[str, Any]:
         try:
             named = decode_payload(serialized_named_tensors, load_format,
                                    release_sender_reference=release_sender_reference)
@@ -176,17 +188,23 @@ class HandoffWeightSync:
                                       [str(t.dtype).removeprefix("torch.") for _, t in named])
         if problem is not None:
             return _failed(E.INVALID_REQUEST.name, f"{problem}; nothing was loaded")
-        return self._handoff_load(named)
+        return self._handoff_load(named, epoch)
 
-    def _handoff_load(self, named: list[tuple[str, torch.Tensor]]) -> dict[str, Any]:
-        """vLLM's in-place reload with these tensors (checkpoint format), the disk reload's own path."""
+    def _handoff_load(self, named: list[tuple[str, torch.Tensor]], epoch: str | None) -> dict[str, Any]:
+        """vLLM's in-place reload with these tensors (checkpoint format), the disk reload's own path; ``complete``:
+        the loads since ``epoch`` began wrote every tensor of the checkpoint."""
+        state = self._handoff_state()
+        if state["epoch"] != epoch:  # the weights were lost since: what was written before no longer counts
+            state["epoch"], state["written"] = epoch, set()
         try:
             self.reload_weights(weights_iterator=iter(named), is_checkpoint_format=True)
         except Exception as exc:  # any failure part way (a TypeError, IndexError, ...) leaves the weights half-loaded
-            return _failed(E.ENGINE_FAILED.name, f"vLLM's load of {len(named)} tensor(s) failed part way; its weights are "
-                                            f"not usable until a reload succeeds: {exc}", weights_lost=True)
-        complete = {name for name, _ in named} == set(self._handoff_shapes())
-        return {"ok": True, "loaded": len(named), "complete": complete}
+            state["written"] = set()
+            return _failed(E.ENGINE_FAILED.name,
+                           f"vLLM's load of {len(named)} tensor(s) failed part way; its weights are "
+                           f"not usable until a reload succeeds: {exc}", weights_lost=True)
+        state["written"].update(name for name, _ in named)
+        return {"ok": True, "loaded": len(named), "complete": state["written"] >= set(self._handoff_shapes())}
 
     # -- the check -------------------------------------------------------------------------------------------
     def _handoff_shapes(self) -> dict[str, list[int]]:

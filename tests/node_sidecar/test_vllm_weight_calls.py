@@ -217,14 +217,14 @@ async def test_a_failure_on_any_worker_is_not_a_success() -> None:
     refused = {"ok": False, "error": "invalid_request", "message": "w: shape [1] does not match the model's [2]"}
     sync = synced({"handoff_update_from_distributed": [ok, refused]})
     with pytest.raises(WeightsLost) as lost:
-        await sync.update("/update_weights_from_distributed", DISTRIBUTED)
+        await sync.update("/update_weights_from_distributed", DISTRIBUTED, epoch="e")
     assert lost.value.status == 400 and "worker 1 of 2" in lost.value.message
     sync = synced({"handoff_update_from_distributed": [refused, refused]})
     with pytest.raises(EngineRefused) as both:
-        await sync.update("/update_weights_from_distributed", DISTRIBUTED)
+        await sync.update("/update_weights_from_distributed", DISTRIBUTED, epoch="e")
     assert not isinstance(both.value, WeightsLost) and both.value.type == "invalid_request"
     sync = synced({"handoff_update_from_distributed": [ok, {**ok, "complete": False}]})
-    answer = await sync.update("/update_weights_from_distributed", DISTRIBUTED)
+    answer = await sync.update("/update_weights_from_distributed", DISTRIBUTED, epoch="e")
     assert answer["success"] is True and answer["complete"] is False
     joined = {"ok": True, "state": "joined", "rank": 1, "world_size": 2}
     sync = synced({"handoff_join_group": [{"ok": True}, {"ok": True}],
@@ -248,7 +248,7 @@ async def test_a_success_answer_missing_its_fields_is_a_clear_502() -> None:
             if call in ("/init_weights_update_group", "/destroy_weights_update_group"):
                 await sync.group_call(call, body)
             else:
-                await sync.update(call, body)
+                await sync.update(call, body, epoch="e")
         assert refused.value.status == 502 and refused.value.type == "engine_failed"
 
 
@@ -279,5 +279,22 @@ def test_a_load_failing_with_any_exception_reports_the_weights_lost(tmp_path: Pa
             next(weights_iterator)
             raise TypeError("unexpected keyword")
 
-    answer = Failing(tmp_path)._handoff_load(list(weights.items()))
+    answer = Failing(tmp_path)._handoff_load(list(weights.items()), "e")
     assert answer["ok"] is False and answer["weights_lost"] is True and "unexpected keyword" in answer["message"]
+
+
+def test_buckets_are_complete_together_and_a_new_epoch_counts_afresh(tmp_path: Path) -> None:
+    """``complete`` was true only for one update holding every tensor: a trainer's buckets after a level-2 sleep
+    never made the weights valid again, and after a restart of vLLM its first bucket lifted ``weights_stale`` (the
+    sidecar was told nothing) while the rest of the start checkpoint still served. Now the worker counts what the
+    loads since the sidecar's epoch wrote; the sidecar begins a new epoch whenever the weights are lost."""
+    arch = builtin_arch("builtin:tiny")
+    weights = builtin_weights(arch, 0)
+    save_checkpoint(tmp_path, arch, weights)
+    worker = Worker(tmp_path)
+    layer_0 = [(n, t) for n, t in weights.items() if n.startswith("model.layers.0.")]
+    rest = [(n, t) for n, t in weights.items() if not n.startswith("model.layers.0.")]
+    assert worker._handoff_load(layer_0, "a")["complete"] is False
+    assert worker._handoff_load(rest, "a")["complete"] is True
+    assert worker._handoff_load(rest, "b")["complete"] is False  # lost since: layer 0 must be written again
+    assert worker._handoff_load(layer_0, "b")["complete"] is True

@@ -79,6 +79,7 @@ def expected(node: Node, checkpoints: tuple[Path, Path]) -> dict[str, list[list[
 @pytest.fixture
 def serving(node: Node, checkpoints: tuple[Path, Path]) -> Iterator[Node]:
     yield node
+    assert node.post("/resume_memory_occupation", {}).status_code == 200
     node.reload(checkpoints[0], "step-0")
     wait_until(lambda: httpx.get(node.sidecar.url + "/memory_occupation").json()["serving"], timeout=60)
 
@@ -146,3 +147,54 @@ def test_a_tensor_push_from_this_host_serves_as_the_reload(serving: Node, expect
         "gASVHwAAAAAAAACMBXBvc2l4lIwGc3lzdGVtlJOUjAR0cnVllIWUUpQu"]})
     assert evil.status_code == 400 and "not a tensor, a storage" in evil.json()["error"]["message"], evil.text
     assert node.greedy() == expected["step-1"] and node.version() == "t-1"
+
+
+def _occupation(node: Node) -> dict:
+    return httpx.get(node.sidecar.url + "/memory_occupation", timeout=30).json()
+
+
+def _push(node: Node, tensors: list[tuple[str, torch.Tensor]], **extra: object) -> httpx.Response:
+    payload = serialize_named_tensors(tensors)  # shared memory: the tensors live while the caller holds them
+    return node.post("/update_weights_from_tensor", {"serialized_named_tensors": [payload], **extra})
+
+
+def test_buckets_pushed_after_a_level_2_sleep_serve_once_every_weight_is_back(serving: Node, expected) -> None:
+    """A level-2 sleep discards the weights; a trainer then pushes a step in buckets (each some of the weights):
+    the weights count as valid once the buckets together wrote every one, not only when one bucket held all."""
+    node, weights = serving, step_1()
+    layer_0 = [(n, t) for n, t in weights.items() if n.startswith("model.layers.0.")]
+    rest = [(n, t) for n, t in weights.items() if not n.startswith("model.layers.0.")]
+    assert node.post("/release_memory_occupation", {"stage_to_cpu": False}).status_code == 200
+    first = _push(node, layer_0)
+    assert first.status_code == 200 and first.json()["resumed"] == ["weights"], first.text
+    assert first.json()["weights_valid"] is False  # the rest of the model was discarded with the sleep
+    last = _push(node, rest, weight_version="bucketed-1")
+    assert last.status_code == 200 and last.json()["weights_valid"] is True, last.text
+    resumed = node.post("/resume_memory_occupation", {})
+    assert resumed.status_code == 200 and resumed.json()["serving"] is True, resumed.text
+    assert node.greedy() == expected["step-1"] and node.version() == "bucketed-1"
+
+
+def test_a_restarted_vllm_stays_stale_until_its_buckets_wrote_every_weight(serving: Node, expected) -> None:
+    """vLLM killed and started again after the node's weights were updated: the fresh process serves its start
+    checkpoint, so the node holds out (weights_stale) until updates through the sidecar have written every weight
+    of that process; the first of a trainer's buckets does not lift it (a mix of both would be served)."""
+    node, weights = serving, step_1()
+    first = node.vllm.url
+    node.vllm.kill()
+    wait_until(lambda: _occupation(node)["engine_reachable"] is False, timeout=30, what="the engine seen down")
+    node.vllm.start()
+    assert node.vllm.url == first
+    wait_until(lambda: _occupation(node)["engine_reachable"] and _occupation(node).get("not_serving_reason")
+               == "weights_stale", timeout=180, what="the fresh engine held out as stale")
+    layer_0 = [(n, t) for n, t in weights.items() if n.startswith("model.layers.0.")]
+    rest = [(n, t) for n, t in weights.items() if not n.startswith("model.layers.0.")]
+    r = _push(node, layer_0)
+    assert r.status_code == 200, r.text
+    view = _occupation(node)
+    assert view["serving"] is False and view["not_serving_reason"] == "weights_stale", view
+    assert node.post("/generate", {"input_ids": PROMPTS[0]}).json()["error"]["type"] == "weights_stale"
+    r = _push(node, rest, weight_version="after-restart")
+    assert r.status_code == 200, r.text
+    wait_until(lambda: _occupation(node)["serving"], timeout=30, what="serving again")
+    assert node.greedy() == expected["step-1"] and node.version() == "after-restart"

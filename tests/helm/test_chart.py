@@ -24,6 +24,7 @@ from yamllint.config import YamlLintConfig
 from tests.helm.chart import (
     CHART_DIR,
     METRICS_MODULES,
+    RELEASE,
     ROLES,
     YAMLLINT_CONFIG,
     Manifest,
@@ -106,6 +107,23 @@ VALUE_SETS: dict[str, Obj] = {
         "readOnly": False,
         "volume": {"type": "existingClaim", "existingClaim": {"claimName": "rl-checkpoints"}},
     }}),
+    # NetworkPolicies with every peer list, Prometheus scraping, other ports.
+    "network-policy": deep_merge(TOKENS, {
+        "lb": {"port": 9000},
+        "node": {"sidecar": {"port": 9090}, "engine": {"port": 31000}},
+        "roles": {"prefill": {"enabled": True}, "decode": {"enabled": True}},
+        "metrics": {"serviceMonitor": {"enabled": True}},
+        "networkPolicy": {
+            "enabled": True,
+            "clientsFrom": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "rl-jobs"}}}],
+            "metricsFrom": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
+                             "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}}],
+            "trainerFrom": [{"podSelector": {"matchExpressions": [
+                                {"key": "job-role", "operator": "In", "values": ["trainer"]}]}},
+                            {"ipBlock": {"cidr": "10.8.0.0/16", "except": ["10.8.1.0/24"]}}],
+            "weightSyncPorts": {"start": 40000, "end": 40999},
+        },
+    }),
 }
 
 # Kubernetes versions the objects are validated against: the chart's floor and the newest
@@ -148,7 +166,7 @@ def _headless(r: Rendered) -> dict[str, Manifest]:
 # ---- the chart itself ----
 
 def test_chart_passes_helm_lint_strict() -> None:
-    for values in (VALUE_SETS["default"], VALUE_SETS["pd"], VALUE_SETS["monitoring"]):
+    for values in (VALUE_SETS["default"], VALUE_SETS["pd"], VALUE_SETS["monitoring"], VALUE_SETS["network-policy"]):
         report = lint(values, kube_version=f"v{KUBE_FLOOR}.0")
         problems = [m for m in report["messages"] if m["severity"] >= 2]
         assert report["total_charts_linted"] == 1
@@ -234,6 +252,13 @@ def test_default_values_match_the_schema_and_the_schema_is_closed() -> None:
     pytest.param({"clusterDomain": "a" * 64 + ".local"}, "at '/clusterDomain':", id="domain-long-label"),
     # The engine runs on one GPU: more would be reserved and idle.
     pytest.param({"node": {"engine": {"gpus": 2}}}, "at '/node/engine/gpus': maximum: got 2, want 1", id="gpus"),
+    # A peer is a NetworkPolicyPeer, not a label set.
+    pytest.param({"networkPolicy": {"trainerFrom": [{"app": "trainer"}]}},
+                 "at '/networkPolicy/trainerFrom/0': additional properties 'app' not allowed", id="peer-as-labels"),
+    pytest.param({"networkPolicy": {"metricsFrom": [{"ipBlock": {"except": ["10.0.0.0/8"]}}]}},
+                 "at '/networkPolicy/metricsFrom/0/ipBlock': missing property 'cidr'", id="ipblock-no-cidr"),
+    pytest.param({"networkPolicy": {"weightSyncPorts": {"start": 80, "end": 60999}}},
+                 "at '/networkPolicy/weightSyncPorts/start': minimum: got 80, want 1,024", id="weight-sync-low-port"),
 ])
 def test_schema_rejects_bad_values_with_a_clear_message(values: Obj, message: str) -> None:
     with pytest.raises(helm.HelmValuesError) as caught:
@@ -298,6 +323,25 @@ def test_schema_rejects_bad_values_with_a_clear_message(values: Obj, message: st
                  "node.sidecar.extraEnv must not set HANDOFF_API_KEY", id="sidecar-token-env"),
     pytest.param({"node": {"engine": {"extraEnv": [{"name": "HANDOFF_ADMIN_TOKEN", "value": "s3cret"}]}}},
                  "node.engine.extraEnv must not set HANDOFF_ADMIN_TOKEN", id="engine-token-env"),
+    # Kubernetes refuses an empty peer, and an ipBlock beside a selector, only at install.
+    pytest.param({"networkPolicy": {"enabled": True, "clientsFrom": [{}]}},
+                 "networkPolicy.clientsFrom[0] names no peer", id="empty-peer"),
+    pytest.param({"networkPolicy": {"enabled": True, "trainerFrom": [
+        {"ipBlock": {"cidr": "10.0.0.0/8"}, "podSelector": {}}]}},
+                 "networkPolicy.trainerFrom[0] mixes ipBlock with a selector", id="ipblock-and-selector"),
+    pytest.param({"networkPolicy": {"enabled": True, "weightSyncPorts": {"start": 50000, "end": 40000}}},
+                 "networkPolicy.weightSyncPorts.start (50000) must not exceed networkPolicy.weightSyncPorts.end",
+                 id="weight-sync-range-reversed"),
+    # The range is open to the trainer's pods: it must not open the engine's or the sidecar's port.
+    pytest.param({"networkPolicy": {"enabled": True, "weightSyncPorts": {"start": 30000, "end": 60999}}},
+                 "networkPolicy.weightSyncPorts (30000-60999) must not hold node.engine.port (30000)",
+                 id="weight-sync-range-holds-engine-port"),
+    pytest.param({"node": {"sidecar": {"port": 40000}}, "networkPolicy": {"enabled": True}},
+                 "networkPolicy.weightSyncPorts (32768-60999) must not hold node.sidecar.port (40000)",
+                 id="weight-sync-range-holds-sidecar-port"),
+    pytest.param({"networkPolicy": {"enabled": True}, "metrics": {"serviceMonitor": {"enabled": True}}},
+                 "networkPolicy.metricsFrom must name Prometheus' pods when metrics.serviceMonitor.enabled",
+                 id="scrapes-blocked"),
 ])
 def test_template_rejects_inconsistent_values_with_a_clear_message(values: Obj, message: str) -> None:
     with pytest.raises(helm.HelmRenderError) as caught:
@@ -307,9 +351,9 @@ def test_template_rejects_inconsistent_values_with_a_clear_message(values: Obj, 
 
 # ---- every value set: Kubernetes validity ----
 
-def test_every_object_validates_against_kubernetes_strict(rendered: Rendered) -> None:
+def _assert_valid_for_kubernetes(r: Rendered) -> None:
     unknown = []
-    for m in rendered.manifests:
+    for m in r.manifests:
         for version in KUBE_VERSIONS:
             try:
                 kubernetes_validate.validate(m.obj, version, strict=True)
@@ -320,6 +364,10 @@ def test_every_object_validates_against_kubernetes_strict(rendered: Rendered) ->
                 pytest.fail(f"{m.source}: {m.kind}/{m.name} invalid for Kubernetes {version}: {path}: {e.message}")
     # Only the Prometheus Operator's CRD has no schema in Kubernetes (checked separately).
     assert set(unknown) <= {"ServiceMonitor"}, unknown
+
+
+def test_every_object_validates_against_kubernetes_strict(rendered: Rendered) -> None:
+    _assert_valid_for_kubernetes(rendered)
 
 
 def test_strict_validation_catches_an_unknown_field(rendered: Rendered) -> None:
@@ -731,6 +779,98 @@ def test_tokens_reach_the_lb_and_sidecars_from_the_secret(rendered: Rendered) ->
     for sts in _node_sets(rendered).values():
         assert not [n for n in env_entries(container(sts, "engine")) if n.startswith("HANDOFF_")], \
             "the engine is on localhost behind the sidecar and gets no token"
+
+
+# ---- network policies ----
+
+def _policies(r: Rendered) -> dict[str, Obj]:
+    """The NetworkPolicies' specs by the component they guard (node, lb)."""
+    return {p.labels["app.kubernetes.io/component"]: p.obj["spec"] for p in r.of_kind("NetworkPolicy")}
+
+
+def _guarded(r: Rendered, spec: Obj) -> list[str]:
+    return [w.name for w in _workloads(r) if selects(spec["podSelector"]["matchLabels"], pod_labels(w))]
+
+
+def _ports(rule: Obj) -> list[tuple[int, int]]:
+    """A rule's TCP ports as (first, last)."""
+    assert all(p["protocol"] == "TCP" for p in rule["ports"])
+    return [(p["port"], p.get("endPort", p["port"])) for p in rule["ports"]]
+
+
+def test_network_policies_are_off_by_default(rendered: Rendered) -> None:
+    if not rendered.merged["networkPolicy"]["enabled"]:
+        assert not rendered.of_kind("NetworkPolicy"), "existing installs must not change"
+
+
+def test_network_policies_with_defaults_admit_the_lb_to_the_sidecars_only() -> None:
+    r = render({"networkPolicy": {"enabled": True}})
+    _assert_valid_for_kubernetes(r)
+    policies = _policies(r)
+    assert sorted(policies) == ["lb", "node"]
+    node, lb = policies["node"], policies["lb"]
+    assert _guarded(r, node) == [s.name for s in r.of_kind("StatefulSet")]
+    assert _guarded(r, lb) == [_lb(r).name]
+    for spec in (node, lb):
+        assert spec["policyTypes"] == ["Ingress"], "egress stays open (the engines connect out to the trainer)"
+    # The sidecar's port, from the LB pods only; no rule names the engine's port or the weight-sync range.
+    (rule,) = node["ingress"]
+    assert _ports(rule) == [(8080, 8080)]
+    (peer,) = rule["from"]
+    assert set(peer) == {"podSelector"} and selects(peer["podSelector"]["matchLabels"], pod_labels(_lb(r)))
+    assert not any(selects(peer["podSelector"]["matchLabels"], pod_labels(s)) for s in r.of_kind("StatefulSet"))
+    # The LB's port, from anywhere.
+    (rule,) = lb["ingress"]
+    assert _ports(rule) == [(8000, 8000)] and "from" not in rule
+
+
+def test_network_policies_follow_each_peer_list() -> None:
+    clients = {"namespaceSelector": {"matchLabels": {"team": "rl"}}}
+    scraper = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
+               "podSelector": {}}
+    trainer = {"podSelector": {"matchLabels": {"app": "trainer"}}}
+
+    def policies(**lists: list[Obj]) -> dict[str, Obj]:
+        r = render({"networkPolicy": {"enabled": True, **lists}})
+        _assert_valid_for_kubernetes(r)
+        return _policies(r)
+
+    lb_only = {"podSelector": {"matchLabels": {"app.kubernetes.io/name": "handoff",
+                                               "app.kubernetes.io/instance": RELEASE,
+                                               "app.kubernetes.io/component": "lb"}}}
+    p = policies(clientsFrom=[clients])
+    assert p["lb"]["ingress"][0]["from"] == [clients]
+    assert p["node"]["ingress"] == [{"from": [lb_only], "ports": [{"protocol": "TCP", "port": 8080}]}]
+    p = policies(metricsFrom=[scraper])
+    assert "from" not in p["lb"]["ingress"][0], "with no clientsFrom the LB stays open to all, scrapers included"
+    assert p["node"]["ingress"] == [{"from": [lb_only, scraper], "ports": [{"protocol": "TCP", "port": 8080}]}]
+    p = policies(clientsFrom=[clients], metricsFrom=[scraper])
+    assert p["lb"]["ingress"][0]["from"] == [clients, scraper]
+    p = policies(trainerFrom=[trainer])
+    sidecar_rule, sync_rule = p["node"]["ingress"]
+    assert sidecar_rule["from"] == [lb_only]
+    release_nodes = {"podSelector": {"matchLabels": {"app.kubernetes.io/name": "handoff",
+                                                     "app.kubernetes.io/instance": RELEASE,
+                                                     "app.kubernetes.io/component": "node"}}}
+    assert sync_rule["from"] == [trainer, release_nodes], "the group's engines connect to each other too"
+    assert _ports(sync_rule) == [(32768, 60999)]
+    assert "from" not in p["lb"]["ingress"][0]
+
+
+def test_network_policy_ports_follow_the_containers() -> None:
+    r = render(VALUE_SETS["network-policy"])
+    policies = _policies(r)
+    lb_port = resolve_port(container(_lb(r), "lb"), "http")
+    assert _ports(policies["lb"]["ingress"][0]) == [(lb_port, lb_port)] == [(9000, 9000)]
+    sidecar_rule, sync_rule = policies["node"]["ingress"]
+    for sts in r.of_kind("StatefulSet"):
+        sidecar_port = resolve_port(container(sts, "sidecar"), "http")
+        engine_port = int(flag_value(container(sts, "engine")["args"], "--port"))
+        assert _ports(sidecar_rule) == [(sidecar_port, sidecar_port)]
+        assert _ports(sync_rule) == [(40000, 40999)]
+        for first, last in _ports(sidecar_rule) + _ports(sync_rule):
+            assert not first <= engine_port <= last, "the engine's port admits no other pod"
+    assert len(_guarded(r, policies["node"])) == 3
 
 
 # ---- monitoring ----

@@ -355,3 +355,42 @@ default of 600 s.
 {{- define "handoff.sidecarControlTimeout" -}}
 {{- include "handoff.num" (maxf 600 (addf .Values.lb.weightSyncTimeout 60)) }}
 {{- end }}
+
+{{/*
+Checks of networkPolicy the schema cannot express (only when it is enabled).
+*/}}
+{{- define "handoff.checkNetworkPolicy" -}}
+{{- $np := .Values.networkPolicy }}
+{{- $sync := $np.weightSyncPorts }}
+{{- range $list := list "clientsFrom" "metricsFrom" "trainerFrom" }}
+{{- range $i, $peer := (get $np $list) }}
+{{- $selects := or (hasKey $peer "podSelector") (hasKey $peer "namespaceSelector") }}
+{{- if not (or $selects (hasKey $peer "ipBlock")) }}
+{{- fail (printf "handoff: networkPolicy.%s[%d] names no peer: give it podSelector, namespaceSelector or ipBlock (Kubernetes refuses an empty one)" $list $i) }}
+{{- end }}
+{{- if and $selects (hasKey $peer "ipBlock") }}
+{{- fail (printf "handoff: networkPolicy.%s[%d] mixes ipBlock with a selector: Kubernetes refuses that; make them two peers" $list $i) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- if gt (int $sync.start) (int $sync.end) }}
+{{- fail (printf "handoff: networkPolicy.weightSyncPorts.start (%v) must not exceed networkPolicy.weightSyncPorts.end (%v)" $sync.start $sync.end) }}
+{{- end }}
+{{- range $name := list "engine" "sidecar" }}
+{{- $port := int (get (get $.Values.node $name) "port") }}
+{{- if and (ge $port (int $sync.start)) (le $port (int $sync.end)) }}
+{{- fail (printf "handoff: networkPolicy.weightSyncPorts (%v-%v) must not hold node.%s.port (%d): the trainer's pods would reach that port too" $sync.start $sync.end $name $port) }}
+{{- end }}
+{{- end }}
+{{- if and .Values.metrics.serviceMonitor.enabled (not $np.metricsFrom) }}
+{{- fail "handoff: networkPolicy.metricsFrom must name Prometheus' pods when metrics.serviceMonitor.enabled: the policies would block its scrapes of /metrics" }}
+{{- end }}
+{{- end }}
+
+{{/*
+Selector labels of every node pod of the release, whatever its role.
+*/}}
+{{- define "handoff.node.allSelectorLabels" -}}
+{{ include "handoff.selectorLabels" . }}
+app.kubernetes.io/component: node
+{{- end }}

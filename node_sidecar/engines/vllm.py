@@ -30,15 +30,19 @@ version set with ``/update_weight_version``, the prefix cache reset.
 
 Tensor and broadcast updates, the trainer's group and the update session go
 through handoff's worker extension when vLLM runs with it
-(:mod:`node_sidecar.engines.vllm_weights`); they end like a reload: released
-weights woken first, the version set, the prefix cache reset.
+(:mod:`node_sidecar.engines.vllm_weights`); they end like a reload: the
+version set, the prefix cache reset. Over released weights an update is staged
+(received, checked) before the weights are woken to load it, so that a refused
+one leaves them asleep.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
+from collections.abc import Awaitable
 from typing import Any
 from urllib.parse import urlencode
 
@@ -47,7 +51,7 @@ from handoff.protocol.control import FLUSHED
 from handoff.protocol.engines import EngineKind
 from handoff.protocol.tags import TAG_NAMES, TagState
 from handoff.protocol.weights import WEIGHTS_UPDATED_FULLY
-from handoff.service.errors import Conflict, Unsupported
+from handoff.service.errors import Conflict, ServiceError, Unsupported
 from node_sidecar.engines.base import EngineView, GenerationCall, MemoryChange, TagMeaning, tags_named
 from node_sidecar.engines.foreign import ForeignEngine
 from node_sidecar.engines.vllm_answer import Translator
@@ -60,6 +64,7 @@ INFO_TIMEOUT_S = 30.0        # vLLM's first /server_info collects its environmen
 FLUSH_AFTER_UPDATE_S = 10.0  # how long an update's prefix-cache reset may wait for running requests' blocks
 WEIGHTS, KV_CACHE = "weights", "kv_cache"
 SLEEPING_TAGS = (WEIGHTS, KV_CACHE)
+log = logging.getLogger(__name__)
 
 
 class VllmEngine(ForeignEngine):
@@ -261,30 +266,52 @@ class VllmEngine(ForeignEngine):
                                "running requests end", kind=E.REQUESTS_IN_FLIGHT) from exc
 
     async def _push(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        """A tensor or broadcast update, ended as a reload is (version, prefix cache)."""
+        """A tensor or broadcast update, ended as a reload is (version, prefix cache). Over released weights it
+        is staged first (received, checked): a refused one changes nothing, and the weights wake only to load."""
         self.weight_sync.require(path)
-        resumed = await self._wake_weights_for_update()
-        if resumed:
+        if WEIGHTS not in self.released:
+            answer = await self._loading([], self.weight_sync.update(path, body, epoch=self.weights_epoch))
+        else:
+            try:
+                await self.weight_sync.update(path, body, epoch=self.weights_epoch, stage=True)
+                resumed = await self._wake_weights_for_update()
+            except (EngineRefused, EngineUnavailable):
+                await self._drop_staged()  # refused on one worker, staged on another; or the wake failed
+                raise
             if self.level == 2:  # valid again once updates wrote every weight
                 self._lose_weights()
             self.level = 0
-        try:
-            answer = await self.weight_sync.update(path, body, epoch=self.weights_epoch)
-        except WeightsLost as exc:
-            self._lose_weights()
-            raise EngineRefused(exc.status, {"error": {"type": exc.type, "message": exc.message,
-                                                       "resumed": resumed}}) from exc
-        except EngineRefused as exc:
-            if not resumed:
-                raise
-            raise EngineRefused(exc.status, {"error": {"type": exc.type, "message": exc.message,
-                                                       "resumed": resumed}}) from exc
+            answer = await self._loading(resumed, self.weight_sync.load_staged(epoch=self.weights_epoch))
         complete = answer.pop("complete", False) is True or self.reloaded
         if complete:
             self.weights_discarded = False
-        await self._finish_update(body)
-        return {**answer, "weight_version": self.weight_version, "resumed": resumed,
-                "weights_valid": not self.weights_discarded, WEIGHTS_UPDATED_FULLY: complete}
+        try:
+            await self._finish_update(body)
+        except ServiceError as exc:  # the weights are loaded (and resident): the error says it woke them
+            _tell_resumed(exc, answer["resumed"])
+            raise
+        return {**answer, "weight_version": self.weight_version, "weights_valid": not self.weights_discarded,
+                WEIGHTS_UPDATED_FULLY: complete}
+
+    async def _loading(self, resumed: list[str], load: Awaitable[dict[str, Any]]) -> dict[str, Any]:
+        """``load``'s answer with ``resumed``; its failure passed on with ``resumed``, the weights lost if it
+        failed part way."""
+        try:
+            return {**await load, "resumed": resumed}
+        except WeightsLost as exc:
+            self._lose_weights()
+            _tell_resumed(exc, resumed)
+            raise EngineRefused(exc.status, {"error": {"type": exc.type, "message": exc.message,
+                                                       **exc.extra}}) from exc
+        except ServiceError as exc:
+            _tell_resumed(exc, resumed)
+            raise
+
+    async def _drop_staged(self) -> None:
+        try:
+            await self.weight_sync.drop_staged()
+        except (EngineRefused, EngineUnavailable) as exc:  # the refusal is the answer; the next update replaces it
+            log.warning("dropping a staged weight update failed: %s", exc.message)
 
     def _lose_weights(self) -> None:
         """The weights are not usable (discarded, or loaded half way): what updates wrote before counts no more."""
@@ -336,3 +363,9 @@ class VllmEngine(ForeignEngine):
             return {"weight_version": self.weight_version}
         return {"model_path": self.model_path, "is_generation": True, "weight_version": self.weight_version,
                 "engine_kind": self.kind.value}  # /model_info, /get_model_info
+
+
+def _tell_resumed(exc: ServiceError, resumed: list[str]) -> None:
+    """An error after released weights were woken says so (``resumed``), as the answer would have."""
+    if resumed:
+        exc.extra["resumed"] = resumed

@@ -16,6 +16,9 @@ SGLang's shapes, as handoff's engine gives them:
   counts what the updates wrote since the weights were last lost: a trainer's
   buckets together make discarded weights valid again, and lift a restarted
   engine's ``weights_stale`` (``weights_updated_fully``), once they wrote all.
+- over released weights an update is staged first (received or decoded and
+  checked, not loaded): a refusal leaves the weights asleep; the adapter wakes
+  them only to load what was staged (``handoff_load_staged``).
 - ``begin_weight_update`` / ``end_weight_update``: SGLang's session, kept here
   (one at a time); updates inside and outside it load the same way.
 
@@ -39,6 +42,7 @@ UPDATES = frozenset({"/update_weights_from_distributed", "/update_weights_from_t
 CALLS = GROUP_CALLS | SESSION_CALLS | UPDATES
 DEFAULT_TIMEOUT_S = 300.0   # a join, or one update's broadcasts
 POLL_S = 0.1
+LOADS = frozenset({"handoff_update_from_distributed", "handoff_update_from_tensor", "handoff_load_staged"})
 _ERRORS = {t.name: t for t in (E.INVALID_REQUEST, E.CONFLICT, E.WEIGHT_SYNC_BROKEN, E.WEIGHT_SYNC_TIMEOUT,
                                E.ENGINE_FAILED)}
 
@@ -80,7 +84,7 @@ class VllmWeightSync:
         if failed:
             index, result = failed[0]
             kind = _ERRORS.get(str(result.get("error")), E.ENGINE_FAILED)
-            mixed = method.startswith("handoff_update") and len(failed) < len(results)
+            mixed = method in LOADS and not kwargs.get("stage") and len(failed) < len(results)
             lost = mixed or any(r.get("weights_lost") is True for _, r in failed)
             error = WeightsLost if lost else EngineRefused
             where = f" (worker {index} of {len(results)}; {len(failed)} failed)" if len(results) > 1 else ""
@@ -131,10 +135,11 @@ class VllmWeightSync:
         self.session = None
         return {"success": True, "message": "Weight update session ended."}
 
-    async def update(self, path: str, body: dict[str, Any], *, epoch: str) -> dict[str, Any]:
+    async def update(self, path: str, body: dict[str, Any], *, epoch: str, stage: bool = False) -> dict[str, Any]:
         """Receive (or decode) and load on the worker; ``{"success", "message", "loaded", "complete",
         "duration_s"}``, ``complete`` true once the updates since ``epoch`` began (the adapter begins one whenever
-        the weights are lost) have written every weight."""
+        the weights are lost) have written every weight. ``stage``: received and checked, not loaded (``{"staged":
+        n}``; :meth:`load_staged` loads it); a refusal, here or on any worker, changed nothing."""
         self.require(path)
         no_draft = "this vLLM node has no draft model (selector 'draft')" if body.get("selector") == "draft" else None
         started = time.perf_counter()
@@ -142,7 +147,7 @@ class VllmWeightSync:
             result = await self.rpc("handoff_update_from_distributed", self.timeout_s, group_name=body["group_name"],
                                     names=body["names"], dtypes=body["dtypes"], shapes=body["shapes"],
                                     flattened=body.get("load_format") == "flattened_bucket", refused=no_draft,
-                                    epoch=epoch)
+                                    epoch=epoch, stage=stage)
         elif no_draft is not None:
             raise InvalidRequest(no_draft)
         else:
@@ -150,7 +155,22 @@ class VllmWeightSync:
                                     serialized_named_tensors=body["serialized_named_tensors"],
                                     load_format=body.get("load_format"),
                                     release_sender_reference=body.get("release_sender_reference", True),
-                                    epoch=epoch)
+                                    epoch=epoch, stage=stage)
+        if stage:
+            return {"staged": _field(result, "staged", int, method="update")}
+        return self._loaded(result, started)
+
+    async def load_staged(self, *, epoch: str) -> dict[str, Any]:
+        """Load the update :meth:`update` staged; answers as it does."""
+        started = time.perf_counter()
+        return self._loaded(await self.rpc("handoff_load_staged", self.timeout_s, epoch=epoch), started)
+
+    async def drop_staged(self) -> None:
+        """Free a staged update that will not be loaded."""
+        await self.rpc("handoff_drop_staged", 30)
+
+    @staticmethod
+    def _loaded(result: dict[str, Any], started: float) -> dict[str, Any]:
         loaded = _field(result, "loaded", int, method="update")
         return {"success": True, "message": "Succeeded to update parameter online.", "loaded": loaded,
                 "complete": result.get("complete") is True, "duration_s": round(time.perf_counter() - started, 6)}

@@ -21,6 +21,10 @@ answers a JSON object ``{"ok": true, ...}`` or ``{"ok": false, "error": TYPE,
   not be filled in. A refused update's broadcasts are still received and
   discarded when they fit in twice the model, so the group stays in step;
   otherwise the group is marked broken (destroy and join again).
+- ``stage``: received (or decoded) and checked but not loaded, kept until
+  :meth:`handoff_load_staged` (or dropped by :meth:`handoff_drop_staged`): the
+  sidecar stages an update over sleeping weights, so that a refused one leaves
+  them asleep, and wakes them only to load.
 - Everything is received before anything loads; loading is vLLM's in-place
   reload (``reload_weights`` with the received tensors: the model's
   ``load_weights`` layer by layer, then its post-load processing), as a reload
@@ -90,7 +94,7 @@ class HandoffWeightSync:
         state = self.__dict__.get("_handoff")
         if state is None:
             state = self.__dict__["_handoff"] = {"groups": {}, "joins": {}, "shapes": None, "shapes_of": None,
-                                                 "epoch": None, "written": set()}
+                                                 "epoch": None, "written": set(), "staged": None}
         return state
 
     # -- the group -------------------------------------------------------------------------------------------
@@ -141,9 +145,11 @@ class HandoffWeightSync:
     # -- updates ---------------------------------------------------------------------------------------------
     def handoff_update_from_distributed(self, group_name: str, names: list[str], dtypes: list[str],
                                         shapes: list[list[int]], flattened: bool = False,
-                                        refused: str | None = None, epoch: str | None = None) -> dict[str, Any]:
-        """Receive the broadcasts, then load them; ``refused`` (why, decided by the sidecar) or a failed check:
-        received and discarded, nothing loaded (the trainer broadcasts whatever the answer)."""
+                                        refused: str | None = None, epoch: str | None = None,
+                                        stage: bool = False) -> dict[str, Any]:
+        """Receive the broadcasts, then load (or ``stage``) them; ``refused`` (why, decided by the sidecar) or a
+        failed check: received and discarded, nothing loaded (the trainer broadcasts whatever the answer)."""
+        self._handoff_state()["staged"] = None
         group = self._handoff_state()["groups"].get(group_name)
         if group is None:
             return _failed(E.INVALID_REQUEST.name,
@@ -174,11 +180,13 @@ class HandoffWeightSync:
             return _failed(E.INVALID_REQUEST.name,
                            f"{problem}; the broadcasts were received and discarded, nothing was "
                            "loaded")
-        return self._handoff_load(received, epoch)
+        return self._handoff_stage(received) if stage else self._handoff_load(received, epoch)
 
     def handoff_update_from_tensor(self, serialized_named_tensors: list[str], load_format: str | None = None,
-                                   release_sender_reference: bool = True, epoch: str | None = None
-                                   ) -> dict[str, Any]:
+                                   release_sender_reference: bool = True, epoch: str | None = None,
+                                   stage: bool = False) -> dict[str, Any]:
+        """Decode (never twice: a decode releases the sender's reference), check, then load or ``stage``."""
+        self._handoff_state()["staged"] = None
         try:
             named = decode_payload(serialized_named_tensors, load_format,
                                    release_sender_reference=release_sender_reference)
@@ -188,7 +196,24 @@ class HandoffWeightSync:
                                       [str(t.dtype).removeprefix("torch.") for _, t in named])
         if problem is not None:
             return _failed(E.INVALID_REQUEST.name, f"{problem}; nothing was loaded")
+        return self._handoff_stage(named) if stage else self._handoff_load(named, epoch)
+
+    def _handoff_stage(self, named: list[tuple[str, torch.Tensor]]) -> dict[str, Any]:
+        self._handoff_state()["staged"] = named
+        return {"ok": True, "staged": len(named)}
+
+    def handoff_load_staged(self, epoch: str | None = None) -> dict[str, Any]:
+        """Load the update staged last (checked already); answers as an update does."""
+        state = self._handoff_state()
+        named, state["staged"] = state["staged"], None
+        if named is None:
+            return _failed(E.CONFLICT.name, "no update is staged (it was dropped or replaced); nothing was loaded")
         return self._handoff_load(named, epoch)
+
+    def handoff_drop_staged(self) -> dict[str, Any]:
+        """Forget a staged update (its tensors are freed)."""
+        self._handoff_state()["staged"] = None
+        return {"ok": True}
 
     def _handoff_load(self, named: list[tuple[str, torch.Tensor]], epoch: str | None) -> dict[str, Any]:
         """vLLM's in-place reload with these tensors (checkpoint format), the disk reload's own path; ``complete``:

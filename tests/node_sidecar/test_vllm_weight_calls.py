@@ -298,3 +298,90 @@ def test_buckets_are_complete_together_and_a_new_epoch_counts_afresh(tmp_path: P
     assert worker._handoff_load(rest, "a")["complete"] is True
     assert worker._handoff_load(rest, "b")["complete"] is False  # lost since: layer 0 must be written again
     assert worker._handoff_load(layer_0, "b")["complete"] is True
+
+
+class SleepingEngine(RpcEngine):
+    """vLLM asleep: ``/collective_rpc`` scripted as in :class:`RpcEngine`, the other endpoints answered and logged
+    (``paths``) in their order with the extension's methods."""
+
+    def __init__(self, results: dict[str, list]) -> None:
+        super().__init__(results)
+        self.paths: list[str] = []
+
+    async def call(self, method: str, path: str, body: dict | None = None, **kwargs: object) -> dict:
+        if path == "/collective_rpc":
+            self.paths.append(body["method"] if body else path)
+            return await super().call(method, path, body, **kwargs)
+        self.paths.append(path.partition("?")[0])
+        return {"success": True}
+
+
+def asleep(results: dict[str, list], level: int):
+    from node_sidecar.engines import vllm
+
+    adapter = vllm.VllmEngine(SleepingEngine(results))
+    adapter.weight_sync.extension = "node_sidecar.engines.vllm_worker_ext.HandoffWeightSync"
+    adapter.released, adapter.level = {"weights", "kv_cache"}, level
+    return adapter
+
+
+TENSOR_PUSH = {"serialized_named_tensors": ["eA=="]}
+
+
+async def test_a_refused_update_over_released_weights_leaves_them_asleep() -> None:
+    """An update over released weights woke them before the worker checked it: a refused one (a wrong shape, part
+    of a fused layer, a bad payload, ``selector: "draft"``) answered 400 with the weights resident (on a GPU, memory
+    taken back from the trainer) while the node still counted them released, and lost after a level-2 sleep
+    (found by review). Now the update is staged (received, checked) first and the weights woken only to load it."""
+    from node_sidecar.errors import EngineRefused
+
+    refused = {"ok": False, "error": "invalid_request", "message": "w: shape [1] does not match the model's [2]"}
+    for path, body, method in (("/update_weights_from_tensor", TENSOR_PUSH, "handoff_update_from_tensor"),
+                               ("/update_weights_from_distributed", DISTRIBUTED, "handoff_update_from_distributed")):
+        for level in (1, 2):
+            adapter = asleep({method: [refused], "handoff_drop_staged": [{"ok": True}]}, level)
+            epoch = adapter.weights_epoch
+            with pytest.raises(EngineRefused) as error:
+                await adapter.weight_call(path, body)
+            assert error.value.status == 400 and "resumed" not in error.value.extra
+            assert "/wake_up" not in adapter.engine.paths, adapter.engine.paths
+            assert adapter.released == {"weights", "kv_cache"} and adapter.level == level
+            assert adapter.weights_discarded is False and adapter.weights_epoch == epoch
+    adapter = asleep({}, 2)
+    with pytest.raises(InvalidRequest, match="no draft model"):
+        await adapter.weight_call("/update_weights_from_tensor", {**TENSOR_PUSH, "selector": "draft"})
+    assert adapter.engine.paths == [] and adapter.released == {"weights", "kv_cache"}
+
+
+async def test_an_update_over_released_weights_wakes_them_only_to_load_and_says_so_if_it_fails() -> None:
+    """Staged, woken, loaded, in that order; a failure after the wake carries ``resumed``."""
+    from node_sidecar.errors import EngineRefused
+
+    staged = {"ok": True, "staged": 1}
+    adapter = asleep({"handoff_update_from_tensor": [staged],
+                      "handoff_load_staged": [{"ok": True, "loaded": 1, "complete": False}]}, 2)
+    answer = await adapter.weight_call("/update_weights_from_tensor", TENSOR_PUSH)
+    assert adapter.engine.paths == ["handoff_update_from_tensor", "/wake_up", "handoff_load_staged"]
+    assert answer["resumed"] == ["weights"] and answer["weights_valid"] is False
+    assert adapter.released == {"kv_cache"} and adapter.level == 0
+    failed = {"ok": False, "error": "conflict", "message": "no update is staged"}
+    adapter = asleep({"handoff_update_from_tensor": [staged], "handoff_load_staged": [failed]}, 1)
+    with pytest.raises(EngineRefused) as error:
+        await adapter.weight_call("/update_weights_from_tensor", TENSOR_PUSH)
+    assert error.value.status == 409 and error.value.extra["resumed"] == ["weights"]
+
+
+def test_a_staged_update_loads_only_when_asked(tmp_path: Path) -> None:
+    """The worker's side of the above: ``stage`` decodes and checks, loads nothing; the load loads it once."""
+    from handoff.weight_sync import serialize_named_tensors
+
+    arch = builtin_arch("builtin:tiny")
+    weights = builtin_weights(arch, 0)
+    save_checkpoint(tmp_path, arch, weights)
+    worker = Worker(tmp_path)
+    payload = serialize_named_tensors(weights.items())
+    assert worker.handoff_update_from_tensor([payload], stage=True) == {"ok": True, "staged": len(weights)}
+    assert worker.loaded == []
+    answer = worker.handoff_load_staged("e")
+    assert answer["ok"] is True and answer["complete"] is True and worker.loaded == list(weights)
+    assert worker.handoff_load_staged("e")["error"] == "conflict"  # loaded once; nothing staged now

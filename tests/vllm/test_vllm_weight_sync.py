@@ -160,11 +160,17 @@ def _push(node: Node, tensors: list[tuple[str, torch.Tensor]], **extra: object) 
 
 def test_buckets_pushed_after_a_level_2_sleep_serve_once_every_weight_is_back(serving: Node, expected) -> None:
     """A level-2 sleep discards the weights; a trainer then pushes a step in buckets (each some of the weights):
-    the weights count as valid once the buckets together wrote every one, not only when one bucket held all."""
+    the weights count as valid once the buckets together wrote every one, not only when one bucket held all. A
+    refused bucket before them (a wrong shape) changes nothing: the weights stay asleep, released."""
     node, weights = serving, step_1()
     layer_0 = [(n, t) for n, t in weights.items() if n.startswith("model.layers.0.")]
     rest = [(n, t) for n, t in weights.items() if not n.startswith("model.layers.0.")]
     assert node.post("/release_memory_occupation", {"stage_to_cpu": False}).status_code == 200
+    wrong = _push(node, [(n, t.flatten()) if n.endswith("q_proj.weight") else (n, t) for n, t in layer_0])
+    assert wrong.status_code == 400 and "does not match" in wrong.json()["error"]["message"], wrong.text
+    assert "resumed" not in wrong.json()["error"]
+    assert all(t["state"] == "released" for t in _occupation(node)["tags"].values())
+    assert httpx.get(node.vllm.url + "/is_sleeping", timeout=30).json()["is_sleeping"] is True
     first = _push(node, layer_0)
     assert first.status_code == 200 and first.json()["resumed"] == ["weights"], first.text
     assert first.json()["weights_valid"] is False  # the rest of the model was discarded with the sleep

@@ -1,4 +1,4 @@
-"""Which of the model's weights updates have written since some moment (torch-free bookkeeping): :class:`WeightCoverage`.
+"""Which of the model's weights updates have written since some moment (torch-free): :class:`WeightCoverage`.
 
 A trainer pushes weights in buckets, each a subset of the parameters. Two
 questions wait for every parameter to be written: whether weights resumed

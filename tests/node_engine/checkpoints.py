@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import httpx
 import torch
 
 from node_engine.tokenizer import write_byte_tokenizer
@@ -60,3 +61,18 @@ def templated_engine(folder: Path, template: str, context_length: int, *,
                                          "--served-model-name", "tiny-llama"], log_dir=folder)
     proc.start()
     return proc
+
+
+CHAT_USER = {"role": "user", "content": "hi"}
+
+
+def post_chat(client: httpx.Client, **body: Any) -> httpx.Response:
+    """A one-token chat completion of ``CHAT_USER`` (``body`` adds or overrides fields)."""
+    return client.post("/v1/chat/completions", json={"messages": [CHAT_USER], "max_tokens": 1, **body})
+
+
+def rendered_prompt(client: httpx.Client, **body: Any) -> str:
+    """The prompt a templated engine rendered for the chat (byte-level ids are the text's bytes)."""
+    r = post_chat(client, return_prompt_token_ids=True, **body)
+    assert r.status_code == 200, r.text
+    return bytes(r.json()["choices"][0]["prompt_token_ids"]).decode()

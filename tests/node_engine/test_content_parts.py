@@ -14,7 +14,7 @@ from typing import Any, Iterator
 import httpx
 import pytest
 
-from tests.node_engine.checkpoints import templated_engine
+from tests.node_engine.checkpoints import CHAT_USER, post_chat, rendered_prompt, templated_engine
 from tests.support.procs import ServerProcess
 
 pytestmark = pytest.mark.timeout(120)
@@ -23,7 +23,7 @@ END = "{% if add_generation_prompt %}<assistant>{% endif %}{% if enable_thinking
 PARTS_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{% if m['content'] is string %}S{{ m['content'] }}"
                   "{% else %}L{% for p in m['content'] %}{{ p | tojson }}{% endfor %}{% endif %}{% endfor %}" + END)
 STRING_TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] | tojson }}{% endfor %}" + END
-USER = {"role": "user", "content": "hi"}
+USER = CHAT_USER
 HISTORY = [
     {"role": "user", "content": [{"type": "text", "text": "a", "cache_control": {"type": "ephemeral"}},
                                  {"type": "text", "text": "b"}]},
@@ -59,19 +59,8 @@ def client(parts_engine: ServerProcess) -> Iterator[httpx.Client]:
         yield c
 
 
-def post(client: httpx.Client, **body: Any) -> httpx.Response:
-    return client.post("/v1/chat/completions", json={"messages": [USER], "max_tokens": 1, **body})
-
-
-def rendered(client: httpx.Client, **body: Any) -> str:
-    """The prompt the template rendered (byte-level ids are the text's bytes)."""
-    r = post(client, return_prompt_token_ids=True, **body)
-    assert r.status_code == 200, r.text
-    return bytes(r.json()["choices"][0]["prompt_token_ids"]).decode()
-
-
 def refused(client: httpx.Client, kind: str, **body: Any) -> str:
-    r = post(client, **body)
+    r = post_chat(client, **body)
     assert r.status_code == 400 and r.json()["error"]["type"] == kind, r.text
     return r.json()["error"]["message"]
 
@@ -80,7 +69,7 @@ def test_parts_reach_a_template_that_loops_over_them_as_sglang_gives_them(client
     """SGLang's ``process_content_for_template_format`` ("openai"): a text part is ``{type, text}`` alone, a
     ``tool_reference`` part its model's fields, a thinking part nothing; a tool message's text parts are joined
     (``normalize_tool_content``), its other parts stay a list; an empty list stays a list."""
-    assert rendered(client, messages=HISTORY) == (
+    assert rendered_prompt(client, messages=HISTORY) == (
         '<user>L{"type": "text", "text": "a"}{"type": "text", "text": "b"}'
         '<assistant>L{"type": "text", "text": "c"}{"type": "tool_reference", "name": "weather"}'
         '<assistant>L<tool>St1 t2<tool>L{"type": "tool_reference", "name": "weather"}<user>L<user>Shi<assistant>')
@@ -89,7 +78,7 @@ def test_parts_reach_a_template_that_loops_over_them_as_sglang_gives_them(client
 def test_parts_reach_a_template_that_prints_content_joined(string_engine: ServerProcess) -> None:
     """SGLang's "string" format: the text parts joined with single spaces, every other part left out."""
     with httpx.Client(base_url=string_engine.url, timeout=60) as c:
-        assert rendered(c, messages=HISTORY) == (
+        assert rendered_prompt(c, messages=HISTORY) == (
             '<user>"a b"<assistant>"c"<assistant>""<tool>"t1 t2"<tool>""<user>""<user>"hi"<assistant>')
 
 
@@ -135,10 +124,11 @@ def test_a_reasoning_object_is_read_as_sglang_reads_it(client: httpx.Client) -> 
     """SGLang's ``normalize_reasoning_inputs``: ``reasoning.enabled`` turns on ``thinking`` and ``enable_thinking``
     unless ``chat_template_kwargs`` sets them; ``reasoning.effort`` is ``reasoning_effort`` (refused here: no
     reasoning models); anything but an object is read as nothing."""
-    plain = rendered(client)
-    assert rendered(client, reasoning={"enabled": True}) == plain + "<think>"
-    assert rendered(client, reasoning={"enable": "yes"}) == plain + "<think>"
-    assert rendered(client, reasoning={"enabled": True}, chat_template_kwargs={"enable_thinking": False}) == plain
-    assert rendered(client, reasoning={"enabled": False}) == rendered(client, reasoning="high") == plain
+    plain = rendered_prompt(client)
+    assert rendered_prompt(client, reasoning={"enabled": True}) == plain + "<think>"
+    assert rendered_prompt(client, reasoning={"enable": "yes"}) == plain + "<think>"
+    kwargs_win = rendered_prompt(client, reasoning={"enabled": True}, chat_template_kwargs={"enable_thinking": False})
+    assert kwargs_win == plain
+    assert rendered_prompt(client, reasoning={"enabled": False}) == rendered_prompt(client, reasoning="high") == plain
     assert refused(client, "unsupported", reasoning={"effort": "high"}).startswith("reasoning_effort")
     assert "invalid reasoning effort" in refused(client, "invalid_request", reasoning={"effort": "huge"})

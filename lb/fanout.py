@@ -33,10 +33,8 @@ time to answer instead of being reported timed out while it drains.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import time
-from collections import deque
 from typing import Any, Mapping
 
 from handoff.protocol import errors as E
@@ -44,34 +42,19 @@ from handoff.protocol.control import (
     DEADLINE_HEADER,
     DRAINING_PATHS,
     FENCING_PATHS,
-    NODE_STATE_HEADER,
     STATE_CHANGING_PATHS,
 )
 from handoff.service.errors import InvalidRequest
 from handoff.service.peer_json import PeerJSONError, loads_bounded
-from handoff.service.upstream import (
-    ConnectFailed,
-    ConnectionDropped,
-    PendingRequest,
-    ProtocolError,
-    UpstreamClient,
-    UpstreamError,
-    UpstreamTimeout,
-)
+from handoff.service.upstream import PendingRequest, UpstreamClient, UpstreamError
 from lb.config import Role
 from lb.errors import NoNodes
+from lb.fanout_answers import Arrivals, answer_of
 from lb.health import HealthMonitor
 from lb.membership import Membership
 from lb.metrics import LBMetrics
 from lb.node import Fence, Node
-from lb.node_answer import (
-    MAX_FAILURE_DETAIL_BYTES,
-    MAX_RESULT_BODY_BYTES,
-    NodeResult,
-    ParsedAnswers,
-    capped_text,
-    judge_success,
-)
+from lb.node_answer import MAX_FAILURE_DETAIL_BYTES, MAX_RESULT_BODY_BYTES, NodeResult, ParsedAnswers
 
 log = logging.getLogger(__name__)
 
@@ -82,38 +65,6 @@ ANSWER_CAPS = (MAX_RESULT_BODY_BYTES, MAX_FAILURE_DETAIL_BYTES)  # what a node's
 # weight calls that change the version it serves (a pinned request is routed by it)
 RECHECKED_PATHS = STATE_CHANGING_PATHS | {"/update_weights_from_distributed", "/update_weights_from_tensor",
                                           "/update_weight_version"}
-
-_REASONS: tuple[tuple[type[UpstreamError], str], ...] = (
-    (ConnectFailed, "unreachable"),
-    (UpstreamTimeout, "timeout"),
-    (ConnectionDropped, "dropped"),
-    (ProtocolError, "protocol_error"),
-)
-
-
-class _Arrivals:
-    """The indexes of a fan-out's requests in the order their answers come in (one callback per request)."""
-
-    def __init__(self, sent: list[PendingRequest | UpstreamError]) -> None:
-        self._ready: deque[int] = deque()
-        self._wakeup: asyncio.Future[None] | None = None
-        for index, request in enumerate(sent):
-            if isinstance(request, UpstreamError):
-                self._ready.append(index)
-            else:
-                request.call_when_answered(functools.partial(self._arrived, index))
-
-    def _arrived(self, index: int) -> None:
-        self._ready.append(index)
-        if self._wakeup is not None and not self._wakeup.done():
-            self._wakeup.set_result(None)
-
-    async def next(self) -> int:
-        while not self._ready:
-            self._wakeup = asyncio.get_running_loop().create_future()
-            await self._wakeup
-        return self._ready.popleft()
-
 
 def check_drain_fits(path: str, body: bytes, timeout_s: float) -> None:
     """400 for a ``drain_timeout`` the per-node deadline cannot cover (the node would be reported timed out
@@ -183,10 +134,10 @@ class FanOut:
         waits for no peer: see :mod:`handoff.service.upstream_pending`); a check a node needs goes into
         ``checks``."""
         parsed = ParsedAnswers()
-        arrivals = _Arrivals(sent)
+        arrivals = Arrivals(sent)
         for _ in nodes:
             index = await arrivals.next()
-            result, state = await self._answer_of(nodes[index], sent[index], timeout_s, parsed)
+            result, state = await answer_of(nodes[index], sent[index], timeout_s, parsed)
             results[index] = result
             check = self._settle(nodes[index], fences[index], path, result, state)
             if check is not None:
@@ -200,7 +151,7 @@ class FanOut:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         request = self._send(node, method, path, body, self._headers(timeout_s, content_type), timeout_s)
-        result, state = await self._answer_of(node, request, timeout_s, ParsedAnswers())
+        result, state = await answer_of(node, request, timeout_s, ParsedAnswers())
         check = self._settle(node, None, path, result, state)
         if check is not None:
             await asyncio.wait({check}, timeout=max(0.0, deadline - loop.time()))
@@ -267,27 +218,6 @@ class FanOut:
         task = asyncio.ensure_future(settle())
         self._background.add(task)
         task.add_done_callback(self._background.discard)
-
-    async def _answer_of(self, node: Node, request: PendingRequest | UpstreamError, timeout_s: float,
-                         parsed: ParsedAnswers) -> tuple[NodeResult, dict[str, Any] | None]:
-        """The node's result and the state its answer carried (None: no answer, or no state header); ``parsed``
-        holds what this fan-out's nodes already answered."""
-        try:
-            if isinstance(request, UpstreamError):
-                raise request
-            response = await request.response()
-            async with response:
-                state = parsed.state(response.header(NODE_STATE_HEADER))
-                if not 200 <= response.status < 300:
-                    raw = await response.read(MAX_FAILURE_DETAIL_BYTES)
-                    return NodeResult(node, status=response.status, reason="http_status",
-                                      detail=capped_text(raw)), state
-                raw = await response.read(MAX_RESULT_BODY_BYTES)
-        except UpstreamError as exc:
-            reason = next((name for cls, name in _REASONS if isinstance(exc, cls)), "error")
-            error = f"no complete answer within {timeout_s:g} s" if reason == "timeout" else str(exc)
-            return NodeResult(node, reason=reason, error=error), None
-        return judge_success(node, response, raw, parsed), state
 
     def answer(self, method: str, path: str, results: list[NodeResult],
                duration_s: float) -> tuple[int, dict[str, Any]]:

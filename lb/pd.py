@@ -90,12 +90,13 @@ class PDDispatcher:
         payload = _parse_object(body)
         size = check_batch(payload)
         wants_logprobs = path == "/generate" and bool(payload.get("return_logprob"))
-        tried: dict[Role, list[Node]] = {Role.PREFILL: [], Role.DECODE: []}
+        tried: dict[Role, dict[Node, str]] = {Role.PREFILL: {}, Role.DECODE: {}}  # and why each went on
         version = headers.get(WEIGHT_VERSION_HEADER)  # a pinned version: both nodes of the pair must serve it
         while True:
             prefill = self._router.pick(Role.PREFILL, tried[Role.PREFILL], weight_version=version)
             decode = self._router.pick(Role.DECODE, tried[Role.DECODE], weight_version=version)
-            data = json.dumps(with_bootstrap(payload, prefill, size)).encode()
+            # not escaped: non-ASCII text written as \uXXXX would reach the nodes up to three times as large
+            data = json.dumps(with_bootstrap(payload, prefill, size), ensure_ascii=False).encode()
             with prefill.begin_request() as prefill_lease, decode.begin_request() as decode_lease:
                 prefill_out, decode_out = await self._call_pair(prefill, decode, path, data, headers)
                 if not (isinstance(prefill_out, UpstreamResponse) and isinstance(decode_out, UpstreamResponse)):
@@ -104,7 +105,7 @@ class PDDispatcher:
                         return final
                     for node, out in ((prefill, prefill_out), (decode, decode_out)):
                         if isinstance(out, Reroute):
-                            tried[node.role].append(node)
+                            tried[node.role][node] = out.reason
                     continue
                 return await self._answer(path, prefill_lease.hand_over(), prefill_out, decode_lease.hand_over(),
                                           decode_out, wants_logprobs, watch)

@@ -87,13 +87,13 @@ class GenerationProxy:
     async def _dispatch_mixed(self, path: str, body: bytes, headers: dict[str, str], watch: DisconnectWatch,
                               weight_version: str | None) -> Response:
         """A mixed node picked by the policy (of those serving ``weight_version``, when the request pins one)."""
-        tried: list[Node] = []
+        tried: dict[Node, str] = {}  # each node this request went to, and why it went on
         while True:
             node = self._router.pick(Role.MIXED, tried, weight_version=weight_version)
-            tried.append(node)
             with node.begin_request() as lease:
                 outcome = await self._caller.call(node, path, body, headers)
                 if isinstance(outcome, Reroute):
+                    tried[node] = outcome.reason
                     continue
                 if isinstance(outcome, UpstreamResponse):
                     if is_event_stream(outcome):

@@ -17,8 +17,8 @@
 
 from __future__ import annotations
 
-import enum
 import logging
+from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
 from starlette.responses import Response
@@ -47,6 +47,7 @@ rate_limit(log)  # a node failing every stream is a warning per request
 
 REQUEST_HEADERS_TO_NODE = frozenset({b"content-type", b"accept", b"x-request-id", WEIGHT_VERSION_HEADER.encode()})
 MAX_REFUSAL_BYTES = 4096
+MAX_REASON_CHARS = 160  # of a refusing node's message, in the 503 that names every node tried
 CLIENT_CLOSED_REQUEST = CLIENT_CLOSED
 
 
@@ -82,11 +83,14 @@ def translate(node: Node, path: str, exc: UpstreamError, timeout_s: float) -> Up
     return UpstreamFailed(f"{node.url} failed on {path}: {exc}", extra={"node": node.url})
 
 
-class Reroute(enum.Enum):
-    """Why a request goes to another node: this one ran nothing."""
+@dataclass(frozen=True)
+class Reroute:
+    """The request goes to another node: this one ran nothing (its connection was refused or not made in time,
+    or its admission refused it with a 503 of NOT_SERVING_TYPES). ``reason``: what this node said, for this
+    request alone (the 503 when every node refused names it; a node's ``last_error`` is shared with other
+    requests and its checks, and a refused pin records none)."""
 
-    REFUSED = "refused"          # the connection was refused, the node unreachable, or no connection in time
-    NOT_SERVING = "not_serving"  # a sidecar's admission refused it (503, one of NOT_SERVING_TYPES)
+    reason: str
 
 
 class NodeCaller:
@@ -113,7 +117,7 @@ class NodeCaller:
         except ConnectFailed as exc:
             self._health.mark_unreachable(node, str(exc))
             self._metrics.generate_retries.inc()
-            return Reroute.REFUSED
+            return Reroute(str(exc))
         except UpstreamError as exc:
             node.record_error(str(exc))
             raise translate(node, path, exc, self.timeout_s) from exc
@@ -126,14 +130,13 @@ class NodeCaller:
         if upstream.is_truncated:  # relayed, the cut body would be a broken answer
             raise UpstreamFailed(f"{node.url} answered {path} with a 503 of more than {MAX_REFUSAL_BYTES} bytes: "
                                  f"{raw[:512].decode('utf-8', 'replace')}", extra={"node": node.url})
-        error_type = _error_type(raw)
+        error_type, message = _error_of(raw)
         if error_type in NOT_SERVING_TYPES:
             if error_type != E.WEIGHT_VERSION_UNAVAILABLE.name:  # that one says the request's pin, not the node
                 self._health.mark_not_serving(node, f"answered 503 {error_type}")
             self._metrics.generate_not_serving_retries.inc()
-            return Reroute.NOT_SERVING
+            return Reroute(f"answered 503 {error_type}" + (f": {message[:MAX_REASON_CHARS]}" if message else ""))
         return buffered_response(upstream, raw)
-
 
     async def read_body(self, node: Node, upstream: UpstreamResponse, path: str) -> bytes:
         """The node's whole answer, at most ``max_answer_bytes``; past that, or on a failure midway, a 502/504
@@ -151,14 +154,17 @@ class NodeCaller:
         return raw
 
 
-def _error_type(raw: bytes) -> str | None:
+def _error_of(raw: bytes) -> tuple[str | None, str | None]:
+    """The ``error`` envelope's type and message in a node's answer (None for what is not a string)."""
     try:
         answer = loads_bounded(raw)
     except PeerJSONError:
-        return None
+        return None, None
     error = answer.get("error") if isinstance(answer, dict) else None
-    error_type = error.get("type") if isinstance(error, dict) else None
-    return error_type if isinstance(error_type, str) else None  # a peer's list or object is no type
+    if not isinstance(error, dict):
+        return None, None
+    error_type, message = error.get("type"), error.get("message")  # a peer's list or object is no type
+    return (error_type if isinstance(error_type, str) else None, message if isinstance(message, str) else None)
 
 
 def relay_stream(upstream: UpstreamResponse, lease: RequestLease, path: str, watch: DisconnectWatch, *,

@@ -10,7 +10,7 @@ again) are candidates instead; when there are none either, the request gets
 from __future__ import annotations
 
 import random
-from typing import Collection, Sequence
+from typing import Collection, Mapping, Sequence
 
 from lb.config import Policy, Role
 from lb.errors import NoAvailableNode
@@ -88,7 +88,8 @@ class Router:
 
     def pick(self, role: Role, exclude: Collection[Node] = (), *, weight_version: str | None = None) -> Node:
         """A node of ``role`` to send a request to, never one in ``exclude`` and, with ``weight_version``, only
-        one that last reported serving that version; else 503."""
+        one that last reported serving that version; else 503. ``exclude`` may map each node to what it answered
+        this request: the 503 names that."""
         nodes = self._membership.nodes(role)
         if weight_version is not None:
             nodes = [node for node in nodes if node.occupation.get("weight_version") == weight_version]
@@ -113,7 +114,8 @@ class Router:
 
 def _why_not(node: Node, tried: Collection[Node]) -> str:
     if node in tried:
-        return f"tried: {node.last_error or 'failed'}"
+        reason = tried[node] if isinstance(tried, Mapping) else None
+        return f"tried: {reason or node.last_error or 'failed'}"
     if node.health is not NodeHealth.HEALTHY:
         return node.health.value
     if node.num_fences:

@@ -10,7 +10,8 @@ are queued or running, refuses generation while memory is released or the
 weights are not valid, and never runs a step on released memory.
 
 A step that raises fails that step's requests (``engine_failed``, their KV
-freed and never cached) and the engine goes on. An error it cannot survive
+freed and never cached) and the engine goes on (``engine_steps.py``: admit,
+abort, step; ``outbox.py``: outputs to the event loop). An error it cannot survive
 (:func:`node_engine.failures.leaves_device_unusable`, or a bug in its own
 bookkeeping) closes the inbox: every request and control call still waiting
 is answered, and ``on_fatal`` runs (the server process exits non-zero).
@@ -30,40 +31,31 @@ import torch
 
 from handoff.protocol import errors as E
 from handoff.protocol.generate_sequences import LogprobOptions
-from handoff.protocol.generation import weight_version_spans
-from handoff.service.logs import rate_limit
 from node_engine.config import EngineConfig
 from node_engine.control import EngineControl
 from node_engine.detokenizer import CONTEXT_TOKENS, IncrementalDetokenizer
-from node_engine.errors import EngineStopped, MemoryReleased, WeightsNotLoaded
-from node_engine.failures import FaultDrill, leaves_device_unusable
+from node_engine.engine_steps import EngineSteps
+from node_engine.errors import EngineStopped
+from node_engine.failures import FaultDrill
 from node_engine.inbox import Abort, Add, Call, Closed, Inbox, Item
 from node_engine.kv_cache import RowAllocator, SlotAllocator
 from node_engine.memory.manager import MemoryManager
 from node_engine.memory.setup import make_memory_info, make_saver
 from node_engine.metrics import EngineMetrics
 from node_engine.model.source import load_model_source
+from node_engine.outbox import Outbox
 from node_engine.prefix_cache import PrefixCache
-from node_engine.request import FinishReason, Request, RequestHandle, RequestOutput, RequestState, error_output
+from node_engine.request import Request, RequestHandle, RequestState, error_output
 from node_engine.request_gate import RequestGate
 from node_engine.runner import ModelRunner
 from node_engine.sampling import SamplingParams
 from node_engine.scheduler import Scheduler, SchedulerConfig
-from node_engine.step import Step, StepKind
 from node_engine.vision.inputs import MultimodalPrompt
 from node_engine.vision.runtime import VisionRuntime
 from node_engine.weight_sync.distributed import WeightGroups
 from node_engine.weight_updates import WeightUpdates
 
 log = logging.getLogger(__name__)
-# A batch that hits a bug fails every step it is in, and a client can send it again: a burst of tracebacks, then
-# a count.
-step_failure_log = logging.getLogger(f"{__name__}.step_failures")
-rate_limit(step_failure_log)
-
-
-class DeviceFailed(RuntimeError):
-    """A step raised an error that leaves the device unusable; the engine thread stops."""
 
 
 def _scores(logprobs: LogprobOptions | None, num_prompt: int) -> bool:
@@ -104,13 +96,13 @@ class Engine:
             PrefixCache(slots) if config.enable_prefix_cache else None)
         self.gate = RequestGate(self.scheduler, self.memory, vocab_size=self.arch.vocab_size,
                                 context_len=plan.context_len)
-        self.weight_version = config.weight_version
+        self.outbox = Outbox(self.gate, config.weight_version)
+        self.steps = EngineSteps(self.scheduler, self.runner, self.gate, self.metrics, self.outbox)
         self.instance = uuid.uuid4().hex  # this process (GET /memory_occupation's engine_instance)
         self.is_paused = False  # pause_generation (retract, in_place): requests stay, nothing steps
         self._inbox = Inbox()
         self._calls_lock = threading.Lock()  # posted from the event loop, finished on the engine thread
         self._num_calls_pending = 0
-        self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._num_rids = 0
@@ -122,12 +114,11 @@ class Engine:
         compiled = self.runner.compiled_decode
         if compiled is not None:
             self.metrics.decode_graphs_compiled.set_function(lambda: compiled.num_graphs)
-        self._step_seconds = {kind: self.metrics.step_seconds.labels(kind.value) for kind in StepKind}
         self._update_memory_metrics()
 
     # -- lifecycle ---------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
+        self.outbox.attach(loop)
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._thread.start()
 
@@ -141,6 +132,11 @@ class Engine:
     def vision(self) -> VisionRuntime | None:
         """The image processor and encoder of a vision-language model (None for a text model)."""
         return self.runner.vision
+
+    @property
+    def weight_version(self) -> str:
+        """The version outputs are stamped with now (``set_weight_version`` changes it)."""
+        return self.outbox.weight_version
 
     @property
     def has_prefix_cache(self) -> bool:
@@ -231,7 +227,7 @@ class Engine:
                 if self._stopping:
                     break
                 if self._can_step:
-                    self._step()
+                    self.steps.step()
         except BaseException as exc:  # a device failure, or a bug in the engine's own bookkeeping
             log.critical("the engine thread failed", exc_info=exc)
             self._close(Closed(f"the engine failed ({type(exc).__name__}: {exc}) and is exiting; "
@@ -253,9 +249,9 @@ class Engine:
 
     def _handle(self, item: Item) -> None:
         if isinstance(item, Add):
-            self._admit(item.request)
+            self.steps.admit(item.request)
         elif isinstance(item, Abort):
-            self._abort(item.rid)
+            self.steps.abort(item.rid)
         else:
             try:
                 result = item.fn()
@@ -267,95 +263,10 @@ class Engine:
                 item.resolve(result)
             self._update_memory_metrics()
 
-    def _admit(self, request: Request) -> None:
-        try:
-            self.gate.check_can_generate()
-        except (MemoryReleased, WeightsNotLoaded) as exc:
-            self.metrics.rejected_requests.labels(exc.type).inc()
-            self._deliver([(request, error_output(request, exc.kind, exc.message))])
-            request.transition(RequestState.FINISHED)
-            return
-        if request.params.max_new_tokens == 0 and not request.prefill_only:
-            request.transition(RequestState.FINISHED)
-            request.set_finished(FinishReason.LENGTH, None, was_running=False)
-            self._deliver([(request, request.take_output())])
-            return
-        self.scheduler.add(request)
-
-    def _abort(self, rid: str | None) -> None:
-        targets = list(self.scheduler.running) + list(self.scheduler.waiting) if rid is None else \
-            [r for r in [self.scheduler.find(rid)] if r is not None]
-        outputs = []
-        for request in targets:
-            self.scheduler.finish(request, FinishReason.ABORT)
-            self.metrics.requests.labels(FinishReason.ABORT.value).inc()
-            outputs.append((request, request.take_output()))
-        self._deliver(outputs)
-
-    def _step(self) -> None:
-        step = self.scheduler.schedule()
-        if step is None:
-            return
-        started = time.perf_counter()
-        try:
-            result = self.runner.run(step, self.scheduler.config.eos_token_ids)
-        except Exception as exc:
-            if leaves_device_unusable(exc):
-                raise DeviceFailed(f"a {step.kind.value} step failed with an error that leaves the device "
-                                   f"unusable: {type(exc).__name__}: {exc}") from exc
-            self._fail_step(step, exc)
-            return
-        changed = self.scheduler.postprocess(step, result)
-        self._step_seconds[step.kind].observe(time.perf_counter() - started)
-        if step.kind is StepKind.PREFILL:
-            self.metrics.prompt_tokens.inc(step.num_tokens)
-        self.metrics.generated_tokens.inc(len(result.tokens))
-        outputs = []
-        for request in changed:
-            if request.finish_reason is not None:
-                self.metrics.requests.labels(request.finish_reason.value).inc()
-            elif not request.is_stream_output_due:
-                continue
-            outputs.append((request, request.take_output()))
-        self._deliver(outputs)
-
     def set_weight_version(self, version: str) -> None:
-        """Engine thread: serve under ``version`` from now on. Requests that made tokens already (running, or
-        paused or retracted by ``pause_generation``) remember how many the old version made (SGLang's
-        ``record_weight_version_change``), for the ``weight_versions`` of their answers."""
-        old = self.weight_version
-        if version == old:
-            return
-        for request in [*self.scheduler.running, *self.scheduler.waiting]:
-            if request.output_ids:
-                request.weight_version_events.append((old, len(request.output_ids)))
-        self.weight_version = version
-
-    def _deliver(self, outputs: list[tuple[Request, RequestOutput]]) -> None:
-        if outputs and self._loop is not None:
-            # stamped here, on the engine thread, where the version changes: the event loop may read these
-            # after a weight update that ran on this thread in the meantime
-            for request, output in outputs:
-                output.weight_version = self.weight_version
-                if output.finish_reason is not None:
-                    output.weight_versions = weight_version_spans(request.weight_version_events, self.weight_version,
-                                                                  output.num_output_tokens)
-                    output.weight_version = output.weight_versions[-1]["version"]
-            self._loop.call_soon_threadsafe(self._dispatch, outputs)
-
-    def _fail_step(self, step: Step, exc: Exception) -> None:
-        """The requests of a step that raised fail; their KV (maybe half written) is freed, never cached."""
-        requests = list(dict.fromkeys(e.request for e in step.entries))
-        step_failure_log.error("a %s step of %d request(s) failed; they are answered engine_failed and the engine "
-                               "goes on", step.kind.value, len(requests), exc_info=exc)
-        message = (f"the model step failed ({type(exc).__name__}: {exc}); this request's work is lost, "
-                   "the engine goes on serving")
-        outputs = []
-        for request in requests:
-            self.scheduler.fail(request)
-            self.metrics.requests.labels("error").inc()
-            outputs.append((request, error_output(request, E.ENGINE_FAILED, message)))
-        self._deliver(outputs)
+        """Engine thread: serve under ``version`` from now on; requests that made tokens already (running, or
+        paused or retracted by ``pause_generation``) remember how many the old version made (``Outbox``)."""
+        self.outbox.set_weight_version(version, [*self.scheduler.running, *self.scheduler.waiting])
 
     def _close(self, closed: Closed) -> None:
         """Take nothing more, and answer everything: requests the engine holds, then whatever is queued.
@@ -370,24 +281,17 @@ class Engine:
             has_run = request.state is RequestState.RUNNING or bool(request.output_ids)
             kind = E.ENGINE_FAILED if closed.has_failed and has_run else E.ENGINE_STOPPED
             outputs.append((request, error_output(request, kind, closed.message)))
-        self._deliver(outputs)
+        self.outbox.deliver(outputs)
         for item in queued:
             self._refuse(item, closed)
 
     def _refuse(self, item: Item, closed: Closed) -> None:
         """Answer a queued item of a closed engine (any thread)."""
         if isinstance(item, Add):
-            self._deliver([(item.request, error_output(item.request, E.ENGINE_STOPPED, closed.message))])
+            self.outbox.deliver([(item.request, error_output(item.request, E.ENGINE_STOPPED, closed.message))])
         elif isinstance(item, Call):
             self._call_finished()
             item.fail(EngineStopped(closed.message))
-
-    def _dispatch(self, outputs: list[tuple[Request, RequestOutput]]) -> None:
-        """Hand outputs to their requests (event loop); a final one frees its request's id."""
-        for request, output in outputs:
-            if output.is_final:
-                self.gate.give_back(request.rid)
-            request.on_output(output)
 
     def _update_memory_metrics(self) -> None:
         for tag, info in self.memory.occupation().items():

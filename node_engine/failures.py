@@ -31,6 +31,10 @@ _DEVICE_ERROR_MARKERS = ("CUDA error", "CUBLAS_STATUS", "CUDNN_STATUS", "cuDNN e
                          "device-side assert")
 
 
+class DeviceFailed(RuntimeError):
+    """A step raised an error that leaves the device unusable; the engine thread stops."""
+
+
 _ACCELERATOR_ERROR: type[Exception] | None = getattr(torch, "AcceleratorError", None)  # torch >= 2.8
 
 

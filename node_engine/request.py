@@ -68,7 +68,7 @@ class RequestOutput:
     scoring_logprobs: TokenLogprobs | None = None       # max_new_tokens 0: the top / token_ids row after the prompt
     error_type: str | None = None  # set (with ``error``) when the request failed instead of finishing
     error: str | None = None
-    # the version serving when the engine thread handed this output over (:meth:`Engine._deliver`): the weights
+    # the version serving when the engine thread handed this output over (:meth:`Outbox.deliver`): the weights
     # its tokens were made under, whatever an update changed since (SGLang reports an aborted request so); a final
     # output's is the version of its last tokens
     weight_version: str | None = None

@@ -11,6 +11,9 @@ its memory region:
   sized from measured peaks (``kv_pool.py``, ``kv_sizing.py``) into ``KVPlan``;
 - ``DecodeGraphs``: captured decode graphs and their private pool (``cuda_graph``).
 
+The eager forwards over these tensors are ``ModelForward``'s (``model_forward.py``); the runner
+picks a step's decode path (CUDA graph, compiled, eager) and samples its tokens.
+
 What stays outside every region: the rotary cos/sin tables (built once, needed
 to recompute nothing after a resume), small per-step tensors, and on CUDA the
 context itself. ``docs/memory.md`` lists them with sizes.
@@ -33,20 +36,19 @@ from node_engine.memory.saver import MemorySaver
 from node_engine.memory.tags import MemoryTag
 from node_engine.model.arch import ModelArch
 from node_engine.model.builtin import builtin_weights, is_builtin
-from node_engine.model.layers import AttentionBatch, RotaryTable
+from node_engine.model.rotary import RotaryTable
 from node_engine.model.llama import CausalLM
 from node_engine.model.checkpoint_io import CheckpointReader
 from node_engine.model.loader import load_tensors, load_weights
 from node_engine.model.packing import WeightPacking
 from node_engine.model.source import check_vision_flags
 from node_engine.model.weight_writer import WeightWriter
-from node_engine.prefill_batch import prefill_batch
+from node_engine.model_forward import ModelForward
 from node_engine.logits import apply_penalties
 from node_engine.logprobs import PromptLogprobs, output_logprobs, step_prompt_logprobs
 from node_engine.sampling import sample
 from node_engine.step import Step, StepKind, StepResult
-from node_engine.step_inputs import DecodeInputs, decode_inputs, prefill_inputs
-from node_engine.vision.encoder import Chunk
+from node_engine.step_inputs import DecodeInputs, decode_inputs
 from node_engine.vision.inputs import MultimodalPrompt
 from node_engine.vision.model import build_model
 from node_engine.vision.runtime import VisionRuntime, processor_config_for
@@ -92,6 +94,7 @@ class ModelRunner:
             self.vision = VisionRuntime(config, arch, self.model.visual, self.rotary,
                                         processor_config_for(config, arch))
             self.vision.reserve(config, saver, self.device)
+        self.forward = ModelForward(self.model, self.req_to_token, self.vision, self.device)
         self.bytes_per_slot = 2 * arch.num_layers * arch.kv_size * self.dtype.itemsize
         self.kv_sizing: SizingReport | None = None
         self.context_len = context_len
@@ -105,11 +108,11 @@ class ModelRunner:
         self._allocate_kv_cache(pool)
         self.step_headroom_bytes = self._step_headroom_bytes()
         self.compiled_decode: CompiledDecode | None = None
-        self.decode_forward: DecodeForward = self._decode_forward
+        self.decode_forward: DecodeForward = self.forward.decode
         if config.enable_torch_compile:
             from node_engine import compiled_decode  # imports Dynamo and Inductor: only when asked for
 
-            self.compiled_decode = compiled_decode.CompiledDecode(self, self._decode_forward)
+            self.compiled_decode = compiled_decode.CompiledDecode(self, self.forward.decode)
             self.decode_forward = self.compiled_decode
         self.graphs = None
         if self.device.type == "cuda" and not config.disable_cuda_graph:
@@ -158,33 +161,10 @@ class ModelRunner:
         else:
             self.model.bind_kv_cache(list(pool))
 
-    @torch.inference_mode()
     def stress(self, num_slots: int) -> None:
-        """The heaviest prefill and decode steps the engine can run (their values do not matter).
-
-        Prefill: one chunk of ``--max-batch-tokens`` at the end of the context. Decode: the maximum batch,
-        every sequence as long as the context.
-        """
-        dev, ctx, usable = self.device, self.context_len, num_slots - 1
-        n = min(self.config.max_batch_tokens, ctx)
-        key_pos = torch.arange(ctx, device=dev)
-        query_pos = key_pos[ctx - n:]
-        keys = (key_pos % usable + 1).view(1, ctx)
-        batch = AttentionBatch(slot_mapping=(torch.arange(n, device=dev) % usable) + 1, kv_indices=keys,
-                               mask=(key_pos[None, :] <= query_pos[:, None]).view(1, 1, n, ctx), num_seqs=1,
-                               max_query_len=n)
-        hidden = self.model(torch.zeros(n, dtype=torch.int64, device=dev), query_pos, batch)
-        self.model.compute_logits(hidden[-min(n, self.config.max_running_requests):])
-        del hidden, batch
-        num_seqs = self.config.max_running_requests
-        hidden = self._decode_forward(
-            torch.zeros(num_seqs, dtype=torch.int64, device=dev),
-            torch.full((num_seqs,), ctx - 1, dtype=torch.int64, device=dev),
-            (torch.arange(num_seqs, device=dev) % usable) + 1, keys.to(torch.int32).expand(num_seqs, ctx),
-            torch.ones(num_seqs, 1, 1, ctx, dtype=torch.bool, device=dev))
-        self.model.compute_logits(hidden)
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
+        """The heaviest prefill and decode steps the engine can run (``ModelForward.stress``)."""
+        self.forward.stress(num_slots, context_len=self.context_len, max_batch_tokens=self.config.max_batch_tokens,
+                            max_running_requests=self.config.max_running_requests)
 
     def _allocate_kv_cache(self, pool: torch.Tensor | None = None) -> None:
         """Keep the sized pool, or allocate one of the planned size."""
@@ -210,7 +190,7 @@ class ModelRunner:
                 hidden = self._forward_decode(step)
         else:
             sampling = [e for e in step.entries if e.samples]
-            all_hidden, last_index = self._forward_prefill(step)
+            all_hidden, last_index = self.forward.prefill(step)
             prompt_logprobs = step_prompt_logprobs(step.entries, all_hidden, self.model.compute_logits)
             if not sampling:
                 return StepResult([], None, prompt_logprobs)
@@ -244,60 +224,9 @@ class ModelRunner:
             mask = (key_pos.unsqueeze(0) <= inputs.positions.unsqueeze(1)).view(num_seqs, 1, 1, max_len)
         return self.decode_forward(inputs.input_ids, inputs.rope_positions, inputs.slot_mapping, kv_indices, mask)
 
-    def _decode_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
-                        kv_indices: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        """The model over one decode step's tensors (what ``--enable-torch-compile`` compiles)."""
-        batch = AttentionBatch(slot_mapping=slot_mapping, kv_indices=kv_indices, mask=mask,
-                               num_seqs=kv_indices.shape[0], max_query_len=1)
-        return self.model(input_ids, positions, batch)
-
-    def _forward_prefill(self, step: Step) -> tuple[torch.Tensor, list[int]]:
-        """Hidden states of every token the step computes, and the rows of its sampling positions (the last
-        token of each entry that samples)."""
-        if step.images:
-            self._vision().encoder.encode(step.images)
-        inputs = prefill_inputs(step, self.req_to_token)
-        batch = prefill_batch(step.entries, inputs.slot_mapping, self.req_to_token)
-        if any(e.request.mm is not None for e in step.entries):
-            hidden = self._forward_multimodal([(e.request.mm, e.start, e.end) for e in step.entries],
-                                              inputs.input_ids, inputs.positions, batch)
-        else:
-            hidden = self.model(inputs.input_ids, inputs.positions, batch)
-        return hidden, inputs.sampling_rows
-
-    def _vision(self) -> VisionRuntime:
-        if self.vision is None:
-            raise RuntimeError("images reached a model without a vision tower")
-        return self.vision
-
-    def _forward_multimodal(self, chunks: list[Chunk], input_ids: torch.Tensor, positions: torch.Tensor,
-                            batch: AttentionBatch) -> torch.Tensor:
-        """A prefill with images: their rows in the embeddings, M-RoPE for every token; then what the chunks
-        consumed is dropped."""
-        encoder = self._vision().encoder
-        embeds = encoder.embed(chunks, input_ids, self.model.model.embed_tokens.weight)
-        hidden = self.model(input_ids, positions, batch, embeds=embeds, rope=encoder.rope(chunks))
-        encoder.release_consumed(chunks)
-        return hidden
-
-    @torch.inference_mode()
     def score(self, token_ids: list[int], mm: MultimodalPrompt | None = None) -> torch.Tensor:
-        """Logits [T, V] of every position of one prompt, with its images if ``mm`` (tests and debugging only).
-
-        Uses KV slots 1..T of the pool: only for a runner that serves nothing (no
-        requests, no cached prefixes), as the tests build it.
-        """
-        n = len(token_ids)
-        slots = torch.arange(1, n + 1, device=self.device)
-        batch = AttentionBatch(slot_mapping=slots, kv_indices=slots.view(1, n), mask=None, num_seqs=1,
-                               max_query_len=n, is_causal_self_only=True)
-        input_ids, positions = torch.tensor(token_ids, device=self.device), torch.arange(n, device=self.device)
-        if mm is None:
-            hidden = self.model(input_ids, positions, batch)
-        else:
-            self._vision().encoder.encode(mm.needing_encode(0, n))
-            hidden = self._forward_multimodal([(mm, 0, n)], input_ids, positions, batch)
-        return self.model.compute_logits(hidden)
+        """Logits [T, V] of every position of one prompt (``ModelForward.score``: tests and debugging only)."""
+        return self.forward.score(token_ids, mm)
 
     def reset_kv_cache(self) -> None:
         """After the KV pool was resumed without its contents: zeros, unless the saver resumed it as zeros.

@@ -13,7 +13,8 @@ finished request leaves its computed KV to the cache. When slots run short,
 unused cached prefixes are evicted first; if that is not enough during
 decode, the most recently admitted request is preempted: its KV is freed and
 recomputed later; its tokens are kept. The scheduler is CPU bookkeeping only;
-it never touches device tensors.
+it never touches device tensors. A request's slots, row and cached prefix are
+its ``KVManager``'s (``kv_manager.py``).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Sequence
 import torch
 
 from node_engine.kv_cache import RowAllocator, SlotAllocator
+from node_engine.kv_manager import KVManager
 from node_engine.prefix_cache import PrefixCache
 from node_engine.request import FinishReason, Request, RequestState
 from node_engine.step import Step, StepEntry, StepKind, StepResult
@@ -51,13 +53,26 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, slots: SlotAllocator, rows: RowAllocator,
                  cache: PrefixCache | None = None) -> None:
         self.config = config
-        self.slots = slots
-        self.rows = rows
-        self.cache = cache
-        self.num_prefix_hit_tokens = 0
+        self.kv = KVManager(slots, rows, cache)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order
         self.num_preemptions = 0
+
+    @property
+    def slots(self) -> SlotAllocator:
+        return self.kv.slots
+
+    @property
+    def rows(self) -> RowAllocator:
+        return self.kv.rows
+
+    @property
+    def cache(self) -> PrefixCache | None:
+        return self.kv.cache
+
+    @property
+    def num_prefix_hit_tokens(self) -> int:
+        return self.kv.num_prefix_hit_tokens
 
     # -- queue -----------------------------------------------------------------
     def max_request_tokens(self) -> int:
@@ -123,12 +138,12 @@ class Scheduler:
             if plan.num_tokens == 0:  # its next image waits for the next step's budget
                 visual.commit(plan)
                 continue
-            if not self._make_room(plan.num_tokens):
+            if not self.kv.make_room(plan.num_tokens):
                 is_blocked = True
                 if plan.images:
                     visual.close()
                 continue
-            entries.append(self._take(request, plan.num_tokens))
+            entries.append(self.kv.take(request, plan.num_tokens))
             visual.commit(plan)
             budget -= plan.num_tokens
         return budget, num_decoding
@@ -140,23 +155,21 @@ class Scheduler:
             request = self.waiting[0]
             if not self.rows.can_allocate() or visual.is_closed:  # an image waits: later arrivals wait behind it
                 break
-            prefix, node = self._match(request)
+            prefix, node = self.kv.match(request)
             plan = visual.plan(request, prefix.numel(), min(request.num_tokens - prefix.numel(), budget))
             if plan.num_tokens == 0:  # FIFO: nothing after it is admitted before its image
                 visual.commit(plan)
                 break
             num = plan.num_tokens
-            if node is not None:
-                self.cache.lock(node)  # type: ignore[union-attr]  # before any eviction can take it
+            self.kv.lock(node)  # before any eviction can take it
             # Leave one decode step's worth of slots to the requests already decoding.
-            if not self._make_room(num + num_decoding):
-                if node is not None:
-                    self.cache.unlock(node)  # type: ignore[union-attr]
+            if not self.kv.make_room(num + num_decoding):
+                self.kv.unlock(node)
                 break
             visual.commit(plan)
             self.waiting.popleft()
             self._start_running(request, prefix, node)
-            entry = self._take(request, num)
+            entry = self.kv.take(request, num)
             entry.prefix = prefix if prefix.numel() else None
             entries.append(entry)
             budget -= num
@@ -164,66 +177,20 @@ class Scheduler:
     def _start_running(self, request: Request, prefix: torch.Tensor, node: object | None) -> None:
         """A waiting request gets its row and, with a prefix cache, the cached prefix it matched."""
         request.transition(RequestState.RUNNING)
-        request.row = self.rows.allocate()
-        if self.cache is not None:
-            request.prefix_node = node
-            request.prefix_slots = prefix
-            request.cache_epoch = self.cache.epoch
-            request.num_cached = prefix.numel()
-            if not request.num_retractions:
-                request.num_cached_prompt_tokens = min(prefix.numel(), len(request.prompt_ids))
-            self.num_prefix_hit_tokens += prefix.numel()
+        self.kv.start(request, prefix, node)
         self.running.append(request)
-
-    _NO_PREFIX = torch.empty(0, dtype=torch.int64)
-
-    def _match(self, request: Request) -> tuple[torch.Tensor, object | None]:
-        """The cached prefix a waiting request can reuse (its last token is always computed)."""
-        if self.cache is None or not request.use_prefix_cache:
-            return self._NO_PREFIX, None
-        end = request.num_tokens - 1
-        pending = request.prompt_logprob_next  # positions whose logits prompt logprobs still need
-        if pending is not None:
-            end = min(end, pending)
-        prefix, node = self.cache.match(request.key_slice(0, end))
-        return prefix, (node if prefix.numel() else None)
-
-    def _make_room(self, num: int) -> bool:
-        """Whether ``num`` slots can be allocated, evicting unused cached prefixes if that is what it takes."""
-        if self.slots.can_allocate(num):
-            return True
-        if self.cache is None:
-            return False
-        self.cache.evict(num - self.slots.num_free)
-        return self.slots.can_allocate(num)
 
     def _schedule_decode(self) -> Step | None:
         decoding = [r for r in self.running if r.num_uncached == 1]
-        while decoding and not self._make_room(len(decoding)):
+        while decoding and not self.kv.make_room(len(decoding)):
             victim = self.running[-1]
             self.preempt(victim)
             if victim in decoding:
                 decoding.remove(victim)
         if not decoding:
             return None
-        # One allocation for the whole step; each request records its slot as a plain int.
-        slot_mapping = self.slots.allocate(len(decoding))
-        entries = []
-        for request, slot in zip(decoding, slot_mapping.tolist(), strict=True):
-            start = request.num_cached
-            request.decode_slots.append(slot)
-            request.num_cached = start + 1
-            entries.append(StepEntry(request, start, start + 1, None))
+        slot_mapping, entries = self.kv.take_decode(decoding)
         return Step(StepKind.DECODE, entries, slot_mapping)
-
-    def _take(self, request: Request, num: int) -> StepEntry:
-        if request.decode_slots:
-            raise RuntimeError(f"request {request.rid} prefills after it began decoding")
-        start = request.num_cached
-        slots = self.slots.allocate(num)
-        request.slots.append(slots)
-        request.num_cached += num
-        return StepEntry(request, start, start + num, slots)
 
     # -- results ---------------------------------------------------------------
     def postprocess(self, step: Step, result: StepResult | Sequence[int]) -> list[Request]:
@@ -273,7 +240,7 @@ class Scheduler:
         if request.state is RequestState.WAITING:
             self.waiting.remove(request)
         elif was_running:
-            self._free_kv(request, keep_in_cache=True)
+            self.kv.free(request, keep_in_cache=True)
             self.running.remove(request)
         request.transition(RequestState.FINISHED)
         request.set_finished(reason, matched, was_running=was_running)
@@ -287,14 +254,14 @@ class Scheduler:
         if request.state is RequestState.WAITING:
             self.waiting.remove(request)
         elif request.state is RequestState.RUNNING:
-            self._free_kv(request)
+            self.kv.free(request)
             self.running.remove(request)
         request.transition(RequestState.FINISHED)
 
     def preempt(self, request: Request, *, to_back: bool = False) -> None:
         """Back to the waiting queue, its KV freed (recomputed when it runs again): at the front (the pool ran
         out: it goes on first), or with ``to_back`` behind the requests waiting (SGLang's retract pause)."""
-        self._free_kv(request)
+        self.kv.free(request)
         self.running.remove(request)
         request.num_cached = 0
         request.num_retractions += 1
@@ -304,26 +271,3 @@ class Scheduler:
         else:
             self.waiting.appendleft(request)
         self.num_preemptions += 1
-
-    def _free_kv(self, request: Request, *, keep_in_cache: bool = False) -> None:
-        """Give back a request's slots and row; with ``keep_in_cache``, its computed KV goes to the prefix cache."""
-        own = request.take_slots()
-        cache = self.cache
-        if own is not None:
-            if keep_in_cache and cache is not None and request.cache_epoch == cache.epoch and request.use_prefix_cache:
-                prefix = request.prefix_slots if request.prefix_slots is not None else self._NO_PREFIX
-                num_prefix = prefix.numel()
-                num_cached_before = cache.insert(request.key_slice(0, request.num_cached), torch.cat([prefix, own]))
-                if num_cached_before > num_prefix:  # someone cached the same tokens meanwhile: ours are spares
-                    self.slots.free(own[:num_cached_before - num_prefix])
-            else:
-                self.slots.free(own)
-        if request.prefix_node is not None and cache is not None:
-            cache.unlock(request.prefix_node)
-        request.prefix_node = None
-        request.prefix_slots = None
-        if request.row is not None:
-            self.rows.free(request.row)
-            request.row = None
-        if request.mm is not None:  # a preempted request re-encodes its images; a finished one needs nothing
-            request.mm.forget_features()

@@ -10,11 +10,9 @@ where they were, and the engine's own view is re-read.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import time
-from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 from handoff.protocol import errors as E
@@ -24,7 +22,7 @@ from handoff.protocol.tags import Tag
 from handoff.protocol.weights import WEIGHTS_UPDATED_FULLY
 from handoff.service.errors import Conflict, ServiceError
 from node_sidecar.engines.base import MemoryChange
-from node_sidecar.errors import DrainTimeout
+from node_sidecar.control_drain import DrainLimit, Drainer
 from node_sidecar.node import Node
 from node_sidecar.state import TAGS, TagState
 
@@ -34,24 +32,11 @@ ENGINE_PAUSE_MODES = frozenset({"retract", "in_place"})  # requests stay in the 
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class DrainLimit:
-    """How long a drain may wait: the asked (or default) seconds, cut short so that the caller, who stops waiting
-    at ``answer_by`` (event-loop time, its margin taken), still gets the answer (409 ``drain_timeout``)."""
-
-    seconds: float
-    answer_by: float | None = None
-
-    def remaining(self) -> float:
-        if self.answer_by is None:
-            return self.seconds
-        return max(0.0, min(self.seconds, self.answer_by - asyncio.get_running_loop().time()))
-
-
 class ControlPlane:
     def __init__(self, node: Node) -> None:
         self.node = node
         self.metrics = node.metrics
+        self._drainer = Drainer(node)
 
     @contextlib.asynccontextmanager
     async def _keeping_intent(self) -> AsyncIterator[None]:
@@ -61,21 +46,6 @@ class ControlPlane:
             yield
         finally:
             await self.node.intent_written()
-
-    @contextlib.asynccontextmanager
-    async def _draining(self, *, updating_weights: bool = False) -> AsyncIterator[None]:
-        """Admission stays closed for the block (new requests wait through a weight update, as SGLang's wait
-        for its update lock, and are refused otherwise); afterwards it follows the node's state again."""
-        node = self.node
-        node.is_draining = True
-        node.is_updating_weights = updating_weights
-        node.refresh_admission()
-        try:
-            yield
-        finally:
-            node.is_draining = False
-            node.is_updating_weights = False
-            node.refresh_admission()
 
     @contextlib.asynccontextmanager
     async def _moving(self, tags: list[str], through: TagState, done: TagState,
@@ -95,22 +65,6 @@ class ControlPlane:
             raise
         for tag in tags:
             state.transition(tag, done)
-
-    async def _drain(self, mode: str, limit: DrainLimit) -> tuple[int, int]:
-        """Empty the node of generation; returns (drained, aborted). Raises DrainTimeout."""
-        timeout = limit.remaining()
-        admission = self.node.admission
-        num_in_flight = admission.num_in_flight
-        adapter = self.node.engine_adapter
-        abort = (lambda: adapter.abort(rid=None, abort_all=True)) if mode == "abort" else None
-        if not await admission.drain(timeout, abort=abort):
-            raise DrainTimeout(f"{admission.num_in_flight} generation request(s) still running after "
-                               f"{timeout:g}s; nothing was released", extra={"in_flight": admission.num_in_flight})
-        if mode == "abort":
-            self.metrics.aborted_requests.inc(num_in_flight)
-            return 0, num_in_flight
-        self.metrics.drained_requests.inc(num_in_flight)
-        return num_in_flight, 0
 
     async def release(self, tags: list[str] | None, *, mode: str, drain: DrainLimit,
                       stage_to_cpu: bool | None) -> dict[str, Any]:
@@ -134,10 +88,11 @@ class ControlPlane:
             if stage_to_cpu and not state.can_stage_weights:
                 raise Conflict(_NO_BACKUP[adapter.kind], kind=E.NO_WEIGHTS_BACKUP)
             todo = adapter.release_set(asked, state.tags_in(TagState.RESIDENT))
-            async with self._draining():
+            async with self._drainer.holding():
                 # under a pause (SGLang's retract or in_place) paused requests stay: the engine releases around
                 # retracted ones and refuses (409) while paused ones hold KV
-                drained, aborted = (0, 0) if state.is_paused and mode == "wait" else await self._drain(mode, drain)
+                drained, aborted = (0, 0) if state.is_paused and mode == "wait" else \
+                    await self._drainer.drain(mode, drain)
                 drain_done = time.perf_counter()
                 async with self._moving(todo, TagState.RELEASING, TagState.RELEASED, TagState.RESIDENT):
                     change = await adapter.release(todo, stage_to_cpu=stage_to_cpu)
@@ -205,10 +160,10 @@ class ControlPlane:
             node.require_engine()
             if check is not None:
                 await check()
-            async with self._draining(updating_weights=True):
+            async with self._drainer.holding(updating_weights=True):
                 can_step = state.weights_valid and state.is_all_resident
                 drained, aborted = (0, 0) if mode == "wait" and (state.is_paused or not can_step) else \
-                    await self._drain(mode, drain)
+                    await self._drainer.drain(mode, drain)
                 try:
                     answer = await load()
                 except ServiceError:
@@ -264,8 +219,8 @@ class ControlPlane:
                     drained, aborted = 0, 0
                 else:
                     answer = {}
-                    async with self._draining():
-                        drained, aborted = await self._drain(mode, drain)
+                    async with self._drainer.holding():
+                        drained, aborted = await self._drainer.drain(mode, drain)
             except ServiceError:
                 node.state.is_paused = was_paused
                 node.refresh_admission()

@@ -27,7 +27,8 @@ from handoff.service.bodies import openapi_body, parse_body, parse_tag_names, pa
 from handoff.service.disconnect import CLIENT_CLOSED, ClientGone, unless_disconnected
 from handoff.service.errors import InvalidRequest, parse_json_bytes
 from node_sidecar.config import SidecarConfig
-from node_sidecar.control import ControlPlane, DrainLimit
+from node_sidecar.control import ControlPlane
+from node_sidecar.control_drain import DrainLimit
 
 CONTROL_BODIES = [ReleaseBody, ResumeBody, PauseBody, ContinueBody, UpdateWeightsFromDiskBody, AbortBody]
 

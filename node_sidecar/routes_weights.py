@@ -25,7 +25,8 @@ from handoff.protocol.weights import (DEFAULT_GROUP_NAME, DESTROY_GROUP_PATH, IN
 from handoff.service.auth import BearerToken
 from handoff.service.bodies import openapi_body, parse_body
 from node_sidecar.config import SidecarConfig
-from node_sidecar.control import ControlPlane, DrainLimit
+from node_sidecar.control import ControlPlane
+from node_sidecar.control_drain import DrainLimit
 from node_sidecar.errors import WeightSyncBroken
 from node_sidecar.intent import ClusterIntent
 from node_sidecar.node import Node

@@ -1,8 +1,20 @@
-"""Shared fixtures: GPU marker handling and a log directory for real processes."""
+"""Shared fixtures: GPU marker handling, one torch thread in-process, a log directory for real processes."""
 
 from __future__ import annotations
 
 import pytest
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """One torch thread for the engines a test runs in its own process. They share the cores with the other
+    worker and with every engine process the tests start; OpenMP's spinning threads then cost the in-process
+    tests several times their time (`test_interleavings` 2.5 s alone, 10 s beside two busy cores with two
+    threads, 3 s with one; past its 120 s timeout beside the whole suite)."""
+    try:
+        import torch
+    except ImportError:
+        return
+    torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

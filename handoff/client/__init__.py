@@ -30,7 +30,7 @@ Nothing else escapes (``handoff/client/answers.py``): status 0 with
 arrive within the call's timeout, however the server dribbles it) or
 ``incomplete_response``; ``invalid_response`` for a 2xx that is not JSON
 within bounds or longer than ``max_answer_bytes``; ``control_failed`` for a
-control answer that says ``"success": false``. Pointed at one sidecar, a
+control answer that says ``"success": false`` or lists a node that failed. Pointed at one sidecar, a
 control call returns that node's answer as a one-node :class:`FanoutResult`.
 """
 

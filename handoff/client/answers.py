@@ -7,7 +7,8 @@ Rules:
   cap by default) and within the call's deadline, however the server dribbles
   it; past either: ``invalid_response`` / ``timeout``.
 - A 2xx that is not a JSON object within bounds, or a control answer that says
-  ``"success": false``, is an error, never an empty success.
+  ``"success": false`` or lists a node that failed (or not one result per node
+  it counts), is an error, never an empty success.
 - A control call's answer from the LB lists its nodes; a sidecar's own answer
   (the client pointed at one node) is that one node's result.
 - Nothing the server or the network does escapes as another exception type:
@@ -22,7 +23,8 @@ from typing import Any, Mapping
 
 import httpx
 
-from handoff.client.errors import FanoutFailed, FanoutResult, HandoffError, NodeResult, ServiceUnavailable, node_result
+from handoff.client.errors import (MAX_NODES_NAMED, FanoutFailed, FanoutResult, HandoffError, NodeResult,
+                                   ServiceUnavailable, node_result)
 from handoff.service.peer_json import PeerJSONError, loads_bounded
 
 DEFAULT_MAX_ANSWER_BYTES = 256 * 1024 * 1024
@@ -92,13 +94,23 @@ def error_of(status: int, headers: Mapping[str, str], raw: bytes, reason: str = 
         body = {"error": {"type": "http_error", "message": raw[:500].decode("utf-8", "replace")}}
     if status == 502 and isinstance(body, dict) and "failures" in body:
         return FanoutFailed(body)
-    error = body.get("error") if isinstance(body, dict) else None
-    error = error if isinstance(error, dict) else {"message": str(error)[:500]} if error is not None else {}
-    type_ = str(error.get("type", "http_error"))[:100]
-    message = str(error.get("message", reason))[:MAX_ERROR_MESSAGE_CHARS]
+    type_, message = envelope_fields(body.get("error") if isinstance(body, dict) else None, "http_error",
+                                     reason or f"HTTP {status}")
     if status == 503:
         return ServiceUnavailable(503, type_, message, body, retry_after_seconds(headers.get("retry-after")))
     return HandoffError(status, type_, message, body)
+
+
+def envelope_fields(error: Any, default_type: str, default_message: str) -> tuple[str, str]:
+    """``(type, message)`` of an error envelope's ``error`` as a peer sent it: an object's string fields (else the
+    defaults), a bare string as the message; both bounded."""
+    if isinstance(error, dict):
+        kind, message = error.get("type"), error.get("message")
+    else:
+        kind, message = None, error
+    kind = kind if isinstance(kind, str) and kind else default_type
+    message = message if isinstance(message, str) else default_message
+    return kind[:100], message[:MAX_ERROR_MESSAGE_CHARS]
 
 
 def retry_after_seconds(retry_after: str | None) -> float | None:
@@ -135,6 +147,24 @@ def decode(status: int, headers: Mapping[str, str], raw: bytes, *, is_fanout: bo
         return FanoutResult(total=1, results=(NodeResult(node=node, role=str(body.get("role", "")), status=status,
                                                          body=body),))
     results, total = body.get("results"), body.get("total", 0)
-    if not isinstance(results, list) or not all(isinstance(r, dict) for r in results) or not isinstance(total, int):
-        raise HandoffError(status, "invalid_response", "a fan-out answer's results and total are malformed", body)
+    if (not isinstance(results, list) or not all(isinstance(r, dict) for r in results) or not isinstance(total, int)
+            or not results or total != len(results)):
+        raise HandoffError(status, "invalid_response", "a fan-out answer's results and total are malformed (a "
+                                                       "result per node called, at least one)", body)
+    failed = [r for r in results if not _succeeded(r)]
+    if failed:
+        raise HandoffError(status, "control_failed", f"the answer says success, but {len(failed)} of {total} "
+                                                     f"node(s) failed: {_nodes_named(failed)}", body)
     return FanoutResult(total=total, results=tuple(node_result(r) for r in results))
+
+
+def _succeeded(result: dict[str, Any]) -> bool:
+    """Whether one node of a fan-out's results succeeded: a 2xx, no failure ``reason``, no ``"success": false``."""
+    status, body = result.get("status"), result.get("body")
+    return (type(status) is int and 200 <= status < 300 and "reason" not in result
+            and not (isinstance(body, dict) and body.get("success") is False))
+
+
+def _nodes_named(results: list[dict[str, Any]]) -> str:
+    named = ", ".join(str(r.get("node", "?"))[:200] for r in results[:MAX_NODES_NAMED])
+    return named + (f" (and {len(results) - MAX_NODES_NAMED} more)" if len(results) > MAX_NODES_NAMED else "")

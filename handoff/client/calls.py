@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
-from handoff.client.answers import DEFAULT_MAX_ANSWER_BYTES
+from handoff.client.answers import DEFAULT_MAX_ANSWER_BYTES, envelope_fields
 from handoff.client.errors import HandoffError, ServiceUnavailable
 from handoff.protocol.bearer import checked_token
 from handoff.protocol.sse import DONE, EventSplitter, EventTooLarge, event_data
@@ -166,8 +166,7 @@ class _SseDecoder:
             except PeerJSONError as exc:
                 raise HandoffError(200, "invalid_stream", f"an event is not JSON: {exc}") from exc
             if isinstance(event, dict) and "error" in event:
-                error = event["error"] if isinstance(event["error"], dict) else {}
-                raise HandoffError(200, error.get("type", "stream_error"), error.get("message", ""), event)
+                raise HandoffError(200, *envelope_fields(event["error"], "stream_error", "an error event"), event)
             events.append(event)
         return events
 

@@ -32,14 +32,18 @@ VLLM_START_TIMEOUT_S = 600.0
 
 
 def vllm_available(python: str | None = None) -> bool:
-    """Whether ``python`` (default: this interpreter, or ``HANDOFF_VLLM_PYTHON``) can import vLLM."""
+    """Whether ``python`` (default: this interpreter, or ``HANDOFF_VLLM_PYTHON``) can import vLLM; False when it
+    cannot be run at all."""
     python = python or vllm_python()
     if python == sys.executable:
         import importlib.util
 
         return importlib.util.find_spec("vllm") is not None
-    result = subprocess.run([python, "-c", "import importlib.util as u; raise SystemExit(u.find_spec('vllm') is None)"],
-                            capture_output=True, timeout=60)
+    check = "import importlib.util as u; raise SystemExit(u.find_spec('vllm') is None)"
+    try:
+        result = subprocess.run([python, "-c", check], capture_output=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):  # not a program, not runnable, or hung: no vLLM to be had from it
+        return False
     return result.returncode == 0
 
 

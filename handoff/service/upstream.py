@@ -63,13 +63,12 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
-from collections import deque
-from typing import Callable, Iterable, Mapping
+from typing import Iterable, Mapping
 
-from handoff.service.http1 import Connection, ConnState
 from handoff.service.http1_parser import DEFAULT_MAX_FIELDS, DEFAULT_MAX_HEAD_BYTES
-from handoff.service.http1_request import Headers, Origin, encode_head, split_url
+from handoff.service.http1_request import Headers, encode_head, split_url
 from handoff.service.upstream_pending import PendingRequest
+from handoff.service.upstream_pool import ConnectionPool
 from handoff.service.upstream_response import UpstreamResponse
 from handoff.service.upstream_errors import (
     ClientClosed,
@@ -140,25 +139,21 @@ class UpstreamClient:
         if max_head_bytes < 1024 or max_header_fields < 1:
             raise ValueError(f"max_head_bytes must be >= 1024 and max_header_fields >= 1, "
                              f"got {max_head_bytes} and {max_header_fields}")
-        self.max_idle_per_origin = max_idle_per_origin
-        self.max_idle_s = max_idle_s
-        self.connect_timeout_s = connect_timeout_s
-        self.max_head_bytes = max_head_bytes
-        self.max_header_fields = max_header_fields
         self.state = ClientState.OPEN
         self._loop = asyncio.get_running_loop()
-        self._idle: dict[str, deque[Connection]] = {}
-        self._conns: set[Connection] = set()
+        self._pool = ConnectionPool(self._loop, self._write, max_idle_per_origin=max_idle_per_origin,
+                                    max_idle_s=max_idle_s, connect_timeout_s=connect_timeout_s,
+                                    max_head_bytes=max_head_bytes, max_header_fields=max_header_fields)
         self._held_writes: list[tuple[asyncio.Transport, bytes]] | None = None  # during start_many
 
     @property
     def num_connections(self) -> int:
         """Open connections, busy or idle."""
-        return len(self._conns)
+        return self._pool.num_connections
 
     @property
     def num_idle(self) -> int:
-        return sum(len(pool) for pool in self._idle.values())
+        return self._pool.num_idle
 
     async def request(self, method: str, url: str, *, headers: Headers | None = None, body: bytes = b"",
                       timeout: float | None = None) -> UpstreamResponse:
@@ -238,80 +233,14 @@ class UpstreamClient:
         except InvalidHeader as exc:
             exc.url = url
             raise
-        return PendingRequest(method, url, origin, head, body, deadline, take_idle=self._take_idle,
-                              connect=self._connect, release=self._release, connect_now=connect_now,
+        pool = self._pool
+        return PendingRequest(method, url, origin, head, body, deadline, take_idle=pool.take_idle,
+                              connect=pool.connect, release=pool.release, connect_now=connect_now,
                               answer_caps=answer_caps)
-
-    def _take_idle(self, origin: Origin) -> Connection | None:
-        """A pooled connection to ``origin`` still fit for use, marked busy; None when there is none."""
-        pool = self._idle.get(origin.host_header)
-        if pool:
-            now = self._loop.time()
-            while pool:
-                conn = pool.pop()
-                if conn.is_fresh_enough(now, self.max_idle_s):
-                    conn.mark_busy()
-                    return conn
-                conn.close()
-        return None
-
-    async def _connect(self, origin: Origin, url: str, deadline: float | None) -> Connection:
-        connect = self._loop.create_connection(self._new_connection(origin), origin.host, origin.port)
-        now = self._loop.time()
-        connect_deadline = deadline
-        is_connect_timeout_first = False
-        if self.connect_timeout_s is not None and (deadline is None or now + self.connect_timeout_s < deadline):
-            connect_deadline = now + self.connect_timeout_s
-            is_connect_timeout_first = True
-        try:
-            if connect_deadline is None:
-                _, conn = await connect
-            else:
-                _, conn = await asyncio.wait_for(connect, max(0.0, connect_deadline - now))
-        except asyncio.TimeoutError as exc:
-            if is_connect_timeout_first:
-                raise ConnectTimedOut(f"cannot connect to {origin.host_header}: no connection within "
-                                      f"{self.connect_timeout_s:g} s", url=url) from exc
-            raise TimedOutConnecting(f"connecting to {origin.host_header} timed out", url=url) from exc
-        except OSError as exc:
-            raise ConnectFailed(f"cannot connect to {origin.host_header}: {exc.strerror or exc}",
-                                url=url) from exc
-        except (ValueError, OverflowError) as exc:  # what the resolver or socket layer refuses to look up
-            raise InvalidURL(f"cannot connect to {origin.host_header}: {exc}", url=url) from exc
-        if self.state is not ClientState.OPEN:
-            conn.close()
-            raise ClientClosed(f"client is {self.state.value}", url=url)
-        self._conns.add(conn)
-        return conn
-
-    def _new_connection(self, origin: Origin) -> Callable[[], Connection]:
-        return lambda: Connection(origin, self._loop, self._forget, max_head_bytes=self.max_head_bytes,
-                                  max_fields=self.max_header_fields, write=self._write)
-
-    def _release(self, conn: Connection) -> None:
-        """Return a connection whose exchange completed cleanly to its pool (or close it)."""
-        if (self.state is not ClientState.OPEN or conn.state is not ConnState.BUSY or not conn.is_keep_alive
-                or conn.transport is None or conn.transport.is_closing()):
-            conn.close()
-            return
-        pool = self._idle.setdefault(conn.origin.host_header, deque())
-        if len(pool) >= self.max_idle_per_origin:
-            conn.close()
-            return
-        conn.mark_idle()
-        pool.append(conn)
-
-    def _forget(self, conn: Connection) -> None:
-        self._conns.discard(conn)
-        pool = self._idle.get(conn.origin.host_header)
-        if pool and conn in pool:
-            pool.remove(conn)
 
     async def aclose(self) -> None:
         """Close every connection; requests in flight fail with :class:`ConnectionDropped`."""
         if self.state is ClientState.CLOSED:
             return
         self.state = ClientState.CLOSED
-        for conn in list(self._conns):
-            conn.close()
-        self._idle.clear()
+        self._pool.close()

@@ -1,4 +1,5 @@
-"""Building blocks of the Llama/Qwen2 forward pass.
+"""Building blocks of the Llama/Qwen2 forward pass: RMSNorm, attention over the token-slot KV pool
+(``AttentionBatch``), the MLP (their projections: ``projection.py``; the rotary table: ``rotary.py``).
 
 Parameters are created with ``torch.empty`` on the target device and dtype (no
 random init): the loader fills them, and the engine allocates them inside the
@@ -12,103 +13,14 @@ arithmetic.
 
 from __future__ import annotations
 
-import itertools
-import math
-import weakref
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from node_engine.model.arch import Llama3RopeScaling
-
-# On CPU in float32, oneDNN's GEMM beats MKL's sgemm on large weight matrices (1.4-2x for the
-# ~100M model of docs/benchmarks.md, at every batch size) and loses on small ones (up to 1.8x
-# slower on builtin:tiny's), where a call's fixed cost dominates.
-ONEDNN_MIN_WEIGHT_NUMEL = 1 << 19
-
-
-def _find_onednn_linear() -> Callable[..., torch.Tensor] | None:
-    if not torch.backends.mkldnn.is_available():
-        return None
-    return getattr(torch.ops.mkldnn, "_linear_pointwise", None)
-
-
-_ONEDNN_LINEAR = _find_onednn_linear()
-
-# oneDNN projections by id, for ``handoff::onednn_project`` (weak: a dropped model frees its weights).
-_ONEDNN_PROJECTIONS: weakref.WeakValueDictionary[int, Projection] = weakref.WeakValueDictionary()
-_projection_ids = itertools.count()
-
-
-@torch.library.custom_op("handoff::onednn_project", mutates_args=())
-def onednn_project(x: torch.Tensor, projection_id: int) -> torch.Tensor:
-    """A oneDNN projection as one opaque op, for ``torch.compile``.
-
-    Inductor lowers oneDNN's linear only for weights frozen into the graph as
-    constants, and a packed weight is an opaque tensor it cannot trace; the
-    weights here change in place (reloads, the memory saver). The compiled
-    graph passes the projection's id instead, and this op runs the eager call.
-    """
-    return _ONEDNN_PROJECTIONS[projection_id].onednn(x)
-
-
-@onednn_project.register_fake
-def _(x: torch.Tensor, projection_id: int) -> torch.Tensor:
-    return x.new_empty((x.shape[0], _ONEDNN_PROJECTIONS[projection_id].weight.shape[0]))
-
-
-def _param(*shape: int, device: torch.device, dtype: torch.dtype) -> nn.Parameter:
-    return nn.Parameter(torch.empty(*shape, device=device, dtype=dtype), requires_grad=False)
-
-
-class Projection:
-    """``x @ weight.T + bias`` for 2-D ``x``, over parameters owned by a module.
-
-    Large CPU float32 weights (at least ``ONEDNN_MIN_WEIGHT_NUMEL`` elements) go
-    through oneDNN when torch has it, everything else through ``F.linear``.
-    While ``packed`` is set (``packing.WeightPacking`` owns it) the product uses
-    that copy of the weight in oneDNN's layout and ``weight`` holds no memory.
-    Under ``torch.compile`` a oneDNN product is one ``handoff::onednn_project``.
-    """
-
-    __slots__ = ("weight", "bias", "is_onednn", "packed", "projection_id", "__weakref__")
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        self.weight = weight
-        self.bias = bias
-        self.packed: torch.Tensor | None = None
-        self.is_onednn = (_ONEDNN_LINEAR is not None and weight.device.type == "cpu"
-                          and weight.dtype == torch.float32 and weight.numel() >= ONEDNN_MIN_WEIGHT_NUMEL)
-        self.projection_id = next(_projection_ids)
-        if self.is_onednn:
-            _ONEDNN_PROJECTIONS[self.projection_id] = self
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.is_onednn:
-            if torch.compiler.is_compiling():
-                return torch.ops.handoff.onednn_project(x, self.projection_id)
-            return self.onednn(x)
-        return F.linear(x, self.weight, self.bias)
-
-    def onednn(self, x: torch.Tensor) -> torch.Tensor:
-        """The oneDNN product, eager: on the packed weight while there is one, else on the plain one."""
-        weight = self.weight if self.packed is None else self.packed
-        return _ONEDNN_LINEAR(x, weight, self.bias, "none", [], "")
-
-
-class Linear(nn.Module):
-    def __init__(self, in_features: int, out_features: int, *, bias: bool, device: torch.device,
-                 dtype: torch.dtype) -> None:
-        super().__init__()
-        self.weight = _param(out_features, in_features, device=device, dtype=dtype)
-        self.bias = _param(out_features, device=device, dtype=dtype) if bias else None
-        self.project = Projection(self.weight, self.bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.project(x)
+from node_engine.model.projection import Linear, _param
+from node_engine.model.rotary import rotate_into
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -128,62 +40,6 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)
-
-
-def rope_inv_freq(head_dim: int, theta: float, scaling: Llama3RopeScaling | None) -> torch.Tensor:
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    if scaling is None:
-        return inv_freq
-    low_freq_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
-    high_freq_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
-    smooth = ((scaling.original_max_position_embeddings / wavelen - scaling.low_freq_factor)
-              / (scaling.high_freq_factor - scaling.low_freq_factor))
-    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
-    is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
-    return torch.where(is_medium, smoothed, scaled)
-
-
-class RotaryTable:
-    """cos/sin for every position up to the context length.
-
-    A small buffer built once and kept outside every memory region: it must
-    survive a release of the weights. ``sin`` carries the sign of
-    ``rotate_half`` (its first half is negated), so applying the rotation needs
-    a ``roll`` of the input instead of a negate-and-concatenate; the products
-    are bitwise those of transformers' ``q * cos + rotate_half(q) * sin``.
-    """
-
-    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: Llama3RopeScaling | None,
-                 *, device: torch.device, dtype: torch.dtype) -> None:
-        inv_freq = rope_inv_freq(head_dim, theta, scaling)
-        positions = torch.arange(max_positions, dtype=torch.int64).float()
-        freqs = torch.outer(positions, inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.head_dim = head_dim
-        self.cos = emb.cos().to(device=device, dtype=dtype)
-        sin = emb.sin()
-        sin[:, :head_dim // 2].neg_()
-        self.sin = sin.to(device=device, dtype=dtype)
-
-    @property
-    def num_positions(self) -> int:
-        return self.cos.shape[0]
-
-    @property
-    def nbytes(self) -> int:
-        return self.cos.nbytes + self.sin.nbytes
-
-    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and signed sin [T, 1, D] of ``positions``, broadcastable over heads."""
-        return (self.cos.index_select(0, positions).unsqueeze(1),
-                self.sin.index_select(0, positions).unsqueeze(1))
-
-
-def rotate_into(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-    """Rotate ``x`` [T, H, D] in place by the [T, 1, D] tables of :meth:`RotaryTable.lookup`."""
-    x.copy_(x * cos + x.roll(x.shape[-1] // 2, -1) * sin)  # not ``out=x``: torch.compile refuses a strided out
 
 
 @dataclass
@@ -276,7 +132,6 @@ class Attention(nn.Module):
         if batch.q_unpad_index is not None:
             out = out.index_select(0, batch.q_unpad_index)
         return out
-
 
     def _attend_each(self, q: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
         """One attention call per sequence: memory in the sum of queries x keys, not in the padded product."""

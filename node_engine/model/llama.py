@@ -13,8 +13,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from node_engine.model.arch import ModelArch
-from node_engine.model.layers import (MLP, Attention, AttentionBatch, Projection, RMSNorm, RotaryTable, _param,
-                                      rms_norm)
+from node_engine.model.layers import MLP, Attention, AttentionBatch, RMSNorm, rms_norm
+from node_engine.model.projection import Projection, _param
+from node_engine.model.rotary import RotaryTable
 
 
 class DecoderLayer(nn.Module):

@@ -40,7 +40,7 @@ from typing import Collection
 import torch
 
 from node_engine.memory.host_heap import trim_host_heap
-from node_engine.model.layers import Projection
+from node_engine.model.projection import Projection
 
 log = logging.getLogger(__name__)
 

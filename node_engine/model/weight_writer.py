@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from node_engine.model.checkpoint_io import CheckpointReader, TensorEntry
-from node_engine.model.layers import Projection
+from node_engine.model.projection import Projection
 from node_engine.model.llama import CausalLM
 from node_engine.model.loader import apply_staged, check_update, stage_update, touched_parameters
 from node_engine.model.packing import WeightPacking

@@ -14,7 +14,7 @@ import json
 import weakref
 from typing import Any
 
-from handoff.service.errors import InvalidRequest, ServiceError
+from handoff.service.errors import InvalidRequest, ServiceError, error_envelope
 from node_engine.engine import Engine
 from node_engine.errors import EngineStopped, MemoryReleased, StepFailed, WeightsNotLoaded
 from node_engine.request import RequestOutput
@@ -59,7 +59,8 @@ def check_prompt_chars(engine: Engine, num_chars: int) -> None:
 
 def check_prompt_ids(engine: Engine, prompt: list[int] | list[list[int]]) -> None:
     """400 for a token-id prompt as long as the context or longer, before its ids are copied and checked again."""
-    lengths = [len(prompt)] if prompt and isinstance(prompt[0], int) else [len(ids) for ids in prompt]  # type: ignore[arg-type]
+    is_one = bool(prompt) and isinstance(prompt[0], int)
+    lengths = [len(prompt)] if is_one else [len(ids) for ids in prompt]  # type: ignore[arg-type]
     engine.gate.check_within_context(max(lengths, default=0))
 
 
@@ -72,6 +73,22 @@ async def tokenize(engine: Engine, texts: list[str]) -> list[list[int]]:
 
 def sse_event(payload: Any) -> bytes:
     return b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n"
+
+
+def generate_error_event(exc: ServiceError) -> bytes:
+    """``/generate``'s stream error event: the envelope with SGLang 0.5.23's ``code`` (the status) beside
+    ``type`` and ``message``, and its ``retryable: false`` on a refusal (``http_server.py`` ``stream_results``)."""
+    fields: dict[str, Any] = {"code": exc.status}
+    if exc.status < 500:
+        fields["retryable"] = False
+    return sse_event(error_envelope(exc.type, exc.message, **{**exc.extra, **fields}))
+
+
+def openai_error(exc: ServiceError) -> ServiceError:
+    """``exc`` with SGLang 0.5.23's ``ErrorResponse`` fields (``object``, ``param``, ``code``: the status) in its
+    ``error`` object beside ``type`` and ``message``: what the ``openai`` client reads as ``code`` and ``param``."""
+    exc.extra = {**exc.extra, "object": "error", "param": None, "code": exc.status}
+    return exc
 
 
 def output_error(output: RequestOutput) -> ServiceError:

@@ -15,7 +15,7 @@ from handoff.service.errors import ServiceError
 from node_engine.engine import Engine
 from node_engine.request import RequestOutput
 from node_engine.server.generate_plan import GeneratePlan
-from node_engine.server.generation import DONE_EVENT, sse_event
+from node_engine.server.generation import DONE_EVENT, openai_error, sse_event
 from node_engine.server.generation_run import (GenerationRun, collect_unless_disconnected, first_unless_disconnected,
                                                stream_with_abort)
 from node_engine.server.openai_bodies import ChatCompletionBody, CompletionBody
@@ -111,7 +111,7 @@ class Answer:
             async for index, out in events:
                 yield chunk(index, out)
         except ServiceError as exc:
-            yield sse_event(exc.envelope()) + DONE_EVENT
+            yield sse_event(openai_error(exc).envelope()) + DONE_EVENT
             return
         if finale is not None:
             for index in sorted(last):

@@ -9,6 +9,7 @@ from typing import Any, AsyncIterator
 from fastapi import APIRouter, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from handoff.protocol import errors as E
 from handoff.protocol.generate_request import GenerateBody
 from handoff.service.bodies import openapi_body, parse_body
 from handoff.service.disconnect import CLIENT_CLOSED, unless_disconnected
@@ -16,7 +17,7 @@ from handoff.service.errors import ServiceError
 from node_engine.engine import Engine
 from node_engine.request import RequestOutput
 from node_engine.server.generate_plan import GeneratePlan, plan_generate
-from node_engine.server.generation import DONE_EVENT, sse_event
+from node_engine.server.generation import DONE_EVENT, generate_error_event, sse_event
 from node_engine.server.generation_run import (GenerationRun, SequenceSpec, collect_unless_disconnected,
                                                first_unless_disconnected, stream_with_abort)
 
@@ -27,13 +28,17 @@ router = APIRouter()
 async def generate(request: Request) -> Response:
     engine: Engine = request.app.state.engine
     body = await parse_body(request, GenerateBody)
-    plan = await unless_disconnected(request, plan_generate(engine, body, request.app.state.images))
-    if not plan.sequences:  # text: [] (SGLang: [], or a stream of only [DONE])
-        if body.stream:
-            return StreamingResponse(iter((DONE_EVENT,)), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
-        return JSONResponse([])
-    run = GenerationRun(engine, plan.sequences, stream=body.stream)
+    try:
+        plan = await unless_disconnected(request, plan_generate(engine, body, request.app.state.images))
+        run = GenerationRun(engine, plan.sequences, stream=body.stream) if plan.sequences else None
+    except ServiceError as exc:
+        # SGLang answers a stream 200 before its tokenizer manager checks the request: a refusal is an error
+        # event, then [DONE]. A 503 stays a status: nothing ran, so the LB may send the request elsewhere.
+        if body.stream and exc.status == E.INVALID_REQUEST.status:
+            return _events(generate_error_event(exc), DONE_EVENT)
+        raise
+    if run is None:  # text: [] (SGLang: [], or a stream of only [DONE])
+        return _events(DONE_EVENT) if body.stream else JSONResponse([])
     if body.stream:
         first = await first_unless_disconnected(request, run)
         if first is None:
@@ -54,6 +59,10 @@ async def generate(request: Request) -> Response:
     if any(spec.logprobs is not None for spec in run.sequences):  # maybe megabytes of JSON: off the loop
         return await asyncio.to_thread(respond)
     return respond()
+
+
+def _events(*events: bytes) -> StreamingResponse:
+    return StreamingResponse(iter(events), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
 def _json(value: Any) -> bytes:
@@ -89,6 +98,6 @@ async def _sse(engine: Engine, run: GenerationRun, first: tuple[AsyncIterator, t
             yield event(index, out)
     except ServiceError as exc:
         # A failure mid-stream ends with an error event, then [DONE], as SGLang's stream_results ends it
-        yield sse_event(exc.envelope()) + DONE_EVENT
+        yield generate_error_event(exc) + DONE_EVENT
         return
     yield DONE_EVENT

@@ -10,7 +10,8 @@ order (a prompt's ``n`` samples next to each other).
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+import functools
+from typing import Any, Awaitable, Callable
 
 from fastapi import APIRouter, Request
 from starlette.responses import JSONResponse, Response
@@ -18,13 +19,13 @@ from starlette.responses import JSONResponse, Response
 from handoff.protocol.generate_request import GenerateBody
 from handoff.protocol.generation import SequenceAnswer, SequenceChunk
 from handoff.service.bodies import openapi_body, parse_body, parse_value
-from handoff.service.errors import InvalidRequest, NotFound
+from handoff.service.errors import InvalidRequest, NotFound, ServiceError
 from handoff.service.peer_json import PeerJSONError, loads_bounded
 from handoff.service.disconnect import unless_disconnected
 from node_engine.engine import Engine
 from node_engine.server.content_parts import refuse_unsupported_parts, template_content
 from node_engine.server.generate_plan import GeneratePlan, plan_generate
-from node_engine.server.generation import check_prompt_chars, check_prompt_ids, max_prompt_chars
+from node_engine.server.generation import check_prompt_chars, check_prompt_ids, max_prompt_chars, openai_error
 from node_engine.server.generation_run import GenerationRun
 from node_engine.server.openai_answer import (Answer, ChatDeltas, continuous_usage_of, finish_fields,
                                               include_usage_of, token_id_fields)
@@ -36,6 +37,19 @@ from node_engine.server.tool_schemas import check_tool_schemas
 from node_engine.chat_template import ChatTemplateError
 
 router = APIRouter()
+
+
+def _sglang_error_fields(handler: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
+    """A generation route whose refusals carry SGLang's ``ErrorResponse`` fields (:func:`openai_error`)."""
+    @functools.wraps(handler)
+    async def route(request: Request) -> Response:
+        try:
+            return await handler(request)
+        except ServiceError as exc:
+            openai_error(exc)
+            raise
+
+    return route
 
 
 async def _plan(request: Request, body: CompletionBody | ChatCompletionBody, prompt: dict[str, Any],
@@ -53,6 +67,7 @@ async def _plan(request: Request, body: CompletionBody | ChatCompletionBody, pro
 
 
 @router.post("/v1/completions", openapi_extra=openapi_body(CompletionBody))
+@_sglang_error_fields
 async def completions(request: Request) -> Response:
     engine: Engine = request.app.state.engine
     body = await parse_body(request, CompletionBody)
@@ -188,6 +203,7 @@ async def _check_tool_schemas(engine: Engine, body: ChatCompletionBody) -> None:
 
 
 @router.post("/v1/chat/completions", openapi_extra=openapi_body(ChatCompletionBody))
+@_sglang_error_fields
 async def chat_completions(request: Request) -> Response:
     engine: Engine = request.app.state.engine
     body = await parse_body(request, ChatCompletionBody,

@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from node_engine.model.layers import RotaryTable
+from node_engine.model.rotary import RotaryTable
 from node_engine.vision.inputs import ImageInput, MultimodalPrompt
 from node_engine.vision.mrope import MropeTable
 from node_engine.vision.processor import ImageProcessor

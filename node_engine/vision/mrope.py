@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
-from node_engine.model.layers import RotaryTable
+from node_engine.model.rotary import RotaryTable
 
 
 def image_positions(start: int, grid: tuple[int, int, int], merge: int) -> torch.Tensor:

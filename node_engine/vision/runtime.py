@@ -19,7 +19,7 @@ from node_engine.config import ConfigError, EngineConfig
 from node_engine.memory.saver import MemorySaver
 from node_engine.model.arch import ModelArch
 from node_engine.model.builtin import BUILTIN_PROCESSOR, is_builtin
-from node_engine.model.layers import RotaryTable
+from node_engine.model.rotary import RotaryTable
 from node_engine.vision.clamp import ImpossibleCap, clamp_processor
 from node_engine.vision.encoder import VisionEncoder
 from node_engine.vision.inputs import ImageInput

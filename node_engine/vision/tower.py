@@ -22,7 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from node_engine.model.layers import Linear, _param, rms_norm
+from node_engine.model.layers import rms_norm
+from node_engine.model.projection import Linear, _param
 from node_engine.vision.arch import VisionArch
 
 Grid = tuple[int, int, int]  # patches: temporal, height, width

@@ -20,7 +20,7 @@ names, so a payload from the network is never unpickled as it is. Here:
   tensor, which maps another process's memory; never keys chosen to collide);
   sets are refused. Memo indices live in a dict, so a claimed index allocates
   nothing (CPython's C unpickler sizes an array by it: 9 bytes asked for 2 GiB).
-- One :class:`~.rebuilds.PayloadBudget` bounds the whole payload, inner
+- One :class:`~.payload_checks.PayloadBudget` bounds the whole payload, inner
   pickles included: pickle operations, shared-memory segments mapped, and the
   caller's deadline (checked as it goes, so a decode given up stops soon).
 
@@ -37,6 +37,7 @@ import pickle
 from struct import error as struct_error
 from typing import Any, Callable
 
+from node_engine.weight_sync.payload_checks import PayloadBudget, UnsafePayload
 from node_engine.weight_sync.rebuilds import (
     ALLOWED_GLOBALS,
     BUILDABLE,
@@ -46,10 +47,8 @@ from node_engine.weight_sync.rebuilds import (
     VALUES,
     FlattenedTensorMetadata,
     LocalSerializedTensor,
-    PayloadBudget,
-    UnsafePayload,
-    storage_filename_rebuild,
 )
+from node_engine.weight_sync.tensor_rebuilds import storage_filename_rebuild
 
 __all__ = ["ALLOWED_GLOBALS", "FlattenedTensorMetadata", "LocalSerializedTensor", "PayloadBudget",
            "RestrictedUnpickler", "UnsafePayload", "restricted_loads"]

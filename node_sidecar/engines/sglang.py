@@ -44,20 +44,17 @@ survives (line numbers: ``sglang/srt/`` of 0.5.23; the fake in
 
 from __future__ import annotations
 
-import asyncio
-import json
 import logging
-import time
 from typing import Any
 
 from handoff.protocol import errors as E
-from handoff.protocol.control import FLUSHED, peer_weight_version
+from handoff.protocol.control import peer_weight_version
 from handoff.protocol.engines import EngineKind
 from handoff.protocol.tags import TAG_NAMES, TagState
-from handoff.service.errors import Conflict, ServiceError
-from handoff.service.peer_json import PeerJSONError, loads_bounded
-from node_sidecar.engines.base import EngineView, MemoryChange, TagMeaning, not_understood, tags_named
+from handoff.service.errors import ServiceError
+from node_sidecar.engines.base import EngineView, MemoryChange, TagMeaning, tags_named
 from node_sidecar.engines.foreign import ForeignEngine
+from node_sidecar.engines.sglang_calls import memory_call, reached_sglang, sglang_call, sglang_not_understood, wait_idle
 from node_sidecar.errors import EngineRefused, EngineUnavailable
 
 IDLE_WAIT_S = 10.0           # how long SGLang may take to look idle once the sidecar drained it
@@ -122,12 +119,12 @@ class SglangEngine(ForeignEngine):
         change: dict[str, int] = {}
         measured_by = None
         if engine_tags:
-            await self._wait_idle(IDLE_WAIT_S)
+            await wait_idle(self.engine, IDLE_WAIT_S)
             try:
                 _, change, measured_by = await self.measured(
-                    lambda: self._memory_call("/release_memory_occupation", engine_tags), engine_tags)
+                    lambda: memory_call(self.engine, "/release_memory_occupation", engine_tags), engine_tags)
             except EngineUnavailable as exc:
-                if _reached_sglang(exc):  # it will release them: never to be released twice
+                if reached_sglang(exc):  # it will release them: never to be released twice
                     self.released.update(tags)
                 raise
         self.released.update(tags)
@@ -140,29 +137,15 @@ class SglangEngine(ForeignEngine):
         if engine_tags:
             try:
                 _, change, measured_by = await self.measured(
-                    lambda: self._memory_call("/resume_memory_occupation", engine_tags), engine_tags, restoring=True)
+                    lambda: memory_call(self.engine, "/resume_memory_occupation", engine_tags), engine_tags,
+                    restoring=True)
             except EngineUnavailable as exc:
-                if _reached_sglang(exc):  # it will resume them: never to be resumed twice
+                if reached_sglang(exc):  # it will resume them: never to be resumed twice
                     self._resumed(tags, engine_tags)
                 raise
         self._resumed(tags, engine_tags)
         await self._send_pending_continue()
         return MemoryChange(tags, change, measured_by, weights_valid=not self.weights_garbage)
-
-    async def _memory_call(self, path: str, engine_tags: list[str]) -> None:
-        """SGLang's release and resume answer 200 ``null`` (``http_server.py:1575-1596``) and 400 ``{"error":
-        {"message"}}`` when they failed (2246-2250). Any other answer (a proxy's page, a 5xx) is not SGLang's word
-        that it ran: a 502 naming SGLang, nothing taken as done (as for a redirect)."""
-        response, raw = await self.engine.exchange("POST", path, {"tags": engine_tags})
-        if 200 <= response.status < 300 and raw.strip() in (b"", b"null"):
-            return
-        error = _json_object(raw).get("error")
-        if response.status == 400 and isinstance(error, dict) and isinstance(error.get("message"), str):
-            raise EngineRefused(400, {"error": {"type": E.INVALID_REQUEST.name,
-                                                "message": f"SGLang {path}: {error['message']}"}})
-        if response.status < 400:
-            raise _not_understood(path, f"{response.status} ({_quoted(raw)!r}) where SGLang answers null")
-        raise _failed(path, response.status, raw)
 
     def _resumed(self, tags: list[str], engine_tags: list[str]) -> None:
         self.released.difference_update(tags)
@@ -197,9 +180,9 @@ class SglangEngine(ForeignEngine):
             self.updated_since_garbage = True
             return {**answer, "weights_valid": not self.weights_garbage}
         try:
-            answer = await self._sglang_call(path, body)
+            answer = await sglang_call(self.engine, path, body)
         except EngineUnavailable as exc:
-            if path in SESSION_CALLS and _reached_sglang(exc):  # it runs them in order, answered or not
+            if path in SESSION_CALLS and reached_sglang(exc):  # it runs them in order, answered or not
                 self.is_session_open = path == "/begin_weight_update"
             raise
         if path == "/begin_weight_update":
@@ -212,7 +195,7 @@ class SglangEngine(ForeignEngine):
             return {**answer, "weights_valid": not self.weights_garbage}
         elif path == "/update_weight_version" and "new_version" in answer and not isinstance(
                 answer["new_version"], str):
-            raise _not_understood(path, "a new_version that is not a string")
+            raise sglang_not_understood(path, "a new_version that is not a string")
         return answer
 
     async def _update(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -221,7 +204,7 @@ class SglangEngine(ForeignEngine):
         if WEIGHTS in self.released:
             await self.resume([WEIGHTS])
             resumed.append(WEIGHTS)
-        answer = {**await self._sglang_call(path, body, resumed=resumed), "success": True, "resumed": resumed}
+        answer = {**await sglang_call(self.engine, path, body, resumed=resumed), "success": True, "resumed": resumed}
         version = body.get("weight_version")
         if version is None:  # SGLang kept its version: read, as a refresh
             try:
@@ -231,30 +214,10 @@ class SglangEngine(ForeignEngine):
                 return answer
         return {**answer, "weight_version": version if isinstance(version, str) else None}
 
-    async def _sglang_call(self, path: str, body: dict[str, Any], *, resumed: list[str] | None = None,
-                           acknowledged: tuple[str, object] = ("success", True)) -> dict[str, Any]:
-        """SGLang's weight calls answer ``{"success", "message", ...}``, 400 when they failed; its pause and continue
-        ``{"message", "status": "ok"}`` (``acknowledged``: the field and value a 2xx must have to be its answer)."""
-        response, raw = await self.engine.exchange("POST", path, body)
-        answer = _json_object(raw)
-        key, value = acknowledged
-        is_2xx = 200 <= response.status < 300
-        if is_2xx and type(answer.get(key)) is type(value) and answer[key] == value:
-            return answer
-        if response.status == 400 and answer:  # SGLang's own refusal (a JSON object, 400 in 0.5.23 for every
-            # failed weight call: http_server.py:1300-1557), passed on with its message
-            raise EngineRefused(400, {"error": {
-                "type": E.INVALID_REQUEST.name, "message": f"SGLang {path}: {answer.get('message', _quoted(raw))}",
-                **({"resumed": resumed} if resumed else {})}})
-        if response.status < 400:  # not SGLang's answer (a 2xx without its word, a proxy's redirect)
-            raise _not_understood(path, f"{response.status} without {json.dumps({key: value})[1:-1]} "
-                                        f"({_quoted(raw)})", resumed)
-        raise _failed(path, response.status, raw, resumed)
-
     async def pause(self, mode: str) -> dict[str, Any]:
         """SGLang's own ``retract`` / ``in_place`` pause; a release under it waits for SGLang to look idle (the
         idle barrier), which ``in_place`` requests holding their KV prevent: 409, nothing released."""
-        return await self._sglang_call("/pause_generation", {"mode": mode}, acknowledged=ACKNOWLEDGED)
+        return await sglang_call(self.engine, "/pause_generation", {"mode": mode}, acknowledged=ACKNOWLEDGED)
 
     async def continue_generation(self, *, torch_empty_cache: bool) -> dict[str, Any]:
         """Sent now, or held back while a tag is released or the weights are garbage (module docstring)."""
@@ -262,8 +225,8 @@ class SglangEngine(ForeignEngine):
             self.pending_continue = torch_empty_cache
             return {"held_back": True}
         self.pending_continue = None
-        return await self._sglang_call("/continue_generation", {"torch_empty_cache": torch_empty_cache},
-                                       acknowledged=ACKNOWLEDGED)
+        return await sglang_call(self.engine, "/continue_generation", {"torch_empty_cache": torch_empty_cache},
+                                 acknowledged=ACKNOWLEDGED)
 
     async def _send_pending_continue(self) -> None:
         if self.pending_continue is not None and not self.released and not self.weights_garbage:
@@ -276,54 +239,5 @@ class SglangEngine(ForeignEngine):
         return None
 
     async def flush_cache(self, timeout: float) -> dict[str, Any]:
-        message = await self._wait_idle(timeout)
+        message = await wait_idle(self.engine, timeout)
         return {"success": True, "message": message}
-
-    async def _wait_idle(self, timeout: float) -> str:
-        """``POST /flush_cache`` until SGLang flushes (it does only when idle), at most ``timeout`` seconds."""
-        deadline = time.monotonic() + timeout
-        delay = 0.02
-        while True:
-            response, raw = await self.engine.exchange("POST", "/flush_cache", timeout=max(1.0, timeout))
-            text = raw[:300].decode("utf-8", "replace").strip()
-            if 200 <= response.status < 300 and text.startswith(FLUSHED):
-                return text
-            if response.status != 400:  # not SGLang's answer (a proxy's page, an error page): no word that it is idle
-                raise EngineRefused(502, {"error": {"type": E.UPSTREAM_ERROR.name, "message": (
-                    f"SGLang answered /flush_cache with {response.status} {text[:200]!r}: not SGLang's answer, so it "
-                    "is not known to have flushed or to be idle (a release waiting for it is not sent)")}})
-            if time.monotonic() + delay > deadline:
-                raise Conflict(f"SGLang still has requests pending after {timeout:g}s (its /flush_cache: {text!r}); "
-                               "nothing was released", kind=E.REQUESTS_IN_FLIGHT)
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 0.5)
-
-
-def _reached_sglang(exc: EngineUnavailable) -> bool:
-    """SGLang got the call (it timed out, or the connection dropped) and is not gone: it will run it."""
-    return exc.extra.get("sent") is not False and not exc.extra.get("engine_died")
-
-
-def _failed(path: str, status: int, raw: bytes, resumed: list[str] | None = None) -> EngineRefused:
-    """An error answer that is not SGLang's refusal of the call (a 5xx, a 400 without its JSON, a 401 for the
-    sidecar's own key): the peer failed, not the client: 502 naming SGLang and its status."""
-    return EngineRefused(E.UPSTREAM_ERROR.status, {"error": {
-        "type": E.UPSTREAM_ERROR.name, "engine_status": status, **({"resumed": resumed} if resumed else {}),
-        "message": f"SGLang answered {path} with {status} ({_quoted(raw)!r}): the call failed in SGLang or on the "
-                   "way to it, so what it did is not known"}})
-
-
-def _quoted(raw: bytes) -> str:
-    return raw[:200].decode("utf-8", "replace")
-
-
-def _not_understood(path: str, what: str, resumed: list[str] | None = None) -> EngineRefused:
-    return not_understood("SGLang", path, what, **({"resumed": resumed} if resumed else {}))
-
-
-def _json_object(raw: bytes) -> dict[str, Any]:
-    try:
-        value = loads_bounded(raw) if raw else {}
-    except PeerJSONError:
-        return {}
-    return value if isinstance(value, dict) else {}

@@ -21,15 +21,24 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from handoff.protocol import errors as E
 from handoff.protocol.generation import finish_abort, finish_length, finish_stop
 from handoff.protocol.sse import DEFAULT_MAX_EVENT_BYTES, DONE, EventSplitter, data_event, event_data
 from handoff.service.errors import ServiceError
-from handoff.service.peer_json import PeerJSONError, loads_bounded
 from handoff.service.relay import ChunkTransform, sse_error_event
+from node_sidecar.engines.vllm_choice import (
+    MALFORMED,
+    ChoiceState,
+    MalformedChoice,
+    peer_object,
+    prompt_logprob,
+    prompt_top,
+    read_choice_index,
+    top_rows,
+)
 from node_sidecar.engines.vllm_versions import ServedVersions, VersionTrail
 
 
@@ -51,40 +60,6 @@ class GenerateRequest:
 # the most a stream's choices may hold put together (the data of the events read): SGLang's events each repeat the
 # whole answer so far, so one answer past an event's bound could not be relayed anyway
 MAX_STREAM_ANSWER_BYTES = DEFAULT_MAX_EVENT_BYTES
-
-
-@dataclass
-class ChoiceState:
-    """One prompt's answer so far (a stream's pieces put together)."""
-
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    prompt_token_ids: list[int] = field(default_factory=list)
-    token_logprobs: list[float] = field(default_factory=list)
-    top_logprobs: list[dict[str, float] | None] = field(default_factory=list)
-    prompt_logprobs: list[Any] | None = None
-    finish_reason: str | None = None
-    stop_reason: Any = None
-    trail: VersionTrail | None = None  # the versions its tokens were made under (the translator's)
-
-    def add(self, choice: dict[str, Any]) -> None:
-        """One choice (or a stream's piece of it) added; :class:`MalformedChoice` for a field of the wrong type."""
-        self.text += _typed(choice, "text", str) or ""
-        self.token_ids += _token_list(choice, "token_ids")
-        if choice.get("prompt_token_ids"):
-            self.prompt_token_ids = _token_list(choice, "prompt_token_ids")
-        if choice.get("prompt_logprobs") is not None:
-            self.prompt_logprobs = list(_typed(choice, "prompt_logprobs", list))
-        logprobs = choice.get("logprobs")
-        if isinstance(logprobs, dict):
-            self.token_logprobs += _typed(logprobs, "token_logprobs", list) or []
-            self.top_logprobs += _typed(logprobs, "top_logprobs", list) or []
-        if choice.get("finish_reason") is not None:
-            self.finish_reason = _typed(choice, "finish_reason", str)
-            stop_reason = choice.get("stop_reason")
-            if stop_reason is not None and (not isinstance(stop_reason, (int, str)) or isinstance(stop_reason, bool)):
-                raise MalformedChoice(f"stop_reason is {type(stop_reason).__name__}, not a token id or a string")
-            self.stop_reason = stop_reason
 
 
 class Translator:
@@ -110,7 +85,7 @@ class Translator:
     def answer(self, raw: bytes) -> bytes:
         """A whole (non-stream) answer; 502 ``upstream_error`` if the engine's cannot be read."""
         try:
-            completion = _peer_object(raw)
+            completion = peer_object(raw)
         except ValueError as exc:
             raise ServiceError(str(exc), kind=E.UPSTREAM_ERROR) from exc
         choices = completion.get("choices")
@@ -127,7 +102,7 @@ class Translator:
             if len(states) != self.request.num_choices:
                 raise MalformedChoice(f"{len(states)} choice(s), not the {self.request.num_choices} asked for")
             results = [self.result(index, states[index]) for index in sorted(states)]
-        except _MALFORMED as exc:
+        except MALFORMED as exc:
             raise ServiceError(f"the engine's completion cannot be read: {exc}", kind=E.UPSTREAM_ERROR) from exc
         return json.dumps(results if self.request.is_batch else results[0]).encode()
 
@@ -135,7 +110,7 @@ class Translator:
         """A choice's index, checked to be one the request asked for; :class:`MalformedChoice` otherwise."""
         if not isinstance(choice, dict):
             raise MalformedChoice(f"a choice is {type(choice).__name__}, not an object")
-        index = _choice_index(choice)
+        index = read_choice_index(choice)
         if index >= self.request.num_choices:
             raise MalformedChoice(f"a choice's index is {index}, past the {self.request.num_choices} asked for")
         return index
@@ -191,16 +166,16 @@ class Translator:
         out: dict[str, Any] = {"output_token_logprobs": [
             [lp, token, None] for lp, token in zip(state.token_logprobs, state.token_ids)]}
         if self.request.top_logprobs_num > 0:
-            out["output_top_logprobs"] = [_top(row, self.request.top_logprobs_num) for row in state.top_logprobs]
+            out["output_top_logprobs"] = [top_rows(row, self.request.top_logprobs_num) for row in state.top_logprobs]
         start = self.request.logprob_start_len
         if start >= 0:
             prompt = state.prompt_token_ids
             rows = list(state.prompt_logprobs or [])
             rows += [None] * (len(prompt) - len(rows))  # a short list: the missing positions have none
             out["input_token_logprobs"] = [
-                [_prompt_logprob(rows[i], token), token, None] for i, token in enumerate(prompt) if i >= start]
+                [prompt_logprob(rows[i], token), token, None] for i, token in enumerate(prompt) if i >= start]
             if self.request.top_logprobs_num > 0:
-                out["input_top_logprobs"] = [_prompt_top(rows[i], self.request.top_logprobs_num)
+                out["input_top_logprobs"] = [prompt_top(rows[i], self.request.top_logprobs_num)
                                              for i in range(len(prompt)) if i >= start]
         return out
 
@@ -247,7 +222,7 @@ class _StreamTranslator(ChunkTransform):
         if self.read_bytes > MAX_STREAM_ANSWER_BYTES:
             return self._failed(f"the engine's stream holds more than {MAX_STREAM_ANSWER_BYTES} bytes of answer")
         try:
-            chunk = _peer_object(data)
+            chunk = peer_object(data)
         except ValueError as exc:
             return self._failed(f"the engine's stream cannot be read: {exc}")
         choices = chunk.get("choices")
@@ -265,76 +240,6 @@ class _StreamTranslator(ChunkTransform):
                 if self.translator.request.is_batch:
                     result["index"] = index
                 out.append(data_event(json.dumps(result).encode()))
-        except _MALFORMED as exc:
+        except MALFORMED as exc:
             return self._failed(f"the engine's stream cannot be read: {exc}")
         return b"".join(out)
-
-
-class MalformedChoice(ValueError):
-    """A choice of the engine's answer holds a field of the wrong type."""
-
-
-MAX_TOKEN_ID = 2**31  # a vocabulary's ids fit an int32
-# what reading a malformed answer raises (the helpers below, and a value of an unexpected type met on the way)
-_MALFORMED = (MalformedChoice, TypeError, ValueError, AttributeError)
-
-
-def _typed(mapping: dict[str, Any], key: str, kind: type) -> Any:
-    value = mapping.get(key)
-    if value is not None and not isinstance(value, kind):
-        raise MalformedChoice(f"{key} is {type(value).__name__}, not {kind.__name__}")
-    return value
-
-
-def _token_list(choice: dict[str, Any], key: str) -> list[int]:
-    values = _typed(choice, key, list) or []
-    if not all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < MAX_TOKEN_ID for v in values):
-        raise MalformedChoice(f"{key} holds something other than token ids")
-    return list(values)
-
-
-def _choice_index(choice: dict[str, Any]) -> int:
-    index = choice.get("index", 0)
-    if not isinstance(index, int) or isinstance(index, bool) or index < 0:
-        raise MalformedChoice(f"a choice's index is {index!r}")
-    return index
-
-
-def _peer_object(raw: bytes) -> dict[str, Any]:
-    try:
-        value = loads_bounded(raw)
-    except PeerJSONError as exc:
-        raise ValueError(f"the engine's answer is not JSON: {exc}") from exc
-    if not isinstance(value, dict):
-        raise ValueError("the engine's answer is not a JSON object")
-    return value
-
-
-def _token_id(key: str) -> int | None:
-    """``token_id:123`` (``return_tokens_as_token_ids``) → 123."""
-    prefix, _, number = key.partition(":")
-    return int(number) if prefix == "token_id" and number.isdigit() else None
-
-
-def _top(row: dict[str, float] | None, num: int) -> list[list[Any]] | None:
-    """The ``num`` likeliest tokens at an output position (vLLM's row may hold the sampled token as one more)."""
-    if not row or not isinstance(row, dict):
-        return None
-    pairs = [(lp, _token_id(key)) for key, lp in row.items() if isinstance(lp, (int, float))]
-    return [[lp, token, None] for lp, token in sorted(pairs, key=lambda p: -p[0]) if token is not None][:num]
-
-
-def _prompt_logprob(row: Any, token: int) -> float | None:
-    if not isinstance(row, dict):
-        return None
-    entry = row.get(str(token))
-    return entry.get("logprob") if isinstance(entry, dict) else None
-
-
-def _prompt_top(row: Any, num: int) -> list[list[Any]] | None:
-    """The ``num`` likeliest tokens at a prompt position (vLLM's row also holds the actual token, at its rank)."""
-    if not isinstance(row, dict):
-        return None
-    ranked = sorted(((entry.get("rank", 0), int(key), entry.get("logprob")) for key, entry in row.items()
-                     if isinstance(entry, dict) and key.isdigit()), key=lambda r: r[0])
-    return [[lp, tok, None] for rank, tok, lp in ranked if rank <= num][:num]

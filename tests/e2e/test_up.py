@@ -3,6 +3,7 @@ stopped (SIGTERM, SIGHUP, SIGKILL, Ctrl-C while starting); bad flags are one lin
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import fcntl
@@ -126,6 +127,7 @@ BAD_FLAGS = [  # (the flag the message must name, the arguments, the environment
     ("--model", ["demo", "--model", "builtin:TINY"], {}),
     ("--admin-token", ["up", "--admin-token", " "], {}),
     ("--api-key", ["up"], {"HANDOFF_API_KEY": "t\u00f6k"}),
+    ("HANDOFF_VLLM_PYTHON", ["up", "--engine-kind", "vllm"], {"HANDOFF_VLLM_PYTHON": "/nonexistent/python"}),
 ]
 
 
@@ -160,6 +162,37 @@ def test_a_log_folder_another_cluster_holds_is_refused_before_anything_starts(co
     assert done.returncode == 2, done.stdout[-500:] + done.stderr[-500:]
     assert "in use by another handoff cluster (pid 4242)" in done.stderr, done.stderr
     assert not list(logs.glob("*.log"))  # nothing was started
+
+
+@pytest.mark.parametrize("kind", ["folder", "fifo"])
+def test_a_lock_file_that_cannot_be_one_is_refused_in_a_line(kind: str, tmp_path: Path) -> None:
+    """A log folder whose lock file is a folder or a FIFO (a FIFO's open would wait for a writer) is exit 2
+    naming --log-dir, not a traceback."""
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / LOCK_FILE).mkdir() if kind == "folder" else os.mkfifo(logs / LOCK_FILE)
+    stderr = assert_refused_at_start(["handoff", "up", "--nodes", "1", "--log-dir", str(logs)], "--log-dir")
+    assert LOCK_FILE in stderr and not list(logs.glob("*.log"))  # nothing was started
+
+
+def test_ctrl_c_while_checking_for_vllm_exits_130_without_a_traceback(tmp_path: Path) -> None:
+    """The check that HANDOFF_VLLM_PYTHON can import vLLM may take a minute; Ctrl-C during it ends the command
+    as Ctrl-C ends a start (130), not in a KeyboardInterrupt traceback."""
+    marker = tmp_path / "checking"
+    python = tmp_path / "python"
+    python.write_text(f"#!/bin/sh\ntouch {marker}\nexec sleep 60\n")
+    python.chmod(0o755)
+    proc = subprocess.Popen([sys.executable, "-m", "handoff", "up", "--engine-kind", "vllm"], cwd=REPO_ROOT,
+                            env={**os.environ, "HANDOFF_VLLM_PYTHON": str(python)}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        wait_until(marker.exists, timeout=30, what="the vLLM check running")
+        proc.send_signal(signal.SIGINT)
+        _, stderr = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130 and "Traceback" not in stderr and "interrupted" in stderr, stderr
 
 
 def test_a_second_ctrl_c_kills_what_is_still_stopping(tmp_path: Path) -> None:

@@ -345,3 +345,64 @@ def test_a_redirect_is_an_error_not_followed(server) -> None:
     with HandoffClient(server.url, admin_token="adm") as client:
         error = error_of(client.release)
     assert error.status == 307 and error.type == "http_error"
+
+
+OK_NODE = {"node": "http://a", "role": "mixed", "status": 200, "body": {"success": True}}
+FAILED_IN_A_200 = {  # a 200 fan-out answer whose results do not all say the node succeeded
+    "a node's 500": [OK_NODE, {"node": "http://b", "role": "mixed", "status": 500, "body": None}],
+    "a node's success false": [OK_NODE, {"node": "http://b", "role": "mixed", "status": 200,
+                                         "body": {"success": False, "message": "not released"}}],
+    "a failure's reason": [OK_NODE, {"node": "http://b", "role": "mixed", "reason": "timeout", "error": "late"}],
+    "no status": [OK_NODE, {"node": "http://b", "role": "mixed", "body": {}}],
+}
+
+
+@pytest.mark.parametrize("results", FAILED_IN_A_200.values(), ids=FAILED_IN_A_200.keys())
+def test_a_200_that_lists_a_failed_node_is_never_a_success(server, results: list[dict]) -> None:
+    """The LB answers 200 only when every node succeeded: a 200 listing a node that did not is refused, naming
+    it, by both clients, rather than taken for the call's success."""
+    answer = {"body": {"success": True, "total": len(results), "results": results}}
+    script(server, answer)
+    with HandoffClient(server.url) as client:
+        error = error_of(client.release)
+    assert error.type == "control_failed" and "http://b" in error.message and "http://a" not in error.message, error
+
+    async def run() -> HandoffError:
+        async with AsyncHandoffClient(server.url) as client:
+            with pytest.raises(HandoffError) as info:
+                await client.resume()
+        return info.value
+    script(server, answer)
+    assert asyncio.run(run()).type == "control_failed"
+
+
+@pytest.mark.parametrize("body", [{"success": True, "total": 3, "results": [OK_NODE]},
+                                  {"success": True, "total": 0, "results": []}], ids=["total 3 of 1", "no node"])
+def test_a_200_whose_results_do_not_cover_its_nodes_is_invalid(server, body: dict) -> None:
+    """A result per node called, at least one: a release answered for no node, or for fewer nodes than it counts,
+    released nothing that can be shown."""
+    script(server, {"body": body})
+    with HandoffClient(server.url) as client:
+        assert error_of(client.release).type == "invalid_response"
+
+
+@pytest.mark.parametrize(("event", "kind", "message"), [
+    ({"error": "the engine died"}, "stream_error", "the engine died"),
+    ({"error": {"type": 5, "message": {"nested": True}}}, "stream_error", "an error event"),
+    ({"error": {"type": "invalid_request_error", "message": "bad"}}, "invalid_request_error", "bad"),
+])
+def test_a_streams_error_event_is_read_whatever_its_shape(server, event: dict, kind: str, message: str) -> None:
+    """An error event's type and message are strings (a peer's other values are not carried as them), and a
+    bare string is its message, never dropped."""
+    script(server, {"raw": f"data: {json.dumps(event)}\n\ndata: [DONE]\n\n",
+                    "headers": {"Content-Type": "text/event-stream"}})
+    with HandoffClient(server.url) as client:
+        error = error_of(lambda: list(client.stream_generate("x")))
+    assert (error.type, error.message) == (kind, message)
+
+
+def test_an_error_envelopes_odd_fields_are_not_carried_as_text(server) -> None:
+    script(server, {"status": 500, "body": {"error": {"type": {"x": 1}, "message": None}}})
+    with HandoffClient(server.url) as client:
+        error = error_of(lambda: client.generate("x"))
+    assert (error.status, error.type, error.message) == (500, "http_error", "HTTP 500")

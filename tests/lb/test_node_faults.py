@@ -170,6 +170,28 @@ def test_every_admission_refusal_moves_the_request(fakes: FakeCluster, start_lb,
     assert lb.node(refusing.url)["routable"] is False
 
 
+def test_every_node_refusing_a_pin_is_a_503_naming_what_each_said(module_fakes: FakeCluster, shared_lb: LB) -> None:
+    """Found by review: the 503 named each node tried by its last recorded error, which a refused pin does not
+    record: the client read "tried: failed", or an error of another request long past, for "not on your
+    version"."""
+    stale, fresh = module_fakes.start(2)
+    set_members(shared_lb, stale.url)
+    stale.handlers["/generate"] = drop()
+    assert shared_lb.http.post("/generate", json={"text": "x"}).status_code == 502  # an old error on record
+    assert "closed the connection" in shared_lb.node(stale.url)["last_error"]
+    for node in (stale, fresh):
+        node.handlers["/generate"] = reply(503, {"error": {"type": "weight_version_unavailable",
+                                                           "message": "this node serves weight_version 'v9'"}})
+    shared_lb.http.post("/nodes", json={"url": fresh.url}).raise_for_status()
+    answer = shared_lb.http.post("/generate", json={"text": "x"}, headers={"X-Weight-Version": "default"})
+    error = answer.json()["error"]
+    assert answer.status_code == 503 and error["type"] == "no_available_node" and answer.headers["retry-after"]
+    for node in (stale, fresh):
+        assert (f"{node.url}: tried: answered 503 weight_version_unavailable: this node serves weight_version "
+                f"'v9'") in error["message"], error["message"]
+    set_members(shared_lb)
+
+
 def silence(port: int) -> list[socket.socket]:
     """Listen on ``port`` with a full accept queue: the kernel drops new SYNs there, as behind a partition."""
     listener = socket.socket()

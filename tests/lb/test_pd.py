@@ -43,6 +43,21 @@ def test_single_request_gets_bootstrap_fields_and_the_decode_answer(module_fakes
     assert isinstance(sent["bootstrap_room"], int) and 0 <= sent["bootstrap_room"] < 2 ** 63
 
 
+def test_a_prompt_outside_ascii_reaches_the_nodes_no_larger(module_fakes: FakeCluster, shared_lb: LB) -> None:
+    """Found by review: the LB wrote the body it adds bootstrap fields to with every non-ASCII character
+    escaped, 6 bytes for a CJK character's 3 and 12 for an emoji's 4: a body within the nodes' own
+    ``--max-body-bytes`` (the same default as the LB's) could reach them three times as large, and be refused
+    there."""
+    prefill, decode = pd_pair(module_fakes)
+    set_members(shared_lb, (prefill.url, "prefill"), (decode.url, "decode"))
+    prompt = "日本語のテキスト 🙂" * 2000
+    request = json.dumps({"text": prompt}, ensure_ascii=False).encode()
+    answer = shared_lb.http.post("/generate", content=request, headers={"Content-Type": "application/json"})
+    assert answer.status_code == 200, answer.text
+    [sent] = decode.requests_to("/generate")
+    assert sent.json()["text"] == prompt and len(sent.body) < len(request) + 200
+
+
 @pytest.mark.parametrize("payload,size", [({"text": ["a", "b", "c"]}, 3), ({"input_ids": [[1, 2], [3]]}, 2),
                                           ({"input_ids": [1, 2, 3]}, None)])
 def test_batches_get_lists(module_fakes: FakeCluster, shared_lb: LB, payload: dict, size: int | None) -> None:

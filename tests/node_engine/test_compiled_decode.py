@@ -19,7 +19,7 @@ import torch
 
 from node_engine.config import ConfigError, EngineConfig
 from node_engine.memory.saver import DisabledSaver
-from node_engine.model import layers
+from node_engine.model import projection as projections
 from node_engine.model.builtin import builtin_arch, builtin_weights, save_checkpoint
 from node_engine.runner import ModelRunner
 from tests.support.procs import ServerProcess
@@ -158,9 +158,9 @@ def test_each_runner_has_its_own_graph() -> None:
 @torch.inference_mode()
 def test_packed_onednn_model_compiles_and_answers_as_eager(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every projection on oneDNN and packed: the compiled decode calls handoff::onednn_project."""
-    if layers._ONEDNN_LINEAR is None:
+    if projections._ONEDNN_LINEAR is None:
         pytest.skip("this torch build has no oneDNN linear")
-    monkeypatch.setattr(layers, "ONEDNN_MIN_WEIGHT_NUMEL", 1)
+    monkeypatch.setattr(projections, "ONEDNN_MIN_WEIGHT_NUMEL", 1)
     arch = builtin_arch("builtin:tiny")
     compiled = ModelRunner(EngineConfig(model_path="builtin:tiny", enable_torch_compile=True), DisabledSaver(), arch)
     eager = ModelRunner(EngineConfig(model_path="builtin:tiny"), DisabledSaver(), arch)
@@ -175,15 +175,15 @@ def test_packed_onednn_model_compiles_and_answers_as_eager(monkeypatch: pytest.M
 @needs_cxx
 def test_onednn_projection_compiles_as_one_op(monkeypatch: pytest.MonkeyPatch) -> None:
     """A oneDNN projection, packed or plain, runs under torch.compile through handoff::onednn_project."""
-    if layers._ONEDNN_LINEAR is None:
+    if projections._ONEDNN_LINEAR is None:
         pytest.skip("this torch build has no oneDNN linear")
     from node_engine.model.packing import WeightPacking, can_pack
 
-    monkeypatch.setattr(layers, "ONEDNN_MIN_WEIGHT_NUMEL", 1)
+    monkeypatch.setattr(projections, "ONEDNN_MIN_WEIGHT_NUMEL", 1)
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(48, 32, generator=gen)
     bias = torch.randn(48, generator=gen)
-    projection = layers.Projection(weight, bias)
+    projection = projections.Projection(weight, bias)
     assert projection.is_onednn
     x = torch.randn(5, 32, generator=gen)
     expected = x @ weight.T + bias

@@ -53,7 +53,7 @@ def _engine(max_total_tokens: int, max_batch_tokens: int, max_running: int, pref
     engine = Engine(EngineConfig(model_path="builtin:tiny", max_total_tokens=max_total_tokens, context_length=64,
                                  max_batch_tokens=max_batch_tokens, max_running_requests=max_running,
                                  enable_memory_saver=True, enable_prefix_cache=prefix_cache))
-    engine._loop = _InlineLoop()  # type: ignore[assignment]
+    engine.outbox.attach(_InlineLoop())  # type: ignore[arg-type]
     return engine
 
 
@@ -63,7 +63,7 @@ def _settle(engine: Engine, max_steps: int = 0) -> None:
     for _ in range(max_steps):
         if not engine._can_step:
             return
-        engine._step()
+        engine.steps.step()
         engine._drain_inbox(block=False)
 
 

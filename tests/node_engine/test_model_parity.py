@@ -73,11 +73,11 @@ async def test_greedy_continuation_matches_generate(checkpoint, max_batch_tokens
 @pytest.fixture
 def onednn_everywhere(monkeypatch: pytest.MonkeyPatch) -> None:
     """Send every CPU float32 projection through oneDNN (normally only large products go there)."""
-    from node_engine.model import layers
+    from node_engine.model import projection as projections
 
-    if layers._ONEDNN_LINEAR is None:
+    if projections._ONEDNN_LINEAR is None:
         pytest.skip("this torch build has no oneDNN linear")
-    monkeypatch.setattr(layers, "ONEDNN_MIN_WEIGHT_NUMEL", 1)
+    monkeypatch.setattr(projections, "ONEDNN_MIN_WEIGHT_NUMEL", 1)
 
 
 async def test_onednn_projections_match_transformers(checkpoint, onednn_everywhere) -> None:

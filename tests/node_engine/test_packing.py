@@ -12,7 +12,7 @@ from node_engine.config import EngineConfig
 from node_engine.errors import BackupFailed
 from node_engine.memory.saver import CpuSaver, DisabledSaver
 from node_engine.memory.tags import BackupMode, MemoryTag
-from node_engine.model import layers
+from node_engine.model import projection as projections
 from node_engine.model.builtin import builtin_arch, builtin_weights, save_checkpoint
 from node_engine.model.source import load_model_source
 from node_engine.runner import ModelRunner
@@ -27,9 +27,9 @@ ALL_TAGS = list(MemoryTag)
 @pytest.fixture(autouse=True)
 def pack_everything(monkeypatch: pytest.MonkeyPatch) -> None:
     """Send every projection of the built-in model through oneDNN, so every one is packed."""
-    if layers._ONEDNN_LINEAR is None:
+    if projections._ONEDNN_LINEAR is None:
         pytest.skip("this torch build has no oneDNN linear")
-    monkeypatch.setattr(layers, "ONEDNN_MIN_WEIGHT_NUMEL", 1)
+    monkeypatch.setattr(projections, "ONEDNN_MIN_WEIGHT_NUMEL", 1)
 
 
 def tiny_runner(saver=None, model_override: str | None = None) -> ModelRunner:

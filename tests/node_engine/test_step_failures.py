@@ -20,9 +20,10 @@ import torch
 from handoff.protocol import errors as E
 from handoff.service.logs import RateLimit
 from node_engine.config import EngineConfig
-from node_engine.engine import DeviceFailed, Engine, RequestHandle, step_failure_log
+from node_engine.engine import Engine, RequestHandle
+from node_engine.engine_steps import step_failure_log
 from node_engine.errors import EngineStopped, StepFailed
-from node_engine.failures import FaultDrill, leaves_device_unusable
+from node_engine.failures import DeviceFailed, FaultDrill, leaves_device_unusable
 from node_engine.request import FinishReason, RequestOutput
 from node_engine.sampling import SamplingParams
 from node_engine.server.generation_run import GenerationRun, SequenceSpec

@@ -15,7 +15,8 @@ import pytest
 from handoff.protocol.sse import DONE, EventSplitter, event_data
 from handoff.service.errors import InvalidRequest, ServiceError, Unsupported
 from node_sidecar.engines.vllm import VllmEngine
-from node_sidecar.engines.vllm_answer import ChoiceState, GenerateRequest, Translator
+from node_sidecar.engines.vllm_answer import GenerateRequest, Translator
+from node_sidecar.engines.vllm_choice import ChoiceState
 from node_sidecar.engines.vllm_generate import to_completion
 from node_sidecar.engines.vllm_versions import MAX_RENAMES, ServedVersions
 

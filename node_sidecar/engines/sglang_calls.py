@@ -1,0 +1,107 @@
+"""What counts as SGLang's answer to the calls :class:`~node_sidecar.engines.sglang.SglangEngine` sends (line
+numbers: ``sglang/srt/`` of 0.5.23): its own refusal (a 400 with its JSON) passed on, anything else that is not
+its word (a proxy's page, a redirect, a 5xx) a 502 naming SGLang, nothing taken as done; and the idle barrier
+(``/flush_cache`` until SGLang flushes, which it does only when idle)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any
+
+from handoff.protocol import errors as E
+from handoff.protocol.control import FLUSHED
+from handoff.service.errors import Conflict
+from handoff.service.peer_json import PeerJSONError, loads_bounded
+from node_sidecar.engine_client import EngineClient
+from node_sidecar.engines.base import not_understood
+from node_sidecar.errors import EngineRefused, EngineUnavailable
+
+
+async def memory_call(engine: EngineClient, path: str, engine_tags: list[str]) -> None:
+    """SGLang's release and resume answer 200 ``null`` (``http_server.py:1575-1596``) and 400 ``{"error":
+    {"message"}}`` when they failed (2246-2250). Any other answer (a proxy's page, a 5xx) is not SGLang's word
+    that it ran: a 502 naming SGLang, nothing taken as done (as for a redirect)."""
+    response, raw = await engine.exchange("POST", path, {"tags": engine_tags})
+    if 200 <= response.status < 300 and raw.strip() in (b"", b"null"):
+        return
+    error = _json_object(raw).get("error")
+    if response.status == 400 and isinstance(error, dict) and isinstance(error.get("message"), str):
+        raise EngineRefused(400, {"error": {"type": E.INVALID_REQUEST.name,
+                                            "message": f"SGLang {path}: {error['message']}"}})
+    if response.status < 400:
+        raise sglang_not_understood(path, f"{response.status} ({_quoted(raw)!r}) where SGLang answers null")
+    raise _failed(path, response.status, raw)
+
+
+async def sglang_call(engine: EngineClient, path: str, body: dict[str, Any], *, resumed: list[str] | None = None,
+                      acknowledged: tuple[str, object] = ("success", True)) -> dict[str, Any]:
+    """SGLang's weight calls answer ``{"success", "message", ...}``, 400 when they failed; its pause and continue
+    ``{"message", "status": "ok"}`` (``acknowledged``: the field and value a 2xx must have to be its answer)."""
+    response, raw = await engine.exchange("POST", path, body)
+    answer = _json_object(raw)
+    key, value = acknowledged
+    is_2xx = 200 <= response.status < 300
+    if is_2xx and type(answer.get(key)) is type(value) and answer[key] == value:
+        return answer
+    if response.status == 400 and answer:  # SGLang's own refusal (a JSON object, 400 in 0.5.23 for every
+        # failed weight call: http_server.py:1300-1557), passed on with its message
+        raise EngineRefused(400, {"error": {
+            "type": E.INVALID_REQUEST.name, "message": f"SGLang {path}: {answer.get('message', _quoted(raw))}",
+            **({"resumed": resumed} if resumed else {})}})
+    if response.status < 400:  # not SGLang's answer (a 2xx without its word, a proxy's redirect)
+        raise sglang_not_understood(path, f"{response.status} without {json.dumps({key: value})[1:-1]} "
+                                          f"({_quoted(raw)})", resumed)
+    raise _failed(path, response.status, raw, resumed)
+
+
+async def wait_idle(engine: EngineClient, timeout: float) -> str:
+    """``POST /flush_cache`` until SGLang flushes (it does only when idle), at most ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    delay = 0.02
+    while True:
+        response, raw = await engine.exchange("POST", "/flush_cache", timeout=max(1.0, timeout))
+        text = raw[:300].decode("utf-8", "replace").strip()
+        if 200 <= response.status < 300 and text.startswith(FLUSHED):
+            return text
+        if response.status != 400:  # not SGLang's answer (a proxy's page, an error page): no word that it is idle
+            raise EngineRefused(502, {"error": {"type": E.UPSTREAM_ERROR.name, "message": (
+                f"SGLang answered /flush_cache with {response.status} {text[:200]!r}: not SGLang's answer, so it "
+                "is not known to have flushed or to be idle (a release waiting for it is not sent)")}})
+        if time.monotonic() + delay > deadline:
+            raise Conflict(f"SGLang still has requests pending after {timeout:g}s (its /flush_cache: {text!r}); "
+                           "nothing was released", kind=E.REQUESTS_IN_FLIGHT)
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, 0.5)
+
+
+def reached_sglang(exc: EngineUnavailable) -> bool:
+    """SGLang got the call (it timed out, or the connection dropped) and is not gone: it will run it."""
+    return exc.extra.get("sent") is not False and not exc.extra.get("engine_died")
+
+
+def sglang_not_understood(path: str, what: str, resumed: list[str] | None = None) -> EngineRefused:
+    """A 2xx (or 1xx, 3xx) answer that is not SGLang's word: a 502 naming SGLang (and what was resumed)."""
+    return not_understood("SGLang", path, what, **({"resumed": resumed} if resumed else {}))
+
+
+def _failed(path: str, status: int, raw: bytes, resumed: list[str] | None = None) -> EngineRefused:
+    """An error answer that is not SGLang's refusal of the call (a 5xx, a 400 without its JSON, a 401 for the
+    sidecar's own key): the peer failed, not the client: 502 naming SGLang and its status."""
+    return EngineRefused(E.UPSTREAM_ERROR.status, {"error": {
+        "type": E.UPSTREAM_ERROR.name, "engine_status": status, **({"resumed": resumed} if resumed else {}),
+        "message": f"SGLang answered {path} with {status} ({_quoted(raw)!r}): the call failed in SGLang or on the "
+                   "way to it, so what it did is not known"}})
+
+
+def _quoted(raw: bytes) -> str:
+    return raw[:200].decode("utf-8", "replace")
+
+
+def _json_object(raw: bytes) -> dict[str, Any]:
+    try:
+        value = loads_bounded(raw) if raw else {}
+    except PeerJSONError:
+        return {}
+    return value if isinstance(value, dict) else {}

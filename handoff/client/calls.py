@@ -165,7 +165,7 @@ class _SseDecoder:
                 event = loads_bounded(data)
             except PeerJSONError as exc:
                 raise HandoffError(200, "invalid_stream", f"an event is not JSON: {exc}") from exc
-            if isinstance(event, dict) and "error" in event:
+            if isinstance(event, dict) and event.get("error"):  # as the openai client: ``"error": null`` is no error
                 raise HandoffError(200, *envelope_fields(event["error"], "stream_error", "an error event"), event)
             events.append(event)
         return events

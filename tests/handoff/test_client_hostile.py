@@ -401,6 +401,15 @@ def test_a_streams_error_event_is_read_whatever_its_shape(server, event: dict, k
     assert (error.type, error.message) == (kind, message)
 
 
+def test_an_event_whose_error_is_null_is_no_error(server) -> None:
+    """``"error": null`` beside the text is a normal event, as the openai client reads it (``data.get("error")``)."""
+    event = {"text": "ok", "error": None, "meta_info": {"id": "a"}}
+    script(server, {"raw": f"data: {json.dumps(event)}\n\ndata: [DONE]\n\n",
+                    "headers": {"Content-Type": "text/event-stream"}})
+    with HandoffClient(server.url) as client:
+        assert [e["text"] for e in client.stream_generate("x")] == ["ok"]
+
+
 def test_an_error_envelopes_odd_fields_are_not_carried_as_text(server) -> None:
     script(server, {"status": 500, "body": {"error": {"type": {"x": 1}, "message": None}}})
     with HandoffClient(server.url) as client:

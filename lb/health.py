@@ -71,7 +71,7 @@ class HealthMonitor:
             response = await self._client.request("GET", node.url + "/memory_occupation",
                                                   headers=self._headers, timeout=timeout)
             if response.status in (404, 405):
-                node.is_sidecar = False
+                node.mark_plain()
                 await response.read(MAX_PROBE_BODY_BYTES)
             elif response.status != 200:
                 await response.read(MAX_PROBE_BODY_BYTES)
@@ -113,41 +113,33 @@ class HealthMonitor:
     def apply_state(self, node: Node, state: dict[str, Any]) -> None:
         """A node's answer carried its state (a sidecar's control answers do): it counts as a good check, and
         wins over a check that was under way when it came."""
-        node.num_states_applied += 1
+        node.count_state_applied()
         self._record_success(node, state)
 
     def _record_failure(self, node: Node, error: str) -> None:
         if node.is_removed:
             return
-        node.num_successes_in_row = 0
-        node.num_failures_in_row += 1
-        node.record_error(error)
+        failures = node.count_failure(error)
         if node.health is not NodeHealth.UNHEALTHY and (
-                node.health is NodeHealth.UNKNOWN or node.num_failures_in_row >= self._config.unhealthy_threshold):
-            log.warning("node %s failed %d health check(s): %s", node.url, node.num_failures_in_row, error)
+                node.health is NodeHealth.UNKNOWN or failures >= self._config.unhealthy_threshold):
+            log.warning("node %s failed %d health check(s): %s", node.url, failures, error)
             node.set_health(NodeHealth.UNHEALTHY)
 
     def _record_success(self, node: Node, state: dict[str, Any]) -> None:
         if node.is_removed:
             return
-        node.num_failures_in_row = 0
-        node.num_successes_in_row += 1
-        node.mark_seen()
-        if "tags" in state:
-            node.is_sidecar = True
-        node.occupation = state
+        successes = node.count_success(state)
         node.set_serving(_is_serving(state), state.get("admission") if isinstance(state.get("admission"), str)
                          else None)
         if node.health is NodeHealth.UNKNOWN or (
-                node.health is NodeHealth.UNHEALTHY and node.num_successes_in_row >= self._config.healthy_threshold):
+                node.health is NodeHealth.UNHEALTHY and successes >= self._config.healthy_threshold):
             node.set_health(NodeHealth.HEALTHY)
 
     def mark_unreachable(self, node: Node, error: str) -> None:
         """A refused connection seen on the request path: stop routing there until a check succeeds."""
         if node.is_removed:
             return
-        node.num_successes_in_row = 0
-        node.record_error(error)
+        node.count_refusal(error)
         if node.health is not NodeHealth.UNHEALTHY:
             log.warning("node %s refused a connection, unhealthy until its next good check: %s", node.url, error)
             node.set_health(NodeHealth.UNHEALTHY)

@@ -141,6 +141,38 @@ class Node:
     def record_error(self, message: str) -> None:
         self.last_error = message
 
+    # -- what health checks (lb.health) count ---------------------------------
+    def count_failure(self, error: str) -> int:
+        """A failed health check; returns how many failed in a row."""
+        self.num_successes_in_row = 0
+        self.num_failures_in_row += 1
+        self.record_error(error)
+        return self.num_failures_in_row
+
+    def count_success(self, state: dict[str, Any]) -> int:
+        """A good health check, or a control answer carrying the node's ``state`` (taken as what it last
+        reported); returns how many succeeded in a row."""
+        self.num_failures_in_row = 0
+        self.num_successes_in_row += 1
+        self.mark_seen()
+        if "tags" in state:
+            self.is_sidecar = True
+        self.occupation = state
+        return self.num_successes_in_row
+
+    def count_refusal(self, error: str) -> None:
+        """A connection refused on the request path: it ends a run of good checks."""
+        self.num_successes_in_row = 0
+        self.record_error(error)
+
+    def mark_plain(self) -> None:
+        """No ``/memory_occupation`` here (404 or 405): a plain server, checked with ``/health`` from now on."""
+        self.is_sidecar = False
+
+    def count_state_applied(self) -> None:
+        """A control answer's state is taken: a check under way meanwhile read an older one."""
+        self.num_states_applied += 1
+
     def begin_request(self) -> RequestLease:
         """Count a generation request in flight here until the returned lease is released."""
         self._inflight.add(1)

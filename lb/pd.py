@@ -29,7 +29,8 @@ from lb.config import Role
 from lb.errors import UpstreamFailed
 from lb.node import Node, RequestLease
 from lb.pd_logprobs import MergeInputLogprobs, first_events, merge_input_logprobs
-from lb.relay import NodeCaller, Reroute, buffered_response, is_event_stream, relay_stream
+from lb.pd_retry import PairRetries
+from lb.relay import NodeCaller, buffered_response, is_event_stream, relay_stream
 from lb.routing import Router
 
 log = logging.getLogger(__name__)
@@ -90,25 +91,27 @@ class PDDispatcher:
         payload = _parse_object(body)
         size = check_batch(payload)
         wants_logprobs = path == "/generate" and bool(payload.get("return_logprob"))
-        tried: dict[Role, dict[Node, str]] = {Role.PREFILL: {}, Role.DECODE: {}}  # and why each went on
+        retries = PairRetries(payload)
         version = headers.get(WEIGHT_VERSION_HEADER)  # a pinned version: both nodes of the pair must serve it
         while True:
-            prefill = self._router.pick(Role.PREFILL, tried[Role.PREFILL], weight_version=version)
-            decode = self._router.pick(Role.DECODE, tried[Role.DECODE], weight_version=version)
+            prefill = self._router.pick(Role.PREFILL, retries.tried[Role.PREFILL], avoid=retries.sent,
+                                        weight_version=version)
+            decode = self._router.pick(Role.DECODE, retries.tried[Role.DECODE], avoid=retries.sent,
+                                       weight_version=version)
             # not escaped: non-ASCII text written as \uXXXX would reach the nodes up to three times as large
             data = json.dumps(with_bootstrap(payload, prefill, size), ensure_ascii=False).encode()
             with prefill.begin_request() as prefill_lease, decode.begin_request() as decode_lease:
                 prefill_out, decode_out = await self._call_pair(prefill, decode, path, data, headers)
                 if not (isinstance(prefill_out, UpstreamResponse) and isinstance(decode_out, UpstreamResponse)):
                     final = _settle_failed_pair(prefill_out, decode_out)
-                    if final is not None:
+                    refused_by = decode if isinstance(decode_out, Response) else prefill
+                    if final is not None and not retries.is_abort_pending(refused_by, final):
                         return final
-                    for node, out in ((prefill, prefill_out), (decode, decode_out)):
-                        if isinstance(out, Reroute):
-                            tried[node.role][node] = out.reason
-                    continue
-                return await self._answer(path, prefill_lease.hand_over(), prefill_out, decode_lease.hand_over(),
-                                          decode_out, wants_logprobs, watch)
+                    retries.record((prefill, decode), (prefill_out, decode_out))
+                else:
+                    return await self._answer(path, prefill_lease.hand_over(), prefill_out,
+                                              decode_lease.hand_over(), decode_out, wants_logprobs, watch)
+            await retries.pause()  # out of the pair's leases: neither node counts this request meanwhile
 
     async def _call_pair(self, prefill: Node, decode: Node, path: str, data: bytes,
                          headers: Mapping[str, str]) -> tuple[Outcome | None, Outcome | None]:

@@ -86,10 +86,11 @@ class Router:
     def has_routable(self, role: Role) -> bool:
         return any(node.is_routable for node in self._membership.nodes(role))
 
-    def pick(self, role: Role, exclude: Collection[Node] = (), *, weight_version: str | None = None) -> Node:
-        """A node of ``role`` to send a request to, never one in ``exclude`` and, with ``weight_version``, only
-        one that last reported serving that version; else 503. ``exclude`` may map each node to what it answered
-        this request: the 503 names that."""
+    def pick(self, role: Role, exclude: Collection[Node] = (), *, avoid: Collection[Node] = (),
+             weight_version: str | None = None) -> Node:
+        """A node of ``role`` to send a request to, never one in ``exclude``, one in ``avoid`` only when no other
+        can serve and, with ``weight_version``, only one that last reported serving that version; else 503.
+        ``exclude`` may map each node to what it answered this request: the 503 names that."""
         nodes = self._membership.nodes(role)
         if weight_version is not None:
             nodes = [node for node in nodes if node.occupation.get("weight_version") == weight_version]
@@ -101,7 +102,8 @@ class Router:
             candidates = [node for node in nodes if node.is_holding and node not in exclude]
         if not candidates:
             raise self.unavailable(role, nodes, exclude)
-        return self._pickers[role].pick(candidates)
+        preferred = [node for node in candidates if node not in avoid]
+        return self._pickers[role].pick(preferred or candidates)
 
     def unavailable(self, role: Role, nodes: Sequence[Node], tried: Collection[Node]) -> NoAvailableNode:
         if not nodes:

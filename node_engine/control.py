@@ -34,11 +34,12 @@ log = logging.getLogger(__name__)
 class EngineControl:
     def __init__(self, engine: "Engine") -> None:
         self.engine = engine
+        self.is_paused = False  # pause_generation (retract, in_place): requests stay, nothing steps
 
     def require_idle(self, what: str, *, paused_ok: bool = False) -> None:
         """Refuse (409) while requests run or wait; ``paused_ok``: requests paused by ``pause_generation``
         do not count (a weight update under a pause is what SGLang's pause modes are for)."""
-        if paused_ok and self.engine.is_paused:
+        if paused_ok and self.is_paused:
             return
         num = self.engine.scheduler.num_requests
         if num:
@@ -48,7 +49,7 @@ class EngineControl:
     def _require_no_kv_in_use(self, what: str) -> None:
         """A release may go on under a retract pause (waiting requests hold no KV), never under requests that do."""
         scheduler = self.engine.scheduler
-        if self.engine.is_paused and not scheduler.running:
+        if self.is_paused and not scheduler.running:
             return
         self.require_idle(what)
 
@@ -63,7 +64,7 @@ class EngineControl:
             for request in list(scheduler.running):
                 scheduler.preempt(request, to_back=True)
                 retracted += 1
-        self.engine.is_paused = True
+        self.is_paused = True
         log.info("generation paused (%s): %d retracted, %d request(s) kept", mode, retracted,
                  scheduler.num_requests)
         return {"success": True, "paused": True, "mode": mode, "retracted_requests": retracted,
@@ -72,7 +73,7 @@ class EngineControl:
     def continue_generation(self, torch_empty_cache: bool = True) -> dict[str, Any]:
         if torch_empty_cache and self.engine.runner.device.type == "cuda":
             torch.cuda.empty_cache()
-        self.engine.is_paused = False
+        self.is_paused = False
         return {"success": True, "paused": False}
 
     def release(self, tags: Sequence[MemoryTag] | None, stage_to_cpu: bool | None) -> dict[str, Any]:
@@ -162,7 +163,7 @@ class EngineControl:
                        "total_bytes": device.total_bytes},
             "outside_tags": engine.runner.memory_outside_tags(),
             "process_rss_bytes": psutil.Process().memory_info().rss,
-            "paused": engine.is_paused,
+            "paused": self.is_paused,
             "control_calls_pending": engine.num_calls_pending,
             "running_requests": len(engine.scheduler.running),
             "queued_requests": len(engine.scheduler.waiting),

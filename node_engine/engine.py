@@ -99,7 +99,6 @@ class Engine:
         self.outbox = Outbox(self.gate, config.weight_version)
         self.steps = EngineSteps(self.scheduler, self.runner, self.gate, self.metrics, self.outbox)
         self.instance = uuid.uuid4().hex  # this process (GET /memory_occupation's engine_instance)
-        self.is_paused = False  # pause_generation (retract, in_place): requests stay, nothing steps
         self._inbox = Inbox()
         self._calls_lock = threading.Lock()  # posted from the event loop, finished on the engine thread
         self._num_calls_pending = 0
@@ -109,7 +108,7 @@ class Engine:
         self.control = EngineControl(self)
         self.weights = WeightUpdates(self)
         self.weight_groups = WeightGroups(self)
-        self.metrics.kv_slots_total.set(self.scheduler.slots.capacity)
+        self.metrics.kv_slots.set(self.scheduler.slots.capacity)
         self.metrics.read_queues_from(self.scheduler)
         compiled = self.runner.compiled_decode
         if compiled is not None:
@@ -240,7 +239,7 @@ class Engine:
     @property
     def _can_step(self) -> bool:
         """Work to do, generation not paused, and memory a step may run on (requests a pause kept wait)."""
-        return (self.scheduler.has_work and not self.is_paused and self.memory.weights_valid
+        return (self.scheduler.has_work and not self.control.is_paused and self.memory.weights_valid
                 and self.memory.is_all_resident)
 
     def _drain_inbox(self, *, block: bool) -> None:

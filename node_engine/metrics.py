@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from handoff.service.prometheus import new_registry
+from handoff.service.prometheus import CounterReadAtScrape, new_registry
 
 if TYPE_CHECKING:
     from node_engine.scheduler import Scheduler
@@ -36,10 +36,11 @@ class EngineMetrics:
                                    registry=r)
         self.cached_tokens = Gauge("handoff_engine_cached_tokens",
                                    "Tokens whose KV the prefix cache keeps for reuse.", registry=r)
-        self.prefix_hit_tokens = Gauge("handoff_engine_prefix_hit_tokens",
-                                       "Prompt tokens taken from the prefix cache instead of computed, since start.",
-                                       registry=r)
-        self.kv_slots_total = Gauge("handoff_engine_kv_slots_total", "KV token slots in the pool.", registry=r)
+        self.prefix_hit_tokens = CounterReadAtScrape(
+            "handoff_engine_prefix_hit_tokens", "Prompt tokens taken from the prefix cache instead of computed.",
+            registry=r)
+        # not ..._total: that suffix is the counters' (Prometheus' naming rules); a gauge of it reads as a count
+        self.kv_slots = Gauge("handoff_engine_kv_slots", "KV token slots in the pool.", registry=r)
         self.decode_graphs_compiled = Gauge(
             "handoff_engine_decode_graphs_compiled",
             "Decode graphs compiled by torch.compile (--enable-torch-compile): 1 after start, 0 without.", registry=r)
@@ -66,4 +67,5 @@ class EngineMetrics:
         self.queued_requests.set_function(lambda: len(scheduler.waiting))
         self.kv_slots_used.set_function(lambda: scheduler.slots.num_used)
         self.cached_tokens.set_function(lambda: 0 if scheduler.cache is None else scheduler.cache.num_cached_tokens)
-        self.prefix_hit_tokens.set_function(lambda: scheduler.num_prefix_hit_tokens)
+        self.prefix_hit_tokens.read_from(lambda: scheduler.num_prefix_hit_tokens)
+

@@ -88,7 +88,7 @@ class ControlPlane:
             if stage_to_cpu and not state.can_stage_weights:
                 raise Conflict(_NO_BACKUP[adapter.kind], kind=E.NO_WEIGHTS_BACKUP)
             todo = adapter.release_set(asked, state.tags_in(TagState.RESIDENT))
-            async with self._drainer.holding():
+            with node.draining():
                 # under a pause (SGLang's retract or in_place) paused requests stay: the engine releases around
                 # retracted ones and refuses (409) while paused ones hold KV
                 drained, aborted = (0, 0) if state.is_paused and mode == "wait" else \
@@ -160,7 +160,7 @@ class ControlPlane:
             node.require_engine()
             if check is not None:
                 await check()
-            async with self._drainer.holding(updating_weights=True):
+            with node.draining(updating_weights=True):
                 can_step = state.weights_valid and state.is_all_resident
                 drained, aborted = (0, 0) if mode == "wait" and (state.is_paused or not can_step) else \
                     await self._drainer.drain(mode, drain)
@@ -219,7 +219,7 @@ class ControlPlane:
                     drained, aborted = 0, 0
                 else:
                     answer = {}
-                    async with self._drainer.holding():
+                    with node.draining():
                         drained, aborted = await self._drainer.drain(mode, drain)
             except ServiceError:
                 node.state.is_paused = was_paused

@@ -1,13 +1,10 @@
-"""The drain before a control call's work: admission held closed for the block (:meth:`Drainer.holding`) and the
-node emptied of generation (:meth:`Drainer.drain`: waited for or aborted, counted, bounded by a
-:class:`DrainLimit`)."""
+"""The drain before a control call's work (admission held closed for it by :meth:`Node.draining`): the node
+emptied of generation (:meth:`Drainer.drain`: waited for or aborted, counted, bounded by a :class:`DrainLimit`)."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from dataclasses import dataclass
-from typing import AsyncIterator
 
 from node_sidecar.errors import DrainTimeout
 from node_sidecar.node import Node
@@ -33,21 +30,6 @@ class Drainer:
     def __init__(self, node: Node) -> None:
         self.node = node
         self.metrics = node.metrics
-
-    @contextlib.asynccontextmanager
-    async def holding(self, *, updating_weights: bool = False) -> AsyncIterator[None]:
-        """Admission stays closed for the block (new requests wait through a weight update, as SGLang's wait
-        for its update lock, and are refused otherwise); afterwards it follows the node's state again."""
-        node = self.node
-        node.is_draining = True
-        node.is_updating_weights = updating_weights
-        node.refresh_admission()
-        try:
-            yield
-        finally:
-            node.is_draining = False
-            node.is_updating_weights = False
-            node.refresh_admission()
 
     async def drain(self, mode: str, limit: DrainLimit) -> tuple[int, int]:
         """Empty the node of generation; returns (drained, aborted). Raises DrainTimeout."""

@@ -13,10 +13,11 @@ node whose weights had been updated does not serve its start checkpoint.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
-from typing import Any
+from typing import Any, Iterator
 
 from handoff.protocol.control import MAX_NODE_STATE_HEADER_BYTES, peer_weight_version
 from handoff.protocol.errors import NotServingReason
@@ -48,8 +49,8 @@ class Node:
         self.adapter: EngineAdapter | None = (None if config.engine_kind is None else self._adapter_for(
             EngineKind(config.engine_kind)))  # None until the engine's kind was detected
         self.control_lock = asyncio.Lock()  # control calls run one at a time, in arrival order (FIFO lock)
-        self.is_draining = False             # a control call holds admission closed
-        self.is_updating_weights = False     # ... to update the weights (requests wait, as SGLang's do)
+        self._is_draining = False          # a control call holds admission closed (:meth:`draining`)
+        self._is_updating_weights = False  # ... to update the weights (requests wait, as SGLang's do)
         self.last_error: str | None = None
         self._poke = asyncio.Event()
         self._health_misses = 0  # health probes in a row not answered in time
@@ -65,7 +66,7 @@ class Node:
         config, state = self.config, self.state
         if not state.is_engine_reachable:
             return None  # nothing will admit them until the engine is back: they may go elsewhere now
-        if state.is_paused or (self.is_updating_weights and state.is_all_resident):
+        if state.is_paused or (self._is_updating_weights and state.is_all_resident):
             return HoldLimits(config.pause_hold_max, config.pause_hold_timeout, config.hold_max_bytes)
         if config.hold_requests:
             return HoldLimits(config.hold_max, config.hold_timeout, config.hold_max_bytes)
@@ -82,12 +83,24 @@ class Node:
 
     def refresh_admission(self) -> None:
         """Open admission iff the node serves and no drain holds it closed."""
-        if self.state.is_serving and not self.is_draining:
+        if self.state.is_serving and not self._is_draining:
             self.admission.open()
         else:
             self.admission.close()
             self.admission.reapply_limits()  # held requests follow why it is closed now (none: refused)
         self.metrics.serving.set(1 if self.admission.is_open else 0)
+
+    @contextlib.contextmanager
+    def draining(self, *, updating_weights: bool = False) -> Iterator[None]:
+        """Admission stays closed for the block (new requests wait through a weight update, as SGLang's wait
+        for its update lock, and are refused otherwise); afterwards it follows the node's state again."""
+        self._is_draining, self._is_updating_weights = True, updating_weights
+        self.refresh_admission()
+        try:
+            yield
+        finally:
+            self._is_draining = self._is_updating_weights = False
+            self.refresh_admission()
 
     def require_engine(self) -> None:
         if not (self.state.is_engine_reachable and self.state.is_synced):
@@ -168,10 +181,8 @@ class Node:
     async def stop(self) -> None:
         if self._monitor is not None:
             self._monitor.cancel()
-            try:
+            with contextlib.suppress(asyncio.CancelledError):
                 await self._monitor
-            except asyncio.CancelledError:
-                pass
         await self.intent_written()
 
     async def intent_written(self) -> None:

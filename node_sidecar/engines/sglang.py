@@ -16,6 +16,16 @@ survives (line numbers: ``sglang/srt/`` of 0.5.23; the fake in
 - Release and resume answer ``null``; what was freed is measured by the sidecar.
 - Weights resumed without ``--enable-weights-cpu-backup`` are garbage until a
   reload: the node is ``weights_valid: false`` until ``update_weights_from_disk``.
+- A disk reload SGLang fails after it began reading the checkpoint does not
+  roll back: ``model_executor/model_runner_components/weight_updater.py:193``
+  points the model at the new path first, so the "rollback" of a load that
+  failed part way (229-237) reads the new checkpoint again (the scheduler dies
+  if that fails too), and a load that cannot flush keeps the new weights
+  (``managers/scheduler_components/weight_updater.py:117-130``); ``/model_info``
+  keeps the old path and version. After SGLang's refusal (its 400), unless it
+  says nothing was read (:data:`NOTHING_LOADED`), and after a reload it got but
+  did not answer in time, the weights are taken as not valid (the node serves
+  nothing, ``weights_valid: false``) until a reload succeeds.
 - ``GET /health`` generates a token (fatal while released): liveness is
   ``GET /model_info``.
 - SGLang does not say what it has released: the adapter remembers its own
@@ -64,6 +74,14 @@ WEIGHTS = "weights"
 ACKNOWLEDGED = ("status", "ok")  # in every 2xx of SGLang's /pause_generation and /continue_generation (1831-1857)
 WEIGHT_UPDATES = frozenset({"/update_weights_from_tensor", "/update_weights_from_distributed"})
 SESSION_CALLS = frozenset({"/begin_weight_update", "/end_weight_update"})
+DISK_RELOAD = "/update_weights_from_disk"
+# SGLang's answers to a reload refused before any weight was read (model_runner_components/weight_updater.py:
+# 62-67 through 183-185, 202, 226)
+NOTHING_LOADED = ("Failed to get weights iterator", "Failed to get model loader",
+                  "Online weight updates are not supported")
+
+RELOAD_FAILED = ("SGLang may have loaded part or all of the checkpoint and does not roll back, so its weights are "
+                 "not known: the node serves no generation until a reload succeeds")
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +101,7 @@ class SglangEngine(ForeignEngine):
         super().__init__(engine)
         self.has_backup = False
         self.memory_saver = False
-        self.weights_garbage = False  # weights resumed without a backup, not reloaded since
+        self.weights_garbage = False  # weights not a checkpoint's (resumed without a backup, a failed reload)
         self.is_session_open = False  # SGLang's weight update session (a new SGLang process has none)
         self.updated_since_garbage = False  # an update succeeded in a session since the weights became garbage
         self.pending_continue: bool | None = None  # a continue held back (its torch_empty_cache)
@@ -204,7 +222,20 @@ class SglangEngine(ForeignEngine):
         if WEIGHTS in self.released:
             await self.resume([WEIGHTS])
             resumed.append(WEIGHTS)
-        answer = {**await sglang_call(self.engine, path, body, resumed=resumed), "success": True, "resumed": resumed}
+        try:
+            answer = {**await sglang_call(self.engine, path, body, resumed=resumed), "success": True,
+                      "resumed": resumed}
+        except EngineRefused as exc:
+            # only SGLang's own refusal (400, its JSON) says it ran the load; a 502 (a proxy's page) does not
+            if path != DISK_RELOAD or exc.status != 400 or any(words in exc.message for words in NOTHING_LOADED):
+                raise
+            self._weights_not_known()
+            raise EngineRefused(exc.status, {"error": {"type": exc.type, "weights_valid": False, **exc.extra,
+                                                       "message": f"{exc.message} ({RELOAD_FAILED})"}}) from exc
+        except EngineUnavailable as exc:
+            if path == DISK_RELOAD and reached_sglang(exc):  # the load runs on: how it ends is not known
+                self._weights_not_known()
+            raise
         version = body.get("weight_version")
         if version is None:  # SGLang kept its version: read, as a refresh
             try:
@@ -213,6 +244,11 @@ class SglangEngine(ForeignEngine):
                 log.warning("the weight version after %s cannot be read: %s", path, exc.message)
                 return answer
         return {**answer, "weight_version": version if isinstance(version, str) else None}
+
+    def _weights_not_known(self) -> None:
+        """A reload failed after SGLang may have read part of the checkpoint: no generation until one succeeds."""
+        self.weights_garbage = True
+        self.updated_since_garbage = False
 
     async def pause(self, mode: str) -> dict[str, Any]:
         """SGLang's own ``retract`` / ``in_place`` pause; a release under it waits for SGLang to look idle (the

@@ -29,7 +29,7 @@ from handoff.protocol.control import FLUSHED
 from handoff.protocol.engines import EngineKind
 from handoff.protocol.tags import TAG_NAMES, TagState
 from handoff.protocol.weights import WEIGHTS_UPDATED_FULLY
-from handoff.service.errors import Conflict, ServiceError, Unsupported
+from handoff.service.errors import Conflict, InvalidRequest, ServiceError, Unsupported
 from node_sidecar.engines.base import EngineView, GenerationCall
 from node_sidecar.engines.vllm_answer import Translator
 from node_sidecar.engines.vllm_generate import PromptCounts, to_completion
@@ -69,10 +69,9 @@ class VllmEngine(VllmSleep):
         model = config.get("model_config") if isinstance(config.get("model_config"), dict) else {}
         device = config.get("device_config") if isinstance(config.get("device_config"), dict) else {}
         parallel = config.get("parallel_config") if isinstance(config.get("parallel_config"), dict) else {}
-        extension = parallel.get("worker_extension_cls")
-        self.weight_sync.extension = extension if isinstance(extension, str) and extension else None
+        self.weight_sync.adopt_extension(parallel.get("worker_extension_cls"))
         if self.adopt_instance(config.get("instance_id")):
-            self.level, self.weights_discarded, self.reloaded = 0, False, False
+            self._forget_sleep()
         self.device = device.get("device") if isinstance(device.get("device"), str) and device["device"] else "cuda"
         self.sleep_mode = model.get("enable_sleep_mode") is True
         self.model_path = model.get("model") if isinstance(model.get("model"), str) else None
@@ -139,8 +138,7 @@ class VllmEngine(VllmSleep):
                 "type": E.ENGINE_FAILED.name, "resumed": resumed,
                 "message": f"vLLM's reload_weights failed; its weights are not usable until a reload succeeds: "
                            f"{exc.message}"}}) from exc
-        self.weights_discarded, self.reloaded = False, True
-        self.level = 0 if WEIGHTS in resumed else self.level
+        self._reloaded_weights(resumed)
         self.model_path = body["model_path"]
         await self._finish_update(body)
         return {"success": True, "weight_version": self.weight_version, "resumed": resumed, WEIGHTS_UPDATED_FULLY: True,
@@ -170,16 +168,16 @@ class VllmEngine(VllmSleep):
             try:
                 await self.weight_sync.update(path, body, epoch=self.weights_epoch, stage=True)
                 resumed = await self._wake_weights_for_update()
-            except (EngineRefused, EngineUnavailable):
-                await self._drop_staged()  # refused on one worker, staged on another; or the wake failed
+            except InvalidRequest:  # refused before anything was sent (selector "draft")
                 raise
-            if self.level == 2:  # valid again once updates wrote every weight
-                self._lose_weights()
-            self.level = 0
+            except BaseException:  # refused on one worker, staged on another; the wake failed; the caller gone
+                await asyncio.shield(self._drop_staged())  # staged tensors would hold memory given up by the sleep
+                raise
+            self._woke_weights_to_push()
             answer = await self._loading(resumed, self.weight_sync.load_staged(epoch=self.weights_epoch))
         complete = answer.pop("complete", False) is True or self.reloaded
         if complete:
-            self.weights_discarded = False
+            self._pushed_every_weight()
         try:
             await self._finish_update(body)
         except ServiceError as exc:  # the weights are loaded (and resident): the error says it woke them

@@ -126,6 +126,27 @@ class VllmSleep(ForeignEngine):
         self.released.discard(WEIGHTS)
         return [WEIGHTS]
 
+    def _forget_sleep(self) -> None:
+        """A new vLLM process answers: nothing remembered of the old one's sleep or weights holds for it."""
+        self.level, self.weights_discarded, self.reloaded = 0, False, False
+
+    def _reloaded_weights(self, resumed: list[str]) -> None:
+        """A reload from disk wrote every weight (woken first if ``resumed`` names them): they are valid again."""
+        self.weights_discarded, self.reloaded = False, True
+        if WEIGHTS in resumed:
+            self.level = 0
+
+    def _woke_weights_to_push(self) -> None:
+        """Released weights were woken for a pushed update: after a level-2 sleep they count as lost (what updates
+        wrote before counts no more) until updates wrote every weight."""
+        if self.level == 2:
+            self._lose_weights()
+        self.level = 0
+
+    def _pushed_every_weight(self) -> None:
+        """Updates wrote every weight since the weights were lost: they are valid again."""
+        self.weights_discarded = False
+
     def _lose_weights(self) -> None:
         """The weights are not usable (discarded, or loaded half way): what updates wrote before counts no more."""
         self.weights_discarded, self.reloaded = True, False

@@ -58,6 +58,10 @@ class VllmWeightSync:
         self.extension: str | None = None   # vLLM's worker_extension_cls, read from /server_info
         self.session: str | None = None     # the selector of the open update session
 
+    def adopt_extension(self, extension: object) -> None:
+        """vLLM's ``worker_extension_cls`` as ``/server_info`` reports it (anything but a non-empty string: none)."""
+        self.extension = extension if isinstance(extension, str) and extension else None
+
     @property
     def available(self) -> bool:
         return self.extension == EXTENSION

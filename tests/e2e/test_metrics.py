@@ -3,11 +3,15 @@ values from bounded sets only, no series left for a node that left, none for a d
 
 from __future__ import annotations
 
+import math
+import re
 from pathlib import Path
 from typing import Iterator
 
 import httpx
 import pytest
+from prometheus_client.metrics_core import Metric
+from prometheus_client.openmetrics.parser import text_string_to_metric_families as openmetrics_families
 from prometheus_client.parser import text_string_to_metric_families
 
 from handoff.cluster.local import ClusterSpec, LocalCluster
@@ -16,6 +20,14 @@ from tests.support.procs import ServerProcess, wait_until
 pytestmark = pytest.mark.timeout(240)
 
 Series = set[tuple[str, tuple[tuple[str, str], ...]]]
+
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "operations.md"
+# what Prometheus sends: OpenMetrics preferred, the text format accepted
+PROMETHEUS_ACCEPT = ("application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,"
+                     "text/plain;version=0.0.4;q=0.5,*/*;q=0.1")
+# units Prometheus' naming rules replace by base units (_seconds, _bytes) or ratios
+NON_BASE_UNITS = re.compile(r"_(ns|us|ms|nanoseconds|microseconds|milliseconds|minutes|hours|days|kb|mb|gb|kib|mib|"
+                            r"gib|kilobytes|megabytes|gigabytes|bits|percent)(_|$)")
 
 
 @pytest.fixture(scope="module")
@@ -31,6 +43,33 @@ def scrape(url: str) -> Series:
     return {(sample.name, tuple(sorted(sample.labels.items())))
             for family in text_string_to_metric_families(answer.content.decode("utf-8"))
             for sample in family.samples}
+
+
+def families_as_prometheus_reads(url: str) -> list[Metric]:
+    """``url``'s ``/metrics`` asked for as Prometheus asks, read by the parser of the format it answered in."""
+    answer = httpx.get(url + "/metrics", headers={"accept": PROMETHEUS_ACCEPT}, timeout=30)
+    assert answer.status_code == 200, url
+    content_type = answer.headers["content-type"]
+    if content_type.startswith("application/openmetrics-text"):
+        return list(openmetrics_families(answer.text))
+    assert content_type.startswith("text/plain;"), content_type
+    return list(text_string_to_metric_families(answer.text))
+
+
+def exposed_name(family: Metric) -> str:
+    """The name a query uses: a counter's samples carry ``_total`` (the parser drops it from the family's)."""
+    return family.name + "_total" if family.type == "counter" and not family.name.endswith("_total") else family.name
+
+
+def documented_metrics() -> dict[str, str]:
+    """``name -> type`` of docs/operations.md's metrics table."""
+    section = DOCS.read_text().split("\n## Metrics\n", 1)[1].split("\n## ", 1)[0]
+    documented: dict[str, str] = {}
+    for row in section.splitlines():
+        cells = [cell.strip() for cell in row.strip("|").split("|")]
+        if row.startswith("| `handoff_") and len(cells) >= 2:
+            documented |= {name: cells[1] for name in re.findall(r"`(handoff_\w+)`", cells[0])}
+    return documented
 
 
 def hostile_round(http: httpx.Client, urls: list[str], mark: str) -> None:
@@ -67,6 +106,44 @@ def test_every_endpoint_parses_and_hostile_traffic_adds_no_series(cluster: Local
         assert not [name for name, _ in series if name.endswith("_created")], url
         values = {value for _, labels in series for _, value in labels}
         assert not [v for v in values if "first" in v or '"' in v or "\n" in v], (url, values)
+
+
+def check_conventions(family: Metric) -> None:
+    """Prometheus' naming rules for one family: ``_total`` only on counters, base units, sane buckets."""
+    name = exposed_name(family)
+    assert name.startswith("handoff_"), name
+    assert not NON_BASE_UNITS.search(name), f"{name}: not in a base unit"
+    if family.type == "counter":
+        assert name.endswith("_total") and all(s.name == name for s in family.samples), name
+        assert all(s.value >= 0 for s in family.samples), name
+        return
+    assert not name.endswith("_total"), f"{name} is a {family.type}: _total is the counters' suffix"
+    if family.type == "histogram":
+        assert name.endswith("_seconds"), f"{name}: a histogram of durations in seconds"
+        bounds: dict[tuple[tuple[str, str], ...], list[float]] = {}
+        for sample in family.samples:
+            if sample.name == name + "_bucket":
+                series = tuple(sorted((k, v) for k, v in sample.labels.items() if k != "le"))
+                bounds.setdefault(series, []).append(float(sample.labels["le"]))
+        for les in bounds.values():  # a labelled histogram nothing observed yet has none
+            assert les[-1] == math.inf and les == sorted(set(les)), (name, les)
+            assert len(les) >= 10 and les[0] <= 0.01 and les[-2] >= 5, (name, les)
+
+
+def test_names_types_and_docs_follow_prometheus_conventions(cluster: LocalCluster) -> None:
+    """Every family of the three processes, asked for as Prometheus asks, parses and follows the naming rules
+    (``handoff_engine_kv_slots_total`` was a gauge; ``handoff_engine_prefix_hit_tokens`` a gauge counting since
+    start), and docs/operations.md's table names exactly the families exposed, with their types."""
+    node = cluster.nodes[0]
+    with httpx.Client(base_url=cluster.url, timeout=60) as http:  # a step of each kind, a fan-out
+        http.post("/generate", json={"text": "x", "sampling_params": {"max_new_tokens": 2}}).raise_for_status()
+        http.post("/flush_cache").raise_for_status()
+    exposed: dict[str, str] = {}
+    for url in (cluster.url, node.url, node.engine.url):
+        for family in families_as_prometheus_reads(url):
+            check_conventions(family)
+            exposed[exposed_name(family)] = family.type
+    assert documented_metrics() == exposed
 
 
 def test_a_removed_node_leaves_no_series(cluster: LocalCluster, proc_log_dir: Path) -> None:

@@ -44,11 +44,11 @@ def test_reuse_never_changes_outputs(engines) -> None:
     cached, plain = engines
     expected = outputs(plain, PROMPTS)
     with httpx.Client(base_url=cached.url, timeout=10) as c:
-        hits_before = metric(c, "handoff_engine_prefix_hit_tokens")
+        hits_before = metric(c, "handoff_engine_prefix_hit_tokens_total")
         for _ in range(2):
             assert outputs(cached, PROMPTS) == expected
             assert outputs(cached, PROMPTS * 3, concurrent=True) == expected * 3
-        assert metric(c, "handoff_engine_prefix_hit_tokens") > hits_before + 10 * len(SYSTEM)
+        assert metric(c, "handoff_engine_prefix_hit_tokens_total") > hits_before + 10 * len(SYSTEM)
         # many distinct prompts through a 400-slot pool: the cache evicts, outputs stay right
         many = [f"{i} distinct prompt number {i} " * 3 for i in range(30)]
         assert outputs(cached, many, concurrent=True) == outputs(plain, many)

@@ -180,6 +180,8 @@ def test_weights_without_backup_refuse_generation_until_a_reload(make_node, chec
 def test_reload_while_weights_released_resumes_them_first(make_node, checkpoint: Path) -> None:
     node = make_node("--enable-memory-saver")
     assert node.post("/release_memory_occupation").status_code == 200
+    wait_until(lambda: node.fake_state()["running"] == 0, timeout=10, what="the last batch let go")  # else the
+    # flush after the load is refused
     reload = node.post("/update_weights_from_disk", {"model_path": str(checkpoint)})
     assert reload.status_code == 200, reload.text
     assert reload.json()["resumed"] == ["weights"]
@@ -356,6 +358,21 @@ def test_engine_metrics_that_do_not_parse_are_left_out_and_the_nodes_own_still_p
         names = families()
         assert "handoff_node_serving" in names and "sglang:num_running_reqs" not in names
         assert "engine /metrics left out" in node.occupation()["last_error"]
+    node.assert_fake_alive()
+
+
+def test_engine_label_values_with_quotes_backslashes_and_newlines_reach_the_scrape_whole(make_node) -> None:
+    """An engine's label values escaped as the text format says (a served model name with a quote, a backslash,
+    a newline) are relayed as they are: the node's whole exposition still parses, the values read back intact."""
+    node = make_node()
+    odd = 'qwen "7b"\\path\n\u00e9'
+    escaped = odd.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    text = f'# TYPE sglang:num_running_reqs gauge\nsglang:num_running_reqs{{model_name="{escaped}"}} 3.0\n'
+    httpx.post(node.fake.url + "/_fake/metrics", json={"text": text}, timeout=10)
+    samples = {(sample.name, sample.labels.get("model_name")): sample.value
+               for family in text_string_to_metric_families(httpx.get(node.sidecar.url + "/metrics", timeout=10).text)
+               for sample in family.samples}
+    assert samples[("sglang:num_running_reqs", odd)] == 3.0 and ("handoff_node_serving", None) in samples
     node.assert_fake_alive()
 
 
@@ -697,4 +714,40 @@ def test_an_update_sglang_loaded_but_could_not_flush_is_its_400_and_the_version_
     assert kept[0].finish(60).saw_done
     assert node.post("/update_weight_version", {"new_version": "v4"}).json()["new_version"] == "v4"
     assert node.occupation()["weight_version"] == "v4" and node.occupation()["serving"]
+    node.assert_fake_alive()
+
+
+def test_a_reload_sglang_failed_part_way_takes_the_node_out_until_a_reload_succeeds(
+        make_node, checkpoint: Path, tmp_path: Path) -> None:
+    """SGLang does not roll back a disk reload that fails part way (its "rollback" reads the new checkpoint
+    again, ``model_runner_components/weight_updater.py:193``, ``229-237``): it answers 400 with the new weights
+    loaded and the old version reported. The sidecar passed the 400 on and went on serving them under the old
+    version (found by review). Now the node serves nothing, ``weights_valid: false``, until a reload succeeds;
+    a reload SGLang refused before reading anything leaves it serving."""
+    node = make_node("--enable-memory-saver", "--model-path", str(checkpoint))
+    before = greedy(node)
+    step = tmp_path / "step-3"
+    arch = builtin_arch("builtin:tiny")
+    save_checkpoint(step, arch, builtin_weights(arch, 1))
+    nothing_read = '{"success": false, "message": "Failed to get weights iterator: no such file.", ' \
+                   '"num_paused_requests": 0}'
+    fault_next(node, "/update_weights_from_disk", status=400, raw=nothing_read, content_type="application/json")
+    refused = node.post("/update_weights_from_disk", {"model_path": str(step), "weight_version": "step-3"})
+    assert refused.status_code == 400 and "weights_valid" not in refused.json()["error"], refused.text
+    assert node.occupation()["serving"] is True and greedy(node) == before
+    fault_next(node, "/update_weights_from_disk", load_fails="safetensors_rust.SafetensorError: I/O error")
+    failed = node.post("/update_weights_from_disk", {"model_path": str(step), "weight_version": "step-3"})
+    error = failed.json()["error"]
+    assert failed.status_code == 400 and "Rolling back to original weights" in error["message"], failed.text
+    assert error["weights_valid"] is False and "until a reload succeeds" in error["message"]
+    assert node.fake_state()["weights_from"] == str(step)  # what SGLang serves now, under the old version
+    view = node.occupation()
+    assert view["weights_valid"] is False and view["serving"] is False and view["weight_version"] == "default"
+    r = node.post("/generate", {"input_ids": [5, 6, 7]})
+    assert r.status_code == 503 and r.json()["error"]["type"] == "weights_not_loaded", r.text
+    wait_until(lambda: node.fake_state()["running"] == 0, timeout=10, what="the last batch let go")  # else the
+    # flush after the load is refused
+    reload = node.post("/update_weights_from_disk", {"model_path": str(checkpoint)})
+    assert reload.status_code == 200, reload.text
+    assert node.occupation()["serving"] is True and greedy(node) == before
     node.assert_fake_alive()

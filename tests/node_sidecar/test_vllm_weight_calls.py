@@ -4,6 +4,7 @@ answers without the extension and for SGLang's session. The real thing: tests/vl
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import pickle
 from pathlib import Path
@@ -385,3 +386,48 @@ def test_a_staged_update_loads_only_when_asked(tmp_path: Path) -> None:
     answer = worker.handoff_load_staged("e")
     assert answer["ok"] is True and answer["complete"] is True and worker.loaded == list(weights)
     assert worker.handoff_load_staged("e")["error"] == "conflict"  # loaded once; nothing staged now
+
+
+class WorkerEngine(SleepingEngine):
+    """vLLM asleep with a real worker extension behind ``/collective_rpc``; ``/wake_up`` waits for ``woken``."""
+
+    def __init__(self, worker: Worker) -> None:
+        super().__init__({})
+        self.worker = worker
+        self.woken = asyncio.Event()
+        self.waking = asyncio.Event()
+
+    async def call(self, method: str, path: str, body: dict | None = None, **kwargs: object) -> dict:
+        if path == "/collective_rpc" and body is not None:
+            self.paths.append(body["method"])
+            return {"results": [getattr(self.worker, body["method"])(**body["kwargs"])]}
+        self.paths.append(path.partition("?")[0])
+        if path.startswith("/wake_up"):
+            self.waking.set()
+            await self.woken.wait()
+        return {"success": True}
+
+
+async def test_an_update_staged_over_sleeping_weights_is_dropped_when_its_caller_goes(tmp_path: Path) -> None:
+    """An update over released weights is staged in the worker, then the weights are woken to load it. A caller
+    gone (or any failure but a refusal) between the two left the staged tensors in the worker's memory, memory
+    the sleep had given up (found by review). They are dropped on every way out now."""
+    from handoff.weight_sync import serialize_named_tensors
+    from node_sidecar.engines import vllm
+
+    arch = builtin_arch("builtin:tiny")
+    weights = builtin_weights(arch, 0)
+    save_checkpoint(tmp_path, arch, weights)
+    worker = Worker(tmp_path)
+    adapter = vllm.VllmEngine(WorkerEngine(worker))
+    adapter.weight_sync.extension = "node_sidecar.engines.vllm_worker_ext.HandoffWeightSync"
+    adapter.released, adapter.level = {"weights", "kv_cache"}, 1
+    body = {"serialized_named_tensors": [serialize_named_tensors(weights.items())]}
+    push = asyncio.ensure_future(adapter.weight_call("/update_weights_from_tensor", body))
+    await asyncio.wait_for(adapter.engine.waking.wait(), 10)
+    assert worker._handoff_state()["staged"] is not None  # staged, waiting for the wake
+    push.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await push
+    assert worker._handoff_state()["staged"] is None and worker.loaded == []
+    assert adapter.engine.paths == ["handoff_update_from_tensor", "/wake_up", "handoff_drop_staged"]

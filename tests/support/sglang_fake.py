@@ -104,6 +104,17 @@ torch_memory_saver 0.0.10, which SGLang's memory saver calls):
   adopts them only on success: ``tokenizer_manager.py:2382-2383``, ``2318``,
   ``tokenizer_control_mixin.py:592-594``). A successful update with a
   ``weight_version`` adds " Weight version updated to ..." to its message.
+- **A disk reload that fails part way does not roll back.**
+  ``model_executor/model_runner_components/weight_updater.py:193`` points the
+  model config at the new path before loading; when a tensor fails part way
+  (229-237) the "rollback" reads the weights again from that config, the new
+  checkpoint: a failure that happens again raises outside the ``try``, the
+  scheduler dies; one that does not (a transient read error) leaves the new
+  checkpoint's weights loaded while the call answers 400 "Failed to update
+  weights: ...\nRolling back to original weights." and ``/model_info`` keeps
+  the old path and version. Injected with ``POST /_fake/next`` ``{"path":
+  "/update_weights_from_disk", "load_fails": message, "fails_again": bool}``;
+  ``weights_from`` in ``/_fake/state`` says which checkpoint the weights hold.
 - ``/update_weight_version`` aborts every request first unless
   ``abort_all_requests`` is false (default true, ``io_struct.py:2159``;
   ``http_server.py:1533-1534``).
@@ -173,6 +184,8 @@ class FakeSglang:
     offload_tags: set[str] = field(default_factory=set)
     regions: dict[str, mmap.mmap] = field(default_factory=dict)
     weights_garbage: bool = False
+    weights_from: str | None = None  # the checkpoint the weights were read from, when not the one served
+    load_fault: dict[str, Any] | None = None  # the next disk reload fails part way (POST /_fake/next)
     running: dict[str, Running] = field(default_factory=dict)
     paused: bool = False
     pause_mode: str | None = None
@@ -239,8 +252,8 @@ class FakeSglang:
         return not self.running or self.pause_mode == "retract"
 
     def token(self, prompt: list[int], index: int) -> int:
-        if self.weights_garbage:
-            return (hash((tuple(prompt), index, "garbage")) & 0x7FFFFFFF) % 250
+        if self.weights_garbage or self.weights_from is not None:
+            return (hash((tuple(prompt), index, self.weights_from or "garbage")) & 0x7FFFFFFF) % 250
         return (sum(prompt) + 7 * index) % 250
 
 
@@ -491,10 +504,20 @@ def create_app(fake: FakeSglang) -> Any:
         if not os.path.isdir(body["model_path"]):
             return JSONResponse({"success": False, "message": f"Failed to get weights iterator: {body['model_path']}",
                                  "num_paused_requests": 0}, status_code=400)
+        fault, fake.load_fault = fake.load_fault, None
+        if fault is not None:  # weight_updater.py:229-237: the rollback reads the new checkpoint again
+            if fault.get("fails_again"):
+                die(f"update_weights_from_disk: the rollback failed too: {fault['load_fails']}")
+            fake.weights_garbage, fake.weights_from = False, body["model_path"]
+            return JSONResponse({"success": False, "num_paused_requests": 0, "message": (
+                f"Failed to update weights: {fault['load_fails']}.\nRolling back to original weights.")},
+                status_code=400)
         fake.weights_garbage = False
         answer = loaded(body, "Succeeded to update model weights.", num_paused_requests=0)
         if answer.status_code == 200:  # tokenizer_manager.py:2382-2383: the served path moves only on success
-            fake.model_path = body["model_path"]
+            fake.model_path, fake.weights_from = body["model_path"], None
+        elif body["model_path"] != fake.model_path:  # loaded, the flush refused: the new weights under the old path
+            fake.weights_from = body["model_path"]
         return answer
 
     def loaded(body: dict[str, Any], message: str, **extra: Any) -> JSONResponse:
@@ -605,7 +628,8 @@ def create_app(fake: FakeSglang) -> Any:
 
     async def fake_state(request: Request) -> Response:
         return JSONResponse({"offload_tags": sorted(fake.offload_tags), "regions": sorted(fake.regions),
-                             "weights_garbage": fake.weights_garbage, "running": len(fake.running),
+                             "weights_garbage": fake.weights_garbage, "weights_from": fake.weights_from,
+                             "running": len(fake.running),
                              "is_session_open": fake.is_session_open, "weight_version": fake.weight_version,
                              "calls": fake.calls, "media": fake.media, "num_model_info": fake.num_model_info,
                              "num_metrics": fake.num_metrics})
@@ -619,6 +643,8 @@ def create_app(fake: FakeSglang) -> Any:
         """An answer set with ``POST /_fake/next``: the call done at once but answered ``delay_s`` later (as a
         busy SGLang answers late), or ``status`` and ``raw`` instead of its answer (a broken SGLang, a proxy)."""
         fault = fake.next_answers.pop(scope["path"], None) if scope["type"] == "http" else None
+        if fault is not None and "load_fails" in fault:
+            fake.load_fault = fault
         if fault is not None and fault.get("delay_s"):
             async def late_send(message: Any) -> None:
                 if message["type"] == "http.response.start":

@@ -164,6 +164,12 @@ def _run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"handoff up: {exc}", file=sys.stderr)
         return 2
+    from handoff.cluster.model_flags import model_flags_problem
+
+    problem = model_flags_problem(args.model_path, args.model_override, args.engine_kind)
+    if problem is not None:
+        print(f"handoff up: {problem}", file=sys.stderr)
+        return 2
     if spec.num_prefill:
         print("note: the built-in engine serves mixed only (KV transfer between engines is a later milestone); "
               "prefill/decode nodes run mixed engines behind role-labelled sidecars, so PD routing and role-scoped "

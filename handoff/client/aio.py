@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import time
 from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 import httpx
 
 from handoff.client.answers import AnswerReader, decode, error_of, node_list, transport_failure
-from handoff.client.calls import RetryPolicy, _Base, _Call, _Calls, _control, _retry_delay, _SseDecoder
+from handoff.client.calls import RetryPolicy, _Base, _Call, _Calls, _control, _retry_delay, _SseDecoder, _time_left
 from handoff.client.errors import FanoutResult, HandoffError, ServiceUnavailable
 
 T = TypeVar("T")
@@ -26,32 +25,34 @@ class AsyncHandoffClient(_Base):
         self._http = httpx.AsyncClient(base_url=self.base_url, timeout=timeout, transport=transport)
 
     async def _send(self, call: _Call) -> Any:
-        return await self._retrying(lambda: self._once(call))
+        deadline = self._deadline_of(call)
+        return await self._retrying(lambda: self._once(call, deadline), deadline)
 
-    async def _retrying(self, attempt_once: Callable[[], Awaitable[T]]) -> T:
+    async def _retrying(self, attempt_once: Callable[[], Awaitable[T]], deadline: float) -> T:
         waited = 0.0
         for attempt in range(1, self.retry.max_attempts + 1):
             try:
                 return await attempt_once()
             except ServiceUnavailable as exc:
-                delay = _retry_delay(self.retry, exc, attempt, waited)
+                delay = _retry_delay(self.retry, exc, attempt, waited, deadline)
                 if delay is None:
                     raise
                 await asyncio.sleep(delay)
                 waited += delay
         raise RuntimeError("unreachable: the last attempt returns or raises")  # pragma: no cover
 
-    async def _once(self, call: _Call) -> Any:
-        timeout_s = self._timeout_of(call)
-        deadline = time.monotonic() + timeout_s
+    async def _once(self, call: _Call, deadline: float) -> Any:
+        late = "the answer did not arrive whole within the call's timeout"
+        timeout_s = _time_left(deadline, late)
         try:
             async with asyncio.timeout(timeout_s):  # the head too: httpx bounds each read, not the answer
-                async with self._http.stream(call.method, call.path, **self._request_args(call)) as response:
+                async with self._http.stream(call.method, call.path,
+                                             **self._request_args(call, timeout_s)) as response:
                     reader = AnswerReader(self.max_answer_bytes, deadline, response.status_code)
                     async for chunk in response.aiter_bytes():
                         reader.feed(chunk)
         except TimeoutError as exc:
-            raise HandoffError(0, "timeout", "the answer did not arrive whole within the call's timeout") from exc
+            raise HandoffError(0, "timeout", late) from exc
         except httpx.RequestError as exc:
             raise transport_failure(exc) from exc
         return decode(response.status_code, response.headers, reader.body, is_fanout=call.decode == "fanout",
@@ -65,7 +66,8 @@ class AsyncHandoffClient(_Base):
                               sampling_params: dict[str, Any] | None = None,
                               **extra: Any) -> AsyncIterator[dict[str, Any]]:
         call = _Calls.generate(text, input_ids, sampling_params, True, extra)
-        response = await self._retrying(lambda: self._open_stream(call))
+        deadline = self._deadline_of(call)
+        response = await self._retrying(lambda: self._open_stream(call, deadline), deadline)
         try:
             decoder = _SseDecoder()
             try:
@@ -80,15 +82,16 @@ class AsyncHandoffClient(_Base):
         finally:
             await response.aclose()
 
-    async def _open_stream(self, call: _Call) -> httpx.Response:
+    async def _open_stream(self, call: _Call, deadline: float) -> httpx.Response:
         """The stream's response once its status is 2xx; an error answer is read (within the cap), closed and
         raised."""
-        timeout_s = self._timeout_of(call)
-        deadline = time.monotonic() + timeout_s
+        late = "the stream did not start within the call's timeout"
+        timeout_s = _time_left(deadline, late)
         try:
             async with asyncio.timeout(timeout_s):
                 response = await self._http.send(
-                    self._http.build_request(call.method, call.path, **self._request_args(call)), stream=True)
+                    self._http.build_request(call.method, call.path, **self._request_args(call, timeout_s)),
+                    stream=True)
                 if response.is_success:
                     return response
                 try:
@@ -98,7 +101,7 @@ class AsyncHandoffClient(_Base):
                 finally:
                     await response.aclose()
         except TimeoutError as exc:
-            raise HandoffError(0, "timeout", "the stream did not start within the call's timeout") from exc
+            raise HandoffError(0, "timeout", late) from exc
         except httpx.RequestError as exc:
             raise transport_failure(exc) from exc
         raise error_of(response.status_code, response.headers, reader.body, response.reason_phrase)

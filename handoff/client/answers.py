@@ -9,6 +9,8 @@ Rules:
 - A 2xx that is not a JSON object within bounds, or a control answer that says
   ``"success": false`` or lists a node that failed (or not one result per node
   it counts), is an error, never an empty success.
+- A generation or ``memory_occupation`` 2xx that is a JSON object is the result, whatever it holds (an
+  ``"error"`` field too): SGLang and handoff's services answer every error with a non-2xx status.
 - A control call's answer from the LB lists its nodes; a sidecar's own answer
   (the client pointed at one node) is that one node's result.
 - Nothing the server or the network does escapes as another exception type:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
@@ -22,7 +23,9 @@ _MARGIN_S = 10.0  # the LB answers within the per-node timeout; give its answer 
 class RetryPolicy:
     """Retries of 503 answers (``no_available_node``, ``node_released``...): bounded by attempts and time.
 
-    The default retries nothing. ``max_attempts`` counts the first try.
+    The default retries nothing. ``max_attempts`` counts the first try; ``max_wait_s`` bounds the waits between
+    attempts. The client's timeout (or a control call's) bounds the whole call, its retries included: a wait
+    that would end past it is not made (the last 503 is raised), and each attempt has what is left of it.
     """
 
     max_attempts: int = 1
@@ -120,14 +123,24 @@ class _Calls:
         return _control("/pause_generation", {"mode": mode}, role, timeout)
 
 
-def _retry_delay(policy: RetryPolicy, exc: ServiceUnavailable, attempt: int, waited: float) -> float | None:
-    """Seconds to wait before the next attempt, or None when the policy says stop."""
+def _retry_delay(policy: RetryPolicy, exc: ServiceUnavailable, attempt: int, waited: float,
+                 deadline: float) -> float | None:
+    """Seconds to wait before the next attempt, or None when the policy says stop, or when the wait would end
+    at or past the call's ``deadline`` (``time.monotonic()``): the 503 is raised then, not a timeout later."""
     if attempt >= policy.max_attempts:
         return None
     delay = exc.retry_after if exc.retry_after is not None else policy.default_retry_after_s
-    if waited + delay > policy.max_wait_s:
+    if waited + delay > policy.max_wait_s or time.monotonic() + delay >= deadline:
         return None
     return delay
+
+
+def _time_left(deadline: float, late: str) -> float:
+    """Seconds from now to the call's ``deadline``; ``timeout`` (``late`` says what was late) once it passed."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise HandoffError(0, "timeout", late)
+    return left
 
 
 class _SseDecoder:
@@ -202,16 +215,23 @@ class _Base:
         self._headers = {"admin": _bearer(admin or api), "api": _bearer(api or admin)}
 
     def _timeout_of(self, call: _Call) -> float:
-        """The whole call's deadline, in seconds from its start (see :func:`_control` for control calls)."""
+        """The whole call's time, in seconds from its start, retries included (see :func:`_control` for control
+        calls)."""
         if call.timeout is not None:
             return call.timeout
         if call.decode == "fanout":
             return max(self.timeout_s, call.lb_default_timeout + _MARGIN_S)
         return self.timeout_s
 
-    def _request_args(self, call: _Call) -> dict[str, Any]:
+    def _deadline_of(self, call: _Call) -> float:
+        """When the whole call, every retry and the waits between them included, must be over
+        (``time.monotonic()``)."""
+        return time.monotonic() + self._timeout_of(call)
+
+    def _request_args(self, call: _Call, timeout_s: float) -> dict[str, Any]:
+        """httpx's arguments for one attempt, given the ``timeout_s`` left of the call."""
         args: dict[str, Any] = {"headers": self._headers.get(call.auth or "", {}), "params": call.params,
-                                "timeout": self._timeout_of(call)}
+                                "timeout": timeout_s}
         if call.body is not None:
             args["json"] = call.body
         return args

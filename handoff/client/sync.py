@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import threading
 import time
+from concurrent import futures
 from concurrent.futures import Future
 from typing import Any, Callable, Iterator, TypeVar
 
 import httpx
 
 from handoff.client.answers import AnswerReader, decode, error_of, node_list, transport_failure
-from handoff.client.calls import RetryPolicy, _Base, _Call, _Calls, _control, _retry_delay, _SseDecoder
+from handoff.client.calls import RetryPolicy, _Base, _Call, _Calls, _control, _retry_delay, _SseDecoder, _time_left
 from handoff.client.errors import FanoutResult, HandoffError, ServiceUnavailable
 
 T = TypeVar("T")
@@ -38,15 +39,16 @@ def _within(timeout_s: float, work: Callable[[], T], late: str, *, abandon: Call
             abandon(result)
 
     threading.Thread(target=run, name="handoff-client-call", daemon=True).start()
-    try:
-        return outcome.result(timeout=timeout_s)
-    except TimeoutError:
+    if not futures.wait([outcome], timeout=timeout_s).done:
         with lock:
             if not outcome.done():
                 is_abandoned = True
         if is_abandoned:
-            raise HandoffError(0, "timeout", late) from None
-        return outcome.result()
+            raise HandoffError(0, "timeout", late)
+    failure = outcome.exception()
+    if isinstance(failure, TimeoutError):  # the work's own (a transport's), never to be taken for the wait's
+        raise HandoffError(0, "timeout", f"{late}: {failure}") from failure
+    return outcome.result()
 
 
 class HandoffClient(_Base):
@@ -64,28 +66,29 @@ class HandoffClient(_Base):
         self._http = httpx.Client(base_url=self.base_url, timeout=timeout, transport=transport)
 
     def _send(self, call: _Call) -> Any:
-        return self._retrying(lambda: self._once(call))
+        deadline = self._deadline_of(call)
+        return self._retrying(lambda: self._once(call, deadline), deadline)
 
-    def _retrying(self, attempt_once: Callable[[], T]) -> T:
+    def _retrying(self, attempt_once: Callable[[], T], deadline: float) -> T:
         waited = 0.0
         for attempt in range(1, self.retry.max_attempts + 1):
             try:
                 return attempt_once()
             except ServiceUnavailable as exc:
-                delay = _retry_delay(self.retry, exc, attempt, waited)
+                delay = _retry_delay(self.retry, exc, attempt, waited, deadline)
                 if delay is None:
                     raise
                 time.sleep(delay)
                 waited += delay
         raise RuntimeError("unreachable: the last attempt returns or raises")  # pragma: no cover
 
-    def _once(self, call: _Call) -> Any:
-        timeout_s = self._timeout_of(call)
-        deadline = time.monotonic() + timeout_s
+    def _once(self, call: _Call, deadline: float) -> Any:
+        late = "the answer did not arrive whole within the call's timeout"
+        timeout_s = _time_left(deadline, late)
 
         def read_whole() -> tuple[httpx.Response, bytes]:
             try:
-                with self._http.stream(call.method, call.path, **self._request_args(call)) as response:
+                with self._http.stream(call.method, call.path, **self._request_args(call, timeout_s)) as response:
                     reader = AnswerReader(self.max_answer_bytes, deadline, response.status_code)
                     for chunk in response.iter_bytes():
                         reader.feed(chunk)
@@ -93,7 +96,7 @@ class HandoffClient(_Base):
                 raise transport_failure(exc) from exc
             return response, reader.body
 
-        response, body = _within(timeout_s, read_whole, "the answer did not arrive whole within the call's timeout")
+        response, body = _within(timeout_s, read_whole, late)
         return decode(response.status_code, response.headers, body, is_fanout=call.decode == "fanout",
                       node=self.base_url)
 
@@ -107,7 +110,8 @@ class HandoffClient(_Base):
         """The stream's events; an error event raises :class:`HandoffError`. A 503 before the stream starts is
         retried as the :class:`RetryPolicy` allows (nothing was generated)."""
         call = _Calls.generate(text, input_ids, sampling_params, True, extra)
-        response = self._retrying(lambda: self._open_stream(call))
+        deadline = self._deadline_of(call)
+        response = self._retrying(lambda: self._open_stream(call, deadline), deadline)
         try:
             decoder = _SseDecoder()
             try:
@@ -121,16 +125,17 @@ class HandoffClient(_Base):
         finally:
             response.close()
 
-    def _open_stream(self, call: _Call) -> httpx.Response:
+    def _open_stream(self, call: _Call, deadline: float) -> httpx.Response:
         """The stream's response once its status is 2xx; an error answer is read (within the cap), closed and
         raised."""
-        timeout_s = self._timeout_of(call)
-        deadline = time.monotonic() + timeout_s
+        late = "the stream did not start within the call's timeout"
+        timeout_s = _time_left(deadline, late)
 
         def open_stream() -> httpx.Response:
             try:
                 response = self._http.send(
-                    self._http.build_request(call.method, call.path, **self._request_args(call)), stream=True)
+                    self._http.build_request(call.method, call.path, **self._request_args(call, timeout_s)),
+                    stream=True)
                 if response.is_success:
                     return response
                 try:
@@ -143,8 +148,7 @@ class HandoffClient(_Base):
                 raise transport_failure(exc) from exc
             raise error_of(response.status_code, response.headers, reader.body, response.reason_phrase)
 
-        return _within(timeout_s, open_stream, "the stream did not start within the call's timeout",
-                       abandon=lambda response: response.close())
+        return _within(timeout_s, open_stream, late, abandon=lambda response: response.close())
 
     def release(self, tags: list[str] | None = None, *, mode: str = "wait", drain_timeout: float | None = None,
                 stage_to_cpu: bool | None = None, role: str | None = None,

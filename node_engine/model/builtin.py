@@ -9,80 +9,27 @@ how the demo and the tests make checkpoints to reload.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import save_file
 
-from node_engine.model.arch import ModelArch, ModelConfigError
-from node_engine.vision.arch import QWEN2_VL, VisionArch, hf_vision_config
+from node_engine.model.arch import ModelArch
+from node_engine.model.builtin_arch import (BUILTIN_PREFIX, BYTE_BOS_ID, BYTE_EOS_ID, BYTE_VOCAB_SIZE, IMAGE_PAD_ID,
+                                            VIDEO_PAD_ID, VISION_END_ID, VISION_SPECIAL_TOKENS, VISION_START_ID,
+                                            builtin_arch, is_builtin, mrope_section_for)
+from node_engine.vision.arch import hf_vision_config
 from node_engine.vision.model import vision_weight_shapes
 from node_engine.vision.processor import ProcessorConfig
 
-BUILTIN_PREFIX = "builtin:"
-BYTE_BOS_ID = 256
-BYTE_EOS_ID = 257
-BYTE_VOCAB_SIZE = 320  # 256 bytes, <bos>, <eos>, the rest reserved (padded for alignment)
-# The byte tokenizer of a vision-language built-in names three reserved ids (Qwen2-VL's spellings).
-VISION_START_ID, VISION_END_ID, IMAGE_PAD_ID, VIDEO_PAD_ID = 258, 259, 260, 261
-VISION_SPECIAL_TOKENS = {VISION_START_ID: "<|vision_start|>", VISION_END_ID: "<|vision_end|>",
-                         IMAGE_PAD_ID: "<|image_pad|>", VIDEO_PAD_ID: "<|video_pad|>"}
+__all__ = ["BUILTIN_PREFIX", "BUILTIN_PROCESSOR", "BYTE_BOS_ID", "BYTE_EOS_ID", "BYTE_VOCAB_SIZE", "IMAGE_PAD_ID",
+           "VIDEO_PAD_ID", "VISION_END_ID", "VISION_SPECIAL_TOKENS", "VISION_START_ID", "builtin_arch",
+           "builtin_weights", "hf_config", "is_builtin", "mrope_section_for", "save_checkpoint"]
 
-
-def mrope_section_for(head_dim: int) -> tuple[int, int, int]:
-    """Qwen2-VL's split of the rotary frequencies (16/24/24 of 64), for any head size."""
-    half = head_dim // 2
-    spatial = 3 * half // 8
-    return (half - 2 * spatial, spatial, spatial)
-
-
-_TINY_VISION = VisionArch(
-    architecture=QWEN2_VL, depth=2, hidden_size=64, num_heads=2, intermediate_size=128, hidden_act="quick_gelu",
-    out_hidden_size=128, in_channels=3, patch_size=14, temporal_patch_size=2, spatial_merge_size=2,
-    rope_theta=10000.0, image_token_id=IMAGE_PAD_ID, vision_start_token_id=VISION_START_ID,
-    vision_end_token_id=VISION_END_ID, mrope_section=mrope_section_for(32))
-
-_BUILTINS: dict[str, ModelArch] = {
-    "tiny": ModelArch(
-        architecture="LlamaForCausalLM", vocab_size=BYTE_VOCAB_SIZE, hidden_size=128, intermediate_size=352,
-        num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32, rms_norm_eps=1e-5, rope_theta=10000.0,
-        max_position_embeddings=4096, tie_word_embeddings=False, attention_bias=False,
-        bos_token_id=BYTE_BOS_ID, eos_token_ids=(BYTE_EOS_ID,)),
-    # Qwen2-VL-shaped: the decoder of "tiny" with q/k/v biases and M-RoPE, a two-block vision tower.
-    "tiny-vl": ModelArch(
-        architecture=QWEN2_VL, vocab_size=BYTE_VOCAB_SIZE, hidden_size=128, intermediate_size=352,
-        num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32, rms_norm_eps=1e-6, rope_theta=10000.0,
-        max_position_embeddings=4096, tie_word_embeddings=False, attention_bias=True,
-        bos_token_id=BYTE_BOS_ID, eos_token_ids=(BYTE_EOS_ID,), vision=_TINY_VISION),
-}
 # The built-in VL model's image processor: Qwen2-VL's, with at most 256 tokens per image.
 BUILTIN_PROCESSOR = ProcessorConfig(min_pixels=56 * 56, max_pixels=28 * 28 * 256)
-
-_OVERRIDABLE = {"hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
-                "max_position_embeddings", "tie_word_embeddings", "rope_theta", "attention_bias"}
-
-
-def is_builtin(model_path: str) -> bool:
-    return model_path.startswith(BUILTIN_PREFIX)
-
-
-def builtin_arch(model_path: str, overrides: dict[str, Any] | None = None) -> ModelArch:
-    name = model_path[len(BUILTIN_PREFIX):]
-    if name not in _BUILTINS:
-        raise ModelConfigError(f"unknown built-in model {model_path!r}; available: "
-                               + ", ".join(BUILTIN_PREFIX + n for n in _BUILTINS))
-    overrides = dict(overrides or {})
-    unknown = sorted(set(overrides) - _OVERRIDABLE)
-    if unknown:
-        raise ModelConfigError(f"--model-override has fields that cannot be overridden: {', '.join(unknown)}")
-    base = _BUILTINS[name]
-    if base.vision is not None:  # the merger's output and M-RoPE follow the decoder's shape
-        head_dim = overrides.get("head_dim", base.head_dim)
-        overrides["vision"] = replace(base.vision, out_hidden_size=overrides.get("hidden_size", base.hidden_size),
-                                      mrope_section=mrope_section_for(head_dim))
-    return replace(base, **overrides)
 
 
 def builtin_weights(arch: ModelArch, seed: int) -> dict[str, torch.Tensor]:

@@ -128,6 +128,15 @@ BAD_FLAGS = [  # (the flag the message must name, the arguments, the environment
     ("--admin-token", ["up", "--admin-token", " "], {}),
     ("--api-key", ["up"], {"HANDOFF_API_KEY": "t\u00f6k"}),
     ("HANDOFF_VLLM_PYTHON", ["up", "--engine-kind", "vllm"], {"HANDOFF_VLLM_PYTHON": "/nonexistent/python"}),
+    # values the engines refused only once launched: exit 1 "cannot start the cluster" (found by review)
+    ("--model-override", ["up", "--nodes", "1", "--model-override", "{bad"], {}),
+    ("--model-override", ["up", "--nodes", "1", "--model-override", "[1]"], {}),
+    ("--model-override", ["up", "--nodes", "1", "--model-override", '{"vocab_size": 5}'], {}),
+    ("--model-override", ["up", "--nodes", "1", "--model-override", '{"num_layers": "four"}'], {}),
+    ("--model-override", ["up", "--nodes", "1", "--model-path", "/nonexistent", "--model-override", "{}"], {}),
+    ("--model-path", ["up", "--nodes", "1", "--model-path", "builtin:huge"], {}),
+    ("--model-path", ["up", "--nodes", "1", "--model-path", "{file}"], {}),
+    ("--model-path", ["up", "--nodes", "1", "--model-path", "/proc/self"], {}),  # a folder, no checkpoint in it
 ]
 
 

@@ -40,6 +40,8 @@ CASES = [
     ("--served-model-name", ["--served-model-name", ""]),
     ("--role", ["--role", "MIXED"]),
     ("--model-override", ["--model-override", "[]"]),
+    ("--model-override", ["--model-override", '{"rope_theta": "x"}']),  # a TypeError traceback (found by review)
+    ("--model-override", ["--model-override", '{"num_layers": true}']),  # taken for 1 layer
     ("--device", ["--device", "CUDA"]),
     ("--host", ["--host", ""]),
     ("--port-file", ["--port-file", "{tmp}"]),

@@ -26,7 +26,7 @@ import psutil
 
 from handoff.client import AsyncHandoffClient, FanoutFailed, HandoffError
 from handoff.cluster.local import ClusterSpec, LocalCluster
-from handoff.cluster.process import ProcessFailed
+from handoff.cluster.process import ProcessFailed, ServerProcess
 
 # A built-in model big enough for memory figures to mean something (~70 MB of weights, ~100 MB of KV).
 DEMO_MODEL = json.dumps({"hidden_size": 512, "intermediate_size": 1408, "num_layers": 6, "num_heads": 8,
@@ -59,11 +59,12 @@ class StepReport:
 
 
 class Demo:
-    def __init__(self, cluster: LocalCluster, client: AsyncHandoffClient, workdir: Path,
+    def __init__(self, cluster: LocalCluster, client: AsyncHandoffClient, checkpoint: Path,
                  say: Callable[[str], None], model: str = DEFAULT_MODEL) -> None:
+        """``checkpoint``: the "trained" weights step 4 loads (:func:`write_step1_checkpoint`)."""
         self.cluster = cluster
         self.client = client
-        self.workdir = workdir
+        self.checkpoint = checkpoint
         self.say = say
         self.model = model
         self.reports: list[StepReport] = []
@@ -139,15 +140,6 @@ class Demo:
         return f"allocated and touched {self.freed / MiB:.0f} MiB in {time.perf_counter() - started:.2f}s"
 
     async def reload(self) -> str:
-        from node_engine.model.builtin import builtin_arch, builtin_weights, save_checkpoint
-
-        arch = builtin_arch(self.model, json.loads(DEMO_MODEL))
-        weights = builtin_weights(arch, seed=0)
-        for name, tensor in weights.items():
-            if name.endswith("proj.weight"):
-                tensor.add_(0.02 * tensor.std() * (tensor.sign()))  # a "training step"
-        self.checkpoint = self.workdir / "step-1"
-        save_checkpoint(self.checkpoint, arch, weights)
         await self.client.resume(tags=["weights"])
         refused = await self._generation_refused()
         await self.client.update_weights_from_disk(str(self.checkpoint), weight_version="step-1")
@@ -191,9 +183,9 @@ class Demo:
             check(len(exc.succeeded) == len(self.cluster.nodes) - 1, "the other nodes should have succeeded")
         else:
             raise DemoFailed("a release with a dead engine did not fail")
-        victim.engine.start()
-        view = await self._wait_node(victim.url, lambda n: n.get("not_serving_reason") not in (None, "engine_unavailable"),
-                                     "reachable again")
+        await _restart(victim.engine)
+        view = await self._wait_node(
+            victim.url, lambda n: n.get("not_serving_reason") not in (None, "engine_unavailable"), "reachable again")
         check(view.get("not_serving_reason") == "weights_stale",
               f"a restarted engine on its start checkpoint should not serve, got {view.get('not_serving_reason')}")
         self.say(f"   {victim.name}'s engine restarted on its start checkpoint: held out as weights_stale")
@@ -214,9 +206,37 @@ class Demo:
         raise DemoFailed(f"{url} was not {what} within 30 s after its engine restarted")
 
 
-async def _play(cluster: LocalCluster, workdir: Path, say: Callable[[str], None], model: str) -> list[StepReport]:
+async def _restart(engine: ServerProcess, timeout: float = 120.0) -> None:
+    """Start ``engine`` again and wait for it without holding the event loop: Ctrl-C cancels the wait at once,
+    where a blocking :meth:`ServerProcess.start` held it back until the engine had loaded its model."""
+    engine.launch()
+    deadline = time.monotonic() + timeout
+    while not engine.is_ready_now():  # ProcessFailed, with its log, if it exits
+        if time.monotonic() > deadline:
+            engine.kill()
+            raise ProcessFailed(f"{engine.name} did not restart within {timeout:g} s\n{engine.log_tail()}")
+        await asyncio.sleep(0.05)
+
+
+def write_step1_checkpoint(workdir: Path, model: str) -> Path:
+    """The checkpoint step 4 loads: the start weights after a small "training step". Written on the main thread
+    before the steps run: Ctrl-C interrupts it at once, where inside a step (blocking the event loop) it held the
+    stop back until the last byte was written (torch's import, the weights, the file: tens of seconds under load)."""
+    from node_engine.model.builtin import builtin_arch, builtin_weights, save_checkpoint
+
+    arch = builtin_arch(model, json.loads(DEMO_MODEL))
+    weights = builtin_weights(arch, seed=0)
+    for name, tensor in weights.items():
+        if name.endswith("proj.weight"):
+            tensor.add_(0.02 * tensor.std() * (tensor.sign()))
+    path = workdir / "step-1"
+    save_checkpoint(path, arch, weights)
+    return path
+
+
+async def _play(cluster: LocalCluster, checkpoint: Path, say: Callable[[str], None], model: str) -> list[StepReport]:
     async with AsyncHandoffClient(cluster.url, timeout=120) as client:
-        demo = Demo(cluster, client, workdir, say, model)
+        demo = Demo(cluster, client, checkpoint, say, model)
         await demo.step("1. rollout", demo.rollout)
         await demo.step("2. release all tags (wait) while streams run", demo.release_under_load)
         await demo.step("3. train in the freed memory", demo.train)
@@ -248,7 +268,8 @@ def run_demo(num_nodes: int = 2, *, model: str = DEFAULT_MODEL, log_dir: Path | 
         try:
             cluster.start()
             say(f"LB at {cluster.url}; nodes: {', '.join(n.url for n in cluster.nodes)}")
-            reports = asyncio.run(_play(cluster, workdir, say, model))
+            checkpoint = write_step1_checkpoint(workdir, model)
+            reports = asyncio.run(_play(cluster, checkpoint, say, model))
         except (DemoFailed, ProcessFailed, HandoffError, OSError) as exc:
             say(f"\nDEMO FAILED: {exc}\n(logs: {logs})")
             return 1

@@ -20,7 +20,7 @@ import pytest
 from handoff.cli import LOCK_FILE, main as cli_main
 from handoff.cluster.local import MAX_LOCAL_NODES, ClusterSpec, LocalCluster
 from handoff.cluster.process import ProcessFailed, ServerProcess
-from tests.support.procs import REPO_ROOT, assert_refused_at_start, wait_until
+from tests.support.procs import REPO_ROOT, assert_refused_at_start, sigint_by_default, wait_until
 from tests.support.streams import GenerationClient
 
 
@@ -58,7 +58,7 @@ def start_up(tmp_path: Path, *args: str, wrapper: tuple[str, ...] = ()) -> tuple
     with open(out, "wb") as sink:
         proc = subprocess.Popen([*wrapper, sys.executable, "-m", "handoff", "up", "--nodes", "1", "--port", "0",
                                  "--log-dir", str(tmp_path / "logs"), *args], stdout=sink, stderr=subprocess.STDOUT,
-                                cwd=REPO_ROOT)
+                                cwd=REPO_ROOT, preexec_fn=sigint_by_default)
     return proc, out
 
 
@@ -193,7 +193,7 @@ def test_ctrl_c_while_checking_for_vllm_exits_130_without_a_traceback(tmp_path: 
     python.chmod(0o755)
     proc = subprocess.Popen([sys.executable, "-m", "handoff", "up", "--engine-kind", "vllm"], cwd=REPO_ROOT,
                             env={**os.environ, "HANDOFF_VLLM_PYTHON": str(python)}, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, preexec_fn=sigint_by_default)
     try:
         wait_until(marker.exists, timeout=30, what="the vLLM check running")
         proc.send_signal(signal.SIGINT)
@@ -235,7 +235,8 @@ def test_no_process_outlives_a_stopped_demo(tmp_path: Path, sig: signal.Signals)
     out = tmp_path / "demo.out"
     with open(out, "wb") as sink:
         proc = subprocess.Popen([sys.executable, "-m", "handoff", "demo", "--nodes", "1", "--log-dir",
-                                 str(tmp_path / "logs")], stdout=sink, stderr=subprocess.STDOUT, cwd=REPO_ROOT)
+                                 str(tmp_path / "logs")], stdout=sink, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
+                                preexec_fn=sigint_by_default)
     children: list[psutil.Process] = []
     try:
         wait_until(lambda: "LB at" in out.read_text(), timeout=120, what="the demo's cluster")
@@ -245,6 +246,62 @@ def test_no_process_outlives_a_stopped_demo(tmp_path: Path, sig: signal.Signals)
         assert proc.wait(60) == (130 if sig == signal.SIGINT else -signal.SIGTERM)
         wait_until(lambda: no_child_left(children), timeout=30, what="every child gone")
         assert "Traceback" not in out.read_text(), out.read_text()[-2000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for child in children:
+            if child.is_running():
+                child.kill()
+
+
+# ``handoff demo`` whose step-1 checkpoint takes two minutes to write: the file is touched when the write starts
+SLOW_CHECKPOINT_DEMO = """
+import pathlib, sys, time
+import node_engine.model.builtin as builtin
+def slow_save(*args, **kwargs):
+    pathlib.Path(sys.argv[1]).touch()
+    time.sleep(120)
+builtin.save_checkpoint = slow_save
+from handoff.cli import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+# ``handoff demo`` whose engine, restarted in the last step, takes two minutes to come up again
+SLOW_RESTART_DEMO = """
+import pathlib, sys
+from handoff.cluster.process import ServerProcess
+launch = ServerProcess.launch
+def slow_restart(self, **kwargs):
+    if self._num_starts and self.module == "node_engine":
+        pathlib.Path(sys.argv[1]).touch()
+        self.wrapper = [sys.executable, "-c",
+                        "import os, sys, time; time.sleep(120); os.execv(sys.argv[1], sys.argv[1:])"]
+    return launch(self, **kwargs)
+ServerProcess.launch = slow_restart
+from handoff.cli import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+@pytest.mark.parametrize("script", [SLOW_CHECKPOINT_DEMO, SLOW_RESTART_DEMO], ids=["checkpoint", "restart"])
+def test_ctrl_c_while_the_demo_waits_outside_its_event_loop_stops_at_once(script: str, tmp_path: Path) -> None:
+    """Step 4 wrote its checkpoint (torch's import, the weights, the file) and the last step waited for the engine
+    it restarted, both blocking the demo's event loop: Ctrl-C, a cancel of the steps, waited until they were done
+    (tens of seconds on a loaded machine)."""
+    marker, out = tmp_path / "slow-part", tmp_path / "demo.out"
+    with open(out, "wb") as sink:
+        proc = subprocess.Popen([sys.executable, "-c", script, str(marker), "demo", "--nodes", "1",
+                                 "--log-dir", str(tmp_path / "logs")], stdout=sink, stderr=subprocess.STDOUT,
+                                cwd=REPO_ROOT, preexec_fn=sigint_by_default)
+    children: list[psutil.Process] = []
+    try:
+        wait_until(marker.exists, timeout=180, what="the slow part")
+        children = psutil.Process(proc.pid).children(recursive=True)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 130, out.read_text()[-2000:]
+        assert "interrupted: stopping the cluster" in out.read_text() and "Traceback" not in out.read_text()
+        wait_until(lambda: no_child_left(children), timeout=30, what="every child gone")
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -31,6 +31,7 @@ needs_cxx = pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is Non
 # Different lengths in one batch, and past the first token of the context.
 PROMPTS = ["a", "The second prompt is longer than the first", "third: mid-size prompt"]
 GREEDY = {"temperature": 0, "ignore_eos": True, "max_new_tokens": 40}
+ONE_LAYER = '{"num_layers": 1}'  # the in-process compiles: what they prove needs no more than one layer
 
 
 def greedy(client: httpx.Client, prompts: list[str] | str) -> list[list[int]]:
@@ -51,13 +52,18 @@ def compile_count(client: httpx.Client) -> float:
 @pytest.fixture(scope="module")
 def engines(proc_log_dir: Path):
     args = ["--model-path", "builtin:tiny", "--enable-memory-saver", "--weights-backup", "cpu"]
+    # launched together: the eager one starts while the other compiles
     compiled = ServerProcess("node_engine", args + ["--enable-torch-compile"], log_dir=proc_log_dir,
-                             name="compiled_engine").start(timeout=300)
-    eager = ServerProcess("node_engine", args, log_dir=proc_log_dir, name="eager_engine").start(timeout=120)
-    with httpx.Client(base_url=compiled.url, timeout=60) as c, httpx.Client(base_url=eager.url, timeout=60) as e:
-        yield c, e
-    compiled.stop()
-    eager.stop()
+                             name="compiled_engine").launch()
+    eager = ServerProcess("node_engine", args, log_dir=proc_log_dir, name="eager_engine").launch()
+    try:
+        compiled.wait_ready(timeout=300)
+        eager.wait_ready(timeout=120)
+        with httpx.Client(base_url=compiled.url, timeout=60) as c, httpx.Client(base_url=eager.url, timeout=60) as e:
+            yield c, e
+    finally:
+        compiled.stop()
+        eager.stop()
 
 
 @pytest.fixture(scope="module")
@@ -78,10 +84,11 @@ def test_compile_failure_is_a_clear_start_error(tmp_path: Path, monkeypatch: pyt
     import torch._inductor.config as inductor_config
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # a failed compile leaves its files there
-    config = EngineConfig(model_path="builtin:tiny", enable_torch_compile=True)
+    # one layer: the compile fails the same way, after tracing a quarter of the graph
+    config = EngineConfig(model_path="builtin:tiny", enable_torch_compile=True, model_override=ONE_LAYER)
     with inductor_config.patch({"cpp.cxx": ("/nonexistent/c++",), "force_disable_caches": True}):
         with pytest.raises(ConfigError, match="--enable-torch-compile: .*C\\+\\+ compiler"):
-            ModelRunner(config, DisabledSaver(), builtin_arch("builtin:tiny"))
+            ModelRunner(config, DisabledSaver(), builtin_arch("builtin:tiny", config.model_override_dict()))
 
 
 @needs_cxx
@@ -161,9 +168,10 @@ def test_packed_onednn_model_compiles_and_answers_as_eager(monkeypatch: pytest.M
     if projections._ONEDNN_LINEAR is None:
         pytest.skip("this torch build has no oneDNN linear")
     monkeypatch.setattr(projections, "ONEDNN_MIN_WEIGHT_NUMEL", 1)
-    arch = builtin_arch("builtin:tiny")
-    compiled = ModelRunner(EngineConfig(model_path="builtin:tiny", enable_torch_compile=True), DisabledSaver(), arch)
-    eager = ModelRunner(EngineConfig(model_path="builtin:tiny"), DisabledSaver(), arch)
+    configs = [EngineConfig(model_path="builtin:tiny", model_override=ONE_LAYER, enable_torch_compile=is_compiled)
+               for is_compiled in (True, False)]  # one layer: a graph of its own, compiled cold; a quarter the size
+    arch = builtin_arch("builtin:tiny", configs[0].model_override_dict())
+    compiled, eager = (ModelRunner(config, DisabledSaver(), arch) for config in configs)
     assert compiled.model.model.layers[0].mlp.gate_up.is_onednn
     for num_seqs, max_len in ((4, 7), (1, 3)):
         inputs = decode_inputs(num_seqs, max_len)

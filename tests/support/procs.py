@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -14,7 +15,7 @@ from handoff.cluster.process import ProcessFailed, wait_until
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
-__all__ = ["ProcessFailed", "ServerProcess", "assert_refused_at_start", "wait_until", "REPO_ROOT"]
+__all__ = ["ProcessFailed", "ServerProcess", "assert_refused_at_start", "sigint_by_default", "wait_until", "REPO_ROOT"]
 
 
 class ServerProcess(process.ServerProcess):
@@ -29,6 +30,14 @@ class ServerProcess(process.ServerProcess):
         # the *thread* that started the child, so only the main thread's children (the fixtures') get it.
         self.die_with_parent = threading.current_thread() is threading.main_thread()
         return super().launch(*args, **kwargs)
+
+
+def sigint_by_default() -> None:
+    """``preexec_fn`` of a process a test sends SIGINT: SIGINT at its default action in it. A test run started in
+    the background of a shell without job control (``pytest ... &``) has SIGINT ignored, and every process it
+    starts inherits that; ``handoff up`` and ``demo`` rightly keep an ignored SIGINT ignored, so such a test would
+    wait for an exit that never comes."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 _TOKEN_VARS = ("HANDOFF_ADMIN_TOKEN", "HANDOFF_API_KEY")

@@ -27,7 +27,9 @@ before the newest token, so it finds every stop string SGLang finds and
 those too.
 
 A stream holds back only the end of the text that could begin a stop string
-(SGLang holds an event back in that case: ``check_match_stop_str_prefix``).
+(SGLang holds an event back in that case: ``check_match_stop_str_prefix``),
+and a whole stop string the check has not found yet (its window, started
+inside a byte-fallback run, can render it as U+FFFD for a few tokens).
 A sequence that ends on a stop token leaves that token's text out
 (``finish(drop_last=True)``).
 """
@@ -150,10 +152,18 @@ class IncrementalDetokenizer:
         """Text not yet handed out; unless final, the end that could begin a stop string is held back."""
         end = len(self.text)
         if not is_final and self.matched_stop is None:
-            end = max(self._emitted, end - self._stop_prefix_len())
+            end = min(end - self._stop_prefix_len(), self._unseen_stop_at())
+            end = max(self._emitted, end)
         delta = self.text[self._emitted:end]
         self._emitted = end
         return delta
+
+    def _unseen_stop_at(self) -> int:
+        """Where the first stop string in the text not yet handed out begins (the text's length: none). The check
+        after a token can miss one a while: a window that starts inside a byte-fallback run renders the whole
+        run as U+FFFD. Held back, it is cut when the check finds it, as the answer not streamed is."""
+        found = (self.text.find(stop, self._emitted) for stop in self._stop)
+        return min((at for at in found if at != -1), default=len(self.text))
 
     def _stop_prefix_len(self) -> int:
         """The length of the longest end of the text that begins a stop string (0: none)."""

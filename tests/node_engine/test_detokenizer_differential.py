@@ -341,6 +341,23 @@ def test_the_first_token_reads_as_after_the_prompt(kinds) -> None:
             assert answer[0] == "".join(deltas) == " Hello Hello"
 
 
+def test_a_stop_string_hidden_in_a_byte_run_is_never_streamed(kinds) -> None:
+    """Found by CI (an example of the property above): ``世界AA`` is one run of byte-fallback tokens, and the
+    check's window, starting inside it, rendered it all as U+FFFD until a later token; the stream had handed
+    ``界AA`` out meanwhile, so its answer kept the text past the stop string that the non-stream answer cut."""
+    tokenizer, hf = kinds["byte_fallback"]
+    sampled = [1] + tokenizer.encode("AAAab世界世界Hello世界AAaA", add_special_tokens=False)
+    case = dict(stop=["界AA"], stop_token_ids=[], ignore_eos=False, max_new_tokens=len(sampled),
+                skip_special_tokens=False, no_stop_trim=False)
+    sglang = SGLangRequest(lambda ids, skip_special: hf.decode(ids, skip_special_tokens=skip_special),
+                           lambda s: hf.encode(s, add_special_tokens=False), [],
+                           eos_token_ids=set(tokenizer.eos_token_ids), **case, stream=False).run(sampled)
+    assert sglang.answer()[:3] == ("<s> AAAab世界世界Hello世", "stop", "界AA")
+    for stream in (False, True):
+        answer, deltas = handoff(tokenizer, [], sampled, **case, stream=stream)
+        assert answer == sglang.answer() and "".join(deltas) == answer[0], (stream, deltas)
+
+
 async def test_an_engine_answer_reads_as_after_the_prompt(tmp_path: Path) -> None:
     """The same end to end: a Llama checkpoint with that tokenizer, its tokens forced by ``logit_bias``."""
     make_checkpoint(tmp_path, "llama-mha-tied")

@@ -66,6 +66,15 @@ def no_child_left(children: list[psutil.Process]) -> bool:
     return not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
 
 
+def kill_all(proc: subprocess.Popen, children: list[psutil.Process]) -> None:
+    """A test's cleanup: the command and whatever it started, if still there."""
+    if proc.poll() is None:
+        proc.kill()
+    for child in children:
+        if child.is_running():
+            child.kill()
+
+
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGHUP])
 def test_no_process_outlives_up_however_it_dies(tmp_path: Path, sig: signal.Signals) -> None:
     proc, out = start_up(tmp_path)
@@ -247,11 +256,7 @@ def test_no_process_outlives_a_stopped_demo(tmp_path: Path, sig: signal.Signals)
         wait_until(lambda: no_child_left(children), timeout=30, what="every child gone")
         assert "Traceback" not in out.read_text(), out.read_text()[-2000:]
     finally:
-        if proc.poll() is None:
-            proc.kill()
-        for child in children:
-            if child.is_running():
-                child.kill()
+        kill_all(proc, children)
 
 
 # ``handoff demo`` whose step-1 checkpoint takes two minutes to write: the file is touched when the write starts
@@ -303,11 +308,7 @@ def test_ctrl_c_while_the_demo_waits_outside_its_event_loop_stops_at_once(script
         assert "interrupted: stopping the cluster" in out.read_text() and "Traceback" not in out.read_text()
         wait_until(lambda: no_child_left(children), timeout=30, what="every child gone")
     finally:
-        if proc.poll() is None:
-            proc.kill()
-        for child in children:
-            if child.is_running():
-                child.kill()
+        kill_all(proc, children)
 
 
 def test_a_cluster_past_the_local_bound_is_refused_before_anything_starts(capsys: pytest.CaptureFixture[str]) -> None:

@@ -31,9 +31,11 @@ to every member (of the role).
 ``update_weights_from_tensor`` goes to the nodes the caller names
 (``?node=URL``, repeatable; default all): its payload is shared memory or CUDA
 IPC handles, valid only on the sender's host. torch counts one reader per
-serialization, so when one payload goes to several nodes, all but the first
-read it with ``release_sender_reference: false``. ``GET /get_weight_version``
-reports every node's version and whether they agree.
+serialization, so when one payload goes to several nodes, all but one read it
+with ``release_sender_reference: false``; the one that releases it is a healthy
+node where there is one (a node known down never reads, and a reference nobody
+releases keeps the payload in the sender's shared memory until it exits).
+``GET /get_weight_version`` reports every node's version and whether they agree.
 """
 
 from __future__ import annotations
@@ -190,7 +192,9 @@ class WeightSync:
             nodes = list({id(node): node for node in named.values() if node is not None}.values())
         else:
             nodes = self._nodes(None, path)
-        bodies = _one_reader_releases(raw, len(nodes))
+        # the reader that releases the sender's reference must be one that reads: a node known down never does
+        releaser = next((i for i, node in enumerate(nodes) if node.health is NodeHealth.HEALTHY), 0)
+        bodies = _one_reader_releases(raw, len(nodes), releaser)
         started = time.perf_counter()
         results = await asyncio.gather(*(self._fanout.call_node(node, "POST", path, body, content_type, timeout_s)
                                          for node, body in zip(nodes, bodies) if node is not None))
@@ -248,9 +252,10 @@ class WeightSync:
         return nodes
 
 
-def _one_reader_releases(raw: bytes, num_nodes: int) -> list[bytes]:
+def _one_reader_releases(raw: bytes, num_nodes: int, releaser: int) -> list[bytes]:
     """The body for each node: torch counts one reader per serialized CPU tensor, so when one payload goes to
-    several engines only the first releases the sender's reference (``release_sender_reference``)."""
+    several engines only the node at index ``releaser`` releases the sender's reference
+    (``release_sender_reference``); a payload no node releases stays in the sender's shared memory until it exits."""
     if num_nodes < 2:
         return [raw] * num_nodes
     try:
@@ -260,8 +265,8 @@ def _one_reader_releases(raw: bytes, num_nodes: int) -> list[bytes]:
     if not isinstance(body, dict):
         return [raw] * num_nodes
     borrowing = _json({**body, "release_sender_reference": False})
-    return [_json({**body, "release_sender_reference": body.get("release_sender_reference", True)}), *(
-        [borrowing] * (num_nodes - 1))]
+    releasing = _json({**body, "release_sender_reference": body.get("release_sender_reference", True)})
+    return [releasing if index == releaser else borrowing for index in range(num_nodes)]
 
 
 def _lost_groups(node: Node) -> list[str]:

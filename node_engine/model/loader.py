@@ -237,17 +237,18 @@ def check_named_tensors(model: CausalLM, named: list[tuple[str, object]]) -> dic
     for name, tensor in named:
         if is_dropped_key(model, name):
             continue
+        named_as = shown(name)  # the caller's to choose: a name of megabytes is not echoed whole
         if not isinstance(tensor, torch.Tensor):
-            problems.append(f"{name} is a {type(tensor).__name__}, not a tensor")
+            problems.append(f"{named_as} is a {type(tensor).__name__}, not a tensor")
         elif name in checked:
-            problems.append(f"{name} is listed twice")
+            problems.append(f"{named_as} is listed twice")
         elif name not in targets:
-            problems.append(f"unknown weight {name}")
+            problems.append(f"unknown weight {named_as}")
         elif tuple(tensor.shape) != _target_shape(params, targets[name]):
-            problems.append(f"{name} has shape {list(tensor.shape)}, expected "
+            problems.append(f"{named_as} has shape {list(tensor.shape)}, expected "
                             f"{list(_target_shape(params, targets[name]))}")
         elif not tensor.dtype.is_floating_point:
-            problems.append(f"{name} has dtype {tensor.dtype}; weights are floating point")
+            problems.append(f"{named_as} has dtype {tensor.dtype}; weights are floating point")
         else:
             checked[name] = tensor
     if problems:

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from handoff.checkpoint.files import shown
 from node_engine.weight_sync.unpickler import (FlattenedTensorMetadata, LocalSerializedTensor, PayloadBudget,
                                                UnsafePayload, restricted_loads)
 
@@ -65,13 +66,13 @@ def _from_pairs(value: Any, budget: PayloadBudget, release_sender_reference: boo
         name, tensor = item
         if isinstance(tensor, LocalSerializedTensor):
             if len(tensor.values) <= TP_RANK:
-                raise UnsafePayload(f"{name}: LocalSerializedTensor has no bytes for rank {TP_RANK}")
+                raise UnsafePayload(f"{shown(name)}: LocalSerializedTensor has no bytes for rank {TP_RANK}")
             inner = tensor.values[TP_RANK]
             if id(inner) not in decoded:
                 decoded[id(inner)] = restricted_loads(inner, budget, release_sender_reference=release_sender_reference)
             tensor = decoded[id(inner)]
         if not isinstance(tensor, torch.Tensor):
-            raise UnsafePayload(f"{name} is a {type(tensor).__name__}, not a tensor")
+            raise UnsafePayload(f"{shown(name)} is a {type(tensor).__name__}, not a tensor")
         pairs.append((name, tensor))
     return pairs
 

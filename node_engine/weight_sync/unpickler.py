@@ -37,6 +37,7 @@ import pickle
 from struct import error as struct_error
 from typing import Any, Callable
 
+from handoff.checkpoint.files import shown
 from node_engine.weight_sync.payload_checks import PayloadBudget, UnsafePayload
 from node_engine.weight_sync.rebuilds import (
     ALLOWED_GLOBALS,
@@ -76,8 +77,8 @@ class RestrictedUnpickler(_Base):
             return SAFE_CALLS[key]
         if key in VALUES:
             return VALUES[key]
-        raise UnsafePayload(f"the payload names {module}.{name}, which is not a tensor, a storage or a plain "
-                            "container; nothing was run")
+        raise UnsafePayload(f"the payload names {shown(module + '.' + name)}, which is not a tensor, a storage or "
+                            "a plain container; nothing was run")
 
     def persistent_load(self, pid: object) -> Any:
         raise UnsafePayload("the payload uses persistent ids; nothing was run")

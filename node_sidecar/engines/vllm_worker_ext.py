@@ -44,6 +44,7 @@ from typing import Any
 
 import torch
 
+from handoff.checkpoint.files import shown
 from handoff.protocol import errors as E
 from handoff.protocol.weights import InitWeightsUpdateGroupBody
 from handoff.service.errors import ServiceError
@@ -254,12 +255,12 @@ class HandoffWeightSync:
             return "a tensor is named twice"
         for name, shape, dtype in zip(names, shapes, dtypes, strict=True):
             if name not in known:
-                return f"{name} is not a tensor of this model"
+                return f"{shown(name)} is not a tensor of this model"  # the caller's name: cut, never echoed whole
             if list(shape) != known[name]:
                 return f"{name}: shape {list(shape)} does not match the model's {known[name]}"
             torch_dtype = getattr(torch, dtype, None)
             if not isinstance(torch_dtype, torch.dtype) or not torch_dtype.is_floating_point:
-                return f"{name}: dtype {dtype!r} is not a floating torch dtype"
+                return f"{name}: dtype {shown(repr(dtype))} is not a floating torch dtype"
         fused = getattr(self.model_runner.get_model(), "packed_modules_mapping", {}) or {}
         sent = set(names)
         layers = {_layer_of(name, fused) for name in names}

@@ -171,6 +171,33 @@ def test_tensor_pushes_go_to_the_nodes_named(cluster, lb, weights, reference) ->
     assert r.status_code == 404 and r.json()["error"]["type"] == "node_not_found"
 
 
+
+def _shm_file(tensor: torch.Tensor) -> Path:
+    """Where a tensor serialized with the ``file_system`` strategy lives (its storage is in shared memory now)."""
+    _, handle, _ = tensor.untyped_storage()._share_filename_cpu_()
+    return Path("/dev/shm") / handle.decode().lstrip("/")
+
+
+def test_a_push_with_a_node_down_leaves_no_shared_memory_behind(cluster, lb, weights) -> None:
+    """torch counts one reader per serialized tensor, and the LB lets one node release the sender's reference.
+    It was always the first member: with that node down, nobody released it, and every push of the trainer left
+    its tensors in /dev/shm until the trainer exited (a model's size per step). The releasing reader is a
+    healthy node."""
+    nodes = lb.get("/nodes").json()["nodes"]
+    first = next(node for node in cluster.nodes if node.url == nodes[0]["url"])
+    first.sidecar.stop()
+    wait_until(lambda: any(n["url"] == first.url and n["health"] == "unhealthy" for n in lb.get("/nodes").json()[
+        "nodes"]), timeout=30, what="the stopped node unhealthy")
+    tensor = weights["new"]["model.norm.weight"].clone()
+    payload = serialize_named_tensors([("model.norm.weight", tensor)])
+    shm = _shm_file(tensor)
+    r = lb.post("/update_weights_from_tensor", json={"serialized_named_tensors": [payload]})
+    assert r.status_code == 502 and [f["node"] for f in r.json()["failures"]] == [first.url], r.text
+    assert len(r.json()["succeeded"]) == 1 and shm.exists()
+    del tensor
+    wait_until(lambda: not shm.exists(), timeout=10, what=f"{shm} unlinked once the sender let go")
+
+
 def test_sglang_control_calls_fan_out(cluster, lb) -> None:
     r = lb.post("/update_weight_version", json={"new_version": "v-fanned"})
     assert r.status_code == 200 and r.json()["total"] == 2

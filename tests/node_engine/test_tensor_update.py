@@ -188,3 +188,30 @@ def test_bad_bucket_metadata_is_400_never_500(pushed, meta) -> None:
     r = push(pushed, b64(serialize({"flattened_tensor": buffer, "metadata": [meta]})), load_format="flattened_bucket")
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request", r.text
     assert greedy(pushed) == before
+
+
+class _NoRankBytes:
+    """A LocalSerializedTensor with no bytes for any rank."""
+
+    def __reduce__(self):
+        from tests.support.sglang_payloads import LocalSerializedTensor
+
+        return LocalSerializedTensor, ([],)
+
+
+@pytest.mark.parametrize("where", ["unknown name", "not a tensor", "no bytes for the rank", "global"])
+def test_a_name_of_megabytes_is_cut_in_the_answer(pushed, new_weights, where: str) -> None:
+    """The tensor names of a push are the caller's to choose: a 2 MB unknown name was a 2 MB 400 (and log line),
+    as a checkpoint's were before they were cut. Every name an answer quotes is cut, as a path is."""
+    long_name = "w" * 2_000_000
+    if where == "unknown name":
+        payload = serialize_named_tensors([(long_name, new_weights["model.norm.weight"])])
+    elif where == "not a tensor":
+        payload = b64(serialize([(long_name, _Wrapped(pickle.dumps(3)))]))
+    elif where == "no bytes for the rank":
+        payload = b64(serialize([(long_name, _NoRankBytes())]))
+    else:  # a pickle naming a global of its own (protocol 0's GLOBAL: module and name, one line each)
+        payload = b64(b"c" + b"m" * 1_000_000 + b"\n" + b"n" * 1_000_000 + b"\n.")
+    r = push(pushed, payload)
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request", r.text[:300]
+    assert len(r.content) < 2000, r.text[:300]

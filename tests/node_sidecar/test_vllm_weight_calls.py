@@ -431,3 +431,12 @@ async def test_an_update_staged_over_sleeping_weights_is_dropped_when_its_caller
         await push
     assert worker._handoff_state()["staged"] is None and worker.loaded == []
     assert adapter.engine.paths == ["handoff_update_from_tensor", "/wake_up", "handoff_drop_staged"]
+
+
+def test_a_name_of_megabytes_is_cut_in_the_extensions_refusal(tmp_path: Path) -> None:
+    """A pushed or announced name the model lacks was quoted whole in the refusal (a 2 MB 400)."""
+    arch = builtin_arch("builtin:tiny")
+    weights = builtin_weights(arch, 0)
+    save_checkpoint(tmp_path, arch, weights)
+    problem = check(Worker(tmp_path), {"w" * 2_000_000: weights["model.norm.weight"]})
+    assert problem is not None and "not a tensor of this model" in problem and len(problem) < 1000

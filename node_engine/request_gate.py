@@ -79,6 +79,9 @@ class RequestGate:
         self._check_ids("stop_token_ids", params.stop_token_ids)
         if logprobs is not None:
             self._check_ids("token_ids_logprob", logprobs.token_ids or ())
+            if logprobs.top_logprobs_num > self._vocab_size:  # SGLang's top-k past the vocabulary fails
+                raise InvalidRequest(f"top_logprobs_num ({logprobs.top_logprobs_num}) is more than the "
+                                     f"vocabulary ({self._vocab_size} tokens)")
         self.check_can_generate()
 
     def check_within_context(self, num_prompt_tokens: int) -> None:

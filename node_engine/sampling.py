@@ -53,7 +53,8 @@ class SamplingParams:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or (self.top_k < 1 and self.top_k not in (-1, 0)):
+        greedy_override = self.temperature < GREEDY_TEMPERATURE  # SGLang sets top_k 1 before its range check
+        if not isinstance(self.top_k, int) or (self.top_k < 1 and self.top_k not in (-1, 0) and not greedy_override):
             raise ValueError(f"top_k must be -1 or 0 (disabled) or >= 1, got {self.top_k!r}")
         if not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")

@@ -28,7 +28,9 @@ from handoff.protocol import errors as E
 
 STRICT = ConfigDict(extra="forbid", strict=True)
 MAX_SEQUENCES = 256         # prompts x n in one request
-MAX_TOP_LOGPROBS = 64       # top_logprobs_num
+# top_logprobs_num: SGLang takes any count up to the vocabulary (an engine refuses one past it); verl's top-k
+# distillation asks 128 by default (DistillationLossConfig.topk), so the bound sits well above what trainers ask
+MAX_TOP_LOGPROBS = 1024
 MAX_TOKEN_IDS_LOGPROB = 256  # token_ids_logprob per prompt
 MAX_IMAGES_PER_PROMPT = 64
 MAX_IMAGES_PER_REQUEST = 128  # all prompts together (each is decoded before anything runs)

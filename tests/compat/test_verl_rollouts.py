@@ -25,6 +25,7 @@ import uuid
 from typing import Any
 
 import httpx
+import pytest
 
 PROMPT_IDS = [256] + [ord(c) for c in "The rollout starts here"]
 MAX_MODEL_LEN, PROMPT_LENGTH, RESPONSE_LENGTH = 4096, 64, 24
@@ -140,14 +141,15 @@ def test_rollouts_greedy_and_sampled_with_logprobs(http) -> None:
             assert len(token_ids) == request["sampling_params"]["max_new_tokens"]
 
 
-def test_prompt_logprobs_for_the_distillation_teacher(http) -> None:
-    params = {**agent_loop_sampling_params(greedy=True, calculate_log_probs=False), "prompt_logprobs": 3,
+@pytest.mark.parametrize("topk", [3, 128])  # 128: DistillationLossConfig.topk's default (a 400 before the fix)
+def test_prompt_logprobs_for_the_distillation_teacher(http, topk: int) -> None:
+    params = {**agent_loop_sampling_params(greedy=True, calculate_log_probs=False), "prompt_logprobs": topk,
               "max_new_tokens": 1}
     request, _, prompt_logprobs = server_request(uuid.uuid4().hex, PROMPT_IDS, params)
     answer = post(http, request)
     extracted = extract_prompt_logprobs(answer["meta_info"], prompt_logprobs, len(PROMPT_IDS))
     rows = extracted["prompt_logprobs"][:-1]
-    assert len(rows) == len(PROMPT_IDS) - 1 and all(len(ids) == 3 for ids in extracted["prompt_ids"])
+    assert len(rows) == len(PROMPT_IDS) - 1 and all(len(ids) == topk for ids in extracted["prompt_ids"])
     assert all(row == sorted(row, reverse=True) and row[0] <= 0 for row in rows)  # best first
     actual = [entry[0] for entry in answer["meta_info"]["input_token_logprobs"][1:]]
     assert all(value <= row[0] + 1e-6 for value, row in zip(actual, rows))  # no prompt token beats the best

@@ -233,16 +233,23 @@ def test_a_stream_interval_below_one_streams_every_token(client, interval: int) 
     assert saw_done and [e["meta_info"]["completion_tokens"] for e in events] == [1, 2, 3, 4]
 
 
-def test_top_logprobs_are_at_most_64_on_every_route(client) -> None:
-    """A documented bound SGLang lacks (it takes any count up to the vocabulary, a negative one for 0)."""
-    for top in (65, -1):
+def test_top_logprobs_are_bounded_by_the_vocabulary_and_1024_on_every_route(client) -> None:
+    """SGLang takes any count up to the vocabulary (one past it fails in its scheduler; a negative one is 0).
+    verl's top-k distillation asks 128 by default (``DistillationLossConfig.topk``, sent as ``top_logprobs_num``
+    with ``logprob_start_len`` 0): before the fix anything past 64 was a 400."""
+    answer = gen(client, {"input_ids": [256, 65, 66], "return_logprob": True, "logprob_start_len": 0,
+                          "top_logprobs_num": 128, "sampling_params": dict(GREEDY, max_new_tokens=1)})
+    meta = answer["meta_info"]
+    assert [len(row) for row in meta["input_top_logprobs"][1:] + meta["output_top_logprobs"]] == [128] * 3
+    assert all([e[0] for e in row] == sorted((e[0] for e in row), reverse=True) for row in meta["output_top_logprobs"])
+    everything = gen(client, {"text": "x", "return_logprob": True, "top_logprobs_num": 320,  # builtin:tiny's vocab
+                              "sampling_params": dict(GREEDY, max_new_tokens=1)})
+    assert len(everything["meta_info"]["output_top_logprobs"][0]) == 320
+    for top in (321, 1025, -1):
         error = refused(client, {"text": "x", "return_logprob": True, "top_logprobs_num": top})
         assert error["type"] == "invalid_request" and "top_logprobs_num" in error["message"]
-    answer = gen(client, {"text": "x", "return_logprob": True, "top_logprobs_num": 64,
-                          "sampling_params": dict(GREEDY, max_new_tokens=1)})
-    assert len(answer["meta_info"]["output_top_logprobs"][0]) == 64
     for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True,
-                                                 "top_logprobs": 65}),
-                       ("/v1/completions", {"prompt": "x", "logprobs": 65})):
+                                                 "top_logprobs": 1025}),
+                       ("/v1/completions", {"prompt": "x", "logprobs": 1025})):
         r = client.post(path, json=body)
         assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request", r.text

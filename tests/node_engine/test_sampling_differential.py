@@ -5,8 +5,7 @@
 (``_validate_one_request``); the engine answers the same body over HTTP. Values of the JSON type SGLang's field
 takes, edge values included; left out are the differences ``docs/api.md`` documents (``top_k`` 0,
 ``repetition_penalty`` below float32's smallest normal, huge ``logit_bias`` values, seeds in [2**63, 2**64),
-``seed``, the ``default only`` fields) and those that are no framework's values (an out-of-range ``top_k`` with a
-greedy temperature, an empty stop string, ``stop_token_ids`` outside the vocabulary, ``n`` null or below 1, a
+``seed``, the ``default only`` fields) and those that are no framework's values (an empty stop string, ``stop_token_ids`` outside the vocabulary, ``n`` null or below 1, a
 float or bool for an integer field: SGLang's typed IPC decoding, not ``verify``, would meet those).
 """
 
@@ -17,7 +16,7 @@ from typing import Any
 
 import httpx
 import pytest
-from hypothesis import assume, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 VOCAB_SIZE = 320          # builtin:tiny
@@ -124,9 +123,6 @@ def client(tiny_engine):
 @settings(max_examples=60, deadline=None, derandomize=True)
 @given(sp=sampling_params())
 def test_the_engine_refuses_what_sglang_refuses(client, sp: dict[str, Any]) -> None:
-    temperature = sp.get("temperature")
-    greedy = temperature is not None and 0 <= temperature < _SAMPLING_EPS
-    assume(not (greedy and sp.get("top_k") == -2))  # SGLang's greedy override takes any top_k
     refusal = sglang_refusal(sp, prompt_len=len(PROMPT))
     r = client.post("/generate", json={"input_ids": PROMPT, "sampling_params": sp})
     if refusal is None:
@@ -134,3 +130,14 @@ def test_the_engine_refuses_what_sglang_refuses(client, sp: dict[str, Any]) -> N
     else:
         assert r.status_code == 400, f"SGLang refuses {sp} ({refusal}); the engine answered {r.status_code}"
         assert r.json()["error"]["type"] == "invalid_request"
+
+
+@pytest.mark.parametrize("top_k", [-2, 0, 5])
+def test_a_greedy_temperature_takes_any_top_k_as_sglang_does(client, top_k: int) -> None:
+    """SGLang makes a temperature below its epsilon ``top_k = 1`` before checking ``top_k``."""
+    greedy = client.post("/generate", json={"input_ids": PROMPT, "sampling_params": {"temperature": 0,
+                                                                                     "max_new_tokens": 4}})
+    r = client.post("/generate", json={"input_ids": PROMPT, "sampling_params": {"temperature": 0, "top_k": top_k,
+                                                                                "max_new_tokens": 4}})
+    assert r.status_code == 200, r.text
+    assert r.json()["output_ids"] == greedy.json()["output_ids"]

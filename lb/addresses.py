@@ -13,6 +13,7 @@ refuses a second member on an address and port it already has.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import socket
 from typing import Awaitable, Callable, Sequence
@@ -23,6 +24,7 @@ from handoff.service.redact import shown_url
 log = logging.getLogger(__name__)
 
 RESOLVE_TIMEOUT_S = 2.0
+MAX_SHOWN_URL_CHARS = 200
 _LOOPBACK_NAMES = {"localhost": frozenset({"127.0.0.1", "::1"})}
 
 Resolver = Callable[[str, int], Awaitable[Sequence[str]]]  # (host, port) -> its addresses; raises OSError
@@ -34,7 +36,7 @@ def canonical_url(url: str) -> str:
     if not isinstance(url, str):
         raise ValueError(f"node URL must be a string, got {type(url).__name__}")
     text = url.strip()
-    url = shown_url(url)  # as every message below shows it: a password refused is not written out
+    url = _shown(url)
     scheme, sep, rest = text.partition("://")
     if not sep or scheme.lower() != "http":
         raise ValueError(f"node URL must start with http://, got {url!r}")
@@ -46,7 +48,7 @@ def canonical_url(url: str) -> str:
         end = authority.find("]")
         host, port_text = (authority, "") if end < 0 else (authority[:end + 1], authority[end + 1:])
         if port_text and not port_text.startswith(":"):
-            raise ValueError(f"node URL {url!r}: unexpected {port_text!r} after the IPv6 literal")
+            raise ValueError(f"node URL {url!r}: unexpected {port_text[:20]!r} after the IPv6 literal")
         port_text = port_text[1:]
     else:
         host, _, port_text = authority.partition(":")
@@ -54,10 +56,38 @@ def canonical_url(url: str) -> str:
         canonical = canonical_host(host)
     except ValueError as exc:
         raise ValueError(f"node URL {url!r}: {exc}") from None
-    if port_text and (not port_text.isdigit() or not 0 < int(port_text) < 65536):
-        raise ValueError(f"node URL {url!r}: the port must be a number in 1-65535, got {port_text!r}")
+    unreachable = _never_a_peer(canonical)
+    if unreachable:
+        raise ValueError(f"node URL {url!r}: {canonical} is {unreachable}")
+    if port_text and (not port_text.isdigit() or len(port_text) > 5 or not 0 < int(port_text) < 65536):
+        raise ValueError(f"node URL {url!r}: the port must be a number in 1-65535, got {port_text[:20]!r}")
     port = int(port_text) if port_text else 80
     return f"http://[{canonical}]:{port}" if ":" in canonical else f"http://{canonical}:{port}"
+
+
+def _shown(url: str) -> str:
+    """``url`` as a refusal shows it: a password not written out, at most ``MAX_SHOWN_URL_CHARS`` of it (a
+    megabyte URL is not sent back whole)."""
+    shown = shown_url(url)
+    return shown if len(shown) <= MAX_SHOWN_URL_CHARS else shown[:MAX_SHOWN_URL_CHARS] + "..."
+
+
+def _never_a_peer(host: str) -> str | None:
+    """What an address no node can be reached at is (a connection to ``0.0.0.0`` or ``::`` reaches this very host:
+    the node behind ``127.0.0.1`` again, under a spelling no check can tie to it); None for a name or an address
+    one node may have."""
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return None
+    if address.is_unspecified:
+        return "the address a server listens on (every interface), not one to reach a node at: give the node's own " \
+               "(127.0.0.1 for a node on this host)"
+    if address.is_multicast:
+        return "a multicast address, not the address of one node"
+    if address == ipaddress.IPv4Address("255.255.255.255"):
+        return "the broadcast address, not the address of one node"
+    return None
 
 
 def split_canonical(url: str) -> tuple[str, int]:

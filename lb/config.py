@@ -45,7 +45,7 @@ class NodeSpec:
             if self.role is not Role.PREFILL:
                 raise ValueError(f"bootstrap_port is only for prefill nodes, {self.url} is {self.role.value}")
             if not 0 < self.bootstrap_port < 65536:
-                raise ValueError(f"bootstrap_port must be a port number, got {self.bootstrap_port}")
+                raise ValueError(f"bootstrap_port must be a port number, got {str(self.bootstrap_port)[:20]}")
 
     @classmethod
     def parse(cls, text: str, role: Role) -> NodeSpec:

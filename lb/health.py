@@ -27,6 +27,7 @@ from lb.node import Node, NodeHealth
 log = logging.getLogger(__name__)
 
 MAX_PROBE_BODY_BYTES = 64 * 1024
+MAX_SERVER_INFO_BYTES = 1024 * 1024  # SGLang's server info lists every server argument and each DP rank's state
 
 
 class HealthMonitor:
@@ -109,6 +110,25 @@ class HealthMonitor:
         except PeerJSONError:
             return None
         return peer_weight_version(info.get("weight_version")) if isinstance(info, dict) else None
+
+    async def plain_tp_size(self, node: Node) -> int | None:
+        """The ``tp_size`` a plain server tells in its server info (SGLang's ``/server_info``, or
+        ``/get_server_info`` where there is no such path), within a check's time; None when it tells none."""
+        for path in ("/server_info", "/get_server_info"):
+            try:
+                response = await self._client.request("GET", node.url + path, headers=self._headers,
+                                                      timeout=self._config.health_timeout_s)
+                async with response:
+                    if response.status in (404, 405):
+                        continue
+                    if response.status != 200:
+                        return None
+                    info = loads_bounded(await response.read_whole(MAX_SERVER_INFO_BYTES))
+            except (UpstreamError, PeerJSONError):
+                return None
+            tp_size = info.get("tp_size") if isinstance(info, dict) else None
+            return tp_size if type(tp_size) is int and tp_size >= 1 else None
+        return None
 
     def apply_state(self, node: Node, state: dict[str, Any]) -> None:
         """A node's answer carried its state (a sidecar's control answers do): it counts as a good check, and

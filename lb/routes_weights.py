@@ -27,6 +27,7 @@ from lb.openapi import CONTROL_PARAMETERS, NODE_PARAMETER
 from lb.params import FANOUT_QUERY, role_param
 from lb.routes_control import FanoutSend, fanned_out, fanout_endpoint
 from lb.weight_sync import WeightGroups, WeightSync
+from lb.weight_versions import WeightVersions
 
 TENSOR_PATH = "/update_weights_from_tensor"
 # the calls that move weights and so may wait on a trainer or a large payload
@@ -75,10 +76,11 @@ def weight_routes(cluster: Cluster, config: LBConfig, admin: BearerToken) -> API
 
     @router.get("/get_weight_version")
     async def get_weight_version() -> dict[str, Any]:
-        return await weight_sync().weight_versions()
+        return await WeightVersions(cluster.membership, cluster.health).weight_versions()
 
     async def model_info() -> dict[str, Any]:
-        return await weight_sync().model_info(cluster.client, cluster.node_headers, config.health_timeout_s)
+        versions = WeightVersions(cluster.membership, cluster.health)
+        return await versions.model_info(cluster.client, cluster.node_headers, config.health_timeout_s)
 
     for path in ("/model_info", "/get_model_info"):
         router.add_api_route(path, model_info, methods=["GET"], name=path.strip("/"))

@@ -17,6 +17,8 @@ from lb.errors import NoAvailableNode
 from lb.membership import Membership
 from lb.node import Node, NodeHealth
 
+MAX_REASON_CHARS = 64
+
 
 class Picker:
     """A policy: picks one node out of a non-empty list of candidates."""
@@ -122,4 +124,6 @@ def _why_not(node: Node, tried: Collection[Node]) -> str:
         return node.health.value
     if node.num_fences:
         return "release or pause in progress"
-    return f"not serving (admission {node.admission or 'unknown'})"
+    reason = node.occupation.get("not_serving_reason")  # a sidecar's word (a peer's JSON: a short string only)
+    said = f"{reason}, " if isinstance(reason, str) and 0 < len(reason) <= MAX_REASON_CHARS else ""
+    return f"not serving ({said}admission {node.admission or 'unknown'})"

@@ -5,7 +5,9 @@ the first engine rank and ``world_size`` the whole group (the trainer's ranks,
 ``0 .. rank_offset - 1``, plus every engine rank). Node ``i`` (in membership
 order) gets ``rank_offset`` plus the ranks of the nodes before it; a node's
 ranks are its tensor-parallel size (``tp_size`` in its state, 1 for this
-engine). A ``world_size`` that does not add up is a 400 naming the right one.
+engine; a plain server's from its server info), as each node tells it when
+checked at the init's start (a node removed meanwhile is in no group). A
+``world_size`` that does not add up is a 400 naming the right one.
 The nodes join concurrently; if any fails, the rollback begins at once: a node
 that joined is told ``destroy_weights_update_group``, a node still waiting in its
 join is told to abandon it (``abandon_join_only``: a group of that name it holds
@@ -35,7 +37,6 @@ serialization, so when one payload goes to several nodes, all but one read it
 with ``release_sender_reference: false``; the one that releases it is a healthy
 node where there is one (a node known down never reads, and a reference nobody
 releases keeps the payload in the sender's shared memory until it exits).
-``GET /get_weight_version`` reports every node's version and whether they agree.
 """
 
 from __future__ import annotations
@@ -50,10 +51,9 @@ from handoff.protocol.weights import (DEFAULT_GROUP_NAME, DESTROY_GROUP_PATH, IN
 from handoff.service.bodies import parse_value
 from handoff.service.errors import Conflict, InvalidRequest, parse_json_bytes
 from handoff.service.peer_json import PeerJSONError, loads_bounded
-from handoff.service.upstream import UpstreamClient, UpstreamError
 from lb.addresses import canonical_url
 from lb.config import Role
-from lb.errors import NoAvailableNode, NoNodes, NodeNotFound, WeightGroupLost
+from lb.errors import NoNodes, NodeNotFound, WeightGroupLost
 from lb.fanout import FanOut, NodeResult
 from lb.health import HealthMonitor
 from lb.membership import Membership
@@ -62,7 +62,6 @@ from lb.weight_groups import WeightGroups
 
 JSON = "application/json"
 ABANDON_AGAIN_S = 1.0  # while rolled-back nodes are still joining, their abandon is sent again this often
-MAX_INFO_BYTES = 64 * 1024
 
 
 def node_ranks(node: Node) -> int:
@@ -84,11 +83,11 @@ class WeightSync:
     # -- the group --------------------------------------------------------------------
     async def init_group(self, raw: bytes, role: Role | None, timeout_s: float) -> tuple[int, dict[str, Any]]:
         body = parse_value(parse_json_bytes(raw) if raw.strip() else None, InitWeightsUpdateGroupBody)
-        nodes = self._nodes(role, INIT_GROUP_PATH)
+        nodes, ranks = await self._nodes_and_ranks(role)
         offsets, next_rank = [], body.rank_offset
-        for node in nodes:
+        for num_ranks in ranks:
             offsets.append(next_rank)
-            next_rank += node_ranks(node)
+            next_rank += num_ranks
         if body.world_size != next_rank:
             raise InvalidRequest(
                 f"world_size must be {next_rank}: rank_offset {body.rank_offset} (the trainer's ranks) plus "
@@ -114,6 +113,20 @@ class WeightSync:
             payload["message"] += "; the nodes this call joined (or was joining) left the group again"
             payload["rolled_back"] = [r.as_json() for r in rolled_back]
         return status, payload
+
+    async def _nodes_and_ranks(self, role: Role | None) -> tuple[list[Node], list[int]]:
+        """The members (of ``role``) as they are now, and each one's ranks: its ``tp_size`` as it reports it now
+        (each is checked first: an engine restarted at another TP size since its last check, or a node not checked
+        yet, would get ranks another node gets too; a plain server's is read from its server info). A node removed
+        meanwhile is in no group."""
+        nodes = self._nodes(role, INIT_GROUP_PATH)
+        await self._health.check_many(nodes)
+        plain = [node for node in nodes if node.is_sidecar is False]
+        plain_ranks = dict(zip(plain, await asyncio.gather(*map(self._health.plain_tp_size, plain))))
+        nodes = [node for node in nodes if not node.is_removed]
+        if not nodes:
+            raise NoNodes(f"no {role.value + ' ' if role else ''}nodes to send {INIT_GROUP_PATH} to")
+        return nodes, [plain_ranks.get(node) or node_ranks(node) for node in nodes]
 
     async def _join_all(self, body: InitWeightsUpdateGroupBody, nodes: list[Node], offsets: list[int],
                         timeout_s: float) -> tuple[list[NodeResult], list[NodeResult]]:
@@ -207,43 +220,6 @@ class WeightSync:
         except ValueError as exc:
             raise InvalidRequest(f"?node=: {exc}") from None
         return self._membership.same_address(canonical, learned=False)
-
-    # -- versions -----------------------------------------------------------------------
-    async def weight_versions(self) -> dict[str, Any]:
-        """Every node's version (checked now) and whether the nodes that answered agree; ``weight_version`` is
-        null if they do not. A node that is not healthy serves no version: what it reported before it went down
-        is not shown as what it serves (``GET /memory_occupation`` counts only healthy nodes' versions too)."""
-        nodes = self._membership.nodes()
-        await self._health.check_many(nodes)
-        versions = [{"node": node.url, "role": node.role.value, "health": node.health.value,
-                     "weight_version": node.occupation.get("weight_version")
-                     if node.health is NodeHealth.HEALTHY else None} for node in nodes]
-        reported = [entry["weight_version"] for entry in versions if entry["health"] == NodeHealth.HEALTHY.value]
-        # a node's state is a peer's JSON: a version that is neither a string nor null agrees with nothing
-        distinct = set(reported) if all(v is None or isinstance(v, str) for v in reported) else set()
-        consistent = len(distinct) == 1
-        return {"weight_version": next(iter(distinct)) if consistent else None, "consistent": consistent,
-                "nodes": versions}
-
-    async def model_info(self, client: UpstreamClient, headers: dict[str, str], timeout_s: float) -> dict[str, Any]:
-        """SGLang's ``/model_info`` of one serving node, with the cluster's ``weight_version`` (null when the
-        nodes disagree) and every node's in ``weight_versions``."""
-        versions = await self.weight_versions()
-        nodes = [n for n in self._membership.nodes() if n.is_routable] or self._nodes(None, "/model_info")
-        last_error = "no node answered"
-        for node in nodes:
-            try:
-                response = await client.request("GET", node.url + "/model_info", headers=headers, timeout=timeout_s)
-                async with response:
-                    raw = await response.read_whole(MAX_INFO_BYTES)
-                info = loads_bounded(raw) if response.status == 200 else None
-            except (UpstreamError, PeerJSONError) as exc:
-                last_error = f"{node.url}: {exc}"
-                continue
-            if isinstance(info, dict):
-                return {**info, "weight_version": versions["weight_version"], "weight_versions": versions}
-            last_error = f"{node.url} answered {response.status}"
-        raise NoAvailableNode(f"no node could tell its model info ({last_error})", retry_after=1)
 
     def _nodes(self, role: Role | None, path: str) -> list[Node]:
         nodes = list(self._membership.nodes(role))

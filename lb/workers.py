@@ -176,7 +176,7 @@ def workers_router(cluster: Cluster, admin: BearerToken) -> APIRouter:
         url = by_id.get(id_or_url) or (spec_of(unquote(id_or_url)).url if "://" in unquote(id_or_url) else None)
         removed = None if url is None else remove(url)
         if removed is None:
-            raise NodeNotFound(f"no worker {id_or_url!r}", extra={"node": id_or_url})
+            raise NodeNotFound(f"no worker {id_or_url[:200]!r}", extra={"node": id_or_url[:200]})
         return JSONResponse({"success": True, "message": f"Worker {removed} removed successfully", "worker": None})
 
     return router

@@ -187,10 +187,16 @@ def test_released_nodes_are_skipped_and_all_released_is_503(module_fakes: FakeCl
     for _ in range(4):
         assert served_by(shared_lb.http.post("/generate", json={"text": "x"})) == serving.url
     serving.set_released()
+    serving.state["not_serving_reason"] = "node_released"  # each sidecar says why it does not serve
+    released.state["not_serving_reason"] = "x" * 10_000  # a peer's word too long to repeat
     shared_lb.wait_routable([serving.url], expected=False)
     answer = shared_lb.http.post("/generate", json={"text": "x"})
     assert answer.status_code == 503 and answer.json()["error"]["type"] == "no_available_node"
     assert int(answer.headers["retry-after"]) >= 1
+    # the 503 says why each node does not serve, as the node said it (it said only "admission closed")
+    message = answer.json()["error"]["message"]
+    assert f"{serving.url}: not serving (node_released, admission closed)" in message, message
+    assert f"{released.url}: not serving (admission closed)" in message, message
 
 
 def test_a_stale_view_is_corrected_by_the_nodes_503(fakes: FakeCluster, start_lb) -> None:

@@ -112,7 +112,9 @@ def test_dns_discovery_adds_and_removes_nodes(fakes: FakeCluster, start_lb, tmp_
 
 
 @pytest.mark.parametrize("url", ["http://[::1", "http://h\u00e9llo:8000", "http://h\x00st:8000", "http://[::1]x:80",
-                                 "http://[fe80::1%25eth0]:80", "http://a..b:1", "http://h:0"])
+                                 "http://[fe80::1%25eth0]:80", "http://a..b:1", "http://h:0", "http://[::]:80",
+                                 "http://224.0.0.1:80", "http://[ff02::1]:80", "http://255.255.255.255:80",
+                                 "http://h:" + "9" * 5000])
 def test_a_url_the_lb_cannot_use_never_joins(module_fakes: FakeCluster, shared_lb: LB, url: str) -> None:
     """A bad URL is a 400 naming the problem and no member: later fan-outs still answer for the real nodes."""
     node = module_fakes.start_one()
@@ -137,3 +139,33 @@ def test_one_address_under_two_spellings_is_one_node(module_fakes: FakeCluster, 
     before = len(node.requests_to("/flush_cache"))
     assert shared_lb.http.post("/flush_cache").json()["total"] == 1
     assert len(node.requests_to("/flush_cache")) == before + 1  # the node got the call once
+
+
+def test_the_listen_all_address_of_a_member_is_refused_not_a_second_member(module_fakes: FakeCluster,
+                                                                           shared_lb: LB) -> None:
+    """``http://0.0.0.0:PORT`` (what a server prints when it listens on every interface) reaches this host: it was
+    a second member for the node at ``127.0.0.1:PORT``, which then got every control call twice (two ranks in a
+    weight group). It is a 400 saying what to give instead."""
+    node = module_fakes.start_one()
+    set_members(shared_lb, node.url)
+    answer = shared_lb.http.post("/nodes", json={"url": f"http://0.0.0.0:{node.port}"})
+    assert answer.status_code == 400 and answer.json()["error"]["type"] == "invalid_request", answer.text
+    assert "127.0.0.1" in answer.json()["error"]["message"]
+    assert [n["url"] for n in shared_lb.nodes()] == [node.url]
+    before = len(node.requests_to("/flush_cache"))
+    assert shared_lb.http.post("/flush_cache").json()["total"] == 1
+    assert len(node.requests_to("/flush_cache")) == before + 1
+
+
+def test_a_huge_node_url_is_refused_without_being_sent_back(module_fakes: FakeCluster, shared_lb: LB) -> None:
+    """A refusal names the URL in at most 200 characters (a megabyte URL was sent back whole), a bootstrap port in
+    at most 20 digits."""
+    node = module_fakes.start_one()
+    set_members(shared_lb, node.url)
+    answer = shared_lb.http.post("/nodes", json={"url": "http://h/" + "x" * 1_000_000})
+    assert answer.status_code == 400 and answer.json()["error"]["type"] == "invalid_request", answer.text[:300]
+    assert len(answer.content) < 1000
+    port = shared_lb.http.post("/nodes", content=b'{"url": "http://h:1", "role": "prefill", "bootstrap_port": '
+                               + b"9" * 4000 + b"}", headers={"Content-Type": "application/json"})
+    assert port.status_code == 400 and len(port.content) < 1000, port.text[:300]
+    assert [n["url"] for n in shared_lb.nodes()] == [node.url]

@@ -3,12 +3,14 @@ nodes that joined it, and a name that moves onto a discovered address is one mem
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.lb.behaviours import Gate, reply
 from tests.lb.fakes import Exchange, FakeCluster, FakeNode
 from tests.lb.lbproc import node_args
 from tests.support.procs import wait_until
@@ -77,6 +79,75 @@ def test_a_weight_group_keeps_its_nodes_while_the_membership_changes(fakes: Fake
                                                                               second.url: 3}
     assert lb.http.post(DESTROY, json={}).status_code == 200
     assert groups == {first.url: set(), second.url: set(), later.url: set()}
+
+
+def test_an_engine_back_at_another_tp_size_gets_as_many_ranks_as_it_has_now(fakes: FakeCluster, start_lb) -> None:
+    """The ranks of a node are its ``tp_size`` now (SGLang's rank is ``rank_offset + tp_rank``): an engine
+    restarted at TP 2 since the LB's last check got one rank, the next node the rank of its second TP rank, and a
+    ``world_size`` one short was taken (the group's rendezvous then waits for a rank nobody has)."""
+    first, second = fakes.start(2)
+    groups = {node.url: keeps_groups(node) for node in (first, second)}
+    lb = start_lb(*node_args(first.url, second.url), "--health-interval", "60", fast_health=False)
+    wait_until(lambda: all(n["health"] == "healthy" for n in lb.nodes()), timeout=10, what="the first checks")
+    first.state = {**first.state, "tp_size": 2}  # its engine restarted with --tp-size 2
+    short = lb.http.post(INIT, json=GROUP)
+    assert short.status_code == 400 and short.json()["error"]["world_size"] == 4, short.text
+    assert short.json()["error"]["rank_offsets"] == {first.url: 1, second.url: 3}
+    assert first.requests_to(INIT) == [] and second.requests_to(INIT) == []
+    joined = lb.http.post(INIT, json={**GROUP, "world_size": 4})
+    assert joined.status_code == 200, joined.text
+    assert {r["node"]: r["rank_offset"] for r in joined.json()["results"]} == {first.url: 1, second.url: 3}
+    assert groups == {first.url: {"weight_update_group"}, second.url: {"weight_update_group"}}
+
+
+def test_a_plain_sglang_server_gets_a_rank_per_tp_rank(fakes: FakeCluster, start_lb) -> None:
+    """A plain SGLang server (no sidecar) at ``--tp-size 2`` was counted as one rank: the next node got the rank of
+    its second TP rank. Its ``tp_size`` is read from its server info (``/get_server_info`` where there is no
+    ``/server_info``)."""
+    plain, after, older = fakes.start(3, is_sidecar=False)
+    plain.handlers["/server_info"] = reply(200, {"tp_size": 2, "model_path": "m"})
+    older.handlers["/server_info"] = reply(404, {"detail": "Not Found"})
+    older.handlers["/get_server_info"] = reply(200, {"tp_size": 4})
+    groups = {node.url: keeps_groups(node) for node in (plain, after, older)}
+    lb = start_lb(*node_args(plain.url, after.url, older.url))
+    wait_until(lambda: all(n["health"] == "healthy" for n in lb.nodes()), timeout=10, what="the first checks")
+    short = lb.http.post(INIT, json={**GROUP, "world_size": 4})
+    assert short.status_code == 400 and short.json()["error"]["world_size"] == 8, short.text
+    joined = lb.http.post(INIT, json={**GROUP, "world_size": 8})
+    assert joined.status_code == 200, joined.text
+    assert {r["node"]: r["rank_offset"] for r in joined.json()["results"]} == {plain.url: 1, after.url: 3,
+                                                                              older.url: 4}
+    assert all(names == {"weight_update_group"} for names in groups.values())
+
+
+def test_a_node_removed_while_an_init_checks_the_nodes_is_in_no_group(fakes: FakeCluster, start_lb) -> None:
+    """An init checks every node before it counts their ranks; a node removed meanwhile gets no join and no
+    rank (the ranks have no hole), and the ``world_size`` is counted without it."""
+    kept, leaving = fakes.start(2)
+    groups = {node.url: keeps_groups(node) for node in (kept, leaving)}
+    lb = start_lb(*node_args(kept.url, leaving.url), "--health-interval", "60", fast_health=False)
+    wait_until(lambda: all(n["health"] == "healthy" for n in lb.nodes()), timeout=10, what="the first checks")
+    gate = Gate(fakes)
+    num_checks = len(leaving.requests_to("/memory_occupation"))
+
+    async def slow_check(node: FakeNode, ex: Exchange) -> None:
+        await gate.wait()
+        ex.respond(200, node.state)
+
+    leaving.handlers["/memory_occupation"] = slow_check
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        init = pool.submit(lb.http.post, INIT, json=GROUP)
+        wait_until(lambda: len(leaving.requests_to("/memory_occupation")) > num_checks, timeout=10,
+                   what="the init's check of the node")
+        assert lb.http.delete("/nodes", params={"url": leaving.url}).status_code == 200
+        gate.open()
+        answer = init.result(timeout=20)
+    assert answer.status_code == 400 and answer.json()["error"]["rank_offsets"] == {kept.url: 1}, answer.text
+    assert answer.json()["error"]["world_size"] == 2
+    assert kept.requests_to(INIT) == [] and leaving.requests_to(INIT) == []
+    joined = lb.http.post(INIT, json={**GROUP, "world_size": 2})
+    assert joined.status_code == 200 and [r["node"] for r in joined.json()["results"]] == [kept.url], joined.text
+    assert groups == {kept.url: {"weight_update_group"}, leaving.url: set()}
 
 
 def test_groups_of_one_name_for_two_roles_keep_both_sets_of_nodes(fakes: FakeCluster, start_lb) -> None:

@@ -237,7 +237,8 @@ async def test_discovery_follows_the_resolver_and_survives_failures() -> None:
     await discovery.refresh()
     assert [n.url for n in membership.nodes()] == ["http://10.0.0.9:80", "http://10.0.0.4:80"]
     assert membership.get("http://10.0.0.9:80").source == "flag"
-    answers["svc"] = ["fe80::1%eth0", "10.0.0.4", "10.0.0.5"]  # one address no node URL holds: left out alone
+    # addresses no node URL holds (a zone index; this host's listen-all address): left out alone
+    answers["svc"] = ["fe80::1%eth0", "0.0.0.0", "10.0.0.4", "10.0.0.5"]
     await discovery.refresh()
     assert [n.url for n in membership.nodes()] == ["http://10.0.0.9:80", "http://10.0.0.4:80", "http://10.0.0.5:80"]
 

@@ -98,3 +98,11 @@ def test_a_pin_no_node_could_ever_serve_is_refused_not_retried(module_fakes: Fak
     assert answer.status_code == 400 and answer.json()["error"]["type"] == "invalid_request", answer.text
     assert "retry-after" not in answer.headers
     assert node.requests_to("/generate") == []
+
+
+def test_an_unknown_worker_id_is_a_404_that_does_not_send_it_back_whole(module_fakes: FakeCluster,
+                                                                         shared_lb: LB) -> None:
+    set_members(shared_lb)
+    answer = shared_lb.http.delete("/workers/" + "w" * 20_000)
+    assert answer.status_code == 404 and answer.json()["error"]["type"] == "node_not_found", answer.text[:300]
+    assert len(answer.content) < 1000

@@ -82,8 +82,8 @@ class VllmWeightSync:
                                                                     "timeout": timeout}, timeout=timeout + 30)
         results = answer.get("results") if isinstance(answer, dict) else None
         if not isinstance(results, list) or not results or not all(isinstance(r, dict) for r in results):
-            raise EngineRefused(502, {"error": {"type": E.ENGINE_FAILED.name,
-                                                "message": f"vLLM's {method} answered {str(answer)[:200]}"}})
+            raise EngineRefused(E.UPSTREAM_ERROR.status, {"error": {
+                "type": E.UPSTREAM_ERROR.name, "message": f"vLLM's {method} answered {str(answer)[:200]}"}})
         failed = [(i, r) for i, r in enumerate(results) if r.get("ok") is not True]
         if failed:
             index, result = failed[0]
@@ -184,6 +184,6 @@ def _field(result: dict[str, Any], key: str, kind: type, *, method: str) -> Any:
     """``result[key]`` of an extension's successful answer, checked to be a ``kind``; 502 otherwise."""
     value = result.get(key)
     if not isinstance(value, kind) or isinstance(value, bool):
-        raise EngineRefused(502, {"error": {"type": E.ENGINE_FAILED.name,
-                                            "message": f"vLLM's {method} answered {key}={str(value)[:200]}"}})
+        raise EngineRefused(E.UPSTREAM_ERROR.status, {"error": {
+            "type": E.UPSTREAM_ERROR.name, "message": f"vLLM's {method} answered {key}={str(value)[:200]}"}})
     return value

@@ -131,7 +131,7 @@ class EngineClient:
             if 200 <= response.status < 300:
                 raise EngineUnavailable(f"the engine's answer to {method} {path} cannot be read: {exc}",
                                         retry_after=1) from exc
-            value = {"error": {"type": "engine_error", "message": raw[:200].decode("utf-8", "replace")}}
+            value = {"error": {"message": raw[:200].decode("utf-8", "replace")}}  # typed by its status
         if 300 <= response.status < 400 or response.status < 200:  # a redirect is no answer: never passed on
             raise EngineRefused(E.UPSTREAM_ERROR.status, {"error": {"type": E.UPSTREAM_ERROR.name, "message": (
                 f"the engine answered {method} {path} with {response.status}, not an answer to the call: what it "

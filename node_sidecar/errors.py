@@ -7,6 +7,8 @@ from typing import Any
 from handoff.protocol import errors as E
 from handoff.service.errors import Conflict, NotServing, ServiceError, Unavailable
 
+MAX_UNTYPED_MESSAGE_CHARS = 200  # a peer's detail that is not a string, as shown
+
 __all__ = ["SidecarError", "NotServing", "EngineUnavailable", "DrainTimeout", "CheckpointTimeout", "EngineRefused",
            "WeightSyncBroken"]
 
@@ -36,10 +38,21 @@ class CheckpointTimeout(ServiceError):
 
 
 class EngineRefused(ServiceError):
-    """The engine answered an error: its status and envelope are passed on unchanged."""
+    """The engine answered an error: its status and envelope are passed on unchanged when it names its type. One
+    that names none (SGLang's ``{"error": {"message": ...}}``, FastAPI's 422, a body that is no envelope) takes the
+    type of its status from :data:`~handoff.protocol.errors.GENERIC_BY_STATUS` (a 422 a 400), or is a 502
+    ``upstream_error`` naming the engine's status: every type answered is one of ``handoff.protocol.errors``'s
+    with its own status, or an engine's own."""
 
     def __init__(self, status: int, envelope: dict[str, Any], headers: dict[str, str] | None = None) -> None:
         error = envelope.get("error") if isinstance(envelope.get("error"), dict) else {}
         extra = {k: v for k, v in error.items() if k not in ("type", "message")}
-        super().__init__(str(error.get("message", f"engine answered {status}")), status=status,
-                         type=str(error.get("type", "engine_error")), extra=extra, headers=headers)
+        message = error.get("message", envelope.get("detail", f"engine answered {status}"))
+        message = message if isinstance(message, str) else str(message)[:MAX_UNTYPED_MESSAGE_CHARS]
+        kind = error.get("type")
+        if not (isinstance(kind, str) and kind):
+            generic = E.GENERIC_BY_STATUS.get(status)
+            if generic is None:
+                generic, message = E.UPSTREAM_ERROR, f"the engine answered {status}: {message}"
+            kind, status = generic.name, generic.status
+        super().__init__(message, status=status, type=kind, extra=extra, headers=headers)

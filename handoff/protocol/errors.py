@@ -71,6 +71,14 @@ WEIGHT_SYNC_TIMEOUT = ErrorType("weight_sync_timeout", 504)  # a group join or b
 INSUFFICIENT_MEMORY = ErrorType("insufficient_memory", 507)
 BACKUP_FAILED = ErrorType("backup_failed", 507)
 
+# The type an answer that names none takes for its status (an engine's error body without a ``type``: SGLang's
+# ``{"error": {"message": ...}}``, FastAPI's 422 ``{"detail": ...}``); a status not here is a peer's 502.
+GENERIC_BY_STATUS: dict[int, ErrorType] = {
+    400: INVALID_REQUEST, 401: UNAUTHORIZED, 404: NOT_FOUND, 405: METHOD_NOT_ALLOWED, 408: REQUEST_TIMEOUT,
+    409: CONFLICT, 413: PAYLOAD_TOO_LARGE, 422: INVALID_REQUEST, 500: INTERNAL_ERROR, 503: UNAVAILABLE,
+    504: UPSTREAM_TIMEOUT, 507: INSUFFICIENT_MEMORY,
+}
+
 
 class NotServingReason(str, enum.Enum):
     """Why a node refuses generation with 503: the request reached no model, so it may go elsewhere.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import socket
 
 import pytest
@@ -35,3 +36,41 @@ async def test_a_generation_that_never_got_a_connection_is_not_overdue() -> None
     assert isinstance(info.value.__cause__, TimedOutConnecting), info.value.__cause__
     assert isinstance(info.value, EngineUnavailable) and info.value.type != E.UPSTREAM_TIMEOUT.name, info.value
     assert len(reported) == 1
+
+
+UNTYPED = [  # the engine's status and body -> what the sidecar answers
+    (400, b'{"error": {"message": "bad field"}}', 400, E.INVALID_REQUEST.name, "bad field"),  # SGLang's shape
+    (422, b'{"detail": [{"msg": "field required"}]}', 400, E.INVALID_REQUEST.name, "field required"),  # FastAPI's
+    (500, b"Internal Server Error", 500, E.INTERNAL_ERROR.name, "Internal Server Error"),
+    (503, b'{"error": {"type": 7, "message": "busy"}}', 503, E.UNAVAILABLE.name, "busy"),
+    (418, b"teapot", 502, E.UPSTREAM_ERROR.name, "answered 418: teapot"),
+    (409, b'{"error": {"type": "requests_in_flight", "message": "m"}}', 409, E.REQUESTS_IN_FLIGHT.name, "m"),
+    (400, b'{"error": {"type": "BadRequestError", "message": "m"}}', 400, "BadRequestError", "m"),  # an engine's own
+]
+
+
+@pytest.mark.parametrize(("status", "body", "answered", "kind", "text"), UNTYPED)
+async def test_an_engine_error_naming_no_type_takes_the_type_of_its_status(status: int, body: bytes, answered: int,
+                                                                          kind: str, text: str) -> None:
+    """An error the engine answered without a type of its own was passed on as ``engine_error``, a type no
+    module defines, with whatever status the engine gave (found by review): now the type of its status, so every
+    type the sidecar answers has one status."""
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 %d X\r\nContent-Length: %d\r\n\r\n%s" % (status, len(body), body))
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(answer, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    client = UpstreamClient()
+    try:
+        engine = EngineClient(f"http://127.0.0.1:{port}", client, control_timeout=5, on_unreachable=lambda _: None)
+        with pytest.raises(ServiceError) as info:
+            await engine.call("GET", "/model_info")
+    finally:
+        await client.aclose()
+        server.close()
+        await server.wait_closed()
+    assert (info.value.status, info.value.type) == (answered, kind)
+    assert text in str(info.value)

@@ -296,8 +296,11 @@ def test_a_generation_past_the_generate_timeout_is_a_504_and_the_engine_stays_up
         assert overdue.json()["error"]["type"] == "upstream_timeout" and "--generate-timeout" in overdue.text
         assert view()["engine_reachable"] is True and view()["serving"] is True
         with httpx.stream("POST", sidecar.url + "/generate", json={**long_body, "stream": True}, timeout=30) as r:
-            events = [line for line in r.iter_lines() if line.startswith("data: {")]
-        assert r.status_code == 200 and '"upstream_timeout"' in events[-1], events[-1:]
+            lines = list(r.iter_lines())
+        # past the timeout mid-stream: the error event ends it; on a loaded machine the first event may come after
+        # the timeout, and then the stream never started: the 504 itself
+        events = [line for line in lines if line.startswith("data: {")] if r.status_code == 200 else lines
+        assert r.status_code in (200, 504) and '"upstream_timeout"' in events[-1], (r.status_code, events[-1:])
         assert view()["engine_reachable"] is True and view()["serving"] is True
         short = httpx.post(sidecar.url + "/generate", json={"text": "b", "sampling_params": {"max_new_tokens": 2}},
                            timeout=30)

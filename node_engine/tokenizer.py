@@ -56,6 +56,7 @@ class Tokenizer:
         self.chat_template = chat_template
         self.vocab_size = hf.get_vocab_size(with_added_tokens=True)
         self._byte_fallback_ids = _byte_fallback_ids(hf)
+        self._is_byte_level = _is_byte_level(hf)
 
     @classmethod
     def from_folder(cls, folder: Path, extra_eos_ids: tuple[int, ...] = ()) -> "Tokenizer":
@@ -109,12 +110,14 @@ class Tokenizer:
         return token_id in self._byte_fallback_ids
 
     def token_bytes(self, token_id: int) -> bytes:
-        """The bytes one token stands for (OpenAI's logprob ``bytes``): a byte-level BPE piece mapped back
-        through the byte alphabet, so a lone byte of a multi-byte character keeps its value; otherwise the
-        token's decoded text in UTF-8."""
+        """The bytes one token stands for (OpenAI's logprob ``bytes``), as SGLang 0.5.23 finds them
+        (``entrypoints/openai/utils.py`` ``token_id_to_bytes``): of a byte-level BPE tokenizer, its piece mapped
+        back through the byte alphabet, so a lone byte of a multi-byte character keeps its value; otherwise (a
+        SentencePiece vocabulary, whose ``é`` the alphabet would read as the byte 0xE9, or a piece outside the
+        alphabet) the token's decoded text in UTF-8."""
         piece = self._hf.id_to_token(token_id)
         alphabet = _unicode_to_byte()
-        if piece and all(ch in alphabet for ch in piece):
+        if self._is_byte_level and piece and all(ch in alphabet for ch in piece):
             return bytes(alphabet[ch] for ch in piece)
         return self.decode([token_id], skip_special_tokens=False).encode()
 
@@ -195,6 +198,19 @@ def write_byte_tokenizer(folder: Path, *, vision: bool = False) -> None:
 
 
 _BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
+
+
+def _is_byte_level(hf: HFTokenizer) -> bool:
+    """Whether the vocabulary is written in the GPT-2 byte alphabet, probed as SGLang 0.5.23 probes it
+    (``entrypoints/openai/utils.py`` ``_is_byte_level_tokenizer``): a few pieces across the vocabulary, each
+    wholly in the alphabet. A SentencePiece vocabulary has ``▁`` pieces, outside it."""
+    alphabet = _unicode_to_byte()
+    size = hf.get_vocab_size(with_added_tokens=True)
+    for token_id in (0, 1, 2, 3, size // 2, size - 2):
+        piece = hf.id_to_token(token_id) if 0 <= token_id < size else None
+        if piece and any(ch not in alphabet for ch in piece):
+            return False
+    return True
 
 
 def _byte_fallback_ids(hf: HFTokenizer) -> frozenset[int]:

@@ -20,11 +20,14 @@ from node_engine.tokenizer import Tokenizer
 TopRow = list[LogprobEntry] | None
 
 
-def usage(answers: Sequence[SequenceAnswer | SequenceChunk], n: int) -> dict[str, int]:
-    """``usage`` of the sequences in SGLang's order (``n`` per prompt)."""
+def usage(answers: Sequence[SequenceAnswer | SequenceChunk], n: int) -> dict[str, Any]:
+    """``usage`` of the sequences in SGLang's order (``n`` per prompt), with every key of SGLang's ``UsageInfo``
+    (``protocol.py``): ``reasoning_tokens`` 0 and both details null, as SGLang answers them without a reasoning
+    parser or ``--enable-cache-report``."""
     prompt = sum(a.prompt_tokens for i, a in enumerate(answers) if i % n == 0)
     completion = sum(a.completion_tokens for a in answers)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": None, "reasoning_tokens": 0, "completion_tokens_details": None}
 
 
 def completion_logprobs(tokenizer: Tokenizer, tokens: Sequence[LogprobEntry], tops: Sequence[TopRow] | None,

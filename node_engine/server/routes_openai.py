@@ -267,6 +267,7 @@ async def models(request: Request) -> JSONResponse:
 @router.get("/v1/models/{model:path}")
 async def model(request: Request, model: str) -> JSONResponse:
     engine: Engine = request.app.state.engine
-    if model != engine.config.model_name:
-        raise NotFound(f"the model {model!r} does not exist; this engine serves {engine.config.model_name!r}")
+    if model != engine.config.model_name:  # SGLang's param and code (http_server.py retrieve_model)
+        raise NotFound(f"the model {model!r} does not exist; this engine serves {engine.config.model_name!r}",
+                       extra={"param": "model", "code": "model_not_found"})
     return JSONResponse(_model_card(engine))

@@ -18,8 +18,9 @@ def sdk(lb_url: str):
 def test_models(sdk) -> None:
     assert [m.id for m in sdk.models.list()] == [MODEL]
     assert sdk.models.retrieve(MODEL).id == MODEL
-    with pytest.raises(openai.NotFoundError):
+    with pytest.raises(openai.NotFoundError) as info:
         sdk.models.retrieve("another-model")
+    assert (info.value.code, info.value.param) == ("model_not_found", "model")  # SGLang's (retrieve_model)
 
 
 def test_completions_with_n_logprobs_echo_and_sampling_fields(sdk) -> None:

@@ -126,3 +126,22 @@ def test_a_model_naming_a_lora_adapter_is_refused_as_sglang_refuses_it(sdk: open
         sdk.completions.create(model=model, prompt="hi", max_tokens=1)
     for name in ("builtin:tiny", "any-name", "trailing-colon:"):  # the served name itself has a colon
         assert sdk.chat.completions.create(model=name, messages=MESSAGES, max_tokens=1).model == name
+
+
+def test_usage_has_every_key_of_sglangs_usage_info(sdk: openai.OpenAI) -> None:
+    """SGLang 0.5.23's ``usage`` is its ``UsageInfo`` dumped whole (``protocol.py``, ``usage_processor.py``):
+    without a reasoning parser or ``--enable-cache-report``, ``reasoning_tokens`` 0 and both details null, in a
+    whole answer, the usage chunk and each continuous-usage chunk. A client written against SGLang reads
+    ``usage.reasoning_tokens`` (the ``openai`` client keeps it as an extra field: missing, an ``AttributeError``)."""
+    expected = {"prompt_tokens_details": None, "reasoning_tokens": 0, "completion_tokens_details": None}
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    answers = [sdk.chat.completions.create(model="m", messages=MESSAGES, **GREEDY),
+               sdk.completions.create(model="m", prompt="hi", **GREEDY)]
+    chunks = [*sdk.chat.completions.create(model="m", messages=MESSAGES, stream=True, stream_options=options,
+                                           **GREEDY),
+              *sdk.completions.create(model="m", prompt="hi", stream=True, stream_options=options, **GREEDY)]
+    usages = [answer.usage for answer in answers] + [chunk.usage for chunk in chunks if chunk.usage is not None]
+    assert len(usages) > 4
+    for usage in usages:
+        assert usage.reasoning_tokens == 0 and usage.prompt_tokens_details is None, usage
+        assert {key: usage.model_dump()[key] for key in expected} == expected, usage

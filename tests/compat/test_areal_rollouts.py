@@ -82,6 +82,7 @@ def rollout(http: httpx.Client, input_ids: list[int], gconfig: dict[str, Any],
     original = gconfig["max_new_tokens"]
     stop_reason = None
     while stop_reason not in ("stop", "tool_calls", "length") and len(tokens) < original:
+        assert len(reasons) < 100, f"no end after {len(reasons)} calls: {reasons[-5:]}"  # AReaL's loop has no bound
         response = http.post("/generate", json=build_generation_request(input_ids, gconfig))
         response.raise_for_status()
         out_tokens, out_logprobs, stop_reason = parse_generation_response(response.json())

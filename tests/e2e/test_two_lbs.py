@@ -143,16 +143,19 @@ def test_a_tensor_update_through_one_lb_is_the_version_the_other_reports(both, c
     assert a.get("/get_weight_version").json()["weight_version"] == "default"
 
 
-def test_pause_through_a_holds_generation_through_b_until_continue_through_b(both) -> None:
+def test_pause_through_a_holds_generation_through_b_until_continue_through_b(both, cluster: LocalCluster) -> None:
     a, b = both
     assert a.post("/pause_generation", json={}).status_code == 200
     answer: dict[str, httpx.Response] = {}
     thread = threading.Thread(target=lambda: answer.update(r=b.post("/generate", json=GEN)))
     thread.start()
-    thread.join(1.0)  # B still takes the nodes for serving; the paused node holds the request
+    # B still takes the nodes for serving; the paused node holds the request
+    wait_until(lambda: sum(httpx.get(n.url + "/memory_occupation", timeout=5).json()["held"] for n in cluster.nodes)
+               == 1, timeout=30, what="the request held by a paused node")
     assert "r" not in answer
     assert b.post("/continue_generation", json={}).status_code == 200
     thread.join(30)
+    assert not thread.is_alive(), "the held request was not answered after the continue"
     assert answer["r"].status_code == 200, answer["r"].text
 
 
@@ -167,6 +170,7 @@ def test_abort_through_b_ends_a_request_running_through_a(both) -> None:
     r = b.post("/abort_request", json={"rid": "two-lbs-abort"})
     assert r.status_code == 200, r.text
     thread.join(30)
+    assert not thread.is_alive(), "the request was not ended by the abort"
     assert answer["r"].json()["meta_info"]["finish_reason"]["type"] == "abort", answer["r"].text
 
 

@@ -799,8 +799,9 @@ def _ports(rule: Obj) -> list[tuple[int, int]]:
 
 
 def test_network_policies_are_off_by_default(rendered: Rendered) -> None:
-    if not rendered.merged["networkPolicy"]["enabled"]:
-        assert not rendered.of_kind("NetworkPolicy"), "existing installs must not change"
+    asked = rendered.values.get("networkPolicy", {}).get("enabled", False)
+    assert rendered.merged["networkPolicy"]["enabled"] is asked  # existing installs must not change
+    assert bool(rendered.of_kind("NetworkPolicy")) is asked
 
 
 def test_network_policies_with_defaults_admit_the_lb_to_the_sidecars_only() -> None:

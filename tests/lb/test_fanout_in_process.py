@@ -56,7 +56,7 @@ async def test_a_cancelled_fanout_lifts_its_fences_and_closes_its_requests() -> 
         assert all(node.num_fences == 1 and not node.is_routable for node in nodes)
         call.cancel()
         with pytest.raises(asyncio.CancelledError):
-            await call
+            await asyncio.wait_for(call, 5)
         assert [node.num_fences for node in nodes] == [0, 0, 0]
         await until(lambda: client.num_connections == client.num_idle)  # the hung nodes' connections closed
         assert client.num_idle <= 1

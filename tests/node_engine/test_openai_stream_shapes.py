@@ -61,12 +61,14 @@ def test_reasoning_content_is_null_as_sglang_sends_it(sdk: openai.OpenAI, tiny_e
     ``logprobs``, ``finish_reason`` and ``matched_stop``."""
     whole = sdk.chat.completions.create(model="m", messages=MESSAGES, **GREEDY)
     assert whole.choices[0].message.reasoning_content is None
-    for chunk in sdk.chat.completions.create(model="m", messages=MESSAGES, stream=True, **GREEDY):
+    chunks = list(sdk.chat.completions.create(model="m", messages=MESSAGES, stream=True, **GREEDY))
+    assert chunks
+    for chunk in chunks:
         assert chunk.choices[0].delta.reasoning_content is None
     with httpx.Client(base_url=tiny_engine.url, timeout=60) as client:
         events, saw_done = read_stream(client, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 4,
                                                                          "stream": True})
-    assert saw_done
+    assert saw_done and events
     for event in events:
         (choice,) = event["choices"]
         assert {"index", "delta", "logprobs", "finish_reason", "matched_stop"} <= choice.keys(), event

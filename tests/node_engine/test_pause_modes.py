@@ -109,6 +109,7 @@ async def test_retracted_requests_queue_behind_the_requests_already_waiting() ->
         deadline = time.monotonic() + 10
         while engine.scheduler.num_requests < 2 and time.monotonic() < deadline:  # admitted on the engine thread
             await asyncio.sleep(0.005)
+        assert engine.scheduler.num_requests == 2, "the second request was never admitted"
         await engine.call(lambda: engine.control.pause("retract"))
         order = await engine.call(lambda: [r.rid for r in engine.scheduler.waiting])
         assert order == [waiting.rid, running.rid]

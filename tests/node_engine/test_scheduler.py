@@ -34,7 +34,7 @@ def test_prefill_is_chunked_by_the_token_budget() -> None:
     r = make_request("a", 40)
     s.add(r)
     spans = []
-    while True:
+    while len(spans) < 10:  # a prefill that never ends fails the comparison below
         step = s.schedule()
         assert step is not None
         spans.append((step.kind, step.entries[0].start, step.entries[0].end))

@@ -81,7 +81,7 @@ async def test_held_requests_run_in_order_when_reopened() -> None:
     with pytest.raises(Unavailable):
         await a.enter()  # the queue is full
     a.open()
-    await asyncio.gather(*tasks)
+    await asyncio.wait_for(asyncio.gather(*tasks), 5)
     assert order == [0, 1, 2] and a.num_in_flight == 3
 
 
@@ -95,7 +95,7 @@ async def test_hold_timeout_and_cancelled_waiters_leave_no_trace() -> None:
     await until(lambda: a.num_held == 1)
     waiter.cancel()
     with pytest.raises(asyncio.CancelledError):
-        await waiter
+        await asyncio.wait_for(waiter, 5)
     a.open()
     assert a.num_in_flight == 0
 
@@ -106,7 +106,7 @@ async def test_refuse_held_answers_them_at_once() -> None:
     await until(lambda: a.num_held == 1)
     a.refuse_held()
     with pytest.raises(Unavailable):
-        await waiter
+        await asyncio.wait_for(waiter, 5)
     assert a.num_in_flight == 0
 
 
@@ -119,7 +119,7 @@ async def test_a_client_leaving_as_it_is_admitted_is_not_counted() -> None:
     a.open()
     held.cancel()
     with pytest.raises(asyncio.CancelledError):
-        await held
+        await asyncio.wait_for(held, 5)
     assert a.num_in_flight == 0
 
 
@@ -132,7 +132,7 @@ async def test_a_refusal_in_the_same_tick_as_the_hold_deadline_is_a_refusal() ->
         await until(lambda: a.num_held == 1)
         asyncio.get_running_loop().call_later(0.05, a.refuse_held)
         with pytest.raises(Unavailable):
-            await held
+            await asyncio.wait_for(held, 5)
         assert a.num_in_flight == 0
 
 
@@ -146,7 +146,7 @@ async def test_a_client_leaving_as_it_is_refused_leaves_the_others_counted() -> 
     a.refuse_held()
     held.cancel()
     with pytest.raises((asyncio.CancelledError, Unavailable)):
-        await held
+        await asyncio.wait_for(held, 5)
     assert a.num_in_flight == 1  # the running request is still counted: a drain waits for it
     running.release()
     assert a.num_in_flight == 0
@@ -196,7 +196,7 @@ async def test_held_bodies_are_bounded_in_bytes() -> None:
     await until(lambda: a.num_held == 2 and a.held_bytes == 1000)
     a.open()
     for task in (first, second):
-        (await task).release()
+        (await asyncio.wait_for(task, 5)).release()
     assert a.num_in_flight == 0
 
 
@@ -209,7 +209,7 @@ async def test_held_requests_follow_the_limits_of_now() -> None:
     set_limits(a, HoldLimits(2, 0.2, 1 << 30))
     a.reapply_limits()
     with pytest.raises(Unavailable):
-        await held[2]  # the newest, past the new count, at once
+        await asyncio.wait_for(held[2], 5)  # the newest, past the new count, at once
     loop = asyncio.get_running_loop()
     started = loop.time()
     for task in held[:2]:
@@ -221,7 +221,7 @@ async def test_held_requests_follow_the_limits_of_now() -> None:
     set_limits(a, None)
     a.reapply_limits()
     with pytest.raises(Unavailable):
-        await waiting  # nothing may wait now: refused at once, free to go elsewhere
+        await asyncio.wait_for(waiting, 5)  # nothing may wait now: refused at once, free to go elsewhere
 
 
 async def test_held_requests_that_leave_behind_one_still_waiting_leave_nothing_behind() -> None:
@@ -240,7 +240,7 @@ async def test_held_requests_that_leave_behind_one_still_waiting_leave_nothing_b
     assert len(a._held) == 1 and a.held_bytes == 10
     refused = asyncio.create_task(a.enter(num_bytes=95))  # the bytes bound counts only the anchor's 10
     with pytest.raises(Unavailable):
-        await refused
+        await asyncio.wait_for(refused, 5)
     a.open()
-    await anchor
+    await asyncio.wait_for(anchor, 5)
     assert a.num_in_flight == 1 and a.num_held == 0 and a.held_bytes == 0

@@ -58,7 +58,9 @@ def test_requests_during_a_pause_wait_for_the_continue_past_the_old_hold_cap(nod
                                      limits=httpx.Limits(max_connections=400)) as client:
             body = {"text": "x", "sampling_params": dict(GREEDY, max_new_tokens=1)}
             sent = [asyncio.create_task(client.post("/generate", json=body)) for _ in range(300)]
-            while (await client.get("/memory_occupation")).json()["held"] < 300:
+            deadline = asyncio.get_running_loop().time() + 30
+            while (held := (await client.get("/memory_occupation")).json()["held"]) < 300:
+                assert asyncio.get_running_loop().time() < deadline, f"only {held} of 300 requests held"
                 await asyncio.sleep(0.05)
             assert (await client.post("/continue_generation")).status_code == 200
             return [r.status_code for r in await asyncio.gather(*sent)]

@@ -431,7 +431,7 @@ async def test_an_update_staged_over_sleeping_weights_is_dropped_when_its_caller
     assert worker._handoff_state()["staged"] is not None  # staged, waiting for the wake
     push.cancel()
     with pytest.raises(asyncio.CancelledError):
-        await push
+        await asyncio.wait_for(push, 5)
     assert worker._handoff_state()["staged"] is None and worker.loaded == []
     assert adapter.engine.paths == ["handoff_update_from_tensor", "/wake_up", "handoff_drop_staged"]
 

@@ -18,6 +18,7 @@ from starlette.types import Receive, Scope, Send
 
 from handoff.service.head_timeout import MAX_HEAD_BYTES, HeadTimeoutProtocol
 from handoff.service.http_protocol import ServiceProtocol
+from tests.support.procs import wait_until
 
 HEAD_TIMEOUT_S = 0.5
 SLOW_S = 1.5  # /slow answers after this long: longer than the head timeout
@@ -83,15 +84,14 @@ async def test_a_kept_alive_connection_whose_next_request_is_in_is_not_closed_as
     for _, writer in streams:
         writer.write(b"GET /first HTTP/1.1\r\nHost: x\r\n\r\n")
     for reader, _ in streams:
-        assert (await _answer(reader)).endswith(b"/first")
+        assert (await asyncio.wait_for(_answer(reader), 5)).endswith(b"/first")
     oldest, newer, newest = _protocols(server)
     (reader, _), (newer_reader, _), _ = streams
     # the oldest one's next request reaches the server's socket while its loop is busy elsewhere: no await from
     # the send to the bound's check, so the server has not read it
     socks[0].send(b"POST /second HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}")
-    deadline = time.monotonic() + 5
-    while not _unread_bytes(oldest) and time.monotonic() < deadline:
-        time.sleep(0.001)  # the bytes cross the loopback without the loop running
+    # a blocking poll: the bytes cross the loopback without the loop running
+    wait_until(lambda: _unread_bytes(oldest), timeout=5, interval=0.001, what="the request in the server's socket")
     assert newest._close_oldest_idle() is True  # what a new connection past the bound does
     assert not oldest.transport.is_closing() and newer.transport.is_closing()
     assert (await asyncio.wait_for(_answer(reader), 5)).endswith(b"/second")

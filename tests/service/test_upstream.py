@@ -202,7 +202,7 @@ async def test_cancelled_request_closes_its_connection(client: UpstreamClient) -
         await asyncio.wait_for(got_request.wait(), 5)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
-            await task
+            await asyncio.wait_for(task, 5)
         await asyncio.wait_for(server.closed_by_peer.wait(), 5)
         assert client.num_connections == 0
 

@@ -107,6 +107,13 @@ class Admission:
         return self._hold_limits() is not None
 
     @property
+    def view(self) -> str:
+        """``open``; ``holding``: closed, a request arriving now would wait; ``closed``: it would be refused."""
+        if self.is_open:
+            return "open"
+        return "holding" if self.is_holding else "closed"
+
+    @property
     def num_held(self) -> int:
         return len(self._held)
 
@@ -191,7 +198,8 @@ class Admission:
 
     async def drain(self, timeout: float, *, abort: Callable[[], Awaitable[object]] | None = None) -> bool:
         """Wait until nothing is in flight; False if ``timeout`` passed first. ``abort`` (ending every request
-        in the engine) runs at once and again, at growing intervals, while requests remain."""
+        in the engine) runs at once and again, at growing intervals, while requests remain; an abort not done by
+        the deadline (a hung engine) is given up, and the drain has failed."""
         if self.num_in_flight == 0:
             return True
         if abort is None:
@@ -200,7 +208,10 @@ class Admission:
         deadline = loop.time() + timeout
         interval = FIRST_ABORT_INTERVAL_S
         while True:
-            await abort()
+            try:
+                await asyncio.wait_for(abort(), max(0.0, deadline - loop.time()))
+            except asyncio.TimeoutError:
+                return False
             remaining = deadline - loop.time()
             if await self._wait_idle(max(0.0, min(interval, remaining))):
                 return True

@@ -26,7 +26,7 @@ def meet_fresh_engine(node: Node) -> None:
     log.warning("the engine is a new process (%s); the cluster had released %s%s", intent.engine,
                 intent.unrestored or "nothing", f"; {intent.stale.message()}" if intent.stale is not None else "")
     if intent.stale is not None:
-        node.last_error = intent.stale.message()
+        node.note_error(intent.stale.message())
 
 
 async def release_again(node: Node) -> None:
@@ -50,7 +50,7 @@ async def release_again(node: Node) -> None:
                  "a resume or release through the sidecar")
         if error != node.last_error:
             log.error("%s", error)
-        node.last_error = error
+        node.note_error(error)
         return
     for tag in todo:
         state.transition(tag, TagState.RELEASED)

@@ -177,17 +177,21 @@ class ClusterIntent:
 
     @_recorded
     def meet_engine(self, instance: str | None, *, served_version: str | None, had_version: str | None,
-                    released: Collection[str] = (), updated: bool = False) -> bool:
+                    released: Collection[str] = (), updated: bool = False, resident: Collection[str] = ()) -> bool:
         """Note the engine process read now, which holds ``released`` released and, if ``updated``, serves weights
         an update wrote since it started; True if it is a fresh one replacing the process this held for (then
         :attr:`unrestored` and :attr:`stale` say what the node must do before it serves). An engine that names no
         process, and the first one seen, are taken as they are, and what the cluster did to such a process
         (through this sidecar or one before it, whose record of it may be lost or was never written) is learnt
         from it, never forgotten: its released tags, and that its weights came from an update (``served_version``
-        then the version the node had), kept for a fresh engine too."""
+        then the version the node had), kept for a fresh engine too. ``resident``: the tags such a process itself
+        says it holds resident (only an engine that reports its own tags): a release of one of them was undone
+        since (a resume the engine ran after the sidecar gave up on it), so it is forgotten, unless a fresh engine
+        still owes it (:attr:`unrestored`)."""
         if instance is None or instance == self.engine or self.engine is None:
             self.engine = self.engine if instance is None else instance
             self.released.update(released)
+            self.released.difference_update(t for t in resident if t not in self.unrestored)
             if updated and not self.weights_updated:
                 self.weights_updated, self.weight_version = True, served_version
             return False

@@ -4,7 +4,8 @@ so that it survives a restart of the sidecar.
 Written whole after every change (a temporary file in the same folder, fsync, rename: a sidecar killed mid-write
 leaves the previous intent or the new one, never half of one); read once at start. A missing file is a fresh start;
 one that cannot be read, is over :data:`MAX_STATE_BYTES` or is not of the intent's shape is logged at WARNING and
-ignored (the node starts with nothing remembered, as without the flag), never a failed start.
+ignored (the node starts with nothing remembered, as without the flag), never a failed start. Nothing is ever
+written through a link put in the folder (:func:`_open_own`).
 
 The writes are a few hundred bytes, made by a thread of their own (:class:`IntentWriter`): the change is taken as
 it is when it is made and written in the order made, but an fsync on a slow or stalled disk does not stall the
@@ -16,6 +17,7 @@ sidecar's ``STATE_WRITE_WAIT_S``): a disk stalled longer delays its answer by th
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import logging
@@ -46,7 +48,8 @@ def claim(path: Path) -> Path:
     if real in _claimed:
         return real
     try:
-        fd = os.open(real.with_name(f".{real.name}.lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        fd = os.open(real.with_name(f".{real.name}.lock"), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     0o600)
     except OSError as exc:  # the folder cannot be written: so neither can the file, which is logged at each change
         log.warning("--state-file %s cannot be locked (%s)", path, exc.strerror or exc)
         return real
@@ -175,7 +178,7 @@ class IntentFile:
             if data is None:
                 self.path.unlink(missing_ok=True)
             else:
-                with open(tmp, "wb") as f:
+                with open(_open_own(tmp), "wb") as f:
                     f.write(data)
                     f.flush()
                     os.fsync(f.fileno())
@@ -187,6 +190,30 @@ class IntentFile:
                       self.path, exc.strerror or exc)
             return
         self._written = data
+
+
+def _open_own(path: Path) -> int:
+    """``path`` opened for writing and emptied, a file of its own: in a folder others can write (``/tmp``) a link
+    put there under its name must not have the write truncate and overwrite the file it names, so a symbolic link
+    is never followed and a file with another hard link is replaced by a new one."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        fd: int | None = os.open(path, flags, 0o644)
+    except OSError as exc:
+        if exc.errno != errno.ELOOP:  # a symbolic link
+            raise
+        fd = None
+    if fd is not None:
+        try:
+            if os.fstat(fd).st_nlink <= 1:
+                os.ftruncate(fd, 0)  # a FIFO (a stalled disk in the tests) refuses it: the write fails, logged
+                return fd
+        except OSError:
+            os.close(fd)
+            raise
+        os.close(fd)
+    path.unlink()
+    return os.open(path, flags | os.O_EXCL, 0o644)
 
 
 def _sync_folder(folder: Path) -> None:

@@ -16,7 +16,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import time
 from typing import Any, Iterator
 
 from handoff.protocol.control import MAX_NODE_STATE_HEADER_BYTES, peer_weight_version
@@ -108,6 +107,10 @@ class Node:
                                     retry_after=self.config.retry_after_s)
 
     # -- engine liveness -------------------------------------------------------
+    def note_error(self, message: str) -> None:
+        """A failure that leaves the engine up (a scrape of its metrics left out, say): the views' ``last_error``."""
+        self.last_error = message
+
     def mark_unreachable(self, exc: UpstreamError | str) -> None:
         if self.state.is_engine_reachable:
             log.warning("engine unreachable: %s", exc)
@@ -143,6 +146,8 @@ class Node:
             if self.last_error != exc.message:
                 log.warning("the engine's state cannot be read: %s", exc.message)
             self.last_error = exc.message
+            self.state.is_synced = False  # what a failed call changed is not known until the engine's view is read
+            self.refresh_admission()
             raise EngineUnavailable(f"the engine's state cannot be read: {exc.message}",
                                     retry_after=self.config.retry_after_s) from exc
         if view.control_calls_pending:  # a call this sidecar gave up on may still change the state: wait for it
@@ -154,7 +159,8 @@ class Node:
         was_reachable, had_version = self.state.is_engine_reachable, self.state.weight_version
         is_fresh = self.state.intent.meet_engine(view.instance, served_version=peer_weight_version(
             view.weight_version), had_version=had_version,
-            released=[t for t, s in view.tags.items() if s is TagState.RELEASED], updated=view.weights_updated)
+            released=[t for t, s in view.tags.items() if s is TagState.RELEASED], updated=view.weights_updated,
+            resident=[t for t, s in view.tags.items() if s is TagState.RESIDENT and view.reports_tags])
         self.state.sync(view)
         self.state.is_engine_reachable = True
         self.metrics.engine_up.set(1)
@@ -255,7 +261,7 @@ class Node:
             "engine_kind": None if self.adapter is None else self.adapter.kind.value,
             "serving": serving,
             "not_serving_reason": None if serving else state.not_serving_reason().value,
-            "admission": self.admission_view(),
+            "admission": self.admission.view,
             "engine_reachable": state.is_engine_reachable,
             "paused": state.is_paused,
             "tags": tags,
@@ -289,11 +295,3 @@ class Node:
             for state in TagState:
                 self.metrics.memory_bytes.labels(tag, state.value).set(
                     self.state.tag_bytes[tag] if current is state else 0)
-
-    def admission_view(self) -> str:
-        if self.admission.is_open:
-            return "open"
-        return "holding" if self.admission.is_holding else "closed"
-
-    def timestamp(self) -> float:
-        return time.time()

@@ -62,6 +62,7 @@ class EngineView:
     control_calls_pending: int = 0     # calls the engine has not finished: what they change is not in the view
     instance: str | None = None        # the engine process (another value: a restarted engine); None: not told
     weights_updated: bool = False      # the engine says an update since it started wrote weights (False: not told)
+    reports_tags: bool = False         # ``tags`` are the engine's own account, not the adapter's memory of its calls
 
 
 @dataclass(frozen=True)

@@ -63,7 +63,7 @@ class HandoffEngine(EngineAdapter):
                           paused=occupation.get("paused") is True,
                           control_calls_pending=_count(occupation.get("control_calls_pending")),
                           instance=_instance(occupation.get(ENGINE_INSTANCE)),
-                          weights_updated=occupation.get(WEIGHTS_UPDATED) is True)
+                          weights_updated=occupation.get(WEIGHTS_UPDATED) is True, reports_tags=True)
 
     async def memory_view(self) -> dict[str, Any]:
         try:

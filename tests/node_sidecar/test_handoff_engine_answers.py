@@ -155,6 +155,24 @@ def test_a_reload_the_engine_does_not_confirm_is_a_502_and_the_weights_stay_inva
     assert node.view()["weights_valid"] is False and node.view()["serving"] is False
 
 
+def test_a_failed_release_whose_state_cannot_be_read_again_is_not_reported_resident(node: Node) -> None:
+    """A release the engine did but answered with something else (502), its view then unreadable too (an engine of
+    another version): the sidecar kept the tags as it had them, resident, and served, while the engine held them
+    released; the monitor never read the view again. Now the state is unknown and nothing is served until the view
+    is read, and then it is the engine's."""
+    node.engine.handlers["/release_memory_occupation"] = answering({"success": True})
+    node.engine.state = engine_state(weights_valid="no", tags={tag: {"state": "released", "bytes": 0} for tag in TAGS})
+    assert_upstream_error(node.post("/release_memory_occupation"))
+    view = node.view()
+    assert view["serving"] is False and set(node.states().values()) == {"unknown"}, view
+    assert httpx.get(node.sidecar.url + "/ready").status_code == 503
+    refused = httpx.post(node.sidecar.url + "/generate", json={"text": "x"}, timeout=10)
+    assert refused.status_code == 503 and refused.json()["error"]["type"] == "engine_unavailable", refused.text
+    node.engine.state = engine_state(tags={tag: {"state": "released", "bytes": 0} for tag in TAGS})
+    wait_until(lambda: node.states() == dict.fromkeys(TAGS, "released"), timeout=10, what="the view read again")
+    assert node.view()["serving"] is False
+
+
 @pytest.mark.parametrize(("path", "body"), [
     ("/flush_cache", None), ("/update_weight_version", {"new_version": "v2"}), ("/abort_request", {"abort_all": True}),
     ("/update_weights_from_disk", {"model_path": "/ckpt", "dry_run": True})])

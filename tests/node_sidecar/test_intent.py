@@ -8,6 +8,7 @@ import pytest
 
 from handoff.protocol.control import MAX_NAME_CHARS
 from handoff.protocol.errors import NotServingReason
+from handoff.protocol.tags import TAG_NAMES as TAGS
 from node_sidecar.intent import MAX_ENGINE_CHARS, MAX_GROUPS, ClusterIntent, IntentShapeError, StaleWeights
 
 
@@ -38,6 +39,22 @@ def test_the_tags_the_engine_met_holds_released_are_kept_for_a_fresh_one() -> No
     assert intent.released == {"kv_cache", "workspace", "weights"}  # the same process: only ever added
     assert intent.meet_engine("b", served_version=None, had_version=None, released=[])
     assert intent.unrestored == ["weights", "kv_cache", "workspace"]
+
+
+def test_a_release_the_same_engine_holds_resident_again_is_forgotten() -> None:
+    """An engine that reports its own tags and holds a released tag resident again (a resume it ran after the
+    sidecar gave up on it): the release is undone and no fresh engine is released again for it; a tag a fresh
+    engine still owes is kept until it is released again."""
+    intent = ClusterIntent()
+    intent.meet_engine("a", served_version=None, had_version=None)
+    intent.record_release(["kv_cache", "workspace", "weights"])
+    assert not intent.meet_engine("a", served_version=None, had_version=None, released=["weights"],
+                                  resident=["kv_cache", "workspace", "cuda_graph"])
+    assert intent.released == {"weights"}
+    assert intent.meet_engine("b", served_version=None, had_version=None, resident=list(TAGS))
+    assert intent.unrestored == ["weights"]
+    assert not intent.meet_engine("b", served_version=None, had_version=None, resident=list(TAGS))
+    assert intent.unrestored == ["weights"] and intent.released == {"weights"}  # owed, not undone
 
 
 def test_a_fresh_engine_stays_stale_until_its_updates_wrote_every_weight() -> None:

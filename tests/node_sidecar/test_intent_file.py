@@ -118,3 +118,30 @@ def test_a_write_that_fails_is_an_error_and_the_node_goes_on(tmp_path: Path, cap
     (folder / ".intent.json.tmp").rmdir()
     intent.record_resume(["weights"])  # written again at the next change
     assert writer.flush(WRITE_TIMEOUT_S) and read_back(folder / "intent.json").released == {"kv_cache"}
+
+
+def test_a_link_named_as_the_temporary_file_is_never_written_through(tmp_path: Path) -> None:
+    """In a folder others can write (``--state-file /tmp/intent.json``), a link named as the temporary file had the
+    write open it and truncate and overwrite the file it names with the intent (then renamed the link over the state
+    file). The temporary file is now always made afresh, never opened through a link."""
+    path = tmp_path / "intent.json"
+    victim = tmp_path / "victim.txt"
+    victim.write_bytes(b"not the sidecar's")
+    (tmp_path / ".intent.json.tmp").symlink_to(victim)
+    intent, writer = kept(path)
+    intent.record_release(["kv_cache"])
+    assert writer.flush(WRITE_TIMEOUT_S)
+    assert victim.read_bytes() == b"not the sidecar's"
+    assert not path.is_symlink() and read_back(path).released == {"kv_cache"}
+
+
+def test_a_hard_link_named_as_the_temporary_file_is_replaced_not_written(tmp_path: Path) -> None:
+    """The same with a hard link to another file: it is replaced by a file of the sidecar's own."""
+    path = tmp_path / "intent.json"
+    victim = tmp_path / "victim.txt"
+    victim.write_bytes(b"not the sidecar's")
+    os.link(victim, tmp_path / ".intent.json.tmp")
+    intent, writer = kept(path)
+    intent.record_release(["weights"])
+    assert writer.flush(WRITE_TIMEOUT_S)
+    assert victim.read_bytes() == b"not the sidecar's" and read_back(path).released == {"weights"}

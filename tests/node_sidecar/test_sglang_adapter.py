@@ -506,8 +506,11 @@ def test_server_info_that_names_no_sglang_process_forgets_no_release(make_node, 
     fault_next(node, "/resume_memory_occupation", status=400, raw='{"error": {"message": "refused"}}',
                content_type="application/json")
     assert node.post("/resume_memory_occupation").status_code == 400  # a failed call: the state is read again
-    view = node.occupation()
-    assert view["serving"] is False and {row["state"] for row in view["tags"].values()} == {"released"}, view
+    view = node.occupation()  # not read from that answer: unknown until the next read, never resident
+    assert view["serving"] is False and {row["state"] for row in view["tags"].values()} <= {"unknown", "released"}
+    wait_until(lambda: {row["state"] for row in node.occupation()["tags"].values()} == {"released"}, timeout=10,
+               what="the state read again")
+    assert node.occupation()["serving"] is False
     assert node.post("/generate", {"text": "x"}).status_code == 503
     assert node.post("/resume_memory_occupation").json()["serving"] is True
     node.assert_fake_alive()

@@ -250,6 +250,96 @@ def test_a_release_that_runs_after_the_sidecar_gave_up_on_it_is_seen(proc_log_di
             proc.stop()
 
 
+def test_a_resume_that_runs_after_the_sidecar_gave_up_on_it_is_not_undone_on_a_fresh_engine(
+        proc_log_dir: Path) -> None:
+    """A resume the engine answers only after the sidecar's control timeout still runs, and the node then serves.
+    The sidecar learnt late releases from the engine, but not late resumes: it still counted the tags as released
+    by the cluster, and when the engine next restarted it released them again on the fresh engine, taking the node
+    out (``node_released``) although the cluster's last word was that resume (found by review)."""
+    import json
+
+    drill = proc_log_dir / "drill-late-resume.json"
+    engine = ServerProcess("node_engine", ["--model-path", "builtin:tiny", "--enable-memory-saver",
+                                           "--weights-backup", "cpu", "--fault-drill-file", str(drill)],
+                           log_dir=proc_log_dir, name="engine-late-resume").start()
+    sidecar = ServerProcess("node_sidecar", ["--engine-url", engine.url, "--engine-poll-interval", "0.1",
+                                             "--control-timeout", "2"],
+                            log_dir=proc_log_dir, name="sidecar-late-resume").start()
+
+    def view() -> dict:
+        return httpx.get(sidecar.url + "/memory_occupation", timeout=10).json()
+
+    def ready() -> bool:
+        return httpx.get(sidecar.url + "/ready").status_code == 200
+
+    try:
+        wait_until(ready, timeout=20, what="ready")
+        released = httpx.post(sidecar.url + "/release_memory_occupation", json={"tags": ["kv_cache"]}, timeout=20)
+        assert released.status_code == 200, released.text
+        drill.write_text(json.dumps({"kind": "stall", "at": "resume", "delay_s": 4}))
+        late = httpx.post(sidecar.url + "/resume_memory_occupation", json={"tags": ["kv_cache"]}, timeout=20)
+        assert late.status_code == 503 and late.json()["error"]["type"] == "engine_unavailable", late.text
+        wait_until(ready, timeout=20, what="serving once the late resume ran")
+        port = int(engine.url.rsplit(":", 1)[1])
+        engine.kill()
+        wait_until(lambda: view()["engine_reachable"] is False, timeout=20, what="engine down")
+        engine.start(port=port)
+        wait_until(ready, timeout=30, what="the fresh engine served")
+        assert {row["state"] for row in view()["tags"].values()} == {"resident"}
+        engine_view = httpx.get(engine.url + "/memory_occupation", timeout=10).json()
+        assert {row["state"] for row in engine_view["tags"].values()} == {"resident"}
+        assert "again on the restarted engine" not in sidecar.log_path.read_text()
+    finally:
+        for proc in (sidecar, engine):
+            proc.stop()
+
+
+def test_an_abort_the_engine_does_not_take_ends_the_drain_at_its_deadline(proc_log_dir: Path) -> None:
+    """``release(mode="abort")`` while the engine hangs (stopped: it accepts connections, answers nothing): the
+    drain's abort waited for the whole ``--control-timeout`` (600 s in the chart), past the drain's bound and the
+    LB's deadline, holding every other control call behind it, and then took the engine for down (found by review).
+    Now the abort is given up at the drain's deadline: 409 ``drain_timeout``, nothing released, and the same call
+    works once the engine answers."""
+    engine = ServerProcess("node_engine", ["--model-path", "builtin:tiny", "--enable-memory-saver"],
+                           log_dir=proc_log_dir, name="engine-hung-abort").start()
+    sidecar = ServerProcess("node_sidecar", ["--engine-url", engine.url, "--control-timeout", "20"],
+                            log_dir=proc_log_dir, name="sidecar-hung-abort").start()
+
+    def view() -> dict:
+        return httpx.get(sidecar.url + "/memory_occupation", timeout=10).json()
+
+    def stream() -> None:
+        body = {"text": "a", "stream": True, "sampling_params": {"max_new_tokens": 4000, "ignore_eos": True}}
+        with httpx.stream("POST", sidecar.url + "/generate", json=body, timeout=60) as answer:
+            for _ in answer.iter_bytes():
+                pass
+
+    streaming = threading.Thread(target=stream, daemon=True)
+    try:
+        wait_until(lambda: httpx.get(sidecar.url + "/ready").status_code == 200, timeout=20, what="ready")
+        streaming.start()
+        wait_until(lambda: view()["in_flight"] == 1, timeout=10, what="a stream in flight")
+        os.kill(engine.pid, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            refused = httpx.post(sidecar.url + "/release_memory_occupation",
+                                 json={"mode": "abort", "drain_timeout": 1}, timeout=30)
+            elapsed = time.monotonic() - started
+            assert refused.status_code == 409 and refused.json()["error"]["type"] == "drain_timeout", refused.text
+            assert elapsed < 10, elapsed
+            assert {row["state"] for row in view()["tags"].values()} == {"resident"}
+        finally:
+            os.kill(engine.pid, signal.SIGCONT)
+        released = httpx.post(sidecar.url + "/release_memory_occupation", json={"mode": "abort"}, timeout=30)
+        assert released.status_code == 200, released.text  # the stream aborted (or by the late abort already)
+        assert {row["state"] for row in view()["tags"].values()} == {"released"}
+        streaming.join(timeout=20)
+        assert not streaming.is_alive()
+    finally:
+        for proc in (sidecar, engine):
+            proc.stop()
+
+
 def test_flushes_on_a_busy_host_never_wait_for_a_body(proc_log_dir: Path) -> None:
     """The flush route watched for its client leaving before it had read the (empty) body; on a busy host the
     watch could be cancelled holding the body's only message, and the answer then waited for a body that had

@@ -6,7 +6,9 @@ each a list of the batch's size for a batch, and goes to a prefill and a
 decode node at once. The client gets the decode node's answer; for
 ``/generate`` with ``return_logprob`` the prefill node's input logprobs are
 put in front of the decode node's in ``meta_info``. The prefill answer is
-always read to its end (closing it early would abort the KV transfer).
+always read to its end (closing it early would abort the KV transfer), unless
+the decode node refused the request. A side's stream refusal (a 200 whose first
+event is the error, :mod:`lb.pd_refusals`) ends the other side's call (:mod:`lb.pd_streams`).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import asyncio
 import json
 import logging
 import random
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 from starlette.responses import Response
 
@@ -28,9 +30,10 @@ from handoff.service.upstream import UpstreamResponse
 from lb.config import Role
 from lb.errors import UpstreamFailed
 from lb.node import Node, RequestLease
-from lb.pd_logprobs import MergeInputLogprobs, first_events, merge_input_logprobs
+from lb.pd_logprobs import merge_input_logprobs
+from lb.pd_streams import PairStreams
 from lb.pd_retry import PairRetries
-from lb.relay import NodeCaller, buffered_response, is_event_stream, relay_stream
+from lb.relay import NodeCaller, buffered_response, is_event_stream
 from lb.routing import Router
 
 log = logging.getLogger(__name__)
@@ -170,22 +173,10 @@ class PDDispatcher:
         """Both nodes took the request; owns both responses and both in-flight leases from here."""
         prefill, decode = prefill_lease.node, decode_lease.node
         if is_event_stream(decode_up):
-            transform = None
-            on_close = None
-            try:
-                if wants_logprobs:
-                    raw = await self._read_prefill(prefill_lease, prefill_up, path)
-                    transform = MergeInputLogprobs(first_events(raw))
-                else:
-                    drain = asyncio.ensure_future(self._drain(prefill_lease, prefill_up, path))
-                    self._drains.add(drain)
-                    drain.add_done_callback(self._drains.discard)
-                    on_close = _cancel_if_aborted(drain)
-            except BaseException:
-                decode_up.close()
-                decode_lease.release()
-                raise
-            return relay_stream(decode_up, decode_lease, path, watch, transform=transform, on_close=on_close)
+            streams = PairStreams(self._caller, path, watch, self._drains)
+            if not wants_logprobs:
+                return streams.relay_beside_prefill(prefill_lease, prefill_up, decode_lease, decode_up)
+            return await streams.relay_merged(prefill_lease, prefill_up, decode_lease, decode_up)
         # both bodies are already streaming into their connections: reading one after the other costs no time
         with decode_lease:
             try:
@@ -215,15 +206,6 @@ class PDDispatcher:
         node = lease.node
         with lease:  # a 2xx answer (:meth:`_call_pair`)
             return await self._caller.read_body(node, upstream, path)
-
-    async def _drain(self, lease: RequestLease, upstream: UpstreamResponse, path: str) -> None:
-        try:
-            await self._read_prefill(lease, upstream, path)
-        except ServiceError as exc:  # the client already has the decode stream: log, nothing to answer
-            log.warning("prefill answer lost while the decode stream went on: %s", exc.message)
-        finally:
-            upstream.close()
-
 
 def _took(out: Outcome) -> bool:
     """Whether a node took the request: it answered 2xx (its body may still fail)."""
@@ -269,13 +251,6 @@ def _settle_failed_pair(prefill_out: Outcome | None, decode_out: Outcome | None)
         if isinstance(out, Response):
             return out
     return None
-
-
-def _cancel_if_aborted(drain: asyncio.Task[None]) -> Callable[[bool], None]:
-    def on_close(is_aborted: bool) -> None:
-        if is_aborted:
-            drain.cancel()
-    return on_close
 
 
 def _parse_object(body: bytes) -> dict[str, Any]:

@@ -1,6 +1,7 @@
 """PD answers carry the prompt's input logprobs from the prefill node: merged into the decode node's answer
 (whole) or into each event of its stream (matched to the prefill's first event of the same prompt, by
-``index``, for a batch). A peer's odd value is left as it sent it."""
+``index``, for a batch). A peer's odd value is left as it sent it; a prefill event that cannot be read is an
+error (never an answer without its logprobs)."""
 
 from __future__ import annotations
 
@@ -33,20 +34,19 @@ def merge_input_logprobs(prefill: Any, decode: Any) -> None:
 
 def first_events(raw: bytes) -> dict[int, Any]:
     """The JSON of the first ``data:`` event of each prompt (its ``index``: a batch streams its prompts'
-    events mixed; 0 without one) in an SSE body; what cannot be read is left out."""
+    events mixed; 0 without one) in an SSE body. An event that cannot be read (past the event bound, not
+    JSON within bounds) raises :class:`PeerJSONError`: its prompt's input logprobs would be missing from an
+    answer that looks whole."""
     try:
         events = EventSplitter().feed(raw)
-    except EventTooLarge:
-        return {}
+    except EventTooLarge as exc:
+        raise PeerJSONError(str(exc)) from exc
     firsts: dict[int, Any] = {}
     for event in events:
         data = event_data(event)
         if data is None or data.strip() == DONE:
             continue
-        try:
-            payload = loads_bounded(data)
-        except PeerJSONError:
-            continue
+        payload = loads_bounded(data)
         firsts.setdefault(_event_index(payload), payload)
     return firsts
 

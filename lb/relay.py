@@ -169,12 +169,19 @@ def _error_of(raw: bytes) -> tuple[str | None, str | None]:
 
 def relay_stream(upstream: UpstreamResponse, lease: RequestLease, path: str, watch: DisconnectWatch, *,
                  transform: ChunkTransform | None = None,
-                 on_close: Callable[[bool], None] | None = None) -> StreamRelay:
+                 on_close: Callable[[bool], None] | None = None,
+                 cut_for: Callable[[], bytes | None] | None = None, head: bytes = b"") -> StreamRelay:
     """A node's stream relayed to the client; the relay owns the upstream, the node's in-flight lease and the
-    watch from here on. A node failing mid-stream ends it with an ``upstream_error`` event naming the node."""
+    watch from here on. A node failing mid-stream ends it with an ``upstream_error`` event naming the node.
+    ``cut_for``: what ends the stream instead when the caller cut the node's connection
+    (:meth:`~handoff.service.upstream_response.UpstreamResponse.cut`) for a reason of its own (None: not cut).
+    ``head``: body bytes the caller already read off ``upstream``, relayed first."""
     node = lease.node
 
     def failed(exc: UpstreamError) -> bytes:
+        reason = cut_for() if cut_for is not None else None
+        if reason is not None:
+            return reason
         log.warning("%s failed mid-stream on %s: %s", node.url, path, exc)
         node.record_error(str(exc))
         error = E.UPSTREAM_TIMEOUT if isinstance(exc, UpstreamTimeout) else E.UPSTREAM_ERROR
@@ -185,4 +192,4 @@ def relay_stream(upstream: UpstreamResponse, lease: RequestLease, path: str, wat
         if on_close is not None:
             on_close(is_disconnected)
 
-    return StreamRelay(upstream, on_failure=failed, on_close=closed, watch=watch, transform=transform)
+    return StreamRelay(upstream, on_failure=failed, on_close=closed, watch=watch, transform=transform, head=head)

@@ -70,12 +70,14 @@ class StreamRelay(Response):
     event (and records it where the caller wants); ``on_close(is_disconnected)``
     runs once at the end, whatever happened (an in-flight lease is released
     there). ``watch``: the one the handler started, if any; else one is
-    started here.
+    started here. ``head``: body bytes the caller already read off
+    ``upstream``, relayed first as soon as the stream starts.
     """
 
     def __init__(self, upstream: UpstreamResponse, *, on_failure: Callable[[UpstreamError], bytes],
                  on_close: Callable[[bool], None], watch: DisconnectWatch | None = None,
-                 transform: ChunkTransform | None = None, default_type: bytes | None = None) -> None:
+                 transform: ChunkTransform | None = None, default_type: bytes | None = None,
+                 head: bytes = b"") -> None:
         self.status_code = upstream.status
         self.raw_headers = relayed_headers(upstream, default_type=default_type)
         self.background = None
@@ -83,6 +85,7 @@ class StreamRelay(Response):
         self._on_failure = on_failure
         self._on_close = on_close
         self._watch = watch
+        self._head = head  # body bytes the caller already read off ``upstream``: relayed first, at once
         self._transform = transform or ChunkTransform()
         self._is_events = any(name == b"content-type" and value.startswith(b"text/event-stream")
                               for name, value in self.raw_headers)
@@ -97,8 +100,9 @@ class StreamRelay(Response):
             await self._send(send, {"type": "http.response.start", "status": self.status_code,
                                     "headers": self.raw_headers})
             hold = WholeEvents() if self._is_events else None  # the start of an event still coming
-            while chunk := await upstream.next_chunk():
-                out = transform.feed(chunk)
+            chunk, self._head = self._head, b""
+            while chunk or (chunk := await upstream.next_chunk()):
+                out, chunk = transform.feed(chunk), b""
                 if out and hold is not None and (hold.is_holding or not out.endswith(EVENT_ENDS)):
                     out = hold.feed(out)
                 if out:  # the hot path: the send written out, not through _send_body

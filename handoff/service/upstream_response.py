@@ -110,6 +110,14 @@ class UpstreamResponse:
             self._is_done = True
             self._conn.close()
 
+    def cut(self) -> None:
+        """Close the connection for whoever reads this response in another task: a read waiting, or the next
+        one, fails with :class:`~handoff.service.upstream_errors.ConnectionDropped` (after :meth:`close` the
+        next read would be the body's end: a cut stream taken for a complete one). A body already read to its
+        end is left as it is."""
+        if not self._is_done:
+            self._conn.close()
+
     async def aclose(self) -> None:
         self.close()
 

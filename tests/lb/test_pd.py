@@ -349,3 +349,82 @@ def test_a_prefill_refusal_known_at_once_does_not_wait_for_the_decode(fakes: Fak
         assert time.monotonic() - started < 5
     assert len(refusing.requests_to("/generate")) == (0 if refusal == "connection_refused" else 1)
     wait_until(lambda: lb.node(decode.url)["in_flight"] == 0, timeout=5, what="the decode calls given up")
+
+
+STREAM_REFUSAL = {"error": {"message": "Duplicate request ID detected: r1", "type": "invalid_request_error",
+                            "code": 400, "retryable": False}}
+REFUSAL_EVENTS = [b"data: " + json.dumps(STREAM_REFUSAL).encode() + b"\n\n", b"data: [DONE]\n\n"]
+
+
+async def waits_for_its_decode_node(node: FakeNode, exchange: Exchange) -> None:
+    """A prefill node whose decode node never fetches the KV cache: its stream's head goes out at once, as
+    SGLang's does, and nothing more until its connection closes."""
+    exchange.start_chunked()
+    await exchange.wait_closed()
+
+
+@pytest.mark.parametrize("logprobs", [False, True])
+def test_a_prefill_stream_refusal_ends_the_pair_at_once(fakes: FakeCluster, start_lb, logprobs: bool) -> None:
+    """Found by review: SGLang refuses a streamed request it cannot take (a duplicate rid, a prompt too long)
+    with a 200 whose first event is the error. A prefill node's such refusal was taken for a stream under
+    way: the LB relayed the decode stream, whose node waits for a KV cache the prefill never makes, so the
+    client's stream stayed silent until the decode node's own timeout (or --generate-timeout) and the
+    prefill node's reason was dropped. The refusal is now the client's, and the decode call is closed."""
+    prefill, decode = fakes.start(2)
+    prefill.handlers["/generate"] = sse(REFUSAL_EVENTS)
+    decode.handlers["/generate"] = waits_for_the_kv
+    lb = start_lb("--prefill", prefill.url, "--decode", decode.url, "--generate-timeout", "20")
+    lb.wait_routable([prefill.url, decode.url])
+    body = {"text": "hi", "stream": True, "return_logprob": logprobs, "rid": "r1"}
+    try:
+        answer = lb.http.post("/generate", json=body, timeout=8)
+    except httpx.ReadTimeout:
+        pytest.fail("the client's stream waited for a decode node whose prefill node refused the request")
+    assert answer.status_code == 200, answer.text
+    events = [event_data(e) for e in EventSplitter().feed(answer.content)]
+    assert json.loads(events[0]) == STREAM_REFUSAL and events[1:] == [b"[DONE]"], answer.content
+    assert decode.disconnected.wait(5), "the decode call went on after its prefill node refused"
+    wait_until(lambda: lb.node(decode.url)["in_flight"] == 0 and lb.node(prefill.url)["in_flight"] == 0,
+               timeout=5, what="both calls over")
+
+
+@pytest.mark.parametrize("logprobs", [False, True])
+def test_a_decode_stream_refusal_closes_the_prefill_call(fakes: FakeCluster, start_lb, logprobs: bool) -> None:
+    """Found by review: a decode node's stream refusal (a 200 whose first event is the error) was relayed,
+    but the prefill answer went on being read in the background: a real prefill node waits for a decode node
+    that never comes, holding the request's KV cache and its in-flight count at the LB until its own bootstrap
+    timeout (or --generate-timeout). With return_logprob the client got nothing until then, as the prefill
+    answer was read before the decode stream. The decode refusal is the client's at once and the prefill call
+    is closed."""
+    prefill, decode = fakes.start(2)
+    prefill.handlers["/generate"] = waits_for_its_decode_node
+    decode.handlers["/generate"] = sse(REFUSAL_EVENTS)
+    lb = start_lb("--prefill", prefill.url, "--decode", decode.url, "--generate-timeout", "20")
+    lb.wait_routable([prefill.url, decode.url])
+    body = {"text": "hi", "stream": True, "return_logprob": logprobs}
+    try:
+        answer = lb.http.post("/generate", json=body, timeout=8)
+    except httpx.ReadTimeout:
+        pytest.fail("the client waited for a prefill node whose decode node refused the request")
+    assert answer.status_code == 200 and answer.content == b"".join(REFUSAL_EVENTS), answer.content
+    assert prefill.disconnected.wait(5), "the prefill call went on after its decode node refused"
+    wait_until(lambda: lb.node(prefill.url)["in_flight"] == 0, timeout=5, what="the prefill call closed")
+
+
+def test_a_prefill_event_that_cannot_be_merged_is_an_error_not_an_answer_without_logprobs(
+        module_fakes: FakeCluster, shared_lb: LB) -> None:
+    """Found by review: a prefill stream event the LB could not read (past the 64 MiB event bound, which the
+    input top logprobs of a long prompt reach, or not JSON within bounds) was left out, and the decode stream
+    relayed without the prompt's input logprobs: a 200 that looks whole. It is a 502 naming the prefill node, as
+    the same failure of a non-streamed answer is."""
+    prefill, decode = module_fakes.start(2)
+    unreadable = b'data: {"meta_info": {"input_token_logprobs": ' + b"[" * 100 + b"]" * 100 + b"}}\n\n"
+    prefill.handlers["/generate"] = sse([unreadable, b"data: [DONE]\n\n"])
+    decode.handlers["/generate"] = sse([b'data: {"text": "a", "meta_info": {"input_token_logprobs": []}}\n\n',
+                                        b"data: [DONE]\n\n"])
+    set_members(shared_lb, (prefill.url, "prefill"), (decode.url, "decode"))
+    answer = shared_lb.http.post("/generate", json={"text": "hi", "stream": True, "return_logprob": True})
+    assert answer.status_code == 502, answer.content
+    error = answer.json()["error"]
+    assert error["type"] == "upstream_error" and prefill.url in error["message"], error
+    wait_until(lambda: shared_lb.node(decode.url)["in_flight"] == 0, timeout=5, what="the decode call closed")

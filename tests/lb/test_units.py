@@ -17,6 +17,7 @@ from lb.metrics import LBMetrics
 from lb.node import Node, NodeHealth
 from lb.pd import MAX_PD_BATCH, batch_size, bootstrap_host, check_batch, with_bootstrap
 from lb.pd_logprobs import MergeInputLogprobs, first_events, merge_input_logprobs
+from lb.pd_refusals import RefusalWatch, starts_with_refusal
 from lb.routing import LeastInflight, PowerOfTwo, Router
 from lb.views import cluster_occupation
 
@@ -332,3 +333,17 @@ def test_a_request_lease_is_given_back_once_by_its_last_holder() -> None:
     assert node.num_inflight == 0
     with pytest.raises(RuntimeError, match="already released"):
         relay.hand_over()
+
+
+@pytest.mark.parametrize("body,is_refusal", [
+    (b'data: {"error": {"message": "Duplicate request ID detected: r"}}\n\ndata: [DONE]\n\n', True),
+    (b': a comment\r\n\r\ndata: {"error": {"type": "engine_failed"}}\r\n\r\n', True),
+    (b'data: {"text": "a", "meta_info": {}}\n\ndata: {"error": {"message": "later"}}\n\n', False),
+    (b"data: [DONE]\n\n", False), (b"data: not json\n\n", False), (b'data: ["error"]\n\n', False),
+    (b'data: {"error": {"message": "an event never ended"}}', False), (b"", False)])
+def test_a_stream_refusal_is_its_first_event_being_an_error(body: bytes, is_refusal: bool) -> None:
+    assert starts_with_refusal(body) is is_refusal
+    assert starts_with_refusal(body, piece_bytes=3) is is_refusal  # however the stream arrives
+    watch = RefusalWatch()
+    assert b"".join(watch.feed(body[i:i + 5]) for i in range(0, len(body), 5)) == body  # passed on unchanged
+    assert watch.is_refusal is is_refusal

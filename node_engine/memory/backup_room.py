@@ -15,7 +15,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-import psutil
+from node_engine.memory.cgroup_memory import CGROUP_ROOT, host_memory
 
 BACKUP_MARGIN_BYTES = 64 * 1024 * 1024  # file system metadata, a page cache, another process's small allocations
 
@@ -38,9 +38,12 @@ def check_dir_room(folder: Path, num_bytes: int) -> None:
                                 f"and a margin of {BACKUP_MARGIN_BYTES}")
 
 
-def check_host_room(num_bytes: int, what: str) -> None:
-    """The host has ``num_bytes`` of available memory beyond the margin, for ``what``."""
-    available = psutil.virtual_memory().available
+def check_host_room(num_bytes: int, what: str, *, cgroup_root: Path = CGROUP_ROOT) -> None:
+    """The host has ``num_bytes`` of available memory beyond the margin, for ``what``, within the container's
+    memory limit: past it the cgroup's OOM killer ends the engine (a pod's restart, resident again)."""
+    memory = host_memory(cgroup_root)
+    available = memory.available_bytes
     if available < num_bytes + BACKUP_MARGIN_BYTES:
+        where = "within the container's memory limit" if memory.limited_by_cgroup else "on the host"
         raise BackupUnavailable(f"{what} needs {num_bytes} bytes of host memory; {available} are available "
-                                f"(margin {BACKUP_MARGIN_BYTES})")
+                                f"{where} (margin {BACKUP_MARGIN_BYTES})")

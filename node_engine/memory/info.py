@@ -7,8 +7,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-import psutil
 import torch
+
+from node_engine.memory.cgroup_memory import host_memory
 
 log = logging.getLogger(__name__)
 
@@ -24,11 +25,11 @@ class MemoryInfo(Protocol):
 
 
 class HostMemoryInfo:
-    """CPU: ``MemAvailable`` and total RAM."""
+    """CPU: ``MemAvailable`` and total RAM, within the container's memory limit."""
 
     def read(self) -> DeviceMemory:
-        vm = psutil.virtual_memory()
-        return DeviceMemory("cpu", int(vm.available), int(vm.total))
+        memory = host_memory()
+        return DeviceMemory("cpu", memory.available_bytes, memory.total_bytes)
 
 
 class CudaMemoryInfo:

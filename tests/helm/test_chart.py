@@ -342,6 +342,30 @@ def test_schema_rejects_bad_values_with_a_clear_message(values: Obj, message: st
     pytest.param({"networkPolicy": {"enabled": True}, "metrics": {"serviceMonitor": {"enabled": True}}},
                  "networkPolicy.metricsFrom must name Prometheus' pods when metrics.serviceMonitor.enabled",
                  id="scrapes-blocked"),
+    # The chart pins the node pods' ephemeral range to the weight-sync ports: a second value would hide one.
+    pytest.param({"networkPolicy": {"enabled": True, "trainerFrom": [{"podSelector": {}}]},
+                  "podSecurityContext": {"sysctls": [{"name": "net.ipv4.ip_local_port_range", "value": "1024 65535"}]}},
+                 "podSecurityContext.sysctls must not set net.ipv4.ip_local_port_range", id="port-range-sysctl-twice"),
+    # A backup on the node's disk with no size: nothing reserved, and no bound before the node's disk fills.
+    pytest.param({"node": {"engine": {"weightsBackup": "disk"}}},
+                 "node.engine.backupSizeLimit must be set (above 0) when the weights backup is written to disk",
+                 id="disk-backup-without-size"),
+    pytest.param({"node": {"engine": {"device": "cpu", "gpus": 0, "weightsBackup": "cpu"}}},
+                 "node.engine.backupSizeLimit must be set (above 0) when the weights backup is written to disk",
+                 id="cpu-engine-backup-without-size"),
+    pytest.param({"node": {"engine": {"weightsBackup": "disk", "backupSizeLimit": "0Gi"}}},
+                 "node.engine.backupSizeLimit must be set (above 0)", id="disk-backup-of-size-zero"),
+    # Kubernetes refuses two volumes on one path; a backup inside the model's mount writes into its claim.
+    pytest.param({"node": {"engine": {"weightsBackup": "disk", "backupSizeLimit": "1Gi", "backupDir": "/tmp/"}}},
+                 "node.engine.backupDir (/tmp/) must not be /tmp", id="backup-on-tmp"),
+    pytest.param({"node": {"engine": {"weightsBackup": "disk", "backupSizeLimit": "1Gi", "backupDir": "/dev/shm"}}},
+                 "node.engine.backupDir (/dev/shm) must not be /dev/shm", id="backup-on-shm"),
+    pytest.param({"model": {"path": "/x", "mountPath": "/", "volume": {"type": "pvc"}}},
+                 "model.mountPath (/) must not be /", id="model-on-root"),
+    pytest.param({"model": {"path": "/models/x", "volume": {"type": "pvc"}},
+                  "node": {"engine": {"weightsBackup": "disk", "backupSizeLimit": "1Gi", "backupDir": "/models/bk"}}},
+                 "node.engine.backupDir (/models/bk) and model.mountPath (/models) must not hold one another",
+                 id="backup-in-model-mount"),
 ])
 def test_template_rejects_inconsistent_values_with_a_clear_message(values: Obj, message: str) -> None:
     with pytest.raises(helm.HelmRenderError) as caught:
@@ -666,13 +690,70 @@ def test_weights_backup_dir_is_a_mounted_volume(rendered: Rendered) -> None:
         engine = container(sts, "engine")
         volumes = {v["name"]: v for v in pod_spec(sts)["volumes"]}
         mounts = {m["mountPath"]: m["name"] for m in engine["volumeMounts"]}
-        if engine_values["weightsBackup"] == "none":
+        on_disk = engine_values["weightsBackup"] == "disk" or (
+            engine_values["weightsBackup"] == "cpu" and engine_values["device"] == "cpu")
+        if not on_disk:  # none, or a CUDA engine's cpu backup: pinned host memory, no folder
             assert not flag_values(engine["args"], "--backup-dir") and "backup" not in volumes
         else:
             backup_dir = flag_value(engine["args"], "--backup-dir")
             assert "emptyDir" in volumes[mounts[backup_dir]]
             if engine_values["backupSizeLimit"]:
                 assert volumes[mounts[backup_dir]]["emptyDir"]["sizeLimit"] == engine_values["backupSizeLimit"]
+
+
+@pytest.mark.parametrize(("engine", "reserved"), [
+    pytest.param({"weightsBackup": "disk", "backupSizeLimit": "150Gi"}, "150Gi", id="disk"),
+    pytest.param({"device": "cpu", "gpus": 0, "weightsBackup": "cpu", "backupSizeLimit": "8Gi"}, "8Gi",
+                 id="cpu-engine-spills-to-files"),
+    pytest.param({"weightsBackup": "cpu", "backupSizeLimit": "150Gi"}, None, id="cuda-cpu-backup-is-host-memory"),
+    pytest.param({"weightsBackup": "none"}, None, id="none"),
+    pytest.param({"weightsBackup": "disk", "backupSizeLimit": "150Gi",
+                  "resources": {"requests": {"ephemeral-storage": "200Gi"}}}, "200Gi", id="request-given"),
+])
+def test_a_backup_on_the_nodes_disk_is_reserved_there(engine: Obj, reserved: str | None) -> None:
+    """A disk backup (a model's size) went to an emptyDir with no ephemeral-storage request: the scheduler placed the
+    pod on a node without room, and a kubelet short of disk evicts first the pods most over their requests (0): the
+    GPU node, its backup with it, during training."""
+    r = render({"node": {"engine": engine}})
+    _assert_valid_for_kubernetes(r)
+    for sts in _node_sets(r).values():
+        requests = container(sts, "engine")["resources"].get("requests", {})
+        assert requests.get("ephemeral-storage") == reserved
+        assert "ephemeral-storage" not in (container(sts, "sidecar")["resources"].get("requests") or {})
+
+
+def test_a_cuda_engines_cpu_backup_gets_no_backup_folder() -> None:
+    """A CUDA engine keeps a cpu backup in pinned host memory: the chart passed --backup-dir all the same, on an
+    emptyDir never written, and the engine logged a WARNING that the flag is not used at every start."""
+    r = render({"node": {"engine": {"weightsBackup": "cpu"}}})
+    for sts in _node_sets(r).values():
+        engine = container(sts, "engine")
+        assert flag_value(engine["args"], "--weights-backup") == "cpu"
+        assert not flag_values(engine["args"], "--backup-dir")
+        assert "backup" not in {v["name"] for v in pod_spec(sts)["volumes"]}
+
+
+def test_the_weight_sync_ports_are_the_node_pods_ephemeral_ports() -> None:
+    """The policy opens weightSyncPorts for the torch process group's members, which listen on ports from their
+    pod's ephemeral range: the chart assumed the kernel's default range, and a pod with another one (a kernel or a
+    runtime that sets it) refused the trainer's connections and every broadcast join timed out."""
+    trainer = [{"podSelector": {"matchLabels": {"job-role": "trainer"}}}]
+    kept = {"name": "net.ipv4.tcp_keepalive_time", "value": "60"}
+    for ports in ({"start": 32768, "end": 60999}, {"start": 40000, "end": 44095}):
+        r = render({"networkPolicy": {"enabled": True, "trainerFrom": trainer, "weightSyncPorts": ports},
+                    "podSecurityContext": {"sysctls": [kept]}})
+        _assert_valid_for_kubernetes(r)
+        (_, sync_rule) = _policies(r)["node"]["ingress"]
+        ((first, last),) = _ports(sync_rule)
+        for sts in _node_sets(r).values():
+            sysctls = pod_spec(sts)["securityContext"]["sysctls"]
+            assert sysctls == [kept, {"name": "net.ipv4.ip_local_port_range", "value": f"{first} {last}"}]
+            assert pod_spec(sts)["securityContext"]["runAsNonRoot"] is True
+        assert pod_spec(_lb(r))["securityContext"]["sysctls"] == [kept], "the LB takes no weight-sync connection"
+    for values in ({}, {"networkPolicy": {"enabled": True}}):  # no weight-sync rule: the pods' range is theirs
+        r = render(values)
+        for sts in _node_sets(r).values():
+            assert "sysctls" not in pod_spec(sts)["securityContext"]
 
 
 def test_the_sidecar_keeps_its_state_in_an_emptydir_of_its_own(rendered: Rendered) -> None:
@@ -756,6 +837,45 @@ def test_no_token_appears_in_plain_text(rendered: Rendered) -> None:
             for e in c.get("env") or []:
                 if e["name"].startswith("HANDOFF_"):
                     assert "value" not in e and "secretKeyRef" in e["valueFrom"], f"{w.name}/{c['name']}: {e}"
+
+
+def test_names_and_paths_yaml_reads_as_other_types_reach_kubernetes_as_written() -> None:
+    """Secret keys, a claim's name and paths went into the YAML unquoted: a key "on" or "null" became the boolean
+    true or null (the API server refuses a secretKeyRef key that is not a string; the chart's Secret got the key
+    "true"), a claim named "2024" a number, and a path with " #" lost its end to a comment (the engine's
+    --backup-dir, quoted, and its mount then differed)."""
+    values = {
+        "auth": {"adminTokenKey": "on", "apiKeyKey": "null"},
+        "model": {"path": "/models/x", "volume": {"type": "existingClaim", "existingClaim": {"claimName": "2024"}}},
+        "node": {"engine": {"weightsBackup": "disk", "backupSizeLimit": "20Gi", "backupDir": "/var/backup #1"},
+                 "priorityClassName": "true"},
+    }
+    for extra in ({}, {"auth": {"existingSecret": "1234"}}):
+        r = render(deep_merge(values, extra))
+        _assert_valid_for_kubernetes(r)
+        secret_name = extra.get("auth", {}).get("existingSecret", f"{RELEASE}-handoff-auth")
+        for w in _workloads(r):
+            for c in pod_spec(w)["containers"]:
+                refs = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in c.get("env") or [] if "valueFrom" in e}
+                if refs:
+                    assert refs["HANDOFF_ADMIN_TOKEN"] == {"name": secret_name, "key": "on"}
+                    assert refs["HANDOFF_API_KEY"] == {"name": secret_name, "key": "null"}
+        for secret in r.of_kind("Secret"):
+            assert sorted(secret.obj["data"]) == ["null", "on"]
+        assert r.notes.count("jsonpath='{.data.on}'") == 1 and r.notes.count("jsonpath='{.data.null}'") == 1
+        for sts in _node_sets(r).values():
+            spec = pod_spec(sts)
+            assert spec["priorityClassName"] == "true"
+            volumes = {v["name"]: v for v in spec["volumes"]}
+            assert volumes["model"]["persistentVolumeClaim"]["claimName"] == "2024"
+            engine = container(sts, "engine")
+            mounts = {m["name"]: m["mountPath"] for m in engine["volumeMounts"]}
+            assert mounts["backup"] == flag_value(engine["args"], "--backup-dir") == "/var/backup #1"
+
+
+def test_a_dotted_secret_key_is_escaped_in_the_notes_jsonpath() -> None:
+    r = render({"auth": {"adminTokenKey": "admin.token", "apiKeyKey": "api.key"}})
+    assert "jsonpath='{.data.admin\\.token}'" in r.notes and "jsonpath='{.data.api\\.key}'" in r.notes
 
 
 def test_tokens_reach_the_lb_and_sidecars_from_the_secret(rendered: Rendered) -> None:

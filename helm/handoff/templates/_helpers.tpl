@@ -158,13 +158,13 @@ The token environment variables, from the Secret only (SPEC section 6).
 - name: HANDOFF_ADMIN_TOKEN
   valueFrom:
     secretKeyRef:
-      name: {{ include "handoff.secretName" . }}
-      key: {{ .Values.auth.adminTokenKey }}
+      name: {{ include "handoff.secretName" . | quote }}
+      key: {{ .Values.auth.adminTokenKey | quote }}
 - name: HANDOFF_API_KEY
   valueFrom:
     secretKeyRef:
-      name: {{ include "handoff.secretName" . }}
-      key: {{ .Values.auth.apiKeyKey }}
+      name: {{ include "handoff.secretName" . | quote }}
+      key: {{ .Values.auth.apiKeyKey | quote }}
 {{- end }}
 
 {{/*
@@ -393,4 +393,81 @@ Selector labels of every node pod of the release, whatever its role.
 {{- define "handoff.node.allSelectorLabels" -}}
 {{ include "handoff.selectorLabels" . }}
 app.kubernetes.io/component: node
+{{- end }}
+
+{{/*
+"true" when a release writes the weights' backup to node.engine.backupDir (the node's disk): weightsBackup=disk, or
+weightsBackup=cpu on a CPU engine (its backend spills the storages to files). A CUDA engine's cpu backup is pinned
+host memory.
+*/}}
+{{- define "handoff.backupSpillsToDisk" -}}
+{{- $engine := .Values.node.engine }}
+{{- or (eq $engine.weightsBackup "disk") (and (eq $engine.weightsBackup "cpu") (eq $engine.device "cpu")) }}
+{{- end }}
+
+{{/*
+A backup on the node's disk needs its size: the emptyDir's sizeLimit, and the engine's ephemeral-storage request,
+so that the scheduler places the pod where the disk has room and the kubelet, short of disk, does not evict the
+node first (a pod using more than it requested goes first). The engine's own free-space check sees the node's
+disk, not the limit.
+*/}}
+{{- define "handoff.checkBackupSize" -}}
+{{- $size := toString .Values.node.engine.backupSizeLimit }}
+{{- $zero := regexMatch "^0*[.]?0*([eE][0-9]+|m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$" $size }}
+{{- if and (eq (include "handoff.backupSpillsToDisk" .) "true") $zero }}
+{{- fail "handoff: node.engine.backupSizeLimit must be set (above 0) when the weights backup is written to disk (weightsBackup=disk, or cpu on a CPU engine): set it above the weights' size; the engine requests it as ephemeral-storage" }}
+{{- end }}
+{{- end }}
+
+{{/*
+The engine's mounts must be distinct places: Kubernetes refuses two volumes on one path (the model or the backup
+on /tmp or /dev/shm), a volume on / hides the image, and the backup inside the model's mount would put its mount
+point in the model's claim (read-only, or the trainer's checkpoints).
+*/}}
+{{- define "handoff.checkEngineMounts" -}}
+{{- $paths := dict }}
+{{- if ne .Values.model.volume.type "none" }}
+{{- $_ := set $paths "model.mountPath" .Values.model.mountPath }}
+{{- end }}
+{{- if eq (include "handoff.backupSpillsToDisk" .) "true" }}
+{{- $_ := set $paths "node.engine.backupDir" .Values.node.engine.backupDir }}
+{{- end }}
+{{- range $name, $path := $paths }}
+{{- $clean := clean $path }}
+{{- if has $clean (list "/" "/tmp" "/dev/shm") }}
+{{- fail (printf "handoff: %s (%s) must not be %s: the engine's root file system, /tmp and /dev/shm are the chart's" $name $path $clean) }}
+{{- end }}
+{{- end }}
+{{- if and (hasKey $paths "node.engine.backupDir") (hasKey $paths "model.mountPath") }}
+{{- $model := clean .Values.model.mountPath }}
+{{- $backup := clean .Values.node.engine.backupDir }}
+{{- if or (eq $model $backup) (hasPrefix (printf "%s/" $model) $backup) (hasPrefix (printf "%s/" $backup) $model) }}
+{{- fail (printf "handoff: node.engine.backupDir (%s) and model.mountPath (%s) must not hold one another: each is a volume of its own" $backup $model) }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/*
+The node pods' security context: podSecurityContext, and with a weight-sync rule (networkPolicy.enabled and
+trainerFrom) the pods' ephemeral port range pinned to networkPolicy.weightSyncPorts (net.ipv4.ip_local_port_range,
+a namespaced sysctl Kubernetes allows by default). The torch process group's members listen on ports taken from
+that range: a pod whose range is not the rule's (another kernel default, a runtime that sets it) would refuse
+the trainer's connections and the join would time out.
+*/}}
+{{- define "handoff.node.podSecurityContext" -}}
+{{- $context := deepCopy .Values.podSecurityContext }}
+{{- $np := .Values.networkPolicy }}
+{{- if and $np.enabled $np.trainerFrom }}
+{{- $sysctls := list }}
+{{- range $sysctl := ($context.sysctls | default list) }}
+{{- if eq $sysctl.name "net.ipv4.ip_local_port_range" }}
+{{- fail "handoff: podSecurityContext.sysctls must not set net.ipv4.ip_local_port_range with networkPolicy.trainerFrom: the chart sets it to networkPolicy.weightSyncPorts, the ports the policy opens" }}
+{{- end }}
+{{- $sysctls = append $sysctls $sysctl }}
+{{- end }}
+{{- $range := printf "%d %d" (int $np.weightSyncPorts.start) (int $np.weightSyncPorts.end) }}
+{{- $sysctls = append $sysctls (dict "name" "net.ipv4.ip_local_port_range" "value" $range) }}
+{{- $_ := set $context "sysctls" $sysctls }}
+{{- end }}
+{{- toYaml $context }}
 {{- end }}

@@ -1,0 +1,88 @@
+"""Host memory for a weights backup within a container's memory limit (cgroup v2 and v1 file layouts).
+
+The cgroup trees are folders with the kernel's file names and formats; the host's own figures are real.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import psutil
+import pytest
+
+from node_engine.memory.backup_room import BACKUP_MARGIN_BYTES, BackupUnavailable, check_host_room
+from node_engine.memory.cgroup_memory import cgroup_room, host_memory
+
+GiB = 2**30
+
+
+def v2_tree(root: Path, limit: str, usage: int, cache: int = 0, shmem: int = 0) -> Path:
+    """cgroup v2's files: ``file`` counts the page cache, tmpfs and shared memory included (in ``shmem``)."""
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "memory.max").write_text(f"{limit}\n")
+    (root / "memory.current").write_text(f"{usage}\n")
+    (root / "memory.stat").write_text(f"anon {usage - cache}\nfile {cache}\nshmem {shmem}\n"
+                                      f"file_mapped 0\nactive_file {cache - shmem}\ninactive_file 0\n")
+    return root
+
+
+def v1_tree(root: Path, limit: int, usage: int, cache: int = 0, shmem: int = 0) -> Path:
+    """cgroup v1's files: the hierarchy's counters are the ``total_`` ones."""
+    memory = root / "memory"
+    memory.mkdir(parents=True, exist_ok=True)
+    (memory / "memory.limit_in_bytes").write_text(f"{limit}\n")
+    (memory / "memory.usage_in_bytes").write_text(f"{usage}\n")
+    (memory / "memory.stat").write_text(f"cache 0\nshmem 0\ntotal_cache {cache}\ntotal_shmem {shmem}\n"
+                                        f"total_active_file {cache - shmem}\n")
+    return root
+
+
+def test_a_pinned_backup_past_the_containers_limit_is_refused_though_the_host_has_room(tmp_path: Path) -> None:
+    """A 64 GiB container on a large host: the host's MemAvailable said yes, and the pinned backup got the engine
+    killed by the cgroup's OOM killer (the pod restarted resident, during training)."""
+    host_available = psutil.virtual_memory().available
+    need = 2 * GiB
+    root = v2_tree(tmp_path / "v2", str(need), usage=need // 2)
+    assert host_available > need + BACKUP_MARGIN_BYTES, "the host itself has room for this test's backup"
+    with pytest.raises(BackupUnavailable, match="within the container's memory limit"):
+        check_host_room(need, "the pinned CPU backup of the weights", cgroup_root=root)
+    roomy = v2_tree(tmp_path / "roomy", str(64 * GiB), usage=need // 2)
+    check_host_room(min(need, host_available // 4), "the pinned CPU backup of the weights", cgroup_root=roomy)
+
+
+@pytest.mark.parametrize("layout", ["v2", "v1"])
+def test_the_room_is_the_limit_less_what_cannot_be_reclaimed(tmp_path: Path, layout: str) -> None:
+    """The page cache (the model files read at load: often the weights' size) is room, as in the host's
+    MemAvailable; shared memory in /dev/shm is not (nothing but swap frees it)."""
+    limit, usage, cache, shmem = 8 * GiB, 7 * GiB, 3 * GiB, 1 * GiB
+    root = (v2_tree(tmp_path, str(limit), usage, cache, shmem) if layout == "v2"
+            else v1_tree(tmp_path, limit, usage, cache, shmem))
+    assert cgroup_room(root) == (3 * GiB, limit)  # used: 7 GiB less the 2 GiB of page cache that is not shmem
+    memory = host_memory(root)
+    assert memory.available_bytes == min(3 * GiB, psutil.virtual_memory().available)
+    assert memory.total_bytes == min(limit, psutil.virtual_memory().total)
+
+
+@pytest.mark.parametrize("build", [
+    lambda root: v2_tree(root, "max", GiB),                          # v2 without a limit
+    lambda root: v1_tree(root, 9223372036854771712, GiB),            # v1 without a limit
+    lambda root: root,                                               # no cgroup files at all
+])
+def test_without_a_limit_the_hosts_figures_stand(tmp_path: Path, build) -> None:
+    root = build(tmp_path)
+    assert cgroup_room(root) is None
+    memory = host_memory(root)
+    assert not memory.limited_by_cgroup and memory.total_bytes == psutil.virtual_memory().total
+
+
+def test_an_unreadable_cgroup_falls_back_to_the_host_with_a_warning(tmp_path: Path, caplog) -> None:
+    root = v2_tree(tmp_path, "not-a-number", GiB)
+    assert cgroup_room(root) is None
+    assert "cannot read the memory cgroup" in caplog.text
+
+
+def test_this_machines_own_cgroup_reads_without_error() -> None:
+    room = cgroup_room()
+    if room is not None:
+        assert 0 <= room[0] <= room[1]
+    assert host_memory().available_bytes <= psutil.virtual_memory().available

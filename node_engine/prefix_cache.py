@@ -31,8 +31,11 @@ import torch
 from node_engine.kv_cache import SlotAllocator
 
 
+_SERIALS = itertools.count()  # a node's creation order: eviction's tie-break, the same from one run to the next
+
+
 class _Node:
-    __slots__ = ("key", "slots", "children", "parent", "lock_ref", "last_use", "is_detached")
+    __slots__ = ("key", "slots", "children", "parent", "lock_ref", "last_use", "is_detached", "serial")
 
     def __init__(self, key: tuple[int, ...], slots: torch.Tensor, parent: "_Node | None") -> None:
         self.key = key
@@ -42,6 +45,7 @@ class _Node:
         self.lock_ref = 0
         self.last_use = 0
         self.is_detached = False  # flushed while locked: freed when the last user unlocks it
+        self.serial = next(_SERIALS)
 
 
 def _common_length(a: tuple[int, ...], b: list[int], offset: int) -> int:
@@ -135,7 +139,7 @@ class PrefixCache:
 
     def evict(self, num_tokens: int) -> int:
         """Free at least ``num_tokens`` slots from unlocked leaves, oldest first; returns slots freed."""
-        leaves = [(n.last_use, id(n), n) for n in self._nodes() if not n.children and n.lock_ref == 0]
+        leaves = [(n.last_use, n.serial, n) for n in self._nodes() if not n.children and n.lock_ref == 0]
         heapq.heapify(leaves)
         num_freed = 0
         while leaves and num_freed < num_tokens:
@@ -144,7 +148,7 @@ class PrefixCache:
             num_freed += node.slots.numel()
             self._drop(node)
             if parent is not self._root and parent is not None and not parent.children and parent.lock_ref == 0:
-                heapq.heappush(leaves, (parent.last_use, id(parent), parent))
+                heapq.heappush(leaves, (parent.last_use, parent.serial, parent))
         return num_freed
 
     def flush(self) -> int:

@@ -30,9 +30,9 @@ from node_engine.config import EngineConfig
 from node_engine.engine import Engine
 from node_engine.errors import MemoryReleased, RequestsInFlight, WeightsNotLoaded
 from node_engine.memory.tags import MemoryTag
-from node_engine.prefix_cache import PrefixCache
-from node_engine.request import FinishReason, Request, RequestHandle, RequestOutput, RequestState
+from node_engine.request import FinishReason, Request, RequestHandle, RequestOutput
 from node_engine.sampling import SamplingParams
+from tests.node_engine.kv_invariants import check_invariants
 from tests.support.weights import tiny_weights
 
 pytestmark = pytest.mark.timeout(120)
@@ -186,48 +186,6 @@ OPS: list[tuple[float, Callable[[Interleaving], None]]] = [
 ]
 
 
-def _cache_slots(cache: PrefixCache, running: list[Request]) -> tuple[list[int], collections.Counter[int]]:
-    """Slots the cache holds (entries detached by a flush included), and each entry's expected lock count."""
-    locks: collections.Counter[int] = collections.Counter()
-    detached = {}
-    for request in running:
-        node = request.prefix_node
-        while node is not None and node.parent is not None:
-            locks[id(node)] += 1
-            if node.is_detached:
-                detached[id(node)] = node
-            node = node.parent
-    nodes = cache._nodes()
-    for node in nodes:
-        assert node.lock_ref == locks[id(node)], "a cache entry's lock count is not its users"
-    slots = [s for node in nodes + list(detached.values()) for s in node.slots.tolist()]
-    assert len(slots) == cache.num_cached_tokens, "the cache counts tokens it does not hold (or the reverse)"
-    return slots, locks
-
-
-def check_invariants(engine: Engine, requests: dict[str, Request]) -> None:
-    scheduler = engine.scheduler
-    free = [s for chunk in scheduler.slots._free_chunks for s in chunk.tolist()]
-    owned = []
-    for request in scheduler.running:
-        assert request.state is RequestState.RUNNING and request.row is not None
-        num_prefix = request.prefix_slots.numel() if request.prefix_slots is not None else 0
-        assert request.num_cached == num_prefix + request.num_owned_slots
-        owned += [s for chunk in request.slots for s in chunk.tolist()] + request.decode_slots
-    cached = _cache_slots(scheduler.cache, scheduler.running)[0] if scheduler.cache is not None else []
-    every = free + owned + cached
-    assert len(every) == len(set(every)), "a KV slot has two owners"
-    assert sorted(every) == list(range(1, scheduler.slots.capacity + 1)), "a KV slot leaked"
-    rows = scheduler.rows._free + [r.row for r in scheduler.running]
-    assert sorted(rows) == list(range(scheduler.rows.num_rows)), "a request row leaked"
-    for request in requests.values():
-        if request.state is not RequestState.RUNNING:
-            assert request not in scheduler.running
-            assert not request.num_owned_slots and request.row is None and request.prefix_node is None
-        if request.state is RequestState.FINISHED:
-            assert request not in scheduler.waiting
-
-
 def _uninterrupted(engine: Engine, prompt: list[int], params: SamplingParams) -> list[int]:
     handle = engine.submit(prompt, params, use_prefix_cache=False)
     _settle(engine, 10_000)
@@ -285,11 +243,11 @@ def test_random_interleavings_keep_the_bookkeeping_whole(seed: int, max_total_to
         run.collect()
         assert all([o.is_final for o in outs].count(True) <= 1 for outs in run.outputs.values()), "answered twice"
         try:
-            check_invariants(run.engine, run.requests)
+            check_invariants(run.engine.scheduler, run.requests.values())
         except AssertionError as exc:
             raise AssertionError(f"after call {index} ({op.__name__}): {exc}") from exc
     run.finish()
-    check_invariants(run.engine, run.requests)
+    check_invariants(run.engine.scheduler, run.requests.values())
     check_idle(run.engine)
     ends = check_answers(run, _engine(max_total_tokens, max_batch_tokens, max_running, prefix_cache=False))
     assert ends["length-preempted"] + ends["stop-preempted"] > 0  # the interleaving did preempt requests

@@ -24,6 +24,9 @@ class ConfigError(ValueError):
     """A configuration value is wrong; the message names the flag."""
 
 
+MIN_REQUEST_ROOM_TOKENS = 8  # the least pool or context that takes a one-token prompt
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model_path: str
@@ -78,8 +81,11 @@ class EngineConfig:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         for name in ("max_total_tokens", "context_length"):
             value = getattr(self, name)
-            if value is not None and value < 2:
-                raise ConfigError(f"--{name.replace('_', '-')} must be >= 2, got {value}")
+            if value is not None and value < MIN_REQUEST_ROOM_TOKENS:
+                # below it SGLang's max_req_input_len (the smaller, less 6) refuses every prompt: an engine up for
+                # nothing (SGLang starts so too)
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= {MIN_REQUEST_ROOM_TOKENS} (the least that "
+                                  f"takes a one-token prompt), got {value}")
         if not 0 < self.mem_fraction <= 1:
             raise ConfigError(f"--mem-fraction must be in (0, 1], got {self.mem_fraction}")
         if self.enable_torch_compile and self.device != "cpu":

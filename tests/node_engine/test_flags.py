@@ -26,6 +26,7 @@ CASES = [
     ("--weight-sync-timeout", ["--weight-sync-timeout", "1e300"]),  # overflowed a group join's timedelta
     ("--mem-fraction", ["--mem-fraction", "1.5"]),
     ("--max-total-tokens", ["--max-total-tokens", "1"]),
+    ("--max-total-tokens", ["--max-total-tokens", "7"]),  # started, then refused every prompt (found by review)
     ("--max-batch-tokens", ["--max-batch-tokens", "0"]),
     ("--context-length", ["--context-length", "1e30"]),
     ("--max-image-pixels", ["--max-image-pixels", "0"]),

@@ -51,7 +51,7 @@ _CONTROL_PATHS = frozenset(path.encode() for path in CONTROL_ROUTES)
 
 
 def sidecar_state(released: bool) -> bytes:
-    """A sidecar's ``state_header()``: the shape ``node_sidecar.node.Node.state_view`` gives, compact (made once
+    """A sidecar's ``state_header``: the shape ``node_sidecar.node_views.state_view`` gives, compact (made once
     per state: a node here costs the router's fan-out as little time as it can)."""
     return _STATES[released]
 

@@ -24,7 +24,7 @@ from handoff.service.errors import Conflict, ServiceError
 from node_sidecar.engines.base import MemoryChange
 from node_sidecar.control_drain import DrainLimit, Drainer
 from node_sidecar.node import Node
-from node_sidecar.state import TAGS, TagState
+from node_sidecar.state import TAGS, NodeState, TagState
 
 WEIGHTS = Tag.WEIGHTS.value
 ENGINE_PAUSE_MODES = frozenset({"retract", "in_place"})  # requests stay in the engine, paused there
@@ -77,6 +77,7 @@ class ControlPlane:
         tags = list(TAGS) if tags is None else tags
         async with self._keeping_intent(), node.control_lock:
             node.require_engine()
+            _refuse_unknown(state, tags)
             adapter = node.engine_adapter
             already = [t for t in tags if state.tags[t] is TagState.RELEASED]
             asked = [t for t in tags if state.tags[t] is TagState.RESIDENT]
@@ -116,6 +117,7 @@ class ControlPlane:
                     "duration_s": 0.0}
         async with self._keeping_intent(), node.control_lock:
             node.require_engine()
+            _refuse_unknown(state, wanted)
             already = [t for t in wanted if state.tags[t] is TagState.RESIDENT]
             todo = [t for t in wanted if state.tags[t] is TagState.RELEASED]
             change = MemoryChange([], {}, None)
@@ -269,6 +271,13 @@ _NO_BACKUP = {
     EngineKind.VLLM: "stage_to_cpu needs a weights backup, which this vLLM node cannot keep",
     EngineKind.SGLANG: "stage_to_cpu needs a weights backup: start SGLang with --enable-weights-cpu-backup",
 }
+
+
+def _refuse_unknown(state: NodeState, tags: list[str]) -> None:
+    """409, nothing sent, for a tag whose state the engine's adapter does not know (a release or a resume of it,
+    either way, might kill the engine)."""
+    if state.unknown_tags.intersection(tags):
+        raise Conflict(state.unknown_reason or "the state of the tags asked is not known: nothing was sent")
 
 
 def _release_answer(released: list[str], already: list[str], change: MemoryChange, drained: int, aborted: int,

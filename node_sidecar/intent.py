@@ -30,6 +30,12 @@ checkpoint), unless it was given ``--state-file``: then every change is written 
 (:mod:`node_sidecar.intent_file`, through :attr:`ClusterIntent.on_change`) and
 read back at start, so a sidecar restarted together with its engine meets the
 fresh engine as one restarted alone.
+
+An engine that does not say which of its tags it has released (SGLang) has them
+recorded there too (:class:`TagRecord`): the tags its adapter holds released
+on one engine process, and those of a memory call under way, recorded before the
+call is sent. A sidecar restarted alone takes them from the record when it meets
+the same process (:meth:`~node_sidecar.engines.foreign.ForeignEngine.recall`).
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ MAX_ENGINE_CHARS = 1024  # an engine process's identity (a uuid, vLLM's instance
 MAX_GROUPS = 16          # weight groups kept per list (a trainer forms one or two); past it the state is not written
 _KEYS = ("format", "engine", "released", "stage_to_cpu", "unrestored", "weights_updated", "weight_version",
          "stale", "joined_groups", "lost_groups")
+_NEWER_KEYS = ("engine_memory",)  # absent from a file written before them: read as null
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -79,6 +86,31 @@ class StaleWeights:
                 "through the sidecar have replaced every weight, or update_weights_from_disk succeeds")
 
 
+@dataclass(frozen=True)
+class TagRecord:
+    """What an adapter that remembers its own memory calls holds of engine process ``engine``: the tags it released
+    there (``released``), and those of a release or resume sent and not answered yet (``in_doubt``: the engine may
+    or may not have moved them)."""
+
+    engine: str
+    released: tuple[str, ...] = ()
+    in_doubt: tuple[str, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        return {"engine": self.engine, "released": list(self.released), "in_doubt": list(self.in_doubt)}
+
+    @classmethod
+    def from_json(cls, data: object) -> TagRecord | None:
+        if data is None:
+            return None
+        if not isinstance(data, dict) or sorted(data) != ["engine", "in_doubt", "released"]:
+            raise IntentShapeError("engine_memory: null or an object with the keys engine, released and in_doubt")
+        engine = _text(data["engine"], "engine_memory.engine", MAX_ENGINE_CHARS)
+        if engine is None:
+            raise IntentShapeError("engine_memory.engine: a string expected")
+        return cls(engine, tuple(_tags(data, "released")), tuple(_tags(data, "in_doubt")))
+
+
 @dataclass
 class ClusterIntent:
     released: set[str] = field(default_factory=set)  # released by control calls, not resumed since
@@ -90,6 +122,7 @@ class ClusterIntent:
     joined_groups: set[str] = field(default_factory=set)  # weight groups this engine process joined through us
     lost_groups: set[str] = field(default_factory=set)    # joined by an earlier engine process, not left since
     weight_version: str | None = None  # the node's version when an update last succeeded (named if stale later)
+    engine_memory: TagRecord | None = None  # an adapter's own record of an engine process's tags (SGLang's)
     on_change: Callable[[ClusterIntent], None] | None = field(default=None, repr=False, compare=False)
 
     def to_json(self) -> dict[str, Any]:
@@ -98,14 +131,16 @@ class ClusterIntent:
                 "stage_to_cpu": self.stage_to_cpu, "unrestored": list(self.unrestored),
                 "weights_updated": self.weights_updated, "weight_version": self.weight_version,
                 "stale": None if self.stale is None else {"served": self.stale.served, "had": self.stale.had},
-                "joined_groups": sorted(self.joined_groups), "lost_groups": sorted(self.lost_groups)}
+                "joined_groups": sorted(self.joined_groups), "lost_groups": sorted(self.lost_groups),
+                "engine_memory": None if self.engine_memory is None else self.engine_memory.to_json()}
 
     @classmethod
     def from_json(cls, data: object, *, on_change: Callable[[ClusterIntent], None] | None = None) -> ClusterIntent:
         """The intent :meth:`to_json` wrote; raises :class:`IntentShapeError` naming the first field that is not of
         its shape, type or bounds (any key missing or extra included)."""
-        if not isinstance(data, dict) or sorted(data) != sorted(_KEYS):
-            raise IntentShapeError(f"an object with exactly the keys {', '.join(_KEYS)}")
+        if not isinstance(data, dict) or sorted(k for k in data if k not in _NEWER_KEYS) != sorted(_KEYS) or \
+                not set(data) <= {*_KEYS, *_NEWER_KEYS}:
+            raise IntentShapeError(f"an object with exactly the keys {', '.join(_KEYS)} (and {_NEWER_KEYS[0]})")
         if type(data["format"]) is not int or data["format"] != STATE_FORMAT:  # not 1.0, not true
             raise IntentShapeError(f"format: {STATE_FORMAT} expected, got {data['format']!r}")
         released = _tags(data, "released")
@@ -127,7 +162,8 @@ class ClusterIntent:
                    stale=None if stale is None else StaleWeights(_text(stale["served"], "stale.served"),
                                                                 _text(stale["had"], "stale.had")),
                    stage_to_cpu=data["stage_to_cpu"], joined_groups=joined, lost_groups=lost,
-                   weight_version=_text(data["weight_version"], "weight_version"), on_change=on_change)
+                   weight_version=_text(data["weight_version"], "weight_version"),
+                   engine_memory=TagRecord.from_json(data.get("engine_memory")), on_change=on_change)
 
     @_recorded
     def record_release(self, tags: list[str], *, stage_to_cpu: bool | None = None) -> None:
@@ -162,6 +198,11 @@ class ClusterIntent:
         if updated_fully:
             self.stale = None
         self._resume(resumed or [])
+
+    @_recorded
+    def record_engine_memory(self, memory: TagRecord) -> None:
+        """The adapter's record of its engine process's tags is ``memory`` now."""
+        self.engine_memory = memory
 
     @_recorded
     def record_joined(self, group: str) -> None:

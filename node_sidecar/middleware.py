@@ -8,6 +8,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from handoff.protocol.control import NODE_STATE_HEADER
 from node_sidecar.node import Node
+from node_sidecar.node_views import state_header
 
 AsgiHandler = Callable[[Scope, Receive, Send], Awaitable[None]]
 
@@ -55,7 +56,7 @@ class NodeStateHeader:
 
         async def send_with_state(message: Message) -> None:
             if message["type"] == "http.response.start":
-                value = self._node().state_header()
+                value = state_header(self._node())
                 if value is not None:
                     message = {**message, "headers": [*message.get("headers", []), (_STATE_HEADER, value)]}
             await send(message)

@@ -14,19 +14,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
-from typing import Any, Iterator
+from typing import Iterator
 
-from handoff.protocol.control import MAX_NODE_STATE_HEADER_BYTES, peer_weight_version
+from handoff.protocol.control import peer_weight_version
 from handoff.protocol.errors import NotServingReason
 from handoff.service.upstream import UpstreamClient, UpstreamError, UpstreamTimeout
 from node_sidecar.admission import Admission, HoldLimits
 from node_sidecar.config import SidecarConfig
 from node_sidecar.engine_client import EngineClient
 from node_sidecar.engines import EngineAdapter, EngineKind, create_adapter, detect_kind
+from node_sidecar.engines.foreign import ForeignEngine
 from node_sidecar.errors import EngineRefused, EngineUnavailable, NotServing
 from node_sidecar.fresh_engine import meet_fresh_engine, release_again
+from node_sidecar.intent import TagRecord
 from node_sidecar.intent_file import load_intent
 from node_sidecar.metrics import SidecarMetrics
 from node_sidecar.state import TAGS, NodeState, TagState
@@ -77,6 +78,8 @@ class Node:
         intent = self.state.intent
         released = [t for t in TAGS if self.state.tags[t] is not TagState.RESIDENT or t in intent.unrestored]
         why = f": {intent.stale.message()}" if reason is NotServingReason.WEIGHTS_STALE and intent.stale else ""
+        if reason is NotServingReason.NODE_RELEASED and self.state.unknown_reason:
+            why = f": {self.state.unknown_reason}"
         return NotServing(f"the node is not serving ({reason.value}){why}", reason,
                           retry_after=self.config.retry_after_s, extra={"released": released})
 
@@ -123,9 +126,24 @@ class Node:
         self.admission.refuse_held()
         self._poke.set()
 
+    @property
+    def health_misses(self) -> int:
+        """Health probes in a row the engine has not answered."""
+        return self._health_misses
+
     def _adapter_for(self, kind: EngineKind) -> EngineAdapter:
-        return create_adapter(kind, self.engine, vllm_sleep_level=self.config.vllm_sleep_level,
-                              vllm_weight_sync_timeout=self.config.vllm_weight_sync_timeout)
+        adapter = create_adapter(kind, self.engine, vllm_sleep_level=self.config.vllm_sleep_level,
+                                 vllm_weight_sync_timeout=self.config.vllm_weight_sync_timeout)
+        if isinstance(adapter, ForeignEngine) and adapter.keeps_memory:
+            adapter.recall(self.state.intent.engine_memory, self._keep_engine_memory)
+        return adapter
+
+    async def _keep_engine_memory(self, memory: TagRecord, before_call: bool) -> None:
+        """The adapter's record of its engine's tags, into ``--state-file``; ``before_call``: written before the
+        call that may move them is sent (a sidecar that dies during it leaves them in doubt, never resident)."""
+        self.state.intent.record_engine_memory(memory)
+        if before_call:
+            await self.intent_written()
 
     @property
     def engine_adapter(self) -> EngineAdapter:
@@ -170,6 +188,10 @@ class Node:
                      self.state.weight_version)
         if is_fresh:
             meet_fresh_engine(self)
+        if view.unknown_reason is not None:
+            if view.unknown_reason != self.last_error:
+                log.error("%s", view.unknown_reason)
+            self.note_error(view.unknown_reason)
         if self.state.intent.unrestored:
             await release_again(self)
         self.refresh_admission()
@@ -243,55 +265,3 @@ class Node:
         self._health_misses = 0
         if status != 200:
             self.mark_unreachable(f"engine {path} answered {status}")
-
-    # -- views -----------------------------------------------------------------
-    def state_view(self) -> dict[str, Any]:
-        """What the node knows of itself without asking the engine; the LB routes by it.
-
-        Until the engine's own view was read (at start, and again after it was
-        unreachable) the tags' states are not known: a restarted sidecar or
-        engine must not report what it merely assumes.
-        """
-        state = self.state
-        serving = state.is_serving and self.admission.is_open
-        tags = ({t: {"state": state.tags[t].value, "bytes": state.tag_bytes[t]} for t in TAGS} if state.is_synced
-                else {t: {"state": "unknown", "bytes": None} for t in TAGS})
-        return {
-            "role": self.config.role,
-            "engine_kind": None if self.adapter is None else self.adapter.kind.value,
-            "serving": serving,
-            "not_serving_reason": None if serving else state.not_serving_reason().value,
-            "admission": self.admission.view,
-            "engine_reachable": state.is_engine_reachable,
-            "paused": state.is_paused,
-            "tags": tags,
-            "weights_valid": state.weights_valid,
-            "weight_version": state.weight_version,
-            "weights_backup": state.weights_backup,
-            "tp_size": state.tp_size,
-            "weight_groups_lost": sorted(state.intent.lost_groups),  # left with an engine that restarted
-            "in_flight": self.admission.num_in_flight,
-            "held": self.admission.num_held,
-            "last_error": self.last_error,
-            "engine_health_misses": self._health_misses,
-        }
-
-    def state_header(self) -> bytes | None:
-        """:meth:`state_view` for :data:`NODE_STATE_HEADER` (routing fields only), or None if too large."""
-        view = self.state_view()
-        del view["last_error"], view["engine_health_misses"]
-        value = json.dumps(view, separators=(",", ":")).encode()  # ASCII: a valid header value
-        return value if len(value) <= MAX_NODE_STATE_HEADER_BYTES else None
-
-    def update_memory_metrics(self) -> None:
-        """Set ``handoff_node_memory_bytes`` from what the node knows now (at each scrape). Until the engine's
-        view is read (at start, and again after it was unreachable) there are no series: as in
-        :meth:`state_view`, a dead or restarted engine's memory is not known, and must not be summed."""
-        if not self.state.is_synced:
-            self.metrics.memory_bytes.clear()
-            return
-        for tag in TAGS:
-            current = self.state.tags[tag]
-            for state in TagState:
-                self.metrics.memory_bytes.labels(tag, state.value).set(
-                    self.state.tag_bytes[tag] if current is state else 0)

@@ -24,6 +24,7 @@ from node_sidecar.engines.base import HEALTH_GENERATE_TIMEOUT_S
 from node_sidecar.errors import EngineUnavailable
 from node_sidecar.metrics import SidecarMetrics
 from node_sidecar.node import Node
+from node_sidecar.node_views import state_view, update_memory_metrics
 from node_sidecar.proxy import forward
 from node_sidecar.state import TAGS, TagState
 
@@ -83,7 +84,7 @@ def views_router(metrics: SidecarMetrics, admin: BearerToken, api_key: BearerTok
                 engine_view = await node.adapter.memory_view()
             except EngineUnavailable:
                 engine_view = {}
-        view = node.state_view()
+        view = state_view(node)
         engine_bytes = engine_view.get("tags")
         if node.state.is_synced and isinstance(engine_bytes, dict):
             for tag, row in view["tags"].items():
@@ -111,7 +112,7 @@ def views_router(metrics: SidecarMetrics, admin: BearerToken, api_key: BearerTok
         node = node_of(request)
         metrics.inflight_requests.set(node.admission.num_in_flight)
         metrics.held_requests.set(node.admission.num_held)
-        node.update_memory_metrics()
+        update_memory_metrics(node)
         text = generate_latest(metrics.registry)
         if node.state.is_engine_reachable:
             text += await engine_exposition(node)

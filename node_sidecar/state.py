@@ -49,6 +49,8 @@ class NodeState:
     is_paused: bool = False          # pause_generation without a continue
     is_engine_paused: bool = False   # ... one the engine itself holds (retract, in_place): a continue must reach it
     tp_size: int = 1                 # ranks in a weight update group (the LB hands out rank offsets by it)
+    unknown_tags: frozenset[str] = frozenset()  # released as far as admission goes; no call may touch them
+    unknown_reason: str | None = None  # why their state is not known, and the way out
     intent: ClusterIntent = field(default_factory=ClusterIntent)  # what the cluster asked, across engine restarts
 
     def transition(self, tag: str, new: TagState) -> None:
@@ -67,6 +69,7 @@ class NodeState:
         self.memory_saver = view.memory_saver
         self.can_stage_weights = view.can_stage_weights
         self.tp_size = view.tp_size
+        self.unknown_tags, self.unknown_reason = view.unknown, view.unknown_reason
         if view.paused:  # requests the engine keeps paused (retract, in_place) wait for a continue
             self.is_paused = self.is_engine_paused = True
         self.is_synced = True

@@ -63,6 +63,9 @@ class EngineView:
     instance: str | None = None        # the engine process (another value: a restarted engine); None: not told
     weights_updated: bool = False      # the engine says an update since it started wrote weights (False: not told)
     reports_tags: bool = False         # ``tags`` are the engine's own account, not the adapter's memory of its calls
+    unknown: frozenset[str] = frozenset()  # tags (in ``tags`` as released) whose state is not known: no call
+    # may touch them (a memory call a sidecar before this one sent and did not see end)
+    unknown_reason: str | None = None  # why, and the way out
 
 
 @dataclass(frozen=True)

@@ -6,30 +6,45 @@ checkpoint before loading it. So the adapter remembers the SPEC tags it
 released (:attr:`ForeignEngine.released`, forgotten when the engine is a new
 process), measures around each memory call (:mod:`~node_sidecar.engines.measure`),
 and checks checkpoints itself (:mod:`~node_sidecar.engines.checkpoint`).
+
+An adapter whose engine says nothing of its tags (SGLang) also keeps what it
+remembers in the node's ``--state-file`` (:attr:`ForeignEngine.keep`): before a
+memory call is sent, its tags are recorded as in doubt on the engine process
+(and the record written), and once the call ended the tags it holds released.
+A restarted sidecar meeting the same process (:meth:`ForeignEngine.recall`)
+takes the released tags back, and holds the ones in doubt out of every call
+(:attr:`ForeignEngine.unknown`): SGLang may or may not have moved them, and a
+wrong guess either way kills it. A new engine process is all resident.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
-from typing import Any, Awaitable, Callable, TypeVar
+from typing import Any, AsyncIterator, Awaitable, Callable, ClassVar, TypeVar
 
 from handoff.bounded_thread import BoundedThreads, Overdue, TooManyStuck
 from handoff.checkpoint.files import shown
-from handoff.service.errors import InvalidRequest
+from handoff.protocol import errors as E
+from handoff.protocol.tags import TAG_NAMES
+from handoff.service.errors import InvalidRequest, ServiceError
 from node_sidecar.engines.base import EngineAdapter
 from node_sidecar.engines.checkpoint import CHECK_TIMEOUT_S, CheckpointShape, check_compatible, read_checkpoint
 from node_sidecar.engines.measure import PROCESS_RSS, EngineMemory, freed
-from node_sidecar.errors import CheckpointTimeout
+from node_sidecar.errors import CheckpointTimeout, EngineRefused
+from node_sidecar.intent import TagRecord
 
 T = TypeVar("T")
+KeepMemory = Callable[[TagRecord, bool], Awaitable[None]]  # the record, and whether it must be written first
 
 log = logging.getLogger(__name__)
 
 
 class ForeignEngine(EngineAdapter):
     screens_media = True  # it fetches URLs and reads files on its own (node_sidecar/media.py)
+    keeps_memory: ClassVar[bool] = False  # its tags are known only from its own calls: kept in --state-file
 
     def __init__(self, engine: Any) -> None:
         super().__init__(engine)
@@ -41,6 +56,14 @@ class ForeignEngine(EngineAdapter):
         self.check_threads = BoundedThreads()  # checkpoint checks: a hung mount costs a bounded thread
         self.served_check_threads = BoundedThreads()  # the served checkpoint's, read to compare: apart, so that
         # reads stuck on the storage of the checkpoint served never refuse the check of the one that replaces it
+        self.unknown: set[str] = set()       # tags of a call a sidecar before this one sent and did not see end
+        self.keep: KeepMemory | None = None  # where the record of the tags goes (the node's state file)
+        self._recalled: TagRecord | None = None
+
+    def recall(self, memory: TagRecord | None, keep: KeepMemory) -> None:
+        """The record a sidecar before this one kept (taken once, by the first engine process met, if it is that
+        record's), and where this adapter keeps its own from now on."""
+        self._recalled, self.keep = memory, keep
 
     def adopt_instance(self, instance: object) -> bool:
         """Note the engine process answering now; True (and everything remembered forgotten) if it is not the
@@ -48,8 +71,53 @@ class ForeignEngine(EngineAdapter):
         if instance == self.instance:
             return False
         self.instance = instance
-        self.released = set()
+        self.released, self.unknown = set(), set()
+        recalled, self._recalled = self._recalled, None
+        if recalled is not None and recalled.engine == self.instance_key:
+            self.released, self.unknown = set(recalled.released), set(recalled.in_doubt)
+            log.warning("the engine process %s holds %s released, as recorded%s", recalled.engine,
+                        sorted(self.released) or "nothing", f"; {self.unknown_message()}" if self.unknown else "")
         return True
+
+    def unknown_message(self) -> str:
+        """Why the tags in doubt are held out of every call, and the way out."""
+        tags = [t for t in TAG_NAMES if t in self.unknown]
+        return (f"whether the engine holds {tags} released is not known: a sidecar stopped while its call to release "
+                f"or resume them was under way (engine process {self.instance_key}); a generation on a released "
+                "tag, a release of a released one and a resume of a resident one each kill the engine, so the "
+                "node serves nothing and sends none of them. Restart the engine (a new process holds every tag "
+                "resident; the node then does what the cluster last asked)")
+
+    def refuse_unknown(self, tags: list[str]) -> None:
+        """409, nothing sent, if a tag of ``tags`` is in doubt."""
+        if self.unknown.intersection(tags):
+            raise EngineRefused(E.CONFLICT.status, {"error": {"type": E.CONFLICT.name,
+                                                              "message": self.unknown_message()}})
+
+    @contextlib.asynccontextmanager
+    async def memory_call(self, tags: list[str]) -> AsyncIterator[None]:
+        """Around a release or resume of ``tags`` sent to the engine: recorded in doubt (and written) before, and
+        the tags held released after the call ended with an answer or an error the adapter read (its memory is
+        the best word on it then). Ended any other way (cancelled), the tags stay in doubt, here too."""
+        key = self.instance_key
+        if self.keep is None or key is None:
+            yield
+            return
+        await self.keep(self._memory(key, tags), True)
+        try:
+            yield
+        except ServiceError:
+            await self.keep(self._memory(key, []), False)
+            raise
+        except BaseException:
+            self.unknown.update(tags)
+            raise
+        await self.keep(self._memory(key, []), False)
+
+    def _memory(self, key: str, in_doubt: list[str]) -> TagRecord:
+        doubt = self.unknown.union(in_doubt)
+        return TagRecord(key, tuple(t for t in TAG_NAMES if t in self.released and t not in doubt),
+                            tuple(t for t in TAG_NAMES if t in doubt))
 
     @property
     def instance_key(self) -> str | None:

@@ -33,7 +33,11 @@ survives (line numbers: ``sglang/srt/`` of 0.5.23; the fake in
   durations of its start: a server info without one is not SGLang's, and no
   state is read from it). A
   release or resume SGLang got but did not answer in time still runs (it
-  runs control calls in order), so it is remembered as done.
+  runs control calls in order), so it is remembered as done. With
+  ``--state-file`` what it remembers is kept there (recorded in doubt before
+  each call is sent), so a sidecar restarted alone takes it back on the same
+  SGLang process, and holds out of every call the tags of a call the sidecar
+  before it did not see end (:meth:`ForeignEngine.memory_call`).
 - Tensor and broadcast updates run only inside SGLang's update session
   (``begin_weight_update`` .. ``end_weight_update``, ``weight_updater.py:192``,
   ``234``): outside one they are refused before released weights are woken.
@@ -88,6 +92,7 @@ log = logging.getLogger(__name__)
 
 class SglangEngine(ForeignEngine):
     kind = EngineKind.SGLANG
+    keeps_memory = True
     tag_meanings = {
         "weights": TagMeaning("weights", "the model's parameters; kept in host memory only with SGLang's "
                                          "--enable-weights-cpu-backup, else garbage after a resume until a reload"),
@@ -126,41 +131,51 @@ class SglangEngine(ForeignEngine):
         version = model.get("weight_version")
         tp_size = info.get("tp_size")  # each TP rank joins a weight group as rank_offset + tp_rank
         return EngineView(
-            tags={t: TagState.RELEASED if t in self.released else TagState.RESIDENT for t in TAG_NAMES},
+            tags={t: TagState.RELEASED if t in self.released | self.unknown else TagState.RESIDENT
+                  for t in TAG_NAMES}, unknown=frozenset(self.unknown),
+            unknown_reason=self.unknown_message() if self.unknown else None,
             weights_valid=not self.weights_garbage, weight_version=version if isinstance(version, str) else None,
             weights_backup="cpu" if self.has_backup else "none",
             memory_saver="torch_memory_saver" if self.memory_saver else "off", can_stage_weights=self.has_backup,
             tp_size=tp_size if type(tp_size) is int and 1 <= tp_size <= MAX_TP_SIZE else 1, instance=self.instance_key)
 
     async def release(self, tags: list[str], *, stage_to_cpu: bool | None) -> MemoryChange:
-        engine_tags = tags_named(self.tag_meanings, [t for t in tags if t not in self.released])
+        self.refuse_unknown(tags)
+        sent = [t for t in tags if t not in self.released]
+        engine_tags = tags_named(self.tag_meanings, sent)
         change: dict[str, int] = {}
         measured_by = None
         if engine_tags:
             await wait_idle(self.engine, IDLE_WAIT_S)
-            try:
-                _, change, measured_by = await self.measured(
-                    lambda: memory_call(self.engine, "/release_memory_occupation", engine_tags), engine_tags)
-            except EngineUnavailable as exc:
-                if reached_sglang(exc):  # it will release them: never to be released twice
-                    self.released.update(tags)
-                raise
+            async with self.memory_call(sent):
+                try:
+                    _, change, measured_by = await self.measured(
+                        lambda: memory_call(self.engine, "/release_memory_occupation", engine_tags), engine_tags)
+                except EngineUnavailable as exc:
+                    if reached_sglang(exc):  # it will release them: never to be released twice
+                        self.released.update(tags)
+                    raise
+                self.released.update(tags)
         self.released.update(tags)
         return MemoryChange(tags, change, measured_by)
 
     async def resume(self, tags: list[str]) -> MemoryChange:
-        engine_tags = tags_named(self.tag_meanings, [t for t in tags if t in self.released])
+        self.refuse_unknown(tags)
+        sent = [t for t in tags if t in self.released]
+        engine_tags = tags_named(self.tag_meanings, sent)
         change: dict[str, int] = {}
         measured_by = None
         if engine_tags:
-            try:
-                _, change, measured_by = await self.measured(
-                    lambda: memory_call(self.engine, "/resume_memory_occupation", engine_tags), engine_tags,
-                    restoring=True)
-            except EngineUnavailable as exc:
-                if reached_sglang(exc):  # it will resume them: never to be resumed twice
-                    self._resumed(tags, engine_tags)
-                raise
+            async with self.memory_call(sent):
+                try:
+                    _, change, measured_by = await self.measured(
+                        lambda: memory_call(self.engine, "/resume_memory_occupation", engine_tags), engine_tags,
+                        restoring=True)
+                except EngineUnavailable as exc:
+                    if reached_sglang(exc):  # it will resume them: never to be resumed twice
+                        self._resumed(tags, engine_tags)
+                    raise
+                self._resumed(tags, engine_tags)
         self._resumed(tags, engine_tags)
         await self._send_pending_continue()
         return MemoryChange(tags, change, measured_by, weights_valid=not self.weights_garbage)
@@ -218,6 +233,7 @@ class SglangEngine(ForeignEngine):
 
     async def _update(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         """Released weights are resumed first (SGLang would write into unmapped memory)."""
+        self.refuse_unknown([WEIGHTS])
         resumed = []
         if WEIGHTS in self.released:
             await self.resume([WEIGHTS])
@@ -257,7 +273,7 @@ class SglangEngine(ForeignEngine):
 
     async def continue_generation(self, *, torch_empty_cache: bool) -> dict[str, Any]:
         """Sent now, or held back while a tag is released or the weights are garbage (module docstring)."""
-        if self.released or self.weights_garbage:
+        if self.released or self.unknown or self.weights_garbage:
             self.pending_continue = torch_empty_cache
             return {"held_back": True}
         self.pending_continue = None
@@ -265,7 +281,7 @@ class SglangEngine(ForeignEngine):
                                  acknowledged=ACKNOWLEDGED)
 
     async def _send_pending_continue(self) -> None:
-        if self.pending_continue is not None and not self.released and not self.weights_garbage:
+        if self.pending_continue is not None and not (self.released or self.unknown or self.weights_garbage):
             await self.continue_generation(torch_empty_cache=self.pending_continue)
 
     async def info(self, path: str) -> dict[str, Any] | None:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from node_sidecar.intent import MAX_GROUPS, ClusterIntent
+from node_sidecar.intent import MAX_GROUPS, ClusterIntent, TagRecord
 from node_sidecar.intent_file import MAX_STATE_BYTES, IntentWriter, load_intent
 
 WRITE_TIMEOUT_S = 10
@@ -44,6 +44,22 @@ def test_every_change_is_written_and_read_back_by_the_next_sidecar(tmp_path: Pat
     assert writer.flush(WRITE_TIMEOUT_S) and read_back(path).released == set()
 
 
+def test_the_tags_an_engine_holds_are_read_back_and_a_file_from_before_them_still_reads(tmp_path: Path) -> None:
+    """``engine_memory`` (an SGLang adapter's record) came after the rest: a file written without it is the
+    intent it holds, not a fresh start that would forget the cluster's releases."""
+    path = tmp_path / "intent.json"
+    intent, writer = kept(path)
+    intent.record_release(["kv_cache"])
+    intent.record_engine_memory(TagRecord("k", ("kv_cache",), ("weights",)))
+    assert writer.flush(WRITE_TIMEOUT_S)
+    assert read_back(path).engine_memory == TagRecord("k", ("kv_cache",), ("weights",))
+    older = json.loads(path.read_text())
+    del older["engine_memory"]
+    path.write_text(json.dumps(older))
+    again = read_back(path)
+    assert again.released == {"kv_cache"} and again.engine_memory is None
+
+
 def test_an_unchanged_intent_is_not_written_again(tmp_path: Path) -> None:
     path = tmp_path / "intent.json"
     intent, writer = kept(path)
@@ -62,6 +78,13 @@ BAD_FILES = [
     pytest.param(b'{"format": NaN}', "not valid JSON", id="nan"),
     pytest.param(b'{"released": ["kv_cache"]}', "exactly the keys", id="another-shape"),
     pytest.param(b"[" * 100 + b"]" * 100, "nesting", id="deep"),
+    pytest.param(json.dumps({**ClusterIntent().to_json(), "engine_memory": {"engine": "k", "released": ["gpu"],
+                                                                          "in_doubt": []}}).encode(),
+                 "a list of distinct tags", id="engine-memory-tag"),
+    pytest.param(json.dumps({**ClusterIntent().to_json(), "engine_memory": {"engine": None, "released": [],
+                                                                          "in_doubt": []}}).encode(),
+                 "engine_memory.engine", id="engine-memory-no-engine"),
+    pytest.param(json.dumps({**ClusterIntent().to_json(), "later": 1}).encode(), "exactly the keys", id="extra-key"),
     pytest.param(b" " * MAX_STATE_BYTES + b"{}", "over the", id="too-large"),
 ]
 

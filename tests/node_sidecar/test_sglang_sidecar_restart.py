@@ -1,0 +1,156 @@
+"""A sidecar restarted alone in front of an SGLang that lived on (a pod's sidecar container restarted), with
+``--state-file``: SGLang does not say which tags it has released, so the new sidecar takes them from the record of
+the one before it, on the same SGLang process only (its ``startup_time``), and never sends a call SGLang would die
+of (the stand-in, ``tests/support/sglang_fake.py``, exits on each: a generation while released, a second release
+of a tag, a resume of a tag not released)."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+from typing import Any, Iterator
+
+import httpx
+import pytest
+
+from tests.support.procs import ServerProcess, wait_until
+
+pytestmark = pytest.mark.timeout(180)
+
+TAG_MIB = 8
+FIRST = ["weights", "kv_cache"]
+RELEASED = [*FIRST, "workspace"]  # SGLang's workspace goes with its weights (no region of its own)
+
+
+class SglangPair:
+    """A fake SGLang and a sidecar with ``--state-file`` in front of it; either restarts on its first port."""
+
+    def __init__(self, log_dir: Path, state_file: Path) -> None:
+        self.state_file = state_file
+        self.fake = ServerProcess("tests.support.sglang_fake", [
+            "--tag-mib", str(TAG_MIB), "--enable-memory-saver", "--enable-weights-cpu-backup"],
+            log_dir=log_dir, name="sglang", health_path="/model_info").start()
+        self.sidecar = ServerProcess("node_sidecar", [
+            "--engine-url", self.fake.url, "--engine-poll-interval", "0.2", "--state-file", str(state_file)],
+            log_dir=log_dir, name="sidecar")
+        self.start_sidecar()
+
+    def start_sidecar(self) -> None:
+        self.sidecar.start(timeout=60)
+        # cuda_graph: never released in these tests, so "unknown" only until SGLang's state was read
+        wait_until(lambda: self.view()["tags"]["cuda_graph"]["state"] != "unknown", timeout=30,
+                   what="the sidecar to read SGLang")
+
+    def view(self) -> dict[str, Any]:
+        return httpx.get(self.sidecar.url + "/memory_occupation", timeout=10).json()
+
+    def post(self, path: str, body: dict | None = None) -> httpx.Response:
+        return httpx.post(self.sidecar.url + path, json={} if body is None else body, timeout=60)
+
+    def fake_state(self) -> dict[str, Any]:
+        return httpx.get(self.fake.url + "/_fake/state", timeout=10).json()
+
+    def record(self) -> dict[str, Any]:
+        return json.loads(self.state_file.read_text())
+
+    def assert_fake_alive(self) -> None:
+        assert self.fake.is_running(), self.fake.log_tail()
+        assert httpx.get(self.fake.url + "/model_info", timeout=5).status_code == 200
+
+    def stop(self) -> None:
+        self.sidecar.stop()
+        self.fake.stop()
+
+
+@pytest.fixture
+def pair(proc_log_dir: Path, tmp_path: Path) -> Iterator[SglangPair]:
+    (tmp_path / "state").mkdir()
+    p = SglangPair(proc_log_dir, tmp_path / "state" / "intent.json")
+    yield p
+    p.stop()
+
+
+def states(view: dict[str, Any]) -> dict[str, str]:
+    return {tag: entry["state"] for tag, entry in view["tags"].items()}
+
+
+def test_a_sidecar_restarted_alone_keeps_the_tags_sglang_holds_released(pair: SglangPair) -> None:
+    """The new sidecar read every tag as resident: its next generation ran on unmapped memory and killed SGLang."""
+    assert pair.post("/release_memory_occupation", {"tags": FIRST}).status_code == 200
+    pair.sidecar.kill()
+    pair.start_sidecar()
+    view = pair.view()
+    assert states(view) == {"weights": "released", "kv_cache": "released", "cuda_graph": "resident",
+                            "workspace": "released"}, view
+    assert view["serving"] is False and view["not_serving_reason"] == "node_released", view
+    calls = len(pair.fake_state()["calls"])
+    refused = pair.post("/generate", {"text": "x", "sampling_params": {"max_new_tokens": 2}})
+    assert refused.status_code == 503 and refused.json()["error"]["type"] == "node_released", refused.text
+    again = pair.post("/release_memory_occupation", {"tags": FIRST})
+    assert again.status_code == 200 and again.json()["already_released"] == RELEASED, again.text
+    assert [c for c in pair.fake_state()["calls"][calls:] if c not in ("flush_cache", "health")] == []
+    resumed = pair.post("/resume_memory_occupation")
+    assert resumed.status_code == 200 and resumed.json()["resumed"] == RELEASED, resumed.text
+    assert pair.fake_state()["calls"][-1] == "resume ['weights', 'kv_cache']"
+    assert resumed.json()["serving"] is True
+    assert pair.post("/generate", {"text": "x", "sampling_params": {"max_new_tokens": 2}}).status_code == 200
+    pair.assert_fake_alive()
+
+
+def test_a_record_of_another_sglang_process_is_not_taken_for_the_one_running(pair: SglangPair) -> None:
+    """SGLang restarted as well (a new ``startup_time``): everything is resident in it, and the cluster's release
+    is done again on it, once, as a sidecar that lived on would."""
+    assert pair.post("/release_memory_occupation", {"tags": FIRST}).status_code == 200
+    pair.sidecar.kill()
+    pair.fake.kill()
+    pair.fake.start()
+    pair.start_sidecar()
+    wait_until(lambda: states(pair.view())["weights"] == "released", timeout=20, what="released again")
+    assert pair.fake_state()["calls"].count("release ['weights', 'kv_cache']") == 1
+    assert pair.fake_state()["offload_tags"] == sorted(FIRST)
+    assert pair.post("/resume_memory_occupation").json()["serving"] is True
+    pair.assert_fake_alive()
+
+
+def test_a_release_the_sidecar_died_during_leaves_the_tags_unknown_and_untouched(pair: SglangPair) -> None:
+    """The sidecar died after SGLang got the release and before its answer was recorded: whether SGLang released
+    is not known, and a generation (released), a resume (resident) or a release (released) could each kill it.
+    The node serves nothing, says why, and sends SGLang none of them until SGLang restarts."""
+    httpx.post(pair.fake.url + "/_fake/next", json={"path": "/release_memory_occupation", "delay_s": 60},
+               timeout=10).raise_for_status()
+    caller = threading.Thread(target=lambda: _quietly(pair, "/release_memory_occupation", {"tags": FIRST}),
+                              daemon=True)
+    caller.start()
+    wait_until(lambda: pair.fake_state()["offload_tags"] == sorted(FIRST), timeout=20, what="SGLang released")
+    pair.sidecar.kill()
+    caller.join(timeout=10)
+    pair.start_sidecar()
+    view = pair.view()
+    assert states(view) == {**{t: "unknown" for t in RELEASED}, "cuda_graph": "resident"}, view
+    assert view["serving"] is False and view["not_serving_reason"] == "node_released", view
+    assert "Restart the engine" in (view["last_error"] or ""), view
+    calls = len(pair.fake_state()["calls"])
+    refused = pair.post("/generate", {"text": "x", "sampling_params": {"max_new_tokens": 2}})
+    assert refused.status_code == 503 and "is not known" in refused.json()["error"]["message"], refused.text
+    for path in ("/resume_memory_occupation", "/release_memory_occupation"):
+        answer = pair.post(path, {"tags": FIRST})
+        assert answer.status_code == 409 and answer.json()["error"]["type"] == "conflict", answer.text
+    assert pair.post("/resume_memory_occupation", {"tags": ["cuda_graph"]}).status_code == 200  # known: resident
+    assert [c for c in pair.fake_state()["calls"][calls:] if c not in ("flush_cache", "health")] == []
+    pair.assert_fake_alive()
+    # the way out: SGLang restarted (everything resident in it, the release that got no answer forgotten)
+    pair.fake.kill()
+    pair.fake.start()
+    wait_until(lambda: pair.view()["engine_reachable"] and states(pair.view())["weights"] != "unknown",
+               timeout=20, what="the restarted SGLang read")
+    wait_until(lambda: pair.post("/resume_memory_occupation").json().get("serving") is True, timeout=20,
+               what="serving again")
+    pair.assert_fake_alive()
+
+
+def _quietly(pair: SglangPair, path: str, body: dict[str, Any]) -> None:
+    try:
+        pair.post(path, body)
+    except httpx.HTTPError:
+        return  # the sidecar was killed under it

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from handoff.service.prometheus import new_registry
-
-_FANOUT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+from handoff.service.prometheus import CONTROL_BUCKETS, new_registry
 
 
 class LBMetrics:
@@ -16,7 +14,7 @@ class LBMetrics:
         self.requests = Counter("handoff_lb_requests", "Requests answered by the LB, by route and status code.",
                                 ["route", "code"], registry=r)
         self.fanout_seconds = Histogram("handoff_lb_fanout_seconds", "Duration of a control fan-out, by path.",
-                                        ["path"], registry=r, buckets=_FANOUT_BUCKETS)
+                                        ["path"], registry=r, buckets=CONTROL_BUCKETS)
         self.fanout_node_failures = Counter("handoff_lb_fanout_node_failures",
                                             "Nodes that failed a control fan-out, by path and reason.",
                                             ["path", "reason"], registry=r)
@@ -33,4 +31,7 @@ class LBMetrics:
             "handoff_lb_generate_not_serving_retries",
             "Generation requests retried on another node after a node answered a 503 saying it does not serve "
             "(node_released, engine_unavailable, ...: it ran nothing).", registry=r)
+        self.streams_cut = Counter("handoff_lb_streams_cut",
+                                   "Generation streams a node failed after they started: the client got a 200 "
+                                   "and an error event, so handoff_lb_requests_total counts them as 200.", registry=r)
         self.nodes = Gauge("handoff_lb_nodes", "Nodes in the membership, by role.", ["role"], registry=r)

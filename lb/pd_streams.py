@@ -55,7 +55,8 @@ class PairStreams:
             await asyncio.wait((read, peek), return_when=asyncio.FIRST_COMPLETED)
             if peek.done() and peek.result()[1]:
                 _stop(read, prefill_up, prefill_lease)
-                return relay_stream(decode_up, decode_lease, self._path, self._watch, head=peek.result()[0])
+                return relay_stream(decode_up, decode_lease, self._path, self._watch, cut=self._caller.streams_cut,
+                                    head=peek.result()[0])
             raw = await read
             if starts_with_refusal(raw):
                 _stop(peek, decode_up, decode_lease)
@@ -70,7 +71,7 @@ class PairStreams:
                 raise UpstreamFailed(f"cannot merge the input logprobs of {prefill.url} into the stream of "
                                      f"{decode.url}: {exc}", extra={"node": prefill.url}) from exc
             raise
-        return relay_stream(decode_up, decode_lease, self._path, self._watch,
+        return relay_stream(decode_up, decode_lease, self._path, self._watch, cut=self._caller.streams_cut,
                             transform=MergeInputLogprobs(prefill_events), head=head)
 
     async def _first_event(self, node: Node, upstream: UpstreamResponse) -> tuple[bytes, bool]:
@@ -103,7 +104,8 @@ class PairStreams:
             if is_aborted or decode_seen.is_refusal:
                 drain.cancel()
 
-        return relay_stream(decode_up, decode_lease, self._path, self._watch, transform=decode_seen,
+        return relay_stream(decode_up, decode_lease, self._path, self._watch, cut=self._caller.streams_cut,
+                            transform=decode_seen,
                             on_close=on_close, cut_for=lambda: prefill_refusal[0] if prefill_refusal else None)
 
     async def _drain(self, lease: RequestLease, upstream: UpstreamResponse,

@@ -97,7 +97,7 @@ class GenerationProxy:
                     continue
                 if isinstance(outcome, UpstreamResponse):
                     if is_event_stream(outcome):
-                        return relay_stream(outcome, lease.hand_over(), path, watch)
+                        return relay_stream(outcome, lease.hand_over(), path, watch, cut=self._caller.streams_cut)
                     return buffered_response(outcome, await self._caller.read_body(node, outcome, path))
                 return outcome
 

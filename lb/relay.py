@@ -21,6 +21,7 @@ import logging
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
+from prometheus_client import Counter
 from starlette.responses import Response
 
 from handoff.protocol import errors as E
@@ -76,11 +77,18 @@ def is_event_stream(upstream: UpstreamResponse) -> bool:
 
 
 def translate(node: Node, path: str, exc: UpstreamError, timeout_s: float) -> UpstreamFailed | UpstreamTimedOut:
-    """A node's failure after it may have started the work: 504 on timeout, else 502."""
+    """A node's failure after it may have started the work: 504 on timeout, else 502 (logged)."""
     if isinstance(exc, UpstreamTimeout):
-        return UpstreamTimedOut(f"{node.url} did not complete {path} within {timeout_s:g} s",
-                                extra={"node": node.url})
-    return UpstreamFailed(f"{node.url} failed on {path}: {exc}", extra={"node": node.url})
+        return logged(UpstreamTimedOut(f"{node.url} did not complete {path} within {timeout_s:g} s",
+                                       extra={"node": node.url}))
+    return logged(UpstreamFailed(f"{node.url} failed on {path}: {exc}", extra={"node": node.url}))
+
+
+def logged(error: UpstreamFailed | UpstreamTimedOut) -> UpstreamFailed | UpstreamTimedOut:
+    """``error``, written to the log first: a node failing a request after it took it (a dropped connection, a
+    timeout, an answer over the cap) is the operator's to see, as a stream cut mid-way is (rate limited)."""
+    log.warning("a generation request failed (%d %s): %s", error.status, error.type, error.message)
+    return error
 
 
 @dataclass(frozen=True)
@@ -103,6 +111,7 @@ class NodeCaller:
         self._metrics = metrics
         self.timeout_s = timeout_s
         self.max_answer_bytes = max_answer_bytes
+        self.streams_cut = metrics.streams_cut  # counted by relay_stream
 
     async def call(self, node: Node, path: str, body: bytes,
                    headers: Mapping[str, str]) -> UpstreamResponse | Response | Reroute:
@@ -128,8 +137,8 @@ class NodeCaller:
         except UpstreamError as exc:
             raise translate(node, path, exc, self.timeout_s) from exc
         if upstream.is_truncated:  # relayed, the cut body would be a broken answer
-            raise UpstreamFailed(f"{node.url} answered {path} with a 503 of more than {MAX_REFUSAL_BYTES} bytes: "
-                                 f"{raw[:512].decode('utf-8', 'replace')}", extra={"node": node.url})
+            raise logged(UpstreamFailed(f"{node.url} answered {path} with a 503 of more than {MAX_REFUSAL_BYTES} "
+                                        f"bytes: {raw[:512].decode('utf-8', 'replace')}", extra={"node": node.url}))
         error_type, message = _error_of(raw)
         if error_type in NOT_SERVING_TYPES:
             if error_type != E.WEIGHT_VERSION_UNAVAILABLE.name:  # that one says the request's pin, not the node
@@ -150,7 +159,7 @@ class NodeCaller:
             message = (f"{node.url} answered {path} with more than {self.max_answer_bytes} bytes "
                        "(--max-answer-bytes); stream it (\"stream\": true) or raise the limit")
             node.record_error(message)
-            raise UpstreamFailed(message, extra={"node": node.url})
+            raise logged(UpstreamFailed(message, extra={"node": node.url}))
         return raw
 
 
@@ -168,20 +177,22 @@ def _error_of(raw: bytes) -> tuple[str | None, str | None]:
 
 
 def relay_stream(upstream: UpstreamResponse, lease: RequestLease, path: str, watch: DisconnectWatch, *,
-                 transform: ChunkTransform | None = None,
+                 cut: Counter, transform: ChunkTransform | None = None,
                  on_close: Callable[[bool], None] | None = None,
                  cut_for: Callable[[], bytes | None] | None = None, head: bytes = b"") -> StreamRelay:
     """A node's stream relayed to the client; the relay owns the upstream, the node's in-flight lease and the
-    watch from here on. A node failing mid-stream ends it with an ``upstream_error`` event naming the node.
-    ``cut_for``: what ends the stream instead when the caller cut the node's connection
-    (:meth:`~handoff.service.upstream_response.UpstreamResponse.cut`) for a reason of its own (None: not cut).
-    ``head``: body bytes the caller already read off ``upstream``, relayed first."""
+    watch from here on. A node failing mid-stream ends it with an ``upstream_error`` event naming the node, and
+    counts in ``cut``. ``cut_for``: what ends the stream instead when the caller cut the node's connection
+    (:meth:`~handoff.service.upstream_response.UpstreamResponse.cut`) for a reason of its own (None: not cut;
+    not counted: the node did not fail). ``head``: body bytes the caller already read off ``upstream``, relayed
+    first."""
     node = lease.node
 
     def failed(exc: UpstreamError) -> bytes:
         reason = cut_for() if cut_for is not None else None
         if reason is not None:
             return reason
+        cut.inc()
         log.warning("%s failed mid-stream on %s: %s", node.url, path, exc)
         node.record_error(str(exc))
         error = E.UPSTREAM_TIMEOUT if isinstance(exc, UpstreamTimeout) else E.UPSTREAM_ERROR

@@ -38,6 +38,8 @@ class EngineSteps:
         self.metrics = metrics
         self.outbox = outbox
         self._step_seconds = {kind: metrics.step_seconds.labels(kind.value) for kind in StepKind}
+        self._time_to_first_token = metrics.time_to_first_token_seconds
+        self._request_seconds = metrics.request_seconds
 
     def admit(self, request: Request) -> None:
         """Queue a request taken from the inbox, or answer it at once."""
@@ -86,9 +88,15 @@ class EngineSteps:
             self.metrics.prompt_tokens.inc(step.num_tokens)
         self.metrics.generated_tokens.inc(len(result.tokens))
         outputs = []
+        now = time.monotonic()
         for request in changed:
+            if request.first_token_time is None and request.output_ids:
+                request.first_token_time = now
+                self._time_to_first_token.observe(now - request.arrival_time)
             if request.finish_reason is not None:
                 self.metrics.requests.labels(request.finish_reason.value).inc()
+                if request.finish_reason is not FinishReason.ABORT:
+                    self._request_seconds.observe(now - request.arrival_time)
             elif not request.is_stream_output_due:
                 continue
             outputs.append((request, request.take_output()))

@@ -6,15 +6,13 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from handoff.service.prometheus import CounterReadAtScrape, new_registry
+from handoff.service.prometheus import CONTROL_BUCKETS, CounterReadAtScrape, new_registry
 
 if TYPE_CHECKING:
     from node_engine.scheduler import Scheduler
 
-
-# a release or resume moves the weights (to a disk backup and back: tens of seconds for a large model); the
-# default buckets end at 10 s. The sidecar's handoff_node_release_seconds has the same ones.
-CONTROL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+# a generation: milliseconds to the first token of a short prompt, up to the sidecar's --generate-timeout (an hour)
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)
 
 
 class EngineMetrics:
@@ -53,9 +51,15 @@ class EngineMetrics:
                                          registry=r, buckets=CONTROL_BUCKETS)
         self.resume_seconds = Histogram("handoff_engine_resume_seconds", "Duration of a memory resume.",
                                         registry=r, buckets=CONTROL_BUCKETS)
+        self.time_to_first_token_seconds = Histogram(
+            "handoff_engine_time_to_first_token_seconds", "From a generation request's arrival to its first token "
+            "(queueing and prefill).", registry=r, buckets=_LATENCY_BUCKETS)
+        self.request_seconds = Histogram(
+            "handoff_engine_request_seconds", "From a generation request's arrival to its end, for requests that "
+            "finished (stop or length).", registry=r, buckets=_LATENCY_BUCKETS)
         self.weight_update_seconds = Histogram(
             "handoff_engine_weight_update_seconds", "Duration of a weight update, by source (disk, tensor, "
-            "distributed).", ["source"], registry=r, buckets=(0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 300))
+            "distributed).", ["source"], registry=r, buckets=CONTROL_BUCKETS)
 
     def read_queues_from(self, scheduler: "Scheduler") -> None:
         """Have the queue and KV gauges read ``scheduler`` when scraped, not be set on every step.

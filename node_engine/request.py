@@ -111,6 +111,7 @@ class Request:
     prompt_logprobs: PromptLogprobs | None = None   # computed so far (positions from logprob_start_len)
     prompt_logprobs_sent: bool = False
     arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None  # when its first output token was made (time to first token)
     num_emitted_tokens: int = 0
     mm: MultimodalPrompt | None = None  # the prompt's images (vision-language models)
     # (the version before a change, output tokens made until then), one per change while it had tokens

@@ -27,6 +27,7 @@ from handoff.service.status_count import CountByStatus
 from handoff.service.upstream import UpstreamClient
 from node_sidecar.config import SidecarConfig
 from node_sidecar.control import ControlPlane
+from node_sidecar.control_log import ControlFailureLog
 from node_sidecar.metrics import SidecarMetrics
 from node_sidecar.middleware import AsgiHandler, GenerationFastPath, NodeStateHeader
 from node_sidecar.node import Node
@@ -100,6 +101,7 @@ def create_app(config: SidecarConfig) -> FastAPI:
     install_error_handlers(app)
     control_paths = frozenset(CONTROL_ROUTES) | frozenset(WEIGHT_ROUTES) | {"/abort_request"}
     app.add_middleware(NodeStateHeader, node=lambda: app.state.node, paths=control_paths)
+    app.add_middleware(ControlFailureLog, paths=control_paths)
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=config.max_body_bytes, body_timeout_s=config.body_timeout)
     app.add_middleware(CountByStatus, counter=metrics.control_calls, route_label="path",
                        route_of=lambda scope: scope["path"].strip("/") if scope["path"] in control_paths else None)

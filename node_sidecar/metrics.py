@@ -8,9 +8,7 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from handoff.service.prometheus import new_registry
-
-_CONTROL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+from handoff.service.prometheus import CONTROL_BUCKETS, new_registry
 
 
 class SidecarMetrics:
@@ -24,9 +22,9 @@ class SidecarMetrics:
         self.engine_health_misses = Counter("handoff_node_engine_health_misses",
                                             "Health probes the engine did not answer in time.", registry=r)
         self.release_seconds = Histogram("handoff_node_release_seconds", "Duration of a release, drain included.",
-                                         registry=r, buckets=_CONTROL_BUCKETS)
+                                         registry=r, buckets=CONTROL_BUCKETS)
         self.resume_seconds = Histogram("handoff_node_resume_seconds", "Duration of a resume.",
-                                        registry=r, buckets=_CONTROL_BUCKETS)
+                                        registry=r, buckets=CONTROL_BUCKETS)
         self.inflight_requests = Gauge("handoff_node_inflight_requests", "Generation requests in flight.",
                                        registry=r)
         self.held_requests = Gauge("handoff_node_held_requests", "Generation requests held while not serving.",

@@ -99,7 +99,8 @@ async def relay_generation(node: Node, request: Request, path: str) -> Response:
     if node.adapter is not None:
         await _screen_media(node, node.adapter, body)
         call = node.adapter.generation_call(path, body, query)
-    watch = DisconnectWatch(request.receive, request.scope)  # from here a client that leaves cancels the wait: held, or for the answer
+    # from here a client that leaves cancels the wait: held, or for the answer
+    watch = DisconnectWatch(request.receive, request.scope)
     try:
         lease = await node.admission.enter(num_bytes=len(body))
     except asyncio.CancelledError:

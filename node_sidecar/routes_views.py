@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 from urllib.parse import quote
 
@@ -16,6 +17,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from handoff.protocol import errors as E
 from handoff.service.auth import BearerToken
 from handoff.service.errors import ServiceError
+from handoff.service.logs import rate_limit
 from handoff.service.peer_json import PeerJSONError, loads_bounded
 from handoff.service.redact import redact_secrets
 from handoff.service.shared_run import SharedRun
@@ -27,6 +29,9 @@ from node_sidecar.node import Node
 from node_sidecar.node_views import state_view, update_memory_metrics
 from node_sidecar.proxy import forward
 from node_sidecar.state import TAGS, TagState
+
+log = logging.getLogger(__name__)
+rate_limit(log)  # /metrics needs no token: a line per scrape of an engine whose metrics are broken, at most
 
 
 def views_router(metrics: SidecarMetrics, admin: BearerToken, api_key: BearerToken) -> APIRouter:
@@ -146,6 +151,7 @@ async def _engine_exposition(node: Node) -> bytes:
         await asyncio.to_thread(_check_exposition, text)  # 8 MiB parses in about a second: off the loop
     except (UpstreamError, ValueError) as exc:  # the node's own metrics still answer; the probe judges the engine
         node.note_error(f"engine /metrics left out: {exc}")
+        log.warning("%s", node.last_error)  # its series vanish from the node's scrape: say why
         return b""
     return text if text.endswith(b"\n") else text + b"\n"
 

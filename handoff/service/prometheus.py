@@ -9,6 +9,11 @@ from prometheus_client import CollectorRegistry, disable_created_metrics
 from prometheus_client.metrics_core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+# a control call's duration (a release, a resume, a weight update, a fan-out of them): from milliseconds (nothing
+# to do) to an hour, the longest drain a release may wait (the sidecar's --max-drain-timeout, the LB's
+# --max-control-timeout), so that a long call's quantiles stay readable instead of falling in +Inf
+CONTROL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)
+
 
 def new_registry() -> CollectorRegistry:
     """A registry of the app's own, whose counters and histograms expose no ``*_created`` series.

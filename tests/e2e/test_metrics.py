@@ -15,7 +15,10 @@ from prometheus_client.openmetrics.parser import text_string_to_metric_families 
 from prometheus_client.parser import text_string_to_metric_families
 
 from handoff.cluster.local import ClusterSpec, LocalCluster
+from lb.config import LBConfig
+from node_sidecar.config import SidecarConfig
 from tests.support.procs import ServerProcess, wait_until
+from tests.support.weights import save_tiny, tiny_weights
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -144,6 +147,67 @@ def test_names_types_and_docs_follow_prometheus_conventions(cluster: LocalCluste
             check_conventions(family)
             exposed[exposed_name(family)] = family.type
     assert documented_metrics() == exposed
+
+
+def largest_finite_bucket(family: Metric) -> float:
+    return max(float(s.labels["le"]) for s in family.samples if s.name.endswith("_bucket") and s.labels["le"] != "+Inf")
+
+
+def test_control_durations_have_buckets_as_long_as_a_call_may_take(cluster: LocalCluster, tmp_path: Path) -> None:
+    """A release waits up to its ``drain_timeout`` (the sidecar's ``--max-drain-timeout``, an hour by default)
+    and a fan-out up to the LB's ``--max-control-timeout``: the buckets stopped at 120 s (the LB's at 300 s, a
+    weight update's at 300 s where the LB gives one 600), so every release that drained longer fell in ``+Inf``
+    and its quantiles read as the last bucket."""
+    checkpoint = save_tiny(tmp_path / "tiny", tiny_weights(0))  # the weights the engine started with
+    with httpx.Client(base_url=cluster.url, timeout=60) as http:  # labelled histograms have buckets once used
+        http.post("/flush_cache").raise_for_status()
+        http.post("/update_weights_from_disk", json={"model_path": str(checkpoint)}).raise_for_status()
+    longest = {"handoff_lb_fanout_seconds": LBConfig.max_control_timeout_s,
+               "handoff_node_release_seconds": SidecarConfig.max_drain_timeout,
+               "handoff_node_resume_seconds": SidecarConfig.max_drain_timeout,
+               "handoff_engine_release_seconds": SidecarConfig.control_timeout,
+               "handoff_engine_resume_seconds": SidecarConfig.control_timeout,
+               "handoff_engine_weight_update_seconds": LBConfig.weight_sync_timeout_s}
+    found = {family.name: largest_finite_bucket(family)
+             for url in (cluster.url, cluster.nodes[0].url, cluster.nodes[0].engine.url)
+             for family in families_as_prometheus_reads(url) if family.name in longest}
+    assert found.keys() == longest.keys()
+    assert {name: bound for name, bound in found.items() if bound < longest[name]} == {}
+
+
+def latency_counts(engine_url: str) -> dict[str, tuple[float, float]]:
+    """``name -> (count, sum)`` of the engine's two latency histograms."""
+    found: dict[str, dict[str, float]] = {}
+    for family in families_as_prometheus_reads(engine_url):
+        for sample in family.samples:
+            if sample.name.endswith(("_count", "_sum")) and family.name in (
+                    "handoff_engine_time_to_first_token_seconds", "handoff_engine_request_seconds"):
+                found.setdefault(family.name, {})[sample.name.rsplit("_", 1)[1]] = sample.value
+    return {name: (values["count"], values["sum"]) for name, values in found.items()}
+
+
+def test_the_engine_reports_time_to_first_token_and_request_latency(cluster: LocalCluster) -> None:
+    """No process said how long a generation took (only each step's time): an SRE had no latency to set an SLO
+    on. The engine observes each request's time to its first token and to its end, from its arrival."""
+    engine_url = cluster.nodes[0].engine.url
+    before = latency_counts(engine_url)
+    with httpx.Client(base_url=cluster.url, timeout=60) as http:
+        http.post("/generate", json={"text": "x", "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}}
+                  ).raise_for_status()
+        http.post("/generate", json={"text": "y", "stream": True, "sampling_params": {"max_new_tokens": 4}}
+                  ).raise_for_status()
+    after = latency_counts(engine_url)
+    first, whole = "handoff_engine_time_to_first_token_seconds", "handoff_engine_request_seconds"
+    assert after[first][0] - before[first][0] == 2 and after[whole][0] - before[whole][0] == 2
+    assert 0 < after[first][1] - before[first][1] <= after[whole][1] - before[whole][1]
+
+
+def test_the_documented_alerts_query_only_documented_metrics() -> None:
+    """docs/operations.md's alert rules name metrics of its table (which the test above keeps equal to what the
+    processes expose): a renamed metric cannot leave a rule that never fires."""
+    section = DOCS.read_text().split("\n## Alerts\n", 1)[1].split("\n## ", 1)[0]
+    queried = {re.sub(r"_(bucket|sum|count)$", "", name) for name in re.findall(r"\bhandoff_\w+", section)}
+    assert len(queried) >= 5 and queried <= documented_metrics().keys(), queried - documented_metrics().keys()
 
 
 def test_a_removed_node_leaves_no_series(cluster: LocalCluster, proc_log_dir: Path) -> None:

@@ -62,7 +62,8 @@ def test_a_node_error_cannot_forge_log_lines(fakes: FakeCluster, start_lb) -> No
 
 def test_a_node_failing_every_stream_cannot_flood_the_log(fakes: FakeCluster, start_lb) -> None:
     """lb/relay.py wrote one WARNING line per stream a node cut mid-way, without limit: a node failing every
-    stream (or a client that makes it fail) wrote a line per request. A burst is logged, then it is counted."""
+    stream (or a client that makes it fail) wrote a line per request. A burst is logged, then it is counted;
+    every cut stream is counted in ``handoff_lb_streams_cut_total``."""
     node = fakes.start_one()
 
     async def first_event_then_reset(fake, ex) -> None:
@@ -79,3 +80,29 @@ def test_a_node_failing_every_stream_cannot_flood_the_log(fakes: FakeCluster, st
     wait_until(lambda: any("failed mid-stream" in line for line in own_lines(lb)), timeout=10, what="the warning")
     failed = [line for line in own_lines(lb) if "failed mid-stream" in line]
     assert 1 <= len(failed) <= BURST, len(failed)
+    # each counts 200 in handoff_lb_requests_total (the client got a 200): the cut ones are counted apart
+    assert lb.metric("handoff_lb_streams_cut_total") == 3 * BURST
+
+
+def test_a_node_failing_a_whole_answer_is_logged_and_rate_limited(fakes: FakeCluster, start_lb) -> None:
+    """A node that dropped a non-stream answer half-way was a 502 to the client and nothing in the LB's log (a
+    stream cut the same way was a warning): the line names the node, and a node failing every request writes a
+    burst, then a count."""
+    node = fakes.start_one()
+
+    async def head_then_reset(fake, ex) -> None:
+        ex.start_chunked(content_type="application/json")
+        ex.chunk(b'{"text": "a')
+        ex.abort()
+
+    node.handlers["/generate"] = head_then_reset
+    lb = start_lb(*node_args(node.url))
+    lb.wait_routable([node.url])
+    for _ in range(3 * BURST):
+        answer = lb.http.post("/generate", json={"text": "hi"})
+        assert answer.status_code == 502 and answer.json()["error"]["type"] == "upstream_error"
+    wait_until(lambda: any("a generation request failed" in line for line in own_lines(lb)), timeout=10,
+               what="the warning")
+    failed = [line for line in own_lines(lb) if "a generation request failed" in line]
+    assert 1 <= len(failed) <= BURST, len(failed)
+    assert all(f"(502 upstream_error): {node.url} failed on /generate" in line for line in failed), failed

@@ -358,6 +358,9 @@ def test_engine_metrics_that_do_not_parse_are_left_out_and_the_nodes_own_still_p
         names = families()
         assert "handoff_node_serving" in names and "sglang:num_running_reqs" not in names
         assert "engine /metrics left out" in node.occupation()["last_error"]
+    # the engine's series vanished from the scrape: the log said nothing of why
+    wait_until(lambda: any(" WARNING " in line and "engine /metrics left out: not a Prometheus text" in line
+                           for line in node.sidecar.log_path.read_text().splitlines()), timeout=10, what="the warning")
     node.assert_fake_alive()
 
 

@@ -18,6 +18,23 @@ gets a 431 ``head_too_large`` and the connection is closed. The bytes are
 counted as they arrive, so a process holds at most the bound and one read
 more of a head.
 
+A chunked body's trailer fields are dropped, never added to the request's
+headers (uvicorn appends them to the list the app reads as headers, so a
+trailer could override a header the LB passes on to a node: its content type,
+request id or weight-version pin), and they are bounded as a head is: uvicorn
+kept every trailer line, with no bound of its own and past the head's
+deadline, so one client grew a process by 2 GiB in 3 s. Past ``MAX_HEAD_BYTES``
+of trailers (a read more at most) the connection is closed.
+
+A request that is not HTTP/1.1 as httptools reads it (Content-Length with
+Transfer-Encoding, two Content-Lengths, a coding other than ``chunked``, a
+folded header line, a control character in a value) is a 400
+``invalid_request`` envelope and the connection closed, as every other error of
+these services; when it follows a request whose answer is still to go out
+(pipelined), the 400 waits for that answer (uvicorn wrote it at once, so the
+client read it as the answer to its earlier request) and nothing after it is
+read.
+
 The open connections are bounded too (``max_connections``, ``--max-connections``):
 uvicorn takes any number, so a client that kept as many idle keep-alive
 connections (or dribbled heads) as the process may open files made every
@@ -47,7 +64,7 @@ from typing import Any
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from handoff.protocol import errors as E
-from handoff.service.errors import HeadTooLarge, RequestTimeout, Unavailable
+from handoff.service.errors import HeadTooLarge, InvalidRequest, RequestTimeout, Unavailable
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +97,10 @@ class HeadTimeoutProtocol(HttpToolsProtocol):
         self._is_head_overdue = False  # ... and its deadline passed while an answer was going out: 408 after it
         self._head_bytes = 0  # bytes received since the current head began (more once its body streams: unused)
         self._is_discarding = False  # answered and closing: what the client still sends is dropped unread
+        self._is_in_body = False  # the current request's head is complete: a header field now is a trailer
+        self._is_after_chunk_header = False  # a chunk's size line was read and none of its data yet
+        self._trailer_bytes = 0  # bytes since then: the last chunk's trailers (a chunk's data resets it)
+        self._is_400_pending = False  # a malformed request came while answers were still to go out: 400 after them
         self._number = next(_opened)
 
     @classmethod
@@ -142,9 +163,48 @@ class HeadTimeoutProtocol(HttpToolsProtocol):
         if self._is_discarding:
             return
         self._head_bytes += len(data)
+        if self._is_after_chunk_header:
+            self._trailer_bytes += len(data)
         super().data_received(data)
         if self._is_head_pending and self._head_bytes > MAX_HEAD_BYTES and not self.transport.is_closing():
             self._head_too_large()
+        elif self._is_after_chunk_header and self._trailer_bytes > MAX_HEAD_BYTES \
+                and not self.transport.is_closing():
+            log.debug("a request's trailers passed %d bytes: its connection closed", MAX_HEAD_BYTES)
+            self.transport.close()
+
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's answer to bytes httptools refuses: the envelope, after any answer still to go out."""
+        self._is_discarding = True  # the stream's framing is lost: nothing after the bad request is read
+        cycle = self.cycle
+        if cycle is None or cycle.response_complete \
+                or (self._is_in_body and not self.pipeline and not cycle.response_started):
+            if cycle is not None and not cycle.response_complete:  # its handler waits for the body: it is gone
+                cycle.disconnected = True
+                cycle.message_event.set()
+            self._write_bad_request()
+        elif self._is_in_body:
+            self.transport.close()  # the bad body of a request whose answer (or an earlier one's) is going out
+        else:
+            self._is_400_pending = True  # the head of a request after one still being answered
+
+    def _write_bad_request(self) -> None:
+        self._is_400_pending = False
+        self._disarm_head_timer()  # its 408 would follow the 400 on a connection whose write side is shut
+        error = InvalidRequest("the request is not valid HTTP/1.1 (its framing or a header line)")
+        self._write_error(400, b"Bad Request", error, linger=True)
+
+    def on_chunk_header(self) -> None:
+        self._is_after_chunk_header = True
+
+    def on_body(self, body: bytes) -> None:
+        self._is_after_chunk_header = False
+        self._trailer_bytes = 0
+        super().on_body(body)
+
+    def on_message_complete(self) -> None:
+        self._is_in_body = self._is_after_chunk_header = False
+        super().on_message_complete()
 
     def _head_too_large(self) -> None:
         self._disarm_head_timer()
@@ -157,6 +217,8 @@ class HeadTimeoutProtocol(HttpToolsProtocol):
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self._is_head_pending = True
+        self._is_in_body = self._is_after_chunk_header = False
+        self._trailer_bytes = 0
         self._head_bytes = 0  # the bytes of this head in the read that began it are not counted: one read at most
         if self._head_timer is None:  # a kept-alive connection's next request: its head starts now
             self._arm_head_timer()
@@ -166,6 +228,9 @@ class HeadTimeoutProtocol(HttpToolsProtocol):
         self._head_bytes = 0
         self._disarm_head_timer()
         super().on_headers_complete()
+        self._is_in_body = True
+        # uvicorn adds a trailer to the list the scope holds as the headers: a new list takes them, never read
+        self.headers = []
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm_head_timer()
@@ -173,7 +238,10 @@ class HeadTimeoutProtocol(HttpToolsProtocol):
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
-        if self._is_head_overdue:  # the next head's deadline passed while this answer went out
+        if self._is_400_pending:
+            if not self.pipeline and self.cycle.response_complete and not self.transport.is_closing():
+                self._write_bad_request()
+        elif self._is_head_overdue:  # the next head's deadline passed while this answer went out
             self._head_timed_out()
         elif not self._is_head_pending:
             self._disarm_head_timer()  # the keep-alive timer watches the idle time until the next request

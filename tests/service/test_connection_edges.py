@@ -5,7 +5,9 @@ size."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import fcntl
+import json
 import socket
 import struct
 import termios
@@ -170,4 +172,55 @@ async def test_a_head_within_the_bound_is_served_whatever_follows_it(server: uvi
                  + b"POST /big-body HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
     assert (await asyncio.wait_for(_answer(reader), 5)).endswith(b"/big-head")
     assert (await asyncio.wait_for(_answer(reader), 5)).endswith(b"/big-body")
+    writer.close()
+
+
+@pytest.mark.parametrize("line", [b"X-Trailer: " + b"a" * 1000 + b"\r\n", b"a" * 1000], ids=["lines", "one-value"])
+async def test_endless_trailers_close_the_connection_within_the_bound(server: uvicorn.Server, line: bytes) -> None:
+    """A chunked body's trailer lines (or one trailer value) sent without end: the connection is closed once
+    they pass ``MAX_HEAD_BYTES`` (a read more at most). Before, httptools kept every trailer line, past the head's
+    bound and its deadline (a client grew a process by 2 GiB in 3 s)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", _port(server))
+    writer.write(b"POST /x HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n"
+                 + (b"X-Trailer: " if line.startswith(b"a") else b""))
+    closed = asyncio.ensure_future(reader.read())
+    sent = 0
+    with contextlib.suppress(ConnectionError):  # closed with trailer bytes unread: a reset
+        while not closed.done() and sent < 64 * MAX_HEAD_BYTES:
+            writer.write(line)
+            await writer.drain()
+            sent += len(line)
+            await asyncio.sleep(0)
+    with contextlib.suppress(ConnectionError):
+        assert await asyncio.wait_for(closed, 5) == b""
+    assert sent < 8 * MAX_HEAD_BYTES, sent
+    writer.close()
+
+
+async def test_a_request_httptools_refuses_is_the_error_envelope(server: uvicorn.Server) -> None:
+    """Content-Length with Transfer-Encoding (a smuggling attempt) is a 400 ``invalid_request`` envelope, like
+    every other error, not uvicorn's plain text; the request smuggled behind it is never served."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", _port(server))
+    writer.write(b"POST /x HTTP/1.1\r\nHost: x\r\nContent-Length: 4\r\nTransfer-Encoding: chunked\r\n\r\n"
+                 b"0\r\n\r\nGET /smuggled HTTP/1.1\r\nHost: x\r\n\r\n")
+    answer = await asyncio.wait_for(reader.read(), 5)
+    head, body = answer.split(b"\r\n\r\n", 1)
+    assert head.startswith(b"HTTP/1.1 400 ") and b"content-type: application/json" in head, answer
+    assert json.loads(body)["error"]["type"] == "invalid_request", answer
+    assert b"/smuggled" not in answer
+    writer.close()
+
+
+async def test_a_bad_request_pipelined_behind_one_being_answered_is_answered_after_it(
+        server: uvicorn.Server) -> None:
+    """A malformed request sent right behind one whose answer is not out yet: that answer comes first, then the
+    400. Before, uvicorn wrote the 400 at once and closed: the client read it as the answer to its good request,
+    whose own answer never came."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", _port(server))
+    writer.write(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n"
+                 b"POST /x HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\nab")
+    first = await asyncio.wait_for(_answer(reader), 5)
+    assert first.startswith(b"HTTP/1.1 200 ") and first.endswith(b"/slow"), first
+    rest = await asyncio.wait_for(reader.read(), 5)
+    assert rest.startswith(b"HTTP/1.1 400 ") and b'"invalid_request"' in rest, rest
     writer.close()

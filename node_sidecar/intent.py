@@ -89,26 +89,34 @@ class StaleWeights:
 @dataclass(frozen=True)
 class TagRecord:
     """What an adapter that remembers its own memory calls holds of engine process ``engine``: the tags it released
-    there (``released``), and those of a release or resume sent and not answered yet (``in_doubt``: the engine may
-    or may not have moved them)."""
+    there (``released``), those of a release or resume sent and not answered yet (``in_doubt``: the engine may
+    or may not have moved them), and whether its weights are no checkpoint's (``weights_garbage``: resumed without
+    a backup, or a reload failed part way; generation waits for a reload or a session of updates)."""
 
     engine: str
     released: tuple[str, ...] = ()
     in_doubt: tuple[str, ...] = ()
+    weights_garbage: bool = False
 
     def to_json(self) -> dict[str, Any]:
-        return {"engine": self.engine, "released": list(self.released), "in_doubt": list(self.in_doubt)}
+        return {"engine": self.engine, "released": list(self.released), "in_doubt": list(self.in_doubt),
+                "weights_garbage": self.weights_garbage}
 
     @classmethod
     def from_json(cls, data: object) -> TagRecord | None:
         if data is None:
             return None
-        if not isinstance(data, dict) or sorted(data) != ["engine", "in_doubt", "released"]:
-            raise IntentShapeError("engine_memory: null or an object with the keys engine, released and in_doubt")
+        keys = ["engine", "in_doubt", "released"]  # weights_garbage came after them: absent, false
+        if not isinstance(data, dict) or sorted(k for k in data if k != "weights_garbage") != keys:
+            raise IntentShapeError("engine_memory: null or an object with the keys engine, released, in_doubt "
+                                   "(and weights_garbage)")
         engine = _text(data["engine"], "engine_memory.engine", MAX_ENGINE_CHARS)
         if engine is None:
             raise IntentShapeError("engine_memory.engine: a string expected")
-        return cls(engine, tuple(_tags(data, "released")), tuple(_tags(data, "in_doubt")))
+        garbage = data.get("weights_garbage", False)
+        if type(garbage) is not bool:
+            raise IntentShapeError("engine_memory.weights_garbage: true or false expected")
+        return cls(engine, tuple(_tags(data, "released")), tuple(_tags(data, "in_doubt")), garbage)
 
 
 @dataclass

@@ -45,12 +45,14 @@ def state_view(node: Node) -> dict[str, Any]:
         "engine_health_misses": node.health_misses,
     }
 
+
 def state_header(node: Node) -> bytes | None:
     """:func:`state_view` for :data:`NODE_STATE_HEADER` (routing fields only), or None if too large."""
     view = state_view(node)
     del view["last_error"], view["engine_health_misses"]
     value = json.dumps(view, separators=(",", ":")).encode()  # ASCII: a valid header value
     return value if len(value) <= MAX_NODE_STATE_HEADER_BYTES else None
+
 
 def update_memory_metrics(node: Node) -> None:
     """Set ``handoff_node_memory_bytes`` from what the node knows now (at each scrape). Until the engine's

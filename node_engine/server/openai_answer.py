@@ -164,12 +164,17 @@ def render_in_pieces(value: Any, depth: int = 0) -> str:
     for a whole call (0.9 s for 64 chat choices of 100 tokens with 64 top logprobs each), so a thread that
     renders in pieces leaves the event loop its turns."""
     if depth < _PIECE_DEPTH and isinstance(value, dict):
-        return "{" + ",".join(f"{_DUMPS(key)}:{render_in_pieces(item, depth + 1)}" for key, item in value.items()) + "}"
+        return "{" + ",".join(f"{_key(key)}:{render_in_pieces(item, depth + 1)}" for key, item in value.items()) + "}"
     if isinstance(value, list) and value:
         if depth < _PIECE_DEPTH:
             return "[" + ",".join(render_in_pieces(item, depth + 1) for item in value) + "]"
         return "[" + ",".join(_DUMPS(value[i:i + _PIECE])[1:-1] for i in range(0, len(value), _PIECE)) + "]"
     return _DUMPS(value)
+
+
+def _key(key: Any) -> str:
+    """A dict key as JSON writes it: a string always (``1`` as ``"1"``, ``None`` as ``"null"``)."""
+    return _DUMPS(key) if isinstance(key, str) else _DUMPS({key: 0})[1:-3]
 
 
 def finish_fields(reason: dict | None) -> dict[str, Any]:

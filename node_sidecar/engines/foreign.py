@@ -59,6 +59,8 @@ class ForeignEngine(EngineAdapter):
         self.unknown: set[str] = set()       # tags of a call a sidecar before this one sent and did not see end
         self.keep: KeepMemory | None = None  # where the record of the tags goes (the node's state file)
         self._recalled: TagRecord | None = None
+        self.adopted: TagRecord | None = None  # the record of the process adopted last, if it was its
+        self.weights_garbage = False  # weights not a checkpoint's (resumed without a backup, a failed reload)
 
     def recall(self, memory: TagRecord | None, keep: KeepMemory) -> None:
         """The record a sidecar before this one kept (taken once, by the first engine process met, if it is that
@@ -72,9 +74,9 @@ class ForeignEngine(EngineAdapter):
             return False
         self.instance = instance
         self.released, self.unknown = set(), set()
-        recalled, self._recalled = self._recalled, None
+        recalled, self._recalled, self.adopted = self._recalled, None, None
         if recalled is not None and recalled.engine == self.instance_key:
-            self.released, self.unknown = set(recalled.released), set(recalled.in_doubt)
+            self.released, self.unknown, self.adopted = set(recalled.released), set(recalled.in_doubt), recalled
             log.warning("the engine process %s holds %s released, as recorded%s", recalled.engine,
                         sorted(self.released) or "nothing", f"; {self.unknown_message()}" if self.unknown else "")
         return True
@@ -114,10 +116,16 @@ class ForeignEngine(EngineAdapter):
             raise
         await self.keep(self._memory(key, []), False)
 
+    async def keep_record(self) -> None:
+        """The record written again after a change that is not a memory call's (the weights' validity)."""
+        key = self.instance_key
+        if self.keep is not None and key is not None:
+            await self.keep(self._memory(key, []), False)
+
     def _memory(self, key: str, in_doubt: list[str]) -> TagRecord:
         doubt = self.unknown.union(in_doubt)
         return TagRecord(key, tuple(t for t in TAG_NAMES if t in self.released and t not in doubt),
-                            tuple(t for t in TAG_NAMES if t in doubt))
+                         tuple(t for t in TAG_NAMES if t in doubt), self.weights_garbage)
 
     @property
     def instance_key(self) -> str | None:

@@ -106,7 +106,6 @@ class SglangEngine(ForeignEngine):
         super().__init__(engine)
         self.has_backup = False
         self.memory_saver = False
-        self.weights_garbage = False  # weights not a checkpoint's (resumed without a backup, a failed reload)
         self.is_session_open = False  # SGLang's weight update session (a new SGLang process has none)
         self.updated_since_garbage = False  # an update succeeded in a session since the weights became garbage
         self.pending_continue: bool | None = None  # a continue held back (its torch_empty_cache)
@@ -121,7 +120,9 @@ class SglangEngine(ForeignEngine):
                 "node's state is not read from it")}})
         model = await self.engine.call("GET", "/model_info", timeout=INFO_TIMEOUT_S)
         if self.adopt_instance(instance):
-            self.weights_garbage = self.is_session_open = self.updated_since_garbage = False
+            # a process a sidecar before this one knew keeps what it recorded of its weights
+            self.weights_garbage = self.adopted is not None and self.adopted.weights_garbage
+            self.is_session_open = self.updated_since_garbage = False
             self.pending_continue = None
         self.memory_saver = info.get("enable_memory_saver") is True
         self.has_backup = info.get("enable_weights_cpu_backup") is True
@@ -198,6 +199,7 @@ class SglangEngine(ForeignEngine):
         answer = await self._update("/update_weights_from_disk", body)
         self.model_path = body["model_path"]
         self.weights_garbage = False  # every weight was read from the checkpoint
+        await self.keep_record()
         await self._send_pending_continue()
         return {**answer, "weights_valid": not self.weights_garbage}
 
@@ -224,6 +226,7 @@ class SglangEngine(ForeignEngine):
             self.is_session_open = False
             if self.weights_garbage and self.updated_since_garbage:
                 self.weights_garbage = False
+                await self.keep_record()
                 await self._send_pending_continue()
             return {**answer, "weights_valid": not self.weights_garbage}
         elif path == "/update_weight_version" and "new_version" in answer and not isinstance(
@@ -245,12 +248,12 @@ class SglangEngine(ForeignEngine):
             # only SGLang's own refusal (400, its JSON) says it ran the load; a 502 (a proxy's page) does not
             if path != DISK_RELOAD or exc.status != 400 or any(words in exc.message for words in NOTHING_LOADED):
                 raise
-            self._weights_not_known()
+            await self._weights_not_known()
             raise EngineRefused(exc.status, {"error": {"type": exc.type, "weights_valid": False, **exc.extra,
                                                        "message": f"{exc.message} ({RELOAD_FAILED})"}}) from exc
         except EngineUnavailable as exc:
             if path == DISK_RELOAD and reached_sglang(exc):  # the load runs on: how it ends is not known
-                self._weights_not_known()
+                await self._weights_not_known()
             raise
         version = body.get("weight_version")
         if version is None:  # SGLang kept its version: read, as a refresh
@@ -261,10 +264,11 @@ class SglangEngine(ForeignEngine):
                 return answer
         return {**answer, "weight_version": version if isinstance(version, str) else None}
 
-    def _weights_not_known(self) -> None:
+    async def _weights_not_known(self) -> None:
         """A reload failed after SGLang may have read part of the checkpoint: no generation until one succeeds."""
         self.weights_garbage = True
         self.updated_since_garbage = False
+        await self.keep_record()
 
     async def pause(self, mode: str) -> dict[str, Any]:
         """SGLang's own ``retract`` / ``in_place`` pause; a release under it waits for SGLang to look idle (the

@@ -10,8 +10,10 @@ from starlette.responses import JSONResponse
 
 from node_engine.server.openai_answer import render_in_pieces
 
+# JSON writes a key that is not a string as one (1 as "1", None as "null"), as JSONResponse does
+_KEYS = st.text() | st.integers() | st.booleans() | st.none() | st.floats(allow_nan=False, allow_infinity=False)
 _JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False)
-                     | st.text(), lambda inner: st.lists(inner, max_size=600) | st.dictionaries(st.text(), inner),
+                     | st.text(), lambda inner: st.lists(inner, max_size=600) | st.dictionaries(_KEYS, inner),
                      max_leaves=2000)
 
 
@@ -26,4 +28,9 @@ def test_a_long_logprob_list_is_rendered_in_pieces_alike() -> None:
              "top_logprobs": [{"token": "b", "bytes": [98], "logprob": -1.25}] * 3}
     answer = {"id": "x", "choices": [{"index": i, "logprobs": {"content": [entry] * 1000}} for i in range(3)],
               "usage": {"prompt_tokens": 1, "prompt_tokens_details": None}}
+    assert render_in_pieces(answer).encode() == JSONResponse(answer).body
+
+
+def test_keys_that_are_not_strings_are_written_as_strings() -> None:
+    answer = {"choices": [{"logprobs": {7: 1, None: 2, True: 3, 1.5: 4}}], 3: {"a": 1}}
     assert render_in_pieces(answer).encode() == JSONResponse(answer).body

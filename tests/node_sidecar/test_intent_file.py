@@ -53,6 +53,13 @@ def test_the_tags_an_engine_holds_are_read_back_and_a_file_from_before_them_stil
     intent.record_engine_memory(TagRecord("k", ("kv_cache",), ("weights",)))
     assert writer.flush(WRITE_TIMEOUT_S)
     assert read_back(path).engine_memory == TagRecord("k", ("kv_cache",), ("weights",))
+    garbage = TagRecord("k", (), (), weights_garbage=True)
+    intent.record_engine_memory(garbage)
+    assert writer.flush(WRITE_TIMEOUT_S) and read_back(path).engine_memory == garbage
+    without = json.loads(path.read_text())
+    del without["engine_memory"]["weights_garbage"]  # written before it: not garbage
+    path.write_text(json.dumps(without))
+    assert read_back(path).engine_memory == TagRecord("k")
     older = json.loads(path.read_text())
     del older["engine_memory"]
     path.write_text(json.dumps(older))
@@ -84,6 +91,9 @@ BAD_FILES = [
     pytest.param(json.dumps({**ClusterIntent().to_json(), "engine_memory": {"engine": None, "released": [],
                                                                           "in_doubt": []}}).encode(),
                  "engine_memory.engine", id="engine-memory-no-engine"),
+    pytest.param(json.dumps({**ClusterIntent().to_json(), "engine_memory": {
+        "engine": "k", "released": [], "in_doubt": [], "weights_garbage": 1}}).encode(),
+                 "engine_memory.weights_garbage", id="engine-memory-garbage-not-bool"),
     pytest.param(json.dumps({**ClusterIntent().to_json(), "later": 1}).encode(), "exactly the keys", id="extra-key"),
     pytest.param(b" " * MAX_STATE_BYTES + b"{}", "over the", id="too-large"),
 ]

@@ -14,6 +14,7 @@ from typing import Any, Iterator
 import httpx
 import pytest
 
+from node_engine.model.builtin import builtin_arch, builtin_weights, save_checkpoint
 from tests.support.procs import ServerProcess, wait_until
 
 pytestmark = pytest.mark.timeout(180)
@@ -26,10 +27,10 @@ RELEASED = [*FIRST, "workspace"]  # SGLang's workspace goes with its weights (no
 class SglangPair:
     """A fake SGLang and a sidecar with ``--state-file`` in front of it; either restarts on its first port."""
 
-    def __init__(self, log_dir: Path, state_file: Path) -> None:
+    def __init__(self, log_dir: Path, state_file: Path, *, backup: bool = True) -> None:
         self.state_file = state_file
         self.fake = ServerProcess("tests.support.sglang_fake", [
-            "--tag-mib", str(TAG_MIB), "--enable-memory-saver", "--enable-weights-cpu-backup"],
+            "--tag-mib", str(TAG_MIB), "--enable-memory-saver", *(["--enable-weights-cpu-backup"] if backup else [])],
             log_dir=log_dir, name="sglang", health_path="/model_info").start()
         self.sidecar = ServerProcess("node_sidecar", [
             "--engine-url", self.fake.url, "--engine-poll-interval", "0.2", "--state-file", str(state_file)],
@@ -67,6 +68,14 @@ class SglangPair:
 def pair(proc_log_dir: Path, tmp_path: Path) -> Iterator[SglangPair]:
     (tmp_path / "state").mkdir()
     p = SglangPair(proc_log_dir, tmp_path / "state" / "intent.json")
+    yield p
+    p.stop()
+
+
+@pytest.fixture
+def pair_without_backup(proc_log_dir: Path, tmp_path: Path) -> Iterator[SglangPair]:
+    (tmp_path / "state").mkdir()
+    p = SglangPair(proc_log_dir, tmp_path / "state" / "intent.json", backup=False)
     yield p
     p.stop()
 
@@ -146,6 +155,34 @@ def test_a_release_the_sidecar_died_during_leaves_the_tags_unknown_and_untouched
                timeout=20, what="the restarted SGLang read")
     wait_until(lambda: pair.post("/resume_memory_occupation").json().get("serving") is True, timeout=20,
                what="serving again")
+    pair.assert_fake_alive()
+
+
+def test_weights_resumed_without_a_backup_stay_invalid_across_a_sidecar_restart(
+        pair_without_backup: SglangPair, tmp_path: Path) -> None:
+    """SGLang without ``--enable-weights-cpu-backup`` holds garbage weights after their resume until a reload; a
+    sidecar restarted alone forgot it and served them (every rollout made with garbage weights, silently)."""
+    pair = pair_without_backup
+    assert pair.post("/release_memory_occupation", {"tags": FIRST}).status_code == 200
+    resumed = pair.post("/resume_memory_occupation")
+    assert resumed.status_code == 200 and resumed.json()["weights_valid"] is False, resumed.text
+    pair.sidecar.kill()
+    pair.start_sidecar()
+    view = pair.view()
+    assert view["weights_valid"] is False and view["not_serving_reason"] == "weights_not_loaded", view
+    calls = len(pair.fake_state()["calls"])
+    refused = pair.post("/generate", {"text": "x", "sampling_params": {"max_new_tokens": 2}})
+    assert refused.status_code == 503 and refused.json()["error"]["type"] == "weights_not_loaded", refused.text
+    assert [c for c in pair.fake_state()["calls"][calls:] if c not in ("flush_cache", "health")] == []
+    # a reload makes them valid, and that is kept too
+    checkpoint = tmp_path / "tiny"
+    arch = builtin_arch("builtin:tiny")
+    save_checkpoint(checkpoint, arch, builtin_weights(arch, 0))
+    reload = pair.post("/update_weights_from_disk", {"model_path": str(checkpoint)})
+    assert reload.status_code == 200 and reload.json()["weights_valid"] is True, reload.text
+    pair.sidecar.kill()
+    pair.start_sidecar()
+    assert pair.view()["weights_valid"] is True and pair.view()["serving"] is True, pair.view()
     pair.assert_fake_alive()
 
 

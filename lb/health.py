@@ -18,6 +18,7 @@ import logging
 from typing import Any, Iterable, Mapping
 
 from handoff.protocol.control import peer_weight_version
+from handoff.protocol.weights import MAX_TP_SIZE
 from handoff.service.peer_json import PeerJSONError, loads_bounded
 from handoff.service.upstream import ResponseTooLarge, UpstreamClient, UpstreamError
 from lb.config import LBConfig
@@ -127,7 +128,7 @@ class HealthMonitor:
             except (UpstreamError, PeerJSONError):
                 return None
             tp_size = info.get("tp_size") if isinstance(info, dict) else None
-            return tp_size if type(tp_size) is int and tp_size >= 1 else None
+            return tp_size if type(tp_size) is int and 1 <= tp_size <= MAX_TP_SIZE else None
         return None
 
     def apply_state(self, node: Node, state: dict[str, Any]) -> None:

@@ -46,7 +46,7 @@ import json
 import time
 from typing import Any
 
-from handoff.protocol.weights import (DEFAULT_GROUP_NAME, DESTROY_GROUP_PATH, INIT_GROUP_PATH,
+from handoff.protocol.weights import (DEFAULT_GROUP_NAME, DESTROY_GROUP_PATH, INIT_GROUP_PATH, MAX_TP_SIZE,
                                       DestroyWeightsUpdateGroupBody, InitWeightsUpdateGroupBody)
 from handoff.service.bodies import parse_value
 from handoff.service.errors import Conflict, InvalidRequest, parse_json_bytes
@@ -67,7 +67,7 @@ ABANDON_AGAIN_S = 1.0  # while rolled-back nodes are still joining, their abando
 def node_ranks(node: Node) -> int:
     """How many ranks a node takes in a group: its tensor-parallel size if it reports one, else 1."""
     tp_size = node.occupation.get("tp_size")
-    return tp_size if isinstance(tp_size, int) and not isinstance(tp_size, bool) and tp_size >= 1 else 1
+    return tp_size if type(tp_size) is int and 1 <= tp_size <= MAX_TP_SIZE else 1
 
 
 class WeightSync:

@@ -26,6 +26,7 @@ MAX_ELEMENTS = 1 << 48  # per tensor: past any real one, and within torch's int6
 # Ranks in a weight group: past any RL deployment's. gloo's full mesh takes about 1.4 KiB per rank in every joining
 # process before any peer answers (1.4 GB at 10^6 ranks), so torch's own bound (C ints) let one call exhaust memory.
 MAX_WORLD_SIZE = 1 << 16
+MAX_TP_SIZE = 1024  # a peer's tensor-parallel size: past it, not one (a node's ranks in a group)
 Selector = Literal["target", "draft", "all"]
 TensorLoadFormat = Literal["direct", "flattened_bucket"]
 GroupBackend = Literal["gloo", "nccl"]

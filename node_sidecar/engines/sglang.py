@@ -65,6 +65,7 @@ from handoff.protocol import errors as E
 from handoff.protocol.control import peer_weight_version
 from handoff.protocol.engines import EngineKind
 from handoff.protocol.tags import TAG_NAMES, TagState
+from handoff.protocol.weights import MAX_TP_SIZE
 from handoff.service.errors import ServiceError
 from node_sidecar.engines.base import EngineView, MemoryChange, TagMeaning, tags_named
 from node_sidecar.engines.foreign import ForeignEngine
@@ -73,7 +74,6 @@ from node_sidecar.errors import EngineRefused, EngineUnavailable
 
 IDLE_WAIT_S = 10.0           # how long SGLang may take to look idle once the sidecar drained it
 INFO_TIMEOUT_S = 5.0
-MAX_TP_SIZE = 1024  # a peer's figure: anything past it is not a tensor-parallel size
 WEIGHTS = "weights"
 ACKNOWLEDGED = ("status", "ok")  # in every 2xx of SGLang's /pause_generation and /continue_generation (1831-1857)
 WEIGHT_UPDATES = frozenset({"/update_weights_from_tensor", "/update_weights_from_distributed"})

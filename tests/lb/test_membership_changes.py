@@ -108,6 +108,7 @@ def test_a_plain_sglang_server_gets_a_rank_per_tp_rank(fakes: FakeCluster, start
     plain.handlers["/server_info"] = reply(200, {"tp_size": 2, "model_path": "m"})
     older.handlers["/server_info"] = reply(404, {"detail": "Not Found"})
     older.handlers["/get_server_info"] = reply(200, {"tp_size": 4})
+    after.handlers["/server_info"] = reply(200, {"tp_size": 10**9})  # a peer's figure past any TP size: one rank
     groups = {node.url: keeps_groups(node) for node in (plain, after, older)}
     lb = start_lb(*node_args(plain.url, after.url, older.url))
     wait_until(lambda: all(n["health"] == "healthy" for n in lb.nodes()), timeout=10, what="the first checks")

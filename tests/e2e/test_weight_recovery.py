@@ -40,14 +40,16 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[int, list[list[int]]]]:
     """Greedy answers of engines loaded from checkpoints of seeds 11 and 12."""
-    answers = {}
-    for seed in (11, 12):
-        folder = save_tiny(tmp_path_factory.mktemp(f"ckpt{seed}"), tiny_weights(seed))
-        proc = ServerProcess("node_engine", ["--model-path", str(folder)], log_dir=tmp_path_factory.mktemp("ref"))
-        proc.start()
-        try:
-            answers[seed] = greedy(proc.url)
-        finally:
+    log_dir = tmp_path_factory.mktemp("ref")
+    procs = {seed: ServerProcess("node_engine", ["--model-path", str(save_tiny(
+        tmp_path_factory.mktemp(f"ckpt{seed}"), tiny_weights(seed)))], log_dir=log_dir, name=f"ref{seed}")
+        for seed in (11, 12)}
+    try:
+        for proc in procs.values():  # launched together: each loads while the other does
+            proc.launch()
+        answers = {seed: greedy(proc.wait_ready().url) for seed, proc in procs.items()}
+    finally:
+        for proc in procs.values():
             proc.stop()
     yield answers
 

@@ -31,11 +31,13 @@ def engines(proc_log_dir: Path, tmp_path_factory: pytest.TempPathFactory, weight
     engine = ServerProcess("node_engine", ["--model-path", "builtin:tiny", "--weight-sync-timeout",
                                            str(SYNC_TIMEOUT_S)], log_dir=proc_log_dir, name="engine")
     reference = ServerProcess("node_engine", ["--model-path", str(folder)], log_dir=proc_log_dir, name="reference")
-    engine.start()
-    reference.start()
-    yield engine.url, reference.url
-    engine.stop()
-    reference.stop()
+    try:
+        for proc in (engine.launch(), reference.launch()):  # launched together: each loads while the other does
+            proc.wait_ready()
+        yield engine.url, reference.url
+    finally:
+        engine.stop()
+        reference.stop()
 
 
 def test_a_trainer_pushes_new_weights_and_they_serve_like_the_checkpoint(engines, weights) -> None:

@@ -134,14 +134,15 @@ def test_a_budget_too_small_for_the_worst_case_image_fails_to_start(tmp_path: Pa
     # the pool fits without the reservation, not with it (held without it: the measurement's leftovers, some
     # 15 MiB, stay in; each side keeps a margin of about half the reservation)
     budget = math.ceil(held - reserved + activations + canary + 2 + reserved / 2)
-    message = _failed_start(tmp_path, budget)
-    for knob in ("no KV pool fits", f"--memory-budget-mb {budget}", "--max-total-tokens", "--max-batch-tokens 256",
-                 "--max-image-tokens 256", "--visual-batch-max-tokens 4096", "vision reservation"):
-        assert knob in message, message[-2000:]
-
     control = ServerProcess("node_engine", [*_VL_ARGS, "--memory-budget-mb", str(budget), "--vision-reserve-mb", "0"],
                             log_dir=tmp_path, name="control")
+    control.launch()  # loads while the start below fails: two starts of seconds each, at once
     try:
-        control.start(timeout=120)  # without the reservation the same budget starts (ProcessFailed otherwise)
+        message = _failed_start(tmp_path, budget)
+        for knob in ("no KV pool fits", f"--memory-budget-mb {budget}", "--max-total-tokens",
+                     "--max-batch-tokens 256", "--max-image-tokens 256", "--visual-batch-max-tokens 4096",
+                     "vision reservation"):
+            assert knob in message, message[-2000:]
+        control.wait_ready(timeout=120)  # without the reservation the same budget starts (ProcessFailed otherwise)
     finally:
         control.stop()

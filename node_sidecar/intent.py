@@ -50,7 +50,7 @@ from handoff.protocol.tags import TAG_NAMES as TAGS
 
 STATE_FORMAT = 1
 MAX_ENGINE_CHARS = 1024  # an engine process's identity (a uuid, vLLM's instance_id, SGLang's startup_time as JSON)
-MAX_GROUPS = 16          # weight groups kept per list (a trainer forms one or two); past it the state is not written
+MAX_GROUPS = 16          # weight groups kept per list (a trainer forms one or two); past it only engine_memory is kept
 _KEYS = ("format", "engine", "released", "stage_to_cpu", "unrestored", "weights_updated", "weight_version",
          "stale", "joined_groups", "lost_groups")
 _NEWER_KEYS = ("engine_memory",)  # absent from a file written before them: read as null

@@ -84,6 +84,7 @@ class IntentWriter:
         self._changed = threading.Condition()
         self._pending: bytes | None = None  # the latest change, not yet begun
         self._writing = False
+        self._kept = True  # the last write done left the file holding what it was given
         self._thread = threading.Thread(target=self._run, name=f"state-file {store.path.name}", daemon=True)
         self._thread.start()
 
@@ -106,16 +107,24 @@ class IntentWriter:
         with self._changed:
             return self._changed.wait_for(lambda: self._pending is None and not self._writing, timeout)
 
+    def kept(self, timeout: float | None = None) -> bool:
+        """:meth:`flush`, and True only if the file then holds every change submitted so far (False: the write
+        failed, was cut to fit the bounds, or is still stalled after ``timeout`` seconds)."""
+        with self._changed:
+            done = self._changed.wait_for(lambda: self._pending is None and not self._writing, timeout)
+            return done and self._kept
+
     def _run(self) -> None:
         while True:
             with self._changed:
                 self._changed.wait_for(lambda: self._pending is not None)
                 data, self._pending, self._writing = self._pending, None, True
+            kept = False
             try:
-                self.store.write(data)
+                kept = self.store.write(data)
             finally:
                 with self._changed:
-                    self._writing = False
+                    self._writing, self._kept = False, kept
                     self._changed.notify_all()
 
 
@@ -154,42 +163,60 @@ class IntentFile:
                  sorted(intent.joined_groups | intent.lost_groups))
         return intent
 
-    def write(self, data: bytes) -> None:
-        """Store ``data`` (the intent as :meth:`ClusterIntent.to_json` gives it, encoded) if it changed. One that
-        would not be read back (past the bounds: more weight groups than kept, say) removes the file, so a restart
-        starts with nothing rather than an older intent; a write that fails is logged at ERROR (the node goes on:
-        the call that changed the intent did succeed)."""
+    def write(self, data: bytes) -> bool:
+        """Store ``data`` (the intent as :meth:`ClusterIntent.to_json` gives it, encoded) if it changed; True if the
+        file holds it now. One that would not be read back (past the bounds: more weight groups than kept, say) is
+        cut to the engine process and the adapter's record of its tags (:func:`_within_bounds`), so a restart
+        remembers what SGLang holds released and nothing older (False); a write that fails is logged at ERROR
+        (False; the node goes on, but a memory call whose record is not kept is not sent)."""
         if data == self._written:
-            return
+            return True
         try:
-            if len(data) > MAX_STATE_BYTES:
-                raise IntentShapeError(f"{len(data)} bytes, over {MAX_STATE_BYTES}")
-            ClusterIntent.from_json(json.loads(data))
+            _check(data)
         except IntentShapeError as exc:
-            log.error("the node's intent cannot be kept in --state-file %s (%s): removed; a restart of the sidecar "
-                      "will remember nothing", self.path, exc)
-            self._replace(None)
-            return
-        self._replace(data)
+            cut = _within_bounds(data)
+            log.error("the node's intent cannot be kept in --state-file %s (%s): only the engine process and its "
+                      "record of the engine's tags are kept; a restart of the sidecar remembers nothing else",
+                      self.path, exc)
+            self._replace(cut)
+            return False
+        return self._replace(data)
 
-    def _replace(self, data: bytes | None) -> None:
+    def _replace(self, data: bytes) -> bool:
         tmp = self.path.with_name(f".{self.path.name}.tmp")
         try:
-            if data is None:
-                self.path.unlink(missing_ok=True)
-            else:
-                with open(_open_own(tmp), "wb") as f:
-                    f.write(data)
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(tmp, self.path)
+            with open(_open_own(tmp), "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)
             _sync_folder(self.path.parent)
         except OSError as exc:
             self._written = None  # unknown now: the next change writes again
             log.error("--state-file %s cannot be written (%s): a restart of the sidecar may read an older intent",
                       self.path, exc.strerror or exc)
-            return
+            return False
         self._written = data
+        return True
+
+
+def _check(data: bytes) -> None:
+    """IntentShapeError unless ``data`` would be read back."""
+    if len(data) > MAX_STATE_BYTES:
+        raise IntentShapeError(f"{len(data)} bytes, over {MAX_STATE_BYTES}")
+    ClusterIntent.from_json(json.loads(data))
+
+
+def _within_bounds(data: bytes) -> bytes:
+    """A fresh intent holding only ``data``'s engine process and engine record (each within its own bounds)."""
+    whole = json.loads(data)
+    cut = json.dumps({**ClusterIntent().to_json(), "engine": whole.get("engine"),
+                      "engine_memory": whole.get("engine_memory")}, separators=(",", ":")).encode()
+    try:
+        _check(cut)
+    except IntentShapeError:
+        return json.dumps(ClusterIntent().to_json(), separators=(",", ":")).encode()
+    return cut
 
 
 def _open_own(path: Path) -> int:

@@ -19,6 +19,7 @@ from typing import Iterator
 
 from handoff.protocol.control import peer_weight_version
 from handoff.protocol.errors import NotServingReason
+from handoff.service.errors import Unavailable
 from handoff.service.upstream import UpstreamClient, UpstreamError, UpstreamTimeout
 from node_sidecar.admission import Admission, HoldLimits
 from node_sidecar.config import SidecarConfig
@@ -111,8 +112,10 @@ class Node:
 
     # -- engine liveness -------------------------------------------------------
     def note_error(self, message: str) -> None:
-        """A failure that leaves the engine up (a scrape of its metrics left out, say): the views' ``last_error``."""
-        self.last_error = message
+        """A failure that leaves the engine up (a scrape of its metrics left out, say): the views' ``last_error``,
+        after the reason tags are in doubt while they are (the way out must stay in sight)."""
+        standing = self.state.unknown_reason if self.state.unknown_tags else None
+        self.last_error = message if standing is None or message.startswith(standing) else f"{standing}; {message}"
 
     def mark_unreachable(self, exc: UpstreamError | str) -> None:
         if self.state.is_engine_reachable:
@@ -140,10 +143,16 @@ class Node:
 
     async def _keep_engine_memory(self, memory: TagRecord, before_call: bool) -> None:
         """The adapter's record of its engine's tags, into ``--state-file``; ``before_call``: written before the
-        call that may move them is sent (a sidecar that dies during it leaves them in doubt, never resident)."""
+        call that may move them is sent (a sidecar that dies during it leaves them in doubt, never resident); raises
+        :class:`Unavailable` if it is not in the file then (the call must not be sent)."""
         self.state.intent.record_engine_memory(memory)
-        if before_call:
-            await self.intent_written()
+        writer = self.state_writer
+        if before_call and writer is not None and not await asyncio.to_thread(writer.kept, STATE_WRITE_WAIT_S):
+            # sent unrecorded, the call would leave a record a restarted sidecar reads as the tags' state
+            raise Unavailable(f"--state-file {writer.store.path} cannot be written (see the sidecar's log: a full "
+                              f"or read-only disk, or one stalled past {STATE_WRITE_WAIT_S:g}s): the engine's tags "
+                              "are recorded there before each call that moves them, so nothing was sent",
+                              retry_after=self.config.retry_after_s)
 
     @property
     def engine_adapter(self) -> EngineAdapter:
@@ -189,7 +198,7 @@ class Node:
         if is_fresh:
             meet_fresh_engine(self)
         if view.unknown_reason is not None:
-            if view.unknown_reason != self.last_error:
+            if not (self.last_error or "").startswith(view.unknown_reason):
                 log.error("%s", view.unknown_reason)
             self.note_error(view.unknown_reason)
         if self.state.intent.unrestored:

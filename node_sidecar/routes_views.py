@@ -150,8 +150,9 @@ async def _engine_exposition(node: Node) -> bytes:
             return b""  # the engine serves no metrics
         await asyncio.to_thread(_check_exposition, text)  # 8 MiB parses in about a second: off the loop
     except (UpstreamError, ValueError) as exc:  # the node's own metrics still answer; the probe judges the engine
-        node.note_error(f"engine /metrics left out: {exc}")
-        log.warning("%s", node.last_error)  # its series vanish from the node's scrape: say why
+        message = f"engine /metrics left out: {exc}"
+        node.note_error(message)
+        log.warning("%s", message)  # its series vanish from the node's scrape: say why
         return b""
     return text if text.endswith(b"\n") else text + b"\n"
 

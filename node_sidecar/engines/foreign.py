@@ -10,7 +10,9 @@ and checks checkpoints itself (:mod:`~node_sidecar.engines.checkpoint`).
 An adapter whose engine says nothing of its tags (SGLang) also keeps what it
 remembers in the node's ``--state-file`` (:attr:`ForeignEngine.keep`): before a
 memory call is sent, its tags are recorded as in doubt on the engine process
-(and the record written), and once the call ended the tags it holds released.
+(and the record written: if it cannot be, the call is refused, 503, nothing
+sent), and once the call ended the tags it holds released; a reload likewise
+records the weights as not known before it is sent (:meth:`ForeignEngine.reload_call`).
 A restarted sidecar meeting the same process (:meth:`ForeignEngine.recall`)
 takes the released tags back, and holds the ones in doubt out of every call
 (:attr:`ForeignEngine.unknown`): SGLang may or may not have moved them, and a
@@ -105,7 +107,7 @@ class ForeignEngine(EngineAdapter):
         if self.keep is None or key is None:
             yield
             return
-        await self.keep(self._memory(key, tags), True)
+        await self._keep_before(self.keep, key, self._memory(key, tags))
         try:
             yield
         except ServiceError:
@@ -116,16 +118,46 @@ class ForeignEngine(EngineAdapter):
             raise
         await self.keep(self._memory(key, []), False)
 
+    @contextlib.asynccontextmanager
+    async def reload_call(self) -> AsyncIterator[None]:
+        """Around a reload sent to the engine: its weights recorded as not known (and written) before, since one
+        that fails part way leaves them neither the old nor the new checkpoint's; the record follows
+        :attr:`weights_garbage` as the caller leaves it after the call ended with an answer or an error the adapter
+        read. Ended any other way (cancelled), the weights are taken as not known, here too."""
+        key = self.instance_key
+        if self.keep is None or key is None:
+            yield
+            return
+        await self._keep_before(self.keep, key, self._memory(key, [], garbage=True))
+        try:
+            yield
+        except ServiceError:
+            await self.keep(self._memory(key, []), False)
+            raise
+        except BaseException:
+            self.weights_garbage = True
+            raise
+        await self.keep(self._memory(key, []), False)
+
+    async def _keep_before(self, keep: KeepMemory, key: str, record: TagRecord) -> None:
+        """``record`` written before a call is sent; if it cannot be (the call is refused), the record as it was
+        is kept again, so that a write that lands later never leaves a call not sent in doubt."""
+        try:
+            await keep(record, True)
+        except ServiceError:
+            await keep(self._memory(key, []), False)
+            raise
+
     async def keep_record(self) -> None:
         """The record written again after a change that is not a memory call's (the weights' validity)."""
         key = self.instance_key
         if self.keep is not None and key is not None:
             await self.keep(self._memory(key, []), False)
 
-    def _memory(self, key: str, in_doubt: list[str]) -> TagRecord:
+    def _memory(self, key: str, in_doubt: list[str], *, garbage: bool = False) -> TagRecord:
         doubt = self.unknown.union(in_doubt)
         return TagRecord(key, tuple(t for t in TAG_NAMES if t in self.released and t not in doubt),
-                         tuple(t for t in TAG_NAMES if t in doubt), self.weights_garbage)
+                         tuple(t for t in TAG_NAMES if t in doubt), self.weights_garbage or garbage)
 
     @property
     def instance_key(self) -> str | None:

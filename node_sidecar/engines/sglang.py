@@ -58,6 +58,7 @@ survives (line numbers: ``sglang/srt/`` of 0.5.23; the fake in
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Any
 
@@ -69,7 +70,8 @@ from handoff.protocol.weights import MAX_TP_SIZE
 from handoff.service.errors import ServiceError
 from node_sidecar.engines.base import EngineView, MemoryChange, TagMeaning, tags_named
 from node_sidecar.engines.foreign import ForeignEngine
-from node_sidecar.engines.sglang_calls import memory_call, reached_sglang, sglang_call, sglang_not_understood, wait_idle
+from node_sidecar.engines.sglang_calls import (RELOAD_FAILED, memory_call, reached_sglang, reload_may_have_loaded,
+                                               sglang_call, sglang_not_understood, wait_idle)
 from node_sidecar.errors import EngineRefused, EngineUnavailable
 
 IDLE_WAIT_S = 10.0           # how long SGLang may take to look idle once the sidecar drained it
@@ -79,13 +81,6 @@ ACKNOWLEDGED = ("status", "ok")  # in every 2xx of SGLang's /pause_generation an
 WEIGHT_UPDATES = frozenset({"/update_weights_from_tensor", "/update_weights_from_distributed"})
 SESSION_CALLS = frozenset({"/begin_weight_update", "/end_weight_update"})
 DISK_RELOAD = "/update_weights_from_disk"
-# SGLang's answers to a reload refused before any weight was read (model_runner_components/weight_updater.py:
-# 62-67 through 183-185, 202, 226)
-NOTHING_LOADED = ("Failed to get weights iterator", "Failed to get model loader",
-                  "Online weight updates are not supported")
-
-RELOAD_FAILED = ("SGLang may have loaded part or all of the checkpoint and does not roll back, so its weights are "
-                 "not known: the node serves no generation until a reload succeeds")
 
 log = logging.getLogger(__name__)
 
@@ -198,8 +193,6 @@ class SglangEngine(ForeignEngine):
     async def update_weights_from_disk(self, body: dict[str, Any]) -> dict[str, Any]:
         answer = await self._update("/update_weights_from_disk", body)
         self.model_path = body["model_path"]
-        self.weights_garbage = False  # every weight was read from the checkpoint
-        await self.keep_record()
         await self._send_pending_continue()
         return {**answer, "weights_valid": not self.weights_garbage}
 
@@ -241,20 +234,22 @@ class SglangEngine(ForeignEngine):
         if WEIGHTS in self.released:
             await self.resume([WEIGHTS])
             resumed.append(WEIGHTS)
-        try:
-            answer = {**await sglang_call(self.engine, path, body, resumed=resumed), "success": True,
-                      "resumed": resumed}
-        except EngineRefused as exc:
-            # only SGLang's own refusal (400, its JSON) says it ran the load; a 502 (a proxy's page) does not
-            if path != DISK_RELOAD or exc.status != 400 or any(words in exc.message for words in NOTHING_LOADED):
+        async with self.reload_call() if path == DISK_RELOAD else contextlib.nullcontext():
+            try:
+                answer = {**await sglang_call(self.engine, path, body, resumed=resumed), "success": True,
+                          "resumed": resumed}
+            except EngineRefused as exc:
+                if path != DISK_RELOAD or not reload_may_have_loaded(exc):
+                    raise
+                self._weights_not_known()
+                raise EngineRefused(exc.status, {"error": {"type": exc.type, "weights_valid": False, **exc.extra,
+                                                           "message": f"{exc.message} ({RELOAD_FAILED})"}}) from exc
+            except EngineUnavailable as exc:
+                if path == DISK_RELOAD and reached_sglang(exc):  # the load runs on: how it ends is not known
+                    self._weights_not_known()
                 raise
-            await self._weights_not_known()
-            raise EngineRefused(exc.status, {"error": {"type": exc.type, "weights_valid": False, **exc.extra,
-                                                       "message": f"{exc.message} ({RELOAD_FAILED})"}}) from exc
-        except EngineUnavailable as exc:
-            if path == DISK_RELOAD and reached_sglang(exc):  # the load runs on: how it ends is not known
-                await self._weights_not_known()
-            raise
+            if path == DISK_RELOAD:
+                self.weights_garbage = False  # every weight was read from the checkpoint
         version = body.get("weight_version")
         if version is None:  # SGLang kept its version: read, as a refresh
             try:
@@ -264,11 +259,11 @@ class SglangEngine(ForeignEngine):
                 return answer
         return {**answer, "weight_version": version if isinstance(version, str) else None}
 
-    async def _weights_not_known(self) -> None:
-        """A reload failed after SGLang may have read part of the checkpoint: no generation until one succeeds."""
+    def _weights_not_known(self) -> None:
+        """A reload failed after SGLang may have read part of the checkpoint: no generation until one succeeds
+        (the record is written as the reload ends, :meth:`ForeignEngine.reload_call`)."""
         self.weights_garbage = True
         self.updated_since_garbage = False
-        await self.keep_record()
 
     async def pause(self, mode: str) -> dict[str, Any]:
         """SGLang's own ``retract`` / ``in_place`` pause; a release under it waits for SGLang to look idle (the

@@ -18,6 +18,20 @@ from node_sidecar.engine_client import EngineClient
 from node_sidecar.engines.base import not_understood
 from node_sidecar.errors import EngineRefused, EngineUnavailable
 
+# SGLang's answers to a reload refused before any weight was read (model_runner_components/weight_updater.py:
+# 62-67 through 183-185, 202, 226)
+NOTHING_LOADED = ("Failed to get weights iterator", "Failed to get model loader",
+                  "Online weight updates are not supported")
+RELOAD_FAILED = ("SGLang may have loaded part or all of the checkpoint and does not roll back, so its weights are "
+                 "not known: the node serves no generation until a reload succeeds")
+
+
+def reload_may_have_loaded(exc: EngineRefused) -> bool:
+    """A refused ``/update_weights_from_disk`` after which SGLang's weights are not known: only SGLang's own
+    refusal (400, its JSON) says it ran the load (a 502, a proxy's page, does not), unless it says nothing was
+    read (:data:`NOTHING_LOADED`)."""
+    return exc.status == 400 and not any(words in exc.message for words in NOTHING_LOADED)
+
 
 async def memory_call(engine: EngineClient, path: str, engine_tags: list[str]) -> None:
     """SGLang's release and resume answer 200 ``null`` (``http_server.py:1575-1596``) and 400 ``{"error":

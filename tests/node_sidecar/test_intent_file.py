@@ -122,18 +122,25 @@ def test_something_other_than_a_file_is_a_warning_and_a_fresh_start(tmp_path: Pa
     assert "cannot be read (not a regular file)" in caplog.text
 
 
-def test_an_intent_past_the_bounds_removes_the_file(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    """Rather than an older intent read back after a restart: nothing."""
+def test_an_intent_past_the_bounds_keeps_only_the_engine_record(tmp_path: Path,
+                                                                 caplog: pytest.LogCaptureFixture) -> None:
+    """Rather than an older intent read back after a restart: nothing, but the record of what SGLang holds
+    released (removing it too, a restarted sidecar took SGLang's released tags for resident: a generation or a
+    second release killed SGLang)."""
     path = tmp_path / "intent.json"
     intent, writer = kept(path)
+    intent.meet_engine("a", served_version="default", had_version=None)
     intent.record_release(["kv_cache"])
+    intent.record_engine_memory(TagRecord("a", ("kv_cache",), ("weights",)))
+    assert writer.kept(WRITE_TIMEOUT_S)
     with caplog.at_level(logging.ERROR, logger="node_sidecar.intent_file"):
         for i in range(MAX_GROUPS + 1):
             intent.record_joined(f"group-{i}")
-        assert writer.flush(WRITE_TIMEOUT_S)
-    assert not path.exists() and "cannot be kept in --state-file" in caplog.text
+        assert not writer.kept(WRITE_TIMEOUT_S)  # not all of it is in the file
+    assert "cannot be kept in --state-file" in caplog.text
+    assert read_back(path) == ClusterIntent(engine="a", engine_memory=TagRecord("a", ("kv_cache",), ("weights",)))
     intent.record_left("group-0")  # back within the bounds: kept again
-    assert writer.flush(WRITE_TIMEOUT_S) and read_back(path) == intent
+    assert writer.kept(WRITE_TIMEOUT_S) and read_back(path) == intent
 
 
 def test_a_write_that_fails_is_an_error_and_the_node_goes_on(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -146,11 +153,11 @@ def test_a_write_that_fails_is_an_error_and_the_node_goes_on(tmp_path: Path, cap
     (folder / ".intent.json.tmp").mkdir()  # the temporary file cannot be made
     with caplog.at_level(logging.ERROR, logger="node_sidecar.intent_file"):
         intent.record_release(["weights"])
-        assert writer.flush(WRITE_TIMEOUT_S)
+        assert not writer.kept(WRITE_TIMEOUT_S)  # done, and failed: what a memory call is refused on
     assert intent.released == {"kv_cache", "weights"} and "cannot be written" in caplog.text
     (folder / ".intent.json.tmp").rmdir()
     intent.record_resume(["weights"])  # written again at the next change
-    assert writer.flush(WRITE_TIMEOUT_S) and read_back(folder / "intent.json").released == {"kv_cache"}
+    assert writer.kept(WRITE_TIMEOUT_S) and read_back(folder / "intent.json").released == {"kv_cache"}
 
 
 def test_a_link_named_as_the_temporary_file_is_never_written_through(tmp_path: Path) -> None:

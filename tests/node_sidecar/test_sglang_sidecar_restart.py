@@ -139,6 +139,11 @@ def test_a_release_the_sidecar_died_during_leaves_the_tags_unknown_and_untouched
     assert states(view) == {**{t: "unknown" for t in RELEASED}, "cuda_graph": "resident"}, view
     assert view["serving"] is False and view["not_serving_reason"] == "node_released", view
     assert "Restart the engine" in (view["last_error"] or ""), view
+    # a failed scrape of SGLang's metrics is shown too, and does not hide the way out
+    httpx.post(pair.fake.url + "/_fake/metrics", json={"text": "not {prometheus"}, timeout=10).raise_for_status()
+    assert httpx.get(pair.sidecar.url + "/metrics", timeout=10).status_code == 200
+    last_error = pair.view()["last_error"] or ""
+    assert "Restart the engine" in last_error and "engine /metrics left out" in last_error, last_error
     calls = len(pair.fake_state()["calls"])
     refused = pair.post("/generate", {"text": "x", "sampling_params": {"max_new_tokens": 2}})
     assert refused.status_code == 503 and "is not known" in refused.json()["error"]["message"], refused.text
@@ -175,15 +180,82 @@ def test_weights_resumed_without_a_backup_stay_invalid_across_a_sidecar_restart(
     assert refused.status_code == 503 and refused.json()["error"]["type"] == "weights_not_loaded", refused.text
     assert [c for c in pair.fake_state()["calls"][calls:] if c not in ("flush_cache", "health")] == []
     # a reload makes them valid, and that is kept too
-    checkpoint = tmp_path / "tiny"
-    arch = builtin_arch("builtin:tiny")
-    save_checkpoint(checkpoint, arch, builtin_weights(arch, 0))
-    reload = pair.post("/update_weights_from_disk", {"model_path": str(checkpoint)})
+    reload = pair.post("/update_weights_from_disk", {"model_path": str(_checkpoint(tmp_path))})
     assert reload.status_code == 200 and reload.json()["weights_valid"] is True, reload.text
     pair.sidecar.kill()
     pair.start_sidecar()
     assert pair.view()["weights_valid"] is True and pair.view()["serving"] is True, pair.view()
     pair.assert_fake_alive()
+
+
+def test_a_memory_call_whose_record_cannot_be_written_is_not_sent(pair: SglangPair) -> None:
+    """The record of SGLang's tags is written before a call moves them. A resume sent while the state file could
+    not be written (a full or broken disk) left the record saying released; the sidecar restarted read it, and
+    its next resume of the (resident) tags killed SGLang. Now the call is refused and nothing is sent."""
+    assert pair.post("/release_memory_occupation", {"tags": FIRST}).status_code == 200
+    blocker = pair.state_file.with_name(f".{pair.state_file.name}.tmp")
+    blocker.mkdir()  # the write goes through this temporary file: it cannot be opened, so every write fails
+    calls = len(pair.fake_state()["calls"])
+    refused = pair.post("/resume_memory_occupation")
+    assert refused.status_code == 503 and pair.state_file.name in refused.json()["error"]["message"], refused.text
+    assert "nothing was sent" in refused.json()["error"]["message"], refused.text
+    assert [c for c in pair.fake_state()["calls"][calls:] if c not in ("flush_cache", "health")] == []
+    assert states(pair.view())["weights"] == "released"
+    pair.sidecar.kill()
+    blocker.rmdir()
+    pair.start_sidecar()
+    assert states(pair.view())["weights"] == "released"  # as SGLang holds them
+    resumed = pair.post("/resume_memory_occupation")
+    assert resumed.status_code == 200 and resumed.json()["serving"] is True, resumed.text
+    pair.assert_fake_alive()
+
+
+def test_a_reload_the_sidecar_died_during_leaves_the_weights_not_known(pair: SglangPair, tmp_path: Path) -> None:
+    """SGLang got ``update_weights_from_disk`` and the sidecar died before its answer: SGLang may have loaded part
+    of the checkpoint (it does not roll back), so a sidecar restarted alone must not serve the weights as valid."""
+    checkpoint = _checkpoint(tmp_path)
+    httpx.post(pair.fake.url + "/_fake/next", json={"path": "/update_weights_from_disk", "delay_s": 60},
+               timeout=10).raise_for_status()
+    caller = threading.Thread(target=lambda: _quietly(pair, "/update_weights_from_disk",
+                                                      {"model_path": str(checkpoint)}), daemon=True)
+    caller.start()
+    wait_until(lambda: "update_weights_from_disk" in pair.fake_state()["calls"], timeout=20, what="SGLang reloads")
+    pair.sidecar.kill()
+    caller.join(timeout=10)
+    pair.start_sidecar()
+    view = pair.view()
+    assert view["weights_valid"] is False and view["not_serving_reason"] == "weights_not_loaded", view
+    refused = pair.post("/generate", {"text": "x", "sampling_params": {"max_new_tokens": 2}})
+    assert refused.status_code == 503 and refused.json()["error"]["type"] == "weights_not_loaded", refused.text
+    reload = pair.post("/update_weights_from_disk", {"model_path": str(checkpoint)})  # the way out
+    assert reload.status_code == 200 and reload.json()["weights_valid"] is True, reload.text
+    assert pair.record()["engine_memory"]["weights_garbage"] is False
+    pair.assert_fake_alive()
+
+
+def test_a_reload_sglang_refused_having_read_nothing_keeps_the_record(pair: SglangPair, tmp_path: Path) -> None:
+    """The weights are recorded as not known while a reload runs; one SGLang refused before reading anything
+    leaves them as they were, in the record too."""
+    nothing_read = '{"success": false, "message": "Failed to get weights iterator: no such file.", ' \
+                   '"num_paused_requests": 0}'
+    httpx.post(pair.fake.url + "/_fake/next", json={"path": "/update_weights_from_disk", "status": 400,
+                                                     "raw": nothing_read, "content_type": "application/json"},
+               timeout=10).raise_for_status()
+    refused = pair.post("/update_weights_from_disk", {"model_path": str(_checkpoint(tmp_path))})
+    assert refused.status_code == 400 and "weights_valid" not in refused.json()["error"], refused.text
+    record = pair.record()["engine_memory"]
+    assert record["weights_garbage"] is False and record["released"] == record["in_doubt"] == [], record
+    pair.sidecar.kill()
+    pair.start_sidecar()
+    assert pair.view()["weights_valid"] is True and pair.view()["serving"] is True, pair.view()
+    pair.assert_fake_alive()
+
+
+def _checkpoint(tmp_path: Path) -> Path:
+    checkpoint = tmp_path / "tiny"
+    arch = builtin_arch("builtin:tiny")
+    save_checkpoint(checkpoint, arch, builtin_weights(arch, 0))
+    return checkpoint
 
 
 def _quietly(pair: SglangPair, path: str, body: dict[str, Any]) -> None:

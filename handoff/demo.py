@@ -15,18 +15,20 @@ Every step checks what it shows; any surprise ends the demo with exit code 1.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, AsyncIterator, Callable, Coroutine
 
 import psutil
 
 from handoff.client import AsyncHandoffClient, FanoutFailed, HandoffError
 from handoff.cluster.local import ClusterSpec, LocalCluster
-from handoff.cluster.process import ProcessFailed, ServerProcess
+from handoff.cluster.process import ProcessFailed
+from handoff.demo_signals import ctrl_c_held_back, kill_on_later_ctrl_c
 
 # A built-in model big enough for memory figures to mean something (~70 MB of weights, ~100 MB of KV).
 DEMO_MODEL = json.dumps({"hidden_size": 512, "intermediate_size": 1408, "num_layers": 6, "num_heads": 8,
@@ -89,6 +91,19 @@ class Demo:
             "temperature": 0.8, "max_new_tokens": max_new_tokens, "ignore_eos": True})]
         return events[-1]["meta_info"]
 
+    @staticmethod
+    @contextlib.asynccontextmanager
+    async def streams(coros: list[Coroutine[Any, Any, dict[str, Any]]]) -> AsyncIterator[list[asyncio.Task]]:
+        """The streams as tasks, none left running when the block ends: a step cut short (Ctrl-C, a failure)
+        left them to fail once the client closed, each a "Task exception was never retrieved" traceback."""
+        tasks = [asyncio.create_task(coro) for coro in coros]
+        try:
+            yield tasks
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
     async def wait_in_flight(self, minimum: int) -> None:
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
@@ -100,9 +115,10 @@ class Demo:
 
     # -- the steps -------------------------------------------------------------
     async def rollout(self) -> str:
-        streams = [asyncio.create_task(self.stream(p, 24)) for p in PROMPTS[:3]]
-        answers = await self.client.generate(PROMPTS[3:], sampling_params={"temperature": 0.8, "max_new_tokens": 24})
-        metas = await asyncio.gather(*streams)
+        async with self.streams([self.stream(p, 24) for p in PROMPTS[:3]]) as streams:
+            answers = await self.client.generate(PROMPTS[3:], sampling_params={"temperature": 0.8,
+                                                                               "max_new_tokens": 24})
+            metas = await asyncio.gather(*streams)
         self.say(f"   ({self.model} has random weights: its text is noise; the demo is about what happens around it)")
         for prompt, answer in zip(PROMPTS[3:6], answers):
             self.say(f"   {prompt!r} -> {len(answer['output_ids'])} tokens {answer['text'][:24]!r}")
@@ -112,10 +128,10 @@ class Demo:
 
     async def release_under_load(self) -> str:
         before = self.rss()
-        streams = [asyncio.create_task(self.stream(p, 300)) for p in PROMPTS[:4]]
-        await self.wait_in_flight(2)
-        result = await self.client.release(mode="wait", stage_to_cpu=False)
-        metas = await asyncio.gather(*streams)
+        async with self.streams([self.stream(p, 300) for p in PROMPTS[:4]]) as streams:
+            await self.wait_in_flight(2)
+            result = await self.client.release(mode="wait", stage_to_cpu=False)
+            metas = await asyncio.gather(*streams)
         after = self.rss()
         check(all(m["finish_reason"]["type"] == "length" for m in metas), "a stream was cut by the release")
         self.freed = 0
@@ -183,7 +199,7 @@ class Demo:
             check(len(exc.succeeded) == len(self.cluster.nodes) - 1, "the other nodes should have succeeded")
         else:
             raise DemoFailed("a release with a dead engine did not fail")
-        await _restart(victim.engine)
+        await victim.engine.restart()
         view = await self._wait_node(
             victim.url, lambda n: n.get("not_serving_reason") not in (None, "engine_unavailable"), "reachable again")
         check(view.get("not_serving_reason") == "weights_stale",
@@ -206,23 +222,12 @@ class Demo:
         raise DemoFailed(f"{url} was not {what} within 30 s after its engine restarted")
 
 
-async def _restart(engine: ServerProcess, timeout: float = 120.0) -> None:
-    """Start ``engine`` again and wait for it without holding the event loop: Ctrl-C cancels the wait at once,
-    where a blocking :meth:`ServerProcess.start` held it back until the engine had loaded its model."""
-    engine.launch()
-    deadline = time.monotonic() + timeout
-    while not engine.is_ready_now():  # ProcessFailed, with its log, if it exits
-        if time.monotonic() > deadline:
-            engine.kill()
-            raise ProcessFailed(f"{engine.name} did not restart within {timeout:g} s\n{engine.log_tail()}")
-        await asyncio.sleep(0.05)
-
-
 def write_step1_checkpoint(workdir: Path, model: str) -> Path:
     """The checkpoint step 4 loads: the start weights after a small "training step". Written on the main thread
     before the steps run: Ctrl-C interrupts it at once, where inside a step (blocking the event loop) it held the
     stop back until the last byte was written (torch's import, the weights, the file: tens of seconds under load)."""
-    from node_engine.model.builtin import builtin_arch, builtin_weights, save_checkpoint
+    with ctrl_c_held_back():
+        from node_engine.model.builtin import builtin_arch, builtin_weights, save_checkpoint
 
     arch = builtin_arch(model, json.loads(DEMO_MODEL))
     weights = builtin_weights(arch, seed=0)
@@ -274,6 +279,7 @@ def run_demo(num_nodes: int = 2, *, model: str = DEFAULT_MODEL, log_dir: Path | 
             say(f"\nDEMO FAILED: {exc}\n(logs: {logs})")
             return 1
         except KeyboardInterrupt:
+            kill_on_later_ctrl_c(cluster)
             say(f"\ninterrupted: stopping the cluster (logs: {logs})")
             return 130
         finally:

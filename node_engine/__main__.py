@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib
 import logging
 import os
 import sys
@@ -113,6 +114,9 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging("node_engine", fmt=args.log_format, level=args.log_level)
     check_server_args(args)
     exit_on_sigterm()  # loading a model takes minutes; a pod deleted meanwhile must not wait its grace period
+    # numpy imported here, not by torch's import: that loads it from C code which takes any exception there (a
+    # SIGTERM's SystemExit included) for a failed import and goes on, and the engine then loaded and served
+    importlib.import_module("numpy")
     try:
         config = EngineConfig(
             model_path=args.model_path, device=args.device, dtype=args.dtype, seed=args.seed,

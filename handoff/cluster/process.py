@@ -8,6 +8,7 @@ in parallel; ``wait_ready`` waits for the port and a healthy ``/health``.
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import logging
 import os
@@ -158,6 +159,17 @@ class ServerProcess:
 
     def start(self, *, timeout: float = 120.0, port: int | None = None) -> "ServerProcess":
         return self.launch(port=port).wait_ready(timeout=timeout)
+
+    async def restart(self, timeout: float = 120.0) -> None:
+        """Start again and wait for it without holding the event loop: a cancel (Ctrl-C) ends the wait at once,
+        where :meth:`start` holds its caller until the model is loaded."""
+        self.launch()
+        deadline = time.monotonic() + timeout
+        while not self.is_ready_now():  # ProcessFailed, with its log, if it exits
+            if time.monotonic() > deadline:
+                self.kill()
+                raise ProcessFailed(f"{self.name} did not restart within {timeout:g} s\n{self.log_tail()}")
+            await asyncio.sleep(0.05)
 
     def check_alive(self) -> None:
         """:class:`ProcessFailed` naming this process, with its log's tail, once it has exited."""

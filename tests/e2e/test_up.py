@@ -311,6 +311,118 @@ def test_ctrl_c_while_the_demo_waits_outside_its_event_loop_stops_at_once(script
         kill_all(proc, children)
 
 
+# ``handoff demo`` that gets Ctrl-C the moment numpy's import begins (torch's import brings it in, from C code)
+CTRL_C_IN_NUMPY_IMPORT_DEMO = """
+import signal, sys
+class CtrlCAtNumpy:
+    def find_spec(self, name, path=None, target=None):
+        if name == "numpy" and not getattr(self, "fired", False):
+            self.fired = True
+            signal.raise_signal(signal.SIGINT)
+        return None
+sys.meta_path.insert(0, CtrlCAtNumpy())
+from handoff.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_ctrl_c_during_the_import_of_numpy_stops_the_demo(tmp_path: Path) -> None:
+    """torch's import loads numpy from C code that takes any exception there for a failed import and goes on: a
+    Ctrl-C at that moment was lost (the demo played on, or failed on a half-made numpy: exit 1)."""
+    out = tmp_path / "demo.out"
+    with open(out, "wb") as sink:
+        proc = subprocess.Popen([sys.executable, "-c", CTRL_C_IN_NUMPY_IMPORT_DEMO, "demo", "--nodes", "1",
+                                 "--log-dir", str(tmp_path / "logs")], stdout=sink, stderr=subprocess.STDOUT,
+                                cwd=REPO_ROOT, preexec_fn=sigint_by_default)
+    children: list[psutil.Process] = []
+    try:
+        wait_until(lambda: "LB at" in out.read_text(), timeout=120, what="the demo's cluster")
+        children = psutil.Process(proc.pid).children(recursive=True)
+        assert proc.wait(60) == 130, out.read_text()[-2000:]
+        assert "interrupted: stopping the cluster" in out.read_text() and "Traceback" not in out.read_text()
+        wait_until(lambda: no_child_left(children), timeout=30, what="every child gone")
+    finally:
+        kill_all(proc, children)
+
+
+# ``handoff demo`` that gets Ctrl-C in step 2 once its streams are in flight
+CTRL_C_WHILE_STREAMING_DEMO = """
+import signal, sys
+from handoff.demo import Demo
+wait_in_flight = Demo.wait_in_flight
+async def then_ctrl_c(self, minimum):
+    await wait_in_flight(self, minimum)
+    signal.raise_signal(signal.SIGINT)
+Demo.wait_in_flight = then_ctrl_c
+from handoff.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_ctrl_c_while_the_demo_streams_leaves_no_stream_behind(tmp_path: Path) -> None:
+    """The streams of a step cut short by Ctrl-C were left running: each failed once the client closed, and its
+    error came out as a "Task exception was never retrieved" traceback."""
+    out = tmp_path / "demo.out"
+    with open(out, "wb") as sink:
+        proc = subprocess.Popen([sys.executable, "-c", CTRL_C_WHILE_STREAMING_DEMO, "demo", "--nodes", "1",
+                                 "--log-dir", str(tmp_path / "logs")], stdout=sink, stderr=subprocess.STDOUT,
+                                cwd=REPO_ROOT, preexec_fn=sigint_by_default)
+    children: list[psutil.Process] = []
+    try:
+        wait_until(lambda: "LB at" in out.read_text(), timeout=120, what="the demo's cluster")
+        children = psutil.Process(proc.pid).children(recursive=True)
+        assert proc.wait(120) == 130, out.read_text()[-2000:]
+        assert "interrupted: stopping the cluster" in out.read_text()
+        assert "Traceback" not in out.read_text(), out.read_text()[-2000:]
+        wait_until(lambda: no_child_left(children), timeout=30, what="every child gone")
+    finally:
+        kill_all(proc, children)
+
+
+# ``handoff demo`` whose LB has SIGTERM blocked (its graceful stop waits 10 s on it, and the parent-death signal does
+# not end it); the file is touched when the stop begins
+DEAF_LB_DEMO = """
+import pathlib, sys
+from handoff.cluster.process import ServerProcess
+launch, terminate = ServerProcess.launch, ServerProcess.terminate
+def deaf_lb(self, **kwargs):
+    if self.module == "lb":
+        self.wrapper = [sys.executable, "-c", "import os, signal, sys; signal.pthread_sigmask(signal.SIG_BLOCK, "
+                        "[signal.SIGTERM]); os.execv(sys.argv[1], sys.argv[1:])"]
+    return launch(self, **kwargs)
+def terminate_and_say(self):
+    pathlib.Path(sys.argv[1]).touch()
+    terminate(self)
+ServerProcess.launch, ServerProcess.terminate = deaf_lb, terminate_and_say
+from handoff.cli import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+def test_ctrl_c_again_while_the_demo_stops_kills_its_cluster(tmp_path: Path) -> None:
+    """A second Ctrl-C while the demo stopped its cluster raised KeyboardInterrupt inside the stop, which ended
+    there: the processes were left to their parent-death signal (SIGTERM), which one that ignores it outlived."""
+    marker, out = tmp_path / "stopping", tmp_path / "demo.out"
+    with open(out, "wb") as sink:
+        proc = subprocess.Popen([sys.executable, "-c", DEAF_LB_DEMO, str(marker), "demo", "--nodes", "1",
+                                 "--log-dir", str(tmp_path / "logs")], stdout=sink, stderr=subprocess.STDOUT,
+                                cwd=REPO_ROOT, preexec_fn=sigint_by_default)
+    children: list[psutil.Process] = []
+    try:
+        wait_until(lambda: "LB at" in out.read_text(), timeout=120, what="the demo's cluster")
+        children = psutil.Process(proc.pid).children(recursive=True)
+        proc.send_signal(signal.SIGINT)
+        wait_until(marker.exists, timeout=30, what="the stop")
+        started = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 130, out.read_text()[-2000:]
+        assert time.monotonic() - started < 8  # not the 10 s graceful wait on the deaf LB
+        assert "Traceback" not in out.read_text(), out.read_text()[-2000:]
+        wait_until(lambda: no_child_left(children), timeout=30, what="every child gone")
+    finally:
+        kill_all(proc, children)
+
+
 def test_a_cluster_past_the_local_bound_is_refused_before_anything_starts(capsys: pytest.CaptureFixture[str]) -> None:
     """``--nodes 100000`` started launching 100000 engines (found by review)."""
     for argv in (["up", "--nodes", "100000"], ["demo", "--nodes", "65"], ["up", "--decode", "65"]):

@@ -103,20 +103,8 @@ class ForeignEngine(EngineAdapter):
         """Around a release or resume of ``tags`` sent to the engine: recorded in doubt (and written) before, and
         the tags held released after the call ended with an answer or an error the adapter read (its memory is
         the best word on it then). Ended any other way (cancelled), the tags stay in doubt, here too."""
-        key = self.instance_key
-        if self.keep is None or key is None:
+        async with self._recorded(lambda key: self._memory(key, tags), on_cut=lambda: self.unknown.update(tags)):
             yield
-            return
-        await self._keep_before(self.keep, key, self._memory(key, tags))
-        try:
-            yield
-        except ServiceError:
-            await self.keep(self._memory(key, []), False)
-            raise
-        except BaseException:
-            self.unknown.update(tags)
-            raise
-        await self.keep(self._memory(key, []), False)
 
     @contextlib.asynccontextmanager
     async def reload_call(self) -> AsyncIterator[None]:
@@ -124,18 +112,26 @@ class ForeignEngine(EngineAdapter):
         that fails part way leaves them neither the old nor the new checkpoint's; the record follows
         :attr:`weights_garbage` as the caller leaves it after the call ended with an answer or an error the adapter
         read. Ended any other way (cancelled), the weights are taken as not known, here too."""
+        async with self._recorded(lambda key: self._memory(key, [], garbage=True),
+                                  on_cut=lambda: setattr(self, "weights_garbage", True)):
+            yield
+
+    @contextlib.asynccontextmanager
+    async def _recorded(self, before: Callable[[str], TagRecord], *, on_cut: Callable[[], None]) -> AsyncIterator[None]:
+        """``before(key)`` written before the call is sent, the adapter's own record after it ended with an answer
+        or an error it read; ended any other way (cancelled), ``on_cut`` says what is no longer known."""
         key = self.instance_key
         if self.keep is None or key is None:
             yield
             return
-        await self._keep_before(self.keep, key, self._memory(key, [], garbage=True))
+        await self._keep_before(self.keep, key, before(key))
         try:
             yield
         except ServiceError:
             await self.keep(self._memory(key, []), False)
             raise
         except BaseException:
-            self.weights_garbage = True
+            on_cut()
             raise
         await self.keep(self._memory(key, []), False)
 

@@ -87,7 +87,8 @@ def test_a_trainer_that_never_joins_is_a_bounded_timeout(engines) -> None:
     assert answer["r"].status_code == 504 and answer["r"].json()["error"]["type"] == "weight_sync_timeout"
     assert SYNC_TIMEOUT_S <= time.monotonic() - started < SYNC_TIMEOUT_S + 10
     # the name is free again: the late join (if it ever completes) destroys what it made
-    r = httpx.post(url + "/update_weights_from_distributed", json={"names": ["model.norm.weight"], "dtypes": ["float32"],
+    r = httpx.post(url + "/update_weights_from_distributed", json={"names": ["model.norm.weight"],
+                                                                   "dtypes": ["float32"],
                                                                    "shapes": [[64]], "group_name": "nobody"})
     assert r.status_code == 400 and "does not exist" in r.json()["error"]["message"]
 

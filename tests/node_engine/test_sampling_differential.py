@@ -5,7 +5,8 @@
 (``_validate_one_request``); the engine answers the same body over HTTP. Values of the JSON type SGLang's field
 takes, edge values included; left out are the differences ``docs/api.md`` documents (``top_k`` 0,
 ``repetition_penalty`` below float32's smallest normal, huge ``logit_bias`` values, seeds in [2**63, 2**64),
-``seed``, the ``default only`` fields) and those that are no framework's values (an empty stop string, ``stop_token_ids`` outside the vocabulary, ``n`` null or below 1, a
+``seed``, the ``default only`` fields) and those that are no framework's values (an empty stop string,
+``stop_token_ids`` outside the vocabulary, ``n`` null or below 1, a
 float or bool for an integer field: SGLang's typed IPC decoding, not ``verify``, would meet those).
 """
 

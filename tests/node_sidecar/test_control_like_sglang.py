@@ -74,7 +74,8 @@ def test_a_request_during_a_weight_update_waits_for_it(node: httpx.Client, check
                              json={"model_path": str(checkpoint), "weight_version": "v1"})
         wait_until(lambda: node.get("/memory_occupation").json()["admission"] == "holding", timeout=10,
                    what="the update draining")
-        later = pool.submit(node.post, "/generate", json={"text": "y", "sampling_params": dict(GREEDY, max_new_tokens=2)})
+        later = pool.submit(node.post, "/generate",
+                            json={"text": "y", "sampling_params": dict(GREEDY, max_new_tokens=2)})
         wait_until(lambda: node.get("/memory_occupation").json()["held"] == 1, timeout=10, what="the request held")
         assert update.result(60).status_code == 200
         answer = later.result(60)

@@ -374,7 +374,8 @@ def test_what_vllm_cannot_do_is_400_and_abort_by_rid_works(serving: VllmNode) ->
     assert httpx.get(node.sidecar.url + "/model_info").json()["weight_version"] == "renamed"
     assert node.post("/update_weight_version", {"new_version": "step-0"}).status_code == 200
     # events 50 tokens apart: each repeats the whole answer so far, and 3000 one-token events took the sidecar
-    # longer to translate than vLLM took to generate them, so the abort came after the last token
+    # longer to translate than vLLM took to generate them. vLLM is frozen (its own pause, mode keep) once the
+    # request streams: on two busy cores the abort call took seconds and came after vLLM's last token
     long = GenerationClient(node.sidecar.url + "/generate", {"input_ids": PROMPT, "rid": "to-abort", "stream": True,
                                                              "sampling_params": {"max_new_tokens": 3000,
                                                                                  "ignore_eos": True,
@@ -382,8 +383,12 @@ def test_what_vllm_cannot_do_is_400_and_abort_by_rid_works(serving: VllmNode) ->
                             timeout=120)
     long.start()
     assert long.started_streaming.wait(60)
-    assert node.post("/abort_request", {"rid": "to-abort"}).status_code == 200
-    result = long.finish(60)
+    assert httpx.post(node.vllm.url + "/pause", params={"mode": "keep"}, timeout=30).status_code == 200
+    try:
+        assert node.post("/abort_request", {"rid": "to-abort"}).status_code == 200
+        result = long.finish(60)
+    finally:
+        assert httpx.post(node.vllm.url + "/resume", timeout=30).status_code == 200
     assert result.saw_done and result.events[-1]["meta_info"]["finish_reason"]["type"] == "abort"
     assert len(result.events[-1]["output_ids"]) < 3000
 

@@ -16,8 +16,8 @@ Rules:
 - The ids an HTTP request will submit later (its ``n`` samples, once their
   shared prompt is prefilled) are held by a :class:`PlannedRequests` from the
   start: a duplicate is refused, and an abort by one of them (or of all)
-  marks it aborted, so the samples are never run (SGLang's abort reaches a
-  request it accepted, whatever its stage).
+  marks it aborted, so that sample (or every one) is never run, and only
+  that one (SGLang's abort reaches a request it accepted, whatever its stage).
 
 Event-loop side only; the engine thread re-checks :meth:`check_can_generate`
 when it admits a request, since memory may be released in between.
@@ -38,13 +38,14 @@ DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default when a request names none
 
 
 class PlannedRequests:
-    """Ids an HTTP request holds before it submits them; ``is_aborted`` once an abort named one of them or
-    all. :meth:`close` (idempotent) gives them back: the run submitted them (claiming each first) or ended."""
+    """Ids an HTTP request holds before it submits them; ``aborted`` holds those an abort named (each of them
+    after an abort of all). :meth:`close` (idempotent) gives them back: the run submitted them (claiming each
+    first) or ended."""
 
     def __init__(self, gate: RequestGate, rids: list[str]) -> None:
         self._gate = gate
         self.rids = rids
-        self.is_aborted = False
+        self.aborted: set[str] = set()
 
     def close(self) -> None:
         self._gate.drop_plan(self)
@@ -149,11 +150,12 @@ class RequestGate:
         return planned
 
     def abort_planned(self, rid: str | None) -> None:
-        """An abort of ``rid`` (None: all) reaches the requests planned under it too."""
-        plans = set(self._planned.values()) if rid is None else {self._planned[rid]} if rid in self._planned \
-            else set()
-        for planned in plans:
-            planned.is_aborted = True
+        """An abort of ``rid`` (None: all) reaches the request planned under it too, and only that one."""
+        if rid is None:
+            for planned in set(self._planned.values()):
+                planned.aborted.update(planned.rids)
+        elif rid in self._planned:
+            self._planned[rid].aborted.add(rid)
 
     def drop_plan(self, planned: PlannedRequests) -> None:
         for rid in planned.rids:

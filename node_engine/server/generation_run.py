@@ -13,9 +13,9 @@ first and leaves its KV to the prefix cache; the samples are submitted when it
 is done, and each reuses all of the prompt but its last token: the prompt is
 prefilled once, not ``n`` times (SGLang does the same, in
 ``TokenizerManager._handle_batch_request``). The samples' ids are held from
-the start (``RequestGate.plan``): an abort that names one of them, or all,
-while the prompt is prefilled makes every sample answer ``abort`` without
-running.
+the start (``RequestGate.plan``): an abort that names one of them while the
+prompt is prefilled makes that sample answer ``abort`` without running (an
+abort of all, every sample); its siblings run.
 """
 
 from __future__ import annotations
@@ -57,6 +57,14 @@ class SequenceSpec:
 def _own(mm: MultimodalPrompt | None) -> MultimodalPrompt | None:
     """Each request owns its image features (a prefill drops them): samples of one prompt get copies."""
     return None if mm is None else mm.fresh()
+
+
+def _aborted_before_it_ran(rid: str, spec: SequenceSpec) -> RequestHandle:
+    """A handle holding a sequence's final output, ``abort`` before it ran, that never reaches the engine."""
+    handle = RequestHandle(rid)
+    handle.put(RequestOutput(rid, "", [], len(spec.prompt_ids), 0, finish_reason=FinishReason.ABORT,
+                             finish_json=finish_abort_waiting()))
+    return handle
 
 
 def logprob_shape(options: LogprobOptions | None) -> LogprobShape | None:
@@ -105,14 +113,16 @@ class GenerationRun:
             firsts.setdefault(spec.prompt_index, index)
         return [firsts[prompt] for prompt in sorted(shared)]
 
-    def _submit(self) -> None:
-        self.handles = [self.engine.submit(spec.prompt_ids, spec.params, rid, stream=self.stream, mm=_own(spec.mm),
+    def _submit(self, aborted: set[str] | frozenset[str] = frozenset()) -> None:
+        """Submit every sequence but those in ``aborted``, which answer ``abort`` without reaching the engine."""
+        self.handles = [_aborted_before_it_ran(rid, spec) if rid in aborted else
+                        self.engine.submit(spec.prompt_ids, spec.params, rid, stream=self.stream, mm=_own(spec.mm),
                                            logprobs=spec.logprobs, use_prefix_cache=spec.use_prefix_cache)
                         for spec, rid in zip(self.sequences, self.rids, strict=True)]
 
     async def _prefill_shared_prompts(self) -> None:
-        """Wait for the shared prompts' prefills (a refusal is raised), then submit every sequence; if the run
-        was aborted meanwhile, every sequence answers ``abort`` instead."""
+        """Wait for the shared prompts' prefills (a refusal is raised), then submit every sequence; one that an
+        abort named meanwhile answers ``abort`` instead."""
         plan = self._plan
         try:
             try:
@@ -125,22 +135,10 @@ class GenerationRun:
                 prefills, self._prefills = self._prefills, []
                 for handle in prefills:
                     self.engine.abort(handle.rid)  # a no-op for those that finished
-            if plan is not None and plan.is_aborted:
-                self._answer_aborted()
-            else:
-                self._submit()  # each id claimed before the plan gives it back
+            self._submit(plan.aborted if plan is not None else frozenset())  # each id claimed before the plan lets go
         finally:
             if plan is not None:
                 plan.close()
-
-    def _answer_aborted(self) -> None:
-        """Each sequence's final output, ``abort`` before it ran, without reaching the engine."""
-        self.handles = []
-        for spec, rid in zip(self.sequences, self.rids, strict=True):
-            handle = RequestHandle(rid)
-            handle.put(RequestOutput(rid, "", [], len(spec.prompt_ids), 0, finish_reason=FinishReason.ABORT,
-                                     finish_json=finish_abort_waiting()))
-            self.handles.append(handle)
 
     @property
     def num_prompts(self) -> int:

@@ -1,6 +1,7 @@
 """An abort reaches every request the engine accepted, whatever its stage, as in SGLang: one still in the
 engine's inbox while the engine thread is mid-step, and the ``n`` samples of a prompt still being prefilled
-(found by review: both ran to their full length after an abort answered ``aborted: []`` or ``all``)."""
+(found by review: both ran to their full length after an abort answered ``aborted: []`` or ``all``); an abort of
+one sample reaches that sample only."""
 
 from __future__ import annotations
 
@@ -60,7 +61,7 @@ def test_an_abort_reaches_a_request_still_in_the_engines_inbox(engine) -> None:
     drill.with_name("drill.json.fired").unlink()
 
 
-@pytest.mark.parametrize("abort", [{"rid": "X_1"}, {"abort_all": True}, "pause"])
+@pytest.mark.parametrize("abort", [{"abort_all": True}, "pause"])
 def test_an_abort_during_the_shared_prompt_prefill_ends_every_sample(engine, abort) -> None:
     proc, _ = engine
     with httpx.Client(base_url=proc.url, timeout=60) as client:
@@ -72,8 +73,7 @@ def test_an_abort_during_the_shared_prompt_prefill_ends_every_sample(engine, abo
         if abort == "pause":
             assert client.post("/pause_generation", json={"mode": "abort"}).status_code == 200
         else:
-            r = client.post("/abort_request", json=abort)
-            assert r.json()["aborted"] in (["X_1"], "all"), r.text
+            assert client.post("/abort_request", json=abort).json()["aborted"] == "all"
         assert client.post("/continue_generation", json={}).status_code == 200
         run.join(60)
         outputs = answer["r"].json()
@@ -82,6 +82,31 @@ def test_an_abort_during_the_shared_prompt_prefill_ends_every_sample(engine, abo
         assert client.get("/memory_occupation").json()["queued_requests"] == 0
         # the ids are free again, and the engine serves them
         r = client.post("/generate", json={"rid": "X", "input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2}})
+        assert r.status_code == 200, r.text
+
+
+def test_an_abort_of_one_sample_during_the_shared_prompt_prefill_ends_only_that_sample(engine) -> None:
+    """An abort naming ``X_1`` while the prompt of ``X``'s samples was prefilled answered ``abort`` for every
+    sample, ``X_0`` and ``X_2`` with no token (found by review): an abort reaches the request it names (SGLang's
+    ``TokenizerManager.abort_request``), at that stage as once the samples run."""
+    proc, _ = engine
+    with httpx.Client(base_url=proc.url, timeout=60) as client:
+        assert client.post("/pause_generation", json={"mode": "in_place"}).status_code == 200  # holds the prefill
+        run, answer = in_background(client, {"rid": "X", "input_ids": [5, 6, 7, 8, 9], "sampling_params": {
+            "n": 3, "max_new_tokens": 8, "temperature": 0.7, "ignore_eos": True}})
+        wait_until(lambda: client.get("/memory_occupation").json()["queued_requests"] == 1, timeout=10,
+                   what="the shared prompt's prefill queued")
+        assert client.post("/abort_request", json={"rid": "X_1"}).json()["aborted"] == ["X_1"]
+        assert client.post("/continue_generation", json={}).status_code == 200
+        run.join(60)
+        outputs = answer["r"].json()
+        assert [(o["meta_info"]["id"], o["meta_info"]["finish_reason"]["type"], o["meta_info"]["completion_tokens"])
+                for o in outputs] == [("X_0", "length", 8), ("X_1", "abort", 0), ("X_2", "length", 8)], outputs
+        occupation = client.get("/memory_occupation").json()
+        assert occupation["queued_requests"] == 0 and occupation["running_requests"] == 0
+        # every id is free again
+        r = client.post("/generate", json={"rid": ["X_0", "X_1", "X_2"], "input_ids": [[5], [6], [7]],
+                                           "sampling_params": {"max_new_tokens": 2}})
         assert r.status_code == 200, r.text
 
 

@@ -63,3 +63,17 @@ def test_areal_colocated_offload_reload_onload(cluster, lb, checkpoints, referen
     assert greedy(lb) != before
     assert_cluster_serves(cluster, reference, version="default")  # no version given: it stays, as in SGLang
     post(lb, "/update_weight_version", {"new_version": "default"})
+
+
+def test_areal_repeated_offload_and_staged_onload(cluster, lb, checkpoints, reference) -> None:
+    """``arequest_with_retry`` sends a call again after a timeout: a second offload or onload succeeds and
+    changes nothing; ``onload(tags)`` resumes in stages (weights, then the KV cache)."""
+    post(lb, "/pause_generation", {})
+    post(lb, "/release_memory_occupation", {})
+    post(lb, "/release_memory_occupation", {})
+    post(lb, "/update_weights_from_disk", {"model_path": str(checkpoints["new"]), "abort_all_requests": True})
+    for tags in (["weights"], ["weights"], ["kv_cache"], None):
+        post(lb, "/resume_memory_occupation", {"tags": tags} if tags is not None else {})
+    post(lb, "/continue_generation", {})
+    assert_cluster_serves(cluster, reference, version="default")
+    post(lb, "/update_weight_version", {"new_version": "default"})

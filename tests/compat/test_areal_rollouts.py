@@ -14,7 +14,8 @@ one with ``--no-deps``), so it is replayed here, transcribed from:
 - ``areal/infra/remote_inf_engine.py``: the rollout loop that resumes an
   aborted generation (``input_ids += output_tokens``, ``max_new_tokens -=`` what
   came) until ``stop``/``length``, across ``/pause_generation`` (abort) and
-  ``/continue_generation``;
+  ``/continue_generation``; ``arequest_with_retry`` (a call repeated after a timeout),
+  ``check_health`` (``GET /health`` with a JSON body ``{}``);
 - ``areal/api/cli_args.py``: ``GenerationHyperparameters``' defaults.
 """
 
@@ -24,6 +25,7 @@ import threading
 from typing import Any
 
 import httpx
+import pytest
 
 from tests.support.procs import wait_until
 
@@ -139,3 +141,36 @@ def test_a_rollout_interrupted_by_pause_resumes_to_its_length(http) -> None:
     tokens, logprobs, reasons = result["out"]
     assert len(tokens) == len(logprobs) == 600
     assert reasons[0] == "abort" and reasons[-1] == "length"
+
+
+def test_stop_token_ids_and_stop_strings_end_a_rollout(http) -> None:
+    """AReaL reads the tokens from ``output_token_logprobs``: the one that matched a stop is among them, as
+    in SGLang's ``output_ids``, and the rollout loop ends on ``stop``. ``ignore_eos`` turns stop tokens off
+    too (SGLang's ``Req._check_token_based_finish``, ``schedule_batch.py:1857``), not stop strings."""
+    greedy = {**GCONFIG, "greedy": True}
+    expected, _, _ = rollout(http, PROMPT_IDS, {**greedy, "ignore_eos": True})
+    stop_id = expected[2]
+    tokens, logprobs, reasons = rollout(http, PROMPT_IDS, {**greedy, "stop_token_ids": [stop_id]})
+    assert reasons == ["stop"] and tokens == expected[:expected.index(stop_id) + 1] and len(logprobs) == len(tokens)
+    tokens, _, reasons = rollout(http, PROMPT_IDS, {**greedy, "stop_token_ids": [stop_id], "ignore_eos": True})
+    assert reasons == ["length"] and tokens == expected
+    printable = [t for t in expected if 32 < t < 127]
+    assert printable, f"no ASCII token to stop on in {expected}"
+    request = build_generation_request(PROMPT_IDS, {**greedy, "ignore_eos": True, "stop": [chr(printable[0])]})
+    answer = http.post("/generate", json=request).json()
+    tokens, logprobs, reason = parse_generation_response(answer)
+    assert reason == "stop" and answer["meta_info"]["finish_reason"]["matched"] == chr(printable[0])
+    assert tokens == expected[:expected.index(printable[0]) + 1] and len(logprobs) == len(tokens)
+
+
+@pytest.mark.parametrize("through", ["lb", "sidecar"])  # AReaL's addresses: the LB, or each node's own door
+def test_the_health_check_and_repeated_pause_and_continue(cluster, through: str) -> None:
+    """``get_health_check_request``: a GET with a JSON body ``{}``; ``arequest_with_retry`` repeats a call that
+    timed out, so a second pause or continue must succeed and change nothing."""
+    url = cluster.url if through == "lb" else cluster.nodes[0].url
+    with httpx.Client(base_url=url, timeout=60) as http:
+        assert http.request("GET", "/health", json={}).status_code == 200
+        for endpoint in ("/pause_generation", "/pause_generation", "/continue_generation", "/continue_generation"):
+            assert http.post(endpoint, json={}).status_code == 200
+        tokens, logprobs, reasons = rollout(http, PROMPT_IDS, {**GCONFIG, "ignore_eos": True})
+        assert len(tokens) == len(logprobs) == 16 and reasons == ["length"]

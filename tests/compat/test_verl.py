@@ -55,3 +55,35 @@ def test_verl_hybrid_step_pushes_tensors_and_ends_serving(cluster, lb, weights, 
     post("abort_request", {"rid": "", "abort_all": True})
     assert greedy(lb) != before
     assert_cluster_serves(cluster, reference, version="default")
+
+
+def read_response(response: requests.Response) -> object:
+    """``http_server_engine._read_response``: ``{}`` for no content, JSON, else the text."""
+    if response.status_code == 204 or not response.content:
+        return {}
+    try:
+        return response.json()
+    except ValueError:
+        return {"content_type": response.headers.get("Content-Type", ""), "text": response.text}
+
+
+def test_the_http_adapters_default_bodies_and_repeated_calls(cluster, lb, weights, reference) -> None:
+    """``HttpServerAdapter``'s defaults: ``{"tags": null}`` (everything), ``{"rid": "", "abort_all": false}``;
+    its ``_make_request`` sends a call again after a timeout, so a second release or resume must succeed and
+    change nothing."""
+    def post(endpoint: str, payload: dict) -> object:
+        response = requests.post(f"{lb}/{endpoint}", json=payload, timeout=60)
+        response.raise_for_status()
+        return read_response(response)
+
+    for _ in range(2):
+        post("release_memory_occupation", {"tags": None})
+    for _ in range(2):
+        post("resume_memory_occupation", {"tags": None})
+    for _ in range(2):  # the same bucket twice: a retried push
+        post("update_weights_from_tensor", {"serialized_named_tensors": [verl_payload(list(weights["new"].items()))],
+                                            "load_format": None, "flush_cache": True})
+    flushed = requests.get(f"{lb}/flush_cache", timeout=60)
+    assert flushed.status_code == 200 and isinstance(read_response(flushed), dict)
+    post("abort_request", {"rid": "", "abort_all": False})  # no request named "": nothing aborted
+    assert_cluster_serves(cluster, reference, version="default")

@@ -14,6 +14,7 @@ bodies and the parsing are replayed here, transcribed from:
   ``logprob_start_len``/``top_logprobs_num`` for prompt logprobs) and its
   parsing (``finish_reason["type"]``, logprobs from ``output_token_logprobs``
   checked against ``output_ids``), and ``_extract_prompt_logprobs_sglang``;
+- ``http_server_engine.py``'s ``abort_request`` (``{"rid": rid, "abort_all": false}``);
 - ``verl/experimental/agent_loop/agent_loop.py``: the sampling parameters
   (``temperature``, ``top_p``, ``top_k``, ``repetition_penalty`` 1.0,
   ``logprobs``; greedy: top_p 1, top_k -1, temperature 0).
@@ -21,11 +22,14 @@ bodies and the parsing are replayed here, transcribed from:
 
 from __future__ import annotations
 
+import threading
 import uuid
 from typing import Any
 
 import httpx
 import pytest
+
+from tests.support.procs import wait_until
 
 PROMPT_IDS = [256] + [ord(c) for c in "The rollout starts here"]
 MAX_MODEL_LEN, PROMPT_LENGTH, RESPONSE_LENGTH = 4096, 64, 24
@@ -153,3 +157,40 @@ def test_prompt_logprobs_for_the_distillation_teacher(http, topk: int) -> None:
     assert all(row == sorted(row, reverse=True) and row[0] <= 0 for row in rows)  # best first
     actual = [entry[0] for entry in answer["meta_info"]["input_token_logprobs"][1:]]
     assert all(value <= row[0] + 1e-6 for value, row in zip(actual, rows))  # no prompt token beats the best
+
+
+@pytest.mark.parametrize("through", ["lb", "sidecar"])  # the adapter's host:port: the LB, or a node's own door
+def test_abort_request_by_rid_ends_that_request_with_parsable_logprobs(cluster, through: str) -> None:
+    """``abort_request(rid)``'s body, ``{"rid": rid, "abort_all": false}``: the request ends as ``abort`` with
+    one logprob per token it made (verl drops a sample whose lengths differ); a second abort changes nothing."""
+    with httpx.Client(base_url=cluster.url if through == "lb" else cluster.nodes[0].url, timeout=60) as http:
+        _abort_by_rid(http)
+
+
+def _abort_by_rid(http: httpx.Client) -> None:
+    request_id = uuid.uuid4().hex
+    request, return_logprob, _ = server_request(request_id, PROMPT_IDS, {
+        **agent_loop_sampling_params(greedy=False), "max_new_tokens": 3000, "ignore_eos": True})
+    result: dict[str, Any] = {}
+
+    def run() -> None:
+        with httpx.Client(base_url=str(http.base_url), timeout=120) as client:
+            result["answer"] = post(client, request)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    body = {"rid": request_id, "abort_all": False}
+
+    def aborted_by(response: httpx.Response) -> list[str]:
+        assert response.status_code == 200, response.text
+        answer = response.json()  # the LB's answer holds each node's
+        return [rid for body in ([r["body"] for r in answer["results"]] if "results" in answer else [answer])
+                for rid in body["aborted"]]
+
+    # once its node admitted it (an abort before that finds no such request)
+    wait_until(lambda: aborted_by(http.post("/abort_request", json=body)) == [request_id], timeout=30,
+               what="the request aborted")
+    thread.join(120)
+    assert aborted_by(http.post("/abort_request", json=body)) == []
+    token_ids, log_probs, reason = parse(result["answer"], return_logprob)
+    assert reason == "abort" and len(token_ids) == len(log_probs) == len(result["answer"]["output_ids"]) < 3000

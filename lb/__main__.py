@@ -7,14 +7,14 @@ import logging
 from typing import Sequence
 
 from handoff.service.auth import token_from
-from handoff.service.flag_types import positive_seconds
+from handoff.service.flag_types import positive_int, positive_seconds
 from handoff.service.limits import DEFAULT_MAX_BODY_BYTES
 from handoff.service.logs import setup_logging
 from handoff.service.serve import add_server_args, serve_from_args
 from lb.addresses import Resolver
 from lb.app import create_app
 from handoff.service.limits import DEFAULT_MAX_ANSWER_BYTES
-from lb.config import DnsTarget, LBConfig, NodeSpec, Policy, Role
+from lb.config import DEFAULT_MAX_NODES, DnsTarget, LBConfig, NodeSpec, Policy, Role
 
 log = logging.getLogger("lb")
 
@@ -29,6 +29,9 @@ def build_parser() -> argparse.ArgumentParser:
     nodes.add_argument("--decode", action="append", default=[], metavar="URL", help="a decode node (repeatable)")
     nodes.add_argument("--discover-dns", action="append", default=[], metavar="ROLE=HOST:PORT",
                        help="every address of HOST is a ROLE node on PORT (repeatable; prefill may add @PORT)")
+    nodes.add_argument("--max-nodes", type=positive_int, default=DEFAULT_MAX_NODES, metavar="N",
+                       help="the most members the LB holds: POST /nodes past it is 409 too_many_nodes, DNS "
+                            f"discovery leaves the rest out (default {DEFAULT_MAX_NODES})")
     nodes.add_argument("--discover-interval", type=positive_seconds, default=10.0, metavar="S",
                        help="seconds between DNS lookups (default 10)")
     routing = parser.add_argument_group("routing and timeouts")
@@ -86,6 +89,7 @@ def config_from_args(args: argparse.Namespace) -> LBConfig:
         health_timeout_s=args.health_timeout,
         unhealthy_threshold=args.unhealthy_threshold,
         healthy_threshold=args.healthy_threshold,
+        max_nodes=args.max_nodes,
         max_body_bytes=args.max_body_bytes,
         max_answer_bytes=args.max_answer_bytes,
         body_timeout_s=args.body_timeout,

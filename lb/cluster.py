@@ -56,7 +56,7 @@ class Cluster:
         self.metrics = metrics
         self.state = ClusterState.CREATED
         self.node_headers = BearerToken(admin_token_of(config.admin_token, config.api_key)).header()
-        self.membership = Membership(metrics)
+        self.membership = Membership(metrics, config.max_nodes)
         for spec in config.nodes:
             self.membership.add(spec, "flag")
         self.router = Router(self.membership, config.policy, retry_after_s=max(1.0, config.health_interval_s))

@@ -11,6 +11,9 @@ from handoff.service.limits import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_ANSWER_BY
 from lb.addresses import canonical_url, literal_addresses, split_canonical
 
 
+DEFAULT_MAX_NODES = 1024  # each member costs health checks, pooled connections and metric series
+
+
 class Role(str, enum.Enum):
     MIXED = "mixed"
     PREFILL = "prefill"
@@ -111,6 +114,7 @@ class LBConfig:
     health_timeout_s: float = 2.0
     unhealthy_threshold: int = 2
     healthy_threshold: int = 1
+    max_nodes: int = DEFAULT_MAX_NODES
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_answer_bytes: int = DEFAULT_MAX_ANSWER_BYTES
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
@@ -131,10 +135,13 @@ class LBConfig:
             if self.max_control_timeout_s < getattr(self, name):
                 raise ValueError(f"--max-control-timeout ({self.max_control_timeout_s:g}) must be at least "
                                  f"{_flag(name)} ({getattr(self, name):g})")
-        for name in ("unhealthy_threshold", "healthy_threshold", "max_body_bytes", "max_answer_bytes"):
+        for name in ("unhealthy_threshold", "healthy_threshold", "max_nodes", "max_body_bytes", "max_answer_bytes"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{_flag(name)} must be a positive integer, got {value!r}")
+        if len(self.nodes) > self.max_nodes:
+            raise ValueError(f"--node, --prefill and --decode list {len(self.nodes)} nodes, more than --max-nodes "
+                             f"({self.max_nodes})")
         repeated = sorted({str(t) for t in self.discover_dns if self.discover_dns.count(t) > 1})
         if repeated:
             raise ValueError(f"--discover-dns {repeated[0]} is listed twice")

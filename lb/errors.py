@@ -32,6 +32,12 @@ class NodeExists(Conflict):
     kind = E.NODE_EXISTS
 
 
+class TooManyNodes(Conflict):
+    """The LB already holds ``--max-nodes`` members."""
+
+    kind = E.TOO_MANY_NODES
+
+
 class NodeNotFound(NotFound):
     kind = E.NODE_NOT_FOUND
 

@@ -18,8 +18,8 @@ import logging
 from typing import Iterable
 
 from lb.addresses import literal_addresses, split_canonical
-from lb.config import NodeSpec, Role
-from lb.errors import NodeExists, NodeNotFound
+from lb.config import DEFAULT_MAX_NODES, NodeSpec, Role
+from lb.errors import NodeExists, NodeNotFound, TooManyNodes
 from lb.metrics import LBMetrics
 from lb.node import InflightCount, Node, NodeHealth
 
@@ -29,8 +29,9 @@ log = logging.getLogger(__name__)
 class Membership:
     """The nodes by URL, in the order they joined, with per-role lists kept for routing."""
 
-    def __init__(self, metrics: LBMetrics) -> None:
+    def __init__(self, metrics: LBMetrics, max_nodes: int = DEFAULT_MAX_NODES) -> None:
         self._metrics = metrics
+        self.max_nodes = max_nodes
         self._nodes: dict[str, Node] = {}
         self._by_role: dict[Role, list[Node]] = {role: [] for role in Role}
         self._by_literal: dict[tuple[int, str], list[Node]] = {}  # (port, IP) -> members spelled with it
@@ -84,11 +85,14 @@ class Membership:
 
     def add(self, spec: NodeSpec, source: str, addresses: frozenset[str] = frozenset()) -> Node:
         """Add a member; ``addresses`` are what its host resolved to. Raises :class:`NodeExists` for a URL or an
-        address and port that already is a member."""
+        address and port that already is a member, :class:`TooManyNodes` when ``max_nodes`` are members."""
         existing = self.same_address(spec.url, addresses)
         if existing is not None:
             same = "" if existing.url == spec.url else f" (as {existing.url}: the same address and port)"
             raise NodeExists(f"{spec.url} is already a member{same}", extra={"node": existing.url})
+        if len(self._nodes) >= self.max_nodes:
+            raise TooManyNodes(f"the load balancer holds {len(self._nodes)} nodes, its --max-nodes: remove one "
+                               f"before adding {spec.url}", extra={"node": spec.url, "max_nodes": self.max_nodes})
         inflight = self._inflight.setdefault(spec.url, InflightCount())
         inflight.on_idle = None
         node = Node(spec, source, self._metrics, inflight, addresses)
@@ -140,7 +144,8 @@ class Membership:
             inflight.on_idle = forget
 
     def sync(self, source: str, specs: Iterable[NodeSpec]) -> tuple[list[Node], list[Node]]:
-        """Make the members added by ``source`` exactly ``specs``; returns (added, removed)."""
+        """Make the members added by ``source`` exactly ``specs``, as many as ``max_nodes`` leaves room for (the
+        first listed; the rest are logged and left out); returns (added, removed)."""
         wanted = {spec.url: spec for spec in specs}
         removed = [self.remove(node.url, f"no longer listed by {source}") for node in list(self._nodes.values())
                    if node.source == source and node.url not in wanted]
@@ -149,14 +154,19 @@ class Membership:
             if twin is not None and twin.source != source:
                 removed.append(self.remove(node.url, f"the same address and port as {twin.url} (added by "
                                                      f"{twin.source})"))
-        added = []
+        added, left_out = [], []
         for spec in wanted.values():
             existing = self.same_address(spec.url)
-            if existing is None:
+            if existing is None and len(self._nodes) >= self.max_nodes:
+                left_out.append(spec.url)
+            elif existing is None:
                 added.append(self.add(spec, source))
             elif existing.source != source:
                 log.debug("%s: %s is already a member as %s (added by %s)", source, spec.url, existing.url,
                           existing.source)
+        if left_out:
+            log.warning("%s: %d node(s) left out, the load balancer holds --max-nodes (%d): %s%s", source,
+                        len(left_out), self.max_nodes, ", ".join(left_out[:5]), ", ..." if len(left_out) > 5 else "")
         return added, removed
 
     def _set_role_list(self, role: Role, members: list[Node]) -> None:

@@ -14,6 +14,7 @@ event is the error, :mod:`lb.pd_refusals`) ends the other side's call (:mod:`lb.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import random
@@ -25,12 +26,12 @@ from handoff.protocol.weights import WEIGHT_VERSION_HEADER
 from handoff.service.disconnect import DisconnectWatch
 from handoff.service.errors import InvalidRequest, ServiceError, parse_json_bytes
 from handoff.service.logs import rate_limit
-from handoff.service.peer_json import PeerJSONError, loads_bounded
+from handoff.service.peer_json import PeerJSONError
 from handoff.service.upstream import UpstreamResponse
 from lb.config import Role
 from lb.errors import UpstreamFailed
 from lb.node import Node, RequestLease
-from lb.pd_logprobs import merge_input_logprobs
+from lb.pd_logprobs import merged_answer
 from lb.pd_streams import PairStreams
 from lb.pd_retry import PairRetries
 from lb.relay import NodeCaller, buffered_response, is_event_stream
@@ -40,6 +41,9 @@ log = logging.getLogger(__name__)
 rate_limit(log)  # a failing prefill node is a warning per request
 
 MAX_PD_BATCH = 4096  # prompts in one PD request; a handoff engine takes at most 256 (SGLang sets no limit)
+# answers larger than this (both nodes' bodies) are merged on a thread: 64 KiB parse and write in about a
+# millisecond, while tens of megabytes of logprobs held the event loop, every other request with it, for seconds
+MERGE_ON_LOOP_BYTES = 64 * 1024
 Outcome = Any  # UpstreamResponse | Response | Reroute | ServiceError: what one side of a pair did
 
 
@@ -194,13 +198,15 @@ class PDDispatcher:
             return buffered_response(decode_up, decode_raw)
         if isinstance(prefill_raw, ServiceError):
             raise prefill_raw
+        merge = functools.partial(merged_answer, prefill_raw, decode_raw)
         try:
-            merged = loads_bounded(decode_raw)
-            merge_input_logprobs(loads_bounded(prefill_raw), merged)
+            if len(prefill_raw) + len(decode_raw) > MERGE_ON_LOOP_BYTES:
+                merged = await asyncio.to_thread(merge)
+            else:
+                merged = merge()
         except PeerJSONError as exc:
             raise UpstreamFailed(f"cannot merge input logprobs of {prefill.url} and {decode.url}: {exc}") from exc
-        return Response(json.dumps(merged).encode(), status_code=decode_up.status,
-                        media_type="application/json")
+        return Response(merged, status_code=decode_up.status, media_type="application/json")
 
     async def _read_prefill(self, lease: RequestLease, upstream: UpstreamResponse, path: str) -> bytes:
         node = lease.node

@@ -9,6 +9,7 @@ import json
 from typing import Any
 
 from handoff.protocol.sse import DONE, EventSplitter, EventTooLarge, data_event, event_data
+from handoff.service.json_pieces import drop_in_pieces, gc_paused, render_in_pieces
 from handoff.service.peer_json import PeerJSONError, loads_bounded
 from handoff.service.relay import ChunkTransform
 
@@ -30,6 +31,20 @@ def merge_input_logprobs(prefill: Any, decode: Any) -> None:
         ours, theirs = prefill_meta.get(key), decode_meta.get(key)
         if isinstance(ours, list) and (theirs is None or isinstance(theirs, list)):
             decode_meta[key] = ours + (theirs or [])
+
+
+def merged_answer(prefill_raw: bytes, decode_raw: bytes) -> bytes:
+    """The decode node's whole answer with the prefill's input logprobs in front of its own; raises
+    :class:`PeerJSONError`. Made to run on a thread for a large answer: parsed and written in small steps
+    (:mod:`handoff.service.json_pieces`), so the event loop keeps its turns meanwhile."""
+    with gc_paused():  # the trees are acyclic and gone before the block ends
+        merged, prefill = loads_bounded(decode_raw, in_turns=True), loads_bounded(prefill_raw, in_turns=True)
+        merge_input_logprobs(prefill, merged)
+        # a prompt's logprob lists, in pieces: below meta_info (one answer) or below each item's (a batch)
+        body = render_in_pieces(merged, piece_depth=3 if isinstance(merged, list) else 2).encode()
+        drop_in_pieces(merged)
+        drop_in_pieces(prefill)
+        return body
 
 
 def first_events(raw: bytes) -> dict[int, Any]:

@@ -43,6 +43,7 @@ DRAIN_TIMEOUT = ErrorType("drain_timeout", 409)
 MEMORY_SAVER_DISABLED = ErrorType("memory_saver_disabled", 409)
 NO_WEIGHTS_BACKUP = ErrorType("no_weights_backup", 409)
 WEIGHT_SYNC_BROKEN = ErrorType("weight_sync_broken", 409)  # a group missed a broadcast: destroy it, init again
+TOO_MANY_NODES = ErrorType("too_many_nodes", 409)  # the LB holds --max-nodes members: remove one first
 
 # -- not serving: 503 + Retry-After; nothing ran, so a router may send the request elsewhere --
 UNAVAILABLE = ErrorType("unavailable", 503)

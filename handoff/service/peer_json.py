@@ -67,36 +67,63 @@ def _finite_float(text: str) -> float:
 
 def loads_bounded(raw: bytes | str, *, max_bytes: int | None = None, max_depth: int = MAX_DEPTH,
                   parse_int: Callable[[str], Any] | None = None,
-                  object_pairs_hook: Callable[[list[tuple[str, Any]]], Any] | None = None) -> Any:
+                  object_pairs_hook: Callable[[list[tuple[str, Any]]], Any] | None = None,
+                  in_turns: bool = False) -> Any:
     """``json.loads`` for a peer's body; raises :class:`PeerJSONError` naming what is wrong.
 
     ``bytes`` are UTF-8, a ``str`` is parsed as text (no encoding is guessed from the first bytes, a BOM is an
     error);
     ``parse_int``, ``object_pairs_hook``: as ``json.loads``'s (a ValueError or OverflowError they raise is a
     PeerJSONError).
+    ``in_turns``: for a thread parsing a large body while an event loop runs. The byte scans (the nesting, the
+    floats out of range) are one C call each over the whole body, holding the GIL for a second on tens of
+    megabytes; instead every number is read by a Python function (the interpreter hands the GIL to a waiting
+    thread between them) and the nesting is measured on the parsed value (the parser's own recursion bound
+    stops a document nested without end first).
     """
     data = raw.encode() if isinstance(raw, str) else raw
     if max_bytes is not None and len(data) > max_bytes:
         raise PeerJSONError(f"{len(data)} bytes of JSON, over the {max_bytes}-byte limit")
-    if nests_deeper_than(data, max_depth):
+    if not in_turns and nests_deeper_than(data, max_depth):
         raise PeerJSONError(f"JSON nesting arrays or objects more than {max_depth} deep")
     try:
         # a float past its range needs an exponent of 3+ digits or 210+ digits in a row: only then is each float
         # parsed through Python (otherwise the C scanner's own float parsing stays the only cost)
-        check_floats = _finite_float if _MAYBE_OUT_OF_RANGE.search(data) else None
+        check_floats = _finite_float if in_turns or _MAYBE_OUT_OF_RANGE.search(data) else None
         # bytes are UTF-8 (RFC 8259), decoded strictly: json.loads would guess UTF-16 or 32 (which the checks on
         # ``data`` do not read) and decode with "surrogatepass" (UTF-8 for a lone surrogate would pass); an escaped
         # one (\ud800) is looked for in every string, a key given twice included
         text = raw if isinstance(raw, str) else data.decode("utf-8")
         has_surrogates = _SURROGATE_ESCAPE.search(data) is not None
         pairs_hook = _checking_pairs(object_pairs_hook) if has_surrogates else object_pairs_hook
-        value = json.loads(text, parse_constant=_refuse_constant, parse_float=check_floats, parse_int=parse_int,
-                           object_pairs_hook=pairs_hook)
+        value = json.loads(text, parse_constant=_refuse_constant, parse_float=check_floats,
+                           parse_int=parse_int or (_int if in_turns else None), object_pairs_hook=pairs_hook)
         if has_surrogates:
             _check_strings(value)
     except (UnicodeError, ValueError, OverflowError, RecursionError) as exc:
         raise PeerJSONError(f"not valid JSON: {exc}") from exc
+    if in_turns and _value_deeper_than(value, max_depth):
+        raise PeerJSONError(f"JSON nesting arrays or objects more than {max_depth} deep")
     return value
+
+
+def _int(text: str) -> int:
+    return int(text)
+
+
+def _value_deeper_than(value: Any, limit: int) -> bool:
+    """Whether a parsed value's lists and dicts nest more than ``limit`` deep (a Python loop: it gives other
+    threads their turns)."""
+    pending = [(value, 1)]
+    while pending:
+        item, depth = pending.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is None:
+            continue
+        if depth > limit:
+            return True
+        pending.extend((child, depth + 1) for child in children if isinstance(child, (list, dict)))
+    return False
 
 
 def _checking_pairs(hook: Callable[[list[tuple[str, Any]]], Any] | None) -> Callable[[list[tuple[str, Any]]], Any]:

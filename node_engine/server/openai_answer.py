@@ -4,8 +4,6 @@ finish fields, and a chat stream's deltas (:mod:`node_engine.server.routes_opena
 from __future__ import annotations
 
 import asyncio
-import functools
-import json
 import time
 from typing import Any, AsyncIterator, Callable
 
@@ -15,6 +13,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from handoff.protocol.generation import SequenceAnswer, SequenceChunk, finish_matched, finish_type
 from handoff.service.disconnect import CLIENT_CLOSED
 from handoff.service.errors import ServiceError
+from handoff.service.json_pieces import render_in_pieces
 from node_engine.engine import Engine
 from node_engine.request import RequestOutput
 from node_engine.server.generate_plan import GeneratePlan
@@ -151,30 +150,6 @@ class Answer:
         return self.payload([choice(i, a) for i, a in enumerate(answers)], usage(answers, self.n),
                             version=answers[-1].weight_version if answers else None,
                             versions=answers[-1].weight_versions if answers else None)
-
-
-_DUMPS = functools.partial(json.dumps, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
-_PIECE_DEPTH = 4  # answer, choices, a choice, its logprobs: their lists below are encoded in pieces
-_PIECE = 256  # items of such a list per encoder call
-
-
-def render_in_pieces(value: Any, depth: int = 0) -> str:
-    """``value``'s JSON as ``JSONResponse`` renders it, made by encoder calls of bounded size: the containers
-    down to ``_PIECE_DEPTH`` one by one, a list below ``_PIECE`` items at a time. The C encoder holds the GIL
-    for a whole call (0.9 s for 64 chat choices of 100 tokens with 64 top logprobs each), so a thread that
-    renders in pieces leaves the event loop its turns."""
-    if depth < _PIECE_DEPTH and isinstance(value, dict):
-        return "{" + ",".join(f"{_key(key)}:{render_in_pieces(item, depth + 1)}" for key, item in value.items()) + "}"
-    if isinstance(value, list) and value:
-        if depth < _PIECE_DEPTH:
-            return "[" + ",".join(render_in_pieces(item, depth + 1) for item in value) + "]"
-        return "[" + ",".join(_DUMPS(value[i:i + _PIECE])[1:-1] for i in range(0, len(value), _PIECE)) + "]"
-    return _DUMPS(value)
-
-
-def _key(key: Any) -> str:
-    """A dict key as JSON writes it: a string always (``1`` as ``"1"``, ``None`` as ``"null"``)."""
-    return _DUMPS(key) if isinstance(key, str) else _DUMPS({key: 0})[1:-3]
 
 
 def finish_fields(reason: dict | None) -> dict[str, Any]:

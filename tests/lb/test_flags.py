@@ -25,6 +25,8 @@ CASES = [
     ("--health-timeout", ["--health-timeout", "inf"], {}),
     ("--unhealthy-threshold", ["--unhealthy-threshold", "1.5"], {}),
     ("--healthy-threshold", ["--healthy-threshold", "0"], {}),
+    ("--max-nodes", ["--max-nodes", "0"], {}),
+    ("--max-nodes", ["--max-nodes", "1", "--node", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2"], {}),
     ("--max-body-bytes", ["--max-body-bytes", "-1"], {}),
     ("--max-answer-bytes", ["--max-answer-bytes", "1e30"], {}),
     ("--header-timeout", ["--header-timeout", "0"], {}),

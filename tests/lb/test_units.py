@@ -266,7 +266,7 @@ async def test_a_large_dns_answer_is_added_in_linear_time(monkeypatch: pytest.Mo
     async def resolver(host: str, port: int) -> list[str]:
         return addresses
 
-    membership = Membership(LBMetrics())
+    membership = Membership(LBMetrics(), max_nodes=len(addresses))  # past the default of --max-nodes
     await DnsDiscovery([DnsTarget.parse("mixed=svc:8000")], membership, 1.0, resolver).refresh()
     assert len(membership) == 2000
     assert parses["host"] <= 3 * len(addresses), parses

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from starlette.responses import JSONResponse
 
-from node_engine.server.openai_answer import render_in_pieces
+from handoff.service.json_pieces import render_in_pieces
 
 # JSON writes a key that is not a string as one (1 as "1", None as "null"), as JSONResponse does
 _KEYS = st.text() | st.integers() | st.booleans() | st.none() | st.floats(allow_nan=False, allow_infinity=False)

@@ -82,3 +82,14 @@ def test_a_lone_surrogate_in_utf8_bytes_is_refused() -> None:
         with pytest.raises(PeerJSONError, match="not valid JSON"):
             loads_bounded(raw)
     assert loads_bounded('["\U0001f600"]'.encode()) == ["\U0001f600"]
+
+
+@pytest.mark.parametrize("raw", [b"[" * 65 + b"]" * 65, b"[" * 100_000 + b"]" * 100_000, b"[1e999]", b"[-1e400]",
+                                 b'{"a": [NaN]}', b"[1, 2", b'"\\ud800"'])
+def test_parsing_in_turns_refuses_what_the_byte_scans_refuse(raw: bytes) -> None:
+    """``in_turns`` (a thread parsing a large answer) measures the nesting on the value and reads every float
+    through Python instead of scanning the bytes: the same bodies are refused."""
+    with pytest.raises(PeerJSONError):
+        loads_bounded(raw, in_turns=True)
+    assert loads_bounded(b"[" * 64 + b"1.5e3, 7" + b"]" * 64, in_turns=True) == \
+        loads_bounded(b"[" * 64 + b"1.5e3, 7" + b"]" * 64)

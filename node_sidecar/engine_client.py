@@ -107,9 +107,13 @@ class EngineClient:
                        timeout: float | None = None, is_generation: bool = False) -> tuple[UpstreamResponse, bytes]:
         """One call whatever the answer's status or type: the response (closed) and its body, at most
         :data:`MAX_CONTROL_ANSWER_BYTES`. Raises EngineUnavailable (saying what became of the call) only when
-        no answer came."""
+        no answer came. ``timeout`` None is ``--control-timeout``; 0 or less (a caller's deadline spent, as a
+        flush's behind a long control call) is :func:`deadline_spent`, nothing sent."""
         payload = body if isinstance(body, bytes) else b"" if body is None else json.dumps(body).encode()
-        timeout = timeout or self.control_timeout
+        if timeout is None:
+            timeout = self.control_timeout
+        elif timeout <= 0:
+            raise deadline_spent(f"{method} {path}")
         try:
             response = await self.open(method, path, body=payload, headers=_JSON if body is not None else None,
                                        timeout=timeout, is_generation=is_generation)
@@ -178,6 +182,13 @@ class EngineClient:
             writer.close()
             await asyncio.sleep(0.02)
         return False
+
+
+def deadline_spent(call: str) -> ServiceError:
+    """A call whose caller's deadline ran out before it was sent: 504, not sent (a zero timeout is no time, not
+    ``--control-timeout``; sent, it would time out at once and count the engine unreachable)."""
+    return ServiceError(f"the caller's deadline ran out before {call} was sent: not sent, nothing changed",
+                        kind=E.UPSTREAM_TIMEOUT, extra={"call": call, "sent": False, "timeout_s": 0})
 
 
 def generation_overdue(exc: UpstreamError, timeout: float) -> ServiceError:

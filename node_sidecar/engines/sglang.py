@@ -28,6 +28,11 @@ survives (line numbers: ``sglang/srt/`` of 0.5.23; the fake in
   nothing, ``weights_valid: false``) until a reload succeeds.
 - ``GET /health`` generates a token (fatal while released): liveness is
   ``GET /model_info``.
+- SGLang's pause (``/pause_generation``) is read from it with its state
+  (:func:`~node_sidecar.engines.sglang_calls.read_paused`: ``/ready`` 503
+  while ``/ping`` is 200), so a sidecar restarted alone in front of a paused
+  SGLang holds generation until a ``continue_generation`` reaches SGLang,
+  rather than sending requests SGLang queues until then.
 - SGLang does not say what it has released: the adapter remembers its own
   calls and forgets them when SGLang is a new process (``startup_time``, the
   durations of its start: a server info without one is not SGLang's, and no
@@ -70,8 +75,8 @@ from handoff.protocol.weights import MAX_TP_SIZE
 from handoff.service.errors import ServiceError
 from node_sidecar.engines.base import EngineView, MemoryChange, TagMeaning, tags_named
 from node_sidecar.engines.foreign import ForeignEngine
-from node_sidecar.engines.sglang_calls import (RELOAD_FAILED, memory_call, reached_sglang, reload_may_have_loaded,
-                                               sglang_call, sglang_not_understood, wait_idle)
+from node_sidecar.engines.sglang_calls import (RELOAD_FAILED, memory_call, reached_sglang, read_paused,
+                                               reload_may_have_loaded, sglang_call, sglang_not_understood, wait_idle)
 from node_sidecar.errors import EngineRefused, EngineUnavailable
 
 IDLE_WAIT_S = 10.0           # how long SGLang may take to look idle once the sidecar drained it
@@ -126,6 +131,10 @@ class SglangEngine(ForeignEngine):
         self.model_path = path if isinstance(path, str) else None
         version = model.get("weight_version")
         tp_size = info.get("tp_size")  # each TP rank joins a weight group as rank_offset + tp_rank
+        paused = await read_paused(self.engine, INFO_TIMEOUT_S)
+        if paused is None:
+            log.warning("SGLang's /ready and /ping do not say whether its generation is paused (not healthy?): "
+                        "taken as not paused; a continue_generation lifts a pause it holds")
         return EngineView(
             tags={t: TagState.RELEASED if t in self.released | self.unknown else TagState.RESIDENT
                   for t in TAG_NAMES}, unknown=frozenset(self.unknown),
@@ -133,7 +142,8 @@ class SglangEngine(ForeignEngine):
             weights_valid=not self.weights_garbage, weight_version=version if isinstance(version, str) else None,
             weights_backup="cpu" if self.has_backup else "none",
             memory_saver="torch_memory_saver" if self.memory_saver else "off", can_stage_weights=self.has_backup,
-            tp_size=tp_size if type(tp_size) is int and 1 <= tp_size <= MAX_TP_SIZE else 1, instance=self.instance_key)
+            tp_size=tp_size if type(tp_size) is int and 1 <= tp_size <= MAX_TP_SIZE else 1, instance=self.instance_key,
+            paused=paused is True and self.pending_continue is None)  # a continue held back lifts it itself
 
     async def release(self, tags: list[str], *, stage_to_cpu: bool | None) -> MemoryChange:
         self.refuse_unknown(tags)

@@ -14,6 +14,7 @@ from handoff.protocol import errors as E
 from handoff.protocol.control import FLUSHED
 from handoff.service.errors import Conflict
 from handoff.service.peer_json import PeerJSONError, loads_bounded
+from handoff.service.upstream import UpstreamError
 from node_sidecar.engine_client import EngineClient
 from node_sidecar.engines.base import not_understood
 from node_sidecar.errors import EngineRefused, EngineUnavailable
@@ -88,6 +89,21 @@ async def wait_idle(engine: EngineClient, timeout: float) -> str:
                            "nothing was released", kind=E.REQUESTS_IN_FLIGHT)
         await asyncio.sleep(delay)
         delay = min(delay * 2, 0.5)
+
+
+async def read_paused(engine: EngineClient, timeout: float) -> bool | None:
+    """Whether SGLang's generation is paused (``/pause_generation`` without a ``/continue_generation``), None when
+    it does not say. SGLang's ``GET /ready`` is 503 while paused or not healthy, its ``GET /ping`` 503 only when
+    not healthy (``entrypoints/http_server.py:714-718``, ``2190-2199``; ``managers/tokenizer_manager.py:728-734``):
+    so paused is /ready 503 with /ping 200, and not paused is /ready 200."""
+    try:
+        ready, _ = await engine.peek("/ready", timeout=timeout, max_bytes=256)
+        if ready == 200:
+            return False
+        healthy, _ = await engine.peek("/ping", timeout=timeout, max_bytes=256)
+    except UpstreamError as exc:
+        raise EngineUnavailable(f"SGLang's /ready or /ping got no answer: {exc}", retry_after=1) from exc
+    return True if (ready, healthy) == (503, 200) else None
 
 
 def reached_sglang(exc: EngineUnavailable) -> bool:

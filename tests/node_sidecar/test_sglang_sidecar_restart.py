@@ -107,6 +107,35 @@ def test_a_sidecar_restarted_alone_keeps_the_tags_sglang_holds_released(pair: Sg
     pair.assert_fake_alive()
 
 
+def test_a_sidecar_restarted_alone_in_front_of_a_paused_sglang_holds_generation(pair: SglangPair) -> None:
+    """SGLang's pause was nowhere but in the sidecar's memory (found by review): a sidecar restarted alone read a
+    paused SGLang as serving and sent it generations that SGLang queued, unanswered, until a continue. It reads
+    the pause from SGLang now (``/ready`` 503, ``/ping`` 200): generation is held in the sidecar, as under a pause
+    it made itself, until a ``continue_generation``, which reaches SGLang."""
+    assert pair.post("/pause_generation", {"mode": "retract"}).status_code == 200
+    pair.sidecar.kill()
+    pair.start_sidecar()
+    view = pair.view()
+    assert view["paused"] is True and view["serving"] is False, view
+    assert view["not_serving_reason"] == "generation_paused", view
+    assert view["admission"] == "holding", view
+    calls = len(pair.fake_state()["calls"])
+    held: dict[str, httpx.Response] = {}
+    waiter = threading.Thread(target=lambda: held.update(r=pair.post(
+        "/generate", {"text": "x", "sampling_params": {"max_new_tokens": 2}})))
+    waiter.start()
+    wait_until(lambda: pair.view()["held"] == 1, timeout=20, what="the generation held")
+    assert "generate" not in pair.fake_state()["calls"][calls:]
+    continued = pair.post("/continue_generation")
+    assert continued.status_code == 200 and continued.json()["serving"] is True, continued.text
+    assert "continue" in pair.fake_state()["calls"][calls:]
+    waiter.join(timeout=60)
+    assert held["r"].status_code == 200, held["r"].text
+    pair.sidecar.kill()  # not paused: a sidecar restarted now serves at once
+    pair.start_sidecar()
+    assert pair.view()["paused"] is False and pair.view()["serving"] is True
+
+
 def test_a_record_of_another_sglang_process_is_not_taken_for_the_one_running(pair: SglangPair) -> None:
     """SGLang restarted as well (a new ``startup_time``): everything is resident in it, and the cluster's release
     is done again on it, once, as a sidecar that lived on would."""

@@ -600,6 +600,12 @@ def create_app(fake: FakeSglang) -> Any:
         fake.touch_memory("health_generate")
         return Response(status_code=200)
 
+    async def ready(request: Request) -> Response:  # http_server.py:714-718: 503 while paused (or not healthy)
+        return Response(status_code=503 if fake.paused else 200)
+
+    async def ping(request: Request) -> Response:  # http_server.py:2190-2199: 200 when healthy, paused or not
+        return Response(status_code=200)
+
     async def server_info(request: Request) -> Response:
         return JSONResponse({"model_path": fake.model_path, "enable_memory_saver": fake.enable_memory_saver,
                              "device": "cpu",  # the fake's regions are host memory (SGLang itself says cuda)
@@ -680,6 +686,8 @@ def create_app(fake: FakeSglang) -> Any:
         Route("/continue_generation", continue_generation, methods=["POST"]),
         Route("/health", health, methods=["GET"]),
         Route("/health_generate", health, methods=["GET"]),
+        Route("/ready", ready, methods=["GET"]),
+        Route("/ping", ping, methods=["GET"]),
         Route("/get_server_info", server_info, methods=["GET"]),
         Route("/server_info", server_info, methods=["GET"]),
         Route("/model_info", model_info, methods=["GET"]),

@@ -28,16 +28,12 @@ survives (line numbers: ``sglang/srt/`` of 0.5.23; the fake in
   nothing, ``weights_valid: false``) until a reload succeeds.
 - ``GET /health`` generates a token (fatal while released): liveness is
   ``GET /model_info``.
-- SGLang's pause (``/pause_generation``) is read from it with its state
-  (:func:`~node_sidecar.engines.sglang_calls.read_paused`: ``/ready`` 503
-  while ``/ping`` is 200), so a sidecar restarted alone in front of a paused
-  SGLang holds generation until a ``continue_generation`` reaches SGLang,
-  rather than sending requests SGLang queues until then.
+- SGLang's pause is read from it (``read_paused``: ``/ready`` 503, ``/ping``
+  200): a sidecar restarted alone before a paused SGLang holds generation.
 - SGLang does not say what it has released: the adapter remembers its own
   calls and forgets them when SGLang is a new process (``startup_time``, the
   durations of its start: a server info without one is not SGLang's, and no
-  state is read from it). A
-  release or resume SGLang got but did not answer in time still runs (it
+  state is read from it). A release or resume SGLang got but did not answer in time still runs (it
   runs control calls in order), so it is remembered as done. With
   ``--state-file`` what it remembers is kept there (recorded in doubt before
   each call is sent), so a sidecar restarted alone takes it back on the same

@@ -133,24 +133,36 @@ class WeightUpdates:
         """Unpickle (restricted) and check the payload off the engine thread, then copy it in."""
         started = time.perf_counter()
         model = self.engine.runner.model
-        if body.selector == "draft":
-            raise InvalidRequest("this engine has no draft model (selector 'draft')")
+        tensors = await self.read_tensor_payload(body)
+        answer = await self.engine.call(lambda: self.commit(
+            tensors, is_complete=set(tensors) == set(model.hf_weight_map()), version=body.weight_version,
+            flush_cache=body.flush_cache, torch_empty_cache=body.torch_empty_cache))
+        tensors.clear()  # the sender's shared memory is let go
+        duration = time.perf_counter() - started
+        self.engine.metrics.weight_update_seconds.labels("tensor").observe(duration)
+        return {"success": True, "message": "Success", **answer, "duration_s": round(duration, 6)}
+
+    async def check_tensor_payload(self, body: UpdateWeightsFromTensorBody) -> dict[str, Any]:
+        """The dry run (``dry_run``): read and check the payload, load nothing; needs no idle engine."""
+        tensors = await self.read_tensor_payload(body)
+        return {"success": True, "dry_run": True, "message": f"the payload's {len(tensors)} tensor(s) can be loaded"}
+
+    async def read_tensor_payload(self, body: UpdateWeightsFromTensorBody) -> dict[str, torch.Tensor]:
+        """The payload's checked tensors by checkpoint key. It is read before any refusal of the body's own
+        (a draft selector): torch counts one reader per serialization, and a payload nobody reads holds the
+        sender's shared memory until the sender exits."""
+        model = self.engine.runner.model
 
         def decode(cancel: threading.Event) -> dict[str, torch.Tensor]:
             pairs = decode_payload(body.serialized_named_tensors, body.load_format,
                                    release_sender_reference=body.release_sender_reference, cancel=cancel)
+            if body.selector == "draft":
+                raise InvalidRequest("this engine has no draft model (selector 'draft')")
             if not pairs:
                 raise UnsafePayload("the payload holds no tensors")
             return check_named_tensors(model, by_checkpoint_key(model, pairs))
 
-        tensors = await self.run_checked(decode, "the tensor payload")
-        answer = await self.engine.call(lambda: self.commit(
-            tensors, is_complete=set(tensors) == set(model.hf_weight_map()), version=body.weight_version,
-            flush_cache=body.flush_cache, torch_empty_cache=body.torch_empty_cache))
-        del tensors  # the sender's shared memory is let go
-        duration = time.perf_counter() - started
-        self.engine.metrics.weight_update_seconds.labels("tensor").observe(duration)
-        return {"success": True, "message": "Success", **answer, "duration_s": round(duration, 6)}
+        return await self.run_checked(decode, "the tensor payload")
 
     async def run_checked(self, work: Callable[[threading.Event], T], what: str) -> T:
         """``work`` on a bounded thread (``--weight-sync-timeout``); a payload or check problem is a 400."""

@@ -13,6 +13,7 @@ control calls (a join waits for the trainer, up to the engine's
 from __future__ import annotations
 
 from collections import Counter
+from typing import Any
 
 from fastapi import APIRouter, Request
 from starlette.responses import JSONResponse, Response
@@ -24,6 +25,7 @@ from handoff.protocol.weights import (DEFAULT_GROUP_NAME, DESTROY_GROUP_PATH, IN
                                       UpdateWeightsFromTensorBody, UpdateWeightVersionBody, WeightUpdateCommon)
 from handoff.service.auth import BearerToken
 from handoff.service.bodies import openapi_body, parse_body
+from handoff.service.errors import InvalidRequest, ServiceError
 from node_sidecar.config import SidecarConfig
 from node_sidecar.control import ControlPlane
 from node_sidecar.control_drain import DrainLimit
@@ -32,8 +34,10 @@ from node_sidecar.intent import ClusterIntent
 from node_sidecar.node import Node
 from node_sidecar.proxy import forward
 from node_sidecar.routes_control import answer_by
+from node_sidecar.tensor_release import payload_fields, release_unread
 
 DISTRIBUTED_PATH = "/update_weights_from_distributed"
+TENSOR_PATH = "/update_weights_from_tensor"
 
 
 def _control_of(request: Request) -> ControlPlane:
@@ -69,8 +73,40 @@ def weight_router(config: SidecarConfig, admin: BearerToken) -> APIRouter:
         router.add_api_route(path, update, methods=["POST"], openapi_extra=openapi_body(model),
                              name=path.strip("/"))
 
-    update_route("/update_weights_from_tensor", UpdateWeightsFromTensorBody)
     update_route(DISTRIBUTED_PATH, UpdateWeightsFromDistributedBody)
+
+    @router.post(TENSOR_PATH, openapi_extra=openapi_body(UpdateWeightsFromTensorBody), name=TENSOR_PATH.strip("/"))
+    async def push_tensors(request: Request) -> JSONResponse:
+        """As the other updates; a push refused before the engine read it has the engine read it now and load
+        nothing (:mod:`node_sidecar.tensor_release`). ``dry_run``: only that read, nothing drained."""
+        admin.check(request)
+        control = _control_of(request)
+        try:
+            body = (await parse_body(request, UpdateWeightsFromTensorBody)).engine_body(exclude_none=True)
+        except InvalidRequest:
+            fields = payload_fields(await request.body())
+            if fields is not None:
+                await release_unread(control, fields)
+            raise
+        adapter = control.node.engine_adapter
+        if body.pop("dry_run"):
+            control.node.require_engine()
+            return JSONResponse(await adapter.check_tensor_payload(body))
+        sent = False
+
+        async def load() -> dict[str, Any]:
+            nonlocal sent
+            sent = True
+            return await adapter.weight_call(TENSOR_PATH, body)
+
+        try:
+            return JSONResponse(await control.update_weights(
+                load, drain=DrainLimit(config.drain_timeout, answer_by(request)),
+                mode="abort" if body.get("abort_all_requests") else "wait"))
+        except ServiceError:
+            if not sent:
+                await release_unread(control, body)
+            raise
 
     joins_in_flight: Counter[str] = Counter()  # group name -> init calls through this sidecar not answered yet
 

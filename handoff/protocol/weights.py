@@ -27,6 +27,7 @@ MAX_ELEMENTS = 1 << 48  # per tensor: past any real one, and within torch's int6
 # process before any peer answers (1.4 GB at 10^6 ranks), so torch's own bound (C ints) let one call exhaust memory.
 MAX_WORLD_SIZE = 1 << 16
 MAX_TP_SIZE = 1024  # a peer's tensor-parallel size: past it, not one (a node's ranks in a group)
+MAX_TENSOR_PAYLOADS = 64  # serialized_named_tensors: one per tensor-parallel rank
 Selector = Literal["target", "draft", "all"]
 TensorLoadFormat = Literal["direct", "flattened_bucket"]
 GroupBackend = Literal["gloo", "nccl"]
@@ -56,11 +57,14 @@ class UpdateWeightsFromTensorBody(WeightUpdateCommon):
     or CUDA IPC handles, so the sender must be on the node's host.
     """
 
-    serialized_named_tensors: list[str] = Field(min_length=1, max_length=64)
+    serialized_named_tensors: list[str] = Field(min_length=1, max_length=MAX_TENSOR_PAYLOADS)
     load_format: TensorLoadFormat | None = None
     # handoff's: torch counts one reader per serialized CPU tensor. The LB, sending one payload to several
     # engines, sets this false on all but one of them, so the sender's shared memory is released exactly once.
     release_sender_reference: bool = True
+    # handoff's: read and check the payload, load nothing. Reading it releases the sender's reference as a load
+    # would, so a sidecar that refuses a push (a drain that timed out, a bad field) has its engine read it this way.
+    dry_run: bool = False
 
 
 class UpdateWeightsFromDistributedBody(WeightUpdateCommon):

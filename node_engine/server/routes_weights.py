@@ -39,6 +39,8 @@ async def update_weights_from_tensor(request: Request) -> JSONResponse:
     """SGLang's body; the payload is unpickled by a restricted unpickler (tensors and storages only)."""
     engine = _engine(request)
     body = await parse_body(request, UpdateWeightsFromTensorBody)
+    if body.dry_run:
+        return JSONResponse(await engine.weights.check_tensor_payload(body))
     return JSONResponse(await engine.weights.update_from_tensor(body))
 
 

@@ -166,6 +166,11 @@ class EngineAdapter(ABC):
         SGLang's ``body``); generation is drained when the call moves weights."""
         raise Unsupported(f"{path} is not available behind the sidecar for a {self.kind.value} engine")
 
+    async def check_tensor_payload(self, body: dict[str, Any]) -> dict[str, Any]:
+        """Read and check an ``update_weights_from_tensor`` payload, load nothing (400 if it cannot load). The
+        read releases the sender's reference (with the body's ``release_sender_reference``), as a load does."""
+        raise Unsupported(f"a dry run of update_weights_from_tensor is not available for a {self.kind.value} engine")
+
     async def pause(self, mode: str) -> dict[str, Any]:
         """SGLang's ``retract`` or ``in_place`` pause, in the engine (``abort`` and ``wait`` are the sidecar's)."""
         raise Unsupported(f"pause mode {mode} is not available for a {self.kind.value} engine; use abort or wait")

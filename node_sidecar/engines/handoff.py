@@ -110,6 +110,9 @@ class HandoffEngine(EngineAdapter):
     async def weight_call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         return await self._call(path, body)
 
+    async def check_tensor_payload(self, body: dict[str, Any]) -> dict[str, Any]:
+        return await self._call("/update_weights_from_tensor", {**body, "dry_run": True})
+
     async def pause(self, mode: str) -> dict[str, Any]:
         return await self._call("/pause_generation", {"mode": mode})
 

@@ -31,7 +31,7 @@ from handoff.service.upstream import UpstreamResponse
 from lb.config import Role
 from lb.errors import UpstreamFailed
 from lb.node import Node, RequestLease
-from lb.pd_logprobs import merged_answer
+from lb.pd_logprobs import MERGE_ON_LOOP_BYTES, merged_answer
 from lb.pd_streams import PairStreams
 from lb.pd_retry import PairRetries
 from lb.relay import NodeCaller, buffered_response, is_event_stream
@@ -41,9 +41,6 @@ log = logging.getLogger(__name__)
 rate_limit(log)  # a failing prefill node is a warning per request
 
 MAX_PD_BATCH = 4096  # prompts in one PD request; a handoff engine takes at most 256 (SGLang sets no limit)
-# answers larger than this (both nodes' bodies) are merged on a thread: 64 KiB parse and write in about a
-# millisecond, while tens of megabytes of logprobs held the event loop, every other request with it, for seconds
-MERGE_ON_LOOP_BYTES = 64 * 1024
 Outcome = Any  # UpstreamResponse | Response | Reroute | ServiceError: what one side of a pair did
 
 

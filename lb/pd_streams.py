@@ -18,7 +18,7 @@ from handoff.service.peer_json import PeerJSONError
 from handoff.service.upstream import UpstreamError, UpstreamResponse
 from lb.errors import UpstreamFailed
 from lb.node import Node, RequestLease
-from lb.pd_logprobs import MergeInputLogprobs, first_events
+from lb.pd_logprobs import MERGE_ON_LOOP_BYTES, MergeInputLogprobs, stream_merge
 from lb.pd_refusals import RefusalWatch, starts_with_refusal
 from lb.relay import NodeCaller, buffered_response, relay_stream, translate
 
@@ -62,7 +62,7 @@ class PairStreams:
                 _stop(peek, decode_up, decode_lease)
                 _log_prefill_refusal(prefill, self._path, raw)
                 return buffered_response(prefill_up, raw)
-            prefill_events = first_events(raw)
+            merge = await _stream_merge(raw)
             head, _ = await peek
         except BaseException as exc:
             _stop(read, prefill_up, prefill_lease)
@@ -72,7 +72,7 @@ class PairStreams:
                                      f"{decode.url}: {exc}", extra={"node": prefill.url}) from exc
             raise
         return relay_stream(decode_up, decode_lease, self._path, self._watch, cut=self._caller.streams_cut,
-                            transform=MergeInputLogprobs(prefill_events), head=head)
+                            transform=merge, head=head)
 
     async def _first_event(self, node: Node, upstream: UpstreamResponse) -> tuple[bytes, bool]:
         """What a stream sent until its first event that carries data came whole (or its end), and whether that
@@ -122,6 +122,13 @@ class PairStreams:
             _log_prefill_refusal(lease.node, self._path, raw)
             refusal.append(raw)
             decode_up.cut()
+
+
+async def _stream_merge(prefill_raw: bytes) -> MergeInputLogprobs:
+    """:func:`stream_merge`, on a thread for a large prefill answer (a long prompt's logprobs)."""
+    if len(prefill_raw) > MERGE_ON_LOOP_BYTES:
+        return await asyncio.to_thread(stream_merge, prefill_raw, in_turns=True)
+    return stream_merge(prefill_raw)
 
 
 def _stop(task: asyncio.Future[Any], upstream: UpstreamResponse, lease: RequestLease) -> None:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from typing import Callable
+from typing import Callable, Iterable
 
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
@@ -58,6 +58,12 @@ class ChunkTransform:
 
     def feed(self, chunk: bytes) -> bytes:
         return chunk
+
+    def feed_pieces(self, chunk: bytes) -> Iterable[bytes]:
+        """:meth:`feed`'s output, in pieces the relay sends one by one: a transform that makes much of little
+        (a read of many events) hands out each as it is made, so the event loop has its turns between them and
+        no more than a piece is held."""
+        return (self.feed(chunk),)
 
     def finish(self) -> bytes:
         return b""
@@ -102,13 +108,14 @@ class StreamRelay(Response):
             hold = WholeEvents() if self._is_events else None  # the start of an event still coming
             chunk, self._head = self._head, b""
             while chunk or (chunk := await upstream.next_chunk()):
-                out, chunk = transform.feed(chunk), b""
-                if out and hold is not None and (hold.is_holding or not out.endswith(EVENT_ENDS)):
-                    out = hold.feed(out)
-                if out:  # the hot path: the send written out, not through _send_body
-                    self._is_sending = True
-                    await send({"type": "http.response.body", "body": out, "more_body": True})
-                    self._is_sending = False
+                pieces, chunk = transform.feed_pieces(chunk), b""
+                for out in pieces:
+                    if out and hold is not None and (hold.is_holding or not out.endswith(EVENT_ENDS)):
+                        out = hold.feed(out)
+                    if out:  # the hot path: the send written out, not through _send_body
+                        self._is_sending = True
+                        await send({"type": "http.response.body", "body": out, "more_body": True})
+                        self._is_sending = False
             watch.finish()
             rest = hold.finish() if hold is not None else b""
             await self._send_body(send, rest + transform.finish(), more_body=False)

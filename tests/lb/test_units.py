@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import socket
 from collections import Counter
@@ -16,7 +17,7 @@ from lb.membership import Membership
 from lb.metrics import LBMetrics
 from lb.node import Node, NodeHealth
 from lb.pd import MAX_PD_BATCH, batch_size, bootstrap_host, check_batch, with_bootstrap
-from lb.pd_logprobs import MergeInputLogprobs, first_events, merge_input_logprobs
+from lb.pd_logprobs import MergeInputLogprobs, first_events, merge_input_logprobs, stream_merge
 from lb.pd_refusals import RefusalWatch, starts_with_refusal
 from lb.routing import LeastInflight, PowerOfTwo, Router
 from lb.views import cluster_occupation
@@ -202,6 +203,48 @@ def test_a_streamed_batch_gets_each_prompts_own_input_logprobs() -> None:
     merged = [json.loads(event[5:]) for event in merge.feed(decode).split(b"\n\n") if event]
     assert [(e["index"], [t[1] for t in e["meta_info"]["input_token_logprobs"]]) for e in merged] == [
         (1, [200, 201]), (0, [100]), (7, [])]
+
+
+
+def _sse(events: list[object]) -> bytes:
+    return b"".join(b"data: " + json.dumps(event).encode() + b"\n\n" for event in events)
+
+
+@pytest.mark.parametrize("in_turns", [False, True])
+def test_merged_stream_events_are_the_decode_events_merged_and_written_as_before(in_turns: bool) -> None:
+    """The prefill's logprobs are encoded once and spliced into each event: every event must still be exactly
+    what merging the parsed events and ``json.dumps`` made (lists longer than one encoder call, non-ASCII text,
+    empty and null lists, a peer's odd values, a batch, keys and strings holding quotes)."""
+    long = [[-0.5 - i / 1000, i, "t\u00e9" if i % 7 else None] for i in range(700)]
+    prefill_events = [
+        {"index": 0, "meta_info": {"input_token_logprobs": long, "input_top_logprobs": [[x] for x in long],
+                                   "input_token_ids_logprobs": [], "other": [1]}},
+        {"index": 1, "meta_info": {"input_token_logprobs": long[:3], "input_top_logprobs": "odd"}},
+        {"index": 2, "meta_info": 5}, {"index": 0, "meta_info": {"input_token_logprobs": [[9, 9, None]]}}]
+    decode_events: list[object] = [
+        {"index": 0, "text": "\u00e9", "meta_info": {"input_token_logprobs": [[-1.0, 5, None]], "a": 1}},
+        {"meta_info": {"input_top_logprobs": None, "input_token_logprobs": "x", "input_token_ids_logprobs": [[1]]}},
+        {"index": 1, "meta_info": {"input_token_logprobs": [], "input_top_logprobs": [[2]]}},
+        {"index": 0, '"0': '"0"', "meta_info": {}}, {"index": 2, "meta_info": {}}, {"index": 7, "meta_info": {}},
+        {"index": 0}, [{"meta_info": {}}], "text", 3]
+    merge = stream_merge(_sse(prefill_events) + b"data: [DONE]\n\n", in_turns=in_turns)
+    out = merge.feed(_sse(decode_events) + b": comment\n\ndata: {not json\n\ndata: [DONE]\n\n") + merge.finish()
+    firsts = {0: prefill_events[0], 1: prefill_events[1], 2: prefill_events[2]}
+    expected = []
+    for event in decode_events:
+        index = event.get("index", 0) if isinstance(event, dict) else 0
+        merged = copy.deepcopy(event)
+        merge_input_logprobs(firsts.get(index), merged)
+        expected.append(merged)
+    assert out == _sse(expected) + b": comment\n\ndata: {not json\n\ndata: [DONE]\n\n"
+
+
+def test_a_read_of_many_large_merged_events_is_handed_out_event_by_event() -> None:
+    """One read of the decode stream may hold hundreds of events, each megabytes once the prompt's logprobs are
+    in: the relay gets them one by one (the event loop has its turns between them), not joined."""
+    prefill = _sse([{"meta_info": {"input_token_logprobs": [[-0.5, i, None] for i in range(20_000)]}}])
+    pieces = list(stream_merge(prefill).feed_pieces(_sse([{"meta_info": {}}] * 5)))
+    assert len(pieces) == 5 and all(len(piece) < 500_000 for piece in pieces)
 
 
 # -- discovery and views --------------------------------------------------------------

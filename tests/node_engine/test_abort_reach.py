@@ -61,15 +61,22 @@ def test_an_abort_reaches_a_request_still_in_the_engines_inbox(engine) -> None:
     drill.with_name("drill.json.fired").unlink()
 
 
+def samples_held_in_prefill(client: httpx.Client, *, n: int, max_new_tokens: int):
+    """``n`` samples of request ``X`` sent while an ``in_place`` pause holds their shared prompt's prefill,
+    queued; the sending thread and its answer."""
+    assert client.post("/pause_generation", json={"mode": "in_place"}).status_code == 200
+    run, answer = in_background(client, {"rid": "X", "input_ids": [5, 6, 7, 8, 9], "sampling_params": {
+        "n": n, "max_new_tokens": max_new_tokens, "temperature": 0.7, "ignore_eos": True}})
+    wait_until(lambda: client.get("/memory_occupation").json()["queued_requests"] == 1, timeout=10,
+               what="the shared prompt's prefill queued")
+    return run, answer
+
+
 @pytest.mark.parametrize("abort", [{"abort_all": True}, "pause"])
 def test_an_abort_during_the_shared_prompt_prefill_ends_every_sample(engine, abort) -> None:
     proc, _ = engine
     with httpx.Client(base_url=proc.url, timeout=60) as client:
-        assert client.post("/pause_generation", json={"mode": "in_place"}).status_code == 200  # holds the prefill
-        run, answer = in_background(client, {"rid": "X", "input_ids": [5, 6, 7, 8, 9], "sampling_params": {
-            "n": 2, "max_new_tokens": 200, "temperature": 0.7, "ignore_eos": True}})
-        wait_until(lambda: client.get("/memory_occupation").json()["queued_requests"] == 1, timeout=10,
-                   what="the shared prompt's prefill queued")
+        run, answer = samples_held_in_prefill(client, n=2, max_new_tokens=200)
         if abort == "pause":
             assert client.post("/pause_generation", json={"mode": "abort"}).status_code == 200
         else:
@@ -91,11 +98,7 @@ def test_an_abort_of_one_sample_during_the_shared_prompt_prefill_ends_only_that_
     ``TokenizerManager.abort_request``), at that stage as once the samples run."""
     proc, _ = engine
     with httpx.Client(base_url=proc.url, timeout=60) as client:
-        assert client.post("/pause_generation", json={"mode": "in_place"}).status_code == 200  # holds the prefill
-        run, answer = in_background(client, {"rid": "X", "input_ids": [5, 6, 7, 8, 9], "sampling_params": {
-            "n": 3, "max_new_tokens": 8, "temperature": 0.7, "ignore_eos": True}})
-        wait_until(lambda: client.get("/memory_occupation").json()["queued_requests"] == 1, timeout=10,
-                   what="the shared prompt's prefill queued")
+        run, answer = samples_held_in_prefill(client, n=3, max_new_tokens=8)
         assert client.post("/abort_request", json={"rid": "X_1"}).json()["aborted"] == ["X_1"]
         assert client.post("/continue_generation", json={}).status_code == 200
         run.join(60)

@@ -29,6 +29,7 @@ from handoff.service.errors import ServiceError, UnexpectedErrorMiddleware, inst
 from handoff.service.generation_schema import GENERATION_RESPONSES
 from handoff.service.limits import BodyLimitMiddleware
 from handoff.service.status_count import CountByStatus
+from handoff.service.unserved import unserved_router
 from lb.addresses import Resolver
 from lb.cluster import Cluster
 from lb.config import LBConfig
@@ -132,6 +133,7 @@ def create_app(config: LBConfig, *, resolver: Resolver | None = None) -> LBApp:
     app.include_router(nodes_router(cluster, admin))
     app.include_router(weight_routes(cluster, config, admin))
     app.include_router(workers_router(cluster, admin))
+    app.include_router(unserved_router(admin))
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def prometheus_metrics() -> Response:

@@ -24,6 +24,7 @@ from handoff.service.errors import ServiceError, install_error_handlers
 from handoff.service.generation_schema import GENERATION_BODIES, GENERATION_RESPONSES
 from handoff.service.limits import BodyLimitMiddleware
 from handoff.service.status_count import CountByStatus
+from handoff.service.unserved import unserved_router
 from handoff.service.upstream import UpstreamClient
 from node_sidecar.config import SidecarConfig
 from node_sidecar.control import ControlPlane
@@ -110,5 +111,6 @@ def create_app(config: SidecarConfig) -> FastAPI:
     app.include_router(control_router(config, admin))
     app.include_router(views_router(metrics, admin, api_key))
     app.include_router(weight_router(config, admin))
+    app.include_router(unserved_router(admin))
     install_schemas(app, [*CONTROL_BODIES, *WEIGHT_BODIES.values(), *GENERATION_BODIES.values()])
     return app

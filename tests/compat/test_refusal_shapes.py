@@ -65,3 +65,23 @@ def test_an_openai_refusal_carries_sglang_error_fields(sdk, stream: bool) -> Non
         sdk.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], temperature=-1,
                                     max_tokens=2, stream=stream)
     assert info.value.code == "400" and info.value.body["object"] == "error"
+
+
+@pytest.mark.parametrize(("path", "body"), [
+    # AReaL 1.0.4's LoRA disk update (engine/sglang_remote.py) and its clean-up of an old version
+    ("/load_lora_adapter", {"lora_name": "policy-v3", "lora_path": "/ckpt/lora/v3"}),
+    ("/unload_lora_adapter", {"lora_name": "policy-v1"}),
+    # verl 0.9.1's LoRA push (sglang_rollout/http_server_engine.py load_lora_adapter_from_tensor)
+    ("/load_lora_adapter_from_tensors", {"lora_name": "verl_lora", "config_dict": {"r": 8},
+                                         "serialized_named_tensors": ["AAAA"]}),
+])
+def test_a_lora_call_is_refused_as_unsupported_saying_why(cluster, path: str, body: dict) -> None:
+    """SGLang started without --enable-lora refuses these with a 400 (``tokenizer_control_mixin.py:667``); a handoff
+    node serves no LoRA adapter, so the LB and each sidecar refuse them the same way, saying what to do instead,
+    where they were a bare 404 that reads like a wrong URL."""
+    for url in (cluster.url, cluster.nodes[0].url):
+        r = httpx.post(url + path, json=body, timeout=30)
+        assert r.status_code == 400, (url, r.text)
+        error = r.json()["error"]
+        assert error["type"] == "unsupported" and error["endpoint"] == path, error
+        assert "LoRA" in error["message"] and "update_weights_from_tensor" in error["message"], error

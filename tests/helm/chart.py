@@ -192,6 +192,18 @@ def resolve_port(c: Obj, port: int | str) -> int:
     return int(named[0])
 
 
+_QUANTITY_UNITS = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60, "m": 1e-3,
+                   "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18}
+
+
+def quantity_bytes(quantity: str | int | float) -> int:
+    """A Kubernetes quantity of the forms values.schema.json takes (``1Gi``, ``3G``, ``1e9``, a number) in bytes."""
+    text = str(quantity)
+    match = re.fullmatch(r"([0-9.eE+]+?)(Ki|Mi|Gi|Ti|Pi|Ei|m|k|M|G|T|P|E)?", text)
+    assert match, f"not a quantity: {text!r}"
+    return int(float(match.group(1)) * _QUANTITY_UNITS.get(match.group(2) or "", 1))
+
+
 def b64(text: str) -> str:
     return base64.b64encode(text.encode()).decode()
 

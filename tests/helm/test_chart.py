@@ -21,6 +21,7 @@ from jsonschema import Draft202012Validator
 from yamllint import linter
 from yamllint.config import YamlLintConfig
 
+from node_sidecar.__main__ import build_parser as build_sidecar_parser
 from tests.helm.chart import (
     CHART_DIR,
     METRICS_MODULES,
@@ -43,6 +44,7 @@ from tests.helm.chart import (
     panels,
     pod_labels,
     pod_spec,
+    quantity_bytes,
     queried_metrics,
     render,
     resolve_port,
@@ -250,6 +252,10 @@ def test_default_values_match_the_schema_and_the_schema_is_closed() -> None:
     pytest.param({"clusterDomain": "cluster..local"}, "at '/clusterDomain': 'cluster..local' does not match pattern",
                  id="domain-empty-label"),
     pytest.param({"clusterDomain": "a" * 64 + ".local"}, "at '/clusterDomain':", id="domain-long-label"),
+    # A container's resource claim names a pod resourceClaims entry, which the chart has none of: the API server
+    # refused the pod, or dropped the field where dynamic resource allocation is off.
+    pytest.param({"node": {"engine": {"resources": {"claims": [{"name": "gpu"}]}}}},
+                 "at '/node/engine/resources': additional properties 'claims' not allowed", id="resource-claims"),
     # The engine runs on one GPU: more would be reserved and idle.
     pytest.param({"node": {"engine": {"gpus": 2}}}, "at '/node/engine/gpus': maximum: got 2, want 1", id="gpus"),
     # A peer is a NetworkPolicyPeer, not a label set.
@@ -301,6 +307,10 @@ def test_schema_rejects_bad_values_with_a_clear_message(values: Obj, message: st
                  "node.engine.maxTotalTokens must be 0 (the engine's default) or at least 2", id="one-kv-token"),
     pytest.param({"lb": {"replicas": 2, "pdb": {"minAvailable": 2}}},
                  "lb.pdb.minAvailable (2) must be below lb.replicas (2)", id="lb-pdb-blocks-drains"),
+    # Raised alone, the weight calls' bound outlasted a stopping LB's: the LB cut a weight call the nodes still ran.
+    pytest.param({"lb": {"weightSyncTimeout": 1800, "maxControlTimeout": 3600}},
+                 "lb.shutdownTimeout (600) must not be below lb.weightSyncTimeout (1800)",
+                 id="weight-call-outlasts-lb-stop"),
     pytest.param({"lb": {"shutdownTimeout": 600, "terminationGracePeriodSeconds": 600}},
                  "lb.terminationGracePeriodSeconds (600) must exceed lb.shutdownTimeout (600) plus the 5 s preStop",
                  id="lb-grace-under-shutdown"),
@@ -368,6 +378,21 @@ def test_schema_rejects_bad_values_with_a_clear_message(values: Obj, message: st
                   "node": {"engine": {"weightsBackup": "disk", "backupSizeLimit": "1Gi", "backupDir": "/models/bk"}}},
                  "node.engine.backupDir (/models/bk) and model.mountPath (/models) must not hold one another",
                  id="backup-in-model-mount"),
+    # A CUDA engine given no GPU got NVIDIA_VISIBLE_DEVICES=void and exited at start, in a crash loop.
+    pytest.param({"node": {"engine": {"gpus": 0}}},
+                 "node.engine.device cuda with node.engine.gpus 0 gives the engine no GPU",
+                 id="cuda-engine-without-gpu"),
+    # The Prometheus Operator skips a ServiceMonitor whose timeout exceeds its interval: nothing was scraped.
+    pytest.param({"metrics": {"serviceMonitor": {"enabled": True, "interval": "5s", "scrapeTimeout": "10s"}}},
+                 "metrics.serviceMonitor.scrapeTimeout (10s) must not exceed metrics.serviceMonitor.interval (5s)",
+                 id="scrape-timeout-over-interval"),
+    # A token beside an existing Secret was dropped without a word: the processes used the Secret's.
+    pytest.param(deep_merge(TOKENS, {"auth": {"existingSecret": "rl-tokens"}}),
+                 "auth.adminToken and auth.apiKey must be empty with auth.existingSecret (rl-tokens)",
+                 id="token-beside-existing-secret"),
+    pytest.param({"auth": {"existingSecret": "rl-tokens", "apiKey": API_KEY}},
+                 "auth.adminToken and auth.apiKey must be empty with auth.existingSecret",
+                 id="key-beside-existing-secret"),
 ])
 def test_template_rejects_inconsistent_values_with_a_clear_message(values: Obj, message: str) -> None:
     with pytest.raises(helm.HelmRenderError) as caught:
@@ -651,11 +676,21 @@ def test_containers_given_no_gpu_get_none_from_the_nvidia_runtime(rendered: Rend
 
 
 def test_an_engine_given_no_gpu_gets_none() -> None:
-    r = render({"node": {"engine": {"gpus": 0}}})
+    r = render({"node": {"engine": {"device": "cpu", "gpus": 0}}})
     for sts in _node_sets(r).values():
         engine = container(sts, "engine")
         assert "nvidia.com/gpu" not in json.dumps(engine["resources"])
         assert env_entries(engine)["NVIDIA_VISIBLE_DEVICES"]["value"] == "void"
+
+
+def test_a_cuda_engine_given_its_gpus_by_its_own_variable_gets_that_one_only() -> None:
+    """Before: the chart's "void" came first and the user's second, two definitions of one variable in the spec."""
+    own = {"name": "NVIDIA_VISIBLE_DEVICES", "value": "0"}
+    r = render({"node": {"engine": {"gpus": 0, "extraEnv": [own]}}})
+    for sts in _node_sets(r).values():
+        engine = container(sts, "engine")
+        assert [e for e in engine["env"] if e["name"] == own["name"]] == [own]
+        assert "nvidia.com/gpu" not in json.dumps(engine["resources"])
 
 
 def test_engine_and_sidecar_flags_follow_the_values(rendered: Rendered) -> None:
@@ -684,6 +719,29 @@ def test_engine_and_sidecar_flags_follow_the_values(rendered: Rendered) -> None:
             assert extra in engine
         grace = pod_spec(sts)["terminationGracePeriodSeconds"]
         assert grace > sidecar_values["drainTimeout"], "a stopping node must get time to drain"
+
+
+@pytest.mark.parametrize("limit", ["1Gi", "3G", "1536Mi", 2147483648])
+def test_the_sidecar_holds_bodies_within_its_memory_limit(limit: str | int) -> None:
+    """Before: the chart left --hold-max-bytes at the process's 1 GiB, the sidecar's whole default memory limit: the
+    requests a paused node holds (a weight update) got the sidecar OOM-killed, with every held and running request,
+    before it answered one 503. The held bodies now take at most a quarter of the limit."""
+    default = build_sidecar_parser().get_default("hold_max_bytes")
+    for values in ({}, {"node": {"sidecar": {"resources": {"limits": {"memory": limit}}}}}):
+        r = render(values)
+        limit_bytes = quantity_bytes(r.merged["node"]["sidecar"]["resources"]["limits"]["memory"])
+        for sts in _node_sets(r).values():
+            held = [int(v) for v in flag_values(container(sts, "sidecar")["args"], "--hold-max-bytes")] or [default]
+            assert held[-1] == limit_bytes // 4
+
+
+def test_a_sidecar_without_memory_limit_or_with_its_own_hold_bound_keeps_it() -> None:
+    r = render({"node": {"sidecar": {"resources": {"limits": None}}}})
+    for sts in _node_sets(r).values():
+        assert flag_values(container(sts, "sidecar")["args"], "--hold-max-bytes") == []
+    r = render({"node": {"sidecar": {"extraArgs": ["--hold-max-bytes", "1000"]}}})
+    for sts in _node_sets(r).values():  # the last value is argparse's
+        assert flag_values(container(sts, "sidecar")["args"], "--hold-max-bytes")[-1] == "1000"
 
 
 def test_weights_backup_dir_is_a_mounted_volume(rendered: Rendered) -> None:

@@ -154,6 +154,9 @@ The token environment variables, from the Secret only (SPEC section 6).
 {{- define "handoff.tokenEnv" -}}
 {{- if eq .Values.auth.adminTokenKey .Values.auth.apiKeyKey }}
 {{- fail "handoff: auth.adminTokenKey and auth.apiKeyKey must differ" }}
+{{- end }}
+{{- if and .Values.auth.existingSecret (or .Values.auth.adminToken .Values.auth.apiKey) }}
+{{- fail (printf "handoff: auth.adminToken and auth.apiKey must be empty with auth.existingSecret (%s): the tokens are that Secret's, and a token given here would be ignored" .Values.auth.existingSecret) }}
 {{- end -}}
 - name: HANDOFF_ADMIN_TOKEN
   valueFrom:
@@ -243,6 +246,9 @@ or a release fan-out cut work short: checked here, with the value's name.
 {{- end }}
 {{- if le (float64 $node.terminationGracePeriodSeconds) (float64 $node.sidecar.drainTimeout) }}
 {{- fail (printf "handoff: node.terminationGracePeriodSeconds (%v) must exceed node.sidecar.drainTimeout (%v): a stopping node's requests get the drain timeout to finish" $node.terminationGracePeriodSeconds $node.sidecar.drainTimeout) }}
+{{- end }}
+{{- if lt (float64 $lb.shutdownTimeout) (float64 $lb.weightSyncTimeout) }}
+{{- fail (printf "handoff: lb.shutdownTimeout (%v) must not be below lb.weightSyncTimeout (%v): a stopping LB would cut a weight call the nodes still run; raise lb.shutdownTimeout and lb.terminationGracePeriodSeconds with it" $lb.shutdownTimeout $lb.weightSyncTimeout) }}
 {{- end }}
 {{- if le (float64 $lb.terminationGracePeriodSeconds) (addf $lb.shutdownTimeout 5) }}
 {{- fail (printf "handoff: lb.terminationGracePeriodSeconds (%v) must exceed lb.shutdownTimeout (%v) plus the 5 s preStop pause: a stopping LB would be killed while its calls still run" $lb.terminationGracePeriodSeconds $lb.shutdownTimeout) }}
@@ -470,4 +476,40 @@ the trainer's connections and the join would time out.
 {{- $_ := set $context "sysctls" $sysctls }}
 {{- end }}
 {{- toYaml $context }}
+{{- end }}
+
+{{/*
+A Kubernetes quantity (values.schema.json's "quantity": 512Mi, 2G, 1.5Gi, 1e9, 1073741824) in bytes, as an integer.
+*/}}
+{{- define "handoff.quantityBytes" -}}
+{{- $q := toString . }}
+{{- $units := dict "Ki" 1024.0 "Mi" 1048576.0 "Gi" 1073741824.0 "Ti" 1099511627776.0 "Pi" 1125899906842624.0 "Ei" 1152921504606846976.0 "m" 0.001 "k" 1000.0 "M" 1000000.0 "G" 1000000000.0 "T" 1000000000000.0 "P" 1000000000000000.0 "E" 1000000000000000000.0 }}
+{{- $suffix := regexFind "(Ki|Mi|Gi|Ti|Pi|Ei|m|k|M|G|T|P|E)$" $q }}
+{{- if $suffix }}
+{{- int64 (mulf (float64 (trimSuffix $suffix $q)) (get $units $suffix)) }}
+{{- else }}
+{{- int64 (float64 $q) }}
+{{- end }}
+{{- end }}
+
+{{/*
+The sidecar's bound on the request bodies it holds at once (--hold-max-bytes): a quarter of its container's memory
+limit. The process's default, 1 GiB, is the whole default limit: a sidecar holding a paused node's queue (a weight
+update) would be killed by the cgroup's OOM killer, with every held and running request, before it answered a 503.
+A body held takes its bytes and more while it is read and passed on, beside the process itself and the answers
+in flight. Empty when the sidecar has no memory limit.
+*/}}
+{{- define "handoff.sidecarHoldMaxBytes" -}}
+{{- $limits := (.Values.node.sidecar.resources | default dict).limits | default dict }}
+{{- with $limits.memory }}
+{{- div (int64 (include "handoff.quantityBytes" .)) 4 }}
+{{- end }}
+{{- end }}
+
+{{/*
+A Prometheus duration of values.schema.json's form (500ms, 15s, 1m, 1h) in milliseconds.
+*/}}
+{{- define "handoff.durationMs" -}}
+{{- $unit := regexFind "(ms|s|m|h)$" . }}
+{{- mul (int64 (trimSuffix $unit .)) (get (dict "ms" 1 "s" 1000 "m" 60000 "h" 3600000) $unit) }}
 {{- end }}

@@ -21,15 +21,16 @@ default applies), after the retries the caller's :class:`RetryPolicy`
 allows; anything else non-2xx raises :class:`HandoffError` with the status
 and the envelope's type. A stream raises :class:`HandoffError` on an error
 event (its type), when it ends without ``[DONE]`` or its connection breaks
-(``incomplete_stream``), or on an event that is not JSON within bounds or
-never ends (``invalid_stream``); a 503 before a stream starts is retried like
-any other call's.
+(``incomplete_stream``), or on an event that is not a JSON object within
+bounds or never ends (``invalid_stream``), once the events before it are
+yielded; a 503 before a stream starts is retried like any other call's.
 
 Nothing else escapes (``handoff/client/answers.py``): status 0 with
 ``unreachable`` (nothing was sent), ``timeout`` (the whole answer did not
 arrive within the call's timeout, however the server dribbles it) or
 ``incomplete_response``; ``invalid_response`` for a 2xx that is not JSON
-within bounds or longer than ``max_answer_bytes``; ``control_failed`` for a
+within bounds, longer than ``max_answer_bytes`` or not of the call's shape (``generate``: an object for one
+prompt, a list of objects for a batch or ``n`` > 1; ``memory_occupation``: an object); ``control_failed`` for a
 control answer that says ``"success": false`` or lists a node that failed. Pointed at one sidecar, a
 control call returns that node's answer as a one-node :class:`FanoutResult`.
 """

@@ -55,7 +55,7 @@ class AsyncHandoffClient(_Base):
             raise HandoffError(0, "timeout", late) from exc
         except httpx.RequestError as exc:
             raise transport_failure(exc) from exc
-        return decode(response.status_code, response.headers, reader.body, is_fanout=call.decode == "fanout",
+        return decode(response.status_code, response.headers, reader.body, shape=call.decode,
                       node=self.base_url)
 
     async def generate(self, text: str | list[str] | None = None, *, input_ids: Any = None,
@@ -74,6 +74,7 @@ class AsyncHandoffClient(_Base):
                 async for chunk in response.aiter_bytes():
                     for event in decoder.feed(chunk):
                         yield event
+                    decoder.raise_pending()
                     if decoder.is_done:
                         return
             except httpx.RequestError as exc:
@@ -133,7 +134,7 @@ class AsyncHandoffClient(_Base):
         return node_list(await self._send(_Call("GET", "/nodes")))
 
     async def memory_occupation(self) -> dict[str, Any]:
-        return await self._send(_Call("GET", "/memory_occupation"))
+        return await self._send(_Call("GET", "/memory_occupation", decode="object"))
 
     async def aclose(self) -> None:
         await self._http.aclose()

@@ -10,7 +10,10 @@ Rules:
   ``"success": false`` or lists a node that failed (or not one result per node
   it counts), is an error, never an empty success.
 - A generation or ``memory_occupation`` 2xx that is a JSON object is the result, whatever it holds (an
-  ``"error"`` field too): SGLang and handoff's services answer every error with a non-2xx status.
+  ``"error"`` field too): SGLang and handoff's services answer every error with a non-2xx status. Its shape
+  is the call's: ``memory_occupation`` an object; ``generate`` an object for one prompt, a list of objects for
+  a batch or ``n`` > 1 (as SGLang answers); anything else (``null``, a string, a list for one prompt) is
+  ``invalid_response``, never handed to the caller as a result.
 - A control call's answer from the LB lists its nodes; a sidecar's own answer
   (the client pointed at one node) is that one node's result.
 - Nothing the server or the network does escapes as another exception type:
@@ -132,13 +135,14 @@ def node_list(body: Any) -> list[dict[str, Any]]:
     return nodes
 
 
-def decode(status: int, headers: Mapping[str, str], raw: bytes, *, is_fanout: bool, node: str) -> Any:
-    """The result of a whole answer; ``node``: the URL called (a sidecar's own answer is that node's)."""
+def decode(status: int, headers: Mapping[str, str], raw: bytes, *, shape: str, node: str) -> Any:
+    """The result of a whole answer; ``shape``: what the call answers (:data:`SHAPES`); ``node``: the URL
+    called (a sidecar's own answer is that node's)."""
     if not 200 <= status < 300:
         raise error_of(status, headers, raw)
     body = _parse(status, raw)
-    if not is_fanout:
-        return body
+    if shape != "fanout":
+        return _shaped(status, body, shape)
     if not isinstance(body, dict):
         raise HandoffError(status, "invalid_response", f"a control answer must be a JSON object, got "
                                                        f"{type(body).__name__}", body)
@@ -158,6 +162,28 @@ def decode(status: int, headers: Mapping[str, str], raw: bytes, *, is_fanout: bo
         raise HandoffError(status, "control_failed", f"the answer says success, but {len(failed)} of {total} "
                                                      f"node(s) failed: {_nodes_named(failed)}", body)
     return FanoutResult(total=total, results=tuple(node_result(r) for r in results))
+
+
+SHAPES = ("json", "object", "object_or_list", "list", "fanout")  # "json": judged by the caller (GET /nodes)
+
+
+def _shaped(status: int, body: Any, shape: str) -> Any:
+    """``body`` when it has ``shape`` (``object_or_list``: a generation whose form the request leaves open),
+    else ``invalid_response`` saying what was wanted and what came."""
+    is_object = isinstance(body, dict)
+    is_list = isinstance(body, list) and bool(body) and all(isinstance(item, dict) for item in body)
+    if (shape == "json" or (shape == "object" and is_object) or (shape == "list" and is_list)
+            or (shape == "object_or_list" and (is_object or is_list))):
+        return body
+    wanted = {"object": "a JSON object", "list": "a non-empty list of JSON objects (one per sequence)",
+              "object_or_list": "a JSON object or a non-empty list of them"}[shape]
+    raise HandoffError(status, "invalid_response", f"the answer must be {wanted}, got {_json_kind(body)}", body)
+
+
+def _json_kind(value: Any) -> str:
+    if isinstance(value, list):
+        return f"a list of {len(value)} item(s)" if value else "an empty list"
+    return "an object" if isinstance(value, dict) else "null" if value is None else type(value).__name__
 
 
 def _succeeded(result: dict[str, Any]) -> bool:

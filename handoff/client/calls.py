@@ -51,7 +51,7 @@ class _Call:
     body: dict[str, Any] | None = None
     params: dict[str, Any] = field(default_factory=dict)
     timeout: float | None = None
-    decode: str = "json"                     # "json" or "fanout"
+    decode: str = "json"                     # the answer's shape: one of handoff.client.answers.SHAPES
     lb_default_timeout: float = DEFAULT_CONTROL_TIMEOUT_S  # a fan-out's per-node deadline when no ?timeout= is sent
 
 
@@ -61,6 +61,8 @@ def _bearer(token: str | None) -> dict[str, str]:
 
 def _checked_base_url(base_url: str) -> str:
     parts = urlsplit(base_url.rstrip("/"))
+    if "@" in parts.netloc:  # httpx would send it as Basic auth in place of the token; never echoed: a password
+        raise ValueError("base_url must not hold user:password@ (give the token as admin_token or api_key)")
     if parts.scheme not in ("http", "https") or not parts.hostname or parts.query or parts.fragment:
         raise ValueError(f"base_url must be http(s)://host[:port][/prefix], got {base_url!r}")
     try:
@@ -95,7 +97,8 @@ class _Calls:
         body = _drop_none({"text": text, "input_ids": input_ids, "sampling_params": sampling_params, **extra})
         if stream:
             body["stream"] = True
-        return _Call("POST", "/generate", auth="api", body=body)
+        return _Call("POST", "/generate", auth="api", body=body,
+                     decode=_generation_shape(text, input_ids, sampling_params))
 
     @staticmethod
     def release(tags: list[str] | None, mode: str, drain_timeout: float | None, stage_to_cpu: bool | None,
@@ -121,6 +124,23 @@ class _Calls:
     @staticmethod
     def pause(mode: str, role: str | None, timeout: float | None) -> _Call:
         return _control("/pause_generation", {"mode": mode}, role, timeout)
+
+
+def _generation_shape(text: Any, input_ids: Any, sampling_params: Any) -> str:
+    """What ``/generate`` answers, by SGLang's rule (``GenerateReqInput``): a list for a batch (``text`` a list,
+    ``input_ids`` a list of lists) or ``n`` > 1 (not a beam search), an object for one prompt; either when the
+    request leaves it open (no prompt the client can read, several ``sampling_params``)."""
+    if isinstance(text, list) or (isinstance(input_ids, list) and input_ids and isinstance(input_ids[0], list)):
+        return "list"
+    if not isinstance(text, str) and not isinstance(input_ids, list):
+        return "object_or_list"
+    params = sampling_params if sampling_params is not None else {}
+    if not isinstance(params, dict):
+        return "object_or_list"
+    n, beam_width = params.get("n"), params.get("beam_width")
+    if n is None or n == 1 or (isinstance(beam_width, int) and beam_width > 1):
+        return "object"
+    return "list" if isinstance(n, int) and not isinstance(n, bool) and n > 1 else "object_or_list"
 
 
 def _retry_delay(policy: RetryPolicy, exc: ServiceUnavailable, attempt: int, waited: float,
@@ -149,43 +169,66 @@ class _SseDecoder:
     Framing is :class:`handoff.protocol.sse.EventSplitter`'s: events end at a blank line made of CRLF, LF or
     CR line ends, never at U+2028, U+0085, form feeds... which the engine's events carry raw inside their JSON
     strings. :meth:`finish` raises if the body ended without ``[DONE]``: a stream cut short is never taken for
-    a complete one.
+    a complete one. The events before a bad one are returned first, however the bytes were cut into chunks;
+    its error is raised by :meth:`raise_pending` (the caller's, once it handed them on), or the next :meth:`feed`
+    or :meth:`finish`.
     """
 
     def __init__(self) -> None:
         self._splitter = EventSplitter()
+        self._error: HandoffError | None = None
         self.is_done = False
+
+    def raise_pending(self) -> None:
+        """Raise the error of a bad event that followed the events :meth:`feed` returned, if one did."""
+        if self._error is not None:
+            raise self._error
 
     def feed(self, chunk: bytes) -> list[dict[str, Any]]:
         """The events completed by ``chunk`` (none once ``[DONE]`` was seen)."""
+        self.raise_pending()
         try:
-            return self._events(self._splitter.feed(chunk))
+            raw_events = self._splitter.feed(chunk)
         except EventTooLarge as exc:
             raise HandoffError(200, "invalid_stream", str(exc)) from exc
-
-    def _events(self, raw_events: list[bytes]) -> list[dict[str, Any]]:
-        events = []
+        events: list[dict[str, Any]] = []
         for raw in raw_events:
             if self.is_done:
                 break
-            data = event_data(raw)
-            if data is None:
-                continue
-            if data == DONE:
-                self.is_done = True
-                continue
             try:
-                event = loads_bounded(data)
-            except PeerJSONError as exc:
-                raise HandoffError(200, "invalid_stream", f"an event is not JSON: {exc}") from exc
-            if isinstance(event, dict) and event.get("error"):  # as the openai client: ``"error": null`` is no error
-                raise HandoffError(200, *envelope_fields(event["error"], "stream_error", "an error event"), event)
-            events.append(event)
+                event = self._event(raw)
+            except HandoffError as exc:
+                if not events:
+                    raise
+                self._error = exc
+                break
+            if event is not None:
+                events.append(event)
         return events
+
+    def _event(self, raw: bytes) -> dict[str, Any] | None:
+        """One event's object; None for a comment, an event without data or ``[DONE]`` (then :attr:`is_done`)."""
+        data = event_data(raw)
+        if data is None:
+            return None
+        if data == DONE:
+            self.is_done = True
+            return None
+        try:
+            event = loads_bounded(data)
+        except PeerJSONError as exc:
+            raise HandoffError(200, "invalid_stream", f"an event is not JSON: {exc}") from exc
+        if not isinstance(event, dict):  # SGLang's events are objects (a batch's carry their ``index``)
+            raise HandoffError(200, "invalid_stream", f"an event must be a JSON object, got "
+                                                      f"{type(event).__name__}", event)
+        if event.get("error"):  # as the openai client: ``"error": null`` is no error
+            raise HandoffError(200, *envelope_fields(event["error"], "stream_error", "an error event"), event)
+        return event
 
     def finish(self) -> None:
         """The body ended: ``incomplete_stream`` unless ``[DONE]`` came (an event without its blank line is cut
         short, never parsed; only a final ``[DONE]`` is accepted without it)."""
+        self.raise_pending()
         try:
             rest = self._splitter.finish()
         except EventTooLarge as exc:

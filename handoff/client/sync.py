@@ -97,7 +97,7 @@ class HandoffClient(_Base):
             return response, reader.body
 
         response, body = _within(timeout_s, read_whole, late)
-        return decode(response.status_code, response.headers, body, is_fanout=call.decode == "fanout",
+        return decode(response.status_code, response.headers, body, shape=call.decode,
                       node=self.base_url)
 
     def generate(self, text: str | list[str] | None = None, *, input_ids: Any = None,
@@ -117,6 +117,7 @@ class HandoffClient(_Base):
             try:
                 for chunk in response.iter_bytes():
                     yield from decoder.feed(chunk)
+                    decoder.raise_pending()
                     if decoder.is_done:
                         return
             except httpx.RequestError as exc:
@@ -178,7 +179,7 @@ class HandoffClient(_Base):
         return node_list(self._send(_Call("GET", "/nodes")))
 
     def memory_occupation(self) -> dict[str, Any]:
-        return self._send(_Call("GET", "/memory_occupation"))
+        return self._send(_Call("GET", "/memory_occupation", decode="object"))
 
     def close(self) -> None:
         self._http.close()

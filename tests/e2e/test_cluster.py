@@ -177,6 +177,22 @@ def test_client_errors_are_typed(cluster: LocalCluster, client: HandoffClient) -
     assert events[-1]["meta_info"]["finish_reason"]["type"] == "length"
 
 
+def test_every_generation_form_is_returned_in_the_shape_the_client_checks(client: HandoffClient) -> None:
+    """The client refuses a 2xx not of the call's shape (``invalid_response``): the LB's real answers, through
+    sidecars and engines, are of it for every form of ``/generate`` (an object for one prompt, a list for a
+    batch or ``n`` > 1), and ``memory_occupation`` is an object."""
+    params = {"max_new_tokens": 2}
+    assert isinstance(client.generate("one", sampling_params=params), dict)
+    assert isinstance(client.generate(input_ids=[5, 6], sampling_params=params), dict)
+    assert len(client.generate(["a", "b", "c"], sampling_params=params)) == 3
+    assert len(client.generate(input_ids=[[5], [6]], sampling_params=params)) == 2
+    assert len(client.generate("one", sampling_params={**params, "n": 2})) == 2
+    assert len(client.generate(["a", "b"], sampling_params={**params, "n": 2})) == 4
+    events = list(client.stream_generate(["a", "b"], sampling_params=params))
+    assert {event["index"] for event in events} == {0, 1}
+    assert isinstance(client.memory_occupation(), dict)
+
+
 def test_tag_lists_follow_sglang(cluster: LocalCluster, client: HandoffClient) -> None:
     """``tags: []`` is no tag on every node (nothing released, nothing resumed); ``null`` is every tag."""
     nothing = client.release(tags=[])

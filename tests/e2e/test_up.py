@@ -144,6 +144,7 @@ BAD_FLAGS = [  # (the flag the message must name, the arguments, the environment
     ("--model-override", ["up", "--nodes", "1", "--model-override", '{"num_layers": "four"}'], {}),
     ("--model-override", ["up", "--nodes", "1", "--model-path", "/nonexistent", "--model-override", "{}"], {}),
     ("--model-path", ["up", "--nodes", "1", "--model-path", "builtin:huge"], {}),
+    ("--model-path", ["up", "--nodes", "1", "--model-path", "/nonexistent/model"], {}),
     ("--model-path", ["up", "--nodes", "1", "--model-path", "{file}"], {}),
     ("--model-path", ["up", "--nodes", "1", "--model-path", "/proc/self"], {}),  # a folder, no checkpoint in it
 ]

@@ -209,7 +209,7 @@ class ControlPlane:
         streams stay open and finish after the continue).
         """
         node = self.node
-        async with node.control_lock:
+        async with self._keeping_intent(), node.control_lock:
             if mode in ENGINE_PAUSE_MODES:
                 node.require_engine()
             was_paused = node.state.is_paused
@@ -230,7 +230,9 @@ class ControlPlane:
                     await node.resync_quietly()
                 raise
             if mode in ENGINE_PAUSE_MODES:
-                node.state.is_engine_paused = True
+                node.state.is_engine_paused = True  # read from the engine again after a restart of the sidecar
+            else:
+                node.state.intent.record_paused(True)  # the engine knows nothing of it: kept for a restart
         return {"success": True, "paused": True, "mode": mode, "drained_requests": drained,
                 "aborted_requests": aborted, "retracted_requests": answer.get("retracted_requests", 0),
                 "paused_requests": answer.get("paused_requests", 0), "message": "Generation paused successfully.",
@@ -239,14 +241,16 @@ class ControlPlane:
     async def resume_generation(self, *, torch_empty_cache: bool = True) -> dict[str, Any]:
         """Continue: the engine's paused requests step again, held requests enter. A pause the engine holds
         (retract, in_place) needs the engine: unreachable, 503 and nothing changes (a 200 would leave the engine
-        paused and the node holding requests again once it is back)."""
+        paused and the node holding requests again once it is back). A continue the adapter holds back is answered
+        once it is in ``--state-file``."""
         node = self.node
-        async with node.control_lock:
+        async with self._keeping_intent(), node.control_lock:
             if node.state.is_engine_reachable:
                 await node.engine_adapter.continue_generation(torch_empty_cache=torch_empty_cache)
             elif node.state.is_engine_paused:
                 node.require_engine()
             node.state.is_paused = node.state.is_engine_paused = False
+            node.state.intent.record_paused(False)
             node.refresh_admission()
         return {"success": True, "paused": False, "serving": node.state.is_serving,
                 "message": "Generation continued successfully.", "status": "ok"}

@@ -31,11 +31,16 @@ checkpoint), unless it was given ``--state-file``: then every change is written 
 read back at start, so a sidecar restarted together with its engine meets the
 fresh engine as one restarted alone.
 
+A pause the sidecar makes itself (``pause_generation`` modes ``wait`` and ``abort``: the engine knows nothing
+of it) is kept there too (:attr:`ClusterIntent.paused`), so a restarted sidecar holds generation until the
+cluster's ``continue_generation``; a pause the engine holds (``retract``, ``in_place``) is read from the engine.
+
 An engine that does not say which of its tags it has released (SGLang) has them
 recorded there too (:class:`TagRecord`): the tags its adapter holds released
 on one engine process, and those of a memory call under way, recorded before the
-call is sent. A sidecar restarted alone takes them from the record when it meets
-the same process (:meth:`~node_sidecar.engines.foreign.ForeignEngine.recall`).
+call is sent (and a ``continue_generation`` it holds back). A sidecar restarted
+alone takes them from the record when it meets the same process
+(:meth:`~node_sidecar.engines.foreign.ForeignEngine.recall`).
 """
 
 from __future__ import annotations
@@ -47,13 +52,16 @@ from typing import Any, Callable, Collection, TypeVar, cast
 from handoff.protocol.control import MAX_NAME_CHARS
 from handoff.protocol.errors import NotServingReason
 from handoff.protocol.tags import TAG_NAMES as TAGS
+from node_sidecar.tag_record import MAX_ENGINE_CHARS, IntentShapeError, TagRecord, tag_list, text_field
+
+__all__ = ["MAX_ENGINE_CHARS", "MAX_GROUPS", "STATE_FORMAT", "ClusterIntent", "IntentShapeError", "StaleWeights",
+           "TagRecord"]
 
 STATE_FORMAT = 1
-MAX_ENGINE_CHARS = 1024  # an engine process's identity (a uuid, vLLM's instance_id, SGLang's startup_time as JSON)
 MAX_GROUPS = 16          # weight groups kept per list (a trainer forms one or two); past it only engine_memory is kept
 _KEYS = ("format", "engine", "released", "stage_to_cpu", "unrestored", "weights_updated", "weight_version",
          "stale", "joined_groups", "lost_groups")
-_NEWER_KEYS = ("engine_memory",)  # absent from a file written before them: read as null
+_NEWER_KEYS = ("engine_memory", "paused")  # absent from a file written before them: read as null, false
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -69,10 +77,6 @@ def _recorded(method: F) -> F:
     return cast(F, changing)
 
 
-class IntentShapeError(ValueError):
-    """Stored intent that is not of the shape :meth:`ClusterIntent.to_json` writes."""
-
-
 @dataclass(frozen=True)
 class StaleWeights:
     """A fresh engine serves ``served`` (its start checkpoint's version); the node had ``had``."""
@@ -84,39 +88,6 @@ class StaleWeights:
         return (f"the engine restarted and serves its start checkpoint (weight_version {self.served!r}), but the "
                 f"node's weights had been updated (weight_version {self.had!r}): not serving until weight updates "
                 "through the sidecar have replaced every weight, or update_weights_from_disk succeeds")
-
-
-@dataclass(frozen=True)
-class TagRecord:
-    """What an adapter that remembers its own memory calls holds of engine process ``engine``: the tags it released
-    there (``released``), those of a release or resume sent and not answered yet (``in_doubt``: the engine may
-    or may not have moved them), and whether its weights are no checkpoint's (``weights_garbage``: resumed without
-    a backup, or a reload failed part way; generation waits for a reload or a session of updates)."""
-
-    engine: str
-    released: tuple[str, ...] = ()
-    in_doubt: tuple[str, ...] = ()
-    weights_garbage: bool = False
-
-    def to_json(self) -> dict[str, Any]:
-        return {"engine": self.engine, "released": list(self.released), "in_doubt": list(self.in_doubt),
-                "weights_garbage": self.weights_garbage}
-
-    @classmethod
-    def from_json(cls, data: object) -> TagRecord | None:
-        if data is None:
-            return None
-        keys = ["engine", "in_doubt", "released"]  # weights_garbage came after them: absent, false
-        if not isinstance(data, dict) or sorted(k for k in data if k != "weights_garbage") != keys:
-            raise IntentShapeError("engine_memory: null or an object with the keys engine, released, in_doubt "
-                                   "(and weights_garbage)")
-        engine = _text(data["engine"], "engine_memory.engine", MAX_ENGINE_CHARS)
-        if engine is None:
-            raise IntentShapeError("engine_memory.engine: a string expected")
-        garbage = data.get("weights_garbage", False)
-        if type(garbage) is not bool:
-            raise IntentShapeError("engine_memory.weights_garbage: true or false expected")
-        return cls(engine, tuple(_tags(data, "released")), tuple(_tags(data, "in_doubt")), garbage)
 
 
 @dataclass
@@ -131,6 +102,7 @@ class ClusterIntent:
     lost_groups: set[str] = field(default_factory=set)    # joined by an earlier engine process, not left since
     weight_version: str | None = None  # the node's version when an update last succeeded (named if stale later)
     engine_memory: TagRecord | None = None  # an adapter's own record of an engine process's tags (SGLang's)
+    paused: bool = False               # generation paused by the sidecar itself (pause modes wait, abort)
     on_change: Callable[[ClusterIntent], None] | None = field(default=None, repr=False, compare=False)
 
     def to_json(self) -> dict[str, Any]:
@@ -140,7 +112,8 @@ class ClusterIntent:
                 "weights_updated": self.weights_updated, "weight_version": self.weight_version,
                 "stale": None if self.stale is None else {"served": self.stale.served, "had": self.stale.had},
                 "joined_groups": sorted(self.joined_groups), "lost_groups": sorted(self.lost_groups),
-                "engine_memory": None if self.engine_memory is None else self.engine_memory.to_json()}
+                "engine_memory": None if self.engine_memory is None else self.engine_memory.to_json(),
+                "paused": self.paused}
 
     @classmethod
     def from_json(cls, data: object, *, on_change: Callable[[ClusterIntent], None] | None = None) -> ClusterIntent:
@@ -148,11 +121,12 @@ class ClusterIntent:
         its shape, type or bounds (any key missing or extra included)."""
         if not isinstance(data, dict) or sorted(k for k in data if k not in _NEWER_KEYS) != sorted(_KEYS) or \
                 not set(data) <= {*_KEYS, *_NEWER_KEYS}:
-            raise IntentShapeError(f"an object with exactly the keys {', '.join(_KEYS)} (and {_NEWER_KEYS[0]})")
+            raise IntentShapeError(f"an object with exactly the keys {', '.join(_KEYS)} "
+                                   f"(and {', '.join(_NEWER_KEYS)})")
         if type(data["format"]) is not int or data["format"] != STATE_FORMAT:  # not 1.0, not true
             raise IntentShapeError(f"format: {STATE_FORMAT} expected, got {data['format']!r}")
-        released = _tags(data, "released")
-        unrestored = _tags(data, "unrestored")
+        released = tag_list(data, "released")
+        unrestored = tag_list(data, "unrestored")
         if not set(unrestored) <= set(released):
             raise IntentShapeError("unrestored: tags not released")
         stale = data["stale"]
@@ -162,16 +136,19 @@ class ClusterIntent:
             raise IntentShapeError("weights_updated: a boolean expected")
         if data["stage_to_cpu"] is not None and not isinstance(data["stage_to_cpu"], bool):
             raise IntentShapeError("stage_to_cpu: null or a boolean expected")
+        if type(data.get("paused", False)) is not bool:
+            raise IntentShapeError("paused: a boolean expected")
         joined, lost = _groups(data, "joined_groups"), _groups(data, "lost_groups")
         if joined & lost:
             raise IntentShapeError("joined_groups and lost_groups: a group in both")
         return cls(released=set(released), weights_updated=data["weights_updated"],
-                   engine=_text(data["engine"], "engine", MAX_ENGINE_CHARS), unrestored=unrestored,
-                   stale=None if stale is None else StaleWeights(_text(stale["served"], "stale.served"),
-                                                                _text(stale["had"], "stale.had")),
+                   engine=text_field(data["engine"], "engine", MAX_ENGINE_CHARS), unrestored=unrestored,
+                   stale=None if stale is None else StaleWeights(text_field(stale["served"], "stale.served"),
+                                                                text_field(stale["had"], "stale.had")),
                    stage_to_cpu=data["stage_to_cpu"], joined_groups=joined, lost_groups=lost,
-                   weight_version=_text(data["weight_version"], "weight_version"),
-                   engine_memory=TagRecord.from_json(data.get("engine_memory")), on_change=on_change)
+                   weight_version=text_field(data["weight_version"], "weight_version"),
+                   engine_memory=TagRecord.from_json(data.get("engine_memory")), paused=data.get("paused", False),
+                   on_change=on_change)
 
     @_recorded
     def record_release(self, tags: list[str], *, stage_to_cpu: bool | None = None) -> None:
@@ -211,6 +188,11 @@ class ClusterIntent:
     def record_engine_memory(self, memory: TagRecord) -> None:
         """The adapter's record of its engine process's tags is ``memory`` now."""
         self.engine_memory = memory
+
+    @_recorded
+    def record_paused(self, paused: bool) -> None:
+        """Generation is paused by the sidecar itself now (``paused``), or continued."""
+        self.paused = paused
 
     @_recorded
     def record_joined(self, group: str) -> None:
@@ -274,20 +256,6 @@ class ClusterIntent:
         if self.stale is not None:
             return NotServingReason.WEIGHTS_STALE
         return None
-
-
-def _text(value: object, name: str, max_chars: int = MAX_NAME_CHARS) -> str | None:
-    if value is None or (isinstance(value, str) and 0 < len(value) <= max_chars):
-        return value
-    raise IntentShapeError(f"{name}: null or a string of 1 to {max_chars} characters expected")
-
-
-def _tags(data: dict[str, Any], name: str) -> list[str]:
-    tags = data[name]
-    if not isinstance(tags, list) or not all(isinstance(t, str) and t in TAGS for t in tags) \
-            or len(set(tags)) != len(tags):
-        raise IntentShapeError(f"{name}: a list of distinct tags among {', '.join(TAGS)} expected")
-    return tags
 
 
 def _groups(data: dict[str, Any], name: str) -> set[str]:

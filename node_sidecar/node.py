@@ -43,7 +43,7 @@ class Node:
         self.config = config
         self.metrics = metrics
         intent, self.state_writer = load_intent(config.state_file)
-        self.state = NodeState(intent=intent)
+        self.state = NodeState(intent=intent, is_paused=intent.paused)  # a pause the sidecar made, kept
         self.admission = Admission(refuse=self._refusal, hold_limits=self._hold_limits)
         self.engine = EngineClient(config.engine_base, client, control_timeout=config.control_timeout,
                                    on_unreachable=self.mark_unreachable)

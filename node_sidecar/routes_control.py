@@ -8,6 +8,7 @@ caller's deadline (:data:`~handoff.protocol.control.DEADLINE_HEADER`).
 from __future__ import annotations
 
 import asyncio
+import math
 
 from fastapi import APIRouter, Request
 from starlette.requests import ClientDisconnect
@@ -22,10 +23,11 @@ from handoff.protocol.control import (
     ResumeBody,
     UpdateWeightsFromDiskBody,
 )
+from handoff.protocol import errors as E
 from handoff.service.auth import BearerToken
 from handoff.service.bodies import openapi_body, parse_body, parse_tag_names, parse_value
 from handoff.service.disconnect import CLIENT_CLOSED, ClientGone, unless_disconnected
-from handoff.service.errors import InvalidRequest, parse_json_bytes
+from handoff.service.errors import InvalidRequest, ServiceError, parse_json_bytes
 from node_sidecar.config import SidecarConfig
 from node_sidecar.control import ControlPlane
 from node_sidecar.control_drain import DrainLimit
@@ -35,13 +37,23 @@ CONTROL_BODIES = [ReleaseBody, ResumeBody, PauseBody, ContinueBody, UpdateWeight
 
 def answer_by(request: Request) -> float | None:
     """When the caller stops waiting (event-loop time), from :data:`DEADLINE_HEADER`, less a margin for the work
-    after the drain and the answer's way back; None without a usable header."""
+    after the drain and the answer's way back; None without the header. Raised before anything is done: a header
+    that is not a finite number of seconds is a 400 naming it; one of 0 or less (the caller's deadline already
+    past) is a 504 ``upstream_timeout`` at once."""
+    raw = request.headers.get(DEADLINE_HEADER)
+    if raw is None:
+        return None
     try:
-        deadline = float(request.headers.get(DEADLINE_HEADER, "nan"))
+        deadline = float(raw)
     except ValueError:
-        return None
-    if not 0 < deadline < float("inf"):
-        return None
+        deadline = math.nan
+    if not math.isfinite(deadline):
+        raise InvalidRequest(f"{DEADLINE_HEADER} must be the seconds the caller waits (a finite number), got "
+                             f"{raw[:64]!r}; nothing was done")
+    if deadline <= 0:
+        raise ServiceError(f"{DEADLINE_HEADER} is {raw[:64]!r}: the caller's deadline is already past, so "
+                           f"{request.method} {request.url.path} was not started; nothing changed",
+                           kind=E.UPSTREAM_TIMEOUT, extra={"sent": False})
     margin = min(max(0.5, 0.1 * deadline), deadline / 2)
     return asyncio.get_running_loop().time() + deadline - margin
 
@@ -73,6 +85,7 @@ def control_router(config: SidecarConfig, admin: BearerToken) -> APIRouter:
         admin.check(request)
         body = await parse_body(request, ResumeBody, empty_ok=True)
         asked = parse_tag_names(body.tags)
+        answer_by(request)  # nothing to bound, but a spent deadline or a malformed header is answered first
         answer = await control_of(request).resume(asked.names)
         return JSONResponse(asked.report(answer))
 
@@ -84,11 +97,12 @@ def control_router(config: SidecarConfig, admin: BearerToken) -> APIRouter:
         engine_body = body.engine_body(exclude=frozenset({"drain_timeout", "dry_run", "abort_all_requests",
                                                           "keep_pause"}), exclude_none=True)
         control = control_of(request)
+        drain = drain_limit(request, body.drain_timeout)
         if body.dry_run:  # only the check: nothing drains, nothing loads
             return JSONResponse(await control.check_weights(engine_body))
         adapter = control.node.engine_adapter
         answer = await control.update_weights(
-            lambda: adapter.update_weights_from_disk(engine_body), drain=drain_limit(request, body.drain_timeout),
+            lambda: adapter.update_weights_from_disk(engine_body), drain=drain,
             mode="abort" if body.abort_all_requests else "wait",
             check=lambda: adapter.check_weights(engine_body))
         return JSONResponse(answer)
@@ -104,6 +118,7 @@ def control_router(config: SidecarConfig, admin: BearerToken) -> APIRouter:
     async def continue_generation(request: Request) -> JSONResponse:
         admin.check(request)
         body = await parse_body(request, ContinueBody, empty_ok=True)
+        answer_by(request)
         return JSONResponse(await control_of(request).resume_generation(torch_empty_cache=body.torch_empty_cache))
 
     async def flush_cache(request: Request) -> Response:
@@ -127,6 +142,7 @@ def control_router(config: SidecarConfig, admin: BearerToken) -> APIRouter:
     async def abort_request(request: Request) -> JSONResponse:
         admin.check(request)
         body = await parse_body(request, AbortBody)
+        answer_by(request)
         if body.rid is None and not body.abort_all:
             raise InvalidRequest("give a rid, or abort_all: true")
         node = control_of(request).node

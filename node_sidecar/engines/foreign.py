@@ -11,7 +11,8 @@ An adapter whose engine says nothing of its tags (SGLang) also keeps what it
 remembers in the node's ``--state-file`` (:attr:`ForeignEngine.keep`): before a
 memory call is sent, its tags are recorded as in doubt on the engine process
 (and the record written: if it cannot be, the call is refused, 503, nothing
-sent), and once the call ended the tags it holds released; a reload likewise
+sent), and once the call ended the tags it holds released (and a continue it
+holds back, :attr:`ForeignEngine.pending_continue`); a reload likewise
 records the weights as not known before it is sent (:meth:`ForeignEngine.reload_call`).
 A restarted sidecar meeting the same process (:meth:`ForeignEngine.recall`)
 takes the released tags back, and holds the ones in doubt out of every call
@@ -63,6 +64,7 @@ class ForeignEngine(EngineAdapter):
         self._recalled: TagRecord | None = None
         self.adopted: TagRecord | None = None  # the record of the process adopted last, if it was its
         self.weights_garbage = False  # weights not a checkpoint's (resumed without a backup, a failed reload)
+        self.pending_continue: bool | None = None  # a continue_generation held back (its torch_empty_cache)
 
     def recall(self, memory: TagRecord | None, keep: KeepMemory) -> None:
         """The record a sidecar before this one kept (taken once, by the first engine process met, if it is that
@@ -153,7 +155,8 @@ class ForeignEngine(EngineAdapter):
     def _memory(self, key: str, in_doubt: list[str], *, garbage: bool = False) -> TagRecord:
         doubt = self.unknown.union(in_doubt)
         return TagRecord(key, tuple(t for t in TAG_NAMES if t in self.released and t not in doubt),
-                         tuple(t for t in TAG_NAMES if t in doubt), self.weights_garbage or garbage)
+                         tuple(t for t in TAG_NAMES if t in doubt), self.weights_garbage or garbage,
+                         self.pending_continue)
 
     @property
     def instance_key(self) -> str | None:

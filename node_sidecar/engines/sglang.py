@@ -1,60 +1,48 @@
 """An SGLang server (0.5.23's HTTP API) behind the sidecar.
 
-SGLang's own calls are unforgiving, so the adapter sends only what SGLang
-survives (line numbers: ``sglang/srt/`` of 0.5.23; the fake in
-``tests/support/sglang_fake.py`` reproduces each):
+SGLang's own calls are unforgiving, so the adapter sends only what SGLang survives (line numbers: ``sglang/srt/`` of
+0.5.23; the fake in ``tests/support/sglang_fake.py`` reproduces each):
 
 - A release while anything runs fails an assertion and kills the server
-  (``managers/scheduler_components/weight_updater.py:339``). The sidecar has
-  drained already; the adapter then calls ``/flush_cache`` until SGLang says
-  it is idle (it flushes only then, ``managers/scheduler.py:5518``) before
-  the release, within :data:`IDLE_WAIT_S`; past it, 409 and nothing released.
-- ``tags: []`` means every tag to SGLang (``weight_updater.py:345``), so an
-  empty list is never sent; a tag already released is never released again
-  (torch_memory_saver exits the process) and a tag not released is never
-  resumed (``KeyError``, ``weight_updater.py:390``).
+  (``managers/scheduler_components/weight_updater.py:339``). The sidecar has drained already; the adapter then calls
+  ``/flush_cache`` until SGLang says it is idle (it flushes only then, ``managers/scheduler.py:5518``) before the
+  release, within :data:`IDLE_WAIT_S`; past it, 409 and nothing released.
+- ``tags: []`` means every tag to SGLang (``weight_updater.py:345``), so an empty list is never sent; a tag already
+  released is never released again (torch_memory_saver exits the process) and a tag not released is never resumed
+  (``KeyError``, ``weight_updater.py:390``).
 - Release and resume answer ``null``; what was freed is measured by the sidecar.
-- Weights resumed without ``--enable-weights-cpu-backup`` are garbage until a
-  reload: the node is ``weights_valid: false`` until ``update_weights_from_disk``.
-- A disk reload SGLang fails after it began reading the checkpoint does not
-  roll back: ``model_executor/model_runner_components/weight_updater.py:193``
-  points the model at the new path first, so the "rollback" of a load that
-  failed part way (229-237) reads the new checkpoint again (the scheduler dies
-  if that fails too), and a load that cannot flush keeps the new weights
-  (``managers/scheduler_components/weight_updater.py:117-130``); ``/model_info``
-  keeps the old path and version. After SGLang's refusal (its 400), unless it
-  says nothing was read (:data:`NOTHING_LOADED`), and after a reload it got but
-  did not answer in time, the weights are taken as not valid (the node serves
-  nothing, ``weights_valid: false``) until a reload succeeds.
-- ``GET /health`` generates a token (fatal while released): liveness is
-  ``GET /model_info``.
-- SGLang's pause is read from it (``read_paused``: ``/ready`` 503, ``/ping``
-  200): a sidecar restarted alone before a paused SGLang holds generation.
-- SGLang does not say what it has released: the adapter remembers its own
-  calls and forgets them when SGLang is a new process (``startup_time``, the
-  durations of its start: a server info without one is not SGLang's, and no
-  state is read from it). A release or resume SGLang got but did not answer in time still runs (it
-  runs control calls in order), so it is remembered as done. With
-  ``--state-file`` what it remembers is kept there (recorded in doubt before
-  each call is sent), so a sidecar restarted alone takes it back on the same
-  SGLang process, and holds out of every call the tags of a call the sidecar
-  before it did not see end (:meth:`ForeignEngine.memory_call`).
-- Tensor and broadcast updates run only inside SGLang's update session
-  (``begin_weight_update`` .. ``end_weight_update``, ``weight_updater.py:192``,
-  ``234``): outside one they are refused before released weights are woken.
-  Weights resumed as garbage are valid again after a reload, or when a session
-  in which updates succeeded ends (the trainer's session is its word that every
-  weight was sent; the sidecar cannot see the names inside a tensor payload).
-- Every weight call answers ``{"success": bool, "message"}``
-  (``http_server.py:1302-1557``): a 2xx without ``"success": true`` is an
-  upstream error, never taken for a success. SGLang fails a call only with a
-  400 and its JSON, passed on; any other error (a 5xx, a page) is a 502 naming
-  SGLang. A begin or end of the update session SGLang got but answered late
-  still runs, so it is remembered as done.
-- A ``continue_generation`` while a tag is released or the weights are
-  garbage is held back: SGLang would run the retracted requests on unmapped
-  memory or on garbage. It is sent once every tag is resident and the weights
-  are valid.
+- Weights resumed without ``--enable-weights-cpu-backup`` are garbage until a reload: the node is
+  ``weights_valid: false`` until ``update_weights_from_disk``.
+- A disk reload SGLang fails after it began reading the checkpoint does not roll back:
+  ``model_executor/model_runner_components/weight_updater.py:193`` points the model at the new path first, so the
+  "rollback" of a load that failed part way (229-237) reads the new checkpoint again (the scheduler dies if that
+  fails too), and a load that cannot flush keeps the new weights
+  (``managers/scheduler_components/weight_updater.py:117-130``); ``/model_info`` keeps the old path and version.
+  After SGLang's refusal (its 400), unless it says nothing was read (:data:`NOTHING_LOADED`), and after a reload it
+  got but did not answer in time, the weights are taken as not valid (the node serves nothing,
+  ``weights_valid: false``) until a reload succeeds.
+- ``GET /health`` generates a token (fatal while released): liveness is ``GET /model_info``.
+- SGLang's pause is read from it (``read_paused``: ``/ready`` 503, ``/ping`` 200): a sidecar restarted alone before
+  a paused SGLang holds generation.
+- SGLang does not say what it has released: the adapter remembers its own calls and forgets them when SGLang is a
+  new process (``startup_time``, the durations of its start: a server info without one is not SGLang's, and no state
+  is read from it). A release or resume SGLang got but did not answer in time still runs (it runs control calls in
+  order), so it is remembered as done. With ``--state-file`` what it remembers is kept there (recorded in doubt
+  before each call is sent), so a sidecar restarted alone takes it back on the same SGLang process, and holds out of
+  every call the tags of a call the sidecar before it did not see end (:meth:`ForeignEngine.memory_call`).
+- Tensor and broadcast updates run only inside SGLang's update session (``begin_weight_update`` ..
+  ``end_weight_update``, ``weight_updater.py:192``, ``234``): outside one they are refused before released weights
+  are woken. Weights resumed as garbage are valid again after a reload, or when a session in which updates succeeded
+  ends (the trainer's session is its word that every weight was sent; the sidecar cannot see the names inside a
+  tensor payload).
+- Every weight call answers ``{"success": bool, "message"}`` (``http_server.py:1302-1557``): a 2xx without
+  ``"success": true`` is an upstream error, never taken for a success. SGLang fails a call only with a 400 and its
+  JSON, passed on; any other error (a 5xx, a page) is a 502 naming SGLang. A begin or end of the update session
+  SGLang got but answered late still runs, so it is remembered as done.
+- A ``continue_generation`` while a tag is released or the weights are garbage is held back: SGLang would run the
+  retracted requests on unmapped memory or on garbage. It is sent once every tag is resident and the weights are
+  valid; with ``--state-file`` it is in the record until then, so a sidecar restarted meanwhile still sends it
+  (unless SGLang reads as not paused).
 """
 
 from __future__ import annotations
@@ -104,7 +92,6 @@ class SglangEngine(ForeignEngine):
         self.memory_saver = False
         self.is_session_open = False  # SGLang's weight update session (a new SGLang process has none)
         self.updated_since_garbage = False  # an update succeeded in a session since the weights became garbage
-        self.pending_continue: bool | None = None  # a continue held back (its torch_empty_cache)
 
     async def read_view(self) -> EngineView:
         info = await self.engine.call("GET", "/get_server_info", timeout=INFO_TIMEOUT_S)
@@ -119,7 +106,7 @@ class SglangEngine(ForeignEngine):
             # a process a sidecar before this one knew keeps what it recorded of its weights
             self.weights_garbage = self.adopted is not None and self.adopted.weights_garbage
             self.is_session_open = self.updated_since_garbage = False
-            self.pending_continue = None
+            self.pending_continue = None if self.adopted is None else self.adopted.continue_held
         self.memory_saver = info.get("enable_memory_saver") is True
         self.has_backup = info.get("enable_weights_cpu_backup") is True
         self.device = str(info.get("device") or "cuda")
@@ -131,6 +118,11 @@ class SglangEngine(ForeignEngine):
         if paused is None:
             log.warning("SGLang's /ready and /ping do not say whether its generation is paused (not healthy?): "
                         "taken as not paused; a continue_generation lifts a pause it holds")
+        if self.pending_continue is not None and paused is False:  # continued already (sent by a sidecar that
+            self.pending_continue = None                           # died before recording it, or past the sidecar)
+            await self.keep_record()
+        if await self._send_pending_continue():  # a recorded continue whose tags and weights are back now
+            paused = False
         return EngineView(
             tags={t: TagState.RELEASED if t in self.released | self.unknown else TagState.RESIDENT
                   for t in TAG_NAMES}, unknown=frozenset(self.unknown),
@@ -277,17 +269,25 @@ class SglangEngine(ForeignEngine):
         return await sglang_call(self.engine, "/pause_generation", {"mode": mode}, acknowledged=ACKNOWLEDGED)
 
     async def continue_generation(self, *, torch_empty_cache: bool) -> dict[str, Any]:
-        """Sent now, or held back while a tag is released or the weights are garbage (module docstring)."""
+        """Sent now, or held back while a tag is released or the weights are garbage (module docstring); one held
+        back is in the record (``--state-file``) until SGLang acknowledged it."""
         if self.released or self.unknown or self.weights_garbage:
             self.pending_continue = torch_empty_cache
+            await self.keep_record()
             return {"held_back": True}
-        self.pending_continue = None
-        return await sglang_call(self.engine, "/continue_generation", {"torch_empty_cache": torch_empty_cache},
-                                 acknowledged=ACKNOWLEDGED)
+        answer = await sglang_call(self.engine, "/continue_generation", {"torch_empty_cache": torch_empty_cache},
+                                   acknowledged=ACKNOWLEDGED)
+        if self.pending_continue is not None:
+            self.pending_continue = None
+            await self.keep_record()
+        return answer
 
-    async def _send_pending_continue(self) -> None:
+    async def _send_pending_continue(self) -> bool:
+        """The continue held back, sent if nothing holds it any more; True if it was."""
         if self.pending_continue is not None and not (self.released or self.unknown or self.weights_garbage):
             await self.continue_generation(torch_empty_cache=self.pending_continue)
+            return True
+        return False
 
     async def info(self, path: str) -> dict[str, Any] | None:
         if path == "/get_weight_version":  # not in SGLang 0.5.23: its /model_info carries the version

@@ -207,11 +207,13 @@ class VllmEngine(VllmSleep):
             log.warning("dropping a staged weight update failed: %s", exc.message)
 
     async def flush_cache(self, timeout: float) -> dict[str, Any]:
-        """``POST /reset_prefix_cache`` until it succeeds (it fails while running requests hold blocks)."""
+        """``POST /reset_prefix_cache`` until it succeeds (it fails while running requests hold blocks), each call
+        bounded by what is left of ``timeout``: none left is :func:`~node_sidecar.engine_client.deadline_spent`."""
         deadline = time.monotonic() + timeout
         delay = 0.02
         while True:
-            if (await self.engine.call("POST", "/reset_prefix_cache")).get("success") is True:
+            left = deadline - time.monotonic()
+            if (await self.engine.call("POST", "/reset_prefix_cache", timeout=left)).get("success") is True:
                 return {"success": True, "message": f"{FLUSHED} (vLLM's prefix cache was reset)"}
             if time.monotonic() + delay > deadline:
                 raise Conflict(f"vLLM could not reset its prefix cache within {timeout:g}s (running requests hold "

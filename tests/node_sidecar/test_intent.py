@@ -9,7 +9,8 @@ import pytest
 from handoff.protocol.control import MAX_NAME_CHARS
 from handoff.protocol.errors import NotServingReason
 from handoff.protocol.tags import TAG_NAMES as TAGS
-from node_sidecar.intent import MAX_ENGINE_CHARS, MAX_GROUPS, ClusterIntent, IntentShapeError, StaleWeights
+from node_sidecar.intent import (MAX_ENGINE_CHARS, MAX_GROUPS, ClusterIntent, IntentShapeError, StaleWeights,
+                                 TagRecord)
 
 
 def test_a_fresh_engine_owes_the_releases_and_the_weights_the_cluster_gave_the_one_before() -> None:
@@ -169,6 +170,9 @@ REACHABLE = [
                             i.record_joined("g"), i.meet_engine("b", served_version=None, had_version=None)),
                  id="unrestored-and-lost"),
     pytest.param(lambda i: (i.record_joined("g"), i.record_left("g"), i.record_resume(["weights"])), id="left"),
+    pytest.param(lambda i: (i.record_paused(True), i.record_engine_memory(TagRecord("e", ("kv_cache",),
+                                                                                    continue_held=True))),
+                 id="paused-and-a-continue-held"),
 ]
 
 

@@ -56,15 +56,23 @@ def test_the_tags_an_engine_holds_are_read_back_and_a_file_from_before_them_stil
     garbage = TagRecord("k", (), (), weights_garbage=True)
     intent.record_engine_memory(garbage)
     assert writer.flush(WRITE_TIMEOUT_S) and read_back(path).engine_memory == garbage
+    held = TagRecord("k", ("kv_cache",), (), continue_held=False)  # a continue held back, torch_empty_cache false
+    intent.record_engine_memory(held)
+    assert writer.flush(WRITE_TIMEOUT_S) and read_back(path).engine_memory == held
     without = json.loads(path.read_text())
     del without["engine_memory"]["weights_garbage"]  # written before it: not garbage
+    del without["engine_memory"]["continue_held"]  # written before it: no continue held
+    without["engine_memory"]["released"] = []
     path.write_text(json.dumps(without))
     assert read_back(path).engine_memory == TagRecord("k")
+    intent.record_paused(True)
+    assert writer.flush(WRITE_TIMEOUT_S) and read_back(path).paused is True
     older = json.loads(path.read_text())
     del older["engine_memory"]
+    del older["paused"]  # written before it: not paused
     path.write_text(json.dumps(older))
     again = read_back(path)
-    assert again.released == {"kv_cache"} and again.engine_memory is None
+    assert again.released == {"kv_cache"} and again.engine_memory is None and again.paused is False
 
 
 def test_an_unchanged_intent_is_not_written_again(tmp_path: Path) -> None:
@@ -94,6 +102,10 @@ BAD_FILES = [
     pytest.param(json.dumps({**ClusterIntent().to_json(), "engine_memory": {
         "engine": "k", "released": [], "in_doubt": [], "weights_garbage": 1}}).encode(),
                  "engine_memory.weights_garbage", id="engine-memory-garbage-not-bool"),
+    pytest.param(json.dumps({**ClusterIntent().to_json(), "engine_memory": {
+        "engine": "k", "released": [], "in_doubt": [], "continue_held": 0}}).encode(),
+                 "engine_memory.continue_held", id="engine-memory-continue-not-bool"),
+    pytest.param(json.dumps({**ClusterIntent().to_json(), "paused": "yes"}).encode(), "paused", id="paused-not-bool"),
     pytest.param(json.dumps({**ClusterIntent().to_json(), "later": 1}).encode(), "exactly the keys", id="extra-key"),
     pytest.param(b" " * MAX_STATE_BYTES + b"{}", "over the", id="too-large"),
 ]

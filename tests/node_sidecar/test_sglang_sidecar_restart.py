@@ -136,6 +136,51 @@ def test_a_sidecar_restarted_alone_in_front_of_a_paused_sglang_holds_generation(
     assert pair.view()["paused"] is False and pair.view()["serving"] is True
 
 
+def test_a_continue_held_back_is_sent_by_a_sidecar_restarted_alone(pair: SglangPair) -> None:
+    """A ``continue_generation`` held back while tags are released (slime continues before it resumes) lived only
+    in the sidecar's memory: a sidecar restarted alone read SGLang paused and, once every tag was resident, waited
+    for a second continue the trainer never sends. It is in the record now: the resume sends it, once."""
+    assert pair.post("/pause_generation", {"mode": "retract"}).status_code == 200
+    assert pair.post("/release_memory_occupation", {"tags": FIRST}).status_code == 200
+    held = pair.post("/continue_generation", {"torch_empty_cache": False})
+    assert held.status_code == 200 and held.json()["paused"] is False, held.text
+    assert "continue" not in pair.fake_state()["calls"]
+    pair.sidecar.kill()
+    pair.start_sidecar()
+    view = pair.view()
+    assert view["paused"] is False and view["not_serving_reason"] == "node_released", view
+    resumed = pair.post("/resume_memory_occupation")
+    assert resumed.status_code == 200 and resumed.json()["serving"] is True, resumed.text
+    assert pair.fake_state()["calls"].count("continue") == 1
+    assert pair.record()["engine_memory"]["continue_held"] is None
+    assert pair.post("/generate", {"text": "x", "sampling_params": {"max_new_tokens": 2}}).status_code == 200
+    pair.sidecar.kill()  # sent and recorded as sent: a sidecar restarted now sends nothing more and serves
+    pair.start_sidecar()
+    assert pair.view()["serving"] is True and pair.fake_state()["calls"].count("continue") == 1
+    pair.assert_fake_alive()
+
+
+def test_a_continue_sent_before_its_record_was_written_is_not_sent_twice(pair: SglangPair) -> None:
+    """A record still holding a continue that SGLang already got (the sidecar died between the two) names no
+    pause: SGLang says it is not paused, so the continue is forgotten, not kept to lift a later pause."""
+    assert pair.post("/release_memory_occupation", {"tags": FIRST}).status_code == 200
+    assert pair.post("/continue_generation").status_code == 200  # not paused: held back all the same
+    assert pair.post("/resume_memory_occupation").status_code == 200
+    assert pair.record()["engine_memory"]["continue_held"] is None
+    pair.sidecar.stop()
+    record = pair.record()
+    record["engine_memory"]["continue_held"] = True
+    pair.state_file.write_text(json.dumps(record))
+    pair.start_sidecar()
+    assert pair.record()["engine_memory"]["continue_held"] is None
+    assert pair.post("/pause_generation", {"mode": "retract"}).status_code == 200
+    assert pair.post("/release_memory_occupation", {"tags": FIRST}).status_code == 200
+    calls = len(pair.fake_state()["calls"])
+    assert pair.post("/resume_memory_occupation").status_code == 200
+    assert "continue" not in pair.fake_state()["calls"][calls:]
+    assert pair.view()["paused"] is True
+
+
 def test_a_record_of_another_sglang_process_is_not_taken_for_the_one_running(pair: SglangPair) -> None:
     """SGLang restarted as well (a new ``startup_time``): everything is resident in it, and the cluster's release
     is done again on it, once, as a sidecar that lived on would."""

@@ -216,6 +216,35 @@ def test_a_drain_ends_within_the_callers_deadline(sidecars: Sidecars) -> None:
         assert result.finish_reason == "abort" and 0 < result.num_tokens < 3500
 
 
+DEADLINE_CALLS = [("/release_memory_occupation", {"tags": ["kv_cache"]}), ("/resume_memory_occupation", {}),
+                  ("/pause_generation", {"mode": "abort"}), ("/continue_generation", {}), ("/flush_cache", {}),
+                  ("/update_weights_from_disk", {"model_path": "/nowhere"}),
+                  ("/abort_request", {"abort_all": True})]
+
+
+@pytest.mark.parametrize(("header", "status", "kind"), [("0", 504, "upstream_timeout"),
+                                                         ("-2.5", 504, "upstream_timeout"),
+                                                         ("soon", 400, "invalid_request"),
+                                                         ("nan", 400, "invalid_request"),
+                                                         ("inf", 400, "invalid_request")])
+def test_a_deadline_already_past_or_malformed_is_answered_at_once(sidecars: Sidecars, header: str, status: int,
+                                                                  kind: str) -> None:
+    """``x-handoff-deadline`` of 0 or less, or not a number, read as "no deadline": a release for a caller that had
+    already given up drained and released (found by review). A deadline already past is a 504 at once, a malformed
+    header a 400 naming it; either way nothing is done."""
+    sidecar = sidecars.start()
+    before = occupation(sidecar)
+    for path, body in DEADLINE_CALLS:
+        started = time.monotonic()
+        r = httpx.post(sidecar.url + path, json=body, headers={DEADLINE_HEADER: header}, timeout=30)
+        assert time.monotonic() - started < 2.0, path
+        assert r.status_code == status and r.json()["error"]["type"] == kind, (path, r.text)
+        assert DEADLINE_HEADER in r.json()["error"]["message"], r.text
+    after = occupation(sidecar)
+    assert after["tags"] == before["tags"] and after["paused"] is False and after["serving"] is True, after
+    assert after["weight_version"] == before["weight_version"]
+
+
 def test_concurrent_identical_releases_and_ordered_release_resume(sidecars: Sidecars) -> None:
     sidecar = sidecars.start()
     url = sidecar.url

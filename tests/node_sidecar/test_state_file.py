@@ -323,3 +323,32 @@ def test_a_stalled_disk_stalls_no_more_than_the_call_that_changed_the_intent(pai
     r = httpx.post(pair.sidecar.url + "/resume_memory_occupation", json={}, timeout=30)
     assert r.status_code == 200, r.text
     assert pair.state_file.is_file() and '"released":[]' in pair.state_file.read_text()
+
+
+@pytest.mark.parametrize("mode", ["wait", "abort"])
+def test_a_pause_the_sidecar_made_holds_generation_across_its_restart(pair: Pair, mode: str) -> None:
+    """A ``wait`` or ``abort`` pause lives in the sidecar (the engine knows nothing of it) and was in its memory
+    only (found by review): a sidecar restarted under it served at once while the trainer took the node for paused
+    (mid weight update, say). It is kept in the state file now: restarted alone or with its engine, the sidecar
+    holds generation until the cluster's ``continue_generation``, and a restart after that serves."""
+    paused = httpx.post(pair.sidecar.url + "/pause_generation", json={"mode": mode}, timeout=30)
+    assert paused.status_code == 200, paused.text
+    pair.sidecar.kill()
+    pair.start_sidecar()
+    view = pair.view()
+    assert view["paused"] is True and view["serving"] is False and view["admission"] == "holding", view
+    assert view["not_serving_reason"] == "generation_paused", view
+    assert json.loads(pair.state_file.read_text())["paused"] is True
+    pair.kill_both()  # a fresh engine: the cluster's pause is the node's, not the engine process's
+    pair.start_both()
+    assert pair.view()["paused"] is True and pair.view()["serving"] is False
+    with ThreadPoolExecutor(1) as pool:
+        held = pool.submit(httpx.post, pair.sidecar.url + "/generate", json=SHORT, timeout=60)
+        wait_until(lambda: pair.view()["held"] == 1, timeout=20, what="the generation held")
+        continued = httpx.post(pair.sidecar.url + "/continue_generation", json={}, timeout=30)
+        assert continued.status_code == 200 and continued.json()["serving"] is True, continued.text
+        assert held.result().status_code == 200
+    assert json.loads(pair.state_file.read_text())["paused"] is False
+    pair.sidecar.kill()
+    pair.start_sidecar()
+    assert pair.view()["paused"] is False and pair.view()["serving"] is True

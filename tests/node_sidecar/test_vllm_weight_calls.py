@@ -443,3 +443,46 @@ def test_a_name_of_megabytes_is_cut_in_the_extensions_refusal(tmp_path: Path) ->
     save_checkpoint(tmp_path, arch, weights)
     problem = check(Worker(tmp_path), {"w" * 2_000_000: weights["model.norm.weight"]})
     assert problem is not None and "not a tensor of this model" in problem and len(problem) < 1000
+
+
+@pytest.mark.timeout(30)
+async def test_a_flush_is_bounded_by_what_is_left_of_its_deadline() -> None:
+    """vLLM's ``/reset_prefix_cache`` was sent with ``--control-timeout`` whatever the caller's deadline (found by
+    review): a flush given 0.5 s waited the whole 10 s on a vLLM that does not answer, and one whose deadline was
+    spent (waiting behind another control call) was sent all the same. Now each reset is bounded by what is left,
+    and none left is a 504 at once, nothing sent."""
+    from handoff.protocol import errors as E
+    from handoff.service.errors import ServiceError
+    from handoff.service.upstream import UpstreamClient
+    from node_sidecar.engine_client import EngineClient
+    from node_sidecar.engines.vllm import VllmEngine
+    from node_sidecar.errors import EngineUnavailable
+
+    connected: list[bool] = []
+
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        connected.append(True)
+        await reader.read()  # never answers; ends when the client goes
+        writer.close()
+
+    server = await asyncio.start_server(silent, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    client = UpstreamClient()
+    loop = asyncio.get_running_loop()
+    try:
+        adapter = VllmEngine(EngineClient(f"http://127.0.0.1:{port}", client, control_timeout=10,
+                                          on_unreachable=lambda _: None))
+        with pytest.raises(ServiceError) as spent:
+            await adapter.flush_cache(0)
+        assert (spent.value.status, spent.value.type) == (504, E.UPSTREAM_TIMEOUT.name), spent.value
+        assert spent.value.extra["sent"] is False and not connected
+        started = loop.time()
+        with pytest.raises(EngineUnavailable) as late:
+            await adapter.flush_cache(0.5)
+        took = loop.time() - started
+    finally:
+        await client.aclose()
+        server.close()
+        await server.wait_closed()
+    assert took < 3.0, took
+    assert "/reset_prefix_cache" in late.value.message and connected

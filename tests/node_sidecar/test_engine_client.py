@@ -12,6 +12,7 @@ from handoff.service.errors import ServiceError
 from handoff.service.upstream import TimedOutConnecting, UpstreamClient, UpstreamError
 from node_sidecar.engine_client import EngineClient
 from node_sidecar.errors import EngineUnavailable
+from tests.service.peers import ScriptedServer, never_answer
 
 pytestmark = pytest.mark.timeout(20)
 
@@ -82,29 +83,19 @@ async def test_a_spent_deadline_is_answered_at_once_and_sends_nothing(spent: flo
     control call) read its 0 as "no timeout given" and waited the whole ``--control-timeout`` on an engine that
     does not answer, well past the caller's deadline (found by review). Now a 504 ``upstream_timeout`` at once,
     nothing sent and the engine not counted unreachable."""
-    connected: list[bool] = []
-
-    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        connected.append(True)
-        await reader.read()  # never answers; ends when the client goes
-        writer.close()
-
-    server = await asyncio.start_server(silent, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
     reported: list[UpstreamError] = []
     client = UpstreamClient()
     loop = asyncio.get_running_loop()
     try:
-        engine = EngineClient(f"http://127.0.0.1:{port}", client, control_timeout=10, on_unreachable=reported.append)
-        started = loop.time()
-        with pytest.raises(ServiceError) as info:
-            await engine.call("POST", "/flush_cache", timeout=spent)
-        took = loop.time() - started
+        async with ScriptedServer(never_answer) as server:
+            engine = EngineClient(server.url, client, control_timeout=10, on_unreachable=reported.append)
+            started = loop.time()
+            with pytest.raises(ServiceError) as info:
+                await engine.call("POST", "/flush_cache", timeout=spent)
+            took = loop.time() - started
     finally:
         await client.aclose()
-        server.close()
-        await server.wait_closed()
     assert took < 1.0, took
     assert (info.value.status, info.value.type) == (504, E.UPSTREAM_TIMEOUT.name), info.value
     assert info.value.extra["sent"] is False and "POST /flush_cache" in info.value.message
-    assert not connected and not reported
+    assert server.num_connections == 0 and not reported

@@ -457,32 +457,22 @@ async def test_a_flush_is_bounded_by_what_is_left_of_its_deadline() -> None:
     from node_sidecar.engine_client import EngineClient
     from node_sidecar.engines.vllm import VllmEngine
     from node_sidecar.errors import EngineUnavailable
+    from tests.service.peers import ScriptedServer, never_answer
 
-    connected: list[bool] = []
-
-    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        connected.append(True)
-        await reader.read()  # never answers; ends when the client goes
-        writer.close()
-
-    server = await asyncio.start_server(silent, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
     client = UpstreamClient()
     loop = asyncio.get_running_loop()
     try:
-        adapter = VllmEngine(EngineClient(f"http://127.0.0.1:{port}", client, control_timeout=10,
-                                          on_unreachable=lambda _: None))
-        with pytest.raises(ServiceError) as spent:
-            await adapter.flush_cache(0)
-        assert (spent.value.status, spent.value.type) == (504, E.UPSTREAM_TIMEOUT.name), spent.value
-        assert spent.value.extra["sent"] is False and not connected
-        started = loop.time()
-        with pytest.raises(EngineUnavailable) as late:
-            await adapter.flush_cache(0.5)
-        took = loop.time() - started
+        async with ScriptedServer(never_answer) as server:
+            adapter = VllmEngine(EngineClient(server.url, client, control_timeout=10, on_unreachable=lambda _: None))
+            with pytest.raises(ServiceError) as spent:
+                await adapter.flush_cache(0)
+            assert (spent.value.status, spent.value.type) == (504, E.UPSTREAM_TIMEOUT.name), spent.value
+            assert spent.value.extra["sent"] is False and server.num_connections == 0
+            started = loop.time()
+            with pytest.raises(EngineUnavailable) as late:
+                await adapter.flush_cache(0.5)
+            took = loop.time() - started
     finally:
         await client.aclose()
-        server.close()
-        await server.wait_closed()
     assert took < 3.0, took
-    assert "/reset_prefix_cache" in late.value.message and connected
+    assert "/reset_prefix_cache" in late.value.message and server.num_connections == 1

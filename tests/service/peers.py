@@ -69,6 +69,11 @@ class ScriptedServer:
             writer.close()
 
 
+async def never_answer(conn: Conn) -> None:
+    """A :class:`ScriptedServer` handler that reads and never answers (ends when the client goes)."""
+    await conn.reader.read()
+
+
 async def until(predicate: Callable[[], bool], timeout_s: float = 5.0) -> None:
     """Poll ``predicate`` until it holds; fails after ``timeout_s``."""
     async def poll() -> None:

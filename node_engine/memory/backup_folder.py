@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 PREFIX = "engine-"
 LOCK_NAME = ".lock"
 _CLAIMING_PREFIX = ".claiming-"  # a folder being set up; never swept (its lock may not be held yet)
+MEMORY_FILESYSTEMS = frozenset({"tmpfs", "ramfs"})  # a backup there is held in host memory, not on disk
 
 
 class BackupFolder:
@@ -80,6 +81,11 @@ class BackupFolder:
             raise
         self.release_lock()
         self._path, self._lock_fd = path, lock_fd
+        kind = filesystem_type(path)
+        if kind in MEMORY_FILESYSTEMS:
+            log.warning("the weights backup folder %s is on %s, which is memory: a release moves the weights into "
+                        "the host's shared memory and the host gets nothing back; give --backup-dir a folder on "
+                        "disk", path, kind)
         return path
 
     def remove(self) -> None:
@@ -118,6 +124,26 @@ def sweep_orphans(root: Path) -> None:
             os.close(fd)
         log.info("removing the backup folder %s of an engine that is gone", entry.path)
         _rmtree(Path(entry.path))
+
+
+def filesystem_type(path: Path, mountinfo: Path = Path("/proc/self/mountinfo")) -> str | None:
+    """The type of the filesystem ``path`` is on (``tmpfs``, ``ext4``, ...): that of the deepest mount point
+    above it in ``mountinfo``; None when that cannot be read."""
+    try:
+        resolved, lines = os.path.realpath(path), mountinfo.read_text(errors="replace").splitlines()
+    except OSError:
+        return None
+    best, kind = "", None
+    for line in lines:
+        fields, _, tail = line.partition(" - ")
+        parts, types = fields.split(" "), tail.split(" ")
+        if len(parts) < 5 or not types[0]:
+            continue
+        mount = parts[4].replace("\\040", " ")
+        inside = resolved == mount or resolved.startswith(mount.rstrip("/") + "/")
+        if inside and len(mount) >= len(best):  # a later mount over the same point hides the earlier
+            best, kind = mount, types[0]
+    return kind
 
 
 def create_file(path: Path) -> int:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from node_engine.config import EngineConfig
-from node_engine.memory.backup_folder import LOCK_NAME, BackupFolder
+from node_engine.memory.backup_folder import LOCK_NAME, MEMORY_FILESYSTEMS, BackupFolder, filesystem_type
 from node_engine.memory.backup_room import BackupUnavailable
 from node_engine.memory.saver import CpuSaver
 from node_engine.memory.tags import BackupMode, MemoryTag
@@ -156,3 +156,40 @@ def test_folders_of_dead_engines_are_removed_and_live_ones_kept(tmp_path: Path) 
     finally:
         live_child.communicate("", timeout=30)
     assert not live.exists()  # removed by its own engine at exit
+
+
+def test_the_filesystem_of_a_path_is_that_of_its_deepest_mount(tmp_path: Path) -> None:
+    mountinfo = tmp_path / "mountinfo"
+    mountinfo.write_text(
+        "22 1 8:1 / / rw,relatime shared:1 - ext4 /dev/sda1 rw\n"
+        "30 22 0:25 / /dev/shm rw,nosuid,nodev shared:2 - tmpfs tmpfs rw\n"
+        "31 22 0:26 / /mnt/my\\040disk rw - xfs /dev/sdb1 rw\n"
+        "32 31 0:27 / /mnt/my\\040disk/ram rw - ramfs ramfs rw\n"
+        "33 22 0:28 / /dev/shm rw - ext4 /dev/sdc1 rw\n"  # mounted over /dev/shm later: it hides the tmpfs
+        "garbage line\n")
+    assert filesystem_type(Path("/"), mountinfo) == "ext4"
+    assert filesystem_type(Path("/dev/shmx/a"), mountinfo) == "ext4"  # a prefix of a name is not a mount above it
+    assert filesystem_type(Path("/mnt/my disk/backups"), mountinfo) == "xfs"
+    assert filesystem_type(Path("/mnt/my disk/ram/x"), mountinfo) == "ramfs"
+    assert filesystem_type(Path("/dev/shm/x"), mountinfo) == "ext4"
+    assert filesystem_type(Path("/x"), tmp_path / "absent") is None
+
+
+@pytest.mark.skipif(filesystem_type(Path("/dev/shm")) != "tmpfs", reason="/dev/shm is not a tmpfs here")
+def test_a_backup_folder_in_memory_is_warned_about(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A backup under ``--backup-dir`` on tmpfs (``/tmp`` is one on many hosts) moved the weights into the host's
+    shared memory while the release reported them freed, and nothing said so (found by review): the host got
+    nothing back. The engine now warns when it claims such a folder; one on disk is not warned about."""
+    on_disk = BackupFolder(tmp_path / "disk")
+    in_memory = BackupFolder(Path("/dev/shm") / f"handoff-test-{tmp_path.name}")
+    try:
+        with caplog.at_level("WARNING", logger="node_engine.memory.backup_folder"):
+            if filesystem_type(tmp_path) not in MEMORY_FILESYSTEMS:
+                on_disk.claim()
+                assert not caplog.records
+            in_memory.claim()
+        assert any("is on tmpfs, which is memory" in r.getMessage() for r in caplog.records), caplog.records
+    finally:
+        on_disk.remove()
+        in_memory.remove()
+        in_memory.root.rmdir()

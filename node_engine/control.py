@@ -118,6 +118,13 @@ class EngineControl:
         except NotEnoughMemory as exc:
             raise InsufficientMemory(str(exc), extra={"needed_bytes": exc.needed_bytes, "free_bytes": exc.free_bytes,
                                                       "step_headroom_bytes": exc.step_headroom_bytes}) from exc
+        except (MemoryError, RuntimeError) as exc:  # the room was checked, and the allocator refused all the same
+            if not is_out_of_memory(exc):
+                raise
+            still = [t.value for t in engine.memory.released_tags()]
+            raise InsufficientMemory(f"the memory to resume could not be had ({str(exc)[:300]}); still released: "
+                                     f"{', '.join(still) or 'nothing'}: resume again once memory is free",
+                                     extra={"released": still}) from exc
         finally:
             # Also when it failed part way: the tags it brought back before that lost their contents all the same.
             self._forget_contents(released_before - set(engine.memory.released_tags()))
@@ -170,3 +177,9 @@ class EngineControl:
             ENGINE_INSTANCE: engine.instance,
             WEIGHTS_UPDATED: engine.weights.written.any_written,
         }
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """An allocation the host or the device refused: Python's MemoryError, torch's device out of memory, or
+    torch's CPU allocator ("DefaultCPUAllocator: can't allocate memory", a plain RuntimeError)."""
+    return isinstance(exc, (MemoryError, torch.OutOfMemoryError)) or "can't allocate memory" in str(exc)

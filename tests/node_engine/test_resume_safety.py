@@ -15,7 +15,7 @@ from node_engine import engine as engine_module
 from node_engine.config import EngineConfig
 from node_engine.detokenizer import IncrementalDetokenizer
 from node_engine.engine import Engine
-from node_engine.errors import BackupFailed
+from node_engine.errors import BackupFailed, InsufficientMemory
 from node_engine.memory.saver import CpuSaver
 from node_engine.memory.tags import ALL_TAGS, BackupMode, MemoryTag
 from node_engine.request import Request
@@ -179,10 +179,13 @@ class FailsOnceSaver(CpuSaver):
     back does (``resize_`` out of host memory, a CUDA map out of device memory)."""
 
     fail_next: MemoryTag | None = None
+    refused_by_allocator = False  # raise what torch's CPU allocator raises when the host refuses the memory
 
     def resume(self, tag: MemoryTag) -> int:
         if tag is self.fail_next:
             self.fail_next = None
+            if self.refused_by_allocator:
+                torch.empty(1 << 62, dtype=torch.uint8)  # "DefaultCPUAllocator: can't allocate memory"
             raise RuntimeError(f"cannot allocate the {tag.value} storages (simulated)")
         return super().resume(tag)
 
@@ -206,4 +209,30 @@ def test_a_resume_that_fails_after_the_kv_pool_came_back_still_forgets_the_cache
     engine.control.resume(tags)
     slots = engine.scheduler.slots
     assert engine.scheduler.cache.num_cached_tokens == 0 and slots.num_free == slots.capacity
+    assert generate_together(engine, PROMPTS) == expected
+
+
+def test_a_resume_the_allocator_refuses_is_a_507_naming_what_stays_released(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The room is checked before a resume, but the allocator may still refuse (strict overcommit, another
+    process took the memory meanwhile): that was a 500 ``internal_error`` (found by review). Now a 507
+    ``insufficient_memory`` naming the tags still released; the tags resumed before it stay resident, and a
+    later resume brings the rest back with the same outputs."""
+    saver = FailsOnceSaver(tmp_path / "backup")
+    monkeypatch.setattr(engine_module, "make_saver", lambda config: saver)
+    engine = Engine(EngineConfig(model_path="builtin:tiny", max_total_tokens=1024, enable_memory_saver=True))
+    expected = generate_together(engine, PROMPTS)
+    tags = [MemoryTag.KV_CACHE, MemoryTag.WORKSPACE]
+    engine.control.release(tags, stage_to_cpu=None)
+    saver.fail_next, saver.refused_by_allocator = MemoryTag.WORKSPACE, True
+    with pytest.raises(InsufficientMemory) as refused:
+        engine.control.resume(tags)
+    assert (refused.value.status, refused.value.type) == (507, E.INSUFFICIENT_MEMORY.name)
+    assert refused.value.extra["released"] == ["workspace"] and "can't allocate memory" in refused.value.message
+    assert engine.memory.released_tags() == [MemoryTag.WORKSPACE]
+    saver.fail_next = MemoryTag.WORKSPACE  # anything else the saver raises is a bug, not a 507: it stays raised
+    saver.refused_by_allocator = False
+    with pytest.raises(RuntimeError, match="simulated"):
+        engine.control.resume(tags)
+    engine.control.resume(tags)
     assert generate_together(engine, PROMPTS) == expected

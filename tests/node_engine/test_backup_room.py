@@ -27,14 +27,18 @@ def v2_tree(root: Path, limit: str, usage: int, cache: int = 0, shmem: int = 0) 
 
 
 def v1_tree(root: Path, limit: int, usage: int, cache: int = 0, shmem: int = 0) -> Path:
-    """cgroup v1's files: the hierarchy's counters are the ``total_`` ones."""
-    memory = root / "memory"
-    memory.mkdir(parents=True, exist_ok=True)
-    (memory / "memory.limit_in_bytes").write_text(f"{limit}\n")
-    (memory / "memory.usage_in_bytes").write_text(f"{usage}\n")
-    (memory / "memory.stat").write_text(f"cache 0\nshmem 0\ntotal_cache {cache}\ntotal_shmem {shmem}\n"
-                                        f"total_active_file {cache - shmem}\n")
+    """cgroup v1's files, in the memory controller's folder of the mount at ``root``."""
+    v1_cgroup(root / "memory", limit, usage, cache, shmem)
     return root
+
+
+def v1_cgroup(directory: Path, limit: int, usage: int, cache: int = 0, shmem: int = 0) -> None:
+    """One v1 memory cgroup's files: the hierarchy's counters are the ``total_`` ones."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "memory.limit_in_bytes").write_text(f"{limit}\n")
+    (directory / "memory.usage_in_bytes").write_text(f"{usage}\n")
+    (directory / "memory.stat").write_text(f"cache 0\nshmem 0\ntotal_cache {cache}\ntotal_shmem {shmem}\n"
+                                           f"total_active_file {cache - shmem}\n")
 
 
 def test_a_pinned_backup_past_the_containers_limit_is_refused_though_the_host_has_room(tmp_path: Path) -> None:
@@ -86,3 +90,32 @@ def test_this_machines_own_cgroup_reads_without_error() -> None:
     if room is not None:
         assert 0 <= room[0] <= room[1]
     assert host_memory().available_bytes <= psutil.virtual_memory().available
+
+
+@pytest.mark.parametrize("layout", ["v2", "v1"])
+def test_without_a_cgroup_namespace_the_processs_own_cgroup_and_its_ancestors_bind(tmp_path: Path,
+                                                                                     layout: str) -> None:
+    """A process without a cgroup namespace of its own (a systemd unit, a container sharing the host's: this
+    very machine runs its jobs in ``memory:/process_api/<id>``) sees the host's root at ``/sys/fs/cgroup``, which
+    has no limit: its own cgroup's limit, and a pod's above it, were never read (found by review), so a backup
+    past them was an OOM kill. The cgroup is found by ``/proc/self/cgroup`` and the tightest limit on the way
+    up binds."""
+    proc = tmp_path / "cgroup"
+    if layout == "v2":
+        root = tmp_path / "v2"
+        root.mkdir()
+        (root / "cgroup.controllers").write_text("cpu memory pids\n")  # the host's root: no memory.max
+        v2_tree(root / "kubepods" / "pod1", str(6 * GiB), 3 * GiB)
+        v2_tree(root / "kubepods" / "pod1" / "engine", "max", 2 * GiB)
+        proc.write_text("0::/kubepods/pod1/engine\n")
+    else:
+        root = v1_tree(tmp_path / "v1", 9223372036854771712, 0)  # the host's root: no limit
+        v1_cgroup(root / "memory" / "process_api", 8 * GiB, 5 * GiB)
+        v1_cgroup(root / "memory" / "process_api" / "job", 4 * GiB, 3 * GiB)
+        proc.write_text("9:name=systemd:/\n4:memory:/process_api/job\n0::/\n")
+    room, limit = cgroup_room(root, proc)
+    if layout == "v2":
+        assert (room, limit) == (3 * GiB, 6 * GiB)  # the pod's limit binds: the engine's own has none
+    else:
+        assert (room, limit) == (1 * GiB, 4 * GiB)  # the job's own limit is the tightest
+    assert host_memory(root, proc).available_bytes <= room

@@ -47,6 +47,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds each of them may wait (then 503)")
     p.add_argument("--hold-max-bytes", type=int, default=1 << 30,
                    help="bytes of request bodies held at once, paused or not (past it: 503) (default 1 GiB)")
+    p.add_argument("--max-inflight-bytes", type=int, default=1 << 30, metavar="N",
+                   help="bytes of generation bodies and buffered non-stream answers the running requests hold at "
+                        "once; past it a new request is 503 overloaded with Retry-After (nothing sent to the "
+                        "engine), an answer that would pass it a 502 (default 1 GiB; at least --max-body-bytes)")
     p.add_argument("--drain-timeout", type=positive_seconds, default=60.0, help="default drain bound of a release (s)")
     p.add_argument("--max-drain-timeout", type=positive_seconds, default=3600.0)
     p.add_argument("--generate-timeout", type=positive_seconds, default=3600.0)
@@ -95,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
             vllm_weight_sync_timeout=args.vllm_weight_sync_timeout, admin_token=admin_token, api_key=api_key,
             hold_requests=args.hold_requests, hold_max=args.hold_max, hold_timeout=args.hold_timeout,
             pause_hold_max=args.pause_hold_max, pause_hold_timeout=args.pause_hold_timeout,
-            hold_max_bytes=args.hold_max_bytes,
+            hold_max_bytes=args.hold_max_bytes, max_inflight_bytes=args.max_inflight_bytes,
             drain_timeout=args.drain_timeout, max_drain_timeout=args.max_drain_timeout,
             generate_timeout=args.generate_timeout, control_timeout=args.control_timeout,
             engine_poll_interval=args.engine_poll_interval, engine_health_timeout=args.engine_health_timeout,

@@ -34,6 +34,7 @@ class SidecarConfig:
     pause_hold_max: int = 16384         # requests waiting at most while paused or while weights update
     pause_hold_timeout: float = 3600.0  # seconds each may wait then (SGLang sets no bound; a reload can be long)
     hold_max_bytes: int = 1 << 30       # bytes of request bodies held at once, whatever the reason
+    max_inflight_bytes: int = 1 << 30   # bytes of admitted generation bodies and buffered answers at once
     drain_timeout: float = 60.0         # default drain bound of a release / reload / pause
     max_drain_timeout: float = 3600.0   # largest drain_timeout a body may ask for
     generate_timeout: float = 3600.0    # one generation through the engine, end to end
@@ -57,8 +58,8 @@ class SidecarConfig:
             raise ConfigError(f"--vllm-sleep-level must be 1 or 2, got {self.vllm_sleep_level}")
         if self.role not in ROLES:
             raise ConfigError(f"--role must be one of {', '.join(ROLES)}, got {self.role!r}")
-        for name in ("hold_max", "pause_hold_max", "hold_max_bytes", "retry_after_s", "max_body_bytes",
-                     "max_answer_bytes", "engine_health_misses"):
+        for name in ("hold_max", "pause_hold_max", "hold_max_bytes", "max_inflight_bytes", "retry_after_s",
+                     "max_body_bytes", "max_answer_bytes", "engine_health_misses"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{_flag(name)} must be >= 1, got {getattr(self, name)}")
         for name in ("hold_timeout", "pause_hold_timeout", "drain_timeout", "max_drain_timeout", "generate_timeout",
@@ -69,6 +70,9 @@ class SidecarConfig:
                 raise ConfigError(f"{_flag(name)} must be {problem}")
         if self.allowed_local_media_path is not None and not self.allowed_local_media_path.is_dir():
             raise ConfigError(f"--allowed-local-media-path {self.allowed_local_media_path} is not a folder")
+        if self.max_inflight_bytes < self.max_body_bytes:  # a body of the largest size would never run
+            raise ConfigError(f"--max-inflight-bytes ({self.max_inflight_bytes}) must be at least --max-body-bytes "
+                              f"({self.max_body_bytes})")
         if self.drain_timeout > self.max_drain_timeout:
             raise ConfigError("--drain-timeout must not exceed --max-drain-timeout")
 

@@ -79,16 +79,17 @@ class EngineClient:
                 raise ValueError(f"answered more than {max_bytes} bytes") from None
 
     async def read(self, response: UpstreamResponse, max_bytes: int, *, is_generation: bool = False,
-                   timeout: float = 0.0) -> bytes:
+                   timeout: float = 0.0, count: Callable[[int], None] | None = None) -> bytes:
         """The whole body of an engine answer (the connection is released either way).
 
         An answer longer than ``max_bytes`` is a 502 ``upstream_error`` (never a cut body; the engine is
         alive, so it is not reported unreachable). A failure mid-answer is reported to ``on_unreachable``
         and raised as :class:`EngineUnavailable`, but a generation's answer not finished in its ``timeout``
-        (the exchange's deadline) is :func:`generation_overdue`.
+        (the exchange's deadline) is :func:`generation_overdue`. ``count``: told each piece's size as it
+        arrives (what it raises ends the read, the connection closed).
         """
         try:
-            return await response.read_whole(max_bytes)
+            return await response.read_whole(max_bytes, count=count)
         except ResponseTooLarge as exc:
             raise ServiceError(f"the engine's answer to {response.url} is longer than {max_bytes} bytes "
                                "(--max-answer-bytes)", kind=E.UPSTREAM_ERROR, extra={"max_bytes": max_bytes}) from exc

@@ -22,6 +22,7 @@ from handoff.protocol.errors import NotServingReason
 from handoff.service.errors import Unavailable
 from handoff.service.upstream import UpstreamClient, UpstreamError, UpstreamTimeout
 from node_sidecar.admission import Admission, HoldLimits
+from node_sidecar.inflight_bytes import InFlightBytes
 from node_sidecar.config import SidecarConfig
 from node_sidecar.engine_client import EngineClient
 from node_sidecar.engines import EngineAdapter, EngineKind, create_adapter, detect_kind
@@ -45,6 +46,7 @@ class Node:
         intent, self.state_writer = load_intent(config.state_file)
         self.state = NodeState(intent=intent, is_paused=intent.paused)  # a pause the sidecar made, kept
         self.admission = Admission(refuse=self._refusal, hold_limits=self._hold_limits)
+        self.inflight_bytes = InFlightBytes(config.max_inflight_bytes)
         self.engine = EngineClient(config.engine_base, client, control_timeout=config.control_timeout,
                                    on_unreachable=self.mark_unreachable)
         self.adapter: EngineAdapter | None = (None if config.engine_kind is None else self._adapter_for(

@@ -1,5 +1,8 @@
 """Generation through the sidecar: admitted, counted in flight to the last byte, relayed as it comes.
 
+An admitted request's body and buffered answer count against ``--max-inflight-bytes``
+(:mod:`node_sidecar.inflight_bytes`) until its place in flight is given back.
+
 The body goes to the engine untouched (one that names media an engine not
 handoff's would fetch or read on its own is screened first:
 :mod:`node_sidecar.media`). A stream is relayed chunk by chunk with
@@ -28,6 +31,7 @@ from handoff.service.upstream import UpstreamError, UpstreamResponse, UpstreamTi
 from node_sidecar.admission import InFlight
 from node_sidecar.engine_client import generation_overdue
 from node_sidecar.engines.base import EngineAdapter
+from node_sidecar.inflight_bytes import BytesLease
 from node_sidecar.media import MediaPolicy, may_hold_media, screen_body
 from node_sidecar.node import Node
 
@@ -60,9 +64,10 @@ class _CountedResponse(Response):
             self._on_done()
 
 
-def _relayed_stream(node: Node, upstream: UpstreamResponse, lease: InFlight,
+def _relayed_stream(node: Node, upstream: UpstreamResponse, release: Callable[[], None],
                     transform: ChunkTransform | None) -> StreamRelay:
-    """The engine's stream, relayed; the lease is given back after the last byte or the client's disconnect.
+    """The engine's stream, relayed; ``release`` (its place in flight, its body's bytes) runs after the last byte
+    or the client's disconnect.
     An engine failing mid-stream ends it with an ``engine_unavailable`` event."""
 
     def failed(exc: UpstreamError) -> bytes:
@@ -72,7 +77,7 @@ def _relayed_stream(node: Node, upstream: UpstreamResponse, lease: InFlight,
         node.mark_unreachable(exc)
         return sse_error_event(E.ENGINE_UNAVAILABLE.name, f"the engine failed mid-stream: {exc}")
 
-    return StreamRelay(upstream, on_failure=failed, on_close=lambda _: lease.release(), transform=transform,
+    return StreamRelay(upstream, on_failure=failed, on_close=lambda _: release(), transform=transform,
                        default_type=b"application/json")
 
 
@@ -112,7 +117,10 @@ async def relay_generation(node: Node, request: Request, path: str) -> Response:
     except BaseException:
         watch.stop()
         raise
+    held = node.inflight_bytes.lease()
+    release = _releasing(lease, held)
     try:
+        held.take_body(len(body))  # past the bound: 503 overloaded, nothing sent
         _check_pinned_version(node, request)
         if call is None:
             await _screen_media(node, node.engine_adapter, body)
@@ -123,22 +131,33 @@ async def relay_generation(node: Node, request: Request, path: str) -> Response:
             headers={"Content-Type": request.headers.get("content-type", "application/json")})
         if upstream.content_type.startswith("text/event-stream"):
             watch.stop()  # the stream's own watcher takes over
-            return _relayed_stream(node, upstream, lease, call.stream() if call.stream else None)
-        content = await node.engine.read(upstream, node.config.max_answer_bytes, is_generation=True, timeout=timeout)
+            return _relayed_stream(node, upstream, release, call.stream() if call.stream else None)
+        content = await node.engine.read(upstream, node.config.max_answer_bytes, is_generation=True, timeout=timeout,
+                                         count=held.take_answer)
         if call.answer is not None and 200 <= upstream.status < 300:
             content = call.answer(content)
     except asyncio.CancelledError:
-        lease.release()
+        release()
         if not watch.is_disconnected:
             raise
         watch.absorb_cancel()
         return Response(status_code=CLIENT_CLOSED)
     except BaseException:
-        lease.release()
+        release()
         raise
     finally:
         watch.stop()
-    return _CountedResponse(upstream, content, lease.release)
+    return _CountedResponse(upstream, content, release)
+
+
+def _releasing(lease: InFlight, held: BytesLease) -> Callable[[], None]:
+    """Gives back the request's place in flight and its bytes, together (each once)."""
+
+    def release() -> None:
+        held.release()
+        lease.release()
+
+    return release
 
 
 async def _screen_media(node: Node, adapter: EngineAdapter, body: bytes) -> None:

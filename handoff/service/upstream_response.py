@@ -64,15 +64,18 @@ class UpstreamResponse:
         """Iterate the body as it arrives (each item: whatever arrived since the previous one)."""
         return _BodyIterator(self)
 
-    async def read(self, max_bytes: int) -> bytes:
+    async def read(self, max_bytes: int, *, count: Callable[[int], None] | None = None) -> bytes:
         """The body, or its first ``max_bytes`` when longer: then ``is_truncated`` is set and the
-        connection closed. For answers a prefix of is still useful (an error's detail, a log excerpt)."""
+        connection closed. For answers a prefix of is still useful (an error's detail, a log excerpt).
+        ``count`` is told each piece's size before it is kept (what it raises ends the read)."""
         parts: list[bytes] = []
         num_read = 0
         while True:
             chunk = await self.next_chunk()
             if not chunk:
                 return b"".join(parts)
+            if count is not None:
+                count(min(len(chunk), max_bytes - num_read))
             if num_read + len(chunk) >= max_bytes:
                 parts.append(chunk[:max_bytes - num_read])
                 self._stop_at_cap(overflow=num_read + len(chunk) > max_bytes)
@@ -84,12 +87,12 @@ class UpstreamResponse:
                 self._release(self._conn)
                 return b"".join(parts)
 
-    async def read_whole(self, max_bytes: int) -> bytes:
+    async def read_whole(self, max_bytes: int, *, count: Callable[[int], None] | None = None) -> bytes:
         """The whole body; past ``max_bytes`` raises :class:`ResponseTooLarge` (connection closed).
 
         For answers that are relayed or judged whole: a caller answers 502 instead of a cut body.
         """
-        body = await self.read(max_bytes)
+        body = await self.read(max_bytes, count=count)
         if self.is_truncated:
             raise ResponseTooLarge(f"the answer is longer than {max_bytes} bytes", url=self.url,
                                    max_bytes=max_bytes)

@@ -296,5 +296,5 @@ class SglangEngine(ForeignEngine):
         return None
 
     async def flush_cache(self, timeout: float) -> dict[str, Any]:
-        message = await wait_idle(self.engine, timeout)
+        message = await wait_idle(self.engine, timeout, within_deadline=True)
         return {"success": True, "message": message}

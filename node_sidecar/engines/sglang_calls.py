@@ -71,12 +71,17 @@ async def sglang_call(engine: EngineClient, path: str, body: dict[str, Any], *, 
     raise _failed(path, response.status, raw, resumed)
 
 
-async def wait_idle(engine: EngineClient, timeout: float) -> str:
-    """``POST /flush_cache`` until SGLang flushes (it does only when idle), at most ``timeout`` seconds."""
+async def wait_idle(engine: EngineClient, timeout: float, *, within_deadline: bool = False) -> str:
+    """``POST /flush_cache`` until SGLang flushes (it does only when idle), at most ``timeout`` seconds.
+
+    ``within_deadline`` (a caller's ``flush_cache``): each call bounded by what is left of ``timeout``, none left
+    a 504 at once, nothing sent (:func:`~node_sidecar.engine_client.deadline_spent`); otherwise (a release's idle
+    barrier) each call gets at least 1 s."""
     deadline = time.monotonic() + timeout
     delay = 0.02
     while True:
-        response, raw = await engine.exchange("POST", "/flush_cache", timeout=max(1.0, timeout))
+        left = deadline - time.monotonic() if within_deadline else max(1.0, timeout)
+        response, raw = await engine.exchange("POST", "/flush_cache", timeout=left)
         text = raw[:300].decode("utf-8", "replace").strip()
         if 200 <= response.status < 300 and text.startswith(FLUSHED):
             return text

@@ -721,11 +721,12 @@ def test_engine_and_sidecar_flags_follow_the_values(rendered: Rendered) -> None:
         assert grace > sidecar_values["drainTimeout"], "a stopping node must get time to drain"
 
 
-@pytest.mark.parametrize("limit", ["1Gi", "3G", "1536Mi", 2147483648])
+@pytest.mark.parametrize("limit", ["1Gi", "3G", "1536Mi", 2147483648, "128Mi"])
 def test_the_sidecar_holds_bodies_within_its_memory_limit(limit: str | int) -> None:
     """Before: the chart left --hold-max-bytes at the process's 1 GiB, the sidecar's whole default memory limit: the
     requests a paused node holds (a weight update) got the sidecar OOM-killed, with every held and running request,
-    before it answered one 503. The held bodies now take at most a quarter of the limit."""
+    before it answered one 503. The held bodies now take at most a quarter of the limit, and the bodies and answers
+    of the requests it runs (--max-inflight-bytes) another quarter."""
     default = build_sidecar_parser().get_default("hold_max_bytes")
     for values in ({}, {"node": {"sidecar": {"resources": {"limits": {"memory": limit}}}}}):
         r = render(values)
@@ -733,12 +734,15 @@ def test_the_sidecar_holds_bodies_within_its_memory_limit(limit: str | int) -> N
         for sts in _node_sets(r).values():
             held = [int(v) for v in flag_values(container(sts, "sidecar")["args"], "--hold-max-bytes")] or [default]
             assert held[-1] == limit_bytes // 4
+            in_flight = [int(v) for v in flag_values(container(sts, "sidecar")["args"], "--max-inflight-bytes")]
+            assert in_flight == [max(limit_bytes // 4, 64 << 20)]  # at least the sidecar's --max-body-bytes
 
 
 def test_a_sidecar_without_memory_limit_or_with_its_own_hold_bound_keeps_it() -> None:
     r = render({"node": {"sidecar": {"resources": {"limits": None}}}})
     for sts in _node_sets(r).values():
         assert flag_values(container(sts, "sidecar")["args"], "--hold-max-bytes") == []
+        assert flag_values(container(sts, "sidecar")["args"], "--max-inflight-bytes") == []
     r = render({"node": {"sidecar": {"extraArgs": ["--hold-max-bytes", "1000"]}}})
     for sts in _node_sets(r).values():  # the last value is argparse's
         assert flag_values(container(sts, "sidecar")["args"], "--hold-max-bytes")[-1] == "1000"

@@ -4,6 +4,7 @@ once."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -395,6 +396,63 @@ def test_a_generation_past_the_generate_timeout_is_a_504_and_the_engine_stays_up
         short = httpx.post(sidecar.url + "/generate", json={"text": "b", "sampling_params": {"max_new_tokens": 2}},
                            timeout=30)
         assert short.status_code == 200, short.text
+    finally:
+        sidecar.stop()
+        engine.stop()
+
+
+def _padded(body: dict[str, object], size: int) -> bytes:
+    """``body`` as JSON of exactly ``size`` bytes (whitespace after the first key: the engine sees the same)."""
+    raw = json.dumps(body).encode()
+    return raw[:1] + b" " * (size - len(raw)) + raw[1:]
+
+
+def _engine_requests_waiting(engine_url: str) -> float:
+    """Requests the engine has running or queued (its gauges)."""
+    text = httpx.get(engine_url + "/metrics", timeout=10).text
+    return sum(float(line.split()[1]) for line in text.splitlines()
+               if line.startswith(("handoff_engine_running_requests ", "handoff_engine_queued_requests ")))
+
+
+def test_the_bodies_and_answers_in_flight_are_bounded(proc_log_dir: Path) -> None:
+    """Found by review: only held bodies had a total bound; the bodies of admitted requests and their buffered
+    non-stream answers (each up to --max-answer-bytes, 256 MiB) had none, so many large requests at once took the
+    sidecar past its container's memory limit. ``--max-inflight-bytes`` bounds them: a body past it is 503
+    ``overloaded`` with Retry-After and never reaches the engine; an answer that would pass it is a 502; both
+    give their bytes back when the request ends."""
+    engine = ServerProcess("node_engine", ["--model-path", "builtin:tiny"], log_dir=proc_log_dir,
+                           name="engine-inflight-bytes").start()
+    sidecar = ServerProcess("node_sidecar", ["--engine-url", engine.url, "--engine-poll-interval", "0.2",
+                                             "--max-body-bytes", "1024", "--max-inflight-bytes", "1500"],
+                            log_dir=proc_log_dir, name="sidecar-inflight-bytes").start()
+    try:
+        wait_until(lambda: httpx.get(sidecar.url + "/ready").status_code == 200, timeout=20, what="ready")
+        big_answer = {"text": "a", "sampling_params": {"max_new_tokens": 16, "ignore_eos": True},
+                      "return_logprob": True, "top_logprobs_num": 20, "logprob_start_len": 0}
+        assert len(httpx.post(engine.url + "/generate", json=big_answer, timeout=60).content) > 1500
+        dropped = httpx.post(sidecar.url + "/generate", json=big_answer, timeout=60)
+        error = dropped.json()["error"]
+        assert dropped.status_code == 502 and error["type"] == "upstream_error", dropped.text
+        assert "--max-inflight-bytes" in error["message"] and error["max_bytes"] == 1500
+        small = {"text": "a", "sampling_params": {"max_new_tokens": 2}}
+        httpx.post(engine.url + "/pause_generation", json={"mode": "in_place"}, timeout=30).raise_for_status()
+        answers: list[httpx.Response] = []
+        first = threading.Thread(target=lambda: answers.append(
+            httpx.post(sidecar.url + "/generate", content=_padded(small, 1000), timeout=60)))
+        first.start()
+        wait_until(lambda: httpx.get(sidecar.url + "/memory_occupation").json()["in_flight"] == 1
+                   and _engine_requests_waiting(engine.url) == 1, timeout=20, what="the first request at the engine")
+        refused = httpx.post(sidecar.url + "/generate", content=_padded(small, 1000), timeout=30)
+        error = refused.json()["error"]
+        assert refused.status_code == 503 and error["type"] == "overloaded", refused.text
+        assert int(refused.headers["retry-after"]) >= 1 and "--max-inflight-bytes" in error["message"]
+        assert _engine_requests_waiting(engine.url) == 1  # the refused one never reached the engine
+        httpx.post(engine.url + "/continue_generation", json={}, timeout=30).raise_for_status()
+        first.join(60)
+        assert answers[0].status_code == 200, answers[0].text
+        again = httpx.post(sidecar.url + "/generate", content=_padded(small, 1000), timeout=60)
+        assert again.status_code == 200, again.text  # every byte was given back
+        assert httpx.get(sidecar.url + "/memory_occupation").json()["in_flight"] == 0
     finally:
         sidecar.stop()
         engine.stop()

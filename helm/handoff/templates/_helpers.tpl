@@ -507,6 +507,18 @@ in flight. Empty when the sidecar has no memory limit.
 {{- end }}
 
 {{/*
+The sidecar's bound on the bodies and buffered non-stream answers of the requests it runs at once
+(--max-inflight-bytes): a quarter of its container's memory limit too, beside the held bodies' quarter (an answer
+takes about twice its bytes while it is joined and passed on), and never under the sidecar's --max-body-bytes
+default (64 MiB), which it refuses at start. Empty when the sidecar has no memory limit.
+*/}}
+{{- define "handoff.sidecarInflightBytes" -}}
+{{- with include "handoff.sidecarHoldMaxBytes" . }}
+{{- max (int64 .) 67108864 }}
+{{- end }}
+{{- end }}
+
+{{/*
 A Prometheus duration of values.schema.json's form (500ms, 15s, 1m, 1h) in milliseconds.
 */}}
 {{- define "handoff.durationMs" -}}

@@ -165,11 +165,14 @@ class HealthMonitor:
             log.warning("node %s refused a connection, unhealthy until its next good check: %s", node.url, error)
             node.set_health(NodeHealth.UNHEALTHY)
 
-    def mark_not_serving(self, node: Node, error: str) -> None:
-        """The node said it does not serve (503 ``node_released``): believe it until the next check."""
+    def mark_not_serving(self, node: Node, error: str, reason: str) -> None:
+        """The node said it does not serve (a 503 of type ``reason``, ``node_released``...): believe it until the
+        next check, and show it so (``GET /nodes``, the 503 naming every node): its admission closed, unless it
+        holds requests (a full queue refuses too), and ``reason`` as its ``not_serving_reason``."""
         if not node.is_removed:
             node.record_error(error)
-            node.set_serving(False, node.admission)
+            node.occupation = {**node.occupation, "not_serving_reason": reason}  # the next check replaces it
+            node.set_serving(False, node.admission if node.admission == "holding" else "closed")
 
 
 def _parse_occupation(body: bytes) -> dict[str, Any] | str:

@@ -142,7 +142,7 @@ class NodeCaller:
         error_type, message = _error_of(raw)
         if error_type in NOT_SERVING_TYPES:
             if error_type != E.WEIGHT_VERSION_UNAVAILABLE.name:  # that one says the request's pin, not the node
-                self._health.mark_not_serving(node, f"answered 503 {error_type}")
+                self._health.mark_not_serving(node, f"answered 503 {error_type}", error_type)
             self._metrics.generate_not_serving_retries.inc()
             return Reroute(f"answered 503 {error_type}" + (f": {message[:MAX_REASON_CHARS]}" if message else ""))
         return buffered_response(upstream, raw)

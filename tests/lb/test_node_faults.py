@@ -170,6 +170,28 @@ def test_every_admission_refusal_moves_the_request(fakes: FakeCluster, start_lb,
     assert lb.node(refusing.url)["routable"] is False
 
 
+def test_a_node_refusing_generation_shows_why_until_its_next_check(fakes: FakeCluster, start_lb) -> None:
+    """Found by review: a node's not-serving 503 took it out of rotation but ``GET /nodes`` went on showing it
+    with admission ``open`` and no reason, and the next 503 said "not serving (admission open)": the operator
+    read a node that should serve. Its view now says what it answered, until its next check."""
+    node = fakes.start_one()
+    node.handlers["/generate"] = reply(503, {"error": {"type": "node_released", "message": "draining"}})
+    lb = start_lb(*node_args(node.url), "--health-interval", "60", fast_health=False)
+    assert lb.http.post("/generate", json={"text": "x"}).status_code == 503
+    view = lb.node(node.url)
+    assert (view["routable"], view["serving"], view["admission"], view["not_serving_reason"]) == (
+        False, False, "closed", "node_released"), view
+    assert view["weight_version"] == "default" and view["in_flight"] == 0  # the rest of its report stands
+    assert lb.metric("handoff_lb_node_serving", node=node.url) == 0
+    answer = lb.http.post("/generate", json={"text": "x"})
+    assert answer.status_code == 503 and answer.json()["error"]["type"] == "no_available_node"
+    assert "not serving (node_released, admission closed)" in answer.json()["error"]["message"], answer.text
+    del node.handlers["/generate"]
+    lb.http.get("/memory_occupation")  # a check: the node's own word again
+    view = lb.node(node.url)
+    assert (view["routable"], view["admission"], view["not_serving_reason"]) == (True, "open", None), view
+
+
 def test_every_node_refusing_a_pin_is_a_503_naming_what_each_said(module_fakes: FakeCluster, shared_lb: LB) -> None:
     """Found by review: the 503 named each node tried by its last recorded error, which a refused pin does not
     record: the client read "tried: failed", or an error of another request long past, for "not on your

@@ -2,7 +2,7 @@
 
     git worktree add --detach /tmp/base <commit>       # the checkout to compare with
     .venv/bin/python bench/lb_ab.py --base /tmp/base [--path /release_memory_occupation] [--nodes 128]
-                                    [--behaviour instant] [--rounds 300]
+                                    [--behaviour instant] [--rounds 300] [--stream]
 
 Two LB processes, ``python -m lb`` from ``--base`` (A) and from this checkout
 (B), stand in front of the same fake nodes (``bench/lb_nodes.py``); their
@@ -73,11 +73,13 @@ def main() -> None:
     parser.add_argument("--nodes", type=int, default=128)
     parser.add_argument("--behaviour", default="instant", choices=["instant", "slow", "decode"])
     parser.add_argument("--rounds", type=int, default=300)
+    parser.add_argument("--stream", action="store_true", help="a /generate streamed (16 SSE chunks from decode nodes)")
     args = parser.parse_args()
     if not (args.base / "lb" / "__main__.py").is_file():
         parser.error(f"--base {args.base} is not a checkout of this project")
     body = RELEASE_BODY if args.path == "/release_memory_occupation" else (
-        b'{"text": "hi", "sampling_params": {"max_new_tokens": 16}}' if args.path == "/generate" else b"")
+        b'{"text": "hi", "sampling_params": {"max_new_tokens": 16}' + (b', "stream": true}' if args.stream else b'}')
+        if args.path == "/generate" else b"")
     here = REPO_ROOT
     with FakeNodes([NodeSpec(args.behaviour)] * args.nodes) as nodes:
         urls = nodes.of(args.behaviour)
@@ -88,7 +90,7 @@ def main() -> None:
             for lb in lbs.values():
                 lb.stop()
     print(f"{time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} CPUs, {args.nodes} {args.behaviour} nodes, "
-          f"POST {args.path}, {args.rounds} rounds; A = {args.base}, B = {here}")
+          f"POST {args.path}{' (stream)' if args.stream else ''}, {args.rounds} rounds; A = {args.base}, B = {here}")
     for name, (p50_ms, cpu_ms, p99_ms, max_ms) in figures.items():
         print(f"{name}: p50 {p50_ms:.2f} ms, p99 {p99_ms:.2f} ms, max {max_ms:.2f} ms, CPU per call {cpu_ms:.2f} ms")
     (a_p50, a_cpu, _, _), (b_p50, b_cpu, _, _) = figures["A"], figures["B"]

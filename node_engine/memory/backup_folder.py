@@ -21,6 +21,7 @@ import atexit
 import fcntl
 import logging
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -34,6 +35,8 @@ PREFIX = "engine-"
 LOCK_NAME = ".lock"
 _CLAIMING_PREFIX = ".claiming-"  # a folder being set up; never swept (its lock may not be held yet)
 MEMORY_FILESYSTEMS = frozenset({"tmpfs", "ramfs"})  # a backup there is held in host memory, not on disk
+# the kernel writes a mount point's space, tab, line end and backslash as a backslash and three octal digits
+_MOUNTINFO_ESCAPE = re.compile(r"\\([0-7]{3})")
 
 
 class BackupFolder:
@@ -130,7 +133,7 @@ def filesystem_type(path: Path, mountinfo: Path = Path("/proc/self/mountinfo")) 
     """The type of the filesystem ``path`` is on (``tmpfs``, ``ext4``, ...): that of the deepest mount point
     above it in ``mountinfo``; None when that cannot be read."""
     try:
-        resolved, lines = os.path.realpath(path), mountinfo.read_text(errors="replace").splitlines()
+        resolved, lines = os.path.realpath(path), os.fsdecode(mountinfo.read_bytes()).split("\n")
     except OSError:
         return None
     best, kind = "", None
@@ -139,7 +142,7 @@ def filesystem_type(path: Path, mountinfo: Path = Path("/proc/self/mountinfo")) 
         parts, types = fields.split(" "), tail.split(" ")
         if len(parts) < 5 or not types[0]:
             continue
-        mount = parts[4].replace("\\040", " ")
+        mount = _MOUNTINFO_ESCAPE.sub(lambda m: chr(int(m.group(1), 8)), parts[4])
         inside = resolved == mount or resolved.startswith(mount.rstrip("/") + "/")
         if inside and len(mount) >= len(best):  # a later mount over the same point hides the earlier
             best, kind = mount, types[0]

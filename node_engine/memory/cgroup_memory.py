@@ -72,7 +72,8 @@ def memory_cgroups(root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_CGROUP) ->
 
 
 def _own_cgroup(proc_cgroup: Path, is_v1: bool) -> Path:
-    """This process's cgroup path, relative (``.`` when it cannot be read: the root alone is used)."""
+    """This process's cgroup path, relative (``.`` when it cannot be read or lies outside this view: the root alone
+    is used)."""
     try:
         lines = proc_cgroup.read_text().splitlines()
     except OSError:
@@ -80,8 +81,12 @@ def _own_cgroup(proc_cgroup: Path, is_v1: bool) -> Path:
     for line in lines:
         _, controllers, path = (line.split(":", 2) + ["", ""])[:3]
         if (is_v1 and "memory" in controllers.split(",")) or (not is_v1 and controllers == ""):
-            parts = [part for part in path.split("/") if part and part not in (".", "..")]
-            return Path(*parts) if parts else Path(".")
+            parts = [part for part in path.split("/") if part and part != "."]
+            # ".." leads: the cgroup is outside this namespace's view (the kernel writes it relative to the
+            # namespace's root), so no folder under ``root`` is it; dropping the ".." would name another
+            if ".." in parts or not parts:
+                return Path(".")
+            return Path(*parts)
     return Path(".")
 
 

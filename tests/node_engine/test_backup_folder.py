@@ -4,6 +4,7 @@ weights, a link planted there was written through, files were world-readable, a 
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -173,6 +174,25 @@ def test_the_filesystem_of_a_path_is_that_of_its_deepest_mount(tmp_path: Path) -
     assert filesystem_type(Path("/mnt/my disk/ram/x"), mountinfo) == "ramfs"
     assert filesystem_type(Path("/dev/shm/x"), mountinfo) == "ext4"
     assert filesystem_type(Path("/x"), tmp_path / "absent") is None
+
+
+def test_a_mount_point_with_escaped_characters_is_read_as_its_path(tmp_path: Path) -> None:
+    """The kernel writes a mount point's space, tab, line end and backslash as octal escapes; only ``\\040`` was
+    read back (found by review), so a tmpfs mounted at a path with a tab or a backslash was never matched and
+    the backup folder on it was taken for the disk below, with no warning. A name with a byte that is not UTF-8
+    or a form feed (neither escaped) is read as the path is spelled too."""
+    mountinfo = tmp_path / "mountinfo"
+    mountinfo.write_bytes(
+        b"22 1 8:1 / / rw,relatime shared:1 - ext4 /dev/sda1 rw\n"
+        b"40 22 0:30 / /mnt/back\\134slash rw - tmpfs tmpfs rw\n"
+        b"41 22 0:31 / /mnt/tab\\011ed rw - ramfs ramfs rw\n"
+        b"42 22 0:32 / /mnt/caf\xe9 rw - tmpfs tmpfs rw\n"
+        b"43 22 0:33 / /mnt/form\x0cfeed rw - tmpfs tmpfs rw\n")
+    assert filesystem_type(Path("/mnt/back\\slash/backups"), mountinfo) == "tmpfs"
+    assert filesystem_type(Path("/mnt/tab\ted/backups"), mountinfo) == "ramfs"
+    assert filesystem_type(Path(os.fsdecode(b"/mnt/caf\xe9/backups")), mountinfo) == "tmpfs"
+    assert filesystem_type(Path("/mnt/form\x0cfeed/backups"), mountinfo) == "tmpfs"
+    assert filesystem_type(Path("/mnt/back/slash"), mountinfo) == "ext4"
 
 
 @pytest.mark.skipif(filesystem_type(Path("/dev/shm")) != "tmpfs", reason="/dev/shm is not a tmpfs here")

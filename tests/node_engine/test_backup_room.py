@@ -119,3 +119,17 @@ def test_without_a_cgroup_namespace_the_processs_own_cgroup_and_its_ancestors_bi
     else:
         assert (room, limit) == (1 * GiB, 4 * GiB)  # the job's own limit is the tightest
     assert host_memory(root, proc).available_bytes <= room
+
+
+def test_a_cgroup_outside_the_namespaces_view_is_not_taken_for_one_inside_it(tmp_path: Path) -> None:
+    """A process whose cgroup lies outside its cgroup namespace's root reads ``0::/../engine`` (the kernel writes
+    the path relative to that root). The ``..`` was dropped, so ``/sys/fs/cgroup/engine``, another cgroup
+    inside the view, was read as the process's own and its limit bound the process (found by review); now such
+    a path is not looked for under the root, and the root alone counts, as when the file cannot be read."""
+    root = v2_tree(tmp_path / "v2", str(8 * GiB), 2 * GiB)  # the namespace's root: a container's limit
+    v2_tree(root / "engine", str(1 * GiB), 512 * 2**20)  # a cgroup of the same name inside the view
+    proc = tmp_path / "cgroup"
+    proc.write_text("0::/../engine\n")
+    assert cgroup_room(root, proc) == (6 * GiB, 8 * GiB)
+    proc.write_text("0::/engine/../engine\n")  # never written by the kernel; not resolved either
+    assert cgroup_room(root, proc) == (6 * GiB, 8 * GiB)

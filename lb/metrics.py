@@ -25,12 +25,16 @@ class LBMetrics:
         self.node_inflight = Gauge("handoff_lb_node_inflight", "Generation requests the LB has in flight per node.",
                                    ["node", "role"], registry=r)
         self.generate_retries = Counter("handoff_lb_generate_retries",
-                                        "Generation requests retried on another node after a refused connection.",
-                                        registry=r)
+                                        "Generation requests retried on another node after a refused connection "
+                                        "(or none made within --connect-timeout).", registry=r)
         self.generate_not_serving_retries = Counter(
             "handoff_lb_generate_not_serving_retries",
             "Generation requests retried on another node after a node answered a 503 saying it does not serve "
             "(node_released, engine_unavailable, ...: it ran nothing).", registry=r)
+        self.generate_overloaded_retries = Counter(
+            "handoff_lb_generate_overloaded_retries",
+            "Generation requests retried on another node after a node answered 503 overloaded (it holds as many "
+            "bodies or connections as it may: it ran nothing, and stays in rotation).", registry=r)
         self.streams_cut = Counter("handoff_lb_streams_cut",
                                    "Generation streams a node failed after they started: the client got a 200 "
                                    "and an error event, so handoff_lb_requests_total counts them as 200.", registry=r)

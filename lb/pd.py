@@ -102,6 +102,8 @@ class PDDispatcher:
                                         weight_version=version)
             decode = self._router.pick(Role.DECODE, retries.tried[Role.DECODE], avoid=retries.sent,
                                        weight_version=version)
+            for refusal in retries.take_refusals():
+                self._caller.count_retry(refusal)
             # not escaped: non-ASCII text written as \uXXXX would reach the nodes up to three times as large
             data = json.dumps(with_bootstrap(payload, prefill, size), ensure_ascii=False).encode()
             with prefill.begin_request() as prefill_lease, decode.begin_request() as decode_lease:

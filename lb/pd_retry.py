@@ -5,7 +5,8 @@ which is how that node learns to abort). That node may still hold the request a 
 landed. SGLang (``TokenizerManager``: "Duplicate request ID detected") and handoff's engine refuse a second
 request under an id still in flight, so the same body (the client's ``rid``) sent there again at once fails.
 
-- A node that ran nothing (a :class:`~lb.relay.Reroute`) is excluded for this request.
+- A node that ran nothing (a :class:`~lb.relay.Reroute`) is excluded for this request; its refusal counts as a
+  retry once the next pair is picked (:meth:`PairRetries.take_refusals`), not when no pair is left.
 - A node that got the request in a pair that failed is passed over while another node of its role can serve.
 - When only such a node is left and it refuses the client's ``rid`` as in flight (a 400 naming the duplicate),
   the pair is tried again after a short pause, for at most :data:`ABORT_WAIT_S`: the abort lands meanwhile.
@@ -39,6 +40,7 @@ class PairRetries:
     def __init__(self, payload: Mapping[str, Any]) -> None:
         self.tried: dict[Role, dict[Node, str]] = {Role.PREFILL: {}, Role.DECODE: {}}
         self.sent: set[Node] = set()
+        self.refusals: list[Reroute] = []  # of the last failed pair, counted once the next pair is picked
         self._has_client_rid = payload.get("rid") is not None
         self._deadline: float | None = None
         self._pause_s = FIRST_PAUSE_S
@@ -49,8 +51,14 @@ class PairRetries:
         for node, out in zip(pair, outcomes):
             if isinstance(out, Reroute):
                 self.tried[node.role][node] = out.reason
+                self.refusals.append(out)
             else:
                 self.sent.add(node)
+
+    def take_refusals(self) -> list[Reroute]:
+        """The refusals :meth:`record` noted since the last call: the next pair was picked, so they are retries."""
+        refusals, self.refusals = self.refusals, []
+        return refusals
 
     def is_abort_pending(self, node: Node, answer: Response) -> bool:
         """Whether ``answer`` (``node``'s refusal, final otherwise) is the client's ``rid`` still in flight at a

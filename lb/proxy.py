@@ -2,8 +2,9 @@
 
 Mixed nodes get the request body untouched, chosen by the policy; with no
 routable mixed node and prefill/decode members, the PD protocol (:mod:`lb.pd`)
-takes over. A node that refuses the connection or says it does not serve is
-replaced by another before anything reached the client; a streamed answer
+takes over. A node that refuses the connection, says it does not serve or is
+overloaded (it ran nothing) is replaced by another before anything reached the
+client; a streamed answer
 (``text/event-stream``) is relayed as it arrives, anything else is read whole
 and answered with the node's status, type and bytes.
 """
@@ -88,12 +89,15 @@ class GenerationProxy:
                               weight_version: str | None) -> Response:
         """A mixed node picked by the policy (of those serving ``weight_version``, when the request pins one)."""
         tried: dict[Node, str] = {}  # each node this request went to, and why it went on
+        refused: Reroute | None = None  # the last node's refusal, counted once another node is picked
         while True:
             node = self._router.pick(Role.MIXED, tried, weight_version=weight_version)
+            if refused is not None:
+                self._caller.count_retry(refused)
             with node.begin_request() as lease:
                 outcome = await self._caller.call(node, path, body, headers)
                 if isinstance(outcome, Reroute):
-                    tried[node] = outcome.reason
+                    tried[node], refused = outcome.reason, outcome
                     continue
                 if isinstance(outcome, UpstreamResponse):
                     if is_event_stream(outcome):

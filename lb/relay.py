@@ -6,10 +6,13 @@
 - :class:`NodeCaller` sends the request to one node and sorts the outcome:
   a response to relay, a final answer, or "try another node" (the connection
   was refused or could not be made in time, or a sidecar's admission refused
-  it with a 503 of :data:`handoff.protocol.errors.NOT_SERVING_TYPES`: in every
-  case the node ran nothing). Such a 503 takes the node out of rotation until
-  its next health check, except ``weight_version_unavailable``: a client's pin
-  to a version the node does not serve says nothing of the node.
+  it with a 503 of :data:`handoff.protocol.errors.NOT_SERVING_TYPES` or with
+  503 ``overloaded``: in every case the node ran nothing). A not-serving 503
+  takes the node out of rotation until its next health check, except
+  ``weight_version_unavailable``: a client's pin to a version the node does not
+  serve says nothing of the node; nor does ``overloaded`` (a full budget of
+  bodies or connections is momentary). The dispatch loops count a reroute
+  (:meth:`NodeCaller.count_retry`) only once another node was picked for it.
 - :func:`relay_stream` streams the node's body to the client chunk by chunk
   as it arrives (:class:`handoff.service.relay.StreamRelay`, shared with the
   sidecar); a node failing mid-stream ends it with an SSE error event.
@@ -17,6 +20,7 @@
 
 from __future__ import annotations
 
+import enum
 import logging
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
@@ -91,14 +95,23 @@ def logged(error: UpstreamFailed | UpstreamTimedOut) -> UpstreamFailed | Upstrea
     return error
 
 
+class RerouteCause(enum.Enum):
+    """Why a node ran nothing: each is counted by a metric of its own once the request went to another node."""
+
+    UNREACHABLE = "unreachable"  # the connection was refused or not made in time
+    NOT_SERVING = "not_serving"  # a 503 of NOT_SERVING_TYPES
+    OVERLOADED = "overloaded"    # a 503 overloaded: the node holds as many bodies or connections as it may
+
+
 @dataclass(frozen=True)
 class Reroute:
     """The request goes to another node: this one ran nothing (its connection was refused or not made in time,
-    or its admission refused it with a 503 of NOT_SERVING_TYPES). ``reason``: what this node said, for this
-    request alone (the 503 when every node refused names it; a node's ``last_error`` is shared with other
-    requests and its checks, and a refused pin records none)."""
+    or it refused the request with a 503 of NOT_SERVING_TYPES or ``overloaded``). ``reason``: what this node
+    said, for this request alone (the 503 when every node refused names it; a node's ``last_error`` is shared
+    with other requests and its checks, and a refused pin records none)."""
 
     reason: str
+    cause: RerouteCause
 
 
 class NodeCaller:
@@ -125,8 +138,7 @@ class NodeCaller:
                                                   timeout=self.timeout_s)
         except ConnectFailed as exc:
             self._health.mark_unreachable(node, str(exc))
-            self._metrics.generate_retries.inc()
-            return Reroute(str(exc))
+            return Reroute(str(exc), RerouteCause.UNREACHABLE)
         except UpstreamError as exc:
             node.record_error(str(exc))
             raise translate(node, path, exc, self.timeout_s) from exc
@@ -140,12 +152,21 @@ class NodeCaller:
             raise logged(UpstreamFailed(f"{node.url} answered {path} with a 503 of more than {MAX_REFUSAL_BYTES} "
                                         f"bytes: {raw[:512].decode('utf-8', 'replace')}", extra={"node": node.url}))
         error_type, message = _error_of(raw)
-        if error_type in NOT_SERVING_TYPES:
+        if error_type in NOT_SERVING_TYPES or error_type == E.OVERLOADED.name:
+            said = f"answered 503 {error_type}" + (f": {message[:MAX_REASON_CHARS]}" if message else "")
+            if error_type == E.OVERLOADED.name:
+                return Reroute(said, RerouteCause.OVERLOADED)
             if error_type != E.WEIGHT_VERSION_UNAVAILABLE.name:  # that one says the request's pin, not the node
                 self._health.mark_not_serving(node, f"answered 503 {error_type}", error_type)
-            self._metrics.generate_not_serving_retries.inc()
-            return Reroute(f"answered 503 {error_type}" + (f": {message[:MAX_REASON_CHARS]}" if message else ""))
+            return Reroute(said, RerouteCause.NOT_SERVING)
         return buffered_response(upstream, raw)
+
+    def count_retry(self, reroute: Reroute) -> None:
+        """``reroute``'s request went to another node (the last refusal before a 503 is no retry)."""
+        counters = {RerouteCause.UNREACHABLE: self._metrics.generate_retries,
+                    RerouteCause.NOT_SERVING: self._metrics.generate_not_serving_retries,
+                    RerouteCause.OVERLOADED: self._metrics.generate_overloaded_retries}
+        counters[reroute.cause].inc()
 
     async def read_body(self, node: Node, upstream: UpstreamResponse, path: str) -> bytes:
         """The node's whole answer, at most ``max_answer_bytes``; past that, or on a failure midway, a 502/504

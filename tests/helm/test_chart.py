@@ -726,16 +726,20 @@ def test_the_sidecar_holds_bodies_within_its_memory_limit(limit: str | int) -> N
     """Before: the chart left --hold-max-bytes at the process's 1 GiB, the sidecar's whole default memory limit: the
     requests a paused node holds (a weight update) got the sidecar OOM-killed, with every held and running request,
     before it answered one 503. The held bodies now take at most a quarter of the limit, and the bodies and answers
-    of the requests it runs (--max-inflight-bytes) another quarter."""
+    of the requests it runs (--max-inflight-bytes) another quarter. Found by review: --max-buffered-body-bytes (the
+    bodies of all its requests, arriving, held or running) stayed at 1 GiB too; it now gets those two quarters."""
     default = build_sidecar_parser().get_default("hold_max_bytes")
     for values in ({}, {"node": {"sidecar": {"resources": {"limits": {"memory": limit}}}}}):
         r = render(values)
         limit_bytes = quantity_bytes(r.merged["node"]["sidecar"]["resources"]["limits"]["memory"])
         for sts in _node_sets(r).values():
-            held = [int(v) for v in flag_values(container(sts, "sidecar")["args"], "--hold-max-bytes")] or [default]
+            args = container(sts, "sidecar")["args"]
+            held = [int(v) for v in flag_values(args, "--hold-max-bytes")] or [default]
             assert held[-1] == limit_bytes // 4
-            in_flight = [int(v) for v in flag_values(container(sts, "sidecar")["args"], "--max-inflight-bytes")]
+            in_flight = [int(v) for v in flag_values(args, "--max-inflight-bytes")]
             assert in_flight == [max(limit_bytes // 4, 64 << 20)]  # at least the sidecar's --max-body-bytes
+            buffered = [int(v) for v in flag_values(args, "--max-buffered-body-bytes")]
+            assert buffered == [max(limit_bytes // 2, 64 << 20)]
 
 
 def test_a_sidecar_without_memory_limit_or_with_its_own_hold_bound_keeps_it() -> None:
@@ -743,6 +747,7 @@ def test_a_sidecar_without_memory_limit_or_with_its_own_hold_bound_keeps_it() ->
     for sts in _node_sets(r).values():
         assert flag_values(container(sts, "sidecar")["args"], "--hold-max-bytes") == []
         assert flag_values(container(sts, "sidecar")["args"], "--max-inflight-bytes") == []
+        assert flag_values(container(sts, "sidecar")["args"], "--max-buffered-body-bytes") == []
     r = render({"node": {"sidecar": {"extraArgs": ["--hold-max-bytes", "1000"]}}})
     for sts in _node_sets(r).values():  # the last value is argparse's
         assert flag_values(container(sts, "sidecar")["args"], "--hold-max-bytes")[-1] == "1000"

@@ -256,15 +256,67 @@ def test_a_long_503_the_lb_does_not_reroute_is_a_502_never_a_cut_body(module_fak
                                                                      shared_lb: LB) -> None:
     """Found by review: the first 4 KiB of such an answer was relayed as if whole (invalid JSON)."""
     node = module_fakes.start_one()
-    node.handlers["/generate"] = reply(503, {"error": {"type": "overloaded", "message": "x" * 10_000}})
+    node.handlers["/generate"] = reply(503, {"error": {"type": "unavailable", "message": "x" * 10_000}})
     set_members(shared_lb, node.url)
     answer = shared_lb.http.post("/generate", json={"text": "x"})
     error = answer.json()["error"]
     assert answer.status_code == 502 and error["type"] == "upstream_error" and node.url in error["message"]
-    node.handlers["/generate"] = reply(503, {"error": {"type": "overloaded", "message": "short"}})
+    node.handlers["/generate"] = reply(503, {"error": {"type": "unavailable", "message": "short"}})
     short = shared_lb.http.post("/generate", json={"text": "x"})
     assert short.status_code == 503 and short.json()["error"]["message"] == "short"  # relayed as before
     set_members(shared_lb)
+
+
+OVERLOADED = {"error": {"type": "overloaded", "message": "--max-inflight-bytes reached"}}
+
+
+def test_an_overloaded_node_sends_the_request_elsewhere_and_stays_in_rotation(fakes: FakeCluster,
+                                                                              start_lb) -> None:
+    """Found by review: a sidecar's 503 ``overloaded`` (its bodies or answers in flight at their bound; nothing
+    ran) went to the client while another node was idle. The request now goes to another node; the full node
+    stays in rotation (its budget frees as its requests end), and only when every node refused is the answer a
+    503 with Retry-After naming what each said."""
+    full, idle = fakes.start(2)
+    full.handlers["/generate"] = reply(503, OVERLOADED)
+    lb = start_lb(*node_args(full.url, idle.url), "--policy", "round_robin", "--health-interval", "60",
+                  fast_health=False)
+    for _ in range(4):
+        answer = lb.http.post("/generate", json={"text": "x"})
+        assert answer.status_code == 200 and answer.json()["node"] == idle.url, answer.text
+    refusals = len(full.requests_to("/generate"))
+    assert refusals >= 2  # round robin: picked again after it refused, never taken out of rotation
+    assert lb.metric("handoff_lb_generate_overloaded_retries_total") == refusals
+    view = lb.node(full.url)
+    assert (view["routable"], view["admission"], view["not_serving_reason"]) == (True, "open", None), view
+    idle.handlers["/generate"] = reply(503, OVERLOADED)
+    answer = lb.http.post("/generate", json={"text": "x"})
+    error = answer.json()["error"]
+    assert answer.status_code == 503 and error["type"] == "no_available_node" and answer.headers["retry-after"]
+    for node in (full, idle):
+        assert f"{node.url}: tried: answered 503 overloaded: --max-inflight-bytes reached" in error["message"]
+    del full.handlers["/generate"]
+    assert lb.http.post("/generate", json={"text": "x"}).json()["node"] == full.url  # still a candidate
+
+
+@pytest.mark.parametrize("fault,counter", [
+    ("unreachable", "handoff_lb_generate_retries_total"),
+    ("node_released", "handoff_lb_generate_not_serving_retries_total"),
+    ("overloaded", "handoff_lb_generate_overloaded_retries_total"),
+])
+def test_only_a_refusal_another_node_took_over_counts_as_a_retry(fakes: FakeCluster, start_lb, fault: str,
+                                                                 counter: str) -> None:
+    """Found by review: the retry counters went up on every refusal, the last one before the 503 too, though
+    nothing was retried: with every node refusing, an operator read one retry per node."""
+    first, second = fakes.start(2)
+    lb = start_lb(*node_args(first.url, second.url), "--health-interval", "60", fast_health=False)
+    for node in (first, second):
+        if fault == "unreachable":
+            node.stop()
+        else:
+            node.handlers["/generate"] = reply(503, {"error": {"type": fault, "message": "not now"}})
+    answer = lb.http.post("/generate", json={"text": "x"})
+    assert answer.status_code == 503 and answer.json()["error"]["type"] == "no_available_node", answer.text
+    assert lb.metric(counter) == 1  # the first node's refusal went on to the second; the second's went nowhere
 
 
 def _cpu_s(pid: int) -> float:

@@ -128,6 +128,31 @@ def test_a_refusing_prefill_node_is_replaced(fakes: FakeCluster, start_lb) -> No
     assert len(rooms) >= 3 and len(set(rooms)) == len(rooms)  # each attempt is a new pair with a new room
 
 
+@pytest.mark.parametrize("fault,counter", [
+    ("node_released", "handoff_lb_generate_not_serving_retries_total"),
+    ("overloaded", "handoff_lb_generate_overloaded_retries_total"),
+])
+def test_a_pd_refusal_counts_as_a_retry_only_when_another_pair_was_tried(fakes: FakeCluster, start_lb, fault: str,
+                                                                         counter: str) -> None:
+    """Found by review: the last prefill node's refusal, answered 503 for want of another, counted as a retry;
+    a node's ``overloaded`` 503 (nothing ran) moves the pair on as a not-serving one does."""
+    first, second, decode = fakes.start(3)
+    for node in (first, second):
+        node.handlers["/generate"] = reply(503, {"error": {"type": fault, "message": "full"}})
+    decode.handlers["/generate"] = reply(200, DECODE_ANSWER)
+    lb = start_lb(*node_args(first.url, second.url, flag="--prefill"), "--decode", decode.url,
+                  "--health-interval", "60", fast_health=False)
+    answer = lb.http.post("/generate", json={"text": "hi"})
+    assert answer.status_code == 503 and answer.json()["error"]["type"] == "no_available_node", answer.text
+    assert len(first.requests_to("/generate")) == len(second.requests_to("/generate")) == 1
+    assert lb.metric(counter) == 1
+    if fault == "overloaded":  # both stay in rotation: the next request tries them again
+        second.handlers["/generate"] = reply(200, PREFILL_ANSWER)
+        for _ in range(2):  # whichever prefill node is picked first, the request ends on the one that serves
+            assert lb.http.post("/generate", json={"text": "hi"}).json() == DECODE_ANSWER
+        assert lb.metric(counter) == len(first.requests_to("/generate"))
+
+
 def test_no_decode_node_serving_is_503(module_fakes: FakeCluster, shared_lb: LB) -> None:
     prefill, decode = pd_pair(module_fakes)
     decode.set_released()

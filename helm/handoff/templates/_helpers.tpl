@@ -519,6 +519,19 @@ default (64 MiB), which it refuses at start. Empty when the sidecar has no memor
 {{- end }}
 
 {{/*
+The sidecar's bound on the request bodies all its requests hold at once, arriving, held or running
+(--max-buffered-body-bytes): half its container's memory limit, the held bodies' quarter and the running requests'
+quarter, so a full hold queue leaves room for the bodies of the calls that end it (a weight update's). The process's
+default, 1 GiB, is the whole default limit. Never under the sidecar's --max-body-bytes default (64 MiB), which it
+refuses at start. Empty when the sidecar has no memory limit.
+*/}}
+{{- define "handoff.sidecarBufferedBodyBytes" -}}
+{{- with include "handoff.sidecarHoldMaxBytes" . }}
+{{- max (mul (int64 .) 2) 67108864 }}
+{{- end }}
+{{- end }}
+
+{{/*
 A Prometheus duration of values.schema.json's form (500ms, 15s, 1m, 1h) in milliseconds.
 */}}
 {{- define "handoff.durationMs" -}}

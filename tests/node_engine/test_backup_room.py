@@ -18,11 +18,9 @@ GiB = 2**30
 
 def v2_tree(root: Path, limit: str, usage: int, cache: int = 0, shmem: int = 0) -> Path:
     """cgroup v2's files: ``file`` counts the page cache, tmpfs and shared memory included (in ``shmem``)."""
-    root.mkdir(parents=True, exist_ok=True)
-    (root / "memory.max").write_text(f"{limit}\n")
-    (root / "memory.current").write_text(f"{usage}\n")
-    (root / "memory.stat").write_text(f"anon {usage - cache}\nfile {cache}\nshmem {shmem}\n"
-                                      f"file_mapped 0\nactive_file {cache - shmem}\ninactive_file 0\n")
+    write_files(root, {"memory.max": limit, "memory.current": usage,
+                       "memory.stat": f"anon {usage - cache}\nfile {cache}\nshmem {shmem}\nfile_mapped 0\n"
+                                      f"active_file {cache - shmem}\ninactive_file 0"})
     return root
 
 
@@ -34,11 +32,16 @@ def v1_tree(root: Path, limit: int, usage: int, cache: int = 0, shmem: int = 0) 
 
 def v1_cgroup(directory: Path, limit: int, usage: int, cache: int = 0, shmem: int = 0) -> None:
     """One v1 memory cgroup's files: the hierarchy's counters are the ``total_`` ones."""
+    write_files(directory, {"memory.limit_in_bytes": limit, "memory.usage_in_bytes": usage,
+                            "memory.stat": f"cache 0\nshmem 0\ntotal_cache {cache}\ntotal_shmem {shmem}\n"
+                                           f"total_active_file {cache - shmem}"})
+
+
+def write_files(directory: Path, contents: dict[str, object]) -> None:
+    """Each file of a cgroup's folder, one line as the kernel writes it."""
     directory.mkdir(parents=True, exist_ok=True)
-    (directory / "memory.limit_in_bytes").write_text(f"{limit}\n")
-    (directory / "memory.usage_in_bytes").write_text(f"{usage}\n")
-    (directory / "memory.stat").write_text(f"cache 0\nshmem 0\ntotal_cache {cache}\ntotal_shmem {shmem}\n"
-                                           f"total_active_file {cache - shmem}\n")
+    for name, value in contents.items():
+        (directory / name).write_text(f"{value}\n")
 
 
 def test_a_pinned_backup_past_the_containers_limit_is_refused_though_the_host_has_room(tmp_path: Path) -> None:

@@ -764,29 +764,9 @@ async def test_a_flush_whose_deadline_is_spent_is_a_504_and_sends_nothing() -> N
     """Found by review: each ``/flush_cache`` to SGLang got at least 1 s whatever was left of the caller's deadline,
     so a flush whose deadline was spent (waiting behind another control call) was sent all the same. Now a flush is
     bounded by what is left (none: a 504 at once, nothing sent); a release's idle barrier keeps its floor."""
-    from handoff.protocol import errors as E
-    from handoff.service.errors import ServiceError
-    from handoff.service.upstream import UpstreamClient
-    from node_sidecar.engine_client import EngineClient
     from node_sidecar.engines.sglang import SglangEngine
-    from node_sidecar.errors import EngineUnavailable
-    from tests.service.peers import ScriptedServer, never_answer
+    from tests.node_sidecar.silent_engine import flush_deadlines
 
-    client = UpstreamClient()
-    loop = asyncio.get_running_loop()
-    try:
-        async with ScriptedServer(never_answer) as server:
-            adapter = SglangEngine(EngineClient(server.url, client, control_timeout=10, on_unreachable=lambda _: None))
-            for spent in (0, -1.5):
-                with pytest.raises(ServiceError) as refused:
-                    await adapter.flush_cache(spent)
-                assert (refused.value.status, refused.value.type) == (504, E.UPSTREAM_TIMEOUT.name), refused.value
-                assert refused.value.extra["sent"] is False and server.num_connections == 0
-            started = loop.time()
-            with pytest.raises(EngineUnavailable) as late:
-                await adapter.flush_cache(0.3)
-            took = loop.time() - started
-    finally:
-        await client.aclose()
-    assert took < 0.9, took  # not the 1 s floor
-    assert "/flush_cache" in late.value.message and server.num_connections == 1
+    took, late, connections = await flush_deadlines(SglangEngine, spent=(0, -1.5), late_s=0.3)
+    assert took < 0.9, took
+    assert "/flush_cache" in late.message and connections == 1

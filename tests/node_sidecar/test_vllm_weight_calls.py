@@ -451,28 +451,9 @@ async def test_a_flush_is_bounded_by_what_is_left_of_its_deadline() -> None:
     review): a flush given 0.5 s waited the whole 10 s on a vLLM that does not answer, and one whose deadline was
     spent (waiting behind another control call) was sent all the same. Now each reset is bounded by what is left,
     and none left is a 504 at once, nothing sent."""
-    from handoff.protocol import errors as E
-    from handoff.service.errors import ServiceError
-    from handoff.service.upstream import UpstreamClient
-    from node_sidecar.engine_client import EngineClient
     from node_sidecar.engines.vllm import VllmEngine
-    from node_sidecar.errors import EngineUnavailable
-    from tests.service.peers import ScriptedServer, never_answer
+    from tests.node_sidecar.silent_engine import flush_deadlines
 
-    client = UpstreamClient()
-    loop = asyncio.get_running_loop()
-    try:
-        async with ScriptedServer(never_answer) as server:
-            adapter = VllmEngine(EngineClient(server.url, client, control_timeout=10, on_unreachable=lambda _: None))
-            with pytest.raises(ServiceError) as spent:
-                await adapter.flush_cache(0)
-            assert (spent.value.status, spent.value.type) == (504, E.UPSTREAM_TIMEOUT.name), spent.value
-            assert spent.value.extra["sent"] is False and server.num_connections == 0
-            started = loop.time()
-            with pytest.raises(EngineUnavailable) as late:
-                await adapter.flush_cache(0.5)
-            took = loop.time() - started
-    finally:
-        await client.aclose()
+    took, late, connections = await flush_deadlines(VllmEngine, spent=(0,), late_s=0.5)
     assert took < 3.0, took
-    assert "/reset_prefix_cache" in late.value.message and server.num_connections == 1
+    assert "/reset_prefix_cache" in late.message and connections == 1

@@ -47,7 +47,8 @@ def test_size_and_syntax_are_checked() -> None:
     with pytest.raises(PeerJSONError, match="over the 10-byte limit"):
         loads_bounded(b'{"success": false}', max_bytes=10)
     for bad in (b"{", b"\xff", b"nan!", b"[1]]", b"NaN", b'{"a": [Infinity]}', b"-Infinity", b"1e999",
-                b'{"freed": -1.5e400}', b"[1E+400]", b"1" + b"0" * 400 + b".5", b'["\\ud800"]', b'{"\\udfff": 1}', b'["a\\ud83d"]'):
+                b'{"freed": -1.5e400}', b"[1E+400]", b"1" + b"0" * 400 + b".5", b'["\\ud800"]', b'{"\\udfff": 1}',
+                b'["a\\ud83d"]'):
         with pytest.raises(PeerJSONError, match="not valid JSON"):
             loads_bounded(bad)
     assert loads_bounded(b'[1e308, -0.0, 5e-324, 12345678901234567890]') == [1e308, -0.0, 5e-324, 12345678901234567890]

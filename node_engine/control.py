@@ -21,6 +21,7 @@ from handoff.protocol.control import ENGINE_INSTANCE, FLUSHED
 from handoff.protocol.weights import WEIGHTS_UPDATED
 from node_engine.errors import (BackupFailed, InsufficientMemory, MemorySaverDisabledError, NoWeightsBackupError,
                                 RequestsInFlight)
+from node_engine.failures import is_out_of_memory
 from node_engine.memory.manager import BackupUnreadable, NotEnoughMemory, NoWeightsBackup
 from node_engine.memory.saver import MemorySaverDisabled
 from node_engine.memory.tags import MemoryTag
@@ -177,9 +178,3 @@ class EngineControl:
             ENGINE_INSTANCE: engine.instance,
             WEIGHTS_UPDATED: engine.weights.written.any_written,
         }
-
-
-def is_out_of_memory(exc: BaseException) -> bool:
-    """An allocation the host or the device refused: Python's MemoryError, torch's device out of memory, or
-    torch's CPU allocator ("DefaultCPUAllocator: can't allocate memory", a plain RuntimeError)."""
-    return isinstance(exc, (MemoryError, torch.OutOfMemoryError)) or "can't allocate memory" in str(exc)

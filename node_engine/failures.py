@@ -119,3 +119,17 @@ class FaultDrill:
             raise (_ACCELERATOR_ERROR or RuntimeError)(
                 f"CUDA error: an illegal memory access was encountered ({message})")
         raise RuntimeError(message)
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """An allocation the host or the device refused: Python's MemoryError, torch's device out of memory, torch's
+    CPU allocator ("DefaultCPUAllocator: can't allocate memory", a plain RuntimeError), or CUDA's own refusal
+    raised as a plain RuntimeError (a pinned-host or device allocation: "CUDA error: out of memory", "CUDA out of
+    memory")."""
+    if isinstance(exc, (MemoryError, torch.OutOfMemoryError)):
+        return True
+    text = str(exc)
+    return any(marker in text for marker in _OUT_OF_MEMORY_TEXTS)
+
+
+_OUT_OF_MEMORY_TEXTS = ("can't allocate memory", "CUDA error: out of memory", "CUDA out of memory")

@@ -28,6 +28,7 @@ from typing import Callable, Protocol
 import torch
 
 from node_engine.config import ConfigError
+from node_engine.failures import is_out_of_memory
 from node_engine.memory.host_heap import trim_host_heap
 from node_engine.memory.peak import PeakMeter
 
@@ -129,9 +130,7 @@ class SizingReport:
 
 
 def _is_out_of_memory(exc: BaseException) -> bool:
-    if isinstance(exc, (AllocationFailed, torch.OutOfMemoryError, MemoryError)):
-        return True
-    return isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc)
+    return isinstance(exc, AllocationFailed) or is_out_of_memory(exc)
 
 
 def _default_canary(device: torch.device) -> torch.Tensor:

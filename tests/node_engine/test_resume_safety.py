@@ -180,13 +180,14 @@ class FailsOnceSaver(CpuSaver):
 
     fail_next: MemoryTag | None = None
     refused_by_allocator = False  # raise what torch's CPU allocator raises when the host refuses the memory
+    refused_with: str | None = None  # raise a plain RuntimeError with this text
 
     def resume(self, tag: MemoryTag) -> int:
         if tag is self.fail_next:
             self.fail_next = None
             if self.refused_by_allocator:
                 torch.empty(1 << 62, dtype=torch.uint8)  # "DefaultCPUAllocator: can't allocate memory"
-            raise RuntimeError(f"cannot allocate the {tag.value} storages (simulated)")
+            raise RuntimeError(self.refused_with or f"cannot allocate the {tag.value} storages (simulated)")
         return super().resume(tag)
 
 
@@ -236,3 +237,28 @@ def test_a_resume_the_allocator_refuses_is_a_507_naming_what_stays_released(
         engine.control.resume(tags)
     engine.control.resume(tags)
     assert generate_together(engine, PROMPTS) == expected
+
+
+@pytest.mark.parametrize("text", [
+    "CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported at some other API call",
+    "CUDA out of memory. Tried to allocate 2.00 GiB",
+])
+def test_a_resume_cuda_refuses_as_a_plain_runtime_error_is_a_507(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, text: str) -> None:
+    """A pinned-host or device allocation CUDA refuses can come as a plain RuntimeError with CUDA's text (not
+    torch's OutOfMemoryError): that was a 500 ``internal_error``. Now a 507 like the CPU allocator's refusal."""
+    saver = FailsOnceSaver(tmp_path / "backup")
+    monkeypatch.setattr(engine_module, "make_saver", lambda config: saver)
+    engine = Engine(EngineConfig(model_path="builtin:tiny", max_total_tokens=1024, enable_memory_saver=True))
+    tags = [MemoryTag.KV_CACHE, MemoryTag.WORKSPACE]
+    engine.control.release(tags, stage_to_cpu=None)
+    saver.fail_next, saver.refused_with = MemoryTag.WORKSPACE, text
+    with pytest.raises(InsufficientMemory) as refused:
+        engine.control.resume(tags)
+    assert (refused.value.status, refused.value.extra["released"]) == (507, ["workspace"])
+    assert text.splitlines()[0] in refused.value.message
+    saver.fail_next, saver.refused_with = MemoryTag.WORKSPACE, "CUDA error: an illegal memory access was encountered"
+    with pytest.raises(RuntimeError, match="illegal memory access"):  # any other CUDA error stays a 500
+        engine.control.resume(tags)
+    engine.control.resume(tags)
+    assert engine.memory.released_tags() == []

@@ -36,6 +36,7 @@ from node_sidecar.proxy import relay_generation
 from node_sidecar.routes_control import CONTROL_BODIES, control_router
 from node_sidecar.routes_views import views_router
 from node_sidecar.routes_weights import weight_router
+from node_sidecar.tensor_release import UnreadReleases
 
 GENERATION_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions")
 
@@ -88,11 +89,13 @@ def create_app(config: SidecarConfig) -> FastAPI:
         node = Node(config, client, metrics)
         app.state.node = node
         app.state.control = ControlPlane(node)
+        app.state.unread_releases = releases = UnreadReleases()
         node.start()
         try:
             yield
         finally:
             await node.stop()
+            await releases.wait()  # pushes cut by the shutdown: their payloads read before the client closes
             await client.aclose()
 
     app = FastAPI(title="handoff node_sidecar", version=__version__, lifespan=lifespan,

@@ -12,6 +12,7 @@ control calls (a join waits for the trainer, up to the engine's
 
 from __future__ import annotations
 
+import asyncio
 from collections import Counter
 from typing import Any
 
@@ -34,7 +35,7 @@ from node_sidecar.intent import ClusterIntent
 from node_sidecar.node import Node
 from node_sidecar.proxy import forward
 from node_sidecar.routes_control import answer_by
-from node_sidecar.tensor_release import payload_fields, release_unread
+from node_sidecar.tensor_release import UnreadReleases, payload_fields, release_unread
 
 DISTRIBUTED_PATH = "/update_weights_from_distributed"
 TENSOR_PATH = "/update_weights_from_tensor"
@@ -46,6 +47,10 @@ def _control_of(request: Request) -> ControlPlane:
 
 def _node_of(request: Request) -> Node:
     return request.app.state.node
+
+
+def _releases_of(request: Request) -> UnreadReleases:
+    return request.app.state.unread_releases
 
 
 def weight_router(config: SidecarConfig, admin: BearerToken) -> APIRouter:
@@ -77,7 +82,7 @@ def weight_router(config: SidecarConfig, admin: BearerToken) -> APIRouter:
 
     @router.post(TENSOR_PATH, openapi_extra=openapi_body(UpdateWeightsFromTensorBody), name=TENSOR_PATH.strip("/"))
     async def push_tensors(request: Request) -> JSONResponse:
-        """As the other updates; a push refused before the engine read it has the engine read it now and load
+        """As the other updates; a push refused or cut before the engine read it has the engine read it and load
         nothing (:mod:`node_sidecar.tensor_release`). ``dry_run``: only that read, nothing drained."""
         admin.check(request)
         control = _control_of(request)
@@ -88,14 +93,14 @@ def weight_router(config: SidecarConfig, admin: BearerToken) -> APIRouter:
             if fields is not None:
                 await release_unread(control, fields)
             raise
-        adapter = control.node.engine_adapter
         if body.pop("dry_run"):
             control.node.require_engine()
-            return JSONResponse(await adapter.check_tensor_payload(body))
+            return JSONResponse(await control.node.engine_adapter.check_tensor_payload(body))
         sent = False
 
         async def load() -> dict[str, Any]:
             nonlocal sent
+            adapter = control.node.engine_adapter
             sent = True
             return await adapter.weight_call(TENSOR_PATH, body)
 
@@ -106,6 +111,10 @@ def weight_router(config: SidecarConfig, admin: BearerToken) -> APIRouter:
         except ServiceError:
             if not sent:
                 await release_unread(control, body)
+            raise
+        except asyncio.CancelledError:  # cut (a graceful shutdown past its timeout): read it after this task ends
+            if not sent:
+                _releases_of(request).schedule(control, body)
             raise
 
     joins_in_flight: Counter[str] = Counter()  # group name -> init calls through this sidecar not answered yet

@@ -7,12 +7,17 @@ a bad field: 400) would leave that reference held, and the segment in the sender
 ``/dev/shm`` until the sender exits, even after it let go of its tensors: a
 bucket's size per refused push of fresh tensors. So on such a refusal the sidecar
 has its engine read the payload and load nothing (``dry_run``), where the engine
-can (handoff's). Nothing is read for a caller that failed the admin check, for a
-body whose own payload fields are malformed, or with the engine down.
+can (handoff's). A push cut before the engine read it (its task cancelled: a
+graceful shutdown past ``--shutdown-timeout``) has it read the same way by a task
+of :class:`UnreadReleases`, which outlives the request and which the sidecar's
+shutdown waits for (bounded by the engine client's ``--control-timeout``).
+Nothing is read for a caller that failed the admin check, for a body whose own
+payload fields are malformed, or with the engine down.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
@@ -56,3 +61,27 @@ async def release_unread(control: ControlPlane, fields: dict[str, Any]) -> None:
     except ServiceError as exc:
         log.info("a refused tensor push was not read, its sender keeps its shared memory until it exits: %s",
                  str(exc)[:300])
+
+
+class UnreadReleases:
+    """:func:`release_unread` for pushes cancelled before the engine read them, run as tasks that outlive the
+    request; the sidecar keeps them here until they end, and waits for them before it closes its engine client."""
+
+    def __init__(self) -> None:
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def schedule(self, control: ControlPlane, fields: dict[str, Any]) -> None:
+        task = asyncio.get_running_loop().create_task(release_unread(control, fields), name="release-unread-push")
+        self._tasks.add(task)
+        task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("a cut tensor push was not read, its sender keeps its shared memory until it exits",
+                      exc_info=task.exception())
+
+    async def wait(self) -> None:
+        """Until every release scheduled so far has ended (each bounded by the engine client's timeouts)."""
+        while self._tasks:
+            await asyncio.wait(set(self._tasks))

@@ -4,7 +4,7 @@ CPython's C JSON encoder and decoder hold the GIL for a whole call, so a thread 
 megabytes in one call stops the event loop just as if the loop did it. :func:`render_in_pieces` writes a value
 by encoder calls of bounded size (``loads_bounded(..., in_turns=True)`` parses in turns); :func:`gc_paused` keeps
 the cyclic collector from walking a large acyclic tree being built (one pass over millions of objects is a
-pause of its own) and :func:`drop_in_pieces` frees one a few items at a time.
+pause of its own; for a few seconds at most) and :func:`drop_in_pieces` frees one a few items at a time.
 """
 
 from __future__ import annotations
@@ -14,9 +14,10 @@ import functools
 import gc
 import json
 import threading
-from typing import Any, Iterator
+import time
+from typing import Any, Callable, Iterator
 
-__all__ = ["PIECE_DEPTH", "drop_in_pieces", "gc_paused", "render_in_pieces"]
+__all__ = ["GC_PAUSE_CAP", "GcPause", "PIECE_DEPTH", "drop_in_pieces", "gc_paused", "render_in_pieces"]
 
 _DUMPS = functools.partial(json.dumps, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
 PIECE_DEPTH = 4  # an OpenAI answer, its choices, a choice, its logprobs: their lists below are encoded in pieces
@@ -59,26 +60,66 @@ def _key(key: Any) -> str:
     return _DUMPS(key) if isinstance(key, str) else _DUMPS({key: 0})[1:-3]
 
 
-_gc_lock = threading.Lock()
-_gc_pausers = 0
-_gc_was_enabled = False
+GC_PAUSE_CAP = 2.0  # seconds one pause of the collector may last before a new block stops extending it
 
 
-@contextlib.contextmanager
-def gc_paused() -> Iterator[None]:
-    """The cyclic collector off while the block runs (on any thread; nested and concurrent blocks too), on again
-    as it was when the last block ends. For a block that builds a large acyclic tree and drops it before it
-    ends: reference counting frees it, and the collector never walks it."""
-    global _gc_pausers, _gc_was_enabled
-    with _gc_lock:
-        if _gc_pausers == 0:
-            _gc_was_enabled = gc.isenabled()
-            gc.disable()
-        _gc_pausers += 1
-    try:
-        yield
-    finally:
-        with _gc_lock:
-            _gc_pausers -= 1
-            if _gc_pausers == 0 and _gc_was_enabled:
-                gc.enable()
+class GcPause:
+    """``with pause():`` keeps the cyclic collector off while the block runs (on any thread; nested and concurrent
+    blocks too) and turns it on again, as it was, when the last block ends. For a block that builds a large acyclic
+    tree and drops it before it ends: reference counting frees it, and the collector never walks it (one full
+    pass over millions of objects holds the GIL as long as building them did).
+
+    Bounded: a block that starts once the collector has been off for ``cap`` seconds does not extend the pause; it
+    runs with the collector on as soon as the blocks that turned it off have ended. Without the bound, blocks that
+    overlap without a gap (a steady stream of large PD merges) would keep it off for good, and the event loop's
+    cyclic garbage (futures, exceptions with their tracebacks) would pile up. The collector is thus off at most
+    ``cap`` plus the longest block that started within it, and its young generation (everything allocated during
+    the pause) is collected as it comes back on after such a long pause: a new pause starting at once would
+    otherwise find that garbage still there. Cutting in on running blocks instead (turning the collector on under
+    them) would let a collection walk exactly the trees they build; this way a block that paused the collector is
+    never walked by it, and only a block that started past the cap may be, at most once per ``cap`` seconds.
+
+    ``clock`` gives the time in seconds (``time.monotonic``; a test passes its own). The process uses one
+    instance, :data:`gc_paused`: two would not see each other's blocks."""
+
+    def __init__(self, *, cap: float = GC_PAUSE_CAP, clock: Callable[[], float] = time.monotonic) -> None:
+        self._cap, self._clock = cap, clock
+        self._lock = threading.Lock()
+        self._pausers = 0  # running blocks that keep the collector off
+        self._was_enabled = False
+        self._off_since = 0.0
+        self._overdue = False  # a block found the pause past the cap
+
+    @contextlib.contextmanager
+    def __call__(self) -> Iterator[None]:
+        pauses = self._enter()
+        try:
+            yield
+        finally:
+            if pauses:
+                self._leave()
+
+    def _enter(self) -> bool:
+        """Whether this block keeps the collector off: it turns it off, or joins a pause younger than the cap."""
+        with self._lock:
+            if self._pausers == 0:
+                self._was_enabled, self._off_since, self._overdue = gc.isenabled(), self._clock(), False
+                gc.disable()
+            elif self._clock() - self._off_since >= self._cap:
+                self._overdue = True
+                return False
+            self._pausers += 1
+            return True
+
+    def _leave(self) -> None:
+        with self._lock:
+            self._pausers -= 1
+            if self._pausers or not self._was_enabled:
+                return
+            gc.enable()
+            overdue = self._overdue
+        if overdue:
+            gc.collect(0)
+
+
+gc_paused = GcPause()

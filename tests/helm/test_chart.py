@@ -541,6 +541,27 @@ def test_one_client_reaches_one_lb_replica(rendered: Rendered) -> None:
     assert lb_service(spread)["sessionAffinity"] == "None"
 
 
+def test_lb_replicas_prefer_different_kubernetes_nodes(rendered: Rendered) -> None:
+    """Two LB pods on one Kubernetes node: that node's failure takes the cluster's one URL down. The scheduler is
+    asked to spread them, softly (a one-node cluster still runs both), and only them: not the node pods."""
+    lb = _lb(rendered)
+    (term,) = pod_spec(lb)["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+    assert term["podAffinityTerm"]["topologyKey"] == "kubernetes.io/hostname"
+    selector = term["podAffinityTerm"]["labelSelector"]["matchLabels"]
+    assert selects(selector, pod_labels(lb))
+    assert all(not selects(selector, pod_labels(w)) for w in _workloads(rendered) if w is not lb)
+
+
+def test_the_users_lb_affinity_replaces_the_spread_rule() -> None:
+    """``lb.affinity`` is used as given, without the chart's rule; ``lb.podAntiAffinity: none`` drops the rule."""
+    theirs = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+        {"matchExpressions": [{"key": "pool", "operator": "In", "values": ["cpu"]}]}]}}}
+    assert pod_spec(_lb(render(deep_merge(TOKENS, {"lb": {"affinity": theirs}}))))["affinity"] == theirs
+    assert "affinity" not in pod_spec(_lb(render(deep_merge(TOKENS, {"lb": {"podAntiAffinity": "none"}}))))
+    with pytest.raises(helm.HelmValuesError, match="/lb/podAntiAffinity"):
+        render({"lb": {"podAntiAffinity": "hard"}})
+
+
 def test_a_stopping_lb_lets_its_calls_finish(rendered: Rendered) -> None:
     """uvicorn's default cuts the calls in flight 5 s after SIGTERM: an LB rollout or a drain would cut a
     release fan-out, a weight call (lb.weightSyncTimeout) or a generation stream."""

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import httpx
 import psutil
@@ -73,6 +74,43 @@ def kill_all(proc: subprocess.Popen, children: list[psutil.Process]) -> None:
     for child in children:
         if child.is_running():
             child.kill()
+
+
+class DemoRun:
+    """``handoff demo --nodes 1`` in a process of its own, started by ``command`` (``-m handoff`` or a script and
+    its arguments), its output in a file; on leaving the block it and every process it started are killed if
+    still there."""
+
+    def __init__(self, tmp_path: Path, *command: str) -> None:
+        self.out = tmp_path / "demo.out"
+        with open(self.out, "wb") as sink:
+            self.proc = subprocess.Popen([sys.executable, *command, "demo", "--nodes", "1",
+                                          "--log-dir", str(tmp_path / "logs")], stdout=sink, stderr=subprocess.STDOUT,
+                                         cwd=REPO_ROOT, preexec_fn=sigint_by_default)
+        self.children: list[psutil.Process] = []
+
+    def __enter__(self) -> DemoRun:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        kill_all(self.proc, self.children)
+
+    def output(self) -> str:
+        return self.out.read_text()
+
+    def wait_for(self, ready: Callable[[], bool], what: str, timeout: float = 120) -> None:
+        """Wait until ``ready`` (the cluster up: :meth:`has_cluster`), then note the processes the demo started."""
+        wait_until(ready, timeout=timeout, what=what)
+        self.children = psutil.Process(self.proc.pid).children(recursive=True)
+
+    def has_cluster(self) -> bool:
+        return "LB at" in self.output()
+
+    def assert_exit(self, code: int, timeout: float) -> None:
+        """The demo exits with ``code``, with no traceback, and leaves no process it started."""
+        assert self.proc.wait(timeout) == code, self.output()[-2000:]
+        assert "Traceback" not in self.output(), self.output()[-2000:]
+        wait_until(lambda: no_child_left(self.children), timeout=30, what="every child gone")
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGHUP])
@@ -242,22 +280,12 @@ def test_a_second_ctrl_c_kills_what_is_still_stopping(tmp_path: Path) -> None:
 def test_no_process_outlives_a_stopped_demo(tmp_path: Path, sig: signal.Signals) -> None:
     """``handoff demo`` stopped by SIGTERM died at once and left its LB, sidecar and engine running (its cluster
     had no parent-death signal); Ctrl-C ended in a KeyboardInterrupt traceback."""
-    out = tmp_path / "demo.out"
-    with open(out, "wb") as sink:
-        proc = subprocess.Popen([sys.executable, "-m", "handoff", "demo", "--nodes", "1", "--log-dir",
-                                 str(tmp_path / "logs")], stdout=sink, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
-                                preexec_fn=sigint_by_default)
-    children: list[psutil.Process] = []
-    try:
-        wait_until(lambda: "LB at" in out.read_text(), timeout=120, what="the demo's cluster")
-        children = psutil.Process(proc.pid).children(recursive=True)
-        assert len(children) == 3
-        proc.send_signal(sig)
-        assert proc.wait(60) == (130 if sig == signal.SIGINT else -signal.SIGTERM)
-        wait_until(lambda: no_child_left(children), timeout=30, what="every child gone")
-        assert "Traceback" not in out.read_text(), out.read_text()[-2000:]
-    finally:
-        kill_all(proc, children)
+    with DemoRun(tmp_path, "-m", "handoff") as demo:
+        demo.wait_for(demo.has_cluster, "the demo's cluster")
+        assert len(demo.children) == 3
+        demo.proc.send_signal(sig)
+        demo.assert_exit(130 if sig == signal.SIGINT else -signal.SIGTERM, 60)
+
 
 
 # ``handoff demo`` whose step-1 checkpoint takes two minutes to write: the file is touched when the write starts
@@ -295,21 +323,13 @@ def test_ctrl_c_while_the_demo_waits_outside_its_event_loop_stops_at_once(script
     """Step 4 wrote its checkpoint (torch's import, the weights, the file) and the last step waited for the engine
     it restarted, both blocking the demo's event loop: Ctrl-C, a cancel of the steps, waited until they were done
     (tens of seconds on a loaded machine)."""
-    marker, out = tmp_path / "slow-part", tmp_path / "demo.out"
-    with open(out, "wb") as sink:
-        proc = subprocess.Popen([sys.executable, "-c", script, str(marker), "demo", "--nodes", "1",
-                                 "--log-dir", str(tmp_path / "logs")], stdout=sink, stderr=subprocess.STDOUT,
-                                cwd=REPO_ROOT, preexec_fn=sigint_by_default)
-    children: list[psutil.Process] = []
-    try:
-        wait_until(marker.exists, timeout=180, what="the slow part")
-        children = psutil.Process(proc.pid).children(recursive=True)
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(30) == 130, out.read_text()[-2000:]
-        assert "interrupted: stopping the cluster" in out.read_text() and "Traceback" not in out.read_text()
-        wait_until(lambda: no_child_left(children), timeout=30, what="every child gone")
-    finally:
-        kill_all(proc, children)
+    marker = tmp_path / "slow-part"
+    with DemoRun(tmp_path, "-c", script, str(marker)) as demo:
+        demo.wait_for(marker.exists, "the slow part", timeout=180)
+        demo.proc.send_signal(signal.SIGINT)
+        demo.assert_exit(130, 30)
+        assert "interrupted: stopping the cluster" in demo.output()
+
 
 
 # ``handoff demo`` that gets Ctrl-C the moment numpy's import begins (torch's import brings it in, from C code)
@@ -330,20 +350,11 @@ sys.exit(main(sys.argv[1:]))
 def test_ctrl_c_during_the_import_of_numpy_stops_the_demo(tmp_path: Path) -> None:
     """torch's import loads numpy from C code that takes any exception there for a failed import and goes on: a
     Ctrl-C at that moment was lost (the demo played on, or failed on a half-made numpy: exit 1)."""
-    out = tmp_path / "demo.out"
-    with open(out, "wb") as sink:
-        proc = subprocess.Popen([sys.executable, "-c", CTRL_C_IN_NUMPY_IMPORT_DEMO, "demo", "--nodes", "1",
-                                 "--log-dir", str(tmp_path / "logs")], stdout=sink, stderr=subprocess.STDOUT,
-                                cwd=REPO_ROOT, preexec_fn=sigint_by_default)
-    children: list[psutil.Process] = []
-    try:
-        wait_until(lambda: "LB at" in out.read_text(), timeout=120, what="the demo's cluster")
-        children = psutil.Process(proc.pid).children(recursive=True)
-        assert proc.wait(60) == 130, out.read_text()[-2000:]
-        assert "interrupted: stopping the cluster" in out.read_text() and "Traceback" not in out.read_text()
-        wait_until(lambda: no_child_left(children), timeout=30, what="every child gone")
-    finally:
-        kill_all(proc, children)
+    with DemoRun(tmp_path, "-c", CTRL_C_IN_NUMPY_IMPORT_DEMO) as demo:
+        demo.wait_for(demo.has_cluster, "the demo's cluster")
+        demo.assert_exit(130, 60)
+        assert "interrupted: stopping the cluster" in demo.output()
+
 
 
 # ``handoff demo`` that gets Ctrl-C in step 2 once its streams are in flight
@@ -363,21 +374,11 @@ sys.exit(main(sys.argv[1:]))
 def test_ctrl_c_while_the_demo_streams_leaves_no_stream_behind(tmp_path: Path) -> None:
     """The streams of a step cut short by Ctrl-C were left running: each failed once the client closed, and its
     error came out as a "Task exception was never retrieved" traceback."""
-    out = tmp_path / "demo.out"
-    with open(out, "wb") as sink:
-        proc = subprocess.Popen([sys.executable, "-c", CTRL_C_WHILE_STREAMING_DEMO, "demo", "--nodes", "1",
-                                 "--log-dir", str(tmp_path / "logs")], stdout=sink, stderr=subprocess.STDOUT,
-                                cwd=REPO_ROOT, preexec_fn=sigint_by_default)
-    children: list[psutil.Process] = []
-    try:
-        wait_until(lambda: "LB at" in out.read_text(), timeout=120, what="the demo's cluster")
-        children = psutil.Process(proc.pid).children(recursive=True)
-        assert proc.wait(120) == 130, out.read_text()[-2000:]
-        assert "interrupted: stopping the cluster" in out.read_text()
-        assert "Traceback" not in out.read_text(), out.read_text()[-2000:]
-        wait_until(lambda: no_child_left(children), timeout=30, what="every child gone")
-    finally:
-        kill_all(proc, children)
+    with DemoRun(tmp_path, "-c", CTRL_C_WHILE_STREAMING_DEMO) as demo:
+        demo.wait_for(demo.has_cluster, "the demo's cluster")
+        demo.assert_exit(130, 120)
+        assert "interrupted: stopping the cluster" in demo.output()
+
 
 
 # ``handoff demo`` whose LB has SIGTERM blocked (its graceful stop waits 10 s on it, and the parent-death signal does
@@ -403,25 +404,16 @@ sys.exit(main(sys.argv[2:]))
 def test_ctrl_c_again_while_the_demo_stops_kills_its_cluster(tmp_path: Path) -> None:
     """A second Ctrl-C while the demo stopped its cluster raised KeyboardInterrupt inside the stop, which ended
     there: the processes were left to their parent-death signal (SIGTERM), which one that ignores it outlived."""
-    marker, out = tmp_path / "stopping", tmp_path / "demo.out"
-    with open(out, "wb") as sink:
-        proc = subprocess.Popen([sys.executable, "-c", DEAF_LB_DEMO, str(marker), "demo", "--nodes", "1",
-                                 "--log-dir", str(tmp_path / "logs")], stdout=sink, stderr=subprocess.STDOUT,
-                                cwd=REPO_ROOT, preexec_fn=sigint_by_default)
-    children: list[psutil.Process] = []
-    try:
-        wait_until(lambda: "LB at" in out.read_text(), timeout=120, what="the demo's cluster")
-        children = psutil.Process(proc.pid).children(recursive=True)
-        proc.send_signal(signal.SIGINT)
+    marker = tmp_path / "stopping"
+    with DemoRun(tmp_path, "-c", DEAF_LB_DEMO, str(marker)) as demo:
+        demo.wait_for(demo.has_cluster, "the demo's cluster")
+        demo.proc.send_signal(signal.SIGINT)
         wait_until(marker.exists, timeout=30, what="the stop")
         started = time.monotonic()
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(30) == 130, out.read_text()[-2000:]
+        demo.proc.send_signal(signal.SIGINT)
+        demo.assert_exit(130, 30)
         assert time.monotonic() - started < 8  # not the 10 s graceful wait on the deaf LB
-        assert "Traceback" not in out.read_text(), out.read_text()[-2000:]
-        wait_until(lambda: no_child_left(children), timeout=30, what="every child gone")
-    finally:
-        kill_all(proc, children)
+
 
 
 def test_a_cluster_past_the_local_bound_is_refused_before_anything_starts(capsys: pytest.CaptureFixture[str]) -> None:

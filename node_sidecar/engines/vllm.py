@@ -39,7 +39,8 @@ from node_sidecar.engines.vllm_weights import GROUP_CALLS, SESSION_CALLS, UPDATE
 from node_sidecar.errors import EngineRefused, EngineUnavailable
 
 INFO_TIMEOUT_S = 30.0        # vLLM's first /server_info collects its environment: seconds
-FLUSH_AFTER_UPDATE_S = 10.0  # how long an update's prefix-cache reset may wait for running requests' blocks
+FLUSH_AFTER_UPDATE_S = 10.0  # how long an update's prefix-cache reset (running requests preempted) may take
+RESET = "/reset_prefix_cache"
 log = logging.getLogger(__name__)
 
 
@@ -207,19 +208,16 @@ class VllmEngine(VllmSleep):
             log.warning("dropping a staged weight update failed: %s", exc.message)
 
     async def flush_cache(self, timeout: float) -> dict[str, Any]:
-        """``POST /reset_prefix_cache`` until it succeeds (it fails while running requests hold blocks), each call
-        bounded by what is left of ``timeout``: none left is :func:`~node_sidecar.engine_client.deadline_spent`."""
+        """``POST /reset_prefix_cache``; refused (running requests hold blocks), it is sent once more with
+        ``reset_running_requests=true``: vLLM preempts them (back to its queue, their KV computed again, no token
+        lost) and resets. Waiting for an idle moment instead never ended under steady load. Each call is bounded
+        by what is left of ``timeout``: none left is :func:`~node_sidecar.engine_client.deadline_spent`."""
         deadline = time.monotonic() + timeout
-        delay = 0.02
-        while True:
-            left = deadline - time.monotonic()
-            if (await self.engine.call("POST", "/reset_prefix_cache", timeout=left)).get("success") is True:
+        for path in (RESET, RESET + "?reset_running_requests=true"):
+            if (await self.engine.call("POST", path, timeout=deadline - time.monotonic())).get("success") is True:
                 return {"success": True, "message": f"{FLUSHED} (vLLM's prefix cache was reset)"}
-            if time.monotonic() + delay > deadline:
-                raise Conflict(f"vLLM could not reset its prefix cache within {timeout:g}s (running requests hold "
-                               "blocks)", kind=E.REQUESTS_IN_FLIGHT)
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 0.5)
+        raise Conflict("vLLM did not reset its prefix cache even with its running requests preempted (requests "
+                       "waiting for a KV transfer hold blocks)", kind=E.REQUESTS_IN_FLIGHT)
 
     async def weight_call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         """Of SGLang's other weight calls vLLM has the version (``/update_weight_version``); tensor and broadcast

@@ -393,6 +393,40 @@ def test_what_vllm_cannot_do_is_400_and_abort_by_rid_works(serving: VllmNode) ->
     assert len(result.events[-1]["output_ids"]) < 3000
 
 
+def test_a_flush_with_a_request_running_preempts_it_and_loses_nothing(serving: VllmNode) -> None:
+    """vLLM resets its prefix cache only when no running request holds blocks: the sidecar asked again until an
+    idle moment, which never came under steady load (a fresh-clone CI run's flush answered 503 after its whole
+    deadline). A refused reset is sent again preempting the running requests: the flush answers at once and the
+    running request ends with the same tokens. vLLM is frozen (its own pause, mode keep, its cache kept) while
+    the flush is sent, so the request certainly holds blocks then."""
+    body = {"input_ids": PROMPT, "stream": True, "sampling_params": {**GREEDY, "max_new_tokens": 1500,
+                                                                     "stream_interval": 50}}
+    reference = node_stream(serving, body)
+    running = GenerationClient(serving.sidecar.url + "/generate", body, timeout=120)
+    running.start()
+    assert running.started_streaming.wait(60)
+    frozen = httpx.post(serving.vllm.url + "/pause", params={"mode": "keep", "clear_cache": "false"}, timeout=30)
+    assert frozen.status_code == 200, frozen.text  # its cache kept: a pause that clears it preempts the request
+    try:
+        refused = httpx.post(serving.vllm.url + "/reset_prefix_cache", timeout=30).json()
+        flushed = serving.post("/flush_cache")
+    finally:
+        assert httpx.post(serving.vllm.url + "/resume", timeout=30).status_code == 200
+    assert refused == {"success": False}  # vLLM alone: the running request's blocks keep the cache
+    assert flushed.status_code == 200 and flushed.json()["message"].startswith("Cache flushed."), flushed.text
+    result = running.finish(60)
+    assert result.saw_done and result.events[-1]["output_ids"] == reference
+
+
+def node_stream(node: VllmNode, body: dict[str, Any]) -> list[int]:
+    """The output ids of one streamed request to the sidecar, run to its end."""
+    client = GenerationClient(node.sidecar.url + "/generate", body, timeout=120)
+    client.start()
+    result = client.finish(60)
+    assert result.saw_done, result
+    return result.events[-1]["output_ids"]
+
+
 def test_a_new_sidecar_reads_a_sleeping_vllm_as_released(serving: VllmNode, checkpoints: tuple[Path, Path]) -> None:
     node = serving
     assert node.post("/release_memory_occupation", {"stage_to_cpu": True}).status_code == 200

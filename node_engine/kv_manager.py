@@ -45,10 +45,13 @@ class KVManager:
             self.cache.unlock(node)  # type: ignore[union-attr]
 
     def make_room(self, num: int) -> bool:
-        """Whether ``num`` slots can be allocated, evicting unused cached prefixes if that is what it takes."""
+        """Whether ``num`` slots can be allocated, evicting unused cached prefixes if that is what it takes.
+
+        Checked before anything is evicted: room that eviction cannot make leaves the cache as it was.
+        """
         if self.slots.can_allocate(num):
             return True
-        if self.cache is None:
+        if self.cache is None or num > self.slots.num_free + self.cache.num_evictable_tokens:
             return False
         self.cache.evict(num - self.slots.num_free)
         return self.slots.can_allocate(num)

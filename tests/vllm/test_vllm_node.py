@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import time
-import warnings
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +72,16 @@ class VllmNode:
         wait_until(lambda: self.occupation()["serving"], timeout=60, what="serving")
         self.lb.wait_routable([self.sidecar.url], timeout=30)
 
+    def freeze_vllm(self) -> None:
+        """vLLM's own pause, mode keep: its scheduler stops, requests stay (running or arriving, queued) until
+        :meth:`thaw_vllm`; the sidecar knows nothing of it. Its cache is kept: a pause that clears it preempts
+        the running requests (their KV dropped, recomputed on the resume)."""
+        frozen = httpx.post(self.vllm.url + "/pause", params={"mode": "keep", "clear_cache": "false"}, timeout=30)
+        assert frozen.status_code == 200, frozen.text
+
+    def thaw_vllm(self) -> None:
+        assert httpx.post(self.vllm.url + "/resume", timeout=30).status_code == 200
+
 
 @pytest.fixture(scope="module")
 def node(checkpoints: tuple[Path, Path], proc_log_dir: Path):
@@ -128,21 +138,24 @@ def start_mixed_load(node: VllmNode, max_tokens: int) -> list[GenerationClient]:
 
 
 def test_release_wait_drains_every_request_then_sleeps(serving: VllmNode) -> None:
+    """vLLM is frozen (its own pause) before the requests reach it and thawed once the release is draining: the
+    drain certainly finds all four running. Sized to last seconds instead, they ended before the release went
+    out on busy CI boxes (probes slowed by the box ran a warm vLLM's requests out in a fraction of that)."""
     node = serving
-    for attempt in (1, 2):
-        clients = start_mixed_load(node, tokens_lasting(node.sidecar.url + "/generate", 10))
-        before = node.occupation()  # what the sidecar counts just before the release
-        if before["in_flight"] == len(clients):
-            break
-        # The load ended before the release went out: nothing to drain, nothing tested. Seen once in 139
-        # runs here, unexplained (every request, each of 1000 tokens or more, had ended a moment after the
-        # continue): said as a warning with the whole account, and the load started once more.
-        for c in clients:
-            c.finish(120)
-        warnings.warn(UserWarning(_account(node, f"attempt {attempt}: in flight {before['in_flight']} of "
-                                                 f"{len(clients)} before the release", clients, time.monotonic())))
-    sent_at = time.monotonic()
-    r = node.post("/release_memory_occupation", {"mode": "wait", "drain_timeout": 90}, via_lb=True)
+    node.freeze_vllm()
+    with ThreadPoolExecutor(1) as pool:
+        try:
+            clients = start_mixed_load(node, 200)
+            before = node.occupation()  # vLLM frozen: none can end
+            assert before["in_flight"] == len(clients), before
+            sent_at = time.monotonic()
+            releasing = pool.submit(node.post, "/release_memory_occupation", {"mode": "wait", "drain_timeout": 90},
+                                    via_lb=True)
+            wait_until(lambda: releasing.done() or node.occupation()["admission"] != "open", timeout=60,
+                       what="the release draining")
+        finally:
+            node.thaw_vllm()
+        r = releasing.result(150)
     took_s = time.monotonic() - sent_at
     assert r.status_code == 200, r.text
     body = r.json()["results"][0]["body"]
@@ -383,12 +396,12 @@ def test_what_vllm_cannot_do_is_400_and_abort_by_rid_works(serving: VllmNode) ->
                             timeout=120)
     long.start()
     assert long.started_streaming.wait(60)
-    assert httpx.post(node.vllm.url + "/pause", params={"mode": "keep"}, timeout=30).status_code == 200
+    node.freeze_vllm()
     try:
         assert node.post("/abort_request", {"rid": "to-abort"}).status_code == 200
         result = long.finish(60)
     finally:
-        assert httpx.post(node.vllm.url + "/resume", timeout=30).status_code == 200
+        node.thaw_vllm()
     assert result.saw_done and result.events[-1]["meta_info"]["finish_reason"]["type"] == "abort"
     assert len(result.events[-1]["output_ids"]) < 3000
 
@@ -405,13 +418,12 @@ def test_a_flush_with_a_request_running_preempts_it_and_loses_nothing(serving: V
     running = GenerationClient(serving.sidecar.url + "/generate", body, timeout=120)
     running.start()
     assert running.started_streaming.wait(60)
-    frozen = httpx.post(serving.vllm.url + "/pause", params={"mode": "keep", "clear_cache": "false"}, timeout=30)
-    assert frozen.status_code == 200, frozen.text  # its cache kept: a pause that clears it preempts the request
+    serving.freeze_vllm()  # its cache kept: a pause that clears it preempts the request
     try:
         refused = httpx.post(serving.vllm.url + "/reset_prefix_cache", timeout=30).json()
         flushed = serving.post("/flush_cache")
     finally:
-        assert httpx.post(serving.vllm.url + "/resume", timeout=30).status_code == 200
+        serving.thaw_vllm()
     assert refused == {"success": False}  # vLLM alone: the running request's blocks keep the cache
     assert flushed.status_code == 200 and flushed.json()["message"].startswith("Cache flushed."), flushed.text
     result = running.finish(60)

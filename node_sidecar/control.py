@@ -162,7 +162,7 @@ class ControlPlane:
             node.require_engine()
             if check is not None:
                 await check()
-            with node.draining(updating_weights=True):
+            with node.draining(hold=True):
                 can_step = state.weights_valid and state.is_all_resident
                 drained, aborted = (0, 0) if mode == "wait" and (state.is_paused or not can_step) else \
                     await self._drainer.drain(mode, drain)
@@ -256,12 +256,20 @@ class ControlPlane:
                 "message": "Generation continued successfully.", "status": "ok"}
 
     async def flush_cache(self, limit: DrainLimit) -> dict[str, Any]:
-        """Drop the engine's prefix cache; an engine that flushes only when idle is asked again until
-        ``limit`` runs out."""
+        """Drop the engine's prefix cache. One that flushes only when idle (SGLang), never so under steady load, gets
+        new generation held while the running requests end (unless paused), then is asked until ``limit``."""
         node = self.node
         async with node.control_lock:
             node.require_engine()
-            return await node.engine_adapter.flush_cache(limit.remaining())
+            adapter = node.engine_adapter
+            if not adapter.flushes_only_idle or node.state.is_paused:
+                return await adapter.flush_cache(limit.remaining())
+            with node.draining(hold=True):
+                if not await node.admission.drain(limit.remaining()):
+                    running = node.admission.num_in_flight
+                    raise Conflict(f"{running} generation request(s) still running at the flush's deadline; nothing "
+                                   "was flushed", kind=E.REQUESTS_IN_FLIGHT, extra={"in_flight": running})
+                return await adapter.flush_cache(limit.remaining())
 
 
 # What to start differently, per engine kind, when a release cannot be done.

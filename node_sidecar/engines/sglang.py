@@ -6,21 +6,17 @@ SGLang's own calls are unforgiving, so the adapter sends only what SGLang surviv
 - A release while anything runs fails an assertion and kills the server
   (``managers/scheduler_components/weight_updater.py:339``). The sidecar has drained already; the adapter then calls
   ``/flush_cache`` until SGLang says it is idle (it flushes only then, ``managers/scheduler.py:5518``) before the
-  release, within :data:`IDLE_WAIT_S`; past it, 409 and nothing released.
+  release, within :data:`IDLE_WAIT_S`; past it, 409 and nothing released. The same before an update that flushes
+  (it fails after loading if not idle, ``weight_updater.py:119-130``) unless SGLang is paused.
 - ``tags: []`` means every tag to SGLang (``weight_updater.py:345``), so an empty list is never sent; a tag already
   released is never released again (torch_memory_saver exits the process) and a tag not released is never resumed
   (``KeyError``, ``weight_updater.py:390``).
-- Release and resume answer ``null``; what was freed is measured by the sidecar.
-- Weights resumed without ``--enable-weights-cpu-backup`` are garbage until a reload: the node is
-  ``weights_valid: false`` until ``update_weights_from_disk``.
-- A disk reload SGLang fails after it began reading the checkpoint does not roll back:
-  ``model_executor/model_runner_components/weight_updater.py:193`` points the model at the new path first, so the
-  "rollback" of a load that failed part way (229-237) reads the new checkpoint again (the scheduler dies if that
-  fails too), and a load that cannot flush keeps the new weights
-  (``managers/scheduler_components/weight_updater.py:117-130``); ``/model_info`` keeps the old path and version.
-  After SGLang's refusal (its 400), unless it says nothing was read (:data:`NOTHING_LOADED`), and after a reload it
-  got but did not answer in time, the weights are taken as not valid (the node serves nothing,
-  ``weights_valid: false``) until a reload succeeds.
+- Release and resume answer ``null`` (the sidecar measures what was freed). Weights resumed without
+  ``--enable-weights-cpu-backup`` are garbage: ``weights_valid: false`` until ``update_weights_from_disk``.
+- A disk reload SGLang fails after it began reading does not roll back (``model_runner_components/
+  weight_updater.py:193``, 229-237; ``scheduler_components/weight_updater.py:117-130``: docs/engines.md). After its
+  400, unless it says nothing was read (:data:`NOTHING_LOADED`), and after a reload it got but did not answer in
+  time, the weights are taken as not valid (no generation, ``weights_valid: false``) until a reload succeeds.
 - ``GET /health`` generates a token (fatal while released): liveness is ``GET /model_info``.
 - SGLang's pause is read from it (``read_paused``: ``/ready`` 503, ``/ping`` 200): a sidecar restarted alone before
   a paused SGLang holds generation.
@@ -56,11 +52,11 @@ from handoff.protocol.control import peer_weight_version
 from handoff.protocol.engines import EngineKind
 from handoff.protocol.tags import TAG_NAMES, TagState
 from handoff.protocol.weights import MAX_TP_SIZE
-from handoff.service.errors import ServiceError
 from node_sidecar.engines.base import EngineView, MemoryChange, TagMeaning, tags_named
 from node_sidecar.engines.foreign import ForeignEngine
-from node_sidecar.engines.sglang_calls import (RELOAD_FAILED, memory_call, reached_sglang, read_paused,
-                                               reload_may_have_loaded, sglang_call, sglang_not_understood, wait_idle)
+from node_sidecar.engines.sglang_calls import (NOT_READ, RELOAD_FAILED, memory_call, outside_session, reached_sglang,
+                                               read_paused, reload_may_have_loaded, sglang_call, sglang_not_understood,
+                                               version_after, wait_idle)
 from node_sidecar.errors import EngineRefused, EngineUnavailable
 
 IDLE_WAIT_S = 10.0           # how long SGLang may take to look idle once the sidecar drained it
@@ -85,6 +81,7 @@ class SglangEngine(ForeignEngine):
         "workspace": TagMeaning(None, "no region of its own in SGLang: tracked by the sidecar, frees nothing"),
     }
     health_path = "/model_info"
+    flushes_only_idle = True
 
     def __init__(self, engine: Any) -> None:
         super().__init__(engine)
@@ -92,6 +89,7 @@ class SglangEngine(ForeignEngine):
         self.memory_saver = False
         self.is_session_open = False  # SGLang's weight update session (a new SGLang process has none)
         self.updated_since_garbage = False  # an update succeeded in a session since the weights became garbage
+        self.is_paused = False  # SGLang's own pause (retract, in_place)
 
     async def read_view(self) -> EngineView:
         info = await self.engine.call("GET", "/get_server_info", timeout=INFO_TIMEOUT_S)
@@ -115,6 +113,7 @@ class SglangEngine(ForeignEngine):
         version = model.get("weight_version")
         tp_size = info.get("tp_size")  # each TP rank joins a weight group as rank_offset + tp_rank
         paused = await read_paused(self.engine, INFO_TIMEOUT_S)
+        self.is_paused = paused is True
         if paused is None:
             log.warning("SGLang's /ready and /ping do not say whether its generation is paused (not healthy?): "
                         "taken as not paused; a continue_generation lifts a pause it holds")
@@ -199,9 +198,7 @@ class SglangEngine(ForeignEngine):
         released weights first, as a reload does, and runs only inside SGLang's update session."""
         if path in WEIGHT_UPDATES:
             if not self.is_session_open:
-                raise EngineRefused(400, {"error": {"type": E.INVALID_REQUEST.name, "message": (
-                    f"{path} must run between begin_weight_update and end_weight_update (SGLang 0.5.23 refuses it "
-                    "otherwise); nothing was resumed or sent")}})
+                raise outside_session(path)
             answer = await self._update(path, body)
             self.updated_since_garbage = True
             return {**answer, "weights_valid": not self.weights_garbage}
@@ -232,6 +229,9 @@ class SglangEngine(ForeignEngine):
         if WEIGHTS in self.released:
             await self.resume([WEIGHTS])
             resumed.append(WEIGHTS)
+        if body.get("flush_cache", True) is not False and not (self.is_paused or self.released or self.unknown):
+            # it fails an update it cannot flush, and is busy one loop iteration after the drain (module docstring)
+            await wait_idle(self.engine, IDLE_WAIT_S, undone="nothing was loaded")
         async with self.reload_call() if path == DISK_RELOAD else contextlib.nullcontext():
             try:
                 answer = {**await sglang_call(self.engine, path, body, resumed=resumed), "success": True,
@@ -250,23 +250,22 @@ class SglangEngine(ForeignEngine):
                 self.weights_garbage = False  # every weight was read from the checkpoint
         version = body.get("weight_version")
         if version is None:  # SGLang kept its version: read, as a refresh
-            try:
-                version = (await self.engine.call("GET", "/model_info", timeout=INFO_TIMEOUT_S)).get("weight_version")
-            except ServiceError as exc:  # the update is done all the same: the version stays the one known
-                log.warning("the weight version after %s cannot be read: %s", path, exc.message)
+            version = await version_after(self.engine, path, INFO_TIMEOUT_S)
+            if version is NOT_READ:
                 return answer
         return {**answer, "weight_version": version if isinstance(version, str) else None}
 
     def _weights_not_known(self) -> None:
-        """A reload failed after SGLang may have read part of the checkpoint: no generation until one succeeds
-        (the record is written as the reload ends, :meth:`ForeignEngine.reload_call`)."""
+        """A reload that may have loaded part of the checkpoint: no generation until one succeeds."""
         self.weights_garbage = True
         self.updated_since_garbage = False
 
     async def pause(self, mode: str) -> dict[str, Any]:
-        """SGLang's own ``retract`` / ``in_place`` pause; a release under it waits for SGLang to look idle (the
-        idle barrier), which ``in_place`` requests holding their KV prevent: 409, nothing released."""
-        return await sglang_call(self.engine, "/pause_generation", {"mode": mode}, acknowledged=ACKNOWLEDGED)
+        """SGLang's own ``retract`` / ``in_place`` pause; a release under it waits for the idle barrier, which
+        ``in_place`` requests (their KV held) prevent: 409."""
+        answer = await sglang_call(self.engine, "/pause_generation", {"mode": mode}, acknowledged=ACKNOWLEDGED)
+        self.is_paused = True  # an update under it is sent without the idle barrier
+        return answer
 
     async def continue_generation(self, *, torch_empty_cache: bool) -> dict[str, Any]:
         """Sent now, or held back while a tag is released or the weights are garbage (module docstring); one held
@@ -277,6 +276,7 @@ class SglangEngine(ForeignEngine):
             return {"held_back": True}
         answer = await sglang_call(self.engine, "/continue_generation", {"torch_empty_cache": torch_empty_cache},
                                    acknowledged=ACKNOWLEDGED)
+        self.is_paused = False
         if self.pending_continue is not None:
             self.pending_continue = None
             await self.keep_record()
@@ -290,10 +290,10 @@ class SglangEngine(ForeignEngine):
         return False
 
     async def info(self, path: str) -> dict[str, Any] | None:
-        if path == "/get_weight_version":  # not in SGLang 0.5.23: its /model_info carries the version
-            model = await self.engine.call("GET", "/model_info", timeout=INFO_TIMEOUT_S)
-            return {"weight_version": peer_weight_version(model.get("weight_version"))}
-        return None
+        if path != "/get_weight_version":  # not in SGLang 0.5.23: its /model_info carries the version
+            return None
+        model = await self.engine.call("GET", "/model_info", timeout=INFO_TIMEOUT_S)
+        return {"weight_version": peer_weight_version(model.get("weight_version"))}
 
     async def flush_cache(self, timeout: float) -> dict[str, Any]:
         message = await wait_idle(self.engine, timeout, within_deadline=True)

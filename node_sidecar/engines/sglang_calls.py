@@ -7,17 +7,20 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from typing import Any
 
 from handoff.protocol import errors as E
 from handoff.protocol.control import FLUSHED
-from handoff.service.errors import Conflict
+from handoff.service.errors import Conflict, ServiceError
 from handoff.service.peer_json import PeerJSONError, loads_bounded
 from handoff.service.upstream import UpstreamError
 from node_sidecar.engine_client import EngineClient
 from node_sidecar.engines.base import not_understood
 from node_sidecar.errors import EngineRefused, EngineUnavailable
+
+log = logging.getLogger(__name__)
 
 # SGLang's answers to a reload refused before any weight was read (model_runner_components/weight_updater.py:
 # 62-67 through 183-185, 202, 226)
@@ -71,7 +74,8 @@ async def sglang_call(engine: EngineClient, path: str, body: dict[str, Any], *, 
     raise _failed(path, response.status, raw, resumed)
 
 
-async def wait_idle(engine: EngineClient, timeout: float, *, within_deadline: bool = False) -> str:
+async def wait_idle(engine: EngineClient, timeout: float, *, within_deadline: bool = False,
+                    undone: str = "nothing was released") -> str:
     """``POST /flush_cache`` until SGLang flushes (it does only when idle), at most ``timeout`` seconds.
 
     ``within_deadline`` (a caller's ``flush_cache``): each call bounded by what is left of ``timeout``, none left
@@ -91,7 +95,7 @@ async def wait_idle(engine: EngineClient, timeout: float, *, within_deadline: bo
                 "is not known to have flushed or to be idle (a release waiting for it is not sent)")}})
         if time.monotonic() + delay > deadline:
             raise Conflict(f"SGLang still has requests pending after {timeout:g}s (its /flush_cache: {text!r}); "
-                           "nothing was released", kind=E.REQUESTS_IN_FLIGHT)
+                           f"{undone}", kind=E.REQUESTS_IN_FLIGHT)
         await asyncio.sleep(delay)
         delay = min(delay * 2, 0.5)
 
@@ -109,6 +113,26 @@ async def read_paused(engine: EngineClient, timeout: float) -> bool | None:
     except UpstreamError as exc:
         raise EngineUnavailable(f"SGLang's /ready or /ping got no answer: {exc}", retry_after=1) from exc
     return True if (ready, healthy) == (503, 200) else None
+
+
+NOT_READ = object()  # :func:`version_after` could not read the version
+
+
+async def version_after(engine: EngineClient, path: str, timeout: float) -> Any:
+    """SGLang's weight version after an update ``path`` that named none (``/model_info``'s), or :data:`NOT_READ`:
+    the update is done all the same, the version stays the one known."""
+    try:
+        return (await engine.call("GET", "/model_info", timeout=timeout)).get("weight_version")
+    except ServiceError as exc:
+        log.warning("the weight version after %s cannot be read: %s", path, exc.message)
+        return NOT_READ
+
+
+def outside_session(path: str) -> EngineRefused:
+    """A tensor or broadcast update outside SGLang's update session: 400 before anything is resumed or sent."""
+    return EngineRefused(400, {"error": {"type": E.INVALID_REQUEST.name, "message": (
+        f"{path} must run between begin_weight_update and end_weight_update (SGLang 0.5.23 refuses it otherwise); "
+        "nothing was resumed or sent")}})
 
 
 def reached_sglang(exc: EngineUnavailable) -> bool:

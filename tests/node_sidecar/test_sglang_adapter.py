@@ -21,7 +21,7 @@ import pytest
 
 from node_engine.model.builtin import builtin_arch, builtin_weights, save_checkpoint
 from tests.support.procs import ServerProcess, wait_until
-from tests.support.streams import GenerationClient, start_clients
+from tests.support.streams import GenerationClient, SteadyLoad, start_clients
 
 SGLANG_TAGS = ["kv_cache", "weights", "cuda_graph"]
 RELEASE_ORDER = ["weights", "kv_cache", "cuda_graph"]  # the sidecar names tags in the SPEC's order
@@ -192,6 +192,20 @@ def test_reload_while_weights_released_resumes_them_first(make_node, checkpoint:
     node.assert_fake_alive()
 
 
+def test_a_reload_right_after_the_drain_waits_for_sglang_to_be_idle(make_node, checkpoint: Path) -> None:
+    """SGLang flushes after a load and fails the update when not idle, as it is for one loop iteration after the
+    last answer: a reload sent the moment the drain ended loaded, was refused (400 "Weights were updated, but the
+    cache was not flushed") and took the node out until another reload. It waits for SGLang to be idle first."""
+    node = make_node("--enable-memory-saver", "--model-path", str(checkpoint))
+    running = start_clients(node.sidecar.url + "/generate", stream_body(50), 1)
+    wait_until(lambda: node.occupation()["in_flight"] == 1, timeout=10, what="a request running")
+    reload = node.post("/update_weights_from_disk", {"model_path": str(checkpoint), "weight_version": "v2"})
+    assert running[0].finish(30).saw_done
+    assert reload.status_code == 200 and reload.json()["drained_requests"] == 1, reload.text
+    assert node.occupation()["serving"] is True and node.occupation()["weight_version"] == "v2"
+    node.assert_fake_alive()
+
+
 def test_bad_checkpoints_are_400_while_the_node_keeps_serving(make_node, checkpoint: Path, tmp_path: Path) -> None:
     node = make_node("--enable-memory-saver", "--model-path", str(checkpoint))
     missing = node.post("/update_weights_from_disk", {"model_path": str(tmp_path / "nope")})
@@ -239,6 +253,32 @@ def test_flush_cache_is_retried_while_sglang_has_requests_pending(make_node) -> 
     assert slow.finish(30).saw_done
     calls = node.fake_state()["calls"]
     assert calls.count("flush_cache") > 2
+    node.assert_fake_alive()
+
+
+def test_a_flush_under_steady_load_holds_new_requests_while_the_running_ones_end(make_node) -> None:
+    """SGLang flushes only when idle, which steady load never gives: the sidecar asked until the deadline and
+    answered 409 (three clients sending back to back). New generation is held now while the running requests
+    end, SGLang flushes, and the held requests go on: the flush answers at once, nothing refused or lost."""
+    node = make_node("--enable-memory-saver")
+    body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 20}}
+    load = [SteadyLoad(node.sidecar.url + "/generate", body) for _ in range(3)]
+    for client in load:
+        client.start()
+
+    def served() -> int:
+        return sum(len(client.results) for client in load)
+
+    wait_until(lambda: served() >= 6, timeout=20, what="the load running")
+    started = time.monotonic()
+    flushed = node.post("/flush_cache", headers={"x-handoff-deadline": "8"})
+    took = time.monotonic() - started
+    before = served()
+    wait_until(lambda: served() >= before + 6, timeout=20, what="the load served after the flush")
+    results = [result for client in load for result in client.finish()]
+    assert flushed.status_code == 200 and flushed.json()["message"].startswith("Cache flushed."), flushed.text
+    assert took < 5
+    assert all(r.status == 200 and r.error is None for r in results), [r for r in results if r.status != 200][:3]
     node.assert_fake_alive()
 
 

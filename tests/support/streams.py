@@ -107,6 +107,30 @@ class GenerationClient(threading.Thread):
         return self.result
 
 
+class SteadyLoad(threading.Thread):
+    """Requests to ``url`` back to back (each sent as the one before ended) until :meth:`finish`; ``results``
+    tells how each ended."""
+
+    def __init__(self, url: str, body: dict[str, Any], *, timeout: float = 60.0) -> None:
+        super().__init__(daemon=True)
+        self.url, self.body, self.timeout = url, body, timeout
+        self.results: list[ClientResult] = []
+        self._stopping = threading.Event()
+
+    def run(self) -> None:
+        while not self._stopping.is_set():
+            request = GenerationClient(self.url, self.body, timeout=self.timeout)
+            request.run()  # in this thread
+            self.results.append(request.result)
+
+    def finish(self, timeout: float = 60.0) -> list[ClientResult]:
+        self._stopping.set()
+        self.join(timeout)
+        if self.is_alive():
+            raise TimeoutError(f"requests to {self.url} still running after {timeout}s")
+        return self.results
+
+
 def start_clients(url: str, body: dict[str, Any], num: int, **kwargs: Any) -> list[GenerationClient]:
     clients = [GenerationClient(url, body, **kwargs) for _ in range(num)]
     for c in clients:

@@ -21,14 +21,14 @@ _REFUSAL = json.dumps({"error": {"type": "no_available_node", "message": "all re
 
 
 def _refused_once_then_dribbled() -> Callable[[socket.socket], None]:
-    """A raw server's behaviour: the first request is a 503 (``Retry-After: 1``), every later one a head
+    """A raw server's behaviour: the first request is a 503 (``Retry-After: 3``), every later one a head
     dribbled a byte every 50 ms for 10 s (a stream does not start either)."""
     calls: list[int] = []
 
     def behave(conn: socket.socket) -> None:
         calls.append(1)
         if len(calls) == 1:
-            conn.sendall(b"HTTP/1.1 503 Service Unavailable\r\nRetry-After: 1\r\nContent-Type: application/json\r\n"
+            conn.sendall(b"HTTP/1.1 503 Service Unavailable\r\nRetry-After: 3\r\nContent-Type: application/json\r\n"
                          b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(_REFUSAL), _REFUSAL))
             return
         conn.sendall(b"HTTP/1.1 200 OK\r\nX-Slow: ")
@@ -40,43 +40,45 @@ def _refused_once_then_dribbled() -> Callable[[socket.socket], None]:
 
 def test_a_retried_call_never_outlasts_its_timeout(raw_server) -> None:
     """Each attempt had the whole timeout: a 503, a 1 s wait, then a slow answer held a timeout=3 call 4 s
-    (``max_attempts`` × timeout + ``max_wait_s`` at worst)."""
+    (``max_attempts`` × timeout + ``max_wait_s`` at worst). Here a 3 s wait and timeout=6: 6 s, where each
+    attempt given the whole timeout takes 9 s."""
     retry = RetryPolicy(max_attempts=3, max_wait_s=60)
     for call in (lambda c: c.generate("x"), lambda c: next(iter(c.stream_generate("x")))):
         url = raw_server(_refused_once_then_dribbled())
         started = time.monotonic()
-        with HandoffClient(url, timeout=3.0, retry=retry) as client:
+        with HandoffClient(url, timeout=6.0, retry=retry) as client:
             with pytest.raises(HandoffError) as info:
                 call(client)
-        assert (info.value.status, info.value.type) == (0, "timeout") and time.monotonic() - started < 3.8
+        assert (info.value.status, info.value.type) == (0, "timeout") and time.monotonic() - started < 7.5
 
     async def run_async() -> HandoffError:
         url = raw_server(_refused_once_then_dribbled())
-        async with AsyncHandoffClient(url, timeout=3.0, retry=retry) as client:
+        async with AsyncHandoffClient(url, timeout=6.0, retry=retry) as client:
             with pytest.raises(HandoffError) as info:
                 await client.generate("x")
         return info.value
 
     started = time.monotonic()
-    assert asyncio.run(run_async()).type == "timeout" and time.monotonic() - started < 3.8
+    assert asyncio.run(run_async()).type == "timeout" and time.monotonic() - started < 7.5
 
 
 def test_a_wait_that_would_end_past_the_timeout_is_not_made(server) -> None:
-    """Retry-After 1 s, a timeout of 2.7 s: three attempts (at 0, 1 and 2 s), then the last 503 at once, not
-    seven more attempts past the call's timeout."""
+    """Retry-After 2 s, a timeout of 3.5 s: two attempts (at 0 and 2 s), then the last 503 at once, not
+    eight more attempts past the call's timeout. (A wait of 2 s leaves each attempt 1.5 s of room.)"""
+    later = {**UNAVAILABLE, "headers": {"Retry-After": "2"}}
     for make in (HandoffClient, AsyncHandoffClient):
-        script(server, *[UNAVAILABLE] * 10)
+        script(server, *[later] * 10)
         num_received = len(received(server))
         started = time.monotonic()
-        client = make(server.url, timeout=2.7, retry=RetryPolicy(max_attempts=10, max_wait_s=60))
+        client = make(server.url, timeout=3.5, retry=RetryPolicy(max_attempts=10, max_wait_s=60))
         with pytest.raises(ServiceUnavailable):
             if isinstance(client, HandoffClient):
                 with client:
                     client.generate("hi")
             else:
                 asyncio.run(_generate_once(client))
-        assert time.monotonic() - started < 2.7
-        assert len(received(server)) == num_received + 3
+        assert time.monotonic() - started < 3.5
+        assert len(received(server)) == num_received + 2
 
 
 async def _generate_once(client: AsyncHandoffClient) -> None:

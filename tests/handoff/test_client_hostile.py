@@ -165,7 +165,7 @@ def test_the_calls_timeout_covers_a_dribbled_head(raw_server) -> None:
         started = time.monotonic()
         with HandoffClient(url, timeout=1.0) as client:
             error = error_of(lambda: call(client))
-        assert (error.status, error.type) == (0, "timeout") and time.monotonic() - started < 3
+        assert (error.status, error.type) == (0, "timeout") and time.monotonic() - started < 6  # not the 10 s
 
     async def run_async() -> tuple[HandoffError, HandoffError]:
         async with AsyncHandoffClient(url, timeout=1.0) as client:

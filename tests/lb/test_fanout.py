@@ -72,8 +72,8 @@ def test_large_failing_bodies_are_capped(module_fakes: FakeCluster, shared_lb: L
     bad.handlers["/flush_cache"] = handler
     set_members(shared_lb, good.url, bad.url)
     started = time.monotonic()
-    answer = shared_lb.http.post("/flush_cache", params={"timeout": "20"})
-    assert time.monotonic() - started < 5
+    answer = shared_lb.http.post("/flush_cache", params={"timeout": "60"})
+    assert time.monotonic() - started < 15  # cut at once, not read until the 60 s timeout
     body = assert_failure_shape(answer, "/flush_cache", failed=1, total=2)
     assert len(body["failures"][0]["detail"].encode()) <= 512
     assert len(answer.content) < 2048
@@ -107,9 +107,9 @@ def test_refused_hung_stalled_and_dropped_nodes_each_cost_the_timeout(module_fak
     refused = refused_url()
     set_members(shared_lb, good.url, hung.url, stalled.url, dropped.url, refused)
     started = time.monotonic()
-    answer = shared_lb.http.post("/pause_generation", params={"timeout": "1"}, json={"mode": "abort"})
+    answer = shared_lb.http.post("/pause_generation", params={"timeout": "2"}, json={"mode": "abort"})
     elapsed = time.monotonic() - started
-    assert 0.9 < elapsed < 3.5, elapsed
+    assert 1.9 < elapsed < 12, elapsed  # the timeout, not the LB's 120 s --control-timeout (nor the client's 30 s)
     body = assert_failure_shape(answer, "/pause_generation", failed=4, total=5)
     reasons = {f["node"]: f["reason"] for f in body["failures"]}
     assert reasons == {hung.url: "timeout", stalled.url: "timeout", dropped.url: "dropped", refused: "unreachable"}
@@ -158,16 +158,27 @@ def test_all_nodes_failing(module_fakes: FakeCluster, shared_lb: LB) -> None:
     assert [f["status"] for f in body["failures"]] == [409, 409, 409]
 
 
-def test_parallel_four_nodes_taking_a_second_each(module_fakes: FakeCluster, shared_lb: LB) -> None:
+def test_the_nodes_are_called_in_parallel(module_fakes: FakeCluster, shared_lb: LB) -> None:
+    """Every node has the call before any answers: one after the other, the second would never be sent."""
     nodes = module_fakes.start(4)
+    gate = Gate(module_fakes)
+
+    async def answer_after_the_gate(node: FakeNode, ex: Exchange) -> None:
+        await gate.wait()
+        ex.respond(200, {"success": True})
+
     for node in nodes:
-        node.handlers["/flush_cache"] = reply(200, {"success": True}, delay=1.0)
+        node.handlers["/flush_cache"] = answer_after_the_gate
     set_members(shared_lb, *(n.url for n in nodes))
-    started = time.monotonic()
-    answer = shared_lb.http.post("/flush_cache")
-    elapsed = time.monotonic() - started
+    with ThreadPoolExecutor(1) as pool:
+        call = pool.submit(shared_lb.http.post, "/flush_cache", params={"timeout": "20"})
+        try:
+            wait_until(lambda: all(n.requests_to("/flush_cache") for n in nodes), timeout=10,
+                       what="every node called while none has answered")
+        finally:
+            gate.open()
+        answer = call.result(timeout=20)
     assert answer.status_code == 200 and answer.json()["total"] == 4
-    assert elapsed < 3.5, elapsed  # one after the other: 4 s
 
 
 def test_role_narrows_and_an_empty_role_is_no_nodes(module_fakes: FakeCluster, shared_lb: LB) -> None:
@@ -315,17 +326,19 @@ def test_a_sidecar_answer_carries_its_state_so_one_request_per_node(fakes: FakeC
     assert all(n["routable"] for n in lb.nodes())
 
 
-def test_the_whole_answer_fits_in_the_timeout(module_fakes: FakeCluster, shared_lb: LB) -> None:
+def test_the_whole_answer_fits_in_the_timeout(fakes: FakeCluster, start_lb) -> None:
     """A node without the state header is checked again, within what is left of ?timeout (asked 2 s, the
-    answer took 4.85 s when the check ran outside it); the check goes on in the background, fenced."""
-    plain = module_fakes.start_one(is_sidecar=False)
-    set_members(shared_lb, plain.url)
+    answer took 4.85 s when the check ran outside it); the check goes on in the background, fenced. The
+    check's own timeout is 20 s here, so the answer at the 2 s deadline cannot be taken for the check's end."""
+    plain = fakes.start_one(is_sidecar=False)
+    lb = start_lb(*node_args(plain.url), "--health-interval", "60", "--health-timeout", "20", fast_health=False)
+    lb.wait_routable([plain.url])
     plain.handlers["/health"] = hang()
     started = time.monotonic()
-    answer = shared_lb.http.post("/release_memory_occupation", params={"timeout": "2"}, json={})
+    answer = lb.http.post("/release_memory_occupation", params={"timeout": "2"}, json={})
     elapsed = time.monotonic() - started
     assert answer.status_code == 200, answer.text
-    assert elapsed < 2.8, elapsed
+    assert elapsed < 15, elapsed  # the 2 s deadline, not the check's 20 s
     assert plain.requests_to("/release_memory_occupation")[0].headers["x-handoff-deadline"] == "2"
 
 

@@ -46,7 +46,7 @@ def test_a_slow_node_does_not_hold_up_the_others(module_fakes: FakeCluster, shar
         started = time.monotonic()
         for _ in range(5):  # least_inflight: everything else goes to the idle node at once
             assert shared_lb.http.post("/generate", json={"text": "z"}).json()["node"] == fast.url
-        assert time.monotonic() - started < 2
+        assert time.monotonic() - started < 15  # held behind the slow node, they would wait for the gate (30 s)
         gate.open()
         late = waiting.result(10)
     assert late.status_code == 200 and late.json() == {"text": "late but whole", "node": slow.url}

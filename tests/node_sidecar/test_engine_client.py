@@ -95,7 +95,7 @@ async def test_a_spent_deadline_is_answered_at_once_and_sends_nothing(spent: flo
             took = loop.time() - started
     finally:
         await client.aclose()
-    assert took < 1.0, took
+    assert took < 5, took  # at once, not the 10 s control timeout
     assert (info.value.status, info.value.type) == (504, E.UPSTREAM_TIMEOUT.name), info.value
     assert info.value.extra["sent"] is False and "POST /flush_cache" in info.value.message
     assert server.num_connections == 0 and not reported

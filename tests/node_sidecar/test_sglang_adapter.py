@@ -808,5 +808,5 @@ async def test_a_flush_whose_deadline_is_spent_is_a_504_and_sends_nothing() -> N
     from tests.node_sidecar.silent_engine import flush_deadlines
 
     took, late, connections = await flush_deadlines(SglangEngine, spent=(0, -1.5), late_s=0.3)
-    assert took < 0.9, took
+    assert late.extra["timeout_s"] <= 0.3 and took < 5, (late.extra, took)  # the floor gave the call 1 s
     assert "/flush_cache" in late.message and connections == 1

@@ -80,9 +80,10 @@ def test_a_huge_prompt_does_not_stall_the_node(proc_log_dir: Path) -> None:
                 assert probe.get(sidecar.url + "/ready").status_code == 200  # never taken for dead
         worker.join(30)
         assert answers[0].status_code == 400 and "can never fit" in answers[0].json()["error"]["message"]
-        # tokenizing the prompt held the engine 4 s; refused at once it takes 0.6 s with a 0.36 s probe on a loaded
-        # machine, and a busy CI box has taken 0.69 s for one health call without any freeze: bounds between the two
-        assert time.monotonic() - started < 3 and slowest < 2, (time.monotonic() - started, slowest)
+        # "can never fit" is the check made before tokenizing, so it proves the prompt was not tokenized (that held
+        # the engine 4 s, 50 s for 30 MB); refused at once it takes 0.6 s with a 0.36 s probe on a loaded machine:
+        # the bounds only catch a freeze of seconds, with room for a CI box many times slower
+        assert time.monotonic() - started < 15 and slowest < 8, (time.monotonic() - started, slowest)
         # the guard is generous: a prompt that may fit is still judged by its tokens
         judged = httpx.post(sidecar.url + "/generate", json={"text": "b" * 20_000}, timeout=60)
         assert judged.status_code == 400 and "context length" in judged.json()["error"]["message"]

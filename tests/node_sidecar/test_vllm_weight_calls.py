@@ -456,5 +456,5 @@ async def test_a_flush_is_bounded_by_what_is_left_of_its_deadline() -> None:
     from tests.node_sidecar.silent_engine import flush_deadlines
 
     took, late, connections = await flush_deadlines(VllmEngine, spent=(0,), late_s=0.5)
-    assert took < 3.0, took
+    assert late.extra["timeout_s"] <= 0.5 and took < 5, (late.extra, took)  # not the 10 s control timeout
     assert "/reset_prefix_cache" in late.message and connections == 1

@@ -27,7 +27,6 @@ from tests.lb.lbproc import LB, node_args
 from tests.support.procs import ServerProcess, wait_until
 from tests.support.sse import iter_events
 from tests.support.streams import GenerationClient
-from tests.vllm.conftest import tokens_lasting
 
 ALL = ["weights", "kv_cache", "cuda_graph", "workspace"]
 # frequent checks, but a patient timeout: a generating vLLM worker holds one of CI's two cores, and a sidecar that
@@ -202,10 +201,23 @@ def test_generation_while_released_is_503_at_once_never_the_hang(serving: VllmNo
 
 
 def test_release_abort_ends_every_request_with_its_tokens(serving: VllmNode) -> None:
+    """vLLM is frozen (its own pause) once the streams have their first tokens, and stays so through the release:
+    the abort certainly finds all four running. vLLM takes the sidecar's aborts and its ``/sleep`` while frozen
+    (the sleep's own pause replaces the freeze; the wake-up ends it). Sized to last seconds instead, the requests
+    could end before the release went out on a busy CI box."""
     node = serving
-    clients = start_mixed_load(node, tokens_lasting(node.sidecar.url + "/generate", 120))
-    wait_until(lambda: all(c.started_streaming.is_set() for c in clients if c.body.get("stream")), timeout=60)
-    r = node.post("/release_memory_occupation", {"mode": "abort"}, via_lb=True)
+    clients = start_mixed_load(node, 4000)
+    released = False
+    try:
+        wait_until(lambda: all(c.started_streaming.is_set() for c in clients if c.body.get("stream")), timeout=60)
+        node.freeze_vllm()
+        running = node.occupation()  # vLLM frozen: none can end
+        assert running["in_flight"] == len(clients), running
+        r = node.post("/release_memory_occupation", {"mode": "abort"}, via_lb=True)
+        released = r.status_code == 200
+    finally:
+        if not released:  # vLLM must not stay frozen for the next test (its /is_sleeping is true while paused too)
+            node.thaw_vllm()
     assert r.status_code == 200, r.text
     assert r.json()["results"][0]["body"]["aborted_requests"] == 4
     for c in clients:

@@ -63,6 +63,7 @@ class PrefixCache:
         self._clock = itertools.count(1)
         self.num_cached_tokens = 0   # tokens whose slots the cache holds (detached ones included)
         self._num_detached_tokens = 0  # of which in detached entries (dropped by a flush, still in use)
+        self._num_locked_tokens = 0  # of which in locked entries of the tree (not detached)
         self.epoch = 0               # bumped by every flush and reset
 
     @property
@@ -114,11 +115,15 @@ class PrefixCache:
     def lock(self, node: _Node) -> None:
         while node.parent is not None:  # up to the root of whichever tree it is in
             node.lock_ref += 1
+            if node.lock_ref == 1 and not node.is_detached:
+                self._num_locked_tokens += node.slots.numel()
             node = node.parent
 
     def unlock(self, node: _Node) -> None:
         while node.parent is not None:
             node.lock_ref -= 1
+            if node.lock_ref == 0 and not node.is_detached:
+                self._num_locked_tokens -= node.slots.numel()
             parent = node.parent
             if node.is_detached and node.lock_ref == 0 and not node.children:
                 self._drop(node)
@@ -159,6 +164,7 @@ class PrefixCache:
             node.is_detached = True
             self._num_detached_tokens += node.slots.numel()
         self._root = _Node((), self._root.slots, None)
+        self._num_locked_tokens = 0
         self.epoch += 1
         return num_before
 
@@ -172,11 +178,14 @@ class PrefixCache:
         old.children = {}
         self.num_cached_tokens = 0
         self._num_detached_tokens = 0
+        self._num_locked_tokens = 0
         self.epoch += 1
 
     @property
     def num_evictable_tokens(self) -> int:
-        return sum(n.slots.numel() for n in self._nodes() if n.lock_ref == 0)
+        """What :meth:`evict` can free: the tree's unlocked entries (a locked one's ancestors are locked too). A
+        count kept up to date: it is read on every admission the pool refuses, with a tree of any size."""
+        return self.num_cached_tokens - self._num_detached_tokens - self._num_locked_tokens
 
     def _nodes(self) -> list[_Node]:
         out, stack = [], list(self._root.children.values())

@@ -85,6 +85,11 @@ class ForeignEngine(EngineAdapter):
                         sorted(self.released) or "nothing", f"; {self.unknown_message()}" if self.unknown else "")
         return True
 
+    @property
+    def has_tags_out(self) -> bool:
+        """A tag released, or in doubt: the engine's memory is not all known to be there."""
+        return bool(self.released or self.unknown)
+
     def unknown_message(self) -> str:
         """Why the tags in doubt are held out of every call, and the way out."""
         tags = [t for t in TAG_NAMES if t in self.unknown]

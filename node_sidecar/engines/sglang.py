@@ -6,8 +6,8 @@ SGLang's own calls are unforgiving, so the adapter sends only what SGLang surviv
 - A release while anything runs fails an assertion and kills the server
   (``managers/scheduler_components/weight_updater.py:339``). The sidecar has drained already; the adapter then calls
   ``/flush_cache`` until SGLang says it is idle (it flushes only then, ``managers/scheduler.py:5518``) before the
-  release, within :data:`IDLE_WAIT_S`; past it, 409 and nothing released. The same before an update that flushes
-  (it fails after loading if not idle, ``weight_updater.py:119-130``) unless SGLang is paused.
+  release, within :data:`IDLE_WAIT_S`; past it, 409 and nothing released. An update's flush is sent after it the
+  same way (SGLang fails an update it cannot flush once loaded, ``weight_updater.py:119-130``).
 - ``tags: []`` means every tag to SGLang (``weight_updater.py:345``), so an empty list is never sent; a tag already
   released is never released again (torch_memory_saver exits the process) and a tag not released is never resumed
   (``KeyError``, ``weight_updater.py:390``).
@@ -54,9 +54,9 @@ from handoff.protocol.tags import TAG_NAMES, TagState
 from handoff.protocol.weights import MAX_TP_SIZE
 from node_sidecar.engines.base import EngineView, MemoryChange, TagMeaning, tags_named
 from node_sidecar.engines.foreign import ForeignEngine
-from node_sidecar.engines.sglang_calls import (NOT_READ, RELOAD_FAILED, memory_call, outside_session, reached_sglang,
-                                               read_paused, reload_may_have_loaded, sglang_call, sglang_not_understood,
-                                               version_after, wait_idle)
+from node_sidecar.engines.sglang_calls import (NOT_READ, RELOAD_FAILED, flush_after_update, memory_call,
+                                               outside_session, reached_sglang, read_paused, reload_may_have_loaded,
+                                               sglang_call, sglang_not_understood, version_after, wait_idle)
 from node_sidecar.errors import EngineRefused, EngineUnavailable
 
 IDLE_WAIT_S = 10.0           # how long SGLang may take to look idle once the sidecar drained it
@@ -189,7 +189,6 @@ class SglangEngine(ForeignEngine):
 
     async def update_weights_from_disk(self, body: dict[str, Any]) -> dict[str, Any]:
         answer = await self._update("/update_weights_from_disk", body)
-        self.model_path = body["model_path"]
         await self._send_pending_continue()
         return {**answer, "weights_valid": not self.weights_garbage}
 
@@ -200,7 +199,6 @@ class SglangEngine(ForeignEngine):
             if not self.is_session_open:
                 raise outside_session(path)
             answer = await self._update(path, body)
-            self.updated_since_garbage = True
             return {**answer, "weights_valid": not self.weights_garbage}
         try:
             answer = await sglang_call(self.engine, path, body)
@@ -223,18 +221,18 @@ class SglangEngine(ForeignEngine):
         return answer
 
     async def _update(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        """Released weights are resumed first (SGLang would write into unmapped memory)."""
+        """Released weights are resumed first (SGLang would write into unmapped memory); the flush asked for is
+        sent after the update (:func:`flush_after_update`) unless SGLang is paused or a tag out (then with it)."""
         self.refuse_unknown([WEIGHTS])
         resumed = []
         if WEIGHTS in self.released:
             await self.resume([WEIGHTS])
             resumed.append(WEIGHTS)
-        if body.get("flush_cache", True) is not False and not (self.is_paused or self.released or self.unknown):
-            # it fails an update it cannot flush, and is busy one loop iteration after the drain (module docstring)
-            await wait_idle(self.engine, IDLE_WAIT_S, undone="nothing was loaded")
+        flush_after = body.get("flush_cache", True) is not False and not (self.is_paused or self.has_tags_out)
+        sent = {**body, "flush_cache": False} if flush_after else body
         async with self.reload_call() if path == DISK_RELOAD else contextlib.nullcontext():
             try:
-                answer = {**await sglang_call(self.engine, path, body, resumed=resumed), "success": True,
+                answer = {**await sglang_call(self.engine, path, sent, resumed=resumed), "success": True,
                           "resumed": resumed}
             except EngineRefused as exc:
                 if path != DISK_RELOAD or not reload_may_have_loaded(exc):
@@ -246,14 +244,17 @@ class SglangEngine(ForeignEngine):
                 if path == DISK_RELOAD and reached_sglang(exc):  # the load runs on: how it ends is not known
                     self._weights_not_known()
                 raise
-            if path == DISK_RELOAD:
-                self.weights_garbage = False  # every weight was read from the checkpoint
+            if path == DISK_RELOAD:  # every weight was read from the checkpoint
+                self.weights_garbage, self.model_path = False, body["model_path"]
+            else:
+                self.updated_since_garbage = True
         version = body.get("weight_version")
         if version is None:  # SGLang kept its version: read, as a refresh
             version = await version_after(self.engine, path, INFO_TIMEOUT_S)
-            if version is NOT_READ:
-                return answer
-        return {**answer, "weight_version": version if isinstance(version, str) else None}
+        if flush_after:
+            await flush_after_update(self.engine, path, IDLE_WAIT_S)
+        return answer if version is NOT_READ else {**answer, "weight_version": version if isinstance(version, str)
+                                                   else None}
 
     def _weights_not_known(self) -> None:
         """A reload that may have loaded part of the checkpoint: no generation until one succeeds."""
@@ -270,7 +271,7 @@ class SglangEngine(ForeignEngine):
     async def continue_generation(self, *, torch_empty_cache: bool) -> dict[str, Any]:
         """Sent now, or held back while a tag is released or the weights are garbage (module docstring); one held
         back is in the record (``--state-file``) until SGLang acknowledged it."""
-        if self.released or self.unknown or self.weights_garbage:
+        if self.has_tags_out or self.weights_garbage:
             self.pending_continue = torch_empty_cache
             await self.keep_record()
             return {"held_back": True}
@@ -284,7 +285,7 @@ class SglangEngine(ForeignEngine):
 
     async def _send_pending_continue(self) -> bool:
         """The continue held back, sent if nothing holds it any more; True if it was."""
-        if self.pending_continue is not None and not (self.released or self.unknown or self.weights_garbage):
+        if self.pending_continue is not None and not (self.has_tags_out or self.weights_garbage):
             await self.continue_generation(torch_empty_cache=self.pending_continue)
             return True
         return False

@@ -100,6 +100,18 @@ async def wait_idle(engine: EngineClient, timeout: float, *, within_deadline: bo
         delay = min(delay * 2, 0.5)
 
 
+async def flush_after_update(engine: EngineClient, path: str, timeout: float) -> None:
+    """The flush an update asked for, sent after it (the update went with ``flush_cache: false``): SGLang fails an
+    update it cannot flush once loaded, keeping the new weights, and it is busy one loop iteration after the drain's
+    last answer. Refused before sending instead, a broadcast would leave the trainer's group without its receiver.
+    Asked until it flushes, at most ``timeout``; past it, 409 saying the weights are updated."""
+    try:
+        await wait_idle(engine, timeout, undone="the cache was not flushed")
+    except Conflict as exc:
+        raise Conflict(f"{path}: the weights are updated, but {exc.message}: cached prefixes may be the old weights'; "
+                       "call /flush_cache once the running requests end", kind=E.REQUESTS_IN_FLIGHT) from exc
+
+
 async def read_paused(engine: EngineClient, timeout: float) -> bool | None:
     """Whether SGLang's generation is paused (``/pause_generation`` without a ``/continue_generation``), None when
     it does not say. SGLang's ``GET /ready`` is 503 while paused or not healthy, its ``GET /ping`` 503 only when

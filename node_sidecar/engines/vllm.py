@@ -210,11 +210,18 @@ class VllmEngine(VllmSleep):
     async def flush_cache(self, timeout: float) -> dict[str, Any]:
         """``POST /reset_prefix_cache``; refused (running requests hold blocks), it is sent once more with
         ``reset_running_requests=true``: vLLM preempts them (back to its queue, their KV computed again, no token
-        lost) and resets. Waiting for an idle moment instead never ended under steady load. Each call is bounded
-        by what is left of ``timeout``: none left is :func:`~node_sidecar.engine_client.deadline_spent`."""
+        lost) and resets (or raises, a 500: 409 here). Waiting for an idle moment never ended under steady load.
+        Each call is bounded by what is left of ``timeout``: none left is
+        :func:`~node_sidecar.engine_client.deadline_spent`."""
         deadline = time.monotonic() + timeout
         for path in (RESET, RESET + "?reset_running_requests=true"):
-            if (await self.engine.call("POST", path, timeout=deadline - time.monotonic())).get("success") is True:
+            try:
+                answer = await self.engine.call("POST", path, timeout=deadline - time.monotonic())
+            except EngineRefused as exc:
+                if exc.status != 500 or path == RESET:
+                    raise
+                answer = {}  # it raises when the reset fails with the running requests preempted
+            if answer.get("success") is True:
                 return {"success": True, "message": f"{FLUSHED} (vLLM's prefix cache was reset)"}
         raise Conflict("vLLM did not reset its prefix cache even with its running requests preempted (requests "
                        "waiting for a KV transfer hold blocks)", kind=E.REQUESTS_IN_FLIGHT)

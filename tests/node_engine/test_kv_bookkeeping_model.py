@@ -133,6 +133,14 @@ class EngineBookkeepingModel(SchedulerModel):
     def refused_room_changed_nothing(self) -> None:
         assert not self.bad_evictions, self.bad_evictions[0]
 
+    @invariant()
+    def evictable_count_is_what_eviction_frees(self) -> None:
+        """The kept count is the tree's unlocked entries (detached ones, locked ancestors and splits included)."""
+        cache = self.scheduler.kv.cache if hasattr(self, "scheduler") else None
+        if cache is not None:
+            walked = sum(node.slots.numel() for node in cache._nodes() if node.lock_ref == 0)
+            assert cache.num_evictable_tokens == walked
+
     def teardown(self) -> None:
         super().teardown()
         assert not self.bad_evictions, self.bad_evictions[0]

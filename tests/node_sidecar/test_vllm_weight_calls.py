@@ -16,6 +16,7 @@ from handoff.service.errors import InvalidRequest, Unsupported
 from node_engine.model.builtin import builtin_arch, builtin_weights, save_checkpoint
 from node_sidecar.engines.vllm_weights import VllmWeightSync
 from node_sidecar.engines.vllm_worker_ext import HandoffWeightSync
+from node_sidecar.errors import EngineRefused
 
 LLAMA_FUSED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
 
@@ -85,7 +86,8 @@ def test_without_the_extension_the_calls_say_how_to_enable_it_and_the_session_is
 
 class ResettingEngine:
     """vLLM's HTTP surface as an update uses it; ``/reset_prefix_cache`` fails ``num_refusals`` times first
-    (vLLM answers ``success: false`` while running requests hold blocks)."""
+    (vLLM answers ``success: false`` while running requests hold blocks; with ``reset_running_requests=true`` it
+    raises instead, a 500: ``v1/core/sched/scheduler.py`` ``reset_prefix_cache``)."""
 
     base_url = "http://127.0.0.1:9"
 
@@ -97,6 +99,8 @@ class ResettingEngine:
         self.paths.append(path)
         if path.startswith("/reset_prefix_cache"):
             self.num_refusals -= 1
+            if self.num_refusals >= 0 and path.endswith("reset_running_requests=true"):
+                raise EngineRefused(500, {"error": {"message": "Internal Server Error"}})
             return {"success": self.num_refusals < 0}
         return {}
 
@@ -104,7 +108,8 @@ class ResettingEngine:
 async def test_an_update_resets_the_prefix_cache_or_says_it_could_not() -> None:
     """An update's prefix-cache reset was sent once and its answer ignored: a refused reset (running requests
     hold blocks) answered success with the old weights' prefixes still cached (found by review). A refused reset
-    is sent again preempting the running requests; refused again, the update says the cache was not flushed."""
+    is sent again preempting the running requests; refused again (vLLM's 500), the update says the cache was not
+    flushed: vLLM's 500 was passed on as the sidecar's, as if the update had failed."""
     from handoff.service.errors import Conflict
     from node_sidecar.engines import vllm
 
@@ -120,6 +125,10 @@ async def test_an_update_resets_the_prefix_cache_or_says_it_could_not() -> None:
     assert refused.value.type == "requests_in_flight"
     assert "the weights are updated (version 'v2')" in refused.value.message
     assert "call /flush_cache" in refused.value.message
+    engine = ResettingEngine(num_refusals=2)
+    with pytest.raises(Conflict) as refused:  # not vLLM's 500 passed on as the sidecar's
+        await vllm.VllmEngine(engine).flush_cache(5)
+    assert refused.value.type == "requests_in_flight" and "preempted" in refused.value.message
     engine = ResettingEngine(num_refusals=1000)
     answer = await vllm.VllmEngine(engine).update_weights_from_disk({**body, "flush_cache": False})
     assert answer["success"] is True and not any(p.startswith("/reset") for p in engine.paths)

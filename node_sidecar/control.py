@@ -23,6 +23,7 @@ from handoff.protocol.weights import WEIGHTS_UPDATED_FULLY
 from handoff.service.errors import Conflict, ServiceError
 from node_sidecar.engines.base import MemoryChange
 from node_sidecar.control_drain import DrainLimit, Drainer
+from node_sidecar.errors import LoadedNotFlushed
 from node_sidecar.node import Node
 from node_sidecar.state import TAGS, NodeState, TagState
 
@@ -162,29 +163,37 @@ class ControlPlane:
             node.require_engine()
             if check is not None:
                 await check()
-            with node.draining(hold=True):
+            with node.draining(updating_weights=True):
                 can_step = state.weights_valid and state.is_all_resident
                 drained, aborted = (0, 0) if mode == "wait" and (state.is_paused or not can_step) else \
                     await self._drainer.drain(mode, drain)
                 try:
                     answer = await load()
-                except ServiceError:
+                except ServiceError as exc:
+                    if isinstance(exc, LoadedNotFlushed):  # a 409, but the weights are the update's all the same
+                        self._loaded(exc.answer)
                     await node.resync_quietly()
                     raise
-                woke = WEIGHTS in answer.get("resumed", ()) and state.tags[WEIGHTS] is TagState.RELEASED
-                if woke:
-                    state.transition(WEIGHTS, TagState.RESUMING)
-                    state.transition(WEIGHTS, TagState.RESIDENT)
-                valid = answer.get("weights_valid", True)
-                state.weights_valid = valid if isinstance(valid, bool) else True
-                if "weight_version" in answer:
-                    state.weight_version = peer_weight_version(answer["weight_version"])
-                # an engine that does not say (vLLM, SGLang): any update is taken to replace every weight
-                state.intent.record_weights_loaded(state.weight_version, resumed=[WEIGHTS] if woke else [],
-                                                   updated_fully=answer.get(WEIGHTS_UPDATED_FULLY) is not False)
+                self._loaded(answer)
         log.info("weights updated, weight_version=%s (drained %d, aborted %d)", state.weight_version, drained,
                  aborted)
         return {**answer, "drained_requests": drained, "aborted_requests": aborted, "serving": state.is_serving}
+
+    def _loaded(self, answer: dict[str, Any]) -> None:
+        """A weight update's ``answer`` taken in: the weights it woke resident, their validity and version, and the
+        update in the cluster's intent (``--state-file``)."""
+        state = self.node.state
+        woke = WEIGHTS in answer.get("resumed", ()) and state.tags[WEIGHTS] is TagState.RELEASED
+        if woke:
+            state.transition(WEIGHTS, TagState.RESUMING)
+            state.transition(WEIGHTS, TagState.RESIDENT)
+        valid = answer.get("weights_valid", True)
+        state.weights_valid = valid if isinstance(valid, bool) else True
+        if "weight_version" in answer:
+            state.weight_version = peer_weight_version(answer["weight_version"])
+        # an engine that does not say (vLLM, SGLang): any update is taken to replace every weight
+        state.intent.record_weights_loaded(state.weight_version, resumed=[WEIGHTS] if woke else [],
+                                           updated_fully=answer.get(WEIGHTS_UPDATED_FULLY) is not False)
 
     async def weight_call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         """A weight call that changes nothing but the engine's own bookkeeping (the session, the version), one
@@ -256,20 +265,11 @@ class ControlPlane:
                 "message": "Generation continued successfully.", "status": "ok"}
 
     async def flush_cache(self, limit: DrainLimit) -> dict[str, Any]:
-        """Drop the engine's prefix cache. One that flushes only when idle (SGLang), never so under steady load, gets
-        new generation held while the running requests end (unless paused), then is asked until ``limit``."""
+        """Drop the engine's prefix cache within ``limit``, past running requests as its adapter does."""
         node = self.node
         async with node.control_lock:
             node.require_engine()
-            adapter = node.engine_adapter
-            if not adapter.flushes_only_idle or node.state.is_paused:
-                return await adapter.flush_cache(limit.remaining())
-            with node.draining(hold=True):
-                if not await node.admission.drain(limit.remaining()):
-                    running = node.admission.num_in_flight
-                    raise Conflict(f"{running} generation request(s) still running at the flush's deadline; nothing "
-                                   "was flushed", kind=E.REQUESTS_IN_FLIGHT, extra={"in_flight": running})
-                return await adapter.flush_cache(limit.remaining())
+            return await node.engine_adapter.flush_cache(limit.remaining())
 
 
 # What to start differently, per engine kind, when a release cannot be done.

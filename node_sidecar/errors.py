@@ -10,7 +10,7 @@ from handoff.service.errors import Conflict, NotServing, ServiceError, Unavailab
 MAX_UNTYPED_MESSAGE_CHARS = 200  # a peer's detail that is not a string, as shown
 
 __all__ = ["SidecarError", "NotServing", "EngineUnavailable", "DrainTimeout", "CheckpointTimeout", "EngineRefused",
-           "WeightSyncBroken"]
+           "WeightSyncBroken", "LoadedNotFlushed"]
 
 
 class SidecarError(ServiceError):
@@ -29,6 +29,18 @@ class WeightSyncBroken(Conflict):
     """A weight update group that cannot carry updates any more: destroy it and join again."""
 
     kind = E.WEIGHT_SYNC_BROKEN
+
+
+class LoadedNotFlushed(Conflict):
+    """A weight update the engine loaded whose prefix-cache flush it refused (requests still running): 409, yet the
+    update is done, and ``answer`` (what a success would have answered) is recorded as one (the version, the tags
+    woken, the weights' validity: a fresh engine must not serve its start checkpoint for it)."""
+
+    kind = E.REQUESTS_IN_FLIGHT
+
+    def __init__(self, message: str, answer: dict[str, Any]) -> None:
+        super().__init__(message, extra={"resumed": answer["resumed"]} if answer.get("resumed") else None)
+        self.answer = answer
 
 
 class CheckpointTimeout(ServiceError):

@@ -53,7 +53,7 @@ class Node:
             EngineKind(config.engine_kind)))  # None until the engine's kind was detected
         self.control_lock = asyncio.Lock()  # control calls run one at a time, in arrival order (FIFO lock)
         self._is_draining = False          # a control call holds admission closed (:meth:`draining`)
-        self._is_holding = False  # ... and new requests wait (a weight update, as SGLang's do; a flush)
+        self._is_updating_weights = False  # ... to update the weights (requests wait, as SGLang's do)
         self.last_error: str | None = None
         self._poke = asyncio.Event()
         self._health_misses = 0  # health probes in a row not answered in time
@@ -63,14 +63,13 @@ class Node:
     def _hold_limits(self) -> HoldLimits | None:
         """SGLang queues generation while paused and behind a weight update, without a bound: here up to
         ``--pause-hold-max`` requests for ``--pause-hold-timeout`` each (through a release under the pause,
-        as an RL step does; an update, or a flush waiting for the engine to be idle, holds only on a node that
-        will serve once it ends, its memory resident); otherwise only ``--hold-requests`` holds (within
-        ``--hold-max``, ``--hold-timeout``).
+        as an RL step does; an update holds only on a node that will serve once it ends, its memory
+        resident); otherwise only ``--hold-requests`` holds (within ``--hold-max``, ``--hold-timeout``).
         Held bodies take at most ``--hold-max-bytes``; nothing is held while the engine is unreachable."""
         config, state = self.config, self.state
         if not state.is_engine_reachable:
             return None  # nothing will admit them until the engine is back: they may go elsewhere now
-        if state.is_paused or (self._is_holding and state.is_all_resident):
+        if state.is_paused or (self._is_updating_weights and state.is_all_resident):
             return HoldLimits(config.pause_hold_max, config.pause_hold_timeout, config.hold_max_bytes)
         if config.hold_requests:
             return HoldLimits(config.hold_max, config.hold_timeout, config.hold_max_bytes)
@@ -97,16 +96,15 @@ class Node:
         self.metrics.serving.set(1 if self.admission.is_open else 0)
 
     @contextlib.contextmanager
-    def draining(self, *, hold: bool = False) -> Iterator[None]:
-        """Admission stays closed for the block (with ``hold`` new requests wait: through a weight update, as
-        SGLang's wait for its update lock, or a flush; else they are refused); afterwards it follows the node's
-        state again."""
-        self._is_draining, self._is_holding = True, hold
+    def draining(self, *, updating_weights: bool = False) -> Iterator[None]:
+        """Admission stays closed for the block (new requests wait through a weight update, as SGLang's wait
+        for its update lock, and are refused otherwise); afterwards it follows the node's state again."""
+        self._is_draining, self._is_updating_weights = True, updating_weights
         self.refresh_admission()
         try:
             yield
         finally:
-            self._is_draining = self._is_holding = False
+            self._is_draining = self._is_updating_weights = False
             self.refresh_admission()
 
     def require_engine(self) -> None:

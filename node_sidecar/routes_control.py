@@ -122,9 +122,8 @@ def control_router(config: SidecarConfig, admin: BearerToken) -> APIRouter:
         return JSONResponse(await control_of(request).resume_generation(torch_empty_cache=body.torch_empty_cache))
 
     async def flush_cache(request: Request) -> Response:
-        """An engine that flushes only when idle is asked again until the deadline (new generation held meanwhile),
-        holding the control lock: a client that leaves stops that at once (else every release waited behind a
-        flush nobody reads, and the held requests behind it)."""
+        """An engine that flushes only when idle is asked again until the deadline, holding the control lock: a
+        client that leaves stops that at once (else every release waited behind a flush nobody reads)."""
         admin.check(request)
         try:
             await request.body()  # read first: the watch for the client leaving takes over the request's receive

@@ -99,8 +99,6 @@ class EngineAdapter(ABC):
     tag_meanings: ClassVar[Mapping[str, TagMeaning]]
     health_path: ClassVar[str] = "/health"   # a cheap liveness check that never generates
     screens_media: ClassVar[bool] = False    # the sidecar screens media items for it (node_sidecar/media.py)
-    flushes_only_idle: ClassVar[bool] = False  # its flush succeeds only with nothing running: the sidecar holds
-    # new generation and waits for the running requests before :meth:`flush_cache`
 
     def __init__(self, engine: EngineClient) -> None:
         self.engine = engine
@@ -160,8 +158,8 @@ class EngineAdapter(ABC):
 
     @abstractmethod
     async def flush_cache(self, timeout: float) -> dict[str, Any]:
-        """Drop the engine's prefix cache, within ``timeout`` seconds (with :attr:`flushes_only_idle`, called
-        with generation drained and held, unless the engine holds it paused)."""
+        """Drop the engine's prefix cache, within ``timeout`` seconds, whatever runs: requests running are
+        never a reason to wait for an idle moment, which steady load never gives."""
 
     # -- SGLang's weight API beyond disk, and its in-engine pause ------------------------
     async def weight_call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:

@@ -20,21 +20,15 @@ SGLang's own calls are unforgiving, so the adapter sends only what SGLang surviv
 - ``GET /health`` generates a token (fatal while released): liveness is ``GET /model_info``.
 - SGLang's pause is read from it (``read_paused``: ``/ready`` 503, ``/ping`` 200): a sidecar restarted alone before
   a paused SGLang holds generation.
-- SGLang does not say what it has released: the adapter remembers its own calls and forgets them when SGLang is a
-  new process (``startup_time``, the durations of its start: a server info without one is not SGLang's, and no state
-  is read from it). A release or resume SGLang got but did not answer in time still runs (it runs control calls in
-  order), so it is remembered as done. With ``--state-file`` what it remembers is kept there (recorded in doubt
-  before each call is sent), so a sidecar restarted alone takes it back on the same SGLang process, and holds out of
-  every call the tags of a call the sidecar before it did not see end (:meth:`ForeignEngine.memory_call`).
+- SGLang does not say what it has released: the adapter remembers its own calls (:class:`ForeignEngine`: a new
+  SGLang process, ``startup_time``, forgets them; one answered late is done; ``--state-file`` keeps them).
 - Tensor and broadcast updates run only inside SGLang's update session (``begin_weight_update`` ..
   ``end_weight_update``, ``weight_updater.py:192``, ``234``): outside one they are refused before released weights
   are woken. Weights resumed as garbage are valid again after a reload, or when a session in which updates succeeded
   ends (the trainer's session is its word that every weight was sent; the sidecar cannot see the names inside a
   tensor payload).
 - Every weight call answers ``{"success": bool, "message"}`` (``http_server.py:1302-1557``): a 2xx without
-  ``"success": true`` is an upstream error, never taken for a success. SGLang fails a call only with a 400 and its
-  JSON, passed on; any other error (a 5xx, a page) is a 502 naming SGLang. A begin or end of the update session
-  SGLang got but answered late still runs, so it is remembered as done.
+  ``"success": true``, or an error but its 400 JSON, is a 502 naming SGLang. A session call answered late still ran.
 - A ``continue_generation`` while a tag is released or the weights are garbage is held back: SGLang would run the
   retracted requests on unmapped memory or on garbage. It is sent once every tag is resident and the weights are
   valid; with ``--state-file`` it is in the record until then, so a sidecar restarted meanwhile still sends it
@@ -54,15 +48,15 @@ from handoff.protocol.tags import TAG_NAMES, TagState
 from handoff.protocol.weights import MAX_TP_SIZE
 from node_sidecar.engines.base import EngineView, MemoryChange, TagMeaning, tags_named
 from node_sidecar.engines.foreign import ForeignEngine
-from node_sidecar.engines.sglang_calls import (NOT_READ, RELOAD_FAILED, flush_after_update, memory_call,
-                                               outside_session, reached_sglang, read_paused, reload_may_have_loaded,
-                                               sglang_call, sglang_not_understood, version_after, wait_idle)
+from node_sidecar.engines.sglang_calls import (ACKNOWLEDGED, NOT_READ, RELOAD_FAILED, flush_after_update,
+                                               memory_call, outside_session, reached_sglang, read_paused,
+                                               reload_may_have_loaded, retracted_flush, sglang_call,
+                                               sglang_not_understood, version_after, wait_idle)
 from node_sidecar.errors import EngineRefused, EngineUnavailable
 
 IDLE_WAIT_S = 10.0           # how long SGLang may take to look idle once the sidecar drained it
 INFO_TIMEOUT_S = 5.0
 WEIGHTS = "weights"
-ACKNOWLEDGED = ("status", "ok")  # in every 2xx of SGLang's /pause_generation and /continue_generation (1831-1857)
 WEIGHT_UPDATES = frozenset({"/update_weights_from_tensor", "/update_weights_from_distributed"})
 SESSION_CALLS = frozenset({"/begin_weight_update", "/end_weight_update"})
 DISK_RELOAD = "/update_weights_from_disk"
@@ -81,7 +75,6 @@ class SglangEngine(ForeignEngine):
         "workspace": TagMeaning(None, "no region of its own in SGLang: tracked by the sidecar, frees nothing"),
     }
     health_path = "/model_info"
-    flushes_only_idle = True
 
     def __init__(self, engine: Any) -> None:
         super().__init__(engine)
@@ -251,10 +244,12 @@ class SglangEngine(ForeignEngine):
         version = body.get("weight_version")
         if version is None:  # SGLang kept its version: read, as a refresh
             version = await version_after(self.engine, path, INFO_TIMEOUT_S)
+        if version is not NOT_READ:
+            answer["weight_version"] = version if isinstance(version, str) else None
+        answer["weights_valid"] = not self.weights_garbage
         if flush_after:
-            await flush_after_update(self.engine, path, IDLE_WAIT_S)
-        return answer if version is NOT_READ else {**answer, "weight_version": version if isinstance(version, str)
-                                                   else None}
+            await flush_after_update(self.engine, path, IDLE_WAIT_S, answer)
+        return answer
 
     def _weights_not_known(self) -> None:
         """A reload that may have loaded part of the checkpoint: no generation until one succeeds."""
@@ -297,5 +292,7 @@ class SglangEngine(ForeignEngine):
         return {"weight_version": peer_weight_version(model.get("weight_version"))}
 
     async def flush_cache(self, timeout: float) -> dict[str, Any]:
-        message = await wait_idle(self.engine, timeout, within_deadline=True)
-        return {"success": True, "message": message}
+        """Unless SGLang is paused already, its running requests retracted for the flush (:func:`retracted_flush`)."""
+        if self.is_paused or self.has_tags_out:
+            return {"success": True, "message": await wait_idle(self.engine, timeout, within_deadline=True)}
+        return {"success": True, "message": await retracted_flush(self.engine, timeout)}

@@ -6,6 +6,7 @@ its word (a proxy's page, a redirect, a 5xx) a 502 naming SGLang, nothing taken 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -16,11 +17,12 @@ from handoff.protocol.control import FLUSHED
 from handoff.service.errors import Conflict, ServiceError
 from handoff.service.peer_json import PeerJSONError, loads_bounded
 from handoff.service.upstream import UpstreamError
-from node_sidecar.engine_client import EngineClient
+from node_sidecar.engine_client import EngineClient, deadline_spent
 from node_sidecar.engines.base import not_understood
-from node_sidecar.errors import EngineRefused, EngineUnavailable
+from node_sidecar.errors import EngineRefused, EngineUnavailable, LoadedNotFlushed
 
 log = logging.getLogger(__name__)
+ACKNOWLEDGED = ("status", "ok")  # in every 2xx of SGLang's /pause_generation and /continue_generation (1831-1857)
 
 # SGLang's answers to a reload refused before any weight was read (model_runner_components/weight_updater.py:
 # 62-67 through 183-185, 202, 226)
@@ -54,10 +56,12 @@ async def memory_call(engine: EngineClient, path: str, engine_tags: list[str]) -
 
 
 async def sglang_call(engine: EngineClient, path: str, body: dict[str, Any], *, resumed: list[str] | None = None,
-                      acknowledged: tuple[str, object] = ("success", True)) -> dict[str, Any]:
+                      acknowledged: tuple[str, object] = ("success", True), timeout: float | None = None
+                      ) -> dict[str, Any]:
     """SGLang's weight calls answer ``{"success", "message", ...}``, 400 when they failed; its pause and continue
-    ``{"message", "status": "ok"}`` (``acknowledged``: the field and value a 2xx must have to be its answer)."""
-    response, raw = await engine.exchange("POST", path, body)
+    ``{"message", "status": "ok"}`` (``acknowledged``: the field and value a 2xx must have to be its answer).
+    ``timeout``: as :meth:`EngineClient.exchange`'s (None: ``--control-timeout``)."""
+    response, raw = await engine.exchange("POST", path, body, timeout=timeout)
     answer = _json_object(raw)
     key, value = acknowledged
     is_2xx = 200 <= response.status < 300
@@ -100,16 +104,48 @@ async def wait_idle(engine: EngineClient, timeout: float, *, within_deadline: bo
         delay = min(delay * 2, 0.5)
 
 
-async def flush_after_update(engine: EngineClient, path: str, timeout: float) -> None:
+async def retracted_flush(engine: EngineClient, timeout: float) -> str:
+    """``/flush_cache`` under SGLang's own pause in mode retract (its running requests back to its queue, their KV
+    freed, computed again after the continue: none lost; it flushes while paused, ``scheduler.py:5518-5520``), then
+    ``/continue_generation``: SGLang is never left paused by a flush that failed or whose caller left. Its flush
+    message; 409 past ``timeout``; a continue that failed after the flush is an error saying so."""
+    deadline = time.monotonic() + timeout
+    if timeout <= 0:
+        raise deadline_spent("POST /pause_generation")
+    try:
+        await sglang_call(engine, "/pause_generation", {"mode": "retract"}, acknowledged=ACKNOWLEDGED,
+                          timeout=timeout)
+        message = await wait_idle(engine, deadline - time.monotonic(), within_deadline=True)
+    except BaseException:
+        with contextlib.suppress(ServiceError):  # the flush's own error is the answer; SGLang read again later
+            await asyncio.shield(_continue(engine, deadline))
+        raise
+    await _continue(engine, deadline)
+    return message
+
+
+async def _continue(engine: EngineClient, deadline: float) -> None:
+    """The continue after a retracted flush, given what is left of the flush's deadline (at least 1 s)."""
+    try:
+        await sglang_call(engine, "/continue_generation", {"torch_empty_cache": False}, acknowledged=ACKNOWLEDGED,
+                          timeout=max(deadline - time.monotonic(), 1.0))
+    except ServiceError as exc:
+        log.error("SGLang's continue after a flush failed: it may keep its requests paused until a "
+                  "/continue_generation (%s)", exc.message)
+        raise
+
+
+async def flush_after_update(engine: EngineClient, path: str, timeout: float, answer: dict[str, Any]) -> None:
     """The flush an update asked for, sent after it (the update went with ``flush_cache: false``): SGLang fails an
     update it cannot flush once loaded, keeping the new weights, and it is busy one loop iteration after the drain's
     last answer. Refused before sending instead, a broadcast would leave the trainer's group without its receiver.
-    Asked until it flushes, at most ``timeout``; past it, 409 saying the weights are updated."""
+    Asked until it flushes, at most ``timeout``; past it, 409 saying the weights are updated (:class:`LoadedNotFlushed`
+    with the update's ``answer``, recorded as a success would be)."""
     try:
         await wait_idle(engine, timeout, undone="the cache was not flushed")
     except Conflict as exc:
-        raise Conflict(f"{path}: the weights are updated, but {exc.message}: cached prefixes may be the old weights'; "
-                       "call /flush_cache once the running requests end", kind=E.REQUESTS_IN_FLIGHT) from exc
+        raise LoadedNotFlushed(f"{path}: the weights are updated, but {exc.message}: cached prefixes may be the old "
+                               "weights'; call /flush_cache once the running requests end", answer) from exc
 
 
 async def read_paused(engine: EngineClient, timeout: float) -> bool | None:

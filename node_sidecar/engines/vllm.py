@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from handoff.protocol import errors as E
@@ -36,7 +36,7 @@ from node_sidecar.engines.vllm_generate import PromptCounts, to_completion
 from node_sidecar.engines.vllm_sleep import KV_CACHE, WEIGHTS, VllmSleep
 from node_sidecar.engines.vllm_versions import ServedVersions
 from node_sidecar.engines.vllm_weights import GROUP_CALLS, SESSION_CALLS, UPDATES, VllmWeightSync, WeightsLost
-from node_sidecar.errors import EngineRefused, EngineUnavailable
+from node_sidecar.errors import EngineRefused, EngineUnavailable, LoadedNotFlushed
 
 INFO_TIMEOUT_S = 30.0        # vLLM's first /server_info collects its environment: seconds
 FLUSH_AFTER_UPDATE_S = 10.0  # how long an update's prefix-cache reset (running requests preempted) may take
@@ -141,23 +141,26 @@ class VllmEngine(VllmSleep):
                            f"{exc.message}"}}) from exc
         self._reloaded_weights(resumed)
         self.model_path = body["model_path"]
-        await self._finish_update(body)
-        return {"success": True, "weight_version": self.weight_version, "resumed": resumed, WEIGHTS_UPDATED_FULLY: True,
-                "message": f"reloaded {body['model_path']} in {time.perf_counter() - started:.3f}s"}
+        return await self._finish_update(body, lambda: {
+            "success": True, "weight_version": self.weight_version, "resumed": resumed, WEIGHTS_UPDATED_FULLY: True,
+            "message": f"reloaded {body['model_path']} in {time.perf_counter() - started:.3f}s"})
 
-    async def _finish_update(self, body: dict[str, Any]) -> None:
+    async def _finish_update(self, body: dict[str, Any], answer: Callable[[], dict[str, Any]]) -> dict[str, Any]:
         """What every weight update ends with: the version it names, and (``flush_cache``, SGLang's default
-        true) no prefix computed with the old weights."""
+        true) no prefix computed with the old weights; ``answer()`` (read once the version is) is returned, or
+        carried by the 409 of a flush refused (:class:`LoadedNotFlushed`: the update is done all the same)."""
         if body.get("weight_version") is not None:
             await self.engine.call("POST", "/update_weight_version", {"new_version": body["weight_version"]})
             self.versions.rename(body["weight_version"])
+        done = answer()
         if body.get("flush_cache", True) and KV_CACHE not in self.released:
             try:
                 await self.flush_cache(FLUSH_AFTER_UPDATE_S)
             except Conflict as exc:  # never a success with the old weights' prefixes still cached
-                raise Conflict(f"the weights are updated (version {self.weight_version!r}), but {exc.message}: "
-                               "cached prefixes may still be the old weights'; call /flush_cache once the "
-                               "running requests end", kind=E.REQUESTS_IN_FLIGHT) from exc
+                raise LoadedNotFlushed(f"the weights are updated (version {self.weight_version!r}), but "
+                                       f"{exc.message}: cached prefixes may still be the old weights'; call "
+                                       "/flush_cache once the running requests end", done) from exc
+        return done
 
     async def _push(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         """A tensor or broadcast update, ended as a reload is (version, prefix cache). Over released weights it
@@ -180,12 +183,12 @@ class VllmEngine(VllmSleep):
         if complete:
             self._pushed_every_weight()
         try:
-            await self._finish_update(body)
+            return await self._finish_update(body, lambda: {
+                **answer, "weight_version": self.weight_version, "weights_valid": not self.weights_discarded,
+                WEIGHTS_UPDATED_FULLY: complete})
         except ServiceError as exc:  # the weights are loaded (and resident): the error says it woke them
             _tell_resumed(exc, answer["resumed"])
             raise
-        return {**answer, "weight_version": self.weight_version, "weights_valid": not self.weights_discarded,
-                WEIGHTS_UPDATED_FULLY: complete}
 
     async def _loading(self, resumed: list[str], load: Awaitable[dict[str, Any]]) -> dict[str, Any]:
         """``load``'s answer with ``resumed``; its failure passed on with ``resumed``, the weights lost if it

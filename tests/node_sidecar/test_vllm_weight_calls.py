@@ -124,8 +124,7 @@ async def test_an_update_resets_the_prefix_cache_or_says_it_could_not() -> None:
         await vllm.VllmEngine(engine).update_weights_from_disk(body)
     assert refused.value.type == "requests_in_flight"
     assert "the weights are updated (version 'v2')" in refused.value.message
-    # NOT RUN YET: the 409 carries the update's answer, which the node records as a success's (control.py)
-    from node_sidecar.errors import LoadedNotFlushed
+    from node_sidecar.errors import LoadedNotFlushed  # the answer the node records as a success's (control.py)
     assert isinstance(refused.value, LoadedNotFlushed) and refused.value.answer["weight_version"] == "v2"
     assert refused.value.answer["success"] is True
     assert "call /flush_cache" in refused.value.message

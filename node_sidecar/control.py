@@ -148,15 +148,12 @@ class ControlPlane:
         """A weight update (``load``: from disk, tensors or broadcasts, through the engine adapter), after
         draining generation; requests arriving meanwhile wait for it.
 
-        ``check`` runs before anything drains (the checkpoint check of a reload), so
-        a wrong path or shape is a 400 while the node keeps serving. ``mode``
-        ``abort`` (the body's ``abort_all_requests``) ends generation first, paused
-        requests included, as SGLang aborts before it looks at the pause. In ``wait``
-        mode nothing is drained while generation is paused (paused requests stay in
-        the engine, as in SGLang) or while the node cannot step (weights invalid or
-        released: its queued requests have not run, and only this update lets them).
-        An engine that resumes released weights to load them says so in its answer's
-        ``resumed`` (the other tags stay as they are).
+        ``check`` runs before anything drains (the checkpoint check of a reload), so a wrong path or shape is a 400
+        while the node keeps serving. ``mode`` ``abort`` (the body's ``abort_all_requests``) ends generation first,
+        paused requests included, as SGLang aborts before it looks at the pause. In ``wait`` mode nothing is drained
+        while generation is paused (paused requests stay in the engine, as in SGLang) or while the node cannot step
+        (weights invalid or released: its queued requests have not run, and only this update lets them). An engine
+        that resumes released weights to load them says so in its answer's ``resumed`` (the others stay as they are).
         """
         node, state = self.node, self.node.state
         async with self._keeping_intent(), node.control_lock:
@@ -180,8 +177,7 @@ class ControlPlane:
         return {**answer, "drained_requests": drained, "aborted_requests": aborted, "serving": state.is_serving}
 
     def _loaded(self, answer: dict[str, Any]) -> None:
-        """A weight update's ``answer`` taken in: the weights it woke resident, their validity and version, and the
-        update in the cluster's intent (``--state-file``)."""
+        """A weight update's ``answer`` taken in: weights woken, validity, version, the intent (``--state-file``)."""
         state = self.node.state
         woke = WEIGHTS in answer.get("resumed", ()) and state.tags[WEIGHTS] is TagState.RELEASED
         if woke:
@@ -196,9 +192,8 @@ class ControlPlane:
                                            updated_fully=answer.get(WEIGHTS_UPDATED_FULLY) is not False)
 
     async def weight_call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        """A weight call that changes nothing but the engine's own bookkeeping (the session, the version), one
-        at a time with the other control calls; the version is adopted, and whether the weights are valid when
-        the answer says (the end of an update session can make them so)."""
+        """A weight call that changes only the engine's bookkeeping (the session, the version), one at a time with
+        the other control calls; the version is adopted, and the weights' validity when the answer says it."""
         node = self.node
         async with node.control_lock:
             node.require_engine()
@@ -265,11 +260,16 @@ class ControlPlane:
                 "message": "Generation continued successfully.", "status": "ok"}
 
     async def flush_cache(self, limit: DrainLimit) -> dict[str, Any]:
-        """Drop the engine's prefix cache within ``limit``, past running requests as its adapter does."""
+        """Drop the engine's prefix cache within ``limit`` as its adapter does; read the engine again if it failed
+        (an adapter that paused the engine for it may have left it paused)."""
         node = self.node
         async with node.control_lock:
             node.require_engine()
-            return await node.engine_adapter.flush_cache(limit.remaining())
+            try:
+                return await node.engine_adapter.flush_cache(limit.remaining())
+            except ServiceError:
+                await node.resync_quietly()
+                raise
 
 
 # What to start differently, per engine kind, when a release cannot be done.

@@ -120,7 +120,7 @@ async def retracted_flush(engine: EngineClient, timeout: float) -> str:
         with contextlib.suppress(ServiceError):  # the flush's own error is the answer; SGLang read again later
             await asyncio.shield(_continue(engine, deadline))
         raise
-    await _continue(engine, deadline)
+    await asyncio.shield(_continue(engine, deadline))  # sent even if the caller leaves now
     return message
 
 

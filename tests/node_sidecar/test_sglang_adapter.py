@@ -867,3 +867,83 @@ async def test_a_flush_whose_deadline_is_spent_is_a_504_and_sends_nothing() -> N
     took, late, connections = await flush_deadlines(SglangEngine, spent=(0, -1.5), late_s=0.3)
     assert late.extra["timeout_s"] <= 0.3 and took < 5, (late.extra, took)  # the floor gave the call 1 s
     assert "/pause_generation" in late.message and connections == 2  # the pause, then the continue
+
+
+def test_a_flush_whose_continue_sglang_refuses_leaves_the_node_honestly_paused(make_node) -> None:
+    """A flush pauses SGLang (mode retract) and continues it after; a continue SGLang refused (here a 500, the
+    continue not run) left SGLang holding every generation while the node said it was serving, its clients waiting
+    unanswered. The node is read from SGLang again after a failed flush: paused, and a continue lifts it."""
+    node = make_node("--enable-memory-saver")
+    fault_next(node, "/continue_generation", status=500, raw="Internal Server Error")
+    flushed = node.post("/flush_cache", headers={"x-handoff-deadline": "5"})
+    assert flushed.status_code == 502, flushed.text
+    occupation = node.occupation()
+    assert occupation["paused"] is True and occupation["serving"] is False, occupation
+    continued = node.post("/continue_generation")
+    assert continued.status_code == 200 and continued.json()["serving"] is True, continued.text
+    assert greedy(node)
+
+
+def test_a_flush_under_the_sidecars_own_pause_leaves_the_node_paused(make_node) -> None:
+    """The sidecar's own pause (mode wait) leaves SGLang unpaused: a flush then retracts and continues SGLang, and
+    the node stays paused from the client's view until its own continue."""
+    node = make_node("--enable-memory-saver")
+    assert node.post("/pause_generation", {"mode": "wait"}).status_code == 200
+    flushed = node.post("/flush_cache", headers={"x-handoff-deadline": "5"})
+    assert flushed.status_code == 200, flushed.text
+    occupation = node.occupation()
+    assert occupation["paused"] is True and occupation["serving"] is False, occupation
+    assert node.post("/continue_generation").json()["serving"] is True
+    assert greedy(node)
+
+
+def test_a_flush_with_a_batch_of_samples_running_ends_each_whole_and_an_abort_under_it_ends_its_request(
+        make_node) -> None:
+    """A batch of two prompts with ``n`` 2 running through a flush (SGLang's retract held 1 s: its flush answered
+    late) ends with every sample whole, the same tokens as without the flush; a request aborted while retracted
+    ends at once as aborted, and SGLang is continued after."""
+    node = make_node("--enable-memory-saver")
+    batch = {"input_ids": [[1, 2, 3], [4, 5, 6]], "sampling_params": {"max_new_tokens": 60, "n": 2}}
+    reference = node.post("/generate", batch)
+    assert reference.status_code == 200, reference.text
+    url = node.sidecar.url + "/generate"
+    running = GenerationClient(url, batch)
+    victim = GenerationClient(url, {**stream_body(1500), "rid": "victim"})
+    running.start()
+    victim.start()
+    wait_until(lambda: node.occupation()["in_flight"] == 2, timeout=10, what="two requests running")
+    fault_next(node, "/flush_cache", delay_s=1.5)
+    flush = GenerationClient(node.sidecar.url + "/flush_cache", {}, headers={"x-handoff-deadline": "8"})
+    flush.start()
+    wait_until(lambda: "pause retract" in node.fake_state()["calls"], timeout=10, what="the retract pause")
+    assert node.post("/abort_request", {"rid": "victim"}).status_code == 200
+    victim.join(10)
+    assert victim.result.finish_reason == "abort", victim.result.summary(0)
+    flush.join(10)
+    running.join(30)
+    assert flush.result.status == 200, flush.result.summary(0)
+    assert running.result.status == 200, running.result.summary(0)
+
+    def samples(answer: list[dict]) -> list[tuple]:
+        return [(a["index"], a["output_ids"], a["meta_info"]["finish_reason"]) for a in answer]
+    assert samples(running.result.body) == samples(reference.json()) and len(reference.json()) == 4
+    assert node.fake_state()["calls"][-1] != "pause retract" and node.occupation()["serving"] is True
+
+
+def test_a_flush_whose_continue_is_answered_late_and_one_inside_an_update_session(make_node) -> None:
+    """A continue SGLang runs but answers past the flush's deadline: the caller gets an error (not known to have
+    run), and the node, read from SGLang again, serves. A flush inside a weight update session, then a release and
+    an update right after it, each run in turn."""
+    node = make_node("--enable-memory-saver")
+    fault_next(node, "/continue_generation", delay_s=30)
+    late = node.post("/flush_cache", headers={"x-handoff-deadline": "2"})
+    assert late.status_code in (503, 504), late.text
+    assert node.occupation()["serving"] is True
+    assert node.post("/begin_weight_update", {}).status_code == 200
+    flushed = node.post("/flush_cache", headers={"x-handoff-deadline": "5"})
+    assert flushed.status_code == 200, flushed.text
+    assert node.post("/release_memory_occupation", {"tags": ["kv_cache"]}).status_code == 200
+    assert node.post("/flush_cache", headers={"x-handoff-deadline": "5"}).status_code == 200  # a tag out: no retract
+    assert node.post("/resume_memory_occupation", {"tags": ["kv_cache"]}).status_code == 200
+    assert node.post("/end_weight_update", {}).status_code == 200
+    assert node.occupation()["serving"] is True and greedy(node)

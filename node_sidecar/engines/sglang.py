@@ -260,7 +260,7 @@ class SglangEngine(ForeignEngine):
         """SGLang's own ``retract`` / ``in_place`` pause; a release under it waits for the idle barrier, which
         ``in_place`` requests (their KV held) prevent: 409."""
         answer = await sglang_call(self.engine, "/pause_generation", {"mode": mode}, acknowledged=ACKNOWLEDGED)
-        self.is_paused = True  # an update under it is sent without the idle barrier
+        self.is_paused = True  # updates and flushes under it go to SGLang as they are (no retract, no flush after)
         return answer
 
     async def continue_generation(self, *, torch_empty_cache: bool) -> dict[str, Any]:

@@ -3,15 +3,16 @@
 # leaves the others their time. Run from the repository root on the GPU machine, with the wheels of
 # docs/benchmarks.md ("Memory (CUDA): how to run it") in .whl/; results go to $OUT (default ./gpu-out).
 #
-#   bash bench/gpu_run.sh [stage ...]     stages: env bench-bf16 tests bench-fp32 bench-weights
+#   bash bench/gpu_run.sh [stage ...]     stages: env bench-bf16 tests bench-fp32 bench-read bench-weights
 #                                         (default: all, in that order)
 #
-# Limits per stage (seconds) come from the environment: BENCH_BF16_S, TESTS_S, BENCH_FP32_S, BENCH_WEIGHTS_S;
+# Limits per stage (seconds) come from the environment: BENCH_BF16_S, TESTS_S, BENCH_FP32_S, BENCH_READ_S,
+# BENCH_WEIGHTS_S; BENCH_READ_ARGS adds options to bench/checkpoint_read_cuda.py;
 # TESTS_PATHS narrows the tests (default tests/gpu).
 set -u
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
-STAGES=${*:-env bench-bf16 tests bench-fp32 bench-weights}
+STAGES=${*:-env bench-bf16 tests bench-fp32 bench-read bench-weights}
 
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     || { echo "wheel install failed"; exit 1; }
@@ -47,6 +48,8 @@ print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name())"; fre
             -o timeout=280 ${TESTS_PATHS:-tests/gpu} ;;
         bench-fp32) stage bench-fp32 "${BENCH_FP32_S:-120}" python3 bench/memory_cycle.py --device cuda \
             --cuda-model tiny --cuda-dtype float32 --repeats 5 --json "$OUT/cuda-tiny.json" ;;
+        bench-read) stage bench-read "${BENCH_READ_S:-120}" python3 bench/checkpoint_read_cuda.py \
+            ${BENCH_READ_ARGS:-} --json "$OUT/read-cuda.json" ;;
         bench-weights) stage bench-weights "${BENCH_WEIGHTS_S:-240}" python3 bench/weight_sync_cuda.py \
             --json "$OUT/weights-cuda.json" ;;
         *) echo "unknown stage $s"; exit 2 ;;

@@ -11,7 +11,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 EXTRA = ["uvicorn.loops.uvloop", "uvicorn.protocols.http.httptools_impl", "pytest_asyncio", "pytest_timeout",
-         "torch_memory_saver", "tests.gpu.engines", "bench.memory_cycle_cuda", "bench.weight_sync_cuda"]
+         "torch_memory_saver", "tests.gpu.engines", "bench.memory_cycle_cuda", "bench.weight_sync_cuda",
+         "bench.checkpoint_read_cuda"]
 
 
 def main() -> int:

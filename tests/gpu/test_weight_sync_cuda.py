@@ -22,6 +22,7 @@ from node_engine.model.builtin import builtin_arch, builtin_weights, save_checkp
 from tests.gpu.engines import MODEL, MiB, GpuEngine, free_gpu_bytes, require_memory_saver, started
 from tests.support.sglang_payloads import flattened_payload, verl_payload
 from tests.support.trainer import Trainer
+from tests.support.weights import packed_sample, save_packed_safetensors
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -153,22 +154,30 @@ def test_a_gloo_broadcast_from_a_trainer_loads_into_the_gpu(engine: GpuEngine,
         assert trainer.leave().status_code == 200
 
 
-def test_a_read_onto_the_gpu_gives_what_is_on_disk(tmp_path: Path) -> None:
-    """What a reload stages on the device: every dtype and size, a tensor larger than the bounce buffer, an
-    empty tensor and a scalar, each equal to the host read."""
+@pytest.mark.parametrize("num_threads", [1, 4])
+def test_a_read_onto_the_gpu_gives_what_is_on_disk(tmp_path: Path, num_threads: int) -> None:
+    """What a reload stages on the device: every dtype and size, a tensor larger than the bounce buffer, tensors
+    read in parallel slices alternating between the two buffers, an empty tensor and a scalar, each equal to the
+    host read."""
     from safetensors.torch import save_file
 
     from node_engine.model.checkpoint_io import BOUNCE_BYTES, CheckpointReader
 
     gen = torch.Generator().manual_seed(5)
     tensors = {"big": torch.randn(BOUNCE_BYTES // 4 + 12345, generator=gen),
+               "mid": torch.randn(5_000_001, generator=gen), "mid2": torch.randn(4_000_003, generator=gen),
                "half": torch.randn(33, 5, generator=gen).bfloat16(), "flag": torch.tensor([True, False, True]),
                "odd": torch.randint(-100, 100, (7,), dtype=torch.int8, generator=gen),
                "empty": torch.zeros(0, 4), "scalar": torch.tensor(2.5, dtype=torch.float64)}
     save_file(tensors, str(tmp_path / "model.safetensors"))
     reader = CheckpointReader()
     entries = reader.header(tmp_path / "model.safetensors")
-    on_gpu = dict(reader.iter_tensors_on(torch.device("cuda", 0), entries, list(tensors)))
+    on_gpu = dict(reader.iter_tensors_on(torch.device("cuda", 0), entries, list(tensors), num_threads=num_threads))
+    packed = packed_sample()  # back to back with no padding: a float32 tensor at an odd offset
+    packed_entries = reader.header(save_packed_safetensors(tmp_path / "packed.safetensors", packed))
+    on_gpu |= {f"packed.{key}": tensor for key, tensor in
+               reader.iter_tensors_on(torch.device("cuda", 0), packed_entries, list(packed), num_threads=num_threads)}
+    tensors |= {f"packed.{key}": tensor for key, tensor in packed.items()}
     for key, tensor in tensors.items():
         assert on_gpu[key].is_cuda and on_gpu[key].dtype == tensor.dtype and on_gpu[key].shape == tensor.shape, key
         assert torch.equal(on_gpu[key].cpu(), tensor), key

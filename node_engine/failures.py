@@ -104,7 +104,10 @@ class FaultDrill:
         if kind not in self.KINDS:
             log.warning("fault drill: unknown kind %r in %s (known: %s)", kind, self.path, ", ".join(self.KINDS))
             return
-        os.replace(self.path, self.path.with_name(self.path.name + ".fired"))
+        try:
+            os.replace(self.path, self.path.with_name(self.path.name + ".fired"))
+        except FileNotFoundError:
+            return  # another thread (a parallel read's slice) fired it first: a fault fires once
         log.warning("fault drill: %s at %s", kind, point)
         time.sleep(float(fault.get("delay_s", 0)))
         if kind == "stall":

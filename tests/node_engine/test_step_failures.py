@@ -208,6 +208,32 @@ def test_the_drill_fires_once_and_only_where_it_is_armed(drill_file: Path) -> No
         drill.fire("decode")
 
 
+def test_the_drill_fires_once_when_threads_reach_it_together(drill_file: Path) -> None:
+    """A parallel read's slices reach ``read`` at once: one of them fires the fault, the others go on (a race
+    between them once raised ``FileNotFoundError`` from the losers' rename)."""
+    import threading
+
+    drill = FaultDrill(drill_file)
+    arm(drill_file, "oom", "read")
+    start = threading.Barrier(8, timeout=10)
+    raised: list[BaseException] = []
+
+    def reach() -> None:
+        start.wait()
+        for _ in range(50):
+            try:
+                drill.fire("read")
+            except BaseException as exc:  # collected: the test counts what each thread saw
+                raised.append(exc)
+
+    threads = [threading.Thread(target=reach) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=10)
+    assert len(raised) == 1 and isinstance(raised[0], torch.OutOfMemoryError), raised
+
+
 async def test_a_failed_sample_aborts_its_siblings(monkeypatch: pytest.MonkeyPatch) -> None:
     """``n`` samples answered 500 for one failed sample: the others are aborted, not left running to their
     full length with nobody to answer (found by review: they held their KV and their ids, so a retry under

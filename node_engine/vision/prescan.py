@@ -27,6 +27,8 @@ MAX_JPEG_SCANS = 100      # libjpeg's progressive scripts write 6 to 18; each co
 MAX_JPEG_MARKERS = 4096   # segments walked to count them (ICC profiles split in 255 at most, a few per scan)
 MAX_HEADER_STEPS = 4096
 BYTES_PER_HEADER_STEP = 4096
+MAX_RLE_BMP_PIXELS = 2**21  # a 1920 x 1080 screenshot; at most about 0.5 s, as long as a large PNG takes
+_BMP_RLE = (1, 2)           # the compression field's RLE8 and RLE4
 # A JPEG marker: 0xFF (repeated as fill) and a code that is neither a stuffed zero nor a restart (RST0-7).
 _JPEG_MARKER = re.compile(rb"\xff+([^\x00\xd0-\xd7\xff])")
 _JPEG_NO_LENGTH = (0x01, 0xD8)  # TEM, SOI: markers without a segment
@@ -44,6 +46,8 @@ def prescan(data: bytes) -> None:
         check_png_chunks(data)
     elif data[:6] in GIF_SIGNATURES:
         check_gif_blocks(data)
+    elif data.startswith(b"BM"):
+        check_bmp(data)
 
 
 def header_steps(data: bytes) -> int:
@@ -116,3 +120,17 @@ def check_gif_blocks(data: bytes) -> None:
         if steps > limit:
             raise ImageInputError(f"the GIF has more than {limit} blocks before its first image (each is read "
                                   "apart; real images have a few)")
+
+
+def check_bmp(data: bytes) -> None:
+    """Refuse a run-length encoded BMP of more than ``MAX_RLE_BMP_PIXELS`` pixels (its width and height read as
+    Pillow reads them: an info header of 40 bytes or more, a negative height for a top-down image)."""
+    if len(data) < 34 or int.from_bytes(data[14:18], "little") not in (40, 52, 56, 64, 108, 124):
+        return
+    if int.from_bytes(data[30:34], "little") not in _BMP_RLE:
+        return
+    width = int.from_bytes(data[18:22], "little", signed=True)
+    height = int.from_bytes(data[22:26], "little", signed=True)
+    if abs(width * height) > MAX_RLE_BMP_PIXELS:
+        raise ImageInputError(f"the run-length encoded BMP has {abs(width)} x {abs(height)} pixels, more than "
+                              f"{MAX_RLE_BMP_PIXELS} (it is decoded in Python; send it uncompressed or as a PNG)")

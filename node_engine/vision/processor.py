@@ -36,7 +36,7 @@ DEFAULT_MAX_PIXELS = 28 * 28 * 1280
 
 
 class ImageShapeError(ValueError):
-    """An image the processor cannot take (aspect ratio beyond 200)."""
+    """An image the processor cannot take (aspect ratio beyond 200, colours Pillow cannot convert to RGB)."""
 
 
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
@@ -169,9 +169,14 @@ class ImageProcessor:
         self.config = config
 
     def resize(self, image: Image.Image) -> ResizedImage:
-        """The RGB image at its target size (raises :class:`ImageShapeError` for a too long or too thin one)."""
+        """The RGB image at its target size (raises :class:`ImageShapeError` for a too long or too thin one, or
+        one Pillow cannot convert to RGB)."""
         cfg = self.config
-        rgb = to_rgb(image)
+        try:
+            rgb = to_rgb(image)
+        except (ValueError, OSError) as exc:  # a palette or transparency that decodes but does not convert
+            raise ImageShapeError(f"the image cannot be converted to RGB (a corrupt palette or transparency?): "
+                                  f"{exc}") from exc
         height, width = rgb.height, rgb.width
         h_bar, w_bar = smart_resize(height, width, cfg.factor, cfg.min_pixels, cfg.max_pixels)
         resized = rgb.resize((w_bar, h_bar), resample=Image.Resampling.BICUBIC)

@@ -271,3 +271,31 @@ def test_max_image_pixels_above_pillows_own_limit_is_honoured(monkeypatch: pytes
         10000, 9000)
     with pytest.raises(ImageInputError, match="more than the 80000000 allowed"):
         load_image(base64.b64encode(buffer.getvalue()).decode(), ImagePolicy(max_pixels=80_000_000))
+
+
+def _rle_bmp(width: int, height: int, pixels: bytes, *, rle4: bool = False) -> bytes:
+    """A BMP whose ``pixels`` are run-length encoded (RLE8, or RLE4), with a 256 (16) colour palette."""
+    palette = b"".join(bytes((i, i, i, 0)) for i in range(256)) if not rle4 else b"\x00\x40\x80\x00" * 16
+    info = struct.pack("<IiiHHIIiiII", 40, width, height, 1, 4 if rle4 else 8, 2 if rle4 else 1, len(pixels),
+                       2835, 2835, 0, 0)
+    offset = 14 + len(info) + len(palette)
+    return b"BM" + struct.pack("<IHHI", offset + len(pixels), 0, 0, offset) + info + palette + pixels
+
+
+def test_a_run_length_encoded_bmp_of_many_pixels_is_refused_before_decoding() -> None:
+    """Found by review: Pillow decodes an RLE BMP in Python, holding the GIL, and pads each row that an
+    end-of-line code cuts short one byte at a time: 17 KB of BMP (one pixel and an end of line per row of
+    8192 x 4096, under --max-image-pixels) took 7.6 s of CPU to decode, a request of 64 of them eight minutes."""
+    rows = b"\x01\x07\x00\x00" * 4096 + b"\x00\x01"
+    _refused_quickly(_rle_bmp(8192, 4096, rows), "run-length encoded BMP")
+    _refused_quickly(_rle_bmp(8192, -4096, rows), "run-length encoded BMP")  # top-down: a negative height
+    _refused_quickly(_rle_bmp(8192, 4096, (b"\xff\x12" * 33 + b"\x00\x00") * 4096, rle4=True),
+                     "run-length encoded BMP")
+    # Real RLE BMPs up to the bound pass (a 1920 x 1080 screenshot), and decode to what they encode.
+    from node_engine.vision.prescan import MAX_RLE_BMP_PIXELS, check_bmp
+
+    assert 1920 * 1080 <= MAX_RLE_BMP_PIXELS
+    check_bmp(_rle_bmp(1920, 1080, rows))
+    image = load_image(b64(_rle_bmp(30, 20, (b"\x1e\x05\x00\x00" * 20) + b"\x00\x01")), POLICY)
+    assert image.size == (30, 20) and image.convert("RGB").getpixel((3, 4)) == (5, 5, 5)
+    assert load_image(b64(encoded(Image.new("RGB", (3000, 2000)), "BMP")), POLICY).size == (3000, 2000)  # raw

@@ -125,6 +125,19 @@ def _bad(data: bytes) -> str:
     return b64(data)
 
 
+def _palette_png_with_long_transparency() -> bytes:
+    """A 4 x 3 palette PNG whose tRNS chunk holds 300 entries for a palette of 4: it decodes, and Pillow's
+    conversion to RGBA raises ValueError (found by review: a 500, "internal_error")."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+    header = struct.pack(">IIBBBBB", 4, 3, 8, 3, 0, 0, 0)
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"PLTE", bytes(12)) + chunk(b"tRNS", bytes(300))
+            + chunk(b"IDAT", zlib.compress(b"\x00\x00\x01\x02\x03" * 3)) + chunk(b"IEND", b""))
+
+
 BAD_IMAGES = [
     (b64(b"plain text, not an image"), "not an image"),
     (b64(IMAGES[0][: len(IMAGES[0]) // 2]), "truncated or corrupt"),
@@ -135,6 +148,7 @@ BAD_IMAGES = [
     ("", "empty"),
     (7, "must be a string"),
     (b64(progressive_jpeg(150)), "more than 100 scans"),
+    (b64(_palette_png_with_long_transparency()), "cannot be converted to RGB"),
 ]
 
 

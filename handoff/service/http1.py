@@ -212,17 +212,17 @@ class Connection(asyncio.Protocol):
 
     def eof_received(self) -> bool | None:
         parser = self._parser
-        if self.state is ConnState.BUSY and parser is not None and not self.is_message_done and parser.feed_eof():
-            self.is_keep_alive = False
-            self._complete()  # a body delimited by the close
-        return None  # let the transport close itself; connection_lost fails an incomplete exchange
+        if self.state is ConnState.BUSY and parser is not None and not self.is_message_done:
+            if parser.feed_eof():
+                self.is_keep_alive = False
+                self._complete()  # a body delimited by the close
+            else:  # no answer can come: failed now (the transport's close first flushes a body nobody may read)
+                self._dropped(None)
+        return None  # let the transport close itself
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self.state is ConnState.BUSY and not self.is_message_done and self._failure is None:
-            what = "before the response headers" if not self.is_headers_done else "in the response body"
-            reason = f": {exc}" if exc else ""
-            self._fail(ConnectionDropped(f"{self.origin.host_header} closed the connection {what}{reason}",
-                                         url=self._url), exc)
+            self._dropped(exc)
         if self.state is not ConnState.CLOSED:
             self.state = ConnState.CLOSED
             self._cancel_timer()
@@ -280,6 +280,12 @@ class Connection(asyncio.Protocol):
             self._failure = error
         self._wake()
         self.close()
+
+    def _dropped(self, exc: Exception | None) -> None:
+        what = "before the response headers" if not self.is_headers_done else "in the response body"
+        reason = f": {exc}" if exc else ""
+        self._fail(ConnectionDropped(f"{self.origin.host_header} closed the connection {what}{reason}",
+                                     url=self._url), exc)
 
     def _on_deadline(self) -> None:
         self._timer = None

@@ -37,7 +37,7 @@ __all__ = ["PendingRequest"]
 
 log = logging.getLogger(__name__)
 
-IDEMPOTENT_METHODS = frozenset({"GET", "PUT", "DELETE", "OPTIONS"})
+IDEMPOTENT_METHODS = frozenset({"GET", "HEAD", "PUT", "DELETE", "OPTIONS", "TRACE"})  # RFC 9110 9.2.2
 
 TakeIdle = Callable[[Origin], "Connection | None"]
 Connect = Callable[[Origin, str, "float | None"], Awaitable[Connection]]

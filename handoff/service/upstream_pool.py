@@ -68,11 +68,11 @@ class ConnectionPool:
             connect_deadline = now + self.connect_timeout_s
             is_connect_timeout_first = True
         try:
-            if connect_deadline is None:
+            # asyncio.timeout_at, not wait_for: Python 3.11's wait_for returns a connection that came up in the turn
+            # its caller was cancelled and drops the cancel (the request went out and waited for its own deadline)
+            async with asyncio.timeout_at(connect_deadline):
                 _, conn = await connect
-            else:
-                _, conn = await asyncio.wait_for(connect, max(0.0, connect_deadline - now))
-        except asyncio.TimeoutError as exc:
+        except TimeoutError as exc:
             if is_connect_timeout_first:
                 raise ConnectTimedOut(f"cannot connect to {origin.host_header}: no connection within "
                                       f"{self.connect_timeout_s:g} s", url=url) from exc

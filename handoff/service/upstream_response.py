@@ -78,7 +78,13 @@ class UpstreamResponse:
                 count(min(len(chunk), max_bytes - num_read))
             if num_read + len(chunk) >= max_bytes:
                 parts.append(chunk[:max_bytes - num_read])
-                self._stop_at_cap(overflow=num_read + len(chunk) > max_bytes)
+                overflow = num_read + len(chunk) > max_bytes
+                if not overflow and not self._conn.is_drained:
+                    # exactly the cap so far: the body's end (a chunked body's last chunk may come later) or more
+                    if not await self.next_chunk():
+                        return b"".join(parts)
+                    overflow = True
+                self._stop_at_cap(overflow=overflow)
                 return b"".join(parts)
             parts.append(chunk)
             num_read += len(chunk)

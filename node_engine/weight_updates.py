@@ -28,6 +28,7 @@ import asyncio
 import logging
 import threading
 import time
+import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
@@ -134,10 +135,12 @@ class WeightUpdates:
         started = time.perf_counter()
         model = self.engine.runner.model
         tensors = await self.read_tensor_payload(body)
-        answer = await self.engine.call(lambda: self.commit(
-            tensors, is_complete=set(tensors) == set(model.hf_weight_map()), version=body.weight_version,
-            flush_cache=body.flush_cache, torch_empty_cache=body.torch_empty_cache))
-        tensors.clear()  # the sender's shared memory is let go
+        try:
+            answer = await self.engine.call(lambda: self.commit(
+                tensors, is_complete=set(tensors) == set(model.hf_weight_map()), version=body.weight_version,
+                flush_cache=body.flush_cache, torch_empty_cache=body.torch_empty_cache))
+        finally:
+            tensors.clear()  # the sender's shared memory is let go (a refused commit's error outlives its answer)
         duration = time.perf_counter() - started
         self.engine.metrics.weight_update_seconds.labels("tensor").observe(duration)
         return {"success": True, "message": "Success", **answer, "duration_s": round(duration, 6)}
@@ -170,7 +173,11 @@ class WeightUpdates:
         try:
             return await self.threads.run(work, timeout)
         except (UnsafePayload, ModelConfigError) as exc:
+            _let_go_of_tensors(exc)
             raise InvalidRequest(f"{what} was refused, nothing was loaded: {exc}") from exc
+        except InvalidRequest as exc:
+            _let_go_of_tensors(exc)
+            raise
         except (Overdue, TooManyStuck) as exc:
             raise WeightSyncTimeout(f"{what}: {exc}; nothing was loaded") from None
 
@@ -236,3 +243,15 @@ class WeightUpdates:
         self.engine.set_weight_version(body.new_version)
         return {"success": True, "message": f"Weight version updated to {body.new_version}",
                 "new_version": body.new_version}
+
+
+def _let_go_of_tensors(exc: BaseException) -> None:
+    """Clear the locals of the finished frames an error of a payload's read passed through (and of its causes):
+    they hold the tensors decoded so far, which map the sender's shared memory, and the error outlives the answer
+    (a reference cycle, until a garbage collection that may not come for long)."""
+    seen: set[int] = set()
+    chained: BaseException | None = exc
+    while chained is not None and id(chained) not in seen:
+        seen.add(id(chained))
+        traceback.clear_frames(chained.__traceback__)  # frames still running are left as they are
+        chained = chained.__cause__ or chained.__context__

@@ -2,8 +2,13 @@
 (:mod:`.rebuilds` tables them), and the inert markers of the torch classes it may name as their arguments.
 
 Each checks its arguments before anything is mapped or allocated: a tensor must lie inside its storage, a
-shared-memory storage must be torch's segment by name and hold the bytes claimed, a CUDA IPC handle is admitted only
-on a CUDA engine; storages shared by file descriptor are refused with the reason.
+shared-memory storage must be torch's segment by name, a regular file, and hold torch's header and the bytes claimed,
+a CUDA IPC handle is admitted only on a CUDA engine; storages shared by file descriptor are refused with the reason.
+
+A shared-memory storage is registered with this engine's own torch shared-memory manager, never with the socket the
+payload names: torch connects to that socket holding the GIL and without a timeout, so a socket that never accepts
+would stop the whole engine. (The manager only unlinks, when every process using it is gone, the segments still in
+use: the sender's manager still does that for the sender's; the engine's, for those it maps when it dies.)
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ from node_engine.weight_sync.payload_checks import PayloadBudget, UnsafePayload,
 SHM_DIR = "/dev/shm"
 _SHM_HANDLE = re.compile(rb"^/torch_\d+_\d+_\d+$")
 _MAX_MANAGER_PATH = 4096
+_SEGMENT_HEADER = 64  # torch's refcount, before a segment's data (c10's alignment): torch maps the bytes claimed + it
+_OWN_MANAGER = b""  # libshm: this process's own manager (started on first use), not the payload's
 
 
 class _Marker:
@@ -87,19 +94,18 @@ def storage_filename_rebuild(budget: PayloadBudget,
         num_bytes = check_int(size, "storage size")
         budget.spend_segment()
         try:
-            segment = os.stat(os.path.join(SHM_DIR, handle.decode()[1:]))
-            manager_mode = os.stat(manager).st_mode
+            segment = os.lstat(os.path.join(SHM_DIR, handle.decode()[1:]))
         except OSError as exc:
             raise UnsafePayload(f"shared memory {handle.decode()} is not there (was the sender's tensor freed, or is "
                                 f"the sender on another host?): {exc.strerror}") from exc
-        if not stat.S_ISREG(segment.st_mode) or segment.st_size < num_bytes:
-            raise UnsafePayload(f"shared memory {handle.decode()} holds {segment.st_size} bytes, {num_bytes} "
-                                "claimed")
-        if not stat.S_ISSOCK(manager_mode):
-            raise UnsafePayload("the shared-memory manager path is not a socket")
+        if not stat.S_ISREG(segment.st_mode):
+            raise UnsafePayload(f"shared memory {handle.decode()} is not a regular file")
+        if segment.st_size < num_bytes + _SEGMENT_HEADER:  # torch would grow the file to its header + the bytes
+            raise UnsafePayload(f"shared memory {handle.decode()} holds {segment.st_size} bytes, not torch's "
+                                f"{_SEGMENT_HEADER}-byte header and the {num_bytes} claimed")
         if release_sender_reference:
-            return reductions.rebuild_storage_filename(torch.UntypedStorage, manager, handle, num_bytes)
-        return torch.UntypedStorage._new_shared_filename_cpu(manager, handle, num_bytes)
+            return reductions.rebuild_storage_filename(torch.UntypedStorage, _OWN_MANAGER, handle, num_bytes)
+        return torch.UntypedStorage._new_shared_filename_cpu(_OWN_MANAGER, handle, num_bytes)
 
     return rebuild
 

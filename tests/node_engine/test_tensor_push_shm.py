@@ -1,0 +1,130 @@
+"""``update_weights_from_tensor`` payloads that are torch's own but lie about the shared memory behind them,
+pushed by a hostile process on the engine's host to a real engine process: the manager socket and the segment a
+CPU tensor names are the sender's to choose."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import socket
+import tempfile
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.support.procs import ServerProcess
+from tests.support.sglang_payloads import b64, serialize
+from tests.support.weights import greedy, tiny_weights
+
+NAME = "model.norm.weight"
+
+
+@pytest.fixture(scope="module")
+def engine(proc_log_dir: Path):
+    proc = ServerProcess("node_engine", ["--model-path", "builtin:tiny"], log_dir=proc_log_dir, name="shm")
+    proc.start()
+    yield proc
+    proc.stop()
+
+
+def _replace(raw: bytes, old: bytes, new: bytes) -> bytes:
+    """``raw`` with the SHORT_BINBYTES ``old`` (torch's handle or manager path) replaced by ``new``."""
+    at = raw.index(old)
+    assert raw[at - 2:at - 1] == b"C" and raw[at - 1] == len(old) and len(new) < 256
+    return raw[:at - 1] + bytes([len(new)]) + new + raw[at + len(old):]
+
+
+def _shm_in(pid: int) -> list[str]:
+    """The engine's mappings and open files of torch segments."""
+    found = [line for line in Path(f"/proc/{pid}/maps").read_text().splitlines() if "/torch_" in line]
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except FileNotFoundError:  # closed since it was listed
+            continue
+        found += [target] if "/torch_" in target else []
+    return found
+
+
+def _push(url: str, raw: bytes, **fields) -> httpx.Response:
+    body = {"serialized_named_tensors": [b64(raw)], "release_sender_reference": False, **fields}
+    return httpx.post(url + "/update_weights_from_tensor", timeout=30, json=body)
+
+
+@pytest.mark.parametrize("lie", ["segment smaller than torch maps", "symlink in /dev/shm"])
+def test_a_segment_that_is_not_torchs_is_400_and_left_as_it_was(engine, tmp_path: Path, lie: str) -> None:
+    """A regular file named as torch's segment but without torch's header room (the bytes claimed, no more) was
+    mapped: torch grew the file to fit its header and the tensor read what it held. A refusal by torch
+    itself (a symlink) answered its C++ backtrace."""
+    before = greedy(engine.url)
+    tensor = tiny_weights(3)[NAME]
+    raw = serialize([(NAME, tensor)])
+    claimed = tensor.numel() * tensor.element_size()
+    handle = re.search(rb"/torch_\d+_\d+_\d+", raw).group(0)
+    fake = Path("/dev/shm") / f"torch_{os.getpid()}_77_{len(lie)}"
+    target = tmp_path / "target"
+    target.write_bytes(b"\1" * claimed)
+    if lie == "symlink in /dev/shm":
+        fake.symlink_to(target)
+    else:
+        shutil.copyfile(target, fake)
+    try:
+        r = _push(engine.url, _replace(raw, handle, b"/" + fake.name.encode()), weight_version="lied")
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request", r.text
+        message = r.json()["error"]["message"]
+        assert "frame #" not in message and len(message) < 1000, message
+        assert fake.is_symlink() or fake.stat().st_size == claimed
+        assert target.stat().st_size == claimed
+    finally:
+        fake.unlink()
+    assert greedy(engine.url) == before
+    assert httpx.get(engine.url + "/get_weight_version").json()["weight_version"] == "default"
+    assert _shm_in(engine.proc.pid) == []
+
+
+def test_a_refused_push_of_real_segments_leaves_nothing_mapped(engine) -> None:
+    """Segments mapped for a payload refused after the unpickle (a name the model lacks, one listed twice) are let
+    go with the refusal: no mapping or descriptor of them stays in the engine."""
+    before = greedy(engine.url)
+    weights = tiny_weights(4)
+    named = [(NAME, weights[NAME]), (NAME, weights[NAME].clone()), ("model.no_such.weight", weights[NAME])]
+    r = _push(engine.url, serialize(named), release_sender_reference=True)
+    assert r.status_code == 400 and "listed twice" in r.text and "unknown weight" in r.text, r.text
+    assert _shm_in(engine.proc.pid) == []
+    assert greedy(engine.url) == before
+
+
+def test_a_manager_socket_that_never_answers_does_not_stop_the_engine(engine) -> None:
+    """torch registers a mapped segment with the manager socket the payload names, connecting while it holds the
+    GIL and with no timeout: a socket of the sender's whose backlog is full froze the whole engine process (no
+    answer to anything, ever). The engine now registers with a manager of its own and never dials the payload's."""
+    folder = tempfile.mkdtemp(prefix="evil-", dir="/tmp")  # a socket's path has at most 107 bytes
+    listener = socket.socket(socket.AF_UNIX)
+    queued = []
+    try:
+        path = os.path.join(folder, "manager.sock")
+        listener.bind(path)
+        listener.listen(0)
+        while True:  # never accepted: the backlog fills, and one more connect blocks
+            client = socket.socket(socket.AF_UNIX)
+            client.setblocking(False)
+            try:
+                client.connect(path)
+            except BlockingIOError:
+                client.close()
+                break
+            queued.append(client)
+        new = tiny_weights(5)[NAME]
+        raw = serialize([(NAME, new)])
+        manager = re.search(rb"/[^\0]*/manager\.sock", raw).group(0)
+        r = _push(engine.url, _replace(raw, manager, path.encode()), weight_version="pushed")
+        assert r.status_code == 200, r.text
+        assert httpx.get(engine.url + "/health", timeout=10).status_code == 200
+        assert httpx.get(engine.url + "/get_weight_version").json()["weight_version"] == "pushed"
+    finally:
+        for client in queued:
+            client.close()
+        listener.close()
+        shutil.rmtree(folder)

@@ -72,9 +72,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fault drill: a one-shot fault written to this file as JSON fails the next matching step "
                         "or control call (docs/reliability.md); never for production")
     p.add_argument("--reload-timeout", type=positive_seconds, default=300.0,
-                   help="seconds a reload may spend reading its checkpoint; past it: 504, the old weights serve")
+                   help="seconds a reload may spend waiting for another weight update and reading its checkpoint; "
+                        "past it: 504, the old weights serve")
     p.add_argument("--weight-sync-timeout", type=positive_seconds, default=300.0,
-                   help="seconds a weight group join, or one update's broadcasts, may take")
+                   help="seconds a weight group join, or one update's wait for another update and its broadcasts "
+                        "or payload decode, may take")
     p.add_argument("--max-body-bytes", type=positive_int, default=DEFAULT_MAX_BODY_BYTES,
                    help="largest request body (images travel base64 in it; the sidecar's and LB's default too)")
     vision = p.add_argument_group("vision-language models")

@@ -8,6 +8,9 @@ Every path has the same two phases:
    thread of its own (:class:`~handoff.bounded_thread.BoundedThreads`) with a
    deadline (``--reload-timeout``, ``--weight-sync-timeout``), so the engine keeps
    serving meanwhile and a stalled read or peer costs its deadline and no more.
+   Updates run one at a time (:mod:`node_engine.weight_sync.staging`, as SGLang
+   serializes them): each holds the staging slot from this read through its
+   commit, and one that waits for it waits within the same deadline.
    Names, shapes and dtypes are checked here; any problem is a 400 and nothing
    changed.
 2. **Commit** on the engine thread, between two steps (:meth:`WeightUpdates.commit`):
@@ -45,6 +48,7 @@ from node_engine.memory.tags import MemoryTag
 from node_engine.model.arch import ModelConfigError
 from node_engine.model.loader import by_checkpoint_key, check_named_tensors
 from node_engine.weight_coverage import WeightCoverage
+from node_engine.weight_sync.staging import StagingSlots, deadline_after, time_left
 from node_engine.weight_sync.tensor_payload import decode_payload
 from node_engine.weight_sync.unpickler import UnsafePayload
 
@@ -62,51 +66,57 @@ class WeightUpdates:
         # the checkpoint loaded last, as SGLang's tokenizer manager keeps it (reported as model_path)
         self.model_path = engine.config.model_path
         self.threads = BoundedThreads()
+        self.staging = StagingSlots()  # one update's tensors at a time, read through commit
         self.token_step = 0
         self.session_selector: str | None = None  # an update session is open (SGLang's begin_weight_update)
         self.written = WeightCoverage()  # reported as weights_updated_fully: the start checkpoint is all replaced
 
     # -- disk ------------------------------------------------------------------------
     async def check_disk(self, model_path: str) -> dict[str, Any]:
-        """The dry run: files, keys, shapes, dtypes from the headers; changes nothing, needs no idle engine."""
+        """The dry run: files, keys, shapes, dtypes from the headers; changes nothing, needs no idle engine (and
+        no staging slot: it holds no tensors)."""
         runner = self.engine.runner
-        await self._read(lambda cancel: runner.weight_writer.check(Path(model_path)), model_path)
+        deadline = deadline_after(self.engine.config.reload_timeout)
+        await self._read(lambda cancel: runner.weight_writer.check(Path(model_path)), model_path, deadline)
         return {"success": True, "dry_run": True, "message": f"{shown(model_path)} can be loaded"}
 
     async def update_from_disk(self, body: UpdateWeightsFromDiskBody) -> dict[str, Any]:
-        """Read the whole checkpoint (bounded), then copy it in on the engine thread."""
+        """Read the whole checkpoint (bounded), then copy it in on the engine thread; one update at a time
+        (:mod:`node_engine.weight_sync.staging`), the wait for the slot within ``--reload-timeout``."""
         runner = self.engine.runner
         path = body.model_path
         started = time.perf_counter()
-        # Only an engine holding all of its memory stages on the device: what a release gave back is the
-        # cluster's (a colocated trainer's), and released weights must find room to resume at the commit.
-        on_device = self.engine.memory.is_all_resident
-        staged: dict[str, torch.Tensor] = {}
-
-        def stage(cancel: threading.Event) -> dict[str, torch.Tensor]:
-            runner.weight_writer.stage(runner.weight_writer.check(Path(path)), staged, cancel, on_device=on_device)
-            return staged
-
+        deadline = deadline_after(self.engine.config.reload_timeout)
         version = body.weight_version  # None keeps the version served (SGLang's _update_weight_version_if_provided)
+        async with self.staging.staged(deadline, lambda why: self._read_timed_out(path, why)) as staged:
+            read_started = time.perf_counter()
+            # Only an engine holding all of its memory stages on the device: what a release gave back is the
+            # cluster's (a colocated trainer's), and released weights must find room to resume at the commit.
+            on_device = self.engine.memory.is_all_resident
 
-        def commit() -> dict[str, Any]:
+            def stage(cancel: threading.Event) -> dict[str, torch.Tensor]:
+                runner.weight_writer.stage(runner.weight_writer.check(Path(path)), staged, cancel,
+                                           on_device=on_device)
+                return staged
+
+            def commit() -> dict[str, Any]:
+                try:
+                    return self.commit(staged, is_complete=True, version=version, flush_cache=body.flush_cache,
+                                       torch_empty_cache=body.torch_empty_cache)
+                finally:
+                    staged.clear()  # on the engine thread, after the copy: a failed commit's traceback holds the dict
+
             try:
-                return self.commit(staged, is_complete=True, version=version, flush_cache=body.flush_cache,
-                                   torch_empty_cache=body.torch_empty_cache)
+                try:
+                    await self._read(stage, path, deadline)
+                except BaseException:
+                    staged.clear()  # what a read stuck past its deadline staged (but the tensor it is stuck on)
+                    raise
+                read_s = time.perf_counter() - read_started
+                answer = await self.engine.call(commit)
             finally:
-                staged.clear()  # on the engine thread, after the copy: a failed commit's traceback holds the dict
-
-        try:
-            try:
-                await self._read(stage, path)
-            except BaseException:
-                staged.clear()  # what a read stuck past its deadline staged (but the tensor it is stuck on)
-                raise
-            read_s = time.perf_counter() - started
-            answer = await self.engine.call(commit)
-        finally:
-            if runner.device.type == "cuda":  # what a staging on the device held goes back
-                await asyncio.to_thread(torch.cuda.empty_cache)
+                if runner.device.type == "cuda":  # what a staging on the device held goes back
+                    await asyncio.to_thread(torch.cuda.empty_cache)
         self.token_step = body.token_step
         self.model_path = path
         duration = time.perf_counter() - started
@@ -116,44 +126,52 @@ class WeightUpdates:
         return {"success": True, "message": f"weights loaded from {shown(path)}", "num_paused_requests": 0,
                 **answer, "read_s": round(read_s, 6), "duration_s": round(duration, 6)}
 
-    async def _read(self, work: Callable[[threading.Event], T], model_path: str) -> T:
-        timeout = self.engine.config.reload_timeout
+    async def _read(self, work: Callable[[threading.Event], T], model_path: str, deadline: float) -> T:
         try:
-            return await self.threads.run(work, timeout)
+            return await self.threads.run(work, time_left(deadline))
         except ModelConfigError as exc:
             raise InvalidRequest(f"cannot load {shown(model_path)}: {exc}") from exc
         except Overdue:
-            raise CheckpointTimeout(f"reading {shown(model_path)} took longer than --reload-timeout "
-                                    f"({timeout:g} s); nothing was loaded, the old weights keep serving") from None
+            raise self._read_timed_out(model_path, "the read did not finish") from None
         except TooManyStuck as exc:
             raise CheckpointTimeout(f"cannot read {shown(model_path)} now: {exc} (hung storage?); nothing "
                                     "was loaded") from None
 
+    def _read_timed_out(self, model_path: str, why: str) -> CheckpointTimeout:
+        return CheckpointTimeout(f"reading {shown(model_path)} took longer than --reload-timeout "
+                                 f"({self.engine.config.reload_timeout:g} s): {why}; nothing was loaded, the old "
+                                 "weights keep serving")
+
     # -- tensors of a process on this host ---------------------------------------------
     async def update_from_tensor(self, body: UpdateWeightsFromTensorBody) -> dict[str, Any]:
-        """Unpickle (restricted) and check the payload off the engine thread, then copy it in."""
+        """Unpickle (restricted) and check the payload off the engine thread, then copy it in; the payload's
+        tensors live in one staging slot from the decode through the commit."""
         started = time.perf_counter()
         model = self.engine.runner.model
-        tensors = await self.read_tensor_payload(body)
-        try:
+        deadline = deadline_after(self.engine.config.weight_sync_timeout)
+        async with self.staging.staged(deadline, self._sync_timed_out("the tensor payload")) as tensors:
+            # emptied with the slot: the sender's shared memory is let go (a refused commit's error outlives it)
+            tensors.update(await self.read_tensor_payload(body, deadline))
             answer = await self.engine.call(lambda: self.commit(
                 tensors, is_complete=set(tensors) == set(model.hf_weight_map()), version=body.weight_version,
                 flush_cache=body.flush_cache, torch_empty_cache=body.torch_empty_cache))
-        finally:
-            tensors.clear()  # the sender's shared memory is let go (a refused commit's error outlives its answer)
         duration = time.perf_counter() - started
         self.engine.metrics.weight_update_seconds.labels("tensor").observe(duration)
         return {"success": True, "message": "Success", **answer, "duration_s": round(duration, 6)}
 
     async def check_tensor_payload(self, body: UpdateWeightsFromTensorBody) -> dict[str, Any]:
-        """The dry run (``dry_run``): read and check the payload, load nothing; needs no idle engine."""
-        tensors = await self.read_tensor_payload(body)
-        return {"success": True, "dry_run": True, "message": f"the payload's {len(tensors)} tensor(s) can be loaded"}
+        """The dry run (``dry_run``): read and check the payload, load nothing; needs no idle engine, but a
+        staging slot (it maps the payload's segments as a load would)."""
+        deadline = deadline_after(self.engine.config.weight_sync_timeout)
+        async with self.staging.staged(deadline, self._sync_timed_out("the tensor payload")) as tensors:
+            tensors.update(await self.read_tensor_payload(body, deadline))
+            return {"success": True, "dry_run": True,
+                    "message": f"the payload's {len(tensors)} tensor(s) can be loaded"}
 
-    async def read_tensor_payload(self, body: UpdateWeightsFromTensorBody) -> dict[str, torch.Tensor]:
-        """The payload's checked tensors by checkpoint key. It is read before any refusal of the body's own
-        (a draft selector): torch counts one reader per serialization, and a payload nobody reads holds the
-        sender's shared memory until the sender exits."""
+    async def read_tensor_payload(self, body: UpdateWeightsFromTensorBody, deadline: float) -> dict[str, torch.Tensor]:
+        """The payload's checked tensors by checkpoint key; call it holding a staging slot. It is read before any
+        refusal of the body's own (a draft selector): torch counts one reader per serialization, and a payload
+        nobody reads holds the sender's shared memory until the sender exits."""
         model = self.engine.runner.model
 
         def decode(cancel: threading.Event) -> dict[str, torch.Tensor]:
@@ -165,13 +183,13 @@ class WeightUpdates:
                 raise UnsafePayload("the payload holds no tensors")
             return check_named_tensors(model, by_checkpoint_key(model, pairs))
 
-        return await self.run_checked(decode, "the tensor payload")
+        return await self.run_checked(decode, "the tensor payload", deadline)
 
-    async def run_checked(self, work: Callable[[threading.Event], T], what: str) -> T:
-        """``work`` on a bounded thread (``--weight-sync-timeout``); a payload or check problem is a 400."""
-        timeout = self.engine.config.weight_sync_timeout
+    async def run_checked(self, work: Callable[[threading.Event], T], what: str, deadline: float) -> T:
+        """``work`` on a bounded thread (until ``deadline``, within ``--weight-sync-timeout``); a payload or check
+        problem is a 400."""
         try:
-            return await self.threads.run(work, timeout)
+            return await self.threads.run(work, time_left(deadline))
         except (UnsafePayload, ModelConfigError) as exc:
             _let_go_of_tensors(exc)
             raise InvalidRequest(f"{what} was refused, nothing was loaded: {exc}") from exc
@@ -180,6 +198,11 @@ class WeightUpdates:
             raise
         except (Overdue, TooManyStuck) as exc:
             raise WeightSyncTimeout(f"{what}: {exc}; nothing was loaded") from None
+
+    def _sync_timed_out(self, what: str) -> Callable[[str], WeightSyncTimeout]:
+        timeout = self.engine.config.weight_sync_timeout
+        return lambda why: WeightSyncTimeout(f"{what}: not begun within --weight-sync-timeout ({timeout:g} s): "
+                                             f"{why}; nothing was loaded")
 
     # -- commit (engine thread) ------------------------------------------------------
     def commit(self, tensors: dict[str, torch.Tensor], *, is_complete: bool, version: str | None,

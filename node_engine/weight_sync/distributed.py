@@ -17,6 +17,11 @@ Rules:
   would pair the next tensors with the wrong names.
 - Received tensors are loaded with :meth:`WeightUpdates.commit` on the engine
   thread; joining and receiving run on bounded threads and never block it.
+- An update holds the engine's staging slot (:mod:`.staging`) from before its
+  receive to the end of its commit, so received tensors of updates waiting for
+  the engine thread never pile up; one that does not get the slot within
+  ``--weight-sync-timeout`` is a 504 and marks the group broken (the trainer's
+  broadcasts for it went unreceived).
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from node_engine.errors import Conflict, InvalidRequest, WeightSyncBroken, Weigh
 from node_engine.model.arch import ModelConfigError
 from node_engine.model.loader import by_checkpoint_key, check_named_tensors, is_dropped_key
 from node_engine.weight_sync.group import WeightGroup, join_group, receive, unaligned
+from node_engine.weight_sync.staging import deadline_after, time_left
 
 if TYPE_CHECKING:
     from node_engine.engine import Engine
@@ -114,37 +120,56 @@ class WeightGroups:
         return {"success": True, "message": "Succeeded to destroy custom process group."}
 
     async def update(self, body: UpdateWeightsFromDistributedBody) -> dict[str, Any]:
+        """Receive, check and commit, the received tensors held in the engine's staging slot throughout (one
+        weight update at a time: :mod:`node_engine.weight_sync.staging`); all within ``--weight-sync-timeout``."""
         started = time.perf_counter()
-        async with self._lock:
-            group = self._usable(body.group_name)
-            # the trainer broadcasts whatever the answer: refused, the broadcasts are still taken (group in step)
-            problem = ("this engine has no draft model (selector 'draft')" if body.selector == "draft"
-                       else self._check(body))
-            dropped = [(dtype, shape) for name, dtype, shape in zip(body.names, body.dtypes, body.shapes, strict=True)
-                       if is_dropped_key(self.engine.runner.model, name)]
-            if problem is None and not self._fits_scratch(dropped):
-                # received and dropped (rotary buffers, a tied lm_head), so the check bounds nothing of theirs
-                problem = "the tensors this model takes and drops are too large"
-            if problem is not None and not self._fits_scratch(zip(body.dtypes, body.shapes, strict=True)):
-                group.broken = f"an update it could not receive was refused ({problem})"
-                raise InvalidRequest(f"{problem}; its broadcasts are too large to receive and discard, so group "
-                                     f"{body.group_name!r} is now out of step: destroy it and join again")
-            tensors = await self._receive(group, body, keep=problem is None)
-            received_s = time.perf_counter() - started
-            if problem is not None:
-                raise InvalidRequest(f"{problem}; the broadcasts were received and discarded, nothing was loaded")
-        model = self.engine.runner.model
-        try:
-            checked = check_named_tensors(model, by_checkpoint_key(model, tensors))
-        except ModelConfigError as exc:
-            raise InvalidRequest(f"the received tensors were refused, nothing was loaded: {exc}") from exc
-        answer = await self.engine.call(lambda: self.engine.weights.commit(
-            checked, is_complete=set(checked) == set(model.hf_weight_map()), version=body.weight_version,
-            flush_cache=body.flush_cache, torch_empty_cache=body.torch_empty_cache))
+        deadline = deadline_after(self._timeout)
+        self._usable(body.group_name)  # an unknown or broken group is refused at once, not after a wait
+        async with self.engine.weights.staging.staged(deadline, lambda why: self._not_begun(body, why)) as staged:
+            async with self._lock:
+                group = self._usable(body.group_name)
+                # the trainer broadcasts whatever the answer: refused, the broadcasts are still taken (group in step)
+                problem = ("this engine has no draft model (selector 'draft')" if body.selector == "draft"
+                           else self._check(body))
+                dropped = [(dtype, shape) for name, dtype, shape in zip(body.names, body.dtypes, body.shapes,
+                                                                        strict=True)
+                           if is_dropped_key(self.engine.runner.model, name)]
+                if problem is None and not self._fits_scratch(dropped):
+                    # received and dropped (rotary buffers, a tied lm_head), so the check bounds nothing of theirs
+                    problem = "the tensors this model takes and drops are too large"
+                if problem is not None and not self._fits_scratch(zip(body.dtypes, body.shapes, strict=True)):
+                    group.broken = f"an update it could not receive was refused ({problem})"
+                    raise InvalidRequest(f"{problem}; its broadcasts are too large to receive and discard, so group "
+                                         f"{body.group_name!r} is now out of step: destroy it and join again")
+                tensors = await self._receive(group, body, deadline, keep=problem is None)
+                received_s = time.perf_counter() - started
+                if problem is not None:
+                    tensors.clear()
+                    raise InvalidRequest(f"{problem}; the broadcasts were received and discarded, nothing was "
+                                         "loaded")
+            model = self.engine.runner.model
+            try:
+                staged.update(check_named_tensors(model, by_checkpoint_key(model, tensors)))
+            except ModelConfigError as exc:
+                raise InvalidRequest(f"the received tensors were refused, nothing was loaded: {exc}") from exc
+            finally:
+                tensors.clear()  # what stays is in ``staged``, emptied with the slot
+            answer = await self.engine.call(lambda: self.engine.weights.commit(
+                staged, is_complete=set(staged) == set(model.hf_weight_map()), version=body.weight_version,
+                flush_cache=body.flush_cache, torch_empty_cache=body.torch_empty_cache))
         duration = time.perf_counter() - started
         self.engine.metrics.weight_update_seconds.labels("distributed").observe(duration)
         return {"success": True, "message": "Succeeded to update parameter online.", **answer,
                 "receive_s": round(received_s, 6), "duration_s": round(duration, 6)}
+
+    def _not_begun(self, body: UpdateWeightsFromDistributedBody, why: str) -> WeightSyncTimeout:
+        """The slot did not come in time: the trainer's broadcasts for this update go unreceived, so the group
+        is out of step, as after a receive that timed out."""
+        group = self.groups.get(body.group_name)
+        if group is None:
+            return WeightSyncTimeout(f"the update was not begun within --weight-sync-timeout ({self._timeout:g} "
+                                     f"s): {why}; nothing was loaded")
+        return self._timed_out(group, body, f"not begun in time: {why}")
 
     def _usable(self, name: str) -> WeightGroup:
         group = self.groups.get(name)
@@ -174,7 +199,7 @@ class WeightGroups:
                         for dtype, shape in announced_tensors)
         return announced <= SCRATCH_FACTOR * model_bytes
 
-    async def _receive(self, group: WeightGroup, body: UpdateWeightsFromDistributedBody, *,
+    async def _receive(self, group: WeightGroup, body: UpdateWeightsFromDistributedBody, deadline: float, *,
                        keep: bool) -> list[tuple[str, torch.Tensor]]:
         device = self.engine.runner.device
 
@@ -183,7 +208,7 @@ class WeightGroups:
                            flattened=body.load_format == "flattened_bucket", device=device, keep=keep)
 
         try:
-            return await self.engine.weights.threads.run(work, self._timeout)
+            return await self.engine.weights.threads.run(work, time_left(deadline))
         except (Overdue, TooManyStuck) as exc:
             raise self._timed_out(group, body, exc) from None
         except (RuntimeError, ValueError) as exc:
@@ -194,7 +219,7 @@ class WeightGroups:
 
     @staticmethod
     def _timed_out(group: WeightGroup, body: UpdateWeightsFromDistributedBody,
-                   exc: BaseException) -> WeightSyncTimeout:
+                   exc: BaseException | str) -> WeightSyncTimeout:
         group.broken = f"a broadcast did not arrive within --weight-sync-timeout ({exc})"
         return WeightSyncTimeout(f"receiving {len(body.names)} tensor(s) on group {group.name!r}: {exc}; nothing "
                                  "was loaded and the group is out of step (destroy it and join again)")

@@ -15,10 +15,13 @@ import pytest
 
 from node_engine.model.builtin import builtin_arch, builtin_weights, save_checkpoint
 from tests.support.procs import ServerProcess, wait_until
+from tests.support.sglang_payloads import b64, serialize
+from tests.support.weights import tiny_weights
 
 PROMPTS = ["The first probe", "Another probe"]
 GREEDY = {"temperature": 0, "ignore_eos": True, "max_new_tokens": 8}
 RELOAD_TIMEOUT_S = 1.5
+WEIGHT_SYNC_TIMEOUT_S = 0.6
 
 
 @pytest.fixture(scope="module")
@@ -29,6 +32,7 @@ def drill_file(proc_log_dir: Path) -> Path:
 @pytest.fixture(scope="module")
 def engine(proc_log_dir: Path, drill_file: Path):
     proc = ServerProcess("node_engine", ["--model-path", "builtin:tiny", "--reload-timeout", str(RELOAD_TIMEOUT_S),
+                                         "--weight-sync-timeout", str(WEIGHT_SYNC_TIMEOUT_S),
                                          "--fault-drill-file", str(drill_file)], log_dir=proc_log_dir)
     proc.start()
     yield proc
@@ -70,6 +74,36 @@ def copy_with(folder: Path, dest: Path, replace: str | None = None, *, fifo: boo
         else:
             (dest / path.name).write_bytes(path.read_bytes())
     return dest
+
+
+def test_a_push_waits_for_a_reload_under_way_until_its_own_deadline(client, checkpoints, drill_file: Path) -> None:
+    """A reload stages the whole checkpoint and a push maps the sender's segments until their commits; they ran
+    side by side, so concurrent updates held any number of stagings at once. Updates now run one at a time
+    (SGLang's model-update lock): a push behind a stalled reload waits, and past its ``--weight-sync-timeout`` is
+    a 504 ``weight_sync_timeout``; once the reload gave up, the slot is free again."""
+    name = "model.norm.weight"
+    tensor = tiny_weights(0)[name]  # the engine's own value: the push changes nothing the other tests see
+    body = {"serialized_named_tensors": [b64(serialize([(name, tensor)]))], "release_sender_reference": False}
+    fired = drill_file.with_name(drill_file.name + ".fired")
+    fired.unlink(missing_ok=True)
+    drill_file.write_text(json.dumps({"kind": "stall", "at": "read", "delay_s": RELOAD_TIMEOUT_S + 2}))
+    answer: dict[str, httpx.Response] = {}
+    thread = threading.Thread(target=lambda: answer.update(r=client.post(
+        "/update_weights_from_disk", json={"model_path": str(checkpoints["other"]), "weight_version": "v2"})))
+    thread.start()
+    wait_until(fired.exists, timeout=RELOAD_TIMEOUT_S)  # the reload holds the slot, stalled in its read
+    started = time.monotonic()
+    r = client.post("/update_weights_from_tensor", json=body)
+    waited_s = time.monotonic() - started
+    assert r.status_code == 504 and r.json()["error"]["type"] == "weight_sync_timeout", r.text
+    assert "one at a time" in r.json()["error"]["message"], r.text
+    assert WEIGHT_SYNC_TIMEOUT_S - 0.1 <= waited_s < RELOAD_TIMEOUT_S, waited_s
+    thread.join(30)
+    assert answer["r"].status_code == 504 and answer["r"].json()["error"]["type"] == "checkpoint_timeout"
+    fired.unlink()
+    r = client.post("/update_weights_from_tensor", json=body)
+    assert r.status_code == 200, r.text
+    assert client.get("/get_weight_version").json()["weight_version"] == "default"
 
 
 @pytest.mark.parametrize("name", ["model.safetensors", "config.json"])

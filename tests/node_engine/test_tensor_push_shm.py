@@ -9,10 +9,13 @@ import re
 import shutil
 import socket
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 import httpx
 import pytest
+import torch
 
 from tests.support.procs import ServerProcess
 from tests.support.sglang_payloads import b64, serialize
@@ -128,3 +131,34 @@ def test_a_manager_socket_that_never_answers_does_not_stop_the_engine(engine) ->
             client.close()
         listener.close()
         shutil.rmtree(folder)
+
+
+def _segments_mapped(pid: int) -> set[str]:
+    return {line.split()[-1] for line in Path(f"/proc/{pid}/maps").read_text().splitlines() if "/torch_" in line}
+
+
+def test_concurrent_pushes_map_one_payload_at_a_time(engine) -> None:
+    """Each push decodes on a thread of its own and its tensors stay mapped until its commit: concurrent hostile
+    payloads of distinct segments (up to 16,384 each) held them all at once, past ``vm.max_map_count`` with a few.
+    Weight updates now stage one at a time (SGLang's model-update lock): the others wait for the slot."""
+    num_segments, num_pushes = 8, 3
+    payloads, keep = [], []
+    for push in range(num_pushes):  # distinct tensors, each a shared-memory segment, then slow pickle operations
+        tensors = [torch.full((4,), float(push * num_segments + i)) for i in range(num_segments)]
+        keep += tensors
+        payloads.append(serialize([*((f"w{i}", t) for i, t in enumerate(tensors)), [0] * 800_000]))
+    answers: list[httpx.Response] = []
+    threads = [threading.Thread(target=lambda raw=raw: answers.append(_push(engine.url, raw)), daemon=True)
+               for raw in payloads]
+    for thread in threads:
+        thread.start()
+    most, deadline = 0, time.monotonic() + 60
+    while any(thread.is_alive() for thread in threads) and time.monotonic() < deadline:
+        most = max(most, len(_segments_mapped(engine.proc.pid)))
+        time.sleep(0.01)  # sampling the engine's mappings, not waiting for an event
+    for thread in threads:
+        thread.join(10)
+    assert len(answers) == num_pushes and all(r.status_code == 400 for r in answers), [r.text for r in answers]
+    assert all("(name, tensor) pair" in r.json()["error"]["message"] for r in answers)
+    assert 0 < most <= num_segments, most
+    assert _shm_in(engine.proc.pid) == []

@@ -81,9 +81,9 @@ def test_anything_deeper_than_the_bound_is_null() -> None:
 @pytest.mark.parametrize("text", ["a.-a" * 300_000, "a." * 500_000, "-a" + " " * 1_000_000 + "-", "x" * 1_000_000 + "=",
                                   "a://" * 250_000, "-token " * 150_000, '"a": ' * 200_000, "k=" * 500_000])
 def test_no_text_makes_the_redaction_quadratic(text: str) -> None:
-    started = time.monotonic()
+    started = time.process_time()  # CPU time: a quadratic pass costs minutes of it, a loaded box none
     redact_text(text)
-    assert time.monotonic() - started < 5
+    assert time.process_time() - started < 5
 
 
 @pytest.mark.parametrize("command,expected", [

@@ -176,10 +176,10 @@ def test_what_eviction_can_free_is_known_without_walking_the_tree() -> None:
         cache.insert(ids, slots.allocate(len(ids)))
     _, node = cache.match([3, 3, 3, 4])
     cache.lock(node)
-    started = time.monotonic()
+    started = time.process_time()  # CPU time, which a loaded box does not inflate
     for _ in range(2_000):  # each walk takes ms: 2,000 take many seconds
         evictable = cache.num_evictable_tokens
-    assert time.monotonic() - started < 1.0
+    assert time.process_time() - started < 1.0
     assert evictable == cache.num_cached_tokens - 4
     assert cache.evict(10**9) == evictable
     cache.unlock(node)

@@ -1,51 +1,38 @@
 """uvicorn's HTTP/1.1 protocol with a deadline and a size bound on every request head.
 
-uvicorn bounds the time between two requests of a kept-alive connection and
-nothing else: a connection that never sends a byte, or sends its head one
-byte a minute, stays open for good (thirty such connections were held
-indefinitely). Here the head (request line and headers) must be complete
-within ``head_timeout_s`` of the connection's opening or of the request's
-first byte; if not, the client gets a 408 and the connection is closed. A head
-that starts while the previous answer on the connection is still going out
-(pipelined) has the same deadline; past it, the 408 follows that answer. The
-body has its own deadline (:mod:`handoff.service.limits`).
+uvicorn bounds the time between two requests of a kept-alive connection and nothing else: a connection that never
+sends a byte, or sends its head one byte a minute, stays open for good (thirty such connections were held
+indefinitely). Here the head (request line and headers) must be complete within ``head_timeout_s`` of the
+connection's opening or of the request's first byte; if not, the client gets a 408 and the connection is closed. A
+head that starts while the previous answer on the connection is still going out (pipelined) has the same deadline;
+past it, the 408 follows that answer. The body has its own deadline (:mod:`handoff.service.limits`).
 
-A head is also bounded in size (``MAX_HEAD_BYTES``): uvicorn's httptools
-protocol keeps the URL and every header line it is sent, with no limit of its
-own, so one client sending header lines as fast as loopback carries them grew
-a process by 2 GiB in 3 s, well within the deadline. Past the bound the client
-gets a 431 ``head_too_large`` and the connection is closed. The bytes are
-counted as they arrive, so a process holds at most the bound and one read
-more of a head.
+A head is also bounded in size (``MAX_HEAD_BYTES``): uvicorn's httptools protocol keeps the URL and every header
+line it is sent, with no limit of its own, so one client sending header lines as fast as loopback carries them grew
+a process by 2 GiB in 3 s, well within the deadline. Past the bound the client gets a 431 ``head_too_large`` and the
+connection is closed. The bytes are counted as they arrive, so a process holds at most the bound and one read more
+of a head; one that arrived whole in a read or two is measured before it runs.
 
-A chunked body's trailer fields are dropped, never added to the request's
-headers (uvicorn appends them to the list the app reads as headers, so a
-trailer could override a header the LB passes on to a node: its content type,
-request id or weight-version pin), and they are bounded as a head is: uvicorn
-kept every trailer line, with no bound of its own and past the head's
-deadline, so one client grew a process by 2 GiB in 3 s. Past ``MAX_HEAD_BYTES``
-of trailers (a read more at most) the connection is closed.
+A chunked body's trailer fields are dropped, never added to the request's headers (uvicorn appends them to the list
+the app reads as headers, so a trailer could override a header the LB passes on to a node: its content type, request
+id or weight-version pin), and they are bounded as a head is: uvicorn kept every trailer line, with no bound of its
+own and past the head's deadline, so one client grew a process by 2 GiB in 3 s. Past ``MAX_HEAD_BYTES`` of trailers
+(a read more at most) the connection is closed.
 
-A request that is not HTTP/1.1 as httptools reads it (Content-Length with
-Transfer-Encoding, two Content-Lengths, a coding other than ``chunked``, a
-folded header line, a control character in a value) is a 400
-``invalid_request`` envelope and the connection closed, as every other error of
-these services; when it follows a request whose answer is still to go out
-(pipelined), the 400 waits for that answer (uvicorn wrote it at once, so the
-client read it as the answer to its earlier request) and nothing after it is
-read.
+A request that is not HTTP/1.1 as httptools reads it (Content-Length with Transfer-Encoding, two Content-Lengths, a
+coding other than ``chunked``, a folded header line, a control character in a value) is a 400 ``invalid_request``
+envelope and the connection closed, as every other error of these services; when it follows a request whose answer
+is still to go out (pipelined), the 400 waits for that answer (uvicorn wrote it at once, so the client read it as
+the answer to its earlier request) and nothing after it is read.
 
-The open connections are bounded too (``max_connections``, ``--max-connections``):
-uvicorn takes any number, so a client that kept as many idle keep-alive
-connections (or dribbled heads) as the process may open files made every
-other client's connection reset and left no descriptor for the connections to
-the nodes or the engine. Past the bound, a new connection closes the oldest
-one that has no request in progress (idle between requests, or still sending
-its head); a connection whose next request already arrived, unread yet (a busy
-loop reads it a turn later), has one in progress: closed, its client would get
-a reset for a request it sent (a POST no client may retry). When every
-connection has a request in progress, the new one is answered 503
-``overloaded`` with ``Retry-After`` and closed.
+The open connections are bounded too (``max_connections``, ``--max-connections``): uvicorn takes any number, so a
+client that kept as many idle keep-alive connections (or dribbled heads) as the process may open files made every
+other client's connection reset and left no descriptor for the connections to the nodes or the engine. Past the
+bound, a new connection closes the oldest one that has no request in progress (idle between requests, or still
+sending its head); a connection whose next request already arrived, unread yet (a busy loop reads it a turn later),
+has one in progress: closed, its client would get a reset for a request it sent (a POST no client may retry). When
+every connection has a request in progress, the new one is answered 503 ``overloaded`` with ``Retry-After`` and
+closed.
 """
 
 from __future__ import annotations
@@ -83,6 +70,12 @@ def default_max_connections() -> int:
     return max(16, (soft - _FDS_KEPT) // 2)
 
 
+def head_size(method: bytes, url: bytes, headers: list[tuple[bytes, bytes]]) -> int:
+    """A complete head's bytes as a client writes it without optional whitespace: its request line and each
+    ``name: value`` line, CRLF-terminated, and the blank line that ends it."""
+    return len(method) + len(url) + len(b"  HTTP/1.1\r\n") + sum(len(n) + len(v) + 4 for n, v in headers) + 2
+
+
 _opened = itertools.count()
 
 
@@ -96,6 +89,7 @@ class HeadTimeoutProtocol(HttpToolsProtocol):
         self._is_head_pending = False  # a request head began and is not complete
         self._is_head_overdue = False  # ... and its deadline passed while an answer was going out: 408 after it
         self._head_bytes = 0  # bytes received since the current head began (more once its body streams: unused)
+        self._read_bytes = self._head_read_bytes = 0  # the last read's size; that of the read the head began in
         self._is_discarding = False  # answered and closing: what the client still sends is dropped unread
         self._is_in_body = False  # the current request's head is complete: a header field now is a trailer
         self._is_after_chunk_header = False  # a chunk's size line was read and none of its data yet
@@ -163,6 +157,7 @@ class HeadTimeoutProtocol(HttpToolsProtocol):
         if self._is_discarding:
             return
         self._head_bytes += len(data)
+        self._read_bytes = len(data)
         if self._is_after_chunk_header:
             self._trailer_bytes += len(data)
         super().data_received(data)
@@ -200,11 +195,13 @@ class HeadTimeoutProtocol(HttpToolsProtocol):
     def on_body(self, body: bytes) -> None:
         self._is_after_chunk_header = False
         self._trailer_bytes = 0
-        super().on_body(body)
+        if not self._is_discarding:
+            super().on_body(body)
 
     def on_message_complete(self) -> None:
         self._is_in_body = self._is_after_chunk_header = False
-        super().on_message_complete()
+        if not self._is_discarding:
+            super().on_message_complete()
 
     def _head_too_large(self) -> None:
         self._disarm_head_timer()
@@ -216,10 +213,13 @@ class HeadTimeoutProtocol(HttpToolsProtocol):
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
+        if self._is_discarding:
+            return  # a request pipelined behind a refused head, in the same read: no deadline, never answered
         self._is_head_pending = True
         self._is_in_body = self._is_after_chunk_header = False
         self._trailer_bytes = 0
         self._head_bytes = 0  # the bytes of this head in the read that began it are not counted: one read at most
+        self._head_read_bytes = self._read_bytes
         if self._head_timer is None:  # a kept-alive connection's next request: its head starts now
             self._arm_head_timer()
 
@@ -227,6 +227,15 @@ class HeadTimeoutProtocol(HttpToolsProtocol):
         self._is_head_pending = self._is_head_overdue = False
         self._head_bytes = 0
         self._disarm_head_timer()
+        if self._is_discarding:
+            return  # a request after one refused on this connection: never run
+        if self._head_read_bytes + self._head_bytes > MAX_HEAD_BYTES \
+                and head_size(self.parser.get_method(), self.url, self.headers) > MAX_HEAD_BYTES:
+            # complete in the read that passed the bound (or in the one that began it): refused all the same
+            # (measured only when the reads it came in could hold that much: a few µs a request otherwise)
+            self._head_too_large()
+            self._is_discarding = True  # what the parser still reads of this read (a body) is dropped
+            return
         super().on_headers_complete()
         self._is_in_body = True
         # uvicorn adds a trailer to the list the scope holds as the headers: a new list takes them, never read

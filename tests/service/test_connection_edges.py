@@ -175,6 +175,22 @@ async def test_a_head_within_the_bound_is_served_whatever_follows_it(server: uvi
     writer.close()
 
 
+@pytest.mark.parametrize("size", [MAX_HEAD_BYTES + 100, 2 * MAX_HEAD_BYTES], ids=["just-over", "twice"])
+async def test_a_head_over_the_bound_that_arrives_at_once_is_431(server: uvicorn.Server, size: int) -> None:
+    """A head past ``MAX_HEAD_BYTES`` written in one go, complete in the read or two it arrives in: 431 as one
+    sent slowly is. Before, the bound was looked at only while the head was still incomplete after a read, so
+    a head of up to about two reads (130 KB on loopback) was served."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", _port(server))
+    filler = b"X-Filler: " + b"a" * (size - 40) + b"\r\n"
+    writer.write(b"GET /too-big HTTP/1.1\r\nHost: x\r\n" + filler + b"\r\n"
+                 + b"POST /after HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n\r\nabc")
+    answer = await asyncio.wait_for(reader.read(), 5)  # one answer, then the connection closes
+    assert answer.startswith(b"HTTP/1.1 431 "), answer[:200]
+    assert answer.count(b"HTTP/1.1") == 1 and b"head_too_large" in answer, answer
+    assert b"/too-big" not in answer and b"/after" not in answer, answer
+    writer.close()
+
+
 @pytest.mark.parametrize("line", [b"X-Trailer: " + b"a" * 1000 + b"\r\n", b"a" * 1000], ids=["lines", "one-value"])
 async def test_endless_trailers_close_the_connection_within_the_bound(server: uvicorn.Server, line: bytes) -> None:
     """A chunked body's trailer lines (or one trailer value) sent without end: the connection is closed once

@@ -56,7 +56,7 @@ def canonical_url(url: str) -> str:
         canonical = canonical_host(host)
     except ValueError as exc:
         raise ValueError(f"node URL {url!r}: {exc}") from None
-    unreachable = _never_a_peer(canonical)
+    unreachable = never_a_peer(canonical)
     if unreachable:
         raise ValueError(f"node URL {url!r}: {canonical} is {unreachable}")
     if port_text and (not port_text.isdigit() or len(port_text) > 5 or not 0 < int(port_text) < 65536):
@@ -72,7 +72,7 @@ def _shown(url: str) -> str:
     return shown if len(shown) <= MAX_SHOWN_URL_CHARS else shown[:MAX_SHOWN_URL_CHARS] + "..."
 
 
-def _never_a_peer(host: str) -> str | None:
+def never_a_peer(host: str) -> str | None:
     """What an address no node can be reached at is (a connection to ``0.0.0.0`` or ``::`` reaches this very host:
     the node behind ``127.0.0.1`` again, under a spelling no check can tie to it); None for a name or an address
     one node may have."""

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from handoff.protocol.hosts import canonical_host
 from handoff.service.flag_types import seconds_problem
 from handoff.service.limits import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_ANSWER_BYTES, DEFAULT_MAX_BODY_BYTES
-from lb.addresses import canonical_url, literal_addresses, split_canonical
+from lb.addresses import canonical_url, literal_addresses, never_a_peer, split_canonical
 
 
 DEFAULT_MAX_NODES = 1024  # each member costs health checks, pooled connections and metric series
@@ -73,6 +73,9 @@ class DnsTarget:
             object.__setattr__(self, "host", canonical_host(self.host))
         except ValueError as exc:
             raise ValueError(f"--discover-dns host {self.host[:80]!r}: {exc}") from None
+        unreachable = never_a_peer(self.host)  # every lookup would leave its one address out, for ever
+        if unreachable:
+            raise ValueError(f"--discover-dns host {self.host}: {unreachable}")
         if self.bootstrap_port is not None and self.role is not Role.PREFILL:
             raise ValueError(f"--discover-dns: a bootstrap port is only for prefill, not {self.role.value}")
 

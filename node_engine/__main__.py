@@ -8,9 +8,8 @@ import importlib
 import logging
 import os
 import sys
-from pathlib import Path
 
-from handoff.service.flag_types import positive_int, positive_seconds
+from handoff.service.flag_types import path, positive_int, positive_seconds
 from handoff.service.limits import DEFAULT_MAX_BODY_BYTES
 from handoff.service.logs import setup_logging
 from handoff.service.serve import add_server_args, check_server_args, exit_on_sigterm, serve_from_args
@@ -33,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default=None,
                    help="default: float32 on CPU, bfloat16 on CUDA")
-    p.add_argument("--seed", type=int, default=0, help="seed of the built-in model's weights")
+    p.add_argument("--seed", type=_seed, default=0, help="seed of the built-in model's weights")
     p.add_argument("--model-override", default=None,
                    help='JSON object overriding a built-in model\'s shape, e.g. {"hidden_size": 1024}')
     p.add_argument("--served-model-name", default=None)
@@ -45,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--enable-memory-saver", action="store_true",
                    help="allow /release_memory_occupation and /resume_memory_occupation")
     p.add_argument("--weights-backup", choices=[m.value for m in BackupMode], default="none")
-    p.add_argument("--backup-dir", type=Path, default=None, help="where weight backups are spilled (CPU/disk)")
+    p.add_argument("--backup-dir", type=path, default=None, help="where weight backups are spilled (CPU/disk)")
     p.add_argument("--disable-cuda-graph", action="store_true")
     p.add_argument("--enable-torch-compile", action="store_true",
                    help="CPU: run decode through torch.compile, compiled at start (needs a C++ compiler)")
@@ -66,9 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-threads", type=_thread_count, default=None,
                    help="CPU threads for torch (default on CPU: torch's default minus one, at least 1)")
     p.add_argument("--role", default="mixed", help="only mixed is available today")
-    p.add_argument("--free-memory-override-file", type=Path, default=None,
+    p.add_argument("--free-memory-override-file", type=path, default=None,
                    help="testing hook: free bytes for the resume check are read from this file when it exists")
-    p.add_argument("--fault-drill-file", type=Path, default=None,
+    p.add_argument("--fault-drill-file", type=path, default=None,
                    help="fault drill: a one-shot fault written to this file as JSON fails the next matching step "
                         "or control call (docs/reliability.md); never for production")
     p.add_argument("--reload-timeout", type=positive_seconds, default=300.0,
@@ -91,9 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     vision.add_argument("--max-image-pixels", type=int, default=DEFAULT_MAX_IMAGE_PIXELS,
                         help="most decoded pixels of one image; more is refused before decoding (decompression "
                              "bombs)")
-    vision.add_argument("--allowed-local-media-path", type=Path, default=None,
+    vision.add_argument("--allowed-local-media-path", type=path, default=None,
                         help="image_data may name files below this folder (default: no local file is read)")
-    p.add_argument("--memory-budget-mb", type=int, default=None,
+    p.add_argument("--memory-budget-mb", type=_memory_mb, default=None,
                    help="CPU: the most resident memory the engine may use; the KV pool is sized from it by "
                         "measuring peaks (default: a fixed pool, see --max-total-tokens)")
     add_server_args(p, default_host="127.0.0.1", default_port=30000)
@@ -107,6 +106,27 @@ def _thread_count(text: str) -> int:
     cpus = os.cpu_count() or 1
     if value > cpus:
         raise argparse.ArgumentTypeError(f"at most this machine's {cpus} CPUs, got {text!r}")
+    return value
+
+
+def _seed(text: str) -> int:
+    """What torch's generator takes: a whole number of 64 bits (past it, a traceback as the weights were made)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a whole number, got {text!r}") from None
+    if not -(1 << 63) <= value < 1 << 64:
+        raise argparse.ArgumentTypeError(f"a whole number of 64 bits, -2**63 to 2**64-1, got {text[:40]!r}")
+    return value
+
+
+def _memory_mb(text: str) -> int:
+    """1 to this machine's memory, in MiB: a budget past it sized a KV pool the machine cannot hold (an int64
+    overflow, a traceback, for a huge one)."""
+    value = positive_int(text)
+    total_mb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // (1 << 20)
+    if value > total_mb:
+        raise argparse.ArgumentTypeError(f"at most this machine's memory ({total_mb} MiB), got {text[:40]!r}")
     return value
 
 

@@ -14,6 +14,7 @@ from typing import Any
 from handoff.service.flag_types import seconds_problem
 from handoff.service.limits import DEFAULT_MAX_BODY_BYTES
 from node_engine.memory.tags import BackupMode
+from node_engine.model.arch import MIN_CONTEXT_TOKENS
 from node_engine.vision.decode import DEFAULT_MAX_IMAGE_PIXELS
 
 DEFAULT_CPU_MAX_TOTAL_TOKENS = 8192
@@ -24,7 +25,7 @@ class ConfigError(ValueError):
     """A configuration value is wrong; the message names the flag."""
 
 
-MIN_REQUEST_ROOM_TOKENS = 8  # the least pool or context that takes a one-token prompt
+MIN_REQUEST_ROOM_TOKENS = MIN_CONTEXT_TOKENS  # the least pool or context that takes a one-token prompt
 
 
 @dataclass(frozen=True)

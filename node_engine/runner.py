@@ -21,9 +21,10 @@ context itself. ``docs/memory.md`` lists them with sizes.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 import torch
 
@@ -132,9 +133,11 @@ class ModelRunner:
         return model
 
     def _allocate_workspace(self, context_len: int) -> None:
-        with self.saver.region(MemoryTag.WORKSPACE):
-            self.req_to_token = torch.zeros(self.config.max_running_requests, context_len, dtype=torch.int32,
-                                            device=self.device)
+        rows = self.config.max_running_requests
+        with self.saver.region(MemoryTag.WORKSPACE), _flag_allocation("--max-running-requests", rows,
+                                                                       f"its request table ({context_len} "
+                                                                       "positions each)"):
+            self.req_to_token = torch.zeros(rows, context_len, dtype=torch.int32, device=self.device)
         self.saver.register(MemoryTag.WORKSPACE, [self.req_to_token])
 
     def _step_headroom_bytes(self) -> int:
@@ -168,7 +171,10 @@ class ModelRunner:
 
     def _allocate_kv_cache(self, pool: torch.Tensor | None = None) -> None:
         """Keep the sized pool, or allocate one of the planned size."""
-        self.kv_cache = pool if pool is not None else self.allocate_pool(self.kv_plan.num_slots)
+        if pool is None:
+            with _flag_allocation("--max-total-tokens", self.kv_plan.num_slots - 1, "its KV pool"):
+                pool = self.allocate_pool(self.kv_plan.num_slots)
+        self.kv_cache = pool
         self.saver.register(MemoryTag.KV_CACHE, [self.kv_cache])
         self.bind_pool(self.kv_cache)
 
@@ -257,3 +263,14 @@ class ModelRunner:
     @property
     def padding_slot(self) -> int:
         return PADDING_SLOT
+
+
+@contextlib.contextmanager
+def _flag_allocation(flag: str, value: int, what: str) -> Iterator[None]:
+    """A tensor sized by ``flag`` that cannot be had (too large for the memory, past int64) is one line naming the
+    flag (:class:`ConfigError`, exit 2), not a traceback from torch's allocator."""
+    try:
+        yield
+    except (RuntimeError, MemoryError, TypeError, OverflowError) as exc:  # torch.OutOfMemoryError is a RuntimeError
+        reason = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+        raise ConfigError(f"{flag} {value}: {what} cannot be allocated ({reason})") from None

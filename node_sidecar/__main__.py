@@ -5,10 +5,9 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from pathlib import Path
 
 from handoff.service.auth import token_from
-from handoff.service.flag_types import positive_seconds, state_file
+from handoff.service.flag_types import path, positive_seconds, state_file
 from handoff.service.limits import DEFAULT_MAX_ANSWER_BYTES, DEFAULT_MAX_BODY_BYTES
 from handoff.service.logs import setup_logging
 from handoff.service.serve import add_server_args, serve_from_args
@@ -67,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-answer-bytes", type=int, default=DEFAULT_MAX_ANSWER_BYTES, metavar="N",
                    help="an engine's non-stream answer larger than this is a 502 (streams are relayed as they "
                         "come and are not limited) (default 256 MiB)")
-    p.add_argument("--allowed-local-media-path", type=Path, default=None,
+    p.add_argument("--allowed-local-media-path", type=path, default=None,
                    help="SGLang / vLLM engines: media items may name files below this folder (default: a local path "
                         "or file:// URL is a 400 at the sidecar)")
     p.add_argument("--refuse-media-urls", action="store_true",

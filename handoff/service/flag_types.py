@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import tempfile
 from pathlib import Path
 
-__all__ = ["MAX_SECONDS", "host_name", "port_file", "port_number", "positive_int", "positive_seconds", "seconds",
-           "seconds_problem", "state_file"]
+__all__ = ["MAX_SECONDS", "host_name", "path", "port_file", "port_number", "positive_int", "positive_seconds",
+           "seconds", "seconds_problem", "state_file"]
 
 
 def port_number(text: str) -> int:
@@ -94,4 +95,18 @@ def _writable_file(text: str, what: str) -> Path:
         raise argparse.ArgumentTypeError(f"{text!r}: no folder {str(folder)!r}")
     if not os.access(folder, os.W_OK | os.X_OK):
         raise argparse.ArgumentTypeError(f"{text!r}: this process cannot write in {str(folder)!r}")
+    try:  # access() says yes to root for a read-only mount or /proc, where no file can be made
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".handoff-write-check-"):
+            pass
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r}: no file can be made in {str(folder)!r} "
+                                         f"({exc.strerror or exc})") from None
     return path
+
+
+def path(text: str) -> Path:
+    """A file or folder. Blank is refused: ``Path("")`` is the current folder, which an unset variable in a command
+    line would name without a word (media read, backups written, wherever the process was started)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("a path, got a blank one")
+    return Path(text)

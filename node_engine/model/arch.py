@@ -18,6 +18,7 @@ from node_engine.vision.arch import VL_ARCHITECTURES, VisionArch, text_config_of
 
 __all__ = ["ModelArch", "ModelConfigError", "Llama3RopeScaling", "SUPPORTED_ARCHITECTURES"]
 
+MIN_CONTEXT_TOKENS = 8  # the least context that takes a one-token prompt (SGLang: the context less 6)
 MAX_CONFIG_BYTES = 16 * 1024 * 1024  # a config.json is a few KiB; a large one is not a config
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM") + VL_ARCHITECTURES
 
@@ -66,6 +67,9 @@ class ModelArch:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ModelConfigError(f"config field {name} must be a positive integer, got {value!r}")
+        if self.max_position_embeddings < MIN_CONTEXT_TOKENS:  # it bounds the context: every prompt refused
+            raise ModelConfigError(f"max_position_embeddings must be at least {MIN_CONTEXT_TOKENS} (the least that "
+                                   f"takes a one-token prompt), got {self.max_position_embeddings}")
         if self.num_heads % self.num_kv_heads:
             raise ModelConfigError(
                 f"num_attention_heads ({self.num_heads}) must be a multiple of num_key_value_heads "

@@ -185,6 +185,8 @@ BAD_FLAGS = [  # (the flag the message must name, the arguments, the environment
     ("--model-path", ["up", "--nodes", "1", "--model-path", "/nonexistent/model"], {}),
     ("--model-path", ["up", "--nodes", "1", "--model-path", "{file}"], {}),
     ("--model-path", ["up", "--nodes", "1", "--model-path", "/proc/self"], {}),  # a folder, no checkpoint in it
+    # review G: the engines started, then refused every prompt (a context of 1 token)
+    ("--model-override", ["up", "--nodes", "1", "--model-override", '{"max_position_embeddings": 1}'], {}),
 ]
 
 

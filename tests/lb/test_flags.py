@@ -48,6 +48,10 @@ CASES = [
     ("--admin-token", ["--admin-token", "  "], {}),
     ("--admin-token", [], {"HANDOFF_ADMIN_TOKEN": " "}),
     ("--api-key", ["--api-key", "s\u00e9cret"], {}),
+    # review G: an address no node can have was looked up forever, every address left out; /proc, as root
+    ("--discover-dns", ["--discover-dns", "mixed=0.0.0.0:8000"], {}),
+    ("--discover-dns", ["--discover-dns", "decode=[ff02::1]:8000"], {}),
+    ("--port-file", ["--port-file", "/proc/handoff-review-port"], {}),
 ]
 
 

@@ -49,6 +49,19 @@ CASES = [
     ("--max-connections", ["--max-connections", "0"]),
     ("--max-buffered-body-bytes", ["--max-buffered-body-bytes", "0"]),
     ("--max-buffered-body-bytes", ["--max-body-bytes", "2048", "--max-buffered-body-bytes", "1024"]),
+    # review G: each below was a traceback (exit 1), or an engine that started and then failed
+    ("--max-running-requests", ["--max-running-requests", "99999999999999"]),  # its request table: no memory
+    ("--max-running-requests", ["--max-running-requests", "99999999999999999999999"]),
+    ("--max-total-tokens", ["--max-total-tokens", "99999999999999"]),  # the KV pool: no memory
+    ("--seed", ["--seed", "99999999999999999999999"]),  # past torch's 64 bits
+    ("--memory-budget-mb", ["--memory-budget-mb", "99999999999999999999999"]),
+    ("--model-override", ["--model-override", '{"max_position_embeddings": 1}']),  # served, refused every prompt
+    ("--allowed-local-media-path", ["--allowed-local-media-path", ""]),  # Path(""): the current folder
+    ("--port-file", ["--port-file", "/proc/handoff-review-port"]),  # written after the load, and it cannot be
+    # review G: refused, in a line that did not name the flag ("/x/config.json is missing")
+    ("--model-path", ["--model-path", "{tmp}"]),
+    ("--model-path", ["--model-path", "builtin:huge"]),
+    ("--model-override", ["--model-override", '{"hidden_size": -1}']),
 ]
 
 

@@ -50,6 +50,9 @@ CASES = [
     ("--state-file", ["--state-file", "{tmp}"], {}),
     ("--admin-token", ["--admin-token", " "], {}),
     ("--api-key", [], {"HANDOFF_API_KEY": "t\u00f6k"}),
+    # review G: Path("") is the current folder; a folder no file can be made in (/proc, as root) was taken
+    ("--allowed-local-media-path", ["--allowed-local-media-path", ""], {}),
+    ("--state-file", ["--state-file", "/proc/handoff-review-intent.json"], {}),
 ]
 
 

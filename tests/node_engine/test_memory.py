@@ -11,7 +11,7 @@ import psutil
 import pytest
 
 from node_engine.model.builtin import builtin_arch, builtin_weights, save_checkpoint
-from tests.support.procs import ServerProcess, wait_until
+from tests.support.procs import ServerProcess, tiny_engine, wait_until
 from tests.support.sse import read_stream
 
 ALL = ["weights", "kv_cache", "cuda_graph", "workspace"]
@@ -245,10 +245,7 @@ def test_disk_backup_restores_weights_bit_for_bit(backup_engine) -> None:
 
 @pytest.fixture(scope="module")
 def plain_engine(proc_log_dir: Path):
-    proc = ServerProcess("node_engine", ["--model-path", "builtin:tiny"], log_dir=proc_log_dir, name="plain_engine")
-    proc.start()
-    yield proc
-    proc.stop()
+    yield from tiny_engine(proc_log_dir, "plain_engine")
 
 
 def test_saver_off_refuses_release_and_resume(plain_engine) -> None:

@@ -17,7 +17,7 @@ import httpx
 import pytest
 import torch
 
-from tests.support.procs import ServerProcess
+from tests.support.procs import tiny_engine
 from tests.support.sglang_payloads import b64, serialize
 from tests.support.weights import greedy, tiny_weights
 
@@ -26,10 +26,7 @@ NAME = "model.norm.weight"
 
 @pytest.fixture(scope="module")
 def engine(proc_log_dir: Path):
-    proc = ServerProcess("node_engine", ["--model-path", "builtin:tiny"], log_dir=proc_log_dir, name="shm")
-    proc.start()
-    yield proc
-    proc.stop()
+    yield from tiny_engine(proc_log_dir, "shm")
 
 
 def _replace(raw: bytes, old: bytes, new: bytes) -> bytes:

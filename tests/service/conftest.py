@@ -7,6 +7,8 @@ from typing import Callable, Mapping
 
 import pytest
 
+from handoff.service.upstream import UpstreamClient
+
 
 @pytest.hookimpl(optionalhook=True)  # pytest-asyncio >= 1.4 has the hook; older ones run asyncio only
 def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item
@@ -18,3 +20,11 @@ def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item
         return factories
     factories["uvloop"] = uvloop.new_event_loop
     return factories
+
+
+@pytest.fixture
+async def client():
+    """One upstream client for the test, closed after it."""
+    c = UpstreamClient()
+    yield c
+    await c.aclose()

@@ -27,13 +27,6 @@ async def serve_ok(conn: Conn) -> None:
         await conn.respond(200, f"{line}|{headers.get('x-tag', '')}|".encode() + body)
 
 
-@pytest.fixture
-async def client():
-    c = UpstreamClient()
-    yield c
-    await c.aclose()
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

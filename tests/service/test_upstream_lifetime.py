@@ -13,13 +13,6 @@ from tests.service.peers import CAP, Conn, ScriptedServer, never_answer, until
 pytestmark = pytest.mark.timeout(30)
 
 
-@pytest.fixture
-async def client():
-    c = UpstreamClient()
-    yield c
-    await c.aclose()
-
-
 class _CancelAtConnect:
     """The pool's loop, but the caller's task is cancelled in the very turn its new connection comes up (by a
     callback of that turn, as a client's disconnect or an ``asyncio.timeout`` would)."""

@@ -16,13 +16,6 @@ from tests.service.test_upstream import free_port, serve_ok
 pytestmark = pytest.mark.timeout(20)
 
 
-@pytest.fixture
-async def client():
-    c = UpstreamClient()
-    yield c
-    await c.aclose()
-
-
 async def warm(client: UpstreamClient, url: str) -> None:
     """Leave one idle connection to ``url`` in the pool."""
     await (await client.request("GET", url, timeout=5)).read_whole(CAP)

@@ -32,13 +32,6 @@ def ok(body: bytes, extra: bytes = b"") -> bytes:
     return b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n%s\r\n%s" % (len(body), extra, body)
 
 
-@pytest.fixture
-async def client():
-    c = UpstreamClient()
-    yield c
-    await c.aclose()
-
-
 # -- item 1: responses cross between clients ------------------------------------------------------
 async def test_found_1_continue_then_answer_and_the_next_request_gets_its_own(client: UpstreamClient) -> None:
     """The node sends 100 Continue, then holds its answer until the client's next request comes on the

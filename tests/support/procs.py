@@ -8,14 +8,15 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 from handoff.cluster import process
 from handoff.cluster.process import ProcessFailed, wait_until
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
-__all__ = ["ProcessFailed", "ServerProcess", "assert_refused_at_start", "sigint_by_default", "wait_until", "REPO_ROOT"]
+__all__ = ["ProcessFailed", "ServerProcess", "assert_refused_at_start", "sigint_by_default", "tiny_engine", "wait_until",
+           "REPO_ROOT"]
 
 
 class ServerProcess(process.ServerProcess):
@@ -30,6 +31,14 @@ class ServerProcess(process.ServerProcess):
         # the *thread* that started the child, so only the main thread's children (the fixtures') get it.
         self.die_with_parent = threading.current_thread() is threading.main_thread()
         return super().launch(*args, **kwargs)
+
+
+def tiny_engine(log_dir: Path, name: str) -> Iterator[ServerProcess]:
+    """A ``builtin:tiny`` engine for a fixture's life: ``yield from tiny_engine(proc_log_dir, "name")``."""
+    proc = ServerProcess("node_engine", ["--model-path", "builtin:tiny"], log_dir=log_dir, name=name)
+    proc.start()
+    yield proc
+    proc.stop()
 
 
 def sigint_by_default() -> None:

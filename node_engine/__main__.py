@@ -14,6 +14,7 @@ from handoff.service.limits import DEFAULT_MAX_BODY_BYTES
 from handoff.service.logs import setup_logging
 from handoff.service.serve import add_server_args, check_server_args, exit_on_sigterm, serve_from_args
 from node_engine.config import ConfigError, EngineConfig
+from node_engine.memory.cgroup_memory import host_memory
 from node_engine.memory.tags import BackupMode
 from node_engine.model.arch import ModelConfigError
 from node_engine.vision.decode import DEFAULT_MAX_IMAGE_PIXELS
@@ -121,12 +122,14 @@ def _seed(text: str) -> int:
 
 
 def _memory_mb(text: str) -> int:
-    """1 to this machine's memory, in MiB: a budget past it sized a KV pool the machine cannot hold (an int64
-    overflow, a traceback, for a huge one)."""
+    """1 to the memory this process may hold, in MiB: the machine's, within its container's memory cgroup limit.
+    A budget past it sized a KV pool the machine cannot hold (an int64 overflow, a traceback, for a huge one), or
+    one whose pages, touched, got the process killed by the cgroup's OOM killer without a word."""
     value = positive_int(text)
-    total_mb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // (1 << 20)
+    total_mb = host_memory().total_bytes // (1 << 20)
     if value > total_mb:
-        raise argparse.ArgumentTypeError(f"at most this machine's memory ({total_mb} MiB), got {text[:40]!r}")
+        raise argparse.ArgumentTypeError(f"at most this machine's memory within its container's limit ({total_mb} "
+                                         f"MiB), got {text[:40]!r}")
     return value
 
 

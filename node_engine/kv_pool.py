@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from node_engine.config import DEFAULT_CPU_MAX_TOTAL_TOKENS, EngineConfig
+from node_engine.config import DEFAULT_CPU_MAX_TOTAL_TOKENS, MIN_REQUEST_ROOM_TOKENS, EngineConfig
 from node_engine.kv_sizing import DeviceBudget, HostBudget, KVPoolSizer, KVSizingError, MemoryBudget, SizingReport
 from node_engine.memory.peak import CudaPeakMeter, HostPeakMeter
 from node_engine.memory.tags import MemoryTag
@@ -56,6 +56,13 @@ def fixed_num_slots(config: EngineConfig) -> int:
     return config.max_total_tokens if config.max_total_tokens is not None else DEFAULT_CPU_MAX_TOTAL_TOKENS
 
 
+def min_sized_slots(config: EngineConfig, context_len: int) -> int:
+    """The least pool the sizer takes, the padding slot included: one full prefill chunk, and never less than
+    ``--max-total-tokens``' own floor (the least pool that takes a one-token prompt: below it SGLang's
+    ``max_req_input_len``, the pool less 6, refuses every prompt, and the engine would be up for nothing)."""
+    return max(min(config.max_batch_tokens, context_len), MIN_REQUEST_ROOM_TOKENS) + 1
+
+
 def size_from_peaks(runner: ModelRunner, allocate: Callable[[str, int], torch.Tensor] | None) -> SizedPool:
     """Run the sizer on ``runner`` (its weights and workspace already allocated); raises :class:`KVSizingError`
     with :func:`sizing_error`'s message."""
@@ -66,7 +73,7 @@ def size_from_peaks(runner: ModelRunner, allocate: Callable[[str, int], torch.Te
     else:
         meter = HostPeakMeter()
         budget = HostBudget(config.memory_budget_mb * MiB, meter)
-    min_slots = min(config.max_batch_tokens, runner.context_len) + 1
+    min_slots = min_sized_slots(config, runner.context_len)
     sizer = KVPoolSizer(runner, budget, meter, device=device, min_slots=min_slots, probe_slots=min_slots,
                         allocate=allocate)
     allocated_before = torch.cuda.memory_allocated() if device.type == "cuda" else 0
@@ -105,5 +112,5 @@ def sizing_error(runner: ModelRunner, report: SizingReport, budget: MemoryBudget
             f"{report.activation_peak_bytes / MiB:.1f} MiB and the canary {report.canary_bytes / MiB:.0f} MiB; "
             f"{report.free_bytes / MiB:.1f} MiB were free, leaving {max(0, left) / MiB:.1f} MiB for the pool "
             f"({max(0, left) // report.bytes_per_slot} slots of {report.bytes_per_slot} bytes; at least "
-            f"{min(config.max_batch_tokens, runner.context_len) + 1} needed). Attempts: {attempts or 'none'}. "
+            f"{min_sized_slots(config, runner.context_len)} needed). Attempts: {attempts or 'none'}. "
             f"Give the engine more memory, lower {knobs}, or pin --max-total-tokens (no sizing).")

@@ -110,7 +110,7 @@ class WeightUpdates:
                 try:
                     await self._read(stage, path, deadline)
                 except BaseException:
-                    staged.clear()  # what a read stuck past its deadline staged (but the tensor it is stuck on)
+                    staged.clear()  # what a read stuck past its deadline staged (but the run it is stuck on)
                     raise
                 read_s = time.perf_counter() - read_started
                 answer = await self.engine.call(commit)

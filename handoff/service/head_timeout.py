@@ -95,6 +95,7 @@ class HeadTimeoutProtocol(HttpToolsProtocol):
         self._is_after_chunk_header = False  # a chunk's size line was read and none of its data yet
         self._trailer_bytes = 0  # bytes since then: the last chunk's trailers (a chunk's data resets it)
         self._is_400_pending = False  # a malformed request came while answers were still to go out: 400 after them
+        self._bad_request_reason = "the request is not valid HTTP/1.1 (its framing or a header line)"
         self._number = next(_opened)
 
     @classmethod
@@ -186,7 +187,7 @@ class HeadTimeoutProtocol(HttpToolsProtocol):
     def _write_bad_request(self) -> None:
         self._is_400_pending = False
         self._disarm_head_timer()  # its 408 would follow the 400 on a connection whose write side is shut
-        error = InvalidRequest("the request is not valid HTTP/1.1 (its framing or a header line)")
+        error = InvalidRequest(self._bad_request_reason)
         self._write_error(400, b"Bad Request", error, linger=True)
 
     def on_chunk_header(self) -> None:

@@ -11,6 +11,16 @@ request:
   same event-loop turn and both go out together; a head with no body write in
   that turn (a stream whose first chunk is not in yet) goes out by itself at
   the end of the turn, so no client waits longer for it.
+- **Heads httptools lets through, refused.** An HTTP/1.1 request without one
+  ``Host`` (RFC 9112 3.2), a transfer coding other than ``chunked`` alone
+  (httptools takes ``gzip, chunked`` as chunked and hands on the coded bytes),
+  ``Transfer-Encoding`` in an HTTP/1.0 request (6.1), and an upgrade request
+  (``Connection: upgrade`` with ``Upgrade``) that declares a body are the 400
+  ``invalid_request`` envelope, the connection closed: httptools skips such a
+  request's body, so its bytes were read as the next request (a request
+  smuggled in a body) or dropped. No upgrade is ever taken: a bodiless upgrade
+  request is answered and its connection closed, since what the client sent
+  after it in the same read is lost.
 - **A disconnect noticed without a task.** A request's scope carries a
   :class:`~handoff.service.disconnect.DisconnectNotice` that this protocol
   fires when the connection is lost, so a
@@ -28,7 +38,37 @@ from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 from handoff.service.disconnect import NOTICE_EXTENSION, DisconnectNotice
 from handoff.service.head_timeout import HeadTimeoutProtocol
 
-__all__ = ["ServiceProtocol"]
+__all__ = ["ServiceProtocol", "head_refusal"]
+
+
+class _RefusedHead(Exception):
+    """Raised from the parser's callback: httptools stops, and uvicorn answers through ``send_400_response``."""
+
+
+def head_refusal(http_version: str, headers: list[tuple[bytes, bytes]], is_upgrade: bool) -> str | None:
+    """Why a complete head (lower-case names) httptools accepted is refused; None when it is served. Values lose
+    the trailing whitespace httptools keeps (RFC 9112 5: not part of the value), in place."""
+    num_hosts, length = 0, b"0"
+    codings: list[bytes] = []
+    for index, (name, value) in enumerate(headers):
+        if value[-1:] in (b" ", b"\t"):
+            value = value.rstrip(b" \t")
+            headers[index] = (name, value)
+        if name == b"host":
+            num_hosts += 1
+        elif name == b"transfer-encoding":
+            codings.append(value.strip(b" \t").lower())
+        elif name == b"content-length":
+            length = value
+    if num_hosts > 1 or (num_hosts == 0 and http_version not in ("1.0", "0.9")):
+        return f"an HTTP/1.1 request needs exactly one Host header, got {num_hosts}"
+    if codings and http_version in ("1.0", "0.9"):
+        return "Transfer-Encoding in an HTTP/1.0 request"
+    if codings and codings != [b"chunked"]:
+        return "the only transfer coding served is chunked, alone"
+    if is_upgrade and (codings or length.strip(b"0")):
+        return "an upgrade request (Connection: upgrade) with a body: no upgrade is served, send it without"
+    return None
 
 
 class _HeadWithBody:
@@ -76,10 +116,19 @@ class ServiceProtocol(HeadTimeoutProtocol):
         self._notices: list[tuple[RequestResponseCycle, DisconnectNotice]] = []  # requests not answered yet
 
     def on_headers_complete(self) -> None:
+        is_upgrade = self.parser.should_upgrade()
+        if not self._is_discarding:
+            reason = head_refusal(self.parser.get_http_version(), self.headers, is_upgrade)
+            if reason is not None:
+                self._is_head_pending = False
+                self._bad_request_reason = reason
+                raise _RefusedHead(reason)
         super().on_headers_complete()
         cycle = self.cycle
         if cycle is None or cycle.transport is not self.transport:  # no new request (refused, or upgraded)
             return
+        if is_upgrade:  # not taken: httptools dropped the rest of the read, so nothing after it is answered
+            cycle.keep_alive = False
         cycle.transport = _HeadWithBody(self.transport, self.loop)  # type: ignore[assignment]
         notice = DisconnectNotice(on_watch=self._resume_reading)
         cycle.scope.setdefault("extensions", {})[NOTICE_EXTENSION] = notice  # type: ignore[typeddict-item]

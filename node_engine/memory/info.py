@@ -13,6 +13,9 @@ from node_engine.memory.cgroup_memory import host_memory
 
 log = logging.getLogger(__name__)
 
+_MAX_OVERRIDE_BYTES = 64  # a count of bytes is a few digits: a larger file is not one
+
+
 @dataclass(frozen=True)
 class DeviceMemory:
     device_type: str
@@ -50,14 +53,23 @@ class FileOverrideMemoryInfo:
         self._inner = inner
 
     def read(self) -> DeviceMemory:
+        """The figure from the file; anything else than a count of bytes there (not text, a folder, a negative
+        number) is ignored with a warning: every view and resume check reads this."""
         real = self._inner.read()
         try:
-            text = self._path.read_text().strip()
+            with open(self._path, "rb") as f:
+                raw = f.read(_MAX_OVERRIDE_BYTES)
         except FileNotFoundError:
             return real
+        except OSError as exc:
+            log.warning("ignoring %s: %s", self._path, exc)
+            return real
+        text = raw.decode("utf-8", errors="replace").strip()
         try:
             free_bytes = int(text)
         except ValueError:
+            free_bytes = -1
+        if free_bytes < 0:
             if text:
                 log.warning("ignoring %s: %r is not a number of bytes", self._path, text[:40])
             return real

@@ -59,20 +59,35 @@ class ImageLoader:
         self.check_supported(field)
         if len(items) > MAX_IMAGES_PER_PROMPT:
             raise InvalidRequest(f"{field}: at most {MAX_IMAGES_PER_PROMPT} images per prompt, got {len(items)}")
-        if self._slots is None:
-            self._slots = asyncio.Semaphore(DECODE_CONCURRENCY)
         resized = []
         for i, item in enumerate(items):  # a cancellation stops it here, before the next image
-            async with self._slots:
-                resized.append(await asyncio.to_thread(self._resize, item, f"{field}[{i}]"))
+            resized.append(await self._resize_in_slot(item, f"{field}[{i}]"))
         vision = self.engine.vision
         try:
             return expand(prompt_ids, resized, self.engine.arch.vision, vision.processor)
         except PlaceholderError as exc:
             raise InvalidRequest(f"{field}: {exc}") from exc
 
+    async def _resize_in_slot(self, item: object, field: str) -> ResizedImage:
+        """One image resized in a worker thread that holds a decode slot until it ends: a cancelled request
+        (its client left) stops waiting at once, but its thread cannot be stopped, so the slot is given back
+        only when the thread is done, not when the request is cancelled."""
+        slots = self._slots
+        if slots is None:
+            slots = self._slots = asyncio.Semaphore(DECODE_CONCURRENCY)
+        await slots.acquire()
+        work = asyncio.ensure_future(asyncio.to_thread(self._resize, item, field))
+        work.add_done_callback(lambda done: _release(slots, done))
+        return await asyncio.shield(work)
+
     def _resize(self, item: object, field: str) -> ResizedImage:
         try:
             return self.engine.vision.processor.resize(load_image(item, self.policy))
         except (ImageInputError, ImageShapeError) as exc:
             raise InvalidRequest(f"{field}: {exc}") from exc
+
+
+def _release(slots: asyncio.Semaphore, done: asyncio.Future) -> None:
+    slots.release()
+    if not done.cancelled():
+        done.exception()  # retrieved: the error of an image whose request was cancelled has nobody to go to

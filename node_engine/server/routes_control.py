@@ -98,6 +98,8 @@ async def get_server_info(request: Request) -> JSONResponse:
         "dtype": config.resolved_dtype, "role": config.role, "weight_version": engine.weight_version,
         "architecture": arch.architecture, "num_parameters": arch.num_params(),
         "context_length": engine.runner.kv_plan.context_len, "max_total_tokens": engine.scheduler.slots.capacity,
+        # SGLang's scheduler fields (its ``get_init_info``): the pool's tokens, and the longest prompt taken plus one
+        "max_total_num_tokens": engine.scheduler.slots.capacity, "max_req_input_len": engine.gate.max_input_tokens(),
         "max_batch_tokens": config.max_batch_tokens, "max_running_requests": config.max_running_requests,
         "memory_saver": engine.saver.name, "weights_backup": config.weights_backup.value,
         "cuda_graph": engine.runner.graphs is not None, "torch_compile": config.enable_torch_compile,

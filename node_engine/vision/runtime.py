@@ -48,7 +48,10 @@ class VisionRuntime:
         self.processor = ImageProcessor(clamp.processor)
         self.worst = clamp.worst  # the most tokens any image becomes, and a size that becomes that many
         self.visual_budget = config.resolved_visual_batch_max_tokens
-        self.max_images_per_step = max(1, min(config.max_running_requests, config.max_batch_tokens))
+        # Without the budget, a step encodes every image its chunks reach: their tokens, and per request the
+        # rest of an image cut at either end of its chunk (at the start after a prefix-cache hit inside one).
+        num_requests = min(config.max_running_requests, config.max_batch_tokens)
+        self.max_reachable_tokens = config.max_batch_tokens + 2 * num_requests * (clamp.worst.num_tokens - 1)
         self.encoder = VisionEncoder(tower, self.processor, rotary, vision.mrope_section)
         self.reservation: VisionReservation | None = None
 
@@ -58,14 +61,12 @@ class VisionRuntime:
 
     def worst_case_batch(self) -> list[ImageInput]:
         """The most image tokens one step can encode: full-size images up to the per-step budget (at least one;
-        with the budget off, one per request a step can hold), the rest of the budget in one smaller image."""
+        with the budget off, up to what the step's chunks can reach), the rest of it in one smaller image."""
         cap = self.worst.num_tokens
-        if self.visual_budget == 0:
-            sizes = [cap] * self.max_images_per_step
-        else:
-            sizes = [cap] * max(1, self.visual_budget // cap)
-            if self.visual_budget > sum(sizes):
-                sizes.append(self.visual_budget - sum(sizes))
+        limit = self.visual_budget or self.max_reachable_tokens
+        sizes = [cap] * max(1, limit // cap)
+        if limit > sum(sizes):
+            sizes.append(limit - sum(sizes))
         f = self.processor.config.factor
         images = []
         for n in sizes:

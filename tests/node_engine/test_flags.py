@@ -72,3 +72,30 @@ def test_a_bad_flag_value_stops_the_engine_naming_the_flag(flag: str, args: list
     values = (a.replace("{tmp}", str(tmp_path)).replace("{file}", str(file)) for a in args)
     stderr = assert_refused_at_start(["node_engine", "--model-path", "builtin:tiny", "--port", "0", *values], flag)
     assert "loaded in" not in stderr, stderr  # refused before the model loads (minutes for a real one)
+
+
+def test_a_memory_budget_past_the_containers_limit_is_refused(tmp_path: Path, monkeypatch, capsys) -> None:
+    """In a container whose memory cgroup allows 1 GiB on a larger machine, ``--memory-budget-mb 2048`` was taken
+    (only the machine's memory bounded it): the sizer filled the budget, and touching the pool's pages past the
+    limit got the process killed by the cgroup's OOM killer, no message, a restart loop. The bound is the memory
+    this process may hold, the cgroup's limit included (read here from a cgroup v2 tree made for the test)."""
+    import node_engine.__main__ as engine_main
+    from node_engine.memory import cgroup_memory
+
+    root = tmp_path / "cgroup"
+    root.mkdir()
+    (root / "cgroup.controllers").write_text("memory\n")
+    (root / "memory.max").write_text(f"{2**30}\n")
+    (root / "memory.current").write_text(f"{100 * 2**20}\n")
+    (root / "memory.stat").write_text("file 0\nshmem 0\n")
+    proc_cgroup = tmp_path / "proc-cgroup"
+    proc_cgroup.write_text("0::/\n")
+    assert cgroup_memory.host_memory(root, proc_cgroup).total_bytes == 2**30  # the machine here has more
+    monkeypatch.setattr(engine_main, "host_memory", lambda: cgroup_memory.host_memory(root, proc_cgroup),
+                        raising=False)
+    assert engine_main.parse_args(["--model-path", "builtin:tiny", "--memory-budget-mb", "1000"]).memory_budget_mb \
+        == 1000
+    with pytest.raises(SystemExit) as exit_info:
+        engine_main.parse_args(["--model-path", "builtin:tiny", "--memory-budget-mb", "2048"])
+    assert exit_info.value.code == 2
+    assert "--memory-budget-mb" in capsys.readouterr().err

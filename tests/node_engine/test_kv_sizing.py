@@ -146,3 +146,46 @@ def test_a_budget_too_small_for_the_worst_case_image_fails_to_start(tmp_path: Pa
         control.wait_ready(timeout=120)  # without the reservation the same budget starts (ProcessFailed otherwise)
     finally:
         control.stop()
+
+
+class _SteadyMeter:
+    """A peak meter that reads a fixed resident size (no activation peak): the budget leaves exactly what the test
+    says, whatever this process holds."""
+
+    def __init__(self, current_bytes: int) -> None:
+        self.current = current_bytes
+
+    def reset(self) -> None:
+        pass
+
+    def current_bytes(self) -> int:
+        return self.current
+
+    def peak_bytes(self) -> int:
+        return self.current
+
+
+def test_a_budget_that_leaves_a_pool_too_small_for_one_request_is_a_start_error(monkeypatch) -> None:
+    """--max-batch-tokens 1 lowered the sizer's floor to 2 slots: a budget leaving room for 5 slots started an
+    engine whose pool holds 4 tokens, under SGLang's ``max_req_input_len`` (pool less 6) every prompt is refused.
+    The floor is the least pool that takes a one-token prompt (``--max-total-tokens``' own floor)."""
+    from node_engine import kv_pool
+    from node_engine.config import MIN_REQUEST_ROOM_TOKENS
+    from node_engine.engine import Engine
+
+    budget_mb = 1024
+    config = EngineConfig(model_path="builtin:tiny", memory_budget_mb=budget_mb, context_length=512,
+                          max_batch_tokens=1, max_running_requests=1)
+    arch, _ = load_model_source(config)
+    bytes_per_slot = 2 * arch.num_layers * arch.kv_size * 4
+    meter = _SteadyMeter(budget_mb * MiB - CANARY_BYTES - 5 * bytes_per_slot)  # room for 5 slots, padding's included
+    monkeypatch.setattr(kv_pool, "HostPeakMeter", lambda: meter)
+    try:
+        engine = Engine(config)
+    except KVSizingError as exc:
+        assert "--max-batch-tokens 1" in str(exc) and "--memory-budget-mb 1024" in str(exc)
+        assert f"at least {MIN_REQUEST_ROOM_TOKENS + 1} needed" in str(exc), str(exc)
+        return
+    capacity = engine.scheduler.slots.capacity
+    assert engine.gate.max_input_tokens() >= 2, \
+        f"the engine started with a {capacity}-token pool that refuses every prompt"

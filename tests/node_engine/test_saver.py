@@ -52,3 +52,20 @@ def test_free_memory_override_file_falls_back_when_absent_or_not_a_number(tmp_pa
     assert info.read().free_bytes == 1234
     path.write_text("not a number")
     assert info.read().free_bytes > 1234
+
+
+def test_free_memory_override_file_that_cannot_be_read_as_a_count_falls_back(tmp_path: Path) -> None:
+    """Bytes that are not UTF-8 (a UnicodeDecodeError), a folder in the file's place, or a negative count made
+    every read of the figure fail (``/memory_occupation``, ``/get_server_info``: 500; every resume check) or
+    report negative free memory; each is ignored, with a warning, as text that is not a number is."""
+    from node_engine.memory.info import FileOverrideMemoryInfo, HostMemoryInfo
+
+    path = tmp_path / "free"
+    info = FileOverrideMemoryInfo(path, HostMemoryInfo())
+    path.write_bytes(b"\xff\xfe12")
+    assert info.read().free_bytes > 1234
+    path.write_text("-5")
+    assert info.read().free_bytes > 1234
+    path.unlink()
+    path.mkdir()
+    assert info.read().free_bytes > 1234

@@ -351,6 +351,10 @@ def test_openai_completions_and_chat(client) -> None:
 def test_info_health_metrics_and_openapi(client) -> None:
     info = client.get("/get_server_info").json()
     assert info["model_path"] == "builtin:tiny" and info["max_total_tokens"] == 4096
+    # SGLang 0.5.23's scheduler fields (``get_init_info``, merged into its /get_server_info), which clients read
+    # for the pool's size and the longest prompt: the pool, and the smaller of context and pool less 6
+    assert info["max_total_num_tokens"] == 4096
+    assert info["max_req_input_len"] == min(info["context_length"] - 1, 4096 - 1) - 5
     assert client.get("/health").json() == {"status": "ok"}
     text = client.get("/metrics").text
     for name in ("handoff_engine_requests_total", "handoff_engine_generated_tokens_total",

@@ -94,6 +94,24 @@ def test_features_are_collected_after_prefill_before_decode(monkeypatch: pytest.
     assert mm.images[0].source is not None  # the resized source stays until the request ends (recompute)
 
 
+def test_without_the_budget_the_reservation_covers_every_image_a_step_reaches() -> None:
+    """Found by review: with ``--visual-batch-max-tokens 0`` the reservation was measured for one full-size image
+    per running request, but one request's chunk reaches every image in it (and the rest of an image cut at
+    either end): at ``--max-running-requests 1`` a step encoded 80 image tokens (five images) against a
+    reservation measured for 64 (one image)."""
+    engine = Engine(EngineConfig(model_path="builtin:tiny-vl", max_batch_tokens=256, max_running_requests=1,
+                                 visual_batch_max_tokens=0, max_image_tokens=64, max_total_tokens=2048))
+    runner, scheduler = engine.runner, engine.scheduler
+    reserved_for = sum(image.num_tokens for image in runner.vision.worst_case_batch())
+    ids, mm = _image_request(engine, [random_image(196, 196, seed=i) for i in range(5)])
+    engine.gate.check(ids, GREEDY)
+    engine.submit(ids, GREEDY, mm=mm)
+    engine._drain_inbox(block=False)
+    step = scheduler.schedule()
+    assert step.kind is StepKind.PREFILL and len(step.images) == 5
+    assert sum(image.num_tokens for image in step.images) <= reserved_for
+
+
 def _tracked(refs: list, tensor):
     refs.append(weakref.ref(tensor))
     return tensor

@@ -24,6 +24,7 @@ from handoff.service.upstream import ResponseTooLarge, UpstreamClient, UpstreamE
 from lb.config import LBConfig
 from lb.membership import Membership
 from lb.node import Node, NodeHealth
+from lb.node_answer import state_problem
 
 log = logging.getLogger(__name__)
 
@@ -182,7 +183,8 @@ def _parse_occupation(body: bytes) -> dict[str, Any] | str:
         return f"GET /memory_occupation answered 200 with a body that cannot be read: {exc}"
     if not isinstance(state, dict):
         return "GET /memory_occupation answered 200 with JSON that is not an object"
-    return state
+    problem = state_problem(state)  # an error body, {}, "serving": "false": no state to route by
+    return f"GET /memory_occupation answered 200 with JSON that is no node's state: {problem}" if problem else state
 
 
 def _is_serving(state: Mapping[str, Any]) -> bool:

@@ -1,7 +1,8 @@
 """One node's answer to a control call, read and judged (SPEC section 4): :class:`NodeResult`.
 
-A 2xx answer succeeds unless its JSON says ``"success": false`` or it cannot
-be judged: longer than :data:`MAX_RESULT_BODY_BYTES` (a ``"success": false``
+A 2xx answer succeeds unless its JSON says ``"success": false`` (or anything
+but true, or carries an error object without ``success``) or it cannot be
+judged: longer than :data:`MAX_RESULT_BODY_BYTES` (a ``"success": false``
 could be past what was read) or JSON that does not parse within bounds. A
 failing answer's body is kept to :data:`MAX_FAILURE_DETAIL_BYTES`. What the
 nodes of one fan-out answered is parsed once per distinct value
@@ -21,7 +22,7 @@ from handoff.service.upstream import UpstreamResponse
 from lb.node import Node
 
 __all__ = ["MAX_FAILURE_DETAIL_BYTES", "MAX_RESULT_BODY_BYTES", "NodeResult", "ParsedAnswers", "capped_text",
-           "dumps_answer", "judge_success"]
+           "dumps_answer", "judge_success", "state_problem"]
 
 MAX_FAILURE_DETAIL_BYTES = 512
 MAX_RESULT_BODY_BYTES = 64 * 1024
@@ -99,7 +100,16 @@ def _parse_state(value: str) -> dict[str, Any] | None:
         state = loads_bounded(value.encode("latin-1"), max_bytes=MAX_NODE_STATE_HEADER_BYTES)
     except (PeerJSONError, UnicodeEncodeError):
         return None
-    return state if isinstance(state, dict) else None
+    return state if isinstance(state, dict) and state_problem(state) is None else None
+
+
+def state_problem(state: dict[str, Any]) -> str | None:
+    """Why a peer's JSON object is no node's state, or None: a sidecar's says whether it serves (``serving``, true
+    or false), an engine answered directly lists its ``tags``. Anything else (``{}``, an error body, ``"serving":
+    "false"``) tells nothing a node could be routed by."""
+    if "serving" in state:
+        return None if isinstance(state["serving"], bool) else "its serving is neither true nor false"
+    return None if isinstance(state.get("tags"), dict) else "it has neither serving nor tags"
 
 
 def judge_success(node: Node, response: UpstreamResponse, raw: bytes, parsed: ParsedAnswers) -> NodeResult:
@@ -124,9 +134,17 @@ def judge_success(node: Node, response: UpstreamResponse, raw: bytes, parsed: Pa
             return NodeResult(node, status=status, reason="unreadable_answer", error=str(exc),
                               detail=capped_text(raw))
         return NodeResult(node, status=status, body=capped_text(raw))
-    if isinstance(body, dict) and body.get("success") is False:
+    if isinstance(body, dict) and _is_not_success(body):
         return NodeResult(node, status=status, reason="success_false", detail=capped_text(raw))
     return NodeResult(node, status=status, body=body)
+
+
+def _is_not_success(body: dict[str, Any]) -> bool:
+    """A 2xx JSON object that does not say it succeeded: its ``success`` is anything but true (false, null,
+    ``"false"``), or, without ``success``, it carries an error (``{"error": {"type", "message"}}``)."""
+    if "success" in body:
+        return body["success"] is not True
+    return isinstance(body.get("error"), dict)
 
 
 # what Starlette's JSONResponse writes: UTF-8, compact, NaN refused

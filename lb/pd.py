@@ -22,7 +22,6 @@ from typing import Any, Mapping
 
 from starlette.responses import Response
 
-from handoff.protocol.weights import WEIGHT_VERSION_HEADER
 from handoff.service.disconnect import DisconnectWatch
 from handoff.service.errors import InvalidRequest, ServiceError, parse_json_bytes
 from handoff.service.logs import rate_limit
@@ -91,12 +90,14 @@ class PDDispatcher:
         self._caller = caller
         self._drains: set[asyncio.Task[None]] = set()
 
-    async def dispatch(self, path: str, body: bytes, headers: Mapping[str, str], watch: DisconnectWatch) -> Response:
+    async def dispatch(self, path: str, body: bytes, headers: Mapping[str, str], watch: DisconnectWatch,
+                       version: str | None = None) -> Response:
+        """``version``: the weight version the request pins (its header, read as UTF-8): both nodes of the pair
+        must serve it."""
         payload = _parse_object(body)
         size = check_batch(payload)
         wants_logprobs = path == "/generate" and bool(payload.get("return_logprob"))
         retries = PairRetries(payload)
-        version = headers.get(WEIGHT_VERSION_HEADER)  # a pinned version: both nodes of the pair must serve it
         while True:
             prefill = self._router.pick(Role.PREFILL, retries.tried[Role.PREFILL], avoid=retries.sent,
                                         weight_version=version)

@@ -20,8 +20,8 @@ from starlette.responses import Response
 from handoff.service.disconnect import DisconnectWatch
 from handoff.service.relay import StreamRelay
 from handoff.service.upstream import UpstreamResponse
-from handoff.protocol.control import MAX_NAME_CHARS, peer_weight_version
-from handoff.protocol.weights import WEIGHT_VERSION_HEADER
+from handoff.protocol.control import MAX_NAME_CHARS
+from handoff.protocol.weights import WEIGHT_VERSION_HEADER, pinned_version
 from handoff.service.errors import InvalidRequest
 from lb.config import Role
 from lb.membership import Membership
@@ -64,16 +64,17 @@ class GenerationProxy:
             return client_gone_response()
         headers = headers_to_node(request.scope["headers"], self._node_headers)
         pinned = headers.get(WEIGHT_VERSION_HEADER)
-        if pinned is not None and peer_weight_version(pinned) is None:  # no node could ever serve it: not a 503
-            raise InvalidRequest(f"{WEIGHT_VERSION_HEADER} must be a version of 1 to {MAX_NAME_CHARS} characters, "
-                                 f"got {len(pinned)}")
+        version = None if pinned is None else pinned_version(pinned)
+        if pinned is not None and version is None:  # no node could ever serve it: not a 503
+            raise InvalidRequest(f"{WEIGHT_VERSION_HEADER} must be a version of 1 to {MAX_NAME_CHARS} characters "
+                                 f"in UTF-8, got {len(pinned)} bytes")
         watch = DisconnectWatch(request.receive, request.scope)
         is_handed_over = False
         try:
             if self._is_pd():
-                response = await self._pd.dispatch(path, body, headers, watch)
+                response = await self._pd.dispatch(path, body, headers, watch, version)
             else:
-                response = await self._dispatch_mixed(path, body, headers, watch, headers.get(WEIGHT_VERSION_HEADER))
+                response = await self._dispatch_mixed(path, body, headers, watch, version)
             is_handed_over = isinstance(response, StreamRelay)
             return response
         except asyncio.CancelledError:

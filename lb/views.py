@@ -62,15 +62,15 @@ def cluster_occupation(nodes: Iterable[Node]) -> dict[str, Any]:
             state = reported.get(tag, {}).get("state")
             row[state if state in TAG_STATES else "unknown"] += 1
             num_bytes = reported.get(tag, {}).get("bytes")
-            row["bytes"] += num_bytes if isinstance(num_bytes, int) else 0
+            row["bytes"] += _byte_count(num_bytes)
         if node.health is NodeHealth.HEALTHY:
             version = node.occupation.get("weight_version")
             if isinstance(version, str):
                 weight_versions[version] += 1
             device = node.occupation.get("device")
             if isinstance(device, Mapping):
-                device_free += _int(device.get("free_bytes"))
-                device_total += _int(device.get("total_bytes"))
+                device_free += _byte_count(device.get("free_bytes"))
+                device_total += _byte_count(device.get("total_bytes"))
     return {
         "total": len(nodes),
         "healthy": sum(node.health is NodeHealth.HEALTHY for node in nodes),
@@ -81,5 +81,10 @@ def cluster_occupation(nodes: Iterable[Node]) -> dict[str, Any]:
     }
 
 
-def _int(value: object) -> int:
-    return value if isinstance(value, int) else 0
+MAX_BYTE_COUNT = (1 << 63) - 1  # a byte count a node could hold (int64); past it a peer's number is no count
+
+
+def _byte_count(value: object) -> int:
+    """A node's byte count, summed over nodes: 0 unless an integer from 0 to :data:`MAX_BYTE_COUNT` (``true``,
+    ``-5`` or a 4,300-digit number are none: their sum was written as a number no JSON reader takes)."""
+    return value if type(value) is int and 0 <= value <= MAX_BYTE_COUNT else 0

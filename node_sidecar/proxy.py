@@ -23,7 +23,7 @@ from starlette.types import Receive, Scope, Send
 
 from handoff.protocol import errors as E
 from handoff.protocol.errors import NotServingReason
-from handoff.protocol.weights import WEIGHT_VERSION_HEADER
+from handoff.protocol.weights import WEIGHT_VERSION_HEADER, pinned_version
 from handoff.service.disconnect import CLIENT_CLOSED, DisconnectWatch
 from handoff.service.errors import NotServing
 from handoff.service.relay import ChunkTransform, StreamRelay, relayed_headers, sse_error_event
@@ -172,7 +172,8 @@ def _check_pinned_version(node: Node, request: Request) -> None:
     """A request pinned to a weight version (header) runs only on that version: checked once admitted, when no
     update can start before it ends (updates drain first)."""
     pinned = request.headers.get(WEIGHT_VERSION_HEADER)
-    if pinned is not None and pinned != node.state.weight_version:
+    version = None if pinned is None else pinned_version(pinned)  # read as UTF-8, as the LB reads it
+    if pinned is not None and (version is None or version != node.state.weight_version):
         raise NotServing(f"this node serves weight_version {node.state.weight_version!r}, not {pinned!r}",
                          NotServingReason.WEIGHT_VERSION_UNAVAILABLE, retry_after=node.config.retry_after_s,
                          extra={"weight_version": node.state.weight_version})

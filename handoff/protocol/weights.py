@@ -16,7 +16,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
-from handoff.protocol.control import MAX_NAME_CHARS, STRICT, SGLangRequest
+from handoff.protocol.control import MAX_NAME_CHARS, STRICT, SGLangRequest, peer_weight_version
 from handoff.protocol.hosts import canonical_host
 
 DEFAULT_GROUP_NAME = "weight_update_group"
@@ -207,6 +207,17 @@ WEIGHT_ROUTES: dict[str, tuple[str, ...]] = {path: ("POST",) for path in WEIGHT_
 
 # The header a generation request pins a weight version with: only nodes serving that version take it.
 WEIGHT_VERSION_HEADER = "x-weight-version"
+
+
+def pinned_version(value: str) -> str | None:
+    """The version a request pins: its :data:`WEIGHT_VERSION_HEADER` as servers decode a header (Latin-1, byte for
+    byte) read as UTF-8, as a client writes a non-ASCII version set in JSON; None when that is no version
+    (not UTF-8, or not 1 to :data:`MAX_NAME_CHARS` characters)."""
+    try:
+        return peer_weight_version(value.encode("latin-1").decode("utf-8"))
+    except UnicodeError:
+        return None
+
 
 # In handoff's engine's answer to every weight update (disk, tensor, broadcast): whether updates since the engine
 # process started have written every weight of its model (a reload writes all, a bucket its names). A sidecar lifts

@@ -44,10 +44,12 @@ class VisionEncoder:
             pixel_values = torch.cat([self.processor.pixel_values(image.source) for image in images])
             merged = self.tower(pixel_values, [image.grid for image in images])
             del pixel_values
+        # Copies made outside the encode context: an image cut by its chunk's end keeps its embeddings into the
+        # next step, and on CUDA they would otherwise hold part of the reservation's pool the next encode needs.
         if len(images) == 1:
-            images[0].embeddings = merged
+            images[0].embeddings = merged.clone()
             return
-        # Copies, so that one request's finished image does not keep the whole step's output alive.
+        # One copy each, so that one request's finished image does not keep the whole step's output alive.
         for image, part in zip(images, merged.split([image.num_tokens for image in images]), strict=True):
             image.embeddings = part.clone()
 

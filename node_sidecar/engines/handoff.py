@@ -75,8 +75,9 @@ class HandoffEngine(EngineAdapter):
         if not isinstance(occupation, dict):
             return {}
         rows = occupation.get("tags")
-        tag_bytes = ({t: row["bytes"] for t, row in rows.items() if isinstance(row, dict)
-                      and isinstance(row.get("bytes"), int)} if isinstance(rows, dict) else {})
+        tag_bytes = ({t: row["bytes"] for t, row in rows.items() if isinstance(row, dict)  # as read_view takes them
+                      and type(row.get("bytes")) is int and 0 <= row["bytes"] < MAX_BYTES}
+                     if isinstance(rows, dict) else {})
         return {"tags": tag_bytes, "device": occupation.get("device"),
                 "process_rss_bytes": occupation.get("process_rss_bytes")}
 

@@ -180,3 +180,11 @@ def test_other_calls_the_engine_does_not_confirm_are_a_502(node: Node, path: str
     node.engine.handlers[path] = answering({"success": False, "message": "no", "new_version": "v2"})
     assert_upstream_error(node.post(path, body))
     assert node.view()["weight_version"] == "v1" and node.view()["serving"] is True
+
+
+@pytest.mark.parametrize("odd", [True, -5, int("9" * 4300)])
+def test_odd_byte_counts_of_a_synced_engine_are_not_shown(node: Node, odd: Any) -> None:
+    """The view's per-tag bytes come fresh from the engine at each ``GET /memory_occupation``: any integer was
+    shown (``true``, ``-5``, a 4,300-digit one), where reading the engine's view refuses them."""
+    node.engine.state = engine_state(tags={tag: {"state": "resident", "bytes": odd} for tag in TAGS})
+    assert {tag: row["bytes"] for tag, row in node.view()["tags"].items()} == dict.fromkeys(TAGS, 1000)

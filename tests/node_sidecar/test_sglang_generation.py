@@ -160,3 +160,18 @@ def test_a_late_health_generate_is_a_504_and_leaves_the_node_serving(proc_log_di
         assert answer.status_code == 200, answer.text
     finally:
         node.stop()
+
+
+def test_a_pin_to_a_non_ascii_version_is_read_as_utf8(node: Node) -> None:
+    """A version set in JSON may be any text; its pin came as UTF-8 bytes and was compared as Latin-1, so the
+    node refused the version it serves (503 weight_version_unavailable, the LB retrying to no end)."""
+    version = "\u6b65-1"
+    assert node.post("/update_weight_version", {"new_version": version}).status_code == 200
+    try:
+        r = node.post("/generate", {"input_ids": [1], "sampling_params": {"max_new_tokens": 1}},
+                      headers={"x-weight-version": version.encode()})
+        assert r.status_code == 200 and r.json()["meta_info"]["weight_version"] == version, r.text
+        r = node.post("/generate", {"input_ids": [1]}, headers={"x-weight-version": b"\xff"})
+        assert r.status_code == 503 and r.json()["error"]["type"] == "weight_version_unavailable", r.text
+    finally:
+        assert node.post("/update_weight_version", {"new_version": "default"}).status_code == 200

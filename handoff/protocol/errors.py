@@ -33,6 +33,7 @@ METHOD_NOT_ALLOWED = ErrorType("method_not_allowed", 405)
 REQUEST_TIMEOUT = ErrorType("request_timeout", 408)   # the request's head or body did not arrive in time
 PAYLOAD_TOO_LARGE = ErrorType("payload_too_large", 413)
 HEAD_TOO_LARGE = ErrorType("head_too_large", 431)  # a request line and headers past the server's bound
+HTTP_VERSION_NOT_SUPPORTED = ErrorType("http_version_not_supported", 505)  # HTTP/2.0, 0.9 over HTTP/1
 NODE_NOT_FOUND = ErrorType("node_not_found", 404)
 NODE_EXISTS = ErrorType("node_exists", 409)
 

@@ -46,6 +46,7 @@ import logging
 import resource
 import struct
 import termios
+from http import HTTPStatus
 from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -82,6 +83,7 @@ _opened = itertools.count()
 class HeadTimeoutProtocol(HttpToolsProtocol):
     head_timeout_s: float = DEFAULT_HEAD_TIMEOUT_S
     max_connections: int | None = None
+    _bad_request_kind: E.ErrorType = E.INVALID_REQUEST  # the answer to a refused request (with its reason)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -187,8 +189,9 @@ class HeadTimeoutProtocol(HttpToolsProtocol):
     def _write_bad_request(self) -> None:
         self._is_400_pending = False
         self._disarm_head_timer()  # its 408 would follow the 400 on a connection whose write side is shut
-        error = InvalidRequest(self._bad_request_reason)
-        self._write_error(400, b"Bad Request", error, linger=True)
+        kind = self._bad_request_kind
+        error = InvalidRequest(self._bad_request_reason, kind=kind)
+        self._write_error(kind.status, HTTPStatus(kind.status).phrase.encode(), error, linger=True)
 
     def on_chunk_header(self) -> None:
         self._is_after_chunk_header = True

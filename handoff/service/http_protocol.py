@@ -20,7 +20,13 @@ request:
   request's body, so its bytes were read as the next request (a request
   smuggled in a body) or dropped. No upgrade is ever taken: a bodiless upgrade
   request is answered and its connection closed, since what the client sent
-  after it in the same read is lost.
+  after it in the same read is lost. A version other than 1.0 and 1.1 (httptools
+  reads ``HTTP/2.0``, and ``HTTP/0.9`` or a request line without one) is the 505
+  ``http_version_not_supported`` envelope, the connection closed.
+- **No chunked answer to HTTP/1.0.** uvicorn codes every answer without a
+  ``Content-Length`` as chunked, which an HTTP/1.0 client (nginx's default
+  ``proxy_http_version``, ``curl -0``) cannot read (RFC 9112 6.1): a stream to a
+  1.0 request goes out as it is and ends with the close.
 - **A disconnect noticed without a task.** A request's scope carries a
   :class:`~handoff.service.disconnect.DisconnectNotice` that this protocol
   fires when the connection is lost, so a
@@ -33,8 +39,10 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from starlette.types import Message
 from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
+from handoff.protocol import errors as E
 from handoff.service.disconnect import NOTICE_EXTENSION, DisconnectNotice
 from handoff.service.head_timeout import HeadTimeoutProtocol
 
@@ -60,9 +68,9 @@ def head_refusal(http_version: str, headers: list[tuple[bytes, bytes]], is_upgra
             codings.append(value.strip(b" \t").lower())
         elif name == b"content-length":
             length = value
-    if num_hosts > 1 or (num_hosts == 0 and http_version not in ("1.0", "0.9")):
+    if num_hosts > 1 or (num_hosts == 0 and http_version != "1.0"):
         return f"an HTTP/1.1 request needs exactly one Host header, got {num_hosts}"
-    if codings and http_version in ("1.0", "0.9"):
+    if codings and http_version == "1.0":
         return "Transfer-Encoding in an HTTP/1.0 request"
     if codings and codings != [b"chunked"]:
         return "the only transfer coding served is chunked, alone"
@@ -107,6 +115,28 @@ class _HeadWithBody:
         return getattr(self._transport, name)
 
 
+class _Http10Cycle(RequestResponseCycle):
+    """The response cycle of an HTTP/1.0 request, which uvicorn never keeps alive: an answer with no
+    ``Content-Length`` is sent close-delimited (RFC 9112 6.1: no transfer coding to a 1.0 client), never chunked;
+    a ``Transfer-Encoding`` the app names is dropped."""
+
+    _is_close_delimited = False
+
+    async def send(self, message: Message) -> None:  # type: ignore[override]
+        if message["type"] == "http.response.start" and not self.response_started:
+            headers = [(name, value) for name, value in message.get("headers", ())
+                       if name.lower() != b"transfer-encoding"]
+            if self.scope["method"] != "HEAD" and message["status"] not in (204, 304) \
+                    and not any(name.lower() == b"content-length" for name, _ in headers):
+                self._is_close_delimited = True
+                self.keep_alive = False  # the close ends the body
+                self.chunked_encoding = False  # uvicorn's send adds no Transfer-Encoding
+            message = {**message, "headers": headers}
+        elif self._is_close_delimited and message["type"] == "http.response.body":
+            self.expected_content_length = len(message.get("body", b""))  # uvicorn's count of what is left ends at 0
+        await super().send(message)  # type: ignore[arg-type]
+
+
 class ServiceProtocol(HeadTimeoutProtocol):
     """:class:`HeadTimeoutProtocol` whose response cycles write a head and the first body bytes together and
     whose requests are told when their connection is lost."""
@@ -117,8 +147,15 @@ class ServiceProtocol(HeadTimeoutProtocol):
 
     def on_headers_complete(self) -> None:
         is_upgrade = self.parser.should_upgrade()
+        version = self.parser.get_http_version()
         if not self._is_discarding:
-            reason = head_refusal(self.parser.get_http_version(), self.headers, is_upgrade)
+            if version != "1.1" and version != "1.0":
+                self._is_head_pending = False
+                self._bad_request_kind = E.HTTP_VERSION_NOT_SUPPORTED
+                self._bad_request_reason = f"HTTP/{version} is not served (a request line without a version is " \
+                    "HTTP/0.9): send HTTP/1.1"
+                raise _RefusedHead(self._bad_request_reason)
+            reason = head_refusal(version, self.headers, is_upgrade)
             if reason is not None:
                 self._is_head_pending = False
                 self._bad_request_reason = reason
@@ -129,6 +166,8 @@ class ServiceProtocol(HeadTimeoutProtocol):
             return
         if is_upgrade:  # not taken: httptools dropped the rest of the read, so nothing after it is answered
             cycle.keep_alive = False
+        if version == "1.0":
+            cycle.__class__ = _Http10Cycle  # before its task first runs: its send is looked up then
         cycle.transport = _HeadWithBody(self.transport, self.loop)  # type: ignore[assignment]
         notice = DisconnectNotice(on_watch=self._resume_reading)
         cycle.scope.setdefault("extensions", {})[NOTICE_EXTENSION] = notice  # type: ignore[typeddict-item]

@@ -3,8 +3,11 @@
 Each ``--discover-dns ROLE=HOST:PORT`` target is resolved every
 ``--discover-interval`` seconds; the nodes it found are exactly the members it
 added (another source's node at the same URL is left alone). A lookup that
-fails keeps the target's current nodes, so a DNS hiccup does not empty the
-cluster; an answer with no address removes them all. The resolver is a plain
+fails or does not answer within :data:`LOOKUP_TIMEOUT_S` keeps the target's
+current nodes, so a DNS hiccup does not empty the cluster; an answer with no
+address removes them all. Every target is looked up at once, and the membership
+synced with all their answers together (a node one target dropped and another
+lists stays a member). The resolver is a plain
 async callable, so tests can give their own.
 """
 
@@ -20,6 +23,8 @@ from lb.membership import Membership
 from lb.node import Node
 
 log = logging.getLogger(__name__)
+
+LOOKUP_TIMEOUT_S = 5.0  # a lookup not answered by then fails: its target's nodes stay until the next round
 
 
 def node_url(address: str, port: int) -> str:
@@ -50,29 +55,37 @@ class DnsDiscovery:
                 log.exception("DNS discovery round failed")
 
     async def refresh(self) -> None:
+        """One round: every target looked up at once (each within :data:`LOOKUP_TIMEOUT_S`), then the
+        membership made what they all list (:meth:`Membership.sync`)."""
         if self._before_sync is not None:
             await self._before_sync()
+        found = await asyncio.gather(*(self._lookup(target) for target in self._targets))
+        listings = {f"dns {target}": specs for target, specs in zip(self._targets, found) if specs is not None}
         added: list[Node] = []
-        for target in self._targets:
-            added.extend(await self._refresh_target(target))
+        for source, (new, removed) in self._membership.sync(listings).items():
+            if new or removed:
+                log.info("%s: %d address(es); added %s; removed %s", source, len(listings[source]),
+                         [node.url for node in new] or "none", [node.url for node in removed] or "none")
+            added.extend(new)
         if added and self._on_added is not None:
             await self._on_added(added)
 
-    async def _refresh_target(self, target: DnsTarget) -> list[Node]:
+    async def _lookup(self, target: DnsTarget) -> list[NodeSpec] | None:
+        """The nodes ``target`` lists now; None when its lookup failed or did not answer in time (its nodes
+        stay)."""
         source = f"dns {target}"
         try:
-            addresses = await self._resolver(target.host, target.port)
+            addresses = await asyncio.wait_for(self._resolver(target.host, target.port), LOOKUP_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            log.warning("%s: no answer within %g s, keeping its current nodes", source, LOOKUP_TIMEOUT_S)
+            return None
         except (OSError, ValueError) as exc:  # ValueError: a name the resolver cannot encode (UnicodeError)
             log.warning("%s: lookup failed, keeping its current nodes: %s", source, exc)
-            return []
+            return None
         specs = []
         for address in addresses:
             try:
                 specs.append(NodeSpec(node_url(address, target.port), target.role, target.bootstrap_port))
             except ValueError as exc:  # one address no node URL can hold (a zone index) leaves the others alone
                 log.warning("%s: leaving out %r: %s", source, address[:100], exc)
-        added, removed = self._membership.sync(source, specs)
-        if added or removed:
-            log.info("%s: %d address(es); added %s; removed %s", source, len(specs),
-                     [node.url for node in added] or "none", [node.url for node in removed] or "none")
-        return added
+        return specs

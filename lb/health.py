@@ -158,9 +158,11 @@ class HealthMonitor:
             node.set_health(NodeHealth.HEALTHY)
 
     def mark_unreachable(self, node: Node, error: str) -> None:
-        """A refused connection seen on the request path: stop routing there until a check succeeds."""
+        """A refused connection seen on the request path: stop routing there until a check succeeds (one that
+        began after it: what a check under way read is older, and dropped)."""
         if node.is_removed:
             return
+        node.count_state_applied()
         node.count_refusal(error)
         if node.health is not NodeHealth.UNHEALTHY:
             log.warning("node %s refused a connection, unhealthy until its next good check: %s", node.url, error)
@@ -169,8 +171,10 @@ class HealthMonitor:
     def mark_not_serving(self, node: Node, error: str, reason: str) -> None:
         """The node said it does not serve (a 503 of type ``reason``, ``node_released``...): believe it until the
         next check, and show it so (``GET /nodes``, the 503 naming every node): its admission closed, unless it
-        holds requests (a full queue refuses too), and ``reason`` as its ``not_serving_reason``."""
+        holds requests (a full queue refuses too), and ``reason`` as its ``not_serving_reason``. Newer than what
+        a check under way read: that check's state is dropped, as after :meth:`apply_state`."""
         if not node.is_removed:
+            node.count_state_applied()
             node.record_error(error)
             node.occupation = {**node.occupation, "not_serving_reason": reason}  # the next check replaces it
             node.set_serving(False, node.admission if node.admission == "holding" else "closed")

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from typing import Iterable
+from typing import Iterable, Mapping, Sequence
 
 from lb.addresses import literal_addresses, split_canonical
 from lb.config import DEFAULT_MAX_NODES, NodeSpec, Role
@@ -143,10 +143,29 @@ class Membership:
         else:
             inflight.on_idle = forget
 
-    def sync(self, source: str, specs: Iterable[NodeSpec]) -> tuple[list[Node], list[Node]]:
-        """Make the members added by ``source`` exactly ``specs``, as many as ``max_nodes`` leaves room for (the
-        first listed; the rest are logged and left out); returns (added, removed)."""
-        wanted = {spec.url: spec for spec in specs}
+    def sync(self, listings: Mapping[str, Sequence[NodeSpec]]) -> dict[str, tuple[list[Node], list[Node]]]:
+        """Make the members each source of ``listings`` added exactly its specs, as many as ``max_nodes`` leaves
+        room for (the first listed; the rest are logged and left out); returns each source's (added, removed).
+
+        The sources are synced together: a member that its source no longer lists and another lists as the same
+        node (URL, role, bootstrap port) passes to that source as it is (its health, fences and requests), and
+        every source's removals come before any addition, so an address one source dropped and another lists
+        under another role is that role's member at once, whatever the order of the sources."""
+        wanted = {source: {spec.url: spec for spec in specs} for source, specs in listings.items()}
+        for node in list(self._nodes.values()):
+            if node.source in wanted and node.url not in wanted[node.source]:
+                heir = next((source for source, specs in wanted.items() if _is_same(specs.get(node.url), node)),
+                            None)
+                if heir is not None:
+                    log.info("node %s (%s): no longer listed by %s, kept as listed by %s", node.url,
+                             node.role.value, node.source, heir)
+                    node.source = heir
+        removed = {source: self._drop_unlisted(source, specs) for source, specs in wanted.items()}
+        return {source: (self._add_listed(source, specs.values()), removed[source])
+                for source, specs in wanted.items()}
+
+    def _drop_unlisted(self, source: str, wanted: Mapping[str, NodeSpec]) -> list[Node]:
+        """Remove the members ``source`` added that it no longer lists, or that another source's member is."""
         removed = [self.remove(node.url, f"no longer listed by {source}") for node in list(self._nodes.values())
                    if node.source == source and node.url not in wanted]
         for node in [node for node in self._nodes.values() if node.source == source]:
@@ -154,8 +173,12 @@ class Membership:
             if twin is not None and twin.source != source:
                 removed.append(self.remove(node.url, f"the same address and port as {twin.url} (added by "
                                                      f"{twin.source})"))
+        return removed
+
+    def _add_listed(self, source: str, specs: Iterable[NodeSpec]) -> list[Node]:
+        """Add what ``source`` lists that is no member yet (under any spelling), while ``max_nodes`` leaves room."""
         added, left_out = [], []
-        for spec in wanted.values():
+        for spec in specs:
             existing = self.same_address(spec.url)
             if existing is None and len(self._nodes) >= self.max_nodes:
                 left_out.append(spec.url)
@@ -167,9 +190,14 @@ class Membership:
         if left_out:
             log.warning("%s: %d node(s) left out, the load balancer holds --max-nodes (%d): %s%s", source,
                         len(left_out), self.max_nodes, ", ".join(left_out[:5]), ", ..." if len(left_out) > 5 else "")
-        return added, removed
+        return added
 
     def _set_role_list(self, role: Role, members: list[Node]) -> None:
         """A new list, never the old one changed: a caller iterating the old one is not disturbed."""
         self._by_role[role] = members
         self._metrics.nodes.labels(role=role.value).set(len(members))
+
+
+def _is_same(spec: NodeSpec | None, node: Node) -> bool:
+    """Whether ``spec`` lists ``node`` as it is (its role and bootstrap port)."""
+    return spec is not None and spec.role is node.role and spec.bootstrap_port == node.bootstrap_port

@@ -86,7 +86,7 @@ class Node:
         self.admission: str | None = None
         self.occupation: dict[str, Any] = {}
         self.num_fences = 0  # release/pause fan-outs in progress that target this node
-        self.num_states_applied = 0  # states taken from control answers (a check under way meanwhile is stale)
+        self.num_states_applied = 0  # states taken from control answers and 503s (a check under way meanwhile is stale)
         self.num_failures_in_row = 0
         self.num_successes_in_row = 0
         self.last_error: str | None = None
@@ -170,7 +170,8 @@ class Node:
         self.is_sidecar = False
 
     def count_state_applied(self) -> None:
-        """A control answer's state is taken: a check under way meanwhile read an older one."""
+        """A control answer's state, a generation's 503 saying the node does not serve, or a refused connection is
+        taken: a check under way meanwhile read an older state."""
         self.num_states_applied += 1
 
     def begin_request(self) -> RequestLease:

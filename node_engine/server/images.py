@@ -1,7 +1,8 @@
 """A request's images, ready for the engine: decoded, checked, resized, placeholders expanded.
 
 The work runs in a worker thread (decoding a large image takes the GIL off
-and on for a while), one image at a time, and at most ``DECODE_CONCURRENCY``
+and on for a while; hashing its pixels for the prefix cache is done there too,
+not on the event loop), one image at a time, and at most ``DECODE_CONCURRENCY``
 images decode at once in the process, so a burst of large images cannot hold
 many decoded images in memory at the same time (each can take about 20 bytes a
 pixel while it is converted: ``docs/memory.md``), and requests take turns image
@@ -20,7 +21,7 @@ from handoff.service.errors import InvalidRequest, Unsupported
 from node_engine.engine import Engine
 from node_engine.vision.decode import ImageInputError, ImagePolicy, allow_pixels, load_image
 from node_engine.vision.inputs import MultimodalPrompt
-from node_engine.vision.placeholders import PlaceholderError, expand, native_placeholder, normalize_text
+from node_engine.vision.placeholders import PlaceholderError, content_key, expand, native_placeholder, normalize_text
 from node_engine.vision.processor import ImageShapeError, ResizedImage
 
 DECODE_CONCURRENCY = 2
@@ -59,19 +60,21 @@ class ImageLoader:
         self.check_supported(field)
         if len(items) > MAX_IMAGES_PER_PROMPT:
             raise InvalidRequest(f"{field}: at most {MAX_IMAGES_PER_PROMPT} images per prompt, got {len(items)}")
-        resized = []
+        resized, keys = [], []
         for i, item in enumerate(items):  # a cancellation stops it here, before the next image
-            resized.append(await self._resize_in_slot(item, f"{field}[{i}]"))
+            image, key = await self._resize_in_slot(item, f"{field}[{i}]")
+            resized.append(image)
+            keys.append(key)
         vision = self.engine.vision
         try:
-            return expand(prompt_ids, resized, self.engine.arch.vision, vision.processor)
+            return expand(prompt_ids, resized, self.engine.arch.vision, vision.processor, keys)
         except PlaceholderError as exc:
             raise InvalidRequest(f"{field}: {exc}") from exc
 
-    async def _resize_in_slot(self, item: object, field: str) -> ResizedImage:
-        """One image resized in a worker thread that holds a decode slot until it ends: a cancelled request
-        (its client left) stops waiting at once, but its thread cannot be stopped, so the slot is given back
-        only when the thread is done, not when the request is cancelled."""
+    async def _resize_in_slot(self, item: object, field: str) -> tuple[ResizedImage, int]:
+        """One image resized, and its :func:`content_key`, in a worker thread that holds a decode slot until it
+        ends: a cancelled request (its client left) stops waiting at once, but its thread cannot be stopped, so
+        the slot is given back only when the thread is done, not when the request is cancelled."""
         slots = self._slots
         if slots is None:
             slots = self._slots = asyncio.Semaphore(DECODE_CONCURRENCY)
@@ -80,11 +83,12 @@ class ImageLoader:
         work.add_done_callback(lambda done: _release(slots, done))
         return await asyncio.shield(work)
 
-    def _resize(self, item: object, field: str) -> ResizedImage:
+    def _resize(self, item: object, field: str) -> tuple[ResizedImage, int]:
         try:
-            return self.engine.vision.processor.resize(load_image(item, self.policy))
+            image = self.engine.vision.processor.resize(load_image(item, self.policy))
         except (ImageInputError, ImageShapeError) as exc:
             raise InvalidRequest(f"{field}: {exc}") from exc
+        return image, content_key(image)
 
 
 def _release(slots: asyncio.Semaphore, done: asyncio.Future) -> None:

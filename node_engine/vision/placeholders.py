@@ -59,20 +59,24 @@ def content_key(image: ResizedImage) -> int:
 
 
 def expand(prompt_ids: Sequence[int], images: Sequence[ResizedImage], vision: VisionArch,
-           processor: ImageProcessor) -> tuple[list[int], MultimodalPrompt]:
-    """The prompt with each placeholder expanded to its image's tokens, and the images' bookkeeping."""
+           processor: ImageProcessor, keys: Sequence[int] | None = None) -> tuple[list[int], MultimodalPrompt]:
+    """The prompt with each placeholder expanded to its image's tokens, and the images' bookkeeping. ``keys``:
+    each image's :func:`content_key`, computed already (a server hashes the pixels off its event loop: 64
+    images at Qwen2-VL's default pixel limit are about 190 MB); without them, they are computed here."""
     runs = placeholder_runs(prompt_ids, vision.image_token_id)
     if len(runs) != len(images):
         raise PlaceholderError(f"the prompt has {len(runs)} image placeholder(s) for {len(images)} image(s); "
                                "put one <|vision_start|><|image_pad|><|vision_end|> (or <image>) per image")
+    if keys is None:
+        keys = [content_key(image) for image in images]
     ids: list[int] = []
     inputs: list[ImageInput] = []
     previous_end = 0
-    for (start, end), image in zip(runs, images, strict=True):
+    for (start, end), image, key in zip(runs, images, keys, strict=True):
         ids.extend(prompt_ids[previous_end:start])
         num_tokens = processor.num_tokens(image)
         inputs.append(ImageInput(offset=len(ids), num_tokens=num_tokens, grid=processor.grid(image), source=image,
-                                 cache_key=content_key(image)))
+                                 cache_key=key))
         ids.extend([vision.image_token_id] * num_tokens)
         previous_end = end
     ids.extend(prompt_ids[previous_end:])

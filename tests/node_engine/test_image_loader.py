@@ -4,6 +4,8 @@ holds for requests whose client left, whose decode thread cannot be stopped."""
 from __future__ import annotations
 
 import asyncio
+import base64
+import hashlib
 import threading
 import time
 
@@ -13,7 +15,8 @@ from node_engine.config import EngineConfig
 from node_engine.engine import Engine
 from node_engine.server import images as images_module
 from node_engine.server.images import DECODE_CONCURRENCY, ImageLoader
-from tests.node_engine.vl_checkpoints import prompt_with_images, random_image
+from node_engine.vision import placeholders as placeholders_module
+from tests.node_engine.vl_checkpoints import encoded, prompt_with_images, random_image
 
 PROMPT = prompt_with_images("see", None, "?")
 
@@ -70,3 +73,49 @@ async def test_a_cancelled_request_keeps_its_decode_slot_until_its_thread_ends(
     ids, mm = await asyncio.wait_for(behind, timeout=30)
     assert decodes.most <= DECODE_CONCURRENCY
     assert len(mm.images) == 1 and len(ids) > len(PROMPT)
+
+
+class _HashWatch:
+    """Stands in for ``hashlib`` in the placeholders module: while an image's pixels are hashed, asks the event
+    loop to run a callback and waits (at most ``timeout_s``) for it. A loop that does the hashing itself cannot
+    run it meanwhile; a loop left free runs it at once."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, timeout_s: float = 5.0) -> None:
+        self.loop = loop
+        self.timeout_s = timeout_s
+        self.loop_answered: list[bool] = []  # per hashed image: the loop ran a callback while it was hashed
+
+    def blake2b(self, **kwargs):
+        watch = self
+        real = hashlib.blake2b(**kwargs)
+
+        class Hasher:
+            def update(self, data: bytes) -> None:
+                if len(data) > 64:  # the pixels, not the size prefix
+                    answered = threading.Event()
+                    watch.loop.call_soon_threadsafe(answered.set)
+                    watch.loop_answered.append(answered.wait(watch.timeout_s))
+                real.update(data)
+
+            def digest(self) -> bytes:
+                return real.digest()
+
+        return Hasher()
+
+
+async def test_image_hashing_leaves_the_event_loop_free(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by review: each image's pixels were hashed (its prefix-cache key) on the engine's event loop; 64
+    images at Qwen2-VL's default pixel limit are about 190 MB, a stall of ~0.2 s per request in which every
+    other client's stream stood still. The hash now runs in the image's decode thread, in its decode slot."""
+    watch = _HashWatch(asyncio.get_running_loop())
+    monkeypatch.setattr(placeholders_module, "hashlib", watch)
+    loader = ImageLoader(Engine(EngineConfig(model_path="builtin:tiny-vl", max_total_tokens=1024)))
+    images = [random_image(56, 56, seed=1), random_image(56, 84, seed=2)]
+    prompt = prompt_with_images("see", None, "and", None, "?")
+    items = [base64.b64encode(encoded(image)).decode() for image in images]
+    _, mm = await asyncio.wait_for(loader.prepare(prompt, items, "image_data"), timeout=30)
+    assert watch.loop_answered == [True, True], "the event loop was busy hashing an image"
+    monkeypatch.setattr(placeholders_module, "hashlib", hashlib)
+    processor = loader.engine.vision.processor
+    assert [image.cache_key for image in mm.images] == [
+        placeholders_module.content_key(processor.resize(image)) for image in images]

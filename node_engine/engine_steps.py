@@ -82,11 +82,13 @@ class EngineSteps:
                                    f"unusable: {type(exc).__name__}: {exc}") from exc
             self._fail(step, exc)
             return
+        # a prefill-only request (n samples' shared prompt, a scoring request) samples a token it does not keep
+        num_generated = sum(1 for e in step.entries if e.samples and not e.request.prefill_only)
         changed = self.scheduler.postprocess(step, result)
         self._step_seconds[step.kind].observe(time.perf_counter() - started)
         if step.kind is StepKind.PREFILL:
             self.metrics.prompt_tokens.inc(step.num_tokens)
-        self.metrics.generated_tokens.inc(len(result.tokens))
+        self.metrics.generated_tokens.inc(num_generated)
         outputs = []
         now = time.monotonic()
         for request in changed:

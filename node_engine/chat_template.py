@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 from datetime import datetime
 from functools import lru_cache
-from typing import Any
+from typing import Any, Iterator
 
 import jinja2
 import jinja2.nodes
@@ -29,6 +29,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 __all__ = ["RESERVED_VARIABLES", "ChatTemplateError", "content_format", "render"]
 
+MAX_RENDERED_CHARS = 64 * 1024 * 1024  # far past any context window's text
 RESERVED_VARIABLES = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token", "tools",
                                 "documents"})
 
@@ -49,8 +50,9 @@ def render(source: str, messages: list[dict[str, Any]], *, add_generation_prompt
         raise ChatTemplateError("chat_template_kwargs may not set 'chat_template': a request-supplied chat template "
                                 "is not allowed (the model's is used)")
     try:
-        return _compile(source).render(**extra, messages=messages, add_generation_prompt=add_generation_prompt,
-                                       bos_token=bos_token, eos_token=eos_token, tools=tools, documents=None)
+        chunks = _compile(source).generate(**extra, messages=messages, add_generation_prompt=add_generation_prompt,
+                                           bos_token=bos_token, eos_token=eos_token, tools=tools, documents=None)
+        return _bounded_join(chunks)
     except jinja2.TemplateError as exc:
         raise ChatTemplateError(f"the chat template rejected the messages: {exc}") from exc
     except (TypeError, ValueError, KeyError, IndexError, AttributeError, ArithmeticError, RecursionError) as exc:
@@ -90,6 +92,19 @@ def _reads(node: jinja2.nodes.Node, name: str, key: str) -> bool:
 
 def _is_name(node: jinja2.nodes.Node, name: str) -> bool:
     return isinstance(node, jinja2.nodes.Name) and node.ctx == "load" and node.name == name
+
+
+def _bounded_join(chunks: Iterator[str]) -> str:
+    """The rendered text, refused once it passes :data:`MAX_RENDERED_CHARS` (a template looping over
+    ``range`` in ``range`` renders gigabytes)."""
+    parts: list[str] = []
+    size = 0
+    for chunk in chunks:
+        size += len(chunk)
+        if size > MAX_RENDERED_CHARS:
+            raise ChatTemplateError(f"the chat template rendered more than {MAX_RENDERED_CHARS} characters")
+        parts.append(chunk)
+    return "".join(parts)
 
 
 def _raise_exception(message: str) -> None:

@@ -80,8 +80,12 @@ class ModelRunner:
         if context_len > arch.max_position_embeddings:
             raise ConfigError(f"--context-length {context_len} exceeds the model's max_position_embeddings "
                               f"({arch.max_position_embeddings})")
-        self.rotary = RotaryTable(arch.head_dim, context_len, arch.rope_theta, arch.rope_scaling,
-                                  device=self.device, dtype=self.dtype)
+        flag = "--context-length" if config.context_length else f"--model-path {config.model_path}: " \
+            "max_position_embeddings"
+        with _flag_allocation(flag, context_len, "the rotary table of that many positions (a smaller "
+                                                 "--context-length takes less)"):
+            self.rotary = RotaryTable(arch.head_dim, context_len, arch.rope_theta, arch.rope_scaling,
+                                      device=self.device, dtype=self.dtype)
         self.model = self._allocate_weights()
         self.model.bind_rotary(self.rotary)
         self.packing = WeightPacking(self.model.packable_projections())

@@ -17,6 +17,8 @@ from typing import Any
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors
 
+from handoff.checkpoint.files import FileReader
+from handoff.service.peer_json import PeerJSONError, loads_bounded
 from node_engine.chat_template import ChatTemplateError, content_format, render
 from node_engine.model.arch import ModelConfigError
 from node_engine.model.builtin import BYTE_BOS_ID, BYTE_EOS_ID, BYTE_VOCAB_SIZE, VISION_SPECIAL_TOKENS
@@ -37,6 +39,8 @@ BUILTIN_VL_CHAT_TEMPLATE = (
 
 
 _GIL_FREE_ENCODE_CHARS = 16 * 1024
+MAX_TOKENIZER_BYTES = 256 * 1024 * 1024  # tokenizer.json: the largest published are tens of MB
+MAX_TOKENIZER_CONFIG_BYTES = 64 * 1024 * 1024  # tokenizer_config.json (chat templates inline), the others
 # What a model's generation_config.json may set for chat requests that leave it out (SGLang's
 # ModelConfig.get_default_sampling_params)
 SAMPLING_DEFAULT_KEYS = ("repetition_penalty", "temperature", "top_k", "top_p", "min_p")
@@ -60,29 +64,35 @@ class Tokenizer:
 
     @classmethod
     def from_folder(cls, folder: Path, extra_eos_ids: tuple[int, ...] = ()) -> "Tokenizer":
-        missing = [name for name in ("tokenizer.json", "tokenizer_config.json") if not (folder / name).is_file()]
+        reader = FileReader()  # regular files only, each read to the size it had when opened, at most a limit
+        missing = [name for name in ("tokenizer.json", "tokenizer_config.json") if not reader.exists(folder / name)]
         if missing:
             raise ModelConfigError(f"model folder {folder} is missing {', '.join(missing)}")
+        text = _read_text(reader, folder / "tokenizer.json", MAX_TOKENIZER_BYTES)
         try:
-            hf = HFTokenizer.from_file(str(folder / "tokenizer.json"))
-            config = json.loads((folder / "tokenizer_config.json").read_text())
+            hf = HFTokenizer.from_str(text)
         except Exception as exc:  # tokenizers raises its own exception type for bad files
-            raise ModelConfigError(f"cannot load the tokenizer of {folder}: {exc}") from exc
+            raise ModelConfigError(f"cannot load the tokenizer of {folder}: {str(exc)[:200]}") from exc
+        config = _read_object(reader, folder / "tokenizer_config.json")
         bos = _token_content(config.get("bos_token"))
         eos = _token_content(config.get("eos_token"))
         eos_ids = set(extra_eos_ids)
         gen_config = folder / "generation_config.json"
-        generation = json.loads(gen_config.read_text()) if gen_config.is_file() else {}
-        generation = generation if isinstance(generation, dict) else {}
+        generation = _read_object(reader, gen_config) if reader.exists(gen_config) else {}
         value = generation.get("eos_token_id")
-        eos_ids.update([value] if isinstance(value, int) else [v for v in value or [] if isinstance(v, int)])
+        eos_ids.update(v for v in (value if isinstance(value, list) else [value])
+                       if isinstance(v, int) and not isinstance(v, bool))
         if eos is not None and hf.token_to_id(eos) is not None:
             eos_ids.add(hf.token_to_id(eos))
         template = config.get("chat_template")
         if isinstance(template, list):  # named templates: take the default one
-            template = next((t.get("template") for t in template if t.get("name") == "default"), None)
-        if template is None and (folder / "chat_template.jinja").is_file():
-            template = (folder / "chat_template.jinja").read_text()
+            template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"),
+                            None)
+        if template is None and reader.exists(folder / "chat_template.jinja"):
+            template = _read_text(reader, folder / "chat_template.jinja", MAX_TOKENIZER_CONFIG_BYTES)
+        if template is not None and not isinstance(template, str):
+            raise ModelConfigError(f"{folder / 'tokenizer_config.json'}: chat_template must be a string or a list of "
+                                   f"named templates, got {type(template).__name__}")
         sampling_defaults = {key: generation[key] for key in SAMPLING_DEFAULT_KEYS
                              if isinstance(generation.get(key), (int, float)) and not isinstance(generation[key], bool)}
         return cls(hf, bos_token=bos, eos_token=eos, eos_token_ids=tuple(sorted(eos_ids)), chat_template=template,
@@ -146,6 +156,23 @@ class Tokenizer:
     def content_format(self) -> str:
         """How the chat template takes a message's content parts: ``"openai"`` (a list) or ``"string"``."""
         return content_format(self.chat_template) if self.chat_template else "string"
+
+
+def _read_text(reader: FileReader, path: Path, limit: int) -> str:
+    try:
+        return reader.read_small(path, limit).decode()
+    except UnicodeDecodeError as exc:
+        raise ModelConfigError(f"{path} is not UTF-8 text: {exc}") from None
+
+
+def _read_object(reader: FileReader, path: Path) -> dict[str, Any]:
+    try:
+        value = loads_bounded(reader.read_small(path, MAX_TOKENIZER_CONFIG_BYTES))
+    except PeerJSONError as exc:
+        raise ModelConfigError(f"{path} is not valid JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise ModelConfigError(f"{path} holds a JSON {type(value).__name__}, not an object")
+    return value
 
 
 def _token_content(value: Any) -> str | None:

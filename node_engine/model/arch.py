@@ -8,10 +8,12 @@ message that names it.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from handoff.checkpoint.files import FileReader
 from handoff.service.peer_json import PeerJSONError, loads_bounded
 from node_engine.model.errors import ModelConfigError
 from node_engine.vision.arch import VL_ARCHITECTURES, VisionArch, text_config_of, vision_arch_from_hf_config
@@ -31,9 +33,9 @@ class Llama3RopeScaling:
     original_max_position_embeddings: int
 
     def __post_init__(self) -> None:
-        for name in ("factor", "low_freq_factor", "high_freq_factor"):
-            if getattr(self, name) <= 0:
-                raise ModelConfigError(f"rope_scaling.{name} must be > 0, got {getattr(self, name)}")
+        for name in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
+            if not math.isfinite(getattr(self, name)) or getattr(self, name) <= 0:
+                raise ModelConfigError(f"rope_scaling.{name} must be a finite number > 0, got {getattr(self, name)}")
         if self.high_freq_factor <= self.low_freq_factor:
             raise ModelConfigError("rope_scaling.high_freq_factor must be > low_freq_factor")
 
@@ -74,8 +76,9 @@ class ModelArch:
             raise ModelConfigError(
                 f"num_attention_heads ({self.num_heads}) must be a multiple of num_key_value_heads "
                 f"({self.num_kv_heads})")
-        if self.rms_norm_eps <= 0 or self.rope_theta <= 0:
-            raise ModelConfigError("rms_norm_eps and rope_theta must be > 0")
+        if not (0 < self.rms_norm_eps < math.inf and 0 < self.rope_theta < math.inf):  # NaN fails both
+            raise ModelConfigError(f"rms_norm_eps and rope_theta must be finite numbers > 0, got "
+                                   f"{self.rms_norm_eps} and {self.rope_theta}")
         if (self.vision is not None) != (self.architecture in VL_ARCHITECTURES):
             raise ModelConfigError(f"architecture {self.architecture} and its vision tower do not match")
         if self.vision is not None and self.vision.out_hidden_size != self.hidden_size:
@@ -114,28 +117,29 @@ class ModelArch:
         if is_vl:
             config = text_config_of(config)
         try:
-            num_heads = int(config["num_attention_heads"])
-            hidden = int(config["hidden_size"])
+            num_heads = _integer(config, "num_attention_heads")
+            hidden = _integer(config, "hidden_size")
             arch_fields = dict(
                 architecture=arch,
-                vocab_size=int(config["vocab_size"]),
+                vocab_size=_integer(config, "vocab_size"),
                 hidden_size=hidden,
-                intermediate_size=int(config["intermediate_size"]),
-                num_layers=int(config["num_hidden_layers"]),
+                intermediate_size=_integer(config, "intermediate_size"),
+                num_layers=_integer(config, "num_hidden_layers"),
                 num_heads=num_heads,
-                num_kv_heads=int(config.get("num_key_value_heads") or num_heads),
-                head_dim=int(config.get("head_dim") or hidden // num_heads),
-                rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-                rope_theta=float(_rope_theta(config)),
-                max_position_embeddings=int(config.get("max_position_embeddings", 4096)),
-                tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+                num_kv_heads=_integer(config, "num_key_value_heads", num_heads),
+                head_dim=_integer(config, "head_dim", hidden // num_heads if num_heads > 0 else 0),
+                rms_norm_eps=_number(config, "rms_norm_eps", 1e-6),
+                rope_theta=_number(_rope_source(config), "rope_theta", 10000.0),
+                max_position_embeddings=_integer(config, "max_position_embeddings", 4096),
+                tie_word_embeddings=_flag(config, "tie_word_embeddings"),
                 # Qwen2 (and the VL models' Qwen2) always has q/k/v biases; Llama only with attention_bias.
-                attention_bias=arch != "LlamaForCausalLM" or bool(config.get("attention_bias", False)),
+                attention_bias=arch != "LlamaForCausalLM" or _flag(config, "attention_bias"),
             )
         except KeyError as exc:
             raise ModelConfigError(f"config.json is missing the field {exc.args[0]!r}") from exc
-        except (TypeError, ValueError) as exc:
-            raise ModelConfigError(f"config.json has a field of the wrong type: {exc}") from exc
+        if config.get("hidden_act", "silu") != "silu":  # the MLP computes SiLU(gate) * up, whatever is named
+            raise ModelConfigError(f"config field hidden_act={str(config.get('hidden_act'))[:40]!r} is not "
+                                   "supported; supported: silu")
         if config.get("mlp_bias"):
             raise ModelConfigError("config field mlp_bias=true is not supported")
         if arch != "LlamaForCausalLM" and config.get("use_sliding_window"):
@@ -148,12 +152,12 @@ class ModelArch:
     @classmethod
     def from_folder(cls, folder: Path) -> "ModelArch":
         path = folder / "config.json"
-        if not path.is_file():
+        reader = FileReader()
+        if not reader.exists(path):
             raise ModelConfigError(f"{path} is missing")
-        if path.stat().st_size > MAX_CONFIG_BYTES:
-            raise ModelConfigError(f"{path} is larger than {MAX_CONFIG_BYTES} bytes; no config.json is")
+        raw = reader.read_small(path, MAX_CONFIG_BYTES)  # a regular file, read to its size: not /proc, not a FIFO
         try:
-            config = loads_bounded(path.read_bytes())
+            config = loads_bounded(raw)
         except PeerJSONError as exc:
             raise ModelConfigError(f"{path} is not valid JSON: {exc}") from exc
         return cls.from_config(config, str(path))
@@ -173,11 +177,10 @@ class ModelArch:
                                    f"{str(exc)[:200]}") from exc
 
 
-def _rope_theta(config: dict[str, Any]) -> float:
+def _rope_source(config: dict[str, Any]) -> dict[str, Any]:
+    """Where ``rope_theta`` is: transformers 5's ``rope_parameters``, else the top level."""
     params = config.get("rope_parameters")
-    if isinstance(params, dict) and "rope_theta" in params:
-        return params["rope_theta"]
-    return config.get("rope_theta", 10000.0)
+    return params if isinstance(params, dict) and "rope_theta" in params else config
 
 
 def _parse_rope_scaling(config: dict[str, Any]) -> Llama3RopeScaling | None:
@@ -195,13 +198,46 @@ def _parse_rope_scaling(config: dict[str, Any]) -> Llama3RopeScaling | None:
         raise ModelConfigError(f"rope_scaling type {kind!r} is not supported; supported: llama3")
     try:
         return Llama3RopeScaling(
-            factor=float(scaling["factor"]),
-            low_freq_factor=float(scaling["low_freq_factor"]),
-            high_freq_factor=float(scaling["high_freq_factor"]),
-            original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
+            factor=_number(scaling, "factor"),
+            low_freq_factor=_number(scaling, "low_freq_factor"),
+            high_freq_factor=_number(scaling, "high_freq_factor"),
+            original_max_position_embeddings=_integer(scaling, "original_max_position_embeddings"),
         )
     except KeyError as exc:
         raise ModelConfigError(f"rope_scaling of type llama3 is missing {exc.args[0]!r}") from exc
+
+
+def _integer(config: dict[str, Any], name: str, default: int | None = None) -> int:
+    """A size field: a JSON integer (``2048.0`` too), never a boolean, a fraction or a string; a missing or null
+    field is ``default`` (None: required)."""
+    value = config.get(name)
+    if value is None:
+        if default is None:
+            raise KeyError(name)
+        return default
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ModelConfigError(f"config field {name} must be an integer, got {str(value)[:40]!r}")
+    return value
+
+
+def _number(config: dict[str, Any], name: str, default: float | None = None) -> float:
+    value = config.get(name)
+    if value is None:
+        if default is None:
+            raise KeyError(name)
+        return default
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise ModelConfigError(f"config field {name} must be a number, got {str(value)[:40]!r}")
+    return float(value)
+
+
+def _flag(config: dict[str, Any], name: str) -> bool:
+    value = config.get(name, False)
+    if not isinstance(value, bool):
+        raise ModelConfigError(f"config field {name} must be true or false, got {str(value)[:40]!r}")
+    return value
 
 
 def _optional_int(value: Any) -> int | None:

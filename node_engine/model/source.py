@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import re
 from pathlib import Path
 from typing import Iterator
 
 from node_engine.config import ConfigError, EngineConfig
 from node_engine.model.arch import ModelArch, ModelConfigError
 from node_engine.model.builtin import builtin_arch, is_builtin
-from node_engine.model.loader import checkpoint_files
+from node_engine.model.loader import read_header
 from node_engine.tokenizer import Tokenizer
 
 VISION_FLAGS = ("max_image_tokens", "visual_batch_max_tokens", "vision_reserve_mb")
@@ -27,12 +28,40 @@ def load_model_source(config: EngineConfig) -> tuple[ModelArch, Tokenizer]:
     folder = Path(config.model_path)
     with _naming(f"--model-path {config.model_path}"):
         arch = ModelArch.from_folder(folder)
-        checkpoint_files(folder)
+        check_sizes(arch, folder)  # before anything is allocated for the sizes config.json gives
         tokenizer = Tokenizer.from_folder(folder, extra_eos_ids=arch.eos_token_ids)
         if tokenizer.vocab_size > arch.vocab_size:
             raise ModelConfigError(f"the tokenizer has {tokenizer.vocab_size} tokens, the model only "
                                    f"{arch.vocab_size}")
+        outside = [i for i in tokenizer.eos_token_ids if not 0 <= i < arch.vocab_size]
+        if outside:  # a stop token past the logits: min_new_tokens would index out of them
+            raise ModelConfigError(f"eos_token_id {outside[0]} is not a token of the model's {arch.vocab_size}")
     return arch, tokenizer
+
+
+_LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def check_sizes(arch: ModelArch, folder: Path) -> None:
+    """The sizes ``config.json`` gives, checked against the checkpoint's headers before anything is allocated
+    for them: as many decoder layers as the checkpoint holds, and the shapes of the embeddings and of layer 0
+    (every layer's are the same). A config of a billion layers or a vocabulary of 2^40 is one clear error, not
+    an allocation of that size; what else is wrong (missing keys too) is named once the model is allocated
+    (:func:`~node_engine.model.loader.load_weights`)."""
+    entries = read_header(folder)
+    layers = {int(match.group(1)) for key in entries if (match := _LAYER_KEY.match(key))}
+    if len(layers) != arch.num_layers or max(layers) != arch.num_layers - 1:  # distinct: 0 to num_layers - 1
+        held = f"layers 0 to {max(layers)}" if layers and max(layers) == len(layers) - 1 else f"{len(layers)} layers"
+        raise ModelConfigError(f"config.json gives num_hidden_layers {arch.num_layers}; the checkpoint holds "
+                               f"{held if layers else 'no layers'}")
+    h, q, kv, inter = arch.hidden_size, arch.q_size, arch.kv_size, arch.intermediate_size
+    expected = {"model.embed_tokens.weight": (arch.vocab_size, h), "model.layers.0.self_attn.q_proj.weight": (q, h),
+                "model.layers.0.self_attn.k_proj.weight": (kv, h), "model.layers.0.self_attn.o_proj.weight": (h, q),
+                "model.layers.0.mlp.gate_proj.weight": (inter, h), "model.layers.0.mlp.down_proj.weight": (h, inter)}
+    wrong = [f"{key} has shape {list(entries[key].shape)}, config.json gives {list(shape)}"
+             for key, shape in expected.items() if key in entries and entries[key].shape != shape]
+    if wrong:
+        raise ModelConfigError("the checkpoint does not match its config.json: " + "; ".join(wrong))
 
 
 @contextlib.contextmanager

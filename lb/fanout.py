@@ -33,6 +33,7 @@ time to answer instead of being reported timed out while it drains.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from typing import Any, Mapping
@@ -111,18 +112,19 @@ class FanOut:
         started = time.perf_counter()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
-        fences = [node.fence() if path in FENCING_PATHS else None for node in nodes]
-        sent = self._client.start_many(method, [node.url + path for node in nodes], headers=headers, body=body,
-                                       timeout=timeout_s, answer_caps=ANSWER_CAPS)
         results: list[NodeResult | None] = [None] * len(nodes)
         checks: dict[asyncio.Future[None], Fence | None] = {}
-        try:
-            await self._read_answers(nodes, fences, sent, path, timeout_s, results, checks)
-            if checks:
-                await asyncio.wait(checks, timeout=max(0.0, deadline - loop.time()))
-        finally:
-            unread = [index for index, result in enumerate(results) if result is None]  # left by a cancellation
-            self._abandon([sent[index] for index in unread], [fences[index] for index in unread], checks)
+        with contextlib.ExitStack() as held:  # at its exit, whatever ends the call, every fence is lifted that
+            # no check in the background took over (hand_over)
+            fences = [held.enter_context(node.fence()) if path in FENCING_PATHS else None for node in nodes]
+            sent = self._client.start_many(method, [node.url + path for node in nodes], headers=headers,
+                                           body=body, timeout=timeout_s, answer_caps=ANSWER_CAPS)
+            try:
+                await self._read_answers(nodes, fences, sent, path, timeout_s, results, checks)
+                if checks:
+                    await asyncio.wait(checks, timeout=max(0.0, deadline - loop.time()))
+            finally:
+                self._abandon([request for request, result in zip(sent, results) if result is None], checks)
         duration_s = time.perf_counter() - started
         self._metrics.fanout_seconds.labels(path=path).observe(duration_s)
         return self.answer(method, path, [result for result in results if result is not None], duration_s)
@@ -184,36 +186,30 @@ class FanOut:
         elif result.status is not None and path in RECHECKED_PATHS:
             return asyncio.ensure_future(self._health.check(node))
         elif fence is not None or path in RECHECKED_PATHS:
-            self._finish_in_background(asyncio.ensure_future(self._health.check(node)), fence)
+            self._finish_in_background(asyncio.ensure_future(self._health.check(node)),
+                                       None if fence is None else fence.hand_over())
             return None
         if fence is not None:
             fence.lift()
         return None
 
-    def _abandon(self, unread: list[PendingRequest | UpstreamError], fences: list[Fence | None],
+    def _abandon(self, unread: list[PendingRequest | UpstreamError],
                  checks: dict[asyncio.Future[None], Fence | None]) -> None:
-        """What a fan-out leaves when it ends (or is cancelled): requests whose answer was never read closed and
-        their fences lifted; checks done lift their fence, the others do in the background."""
+        """What a fan-out leaves when it ends (or is cancelled): requests whose answer was never read (left by a
+        cancellation) closed; checks not done go on in the background, each holding its node's fence (the others
+        are lifted as the fan-out's block exits)."""
         for request in unread:
             if isinstance(request, PendingRequest):
                 request.close()
-        for fence in fences:
-            if fence is not None:
-                fence.lift()
         for check, fence in checks.items():
-            if check.done():
-                if fence is not None:
-                    fence.lift()
-            else:
-                self._finish_in_background(check, fence)
+            if not check.done():
+                self._finish_in_background(check, None if fence is None else fence.hand_over())
 
     def _finish_in_background(self, check: asyncio.Future[None], fence: Fence | None) -> None:
+        """Wait for ``check`` in the background, holding ``fence`` (lifted when the check ends, however)."""
         async def settle() -> None:
-            try:
+            with fence or contextlib.nullcontext():
                 await check
-            finally:
-                if fence is not None:
-                    fence.lift()
 
         task = asyncio.ensure_future(settle())
         self._background.add(task)

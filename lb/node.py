@@ -255,7 +255,10 @@ class Fence:
     """One reason not to route generation to a node; :meth:`lift` (once, idempotent) removes it.
 
     A fence travels with the work that needs it (a fan-out call, then perhaps a
-    check of the node in the background) and is lifted when that work ends.
+    check of the node in the background) and is lifted when that work ends. Use
+    it as a context manager around that work; work that goes on after the block
+    (a check in the background) takes it with :meth:`hand_over`, and the
+    block's exit then leaves it alone.
     """
 
     __slots__ = ("_node", "_is_lifted")
@@ -268,6 +271,13 @@ class Fence:
         if not self._is_lifted:
             self._is_lifted = True
             self._node._lift_fence()
+
+    def hand_over(self) -> Fence:
+        """The same fence, owned by a new object; this one no longer lifts it (already lifted: RuntimeError)."""
+        if self._is_lifted:
+            raise RuntimeError(f"fence on {self._node.url} was already lifted")
+        self._is_lifted = True
+        return Fence(self._node)
 
     def __enter__(self) -> Fence:
         return self

@@ -119,3 +119,46 @@ async def test_a_check_under_way_when_a_control_answer_came_does_not_undo_it() -
         await asyncio.wait_for(check, 5)
         assert node.is_routable
     await client.aclose()
+
+
+class _Injected(RuntimeError):
+    """A failure injected where the fan-out calls code it does not own (no node's fault)."""
+
+
+async def test_a_failure_in_start_many_leaves_no_node_fenced(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fences of a release were taken before the requests were started and outside the block that lifts
+    them: an exception out of ``start_many`` other than an upstream error left every node fenced for good, serving
+    nothing (found by review)."""
+    client = UpstreamClient()
+    async with ScriptedServer(lambda conn: conn.read_request()) as server:
+        fanout, nodes, _ = make_fanout(client, [server.url])
+
+        def broken(*args: object, **kwargs: object) -> None:
+            raise _Injected("injected")
+
+        monkeypatch.setattr(client, "start_many", broken)
+        with pytest.raises(_Injected):
+            await fanout.run("POST", "/release_memory_occupation", b"{}", "application/json", None, 5.0)
+        assert nodes[0].num_fences == 0 and nodes[0].is_routable
+    await client.aclose()
+
+
+async def test_a_failure_applying_a_nodes_state_leaves_no_node_fenced(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A node whose answer was read had its fence lifted only where its state was applied: an exception there
+    left that node fenced for good (the others' were lifted), serving nothing (found by review)."""
+    async def answer(conn: Conn) -> None:
+        while await conn.read_request() is not None:
+            await conn.respond(200, b'{"success": true}', extra=STATE)
+
+    client = UpstreamClient()
+    async with ScriptedServer(answer) as first, ScriptedServer(answer) as second:
+        fanout, nodes, health = make_fanout(client, [first.url, second.url])
+
+        def broken(*args: object) -> None:
+            raise _Injected("injected")
+
+        monkeypatch.setattr(health, "apply_state", broken)
+        with pytest.raises(_Injected):
+            await fanout.run("POST", "/pause_generation", b"{}", "application/json", None, 5.0)
+        assert [node.num_fences for node in nodes] == [0, 0]
+    await client.aclose()

@@ -113,8 +113,13 @@ def test_router_skips_fenced_and_released_and_falls_back_to_holding_nodes() -> N
         router.pick(Role.MIXED, exclude=[holding])
     assert info.value.headers["Retry-After"] == "2"
     assert "release or pause in progress" in info.value.message
-    fence.lift()
-    fence.lift()  # lifting twice lifts once
+    with fence:
+        kept = fence.hand_over()  # work that goes on after the block takes the fence; the block leaves it alone
+    assert fenced.num_fences == 1
+    with pytest.raises(RuntimeError):
+        fence.hand_over()
+    kept.lift()
+    kept.lift()  # lifting twice lifts once
     assert fenced.num_fences == 0
     assert router.pick(Role.MIXED) is fenced
 

@@ -240,6 +240,8 @@ def _one_reader_releases(raw: bytes, num_nodes: int, releaser: int) -> list[byte
         return [raw] * num_nodes  # the nodes refuse it, each with its own 400
     if not isinstance(body, dict):
         return [raw] * num_nodes
+    if not isinstance(body.get("release_sender_reference", True), bool):  # rewritten below for all but one node
+        raise InvalidRequest("release_sender_reference: Input should be a valid boolean; nothing was sent")
     borrowing = _json({**body, "release_sender_reference": False})
     releasing = _json({**body, "release_sender_reference": body.get("release_sender_reference", True)})
     return [releasing if index == releaser else borrowing for index in range(num_nodes)]

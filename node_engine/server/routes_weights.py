@@ -10,7 +10,7 @@ from handoff.protocol.weights import (BeginWeightUpdateBody, DestroyWeightsUpdat
                                       InitWeightsUpdateGroupBody, UpdateWeightsFromDistributedBody,
                                       UpdateWeightsFromTensorBody, UpdateWeightVersionBody)
 from handoff.service.bodies import openapi_body, parse_body
-from handoff.service.errors import InvalidRequest
+from handoff.service.errors import Unsupported
 from node_engine.engine import Engine
 
 router = APIRouter()
@@ -28,7 +28,8 @@ async def update_weights_from_disk(request: Request) -> JSONResponse:
     engine = _engine(request)
     body = await parse_body(request, UpdateWeightsFromDiskBody)
     if body.load_format not in DISK_LOAD_FORMATS:
-        raise InvalidRequest(f"load_format {body.load_format!r} is not supported; use safetensors")
+        raise Unsupported(f"load_format {body.load_format[:200]!r} is not supported by this engine; use "
+                          "safetensors (or auto)")
     if body.dry_run:
         return JSONResponse(await engine.weights.check_disk(body.model_path))
     return JSONResponse(await engine.weights.update_from_disk(body))

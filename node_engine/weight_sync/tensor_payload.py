@@ -10,8 +10,9 @@ One base64 string per tensor-parallel rank (this engine is rank 0 of 1), each a
   "metadata": [FlattenedTensorMetadata, ...]}``: every tensor a view into one buffer.
 
 Everything is checked as it is decoded: types, counts, each flattened entry's
-byte range against the buffer. Tensors stay where the sender put them (shared
-memory, or the device behind a CUDA IPC handle); the engine copies from them.
+byte range against the buffer, and the entries laid end to end over all of it.
+Tensors stay where the sender put them (shared memory, or the device behind a
+CUDA IPC handle); the engine copies from them.
 """
 
 from __future__ import annotations
@@ -37,12 +38,13 @@ def decode_payload(serialized_named_tensors: list[str], load_format: str | None,
                    cancel: threading.Event | None = None) -> list[tuple[str, torch.Tensor]]:
     """This rank's ``(name, tensor)`` pairs; :class:`UnsafePayload` for anything else. ``cancel`` set (the
     caller's deadline passed) stops the decode soon, wherever it is."""
-    try:
-        raw = base64.b64decode(serialized_named_tensors[TP_RANK], validate=True)
-    except (binascii.Error, ValueError) as exc:
-        raise UnsafePayload(f"serialized_named_tensors[{TP_RANK}] is not base64: {exc}") from exc
     budget = PayloadBudget(cancel)
-    value = restricted_loads(raw, budget, release_sender_reference=release_sender_reference)
+    value = restricted_loads(_base64(serialized_named_tensors, TP_RANK), budget,
+                             release_sender_reference=release_sender_reference)
+    # SGLang decodes every rank's entry, each rank reading its own: one that is no payload is refused there too
+    for index in range(len(serialized_named_tensors)):
+        if index != TP_RANK:
+            _base64(serialized_named_tensors, index)
     try:
         if load_format == "flattened_bucket":
             return _from_bucket(value)
@@ -53,6 +55,13 @@ def decode_payload(serialized_named_tensors: list[str], load_format: str | None,
         # what the checks above did not foresee in a payload's values is still the payload's fault
         raise UnsafePayload(f"the payload holds something that is not a tensor payload: {type(exc).__name__}: "
                             f"{str(exc)[:200]}") from exc
+
+
+def _base64(entries: list[str], index: int) -> bytes:
+    try:
+        return base64.b64decode(entries[index], validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise UnsafePayload(f"serialized_named_tensors[{index}] is not base64: {exc}") from exc
 
 
 def _from_pairs(value: Any, budget: PayloadBudget, release_sender_reference: bool) -> list[tuple[str, torch.Tensor]]:
@@ -91,11 +100,29 @@ def _from_bucket(value: Any) -> list[tuple[str, torch.Tensor]]:
             raise UnsafePayload("metadata entries must be FlattenedTensorMetadata")
         num_bytes = meta.dtype.itemsize * math.prod(meta.shape)
         if (not 0 <= meta.start_idx <= meta.end_idx <= flat.numel() or meta.end_idx - meta.start_idx != num_bytes
-                or meta.start_idx % meta.dtype.itemsize):
-            raise UnsafePayload(f"{meta.name[:200]}: bytes [{meta.start_idx}, {meta.end_idx}) do not hold a "
-                                f"{meta.dtype} tensor of shape {list(meta.shape)} inside a buffer of {flat.numel()}")
+                or meta.numel != num_bytes or meta.start_idx % meta.dtype.itemsize):
+            raise UnsafePayload(f"{meta.name[:200]}: bytes [{meta.start_idx}, {meta.end_idx}) (numel {meta.numel}) "
+                                f"do not hold a {meta.dtype} tensor of shape {list(meta.shape)} inside a buffer of "
+                                f"{flat.numel()}")
         try:
             pairs.append((meta.name, flat[meta.start_idx:meta.end_idx].view(meta.dtype).reshape(meta.shape)))
         except RuntimeError as exc:  # a view the buffer's alignment does not allow
             raise UnsafePayload(f"{meta.name[:200]}: {exc}") from exc
+    _check_tiling(metadata, flat.numel())
     return pairs
+
+
+def _check_tiling(metadata: list[FlattenedTensorMetadata], buffer_bytes: int) -> None:
+    """SGLang's bucket lays its tensors end to end over the whole buffer: a gap, an overlap or bytes past the last
+    entry mean the metadata is not the buffer's (entries lost or made up), and loading it would be a partial or
+    garbled update."""
+    end = 0
+    for meta in sorted(metadata, key=lambda m: (m.start_idx, m.end_idx)):
+        if meta.start_idx != end:
+            what = "overlap" if meta.start_idx < end else "leave a gap"
+            raise UnsafePayload(f"the bucket's metadata entries {what} at byte {min(end, meta.start_idx)} "
+                                f"({meta.name[:200]}): they must lie end to end over the buffer")
+        end = meta.end_idx
+    if end != buffer_bytes:
+        raise UnsafePayload(f"the bucket's metadata covers {end} bytes of a buffer of {buffer_bytes}: entries are "
+                            "missing")

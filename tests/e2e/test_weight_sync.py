@@ -304,3 +304,16 @@ def test_an_abandoned_join_stops_and_never_pairs_with_a_later_trainer(tmp_path: 
             assert r.status_code == 200, r.text
     finally:
         proc.stop()
+
+
+def test_a_push_with_a_bad_release_flag_is_refused_by_every_node(cluster, lb, weights) -> None:
+    """The LB rewrites ``release_sender_reference`` to false for all nodes but one; a value that is no boolean was
+    replaced for those nodes, so one node refused the push (400) and the others loaded it: a 502 and a half-updated
+    cluster for a body that is simply invalid."""
+    before = [greedy(node.url) for node in cluster.nodes]
+    payload = serialize_named_tensors(weights["new"].items())
+    r = lb.post("/update_weights_from_tensor", json={"serialized_named_tensors": [payload], "weight_version": "bad",
+                                                     "release_sender_reference": "no"})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request", r.text
+    assert [greedy(node.url) for node in cluster.nodes] == before
+    assert {v["weight_version"] for v in lb.get("/get_weight_version").json()["nodes"]} == {"default"}

@@ -15,7 +15,8 @@ import torch
 from handoff.weight_sync import serialize_named_tensors
 from node_engine.weight_sync.unpickler import UnsafePayload, restricted_loads
 from tests.support.procs import ServerProcess
-from tests.support.sglang_payloads import FlattenedTensorMetadata, b64, flattened_payload, serialize, verl_payload
+from tests.support.sglang_payloads import (FlattenedTensorMetadata, b64, flatten_bucket, flattened_payload, serialize,
+                                         verl_payload)
 from tests.support.weights import greedy, save_tiny, tiny_weights
 
 @pytest.fixture(scope="module")
@@ -215,3 +216,48 @@ def test_a_name_of_megabytes_is_cut_in_the_answer(pushed, new_weights, where: st
     r = push(pushed, payload)
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request", r.text[:300]
     assert len(r.content) < 2000, r.text[:300]
+
+
+@pytest.mark.parametrize("change", ["entries missing", "entries overlap", "numel disagrees"])
+def test_bucket_metadata_that_is_not_the_buffers_is_400(pushed, new_weights, change: str) -> None:
+    """A flattened bucket's metadata that does not lay its tensors end to end over the whole buffer (SGLang's
+    layout) was loaded as far as it went: a bucket that lost entries was a 200 and a partial update."""
+    before = greedy(pushed)
+    named = [(name, new_weights[name]) for name in ("model.norm.weight", "model.layers.0.input_layernorm.weight",
+                                                    "model.layers.0.post_attention_layernorm.weight")]
+    bucket = flatten_bucket(named)
+    metadata = bucket["metadata"]
+    if change == "entries missing":
+        metadata = metadata[:2]
+    elif change == "entries overlap":  # the third read from the second's bytes (the same size)
+        third = metadata[2]
+        metadata[2] = FlattenedTensorMetadata(third.name, third.shape, third.dtype, metadata[1].start_idx,
+                                              metadata[1].end_idx, third.numel)
+    else:
+        metadata[0].numel += 4
+    payload = b64(serialize({"flattened_tensor": bucket["flattened_tensor"], "metadata": metadata}))
+    r = push(pushed, payload, load_format="flattened_bucket", weight_version="bad")
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request", r.text
+    assert greedy(pushed) == before
+    assert httpx.get(pushed + "/get_weight_version").json()["weight_version"] == "default"
+
+
+def test_an_entry_for_another_rank_that_is_no_payload_is_400(pushed, new_weights) -> None:
+    """Only rank 0's entry was decoded: a second entry that is not base64 (SGLang decodes every one) was a 200."""
+    before = greedy(pushed)
+    good = serialize_named_tensors([("model.norm.weight", new_weights["model.norm.weight"])])
+    r = httpx.post(pushed + "/update_weights_from_tensor", timeout=60,
+                   json={"serialized_named_tensors": [good, "not base64!"], "weight_version": "bad"})
+    assert r.status_code == 400 and "serialized_named_tensors[1]" in r.json()["error"]["message"], r.text
+    assert greedy(pushed) == before
+    assert httpx.get(pushed + "/get_weight_version").json()["weight_version"] == "default"
+
+
+@pytest.mark.parametrize("load_format", ["pt", "gguf", "dummy"])
+def test_a_disk_load_format_this_engine_cannot_read_is_400_unsupported(engines, load_format: str) -> None:
+    """SGLang's other ``load_format`` values are valid fields this engine cannot do: SPEC's 400 ``unsupported``
+    naming the field (as the vLLM adapter answers), not ``invalid_request``."""
+    r = httpx.post(engines[0].url + "/update_weights_from_disk", json={"model_path": "/nonexistent",
+                                                                       "load_format": load_format})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "unsupported", r.text
+    assert "load_format" in r.json()["error"]["message"]

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import weakref
 from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 import httpx
 
 from handoff.client.answers import AnswerReader, decode, error_of, node_list, transport_failure
-from handoff.client.calls import RetryPolicy, _Base, _Call, _Calls, _control, _retry_delay, _SseDecoder, _time_left
+from handoff.client.calls import (DEFAULT_MAX_CONNECTIONS, RetryPolicy, _Base, _Call, _Calls, _control,
+                                  _retry_delay, _SseDecoder, _time_left)
 from handoff.client.errors import FanoutResult, HandoffError, ServiceUnavailable
 
 T = TypeVar("T")
@@ -19,12 +21,27 @@ class AsyncHandoffClient(_Base):
 
     def __init__(self, base_url: str, *, admin_token: str | None = None, api_key: str | None = None,
                  timeout: float = 600.0, retry: RetryPolicy | None = None, max_answer_bytes: int | None = None,
+                 max_connections: int = DEFAULT_MAX_CONNECTIONS,
                  transport: httpx.AsyncBaseTransport | None = None) -> None:
         super().__init__(base_url, admin_token=admin_token, api_key=api_key, retry=retry, timeout=timeout,
-                         max_answer_bytes=max_answer_bytes)
-        self._http = httpx.AsyncClient(base_url=self.base_url, timeout=timeout, transport=transport)
+                         max_answer_bytes=max_answer_bytes, max_connections=max_connections)
+        self._http = httpx.AsyncClient(base_url=self.base_url, timeout=timeout, transport=transport,
+                                       limits=self._limits)
+        self._loop: weakref.ref[asyncio.AbstractEventLoop] | None = None
+
+    def _check_loop(self) -> None:
+        """Bind the client to the event loop of its first call; a call from another raises before anything is
+        sent: the pooled connections belong to the first loop (used from another, they fail with httpx's "Event
+        loop is closed", or worse, while that loop still runs)."""
+        loop = asyncio.get_running_loop()
+        if self._loop is None:
+            self._loop = weakref.ref(loop)
+        elif self._loop() is not loop:
+            raise RuntimeError("this AsyncHandoffClient was first used on another event loop, whose connections "
+                               "it pools: make one client per event loop (per asyncio.run)")
 
     async def _send(self, call: _Call) -> Any:
+        self._check_loop()
         deadline = self._deadline_of(call)
         return await self._retrying(lambda: self._once(call, deadline), deadline)
 
@@ -66,6 +83,7 @@ class AsyncHandoffClient(_Base):
                               sampling_params: dict[str, Any] | None = None,
                               **extra: Any) -> AsyncIterator[dict[str, Any]]:
         call = _Calls.generate(text, input_ids, sampling_params, True, extra)
+        self._check_loop()
         deadline = self._deadline_of(call)
         response = await self._retrying(lambda: self._open_stream(call, deadline), deadline)
         try:

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
+import httpx
+
 from handoff.client.answers import DEFAULT_MAX_ANSWER_BYTES, envelope_fields
 from handoff.client.errors import HandoffError, ServiceUnavailable
 from handoff.protocol.bearer import checked_token
@@ -17,6 +19,7 @@ from handoff.service.peer_json import PeerJSONError, loads_bounded
 DEFAULT_CONTROL_TIMEOUT_S = 120.0
 DEFAULT_WEIGHT_SYNC_TIMEOUT_S = 600.0  # the LB's per-node default for the calls that move weights, disk reloads too
 _MARGIN_S = 10.0  # the LB answers within the per-node timeout; give its answer time to arrive
+DEFAULT_MAX_CONNECTIONS = 1024  # calls in flight at once (httpx's own default, 100, queues a rollout's gather)
 
 
 @dataclass(frozen=True)
@@ -241,9 +244,11 @@ class _SseDecoder:
 
 class _Base:
     def __init__(self, base_url: str, *, admin_token: str | None, api_key: str | None,
-                 retry: RetryPolicy | None, timeout: float, max_answer_bytes: int | None) -> None:
+                 retry: RetryPolicy | None, timeout: float, max_answer_bytes: int | None,
+                 max_connections: int) -> None:
         """Raises ``ValueError`` naming the parameter (never a token's value) for a URL that is not
-        ``http(s)://host[:port]``, a timeout that is not a positive number, or a token that cannot be sent."""
+        ``http(s)://host[:port]``, a timeout that is not a positive number, a token that cannot be sent, or a
+        ``max_connections`` below 1."""
         self.base_url = _checked_base_url(base_url)
         problem = seconds_problem(timeout)
         if problem is not None:  # past a week, Python's own waits overflow (OverflowError from a call)
@@ -251,6 +256,10 @@ class _Base:
         self.retry = retry or RetryPolicy()
         self.timeout_s = float(timeout)
         self.max_answer_bytes = max_answer_bytes or DEFAULT_MAX_ANSWER_BYTES
+        if isinstance(max_connections, bool) or not isinstance(max_connections, int) or max_connections < 1:
+            raise ValueError(f"max_connections must be an integer >= 1, got {max_connections!r}")
+        # every call in flight at once has a connection; idle ones are kept for the next wave of calls
+        self._limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
         admin = checked_token(admin_token, "admin_token") if admin_token else None  # "" or None: no token
         api = checked_token(api_key, "api_key") if api_key else None
         # the services take the admin token wherever they take the API key, and with no admin token set, the API

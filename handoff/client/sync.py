@@ -11,7 +11,8 @@ from typing import Any, Callable, Iterator, TypeVar
 import httpx
 
 from handoff.client.answers import AnswerReader, decode, error_of, node_list, transport_failure
-from handoff.client.calls import RetryPolicy, _Base, _Call, _Calls, _control, _retry_delay, _SseDecoder, _time_left
+from handoff.client.calls import (DEFAULT_MAX_CONNECTIONS, RetryPolicy, _Base, _Call, _Calls, _control,
+                                  _retry_delay, _SseDecoder, _time_left)
 from handoff.client.errors import FanoutResult, HandoffError, ServiceUnavailable
 
 T = TypeVar("T")
@@ -57,13 +58,16 @@ class HandoffClient(_Base):
 
     def __init__(self, base_url: str, *, admin_token: str | None = None, api_key: str | None = None,
                  timeout: float = 600.0, retry: RetryPolicy | None = None, max_answer_bytes: int | None = None,
+                 max_connections: int = DEFAULT_MAX_CONNECTIONS,
                  transport: httpx.BaseTransport | None = None) -> None:
         """``timeout``: a call's whole time, answer included (control calls: at least the LB's per-node default
         plus a margin, or what their own ``timeout`` says); ``max_answer_bytes``: the longest non-stream
-        answer read (default 256 MiB, the LB's cap)."""
+        answer read (default 256 MiB, the LB's cap); ``max_connections``: the calls in flight at once (more wait
+        for a connection, within their timeout)."""
         super().__init__(base_url, admin_token=admin_token, api_key=api_key, retry=retry, timeout=timeout,
-                         max_answer_bytes=max_answer_bytes)
-        self._http = httpx.Client(base_url=self.base_url, timeout=timeout, transport=transport)
+                         max_answer_bytes=max_answer_bytes, max_connections=max_connections)
+        self._http = httpx.Client(base_url=self.base_url, timeout=timeout, transport=transport,
+                                  limits=self._limits)
 
     def _send(self, call: _Call) -> Any:
         deadline = self._deadline_of(call)

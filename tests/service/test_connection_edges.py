@@ -20,6 +20,7 @@ from starlette.types import Receive, Scope, Send
 
 from handoff.service.head_timeout import MAX_HEAD_BYTES, HeadTimeoutProtocol
 from handoff.service.http_protocol import ServiceProtocol
+from tests.support.lifespan import answered_lifespan
 from tests.support.procs import wait_until
 
 HEAD_TIMEOUT_S = 0.5
@@ -27,10 +28,7 @@ SLOW_S = 1.5  # /slow answers after this long: longer than the head timeout
 
 
 async def app(scope: Scope, receive: Receive, send: Send) -> None:
-    if scope["type"] == "lifespan":
-        while (await receive())["type"] != "lifespan.shutdown":
-            await send({"type": "lifespan.startup.complete"})
-        await send({"type": "lifespan.shutdown.complete"})
+    if await answered_lifespan(scope, receive, send):
         return
     while (await receive()).get("more_body"):
         pass

@@ -25,16 +25,14 @@ from hypothesis import strategies as st
 from starlette.types import Receive, Scope, Send
 
 from handoff.service.http_protocol import ServiceProtocol
+from tests.support.lifespan import answered_lifespan
 
 pytestmark = pytest.mark.timeout(120)
 SECOND = b"GET /second HTTP/1.1\r\nHost: x\r\n\r\n"
 
 
 async def echo(scope: Scope, receive: Receive, send: Send) -> None:
-    if scope["type"] == "lifespan":
-        while (await receive())["type"] != "lifespan.shutdown":
-            await send({"type": "lifespan.startup.complete"})
-        await send({"type": "lifespan.shutdown.complete"})
+    if await answered_lifespan(scope, receive, send):
         return
     body = b""
     while True:

@@ -16,16 +16,14 @@ import uvicorn
 from starlette.types import Receive, Scope, Send
 
 from handoff.service.http_protocol import ServiceProtocol
+from tests.support.lifespan import answered_lifespan
 
 pytestmark = pytest.mark.timeout(60)
 EVENTS = [b"data: {\"text\": \"a\"}\n\n", b"data: [DONE]\n\n"]
 
 
 async def app(scope: Scope, receive: Receive, send: Send) -> None:
-    if scope["type"] == "lifespan":
-        while (await receive())["type"] != "lifespan.shutdown":
-            await send({"type": "lifespan.startup.complete"})
-        await send({"type": "lifespan.shutdown.complete"})
+    if await answered_lifespan(scope, receive, send):
         return
     while (await receive()).get("more_body"):
         pass

@@ -114,9 +114,8 @@ class FanOut:
         deadline = loop.time() + timeout_s
         results: list[NodeResult | None] = [None] * len(nodes)
         checks: dict[asyncio.Future[None], Fence | None] = {}
-        with contextlib.ExitStack() as held:  # at its exit, whatever ends the call, every fence is lifted that
-            # no check in the background took over (hand_over)
-            fences = [held.enter_context(node.fence()) if path in FENCING_PATHS else None for node in nodes]
+        fences = [node.fence() if path in FENCING_PATHS else None for node in nodes]
+        try:
             sent = self._client.start_many(method, [node.url + path for node in nodes], headers=headers,
                                            body=body, timeout=timeout_s, answer_caps=ANSWER_CAPS)
             try:
@@ -125,6 +124,10 @@ class FanOut:
                     await asyncio.wait(checks, timeout=max(0.0, deadline - loop.time()))
             finally:
                 self._abandon([request for request, result in zip(sent, results) if result is None], checks)
+        finally:  # whatever ends the call, every fence is lifted that no check in the background took over
+            for fence in fences:  # (hand_over); one loop, not an exit stack of 128 contexts on every release
+                if fence is not None:
+                    fence.lift()
         duration_s = time.perf_counter() - started
         self._metrics.fanout_seconds.labels(path=path).observe(duration_s)
         return self.answer(method, path, [result for result in results if result is not None], duration_s)

@@ -248,16 +248,18 @@ class _Base:
                  max_connections: int) -> None:
         """Raises ``ValueError`` naming the parameter (never a token's value) for a URL that is not
         ``http(s)://host[:port]``, a timeout that is not a positive number, a token that cannot be sent, or a
-        ``max_connections`` below 1."""
+        ``max_answer_bytes`` (None: the default) or ``max_connections`` below 1."""
         self.base_url = _checked_base_url(base_url)
         problem = seconds_problem(timeout)
         if problem is not None:  # past a week, Python's own waits overflow (OverflowError from a call)
             raise ValueError(f"timeout: {problem}")
         self.retry = retry or RetryPolicy()
         self.timeout_s = float(timeout)
-        self.max_answer_bytes = max_answer_bytes or DEFAULT_MAX_ANSWER_BYTES
-        if isinstance(max_connections, bool) or not isinstance(max_connections, int) or max_connections < 1:
-            raise ValueError(f"max_connections must be an integer >= 1, got {max_connections!r}")
+        for name, value in (("max_answer_bytes", 1 if max_answer_bytes is None else max_answer_bytes),
+                            ("max_connections", max_connections)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        self.max_answer_bytes = DEFAULT_MAX_ANSWER_BYTES if max_answer_bytes is None else max_answer_bytes
         # every call in flight at once has a connection; idle ones are kept for the next wave of calls
         self._limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
         admin = checked_token(admin_token, "admin_token") if admin_token else None  # "" or None: no token

@@ -128,7 +128,7 @@ class UpdateWeightsFromDiskBody(SGLangRequest):
     torch_empty_cache: bool = False
     keep_pause: bool = False
     recapture_cuda_graph: bool = False
-    token_step: int = Field(default=0, ge=0)
+    token_step: int = Field(default=0, ge=0, le=2**63 - 1)  # at most an int64
     flush_cache: bool = True
     manifest: dict[str, object] | None = None
     drain_timeout: float | None = Field(default=None, gt=0)

@@ -73,3 +73,10 @@ def test_a_call_cancelled_while_it_waits_to_retry_stops(server) -> None:
 
     asyncio.run(cancelled())
     assert len(received(server)) - before == 1
+
+
+@pytest.mark.parametrize("value", [0, -1, True, 1.5, "1024"])
+def test_an_answer_cap_that_takes_no_answer_is_refused(value: object) -> None:
+    for make in (HandoffClient, AsyncHandoffClient):
+        with pytest.raises(ValueError, match="max_answer_bytes"):
+            make("http://127.0.0.1:1", max_answer_bytes=value)  # type: ignore[arg-type]

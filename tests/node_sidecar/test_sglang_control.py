@@ -216,9 +216,11 @@ def test_a_reload_with_sglangs_whole_body(client, checkpoint) -> None:
     info = client.get("/model_info").json()
     assert (info["weight_version"], info["token_step"]) == ("step-7", 7)
     assert greedy(client) == expected
-    r = client.post("/update_weights_from_disk", json={**body, "token_step": -1})
-    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request"
-    assert client.get("/model_info").json()["token_step"] == 7  # the refused call changed nothing
+    for refused in (-1, 2**63, 10**4000):  # SGLang's token_step is an int64
+        r = client.post("/update_weights_from_disk", content=json.dumps({**body, "token_step": refused}),
+                        headers={"content-type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request", (refused, r.text[:300])
+    assert client.get("/model_info").json()["token_step"] == 7  # the refused calls changed nothing
 
 
 def test_a_5000_character_path_is_400_through_the_sidecar(client) -> None:

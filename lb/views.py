@@ -7,6 +7,7 @@ from typing import Any, Iterable, Mapping
 
 from handoff.protocol.tags import TAG_NAMES as TAGS
 from handoff.protocol.tags import TAG_STATE_NAMES as TAG_STATES
+from handoff.protocol.tags import is_byte_count
 from lb.node import Node, NodeHealth
 
 
@@ -81,10 +82,7 @@ def cluster_occupation(nodes: Iterable[Node]) -> dict[str, Any]:
     }
 
 
-MAX_BYTE_COUNT = (1 << 63) - 1  # a byte count a node could hold (int64); past it a peer's number is no count
-
-
 def _byte_count(value: object) -> int:
-    """A node's byte count, summed over nodes: 0 unless an integer from 0 to :data:`MAX_BYTE_COUNT` (``true``,
-    ``-5`` or a 4,300-digit number are none: their sum was written as a number no JSON reader takes)."""
-    return value if type(value) is int and 0 <= value <= MAX_BYTE_COUNT else 0
+    """A node's byte count, summed over nodes: 0 unless :func:`is_byte_count` (``true``, ``-5`` or a 4,300-digit
+    number are none: their sum was written as a number no JSON reader takes)."""
+    return value if is_byte_count(value) else 0

@@ -21,6 +21,13 @@ class Tag(str, enum.Enum):
 
 ALL_TAGS: tuple[Tag, ...] = tuple(Tag)
 TAG_NAMES: tuple[str, ...] = tuple(tag.value for tag in ALL_TAGS)
+MAX_BYTE_COUNT = (1 << 63) - 1  # an int64: a larger figure from a peer is no count of a machine's bytes
+
+
+def is_byte_count(value: object) -> bool:
+    """Whether a peer's ``value`` can be a count of bytes (a tag's, the device's): an integer from 0 to
+    :data:`MAX_BYTE_COUNT`, never ``true``, a negative or a 4,300-digit number."""
+    return type(value) is int and 0 <= value <= MAX_BYTE_COUNT
 
 
 class TagState(str, enum.Enum):

@@ -234,7 +234,9 @@ def _number(config: dict[str, Any], name: str, default: float | None = None) -> 
 
 
 def _flag(config: dict[str, Any], name: str) -> bool:
-    value = config.get(name, False)
+    value = config.get(name)
+    if value is None:  # missing or null: the field's default
+        return False
     if not isinstance(value, bool):
         raise ModelConfigError(f"config field {name} must be true or false, got {str(value)[:40]!r}")
     return value

@@ -18,7 +18,7 @@ import json
 from typing import Any
 
 from handoff.protocol.control import ENGINE_INSTANCE, MAX_NAME_CHARS
-from handoff.protocol.tags import TAG_NAMES, TagState, parse_tag_request
+from handoff.protocol.tags import TAG_NAMES, TagState, is_byte_count, parse_tag_request
 from handoff.protocol.weights import WEIGHTS_UPDATED, WEIGHTS_UPDATED_FULLY
 from handoff.service.peer_json import PeerJSONError, loads_bounded
 from handoff.service.upstream import UpstreamError
@@ -30,7 +30,6 @@ STATE_READ_TIMEOUT_S = 5.0   # reading the engine's state (a sync): the node ser
 MEMORY_VIEW_TIMEOUT_S = 1.0  # the figures of a view: a late answer leaves them out (the LB polls the view)
 ENGINE = "handoff's engine"
 ENGINE_TAG_STATES = (TagState.RESIDENT, TagState.RELEASED)  # the moves between are the sidecar's own
-MAX_BYTES = 2 ** 63  # a byte count past it is no figure of this machine
 TAG_LISTS = ("released", "already_released", "resumed", "already_resident")
 BYTE_COUNTS = ("bytes_freed", "bytes_restored")
 
@@ -76,7 +75,7 @@ class HandoffEngine(EngineAdapter):
             return {}
         rows = occupation.get("tags")
         tag_bytes = ({t: row["bytes"] for t, row in rows.items() if isinstance(row, dict)  # as read_view takes them
-                      and type(row.get("bytes")) is int and 0 <= row["bytes"] < MAX_BYTES}
+                      and is_byte_count(row.get("bytes"))}
                      if isinstance(rows, dict) else {})
         return {"tags": tag_bytes, "device": occupation.get("device"),
                 "process_rss_bytes": occupation.get("process_rss_bytes")}
@@ -179,7 +178,7 @@ def _engine_tag_state(value: object) -> TagState:
 
 def _byte_count(value: object) -> int:
     """A byte count of the engine's: an integer from 0 (ValueError otherwise)."""
-    if type(value) is not int or not 0 <= value < MAX_BYTES:
+    if not is_byte_count(value):
         raise ValueError(f"a byte count {_shown(value)}, not an integer from 0")
     return value
 

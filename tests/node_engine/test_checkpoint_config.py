@@ -57,6 +57,16 @@ def test_config_values_the_model_cannot_run_with_are_refused(folder: Path, field
         _start(folder)
 
 
+@pytest.mark.parametrize("nulls", [True, False], ids=["nulls", "float-size"])
+def test_fields_published_configs_write_as_null_or_float_still_load(folder: Path, nulls: bool) -> None:
+    """A null flag or size is the field's default and a whole float a size, as transformers reads them."""
+    hidden = json.loads((folder / "config.json").read_text())["hidden_size"]
+    fields = {"tie_word_embeddings": None, "attention_bias": None, "head_dim": None} if nulls else \
+        {"hidden_size": float(hidden)}
+    _edit_json(folder / "config.json", **fields)
+    assert _start(folder).arch.hidden_size == hidden
+
+
 @pytest.mark.parametrize("fields", [{"vocab_size": 2 ** 40}, {"num_hidden_layers": 10 ** 9},
                                     {"intermediate_size": 2 ** 45}])
 def test_sizes_past_the_checkpoint_are_refused_before_allocating_them(folder: Path, fields: dict[str, Any]) -> None:

@@ -104,8 +104,8 @@ def test_batch_stream_carries_indices(client) -> None:
 
 def test_same_seed_same_output_different_seed_differs(client) -> None:
     def sampled(seed: int) -> list[int]:
-        return gen(client, {"text": "seeded", "sampling_params": {"temperature": 1.0, "seed": seed,
-                                                                  "max_new_tokens": 32, "ignore_eos": True}})["output_ids"]
+        params = {"temperature": 1.0, "seed": seed, "max_new_tokens": 32, "ignore_eos": True}
+        return gen(client, {"text": "seeded", "sampling_params": params})["output_ids"]
     assert sampled(5) == sampled(5)
     assert sampled(5) != sampled(6)
 

@@ -59,7 +59,9 @@ def canonical_url(url: str) -> str:
     unreachable = never_a_peer(canonical)
     if unreachable:
         raise ValueError(f"node URL {url!r}: {canonical} is {unreachable}")
-    if port_text and (not port_text.isdigit() or len(port_text) > 5 or not 0 < int(port_text) < 65536):
+    # ASCII digits only: str.isdigit takes "²" (int() refuses it) and other scripts' digits (int() reads them)
+    if port_text and (not port_text.isascii() or not port_text.isdigit() or len(port_text) > 5
+                      or not 0 < int(port_text) < 65536):
         raise ValueError(f"node URL {url!r}: the port must be a number in 1-65535, got {port_text[:20]!r}")
     port = int(port_text) if port_text else 80
     return f"http://[{canonical}]:{port}" if ":" in canonical else f"http://{canonical}:{port}"

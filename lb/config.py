@@ -28,7 +28,7 @@ class Policy(str, enum.Enum):
 
 
 def _parse_port(text: str, what: str) -> int:
-    if not text.isdigit() or not 0 < int(text) < 65536:
+    if not (text.isascii() and text.isdigit()) or not 0 < int(text) < 65536:  # "²" is a digit int() refuses
         raise ValueError(f"{what} must be a port number, got {text!r}")
     return int(text)
 

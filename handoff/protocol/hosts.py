@@ -3,13 +3,15 @@ and in the upstream client, a trainer's ``master_address``): a DNS name whose la
 digits, ``-`` and ``_`` and do not begin or end with ``-`` (an IPv4 address is one), or an IPv6 address
 without a zone index (a zone names a local interface, never a cluster peer).
 
-:func:`canonical_host` also spells a host one way, so two spellings of one address compare equal.
+:func:`canonical_host` also spells a host one way, so two spellings of one address compare equal: a name the
+resolver reads as a number (``inet_aton``'s forms: ``0``, ``127.1``, ``0x7f.0.0.1``) is the IPv4 address it is.
 """
 
 from __future__ import annotations
 
 import ipaddress
 import re
+import socket
 
 __all__ = ["MAX_HOST_NAME_CHARS", "canonical_host", "canonical_ip", "is_host_name", "is_ipv6_address"]
 
@@ -64,4 +66,8 @@ def canonical_host(host: str) -> str:
     except ValueError:
         if not is_host_name(host):  # not an IP address: it must be a name
             raise ValueError(f"{host[:80]!r} is not a host name or an IP address") from None
-    return host.lower().removesuffix(".")
+    name = host.lower().removesuffix(".")
+    try:  # getaddrinfo reads these forms as numbers, never looks them up: "0" is 0.0.0.0, "127.1" 127.0.0.1
+        return socket.inet_ntoa(socket.inet_aton(name))
+    except OSError:
+        return name

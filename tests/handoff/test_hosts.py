@@ -19,6 +19,12 @@ from lb.addresses import canonical_url
     ("::1", "::1"),
     ("[0:0:0:0:0:0:0:1]", "::1"),
     ("10.0.0.1", "10.0.0.1"),
+    ("0", "0.0.0.0"),  # the resolver's number forms (inet_aton): the address, not a name (review, stop 42)
+    ("127.1", "127.0.0.1"),
+    ("0x7F.0.0.1.", "127.0.0.1"),
+    ("0177.0.0.1", "127.0.0.1"),
+    ("0xabc", "0.0.10.188"),
+    ("1e3", "1e3"),
 ])
 def test_spellings_of_one_host_are_one(host: str, canonical: str) -> None:
     assert canonical_host(host) == canonical

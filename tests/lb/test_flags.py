@@ -52,6 +52,10 @@ CASES = [
     ("--discover-dns", ["--discover-dns", "mixed=0.0.0.0:8000"], {}),
     ("--discover-dns", ["--discover-dns", "decode=[ff02::1]:8000"], {}),
     ("--port-file", ["--port-file", "/proc/handoff-review-port"], {}),
+    # review, stop 42: "0" is 0.0.0.0 to the resolver; "²" passed str.isdigit and int() refused it in its own words
+    ("--discover-dns", ["--discover-dns", "mixed=0:8000"], {}),
+    ("--prefill", ["--prefill", "http://127.0.0.1:1@\u00b2"], {}),
+    ("--discover-dns", ["--discover-dns", "mixed=svc:\u00b2"], {}),
 ]
 
 

@@ -157,6 +157,35 @@ def test_the_listen_all_address_of_a_member_is_refused_not_a_second_member(modul
     assert len(node.requests_to("/flush_cache")) == before + 1
 
 
+@pytest.mark.parametrize("spelling", ["0", "0.0", "0x0", "0."])
+def test_a_number_spelling_of_the_listen_all_address_is_refused_too(module_fakes: FakeCluster, shared_lb: LB,
+                                                                    spelling: str) -> None:
+    """``http://0:PORT`` is ``0.0.0.0`` to the resolver (``inet_aton``'s short and hex forms): it was taken as a host
+    name, resolved to ``0.0.0.0``, which no member has, and became a second member for the node at
+    ``127.0.0.1:PORT`` (every control call twice). A number spelling of an IPv4 address is that address."""
+    node = module_fakes.start_one()
+    set_members(shared_lb, node.url)
+    answer = shared_lb.http.post("/nodes", json={"url": f"http://{spelling}:{node.port}"})
+    assert answer.status_code == 400 and answer.json()["error"]["type"] == "invalid_request", answer.text
+    assert "0.0.0.0" in answer.json()["error"]["message"]
+    assert [n["url"] for n in shared_lb.nodes()] == [node.url]
+    before = len(node.requests_to("/flush_cache"))
+    assert shared_lb.http.post("/flush_cache").json()["total"] == 1
+    assert len(node.requests_to("/flush_cache")) == before + 1
+
+
+@pytest.mark.parametrize("port", ["\u00b2", "\u0668\u0660"])
+def test_a_port_of_other_digits_is_refused_naming_the_url(module_fakes: FakeCluster, shared_lb: LB, port: str) -> None:
+    """A port is ASCII digits: ``²`` passed ``str.isdigit`` and the refusal was ``int()``'s own words ("invalid
+    literal for int()"), naming neither the URL nor the port; Arabic-Indic digits were taken as port 80."""
+    node = module_fakes.start_one()
+    set_members(shared_lb, node.url)
+    answer = shared_lb.http.post("/nodes", json={"url": f"http://127.0.0.1:{port}"})
+    assert answer.status_code == 400 and answer.json()["error"]["type"] == "invalid_request", answer.text
+    assert "the port must be a number in 1-65535" in answer.json()["error"]["message"], answer.text
+    assert [n["url"] for n in shared_lb.nodes()] == [node.url]
+
+
 def test_a_huge_node_url_is_refused_without_being_sent_back(module_fakes: FakeCluster, shared_lb: LB) -> None:
     """A refusal names the URL in at most 200 characters (a megabyte URL was sent back whole), a bootstrap port in
     at most 20 digits."""

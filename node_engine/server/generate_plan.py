@@ -16,7 +16,7 @@ from handoff.protocol.generate_sequences import normalize
 from handoff.service.errors import InvalidRequest, ServiceError
 from node_engine.engine import Engine
 from node_engine.request_gate import DEFAULT_MAX_NEW_TOKENS
-from node_engine.server.generation import tokenize
+from node_engine.server.generation import check_prompt_length, tokenize
 from node_engine.server.generation_run import SequenceSpec
 from node_engine.server.images import ImageLoader
 from node_engine.vision.inputs import MultimodalPrompt
@@ -61,7 +61,10 @@ async def plan_generate(engine: Engine, body: GenerateBody, images: ImageLoader,
     if any(s.images for s in firsts):
         images.check_supported("image_data")
     if firsts[0].text is not None:
-        texts = [images.normalize_text(s.text) if s.images else s.text for s in firsts]  # type: ignore[arg-type]
+        sent: list[str] = [s.text for s in firsts]  # type: ignore[misc]
+        check_prompt_length(engine, sent)  # as sent: before a placeholder grows any of them
+        texts = [images.normalize_text(text, len(s.images), _field(s.prompt_index, request.is_batch))
+                 if s.images else text for text, s in zip(sent, firsts, strict=True)]
         id_lists = await tokenize(engine, texts)
     else:
         id_lists = [s.input_ids for s in firsts]  # type: ignore[misc]

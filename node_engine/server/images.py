@@ -21,7 +21,8 @@ from handoff.service.errors import InvalidRequest, Unsupported
 from node_engine.engine import Engine
 from node_engine.vision.decode import ImageInputError, ImagePolicy, allow_pixels, load_image
 from node_engine.vision.inputs import MultimodalPrompt
-from node_engine.vision.placeholders import PlaceholderError, content_key, expand, native_placeholder, normalize_text
+from node_engine.vision.placeholders import (GENERIC_TEXT_PLACEHOLDER, PlaceholderError, content_key, expand,
+                                             native_placeholder, normalize_text)
 from node_engine.vision.processor import ImageShapeError, ResizedImage
 
 DECODE_CONCURRENCY = 2
@@ -43,9 +44,17 @@ class ImageLoader:
             raise Unsupported(f"{field}: {self.engine.config.model_name} has no vision tower; images are refused",
                               extra={"field": field})
 
-    def normalize_text(self, text: str) -> str:
-        """``<image>`` in a text prompt stands for the model's own placeholder."""
-        return text if self._placeholder is None else normalize_text(text, self._placeholder)
+    def normalize_text(self, text: str, num_images: int, field: str) -> str:
+        """``<image>`` in a text prompt stands for the model's own placeholder (43 characters for Qwen2-VL's, done
+        on the event loop): more of them than images is a 400 before any is replaced, so a text grows by at most
+        that many placeholders."""
+        if self._placeholder is None:
+            return text
+        count = text.count(GENERIC_TEXT_PLACEHOLDER)
+        if count > num_images:
+            raise InvalidRequest(f"{field}: the prompt has {count} {GENERIC_TEXT_PLACEHOLDER} placeholders for "
+                                 f"{num_images} image(s); put one per image")
+        return normalize_text(text, self._placeholder) if count else text
 
     def check_no_placeholder(self, prompt_ids: list[int], field: str) -> None:
         """400 for image placeholders in a prompt without images (the model would read them as text)."""

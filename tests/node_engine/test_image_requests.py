@@ -259,3 +259,25 @@ def test_an_abandoned_request_decodes_no_further_image_and_others_go_on(vl_engin
             break
         assert time.monotonic() < deadline, f"the engine still decodes for a client that left ({rate:.2f} CPU)"
     assert small["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def test_generic_placeholders_are_bounded_before_they_are_expanded(client: httpx.Client) -> None:
+    """Found by review (stop 42): each ``<image>`` of a text prompt was replaced by the model's 43-character
+    placeholder on the event loop before the prompt's length was checked: a 60 MB body of them with one image
+    became a 387 MB string (2 s of one core holding the loop) and a 400 naming 387,000,000 characters the client
+    never sent; and more of them than images were all expanded and tokenized before the count was refused."""
+    import re
+
+    sent = "<image>" * 200_000  # over this engine's characters bound as sent
+    error = refused(client, text=sent, image_data=b64(IMAGES[0]), sampling_params=GREEDY)
+    assert f"a prompt of {len(sent)} characters" in error["message"], error
+    limit = int(re.search(r"at most (\d+) characters", error["message"])[1])
+    within = "<image>" * (limit // 7 - 10)  # within the bound as sent, thousands of placeholders for one image
+    error = refused(client, text=within, image_data=b64(IMAGES[0]), sampling_params=GREEDY)
+    assert error["message"].startswith(f"image_data: the prompt has {limit // 7 - 10} <image> placeholders for 1 "
+                                       "image(s)"), error
+    # the same on a batch, naming the prompt; the images are not decoded first
+    error = refused(client, text=["<image>x", within], image_data=[b64(IMAGES[0]), b64(b"junk")],
+                    sampling_params=GREEDY)
+    assert error["message"].startswith("image_data[1]: the prompt has"), error
+    assert generate(client, text="<image>What is it?", image_data=b64(IMAGES[0]))["meta_info"]["prompt_tokens"] > 3

@@ -1,5 +1,8 @@
 """The drain before a control call's work (admission held closed for it by :meth:`Node.draining`): the node
-emptied of generation (:meth:`Drainer.drain`: waited for or aborted, counted, bounded by a :class:`DrainLimit`)."""
+emptied of generation (:meth:`Drainer.drain`: waited for or aborted, counted, bounded by a :class:`DrainLimit`),
+then the engine itself idle (a request whose client left is out of the sidecar's count at once, but runs in the
+engine until the engine sees its connection closed; an engine that refuses a release while one runs answered a
+drained node's release 409 ``requests_in_flight``)."""
 
 from __future__ import annotations
 
@@ -8,6 +11,9 @@ from dataclasses import dataclass
 
 from node_sidecar.errors import DrainTimeout
 from node_sidecar.node import Node
+
+FIRST_IDLE_POLL_S = 0.01
+MAX_IDLE_POLL_S = 0.2
 
 
 @dataclass(frozen=True)
@@ -34,6 +40,7 @@ class Drainer:
     async def drain(self, mode: str, limit: DrainLimit) -> tuple[int, int]:
         """Empty the node of generation; returns (drained, aborted). Raises DrainTimeout."""
         timeout = limit.remaining()
+        deadline = asyncio.get_running_loop().time() + timeout
         admission = self.node.admission
         num_in_flight = admission.num_in_flight
         adapter = self.node.engine_adapter
@@ -41,8 +48,22 @@ class Drainer:
         if not await admission.drain(timeout, abort=abort):
             raise DrainTimeout(f"{admission.num_in_flight} generation request(s) still running after "
                                f"{timeout:g}s; nothing was released", extra={"in_flight": admission.num_in_flight})
+        await self._engine_idle(deadline, timeout)
         if mode == "abort":
             self.metrics.aborted_requests.inc(num_in_flight)
             return 0, num_in_flight
         self.metrics.drained_requests.inc(num_in_flight)
         return num_in_flight, 0
+
+    async def _engine_idle(self, deadline: float, timeout: float) -> None:
+        """Poll, with ``deadline``, until the engine runs no generation (an engine that does not say: at once);
+        DrainTimeout past it, nothing done."""
+        loop = asyncio.get_running_loop()
+        delay = FIRST_IDLE_POLL_S
+        while num := await self.node.engine_adapter.requests_running():
+            if loop.time() + delay > deadline:
+                raise DrainTimeout(f"the engine still runs {num} generation request(s) after {timeout:g}s (ones "
+                                   "whose clients left end there once it sees their connections closed); nothing "
+                                   "was released", extra={"in_flight": num})
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, MAX_IDLE_POLL_S)

@@ -133,6 +133,12 @@ class EngineAdapter(ABC):
         body the engine cannot serve: that is answered before the request is admitted)."""
         return GenerationCall(f"{path}?{query}" if query else path, body)
 
+    async def requests_running(self) -> int | None:
+        """The generation requests the engine itself runs or queues now (None: it does not say). One whose client
+        left (or whose deadline passed) is out of the sidecar's count at once but runs there until the engine sees
+        its connection closed: a drain waits for this to be 0 as well."""
+        return None
+
     @abstractmethod
     async def abort(self, *, rid: str | None, abort_all: bool) -> dict[str, Any]:
         """End one request (by its ``rid``) or every request now; they finish with their tokens so far."""

@@ -113,6 +113,13 @@ class HandoffEngine(EngineAdapter):
     async def check_tensor_payload(self, body: dict[str, Any]) -> dict[str, Any]:
         return await self._call("/update_weights_from_tensor", {**body, "dry_run": True})
 
+    async def requests_running(self) -> int | None:
+        occupation = await self.engine.call("GET", "/memory_occupation", timeout=STATE_READ_TIMEOUT_S)
+        running, queued = occupation.get("running_requests"), occupation.get("queued_requests")
+        if type(running) is int and type(queued) is int and running >= 0 and queued >= 0:
+            return running + queued
+        return None  # an engine of an older version: not told
+
     async def pause(self, mode: str) -> dict[str, Any]:
         return await self._call("/pause_generation", {"mode": mode})
 

@@ -45,7 +45,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _count(text: str) -> int:
-    if not text.isdigit() or int(text) > MAX_LOCAL_NODES:
+    if not (text.isascii() and text.isdigit()) or int(text) > MAX_LOCAL_NODES:  # int() reads other scripts' digits
         raise argparse.ArgumentTypeError(f"a number of nodes, 0 to {MAX_LOCAL_NODES}, got {text!r}")
     return int(text)
 

@@ -32,6 +32,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from handoff.service.auth import BearerToken
 from handoff.service.bodies import openapi_body, parse_body
 from handoff.service.errors import InvalidRequest
+from lb.addresses import canonical_url
 from lb.cluster import Cluster
 from lb.config import NodeSpec, Role
 from lb.errors import NodeExists, NodeNotFound
@@ -126,8 +127,10 @@ def workers_router(cluster: Cluster, admin: BearerToken) -> APIRouter:
         return existing, False
 
     def remove(url: str) -> str | None:
-        """The URL of the member ``url`` names (under any spelling known without a lookup), now removed."""
-        node = cluster.membership.same_address(url, learned=False)
+        """The URL of the member ``url`` names (under any spelling known without a lookup, or the URL the worker
+        API lists it under: a name's member registered again as the address the name had), now removed."""
+        node = cluster.membership.same_address(url, learned=False) or next(
+            (node for node in cluster.membership.nodes() if canonical_url(node.registered_url) == url), None)
         if node is None:
             return None
         cluster.membership.remove(node.url, "removed through the worker API")

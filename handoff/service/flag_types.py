@@ -13,8 +13,8 @@ __all__ = ["MAX_SECONDS", "host_name", "path", "port_file", "port_number", "posi
 
 
 def port_number(text: str) -> int:
-    """A port: 0-65535."""
-    if not text.isdigit() or not 0 <= int(text) <= 65535:
+    """A port: 0-65535, in ASCII digits (int() reads other scripts' digits too, which no one means as a port)."""
+    if not (text.isascii() and text.isdigit()) or not 0 <= int(text) <= 65535:
         raise argparse.ArgumentTypeError(f"a port is a number in 0-65535, got {text!r}")
     return int(text)
 

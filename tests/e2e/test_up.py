@@ -169,6 +169,9 @@ BAD_FLAGS = [  # (the flag the message must name, the arguments, the environment
     ("--prefill", ["up", "--prefill", "40", "--decode", "40"], {}),
     ("--port", ["up", "--port", "70000"], {}),
     ("--port", ["up", "--port", ""], {}),
+    # review, stop 42: digits of other scripts (int() reads them) were taken: "--nodes \u0663" started 3 nodes
+    ("--nodes", ["up", "--nodes", "\u0663"], {}),
+    ("--port", ["up", "--nodes", "1", "--port", "\u0668\u0660\u0660\u0660"], {}),
     ("--device", ["up", "--device", "CUDA"], {}),
     ("--engine-kind", ["up", "--engine-kind", "VLLM"], {}),
     ("--model", ["demo", "--model", "builtin:TINY"], {}),

@@ -153,3 +153,26 @@ def test_an_address_a_name_no_longer_has_never_names_a_member(fakes: FakeCluster
     added = lb.http.post("/nodes", json={"url": other.url})
     assert added.status_code == 201, added.text
     assert sorted(n["url"] for n in lb.nodes()) == sorted([f"http://vm.test:{port}", other.url])
+
+
+def test_a_worker_listed_under_an_address_its_name_has_is_removed_by_that_url(fakes: FakeCluster, start_lb,
+                                                                               tmp_path: Path) -> None:
+    """A member named ``vm.test`` registered again as ``127.0.0.1`` (what the name resolves to) is listed by
+    ``GET /list_workers`` as ``127.0.0.1``; ``POST /remove_worker`` and ``DELETE /workers/{url}`` with that very
+    URL must remove it, not answer "not registered" and leave it serving (a legacy RL loop's round trip)."""
+    node = fakes.start_one(host="127.0.0.1")
+    port = port_of(node.url)
+    answers = tmp_path / "dns.json"
+    answers.write_text(json.dumps({"vm.test": ["127.0.0.1"]}))
+    lb = start_lb(module="tests.lb.dns_lb", env={"HANDOFF_TEST_DNS_FILE": str(answers)})
+    named = f"http://vm.test:{port}"
+    for first, then in ((named, node.url), (node.url, named)):  # and the other way round
+        for remove in (lambda url: lb.http.post("/remove_worker", params={"url": url}),
+                       lambda url: lb.http.delete("/workers/" + url)):
+            assert lb.http.post("/add_worker", params={"url": first}).status_code == 200
+            again = lb.http.post("/add_worker", params={"url": then})
+            assert again.status_code == 200 and again.text == f"Worker already added: {first}", again.text
+            assert lb.http.get("/list_workers").json()["urls"] == [then]
+            removed = remove(then)
+            assert removed.status_code == 200 and first in removed.text, removed.text
+            assert lb.nodes() == [] and lb.http.get("/list_workers").json()["urls"] == []

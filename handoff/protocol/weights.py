@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from typing import Literal
 
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from handoff.protocol.control import MAX_NAME_CHARS, STRICT, SGLangRequest, peer_weight_version
 from handoff.protocol.hosts import canonical_host
@@ -34,6 +34,14 @@ GroupBackend = Literal["gloo", "nccl"]
 
 # torch dtype names a weight may arrive in (SGLang sends ``str(dtype)`` without ``torch.``).
 WEIGHT_DTYPES: tuple[str, ...] = ("float32", "float16", "bfloat16", "float64")
+# Every torch dtype a broadcast may be announced in, by its name in ``torch`` (SGLang's ``getattr(torch, dtype)``
+# takes any of them, its aliases too): a receiver can size the broadcasts of all of these, so an update announcing
+# one that is no weight's is received and refused, never left unreceived (its trainer blocked in its broadcast).
+_TORCH_DTYPES: tuple[str, ...] = (*WEIGHT_DTYPES, "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64",
+                                  "uint64", "bool", "complex64", "complex128", "float8_e4m3fn", "float8_e5m2",
+                                  "float8_e4m3fnuz", "float8_e5m2fnuz")
+_DTYPE_ALIASES = {"float": "float32", "half": "float16", "double": "float64", "short": "int16", "int": "int32",
+                  "long": "int64", "cfloat": "complex64", "cdouble": "complex128"}
 
 
 class WeightUpdateCommon(SGLangRequest):
@@ -67,23 +75,26 @@ class UpdateWeightsFromTensorBody(WeightUpdateCommon):
     dry_run: bool = False
 
 
-class UpdateWeightsFromDistributedBody(WeightUpdateCommon):
-    """``POST /update_weights_from_distributed``: one broadcast from rank 0 per listed tensor, in order
-    (``load_format: flattened_bucket``: one broadcast of all of them, packed)."""
+class AnnouncedBroadcasts(BaseModel):
+    """What an ``update_weights_from_distributed`` body announces its trainer broadcasts, read alone (its other
+    fields ignored): a receiver that refuses the body still takes these, so the trainer is not left blocked and the
+    group stays in step. A name listed twice is the receiver's to refuse, after receiving (SGLang takes both)."""
 
+    model_config = ConfigDict(extra="ignore", strict=True)
     names: list[str] = Field(min_length=1, max_length=MAX_TENSORS_PER_UPDATE)
     dtypes: list[str] = Field(min_length=1, max_length=MAX_TENSORS_PER_UPDATE)
     shapes: list[list[int]] = Field(min_length=1, max_length=MAX_TENSORS_PER_UPDATE)
     group_name: str = Field(default=DEFAULT_GROUP_NAME, min_length=1, max_length=MAX_NAME_CHARS)
-    load_format: Literal["flattened_bucket"] | None = None
+    # SGLang receives one broadcast per tensor for anything but flattened_bucket ("direct" is its tensor path's name)
+    load_format: Literal["direct", "flattened_bucket"] | None = None
 
     @field_validator("dtypes")
     @classmethod
     def _known_dtypes(cls, dtypes: list[str]) -> list[str]:
-        names = [d.removeprefix("torch.") for d in dtypes]
-        unknown = sorted({d for d in names if d not in WEIGHT_DTYPES})
+        names = [_DTYPE_ALIASES.get(d, d) for d in (d.removeprefix("torch.") for d in dtypes)]
+        unknown = sorted({d[:40] for d in names if d not in _TORCH_DTYPES})
         if unknown:
-            raise ValueError(f"unsupported dtype(s) {unknown}; weights are one of {list(WEIGHT_DTYPES)}")
+            raise ValueError(f"unknown dtype(s) {unknown[:8]}; weights are one of {list(WEIGHT_DTYPES)}")
         return names
 
     @field_validator("shapes")
@@ -97,13 +108,18 @@ class UpdateWeightsFromDistributedBody(WeightUpdateCommon):
         return shapes
 
     @model_validator(mode="after")
-    def _same_lengths(self) -> "UpdateWeightsFromDistributedBody":
+    def _same_lengths(self) -> "AnnouncedBroadcasts":
         if not len(self.names) == len(self.dtypes) == len(self.shapes):
             raise ValueError(f"names, dtypes and shapes must have one entry per tensor "
                              f"(got {len(self.names)}, {len(self.dtypes)}, {len(self.shapes)})")
-        if len(set(self.names)) != len(self.names):
-            raise ValueError("names lists a tensor twice")
         return self
+
+
+class UpdateWeightsFromDistributedBody(WeightUpdateCommon, AnnouncedBroadcasts):
+    """``POST /update_weights_from_distributed``: one broadcast from rank 0 per listed tensor, in order
+    (``load_format: flattened_bucket``: one broadcast of all of them, packed)."""
+
+    model_config = STRICT
 
 
 class InitWeightsUpdateGroupBody(SGLangRequest):

@@ -10,7 +10,7 @@ from handoff.protocol.weights import (BeginWeightUpdateBody, DestroyWeightsUpdat
                                       InitWeightsUpdateGroupBody, UpdateWeightsFromDistributedBody,
                                       UpdateWeightsFromTensorBody, UpdateWeightVersionBody)
 from handoff.service.bodies import openapi_body, parse_body
-from handoff.service.errors import Unsupported
+from handoff.service.errors import InvalidRequest, Unsupported, parse_json_bytes
 from node_engine.engine import Engine
 
 router = APIRouter()
@@ -54,8 +54,14 @@ async def init_weights_update_group(request: Request) -> JSONResponse:
 
 @router.post("/update_weights_from_distributed", openapi_extra=openapi_body(UpdateWeightsFromDistributedBody))
 async def update_weights_from_distributed(request: Request) -> JSONResponse:
+    """A body refused as read still has its broadcasts taken (or its group marked out of step): the trainer sends
+    them whatever the answer."""
     engine = _engine(request)
-    body = await parse_body(request, UpdateWeightsFromDistributedBody)
+    try:
+        body = await parse_body(request, UpdateWeightsFromDistributedBody)
+    except InvalidRequest as exc:
+        raw = await request.body()
+        raise await engine.weight_groups.refused(parse_json_bytes(raw) if raw.strip() else None, exc) from exc
     return JSONResponse(await engine.weight_groups.update(body))
 
 

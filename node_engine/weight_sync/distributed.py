@@ -34,10 +34,14 @@ from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
 
-from handoff.protocol.weights import (DestroyWeightsUpdateGroupBody, InitWeightsUpdateGroupBody,
+from pydantic import ValidationError
+
+from handoff.protocol.weights import (DEFAULT_GROUP_NAME, WEIGHT_DTYPES, AnnouncedBroadcasts,
+                                      DestroyWeightsUpdateGroupBody, InitWeightsUpdateGroupBody,
                                       UpdateWeightsFromDistributedBody)
 from handoff.weight_sync import JoinCancelled, is_collective_timeout
 from handoff.bounded_thread import Aborted, BoundedThreads, Overdue, TooManyStuck
+from handoff.checkpoint.files import shown
 from node_engine.errors import Conflict, InvalidRequest, WeightSyncBroken, WeightSyncTimeout
 from node_engine.model.arch import ModelConfigError
 from node_engine.model.loader import by_checkpoint_key, check_named_tensors, is_dropped_key
@@ -119,9 +123,32 @@ class WeightGroups:
             group.destroy()
         return {"success": True, "message": "Succeeded to destroy custom process group."}
 
-    async def update(self, body: UpdateWeightsFromDistributedBody) -> dict[str, Any]:
+    async def refused(self, value: object, refusal: InvalidRequest) -> InvalidRequest:
+        """The error for a body refused as it was read (a field wrong, unknown or missing): its trainer broadcasts
+        whatever the answer, so the tensors it announces are still received and discarded when they can be sized
+        (:class:`AnnouncedBroadcasts`); when they cannot, its group is marked out of step."""
+        announces = isinstance(value, dict) and "names" in value  # else no broadcast was announced
+        name = value.get("group_name", DEFAULT_GROUP_NAME) if isinstance(value, dict) else None
+        group = self.groups.get(name) if announces and isinstance(name, str) else None
+        if group is None or group.broken is not None:
+            return refusal  # no group to keep in step (or one already out of step): the refusal as it is
+        try:
+            announced = AnnouncedBroadcasts.model_validate(value)
+        except ValidationError:
+            group.broken = f"an update whose broadcasts could not be sized was refused ({refusal})"
+            return InvalidRequest(f"{refusal}; the broadcasts it announces cannot be sized to be received, so group "
+                                  f"{shown(group.name)} is now out of step: destroy it and join again")
+        try:
+            await self.update(announced, refused=str(refusal))
+        except InvalidRequest as exc:  # what this refusal is, its broadcasts received and discarded
+            return exc
+        return refusal  # not reached: a refused update never loads
+
+    async def update(self, body: UpdateWeightsFromDistributedBody | AnnouncedBroadcasts, *,
+                     refused: str | None = None) -> dict[str, Any]:
         """Receive, check and commit, the received tensors held in the engine's staging slot throughout (one
-        weight update at a time: :mod:`node_engine.weight_sync.staging`); all within ``--weight-sync-timeout``."""
+        weight update at a time: :mod:`node_engine.weight_sync.staging`); all within ``--weight-sync-timeout``.
+        ``refused``: why the body was refused as it was read; its broadcasts are received and discarded."""
         started = time.perf_counter()
         deadline = deadline_after(self._timeout)
         self._usable(body.group_name)  # an unknown or broken group is refused at once, not after a wait
@@ -129,8 +156,7 @@ class WeightGroups:
             async with self._lock:
                 group = self._usable(body.group_name)
                 # the trainer broadcasts whatever the answer: refused, the broadcasts are still taken (group in step)
-                problem = ("this engine has no draft model (selector 'draft')" if body.selector == "draft"
-                           else self._check(body))
+                problem = refused if refused is not None else self._check(body)
                 dropped = [(dtype, shape) for name, dtype, shape in zip(body.names, body.dtypes, body.shapes,
                                                                         strict=True)
                            if is_dropped_key(self.engine.runner.model, name)]
@@ -147,6 +173,8 @@ class WeightGroups:
                     tensors.clear()
                     raise InvalidRequest(f"{problem}; the broadcasts were received and discarded, nothing was "
                                          "loaded")
+            if not isinstance(body, UpdateWeightsFromDistributedBody):  # only a refused body is read alone
+                raise InvalidRequest("nothing was loaded")
             model = self.engine.runner.model
             try:
                 staged.update(check_named_tensors(model, by_checkpoint_key(model, tensors)))
@@ -162,7 +190,7 @@ class WeightGroups:
         return {"success": True, "message": "Succeeded to update parameter online.", **answer,
                 "receive_s": round(received_s, 6), "duration_s": round(duration, 6)}
 
-    def _not_begun(self, body: UpdateWeightsFromDistributedBody, why: str) -> WeightSyncTimeout:
+    def _not_begun(self, body: UpdateWeightsFromDistributedBody | AnnouncedBroadcasts, why: str) -> WeightSyncTimeout:
         """The slot did not come in time: the trainer's broadcasts for this update go unreceived, so the group
         is out of step, as after a receive that timed out."""
         group = self.groups.get(body.group_name)
@@ -179,8 +207,15 @@ class WeightGroups:
             raise WeightSyncBroken(f"group {name!r} is out of step: {group.broken}; destroy it and join again")
         return group
 
-    def _check(self, body: UpdateWeightsFromDistributedBody) -> str | None:
+    def _check(self, body: UpdateWeightsFromDistributedBody | AnnouncedBroadcasts) -> str | None:
         """What is wrong with the announced tensors, checked on metadata alone (meta tensors, no memory)."""
+        if isinstance(body, UpdateWeightsFromDistributedBody) and body.selector == "draft":
+            return "this engine has no draft model (selector 'draft')"
+        others = [f"{shown(name)} ({dtype})" for name, dtype in zip(body.names, body.dtypes, strict=True)
+                  if dtype not in WEIGHT_DTYPES]
+        if others:  # announced in a torch dtype no weight has: sized and received, then refused
+            return (f"{len(others)} tensor(s) in a dtype weights never have: {', '.join(others[:4])}; weights are "
+                    f"one of {list(WEIGHT_DTYPES)}")
         model = self.engine.runner.model
         announced = [(name, torch.empty(shape, dtype=getattr(torch, dtype), device="meta"))
                      for name, dtype, shape in zip(body.names, body.dtypes, body.shapes, strict=True)]
@@ -199,8 +234,8 @@ class WeightGroups:
                         for dtype, shape in announced_tensors)
         return announced <= SCRATCH_FACTOR * model_bytes
 
-    async def _receive(self, group: WeightGroup, body: UpdateWeightsFromDistributedBody, deadline: float, *,
-                       keep: bool) -> list[tuple[str, torch.Tensor]]:
+    async def _receive(self, group: WeightGroup, body: UpdateWeightsFromDistributedBody | AnnouncedBroadcasts,
+                       deadline: float, *, keep: bool) -> list[tuple[str, torch.Tensor]]:
         device = self.engine.runner.device
 
         def work(cancel: threading.Event) -> list[tuple[str, torch.Tensor]]:
@@ -218,7 +253,7 @@ class WeightGroups:
             raise WeightSyncBroken(f"receiving on group {group.name!r} failed: {exc}; nothing was loaded") from exc
 
     @staticmethod
-    def _timed_out(group: WeightGroup, body: UpdateWeightsFromDistributedBody,
+    def _timed_out(group: WeightGroup, body: UpdateWeightsFromDistributedBody | AnnouncedBroadcasts,
                    exc: BaseException | str) -> WeightSyncTimeout:
         group.broken = f"a broadcast did not arrive within --weight-sync-timeout ({exc})"
         return WeightSyncTimeout(f"receiving {len(body.names)} tensor(s) on group {group.name!r}: {exc}; nothing "

@@ -235,3 +235,78 @@ def test_an_announced_name_of_megabytes_is_cut_in_the_answer(engines) -> None:
         assert trainer.push([("model.norm.weight", norm)]).status_code == 200
     finally:
         trainer.leave()
+
+
+
+@pytest.mark.parametrize("announced", [
+    {"names": ["model.norm.weight", "model.norm.weight"], "dtypes": ["float32"] * 2, "shapes": [[128]] * 2},
+    {"names": ["model.norm.weight"], "dtypes": ["int8"], "shapes": [[128]]},
+    {"names": ["model.norm.weight"], "dtypes": ["float32"], "shapes": [[128]], "flush_cache": "soon"},
+    {"names": ["model.norm.weight"], "dtypes": ["float32"], "shapes": [[128]], "new_field": 1},
+], ids=["name-twice", "int8", "bad-field", "unknown-field"])
+def test_a_body_refused_as_read_still_has_its_broadcasts_taken(engines, announced) -> None:
+    """A body refused as it was read (a name listed twice, which SGLang loads; a torch dtype no weight has; a
+    field wrong or unknown) was a 400 that received nothing, while the trainer broadcasts whatever the answer: its
+    broadcast blocked until the trainer's own group timeout (30 min in some frameworks), which then closed the group
+    under both. Its broadcasts are now received and discarded, as for a body the model refuses: 400, nothing
+    loaded, the group in step for the next update."""
+    url, _ = engines
+    trainer = Trainer(url, group_name="refused-body")
+    assert trainer.join(timeout_s=SYNC_TIMEOUT_S).status_code == 200
+    norm = tiny_weights(0)["model.norm.weight"]
+    before = greedy(url)
+    try:
+        dtype = torch.int8 if announced["dtypes"] == ["int8"] else torch.float32
+        sent = [("model.norm.weight", torch.zeros(128, dtype=dtype))] * len(announced["names"])
+        started = time.monotonic()
+        r = trainer.push(sent, body={**announced, "group_name": "refused-body"})
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request", r.text
+        assert "received and discarded" in r.json()["error"]["message"], r.text
+        assert time.monotonic() - started < SYNC_TIMEOUT_S
+        assert greedy(url) == before
+        r = trainer.push([("model.norm.weight", torch.linspace(-1, 1, 128))])
+        assert r.status_code == 200, r.text
+        assert greedy(url) != before
+        assert trainer.push([("model.norm.weight", norm)], weight_version="x").status_code == 200
+        assert greedy(url) == before
+    finally:
+        trainer.leave()
+
+
+def test_a_body_whose_broadcasts_cannot_be_sized_marks_its_group_out_of_step(engines) -> None:
+    """Lists of different lengths: what the trainer broadcasts is unknowable, so nothing can be received; the 400
+    says the group is out of step and the next update is 409 ``weight_sync_broken`` at once (the 400 had said
+    nothing of the group, which the trainer's broadcast, blocked until its own timeout, then closed)."""
+    url, _ = engines
+    trainer = Trainer(url, group_name="unsized")
+    assert trainer.join().status_code == 200
+    norm = tiny_weights(0)["model.norm.weight"]
+    try:
+        body = {"names": ["model.norm.weight"], "dtypes": ["float32", "float32"], "shapes": [[128]],
+                "group_name": "unsized"}
+        r = httpx.post(url + "/update_weights_from_distributed", json=body, timeout=30)
+        assert r.status_code == 400 and "out of step" in r.json()["error"]["message"], r.text
+        r = httpx.post(url + "/update_weights_from_distributed", timeout=30,
+                       json=distributed_body([("model.norm.weight", norm)], "unsized"))
+        assert r.status_code == 409 and r.json()["error"]["type"] == "weight_sync_broken", r.text
+    finally:
+        trainer.leave()
+
+
+def test_sglangs_dtype_aliases_are_the_dtypes_they_name(engines) -> None:
+    """SGLang reads a dtype with ``getattr(torch, dtype)``, so ``half`` / ``float`` / ``double`` are dtypes there, and
+    receives one broadcast per tensor for any ``load_format`` but ``flattened_bucket`` (``direct`` too); they were 400s
+    here (and the trainer's broadcast blocked)."""
+    url, _ = engines
+    trainer = Trainer(url, group_name="aliases")
+    assert trainer.join().status_code == 200
+    norm = tiny_weights(0)["model.norm.weight"]
+    try:
+        for alias, dtype in (("half", torch.float16), ("float", torch.float32), ("double", torch.float64)):
+            body = {**distributed_body([("model.norm.weight", norm)], "aliases"), "dtypes": [alias]}
+            r = trainer.push([("model.norm.weight", norm.to(dtype))], body=body)
+            assert r.status_code == 200, r.text
+        r = trainer.push([("model.norm.weight", norm)], load_format="direct")
+        assert r.status_code == 200, r.text
+    finally:
+        trainer.leave()

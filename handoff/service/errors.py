@@ -144,7 +144,13 @@ class NotServing(Unavailable):
 
 
 def error_envelope(type: str, message: str, **extra: Any) -> dict[str, Any]:
-    return {"error": {"type": type, "message": message, **extra}}
+    return {"error": {"type": type, "message": writable(message), **extra}}
+
+
+def writable(text: str) -> str:
+    """``text`` as UTF-8 can carry it: a lone surrogate (a file name that is not UTF-8, read with Python's
+    ``surrogateescape``) becomes U+FFFD, where the JSON answer naming it could not be encoded (a 500)."""
+    return text if text.isascii() else text.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
 
 
 def error_response(status: int, type: str, message: str, headers: Mapping[str, str] | None = None,

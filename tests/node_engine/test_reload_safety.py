@@ -241,3 +241,16 @@ def test_model_info_reports_the_checkpoint_loaded_last(client, checkpoints, tmp_
     assert paths() == {str(checkpoints["other"])}
     info = client.get("/model_info").json()
     assert info["served_model_name"] == info["tokenizer_path"] == "builtin:tiny"  # as started (a difference)
+
+
+def test_a_shard_whose_name_is_not_utf8_is_400_never_500(client, checkpoints, tmp_path: Path) -> None:
+    """A file name is bytes: one that is not UTF-8 (``\\xff``) reads as a lone surrogate, and an error naming the
+    file could not be written as JSON (a 500 from the error handler itself)."""
+    folder = copy_with(checkpoints["other"], tmp_path / "ckpt", "model.safetensors")
+    (folder / "model.safetensors").rmdir()
+    with open(os.path.join(os.fsencode(folder), b"\xffmodel.safetensors"), "wb") as shard:
+        shard.write(b"not a safetensors header")
+    for dry_run in (True, False):
+        r = client.post("/update_weights_from_disk", json={"model_path": str(folder), "dry_run": dry_run})
+        assert r.status_code == 400, r.text
+        assert "model.safetensors" in r.json()["error"]["message"]

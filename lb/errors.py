@@ -7,9 +7,13 @@ from handoff.service.errors import Conflict, NotFound, ServiceError, Unavailable
 
 
 class NoNodes(Unavailable):
-    """A control fan-out has no node to go to."""
+    """A control fan-out has no node to go to. A 503 like every not-serving one, so with ``Retry-After``: members
+    may come from DNS discovery or the admin API at any moment."""
 
     kind = E.NO_NODES
+
+    def __init__(self, message: str, *, retry_after: float = 1.0) -> None:
+        super().__init__(message, retry_after=retry_after)
 
 
 class NoAvailableNode(Unavailable):

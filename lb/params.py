@@ -12,8 +12,18 @@ from handoff.service.errors import InvalidRequest
 from lb.config import LBConfig, Role
 
 
+def single_param(request: Request, name: str) -> str | None:
+    """``?name=`` given at most once: given twice (``?role=decode&role=mixed``) which one the caller meant is
+    unknown, and taking either may act on nodes the caller did not name, so it is a 400."""
+    values = request.query_params.getlist(name)
+    if len(values) > 1:
+        raise InvalidRequest(f"query parameter {name!r} given {len(values)} times on {request.url.path}; "
+                             f"give it once", extra={"repeated": name})
+    return values[0] if values else None
+
+
 def role_param(request: Request) -> Role | None:
-    value = request.query_params.get("role")
+    value = single_param(request, "role")
     if value is None:
         return None
     try:
@@ -26,7 +36,7 @@ def timeout_param(request: Request, config: LBConfig, default_s: float | None = 
                   zero_is_default: bool = False) -> float:
     """``?timeout=S`` (0 < S <= --max-control-timeout), else ``default_s`` (--control-timeout when None).
     ``zero_is_default``: ``0`` is taken as absent (SGLang's ``/flush_cache?timeout=0``, its default)."""
-    value = request.query_params.get("timeout")
+    value = single_param(request, "timeout")
     if value is None:
         return config.control_timeout_s if default_s is None else default_s
     try:

@@ -20,6 +20,7 @@ from lb.cluster import Cluster
 from lb.config import NodeSpec, Role
 from lb.errors import NodeNotFound
 from lb.openapi import DELETE_NODE_PARAMETERS
+from lb.params import single_param
 from lb.views import cluster_occupation, node_view
 
 __all__ = ["AddNode", "nodes_router"]
@@ -56,7 +57,7 @@ def nodes_router(cluster: Cluster, admin: BearerToken) -> APIRouter:
     @router.delete("/nodes", openapi_extra={"parameters": DELETE_NODE_PARAMETERS})
     async def remove_node(request: Request) -> dict[str, Any]:
         admin.check(request)
-        url = request.query_params.get("url") or (await read_json_object(request)).get("url")
+        url = single_param(request, "url") or (await read_json_object(request)).get("url")
         if not isinstance(url, str) or not url:
             raise InvalidRequest("give the node as ?url=URL or a JSON body {\"url\": URL}")
         url = _spec(url).url

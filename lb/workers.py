@@ -37,6 +37,7 @@ from lb.cluster import Cluster
 from lb.config import NodeSpec, Role
 from lb.errors import NodeExists, NodeNotFound
 from lb.node import Node
+from lb.params import single_param
 
 MAX_URL_CHARS = 2048
 WORKER_TYPES: dict[str, Role] = {"regular": Role.MIXED, "prefill": Role.PREFILL, "decode": Role.DECODE}
@@ -139,7 +140,7 @@ def workers_router(cluster: Cluster, admin: BearerToken) -> APIRouter:
     @router.post("/add_worker")
     async def add_worker(request: Request) -> Response:
         admin.check(request)
-        url = request.query_params.get("url")
+        url = single_param(request, "url")
         node, added = await add(spec_of(url), url or "")
         verb = "Successfully added worker" if added else "Worker already added"
         return PlainTextResponse(f"{verb}: {node.url}")
@@ -147,7 +148,7 @@ def workers_router(cluster: Cluster, admin: BearerToken) -> APIRouter:
     @router.post("/remove_worker")
     async def remove_worker(request: Request) -> Response:
         admin.check(request)
-        url = spec_of(request.query_params.get("url")).url
+        url = spec_of(single_param(request, "url")).url
         removed = remove(url)
         if removed is not None:
             return PlainTextResponse(f"Successfully removed worker: {removed}")

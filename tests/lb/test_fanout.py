@@ -195,6 +195,36 @@ def test_role_narrows_and_an_empty_role_is_no_nodes(module_fakes: FakeCluster, s
     assert none.status_code == 503 and none.json()["error"]["type"] == "no_nodes"
 
 
+def test_a_role_or_timeout_given_twice_is_a_400_and_nothing_is_sent(module_fakes: FakeCluster,
+                                                                    shared_lb: LB) -> None:
+    """``?role=decode&role=mixed`` took the last value: a release meant for the decode nodes released every mixed
+    node. Which one the caller meant is unknown, so it is refused, as an unknown parameter is."""
+    mixed, decode = module_fakes.start(2)
+    set_members(shared_lb, mixed.url, (decode.url, "decode"))
+    for query in ("role=decode&role=mixed", "role=mixed&role=mixed", "timeout=5&timeout=60"):
+        answer = shared_lb.http.post(f"/release_memory_occupation?{query}", content=RELEASE_BODY)
+        assert answer.status_code == 400, (query, answer.text)
+        error = answer.json()["error"]
+        assert error["type"] == "invalid_request" and query.split("=")[0] in error["message"], (query, error)
+    assert not mixed.requests_to("/release_memory_occupation")
+    assert not decode.requests_to("/release_memory_occupation")
+    for method, path in (("DELETE", "/nodes"), ("POST", "/remove_worker")):
+        answer = shared_lb.http.request(method, path, params=[("url", mixed.url), ("url", decode.url)])
+        assert answer.status_code == 400 and "url" in answer.json()["error"]["message"], (path, answer.text)
+    assert len(shared_lb.http.get("/nodes").json()["nodes"]) == 2
+
+
+def test_no_nodes_is_a_503_with_retry_after(shared_lb: LB) -> None:
+    """docs/api.md: every not-serving 503, ``no_nodes`` included, carries ``Retry-After`` (members may come from
+    DNS discovery or the admin API at any moment). It had none: a client that backs off on the header had no hint."""
+    set_members(shared_lb)
+    for method, path in (("POST", "/release_memory_occupation"), ("GET", "/flush_cache"), ("GET", "/model_info"),
+                         ("POST", "/update_weights_from_distributed")):
+        answer = shared_lb.http.request(method, path)
+        assert answer.status_code == 503 and answer.json()["error"]["type"] == "no_nodes", (path, answer.text)
+        assert int(answer.headers["retry-after"]) >= 1, (path, answer.headers)
+
+
 def test_get_and_post_flush_and_empty_bodies(module_fakes: FakeCluster, shared_lb: LB) -> None:
     node = module_fakes.start_one()
     set_members(shared_lb, node.url)

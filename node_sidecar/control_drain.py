@@ -14,6 +14,8 @@ from node_sidecar.node import Node
 
 FIRST_IDLE_POLL_S = 0.01
 MAX_IDLE_POLL_S = 0.2
+MIN_ASK_S = 0.2  # an engine's answer is waited for this long even when the drain's time is spent (an idle
+# engine still answers 0 in time; the caller's deadline header keeps a margin of at least this much)
 
 
 @dataclass(frozen=True)
@@ -60,10 +62,21 @@ class Drainer:
         DrainTimeout past it, nothing done."""
         loop = asyncio.get_running_loop()
         delay = FIRST_IDLE_POLL_S
-        while num := await self.node.engine_adapter.requests_running():
+        while num := await self._requests_running(deadline, timeout):
             if loop.time() + delay > deadline:
                 raise DrainTimeout(f"the engine still runs {num} generation request(s) after {timeout:g}s (ones "
                                    "whose clients left end there once it sees their connections closed); nothing "
                                    "was released", extra={"in_flight": num})
             await asyncio.sleep(delay)
             delay = min(2 * delay, MAX_IDLE_POLL_S)
+
+    async def _requests_running(self, deadline: float, timeout: float) -> int | None:
+        """The engine's running requests, asked within what is left of the drain (an engine slow to say would
+        otherwise keep the answer past the caller's deadline); DrainTimeout past it."""
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout_at(max(deadline, loop.time() + MIN_ASK_S)):
+                return await self.node.engine_adapter.requests_running()
+        except TimeoutError:
+            raise DrainTimeout(f"the engine did not say within {timeout:g}s whether it still runs generation "
+                               "requests; nothing was released") from None

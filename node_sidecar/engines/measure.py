@@ -97,14 +97,25 @@ def _read_device() -> Reading | None:
         wanted = os.environ.get("CUDA_VISIBLE_DEVICES")
         names = [n.strip() for n in wanted.split(",")] if wanted else None
         used = 0
+        found: set[str] = set()
         for index in range(pynvml.nvmlDeviceGetCount()):
             handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-            uuid = pynvml.nvmlDeviceGetUUID(handle)
-            if names is not None and str(index) not in names and str(uuid) not in names:
+            uuid = str(pynvml.nvmlDeviceGetUUID(handle))
+            named = None if names is None else [n for n in names if _names_device(n, index, uuid)]
+            if named is not None and not named:
                 continue
+            found.update(named or ())
             used += int(pynvml.nvmlDeviceGetMemoryInfo(handle).used)
+        if names is not None and found != set(names):
+            return None  # a device named that NVML does not list so (a MIG instance): not measured, not 0
         return Reading(used, DEVICE_FREE)
     except pynvml.NVMLError:
         return None
     finally:
         pynvml.nvmlShutdown()
+
+
+def _names_device(name: str, index: int, uuid: str) -> bool:
+    """Whether ``CUDA_VISIBLE_DEVICES``'s ``name`` is this device: its index, its UUID, or a prefix of its UUID
+    (``GPU-8932f937``, as CUDA takes)."""
+    return name == str(index) or (name.startswith("GPU-") and uuid.startswith(name))

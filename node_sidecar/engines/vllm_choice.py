@@ -106,13 +106,21 @@ def prompt_logprob(row: Any, token: int) -> float | None:
     if not isinstance(row, dict):
         return None
     entry = row.get(str(token))
-    return entry.get("logprob") if isinstance(entry, dict) else None
+    return _entry_logprob(entry) if isinstance(entry, dict) else None
 
 
 def prompt_top(row: Any, num: int) -> list[list[Any]] | None:
     """The ``num`` likeliest tokens at a prompt position (vLLM's row also holds the actual token, at its rank)."""
     if not isinstance(row, dict):
         return None
-    ranked = sorted(((entry.get("rank", 0), int(key), entry.get("logprob")) for key, entry in row.items()
+    ranked = sorted(((entry.get("rank", 0), int(key), _entry_logprob(entry)) for key, entry in row.items()
                      if isinstance(entry, dict) and key.isdigit()), key=lambda r: r[0])
     return [[lp, tok, None] for rank, tok, lp in ranked if rank <= num][:num]
+
+
+def _entry_logprob(entry: dict[str, Any]) -> float | None:
+    """A prompt position's entry's ``logprob``; :class:`MalformedChoice` for one that is not a number."""
+    logprob = entry.get("logprob")
+    if logprob is not None and (not isinstance(logprob, (int, float)) or isinstance(logprob, bool)):
+        raise MalformedChoice(f"a prompt logprob is {type(logprob).__name__}, not a number")
+    return logprob

@@ -9,7 +9,9 @@ order asked, and scheduling resumes once nothing sleeps. So:
 - releasing ``weights`` releases ``kv_cache`` with it (both are reported);
 - releasing ``kv_cache`` alone sleeps at level 1 and wakes the weights at once
   (vLLM's ``/release_kv_cache_memory`` fails on CPU and leaves
-  ``/is_sleeping`` true, so it is not used);
+  ``/is_sleeping`` true, so it is not used); while the weights sleep (vLLM
+  ignores a sleep while anything sleeps) the weights are woken and both sleep
+  again at the weights' level;
 - the level: 1 with ``stage_to_cpu: true``, 2 with ``false``, else
   ``--vllm-sleep-level`` (default 1). After level 2 the weights are gone: the
   node refuses generation (``weights_not_loaded``) until a reload;
@@ -89,6 +91,14 @@ class VllmSleep(ForeignEngine):
                 await self._wake([KV_CACHE])
             _, change, measured_by = await self.measured(lambda: self._sleep(level), [WEIGHTS, KV_CACHE])
             self.level = level
+        elif engine_tags and WEIGHTS in self.released:  # vLLM ignores a sleep while its weights sleep: both
+            level = self.level or self.default_sleep_level  # woken, then both asleep at the weights' level
+
+            async def both_again() -> None:
+                await self._wake([WEIGHTS])
+                await self._sleep(level)
+            _, change, measured_by = await self.measured(both_again, [KV_CACHE])
+            self.level = level
         elif engine_tags:  # kv_cache alone
             async def kv_only() -> None:
                 await self._sleep(1)
@@ -116,7 +126,10 @@ class VllmSleep(ForeignEngine):
         await self.engine.call("POST", f"/sleep?level={level}&mode=wait")
 
     async def _wake(self, engine_tags: list[str]) -> None:
-        await self.engine.call("POST", "/wake_up?" + urlencode([("tags", t) for t in engine_tags]))
+        # one call per tag: vLLM wakes nothing for a call naming a tag that is awake (a sidecar that met it asleep
+        # counts both asleep, not knowing which sleeps)
+        for tag in engine_tags:
+            await self.engine.call("POST", "/wake_up?" + urlencode([("tags", tag)]))
 
     async def _wake_weights_for_update(self) -> list[str]:
         """An update loads into the weights: released ones are woken first; ``["weights"]`` if they were."""

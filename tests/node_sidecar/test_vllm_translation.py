@@ -514,3 +514,17 @@ def test_a_relayed_piece_does_not_walk_the_rename_history() -> None:
     long.rename("next")
     trail.follow(long, 3)
     assert trail.version == "next" and trail.events == [(f"v{MAX_RENAMES}", 3)]
+
+
+@pytest.mark.parametrize("row", [{"2": {"logprob": "-0.5", "rank": 1}}, {"2": {"logprob": {"x": 1}, "rank": 1}},
+                                 {"2": {"logprob": True, "rank": 1}}, {"2": {"logprob": -0.5, "rank": "1"}}])
+def test_prompt_logprobs_of_the_wrong_type_are_an_upstream_error(row: dict) -> None:
+    """Found by review: the output logprobs were checked to be numbers, the prompt's were passed on as they came
+    (a string or an object in ``input_token_logprobs``, as success)."""
+    choice = {"index": 0, "text": "x", "token_ids": [5], "prompt_token_ids": [1, 2], "prompt_logprobs": [None, row],
+              "logprobs": {"token_logprobs": [-1.0], "top_logprobs": [{"token_id:5": -1.0}]},
+              "finish_reason": "length"}
+    translator = Translator(GenerateRequest(False, None, True, 1, 0), ServedVersions())
+    with pytest.raises(ServiceError) as info:
+        translator.answer(json.dumps({"choices": [choice]}).encode())
+    assert info.value.kind.name == "upstream_error"

@@ -16,7 +16,7 @@ import torch
 
 from node_engine.config import DEFAULT_CPU_MAX_TOTAL_TOKENS, MIN_REQUEST_ROOM_TOKENS, EngineConfig
 from node_engine.kv_sizing import DeviceBudget, HostBudget, KVPoolSizer, KVSizingError, MemoryBudget, SizingReport
-from node_engine.memory.peak import CudaPeakMeter, HostPeakMeter
+from node_engine.memory.peak import CudaPeakMeter, HostPeakMeter, PeakUnavailable
 from node_engine.memory.tags import MemoryTag
 
 if TYPE_CHECKING:
@@ -81,6 +81,10 @@ def size_from_peaks(runner: ModelRunner, allocate: Callable[[str, int], torch.Te
         pool = sizer.run()
     except KVSizingError:
         raise KVSizingError(sizing_error(runner, sizer.report, budget)) from None
+    except PeakUnavailable as exc:  # no peak to size from (a read-only /proc, gVisor): name what works instead
+        raise KVSizingError(f"{budget.describe()} sizes the KV pool from the process's measured peak memory, which "
+                            f"this system cannot measure ({exc}); pin the pool with --max-total-tokens instead") \
+            from None
     pool.zero_()  # the stresses wrote garbage into it
     sized = SizedPool(pool, sizer.report)
     if device.type == "cuda":  # what the first forwards left allocated for good: cuBLAS's workspaces

@@ -13,6 +13,7 @@
    its 256 MiB stay as headroom.
 4. **Shrink and retry.** On a failed allocation or an exceeded budget, 5% less,
    at most 3 retries; then a start error naming every knob with the numbers.
+   A probe that runs out of memory is that start error at once.
 
 The sizer only orchestrates: the runner allocates the pool and runs the
 stresses (``SizingTarget``); ``allocate`` is injectable so tests can make an
@@ -158,7 +159,18 @@ class KVPoolSizer:
         """The validated pool (bound to the model), sized as described in the module docstring."""
         report = self.report
         report.held_bytes = self.meter.current_bytes()
-        report.activation_peak_bytes = self._probe()
+        try:
+            report.activation_peak_bytes = self._probe()
+        except BaseException as exc:  # the probe's pool or stresses did not fit: a start error, not a traceback
+            if not _is_out_of_memory(exc):
+                raise
+            failure = (str(exc).splitlines() or [type(exc).__name__])[0][:200]
+        else:
+            failure = None
+        if failure is not None:
+            self._give_back()
+            report.attempts.append(SizingAttempt(self.probe_slots, f"the probe's stresses failed: {failure}"))
+            raise KVSizingError("no KV pool fits")  # the runner rewrites the message with every knob
         report.free_bytes = self.budget.free_bytes()
         kv_bytes = report.free_bytes - report.activation_peak_bytes - report.canary_bytes
         report.target_slots = max(0, kv_bytes // report.bytes_per_slot)

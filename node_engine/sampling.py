@@ -4,7 +4,8 @@ Every request draws from its own ``torch.Generator``: the same seed gives the
 same tokens whatever else is in the batch. Logits reach :func:`sample` after
 :mod:`node_engine.logits` applied penalties, ``min_new_tokens`` and
 ``logit_bias``; the sampler then scales by temperature and filters by top-k,
-top-p and min-p, in that order (SGLang's PyTorch sampling backend).
+top-p and min-p, jointly as SGLang's PyTorch sampling backend does (top-p on the
+whole distribution's cumulative probability, not renormalised after top-k).
 """
 
 from __future__ import annotations
@@ -126,17 +127,19 @@ def _sample_row(row: torch.Tensor, p: SamplingParams, gen: torch.Generator | Non
     scores = row / p.temperature
     if p.temperature < 1:  # a large logit over a small temperature overflows: the largest float keeps softmax sane
         scores.nan_to_num_(nan=float("-inf"), posinf=torch.finfo(row.dtype).max)
-    if p.top_k > 0 and p.top_k < scores.shape[-1]:
-        kth = torch.topk(scores, p.top_k).values[-1]
-        scores = scores.masked_fill(scores < kth, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
-    if p.top_p < 1.0:
+    top_k = p.top_k if 0 < p.top_k < probs.shape[-1] else 0
+    if top_k or p.top_p < 1.0 or p.min_p > 0:
+        # SGLang's joint filtering (its PyTorch backend; FlashInfer's "joint" order): top-k by rank and top-p on
+        # the cumulative probability of the whole distribution, not of what top-k kept; min-p relative to the
+        # most likely token, which both always keep.
         sorted_probs, order = probs.sort(descending=True)
-        cumulative = sorted_probs.cumsum(-1)
-        # Drop a token once the tokens before it already cover top_p; the first always stays.
-        drop = (cumulative - sorted_probs) > p.top_p
-        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+        drop = (sorted_probs.cumsum(-1) - sorted_probs) > p.top_p if p.top_p < 1.0 else None
+        if top_k:
+            sorted_probs[top_k:] = 0.0
+        if drop is not None:
+            sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+        if p.min_p > 0:
+            sorted_probs = sorted_probs.masked_fill(sorted_probs < sorted_probs[0] * p.min_p, 0.0)
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
-    if p.min_p > 0:
-        probs = probs.masked_fill(probs < probs.max() * p.min_p, 0.0)
     return int(torch.multinomial(probs, 1, generator=gen))

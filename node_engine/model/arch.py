@@ -72,6 +72,9 @@ class ModelArch:
         if self.max_position_embeddings < MIN_CONTEXT_TOKENS:  # it bounds the context: every prompt refused
             raise ModelConfigError(f"max_position_embeddings must be at least {MIN_CONTEXT_TOKENS} (the least that "
                                    f"takes a one-token prompt), got {self.max_position_embeddings}")
+        if self.head_dim % 2:  # the rotary embedding turns pairs of a head's values: an odd one fails every request
+            raise ModelConfigError(f"head_dim must be even (rotary embeddings rotate pairs of values), got "
+                                   f"{self.head_dim} (hidden_size / num_attention_heads where config.json has none)")
         if self.num_heads % self.num_kv_heads:
             raise ModelConfigError(
                 f"num_attention_heads ({self.num_heads}) must be a multiple of num_key_value_heads "

@@ -77,6 +77,23 @@ def test_sizes_past_the_checkpoint_are_refused_before_allocating_them(folder: Pa
         load_model_source(EngineConfig(model_path=str(folder)))
 
 
+@pytest.mark.parametrize("hidden_size,head_dim", [(128, 33), (12, None)], ids=["head_dim-33", "hidden-12-heads-4"])
+def test_an_odd_head_size_is_refused_at_start(tmp_path: Path, hidden_size: int, head_dim: int | None) -> None:
+    """Rotary embeddings rotate pairs of a head's values: an odd head size (given, or hidden_size over the heads)
+    loaded, then failed every request with a shape error from the rotation ("tensor a (33) must match tensor b
+    (34)"). Also through --model-override on a built-in model."""
+    odd = head_dim if head_dim is not None else hidden_size // 4
+    # the tensors of 4 heads (2 for keys and values) of an odd size are those of 2 (1) heads twice that size
+    arch = builtin_arch("builtin:tiny", {"num_layers": 1, "hidden_size": hidden_size, "num_heads": 2,
+                                         "num_kv_heads": 1, "head_dim": 2 * odd})
+    save_checkpoint(tmp_path, arch, builtin_weights(arch, seed=1))
+    _edit_json(tmp_path / "config.json", num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim)
+    with pytest.raises(ModelConfigError, match="--model-path .*head_dim .*even"):
+        _start(tmp_path)
+    with pytest.raises(ModelConfigError, match="--model-override: .*head_dim .*even"):
+        load_model_source(EngineConfig(model_path="builtin:tiny", model_override='{"head_dim": 33}'))
+
+
 def test_a_context_past_the_memory_is_a_start_error(folder: Path) -> None:
     """Before: max_position_embeddings 2^50 was a RuntimeError from allocating the rotary table."""
     _edit_json(folder / "config.json", max_position_embeddings=2 ** 50)

@@ -189,3 +189,53 @@ def test_a_budget_that_leaves_a_pool_too_small_for_one_request_is_a_start_error(
     capacity = engine.scheduler.slots.capacity
     assert engine.gate.max_input_tokens() >= 2, \
         f"the engine started with a {capacity}-token pool that refuses every prompt"
+
+
+def test_a_probe_that_runs_out_of_memory_is_a_start_error_naming_every_knob() -> None:
+    """The probe's stresses (the maximum batch, every sequence as long as the context) or its pool running out of
+    memory escaped the sizer: a traceback from torch's allocator at start (on CUDA, --max-running-requests 64 over
+    a 128k context asks tens of GiB of keys), not the start error naming the knobs that make it fit."""
+    def probe_fails(kind: str, num: int) -> torch.Tensor:
+        raise torch.OutOfMemoryError("injected: CUDA out of memory. Tried to allocate 32.00 GiB")
+
+    try:
+        _make("builtin:tiny", _budget_mb(CANARY_BYTES // MiB + 64), kv_allocate=probe_fails)
+    except KVSizingError as exc:
+        message = str(exc)
+    else:
+        raise AssertionError("the engine started although its probe ran out of memory")
+    for knob in ("--memory-budget-mb", "--max-total-tokens", "--max-batch-tokens 256", "--max-running-requests 8",
+                 "--context-length", "injected"):
+        assert knob in message, message
+
+
+def test_the_computed_step_headroom_covers_the_heaviest_decode_step() -> None:
+    """With a pinned pool (no sizer), a resume keeps the computed step headroom free for the first step. It
+    counted a decode step's keys as at most the pool's slots (8193 here), but a step gathers every sequence's keys
+    padded to the longest: 64 requests, one of them 4096 tokens long, gather 64 x 4096. The bound was 3.8 MiB for
+    a step that takes over 130 MiB: a resume passed its check and left the first long decode no memory."""
+    config = EngineConfig(model_path="builtin:tiny", max_total_tokens=8192, context_length=4096,
+                          max_running_requests=64, max_batch_tokens=256)
+    runner = ModelRunner(config, DisabledSaver(), load_model_source(config)[0])
+    assert runner.kv_sizing is None
+    meter = HostPeakMeter()
+    meter.reset()
+    before = meter.current_bytes()
+    runner.stress(runner.kv_plan.num_slots)  # the heaviest prefill and decode steps this engine can run
+    measured = meter.peak_bytes() - before
+    assert measured <= 1.25 * runner.step_headroom_bytes, (measured / MiB, runner.step_headroom_bytes / MiB)
+    assert runner.step_headroom_bytes <= 3 * measured  # an upper bound, not one that refuses every resume
+
+
+def test_a_system_that_cannot_measure_the_peak_is_a_start_error_naming_the_budget(monkeypatch, tmp_path) -> None:
+    """Where ``/proc/self/clear_refs`` cannot be written (gVisor, a read-only /proc), ``--memory-budget-mb``
+    started into a ``PeakUnavailable`` traceback (exit 1), not a line naming the flag and what to use instead."""
+    from node_engine.memory import peak
+
+    monkeypatch.setattr(peak, "_CLEAR_REFS", tmp_path / "no-such-folder" / "clear_refs")
+    try:
+        _make("builtin:tiny", _budget_mb(CANARY_BYTES // MiB + 64))
+    except KVSizingError as exc:
+        assert "--memory-budget-mb" in str(exc) and "--max-total-tokens" in str(exc), str(exc)
+    else:
+        raise AssertionError("the engine started although it cannot measure its peak")

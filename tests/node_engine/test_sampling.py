@@ -65,3 +65,20 @@ def test_extreme_but_valid_values_sample_without_nan() -> None:
     tokens = sample(logits, [biased, penalized, plain], generators)
     assert tokens[0] == 5 and all(0 <= t < 16 for t in tokens)
     assert torch.log_softmax(logits, dim=-1).isfinite().all()
+
+
+def test_top_k_and_top_p_together_cut_on_the_whole_distribution_as_sglang() -> None:
+    """SGLang (its PyTorch backend, and FlashInfer's ``joint`` order it uses without min_p) cuts top-p on the
+    cumulative probability of the whole distribution, then samples what top-k and top-p both keep. Here top-p ran on
+    the distribution renormalised after top-k: probabilities [0.4, 0.25, 0.2, 0.15] with top_k 2 and top_p 0.5 kept
+    token 0 alone (0.4 / 0.65 > 0.5), where SGLang samples token 1 with 0.25 / 0.65 (0.4 is not past 0.5)."""
+    logits = torch.tensor([[0.4, 0.25, 0.2, 0.15]]).log()
+    gen = torch.Generator().manual_seed(0)
+    p = SamplingParams(temperature=1.0, top_k=2, top_p=0.5)
+    draws = [sample(logits, [p], [gen])[0] for _ in range(600)]
+    assert set(draws) == {0, 1}
+    assert 170 <= draws.count(1) <= 290  # 600 x 0.385 is 231
+    # min_p stays relative to the most likely token of what top-k and top-p keep
+    draws = [sample(logits, [SamplingParams(temperature=1.0, top_k=2, top_p=0.5, min_p=0.7)], [gen])[0]
+             for _ in range(100)]
+    assert set(draws) == {0}

@@ -68,6 +68,9 @@ async def plan_generate(engine: Engine, body: GenerateBody, images: ImageLoader,
         id_lists = await tokenize(engine, texts)
     else:
         id_lists = [s.input_ids for s in firsts]  # type: ignore[misc]
+    for ids, first in zip(id_lists, firsts, strict=True):  # every prompt's placeholders before any image is decoded
+        if first.images:
+            images.check_before_decoding(ids, first.images, _field(first.prompt_index, request.is_batch))
     prompts = [await _with_images(images, ids, first.images, _field(first.prompt_index, request.is_batch))
                for ids, first in zip(id_lists, firsts, strict=True)]
     sequences = []

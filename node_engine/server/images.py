@@ -19,10 +19,10 @@ from collections.abc import Sequence
 from handoff.protocol.generate_request import MAX_IMAGES_PER_PROMPT
 from handoff.service.errors import InvalidRequest, Unsupported
 from node_engine.engine import Engine
-from node_engine.vision.decode import ImageInputError, ImagePolicy, allow_pixels, load_image
+from node_engine.vision.decode import ImageInputError, ImagePolicy, allow_pixels, load_image, readable_source
 from node_engine.vision.inputs import MultimodalPrompt
-from node_engine.vision.placeholders import (GENERIC_TEXT_PLACEHOLDER, PlaceholderError, content_key, expand,
-                                             native_placeholder, normalize_text)
+from node_engine.vision.placeholders import (GENERIC_TEXT_PLACEHOLDER, PlaceholderError, check_placeholders,
+                                             content_key, expand, native_placeholder, normalize_text)
 from node_engine.vision.processor import ImageShapeError, ResizedImage
 
 DECODE_CONCURRENCY = 2
@@ -63,12 +63,34 @@ class ImageLoader:
             raise InvalidRequest(f"{field}: the prompt holds an image placeholder but no image was given "
                                  "(send the images in image_data, one per placeholder)")
 
+    def check_before_decoding(self, prompt_ids: list[int], items: Sequence[object], field: str) -> None:
+        """400 for a prompt whose placeholders do not match its images, whose text with one token per image is
+        already as long as the context, or with an item that cannot be an image whatever its bytes, before any
+        image is decoded (64 images can take a decode slot for half a minute)."""
+        self.check_supported(field)
+        num_images = len(items)
+        try:
+            runs = check_placeholders(prompt_ids, num_images, self.engine.arch.vision)
+        except PlaceholderError as exc:
+            raise InvalidRequest(f"{field}: {exc}") from exc
+        for i, item in enumerate(items):
+            try:
+                readable_source(item)
+            except ImageInputError as exc:
+                raise InvalidRequest(f"{field}[{i}]: {exc}") from exc
+        num_text = len(prompt_ids) - sum(end - start for start, end in runs)
+        context_len = self.engine.runner.kv_plan.context_len
+        if num_text + num_images >= context_len:
+            raise InvalidRequest(f"{field}: the input ({num_text} tokens of text and {num_images} image(s), at least "
+                                 f"one token each) is longer than the model's context length ({context_len} tokens).")
+
     async def prepare(self, prompt_ids: list[int], items: Sequence[object], field: str,
                       ) -> tuple[list[int], MultimodalPrompt]:
         """The prompt with its placeholders expanded, and its images (400 for anything wrong)."""
         self.check_supported(field)
         if len(items) > MAX_IMAGES_PER_PROMPT:
             raise InvalidRequest(f"{field}: at most {MAX_IMAGES_PER_PROMPT} images per prompt, got {len(items)}")
+        self.check_before_decoding(prompt_ids, items, field)
         resized, keys = [], []
         for i, item in enumerate(items):  # a cancellation stops it here, before the next image
             image, key = await self._resize_in_slot(item, f"{field}[{i}]")

@@ -118,14 +118,16 @@ def _echo(engine: Engine, prompt: Any, prompt_ids: list[int], index: int, is_tex
 
 
 def _num_chars(value: Any) -> int:
-    """The characters of every string in ``value`` (the messages, their roles, names and extra fields)."""
+    """The characters of every string in ``value`` (the messages, their roles, names and extra fields), and one
+    for every other value (a number, ``true``, ``null``: a template writes each as one character or more; counted
+    as none, a tool's ``parameters`` of millions of numbers reached the schema check and the template)."""
     if isinstance(value, str):
         return len(value)
     if isinstance(value, dict):
         return sum(_num_chars(k) + _num_chars(v) for k, v in value.items())
     if isinstance(value, (list, tuple)):
         return sum(_num_chars(item) for item in value)
-    return 0
+    return 1
 
 
 def _messages(body: ChatCompletionBody, content_format: str) -> tuple[list[dict[str, Any]], list[object]]:

@@ -5,7 +5,8 @@ metaschema; a schema that fails is a 400 naming the tool."""
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+import json
+from typing import Any, Iterable, Sequence
 
 from jsonschema import Draft202012Validator
 from jsonschema.exceptions import SchemaError
@@ -47,6 +48,20 @@ def _normalize_type(raw: Any) -> Any:
     return raw
 
 
+def _unique(items: Iterable[Any]) -> list[Any]:
+    """``items`` without repeats, first kept, as SGLang's list scan keeps them, in linear time: hashable items
+    (what a JSON type list holds but objects and arrays) by a set, which compares as ``in`` a list does; objects
+    and arrays (never valid there) by their JSON. A list scan per item took minutes for 60,000 numbers."""
+    kept: list[Any] = []
+    seen: set[Any] = set()
+    for item in items:
+        key = ("json", json.dumps(item, sort_keys=True)) if isinstance(item, (dict, list)) else item
+        if key not in seen:
+            seen.add(key)
+            kept.append(item)
+    return kept
+
+
 def normalize_json_schema_types(schema: Any) -> None:
     """Rewrites, in place, each ``type`` of ``schema`` and its subschemas that names a database type
     (``varchar``, ``int32``, ``decimal(10,2)``) to the JSON Schema type SGLang maps it to; others stay."""
@@ -59,11 +74,7 @@ def normalize_json_schema_types(schema: Any) -> None:
     if isinstance(schema.get("type"), str):
         schema["type"] = _normalize_type(schema["type"])
     elif isinstance(schema.get("type"), list):
-        types: list[Any] = []
-        for item in map(_normalize_type, schema["type"]):
-            if item not in types:
-                types.append(item)
-        schema["type"] = types
+        schema["type"] = _unique(map(_normalize_type, schema["type"]))
     for key in _SCHEMA_MAPS:
         if isinstance(schema.get(key), dict):
             for value in schema[key].values():
@@ -90,6 +101,9 @@ def check_tool_schemas(tools: Sequence[Any]) -> None:
         except SchemaError as exc:
             raise InvalidRequest(f"Tool {i} function has invalid 'parameters' schema: "
                                  f"{exc.message[:MAX_ERROR_CHARS]}") from None
+        except OverflowError as exc:  # a pattern's repetition count past what ``re`` takes, as the regex check meets it
+            raise InvalidRequest(f"Tool {i} function has invalid 'parameters' schema: a pattern in it is not a "
+                                 f"regular expression: {str(exc)[:MAX_ERROR_CHARS]}") from None
         except RecursionError:
             raise InvalidRequest(f"Tool {i} function 'parameters' schema is too deeply nested or contains a "
                                  "cycle.") from None

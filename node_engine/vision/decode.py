@@ -30,7 +30,8 @@ from pathlib import Path
 
 from PIL import Image, UnidentifiedImageError
 
-from handoff.protocol.image_source import ImageInputError, SourceKind, allowed_local_path, image_source
+from handoff.protocol.image_source import (ImageInputError, ImageSource, SourceKind, allowed_local_path,
+                                          image_source)
 from node_engine.vision.prescan import prescan
 
 ALLOWED_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
@@ -49,11 +50,18 @@ class ImagePolicy:
     local_media_dir: Path | None = None  # None: no local file is ever read
 
 
-def image_bytes(item: object, policy: ImagePolicy) -> bytes:
-    """The encoded bytes an ``image_data`` item or an ``image_url`` URL stands for."""
+def readable_source(item: object) -> ImageSource:
+    """Where an item points, refused (:class:`ImageInputError`) when no bytes could make it an image here (not a
+    string, a network URL, a file URL naming a host): cheap, so checked for every item before any is decoded."""
     source = image_source(item)
     if source.kind is SourceKind.NETWORK:
         raise ImageInputError("images are not fetched from the network; send the bytes (base64 or a data URL)")
+    return source
+
+
+def image_bytes(item: object, policy: ImagePolicy) -> bytes:
+    """The encoded bytes an ``image_data`` item or an ``image_url`` URL stands for."""
+    source = readable_source(item)
     if source.kind is SourceKind.LOCAL:
         return _read_local(Path(source.text), policy)
     if source.kind is SourceKind.DATA_URL:

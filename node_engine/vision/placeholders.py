@@ -58,15 +58,24 @@ def content_key(image: ResizedImage) -> int:
     return -1 - (int.from_bytes(hasher.digest(), "little") >> 1)
 
 
+def check_placeholders(prompt_ids: Sequence[int], num_images: int, vision: VisionArch) -> list[tuple[int, int]]:
+    """The placeholder runs of a prompt that holds one per image and does not end inside one (else
+    :class:`PlaceholderError`): what :func:`expand` needs, checked before any image is decoded."""
+    runs = placeholder_runs(prompt_ids, vision.image_token_id)
+    if len(runs) != num_images:
+        raise PlaceholderError(f"the prompt has {len(runs)} image placeholder(s) for {num_images} image(s); "
+                               "put one <|vision_start|><|image_pad|><|vision_end|> (or <image>) per image")
+    if runs and runs[-1][1] == len(prompt_ids):
+        raise PlaceholderError("the prompt ends with an image; close it (<|vision_end|>) and put the question after")
+    return runs
+
+
 def expand(prompt_ids: Sequence[int], images: Sequence[ResizedImage], vision: VisionArch,
            processor: ImageProcessor, keys: Sequence[int] | None = None) -> tuple[list[int], MultimodalPrompt]:
     """The prompt with each placeholder expanded to its image's tokens, and the images' bookkeeping. ``keys``:
     each image's :func:`content_key`, computed already (a server hashes the pixels off its event loop: 64
     images at Qwen2-VL's default pixel limit are about 190 MB); without them, they are computed here."""
-    runs = placeholder_runs(prompt_ids, vision.image_token_id)
-    if len(runs) != len(images):
-        raise PlaceholderError(f"the prompt has {len(runs)} image placeholder(s) for {len(images)} image(s); "
-                               "put one <|vision_start|><|image_pad|><|vision_end|> (or <image>) per image")
+    runs = check_placeholders(prompt_ids, len(images), vision)
     if keys is None:
         keys = [content_key(image) for image in images]
     ids: list[int] = []
@@ -80,6 +89,4 @@ def expand(prompt_ids: Sequence[int], images: Sequence[ResizedImage], vision: Vi
         ids.extend([vision.image_token_id] * num_tokens)
         previous_end = end
     ids.extend(prompt_ids[previous_end:])
-    if ids and ids[-1] == vision.image_token_id:
-        raise PlaceholderError("the prompt ends with an image; close it (<|vision_end|>) and put the question after")
     return ids, MultimodalPrompt(images=inputs, num_prompt_tokens=len(ids), merge_size=vision.spatial_merge_size)

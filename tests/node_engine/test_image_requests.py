@@ -281,3 +281,67 @@ def test_generic_placeholders_are_bounded_before_they_are_expanded(client: httpx
                     sampling_params=GREEDY)
     assert error["message"].startswith("image_data[1]: the prompt has"), error
     assert generate(client, text="<image>What is it?", image_data=b64(IMAGES[0]))["meta_info"]["prompt_tokens"] > 3
+
+
+def test_placeholders_are_matched_to_images_before_any_image_is_decoded(client: httpx.Client) -> None:
+    """Found by review (R2): a prompt whose placeholders do not match its images (too few, or ending inside
+    one) was refused only after every image was decoded and resized: 16 cheap-to-send, costly-to-decode images
+    (a 4 KiB PNG of 32 Mi pixels each) held a decode slot for about 12 s before the 400, and a batch's bad
+    prompt was found only after the good prompts before it had decoded theirs."""
+    import io
+    import time
+
+    buffer = io.BytesIO()
+    Image.new("P", (8192, 4096), 0).save(buffer, "PNG", transparency=0)  # under --max-image-pixels
+    heavy = b64(buffer.getvalue())
+    sixteen = PROMPT.replace("What", "") * 16 + "?"
+    for body, reason in [({"text": "What is it?", "image_data": [heavy] * 16}, "image_data: the prompt has 0 image"),
+                         ({"text": "<|vision_start|><|image_pad|>", "image_data": [heavy]}, "ends with an image"),
+                         ({"text": [sixteen, "What is it?"], "image_data": [[heavy] * 16, heavy]},
+                          "image_data[1]: the prompt has 0 image")]:
+        started = time.monotonic()
+        error = refused(client, sampling_params=GREEDY, **body)
+        elapsed = time.monotonic() - started
+        assert error["type"] == "invalid_request" and reason in error["message"], error
+        assert elapsed < 3, f"{elapsed:.1f} s before the 400: the images were decoded first"
+
+
+def test_a_prompt_too_long_for_the_context_is_refused_before_its_images_are_decoded(client: httpx.Client) -> None:
+    """Found by review (R2): a prompt whose text alone fills the context was refused only after its images
+    were decoded (16 costly images: 12-21 s of a decode slot for a 400 that the prompt's length decided)."""
+    import io
+    import time
+
+    buffer = io.BytesIO()
+    Image.new("P", (8192, 4096), 0).save(buffer, "PNG", transparency=0)
+    heavy = b64(buffer.getvalue())
+    context = client.get("/v1/models").json()["data"][0]["max_model_len"]
+    text = PROMPT.replace("What", "") * 16 + " a" * context
+    chat = [{"type": "image_url", "image_url": {"url": "data:image/png;base64," + heavy}}] * 16
+    for path, body in [("/generate", {"text": text, "image_data": [heavy] * 16, "sampling_params": GREEDY}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": chat + [
+                           {"type": "text", "text": " a" * context}]}], "max_tokens": 1})]:
+        started = time.monotonic()
+        error = refused(client, path, **body)
+        elapsed = time.monotonic() - started
+        assert error["type"] == "invalid_request" and "context length" in error["message"], error
+        assert elapsed < 3, f"{path}: {elapsed:.1f} s before the 400: the images were decoded first"
+
+
+def test_an_item_that_cannot_be_an_image_is_refused_before_any_image_is_decoded(client: httpx.Client) -> None:
+    """Found by review (R2): an item that is no image whatever its bytes (a number, a network URL, a file URL
+    naming a host) was found only when its turn to decode came: after 16 costly images before it (12-21 s)."""
+    import io
+    import time
+
+    buffer = io.BytesIO()
+    Image.new("P", (8192, 4096), 0).save(buffer, "PNG", transparency=0)
+    heavy = b64(buffer.getvalue())
+    text = PROMPT.replace("What", "") * 17 + "?"
+    for last, reason in [(17, "must be a string"), ("https://127.0.0.1:1/x.png", "not fetched from the network"),
+                         ("file://host/x.png", "names no host")]:
+        started = time.monotonic()
+        error = refused(client, text=text, image_data=[heavy] * 16 + [last], sampling_params=GREEDY)
+        elapsed = time.monotonic() - started
+        assert error["message"].startswith("image_data[16]:") and reason in error["message"], error
+        assert elapsed < 3, f"{elapsed:.1f} s before the 400: the images were decoded first"

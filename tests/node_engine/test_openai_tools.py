@@ -157,6 +157,10 @@ def test_malformed_tools_are_400s(client: httpx.Client, body: dict) -> None:
     ([WEATHER, {"function": {"name": "f", "parameters": {"type": "varchar2"}}}], 1, "is not valid under any"),
     ([{"function": {"name": "f", "parameters": {"properties": {"a": {"required": "a"}}}}}], 0, "is not of type"),
     ([{"function": {"name": "f", "parameters": [1]}}], 0, "is not of type 'object', 'boolean'"),
+    # found by review (R2): a pattern whose repetition count overflows made the metaschema's regex check raise
+    # OverflowError, not its SchemaError: a 500
+    ([{"function": {"name": "f", "parameters": {"properties": {"a": {"pattern": "a{99999999999999999999}"}}}}}], 0,
+     "repetition number is too large"),
 ])
 def test_tool_parameters_that_are_no_json_schema_are_400s(engine: ServerProcess, client: httpx.Client,
                                                            tools: list, index: int, why: str) -> None:
@@ -203,3 +207,37 @@ def test_parallel_tool_calls_changes_nothing(client: httpx.Client) -> None:
                parallel_tool_calls=False).json()
     assert off["choices"][0]["message"] == base["choices"][0]["message"]
     assert off["choices"][0]["prompt_token_ids"] == base["choices"][0]["prompt_token_ids"]
+
+
+
+def test_numbers_in_parameters_count_against_the_prompt_bound(client: httpx.Client) -> None:
+    """Found by review (R2): the character bound on what the template renders counted strings only, so a tool's
+    ``parameters`` of 60,000 numbers (360 KB) passed it, and the schema check (a list scan per item in the type
+    rewrite, then the metaschema over each) held a worker thread, and the GIL in turns, for minutes before its
+    400; a body of a few megabytes of them, hours."""
+    import time
+
+    parameters = {"type": "object", "properties": {"a": {"type": list(range(60_000)) + ["string", "string"]}}}
+    started = time.monotonic()
+    r = post_chat(client, tools=[{"function": {"name": "f", "parameters": parameters}}])
+    elapsed = time.monotonic() - started
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request", r.text
+    assert elapsed < 10, f"{elapsed:.1f} s before the 400"
+
+
+def test_the_type_rewrite_deduplicates_in_linear_time_as_sglang_keeps_items() -> None:
+    """Found by review (R2): a ``type`` list was deduplicated with a list scan per item (SGLang's
+    ``_normalize_type_list``): 40,000 distinct names, within an engine of a long context's character bound,
+    took 20 s of a worker thread before the metaschema refused them. What is kept is SGLang's: the first of
+    items equal as Python compares them (``1``, ``true`` and ``1.0`` are one), database names mapped first."""
+    import time
+
+    from node_engine.server.tool_schemas import normalize_json_schema_types
+
+    schema: dict[str, Any] = {"type": [1, True, 1.0, "int", "integer", None, None, {"a": 1}, {"a": 1}, [2], [2]]}
+    normalize_json_schema_types(schema)
+    assert schema["type"] == [1, "integer", None, {"a": 1}, [2]]
+    schema = {"type": [f"t{i}" for i in range(40_000)]}
+    started = time.monotonic()
+    normalize_json_schema_types(schema)
+    assert time.monotonic() - started < 2 and len(schema["type"]) == 40_000

@@ -27,6 +27,10 @@ request:
   ``Content-Length`` as chunked, which an HTTP/1.0 client (nginx's default
   ``proxy_http_version``, ``curl -0``) cannot read (RFC 9112 6.1): a stream to a
   1.0 request goes out as it is and ends with the close.
+- **A bounded queue of pipelined requests.** uvicorn reads again after every
+  answer, so a client pipelining requests while it reads the answers had a
+  read's worth more queued (thousands of small GETs) per answer, without bound:
+  while :data:`MAX_PIPELINED` wait, the connection is read no more.
 - **A disconnect noticed without a task.** A request's scope carries a
   :class:`~handoff.service.disconnect.DisconnectNotice` that this protocol
   fires when the connection is lost, so a
@@ -46,7 +50,9 @@ from handoff.protocol import errors as E
 from handoff.service.disconnect import NOTICE_EXTENSION, DisconnectNotice
 from handoff.service.head_timeout import HeadTimeoutProtocol
 
-__all__ = ["ServiceProtocol", "head_refusal"]
+__all__ = ["MAX_PIPELINED", "ServiceProtocol", "head_refusal"]
+
+MAX_PIPELINED = 100  # requests queued behind the one being answered before the connection is read no more
 
 
 class _RefusedHead(Exception):
@@ -177,8 +183,15 @@ class ServiceProtocol(HeadTimeoutProtocol):
     def _resume_reading(self) -> None:
         """Read again (uvicorn pauses reading while a body waits for the app): a closed connection is only seen
         while reading."""
-        if self.flow is not None and not self.transport.is_closing():
+        if self.flow is not None and not self.transport.is_closing() and len(self.pipeline) < MAX_PIPELINED:
             self.flow.resume_reading()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        # uvicorn reads again after every answer: with requests still queued, a client pipelining while it reads
+        # its answers would add a read's worth (up to 256 KiB of requests) per answer, without bound
+        if self.flow is not None and len(self.pipeline) >= MAX_PIPELINED:
+            self.flow.pause_reading()
 
     def connection_lost(self, exc: Exception | None) -> None:
         notices, self._notices = self._notices, []

@@ -1,6 +1,8 @@
 """A greedy request gives the same tokens on a real engine (``builtin:tiny``) whatever happens around it: alone,
 after a prefix-cache hit, batched with others, preempted by a full pool, retracted across a ``kv_cache`` release
-and resume, or aborted (a prefix of them). Afterwards every slot is free or cached and nothing is locked.
+and resume, or aborted (a prefix of them); after an update to other weights, it gives the tokens of an engine that
+only ever had those (no prefix cached under the old weights is reused, not even one a request paused in place across
+the update computed). Afterwards every slot is free or cached and nothing is locked.
 
 The engine is driven on the test's thread as its own thread drives it (``test_interleavings``' helpers).
 """
@@ -15,6 +17,7 @@ from node_engine.request import FinishReason, RequestHandle, RequestOutput
 from node_engine.sampling import SamplingParams
 from tests.node_engine.kv_invariants import check_invariants
 from tests.node_engine.test_interleavings import _engine, _settle
+from tests.support.weights import tiny_weights
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -80,4 +83,31 @@ def test_a_greedy_request_gives_the_same_tokens_in_every_situation() -> None:
     assert aborted.finish_reason is FinishReason.ABORT
     assert 0 < len(aborted.token_ids_delta) < len(expected[2])
     assert aborted.token_ids_delta == expected[2][:len(aborted.token_ids_delta)]
+    _is_idle_and_whole(engine)
+
+
+def _commit(engine: Engine, seed: int) -> None:
+    """A weight update to ``builtin:tiny``'s weights of ``seed``, as ``/update_weights_from_disk`` commits it
+    (the prefix cache flushed, the default)."""
+    engine.weights.commit(tiny_weights(seed), is_complete=True, version=None, flush_cache=True,
+                          torch_empty_cache=False)
+
+
+def test_after_an_update_to_other_weights_no_prefix_of_the_old_ones_is_reused() -> None:
+    reference = _engine(96, 16, 4, prefix_cache=False)
+    _commit(reference, 1)
+    expected = [_run_all(reference, [p])[0].token_ids_delta for p in PROMPTS]
+    engine = _engine(40, 7, 4)
+    _run_all(engine, PROMPTS)  # the prefix cache holds prefixes of the old weights
+    # one request is paused in place mid-decode across the update: its KV (old weights) must not be cached after
+    handle = engine.submit(PROMPTS[1], PARAMS)
+    _settle(engine, 4)
+    engine.control.pause("in_place")
+    _commit(engine, 1)
+    engine.control.continue_generation()
+    _settle(engine, 10_000)
+    assert _final(handle).finish_reason is FinishReason.LENGTH
+    for prompt, tokens in zip(PROMPTS, expected, strict=True):  # one at a time: each may reuse what came before
+        assert _run_all(engine, [prompt])[0].token_ids_delta == tokens
+    assert [o.token_ids_delta for o in _run_all(engine, PROMPTS)] == expected
     _is_idle_and_whole(engine)

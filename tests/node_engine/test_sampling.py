@@ -49,7 +49,8 @@ def test_values_float32_cannot_hold_are_refused() -> None:
         SamplingParams(repetition_penalty=1e-300)
     with pytest.raises(ValueError, match="logit_bias"):
         SamplingParams(logit_bias=((3, 1e300),))
-    SamplingParams(repetition_penalty=float(torch.finfo(torch.float32).tiny), logit_bias=((3, 3e38), (4, float("-inf"))))
+    SamplingParams(repetition_penalty=float(torch.finfo(torch.float32).tiny),
+                   logit_bias=((3, 3e38), (4, float("-inf"))))
 
 
 def test_extreme_but_valid_values_sample_without_nan() -> None:

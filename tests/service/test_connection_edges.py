@@ -11,7 +11,6 @@ import json
 import socket
 import struct
 import termios
-import time
 from typing import AsyncIterator
 
 import pytest
@@ -20,7 +19,7 @@ from starlette.types import Receive, Scope, Send
 
 from handoff.service.head_timeout import MAX_HEAD_BYTES, HeadTimeoutProtocol
 from handoff.service.http_protocol import ServiceProtocol
-from tests.support.lifespan import answered_lifespan
+from tests.support.lifespan import answered_lifespan, serving
 from tests.support.procs import wait_until
 
 HEAD_TIMEOUT_S = 0.5
@@ -42,19 +41,9 @@ async def app(scope: Scope, receive: Receive, send: Send) -> None:
 
 @pytest.fixture
 async def server() -> AsyncIterator[uvicorn.Server]:
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    config = uvicorn.Config(app, http=ServiceProtocol.with_timeout(HEAD_TIMEOUT_S, max_connections=100),
-                            log_config=None, timeout_keep_alive=75)
-    server = uvicorn.Server(config)
-    task = asyncio.ensure_future(server.serve(sockets=[sock]))
-    deadline = time.monotonic() + 10
-    while not server.started:
-        assert not task.done() and time.monotonic() < deadline, f"the server did not start: {task!r}"
-        await asyncio.sleep(0.01)
-    yield server
-    server.should_exit = True
-    await asyncio.wait_for(task, 10)
+    async with serving(app, ServiceProtocol.with_timeout(HEAD_TIMEOUT_S, max_connections=100),
+                       timeout_keep_alive=75) as (server, _):
+        yield server
 
 
 def _port(server: uvicorn.Server) -> int:

@@ -7,16 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
-import time
 from typing import AsyncIterator
 
 import pytest
-import uvicorn
 from starlette.types import Receive, Scope, Send
 
 from handoff.service.http_protocol import ServiceProtocol
-from tests.support.lifespan import answered_lifespan
+from tests.support.lifespan import answered_lifespan, serving
 
 pytestmark = pytest.mark.timeout(60)
 EVENTS = [b"data: {\"text\": \"a\"}\n\n", b"data: [DONE]\n\n"]
@@ -43,17 +40,8 @@ async def app(scope: Scope, receive: Receive, send: Send) -> None:
 
 @pytest.fixture
 async def port() -> AsyncIterator[int]:
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, http=ServiceProtocol.with_timeout(5.0), log_config=None))
-    task = asyncio.ensure_future(server.serve(sockets=[sock]))
-    deadline = time.monotonic() + 10
-    while not server.started:
-        assert not task.done() and time.monotonic() < deadline, f"the server did not start: {task!r}"
-        await asyncio.sleep(0.01)
-    yield sock.getsockname()[1]
-    server.should_exit = True
-    await asyncio.wait_for(task, 10)
+    async with serving(app, ServiceProtocol.with_timeout(5.0)) as (_, port):
+        yield port
 
 
 async def _until_closed(port: int, request: bytes) -> tuple[list[bytes], bytes]:

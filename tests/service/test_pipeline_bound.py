@@ -5,16 +5,13 @@ of pipelined requests (up to 256 KiB: thousands of small GETs) join the queue.""
 from __future__ import annotations
 
 import asyncio
-import socket
-import time
 from typing import AsyncIterator
 
 import pytest
-import uvicorn
 from starlette.types import Receive, Scope, Send
 
 from handoff.service.http_protocol import MAX_PIPELINED, ServiceProtocol
-from tests.support.lifespan import answered_lifespan
+from tests.support.lifespan import answered_lifespan, serving
 
 REQUEST = b"GET / HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"p" * 1000 + b"\r\n\r\n"
 NUM_FIRST = 3 * MAX_PIPELINED
@@ -45,19 +42,9 @@ async def app(scope: Scope, receive: Receive, send: Send) -> None:
 async def port() -> AsyncIterator[int]:
     gate[:] = [asyncio.Event()]
     _Observed.longest = 0
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    config = uvicorn.Config(app, http=_Observed.with_timeout(5.0, max_connections=100), log_config=None)
-    server = uvicorn.Server(config)
-    task = asyncio.ensure_future(server.serve(sockets=[sock]))
-    deadline = time.monotonic() + 10
-    while not server.started:
-        assert not task.done() and time.monotonic() < deadline, f"the server did not start: {task!r}"
-        await asyncio.sleep(0.01)
-    yield sock.getsockname()[1]
-    gate[0].set()
-    server.should_exit = True
-    await asyncio.wait_for(task, 10)
+    async with serving(app, _Observed.with_timeout(5.0, max_connections=100)) as (_, port):
+        yield port
+        gate[0].set()
 
 
 async def test_requests_pipelined_behind_answers_being_read_stay_bounded(port: int) -> None:

@@ -69,6 +69,8 @@ class ImageLoader:
         image is decoded (64 images can take a decode slot for half a minute)."""
         self.check_supported(field)
         num_images = len(items)
+        if num_images > MAX_IMAGES_PER_PROMPT:
+            raise InvalidRequest(f"{field}: at most {MAX_IMAGES_PER_PROMPT} images per prompt, got {num_images}")
         try:
             runs = check_placeholders(prompt_ids, num_images, self.engine.arch.vision)
         except PlaceholderError as exc:
@@ -86,11 +88,8 @@ class ImageLoader:
 
     async def prepare(self, prompt_ids: list[int], items: Sequence[object], field: str,
                       ) -> tuple[list[int], MultimodalPrompt]:
-        """The prompt with its placeholders expanded, and its images (400 for anything wrong)."""
-        self.check_supported(field)
-        if len(items) > MAX_IMAGES_PER_PROMPT:
-            raise InvalidRequest(f"{field}: at most {MAX_IMAGES_PER_PROMPT} images per prompt, got {len(items)}")
-        self.check_before_decoding(prompt_ids, items, field)
+        """The prompt with its placeholders expanded, and its images (400 for an image that does not decode).
+        The caller has run :meth:`check_before_decoding` on every prompt of the request first."""
         resized, keys = [], []
         for i, item in enumerate(items):  # a cancellation stops it here, before the next image
             image, key = await self._resize_in_slot(item, f"{field}[{i}]")

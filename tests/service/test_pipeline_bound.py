@@ -54,9 +54,11 @@ async def test_requests_pipelined_behind_answers_being_read_stay_bounded(port: i
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     writer.write(REQUEST * (1 + NUM_FIRST))
     await writer.drain()
-    await asyncio.sleep(0.2)  # the first batch read (reading paused behind the held request), then more sent
+    async with asyncio.timeout(10):  # the first batch read (reading paused behind the held request), then more sent
+        while _Observed.longest < MAX_PIPELINED:
+            await asyncio.sleep(0.01)
     writer.write(REQUEST * NUM_SECOND)
-    await asyncio.sleep(0.2)
+    await writer.drain()
     gate[0].set()
     marker = b"\r\n\r\nok"  # the end of each answer
     num_answers, tail = 0, b""

@@ -44,6 +44,9 @@ MAX_TOKENIZER_CONFIG_BYTES = 64 * 1024 * 1024  # tokenizer_config.json (chat tem
 # What a model's generation_config.json may set for chat requests that leave it out (SGLang's
 # ModelConfig.get_default_sampling_params)
 SAMPLING_DEFAULT_KEYS = ("repetition_penalty", "temperature", "top_k", "top_p", "min_p")
+# Added tokens SGLang 0.5.23 always stops on, whatever the model's files name as EOS (its
+# utils/hf_transformers/common.py, _ADDITIONAL_STOP_TOKEN_TEXTS): Llama 3.1's <|eom_id|>, ...
+ADDITIONAL_STOP_TOKEN_TEXTS = ("<|eom_id|>", "<|content_model_end_sampling|>", "<|ifm|im_end|>")
 
 
 class Tokenizer:
@@ -84,6 +87,8 @@ class Tokenizer:
                        if isinstance(v, int) and not isinstance(v, bool))
         if eos is not None and hf.token_to_id(eos) is not None:
             eos_ids.add(hf.token_to_id(eos))
+        eos_ids.update(token_id for token_id, added in hf.get_added_tokens_decoder().items()
+                       if added.content in ADDITIONAL_STOP_TOKEN_TEXTS)
         template = config.get("chat_template")
         if isinstance(template, list):  # named templates: take the default one
             template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"),

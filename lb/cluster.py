@@ -97,6 +97,8 @@ class Cluster:
                              FanOut(client, self.membership, health, self.metrics, self.node_headers),
                              GenerationProxy(self.membership, self.router, caller, self.node_headers))
         self.state = ClusterState.RUNNING
+        # an idle connection to a node that left would stay open until its peer closed it (a dead node never does)
+        self.membership.on_removed = lambda node: client.close_idle(node.url)
         await self._resolve_flag_names()
         await health.check_many(self.membership.nodes())
         self._tasks.append(asyncio.ensure_future(health.run()))

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from typing import Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 from lb.addresses import literal_addresses, split_canonical
 from lb.config import DEFAULT_MAX_NODES, NodeSpec, Role
@@ -39,6 +39,8 @@ class Membership:
         self._join_order: dict[Node, int] = {}
         self._joins = itertools.count()
         self._inflight: dict[str, InflightCount] = {}  # by URL, members' and removed nodes' still busy
+        # told of each node that leaves (the cluster closes the pooled connections to it)
+        self.on_removed: Callable[[Node], None] | None = None
         for role in Role:
             metrics.nodes.labels(role=role.value).set(0)
 
@@ -128,6 +130,8 @@ class Membership:
         self._set_role_list(node.role, members)
         self._forget_inflight_when_idle(url)
         log.info("node %s (%s) removed: %s", node.url, node.role.value, reason)
+        if self.on_removed is not None:
+            self.on_removed(node)
         return node
 
     def _forget_inflight_when_idle(self, url: str) -> None:

@@ -43,10 +43,13 @@ Semantics:
   (a second answer nobody asked for); only clean, complete exchanges go back to
   the pool.
 - Stale keep-alive connections: an idle connection the peer closed is dropped
-  from the pool as soon as the close is seen. If the peer closes a reused
-  connection in the instant the request is sent, the request is retried once
-  on a fresh connection only when the peer cannot have acted on it: nothing was
-  written, or the method is idempotent and no byte of a response came back.
+  from the pool as soon as the close is seen, and one idle past ``max_idle_s``
+  is closed (within twice that) even if no request to its peer comes again
+  (:meth:`UpstreamClient.close_idle` closes a peer's at once). If the peer
+  closes a reused connection in the instant the request is sent, the request
+  is retried once on a fresh connection only when the peer cannot have acted
+  on it: nothing was written, or the method is idempotent and no byte of a
+  response came back.
 - Errors are :class:`UpstreamError` subclasses raised ``from`` the transport's
   own error, whatever the peer or the URL did. :class:`ConnectFailed` means the
   peer got nothing (refused, unreachable, name not resolved, a URL that names
@@ -237,6 +240,15 @@ class UpstreamClient:
         return PendingRequest(method, url, origin, head, body, deadline, take_idle=pool.take_idle,
                               connect=pool.connect, release=pool.release, connect_now=connect_now,
                               answer_caps=answer_caps)
+
+    def close_idle(self, url: str) -> None:
+        """Close the idle pooled connections to ``url``'s origin (a peer this process is done with: a node that
+        left); requests in flight to it finish as they would, their connections closed after ``max_idle_s`` idle."""
+        try:
+            origin, _ = split_url(url)
+        except InvalidURL:
+            return  # no connection was ever made to it
+        self._pool.close_idle(origin.host_header)
 
     async def aclose(self) -> None:
         """Close every connection; requests in flight fail with :class:`ConnectionDropped`."""

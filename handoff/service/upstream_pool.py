@@ -2,7 +2,9 @@
 the request's deadline), pooled idle per origin while fresh enough, and closed with the client.
 
 One pool of idle keep-alive connections per origin and no limit on open connections; only a connection whose
-exchange completed cleanly goes back to its pool.
+exchange completed cleanly goes back to its pool. An idle connection is closed once it has idled ``max_idle_s`` (at
+the latest twice that), whether or not a request to its origin comes to find it stale: a peer that never closes an
+idle connection itself (one that died without a FIN, a node that left the membership) holds no socket for good.
 """
 
 from __future__ import annotations
@@ -32,8 +34,9 @@ class ConnectionPool:
         self.is_closed = False
         self._loop = loop
         self._write = write
-        self._idle: dict[str, deque[Connection]] = {}
+        self._idle: dict[str, deque[Connection]] = {}  # oldest first
         self._conns: set[Connection] = set()
+        self._sweep: asyncio.TimerHandle | None = None
 
     @property
     def num_connections(self) -> int:
@@ -104,6 +107,25 @@ class ConnectionPool:
             return
         conn.mark_idle()
         pool.append(conn)
+        if self._sweep is None:
+            self._sweep = self._loop.call_later(self.max_idle_s, self._close_stale)
+
+    def _close_stale(self) -> None:
+        """Close the connections idle past ``max_idle_s``; again in ``max_idle_s`` while any stays idle."""
+        self._sweep = None
+        now = self._loop.time()
+        for key, pool in list(self._idle.items()):
+            while pool and not pool[0].is_fresh_enough(now, self.max_idle_s):
+                pool.popleft().close()
+            if not pool:
+                del self._idle[key]
+        if self._idle and not self.is_closed:
+            self._sweep = self._loop.call_later(self.max_idle_s, self._close_stale)
+
+    def close_idle(self, host_header: str) -> None:
+        """Close every idle connection to the origin named ``host_header`` (a peer this process is done with)."""
+        for conn in self._idle.pop(host_header, ()):
+            conn.close()
 
     def _forget(self, conn: Connection) -> None:
         self._conns.discard(conn)
@@ -115,6 +137,9 @@ class ConnectionPool:
         """Close every connection (requests in flight fail with ``ConnectionDropped``); none is made or pooled
         after."""
         self.is_closed = True
+        if self._sweep is not None:
+            self._sweep.cancel()
+            self._sweep = None
         for conn in list(self._conns):
             conn.close()
         self._idle.clear()

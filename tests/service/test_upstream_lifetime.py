@@ -110,3 +110,29 @@ async def test_a_chunked_body_of_exactly_the_cap_is_whole(client: UpstreamClient
         assert server.num_connections == 1 and client.num_idle == 1
         with pytest.raises(ResponseTooLarge):  # one byte less is past the cap, whenever the end comes
             await (await client.request("GET", server.url, timeout=5)).read_whole(size - 1)
+
+
+async def test_idle_connections_close_past_max_idle_without_another_request() -> None:
+    """An idle connection is closed once it idled ``max_idle_s`` though no request to its peer comes to find it
+    stale (a node that left, a peer that never closes): it stayed open for good (review C). ``close_idle`` closes
+    one peer's idle connections at once and leaves the others."""
+    open_conns: set[Conn] = set()
+
+    async def keep_open(conn: Conn) -> None:
+        open_conns.add(conn)
+        while await conn.read_request() is not None:
+            await conn.respond(200, b"ok")
+        open_conns.discard(conn)
+
+    client = UpstreamClient(max_idle_s=0.3)
+    async with ScriptedServer(keep_open) as server, ScriptedServer(keep_open) as other:
+        for url in (server.url, other.url):
+            await (await client.request("GET", url + "/x", timeout=5)).read_whole(CAP)
+        assert client.num_idle == 2 and len(open_conns) == 2
+        client.close_idle(server.url)
+        assert client.num_idle == 1
+        await until(lambda: len(open_conns) == 1)
+        await until(lambda: client.num_connections == 0 and not open_conns, timeout_s=3)
+        await (await client.request("GET", other.url + "/x", timeout=5)).read_whole(CAP)  # a fresh one, pooled
+        assert client.num_idle == 1
+    await client.aclose()

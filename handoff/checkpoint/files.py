@@ -11,7 +11,8 @@ A checkpoint path comes from a request, so its files are treated as hostile:
   only its own thread. Callers run the reading on a thread with a deadline
   (:mod:`handoff.bounded_thread`).
 - Sizes are bounded: small files (``config.json``, the shard index) by
-  ``MAX_SMALL_FILE_BYTES``, a folder by ``MAX_SHARDS`` safetensors files.
+  ``MAX_SMALL_FILE_BYTES``, a folder by ``MAX_SHARDS`` safetensors files (and
+  their headers together: :func:`~handoff.checkpoint.safetensors_header.read_folder_headers`).
 - A path that is too long, missing or unreadable is a :class:`CheckpointError`
   naming it, never an uncaught ``OSError``.
 
@@ -138,7 +139,9 @@ class FileReader:
     def read_json(self, path: Path) -> object:
         raw = self.read_small(path)
         try:
-            return loads_bounded(raw)
+            # in turns: a reload reads config.json and the index while the engine serves, and the byte scans of a
+            # plain parse held the GIL for seconds on 16 MB
+            return loads_bounded(raw, in_turns=True)
         except PeerJSONError as exc:
             raise CheckpointError(f"{path.name} is not valid JSON: {exc}") from exc
 

@@ -21,6 +21,13 @@ this module passed cannot refuse it half way through a reload:
   where the previous ends, each spans its shape times its dtype's size (no
   element count or bit count past 2**64 - 1, whole bytes), and the last ends
   at the end of the file.
+
+A folder's shards are bounded together too (:func:`read_folder_headers`): the
+library's limit is per file, and a folder of 4096 shards (``MAX_SHARDS``) with
+a 100 MB header each would be 400 GB of JSON parsed and millions of tensors
+held by one reload. Past ``MAX_FOLDER_HEADER_BYTES`` of headers or
+``MAX_FOLDER_TENSORS`` tensors together the folder is refused, before the
+header that would pass the first is read.
 """
 
 from __future__ import annotations
@@ -37,6 +44,8 @@ from handoff.checkpoint.files import FileReader, shown
 from handoff.service.peer_json import PeerJSONError, loads_bounded
 
 MAX_HEADER_BYTES = 100_000_000   # the library's limit
+MAX_FOLDER_HEADER_BYTES = 256 * 1024 * 1024  # every shard's header together (a large MoE's: tens of MB)
+MAX_FOLDER_TENSORS = 1 << 20                 # every shard's tensors together (a large MoE's: a few 100,000)
 MAX_HEADER_DEPTH = 127           # serde_json refuses a 128th level
 USIZE_MAX = 2**64 - 1
 METADATA_KEY = "__metadata__"
@@ -64,6 +73,13 @@ class HeaderEntry:
 
 def read_header(reader: FileReader, path: Path) -> dict[str, HeaderEntry]:
     """Every tensor of one safetensors file, from its header (checked against the file's size)."""
+    raw, data_size, version = _read_raw(reader, path)
+    return parse_header(raw, path=path, data_size=data_size, version=version)
+
+
+def _read_raw(reader: FileReader, path: Path, budget: int | None = None) -> tuple[bytes, int, tuple[int, ...]]:
+    """(header bytes, data size, file version) of one file; with ``budget`` (what the folder's headers may still
+    take), a longer header is a CheckpointError before it is read."""
     fd, size = reader.open(path)
     try:
         version = reader.version(fd)
@@ -73,10 +89,13 @@ def read_header(reader: FileReader, path: Path) -> dict[str, HeaderEntry]:
         if header_len > MAX_HEADER_BYTES or 8 + header_len > size:
             raise CheckpointError(f"{path.name}: header length {header_len} does not fit the file ({size} "
                                   f"bytes) or the {MAX_HEADER_BYTES}-byte limit")
+        if budget is not None and header_len > budget:
+            raise CheckpointError(f"the shards hold headers of more than {MAX_FOLDER_HEADER_BYTES} bytes together "
+                                  f"(at {path.name}, a header of {header_len} bytes)")
         raw = reader.pread(fd, header_len, 8, path)
     finally:
         os.close(fd)
-    return parse_header(raw, path=path, data_size=size - 8 - header_len, version=version)
+    return raw, size - 8 - header_len, version
 
 
 def parse_header(raw: bytes, *, path: Path, data_size: int, version: tuple[int, ...] = ()) -> dict[str, HeaderEntry]:
@@ -152,7 +171,10 @@ def _decode(raw: bytes, name: str) -> _Object:
     except UnicodeDecodeError as exc:
         raise CheckpointError(f"{name}: the safetensors header is not UTF-8 ({exc.reason} at byte {exc.start})")
     try:
-        header = loads_bounded(text, max_depth=MAX_HEADER_DEPTH, parse_int=_json_int, object_pairs_hook=_Object)
+        # in turns: the engine serves while a reload parses, and a scan over the whole header (floats out of
+        # range) held the GIL for seconds on 16 MB of ``e``; the nesting is measured over each object's ``pairs``
+        header = loads_bounded(text, max_depth=MAX_HEADER_DEPTH, parse_int=_json_int, object_pairs_hook=_Object,
+                               in_turns=True)
     except PeerJSONError as exc:
         raise CheckpointError(f"{name}: the safetensors header is not valid JSON ({exc})") from exc
     if not isinstance(header, _Object):
@@ -197,10 +219,18 @@ def _num_bits(shape: tuple[int, ...], dtype_bits: int, name: str, file_name: str
 
 
 def read_folder_headers(reader: FileReader, folder: Path) -> dict[str, HeaderEntry]:
-    """Every tensor of a checkpoint folder (its shards' headers); a tensor in two shards is a CheckpointError."""
+    """Every tensor of a checkpoint folder (its shards' headers); a tensor in two shards is a CheckpointError, and so
+    are more than ``MAX_FOLDER_HEADER_BYTES`` of headers or ``MAX_FOLDER_TENSORS`` tensors together."""
     entries: dict[str, HeaderEntry] = {}
+    budget = MAX_FOLDER_HEADER_BYTES
     for path in reader.shard_files(folder):
-        for name, entry in read_header(reader, path).items():
+        raw, data_size, version = _read_raw(reader, path, budget)
+        budget -= len(raw)
+        shard = parse_header(raw, path=path, data_size=data_size, version=version)
+        del raw
+        if len(entries) + len(shard) > MAX_FOLDER_TENSORS:
+            raise CheckpointError(f"the shards hold more than {MAX_FOLDER_TENSORS} tensors together (at {path.name})")
+        for name, entry in shard.items():
             if name in entries:
                 raise CheckpointError(f"tensor {_name(name)} is in two shards: {entries[name].file.name} and "
                                       f"{path.name}")

@@ -100,7 +100,9 @@ def loads_bounded(raw: bytes | str, *, max_bytes: int | None = None, max_depth: 
                            parse_int=parse_int or (_int if in_turns else None), object_pairs_hook=pairs_hook)
         if has_surrogates:
             _check_strings(value)
-    except (UnicodeError, ValueError, OverflowError, RecursionError) as exc:
+    except RecursionError:  # in turns: the parser's own bound (about 1000 levels) came first
+        raise PeerJSONError(f"JSON nesting arrays or objects more than {max_depth} deep") from None
+    except (UnicodeError, ValueError, OverflowError) as exc:
         raise PeerJSONError(f"not valid JSON: {exc}") from exc
     if in_turns and _value_deeper_than(value, max_depth):
         raise PeerJSONError(f"JSON nesting arrays or objects more than {max_depth} deep")
@@ -113,11 +115,16 @@ def _int(text: str) -> int:
 
 def _value_deeper_than(value: Any, limit: int) -> bool:
     """Whether a parsed value's lists and dicts nest more than ``limit`` deep (a Python loop: it gives other
-    threads their turns)."""
+    threads their turns). A dict that keeps its ``pairs`` as written (an ``object_pairs_hook``'s) is measured over
+    all of them: a key given twice too, whose first value a dict drops but a parser such as serde's reads."""
     pending = [(value, 1)]
     while pending:
         item, depth = pending.pop()
-        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if isinstance(item, dict):
+            pairs = getattr(item, "pairs", None)
+            children = item.values() if pairs is None else [child for _, child in pairs]
+        else:
+            children = item if isinstance(item, list) else None
         if children is None:
             continue
         if depth > limit:

@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import json
 import struct
+import threading
+import time
 from pathlib import Path
+from typing import Callable
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -176,6 +179,8 @@ def test_mutated_headers_are_judged_as_the_library_judges_them(tmp_path: Path, l
      None),                                                                                 # 128 levels
     (b'{"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4], "z": ' + b"[" * 125 + b"]" * 125 + b"}}", 4,
      None),                                                                                 # 127 levels
+    *[(b'{"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4], "z": ' + b"[" * n + b"]" * n + b'}, "a": '
+       b'{"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}', 4, None) for n in (125, 126)],  # hidden by a twin
     (b'{"a": {"dtype": "X", "shape": [1], "data_offsets": [0, 4]}, "a": {"dtype": "F32", "shape": [1], '
      b'"data_offsets": [0, 4]}}', 4, None),                                                 # the first of two is bad
     (b'{"a": {"dtype": "F32", "dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}', 4, None),  # a field twice
@@ -220,3 +225,95 @@ def test_a_device_is_refused_before_it_is_opened(tmp_path: Path, monkeypatch: py
     with pytest.raises(CheckpointError, match="a character device"):
         read_header(FileReader(), tmp_path / "model.safetensors")
     assert opened == []
+
+
+# -- a folder's headers together -------------------------------------------------------
+def shard_with(path: Path, num_tensors: int, padding: int = 0) -> Path:
+    """A valid shard of ``num_tensors`` empty tensors named after the file, its header padded with spaces."""
+    fields = tuple((f"{path.stem}.{i}", (("dtype", "F32"), ("shape", [0]), ("data_offsets", [0, 0])))
+                   for i in range(num_tensors))
+    return write(path, encode(fields).encode() + b" " * padding, 0)
+
+
+class CountingReader(FileReader):
+    """Counts the bytes read."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bytes_read = 0
+
+    def pread(self, fd: int, num_bytes: int, offset: int, path: Path) -> bytes:
+        self.bytes_read += num_bytes
+        return super().pread(fd, num_bytes, offset, path)
+
+
+def test_a_folder_s_headers_are_bounded_together_not_only_each(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each header may be up to 100 MB (the library's limit per file), and a folder up to 4096 shards: 400 GB of
+    JSON parsed, and its tensors held, by one reload. The headers are bounded together: past the bound the folder is
+    refused (a 400) once that much has been read, and nothing more is read."""
+    from handoff.checkpoint import safetensors_header
+
+    limit = 64 * 1024
+    monkeypatch.setattr(safetensors_header, "MAX_FOLDER_HEADER_BYTES", limit)
+    for i in range(40):
+        shard_with(tmp_path / f"model-{i:05d}.safetensors", 2, padding=limit // 8)
+    reader = CountingReader()
+    with pytest.raises(CheckpointError, match=f"headers of more than {limit} bytes together"):
+        safetensors_header.read_folder_headers(reader, tmp_path)
+    assert reader.bytes_read <= limit + 40 * 8
+
+
+def test_a_folder_s_tensors_are_bounded_together(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Small headers of many tensors each: the folder's tensors are counted together, each shard as it is read."""
+    from handoff.checkpoint import safetensors_header
+
+    monkeypatch.setattr(safetensors_header, "MAX_FOLDER_TENSORS", 90)
+    for i in range(10):
+        shard_with(tmp_path / f"model-{i:05d}.safetensors", 30)
+    with pytest.raises(CheckpointError, match="more than 90 tensors together \\(at model-00003"):
+        safetensors_header.read_folder_headers(FileReader(), tmp_path)
+    for i in range(3, 10):
+        (tmp_path / f"model-{i:05d}.safetensors").unlink()
+    assert len(safetensors_header.read_folder_headers(FileReader(), tmp_path)) == 90  # at the bound: read
+
+
+def longest_gil_hold(work: Callable[[], object]) -> tuple[float, object]:
+    """(the longest time ``work``, run on a thread, kept this one from running, what it returned)."""
+    done = threading.Event()
+    outcome: list[object] = []
+
+    def run() -> None:
+        try:
+            outcome.append(work())
+        finally:
+            done.set()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    longest, last = 0.0, time.monotonic()
+    while not done.wait(0.01):  # each wake needs the GIL: a gap is how long the work held it
+        now = time.monotonic()
+        longest, last = max(longest, now - last), now
+    thread.join()
+    assert outcome, "the work raised"
+    return longest, outcome[0]
+
+
+def test_parsing_a_header_never_holds_the_gil_for_long(tmp_path: Path) -> None:
+    """A reload parses headers on a thread while the engine thread serves. A header of 16 MB (the library takes
+    100) that is one string of ``e``: the scan for floats out of range, one regular expression over the whole
+    header, held the GIL for seconds (the engine stopped, ``/health`` too), per shard."""
+    path = write(tmp_path / "f.safetensors", b'{"__metadata__": {"k": "' + b"e" * (16 << 20) + b'"}}', 0)
+    held, entries = longest_gil_hold(lambda: read_header(FileReader(), path))
+    assert entries == {}
+    assert held < 1.0, f"the parse held the GIL for {held:.1f} s"
+
+
+def test_reading_a_config_or_index_never_holds_the_gil_for_long(tmp_path: Path) -> None:
+    """``config.json`` and the shard index (up to 64 MB each) are read on the same thread: the same scan held
+    the GIL for seconds."""
+    path = tmp_path / "config.json"
+    path.write_bytes(b'{"k": "' + b"e" * (16 << 20) + b'"}')
+    held, config = longest_gil_hold(lambda: FileReader().read_json(path))
+    assert isinstance(config, dict) and len(config["k"]) == 16 << 20
+    assert held < 1.0, f"the read held the GIL for {held:.1f} s"

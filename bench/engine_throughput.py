@@ -9,8 +9,10 @@ new tokens each, EOS ignored.
 
 Decode tokens/s counts only what is generated after every sequence has its
 first token, over the time it took: prefill and the first token are excluded
-on both sides. The engine's clock reads output deliveries on the event loop;
-transformers' reads a logits processor called once per generated token. Every
+on both sides. The engine's time is a full run's minus that of a run of the
+same prompts for 1 new token (prefill and the first token); transformers' is
+read by a logits processor called once per generated token, from the first
+token's logits to the last's. Every
 figure is the median of ``--repeats`` runs after one warm-up run; runs
 alternate engine, transformers, engine, ... and the ratio is the median over
 those pairs of engine / transformers, so both sides of a ratio saw the same

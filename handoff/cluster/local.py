@@ -24,6 +24,9 @@ ENGINE_KINDS = ("handoff", "vllm")  # what a local cluster can start (SGLang nee
 # Each node is two processes and an engine's memory on one machine: past this, a typo (--nodes 1000) would fork
 # until the machine gives out; a larger cluster is a Kubernetes one (docs/kubernetes.md).
 MAX_LOCAL_NODES = 64
+# A cluster's tokens are its spec's (``handoff up`` reads these variables into it): inherited, they made the LB and
+# the sidecars of a cluster with none (``handoff demo``) ask for a token its client never sends.
+TOKEN_VARIABLES = frozenset({"HANDOFF_ADMIN_TOKEN", "HANDOFF_API_KEY"})
 
 
 @dataclass(frozen=True)
@@ -173,7 +176,10 @@ class LocalCluster:
             wait_all_ready({node.sidecar: timeout for node in self.nodes}, watched=self.processes,
                            on_ready=lambda _sidecar: None)
             # serving, not only up: the sidecars have read their engines' state (seconds for a vLLM engine)
-            wait_until(self._all_serving, timeout=timeout, what="every node serving")
+            try:
+                wait_until(self._all_serving, timeout=timeout, what="every node serving")
+            except TimeoutError:  # not ProcessFailed: ``handoff up`` showed a traceback naming no node
+                raise ProcessFailed(self._not_serving(timeout)) from None
             lb_args = ["--health-interval", "1", *spec.lb_args]
             for node in self.nodes:
                 flag = {"mixed": "--node", "prefill": "--prefill", "decode": "--decode"}[node.role]
@@ -193,6 +199,21 @@ class LocalCluster:
             proc.check_alive()
         return all(httpx.get(node.url + "/ready", timeout=5).status_code == 200 for node in self.nodes)
 
+    def _not_serving(self, timeout: float) -> str:
+        """The nodes whose ``/ready`` is still not 200, each with the reason it gives and its sidecar's log."""
+        parts = []
+        for node in self.nodes:
+            try:
+                answer = httpx.get(node.url + "/ready", timeout=5)
+                if answer.status_code == 200:
+                    continue
+                why = f"{answer.status_code} {answer.json().get('reason')}"
+            except (httpx.HTTPError, ValueError, AttributeError) as exc:  # not answering, or not a JSON object
+                why = repr(exc)
+            parts.append(f"{node.name} is not serving after {timeout:g} s (its /ready: {why})\n"
+                         f"{node.sidecar.log_tail(10)}")
+        return "\n".join(parts) or f"the nodes were not all serving within {timeout:g} s"
+
     def _start_sidecar(self, index: int, engine: ServerProcess) -> None:
         """Launch the sidecar of node ``index``, whose ``engine`` is now up."""
         spec = self.spec
@@ -208,6 +229,7 @@ class LocalCluster:
 
     def _launch(self, proc: ServerProcess, *, port: int | None = None) -> ServerProcess:
         proc.die_with_parent = self.die_with_parent
+        proc.env_unset = TOKEN_VARIABLES
         return proc.launch(port=port)
 
     def dead_processes(self) -> list[ServerProcess]:

@@ -108,6 +108,7 @@ class ServerProcess:
         # SIGKILL). Only for processes started from a thread that lives as long as they should.
         self.die_with_parent = False
         self.kill_wait_s = 5.0  # how long a SIGKILLed process is waited for
+        self.env_unset: frozenset[str] = frozenset()  # variables of this process's environment the child goes without
         self._num_starts = 0
 
     @property
@@ -131,7 +132,8 @@ class ServerProcess:
         self._port_file.unlink(missing_ok=True)
         use_port = port if port is not None else (self.port or 0)
         argv = self.command(use_port)
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", **(self.env or {})}
+        inherited = {name: value for name, value in os.environ.items() if name not in self.env_unset}
+        env = {**inherited, "PYTHONUNBUFFERED": "1", **(self.env or {})}
         with open(self.log_path, "ab") as log:
             log.write(f"\n=== start #{self._num_starts}: {' '.join(_redacted(argv))}\n".encode())
             log.flush()

@@ -458,3 +458,31 @@ def test_an_engine_that_fails_is_reported_at_once_whatever_its_place(tmp_path: P
         cluster.start(timeout=100)
     assert time.monotonic() - started < 60 and "--free-memory-override-file" in str(info.value), str(info.value)
     assert not [p.name for p in cluster.processes() if p.is_running()]  # the slow one was stopped too
+
+
+def test_token_variables_of_the_caller_reach_no_process_of_a_cluster_without_tokens(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``handoff demo`` run in a shell that had exported ``HANDOFF_API_KEY`` (for ``handoff up``, as the docs show)
+    failed its first step with 401: the LB and the sidecars took the inherited variable for their token, the demo's
+    client sent none (review F). A cluster's tokens are its spec's; the caller's variables reach no process."""
+    monkeypatch.setenv("HANDOFF_API_KEY", "from-the-shell")
+    monkeypatch.setenv("HANDOFF_ADMIN_TOKEN", "from-the-shell-too")
+    with LocalCluster(ClusterSpec(num_mixed=1), tmp_path / "logs") as cluster:
+        r = httpx.post(cluster.url + "/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 2}},
+                       timeout=30)
+        assert r.status_code == 200, r.text
+        assert httpx.post(cluster.url + "/flush_cache", timeout=30).status_code == 200
+        for proc in cluster.processes():
+            leaked = {"HANDOFF_API_KEY", "HANDOFF_ADMIN_TOKEN"} & set(psutil.Process(proc.pid).environ())
+            assert not leaked, (proc.name, leaked)
+
+
+def test_a_node_that_never_serves_is_named_not_a_traceback(tmp_path: Path) -> None:
+    """A node up but never serving (here its sidecar takes handoff's engine for a vLLM one and never syncs) ended the
+    start in a bare ``TimeoutError``: ``handoff up`` printed a traceback naming no node (review F). It is the start
+    failure ``up`` and the demo report, naming the node, the reason its ``/ready`` gives, and its sidecar's log."""
+    cluster = LocalCluster(ClusterSpec(num_mixed=1, sidecar_args=("--engine-kind", "vllm")), tmp_path / "logs")
+    with pytest.raises(ProcessFailed, match=r"node0 is not serving after 30 s \(its /ready: 503 \w+\)") as info:
+        cluster.start(timeout=30)
+    assert "last lines of" in str(info.value) and "node0-sidecar.log" in str(info.value)
+    assert not [p.name for p in cluster.processes() if p.is_running()]

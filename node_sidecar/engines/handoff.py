@@ -18,7 +18,7 @@ import json
 from typing import Any
 
 from handoff.protocol.control import ENGINE_INSTANCE, MAX_NAME_CHARS
-from handoff.protocol.tags import TAG_NAMES, TagState, is_byte_count, parse_tag_request
+from handoff.protocol.tags import TAG_NAMES, Tag, TagState, is_byte_count, parse_tag_request
 from handoff.protocol.weights import WEIGHTS_UPDATED, WEIGHTS_UPDATED_FULLY
 from handoff.service.peer_json import PeerJSONError, loads_bounded
 from handoff.service.upstream import UpstreamError
@@ -29,6 +29,7 @@ from node_sidecar.errors import EngineUnavailable
 STATE_READ_TIMEOUT_S = 5.0   # reading the engine's state (a sync): the node serves only once it is read
 MEMORY_VIEW_TIMEOUT_S = 1.0  # the figures of a view: a late answer leaves them out (the LB polls the view)
 ENGINE = "handoff's engine"
+KV_CACHE, WORKSPACE = Tag.KV_CACHE.value, Tag.WORKSPACE.value
 ENGINE_TAG_STATES = (TagState.RESIDENT, TagState.RELEASED)  # the moves between are the sidecar's own
 TAG_LISTS = ("released", "already_released", "resumed", "already_resident")
 BYTE_COUNTS = ("bytes_freed", "bytes_restored")
@@ -79,6 +80,13 @@ class HandoffEngine(EngineAdapter):
                      if isinstance(rows, dict) else {})
         return {"tags": tag_bytes, "device": occupation.get("device"),
                 "process_rss_bytes": occupation.get("process_rss_bytes")}
+
+    def release_set(self, asked: list[str], resident: list[str]) -> list[str]:
+        """The engine frees the workspace with ``kv_cache`` unless the workspace is released already (SGLang's
+        clients know no workspace): a release again on a fresh engine of ``kv_cache`` alone, the workspace
+        resumed since, names it too, so that the engine's answer accounts for what it did."""
+        follows = WORKSPACE in resident and KV_CACHE in asked
+        return [t for t in TAG_NAMES if t in asked or (follows and t == WORKSPACE)]
 
     async def release(self, tags: list[str], *, stage_to_cpu: bool | None) -> MemoryChange:
         body: dict[str, Any] = {"tags": tags}

@@ -459,6 +459,36 @@ def test_engine_killed_and_restarted(own_engine: ServerProcess, proc_log_dir: Pa
         sidecars.stop()
 
 
+def test_kv_cache_released_again_on_a_fresh_engine_with_the_workspace_resident(own_engine: ServerProcess,
+                                                                               proc_log_dir: Path) -> None:
+    """``kv_cache`` released, then the workspace resumed alone: the cluster holds ``kv_cache`` released and the
+    workspace resident. On a fresh engine the sidecar released ``kv_cache`` again by sending ``["kv_cache"]``,
+    to which the engine adds the workspace; the sidecar took that answer for a 502 and put the tags back to
+    resident, so it reported the workspace resident while the engine had released it, and the cluster's next
+    resume, which the engine ran, was a 502 (found by review). The release again names the workspace too."""
+    sidecars = Sidecars(own_engine, proc_log_dir)
+    sidecar = sidecars.start(name="sidecar_workspace_follows")
+    try:
+        with httpx.Client(base_url=sidecar.url, timeout=30) as c:
+            assert c.post("/release_memory_occupation", json={"tags": ["kv_cache"]}).status_code == 200
+            assert c.post("/resume_memory_occupation", json={"tags": ["workspace"]}).status_code == 200
+        own_engine.kill()
+        wait_until(lambda: occupation(sidecar)["engine_reachable"] is False, timeout=10, what="engine down")
+        own_engine.start()
+        wait_until(lambda: occupation(sidecar)["engine_reachable"] and occupation(sidecar)["tags"]["kv_cache"][
+            "state"] == "released", timeout=20, what="back, kv_cache released again")
+        engine_view = httpx.get(own_engine.url + "/memory_occupation", timeout=10).json()
+        assert {t: row["state"] for t, row in occupation(sidecar)["tags"].items()} == {
+            t: row["state"] for t, row in engine_view["tags"].items()}
+        assert engine_view["tags"]["workspace"]["state"] == "released"
+        assert "releasing them again failed" not in (occupation(sidecar)["last_error"] or "")
+        r = httpx.post(sidecar.url + "/resume_memory_occupation", json={}, timeout=30)
+        assert r.status_code == 200 and r.json()["resumed"] == ["kv_cache", "workspace"], r.text
+        assert httpx.post(sidecar.url + "/generate", json={"text": "x"}, timeout=10).status_code == 200
+    finally:
+        sidecars.stop()
+
+
 def test_a_bad_reload_is_refused_before_any_drain(sidecars: Sidecars, tmp_path: Path) -> None:
     sidecar = sidecars.start()
     stream = GenerationClient(sidecar.url + "/generate", stream_body(3000))

@@ -104,7 +104,6 @@ class Engine:
         self._num_calls_pending = 0
         self._thread: threading.Thread | None = None
         self._stopping = False
-        self._num_rids = 0
         self.control = EngineControl(self)
         self.weights = WeightUpdates(self)
         self.weight_groups = WeightGroups(self)
@@ -152,16 +151,13 @@ class Engine:
                use_prefix_cache: bool = True, prefill: bool = False) -> RequestHandle:
         """Queue a checked request; its outputs arrive on the returned handle.
 
-        A streaming request gets an output every ``stream_interval`` tokens; any
-        other gets one when it finishes (its deltas accumulate meanwhile), which
-        spares the event loop a wake-up per request per step. ``mm``: the prompt's
-        images (placeholders already expanded). ``use_prefix_cache`` false: it
-        neither reuses cached KV nor leaves its own (cache isolation). With
-        ``max_new_tokens`` 0 the prompt is still prefilled (and cached) if
-        ``prefill`` or if logprobs it answers are asked for: the prompt's, or the top / ``token_ids_logprob`` row of
-        the distribution after the prompt (SGLang's scoring request).
+        A streaming request gets an output every ``stream_interval`` tokens; any other gets one when it finishes
+        (its deltas accumulate meanwhile), which spares the event loop a wake-up per request per step. ``mm``: the
+        prompt's images (placeholders already expanded). ``use_prefix_cache`` false: it neither reuses cached KV
+        nor leaves its own (cache isolation). With ``max_new_tokens`` 0 the prompt is still prefilled (and cached)
+        if ``prefill`` or if logprobs it answers are asked for: the prompt's, or the top / ``token_ids_logprob`` row
+        of the distribution after the prompt (SGLang's scoring request).
         """
-        self._num_rids += 1
         rid = rid or f"req-{uuid.uuid4().hex[:16]}"
         self.gate.claim(rid)
         handle = RequestHandle(rid)
@@ -244,7 +240,12 @@ class Engine:
 
     def _drain_inbox(self, *, block: bool) -> None:
         for item in self._inbox.take(block=block):
-            self._handle(item)
+            try:
+                self._handle(item)
+            except BaseException:  # the engine closes: a request it did not queue is answered with the inbox's rest
+                if isinstance(item, Add) and item.request not in self.scheduler.waiting:
+                    self._inbox.hand_back(item)
+                raise
 
     def _handle(self, item: Item) -> None:
         if isinstance(item, Add):

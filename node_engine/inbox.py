@@ -11,8 +11,9 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
+from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable, Union
+from typing import Any, Callable, Iterator, Union
 
 from node_engine.request import Request
 
@@ -57,6 +58,7 @@ class Inbox:
     def __init__(self) -> None:
         self._queue: queue.SimpleQueue[Item | None] = queue.SimpleQueue()  # None: wake the thread to stop
         self._lock = threading.Lock()  # orders a post against the closing
+        self._batch: deque[Item] = deque()  # taken from the queue, not handed to the engine thread yet
         self.closed: Closed | None = None
 
     def post(self, item: Item) -> Closed | None:
@@ -70,23 +72,33 @@ class Inbox:
         """End a blocking :meth:`take` (the engine is stopping)."""
         self._queue.put(None)
 
-    def take(self, *, block: bool) -> list[Item]:
-        """What is queued, in order (waiting for a first item if ``block``); stops at a wake-up."""
-        items: list[Item] = []
+    def take(self, *, block: bool) -> Iterator[Item]:
+        """What is queued, in order (waiting for a first item if ``block``), up to a wake-up: taken at once,
+        handed out one at a time. What the caller was not handed yet when it stopped (it failed handling one) is
+        still the inbox's: :meth:`close` hands it back, so the engine answers it."""
+        batch = self._batch
         try:
             item = self._queue.get(block=block)
             while item is not None:
-                items.append(item)
+                batch.append(item)
                 item = self._queue.get_nowait()
         except queue.Empty:
             pass  # all taken
-        return items
+        while batch:
+            yield batch.popleft()
+
+    def hand_back(self, item: Item) -> None:
+        """An item the caller was handed and failed to handle, for :meth:`close` to hand back first (engine
+        thread)."""
+        self._batch.appendleft(item)
 
     def close(self, closed: Closed) -> list[Item]:
-        """Take nothing more; returns what was still queued, for the engine to answer."""
+        """Take nothing more; returns what was still queued (first what was taken and never handled), for the
+        engine to answer."""
         with self._lock:
             self.closed = closed
-        left: list[Item] = []
+        left: list[Item] = list(self._batch)  # taken, never handled: they came before anything still queued
+        self._batch.clear()
         while True:
             try:
                 item = self._queue.get_nowait()

@@ -13,20 +13,23 @@ control calls (a join waits for the trainer, up to the engine's
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections import Counter
 from typing import Any
 
 from fastapi import APIRouter, Request
+from pydantic import ValidationError
 from starlette.responses import JSONResponse, Response
 
 from handoff.protocol.control import SGLangRequest
-from handoff.protocol.weights import (DEFAULT_GROUP_NAME, DESTROY_GROUP_PATH, INIT_GROUP_PATH,
+from handoff.protocol.weights import (DEFAULT_GROUP_NAME, DESTROY_GROUP_PATH, INIT_GROUP_PATH, AnnouncedBroadcasts,
                                       BeginWeightUpdateBody, DestroyWeightsUpdateGroupBody, EndWeightUpdateBody,
                                       InitWeightsUpdateGroupBody, UpdateWeightsFromDistributedBody,
                                       UpdateWeightsFromTensorBody, UpdateWeightVersionBody, WeightUpdateCommon)
 from handoff.service.auth import BearerToken
 from handoff.service.bodies import openapi_body, parse_body
 from handoff.service.errors import InvalidRequest, ServiceError
+from handoff.service.peer_json import PeerJSONError, loads_bounded
 from node_sidecar.config import SidecarConfig
 from node_sidecar.control import ControlPlane
 from node_sidecar.control_drain import DrainLimit
@@ -39,6 +42,8 @@ from node_sidecar.tensor_release import UnreadReleases, payload_fields, release_
 
 DISTRIBUTED_PATH = "/update_weights_from_distributed"
 TENSOR_PATH = "/update_weights_from_tensor"
+
+log = logging.getLogger(__name__)
 
 
 def _control_of(request: Request) -> ControlPlane:
@@ -59,9 +64,15 @@ def weight_router(config: SidecarConfig, admin: BearerToken) -> APIRouter:
     def update_route(path: str, model: type[WeightUpdateCommon]) -> None:
         async def update(request: Request) -> JSONResponse:
             admin.check(request)
-            body = (await parse_body(request, model)).engine_body(exclude_none=True)
             control = _control_of(request)
             intent = control.node.state.intent
+            try:
+                body = (await parse_body(request, model)).engine_body(exclude_none=True)
+            except InvalidRequest:  # its trainer broadcasts all the same: taken when they can be sized
+                announced = _announced(await request.body()) if path == DISTRIBUTED_PATH else None
+                if announced is not None and announced["group_name"] not in intent.lost_groups:
+                    await _discard_unreceived(control, announced)
+                raise
             group = body.get("group_name", DEFAULT_GROUP_NAME)
 
             async def refuse_a_lost_group() -> None:
@@ -70,10 +81,21 @@ def weight_router(config: SidecarConfig, admin: BearerToken) -> APIRouter:
 
             await refuse_a_lost_group()  # at once, without waiting for the lock; again under it (below): a restart
             # noticed meanwhile (a sync holding the lock) loses the group, and the fresh engine knows no such group
-            return JSONResponse(await control.update_weights(
-                lambda: control.node.engine_adapter.weight_call(path, body),
-                drain=DrainLimit(config.drain_timeout, answer_by(request)),
-                mode="abort" if body.get("abort_all_requests") else "wait", check=refuse_a_lost_group))
+            sent = False
+
+            async def load() -> dict[str, Any]:
+                nonlocal sent
+                sent = True
+                return await control.node.engine_adapter.weight_call(path, body)
+
+            try:
+                return JSONResponse(await control.update_weights(
+                    load, drain=DrainLimit(config.drain_timeout, answer_by(request)),
+                    mode="abort" if body.get("abort_all_requests") else "wait", check=refuse_a_lost_group))
+            except ServiceError as exc:
+                if path == DISTRIBUTED_PATH and not sent and not isinstance(exc, WeightSyncBroken):
+                    await _discard_unreceived(control, body)
+                raise
 
         router.add_api_route(path, update, methods=["POST"], openapi_extra=openapi_body(model),
                              name=path.strip("/"))
@@ -169,6 +191,30 @@ def weight_router(config: SidecarConfig, admin: BearerToken) -> APIRouter:
     for path in ("/get_weight_version", "/get_model_info", "/model_info"):
         router.add_api_route(path, read_only, methods=["GET"], name=path.strip("/"))
     return router
+
+
+def _announced(raw: bytes) -> dict[str, Any] | None:
+    """The broadcasts a refused ``update_weights_from_distributed`` body announces, read alone; None when they
+    cannot be sized (then the engine cannot take them either)."""
+    try:
+        value = loads_bounded(raw)
+        return AnnouncedBroadcasts.model_validate(value).model_dump() if isinstance(value, dict) else None
+    except (PeerJSONError, ValidationError):
+        return None
+
+
+async def _discard_unreceived(control: ControlPlane, body: dict[str, Any]) -> None:
+    """An ``update_weights_from_distributed`` refused here before its engine saw it (a field refused as read, a
+    drain that timed out): the trainer broadcasts whatever the answer, so the engine still takes those broadcasts
+    and drops them, and the group stays in step (else the next update would receive these tensors under its own
+    names). Best effort (an engine that cannot, vLLM's or SGLang's, leaves it as it was): a failure is logged and
+    the refusal stands."""
+    try:
+        control.node.require_engine()
+        await control.node.engine_adapter.discard_broadcasts(body)
+    except ServiceError as exc:
+        log.warning("the broadcasts of a refused update_weights_from_distributed were not received; group %r is "
+                    "out of step with its trainer: %s", str(body.get("group_name"))[:100], str(exc)[:300])
 
 
 def _forget_lost_group(intent: ClusterIntent, group: str) -> dict[str, object]:

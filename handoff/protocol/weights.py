@@ -205,6 +205,9 @@ class UpdateWeightVersionBody(SGLangRequest):
 
 
 INIT_GROUP_PATH = "/init_weights_update_group"
+# A field no weight body takes, added by a sidecar that refused an ``update_weights_from_distributed`` before its
+# engine saw it: the engine refuses the body as read (never loads it) and still takes the broadcasts it announces.
+REFUSED_UPSTREAM_FIELD = "refused_by_sidecar"
 DESTROY_GROUP_PATH = "/destroy_weights_update_group"
 
 WEIGHT_BODIES: dict[str, type[BaseModel]] = {

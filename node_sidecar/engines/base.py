@@ -173,6 +173,12 @@ class EngineAdapter(ABC):
         SGLang's ``body``); generation is drained when the call moves weights."""
         raise Unsupported(f"{path} is not available behind the sidecar for a {self.kind.value} engine")
 
+    async def discard_broadcasts(self, body: dict[str, Any]) -> None:
+        """Receive the broadcasts an ``update_weights_from_distributed`` body announces and drop them, loading
+        nothing: the update was refused after its trainer began to broadcast (a drain that timed out), and a
+        group whose engine missed them would pair the next update's names with these tensors."""
+        raise Unsupported(f"discarding broadcasts is not available for a {self.kind.value} engine")
+
     async def check_tensor_payload(self, body: dict[str, Any]) -> dict[str, Any]:
         """Read and check an ``update_weights_from_tensor`` payload, load nothing (400 if it cannot load). The
         read releases the sender's reference (with the body's ``release_sender_reference``), as a load does."""

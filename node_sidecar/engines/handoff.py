@@ -19,7 +19,8 @@ from typing import Any
 
 from handoff.protocol.control import ENGINE_INSTANCE, MAX_NAME_CHARS
 from handoff.protocol.tags import TAG_NAMES, Tag, TagState, is_byte_count, parse_tag_request
-from handoff.protocol.weights import WEIGHTS_UPDATED, WEIGHTS_UPDATED_FULLY
+from handoff.protocol.weights import REFUSED_UPSTREAM_FIELD, WEIGHTS_UPDATED, WEIGHTS_UPDATED_FULLY
+from handoff.service.errors import ServiceError
 from handoff.service.peer_json import PeerJSONError, loads_bounded
 from handoff.service.upstream import UpstreamError
 from node_sidecar.engine_client import MAX_CONTROL_ANSWER_BYTES
@@ -120,6 +121,15 @@ class HandoffEngine(EngineAdapter):
 
     async def check_tensor_payload(self, body: dict[str, Any]) -> dict[str, Any]:
         return await self._call("/update_weights_from_tensor", {**body, "dry_run": True})
+
+    async def discard_broadcasts(self, body: dict[str, Any]) -> None:
+        """The engine refuses a body with a field no body takes (a 400) only after taking its broadcasts, and
+        loads nothing."""
+        try:
+            await self._call("/update_weights_from_distributed", {**body, REFUSED_UPSTREAM_FIELD: True})
+        except ServiceError as exc:
+            if exc.status != 400:
+                raise
 
     async def requests_running(self) -> int | None:
         occupation = await self.engine.call("GET", "/memory_occupation", timeout=STATE_READ_TIMEOUT_S)

@@ -16,7 +16,7 @@ from contextlib import asynccontextmanager
 from typing import AsyncIterator, Awaitable, Callable
 
 from fastapi import FastAPI, Request
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.responses import PlainTextResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -28,6 +28,7 @@ from handoff.service.bodies import install_schemas, openapi_body
 from handoff.service.errors import ServiceError, UnexpectedErrorMiddleware, install_error_handlers
 from handoff.service.generation_schema import GENERATION_RESPONSES
 from handoff.service.limits import BodyLimitMiddleware
+from handoff.service.prometheus import shared_exposition
 from handoff.service.status_count import CountByStatus
 from handoff.service.unserved import unserved_router
 from lb.addresses import Resolver
@@ -135,9 +136,11 @@ def create_app(config: LBConfig, *, resolver: Resolver | None = None) -> LBApp:
     app.include_router(workers_router(cluster, admin))
     app.include_router(unserved_router(admin))
 
+    exposition = shared_exposition(metrics.registry)  # its series grow with the members: rendered off the loop
+
     @app.get("/metrics", response_class=PlainTextResponse)
     async def prometheus_metrics() -> Response:
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(await exposition(), media_type=CONTENT_TYPE_LATEST)
 
     install_probes(app, cluster, api_key, admin)
     install_schemas(app, SCHEMA_MODELS)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import re
 from typing import Any
 from urllib.parse import quote
 
@@ -171,9 +173,45 @@ class _SharedExposition:
 
 
 def _check_exposition(text: bytes) -> None:
-    """ValueError unless ``text`` is a Prometheus text exposition (what a scraper would parse)."""
+    """ValueError unless ``text`` is a Prometheus text exposition (what a scraper would parse): prometheus_client's
+    parser, then the lines it takes that Prometheus' own parser refuses (:func:`_check_as_prometheus_reads`)."""
     try:
-        for _ in text_string_to_metric_families(text.decode("utf-8")):
+        decoded = text.decode("utf-8")
+        for _ in text_string_to_metric_families(decoded):
             pass
+        _check_as_prometheus_reads(decoded)
     except (UnicodeDecodeError, ValueError, TypeError, IndexError, KeyError) as exc:
         raise ValueError(f"not a Prometheus text exposition ({type(exc).__name__}: {str(exc)[:200]})") from None
+
+
+# Prometheus' text parser (textparse): a sample's value is the text up to a blank (space or tab, never "\r"), read
+# by Go's ParseFloat without "_" or hex (a sign on NaN, another script's digits, 1e400 refused); a timestamp is
+# ASCII digits within int64; nothing follows it; a type is one of five. Python's float() and prometheus_client's
+# parser take all of these, and one such line fails the whole scrape, the node's own series with it.
+_BLANKS = re.compile(r"[ \t]+")
+_GO_FLOAT = re.compile(r"[+-]?(?:(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?|(?i:inf|infinity))|(?i:nan)")
+_TIMESTAMP = re.compile(r"[0-9]{1,19}")
+_TYPE_LINE = re.compile(r"#[ \t]+TYPE[ \t]")
+_TYPE = re.compile(r"""#[ \t]+TYPE[ \t]+(?:"(?:[^"\\]|\\.)*"|[^ \t"]+)[ \t]"""
+                   r"(?:counter|gauge|histogram|summary|untyped)")
+
+
+def _check_as_prometheus_reads(text: str) -> None:
+    """ValueError naming the first line of ``text`` (which prometheus_client's parser took) that Prometheus' own
+    parser refuses."""
+    for number, raw in enumerate(text.split("\n"), 1):
+        line = raw.lstrip(" \t")
+        if line.startswith("#"):
+            if _TYPE_LINE.match(line) and not _TYPE.fullmatch(line):
+                raise ValueError(f"line {number}: a type Prometheus does not read: {line[:100]!r}")
+            continue
+        if not line.strip(" \t"):
+            continue
+        labels_end = line.rfind("}") if "{" in line else -1
+        fields = _BLANKS.split(line[labels_end + 1:].strip(" \t"))
+        if labels_end < 0:
+            fields = fields[1:]  # the metric's name
+        if not 1 <= len(fields) <= 2 or not _GO_FLOAT.fullmatch(fields[0]) or (
+                math.isinf(float(fields[0])) and "n" not in fields[0].lower()) or (
+                len(fields) == 2 and not (_TIMESTAMP.fullmatch(fields[1]) and int(fields[1]) < 2 ** 63)):
+            raise ValueError(f"line {number}: a value or timestamp Prometheus does not read: {line[:100]!r}")

@@ -469,6 +469,39 @@ def test_engine_label_values_with_quotes_backslashes_and_newlines_reach_the_scra
     node.assert_fake_alive()
 
 
+# texts prometheus_client's parser takes and Prometheus' own (textparse) refuses, failing the whole scrape
+REFUSED_BY_PROMETHEUS = [
+    "sglang:num_running_reqs 1\r\n",                                 # a CRLF line end: the value is "1\r"
+    "sglang:num_running_reqs 1 1.5\n",                                # a timestamp is ASCII digits
+    "sglang:num_running_reqs 1 -5\n",
+    "sglang:num_running_reqs 1 99999999999999999999\n",               # past int64
+    "sglang:num_running_reqs 1 2 3\n",                                # a third field
+    "sglang:num_running_reqs \u0661\n",                               # a digit of another script
+    "sglang:num_running_reqs 1e400\n",                                # past float64
+    "sglang:num_running_reqs +nan\n",
+    "# TYPE sglang:num_running_reqs info\nsglang:num_running_reqs 1\n",  # not a type of the text format
+    "# TYPE sglang:num_running_reqs gauge\r\nsglang:num_running_reqs 1\n",
+]
+
+
+def test_engine_metrics_prometheus_would_refuse_are_left_out(make_node) -> None:
+    """Found by review: the engine's text was judged by prometheus_client's parser alone, which takes lines
+    Prometheus' own parser refuses (CRLF line ends, a timestamp that is not a whole number of int64, a third
+    field, a value in another script's digits or past float64, an OpenMetrics type): appended, they failed the
+    node's whole scrape at Prometheus, its own series with it. Such text is now left out, valid text kept."""
+    node = make_node()
+    for text in REFUSED_BY_PROMETHEUS:
+        httpx.post(node.fake.url + "/_fake/metrics", json={"text": text}, timeout=10)
+        scraped = httpx.get(node.sidecar.url + "/metrics", timeout=10).text
+        assert "sglang:num_running_reqs" not in scraped and "handoff_node_serving" in scraped, repr(text)
+    valid = ("# HELP sglang:num_running_reqs Running \\ requests.\n# TYPE sglang:num_running_reqs gauge\n"
+             'sglang:num_running_reqs{model_name="a}b"} +Inf 1700000000000\n  sglang:num_running_reqs 5. \n'
+             "sglang:num_running_reqs -.5e-3\nsglang:num_running_reqs NaN\n\n")
+    httpx.post(node.fake.url + "/_fake/metrics", json={"text": valid}, timeout=10)
+    assert httpx.get(node.sidecar.url + "/metrics", timeout=10).text.endswith(valid)
+    node.assert_fake_alive()
+
+
 def test_concurrent_scrapes_share_one_engine_scrape(make_node) -> None:
     """Found by review: ``/metrics`` needs no token, and every scrape made the sidecar scrape the engine (up to
     8 MiB, parsed in a thread): anyone could make the engine and the sidecar's threads work once per request.

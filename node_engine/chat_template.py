@@ -10,6 +10,11 @@ Rules:
   ``"openai"`` when the template loops over a message's ``content`` (or names
   images, audio or video), else ``"string"``. A ``"string"`` template gets a
   list of text parts joined with single spaces, as SGLang joins them.
+- The environment is Hugging Face's (``transformers`` ``_compile_jinja_template``, which
+  SGLang renders with): loop controls (``{% break %}``, ``{% continue %}``), the
+  ``{% generation %}`` tag of assistant masks (its body rendered as written), and
+  ``tojson`` with ``ensure_ascii`` (off by default), ``indent``, ``separators``
+  and ``sort_keys`` (GLM's templates call ``tojson(ensure_ascii=False)``).
 - ``chat_template_kwargs`` are passed to the template as extra variables
   (``enable_thinking`` for Qwen3, say); they may not replace the variables the
   renderer sets itself, nor name a ``chat_template`` (a 400, as in SGLang without
@@ -24,7 +29,9 @@ from functools import lru_cache
 from typing import Any, Iterator
 
 import jinja2
+import jinja2.ext
 import jinja2.nodes
+import jinja2.parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 __all__ = ["RESERVED_VARIABLES", "ChatTemplateError", "content_format", "render"]
@@ -111,10 +118,11 @@ def _raise_exception(message: str) -> None:
     raise jinja2.TemplateError(message)
 
 
-def _tojson(value: Any, indent: int | None = None, separators: tuple[str, str] | None = None,
-            sort_keys: bool = False) -> str:
-    """Hugging Face's ``tojson``; an undefined value (a field a message lacks) is ``null``."""
-    return json.dumps(value, ensure_ascii=False, indent=indent, separators=separators, sort_keys=sort_keys,
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    """Hugging Face's ``tojson``, its keywords in its order; an undefined value (a field a message lacks) is
+    ``null``."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys,
                       default=_undefined_as_null)
 
 
@@ -124,9 +132,25 @@ def _undefined_as_null(value: Any) -> None:
     raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
 
 
+class _GenerationTag(jinja2.ext.Extension):
+    """Hugging Face's ``{% generation %}...{% endgeneration %}`` (its ``AssistantTracker``), which marks the
+    assistant's tokens for training masks: rendering, it is its body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.CallBlock:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("render_body"), [], [], body).set_lineno(lineno)
+
+    def render_body(self, caller: Any) -> str:
+        return caller()
+
+
 @lru_cache(maxsize=8)
 def _compile(source: str) -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[_GenerationTag, jinja2.ext.loopcontrols])
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     env.filters["tojson"] = _tojson

@@ -45,3 +45,27 @@ def test_what_a_template_raises_on_the_messages_is_a_template_error() -> None:
         render("{{ messages[0]['content'] + 1 }}", no_arguments, **kw())
     with pytest.raises(ChatTemplateError, match="rejected the messages"):
         render("{{ raise_exception('no system messages') }}", no_arguments, **kw())
+
+
+# What Hugging Face's renderer (SGLang's, through ``tokenizer.apply_chat_template``) takes beyond plain Jinja:
+# loop controls, the ``{% generation %}`` tag of assistant masks (SmolLM3's and laguna's templates, TRL's
+# assistant-only loss) and ``tojson``'s keywords (GLM-4.5's and MiniCPM5's ``tojson(ensure_ascii=False)``).
+HF_EXTENSIONS = (
+    "{% for m in messages %}{% if m.role == 'system' %}{% continue %}{% endif %}"
+    "{% if m.role == 'assistant' %}{% generation %}<a>{{ m.content }}</a>{% endgeneration %}"
+    "{% else %}<u>{{ m.content }}</u>{% endif %}{% if loop.index0 >= 3 %}{% break %}{% endif %}{% endfor %}"
+    "{% for t in tools %}{{ t | tojson(ensure_ascii=False) }}|{{ t | tojson(ensure_ascii=True) }}|"
+    "{{ t | tojson(indent=2, sort_keys=True) }}{% endfor %}{% if add_generation_prompt %}<a>{% endif %}")
+
+
+def test_templates_render_with_hugging_face_jinja_extensions_as_sglang_renders_them() -> None:
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    messages = [{"role": "system", "content": "s"}, {"role": "user", "content": "q é"},
+                {"role": "assistant", "content": "r"}, {"role": "user", "content": "q2"},
+                {"role": "assistant", "content": "cut by break"}]
+    tools = [{"type": "function", "function": {"name": "météo", "parameters": {"b": 1, "a": "<&>"}}}]
+    expected = render_jinja_template([messages], chat_template=HF_EXTENSIONS, tools=tools,
+                                     add_generation_prompt=True)[0][0]
+    assert render(HF_EXTENSIONS, messages, **kw(add_generation_prompt=True, tools=tools)) == expected
+    assert '"météo"' in expected and "m\\u00e9t\\u00e9o" in expected and "cut by break" not in expected

@@ -205,7 +205,8 @@ class PDDispatcher:
             else:
                 merged = merge()
         except PeerJSONError as exc:
-            raise UpstreamFailed(f"cannot merge input logprobs of {prefill.url} and {decode.url}: {exc}") from exc
+            raise UpstreamFailed(f"cannot merge input logprobs of {prefill.url} and {decode.url}: {exc}",
+                                 extra={"node": prefill.url}) from exc
         return Response(merged, status_code=decode_up.status, media_type="application/json")
 
     async def _read_prefill(self, lease: RequestLease, upstream: UpstreamResponse, path: str) -> bytes:

@@ -1,7 +1,8 @@
 """PD answers carry the prompt's input logprobs from the prefill node: merged into the decode node's answer
 (whole) or into each event of its stream (matched to the prefill's first event of the same prompt, by
-``index``, for a batch). A peer's odd value is left as it sent it; a prefill event that cannot be read is an
-error (never an answer without its logprobs)."""
+``index``, for a batch). A peer's odd value is left as it sent it; a prefill event that cannot be read, or a prefill
+answer without an ``input_token_logprobs`` list for a prompt the decode node answered, is an error (never an answer
+without its logprobs)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from handoff.protocol.sse import DONE, EventSplitter, EventTooLarge, data_event,
 from handoff.service.json_pieces import drop_in_pieces, gc_paused, render_in_pieces
 from handoff.service.peer_json import PeerJSONError, loads_bounded
 from handoff.service.relay import ChunkTransform
+from handoff.service.upstream_errors import ProtocolError
 
 INPUT_LOGPROB_KEYS = ("input_token_logprobs", "input_top_logprobs", "input_token_ids_logprobs")
 # answers larger than this are merged on a thread (a stream's: its prefill answer parsed and encoded there): 64 KiB
@@ -41,18 +43,43 @@ def merge_input_logprobs(prefill: Any, decode: Any) -> None:
             decode_meta[key] = ours + (theirs or [])
 
 
+def has_input_logprobs(answer: Any) -> bool:
+    """Whether a prefill answer (one prompt's, or one event of its stream) holds that prompt's input logprobs."""
+    meta = answer.get("meta_info") if isinstance(answer, dict) else None
+    return isinstance(meta, dict) and isinstance(meta.get("input_token_logprobs"), list)
+
+
+def check_fits(prefill: Any, decode: Any) -> None:
+    """Raise :class:`PeerJSONError` unless the prefill answer holds the input logprobs of each prompt the decode
+    answer holds: one answer for one, a list as long for a batch (merged item by item, by position)."""
+    if isinstance(decode, list) != isinstance(prefill, list):
+        raise PeerJSONError(f"the prefill answered {_shape(prefill)} for the decode node's {_shape(decode)}")
+    if isinstance(decode, list) and len(decode) != len(prefill):
+        raise PeerJSONError(f"the prefill answered {_shape(prefill)} for the decode node's {_shape(decode)}")
+    for i, item in enumerate(prefill if isinstance(prefill, list) else [prefill]):
+        if not has_input_logprobs(item):
+            raise PeerJSONError(f"the prefill answer has no input_token_logprobs list for prompt {i}")
+
+
+def _shape(answer: Any) -> str:
+    return f"a list of {len(answer)} answers" if isinstance(answer, list) else "one answer"
+
+
 def merged_answer(prefill_raw: bytes, decode_raw: bytes) -> bytes:
     """The decode node's whole answer with the prefill's input logprobs in front of its own; raises
-    :class:`PeerJSONError`. Made to run on a thread for a large answer: parsed and written in small steps
-    (:mod:`handoff.service.json_pieces`), so the event loop keeps its turns meanwhile."""
+    :class:`PeerJSONError` (also for a prefill answer that does not fit the decode's, :func:`check_fits`). Made to
+    run on a thread for a large answer: parsed and written in small steps (:mod:`handoff.service.json_pieces`), so
+    the event loop keeps its turns meanwhile."""
     with gc_paused():  # the trees are acyclic and gone before the block ends
         merged, prefill = loads_bounded(decode_raw, in_turns=True), loads_bounded(prefill_raw, in_turns=True)
-        merge_input_logprobs(prefill, merged)
-        # a prompt's logprob lists, in pieces: below meta_info (one answer) or below each item's (a batch)
-        body = render_in_pieces(merged, piece_depth=3 if isinstance(merged, list) else 2).encode()
-        drop_in_pieces(merged)
-        drop_in_pieces(prefill)
-        return body
+        try:
+            check_fits(prefill, merged)
+            merge_input_logprobs(prefill, merged)
+            # a prompt's logprob lists, in pieces: below meta_info (one answer) or below each item's (a batch)
+            return render_in_pieces(merged, piece_depth=3 if isinstance(merged, list) else 2).encode()
+        finally:
+            drop_in_pieces(merged)
+            drop_in_pieces(prefill)
 
 
 def first_events(raw: bytes, *, in_turns: bool = False) -> dict[int, Any]:
@@ -76,10 +103,12 @@ def first_events(raw: bytes, *, in_turns: bool = False) -> dict[int, Any]:
 
 def stream_merge(prefill_raw: bytes, *, in_turns: bool = False) -> MergeInputLogprobs:
     """The transform merging the prefill's streamed answer (an SSE body) into the decode stream; raises
-    :class:`PeerJSONError`. ``in_turns``: made to run on a thread for a large answer (parsed and encoded in small
-    steps, the parsed events freed a few items at a time)."""
+    :class:`PeerJSONError` (also for a prefill answer of no event with input logprobs). ``in_turns``: made to run on
+    a thread for a large answer (parsed and encoded in small steps, the parsed events freed a few items at a time)."""
     with gc_paused():  # the events' trees are acyclic and gone before the block ends
         events = first_events(prefill_raw, in_turns=in_turns)
+        if not any(has_input_logprobs(event) for event in events.values()):
+            raise PeerJSONError("the prefill answer has no event with an input_token_logprobs list")
         merge = MergeInputLogprobs(events)
         drop_in_pieces([event for event in events.values() if isinstance(event, dict)])  # a list one is kept
         return merge
@@ -134,17 +163,29 @@ class _PromptLogprobs:
         return b"".join(pieces)
 
 
+class MissingInputLogprobs(ProtocolError):
+    """A decode event of a prompt (its ``index``) the prefill answer holds no input logprobs for."""
+
+    def __init__(self, index: int) -> None:
+        super().__init__(f"the prefill answer has no input_token_logprobs list for prompt {index}")
+        self.index = index
+
+
 class MergeInputLogprobs(ChunkTransform):
     """Rewrites each ``data:`` event of the decode stream to carry its prompt's input logprobs from the prefill
     (matched by ``index``, for a batch), given the prefill's first event of each prompt (:func:`first_events`);
-    keeps them encoded, not parsed (an event of the prefill that is a list, which no node sends, is kept)."""
+    keeps them encoded, not parsed (an event of the prefill that is a list, which no node sends, is kept). A
+    decode event with a ``meta_info`` object of a prompt the prefill sent no input logprobs for raises
+    :class:`MissingInputLogprobs` (the events before it handed out first) and sets :attr:`missing_index`."""
 
     def __init__(self, prefill_events: dict[int, Any]) -> None:
         nonce = secrets.token_hex(16)  # never sent: a peer cannot spell a marker of it
         self._prompts = {index: _PromptLogprobs(event["meta_info"], nonce) for index, event in prefill_events.items()
                          if isinstance(event, dict) and isinstance(event.get("meta_info"), dict)}
         self._lists = {index: event for index, event in prefill_events.items() if isinstance(event, list)}
+        self._has_logprobs = {index for index, event in prefill_events.items() if has_input_logprobs(event)}
         self._splitter = EventSplitter()
+        self.missing_index: int | None = None
 
     def feed(self, chunk: bytes) -> bytes:
         return b"".join(self.feed_pieces(chunk))
@@ -155,7 +196,13 @@ class MergeInputLogprobs(ChunkTransform):
         pieces: list[bytes] = []
         num_bytes = 0
         for event in self._splitter.feed(chunk):
-            pieces.append(self._rewrite(event))
+            try:
+                pieces.append(self._rewrite(event))
+            except MissingInputLogprobs as exc:
+                self.missing_index = exc.index
+                if pieces:
+                    yield b"".join(pieces)
+                raise
             num_bytes += len(pieces[-1])
             if num_bytes >= _PIECE_BYTES:
                 yield b"".join(pieces)
@@ -177,6 +224,8 @@ class MergeInputLogprobs(ChunkTransform):
         index = _event_index(payload)
         prompt = self._prompts.get(index)
         meta = payload.get("meta_info") if isinstance(payload, dict) else None
+        if isinstance(meta, dict) and index not in self._has_logprobs:
+            raise MissingInputLogprobs(index)
         if prompt is not None and isinstance(meta, dict):
             return prompt.event(payload, meta)
         merge_input_logprobs(self._lists.get(index), payload)  # a list of a list, merged item by item

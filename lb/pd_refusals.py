@@ -9,6 +9,10 @@ from handoff.protocol.sse import DONE, EventSplitter, EventTooLarge, event_data
 from handoff.service.peer_json import PeerJSONError, loads_bounded
 from handoff.service.relay import ChunkTransform
 
+# a stream whose first event that carries data has not come whole within this many bytes is no refusal (SGLang's is
+# one small event): what came before it (comments, empty events) is not gathered further while a side is waited for
+MAX_PEEK_BYTES = 1 << 20
+
 
 def is_refusal_event(event: bytes) -> bool | None:
     """Whether ``event`` (one whole SSE event) is an error envelope; None for an event that says nothing
@@ -38,15 +42,17 @@ def starts_with_refusal(raw: bytes, piece_bytes: int = 1 << 16) -> bool:
 
 class RefusalWatch(ChunkTransform):
     """Passes a stream through unchanged, noting whether its first event that carries data is a refusal
-    (:attr:`is_refusal`); past that event it does no work."""
+    (:attr:`is_refusal`); past that event, or past :data:`MAX_PEEK_BYTES` without it, it does no work."""
 
     def __init__(self) -> None:
         self.is_refusal = False
         self._splitter: EventSplitter | None = EventSplitter()
+        self._num_bytes = 0
 
     @property
     def is_decided(self) -> bool:
-        """Whether the first event that carries data went by (or the stream can no longer be read)."""
+        """Whether the first event that carries data went by (or :data:`MAX_PEEK_BYTES` without it, or the stream
+        can no longer be read)."""
         return self._splitter is None
 
     def feed(self, chunk: bytes) -> bytes:
@@ -60,4 +66,7 @@ class RefusalWatch(ChunkTransform):
                 if said is not None:
                     self.is_refusal, self._splitter = said, None
                     break
+            self._num_bytes += len(chunk)
+            if self._num_bytes > MAX_PEEK_BYTES:
+                self._splitter = None
         return chunk

@@ -6,15 +6,18 @@ node for a decode node to fetch it)."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from typing import Any
 
 from starlette.responses import Response
 
+from handoff.protocol import errors as E
 from handoff.service.disconnect import DisconnectWatch
 from handoff.service.errors import ServiceError
 from handoff.service.logs import rate_limit
 from handoff.service.peer_json import PeerJSONError
+from handoff.service.relay import sse_error_event
 from handoff.service.upstream import UpstreamError, UpstreamResponse
 from lb.errors import UpstreamFailed
 from lb.node import Node, RequestLease
@@ -72,7 +75,8 @@ class PairStreams:
                                      f"{decode.url}: {exc}", extra={"node": prefill.url}) from exc
             raise
         return relay_stream(decode_up, decode_lease, self._path, self._watch, cut=self._caller.streams_cut,
-                            transform=merge, head=head)
+                            transform=merge, head=head, cut_for=functools.partial(_merge_failure, merge, prefill,
+                                                                                  decode, self._path))
 
     async def _first_event(self, node: Node, upstream: UpstreamResponse) -> tuple[bytes, bool]:
         """What a stream sent until its first event that carries data came whole (or its end), and whether that
@@ -122,6 +126,17 @@ class PairStreams:
             _log_prefill_refusal(lease.node, self._path, raw)
             refusal.append(raw)
             decode_up.cut()
+
+
+def _merge_failure(merge: MergeInputLogprobs, prefill: Node, decode: Node, path: str) -> bytes | None:
+    """What ends a merged stream that reached a decode event of a prompt the prefill answer has no input logprobs
+    for: an ``upstream_error`` event naming the prefill node (the decode node did not fail); None otherwise."""
+    if merge.missing_index is None:
+        return None
+    message = (f"cannot merge the input logprobs of {prefill.url} into the stream of {decode.url} on {path}: "
+               f"the prefill answer has none for prompt {merge.missing_index}")
+    log.warning("%s", message)
+    return sse_error_event(E.UPSTREAM_ERROR.name, message)
 
 
 async def _stream_merge(prefill_raw: bytes) -> MergeInputLogprobs:

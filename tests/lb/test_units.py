@@ -17,7 +17,13 @@ from lb.membership import Membership
 from lb.metrics import LBMetrics
 from lb.node import Node, NodeHealth
 from lb.pd import MAX_PD_BATCH, batch_size, bootstrap_host, check_batch, with_bootstrap
-from lb.pd_logprobs import MergeInputLogprobs, first_events, merge_input_logprobs, stream_merge
+from lb.pd_logprobs import (
+    MergeInputLogprobs,
+    MissingInputLogprobs,
+    first_events,
+    merge_input_logprobs,
+    stream_merge,
+)
 from lb.pd_refusals import RefusalWatch, starts_with_refusal
 from lb.routing import LeastInflight, PowerOfTwo, Router
 from lb.views import cluster_occupation
@@ -204,10 +210,27 @@ def test_a_streamed_batch_gets_each_prompts_own_input_logprobs() -> None:
         {"index": 1, "meta_info": {"input_token_logprobs": [[-2.0, 202, None]]}})) + b"data: [DONE]\n\n"
     merge = MergeInputLogprobs(first_events(prefill))
     decode = b"".join(b"data: " + json.dumps({"index": i, "text": t, "meta_info": {"input_token_logprobs": []}})
-                      .encode() + b"\n\n" for i, t in ((1, "b"), (0, "a"), (7, "?")))
+                      .encode() + b"\n\n" for i, t in ((1, "b"), (0, "a")))
     merged = [json.loads(event[5:]) for event in merge.feed(decode).split(b"\n\n") if event]
     assert [(e["index"], [t[1] for t in e["meta_info"]["input_token_logprobs"]]) for e in merged] == [
-        (1, [200, 201]), (0, [100]), (7, [])]
+        (1, [200, 201]), (0, [100])]
+
+
+def test_a_decode_event_of_a_prompt_the_prefill_has_no_logprobs_for_ends_the_merge() -> None:
+    """Found by review: such an event (a prompt the prefill stream had no event for, or one without an
+    ``input_token_logprobs`` list) went out without its prompt's input logprobs. The events before it are handed
+    out, then :class:`MissingInputLogprobs` names the prompt (the relay ends the stream with an error)."""
+    prefill = {0: {"meta_info": {"input_token_logprobs": [1]}}, 1: {"meta_info": {}}, 2: {"meta_info": 5}}
+    for missing in (1, 2, 7, "odd"):
+        merge = MergeInputLogprobs(prefill)
+        decode = _sse([{"index": 0, "meta_info": {}}, {"meta_info": {}, "index": missing}, {"meta_info": {}}])
+        pieces = merge.feed_pieces(decode + _sse([{"error": {"type": "x", "message": "y"}}]))
+        assert json.loads(next(iter(pieces))[5:]) == {"index": 0, "meta_info": {"input_token_logprobs": [1]}}
+        with pytest.raises(MissingInputLogprobs):
+            next(iter(pieces))
+        assert merge.missing_index == (missing if isinstance(missing, int) else -1)
+    merge = MergeInputLogprobs(prefill)  # an event without meta_info (an error) is no prompt's: relayed as sent
+    assert merge.feed(_sse([{"index": 3, "error": {"type": "x"}}])) == _sse([{"index": 3, "error": {"type": "x"}}])
 
 
 
@@ -230,7 +253,7 @@ def test_merged_stream_events_are_the_decode_events_merged_and_written_as_before
         {"index": 0, "text": "\u00e9", "meta_info": {"input_token_logprobs": [[-1.0, 5, None]], "a": 1}},
         {"meta_info": {"input_top_logprobs": None, "input_token_logprobs": "x", "input_token_ids_logprobs": [[1]]}},
         {"index": 1, "meta_info": {"input_token_logprobs": [], "input_top_logprobs": [[2]]}},
-        {"index": 0, '"0': '"0"', "meta_info": {}}, {"index": 2, "meta_info": {}}, {"index": 7, "meta_info": {}},
+        {"index": 0, '"0': '"0"', "meta_info": {}}, {"index": 2}, {"index": 7},
         {"index": 0}, [{"meta_info": {}}], "text", 3]
     merge = stream_merge(_sse(prefill_events) + b"data: [DONE]\n\n", in_turns=in_turns)
     out = merge.feed(_sse(decode_events) + b": comment\n\ndata: {not json\n\ndata: [DONE]\n\n") + merge.finish()

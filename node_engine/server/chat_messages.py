@@ -1,16 +1,18 @@
 """A chat's ``messages``, as SGLang 0.5.23 takes them (``entrypoints/openai/protocol.py``
 ``ChatCompletionMessageParam``): a ``user`` message has ``role`` and ``content`` alone, the other roles the fields
 of ``ChatCompletionMessageGenericParam``, typed strictly; any other field, of a message or of a tool call in the
-history, is dropped unread, so it never reaches the chat template. Content parts are
+history, is dropped unread, so it never reaches the chat template (its name logged once:
+:mod:`node_engine.server.ignored_fields`). Content parts are
 :mod:`node_engine.server.content_parts`'s, tools :mod:`node_engine.server.openai_tools`'s."""
 
 from __future__ import annotations
 
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, field_validator, model_validator
+from pydantic import field_validator, model_validator
 
 from node_engine.server.content_parts import Content, ThinkingPart
+from node_engine.server.ignored_fields import IgnoresUnknown, note_ignored
 from node_engine.server.openai_tools import Tool
 
 __all__ = ["GENERIC_ROLES", "ChatMessage", "ToolCall", "ToolCallFunction"]
@@ -19,33 +21,28 @@ __all__ = ["GENERIC_ROLES", "ChatMessage", "ToolCall", "ToolCallFunction"]
 GENERIC_ROLES = ("system", "assistant", "tool", "function", "developer", "latest_reminder", "root")
 
 
-# SGLang's message models keep the fields they declare and drop the rest unread (pydantic's default): a field
-# they do not know never reaches the chat template
-_MESSAGE_CONFIG = ConfigDict(extra="ignore", strict=True)
-
-
-class ToolCallFunction(BaseModel):
-    model_config = _MESSAGE_CONFIG
+class ToolCallFunction(IgnoresUnknown):
+    ignored_where = "a tool call's function"
     name: str | None = None
     arguments: Union[str, dict[str, Any], None] = None
 
 
-class ToolCall(BaseModel):
+class ToolCall(IgnoresUnknown):
     """An assistant's earlier tool call, in the history (SGLang's ``ToolCall``)."""
 
-    model_config = _MESSAGE_CONFIG
+    ignored_where = "a tool call"
     id: str | None = None
     index: int | None = None
     type: Literal["function"] = "function"
     function: ToolCallFunction
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(IgnoresUnknown):
     """A chat message, as SGLang's ``ChatCompletionMessageParam`` takes it: a ``user`` message has ``role`` and
     ``content`` alone (``ChatCompletionMessageUserParam``), the other roles the fields of
     ``ChatCompletionMessageGenericParam``; any other field is dropped unread."""
 
-    model_config = _MESSAGE_CONFIG
+    ignored_where = "a message"
     role: str
     content: Content | None = None
     tool_call_id: str | None = None
@@ -60,6 +57,8 @@ class ChatMessage(BaseModel):
     @classmethod
     def _user_fields(cls, value: Any) -> Any:
         if isinstance(value, dict) and value.get("role") == "user":
+            note_ignored("a user message", (key for key in value if isinstance(key, str)
+                                            and key not in ("role", "content")))
             value = {key: item for key, item in value.items() if key in ("role", "content")}
         return value
 

@@ -20,27 +20,27 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
+from pydantic import Discriminator, Field, Tag, field_validator, model_validator
 
 from handoff.service.errors import Unsupported
+from node_engine.server.ignored_fields import IgnoresUnknown
 
 __all__ = ["Content", "ContentPart", "ImagePart", "TextPart", "ThinkingPart", "refuse_unsupported_parts",
            "template_content"]
 
-# SGLang's part models drop the fields they do not declare (pydantic's default)
-_PART_CONFIG = ConfigDict(extra="ignore", strict=True)
+# SGLang's part models drop the fields they do not declare (pydantic's default): so do these (IgnoresUnknown)
 
 
-class TextPart(BaseModel):
-    model_config = _PART_CONFIG
+class TextPart(IgnoresUnknown):
+    ignored_where = "a content part"
     type: Literal["text"]
     text: str
 
 
-class ThinkingPart(BaseModel):
+class ThinkingPart(IgnoresUnknown):
     """A reasoning trace in an assistant's history: checked, then left out of the template."""
 
-    model_config = _PART_CONFIG
+    ignored_where = "a content part"
     type: Literal["thinking", "reasoning"]
     thinking: str | None = None
     text: str | None = None
@@ -52,8 +52,8 @@ class ThinkingPart(BaseModel):
         return self
 
 
-class ImageURL(BaseModel):
-    model_config = _PART_CONFIG
+class ImageURL(IgnoresUnknown):
+    ignored_where = "an image part's image_url"
     url: str
     detail: Literal["auto", "low", "high"] | None = "auto"
     max_dynamic_patch: int | None = None
@@ -71,46 +71,46 @@ class ImageURL(BaseModel):
 _IMAGE_DEFAULT_ONLY = ("max_dynamic_patch", "min_dynamic_patch", "max_long_side_pixel", "content_hash")
 
 
-class ImagePart(BaseModel):
-    model_config = _PART_CONFIG
+class ImagePart(IgnoresUnknown):
+    ignored_where = "a content part"
     type: Literal["image_url"]
     image_url: ImageURL
     modalities: Literal["image", "multi-images", "video"] | None = "image"
 
 
-class MediaURL(BaseModel):
-    model_config = _PART_CONFIG
+class MediaURL(IgnoresUnknown):
+    ignored_where = "a media part's URL"
     url: str
 
 
-class VideoPart(BaseModel):
-    model_config = _PART_CONFIG
+class VideoPart(IgnoresUnknown):
+    ignored_where = "a content part"
     type: Literal["video_url"]
     video_url: MediaURL
 
 
-class AudioURLPart(BaseModel):
-    model_config = _PART_CONFIG
+class AudioURLPart(IgnoresUnknown):
+    ignored_where = "a content part"
     type: Literal["audio_url"]
     audio_url: MediaURL
 
 
-class InputAudio(BaseModel):
-    model_config = _PART_CONFIG
+class InputAudio(IgnoresUnknown):
+    ignored_where = "an input_audio part's input_audio"
     data: str
     format: Literal["wav", "mp3"]
 
 
-class InputAudioPart(BaseModel):
-    model_config = _PART_CONFIG
+class InputAudioPart(IgnoresUnknown):
+    ignored_where = "a content part"
     type: Literal["input_audio"]
     input_audio: InputAudio
 
 
-class ToolReferencePart(BaseModel):
+class ToolReferencePart(IgnoresUnknown):
     """GLM's reference to a deferred tool, which its template renders from ``tools``."""
 
-    model_config = _PART_CONFIG
+    ignored_where = "a content part"
     type: Literal["tool_reference"]
     name: str
 

@@ -1,7 +1,8 @@
-"""The OpenAI bodies of the engine, as SGLang 0.5.23 takes them (``entrypoints/openai/protocol.py``): strict, so
-wrong types and unknown fields are 400s that name them; fields asking for what the engine lacks are 400
-``unsupported`` unless empty, never silently ignored. A chat's messages are
-:mod:`node_engine.server.chat_messages`'s, its tools :mod:`node_engine.server.openai_tools`'s."""
+"""The OpenAI bodies of the engine, as SGLang 0.5.23 takes them (``entrypoints/openai/protocol.py``): a field
+SGLang's models do not declare is dropped unread and its name logged once
+(:mod:`node_engine.server.ignored_fields`); a declared field is typed strictly (a wrong type is a 400 naming it), and
+one asking for what the engine lacks is 400 ``unsupported`` unless empty, never silently ignored. A chat's
+messages are :mod:`node_engine.server.chat_messages`'s, its tools :mod:`node_engine.server.openai_tools`'s."""
 
 from __future__ import annotations
 
@@ -12,17 +13,17 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError,
 from handoff.protocol.generate_request import MAX_TOP_LOGPROBS, is_empty
 from handoff.service.errors import Unsupported
 from node_engine.server.chat_messages import ChatMessage
+from node_engine.server.ignored_fields import IgnoresUnknown
 from node_engine.server.openai_tools import Tool, ToolChoiceValue, default_tool_choice
 
 __all__ = ["ChatCompletionBody", "CompletionBody", "OPENAI_DEFAULT_ONLY", "refuse_adapter_model",
            "refuse_unsupported_openai"]
 
-_STRICT = ConfigDict(extra="forbid", strict=True)
 _STRICT_VALUES = ConfigDict(strict=True)
 
 
-class StreamOptions(BaseModel):
-    model_config = _STRICT
+class StreamOptions(IgnoresUnknown):
+    ignored_where = "stream_options"
     include_usage: bool | None = None
     continuous_usage_stats: bool | None = None
 
@@ -35,14 +36,14 @@ FORWARDED_TO_GENERATE = ("extra_key", "cache_salt", "priority", "session_id", "s
                          "routed_dp_rank", "disagg_prefill_dp_rank")
 
 
-class _OpenAIRequest(BaseModel):
+class _OpenAIRequest(IgnoresUnknown):
     """Fields shared by the two OpenAI bodies, as SGLang 0.5.23 takes them (``entrypoints/openai/protocol.py``):
     OpenAI's, and SGLang's sampling extensions (``top_k``, ``min_p``, ``min_tokens``, ``repetition_penalty``,
     ``stop_token_ids``, ``no_stop_trim``, ``ignore_eos``, ``skip_special_tokens``). Fields asking for what the
     engine lacks are 400 ``unsupported`` unless empty (:data:`OPENAI_DEFAULT_ONLY`), never silently ignored.
-    ``model`` is any name, as in SGLang (the answer repeats it)."""
+    ``model`` is any name, as in SGLang (the answer repeats it). Any other field is dropped unread, as SGLang's
+    models drop it (:class:`IgnoresUnknown`): it never reaches :meth:`sampling_params` nor :meth:`forwarded`."""
 
-    model_config = _STRICT
     model: str | None = None
     temperature: float | None = None
     top_p: float | None = None
@@ -159,6 +160,8 @@ def refuse_adapter_model(model: str | None, served_name: str) -> None:
 class CompletionBody(_OpenAIRequest):
     """``POST /v1/completions``."""
 
+    ignored_where = "/v1/completions body"
+
     prompt: Union[str, list[str], list[int], list[list[int]]]
     max_tokens: int = Field(default=16, ge=1)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
@@ -239,6 +242,8 @@ def reasoning_inputs(values: Any) -> Any:
 
 class ChatCompletionBody(_OpenAIRequest):
     """``POST /v1/chat/completions``."""
+
+    ignored_where = "/v1/chat/completions body"
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None

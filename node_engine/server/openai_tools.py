@@ -17,24 +17,24 @@ from __future__ import annotations
 
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
+from pydantic import Field, model_serializer, model_validator
 
 from handoff.service.errors import InvalidRequest, Unsupported
+from node_engine.server.ignored_fields import IgnoresUnknown
 
 __all__ = ["TOOL_MESSAGE_ROLES", "Tool", "ToolChoice", "ToolChoiceValue", "check_tools", "default_tool_choice",
            "effective_tools", "template_tools", "tools_in_play"]
 
 # SGLang's types, strictly (a string where a bool goes is a 400, as everywhere in this engine's bodies); fields
-# it does not know are ignored and dropped, as its models drop them
-_TOOL_CONFIG = ConfigDict(extra="ignore", strict=True)
+# it does not know are ignored and dropped, as its models drop them (IgnoresUnknown)
 # the roles whose message ``tools`` are the request's (``_effective_tools``)
 TOOL_MESSAGE_ROLES = ("root", "system", "developer")
 
 
-class Function(BaseModel):
+class Function(IgnoresUnknown):
     """A tool's function (SGLang's ``Function``): dumped with the client's key order."""
 
-    model_config = _TOOL_CONFIG
+    ignored_where = "a tool's function"
     description: Optional[str] = None
     name: str
     parameters: Optional[object] = None
@@ -62,10 +62,10 @@ class Function(BaseModel):
         return data
 
 
-class Tool(BaseModel):
+class Tool(IgnoresUnknown):
     """A tool (SGLang's ``Tool``); its ``defer_loading`` is copied to the function when the function has none."""
 
-    model_config = _TOOL_CONFIG
+    ignored_where = "a tool"
     type: str = "function"
     function: Function
     defer_loading: Optional[bool] = None
@@ -77,15 +77,15 @@ class Tool(BaseModel):
         return self
 
 
-class ToolChoiceFuncName(BaseModel):
-    model_config = _TOOL_CONFIG
+class ToolChoiceFuncName(IgnoresUnknown):
+    ignored_where = "tool_choice's function"
     name: Optional[str] = None
 
 
-class ToolChoice(BaseModel):
+class ToolChoice(IgnoresUnknown):
     """A named function (SGLang's ``ToolChoice``)."""
 
-    model_config = _TOOL_CONFIG
+    ignored_where = "tool_choice"
     function: ToolChoiceFuncName
     type: Literal["function"] = "function"
 

@@ -1,6 +1,7 @@
 """The OpenAI answers' shapes as the ``openai`` client reads them from SGLang 0.5.23, on the built-in tiny engine:
 a chat stream's chunks (no empty-content chunk, logprobs all delivered, ``reasoning_content``), the chat's
-``response_token_ids``, and ``stream_options.continuous_usage_stats``.
+``response_token_ids``, ``stream_options.continuous_usage_stats``, and the fields SGLang's bodies do not know,
+dropped as SGLang drops them.
 
 The tiny model's byte-level tokenizer makes many tokens that are part of a character: those outputs decode to
 no text yet, which is what a chat stream must not send as a chunk of its own.
@@ -8,12 +9,15 @@ no text yet, which is what a chat stream must not send as a chunk of its own.
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Iterator
 
 import httpx
 import openai
 import pytest
 
+from node_engine.server import ignored_fields
+from node_engine.server.openai_bodies import CompletionBody
 from tests.support.procs import ServerProcess
 from tests.support.sse import read_stream
 
@@ -147,3 +151,57 @@ def test_usage_has_every_key_of_sglangs_usage_info(sdk: openai.OpenAI) -> None:
     for usage in usages:
         assert usage.reasoning_tokens == 0 and usage.prompt_tokens_details is None, usage
         assert {key: usage.model_dump()[key] for key in expected} == expected, usage
+
+
+# fields SGLang 0.5.23's OpenAI bodies do not declare, which its models drop (pydantic's default, extra="ignore"):
+# vLLM's extras, each of which would change the answer were it read
+VLLM_EXTRAS = {"include_stop_str_in_output": True, "add_generation_prompt": False, "truncate_prompt_tokens": 1,
+               "spaces_between_special_tokens": False, "add_special_tokens": True}
+
+
+def test_fields_sglang_does_not_know_are_ignored_as_it_ignores_them(sdk: openai.OpenAI,
+                                                                    tiny_engine: ServerProcess) -> None:
+    """An RL loop sends OpenAI's own ``store``, ``metadata``, ``service_tier``, ``prompt_cache_key`` and vLLM's
+    extras: SGLang's ``ChatCompletionRequest`` / ``CompletionRequest`` / ``StreamOptions`` / message models drop
+    them, so they were 400 ``unknown field`` here only. Dropped, they change nothing (the answer is the one
+    without them), and each name is logged once at WARNING, so a misspelt field shows."""
+    chat = {"model": "m", "messages": MESSAGES, "max_tokens": 8, "temperature": 0}
+    base = sdk.chat.completions.create(**chat, extra_body={"ignore_eos": True})
+    answer = sdk.chat.completions.create(
+        **chat, store=False, metadata={"run": "rl-step-7"}, service_tier="auto", prompt_cache_key="k",
+        extra_body={"ignore_eos": True, "chat_extra_field_k": 1, **VLLM_EXTRAS})
+    assert answer.choices[0].message.content == base.choices[0].message.content
+    assert answer.usage.prompt_tokens == base.usage.prompt_tokens and answer.usage.completion_tokens == 8
+    history = [{"role": "system", "content": "s", "refusal": None}, *MESSAGES]  # a message's unknown field too
+    assert sdk.chat.completions.create(**{**chat, "messages": history}, metadata={"run": "rl-step-8"}).choices
+    plain = sdk.completions.create(model="m", prompt="hi", max_tokens=8, temperature=0,
+                                   extra_body={"ignore_eos": True})
+    chunks = list(sdk.completions.create(
+        model="m", prompt="hi", max_tokens=8, temperature=0, stream=True,
+        stream_options={"include_usage": True, "include_obfuscation": False},  # OpenAI's newer stream option
+        extra_body={"ignore_eos": True, "store": False, "metadata": {"run": "rl-step-7"}, **VLLM_EXTRAS}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == plain.choices[0].text
+    assert chunks[-1].usage.prompt_tokens == plain.usage.prompt_tokens
+    log = tiny_engine.log_path.read_text(errors="replace")
+    for name in ("store", "metadata", "service_tier", "prompt_cache_key", "chat_extra_field_k", "refusal",
+                 "include_obfuscation", *VLLM_EXTRAS):
+        warned = [line for line in log.splitlines() if "WARNING" in line and f"ignored unknown field {name!r}" in line]
+        assert warned, f"no warning names {name!r}"
+    assert sum(f"ignored unknown field {'chat_extra_field_k'!r}" in line for line in log.splitlines()) == 1
+    with pytest.raises(openai.BadRequestError):  # a known field keeps its strict type (SGLang takes 8.0)
+        sdk.completions.create(model="m", prompt="hi", max_tokens=8, extra_body={"max_tokens": 8.0})
+
+
+def test_the_names_of_ignored_fields_are_logged_once_each_and_bounded(monkeypatch: pytest.MonkeyPatch,
+                                                                     caplog: pytest.LogCaptureFixture) -> None:
+    """A client sending a new made-up field on every request (or a million in one body) fills no log: the first
+    ``MAX_LOGGED_NAMES`` names each once, cut to ``MAX_NAME_CHARS``, then one line saying more were dropped."""
+    monkeypatch.setattr(ignored_fields, "_logged", set())
+    caplog.set_level(logging.WARNING, logger=ignored_fields.__name__)
+    body = {"prompt": "hi", "x" * 10_000: 1, **{f"field_{i}": i for i in range(100_000)}}
+    for _ in range(3):
+        assert CompletionBody.model_validate(body).forwarded() == {}
+    messages = [record.getMessage() for record in caplog.records]
+    assert len(messages) == ignored_fields.MAX_LOGGED_NAMES + 1, messages[-3:]
+    assert f"'{'x' * ignored_fields.MAX_NAME_CHARS}...'" in messages[0] and "field_0'" in messages[1]
+    assert "their names are not logged" in messages[-1]

@@ -2,7 +2,7 @@
 ``ChatCompletionMessageParam``): a ``user`` message has ``role`` and ``content`` alone, the other roles the fields
 of ``ChatCompletionMessageGenericParam``, typed strictly; any other field, of a message or of a tool call in the
 history, is dropped unread, so it never reaches the chat template (its name logged once:
-:mod:`node_engine.server.ignored_fields`). Content parts are
+:mod:`handoff.protocol.ignored_fields`). Content parts are
 :mod:`node_engine.server.content_parts`'s, tools :mod:`node_engine.server.openai_tools`'s."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any, Literal, Union
 from pydantic import field_validator, model_validator
 
 from node_engine.server.content_parts import Content, ThinkingPart
-from node_engine.server.ignored_fields import IgnoresUnknown, note_ignored
+from handoff.protocol.ignored_fields import IgnoresUnknown, note_ignored
 from node_engine.server.openai_tools import Tool
 
 __all__ = ["GENERIC_ROLES", "ChatMessage", "ToolCall", "ToolCallFunction"]

@@ -23,7 +23,7 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import Discriminator, Field, Tag, field_validator, model_validator
 
 from handoff.service.errors import Unsupported
-from node_engine.server.ignored_fields import IgnoresUnknown
+from handoff.protocol.ignored_fields import IgnoresUnknown
 
 __all__ = ["Content", "ContentPart", "ImagePart", "TextPart", "ThinkingPart", "refuse_unsupported_parts",
            "template_content"]

@@ -1,6 +1,6 @@
 """The OpenAI bodies of the engine, as SGLang 0.5.23 takes them (``entrypoints/openai/protocol.py``): a field
 SGLang's models do not declare is dropped unread and its name logged once
-(:mod:`node_engine.server.ignored_fields`); a declared field is typed strictly (a wrong type is a 400 naming it), and
+(:mod:`handoff.protocol.ignored_fields`); a declared field is typed strictly (a wrong type is a 400 naming it), and
 one asking for what the engine lacks is 400 ``unsupported`` unless empty, never silently ignored. A chat's
 messages are :mod:`node_engine.server.chat_messages`'s, its tools :mod:`node_engine.server.openai_tools`'s."""
 
@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError,
 from handoff.protocol.generate_request import MAX_TOP_LOGPROBS, is_empty
 from handoff.service.errors import Unsupported
 from node_engine.server.chat_messages import ChatMessage
-from node_engine.server.ignored_fields import IgnoresUnknown
+from handoff.protocol.ignored_fields import IgnoresUnknown
 from node_engine.server.openai_tools import Tool, ToolChoiceValue, default_tool_choice
 
 __all__ = ["ChatCompletionBody", "CompletionBody", "OPENAI_DEFAULT_ONLY", "refuse_adapter_model",

@@ -20,7 +20,7 @@ from typing import Any, Literal, Optional, Union
 from pydantic import Field, model_serializer, model_validator
 
 from handoff.service.errors import InvalidRequest, Unsupported
-from node_engine.server.ignored_fields import IgnoresUnknown
+from handoff.protocol.ignored_fields import IgnoresUnknown
 
 __all__ = ["TOOL_MESSAGE_ROLES", "Tool", "ToolChoice", "ToolChoiceValue", "check_tools", "default_tool_choice",
            "effective_tools", "template_tools", "tools_in_play"]

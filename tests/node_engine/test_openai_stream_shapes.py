@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from node_engine.server import ignored_fields
+from handoff.protocol import ignored_fields
 from node_engine.server.openai_bodies import CompletionBody
 from tests.support.procs import ServerProcess
 from tests.support.sse import read_stream

@@ -3,7 +3,11 @@
 The bodies follow ``sglang/srt/managers/io_struct.py`` (``GenerateReqInput``)
 and ``sglang/srt/sampling/sampling_params.py`` (``SamplingParams``), plus
 ``model``, which sglang-router (sgl-model-gateway) adds to every request it
-forwards. A field outside that set is a typo: 400. Each field is in one of
+forwards. A top-level key outside that set is ignored, as SGLang's contract
+(``sglang/api/v1/api_types.py``, ``GenerateRequest``) ignores it, and its name
+logged once (:mod:`handoff.protocol.ignored_fields`); one inside
+``sampling_params`` is a typo: 400, as there. Types are SGLang's contract's
+(``tests/handoff/test_generate_contract_differential.py``). Each field is in one of
 three groups (:data:`GENERATE_FIELDS`, :data:`SAMPLING_FIELDS`, listed in
 ``docs/api.md``):
 
@@ -20,11 +24,12 @@ sequences the engine runs.
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Annotated, Any, Optional, Union
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import AfterValidator, BaseModel, ConfigDict, field_validator
 
 from handoff.protocol import errors as E
+from handoff.protocol.ignored_fields import IgnoresUnknown
 
 STRICT = ConfigDict(extra="forbid", strict=True)
 MAX_SEQUENCES = 256         # prompts x n in one request
@@ -36,6 +41,23 @@ MAX_IMAGES_PER_PROMPT = 64
 MAX_IMAGES_PER_REQUEST = 128  # all prompts together (each is decoded before anything runs)
 
 IMPLEMENTED, ACCEPTED, DEFAULT_ONLY = "implemented", "accepted", "default only"
+
+
+def _sglang_media_list(value: Any) -> Any:
+    """SGLang's ``MediaInput`` rule: a list whose first item is not a list holds items, never lists."""
+    if isinstance(value, list) and value and not isinstance(value[0], list) and any(
+            isinstance(item, list) for item in value):
+        raise ValueError("a list of media items must not hold lists (a list of lists starts with one)")
+    return value
+
+
+# SGLang's contract types (api_types.py: OptionalStringOrList, OptionalInt64OrList, BoolOrList, MediaInput)
+OptionalStrOrList = Union[str, list[Optional[str]], None]
+OptionalIntOrList = Union[int, list[Optional[int]], None]
+BoolOrList = Union[bool, list[bool], None]
+_MediaItem = Union[str, dict[str, Any]]
+MediaInput = Annotated[Union[_MediaItem, list[Optional[_MediaItem]], list[Optional[list[Optional[_MediaItem]]]],
+                             None], AfterValidator(_sglang_media_list)]
 
 
 class GenerateFieldError(ValueError):
@@ -71,7 +93,7 @@ class SamplingParamsBody(BaseModel):
     logit_bias: dict[str, float] | None = None
     sampling_seed: int | None = None
     seed: int | None = None  # handoff's earlier name of sampling_seed
-    custom_params: dict[str, Any] | None = None
+    custom_params: Any = None  # any JSON, as SGLang's contract takes it
     # default only
     stop_regex: Union[str, list[str], None] = None
     json_schema: str | None = None
@@ -79,7 +101,7 @@ class SamplingParamsBody(BaseModel):
     ebnf: str | None = None
     structural_tag: str | None = None
     beam_width: int | None = None
-    watermark: Any = None
+    watermark: dict[str, Any] | None = None
     choice: list[str] | None = None
 
 
@@ -98,10 +120,11 @@ _SAMPLING_WHY = {"stop_regex": "stop regexes", "json_schema": "constrained decod
                  "watermark": "watermarking", "choice": "constrained choice"}
 
 
-class GenerateBody(BaseModel):
+class GenerateBody(IgnoresUnknown):
     """``POST /generate``: exactly one of ``text`` / ``input_ids``; a list of either is a batch."""
 
-    model_config = STRICT
+    # unknown top-level keys: SGLang's contract ignores them (IgnoresUnknown: dropped, each name logged once)
+    ignored_where = "/generate body"
     text: Union[str, list[str], None] = None
     input_ids: Union[list[int], list[list[int]], None] = None
     sampling_params: Union[SamplingParamsBody, list[SamplingParamsBody], None] = None
@@ -131,21 +154,21 @@ class GenerateBody(BaseModel):
     routed_dp_rank: int | None = None
     data_parallel_rank: int | None = None
     disagg_prefill_dp_rank: int | None = None
-    bootstrap_host: Any = None
-    bootstrap_port: Any = None
-    bootstrap_room: Any = None
-    bootstrap_pair_key: Any = None
-    decode_tp_size: Any = None
-    # default only: each names what it would ask for
-    video_data: Any = None
-    audio_data: Any = None
+    bootstrap_host: OptionalStrOrList = None
+    bootstrap_port: OptionalIntOrList = None
+    bootstrap_room: OptionalIntOrList = None
+    bootstrap_pair_key: OptionalStrOrList = None
+    decode_tp_size: OptionalIntOrList = None
+    # default only: each names what it would ask for (typed as SGLang's contract types those it knows)
+    video_data: MediaInput = None
+    audio_data: MediaInput = None
     input_embeds: Any = None
-    mm_hashes: Any = None
+    mm_hashes: Union[list[str], list[list[str]], None] = None
     mm_content_hashes: Any = None
     use_audio_in_video: Any = None
     video_config: Any = None
-    modalities: Any = None
-    images_config: Any = None
+    modalities: list[Optional[str]] | None = None
+    images_config: dict[str, Any] | None = None
     mm_processor_kwargs: Any = None
     max_dynamic_patch: Any = None
     min_dynamic_patch: Any = None
@@ -154,16 +177,16 @@ class GenerateBody(BaseModel):
     need_wait_for_mm_inputs: Any = None
     num_items_assigned: Any = None
     encoder_urls: Any = None
-    lora_path: Any = None
+    lora_path: OptionalStrOrList = None
     lora_id: Any = None
-    custom_logit_processor: Any = None
+    custom_logit_processor: OptionalStrOrList = None
     positional_embed_overrides: Any = None
     watermark: Any = None
-    return_hidden_states: Any = None
+    return_hidden_states: BoolOrList = None
     return_routed_experts: Any = None
-    routed_experts_start_len: Any = None
+    routed_experts_start_len: int = 0  # SGLang's contract: an integer, never null
     return_indexer_topk: Any = None
-    return_sampling_mask: Any = None
+    return_sampling_mask: BoolOrList = None
     sampling_logprobs_mode: Any = None
     return_flat_raw_top_logprobs: Any = None
     return_flat_raw_output_top_logprobs: Any = None
@@ -172,11 +195,16 @@ class GenerateBody(BaseModel):
     return_bytes: Any = None
     session_params: Any = None
     background: Any = None
-    require_reasoning: Any = None
-    max_thinking_tokens: Any = None
+    require_reasoning: bool | None = None
+    max_thinking_tokens: int | None = None
     multi_item_delimiter_indices: Any = None
     token_indices_to_pool: Any = None
-    kv_hints: Any = None
+    kv_hints: Union[dict[str, Any], list[Optional[dict[str, Any]]], None] = None
+
+    @field_validator("stream", "return_text_in_logprobs", mode="before")
+    @classmethod
+    def _null_is_false(cls, value: Any) -> Any:
+        return False if value is None else value  # SGLang's contract: null is the default
 
 
 _GENERATE_WHY = {

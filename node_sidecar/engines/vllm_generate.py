@@ -23,6 +23,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from handoff.protocol.generate_request import MAX_SEQUENCES, STRICT, SamplingParamsBody
+from handoff.protocol.ignored_fields import note_ignored
 from handoff.service.bodies import parse_value
 from handoff.service.errors import InvalidRequest, Unsupported, parse_json_bytes
 from node_sidecar.engines.vllm_answer import GenerateRequest
@@ -190,13 +191,19 @@ def _whole_context(max_model_len: int | None) -> int:
 
 
 def _refuse_unknown(body: dict[str, Any]) -> None:
+    """400 ``unsupported`` for a field vLLM nodes cannot honour; a key SGLang does not know either is ignored (as
+    SGLang's contract ignores it, its name logged once) and, the completion being built field by field, never
+    reaches vLLM."""
+    unknown = []
     for name, value in body.items():
         if name in KNOWN_FIELDS or name in IGNORED_FIELDS:
             continue
         if name not in UNSUPPORTED_FIELDS:
-            raise InvalidRequest(f"unknown field {name!r}")
-        if not _is_unset(value):
+            unknown.append(name)
+        elif not _is_unset(value):
             raise Unsupported(f"{name} is not supported on vLLM nodes", extra={"field": name})
+    if unknown:
+        note_ignored("/generate body (vLLM node)", unknown)
 
 
 def _prompts(body: dict[str, Any]) -> tuple[list[Any], bool]:

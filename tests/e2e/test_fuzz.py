@@ -246,8 +246,9 @@ def does_its_job(call: Call) -> bool:
     if call.path in GENERATION_MODELS and call.method == "POST" and isinstance(value, dict):
         model, _ = GENERATION_MODELS[call.path]
         if _validates(model, value):
-            limit = (value.get("sampling_params") or {}).get("max_new_tokens") if call.path == "/generate" \
-                else value.get("max_tokens")
+            params = value.get("sampling_params")  # one object, or one per prompt (then: taken as long)
+            limit = (params.get("max_new_tokens") if isinstance(params, dict) else None) \
+                if call.path == "/generate" else value.get("max_tokens")
             return _asks_many_tokens(value) or not isinstance(limit, int) or limit > MAX_TOKENS_SENT
     return False
 

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import logging
 import re
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from handoff.protocol import errors as E
+from handoff.protocol import ignored_fields
+from handoff.protocol.ignored_fields import MAX_NAME_CHARS
 from handoff.protocol.generate_request import DEFAULT_ONLY, GENERATE_FIELDS, SAMPLING_FIELDS, GenerateBody, GenerateFieldError, is_empty
 from handoff.protocol.generate_sequences import normalize
 
@@ -110,3 +114,21 @@ def test_docs_list_every_field_with_its_status() -> None:
         assert documented[name].startswith(word) or (name in ("routed_dp_rank", "data_parallel_rank",
                                                               "disagg_prefill_dp_rank") and "accepted" in
                                                      documented[name]), (name, documented[name])
+
+
+def test_unknown_top_level_keys_are_ignored_and_each_name_logged_once(caplog: pytest.LogCaptureFixture,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """SGLang's contract ignores a top-level key it does not know (a field of another SGLang version); handoff
+    ignores it too, and logs each name once so a misspelling shows. One inside ``sampling_params`` stays a 400.
+    Before: every unknown top-level key was a 400 ``extra_forbidden``."""
+    caplog.set_level(logging.WARNING, logger=ignored_fields.__name__)
+    monkeypatch.setattr(ignored_fields, "_logged", set())
+    name = "a_field_of_another_version_" + "x" * 200
+    for _ in range(3):
+        body = GenerateBody.model_validate({"text": "a", name: {"any": ["json"]}, "stream": None})
+        assert body.model_dump() == GenerateBody.model_validate({"text": "a"}).model_dump()
+        assert name not in body.model_dump() and not body.model_extra
+    logged = [r.getMessage() for r in caplog.records if "a_field_of_another_version_" in r.getMessage()]
+    assert len(logged) == 1 and name[:MAX_NAME_CHARS] in logged[0] and name not in logged[0]
+    with pytest.raises(ValidationError, match="temprature"):
+        GenerateBody.model_validate({"text": "a", "sampling_params": {"temprature": 1}})

@@ -33,12 +33,14 @@ def test_single_request_gets_bootstrap_fields_and_the_decode_answer(module_fakes
     prefill, decode = pd_pair(module_fakes)
     lb = shared_lb
     set_members(lb, (prefill.url, "prefill", 8998), (decode.url, "decode"))
-    answer = lb.http.post("/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 2}})
+    answer = lb.http.post("/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 2},
+                                             "a_newer_sglang_field": [1]})
     assert answer.status_code == 200 and answer.json() == DECODE_ANSWER
     [to_prefill], [to_decode] = prefill.requests_to("/generate"), decode.requests_to("/generate")
     assert to_prefill.body == to_decode.body
     sent = to_decode.json()
     assert sent["text"] == "hi" and sent["sampling_params"] == {"max_new_tokens": 2}
+    assert sent["a_newer_sglang_field"] == [1]  # a key SGLang ignores passes on, for the nodes to ignore
     assert sent["bootstrap_host"] == "127.0.0.1" and sent["bootstrap_port"] == 8998
     assert isinstance(sent["bootstrap_room"], int) and 0 <= sent["bootstrap_room"] < 2 ** 63
 

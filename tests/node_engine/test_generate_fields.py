@@ -50,9 +50,15 @@ def test_every_field_at_its_default_is_accepted_together(client) -> None:
     assert len(answer["output_ids"]) == 4
 
 
+# a set value of the JSON type SGLang's contract gives the field (one of another type is a 400 invalid_request)
+SET_VALUES = {"images_config": {"prefix": "p"}, "return_hidden_states": True, "routed_experts_start_len": 3,
+              "return_sampling_mask": True, "require_reasoning": True, "max_thinking_tokens": 8,
+              "kv_hints": {"protocol_version": "1", "message_id": "m"}}
+
+
 @pytest.mark.parametrize("name", [n for n, kind in GENERATE_FIELDS.items() if kind == DEFAULT_ONLY])
 def test_a_value_this_engine_cannot_honour_is_unsupported(client, name: str) -> None:
-    error = refused(client, {"text": "x", name: ["something"]})
+    error = refused(client, {"text": "x", name: SET_VALUES.get(name, ["something"])})
     assert error["type"] == "unsupported" and error["message"].startswith(name)
 
 
@@ -65,8 +71,10 @@ def test_sampling_features_this_engine_lacks_are_unsupported(client, name: str, 
 
 
 @pytest.mark.parametrize("body,fragment", [
-    ({"text": "x", "surprise": 1}, "unknown field"),
     ({"text": "x", "sampling_params": {"temprature": 1}}, "unknown field"),
+    ({"text": "x", "surprise": 1, "sampling_params": [{"temprature": 1}]}, "unknown field"),
+    ({"text": "x", "bootstrap_room": "not a number"}, "bootstrap_room"),
+    ({"text": "x", "return_hidden_states": 0}, "return_hidden_states"),
     ({"text": "x", "model": "another-model"}, "another-model"),
     ({"text": ["a", "b"], "rid": ["same", "same"]}, "unique"),
     ({"text": ["a", "b"], "rid": ["one"]}, "rid"),
@@ -81,6 +89,18 @@ def test_sampling_features_this_engine_lacks_are_unsupported(client, name: str, 
 ])
 def test_bad_values_are_400(client, body: dict, fragment: str) -> None:
     assert fragment in refused(client, body)["message"]
+
+
+def test_unknown_top_level_keys_are_ignored_as_sglang_ignores_them(client) -> None:
+    """SGLang 0.5.23's contract ignores a top-level key it does not know (a field of another SGLang version, sent
+    by a framework written for it): the request is served as without it, stream or not; ``null`` for ``stream`` and
+    ``return_text_in_logprobs`` is their default there. Before: a 400 ``unknown field``."""
+    plain = gen(client, {"text": "x", "sampling_params": GREEDY})
+    body = {"text": "x", "sampling_params": GREEDY, "surprise": 1, "another_versions_field": {"a": [1]},
+            "stream": None, "return_text_in_logprobs": None}
+    assert gen(client, body)["output_ids"] == plain["output_ids"]
+    events, done = read_stream(client, "/generate", {**body, "stream": True})
+    assert done and events[-1]["output_ids"] == plain["output_ids"]
 
 
 def test_model_may_name_the_served_model(client) -> None:

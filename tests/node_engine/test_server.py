@@ -293,7 +293,7 @@ def test_late_request_joins_without_waiting_for_the_batch(client, engine) -> Non
     ({"text": "x", "sampling_params": {"top_p": 0}}, "top_p"),
     ({"text": "x", "sampling_params": {"temprature": 1}}, "unknown field"),
     ({"text": "x", "sampling_params": {"frequency_penalty": 3}}, "frequency_penalty"),
-    ({"text": "x", "surprise": 1}, "unknown field"),
+    ({"text": "x", "surprise": 1, "sampling_params": {"surprise": 1}}, "unknown field"),
     ({"text": "x" * 5000}, "context length"),
     ({"text": "x", "sampling_params": {"stop_token_ids": [10**7]}}, "stop_token_ids"),
     ({"text": ["a", ""]}, "empty"),

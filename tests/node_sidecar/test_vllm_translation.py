@@ -7,11 +7,13 @@ rules without one: every field mapped or refused, the answer's SGLang shape, str
 from __future__ import annotations
 
 import json
+import logging
 from collections import deque
 from pathlib import Path
 
 import pytest
 
+from handoff.protocol import ignored_fields
 from handoff.protocol.sse import DONE, EventSplitter, event_data
 from handoff.service.errors import InvalidRequest, ServiceError, Unsupported
 from node_sidecar.engines.vllm import VllmEngine
@@ -83,7 +85,7 @@ def test_request_fields_are_mapped_with_sglang_defaults() -> None:
     ({"input_ids": [[1]] * 2, "sampling_params": {"n": 129}}, InvalidRequest, "256 sequences"),
     ({"input_ids": [1], "return_bytes": True}, Unsupported, "return_bytes"),
     ({"input_ids": [1], "sampling_params": {"max_new_tokenz": 2}}, InvalidRequest, "max_new_tokenz"),
-    ({"input_ids": [1], "surprise": 1}, InvalidRequest, "surprise"),
+    ({"input_ids": [1], "surprise": 1, "sampling_params": {"surprise": 2}}, InvalidRequest, "surprise"),
     ({"text": "a", "input_ids": [1]}, InvalidRequest, "exactly one"),
     ({"input_ids": []}, InvalidRequest, "input_ids"),
     ({"input_ids": [1, -2]}, InvalidRequest, "input_ids"),
@@ -93,6 +95,19 @@ def test_what_vllm_cannot_serve_is_refused_naming_the_field(body: dict, error: t
     with pytest.raises(error, match=name.replace("[", r"\[")):
         to_completion(json.dumps(body).encode())
     assert to_completion(json.dumps({"input_ids": [1], "lora_path": None, "return_hidden_states": False}).encode())
+
+
+def test_an_unknown_top_level_key_is_ignored_and_never_sent_to_vllm(caplog: pytest.LogCaptureFixture,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """As SGLang's contract ignores a top-level key it does not know, so does a vLLM node (its name logged), and the
+    completion, built field by field, does not carry it. Before: a 400 ``unknown field``."""
+    caplog.set_level(logging.WARNING, logger=ignored_fields.__name__)
+    monkeypatch.setattr(ignored_fields, "_logged", set())
+    plain = completion({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 3}})
+    sent = completion({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 3}, "surprise_vllm": {"a": 1},
+                       "echo": True})
+    assert sent == plain and "surprise_vllm" not in json.dumps(sent) and "echo" not in sent
+    assert any("surprise_vllm" in r.getMessage() for r in caplog.records)
 
 
 def test_sglangs_sampling_defaults_are_always_sent() -> None:

@@ -77,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--weight-sync-timeout", type=positive_seconds, default=300.0,
                    help="seconds a weight group join, or one update's wait for another update and its broadcasts "
                         "or payload decode, may take")
+    p.add_argument("--health-step-timeout", type=positive_seconds, default=300.0,
+                   help="seconds one model step may run before /health answers 503, so that a liveness probe "
+                        "restarts an engine whose step hangs (a collective or a device that never returns)")
     p.add_argument("--max-body-bytes", type=positive_int, default=DEFAULT_MAX_BODY_BYTES,
                    help="largest request body (images travel base64 in it; the sidecar's and LB's default too)")
     vision = p.add_argument_group("vision-language models")
@@ -155,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
             weight_version=args.weight_version, free_memory_override_file=args.free_memory_override_file,
             fault_drill_file=args.fault_drill_file,
             reload_timeout=args.reload_timeout,
-            weight_sync_timeout=args.weight_sync_timeout,
+            weight_sync_timeout=args.weight_sync_timeout, health_step_timeout=args.health_step_timeout,
             role=args.role, enable_prefix_cache=not args.disable_prefix_cache,
             max_image_tokens=args.max_image_tokens, visual_batch_max_tokens=args.visual_batch_max_tokens,
             vision_reserve_mb=args.vision_reserve_mb, memory_budget_mb=args.memory_budget_mb,

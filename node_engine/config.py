@@ -52,6 +52,7 @@ class EngineConfig:
     fault_drill_file: Path | None = None     # fault drill: a one-shot step or control fault (node_engine.failures)
     reload_timeout: float = 300.0            # seconds a checkpoint read may take before a reload is a 504
     weight_sync_timeout: float = 300.0       # seconds a group join or one broadcast may take
+    health_step_timeout: float = 300.0       # seconds one step may run before /health answers 503 (a hung step)
     role: str = "mixed"
     enable_prefix_cache: bool = True
     # Vision-language models (see docs/memory.md, "The vision path"):
@@ -97,7 +98,7 @@ class EngineConfig:
             # it would be left empty, and a release discard the weights its owner believes backed up
             raise ConfigError("--backup-dir holds a weights backup, and there is none: add --enable-memory-saver "
                               "--weights-backup cpu|disk, or leave --backup-dir out")
-        for name in ("reload_timeout", "weight_sync_timeout"):
+        for name in ("reload_timeout", "weight_sync_timeout", "health_step_timeout"):
             problem = seconds_problem(getattr(self, name))
             if problem is not None:
                 raise ConfigError(f"--{name.replace('_', '-')} must be {problem}")

@@ -40,6 +40,13 @@ class EngineSteps:
         self._step_seconds = {kind: metrics.step_seconds.labels(kind.value) for kind in StepKind}
         self._time_to_first_token = metrics.time_to_first_token_seconds
         self._request_seconds = metrics.request_seconds
+        self._running_since: float | None = None  # monotonic start of the model run under way, if one is
+
+    def running_for(self) -> float:
+        """Seconds the model run under way has taken so far (0 when none runs): read from any thread, for
+        ``/health`` to tell a hung step (a collective that never returns, a stuck device) from a busy engine."""
+        since = self._running_since
+        return 0.0 if since is None else time.monotonic() - since
 
     def admit(self, request: Request) -> None:
         """Queue a request taken from the inbox, or answer it at once."""
@@ -74,6 +81,7 @@ class EngineSteps:
         if step is None:
             return
         started = time.perf_counter()
+        self._running_since = time.monotonic()
         try:
             result = self.runner.run(step, self.scheduler.config.eos_token_ids)
         except Exception as exc:
@@ -82,6 +90,8 @@ class EngineSteps:
                                    f"unusable: {type(exc).__name__}: {exc}") from exc
             self._fail(step, exc)
             return
+        finally:
+            self._running_since = None
         # a prefill-only request (n samples' shared prompt, a scoring request) samples a token it does not keep
         num_generated = sum(1 for e in step.entries if e.samples and not e.request.prefill_only)
         changed = self.scheduler.postprocess(step, result)

@@ -125,6 +125,10 @@ async def health(request: Request) -> JSONResponse:
     engine = _engine(request)
     if not engine.is_alive:
         return JSONResponse({"status": "engine thread stopped"}, status_code=503)
+    running_s, bound_s = engine.steps.running_for(), engine.config.health_step_timeout
+    if running_s > bound_s:  # the thread lives but its step never returns: only a restart helps
+        return JSONResponse({"status": f"a step has run for {running_s:.0f} s, past --health-step-timeout "
+                                       f"({bound_s:g} s)"}, status_code=503)
     return JSONResponse({"status": "ok"})
 
 

@@ -1,7 +1,8 @@
 """An abort reaches every request the engine accepted, whatever its stage, as in SGLang: one still in the
 engine's inbox while the engine thread is mid-step, and the ``n`` samples of a prompt still being prefilled
 (found by review: both ran to their full length after an abort answered ``aborted: []`` or ``all``); an abort of
-one sample reaches that sample only."""
+one sample reaches that sample only. The same stalled step shows on ``/health``: a step that runs past
+``--health-step-timeout`` is a 503 (a liveness probe restarts a hung engine), and a 200 again once it returns."""
 
 from __future__ import annotations
 
@@ -23,8 +24,8 @@ pytestmark = pytest.mark.timeout(120)
 def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerProcess, Path]]:
     folder = tmp_path_factory.mktemp("abort_reach")
     drill = folder / "drill.json"
-    proc = ServerProcess("node_engine", ["--model-path", "builtin:tiny", "--fault-drill-file", str(drill)],
-                         log_dir=folder)
+    proc = ServerProcess("node_engine", ["--model-path", "builtin:tiny", "--fault-drill-file", str(drill),
+                                         "--health-step-timeout", "1"], log_dir=folder)
     proc.start()
     yield proc, drill
     proc.stop()
@@ -134,3 +135,22 @@ def test_a_shared_prompt_prefill_never_takes_another_clients_id(engine) -> None:
         assert [o["meta_info"]["finish_reason"]["type"] for o in samples["r"].json()] == ["length", "length"]
         meta = answer["r"].json()["meta_info"]
         assert meta["finish_reason"]["type"] == "length" and meta["completion_tokens"] == 400, meta
+
+
+def test_a_step_that_hangs_past_the_bound_makes_health_a_503_until_it_returns(engine) -> None:
+    """Before: ``/health`` was 200 while the engine thread lived, a step hung in a collective or on the device
+    included (SGLang's ``/health`` runs a one-token generation and answers 503 past 20 s)."""
+    proc, drill = engine
+    with httpx.Client(base_url=proc.url, timeout=60) as client:
+        assert client.get("/health").status_code == 200
+        drill.with_name("drill.json.fired").unlink(missing_ok=True)
+        drill.write_text(json.dumps({"kind": "stall", "at": "decode", "delay_s": 5.0}))
+        busy, answer = in_background(client, {"input_ids": [5, 6], "sampling_params": {
+            "max_new_tokens": 4, "ignore_eos": True, "temperature": 0}})
+        wait_until(lambda: drill.with_name("drill.json.fired").exists(), timeout=30, what="the step stalled")
+        wait_until(lambda: client.get("/health").status_code == 503, timeout=4, what="/health a 503")
+        status = client.get("/health").json()["status"]
+        assert "--health-step-timeout" in status, status
+        busy.join(60)
+        assert answer["r"].status_code == 200 and len(answer["r"].json()["output_ids"]) == 4
+        assert client.get("/health").status_code == 200

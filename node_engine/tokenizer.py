@@ -52,15 +52,18 @@ ADDITIONAL_STOP_TOKEN_TEXTS = ("<|eom_id|>", "<|content_model_end_sampling|>", "
 class Tokenizer:
     def __init__(self, hf: HFTokenizer, *, bos_token: str | None, eos_token: str | None,
                  eos_token_ids: tuple[int, ...], chat_template: str | None,
-                 sampling_defaults: dict[str, float] | None = None) -> None:
+                 sampling_defaults: dict[str, float] | None = None, tool_use_template: str | None = None) -> None:
         """``sampling_defaults``: what the model's ``generation_config.json`` sets of :data:`SAMPLING_DEFAULT_KEYS`
-        (chat requests that leave them out use them, SGLang's ``--sampling-defaults model``)."""
+        (chat requests that leave them out use them, SGLang's ``--sampling-defaults model``).
+        ``tool_use_template``: a tokenizer's named ``tool_use`` template, which renders a chat given tools (as
+        transformers' ``get_chat_template`` picks it, so SGLang renders with it); ``chat_template`` is ``default``."""
         self._hf = hf
         self.sampling_defaults = dict(sampling_defaults or {})
         self.bos_token = bos_token
         self.eos_token = eos_token
         self.eos_token_ids = eos_token_ids
         self.chat_template = chat_template
+        self.tool_use_template = tool_use_template
         self.vocab_size = hf.get_vocab_size(with_added_tokens=True)
         self._byte_fallback_ids = _byte_fallback_ids(hf)
         self._is_byte_level = _is_byte_level(hf)
@@ -89,10 +92,13 @@ class Tokenizer:
             eos_ids.add(hf.token_to_id(eos))
         eos_ids.update(token_id for token_id, added in hf.get_added_tokens_decoder().items()
                        if added.content in ADDITIONAL_STOP_TOKEN_TEXTS)
-        template = config.get("chat_template")
-        if isinstance(template, list):  # named templates: take the default one
-            template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"),
-                            None)
+        template, tool_use = config.get("chat_template"), None
+        if isinstance(template, list):  # named templates: "default", and "tool_use" for a chat given tools
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+            template, tool_use = named.get("default"), named.get("tool_use")
+            if tool_use is not None and not isinstance(tool_use, str):
+                raise ModelConfigError(f"{folder / 'tokenizer_config.json'}: the tool_use chat template must be a "
+                                       f"string, got {type(tool_use).__name__}")
         if template is None and reader.exists(folder / "chat_template.jinja"):
             template = _read_text(reader, folder / "chat_template.jinja", MAX_TOKENIZER_CONFIG_BYTES)
         if template is not None and not isinstance(template, str):
@@ -101,7 +107,7 @@ class Tokenizer:
         sampling_defaults = {key: generation[key] for key in SAMPLING_DEFAULT_KEYS
                              if isinstance(generation.get(key), (int, float)) and not isinstance(generation[key], bool)}
         return cls(hf, bos_token=bos, eos_token=eos, eos_token_ids=tuple(sorted(eos_ids)), chat_template=template,
-                   sampling_defaults=sampling_defaults)
+                   sampling_defaults=sampling_defaults, tool_use_template=tool_use)
 
     @classmethod
     def builtin_bytes(cls, *, vision: bool = False) -> "Tokenizer":
@@ -141,12 +147,14 @@ class Tokenizer:
                             tools: list[dict[str, Any]] | None = None) -> list[int]:
         """Render ``messages`` (see :mod:`node_engine.chat_template`) with ``tools`` and tokenize the text. A
         template that fails with the tools is given them once more as bare functions, as SGLang does (some
-        templates, Mistral's, expect tools without the OpenAI wrapper); its second error is the request's."""
-        if not self.chat_template:
+        templates, Mistral's, expect tools without the OpenAI wrapper); its second error is the request's. Given ``tools``, the named
+        ``tool_use`` template renders if the tokenizer has one (transformers' ``get_chat_template``)."""
+        template = self.tool_use_template if tools is not None and self.tool_use_template else self.chat_template
+        if not template:
             raise ChatTemplateError("this model has no chat template; use /v1/completions or /generate")
 
         def text_with(template_tools: list[dict[str, Any]] | None) -> str:
-            return render(self.chat_template or "", messages, add_generation_prompt=add_generation_prompt,
+            return render(template, messages, add_generation_prompt=add_generation_prompt,
                           bos_token=self.bos_token or "", eos_token=self.eos_token or "",
                           template_kwargs=template_kwargs, tools=template_tools)
         try:

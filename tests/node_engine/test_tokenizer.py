@@ -1,6 +1,10 @@
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 from node_engine.detokenizer import IncrementalDetokenizer
+from node_engine.model.builtin import builtin_arch, builtin_weights, save_checkpoint
 from node_engine.tokenizer import Tokenizer
 
 TOK = Tokenizer.builtin_bytes()
@@ -59,3 +63,21 @@ def test_lazy_detokenization_gives_the_same_text() -> None:
         lazy.add(token)
     lazy.finish()
     assert lazy.take_delta(is_final=True) == streamed == eager.text
+
+
+def test_a_chat_given_tools_renders_with_the_named_tool_use_template(tmp_path: Path) -> None:
+    """A tokenizer with named templates (Hermes-2-Pro's, Command-R's) renders a chat given tools with ``tool_use``,
+    as transformers' ``get_chat_template`` picks it and so SGLang renders it; without tools, ``default``. Before:
+    ``default`` always (the tools were never rendered by a model whose default template ignores them)."""
+    arch = builtin_arch("builtin:tiny", {"num_layers": 1})
+    save_checkpoint(tmp_path, arch, builtin_weights(arch, seed=1))
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config["chat_template"] = [
+        {"name": "default", "template": "D:{% for m in messages %}{{ m.content }}{% endfor %}"},
+        {"name": "tool_use", "template": "T:{{ tools | length }}:{% for m in messages %}{{ m.content }}{% endfor %}"}]
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    tok = Tokenizer.from_folder(tmp_path)
+    messages = [{"role": "user", "content": "hi"}]
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    assert tok.decode(tok.apply_chat_template(messages)) == "D:hi"
+    assert tok.decode(tok.apply_chat_template(messages, tools=tools)) == "T:1:hi"

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import random
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -19,18 +21,50 @@ __all__ = ["ProcessFailed", "ServerProcess", "assert_refused_at_start", "sigint_
            "REPO_ROOT"]
 
 
+def _below_ephemeral_range() -> range:
+    """Ports under the kernel's ephemeral range (``ip_local_port_range``, 32768-60999 by default), which neither a
+    ``bind`` to port 0 nor an outgoing connection is ever given."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    return range(20000, max(20000, min(low, 32768)))
+
+
+_FIXED_PORTS = _below_ephemeral_range()
+
+
+def free_fixed_port(host: str) -> int | None:
+    """A free port on ``host`` below the ephemeral range, or None (then the service binds port 0). A service a
+    test restarts on its port must find it free: one from the ephemeral range was, in a full run, meanwhile handed
+    to another test's service binding port 0, and the restart failed with "Address already in use"."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    for _ in range(50 if _FIXED_PORTS else 0):
+        port = random.choice(_FIXED_PORTS)
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind((host, port))
+            except OSError:
+                continue
+        return port
+    return None
+
+
 class ServerProcess(process.ServerProcess):
-    """Runs from the repository root, so test-only modules (``tests.support.*``) can be started too."""
+    """Runs from the repository root, so test-only modules (``tests.support.*``) can be started too; its first
+    start takes a port below the ephemeral range (:func:`free_fixed_port`), kept for every restart."""
 
     def __init__(self, module: str, args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("cwd", REPO_ROOT)
         super().__init__(module, args, **kwargs)
 
-    def launch(self, *args: Any, **kwargs: Any) -> "ServerProcess":
+    def launch(self, *, port: int | None = None) -> "ServerProcess":
         # A test run killed outright (a timeout's SIGKILL) leaves no service behind. Linux signals the death of
         # the *thread* that started the child, so only the main thread's children (the fixtures') get it.
         self.die_with_parent = threading.current_thread() is threading.main_thread()
-        return super().launch(*args, **kwargs)
+        if port is None and self.port is None:
+            port = free_fixed_port(self.host)
+        return super().launch(port=port)
 
 
 def tiny_engine(log_dir: Path, name: str) -> Iterator[ServerProcess]:

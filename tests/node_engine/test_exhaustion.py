@@ -61,6 +61,7 @@ def test_a_whole_answer_of_many_top_logprobs_leaves_the_event_loop_its_turns(tin
     worker = threading.Thread(target=lambda: answers.append(sdk.chat.completions.with_raw_response.create(
         model="m", messages=[{"role": "user", "content": "hi"}], n=64, max_tokens=100, logprobs=True,
         top_logprobs=64, extra_body={"ignore_eos": True})))
+    started = time.monotonic()
     worker.start()
     slowest = 0.0
     with httpx.Client(timeout=30) as probe:
@@ -70,10 +71,12 @@ def test_a_whole_answer_of_many_top_logprobs_leaves_the_event_loop_its_turns(tin
             slowest = max(slowest, time.monotonic() - asked)
             time.sleep(0.02)
     worker.join()
+    whole_request = time.monotonic() - started
     answer = answers[0].parse()
     assert len(answer.choices) == 64 and answer.usage.completion_tokens == 6400
     assert all(len(c.logprobs.content) == 100 and len(c.logprobs.content[0].top_logprobs) == 64
                for c in answer.choices)
-    # 0.7 s measured on a loaded machine (8.5 s before); a busy CI box took 0.69 s for one health call without
-    # any freeze (test_sidecar_faults.py): a bound between the two
-    assert slowest < 2, slowest
+    # The freeze was most of the request (4 to 8 s of 8 to 12: only 1.8 s of it is generating). Fixed, the slowest
+    # health call is scheduling noise that grows with the machine's load: 0.3 s of 7.6 on a quiet machine, 2.1 s on a
+    # busy CI box. A bound relative to the whole request holds on both and still fails the freeze.
+    assert slowest < max(2.0, whole_request / 4), (slowest, whole_request)

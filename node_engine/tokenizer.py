@@ -52,18 +52,17 @@ ADDITIONAL_STOP_TOKEN_TEXTS = ("<|eom_id|>", "<|content_model_end_sampling|>", "
 class Tokenizer:
     def __init__(self, hf: HFTokenizer, *, bos_token: str | None, eos_token: str | None,
                  eos_token_ids: tuple[int, ...], chat_template: str | None,
-                 sampling_defaults: dict[str, float] | None = None, tool_use_template: str | None = None) -> None:
+                 sampling_defaults: dict[str, float] | None = None) -> None:
         """``sampling_defaults``: what the model's ``generation_config.json`` sets of :data:`SAMPLING_DEFAULT_KEYS`
         (chat requests that leave them out use them, SGLang's ``--sampling-defaults model``).
-        ``tool_use_template``: a tokenizer's named ``tool_use`` template, which renders a chat given tools (as
-        transformers' ``get_chat_template`` picks it, so SGLang renders with it); ``chat_template`` is ``default``."""
+        ``chat_template`` renders every chat, one given tools too: of named templates, the first listed (SGLang's
+        ``TemplateManager._select_named_template`` sets it as the tokenizer's only template at start)."""
         self._hf = hf
         self.sampling_defaults = dict(sampling_defaults or {})
         self.bos_token = bos_token
         self.eos_token = eos_token
         self.eos_token_ids = eos_token_ids
         self.chat_template = chat_template
-        self.tool_use_template = tool_use_template
         self.vocab_size = hf.get_vocab_size(with_added_tokens=True)
         self._byte_fallback_ids = _byte_fallback_ids(hf)
         self._is_byte_level = _is_byte_level(hf)
@@ -92,13 +91,10 @@ class Tokenizer:
             eos_ids.add(hf.token_to_id(eos))
         eos_ids.update(token_id for token_id, added in hf.get_added_tokens_decoder().items()
                        if added.content in ADDITIONAL_STOP_TOKEN_TEXTS)
-        template, tool_use = config.get("chat_template"), None
-        if isinstance(template, list):  # named templates: "default", and "tool_use" for a chat given tools
+        template = config.get("chat_template")
+        if isinstance(template, list):  # named templates: SGLang renders every chat with the first one listed
             named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-            template, tool_use = named.get("default"), named.get("tool_use")
-            if tool_use is not None and not isinstance(tool_use, str):
-                raise ModelConfigError(f"{folder / 'tokenizer_config.json'}: the tool_use chat template must be a "
-                                       f"string, got {type(tool_use).__name__}")
+            template = next(iter(named.values()), None)
         if template is None and reader.exists(folder / "chat_template.jinja"):
             template = _read_text(reader, folder / "chat_template.jinja", MAX_TOKENIZER_CONFIG_BYTES)
         if template is not None and not isinstance(template, str):
@@ -107,7 +103,7 @@ class Tokenizer:
         sampling_defaults = {key: generation[key] for key in SAMPLING_DEFAULT_KEYS
                              if isinstance(generation.get(key), (int, float)) and not isinstance(generation[key], bool)}
         return cls(hf, bos_token=bos, eos_token=eos, eos_token_ids=tuple(sorted(eos_ids)), chat_template=template,
-                   sampling_defaults=sampling_defaults, tool_use_template=tool_use)
+                   sampling_defaults=sampling_defaults)
 
     @classmethod
     def builtin_bytes(cls, *, vision: bool = False) -> "Tokenizer":
@@ -147,9 +143,8 @@ class Tokenizer:
                             tools: list[dict[str, Any]] | None = None) -> list[int]:
         """Render ``messages`` (see :mod:`node_engine.chat_template`) with ``tools`` and tokenize the text. A
         template that fails with the tools is given them once more as bare functions, as SGLang does (some
-        templates, Mistral's, expect tools without the OpenAI wrapper); its second error is the request's. Given ``tools``, the named
-        ``tool_use`` template renders if the tokenizer has one (transformers' ``get_chat_template``)."""
-        template = self.tool_use_template if tools is not None and self.tool_use_template else self.chat_template
+        templates, Mistral's, expect tools without the OpenAI wrapper); its second error is the request's."""
+        template = self.chat_template
         if not template:
             raise ChatTemplateError("this model has no chat template; use /v1/completions or /generate")
 

@@ -65,19 +65,22 @@ def test_lazy_detokenization_gives_the_same_text() -> None:
     assert lazy.take_delta(is_final=True) == streamed == eager.text
 
 
-def test_a_chat_given_tools_renders_with_the_named_tool_use_template(tmp_path: Path) -> None:
-    """A tokenizer with named templates (Hermes-2-Pro's, Command-R's) renders a chat given tools with ``tool_use``,
-    as transformers' ``get_chat_template`` picks it and so SGLang renders it; without tools, ``default``. Before:
-    ``default`` always (the tools were never rendered by a model whose default template ignores them)."""
+def test_named_chat_templates_render_every_chat_with_the_first_listed_as_sglang_does(tmp_path: Path) -> None:
+    """A tokenizer with named templates (Hermes-2-Pro's, Command-R's: ``default`` and ``tool_use``): SGLang 0.5.23
+    sets the first listed as the tokenizer's only template at start (``TemplateManager._select_named_template``, no
+    ``--hf-chat-template-name``), so a chat given tools renders with it too. Before: ``tool_use`` for a chat given
+    tools (transformers' choice, which SGLang's override never reaches), and ``default`` whatever its place."""
     arch = builtin_arch("builtin:tiny", {"num_layers": 1})
     save_checkpoint(tmp_path, arch, builtin_weights(arch, seed=1))
     config = json.loads((tmp_path / "tokenizer_config.json").read_text())
-    config["chat_template"] = [
-        {"name": "default", "template": "D:{% for m in messages %}{{ m.content }}{% endfor %}"},
-        {"name": "tool_use", "template": "T:{{ tools | length }}:{% for m in messages %}{{ m.content }}{% endfor %}"}]
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
-    tok = Tokenizer.from_folder(tmp_path)
+    default = {"name": "default", "template": "D:{% for m in messages %}{{ m.content }}{% endfor %}"}
+    tool_use = {"name": "tool_use",
+                "template": "T:{% if tools %}{{ tools | length }}{% endif %}:{% for m in messages %}{{ m.content }}"
+                            "{% endfor %}"}
     messages = [{"role": "user", "content": "hi"}]
     tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
-    assert tok.decode(tok.apply_chat_template(messages)) == "D:hi"
-    assert tok.decode(tok.apply_chat_template(messages, tools=tools)) == "T:1:hi"
+    for listed, rendered in (([default, tool_use], ("D:hi", "D:hi")), ([tool_use, default], ("T::hi", "T:1:hi"))):
+        (tmp_path / "tokenizer_config.json").write_text(json.dumps(dict(config, chat_template=listed)))
+        tok = Tokenizer.from_folder(tmp_path)
+        assert (tok.decode(tok.apply_chat_template(messages)),
+                tok.decode(tok.apply_chat_template(messages, tools=tools))) == rendered

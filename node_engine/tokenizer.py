@@ -160,6 +160,14 @@ class Tokenizer:
             text = text_with([tool["function"] if "function" in tool else tool for tool in tools])
         return self.encode(text, add_special_tokens=False)
 
+    def assistant_prefix_ids(self, prefix: str) -> list[int]:
+        """The ids a continued final assistant message adds to the prompt (SGLang 0.5.23's
+        ``_append_assistant_prefix_to_prompt_ids``): the text encoded with the tokenizer's special tokens, less a
+        leading BOS (an EOS the tokenizer appends stays, as there)."""
+        ids = self.encode(prefix)
+        bos_id = self._hf.token_to_id(self.bos_token) if self.bos_token else None
+        return ids[1:] if ids and bos_id is not None and ids[0] == bos_id else ids
+
     @property
     def content_format(self) -> str:
         """How the chat template takes a message's content parts: ``"openai"`` (a list) or ``"string"``."""

@@ -126,7 +126,7 @@ OPENAI_DEFAULT_ONLY = {"response_format": "response_format (constrained decoding
                        "sampling_logprobs_mode": "sampling masks",
                        "return_flat_raw_output_top_logprobs": "flat top-logprob arrays",
                        "reasoning_effort": "reasoning models", "thinking": "reasoning models",
-                       "task": "tasks", "continue_final_message": "continuing the final assistant message",
+                       "task": "tasks",
                        "input_ids": "token-id chat prompts", "max_dynamic_patch": "multimodal input",
                        "min_dynamic_patch": "multimodal input", "use_audio_in_video": "multimodal input",
                        "video_config": "multimodal input"}
@@ -255,6 +255,7 @@ class ChatCompletionBody(_OpenAIRequest):
     parallel_tool_calls: bool = True  # shapes only the schema of 'required' calls (refused): changes nothing
     chat_template_kwargs: dict[str, Any] | None = None
     return_prompt_token_ids: bool = False
+    continue_final_message: bool = False  # a last assistant text is the answer's start (routes_openai._messages)
     # accepted: they change nothing without a reasoning parser or flat top-logprob arrays
     separate_reasoning: bool = True
     stream_reasoning: bool = True
@@ -269,7 +270,6 @@ class ChatCompletionBody(_OpenAIRequest):
     reasoning_effort: Any = None
     thinking: Any = None
     task: Any = None
-    continue_final_message: Any = None
     input_ids: Any = None
     max_dynamic_patch: Any = None
     min_dynamic_patch: Any = None

@@ -130,13 +130,17 @@ def _num_chars(value: Any) -> int:
     return 1
 
 
-def _messages(body: ChatCompletionBody, content_format: str) -> tuple[list[dict[str, Any]], list[object]]:
-    """The messages as the chat template reads them, and the ``image_url`` parts' URLs in order.
+def _messages(body: ChatCompletionBody,
+              content_format: str) -> tuple[list[dict[str, Any]], list[object], str | None]:
+    """The messages as the chat template reads them, the ``image_url`` parts' URLs in order, and the text the
+    answer continues (or None).
 
     Content parts as SGLang gives them to the template (:func:`template_content`). An assistant's tool-call
     arguments written as a JSON string are given to the template as the object (SGLang's
-    ``normalize_assistant_tool_call_arguments``). A last message from the assistant with text content becomes
-    a user message (SGLang's ``_handle_last_assistant_message``: the prompt always ends with the user's turn)."""
+    ``normalize_assistant_tool_call_arguments``). A last message from the assistant with text content (text
+    parts a string template gets joined included; None as ``""``) is, as SGLang's
+    ``_handle_last_assistant_message`` takes it: with ``continue_final_message``, left out and its text returned
+    (the prompt ends with it); without, a user message (the prompt always ends with the user's turn)."""
     messages: list[dict[str, Any]] = []
     images: list[object] = []
     for n, message in enumerate(body.messages):
@@ -145,8 +149,10 @@ def _messages(body: ChatCompletionBody, content_format: str) -> tuple[list[dict[
                                                                 images)})
         _parse_tool_call_arguments(messages[-1], n)
     if messages and messages[-1]["role"] == "assistant" and isinstance(messages[-1]["content"], str):
+        if body.continue_final_message:
+            return messages[:-1], images, messages[-1]["content"]
         messages[-1] = {"role": "user", "content": messages[-1]["content"]}
-    return messages, images
+    return messages, images, None
 
 
 def _parse_tool_call_arguments(message: dict[str, Any], n: int) -> None:
@@ -204,6 +210,14 @@ async def _check_tool_schemas(engine: Engine, body: ChatCompletionBody) -> None:
     await asyncio.to_thread(check_tool_schemas, effective_tools(body))
 
 
+def _chat_prompt(engine: Engine, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                 template_kwargs: dict[str, Any] | None, prefix: str | None) -> list[int]:
+    """The rendered template's ids (it ends with the generation prompt), then those of the assistant's text the
+    answer continues, if any (SGLang's ``_append_assistant_prefix_to_prompt_ids``; an empty text adds none)."""
+    ids = engine.tokenizer.apply_chat_template(messages, tools=tools, template_kwargs=template_kwargs)
+    return ids + engine.tokenizer.assistant_prefix_ids(prefix) if prefix else ids
+
+
 @router.post("/v1/chat/completions", openapi_extra=openapi_body(ChatCompletionBody))
 @_sglang_error_fields
 async def chat_completions(request: Request) -> Response:
@@ -221,13 +235,12 @@ async def chat_completions(request: Request) -> Response:
     if body.stream and (body.return_token_ids or body.return_prompt_token_ids):
         raise InvalidRequest("return_token_ids and return_prompt_token_ids are not supported with streaming; "
                              "set stream=false to get them")
-    messages, images = _messages(body, engine.tokenizer.content_format)
+    messages, images, prefix = _messages(body, engine.tokenizer.content_format)
     if images:
         request.app.state.images.check_supported("messages: image_url")
-    check_prompt_chars(engine, _num_chars([messages, tools, body.chat_template_kwargs]))  # all the template renders
+    check_prompt_chars(engine, _num_chars([messages, tools, body.chat_template_kwargs, prefix or ""]))  # the prompt
     try:  # rendered and tokenized off the event loop, like every prompt
-        ids = await asyncio.to_thread(engine.tokenizer.apply_chat_template, messages, tools=tools,
-                                      template_kwargs=body.chat_template_kwargs)
+        ids = await asyncio.to_thread(_chat_prompt, engine, messages, tools, body.chat_template_kwargs, prefix)
     except ChatTemplateError as exc:
         raise InvalidRequest(str(exc)) from exc
     logprobs = {"return_logprob": True, "top_logprobs_num": body.top_logprobs or 0,

@@ -108,8 +108,7 @@ def test_sglang_fields_are_taken_or_refused_by_name(client: httpx.Client) -> Non
                 "separate_reasoning": False, "custom_params": {"x": 1}, "user": "u", "return_meta_info": False,
                 "continue_final_message": False, "reasoning_effort": None}
     assert chat(client, **accepted)["choices"][0]["finish_reason"] in ("length", "stop")
-    for field, value in (("return_meta_info", True), ("continue_final_message", True), ("data_parallel_rank", 1),
-                         ("return_routed_experts", True)):
+    for field, value in (("return_meta_info", True), ("data_parallel_rank", 1), ("return_routed_experts", True)):
         r = client.post("/v1/chat/completions", json={"messages": [USER], field: value})
         assert r.status_code == 400 and r.json()["error"]["type"] == "unsupported", (field, r.text)
         assert field in r.json()["error"]["message"]
@@ -210,7 +209,7 @@ def test_a_tool_messages_text_parts_are_joined_for_any_template() -> None:
 
     body = ChatCompletionBody.model_validate({"messages": [USER, {"role": "tool", "tool_call_id": "c1", "content": [
         {"type": "text", "text": "r1"}, {"type": "text", "text": "r2"}]}, USER]})
-    messages, _ = _messages(body, "openai")
+    messages, _, _ = _messages(body, "openai")
     assert messages[1]["content"] == "r1 r2"
     assert messages[2]["content"] == "hi"
 

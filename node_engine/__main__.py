@@ -12,7 +12,13 @@ import sys
 from handoff.service.flag_types import path, positive_int, positive_seconds
 from handoff.service.limits import DEFAULT_MAX_BODY_BYTES
 from handoff.service.logs import setup_logging
-from handoff.service.serve import add_server_args, check_server_args, exit_on_sigterm, serve_from_args
+from handoff.service.serve import (
+    add_server_args,
+    check_server_args,
+    exit_on_sigterm,
+    reserve_socket,
+    serve_from_args,
+)
 from node_engine.config import ConfigError, EngineConfig
 from node_engine.memory.cgroup_memory import host_memory
 from node_engine.memory.tags import BackupMode
@@ -180,6 +186,9 @@ def main(argv: list[str] | None = None) -> int:
         except StartError as exc:
             log.error("cannot start: %s", exc)
             return 2
+    # the address is had before the model loads (minutes, and the device memory, for a real one): one in use is
+    # refused at once; nothing listens on it until the engine serves
+    reserved = reserve_socket(args.host, args.port)
     import torch
 
     if args.num_threads is not None:
@@ -189,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(max(1, torch.get_num_threads() - 1))
     if config.device == "cuda" and not torch.cuda.is_available():
         log.error("--device cuda but CUDA is not available")
+        reserved.close()
         return 2
     from node_engine.engine import Engine
     from node_engine.failures import exit_process
@@ -198,8 +208,10 @@ def main(argv: list[str] | None = None) -> int:
         engine = Engine(config, on_fatal=exit_process)
     except (ConfigError, ModelConfigError) as exc:
         log.error("cannot start: %s", exc)
+        reserved.close()
         return 2
-    serve_from_args(create_app(engine, max_body_bytes=args.max_body_bytes, body_timeout_s=args.body_timeout), args)
+    serve_from_args(create_app(engine, max_body_bytes=args.max_body_bytes, body_timeout_s=args.body_timeout), args,
+                    reserved=reserved)
     return 0
 
 

@@ -84,25 +84,40 @@ def check_server_args(args: argparse.Namespace) -> None:
         raise SystemExit(2)
 
 
-def serve_from_args(app: object, args: argparse.Namespace, *, freeze_startup_objects: bool = False) -> None:
-    """:func:`serve` with the flags of :func:`add_server_args`."""
+def serve_from_args(app: object, args: argparse.Namespace, *, freeze_startup_objects: bool = False,
+                    reserved: socket.socket | None = None) -> None:
+    """:func:`serve` with the flags of :func:`add_server_args` (``reserved``: :func:`reserve_socket`'s of them)."""
     check_server_args(args)
     BODY_BUDGET.limit = args.max_buffered_body_bytes
     serve(app, host=args.host, port=args.port, port_file=args.port_file, graceful_shutdown_s=args.shutdown_timeout,
           header_timeout_s=args.header_timeout, max_connections=args.max_connections,
-          freeze_startup_objects=freeze_startup_objects)
+          freeze_startup_objects=freeze_startup_objects, reserved=reserved)
 
 
-def bind_socket(host: str, port: int) -> socket.socket:
-    """A listening socket on ``host:port``; exits 2 with one line naming the address when it cannot be had (in
-    use, not an address of this machine, a port out of range)."""
+def reserve_socket(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host:port`` and not listening yet (a connection to it is refused, as to no socket); exits
+    2 with one line naming the address when it cannot be had (in use, not an address of this machine, a port out of
+    range). A process that loads a model takes its address before, so that it exits at once, not after minutes of
+    loading. (SO_REUSEADDR passes a port another process has bound and not listened on yet: its listen fails.)"""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
-        sock.listen(2048)
     except (OSError, OverflowError) as exc:
+        sock.close()
+        log.error("cannot listen on %s:%d: %s", host, port, exc)
+        raise SystemExit(2) from None
+    return sock
+
+
+def bind_socket(host: str, port: int, reserved: socket.socket | None = None) -> socket.socket:
+    """A listening socket on ``host:port`` (``reserved``: the one :func:`reserve_socket` bound there before); exits 2
+    with one line naming the address when it cannot be had."""
+    sock = reserve_socket(host, port) if reserved is None else reserved
+    try:
+        sock.listen(2048)
+    except OSError as exc:
         sock.close()
         log.error("cannot listen on %s:%d: %s", host, port, exc)
         raise SystemExit(2) from None
@@ -112,7 +127,8 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 def serve(app: object, *, host: str, port: int, port_file: Path | None = None,
           graceful_shutdown_s: float = 5.0, header_timeout_s: float = DEFAULT_HEAD_TIMEOUT_S,
-          max_connections: int | None = None, freeze_startup_objects: bool = False) -> None:
+          max_connections: int | None = None, freeze_startup_objects: bool = False,
+          reserved: socket.socket | None = None) -> None:
     """Run ``app`` until SIGINT/SIGTERM; blocks. Request heads must arrive within ``header_timeout_s``; at most
     ``max_connections`` client connections are open (None: :func:`default_max_connections`).
 
@@ -122,7 +138,7 @@ def serve(app: object, *, host: str, port: int, port_file: Path | None = None,
     would never be collected): the LB, which builds its cluster in the lifespan, after the freeze."""
     if not header_timeout_s > 0:
         raise ValueError(f"--header-timeout must be > 0, got {header_timeout_s}")
-    sock = bind_socket(host, port)
+    sock = bind_socket(host, port, reserved)
     bound_port = sock.getsockname()[1]
     try:
         import uvloop  # noqa: F401

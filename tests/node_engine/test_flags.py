@@ -99,3 +99,17 @@ def test_a_memory_budget_past_the_containers_limit_is_refused(tmp_path: Path, mo
         engine_main.parse_args(["--model-path", "builtin:tiny", "--memory-budget-mb", "2048"])
     assert exit_info.value.code == 2
     assert "--memory-budget-mb" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(120)
+def test_a_port_in_use_stops_the_engine_before_the_model_loads() -> None:
+    """``--port`` taken by another process: the engine loaded its model first (minutes, and the device memory, for
+    a real one) and only then found it could not listen, exit 2 (found by review). The port is now bound before
+    the model loads; the engine listens on it once it serves."""
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        stderr = assert_refused_at_start(["node_engine", "--model-path", "builtin:tiny", "--host", "127.0.0.1",
+                                          "--port", str(port)], f"127.0.0.1:{port}")
+    assert "cannot listen on" in stderr and "loaded in" not in stderr, stderr

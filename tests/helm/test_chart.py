@@ -21,6 +21,8 @@ from jsonschema import Draft202012Validator
 from yamllint import linter
 from yamllint.config import YamlLintConfig
 
+from lb.__main__ import build_parser as build_lb_parser
+from node_engine.__main__ import build_parser as build_engine_parser
 from node_sidecar.__main__ import build_parser as build_sidecar_parser
 from tests.helm.chart import (
     CHART_DIR,
@@ -198,6 +200,37 @@ def test_values_yaml_is_documented_line_by_line() -> None:
     assert not undocumented, "keys without a comment:\n" + "\n".join(undocumented)
 
 
+def test_docs_values_table_names_every_key() -> None:
+    """Found by review: docs/kubernetes.md's Values table ("values.yaml ... docs/kubernetes.md explains them by
+    topic") left out whole groups (nameOverride, fullnameOverride, imagePullSecrets, serviceAccount,
+    podSecurityContext, securityContext) and keys of the lb and node groups (resources, extraEnv, pod labels,
+    annotations, tolerations, priority and runtime classes: "pod placement"). Each top-level key is a row or in the
+    "top level" row, and each row names every key of its group (``name`` or ``name.*``)."""
+    values = yaml.safe_load((CHART_DIR / "values.yaml").read_text())
+    text = ("\n" + (CHART_DIR.parents[1] / "docs" / "kubernetes.md").read_text()).split("\n## Values\n", 1)[1]
+    rows = {}
+    for line in text.split("\n\n", 2)[1].splitlines():
+        cells = [c.strip() for c in re.split(r"(?<!\\)\|", line.strip().strip("|"))]
+        if len(cells) >= 2 and cells[0].startswith("`"):
+            rows[cells[0].strip("`")] = {part for n in re.findall(r"`([A-Za-z][\w.*]*)`", cells[1])
+                                         for part in n.split(".")}
+    top = {name for name in re.findall(r"`([A-Za-z]\w*)`", text.split("| top level |", 1)[1].split("\n", 1)[0])}
+    problems = [f"{key}: no row and not in the top-level row" for key in values
+                if key not in rows and key not in top and not any(r.startswith(key + ".") for r in rows)]
+    roles = {key for role in values["roles"].values() for key in role}
+    for group, named in rows.items():
+        keys = roles if group.startswith("roles.") else set(_values_at(values, group))
+        nested = {r.split(".", 1)[1].split(".")[0] for r in rows if r.startswith(group + ".")}
+        problems += [f"{group}.{key}" for key in sorted(keys - named - nested)]
+    assert not problems, "keys of values.yaml missing from docs/kubernetes.md's Values table: " + ", ".join(problems)
+
+
+def _values_at(values: Obj, path: str) -> Obj:
+    for part in path.split("."):
+        values = values[part]
+    return values
+
+
 def test_default_values_match_the_schema_and_the_schema_is_closed() -> None:
     schema = json.loads((CHART_DIR / "values.schema.json").read_text())
     defaults = yaml.safe_load((CHART_DIR / "values.yaml").read_text())
@@ -265,6 +298,14 @@ def test_default_values_match_the_schema_and_the_schema_is_closed() -> None:
                  "at '/networkPolicy/metricsFrom/0/ipBlock': missing property 'cidr'", id="ipblock-no-cidr"),
     pytest.param({"networkPolicy": {"weightSyncPorts": {"start": 80, "end": 60999}}},
                  "at '/networkPolicy/weightSyncPorts/start': minimum: got 80, want 1,024", id="weight-sync-low-port"),
+    # Found by review: every process refuses a number of seconds over a week (604800) at start (exit 2); the
+    # schema took any number above 0, and the pods crash-looped.
+    pytest.param({"lb": {"maxControlTimeout": 700000}},
+                 "at '/lb/maxControlTimeout': maximum: got 700,000, want 604,800", id="seconds-over-a-week-lb"),
+    pytest.param({"lb": {"discoverInterval": 604800.5}},
+                 "at '/lb/discoverInterval': maximum: got 604,800.5, want 604,800", id="seconds-over-a-week-discovery"),
+    pytest.param({"node": {"sidecar": {"holdTimeout": 700000}}},
+                 "at '/node/sidecar/holdTimeout': maximum: got 700,000, want 604,800", id="seconds-over-a-week-hold"),
 ])
 def test_schema_rejects_bad_values_with_a_clear_message(values: Obj, message: str) -> None:
     with pytest.raises(helm.HelmValuesError) as caught:
@@ -592,6 +633,47 @@ def test_raised_weight_timeout_reaches_the_engine() -> None:
         assert flag_value(sidecar, "--control-timeout") == "1860"
 
 
+# The longest timeouts the schema takes: every process must still start.
+LONGEST_TIMEOUTS: Obj = {"lb": {"weightSyncTimeout": 604800, "maxControlTimeout": 604800, "shutdownTimeout": 604800,
+                                "controlTimeout": 604800, "terminationGracePeriodSeconds": 604806,
+                                "discoverInterval": 604800},
+                         "node": {"sidecar": {"holdRequests": True, "holdTimeout": 604800}}}
+
+
+def _parse_or_fail(parser: Any, args: list[str], where: str) -> Any:
+    try:
+        return parser.parse_args(args)
+    except SystemExit:
+        pytest.fail(f"{where} refuses the args the chart gives it: {args}")
+
+
+@pytest.mark.parametrize("values", [pytest.param(v, id=k) for k, v in VALUE_SETS.items()]
+                         + [pytest.param(LONGEST_TIMEOUTS, id="longest-timeouts")])
+def test_every_process_takes_the_args_the_chart_gives_it(values: Obj, tmp_path: Any) -> None:
+    """Each container's args, less the process name, go through that process's own argument parser (names, types,
+    units, ranges): a flag it does not know or a value it refuses is exit 2 at start, a crash loop. Found by review:
+    the sidecar's --control-timeout, lb.weightSyncTimeout + 60, passed the processes' one week (604800 s) for a
+    weightSyncTimeout over 604740, which every bound the chart checks allowed."""
+    r = render(values)
+    lb_args = container(_lb(r), "lb")["args"]
+    lb = _parse_or_fail(build_lb_parser(), lb_args[1:], "the LB")
+    assert lb.control_timeout == r.merged["lb"]["controlTimeout"] and lb.port == r.merged["lb"]["port"]
+    for sts in _node_sets(r).values():
+        engine_args, sidecar_args = container(sts, "engine")["args"], container(sts, "sidecar")["args"]
+        assert (engine_args[0], sidecar_args[0]) == ("node_engine", "node_sidecar")
+        engine = _parse_or_fail(build_engine_parser(), engine_args[1:], "the engine")
+        assert engine.port == r.merged["node"]["engine"]["port"] and engine.host == "127.0.0.1"
+        assert engine.weight_sync_timeout == engine.reload_timeout == r.merged["lb"]["weightSyncTimeout"]
+        # the state file's folder is the pod's emptyDir; here, one that exists (the parser tries to make the file)
+        state = flag_value(sidecar_args, "--state-file")
+        local = [str(tmp_path / "intent.json") if a == state else a for a in sidecar_args[1:]]
+        sidecar = _parse_or_fail(build_sidecar_parser(), local, "the sidecar")
+        assert sidecar.engine_url == f"http://127.0.0.1:{engine.port}"
+        assert sidecar.port == r.merged["node"]["sidecar"]["port"]
+        assert sidecar.drain_timeout == sidecar.shutdown_timeout == engine.shutdown_timeout
+        assert sidecar.control_timeout >= engine.weight_sync_timeout
+
+
 def test_an_auth_change_restarts_the_lb_and_the_nodes_together() -> None:
     """A Secret's new value reaches a container only when it starts: unless the pods roll, a node that restarts
     later gets a token the LB does not send (401 on every control call)."""
@@ -772,6 +854,24 @@ def test_a_sidecar_without_memory_limit_or_with_its_own_hold_bound_keeps_it() ->
     r = render({"node": {"sidecar": {"extraArgs": ["--hold-max-bytes", "1000"]}}})
     for sts in _node_sets(r).values():  # the last value is argparse's
         assert flag_values(container(sts, "sidecar")["args"], "--hold-max-bytes")[-1] == "1000"
+
+
+@pytest.mark.parametrize("limit", ["1Gi", "3G", "1536Mi", 2147483648, "96Mi"])
+def test_the_lb_holds_bodies_within_its_memory_limit(limit: str | int) -> None:
+    """Found by review: the chart left the LB's --max-buffered-body-bytes at the process's 1 GiB, the LB's whole
+    default memory limit. A real LB holding 17 bodies of 60 MiB (RL batches of prompts, images) reached 1073 MiB
+    RSS before its first 503 `overloaded`: under the 1Gi limit the cgroup's OOM killer ends the cluster's one URL,
+    every stream through it included, instead. The bodies now take at most half the limit, at least 64 MiB (the
+    LB's --max-body-bytes, below which it refuses to start); with no limit the process's default stays."""
+    for values in ({}, {"lb": {"resources": {"limits": {"memory": limit}}}}):
+        r = render(values)
+        limit_bytes = quantity_bytes(r.merged["lb"]["resources"]["limits"]["memory"])
+        buffered = [int(v) for v in flag_values(container(_lb(r), "lb")["args"], "--max-buffered-body-bytes")]
+        assert buffered == [max(limit_bytes // 2, 64 << 20)]
+    unlimited = container(_lb(render({"lb": {"resources": {"limits": None}}})), "lb")["args"]
+    assert flag_values(unlimited, "--max-buffered-body-bytes") == []
+    own = container(_lb(render({"lb": {"extraArgs": ["--max-buffered-body-bytes", "1000000000"]}})), "lb")["args"]
+    assert flag_values(own, "--max-buffered-body-bytes")[-1] == "1000000000"  # the last value is argparse's
 
 
 def test_weights_backup_dir_is_a_mounted_volume(rendered: Rendered) -> None:

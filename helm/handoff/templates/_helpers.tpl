@@ -356,10 +356,10 @@ cheaply; generated tokens are not in the values and are kept across upgrades.
 {{/*
 The sidecar's bound on one call to its engine (--control-timeout): above the engine's own bound on weight
 calls (lb.weightSyncTimeout), so that the engine's clean answer comes back, and never below the sidecar's
-default of 600 s.
+default of 600 s; at most a week, the most seconds the sidecar takes (it exits at start past it).
 */}}
 {{- define "handoff.sidecarControlTimeout" -}}
-{{- include "handoff.num" (maxf 600 (addf .Values.lb.weightSyncTimeout 60)) }}
+{{- include "handoff.num" (minf 604800 (maxf 600 (addf .Values.lb.weightSyncTimeout 60))) }}
 {{- end }}
 
 {{/*
@@ -528,6 +528,20 @@ refuses at start. Empty when the sidecar has no memory limit.
 {{- define "handoff.sidecarBufferedBodyBytes" -}}
 {{- with include "handoff.sidecarHoldMaxBytes" . }}
 {{- max (mul (int64 .) 2) 67108864 }}
+{{- end }}
+{{- end }}
+
+{{/*
+The LB's bound on the request bodies all its requests hold at once (--max-buffered-body-bytes): half its container's
+memory limit, the other half for the process and the non-stream answers it buffers. The process's default, 1 GiB, is
+the whole default limit: an LB holding that many bodies (reached at 1073 MiB RSS) would be killed by the cgroup's OOM
+killer, every stream through it included, before it answered one 503. Never under the LB's --max-body-bytes default
+(64 MiB), which it refuses at start. Empty when the LB has no memory limit.
+*/}}
+{{- define "handoff.lbBufferedBodyBytes" -}}
+{{- $limits := (.Values.lb.resources | default dict).limits | default dict }}
+{{- with $limits.memory }}
+{{- max (div (int64 (include "handoff.quantityBytes" .)) 2) 67108864 }}
 {{- end }}
 {{- end }}
 

@@ -15,7 +15,8 @@ Which distribution (``layers/sampler.py``, ``layers/logprob_processor.py``):
   logits, no temperature, no penalties. The first entry (the token at
   ``logprob_start_len``) has no logprob, as in SGLang.
 
-Values are clamped to float32's lowest finite value (``-inf`` is not JSON).
+Values are clamped to float32's lowest finite value (``-inf`` is not JSON); tempered logits that overflow
+to ``inf`` are the largest float, as for sampling (NaN is not JSON either).
 Prompt logprobs are computed chunk by chunk as the prefill goes, at most
 :data:`ROWS_PER_PASS` positions at a time, so a long prompt never holds a
 whole ``[prompt, vocab]`` logits matrix.
@@ -121,7 +122,11 @@ def output_logprobs(logits: torch.Tensor, params: Sequence[SamplingParams], opti
     temperatures = torch.tensor([1.0 if original or params[i].is_greedy or (untempered and untempered[i])
                                  else params[i].temperature for i in rows],
                                 dtype=torch.float32, device=logits.device)
-    logprobs = torch.log_softmax(logits.index_select(0, index) / temperatures.unsqueeze(1), dim=-1)
+    scaled = logits.index_select(0, index) / temperatures.unsqueeze(1)
+    # a large logit (a valid logit_bias) over a small temperature overflows: the largest float keeps log_softmax
+    # free of NaN, as the sampler does for its own copy (``sampling._sample_row``)
+    scaled.nan_to_num_(nan=float("-inf"), posinf=torch.finfo(scaled.dtype).max)
+    logprobs = torch.log_softmax(scaled, dim=-1)
     logprobs.clamp_(min=_LOWEST)
     chosen = logprobs.gather(1, torch.tensor([tokens[i] for i in rows], device=logits.device).unsqueeze(1))
     asked = [options[i] for i in rows]

@@ -29,6 +29,7 @@ from handoff.service.upstream import UpstreamClient
 from node_sidecar.config import SidecarConfig
 from node_sidecar.control import ControlPlane
 from node_sidecar.control_log import ControlFailureLog
+from node_sidecar.loads import loads_router
 from node_sidecar.metrics import SidecarMetrics
 from node_sidecar.middleware import AsgiHandler, GenerationFastPath, NodeStateHeader
 from node_sidecar.node import Node
@@ -113,6 +114,7 @@ def create_app(config: SidecarConfig) -> FastAPI:
     app.include_router(_generation_router(admin, api_key, fast_handlers))
     app.include_router(control_router(config, admin))
     app.include_router(views_router(metrics, admin, api_key))
+    app.include_router(loads_router(admin, api_key))
     app.include_router(weight_router(config, admin))
     app.include_router(unserved_router(admin))
     install_schemas(app, [*CONTROL_BODIES, *WEIGHT_BODIES.values(), *GENERATION_BODIES.values()])

@@ -71,6 +71,9 @@ def _ordered_dict() -> collections.OrderedDict[str, Any]:
     return collections.OrderedDict()
 
 
+# NeMo-RL pushes ``flattened_bucket`` payloads built with its own copies of SGLang's bucket class and CUDA patch
+# (``nemo_rl/models/generation/sglang/utils/train_utils.py``): the same data, named after its module
+NEMO_RL_TRAIN_UTILS = "nemo_rl.models.generation.sglang.utils.train_utils"
 SAFE_CALLS: dict[tuple[str, str], Callable[..., Any]] = {
     ("torch.multiprocessing.reductions", "rebuild_tensor"): rebuild_tensor,
     ("torch.multiprocessing.reductions", "rebuild_typed_storage"): rebuild_typed_storage,
@@ -78,6 +81,7 @@ SAFE_CALLS: dict[tuple[str, str], Callable[..., Any]] = {
     ("torch.multiprocessing.reductions", "rebuild_storage_fd"): refuse_fd_storage,
     ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"): rebuild_cuda_tensor,
     ("sglang.srt.utils.patch_torch", "_rebuild_cuda_tensor_modified"): rebuild_cuda_tensor,
+    (NEMO_RL_TRAIN_UTILS, "_rebuild_cuda_tensor_modified"): rebuild_cuda_tensor,  # its copy of the patch
     ("torch", "Size"): torch.Size,
     ("torch", "device"): torch.device,
     ("collections", "OrderedDict"): _ordered_dict,
@@ -93,6 +97,7 @@ VALUES: dict[tuple[str, str], object] = {
         LocalSerializedTensor,
     ("sglang.srt.model_executor.model_runner", "LocalSerializedTensor"): LocalSerializedTensor,
     ("sglang.srt.weight_sync.tensor_bucket", "FlattenedTensorMetadata"): FlattenedTensorMetadata,
+    (NEMO_RL_TRAIN_UTILS, "FlattenedTensorMetadata"): FlattenedTensorMetadata,  # its copy of the class
     ("multiprocessing.resource_sharer", "DupFd"): RefusedDupFd,
 }
 STORAGE_FILENAME = ("torch.multiprocessing.reductions", "rebuild_storage_filename")

@@ -90,3 +90,19 @@ def test_a_prompt_only_request_answers_the_next_token_rows(client, start: int) -
         assert len(meta[key]) == 1, key
         assert [e[1] for e in meta[key][0]] == [e[1] for e in one[key][0]], key
         assert [e[0] for e in meta[key][0]] == pytest.approx([e[0] for e in one[key][0]], abs=1e-4), key
+
+
+def test_a_huge_bias_over_a_small_temperature_answers_finite_logprobs(client) -> None:
+    """A valid ``logit_bias`` near float32's largest value over ``temperature`` 0.5 overflowed to ``inf`` in the
+    tempered logits the logprobs come from (the sampler already guarded its own copy): log_softmax made NaN, which
+    JSON cannot carry, and the answer was a 500. Like the sampler, the largest float stands for the overflow."""
+    for bias in ({"65": 3e38}, {"65": 2e38, "66": 2e38}):
+        answer = gen(client, {"input_ids": PROMPT, "return_logprob": True, "top_logprobs_num": 2,
+                              "token_ids_logprob": [65, 66],
+                              "sampling_params": {"max_new_tokens": 2, "temperature": 0.5, "logit_bias": bias,
+                                                  "ignore_eos": True}})
+        meta = answer["meta_info"]
+        assert set(answer["output_ids"]) <= {65, 66}
+        expected = 0.0 if len(bias) == 1 else -0.6931
+        assert [e[0] for e in meta["output_token_logprobs"]] == pytest.approx([expected] * 2, abs=1e-3)
+        assert all(e[0] <= 0 for row in meta["output_top_logprobs"] for e in row)

@@ -92,3 +92,40 @@ def test_requests_that_overflow_the_pool_together_answer_as_alone(client: httpx.
     num_retractions += sum(s["meta_info"]["num_retractions"] for s in answers[-1])
     assert num_retractions > 0  # the pool did run out
     assert slots_held_by_requests(client) == 0
+
+
+def test_preempted_requests_answer_the_logprobs_they_answer_alone(client: httpx.Client) -> None:
+    """Requests asking for prompt and output logprobs (top and token ids too) share the small pool: each preemption
+    recomputes a prompt whose logprobs were taken already and tokens that were sampled already; each answer still
+    has one entry per prompt token from ``logprob_start_len`` and one per output token, the values of its run
+    alone (within float noise: batches differ)."""
+    greedy = {"temperature": 0, "ignore_eos": True, "max_new_tokens": 50}
+    bodies = [{"text": f"{i:02d}" + "xyzw"[i % 4] * (40 + 3 * i), "sampling_params": greedy, "return_logprob": True,
+               "logprob_start_len": i % 3, "top_logprobs_num": 2, "token_ids_logprob": [65, 97]} for i in range(12)]
+    alone = [generate(client, body) for body in bodies]
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        answers = list(pool.map(lambda body: generate(client, body), bodies))
+    assert sum(a["meta_info"]["num_retractions"] for a in answers) > 0  # the pool did run out
+    keys = ("input_token_logprobs", "output_token_logprobs", "input_top_logprobs", "output_top_logprobs",
+            "input_token_ids_logprobs", "output_token_ids_logprobs")
+    for got, want in zip(answers, alone, strict=True):
+        assert got["output_ids"] == want["output_ids"]
+        assert len(got["meta_info"]["output_token_logprobs"]) == len(got["output_ids"]) == 50
+        for key in keys:
+            flat_got, flat_want = _flatten(got["meta_info"][key]), _flatten(want["meta_info"][key])
+            assert [e[1] for e in flat_got] == [e[1] for e in flat_want], key
+            assert [e[0] for e in flat_got] == pytest.approx([e[0] for e in flat_want], abs=1e-4), key
+    assert slots_held_by_requests(client) == 0
+
+
+def _flatten(rows: list) -> list:
+    """``[logprob, id, text]`` entries of a list of entries or of rows of them (``None`` rows as ``[None, None]``)."""
+    out: list = []
+    for row in rows:
+        if row is None:
+            out.append([None, None])
+        elif row and isinstance(row[0], list):
+            out.extend(row)
+        else:
+            out.append(row)
+    return out

@@ -58,10 +58,16 @@ def continuous_usage_of(body: CompletionBody | ChatCompletionBody) -> bool:
 class Answer:
     """The OpenAI envelope of one answer (``object``, id, model, weight version), whole or streamed."""
 
-    def __init__(self, engine: Engine, obj: str, rids: list[str], n: int, model: str | None) -> None:
+    def __init__(self, engine: Engine, obj: str, rids: list[str], n: int, model: str | None, *,
+                 completion_chunks: bool = False) -> None:
         """``rids``: the engine's request id of each choice. As SGLang's, the answer's ``id`` is the first's and
-        a stream chunk's is its choice's, so a client can abort the request by the id it was given."""
+        a stream chunk's is its choice's, so a client can abort the request by the id it was given.
+        ``completion_chunks``: stream chunks as SGLang dumps its ``CompletionStreamResponse``
+        (``serving_completions.py``): ``usage`` on each, null unless continuous, and the usage chunk without its
+        null fields (``exclude_none``). A chat's chunks carry ``usage`` only when it has one (its msgspec
+        ``StreamChunk`` omits defaults) and its usage chunk keeps the nulls."""
         self.engine = engine
+        self.completion_chunks = completion_chunks
         self.model = model or engine.config.model_name  # SGLang repeats the request's model
         self.obj = obj
         self.n = n
@@ -105,8 +111,11 @@ class Answer:
             content = choice(index, piece, is_first)
             if content is None:
                 return lead
-            return lead + sse_event(self.payload([content], usage([piece], 1) if continuous_usage else None,
-                                                 obj=chunk_obj, index=index, version=piece.weight_version))
+            so_far = usage([piece], 1) if continuous_usage else None
+            body = self.payload([content], so_far, obj=chunk_obj, index=index, version=piece.weight_version)
+            if self.completion_chunks:
+                body["usage"] = so_far
+            return lead + sse_event(body)
 
         yield chunk(*head)
         try:
@@ -120,7 +129,10 @@ class Answer:
                 yield sse_event(self.payload([finale(index, last[index])], obj=chunk_obj, index=index,
                                              version=last[index].weight_version))
         if include_usage:
-            yield sse_event(self.payload([], usage([last[i] for i in sorted(last)], self.n), obj=chunk_obj))
+            total = usage([last[i] for i in sorted(last)], self.n)
+            if self.completion_chunks:
+                total = {key: value for key, value in total.items() if value is not None}
+            yield sse_event(self.payload([], total, obj=chunk_obj))
         yield DONE_EVENT
 
     async def respond(self, request: Request, run: GenerationRun, choice: Callable[[int, SequenceAnswer], dict],

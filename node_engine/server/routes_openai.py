@@ -101,7 +101,7 @@ async def completions(request: Request) -> Response:
             tops = list(get("input_top_logprobs") or []) + tops
         return completion_logprobs(engine.tokenizer, tokens, tops)
 
-    return await Answer(engine, "text_completion", run.rids, plan.n, body.model).respond(
+    return await Answer(engine, "text_completion", run.rids, plan.n, body.model, completion_chunks=True).respond(
         request, run, lambda i, a: {"index": i, "text": echoes[i] + a.text, "logprobs": lists(a, True),
                                     **finish_fields(a.finish_reason), **ids(i, a.output_ids, True)},
         lambda i, c, first: {"index": i, "text": (echoes[i] if first else "") + c.text, "logprobs": lists(c, first),

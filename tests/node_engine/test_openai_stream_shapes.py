@@ -137,8 +137,10 @@ def test_a_model_naming_a_lora_adapter_is_refused_as_sglang_refuses_it(sdk: open
 def test_usage_has_every_key_of_sglangs_usage_info(sdk: openai.OpenAI) -> None:
     """SGLang 0.5.23's ``usage`` is its ``UsageInfo`` dumped whole (``protocol.py``, ``usage_processor.py``):
     without a reasoning parser or ``--enable-cache-report``, ``reasoning_tokens`` 0 and both details null, in a
-    whole answer, the usage chunk and each continuous-usage chunk. A client written against SGLang reads
-    ``usage.reasoning_tokens`` (the ``openai`` client keeps it as an extra field: missing, an ``AttributeError``)."""
+    whole answer, the usage chunk and each continuous-usage chunk (a completions usage chunk leaves the nulls
+    out, ``exclude_none``, which the client reads as null: ``test_openai_completions_sglang.py``). A client
+    written against SGLang reads ``usage.reasoning_tokens`` (the ``openai`` client keeps it as an extra field:
+    missing, an ``AttributeError``)."""
     expected = {"prompt_tokens_details": None, "reasoning_tokens": 0, "completion_tokens_details": None}
     options = {"include_usage": True, "continuous_usage_stats": True}
     answers = [sdk.chat.completions.create(model="m", messages=MESSAGES, **GREEDY),

@@ -109,7 +109,8 @@ class AsyncHandoffClient(_Base):
         try:
             async with asyncio.timeout(timeout_s):
                 response = await self._http.send(
-                    self._http.build_request(call.method, call.path, **self._request_args(call, timeout_s)),
+                    self._http.build_request(call.method, call.path,
+                                             **self._request_args(call, timeout_s, is_stream=True)),
                     stream=True)
                 if response.is_success:
                     return response

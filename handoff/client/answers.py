@@ -23,6 +23,7 @@ Rules:
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any, Mapping
 
@@ -33,13 +34,16 @@ from handoff.client.errors import (MAX_NODES_NAMED, FanoutFailed, FanoutResult, 
 from handoff.service.peer_json import PeerJSONError, loads_bounded
 
 DEFAULT_MAX_ANSWER_BYTES = 256 * 1024 * 1024
-MAX_ERROR_ANSWER_BYTES = 8 * 1024 * 1024  # an error answer (a 502 names every failed node: ~1 KiB each)
+MAX_ERROR_ANSWER_BYTES = 8 * 1024 * 1024  # an error answer other than a 502
 MAX_ERROR_MESSAGE_CHARS = 2000
 
 
 def answer_cap(status: int, max_answer_bytes: int) -> int:
-    """The most bytes read of an answer with ``status``: an error's is small whatever the success cap."""
-    return max_answer_bytes if 200 <= status < 300 else min(max_answer_bytes, MAX_ERROR_ANSWER_BYTES)
+    """The most bytes read of an answer with ``status``: an error's is small whatever the success cap, but a 502
+    has the success's: a fan-out's 502 lists every node, the succeeded ones with their bodies (64 KiB each at the
+    LB), as long as the 200 it stands for."""
+    is_whole = 200 <= status < 300 or status == 502
+    return max_answer_bytes if is_whole else min(max_answer_bytes, MAX_ERROR_ANSWER_BYTES)
 
 
 class AnswerReader:
@@ -119,12 +123,14 @@ def envelope_fields(error: Any, default_type: str, default_message: str) -> tupl
 
 
 def retry_after_seconds(retry_after: str | None) -> float | None:
-    """``Retry-After`` in seconds, or None (an HTTP date, or anything else: the policy's default applies)."""
+    """``Retry-After`` in seconds, however long (the :class:`RetryPolicy`'s ``max_wait_s`` and the call's deadline
+    bound any wait: a hint past them raises the 503 at once), or None (an HTTP date, a negative number or anything
+    else: the policy's default applies)."""
     try:
         seconds = float(retry_after) if retry_after else None
     except ValueError:
         return None
-    return seconds if seconds is not None and 0 <= seconds < 86400 else None
+    return seconds if seconds is not None and 0 <= seconds < math.inf else None
 
 
 def node_list(body: Any) -> list[dict[str, Any]]:

@@ -282,10 +282,13 @@ class _Base:
         (``time.monotonic()``)."""
         return time.monotonic() + self._timeout_of(call)
 
-    def _request_args(self, call: _Call, timeout_s: float) -> dict[str, Any]:
-        """httpx's arguments for one attempt, given the ``timeout_s`` left of the call."""
+    def _request_args(self, call: _Call, timeout_s: float, *, is_stream: bool = False) -> dict[str, Any]:
+        """httpx's arguments for one attempt, given the ``timeout_s`` left of the call. A stream's reads are each
+        bounded by the client's whole timeout, not by what was left of the call when it started: its head is
+        bounded by the caller (within ``timeout_s``), and its events, once it started, by no call deadline."""
+        timeout = httpx.Timeout(timeout_s, read=self.timeout_s) if is_stream else timeout_s
         args: dict[str, Any] = {"headers": self._headers.get(call.auth or "", {}), "params": call.params,
-                                "timeout": timeout_s}
+                                "timeout": timeout}
         if call.body is not None:
             args["json"] = call.body
         return args

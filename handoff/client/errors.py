@@ -89,25 +89,34 @@ MAX_DETAIL_PARSED = 4096  # a node's error body, as the LB relays it: parsed for
 
 def failure_cause(failure: dict[str, Any]) -> str:
     """Why one node of a 502 failed, in a few words: the node's status and error type (``503
-    engine_unavailable``), or the LB's reason (``connect_failed``, ``timeout: ...``)."""
+    engine_unavailable``), a 2xx with the LB's reason and what was wrong (``200 success_false: <the node's
+    message>``), or the LB's reason (``connect_failed``, ``timeout: ...``)."""
     reason = str(failure.get("reason") or "failed")[:60]
     status = failure.get("status")
-    if isinstance(status, int) and not isinstance(status, bool):
-        return f"{status} {_error_type(failure.get('detail'))}".strip()
     error = failure.get("error")
+    if isinstance(status, int) and not isinstance(status, bool):
+        if not 200 <= status < 300:
+            return f"{status} {_error_type(failure.get('detail'))}".strip()
+        said = error if error else _detail_field(failure.get("detail"), "message")  # the LB found a 2xx failed
+        return f"{status} {reason}" + (f": {str(said)[:200]}" if isinstance(said, str) and said else "")
     return f"{reason}: {str(error)[:200]}" if error else reason
 
 
 def _error_type(detail: Any) -> str:
     """The ``error.type`` of a node's JSON error body, or ``""``."""
-    if not isinstance(detail, str) or len(detail) > MAX_DETAIL_PARSED:
-        return ""
-    try:
-        error = json.loads(detail).get("error")
-    except (ValueError, AttributeError, RecursionError):
-        return ""
+    error = _detail_field(detail, "error")
     kind = error.get("type") if isinstance(error, dict) else None
     return kind[:60] if isinstance(kind, str) else ""
+
+
+def _detail_field(detail: Any, key: str) -> Any:
+    """``key`` of a node's JSON body as the LB relays it (``detail``, capped), or None."""
+    if not isinstance(detail, str) or len(detail) > MAX_DETAIL_PARSED:
+        return None
+    try:
+        return json.loads(detail).get(key)
+    except (ValueError, AttributeError, RecursionError):
+        return None
 
 
 def _int(value: Any) -> int:

@@ -21,7 +21,8 @@ T = TypeVar("T")
 def _within(timeout_s: float, work: Callable[[], T], late: str, *, abandon: Callable[[T], None] | None = None) -> T:
     """``work()`` on a thread of its own, waited for ``timeout_s``: httpx bounds each read, not a whole answer,
     so a server dribbling its head a byte at a time would hold the caller past the call's timeout. Past it:
-    ``timeout`` (``late`` says what was late); what the work returns afterwards goes to ``abandon``."""
+    ``timeout`` (``late`` says what was late); what the work returns afterwards goes to ``abandon``, as it does
+    when the wait itself is interrupted (a Ctrl-C), which is raised."""
     outcome: Future[T] = Future()
     lock = threading.Lock()
     is_abandoned = False
@@ -39,17 +40,33 @@ def _within(timeout_s: float, work: Callable[[], T], late: str, *, abandon: Call
         if abandon is not None:
             abandon(result)
 
-    threading.Thread(target=run, name="handoff-client-call", daemon=True).start()
-    if not futures.wait([outcome], timeout=timeout_s).done:
+    def give_up() -> bool:
+        """Abandon the work unless it is done: True when it was abandoned (what it returns goes to ``abandon``)."""
+        nonlocal is_abandoned
         with lock:
             if not outcome.done():
                 is_abandoned = True
-        if is_abandoned:
-            raise HandoffError(0, "timeout", late)
+        return is_abandoned
+
+    threading.Thread(target=run, name="handoff-client-call", daemon=True).start()
+    try:
+        is_done = bool(futures.wait([outcome], timeout=timeout_s).done)
+    except BaseException:  # a Ctrl-C while waiting: what the work still returns (an open stream) is abandoned too
+        if not give_up():
+            _discard(outcome, abandon)
+        raise
+    if not is_done and give_up():
+        raise HandoffError(0, "timeout", late)
     failure = outcome.exception()
     if isinstance(failure, TimeoutError):  # the work's own (a transport's), never to be taken for the wait's
         raise HandoffError(0, "timeout", f"{late}: {failure}") from failure
     return outcome.result()
+
+
+def _discard(outcome: Future[T], abandon: Callable[[T], None] | None) -> None:
+    """Hand a result the caller will never take to ``abandon``."""
+    if abandon is not None and outcome.exception() is None:
+        abandon(outcome.result())
 
 
 class HandoffClient(_Base):
@@ -139,7 +156,8 @@ class HandoffClient(_Base):
         def open_stream() -> httpx.Response:
             try:
                 response = self._http.send(
-                    self._http.build_request(call.method, call.path, **self._request_args(call, timeout_s)),
+                    self._http.build_request(call.method, call.path,
+                                             **self._request_args(call, timeout_s, is_stream=True)),
                     stream=True)
                 if response.is_success:
                     return response

@@ -306,7 +306,7 @@ def test_parsing_a_header_never_holds_the_gil_for_long(tmp_path: Path) -> None:
     path = write(tmp_path / "f.safetensors", b'{"__metadata__": {"k": "' + b"e" * (16 << 20) + b'"}}', 0)
     held, entries = longest_gil_hold(lambda: read_header(FileReader(), path))
     assert entries == {}
-    assert held < 1.0, f"the parse held the GIL for {held:.1f} s"
+    assert held < 2.0, f"the parse held the GIL for {held:.1f} s"  # 5-7 s before; room for a busy box's scheduling
 
 
 def test_reading_a_config_or_index_never_holds_the_gil_for_long(tmp_path: Path) -> None:
@@ -316,4 +316,4 @@ def test_reading_a_config_or_index_never_holds_the_gil_for_long(tmp_path: Path) 
     path.write_bytes(b'{"k": "' + b"e" * (16 << 20) + b'"}')
     held, config = longest_gil_hold(lambda: FileReader().read_json(path))
     assert isinstance(config, dict) and len(config["k"]) == 16 << 20
-    assert held < 1.0, f"the read held the GIL for {held:.1f} s"
+    assert held < 2.0, f"the read held the GIL for {held:.1f} s"

@@ -162,9 +162,10 @@ def test_a_stalled_read_is_504_after_the_timeout_and_the_node_keeps_serving(clie
     r = answer["r"]
     assert r.status_code == 504 and r.json()["error"]["type"] == "checkpoint_timeout", r.text
     assert RELOAD_TIMEOUT_S <= time.monotonic() - started < RELOAD_TIMEOUT_S + 5
-    # A read holding the GIL froze health for the whole stall (3.5 s); a busy 2-core CI machine has answered
-    # one call in 0.69 s without any freeze, so the bound is 1 s, still far below a freeze.
-    assert health_s and max(health_s) < 1.0, health_s
+    # A read holding the GIL froze health for the whole stall (3.5 s: any call made in the first 1.2 s waited
+    # 2.3 s or more); a busy 2-core CI machine has answered one call in 0.69 s without any freeze (and held an
+    # event loop 2.1 s once under load), so the bound is 2 s, still below a freeze.
+    assert health_s and max(health_s) < 2.0, health_s
     # nothing half loaded: the old weights and version serve, also once the stalled read has gone on and ended
     time.sleep(max(0.0, stall_s - (time.monotonic() - started)) + 0.5)
     assert greedy(client) == expected

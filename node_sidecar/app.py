@@ -114,7 +114,7 @@ def create_app(config: SidecarConfig) -> FastAPI:
     app.include_router(_generation_router(admin, api_key, fast_handlers))
     app.include_router(control_router(config, admin))
     app.include_router(views_router(metrics, admin, api_key))
-    app.include_router(loads_router(admin, api_key))
+    app.include_router(loads_router())
     app.include_router(weight_router(config, admin))
     app.include_router(unserved_router(admin))
     install_schemas(app, [*CONTROL_BODIES, *WEIGHT_BODIES.values(), *GENERATION_BODIES.values()])

@@ -36,7 +36,7 @@ LB_OPEN = {("GET", "/health"), ("GET", "/nodes"), ("GET", "/memory_occupation"),
 SIDECAR_OPEN = {("GET", "/health"), ("GET", "/ready"), ("GET", "/memory_occupation"), ("GET", "/metrics"),
                 ("GET", "/openapi.json"), ("GET", "/v1/models"), ("GET", "/get_server_info"),
                 ("GET", "/get_weight_version"), ("GET", "/model_info"), ("GET", "/get_model_info"),
-                ("GET", "/v1/models/{model}"), ("GET", "/server_info")}
+                ("GET", "/v1/models/{model}"), ("GET", "/server_info"), ("GET", "/v1/loads")}
 GENERATION = {"/generate", "/v1/completions", "/v1/chat/completions", "/health_generate"}
 BAD_CREDENTIALS: list[dict[str, Any]] = [
     {}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Bearer {ADMIN[:-1]}"},

@@ -1,7 +1,8 @@
 """The LB's weight and SGLang control routes (admin token; ``?role=``, ``?timeout=`` as for control calls).
 
 Fanned out byte for byte to every node, like the control calls:
-``begin_weight_update`` / ``end_weight_update``, ``update_weight_version`` and
+``begin_weight_update`` / ``end_weight_update``, ``update_weight_version``,
+``weights_checker`` (GET or POST; a node's 400, a failed compare, fails it) and
 ``abort_request``; ``update_weights_from_distributed`` (every node of the group
 receives the same broadcasts) and ``destroy_weights_update_group`` to the nodes
 of the group, if it was formed through this LB, else to every node.
@@ -18,7 +19,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from handoff.protocol.control import AbortBody
-from handoff.protocol.weights import DESTROY_GROUP_PATH, INIT_GROUP_PATH, WEIGHT_BODIES
+from handoff.protocol.weights import DESTROY_GROUP_PATH, INIT_GROUP_PATH, WEIGHT_BODIES, WEIGHT_ROUTES
 from handoff.service.auth import BearerToken
 from handoff.service.bodies import openapi_body
 from lb.cluster import Cluster
@@ -49,9 +50,12 @@ def weight_routes(cluster: Cluster, config: LBConfig, admin: BearerToken) -> API
               query: frozenset[str] = FANOUT_QUERY) -> None:
         default_s = config.weight_sync_timeout_s if path in WEIGHT_MOVING_PATHS else None
         model = WEIGHT_BODIES.get(path, AbortBody)
-        router.add_api_route(path, fanout_endpoint(send, admin, config, default_s, query), methods=["POST"],
-                             name=path.strip("/"),
-                             openapi_extra={"parameters": parameters, **openapi_body(model, required=False)})
+        endpoint = fanout_endpoint(send, admin, config, default_s, query)
+        methods = WEIGHT_ROUTES.get(path, ("POST",))
+        for method in methods:  # one operation id each in the schema
+            router.add_api_route(path, endpoint, methods=[method],
+                                 name=path.strip("/") if len(methods) == 1 else f"{method.lower()}_{path.strip('/')}",
+                                 openapi_extra={"parameters": parameters, **openapi_body(model, required=False)})
 
     for path in FANNED_OUT:
         route(path, fanned_out(cluster, path), CONTROL_PARAMETERS)

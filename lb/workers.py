@@ -3,7 +3,8 @@
 - Legacy: ``POST /add_worker?url=``, ``POST /remove_worker?url=`` (plain-text
   answers, as the router gives), ``GET /list_workers`` (``{"urls": [...]}``).
 - RESTful: ``POST /workers`` (``url``, ``worker_type`` ``regular`` | ``prefill`` |
-  ``decode``, ``bootstrap_port``), ``GET /workers`` (each with an ``id``),
+  ``decode``, ``bootstrap_port``; the answer has the ``worker_id`` and ``location`` of
+  sglang-router 0.3's), ``GET /workers`` (each with an ``id``), ``GET`` and
   ``DELETE /workers/{id}`` (the id ``GET /workers`` gave, or the URL, percent-encoded,
   as older routers took it).
 
@@ -127,15 +128,28 @@ def workers_router(cluster: Cluster, admin: BearerToken) -> APIRouter:
         existing.register_as(given)
         return existing, False
 
-    def remove(url: str) -> str | None:
-        """The URL of the member ``url`` names (under any spelling known without a lookup, or the URL the worker
-        API lists it under: a name's member registered again as the address the name had), now removed."""
-        node = cluster.membership.same_address(url, learned=False) or next(
+    def member(url: str) -> Node | None:
+        """The member ``url`` names (under any spelling known without a lookup, or the URL the worker API lists
+        it under: a name's member registered again as the address the name had)."""
+        return cluster.membership.same_address(url, learned=False) or next(
             (node for node in cluster.membership.nodes() if canonical_url(node.registered_url) == url), None)
+
+    def remove(url: str) -> str | None:
+        """The URL of the member ``url`` names, now removed."""
+        node = member(url)
         if node is None:
             return None
         cluster.membership.remove(node.url, "removed through the worker API")
         return node.url
+
+    def named(id_or_url: str) -> Node:
+        """The member ``/workers/{id}`` names: by the id ``GET /workers`` gave, or by its URL percent-encoded."""
+        node = next((node for node in cluster.membership.nodes() if worker_id(node.url) == id_or_url), None)
+        if node is None and "://" in unquote(id_or_url):
+            node = member(spec_of(unquote(id_or_url)).url)
+        if node is None:
+            raise NodeNotFound(f"no worker {id_or_url[:200]!r}", extra={"node": id_or_url[:200]})
+        return node
 
     @router.post("/add_worker")
     async def add_worker(request: Request) -> Response:
@@ -164,7 +178,11 @@ def workers_router(cluster: Cluster, admin: BearerToken) -> APIRouter:
         body = await parse_body(request, WorkerBody)
         node, added = await add(spec_of(body.url, WORKER_TYPES[body.worker_type], body.bootstrap_port), body.url)
         message = f"Worker {node.url} added successfully" if added else f"Worker {node.url} was already added"
-        return JSONResponse({"success": True, "message": message, "worker": worker_view(node)})
+        # worker_id, url and location as sglang-router 0.3 answers (it adds in the background, 202); here the
+        # worker is a member when this answers, so 200 and the worker itself as well
+        ident = worker_id(node.url)
+        return JSONResponse({"success": True, "message": message, "worker": worker_view(node), "worker_id": ident,
+                             "url": body.url, "location": f"/workers/{ident}"})
 
     @router.get("/workers")
     async def list_workers_rest() -> dict[str, Any]:
@@ -173,14 +191,16 @@ def workers_router(cluster: Cluster, admin: BearerToken) -> APIRouter:
                 "stats": {f"{name}_count": sum(node.role is role for node in nodes)
                           for name, role in WORKER_TYPES.items()}}
 
+    @router.get("/workers/{id_or_url:path}")
+    async def get_worker(id_or_url: str) -> dict[str, Any]:
+        return worker_view(named(id_or_url))
+
     @router.delete("/workers/{id_or_url:path}")
     async def delete_worker(request: Request, id_or_url: str) -> JSONResponse:
         admin.check(request)
-        by_id = {worker_id(node.url): node.url for node in cluster.membership.nodes()}
-        url = by_id.get(id_or_url) or (spec_of(unquote(id_or_url)).url if "://" in unquote(id_or_url) else None)
-        removed = None if url is None else remove(url)
-        if removed is None:
-            raise NodeNotFound(f"no worker {id_or_url[:200]!r}", extra={"node": id_or_url[:200]})
-        return JSONResponse({"success": True, "message": f"Worker {removed} removed successfully", "worker": None})
+        node = named(id_or_url)
+        cluster.membership.remove(node.url, "removed through the worker API")
+        return JSONResponse({"success": True, "message": f"Worker {node.url} removed successfully", "worker": None,
+                             "worker_id": worker_id(node.url)})
 
     return router

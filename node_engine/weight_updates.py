@@ -51,6 +51,7 @@ from node_engine.weight_coverage import WeightCoverage
 from node_engine.weight_sync.staging import StagingSlots, deadline_after, time_left
 from node_engine.weight_sync.tensor_payload import decode_payload
 from node_engine.weight_sync.unpickler import UnsafePayload
+from node_engine.weights_checker import WeightsChecker
 
 if TYPE_CHECKING:
     from node_engine.engine import Engine
@@ -70,6 +71,7 @@ class WeightUpdates:
         self.token_step = 0
         self.session_selector: str | None = None  # an update session is open (SGLang's begin_weight_update)
         self.written = WeightCoverage()  # reported as weights_updated_fully: the start checkpoint is all replaced
+        self.checker = WeightsChecker(engine)  # SGLang's /weights_checker (its snapshot outlives updates)
 
     # -- disk ------------------------------------------------------------------------
     async def check_disk(self, model_path: str) -> dict[str, Any]:

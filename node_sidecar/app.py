@@ -37,6 +37,7 @@ from node_sidecar.proxy import relay_generation
 from node_sidecar.routes_control import CONTROL_BODIES, control_router
 from node_sidecar.routes_views import views_router
 from node_sidecar.routes_weights import weight_router
+from node_sidecar.weights_checker import weights_checker_router
 from node_sidecar.tensor_release import UnreadReleases
 
 GENERATION_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions")
@@ -116,6 +117,7 @@ def create_app(config: SidecarConfig) -> FastAPI:
     app.include_router(views_router(metrics, admin, api_key))
     app.include_router(loads_router())
     app.include_router(weight_router(config, admin))
+    app.include_router(weights_checker_router(config, admin))
     app.include_router(unserved_router(admin))
     install_schemas(app, [*CONTROL_BODIES, *WEIGHT_BODIES.values(), *GENERATION_BODIES.values()])
     return app

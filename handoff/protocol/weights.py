@@ -5,14 +5,15 @@ of a process on the same host), a torch.distributed group with the trainer
 (``init_weights_update_group``, ``update_weights_from_distributed``,
 ``destroy_weights_update_group``), SGLang's update session
 (``begin_weight_update`` / ``end_weight_update``), and the served version
-(``update_weight_version``). The sidecar and the engine parse these; the LB
+(``update_weight_version``), and SGLang's ``weights_checker`` (snapshot, reset, compare,
+checksum of the weights; :mod:`node_engine.weights_checker`). The sidecar and the engine parse these; the LB
 parses the group bodies (it gives each node its ranks) and documents the rest.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -28,6 +29,7 @@ MAX_ELEMENTS = 1 << 48  # per tensor: past any real one, and within torch's int6
 MAX_WORLD_SIZE = 1 << 16
 MAX_TP_SIZE = 1024  # a peer's tensor-parallel size: past it, not one (a node's ranks in a group)
 MAX_TENSOR_PAYLOADS = 64  # serialized_named_tensors: one per tensor-parallel rank
+MAX_SKIP_PATTERNS = 10_000  # a weights_checker's skip_tensor_list: past any model's tensor count
 Selector = Literal["target", "draft", "all"]
 TensorLoadFormat = Literal["direct", "flattened_bucket"]
 GroupBackend = Literal["gloo", "nccl"]
@@ -204,7 +206,23 @@ class UpdateWeightVersionBody(SGLangRequest):
     abort_all_requests: bool = True
 
 
+class WeightsCheckerBody(SGLangRequest):
+    """``GET|POST /weights_checker`` (SGLang's ``CheckWeightsReqInput``; the body is optional). ``action``:
+    ``checksum`` (default), ``snapshot``, ``reset_tensors`` or ``compare``; any other string is the engine's 400
+    (``Unsupported action=...``), as in SGLang. ``skip_tensor_list``: substrings of tensor names left out of
+    reset, compare and checksum. ``allow_quant_error`` is taken and has no effect (no quantized weights here)."""
+
+    model_config = STRICT
+    action: str = Field(default="checksum", max_length=MAX_NAME_CHARS)
+    allow_quant_error: bool = False
+    skip_tensor_list: list[Annotated[str, Field(max_length=MAX_NAME_CHARS)]] | None = Field(
+        default=None, max_length=MAX_SKIP_PATTERNS)
+    selector: Selector = "all"
+
+
 INIT_GROUP_PATH = "/init_weights_update_group"
+WEIGHTS_CHECKER_PATH = "/weights_checker"
+WEIGHTS_CHECKER_ACTIONS = ("snapshot", "reset_tensors", "compare", "checksum")
 # A field no weight body takes, added by a sidecar that refused an ``update_weights_from_distributed`` before its
 # engine saw it: the engine refuses the body as read (never loads it) and still takes the broadcasts it announces.
 REFUSED_UPSTREAM_FIELD = "refused_by_sidecar"
@@ -218,11 +236,14 @@ WEIGHT_BODIES: dict[str, type[BaseModel]] = {
     "/begin_weight_update": BeginWeightUpdateBody,
     "/end_weight_update": EndWeightUpdateBody,
     "/update_weight_version": UpdateWeightVersionBody,
+    WEIGHTS_CHECKER_PATH: WeightsCheckerBody,
 }
 
 # The weight calls the LB sends to every node (or, for tensors, to the nodes the caller names), with their methods;
 # each may change what a node serves, so a sidecar answers each with its state (NODE_STATE_HEADER).
-WEIGHT_ROUTES: dict[str, tuple[str, ...]] = {path: ("POST",) for path in WEIGHT_BODIES}
+# (SGLang's /weights_checker takes GET as well)
+WEIGHT_ROUTES: dict[str, tuple[str, ...]] = {path: ("GET", "POST") if path == WEIGHTS_CHECKER_PATH else ("POST",)
+                                             for path in WEIGHT_BODIES}
 
 # The header a generation request pins a weight version with: only nodes serving that version take it.
 WEIGHT_VERSION_HEADER = "x-weight-version"

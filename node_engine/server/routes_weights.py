@@ -8,7 +8,7 @@ from starlette.responses import JSONResponse
 from handoff.protocol.control import UpdateWeightsFromDiskBody
 from handoff.protocol.weights import (BeginWeightUpdateBody, DestroyWeightsUpdateGroupBody, EndWeightUpdateBody,
                                       InitWeightsUpdateGroupBody, UpdateWeightsFromDistributedBody,
-                                      UpdateWeightsFromTensorBody, UpdateWeightVersionBody)
+                                      UpdateWeightsFromTensorBody, UpdateWeightVersionBody, WeightsCheckerBody)
 from handoff.service.bodies import openapi_body, parse_body
 from handoff.service.errors import InvalidRequest, Unsupported, parse_json_bytes
 from node_engine.engine import Engine
@@ -93,6 +93,21 @@ async def update_weight_version(request: Request) -> JSONResponse:
     if body.abort_all_requests:
         engine.abort(None)
     return JSONResponse(await engine.call(lambda: engine.weights.update_version(body)))
+
+
+async def weights_checker(request: Request) -> JSONResponse:
+    """SGLang's: ``{"success", "message"}`` (plus ``ranks`` and ``per_engine_checksum`` for a checksum), 200 or
+    400 (:mod:`node_engine.weights_checker`); on the engine thread, between two steps."""
+    engine = _engine(request)
+    body = await parse_body(request, WeightsCheckerBody, empty_ok=True)
+    status, answer = await engine.call(lambda: engine.weights.checker.handle(body))
+    return JSONResponse(answer, status_code=status)
+
+
+for _method in ("GET", "POST"):  # one operation id each in the schema
+    router.add_api_route("/weights_checker", weights_checker, methods=[_method],
+                         name=f"{_method.lower()}_weights_checker",
+                         openapi_extra=openapi_body(WeightsCheckerBody, required=False))
 
 
 @router.get("/get_weight_version")

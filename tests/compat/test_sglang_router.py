@@ -18,6 +18,8 @@ serialization produces, from ``sgl-project/sglang``:
   ``return_hidden_states`` always sent);
 - ``sgl-model-gateway/src/protocols/sampling_params.rs`` (every sampling field
   optional, left out when unset).
+
+The real router beside the LB (worker management, the cluster calls): ``test_sglang_router_live.py``.
 """
 
 from __future__ import annotations

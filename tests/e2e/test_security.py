@@ -12,6 +12,7 @@ import threading
 import time
 from contextlib import redirect_stderr
 from typing import Any, Iterator
+from urllib.parse import quote
 
 import httpx
 import pytest
@@ -32,7 +33,8 @@ CANARY_HOST = "127.0.0.2"  # loopback, but no member of the cluster listens ther
 LB_OPEN = {("GET", "/health"), ("GET", "/nodes"), ("GET", "/memory_occupation"), ("GET", "/metrics"),
            ("GET", "/openapi.json"), ("GET", "/get_weight_version"), ("GET", "/model_info"),
            ("GET", "/get_model_info"), ("GET", "/list_workers"), ("GET", "/workers"), ("GET", "/v1/models"),
-           ("GET", "/v1/models/{model}"), ("GET", "/get_server_info"), ("GET", "/server_info")}
+           ("GET", "/v1/models/{model}"), ("GET", "/get_server_info"), ("GET", "/server_info"),
+           ("GET", "/workers/{id_or_url}")}
 SIDECAR_OPEN = {("GET", "/health"), ("GET", "/ready"), ("GET", "/memory_occupation"), ("GET", "/metrics"),
                 ("GET", "/openapi.json"), ("GET", "/v1/models"), ("GET", "/get_server_info"),
                 ("GET", "/get_weight_version"), ("GET", "/model_info"), ("GET", "/get_model_info"),
@@ -109,6 +111,7 @@ def test_every_protected_endpoint_refuses_missing_and_wrong_tokens(cluster: Loca
                 assert with_admin.status_code != 401, (method, path, spelling)
         for method, path in sorted(open_routes):
             path = path.replace("{model}", "builtin:tiny")  # the served model's card
+            path = path.replace("{id_or_url}", quote(cluster.nodes[0].url, safe=""))  # a worker, by its URL
             assert http.request(method, base + path).status_code == 200, (base, path)
     assert all(n["routable"] for n in http.get(cluster.url + "/nodes").json()["nodes"])
 

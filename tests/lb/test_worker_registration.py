@@ -106,3 +106,20 @@ def test_an_unknown_worker_id_is_a_404_that_does_not_send_it_back_whole(module_f
     answer = shared_lb.http.delete("/workers/" + "w" * 20_000)
     assert answer.status_code == 404 and answer.json()["error"]["type"] == "node_not_found", answer.text[:300]
     assert len(answer.content) < 1000
+
+
+def test_a_worker_is_read_by_the_id_the_add_answered(module_fakes: FakeCluster, shared_lb: LB) -> None:
+    """sglang-router 0.3.x answers ``POST /workers`` with ``worker_id`` and ``location`` (``/workers/{id}``) and
+    serves ``GET /workers/{id}`` (404 for an id it does not know); a client written for it reads the id from the
+    add's answer, not from a listing, and deletes the worker by it."""
+    node = module_fakes.start_one()
+    set_members(shared_lb)
+    added = shared_lb.http.post("/workers", json={"url": node.url}).json()
+    assert added["url"] == node.url and added["location"] == f"/workers/{added['worker_id']}", added
+    read = shared_lb.http.get(added["location"])
+    assert read.status_code == 200 and read.json()["url"] == node.url, read.text
+    assert read.json()["id"] == added["worker_id"] == shared_lb.http.get("/workers").json()["workers"][0]["id"]
+    removed = shared_lb.http.delete(added["location"])
+    assert removed.status_code == 200 and removed.json()["worker_id"] == added["worker_id"], removed.text
+    gone = shared_lb.http.get(added["location"])
+    assert gone.status_code == 404 and gone.json()["error"]["type"] == "node_not_found", gone.text

@@ -12,6 +12,7 @@ from handoff.service.limits import DEFAULT_MAX_BODY_BYTES
 from handoff.service.logs import setup_logging
 from handoff.service.serve import add_server_args, serve_from_args
 from lb.addresses import Resolver
+from lb.answer_budget import DEFAULT_MAX_BUFFERED_ANSWER_BYTES
 from lb.app import create_app
 from handoff.service.limits import DEFAULT_MAX_ANSWER_BYTES
 from lb.config import DEFAULT_MAX_NODES, DnsTarget, LBConfig, NodeSpec, Policy, Role
@@ -67,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
     security.add_argument("--max-answer-bytes", type=int, default=DEFAULT_MAX_ANSWER_BYTES, metavar="N",
                           help="a node's non-stream generation answer larger than this is a 502 (streams are "
                                "relayed as they come and are not limited) (default 256 MiB)")
+    security.add_argument("--max-buffered-answer-bytes", type=int, default=DEFAULT_MAX_BUFFERED_ANSWER_BYTES,
+                          metavar="N", help="the non-stream answers all requests may have the LB hold at once; past "
+                                            "it 503 overloaded (default 1 GiB; at least --max-answer-bytes)")
     return parser
 
 
@@ -92,6 +96,7 @@ def config_from_args(args: argparse.Namespace) -> LBConfig:
         max_nodes=args.max_nodes,
         max_body_bytes=args.max_body_bytes,
         max_answer_bytes=args.max_answer_bytes,
+        max_buffered_answer_bytes=args.max_buffered_answer_bytes,
         body_timeout_s=args.body_timeout,
         admin_token=token_from(args.admin_token, "HANDOFF_ADMIN_TOKEN", "--admin-token"),
         api_key=token_from(args.api_key, "HANDOFF_API_KEY", "--api-key"),

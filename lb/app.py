@@ -27,11 +27,12 @@ from handoff.service.auth import BearerToken, admin_token_of
 from handoff.service.bodies import install_schemas, openapi_body
 from handoff.service.errors import ServiceError, UnexpectedErrorMiddleware, install_error_handlers
 from handoff.service.generation_schema import GENERATION_RESPONSES
-from handoff.service.limits import BodyLimitMiddleware
+from handoff.service.limits import BodyBudget, BodyLimitMiddleware
 from handoff.service.prometheus import shared_exposition
 from handoff.service.status_count import CountByStatus
 from handoff.service.unserved import unserved_router
 from lb.addresses import Resolver
+from lb.answer_budget import answer_share
 from lb.cluster import Cluster
 from lb.config import LBConfig
 from lb.metrics import LBMetrics
@@ -51,22 +52,25 @@ class GenerationEndpoint:
     envelope here, as FastAPI's handlers would make them."""
 
     def __init__(self, *, handle: Callable[[Request, str], Awaitable[Response]], api_key: BearerToken,
-                 admin: BearerToken) -> None:
+                 admin: BearerToken, answers: BodyBudget) -> None:
         self._handle = handle
         self._api_key = api_key
         self._admin = admin
+        self._answers = answers
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         request = Request(scope, receive, send)
-        try:
-            if scope["method"] != "POST":
-                raise ServiceError(f"{scope['path']} takes POST", kind=E.METHOD_NOT_ALLOWED,
-                                   headers={"Allow": "POST"})
-            self._api_key.check(request, also=self._admin)  # the admin token authorizes everything
-            response = await self._handle(request, scope["path"])
-        except ServiceError as exc:
-            response = exc.to_response()
-        await response(scope, receive, send)
+        # the bytes of a buffered answer are held until its last byte went out: the share ends after the send
+        with answer_share(self._answers):
+            try:
+                if scope["method"] != "POST":
+                    raise ServiceError(f"{scope['path']} takes POST", kind=E.METHOD_NOT_ALLOWED,
+                                       headers={"Allow": "POST"})
+                self._api_key.check(request, also=self._admin)  # the admin token authorizes everything
+                response = await self._handle(request, scope["path"])
+            except ServiceError as exc:
+                response = exc.to_response()
+            await response(scope, receive, send)
 
 
 class LBApp(FastAPI):
@@ -113,7 +117,9 @@ def create_app(config: LBConfig, *, resolver: Resolver | None = None) -> LBApp:
         return await cluster.proxy.handle(request, path)
 
     api_key = BearerToken(config.api_key)
-    endpoint = UnexpectedErrorMiddleware(GenerationEndpoint(handle=generate, api_key=api_key, admin=admin))
+    answers = BodyBudget(config.max_buffered_answer_bytes)  # every generation request's buffered answer at once
+    endpoint = UnexpectedErrorMiddleware(GenerationEndpoint(handle=generate, api_key=api_key, admin=admin,
+                                                            answers=answers))
     app.generation = CountByStatus(BodyLimitMiddleware(endpoint, max_body_bytes=config.max_body_bytes,
                                                        body_timeout_s=config.body_timeout_s),
                                    counter=metrics.requests, route_of=route_of)

@@ -9,6 +9,7 @@ from handoff.protocol.hosts import canonical_host
 from handoff.service.flag_types import seconds_problem
 from handoff.service.limits import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_ANSWER_BYTES, DEFAULT_MAX_BODY_BYTES
 from lb.addresses import canonical_url, literal_addresses, never_a_peer, split_canonical
+from lb.answer_budget import DEFAULT_MAX_BUFFERED_ANSWER_BYTES
 
 
 DEFAULT_MAX_NODES = 1024  # each member costs health checks, pooled connections and metric series
@@ -120,6 +121,7 @@ class LBConfig:
     max_nodes: int = DEFAULT_MAX_NODES
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_answer_bytes: int = DEFAULT_MAX_ANSWER_BYTES
+    max_buffered_answer_bytes: int = DEFAULT_MAX_BUFFERED_ANSWER_BYTES
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
     admin_token: str | None = field(default=None, repr=False)
     api_key: str | None = field(default=None, repr=False)
@@ -138,10 +140,14 @@ class LBConfig:
             if self.max_control_timeout_s < getattr(self, name):
                 raise ValueError(f"--max-control-timeout ({self.max_control_timeout_s:g}) must be at least "
                                  f"{_flag(name)} ({getattr(self, name):g})")
-        for name in ("unhealthy_threshold", "healthy_threshold", "max_nodes", "max_body_bytes", "max_answer_bytes"):
+        for name in ("unhealthy_threshold", "healthy_threshold", "max_nodes", "max_body_bytes", "max_answer_bytes",
+                     "max_buffered_answer_bytes"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{_flag(name)} must be a positive integer, got {value!r}")
+        if self.max_buffered_answer_bytes < self.max_answer_bytes:  # an answer of the largest size would never pass
+            raise ValueError(f"--max-buffered-answer-bytes ({self.max_buffered_answer_bytes}) must be at least "
+                             f"--max-answer-bytes ({self.max_answer_bytes})")
         if len(self.nodes) > self.max_nodes:
             raise ValueError(f"--node, --prefill and --decode list {len(self.nodes)} nodes, more than --max-nodes "
                              f"({self.max_nodes})")

@@ -59,7 +59,9 @@ from lb.node_answer import MAX_FAILURE_DETAIL_BYTES, MAX_RESULT_BODY_BYTES, Node
 
 log = logging.getLogger(__name__)
 
-__all__ = ["FanOut", "NodeResult", "check_drain_fits"]
+__all__ = ["FanOut", "NodeResult", "check_drain_fits", "default_deadline"]
+
+DRAIN_MARGIN_S = 10.0  # past a drain_timeout, for the release itself and the answer's way back
 
 ANSWER_CAPS = (MAX_RESULT_BODY_BYTES, MAX_FAILURE_DETAIL_BYTES)  # what a node's answer is read to, 2xx / other
 # the calls after which a node's state is known before the answer: those that may change whether it serves, and the
@@ -67,23 +69,40 @@ ANSWER_CAPS = (MAX_RESULT_BODY_BYTES, MAX_FAILURE_DETAIL_BYTES)  # what a node's
 RECHECKED_PATHS = STATE_CHANGING_PATHS | {"/update_weights_from_distributed", "/update_weights_from_tensor",
                                           "/update_weight_version"}
 
-def check_drain_fits(path: str, body: bytes, timeout_s: float) -> None:
-    """400 for a ``drain_timeout`` the per-node deadline cannot cover (the node would be reported timed out
-    while it still drains). Bodies that are not JSON objects go on: the node refuses them itself."""
+def drain_of(path: str, body: bytes) -> float | None:
+    """The ``drain_timeout`` of a draining call's body (None: none, or not a number the LB can judge: bodies
+    that are not JSON objects go on, and the node refuses them itself)."""
     if path not in DRAINING_PATHS or (b"drain_timeout" not in body and b"\\u" not in body):
-        return  # (a key may be written with escapes: "drain\u005ftimeout")
+        return None  # (a key may be written with escapes: "drain\u005ftimeout")
     try:
         payload = loads_bounded(body)
     except PeerJSONError:
-        return
+        return None
     drain = payload.get("drain_timeout") if isinstance(payload, dict) else None
     if isinstance(drain, bool) or not isinstance(drain, (int, float)):
-        return
+        return None
     try:
-        drain = float(drain)
+        return float(drain)
     except OverflowError:
-        return  # an integer no float holds: the node refuses it itself
-    if drain >= timeout_s:
+        return None  # an integer no float holds: the node refuses it itself
+
+
+def default_deadline(path: str, body: bytes, default_s: float, max_s: float) -> float:
+    """The per-node deadline of a call without ``?timeout=``: ``default_s`` (``--control-timeout``), raised to
+    cover the body's ``drain_timeout`` plus :data:`DRAIN_MARGIN_S` (at most ``max_s``). Never below the default:
+    a client that sent ``drain_timeout: 0`` for a release that takes long (weights staged to host memory) must
+    not have its node reported timed out while it still releases."""
+    drain = drain_of(path, body)
+    if drain is None or not drain + DRAIN_MARGIN_S > default_s:  # (nan: the node refuses it)
+        return default_s
+    return min(drain + DRAIN_MARGIN_S, max_s)
+
+
+def check_drain_fits(path: str, body: bytes, timeout_s: float) -> None:
+    """400 for a ``drain_timeout`` the per-node deadline cannot cover (the node would be reported timed out
+    while it still drains)."""
+    drain = drain_of(path, body)
+    if drain is not None and drain >= timeout_s:
         raise InvalidRequest(f"drain_timeout ({drain:g} s) must be shorter than the per-node timeout "
                              f"({timeout_s:g} s, from ?timeout= or --control-timeout): a node still draining "
                              "when the LB stops waiting would be reported as timed out",

@@ -32,6 +32,7 @@ from handoff.protocol import errors as E
 from handoff.protocol.errors import NOT_SERVING_TYPES
 from handoff.protocol.weights import WEIGHT_VERSION_HEADER
 from handoff.service.disconnect import CLIENT_CLOSED, DisconnectWatch
+from handoff.service.errors import Unavailable
 from handoff.service.logs import rate_limit
 from handoff.service.peer_json import PeerJSONError, loads_bounded
 from handoff.service.relay import ChunkTransform, StreamRelay, relayed_headers, sse_error_event
@@ -42,6 +43,7 @@ from handoff.service.upstream import (
     UpstreamResponse,
     UpstreamTimeout,
 )
+from lb.answer_budget import count_answer
 from lb.errors import UpstreamFailed, UpstreamTimedOut
 from lb.health import HealthMonitor
 from lb.metrics import LBMetrics
@@ -170,9 +172,15 @@ class NodeCaller:
 
     async def read_body(self, node: Node, upstream: UpstreamResponse, path: str) -> bytes:
         """The node's whole answer, at most ``max_answer_bytes``; past that, or on a failure midway, a 502/504
-        naming the node (the answer is buffered to turn such failures into a status, so it is bounded)."""
+        naming the node (the answer is buffered to turn such failures into a status, so it is bounded). Its bytes
+        count in the request's share of the answers the LB holds (:mod:`lb.answer_budget`): past that bound the
+        answer is dropped, 503 ``overloaded``."""
         try:
-            raw = await upstream.read(self.max_answer_bytes)
+            raw = await upstream.read(self.max_answer_bytes, count=count_answer)
+        except Unavailable as exc:  # the LB's own bound, not the node's fault
+            upstream.close()
+            log.warning("a node's answer on %s was dropped: %s", path, exc.message)
+            raise
         except UpstreamError as exc:
             node.record_error(str(exc))
             raise translate(node, path, exc, self.timeout_s) from exc

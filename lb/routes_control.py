@@ -20,6 +20,7 @@ from handoff.service.auth import BearerToken
 from handoff.service.bodies import openapi_body
 from lb.cluster import Cluster
 from lb.config import LBConfig
+from lb.fanout import default_deadline
 from lb.node_answer import dumps_answer
 from lb.openapi import CONTROL_BODIES, CONTROL_PARAMETERS, FLUSH_PARAMETERS
 from lb.params import FANOUT_QUERY, check_query, role_param, timeout_param
@@ -38,7 +39,8 @@ def fanout_endpoint(send: FanoutSend, admin: BearerToken, config: LBConfig, defa
                     query: frozenset[str] = FANOUT_QUERY, *,
                     zero_timeout_is_default: bool = False) -> Callable[[Request], Awaitable[Response]]:
     """An admin route that takes the query parameters ``query`` (any other is 400), checks ``?timeout=``
-    (``default_timeout_s`` when absent, else ``--control-timeout``; ``0`` too with ``zero_timeout_is_default``),
+    (``default_timeout_s`` when absent, else ``--control-timeout``; ``0`` too with ``zero_timeout_is_default``;
+    when absent, raised to cover the body's ``drain_timeout``: :func:`lb.fanout.default_deadline`),
     reads the body whole and answers what ``send`` returns; a client gone before its body came gets nothing."""
     async def call(request: Request) -> Response:
         admin.check(request)
@@ -48,6 +50,8 @@ def fanout_endpoint(send: FanoutSend, admin: BearerToken, config: LBConfig, defa
             body = await request.body()
         except ClientDisconnect:
             return client_gone_response()
+        if "timeout" not in request.query_params:  # a drain the default deadline cannot cover raises it
+            timeout_s = default_deadline(request.url.path, body, timeout_s, config.max_control_timeout_s)
         status, payload = await send(request, body, timeout_s)
         return Response(dumps_answer(payload), status_code=status, media_type="application/json")
     return call

@@ -106,12 +106,15 @@ class _Calls:
     @staticmethod
     def release(tags: list[str] | None, mode: str, drain_timeout: float | None, stage_to_cpu: bool | None,
                 role: str | None, timeout: float | None) -> _Call:
-        """Without ``timeout``, a ``drain_timeout`` sets the per-node deadline to itself plus a margin: the LB
-        refuses a drain its per-node deadline cannot cover."""
+        """Without ``timeout``, the LB picks each node's deadline: its ``--control-timeout``, raised to cover a
+        longer ``drain_timeout`` (sending ``drain_timeout`` plus a margin cut the LB's default 120 s to 10 s for
+        ``drain_timeout=0``: a release staging large weights was reported timed out while it still ran); the
+        client waits for the longer of the two, plus its margin."""
         body = _drop_none({"tags": tags, "mode": mode, "drain_timeout": drain_timeout, "stage_to_cpu": stage_to_cpu})
+        call = _control("/release_memory_occupation", body, role, timeout)
         if timeout is None and seconds_problem(drain_timeout, allow_zero=True) is None:
-            timeout = min(drain_timeout + _MARGIN_S, MAX_SECONDS)  # past a week: the node's 400 says why
-        return _control("/release_memory_occupation", body, role, timeout)
+            call.lb_default_timeout = min(max(DEFAULT_CONTROL_TIMEOUT_S, drain_timeout + _MARGIN_S), MAX_SECONDS)
+        return call
 
     @staticmethod
     def resume(tags: list[str] | None, role: str | None, timeout: float | None) -> _Call:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from typing import Callable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -50,6 +51,32 @@ class BodyBudget:
 
     def give_back(self, num_bytes: int) -> None:
         self.in_use -= num_bytes
+
+
+class BudgetShare:
+    """The bytes one request holds in a :class:`BodyBudget`, owned by a ``with`` block: :meth:`take` counts more
+    (or raises what ``refusal`` makes of the budget and the bytes asked, counting nothing), and leaving the block
+    gives every byte back at once. A share outside its block takes nothing (its taker gets the refusal)."""
+
+    def __init__(self, budget: BodyBudget, refusal: Callable[[BodyBudget, int], ServiceError]) -> None:
+        self._budget = budget
+        self._refusal = refusal
+        self.num_bytes = 0
+        self._is_open = False
+
+    def take(self, num_bytes: int) -> None:
+        if not self._is_open or not self._budget.take(num_bytes):
+            raise self._refusal(self._budget, num_bytes)
+        self.num_bytes += num_bytes
+
+    def __enter__(self) -> BudgetShare:
+        self._is_open = True
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._is_open = False
+        self._budget.give_back(self.num_bytes)
+        self.num_bytes = 0
 
 
 BODY_BUDGET = BodyBudget(DEFAULT_MAX_BUFFERED_BODY_BYTES)  # one per process, shared by every BodyLimitMiddleware

@@ -228,9 +228,13 @@ def test_tokens_urls_and_timeouts_are_checked_when_the_client_is_made() -> None:
 
 def test_a_drain_timeout_sets_the_per_node_deadline_it_needs() -> None:
     """docs/rl-guide.md's loop calls release(drain_timeout=120) without timeout: the LB's default per-node 120 s
-    cannot cover it, and it answered 400 (found by review)."""
+    cannot cover it, and it answered 400 (found by review). The LB now raises its own deadline for such a drain;
+    the client sends no ?timeout= of its own (drain_timeout + 10 cut the LB's 120 s to 10 s for drain_timeout=0)
+    and waits for the longer of the two."""
     call = _Calls.release(None, "wait", 120, None, None, None)
-    assert call.params == {"timeout": 130.0} and call.timeout == 140.0
+    assert call.params == {} and call.lb_default_timeout == 130.0
+    zero = _Calls.release(None, "wait", 0, None, None, None)
+    assert zero.params == {} and zero.lb_default_timeout == 120.0
     assert _Calls.release(None, "wait", 120, None, None, 300).params == {"timeout": 300}
     assert "timeout" not in _Calls.release(None, "wait", None, None, None, None).params
 

@@ -563,7 +563,7 @@ def test_lb_flags_follow_the_values(rendered: Rendered) -> None:
     assert float(flag_value(args, "--discover-interval")) == lb_values["discoverInterval"]
     assert float(flag_value(args, "--control-timeout")) == lb_values["controlTimeout"]
     assert float(flag_value(args, "--max-control-timeout")) == lb_values["maxControlTimeout"]
-    assert float(flag_value(args, "--weight-sync-timeout")) == lb_values["weightSyncTimeout"]
+    assert float(flag_value(args, "--weight-sync-timeout")) >= lb_values["weightSyncTimeout"] + 90
     assert flag_value(args, "--policy") == lb_values["policy"]
     assert flag_values(args, "--log-format") == (["json"] if rendered.merged["logFormat"] == "json" else [])
     assert _lb(rendered).obj["spec"]["replicas"] == lb_values["replicas"]
@@ -623,6 +623,24 @@ def test_weight_timeouts_reach_the_engine_and_the_sidecar(rendered: Rendered) ->
         assert float(flag_value(engine, "--weight-sync-timeout")) == weight
         assert float(flag_value(engine, "--reload-timeout")) == weight
         assert float(flag_value(sidecar, "--control-timeout")) > weight
+
+
+@pytest.mark.parametrize("weight", [600, 1800, 30])
+def test_the_lb_waits_for_the_engines_own_weight_timeout(weight: int) -> None:
+    """Found by review: the LB's per-node deadline on weight calls was lb.weightSyncTimeout, the engine's own
+    bound too, so an update the engine ended cleanly at its bound (504 weight_sync_timeout, nothing loaded) raced
+    the LB's per-node timeout, and the trainer could not tell whether it landed. The LB now waits past the
+    sidecar's bound on its engine call, which waits past the engine's."""
+    r = render({"lb": {"weightSyncTimeout": weight, "shutdownTimeout": max(600, weight),
+                       "terminationGracePeriodSeconds": max(600, weight) + 30}})
+    lb_weight = float(flag_value(container(_lb(r), "lb")["args"], "--weight-sync-timeout"))
+    for sts in _node_sets(r).values():
+        engine, sidecar = container(sts, "engine")["args"], container(sts, "sidecar")["args"]
+        sidecar_bound = float(flag_value(sidecar, "--control-timeout"))
+        assert float(flag_value(engine, "--weight-sync-timeout")) == weight
+        assert lb_weight >= sidecar_bound + 30 and sidecar_bound >= weight + 60
+    with pytest.raises(helm.HelmRenderError, match="must not exceed lb.maxControlTimeout"):
+        render({"lb": {"weightSyncTimeout": 3600, "shutdownTimeout": 3600, "terminationGracePeriodSeconds": 3630}})
 
 
 def test_raised_weight_timeout_reaches_the_engine() -> None:
@@ -872,6 +890,17 @@ def test_the_lb_holds_bodies_within_its_memory_limit(limit: str | int) -> None:
     assert flag_values(unlimited, "--max-buffered-body-bytes") == []
     own = container(_lb(render({"lb": {"extraArgs": ["--max-buffered-body-bytes", "1000000000"]}})), "lb")["args"]
     assert flag_values(own, "--max-buffered-body-bytes")[-1] == "1000000000"  # the last value is argparse's
+
+
+@pytest.mark.parametrize("limit", ["1Gi", "3G", "96Mi"])
+def test_the_lb_holds_answers_within_its_memory_limit(limit: str) -> None:
+    """Found by review: the LB's buffered non-stream answers had no bound in all (each up to 256 MiB): a few at
+    once passed the 1Gi limit. They now take a quarter of it, at least one answer of the largest size."""
+    r = render({"lb": {"resources": {"limits": {"memory": limit}}}})
+    answers = [int(v) for v in flag_values(container(_lb(r), "lb")["args"], "--max-buffered-answer-bytes")]
+    assert answers == [max(quantity_bytes(limit) // 4, 256 << 20)]
+    unlimited = container(_lb(render({"lb": {"resources": {"limits": None}}})), "lb")["args"]
+    assert flag_values(unlimited, "--max-buffered-answer-bytes") == []
 
 
 def test_weights_backup_dir_is_a_mounted_volume(rendered: Rendered) -> None:

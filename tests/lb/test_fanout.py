@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
+from handoff.client import HandoffClient
 from tests.lb.behaviours import Gate, drop, endless, hang, refused_url, reply, stall_after_headers
 from tests.lb.fakes import Exchange, FakeCluster, FakeNode
 from tests.lb.lbproc import LB, node_args, set_members
@@ -390,6 +391,24 @@ def test_a_drain_longer_than_the_node_timeout_is_refused(module_fakes: FakeClust
                                  headers={"Content-Type": "application/json"})
     assert answer.status_code < 500 or answer.json()["error"]["type"] == "fanout_failed", answer.text
     assert node.requests_to("/release_memory_occupation")[-1].body == huge
+
+
+def test_a_release_keeps_the_lbs_node_deadline_unless_asked(module_fakes: FakeCluster, shared_lb: LB) -> None:
+    """Found by review: ``release(drain_timeout=0)`` through the client sent ``?timeout=10``, cutting each node's
+    bound from the LB's 120 s (--control-timeout) to 10 s: a release staging large weights to host memory, 11 s
+    here, was a 502 timeout while the node still released. Without ``timeout=`` the LB now picks the deadline:
+    its own, raised for a longer drain; a ``timeout=`` the caller gives still wins."""
+    node = module_fakes.start_one()
+    node.handlers["/release_memory_occupation"] = reply(200, {"success": True, "released": ["weights"]}, delay=11)
+    set_members(shared_lb, node.url)
+    with HandoffClient(shared_lb.url) as client:
+        answer = client.release(drain_timeout=0)
+        assert answer.total == 1 and answer.results[0].status == 200, answer
+        node.handlers["/release_memory_occupation"] = reply(200, {"success": True, "released": ["weights"]})
+        client.release(drain_timeout=200)
+        client.release(drain_timeout=0, timeout=30)
+    deadlines = [r.headers["x-handoff-deadline"] for r in node.requests_to("/release_memory_occupation")]
+    assert deadlines == ["120", "210", "30"]
 
 
 def test_a_long_answer_ending_in_success_false_is_a_failure(module_fakes: FakeCluster, shared_lb: LB) -> None:

@@ -238,6 +238,10 @@ or a release fan-out cut work short: checked here, with the value's name.
 {{- fail (printf "handoff: lb.%s (%v) must not exceed lb.maxControlTimeout (%v): the LB would exit at start" $name (get $lb $name) $lb.maxControlTimeout) }}
 {{- end }}
 {{- end }}
+{{- $lbWeight := include "handoff.lbWeightSyncTimeout" . }}
+{{- if gt (float64 $lbWeight) (float64 $lb.maxControlTimeout) }}
+{{- fail (printf "handoff: the LB's --weight-sync-timeout (%v: lb.weightSyncTimeout %v plus the sidecar's and the LB's margins) must not exceed lb.maxControlTimeout (%v): the LB would exit at start; raise lb.maxControlTimeout" $lbWeight $lb.weightSyncTimeout $lb.maxControlTimeout) }}
+{{- end }}
 {{- if gt (float64 $node.sidecar.drainTimeout) 3600.0 }}
 {{- fail (printf "handoff: node.sidecar.drainTimeout (%v) must be at most 3600 (the sidecar's --max-drain-timeout)" $node.sidecar.drainTimeout) }}
 {{- end }}
@@ -360,6 +364,16 @@ default of 600 s; at most a week, the most seconds the sidecar takes (it exits a
 */}}
 {{- define "handoff.sidecarControlTimeout" -}}
 {{- include "handoff.num" (minf 604800 (maxf 600 (addf .Values.lb.weightSyncTimeout 60))) }}
+{{- end }}
+
+{{/*
+The LB's per-node bound on weight calls (--weight-sync-timeout): above the sidecar's bound on its engine call
+(handoff.sidecarControlTimeout, itself above the engine's own lb.weightSyncTimeout), so that an update the engine
+ends at its bound (504 weight_sync_timeout, nothing loaded) comes back as that answer, never as the LB's own
+per-node timeout (which leaves the trainer unable to tell whether it landed); at most a week.
+*/}}
+{{- define "handoff.lbWeightSyncTimeout" -}}
+{{- include "handoff.num" (minf 604800 (addf (include "handoff.sidecarControlTimeout" .) 30)) }}
 {{- end }}
 
 {{/*
@@ -542,6 +556,18 @@ killer, every stream through it included, before it answered one 503. Never unde
 {{- $limits := (.Values.lb.resources | default dict).limits | default dict }}
 {{- with $limits.memory }}
 {{- max (div (int64 (include "handoff.quantityBytes" .)) 2) 67108864 }}
+{{- end }}
+{{- end }}
+
+{{/*
+The LB's bound on the non-stream answers all its requests hold at once (--max-buffered-answer-bytes): a quarter of
+its container's memory limit (the bodies take half), never under the LB's --max-answer-bytes default (256 MiB), below
+which it refuses to start. Empty when the LB has no memory limit (the process's default, 1 GiB).
+*/}}
+{{- define "handoff.lbBufferedAnswerBytes" -}}
+{{- $limits := (.Values.lb.resources | default dict).limits | default dict }}
+{{- with $limits.memory }}
+{{- max (div (int64 (include "handoff.quantityBytes" .)) 4) 268435456 }}
 {{- end }}
 {{- end }}
 

@@ -1,0 +1,90 @@
+"""The non-stream answers a real LB process holds at once are bounded (``--max-buffered-answer-bytes``).
+
+Each answer was bounded (``--max-answer-bytes``) but not their sum: N large answers at once took N times the
+cap, and the LB, the cluster's only URL, could be OOM-killed with every stream it carried (found by review).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+
+import httpx
+import pytest
+
+from tests.lb.behaviours import Gate
+from tests.lb.fakes import Exchange, FakeCluster, FakeNode
+from tests.support.procs import wait_until
+
+pytestmark = pytest.mark.timeout(60)
+
+BIG_HEAD = 900_000  # what the held answer sends before it waits
+BIG_SIZE = 1_000_000
+MEDIUM = b'{"text": "' + b"m" * 700_000 + b'"}'
+
+
+def _by_size(gate: Gate):  # type: ignore[no-untyped-def]
+    """``/generate`` answers by the request's ``size``: ``big`` sends 900 kB of 1 MB and waits for ``gate``,
+    ``medium`` is 700 kB at once, ``small`` a few bytes; a ``stream`` request gets a stream."""
+    async def handler(node: FakeNode, ex: Exchange) -> None:
+        payload = ex.request.json()
+        if payload.get("stream"):
+            ex.start_chunked()
+            ex.chunk(b'data: {"text": "s"}\n\n')
+            ex.chunk(b"data: [DONE]\n\n")
+            ex.end_chunked()
+        elif payload["size"] == "big":
+            ex.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % BIG_SIZE)
+            ex.write(b"b" * BIG_HEAD)
+            await gate.wait()
+            ex.write(b"b" * (BIG_SIZE - BIG_HEAD))
+        elif payload["size"] == "medium":
+            ex.respond(200, MEDIUM)
+        else:
+            ex.respond(200, {"text": "small"})
+    return handler
+
+
+def test_answers_held_at_once_share_a_budget(fakes: FakeCluster, start_lb) -> None:
+    """With 900 kB of one answer held, a 700 kB answer would pass the 1.5 MB budget: 503 ``overloaded`` with
+    ``Retry-After`` naming the flag, while streams and small answers still pass; once the held answer went out
+    its bytes are given back and the same request passes."""
+    gate = Gate(fakes)
+    node = fakes.start_one()
+    node.handlers["/generate"] = _by_size(gate)
+    lb = start_lb("--node", node.url, "--max-answer-bytes", str(BIG_SIZE), "--max-buffered-answer-bytes", "1500000")
+    big: list[httpx.Response] = []
+    holder = threading.Thread(target=lambda: big.append(lb.http.post("/generate", json={"size": "big"})))
+    holder.start()
+    try:
+        refused: list[httpx.Response] = []
+
+        def medium_refused() -> bool:
+            answer = lb.http.post("/generate", json={"size": "medium"})
+            refused[:] = [answer] if answer.status_code == 503 else []
+            return bool(refused)
+        wait_until(medium_refused, timeout=20, what="a medium answer refused while the big one is held")
+        [answer] = refused
+        error = answer.json()["error"]
+        assert error["type"] == "overloaded" and "--max-buffered-answer-bytes" in error["message"], answer.text
+        assert answer.headers["retry-after"] == "1"
+        small = lb.http.post("/generate", json={"size": "small"})
+        assert small.status_code == 200 and small.json() == {"text": "small"}
+        stream = lb.http.post("/generate", json={"size": "medium", "stream": True})
+        assert stream.status_code == 200 and b"[DONE]" in stream.content
+    finally:
+        gate.open()
+        holder.join(timeout=20)
+    assert big and big[0].status_code == 200 and len(big[0].content) == BIG_SIZE
+    passed = lb.http.post("/generate", json={"size": "medium"})  # the held answer's bytes were given back
+    assert passed.status_code == 200 and passed.content == MEDIUM
+    for _ in range(3):  # nothing leaks: answers one after another each fit alone
+        assert lb.http.post("/generate", json={"size": "medium"}).status_code == 200
+
+
+def test_a_budget_below_one_answer_is_refused_at_start() -> None:
+    """An answer of --max-answer-bytes would never pass a smaller budget: the LB exits 2 naming both flags."""
+    done = subprocess.run([sys.executable, "-m", "lb", "--max-answer-bytes", "1000", "--max-buffered-answer-bytes",
+                           "999"], capture_output=True, text=True, timeout=30)
+    assert done.returncode == 2 and "--max-buffered-answer-bytes (999)" in done.stderr, done.stderr

@@ -21,9 +21,7 @@ are relayed as they come and hold no answer.
 
 from __future__ import annotations
 
-import contextlib
-from contextvars import ContextVar
-from typing import Iterator
+from contextvars import ContextVar, Token
 
 from handoff.protocol import errors as E
 from handoff.service.errors import Unavailable
@@ -43,16 +41,25 @@ def _overloaded(budget: BodyBudget, num_bytes: int) -> Unavailable:
                        extra={"max_bytes": budget.limit})
 
 
-@contextlib.contextmanager
-def answer_share(budget: BodyBudget) -> Iterator[BudgetShare]:
-    """A share of ``budget`` for one request, current in this task (and those it starts) for the block: every
-    byte counted into it is given back when the block ends, however it ends."""
-    with BudgetShare(budget, _overloaded) as share:
-        token = _SHARE.set(share)
-        try:
-            yield share
-        finally:
-            _SHARE.reset(token)
+class answer_share(BudgetShare):
+    """A share of ``budget`` for one request, current in this task (and those it starts) for its ``with`` block:
+    every byte counted into it is given back when the block ends, however it ends. (A class, not a generator
+    context manager: it is entered by every generation request.)"""
+
+    def __init__(self, budget: BodyBudget) -> None:
+        super().__init__(budget, _overloaded)
+        self._token: Token[BudgetShare | None] | None = None
+
+    def __enter__(self) -> BudgetShare:
+        super().__enter__()
+        self._token = _SHARE.set(self)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self._token is not None:
+            _SHARE.reset(self._token)
+            self._token = None
+        super().__exit__(*exc_info)
 
 
 def count_answer(num_bytes: int) -> None:

@@ -106,7 +106,7 @@ class ProcessorConfig:
             raw = json.loads(path.read_text())
         except ValueError as exc:
             raise ModelConfigError(f"{path} is not valid JSON: {exc}") from exc
-        return _from_preprocessor_config(raw, defaults, path)
+        return _from_preprocessor_config(raw, defaults, path, reads_size=vision.is_qwen2_5)
 
     def to_json(self) -> dict[str, Any]:
         """``preprocessor_config.json`` for this processor (what transformers' processor reads)."""
@@ -120,8 +120,13 @@ class ProcessorConfig:
                 "resample": 3}
 
 
-def _from_preprocessor_config(raw: dict[str, Any], defaults: ProcessorConfig, path: Path) -> ProcessorConfig:
-    size = raw.get("size") if isinstance(raw.get("size"), dict) else {}
+def _from_preprocessor_config(raw: dict[str, Any], defaults: ProcessorConfig, path: Path, *,
+                              reads_size: bool) -> ProcessorConfig:
+    """The settings as SGLang 0.5.23 loads them: ``min_pixels``/``max_pixels`` first (a null one is absent, as in
+    transformers), then ``size``, which SGLang replaces for a Qwen2-VL model (``reads_size`` false) by the
+    defaults, 56 x 56 to 28 x 28 x 1280 (``get_processor``, for ``model_type`` ``qwen2_vl``): a Qwen2-VL
+    checkpoint re-saved by transformers 5, which writes its bounds only in ``size``, gets those."""
+    size = raw.get("size") if reads_size and isinstance(raw.get("size"), dict) else {}
     for flag in ("do_resize", "do_rescale", "do_normalize", "do_convert_rgb"):
         if raw.get(flag) is False:
             raise ModelConfigError(f"{path.name}: {flag}=false is not supported")
@@ -129,8 +134,8 @@ def _from_preprocessor_config(raw: dict[str, Any], defaults: ProcessorConfig, pa
         raise ModelConfigError(f"{path.name}: only bicubic resampling (resample=3) is supported")
     try:
         return ProcessorConfig(
-            min_pixels=int(raw.get("min_pixels", size.get("shortest_edge", defaults.min_pixels))),
-            max_pixels=int(raw.get("max_pixels", size.get("longest_edge", defaults.max_pixels))),
+            min_pixels=int(_given(raw, "min_pixels", size.get("shortest_edge", defaults.min_pixels))),
+            max_pixels=int(_given(raw, "max_pixels", size.get("longest_edge", defaults.max_pixels))),
             patch_size=int(raw.get("patch_size", defaults.patch_size)),
             temporal_patch_size=int(raw.get("temporal_patch_size", defaults.temporal_patch_size)),
             merge_size=int(raw.get("merge_size", defaults.merge_size)),
@@ -141,6 +146,11 @@ def _from_preprocessor_config(raw: dict[str, Any], defaults: ProcessorConfig, pa
         if isinstance(exc, ModelConfigError):
             raise
         raise ModelConfigError(f"{path.name} has a field of the wrong type: {exc}") from exc
+
+
+def _given(raw: dict[str, Any], key: str, otherwise: Any) -> Any:
+    value = raw.get(key)
+    return otherwise if value is None else value
 
 
 def _triple(value: Any, name: str, path: Path) -> tuple[float, float, float]:

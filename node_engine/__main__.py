@@ -47,6 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-total-tokens", type=int, default=None, help="KV pool size in tokens")
     p.add_argument("--max-batch-tokens", type=int, default=2048, help="tokens per prefill step (chunk size)")
     p.add_argument("--max-running-requests", type=int, default=64)
+    p.add_argument("--schedule-conservativeness", type=float, default=1.0,
+                   help="SGLang's: larger admits fewer requests at once (fewer retractions); see docs/memory.md")
     p.add_argument("--context-length", type=int, default=None)
     p.add_argument("--enable-memory-saver", action="store_true",
                    help="allow /release_memory_occupation and /resume_memory_occupation")
@@ -156,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
             model_path=args.model_path, device=args.device, dtype=args.dtype, seed=args.seed,
             max_total_tokens=args.max_total_tokens, max_batch_tokens=args.max_batch_tokens,
             max_running_requests=args.max_running_requests, context_length=args.context_length,
+            schedule_conservativeness=args.schedule_conservativeness,
             enable_memory_saver=args.enable_memory_saver, weights_backup=BackupMode(args.weights_backup),
             backup_dir=args.backup_dir, disable_cuda_graph=args.disable_cuda_graph,
             enable_torch_compile=args.enable_torch_compile,

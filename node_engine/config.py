@@ -37,6 +37,7 @@ class EngineConfig:
     max_total_tokens: int | None = None      # None: CPU fixed default, CUDA sized from free memory
     max_batch_tokens: int = 2048
     max_running_requests: int = 64
+    schedule_conservativeness: float = 1.0   # SGLang's: the initial new_token_ratio is 0.7 times it (at most 1)
     context_length: int | None = None        # None: the model's max_position_embeddings
     enable_memory_saver: bool = False
     weights_backup: BackupMode = BackupMode.NONE
@@ -88,6 +89,8 @@ class EngineConfig:
                 # nothing (SGLang starts so too)
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= {MIN_REQUEST_ROOM_TOKENS} (the least that "
                                   f"takes a one-token prompt), got {value}")
+        if not self.schedule_conservativeness >= 0:  # SGLang's check; NaN refused too
+            raise ConfigError(f"--schedule-conservativeness must be >= 0, got {self.schedule_conservativeness}")
         if not 0 < self.mem_fraction <= 1:
             raise ConfigError(f"--mem-fraction must be in (0, 1], got {self.mem_fraction}")
         if self.enable_torch_compile and self.device != "cpu":

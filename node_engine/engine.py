@@ -88,8 +88,8 @@ class Engine:
         plan = self.runner.kv_plan
         slots = SlotAllocator(plan.num_slots)
         self.scheduler = Scheduler(
-            SchedulerConfig(max_running_requests=config.max_running_requests,
-                            max_batch_tokens=config.max_batch_tokens, context_len=plan.context_len,
+            SchedulerConfig(max_running_requests=config.max_running_requests, max_batch_tokens=config.max_batch_tokens,
+                            context_len=plan.context_len, schedule_conservativeness=config.schedule_conservativeness,
                             eos_token_ids=tuple(self.tokenizer.eos_token_ids) or self.arch.eos_token_ids,
                             max_visual_tokens=self.runner.vision.visual_budget if self.runner.vision else 0),
             slots, RowAllocator(config.max_running_requests),

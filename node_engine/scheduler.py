@@ -7,6 +7,9 @@ request whose prefill chunk ends exactly one token short simply decodes next:
 there is one rule, "compute ``all_ids[num_cached:end]``, sample if ``end`` is
 the last token".
 
+A request is admitted only if its whole prompt and the tokens it and the
+running requests may still generate fit, as SGLang reserves them
+(``token_budget.py``); the first request always runs when nothing else does.
 With a prefix cache, an admitted request starts after the longest cached
 prefix of its tokens (always leaving its last token to compute), and a
 finished request leaves its computed KV to the cache. When slots run short,
@@ -30,6 +33,7 @@ from node_engine.kv_manager import KVManager
 from node_engine.prefix_cache import PrefixCache
 from node_engine.request import FinishReason, Request, RequestState
 from node_engine.step import Step, StepEntry, StepKind, StepResult
+from node_engine.token_budget import NewTokenRatio, PrefillBudget
 from node_engine.visual_budget import VisualBudget
 
 
@@ -40,6 +44,7 @@ class SchedulerConfig:
     context_len: int
     eos_token_ids: tuple[int, ...]
     max_visual_tokens: int = 0  # image tokens the vision tower encodes per step (0: no limit)
+    schedule_conservativeness: float = 1.0  # SGLang's: scales the initial new_token_ratio (0.7)
 
     def __post_init__(self) -> None:
         for name in ("max_running_requests", "max_batch_tokens", "context_len"):
@@ -47,6 +52,8 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_visual_tokens < 0:
             raise ValueError(f"max_visual_tokens must be >= 0, got {self.max_visual_tokens}")
+        if not self.schedule_conservativeness >= 0:
+            raise ValueError(f"schedule_conservativeness must be >= 0, got {self.schedule_conservativeness}")
 
 
 class Scheduler:
@@ -57,6 +64,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order
         self.num_preemptions = 0
+        self.new_token_ratio = NewTokenRatio.from_conservativeness(config.schedule_conservativeness)
 
     @property
     def slots(self) -> SlotAllocator:
@@ -113,24 +121,27 @@ class Scheduler:
     def _schedule_prefill(self) -> Step | None:
         visual = VisualBudget(self.config.max_visual_tokens)
         entries: list[StepEntry] = []
-        budget, num_decoding = self._continue_prefills(entries, visual)
-        self._admit_waiting(entries, visual, budget, num_decoding)
+        budget, decoding = self._continue_prefills(entries, visual)
+        reserve = PrefillBudget(self.kv, self.new_token_ratio.current, decoding)
+        for request in set(self.running).difference(decoding):  # partial prefills (integer reservations)
+            reserve.reserve(request)
+        self._admit_waiting(entries, visual, budget, len(decoding), reserve)
         if not entries:
             return None
         slots = [e.slots for e in entries if e.slots is not None]
         slot_mapping = slots[0] if len(slots) == 1 else torch.cat(slots)
         return Step(StepKind.PREFILL, entries, slot_mapping, visual.images)
 
-    def _continue_prefills(self, entries: list[StepEntry], visual: VisualBudget) -> tuple[int, int]:
-        """The next pieces of the running requests' partial prefills, in order; (token budget left, number
-        of running requests that are decoding)."""
+    def _continue_prefills(self, entries: list[StepEntry], visual: VisualBudget) -> tuple[int, list[Request]]:
+        """The next pieces of the running requests' partial prefills, in order; (token budget left, the running
+        requests that are decoding)."""
         budget = self.config.max_batch_tokens
-        num_decoding = 0
+        decoding: list[Request] = []
         is_blocked = False  # a partial prefill found no room (or no budget): later ones wait too
         for request in self.running:
             num_uncached = request.num_uncached
             if num_uncached == 1:
-                num_decoding += 1
+                decoding.append(request)
                 continue
             if is_blocked or budget == 0:
                 continue
@@ -146,11 +157,12 @@ class Scheduler:
             entries.append(self.kv.take(request, plan.num_tokens))
             visual.commit(plan)
             budget -= plan.num_tokens
-        return budget, num_decoding
+        return budget, decoding
 
     def _admit_waiting(self, entries: list[StepEntry], visual: VisualBudget, budget: int,
-                       num_decoding: int) -> None:
-        """Waiting requests, first come first served, while the budget, the rows and the KV slots allow."""
+                       num_decoding: int, reserve: PrefillBudget) -> None:
+        """Waiting requests, first come first served, while the token budget, the rows and the KV reservation
+        allow; with nothing running the first is admitted if its first chunk fits (no deadlock)."""
         while self.waiting and budget > 0 and len(self.running) < self.config.max_running_requests:
             request = self.waiting[0]
             if not self.rows.can_allocate() or visual.is_closed:  # an image waits: later arrivals wait behind it
@@ -161,9 +173,10 @@ class Scheduler:
                 visual.commit(plan)
                 break
             num = plan.num_tokens
-            self.kv.lock(node)  # before any eviction can take it
+            self.kv.lock(node)  # before any eviction can take it (and out of the evictable tokens)
+            fits = not self.running or reserve.fits(request, prefix.numel())
             # Leave one decode step's worth of slots to the requests already decoding.
-            if not self.kv.make_room(num + num_decoding):
+            if not fits or not self.kv.make_room(num + num_decoding):
                 self.kv.unlock(node)
                 break
             visual.commit(plan)
@@ -172,6 +185,7 @@ class Scheduler:
             entry = self.kv.take(request, num)
             entry.prefix = prefix if prefix.numel() else None
             entries.append(entry)
+            reserve.reserve(request)
             budget -= num
 
     def _start_running(self, request: Request, prefix: torch.Tensor, node: object | None) -> None:
@@ -182,6 +196,7 @@ class Scheduler:
 
     def _schedule_decode(self) -> Step | None:
         decoding = [r for r in self.running if r.num_uncached == 1]
+        num_preemptions = self.num_preemptions
         while decoding and not self.kv.make_room(len(decoding)):
             victim = self.running[-1]
             self.preempt(victim)
@@ -189,6 +204,10 @@ class Scheduler:
                 decoding.remove(victim)
         if not decoding:
             return None
+        if self.num_preemptions > num_preemptions:  # SGLang's retract_decode: the ratio from the ones kept
+            self.new_token_ratio.after_retraction(decoding)
+        else:
+            self.new_token_ratio.decay_step()
         slot_mapping, entries = self.kv.take_decode(decoding)
         return Step(StepKind.DECODE, entries, slot_mapping)
 
@@ -244,6 +263,7 @@ class Scheduler:
             self.running.remove(request)
         request.transition(RequestState.FINISHED)
         request.set_finished(reason, matched, was_running=was_running)
+        self._reset_ratio_if_idle()
         if request.detokenizer.matched_stop is None:
             # a stop token's text is cut from the answer (its id stays in output_ids), as SGLang does
             request.detokenizer.finish(drop_last=isinstance(matched, int) and not request.params.no_stop_trim)
@@ -257,6 +277,11 @@ class Scheduler:
             self.kv.free(request)
             self.running.remove(request)
         request.transition(RequestState.FINISHED)
+        self._reset_ratio_if_idle()
+
+    def _reset_ratio_if_idle(self) -> None:
+        if not self.has_work:  # idle: SGLang resets new_token_ratio when it has nothing to run
+            self.new_token_ratio.reset()
 
     def preempt(self, request: Request, *, to_back: bool = False) -> None:
         """Back to the waiting queue, its KV freed (recomputed when it runs again): at the front (the pool ran

@@ -25,6 +25,8 @@ CASES = [
     ("--weight-sync-timeout", ["--weight-sync-timeout", "nan"]),
     ("--weight-sync-timeout", ["--weight-sync-timeout", "1e300"]),  # overflowed a group join's timedelta
     ("--mem-fraction", ["--mem-fraction", "1.5"]),
+    ("--schedule-conservativeness", ["--schedule-conservativeness", "-1"]),
+    ("--schedule-conservativeness", ["--schedule-conservativeness", "nan"]),
     ("--max-total-tokens", ["--max-total-tokens", "1"]),
     ("--max-total-tokens", ["--max-total-tokens", "7"]),  # started, then refused every prompt (found by review)
     ("--max-batch-tokens", ["--max-batch-tokens", "0"]),

@@ -49,10 +49,12 @@ class _InlineLoop:
         fn(*args)
 
 
-def _engine(max_total_tokens: int, max_batch_tokens: int, max_running: int, prefix_cache: bool = True) -> Engine:
+def _engine(max_total_tokens: int, max_batch_tokens: int, max_running: int, prefix_cache: bool = True,
+            schedule_conservativeness: float = 1.0) -> Engine:
     engine = Engine(EngineConfig(model_path="builtin:tiny", max_total_tokens=max_total_tokens, context_length=64,
                                  max_batch_tokens=max_batch_tokens, max_running_requests=max_running,
-                                 enable_memory_saver=True, enable_prefix_cache=prefix_cache))
+                                 enable_memory_saver=True, enable_prefix_cache=prefix_cache,
+                                 schedule_conservativeness=schedule_conservativeness))
     engine.outbox.attach(_InlineLoop())  # type: ignore[arg-type]
     return engine
 
@@ -225,16 +227,20 @@ def check_idle(engine: Engine) -> None:
         assert cache.num_evictable_tokens == num_cached  # nothing locked, nothing detached left behind
 
 
-@pytest.mark.parametrize("seed, max_total_tokens, max_batch_tokens, max_running, prefix_cache", [
-    (0, 96, 16, 4, True),
-    (1, 40, 7, 6, True),     # a pool smaller than the context: requests up to the whole pool, much preemption
-    (2, 64, 5, 8, True),     # tiny prefill chunks
-    (3, 48, 16, 4, False),
+# Admission reserves what requests will need (SGLang's): a pool runs out only where a decoding request's tokens left
+# are under-reserved, reserved at new_token_ratio (0 under --schedule-conservativeness 0; 1 under ignore_eos).
+@pytest.mark.parametrize("seed, max_total_tokens, max_batch_tokens, max_running, prefix_cache, conservativeness", [
+    (0, 96, 16, 4, True, 1.0),
+    (11, 40, 7, 6, True, 0.0),    # a pool smaller than the context: requests up to the whole pool, much preemption
+    (2, 64, 5, 8, True, 1.0),     # tiny prefill chunks
+    (3, 48, 16, 4, False, 1.0),
 ])
 def test_random_interleavings_keep_the_bookkeeping_whole(seed: int, max_total_tokens: int, max_batch_tokens: int,
-                                                         max_running: int, prefix_cache: bool) -> None:
+                                                         max_running: int, prefix_cache: bool,
+                                                         conservativeness: float) -> None:
     rng = random.Random(seed)
-    run = Interleaving(_engine(max_total_tokens, max_batch_tokens, max_running, prefix_cache), rng, tiny_weights(0))
+    run = Interleaving(_engine(max_total_tokens, max_batch_tokens, max_running, prefix_cache, conservativeness), rng,
+                       tiny_weights(0))
     weights, ops = [w for w, _ in OPS], [op for _, op in OPS]
     for index in range(NUM_OPS):
         op = rng.choices(ops, weights)[0]

@@ -1,6 +1,11 @@
 """A real engine whose KV pool is smaller than its context and than what its requests need together: requests
 that fit the context but not the pool, concurrent greedy requests and ``n`` samples that must be preempted and
-recomputed (the same tokens as alone), and no slot left held afterwards."""
+recomputed (the same tokens as alone), and no slot left held afterwards.
+
+Admission reserves what requests will need as SGLang does (``node_engine/token_budget.py``): requests under
+``ignore_eos`` are reserved all their tokens and never preempted; the others are reserved ``new_token_ratio`` of
+their tokens left, 0 under ``--schedule-conservativeness 0`` (this engine's), so those the pool cannot hold together
+are admitted and preempted."""
 
 from __future__ import annotations
 
@@ -23,7 +28,8 @@ CONTEXT = 4096
 @pytest.fixture(scope="module")
 def client(proc_log_dir: Path):
     engine = ServerProcess("node_engine", ["--model-path", "builtin:tiny", "--max-total-tokens", str(POOL),
-                                           "--max-running-requests", "16", "--max-batch-tokens", "64"],
+                                           "--max-running-requests", "16", "--max-batch-tokens", "64",
+                                           "--schedule-conservativeness", "0"],
                            log_dir=proc_log_dir, name="small-pool").start()
     with httpx.Client(base_url=engine.url, timeout=120) as c:
         yield c
@@ -73,7 +79,7 @@ def test_a_request_within_the_context_but_beyond_the_pool_ends_on_its_length(cli
 def test_requests_that_overflow_the_pool_together_answer_as_alone(client: httpx.Client) -> None:
     """24 greedy requests of ~100 tokens each and ``n`` = 6 samples of a 140-token sequence share a 200-token pool:
     they are preempted and recomputed, and each answers the tokens it answers alone; no slot stays held."""
-    greedy = {"temperature": 0, "ignore_eos": True, "max_new_tokens": 60}
+    greedy = {"temperature": 0, "max_new_tokens": 60}
     prompts = [f"{i:02d}" + "abcdefgh"[i % 8] * (20 + 2 * i) for i in range(24)]
     alone = [generate(client, {"text": p, "sampling_params": greedy})["output_ids"] for p in prompts]
     shared = "a prompt of about forty tokens, shared..."
@@ -99,7 +105,7 @@ def test_preempted_requests_answer_the_logprobs_they_answer_alone(client: httpx.
     recomputes a prompt whose logprobs were taken already and tokens that were sampled already; each answer still
     has one entry per prompt token from ``logprob_start_len`` and one per output token, the values of its run
     alone (within float noise: batches differ)."""
-    greedy = {"temperature": 0, "ignore_eos": True, "max_new_tokens": 50}
+    greedy = {"temperature": 0, "max_new_tokens": 70}  # two need more than the pool: one is preempted
     bodies = [{"text": f"{i:02d}" + "xyzw"[i % 4] * (40 + 3 * i), "sampling_params": greedy, "return_logprob": True,
                "logprob_start_len": i % 3, "top_logprobs_num": 2, "token_ids_logprob": [65, 97]} for i in range(12)]
     alone = [generate(client, body) for body in bodies]
@@ -110,11 +116,26 @@ def test_preempted_requests_answer_the_logprobs_they_answer_alone(client: httpx.
             "input_token_ids_logprobs", "output_token_ids_logprobs")
     for got, want in zip(answers, alone, strict=True):
         assert got["output_ids"] == want["output_ids"]
-        assert len(got["meta_info"]["output_token_logprobs"]) == len(got["output_ids"]) == 50
+        assert len(got["meta_info"]["output_token_logprobs"]) == len(got["output_ids"]) == 70
         for key in keys:
             flat_got, flat_want = _flatten(got["meta_info"][key]), _flatten(want["meta_info"][key])
             assert [e[1] for e in flat_got] == [e[1] for e in flat_want], key
             assert [e[0] for e in flat_got] == pytest.approx([e[0] for e in flat_want], abs=1e-4), key
+    assert slots_held_by_requests(client) == 0
+
+
+def test_requests_reserved_their_whole_length_are_never_retracted(client: httpx.Client) -> None:
+    """16 greedy ``ignore_eos`` requests (prompts of 20 to 80 tokens, 60 new tokens each) sent together to the
+    200-token pool: admission reserves each its whole prompt and its 60 tokens (SGLang's ratio 1 under
+    ``ignore_eos``), so they wait their turn instead of being admitted, retracted and recomputed; the same tokens as
+    alone. Before the fix admission checked only the first chunk and one decode step: retracted many times."""
+    greedy = {"temperature": 0, "ignore_eos": True, "max_new_tokens": 60}
+    prompts = [f"{i:02d}" + "pqrstuvw"[i % 8] * (18 + 4 * i) for i in range(16)]
+    alone = [generate(client, {"text": p, "sampling_params": greedy})["output_ids"] for p in prompts]
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        answers = list(pool.map(lambda p: generate(client, {"text": p, "sampling_params": greedy}), prompts))
+    assert [a["output_ids"] for a in answers] == alone
+    assert [a["meta_info"]["num_retractions"] for a in answers] == [0] * len(prompts)
     assert slots_held_by_requests(client) == 0
 
 

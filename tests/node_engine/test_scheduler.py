@@ -124,16 +124,27 @@ def test_abort_reports_whether_the_request_ran() -> None:
 
 
 def test_decode_preempts_the_newest_request_when_the_pool_is_full() -> None:
+    """Admission reserves a decoding request only ``new_token_ratio`` of its tokens left (SGLang's estimate, low
+    here as after many decode steps): when they really are generated the pool runs out, and decode preempts the
+    newest request (its tokens kept, its KV recomputed later); the ratio becomes SGLang's estimate after a
+    retraction. (Before admission reserved tokens, two 4 + 6 requests were admitted together into 10 slots.)"""
     s = make_scheduler(num_slots=11, max_batch_tokens=64)  # 10 usable slots
-    a, b = make_request("a", 4, max_new=6), make_request("b", 4, max_new=6)
+    s.new_token_ratio.current = s.new_token_ratio.min
+    a, b = make_request("a", 2, max_new=8), make_request("b", 1, max_new=5)
     s.add(a)
+    s.postprocess(s.schedule(), [70])               # a decodes: 8 * 0.098 of its tokens reserved
     s.add(b)
-    s.postprocess(s.schedule(), [70, 70])           # 8 slots used, both decoding
-    s.postprocess(s.schedule(), [71, 71])           # 10 used
+    step = s.schedule()                              # b: 1 + 5 + a page fit beside that
+    assert [e.request.rid for e in step.entries] == ["b"]
+    s.postprocess(step, [70])
+    for used in (5, 7, 9):
+        step = s.schedule()
+        assert [e.request.rid for e in step.entries] == ["a", "b"] and s.slots.num_used == used
+        s.postprocess(step, [71, 71])
     step = s.schedule()                              # no room for 2: b is preempted
     assert [e.request.rid for e in step.entries] == ["a"]
-    assert b.state is RequestState.WAITING and b.num_cached == 0 and b.output_ids == [70, 71]
-    assert s.num_preemptions == 1
+    assert b.state is RequestState.WAITING and b.num_cached == 0 and b.output_ids == [70, 71, 71, 71]
+    assert s.num_preemptions == 1 and s.new_token_ratio.current == 1.0  # (4 decoded + 20) / (8 + 1), at most 1
 
 
 def test_partial_prefills_holding_the_pool_do_not_deadlock() -> None:

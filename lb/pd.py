@@ -115,6 +115,9 @@ class PDDispatcher:
                     if final is not None and not retries.is_abort_pending(refused_by, final):
                         return final
                     retries.record((prefill, decode), (prefill_out, decode_out))
+                elif await _is_stream_abort_pending(retries, (prefill, prefill_out), (decode, decode_out), path,
+                                                    self._caller.timeout_s):
+                    retries.record((prefill, decode), (None, None))  # both sides closed: both got the request
                 else:
                     return await self._answer(path, prefill_lease.hand_over(), prefill_out,
                                               decode_lease.hand_over(), decode_out, wants_logprobs, watch)
@@ -213,6 +216,22 @@ class PDDispatcher:
         node = lease.node
         with lease:  # a 2xx answer (:meth:`_call_pair`)
             return await self._caller.read_body(node, upstream, path)
+
+
+async def _is_stream_abort_pending(retries: PairRetries, prefill: tuple[Node, UpstreamResponse],
+                                   decode: tuple[Node, UpstreamResponse], path: str, timeout_s: float) -> bool:
+    """:meth:`PairRetries.is_stream_abort_pending`; both responses closed when it is so, or on a failure."""
+    try:
+        is_pending = await retries.is_stream_abort_pending((prefill, decode), path, timeout_s)
+    except BaseException:
+        prefill[1].close()
+        decode[1].close()
+        raise
+    if is_pending:
+        prefill[1].close()
+        decode[1].close()
+    return is_pending
+
 
 def _took(out: Outcome) -> bool:
     """Whether a node took the request: it answered 2xx (its body may still fail)."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 from handoff.protocol.sse import DONE, EventSplitter, EventTooLarge, event_data
 from handoff.service.peer_json import PeerJSONError, loads_bounded
 from handoff.service.relay import ChunkTransform
+from handoff.service.upstream import UpstreamResponse
 
 # a stream whose first event that carries data has not come whole within this many bytes is no refusal (SGLang's is
 # one small event): what came before it (comments, empty events) is not gathered further while a side is waited for
@@ -38,6 +39,15 @@ def starts_with_refusal(raw: bytes, piece_bytes: int = 1 << 16) -> bool:
         if watch.is_decided:
             break
     return watch.is_refusal
+
+
+async def first_event(upstream: UpstreamResponse) -> tuple[bytes, bool]:
+    """What a stream sent until its first event that carries data came whole (or its end, or
+    :data:`MAX_PEEK_BYTES`), and whether that event is a refusal; raises what reading it raises."""
+    seen, head = RefusalWatch(), bytearray()
+    while not seen.is_decided and (chunk := await upstream.next_chunk()):
+        head += seen.feed(chunk)
+    return bytes(head), seen.is_refusal
 
 
 class RefusalWatch(ChunkTransform):

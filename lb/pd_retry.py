@@ -8,7 +8,8 @@ request under an id still in flight, so the same body (the client's ``rid``) sen
 - A node that ran nothing (a :class:`~lb.relay.Reroute`) is excluded for this request; its refusal counts as a
   retry once the next pair is picked (:meth:`PairRetries.take_refusals`), not when no pair is left.
 - A node that got the request in a pair that failed is passed over while another node of its role can serve.
-- When only such a node is left and it refuses the client's ``rid`` as in flight (a 400 naming the duplicate),
+- When only such a node is left and it refuses the client's ``rid`` as in flight (a 400 naming the duplicate; for
+  a streamed request SGLang's 200 whose first event is that error, peeked at on such a node's stream alone),
   the pair is tried again after a short pause, for at most :data:`ABORT_WAIT_S`: the abort lands meanwhile.
   The client's ``rid`` is never changed; a body without one gets a fresh id at each node.
 """
@@ -17,13 +18,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from starlette.responses import Response
 
+from handoff.service.upstream import UpstreamError, UpstreamResponse
 from lb.config import Role
 from lb.node import Node
-from lb.relay import Reroute
+from lb.pd_refusals import first_event
+from lb.relay import Reroute, is_event_stream, translate
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +70,36 @@ class PairRetries:
         if not (self._has_client_rid and node in self.sent and answer.status_code == 400
                 and DUPLICATE_RID in bytes(answer.body)):
             return False
+        return self._is_within_wait(node)
+
+    async def is_stream_abort_pending(self, sides: Sequence[tuple[Node, UpstreamResponse]], path: str,
+                                      timeout_s: float) -> bool:
+        """:meth:`is_abort_pending` for a pair whose both sides took the request: whether a streamed side that
+        may still hold the client's ``rid`` refused it as in flight (SGLang's 200 whose first event is the
+        error). Only such a side's stream is peeked at, its bytes put back; a failure meanwhile is a 502/504
+        naming the node (the caller closes both sides)."""
+        peeks = {asyncio.ensure_future(first_event(up)): (node, up) for node, up in sides
+                 if self._has_client_rid and node in self.sent and is_event_stream(up)}
+        pending = set(peeks)
+        try:
+            while pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for peek in done:
+                    node, upstream = peeks[peek]
+                    try:
+                        head, is_refusal = peek.result()
+                    except UpstreamError as exc:
+                        node.record_error(str(exc))
+                        raise translate(node, path, exc, timeout_s) from exc
+                    upstream.unread(head)
+                    if is_refusal and DUPLICATE_RID in head and self._is_within_wait(node):
+                        return True
+            return False
+        finally:
+            for peek in pending:
+                peek.cancel()
+
+    def _is_within_wait(self, node: Node) -> bool:
         now = asyncio.get_running_loop().time()
         if self._deadline is None:
             self._deadline = now + ABORT_WAIT_S

@@ -8,12 +8,14 @@
   LB's own token to it), plus ``handoff_cluster``, the cluster's view
   (``GET /memory_occupation``'s);
 - ``GET /health_generate`` (API key): 200 once one serving node's own
-  ``/health_generate`` generated a token, else 503 ``no_available_node``.
+  ``/health_generate`` generated a token, else 503 ``no_available_node``; a node is given
+  :data:`GENERATE_PROBE_TIMEOUT_S` for that (a busy engine queues the token behind its work).
 
 A node's role does not matter: any healthy node answers, serving nodes first
 (a released node still knows its model). Nodes are asked in turn, each within
-``--health-timeout`` and with its answer bounded; a node that fails is skipped
-and named if none answers (502 ``upstream_error``).
+``--health-timeout`` (a generation's time for ``/health_generate``) and with its answer bounded; the next
+node is asked once one failed or took ``--health-timeout`` (that one is still waited for beside it); a node
+that fails is skipped and named if none answers (502 ``upstream_error``).
 """
 
 from __future__ import annotations
@@ -36,6 +38,9 @@ from lb.node import Node, NodeHealth
 from lb.views import cluster_occupation
 
 MAX_PROBE_ANSWER_BYTES = 1024 * 1024
+# a node's /health_generate generates a token: a sidecar's queues behind the engine's work for up to 30 s
+# (HEALTH_GENERATE_TIMEOUT_S), SGLang's own waits up to HEALTH_CHECK_TIMEOUT (20 s) and always at least 1 s
+GENERATE_PROBE_TIMEOUT_S = 30.0
 RELAYED = ("/v1/models",)
 WITH_CLUSTER_VIEW = ("/get_server_info", "/server_info")
 
@@ -52,37 +57,58 @@ class Probes:
         return serving if serving_only else serving + [n for n in nodes if not n.is_routable]
 
     async def ask(self, path: str, *, serving_only: bool = False, is_lookup: bool = False,
-                  refusal_of: Callable[[bytes], str | None] | None = None) -> tuple[Node, int, bytes]:
+                  refusal_of: Callable[[bytes], str | None] | None = None,
+                  timeout_s: float | None = None) -> tuple[Node, int, bytes]:
         """The first node's 2xx answer to ``GET path`` (``is_lookup``: a 404 too, the path names something
         unknown; otherwise a 404 means that node lacks the endpoint, a plain server of another kind) that
         ``refusal_of`` (if given) finds no reason to pass over; when every node was passed over for such a
-        reason, 503 ``no_available_node``."""
+        reason, 503 ``no_available_node``. Each node is given ``timeout_s`` (``--health-timeout`` if None); the
+        next node is asked as soon as one failed, or beside it once it took ``--health-timeout``."""
         nodes = self.candidates(serving_only=serving_only)
         if not nodes:
             raise Unavailable("no node can answer now", type=E.NO_AVAILABLE_NODE.name,
                               retry_after=self.cluster.config.health_interval_s)
-        failures = []
-        for node in nodes:
-            try:
-                response = await self.cluster.client.request(
-                    "GET", node.url + path, headers=self.cluster.node_headers,
-                    timeout=self.cluster.config.health_timeout_s)
-                body = await response.read_whole(MAX_PROBE_ANSWER_BYTES)
-            except UpstreamError as exc:
-                failures.append({"node": node.url, "error": str(exc)})
-                continue
-            if 200 <= response.status < 300 or (is_lookup and response.status == 404):
-                refusal = None if refusal_of is None else refusal_of(body)
-                if refusal is None:
-                    return node, response.status, body
-                failures.append({"node": node.url, "refused": refusal})
-                continue
-            failures.append({"node": node.url, "status": response.status})
+        next_after_s = self.cluster.config.health_timeout_s
+        timeout_s = next_after_s if timeout_s is None else timeout_s
+        failures: list[dict[str, Any]] = []
+        asking: dict[asyncio.Future[tuple[int, bytes] | str], Node] = {}
+        try:
+            while nodes or asking:
+                if nodes:
+                    node = nodes.pop(0)
+                    asking[asyncio.ensure_future(self._get(node, path, timeout_s))] = node
+                done, _ = await asyncio.wait(asking, timeout=next_after_s if nodes else None,
+                                             return_when=asyncio.FIRST_COMPLETED)
+                for call in done:
+                    node, outcome = asking.pop(call), call.result()
+                    if isinstance(outcome, str):
+                        failures.append({"node": node.url, "error": outcome})
+                        continue
+                    status, body = outcome
+                    if 200 <= status < 300 or (is_lookup and status == 404):
+                        refusal = None if refusal_of is None else refusal_of(body)
+                        if refusal is None:
+                            return node, status, body
+                        failures.append({"node": node.url, "refused": refusal})
+                        continue
+                    failures.append({"node": node.url, "status": status})
+        finally:
+            for call in asking:  # closes its connection: a node generating for this probe stops
+                call.cancel()
         if all("refused" in failure for failure in failures):
             raise Unavailable(f"no node can answer now: {'; '.join(f['node'] + ' ' + f['refused'] for f in failures)}",
                               type=E.NO_AVAILABLE_NODE.name, retry_after=1)
         raise ServiceError(f"GET {path} failed on every node ({len(failures)})", kind=E.UPSTREAM_ERROR,
                            extra={"failures": failures})
+
+    async def _get(self, node: Node, path: str, timeout_s: float) -> tuple[int, bytes] | str:
+        """``node``'s status and answer to ``GET path`` (bounded in size and time), or why it gave none."""
+        try:
+            response = await self.cluster.client.request("GET", node.url + path, headers=self.cluster.node_headers,
+                                                         timeout=timeout_s)
+            return response.status, await response.read_whole(MAX_PROBE_ANSWER_BYTES)
+        except UpstreamError as exc:
+            return str(exc)
 
     async def relayed(self, path: str, *, is_lookup: bool = False) -> Response:
         _, status, body = await self.ask(path, is_lookup=is_lookup)
@@ -103,7 +129,8 @@ class Probes:
     async def health_generate(self) -> JSONResponse:
         """A token generated by one serving node (its ``/health_generate``), whatever its role; a node that
         answers that it stopped serving meanwhile is passed over for the next."""
-        node, _, body = await self.ask("/health_generate", serving_only=True, refusal_of=_stopped_serving)
+        node, _, body = await self.ask("/health_generate", serving_only=True, refusal_of=_stopped_serving,
+                                       timeout_s=max(GENERATE_PROBE_TIMEOUT_S, self.cluster.config.health_timeout_s))
         answer = _answer_object(body)
         return JSONResponse({"healthy": True, "node": node.url, "weight_version": answer.get("weight_version")})
 

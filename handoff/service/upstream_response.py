@@ -15,7 +15,7 @@ class UpstreamResponse:
     unread closes the connection instead of returning it to the pool.
     """
 
-    __slots__ = ("url", "status", "headers", "is_truncated", "_conn", "_release", "_is_done")
+    __slots__ = ("url", "status", "headers", "is_truncated", "_conn", "_release", "_is_done", "_head")
 
     def __init__(self, url: str, conn: Connection, release: Callable[[Connection], None]) -> None:
         self.url = url
@@ -25,6 +25,7 @@ class UpstreamResponse:
         self._conn = conn
         self._release = release
         self._is_done = False
+        self._head = b""  # body bytes put back by :meth:`unread`, returned first
 
     def header(self, name: str) -> str | None:
         """The first value of header ``name`` (case-insensitive), decoded as latin-1."""
@@ -48,6 +49,9 @@ class UpstreamResponse:
 
         At the end the connection goes back to the pool.
         """
+        if self._head:
+            chunk, self._head = self._head, b""
+            return chunk
         if self._is_done:
             return b""
         try:
@@ -59,6 +63,11 @@ class UpstreamResponse:
             self._is_done = True
             self._release(self._conn)
         return chunk
+
+    def unread(self, data: bytes) -> None:
+        """Put back ``data``, the body bytes read last (a peek at a stream's start): the next read returns them
+        first. A response closed or cut meanwhile drops them."""
+        self._head = data + self._head
 
     def aiter_bytes(self) -> AsyncIterator[bytes]:
         """Iterate the body as it arrives (each item: whatever arrived since the previous one)."""
@@ -88,9 +97,10 @@ class UpstreamResponse:
                 return b"".join(parts)
             parts.append(chunk)
             num_read += len(chunk)
-            if self._conn.is_drained:  # that was the last piece: the end needs no further call
-                self._is_done = True
-                self._release(self._conn)
+            if self._conn.is_drained and not self._head:  # that was the last piece: the end needs no further call
+                if not self._is_done:  # (a peek put back may have come after the end)
+                    self._is_done = True
+                    self._release(self._conn)
                 return b"".join(parts)
 
     async def read_whole(self, max_bytes: int, *, count: Callable[[int], None] | None = None) -> bytes:
@@ -106,15 +116,17 @@ class UpstreamResponse:
 
     def _stop_at_cap(self, *, overflow: bool) -> None:
         conn = self._conn
-        if not overflow and conn.is_drained:
-            self._is_done = True
-            self._release(conn)
+        if not overflow and conn.is_drained and not self._head:
+            if not self._is_done:
+                self._is_done = True
+                self._release(conn)
             return
         self.is_truncated = True
         self.close()
 
     def close(self) -> None:
         """Abandon the response: unless it was read to the end, its connection is closed."""
+        self._head = b""
         if not self._is_done:
             self._is_done = True
             self._conn.close()
@@ -125,6 +137,7 @@ class UpstreamResponse:
         next read would be the body's end: a cut stream taken for a complete one). A body already read to its
         end is left as it is."""
         if not self._is_done:
+            self._head = b""
             self._conn.close()
 
     async def aclose(self) -> None:

@@ -4,6 +4,7 @@ meet that node's request under the client's ``rid`` still in flight."""
 from __future__ import annotations
 
 import asyncio
+import json
 import itertools
 import threading
 import time
@@ -218,3 +219,77 @@ def test_a_decode_refusal_while_a_real_prefill_node_runs_the_request_is_rerouted
     answer = lb.http.post("/generate", json={"text": "hello", "rid": "client-rid", "sampling_params": LONG},
                           timeout=60)
     assert answer.status_code == 200 and answer.json() == DECODE_ANSWER, answer.text
+
+
+class StreamSlowAbort(SlowAbort):
+    """:class:`SlowAbort` for streamed requests, as SGLang answers them (``http_server.py`` ``stream_results``):
+    a duplicate id is a 200 whose first event is the error, then ``[DONE]``; a request streams its answer."""
+
+    async def handler(self, node: FakeNode, exchange: Exchange) -> None:
+        rid = exchange.request.json()["rid"]
+        key = (node.url, rid)
+        exchange.start_chunked()
+        if key in self.live:
+            self.duplicates += 1
+            error = {"error": {"message": f"Duplicate request ID detected: {rid}", "type": "invalid_request_error",
+                               "code": 400, "retryable": False}}
+            exchange.chunk(b"data: " + json.dumps(error).encode() + b"\n\n")
+            exchange.chunk(b"data: [DONE]\n\n")
+            exchange.end_chunked()
+            return
+        self.live.add(key)
+        self.got.setdefault(node.url, []).append(rid)
+        self.received.set()
+        closed = asyncio.ensure_future(exchange.wait_closed())
+        done, _ = await asyncio.wait({closed}, timeout=self.run_s)
+        if closed in done:
+            asyncio.get_running_loop().call_later(self.abort_s, self.live.discard, key)
+            return
+        closed.cancel()
+        self.live.discard(key)
+        exchange.chunk(b"data: " + json.dumps(self.answer).encode() + b"\n\n")
+        exchange.chunk(b"data: [DONE]\n\n")
+        exchange.end_chunked()
+
+
+def refuse_first_stream(answer: dict, *, after: asyncio.Event, rid: str = "client-rid") -> Handler:
+    """:func:`refuse_first` for streamed requests: the later ones get ``answer`` as one event, then ``[DONE]``, a
+    moment after their headers (a decode node waits for the KV cache)."""
+    calls = itertools.count()
+
+    async def handler(node: FakeNode, exchange: Exchange) -> None:
+        if exchange.request.json().get("rid") == rid and next(calls) == 0:
+            await after.wait()
+            exchange.respond(503, NOT_SERVING)
+            return
+        exchange.start_chunked()
+        await asyncio.sleep(0.3)  # the node's own latency, not synchronisation
+        exchange.chunk(b"data: " + json.dumps(answer).encode() + b"\n\n")
+        exchange.chunk(b"data: [DONE]\n\n")
+        exchange.end_chunked()
+    return handler
+
+
+@pytest.mark.parametrize("logprobs", [False, True])
+@pytest.mark.parametrize("refusing", ["decode", "prefill"])
+def test_a_streamed_retry_waits_for_the_abort_too(fakes: FakeCluster, start_lb: Callable[..., LB], refusing: str,
+                                                  logprobs: bool) -> None:
+    """Found by review: the wait for a node's abort (above) looked only for SGLang's 400 "Duplicate request ID
+    detected"; a streamed request is refused as a 200 whose first event is that error, so a streamed retry to
+    the node that still held the client's ``rid`` ended the client's stream with that error instead of the
+    rerouted answer."""
+    meta = {"input_token_logprobs": [[-0.5, 1, None]]} if logprobs else {}
+    prefill_answer, decode_answer = {"text": "", "meta_info": meta}, {"text": "out", "meta_info": dict(meta)}
+    held_role, other_role = fakes.start(1), fakes.start(2)
+    node = StreamSlowAbort(prefill_answer if refusing == "decode" else decode_answer, run_s=0.5, abort_s=1.0)
+    held_role[0].handlers["/generate"] = node.handler
+    handler = refuse_first_stream(decode_answer if refusing == "decode" else prefill_answer, after=node.received)
+    for other in other_role:
+        other.handlers["/generate"] = handler
+    prefills, decodes = (held_role, other_role) if refusing == "decode" else (other_role, held_role)
+    lb = pd_lb(start_lb, prefills, decodes)
+    body = {"text": "hi", "rid": "client-rid", "stream": True, "return_logprob": logprobs}
+    answer = lb.http.post("/generate", json=body, timeout=20)
+    assert answer.status_code == 200, answer.text
+    assert "Duplicate" not in answer.text and '"out"' in answer.text, answer.text
+    assert node.got[held_role[0].url] == ["client-rid", "client-rid"]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from tests.lb.behaviours import hang, reply
@@ -97,3 +99,22 @@ def test_a_node_reporting_an_odd_weight_version_is_shown_never_a_500(module_fake
     assert body["consistent"] is False and body["weight_version"] is None
     assert {n["node"]: n["weight_version"] for n in body["nodes"]} == {good.url: "v3", odd.url: version}
     assert shared_lb.http.get("/memory_occupation").status_code == 200
+
+
+def test_health_generate_waits_for_a_generation_not_a_health_check(module_fakes, shared_lb) -> None:
+    """Found by review: each node's /health_generate was cut at --health-timeout (1 s here, 2 s by default), a
+    bound for reading a node's state, not for a generation: SGLang's own /health_generate takes at least 1 s (it
+    sleeps 1 s before it looks), a sidecar's queues its token behind the engine's work (up to 30 s), so a busy
+    cluster was 502 "failed on every node" while it served. A node is now given a generation's time, and one
+    that has not answered within --health-timeout no longer holds the next node back: both are waited for."""
+    hung, busy = module_fakes.start(2)
+    hung.handlers["/health_generate"] = hang()
+    busy.handlers["/health_generate"] = reply(200, {"serving": True, "weight_version": "v1"}, delay=1.6)
+    set_members(shared_lb, hung.url, busy.url)
+    shared_lb.wait_routable([hung.url, busy.url])
+    for _ in range(2):  # whichever node the LB asks first
+        started = time.monotonic()
+        health = shared_lb.http.get("/health_generate", timeout=20)
+        assert health.status_code == 200, health.text
+        assert health.json()["node"] == busy.url
+        assert time.monotonic() - started < 4  # the hung node does not cost a generation's bound first

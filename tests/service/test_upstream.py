@@ -281,3 +281,25 @@ async def test_bad_urls_and_headers_are_upstream_errors(client: UpstreamClient) 
             await client.request("GET", url, timeout=1)
     with pytest.raises(InvalidHeader):
         await client.request("GET", "http://127.0.0.1:1/", headers={"X": "a\r\nB: c"}, timeout=1)
+
+
+@pytest.mark.parametrize("peek_to_end", [False, True])
+async def test_bytes_put_back_are_read_first_and_the_connection_still_pooled(client: UpstreamClient,
+                                                                             peek_to_end: bool) -> None:
+    """:meth:`UpstreamResponse.unread` (a PD retry peeks at a stream's first event): the bytes come back first,
+    a whole read returns the body once and gives the connection back to the pool once, even when the peek
+    already reached the body's end."""
+    async with ScriptedServer(serve_ok) as server:
+        response = await client.request("POST", server.url + "/p", body=b"body", timeout=5)
+        peeked = bytearray()
+        while chunk := await response.next_chunk():
+            peeked += chunk
+            if not peek_to_end:
+                break
+        response.unread(bytes(peeked))
+        assert await response.read_whole(CAP) == b"POST /p HTTP/1.1||body"
+        assert await response.next_chunk() == b""
+        assert client.num_idle == 1
+        again = await client.request("GET", server.url + "/q", timeout=5)
+        assert await again.read_whole(CAP) == b"GET /q HTTP/1.1||"
+        assert server.num_connections == 1

@@ -55,7 +55,7 @@ from lb.health import HealthMonitor
 from lb.membership import Membership
 from lb.metrics import LBMetrics
 from lb.node import Fence, Node
-from lb.node_answer import MAX_FAILURE_DETAIL_BYTES, MAX_RESULT_BODY_BYTES, NodeResult, ParsedAnswers
+from lb.node_answer import MAX_FAILURE_DETAIL_BYTES, NodeResult, ParsedAnswers, result_cap
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +63,12 @@ __all__ = ["FanOut", "NodeResult", "check_drain_fits", "default_deadline"]
 
 DRAIN_MARGIN_S = 10.0  # past a drain_timeout, for the release itself and the answer's way back
 
-ANSWER_CAPS = (MAX_RESULT_BODY_BYTES, MAX_FAILURE_DETAIL_BYTES)  # what a node's answer is read to, 2xx / other
+
+def answer_caps(path: str) -> tuple[int, int]:
+    """What a node's answer to ``path`` is read to: a 2xx, any other."""
+    return result_cap(path), MAX_FAILURE_DETAIL_BYTES
+
+
 # the calls after which a node's state is known before the answer: those that may change whether it serves, and the
 # weight calls that change the version it serves (a pinned request is routed by it)
 RECHECKED_PATHS = STATE_CHANGING_PATHS | {"/update_weights_from_distributed", "/update_weights_from_tensor",
@@ -136,7 +141,7 @@ class FanOut:
         fences = [node.fence() if path in FENCING_PATHS else None for node in nodes]
         try:
             sent = self._client.start_many(method, [node.url + path for node in nodes], headers=headers,
-                                           body=body, timeout=timeout_s, answer_caps=ANSWER_CAPS)
+                                           body=body, timeout=timeout_s, answer_caps=answer_caps(path))
             try:
                 await self._read_answers(nodes, fences, sent, path, timeout_s, results, checks)
                 if checks:
@@ -161,7 +166,7 @@ class FanOut:
         arrivals = Arrivals(sent)
         for _ in nodes:
             index = await arrivals.next()
-            result, state = await answer_of(nodes[index], sent[index], timeout_s, parsed)
+            result, state = await answer_of(nodes[index], sent[index], timeout_s, parsed, result_cap(path))
             results[index] = result
             check = self._settle(nodes[index], fences[index], path, result, state)
             if check is not None:
@@ -175,7 +180,7 @@ class FanOut:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         request = self._send(node, method, path, body, self._headers(timeout_s, content_type), timeout_s)
-        result, state = await answer_of(node, request, timeout_s, ParsedAnswers())
+        result, state = await answer_of(node, request, timeout_s, ParsedAnswers(), result_cap(path))
         check = self._settle(node, None, path, result, state)
         if check is not None:
             await asyncio.wait({check}, timeout=max(0.0, deadline - loop.time()))
@@ -194,7 +199,7 @@ class FanOut:
         """The node's request, written now (or connecting); the error when it cannot even be sent."""
         try:
             return self._client.start(method, node.url + path, headers=headers, body=body, timeout=timeout_s,
-                                      answer_caps=ANSWER_CAPS)
+                                      answer_caps=answer_caps(path))
         except UpstreamError as exc:
             return exc
 

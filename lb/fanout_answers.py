@@ -60,7 +60,8 @@ class Arrivals:
 
 
 async def answer_of(node: Node, request: PendingRequest | UpstreamError, timeout_s: float,
-                    parsed: ParsedAnswers) -> tuple[NodeResult, dict[str, Any] | None]:
+                    parsed: ParsedAnswers,
+                    cap: int = MAX_RESULT_BODY_BYTES) -> tuple[NodeResult, dict[str, Any] | None]:
     """The node's result and the state its answer carried (None: no answer, or no state header); ``parsed``
     holds what this fan-out's nodes already answered."""
     try:
@@ -73,9 +74,9 @@ async def answer_of(node: Node, request: PendingRequest | UpstreamError, timeout
                 raw = await response.read(MAX_FAILURE_DETAIL_BYTES)
                 return NodeResult(node, status=response.status, reason="http_status",
                                   detail=capped_text(raw)), state
-            raw = await response.read(MAX_RESULT_BODY_BYTES)
+            raw = await response.read(cap)
     except UpstreamError as exc:
         reason = next((name for cls, name in _REASONS if isinstance(exc, cls)), "error")
         error = f"no complete answer within {timeout_s:g} s" if reason == "timeout" else str(exc)
         return NodeResult(node, reason=reason, error=error), None
-    return judge_success(node, response, raw, parsed), state
+    return judge_success(node, response, raw, parsed, cap), state

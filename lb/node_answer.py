@@ -17,15 +17,24 @@ from dataclasses import dataclass
 from typing import Any
 
 from handoff.protocol.control import MAX_NODE_STATE_HEADER_BYTES
+from handoff.protocol.weights import WEIGHTS_CHECKER_PATH
 from handoff.service.peer_json import PeerJSONError, loads_bounded
 from handoff.service.upstream import UpstreamResponse
 from lb.node import Node
 
 __all__ = ["MAX_FAILURE_DETAIL_BYTES", "MAX_RESULT_BODY_BYTES", "NodeResult", "ParsedAnswers", "capped_text",
-           "dumps_answer", "judge_success", "state_problem"]
+           "dumps_answer", "judge_success", "result_cap", "state_problem"]
 
 MAX_FAILURE_DETAIL_BYTES = 512
 MAX_RESULT_BODY_BYTES = 64 * 1024
+# SGLang's checksum names every tensor once per TP rank (a 7B model on 8 ranks: ~160 KB); read to the sidecar's
+# own cap on an engine's control answer
+MAX_CHECKSUM_BODY_BYTES = 4 * 1024 * 1024
+
+
+def result_cap(path: str) -> int:
+    """What a node's 2xx answer to ``path`` is read to."""
+    return MAX_CHECKSUM_BODY_BYTES if path == WEIGHTS_CHECKER_PATH else MAX_RESULT_BODY_BYTES
 
 
 @dataclass
@@ -112,7 +121,8 @@ def state_problem(state: dict[str, Any]) -> str | None:
     return None if isinstance(state.get("tags"), dict) else "it has neither serving nor tags"
 
 
-def judge_success(node: Node, response: UpstreamResponse, raw: bytes, parsed: ParsedAnswers) -> NodeResult:
+def judge_success(node: Node, response: UpstreamResponse, raw: bytes, parsed: ParsedAnswers,
+                  cap: int = MAX_RESULT_BODY_BYTES) -> NodeResult:
     """A 2xx answer: JSON ``"success": false`` makes it a failure; an answer that cannot be judged is one too.
 
     Over the result cap, a ``"success": false`` could be past what was read;
@@ -123,7 +133,7 @@ def judge_success(node: Node, response: UpstreamResponse, raw: bytes, parsed: Pa
     status = response.status
     if response.is_truncated:
         return NodeResult(node, status=status, reason="oversized_answer",
-                          error=f"answer longer than {MAX_RESULT_BODY_BYTES} bytes: cannot tell whether it succeeded",
+                          error=f"answer longer than {cap} bytes: cannot tell whether it succeeded",
                           detail=capped_text(raw))
     if not raw.strip():
         return NodeResult(node, status=status, body=None)

@@ -21,14 +21,16 @@ from handoff.protocol.errors import NotServingReason
 from handoff.protocol.weights import WEIGHTS_CHECKER_PATH, WeightsCheckerBody
 from handoff.service.auth import BearerToken
 from handoff.service.bodies import openapi_body, parse_body
-from handoff.service.errors import NotServing, Unsupported
+from handoff.service.errors import NotServing, ServiceError, Unsupported
 from handoff.service.peer_json import PeerJSONError, loads_bounded
 from node_sidecar.config import SidecarConfig
 from node_sidecar.control import ControlPlane
 from node_sidecar.control_drain import DrainLimit, Drainer
 from node_sidecar.engines.base import EngineAdapter, not_understood
 from node_sidecar.engines.sglang import SglangEngine
-from node_sidecar.errors import EngineRefused
+from node_sidecar.engines.sglang_calls import reached_sglang
+from node_sidecar.errors import EngineRefused, EngineUnavailable
+from node_sidecar.node import Node
 from node_sidecar.routes_control import answer_by
 from node_sidecar.state import TagState
 
@@ -71,16 +73,24 @@ async def check_weights(control: ControlPlane, body: dict[str, Any], drain: Drai
                 await Drainer(node).drain("wait", drain)
             try:
                 status, answer = await _relay(adapter, body)
-            except EngineRefused:
-                await node.resync_quietly()
+            except ServiceError as exc:  # answered late, by a 5xx, not at all: it may have run all the same
+                if not isinstance(exc, EngineUnavailable) or reached_sglang(exc):
+                    await _weights_garbage(node, adapter)
+                await node.resync_quietly()  # a handoff engine says what it holds
                 raise
-            if status == 200:  # garbage until an update writes every weight again: the node stops serving
-                state.weights_valid = False
-                if isinstance(adapter, SglangEngine):  # SGLang serves whatever its weights hold
-                    adapter.weights_garbage, adapter.updated_since_garbage = True, False
-                    await adapter.keep_record()
+            # garbage until an update writes every weight again: the node stops serving (SGLang's 400 is a
+            # reset that failed part way, some weights random already)
+            if status == 200 or isinstance(adapter, SglangEngine):
+                await _weights_garbage(node, adapter)
     node.refresh_admission()
     return status, answer
+
+
+async def _weights_garbage(node: Node, adapter: EngineAdapter) -> None:
+    node.state.weights_valid = False
+    if isinstance(adapter, SglangEngine):  # SGLang serves whatever its weights hold
+        adapter.weights_garbage, adapter.updated_since_garbage = True, False
+        await adapter.keep_record()
 
 
 async def _relay(adapter: EngineAdapter, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:

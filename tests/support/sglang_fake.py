@@ -257,6 +257,12 @@ class FakeSglang:
         return (sum(prompt) + 7 * index) % 250
 
 
+NAMES = ("input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_proj.weight",
+         "self_attn.q_proj.bias", "self_attn.k_proj.weight", "self_attn.k_proj.bias", "self_attn.v_proj.weight",
+         "self_attn.v_proj.bias", "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
+         "mlp.down_proj.weight")
+
+
 def _allocate(num_bytes: int) -> mmap.mmap:
     """Anonymous pages of its own (closed on release, so they go back to the OS at once), every page touched:
     resident, as device memory would be."""
@@ -585,6 +591,26 @@ def create_app(fake: FakeSglang) -> Any:
         fake.is_session_open = path == "begin_weight_update"
         return JSONResponse({"success": True, "message": "Success"})
 
+    async def weights_checker(request: Request) -> Response:
+        """``http_server.py:1599-1618``, ``utils/weight_checker.py``: the body is optional; ``reset_tensors`` writes
+        random values into the weights (served as they are); an unknown action is 400 ``Unsupported action=...``."""
+        raw = await request.body()
+        body = json.loads(raw) if raw.strip() else {}
+        action = body.get("action", "checksum")
+        fake.calls.append(f"weights_checker {action}")
+        if action == "reset_tensors":
+            fake.weights_garbage = True
+        elif action == "checksum":  # one rank per TP rank, each naming a 7B model's tensors (Qwen2.5-7B: 339)
+            checksums = {f"model.layers.{n // 12}.{NAMES[n % 12]}": f"{n:016x}" for n in range(339)}
+            ranks = [{"checksums": checksums, "per_gpu_checksum": "0" * 64, "parallelism_info": {
+                "role": "target", "tp_rank": rank, "tp_size": fake.tp_size, "dp_rank": 0, "dp_size": 1,
+                "pp_rank": 0, "pp_size": 1, "rank": rank, "size": fake.tp_size}} for rank in range(fake.tp_size)]
+            return JSONResponse({"success": True, "message": "Success.", "ranks": ranks,
+                                 "per_engine_checksum": "0" * 64})
+        elif action not in ("snapshot", "compare"):
+            return JSONResponse({"success": False, "message": f"Unsupported action={action!r}"}, status_code=400)
+        return JSONResponse({"success": True, "message": "Success."})
+
     async def update_weight_version(request: Request) -> Response:
         body = await request.json()
         fake.calls.append("update_weight_version")
@@ -683,6 +709,7 @@ def create_app(fake: FakeSglang) -> Any:
         Route("/begin_weight_update", weight_call, methods=["POST"]),
         Route("/end_weight_update", weight_call, methods=["POST"]),
         Route("/update_weight_version", update_weight_version, methods=["POST"]),
+        Route("/weights_checker", weights_checker, methods=["GET", "POST"]),
         Route("/continue_generation", continue_generation, methods=["POST"]),
         Route("/health", health, methods=["GET"]),
         Route("/health_generate", health, methods=["GET"]),

@@ -14,7 +14,9 @@ Rules:
   moment the last request leaves (no polling). A drain that aborts sends its
   abort again at growing intervals while requests remain: a request counted
   here but still on its way to the engine when an abort arrived there would
-  otherwise run to its end.
+  otherwise run to its end. At each of those rounds the requests that said how
+  to be cut (:meth:`InFlight.on_abort`: a stream whose client stopped reading)
+  are told: once the engine ended them only their client holds them.
 
 Entering and counting happen in one synchronous step of the event loop, so a
 drain never misses a request that was admitted just before admission closed.
@@ -47,9 +49,15 @@ class InFlight:
         self._admission = admission
         self._is_released = False
 
+    def on_abort(self, cut: Callable[[], None]) -> None:
+        """``cut`` runs at each round of an aborting drain while this request is counted (until released)."""
+        if not self._is_released:
+            self._admission._cuts[self] = cut
+
     def release(self) -> None:
         if not self._is_released:
             self._is_released = True
+            self._admission._cuts.pop(self, None)
             self._admission._count_out()
 
 
@@ -94,6 +102,7 @@ class Admission:
         # it whole)
         self._held: dict[_Held, None] = {}
         self._held_bytes = 0
+        self._cuts: dict[InFlight, Callable[[], None]] = {}  # see InFlight.on_abort
         self._idle = asyncio.Event()
         self._idle.set()
 
@@ -215,6 +224,8 @@ class Admission:
             remaining = deadline - loop.time()
             if await self._wait_idle(max(0.0, min(interval, remaining))):
                 return True
+            for cut in list(self._cuts.values()):
+                cut()
             if remaining <= interval:
                 return False
             interval = min(2 * interval, MAX_ABORT_INTERVAL_S)

@@ -131,7 +131,9 @@ async def relay_generation(node: Node, request: Request, path: str) -> Response:
             headers={"Content-Type": request.headers.get("content-type", "application/json")})
         if upstream.content_type.startswith("text/event-stream"):
             watch.stop()  # the stream's own watcher takes over
-            return _relayed_stream(node, upstream, release, call.stream() if call.stream else None)
+            relay = _relayed_stream(node, upstream, release, call.stream() if call.stream else None)
+            lease.on_abort(relay.cut_if_stalled)  # an aborting drain cuts it if only its client holds it
+            return relay
         content = await node.engine.read(upstream, node.config.max_answer_bytes, is_generation=True, timeout=timeout,
                                          count=held.take_answer)
         if call.answer is not None and 200 <= upstream.status < 300:

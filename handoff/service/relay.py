@@ -16,7 +16,8 @@
   stream is passed on in whole events only, so that error event never lands
   inside a half-sent one. A client that stops reading
   holds its stream (and the peer's in-flight count) until the exchange's
-  deadline, a second more, then the stream is cut.
+  deadline, a second more, then the stream is cut; an owner that ended the
+  request at the peer (an abort) cuts it sooner (:meth:`StreamRelay.cut_if_stalled`).
 """
 
 from __future__ import annotations
@@ -96,10 +97,14 @@ class StreamRelay(Response):
         self._is_events = any(name == b"content-type" and value.startswith(b"text/event-stream")
                               for name, value in self.raw_headers)
         self._is_sending = False  # a send to the client is under way
-        self._is_stalled = False  # ... and was given up past the deadline
+        self._num_sends = 0  # sends begun: one waiting since an earlier look is the same number
+        self._is_stalled = False  # ... and was given up past the deadline (or an abort)
+        self._task: asyncio.Task[object] | None = None
+        self._stall_mark: tuple[int, float] | None = None  # the send seen waiting, and since when
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         upstream, transform = self._upstream, self._transform
+        self._task = asyncio.current_task()
         watch = self._watch or DisconnectWatch(receive, scope)
         stall_timer = self._arm_stall_timer(upstream.deadline)
         try:
@@ -114,6 +119,7 @@ class StreamRelay(Response):
                         out = hold.feed(out)
                     if out:  # the hot path: the send written out, not through _send_body
                         self._is_sending = True
+                        self._num_sends += 1
                         await send({"type": "http.response.body", "body": out, "more_body": True})
                         self._is_sending = False
             watch.finish()
@@ -128,7 +134,8 @@ class StreamRelay(Response):
             await self._send_body(send, self._on_failure(failure), more_body=False)
         except asyncio.CancelledError:
             if self._is_stalled:
-                log.warning("a client of %s stopped reading its stream; cut at the deadline", upstream.url)
+                log.warning("a client of %s stopped reading its stream; cut (past its deadline, or aborted)",
+                            upstream.url)
             elif not watch.is_disconnected:
                 raise
             else:
@@ -140,8 +147,23 @@ class StreamRelay(Response):
             upstream.close()  # a stream cut short closes the peer's connection: the peer aborts
             self._on_close(watch.is_disconnected or self._is_stalled)
 
+    def cut_if_stalled(self) -> None:
+        """Cut the stream if one send has waited on the client for :data:`STALLED_CLIENT_GRACE_S` since an earlier
+        call (called again and again by an owner that ended the request at the peer, an abort: the client, not
+        the peer, holds it, and the peer's in-flight count with it)."""
+        if not self._is_sending or self._task is None:
+            self._stall_mark = None
+            return
+        now = asyncio.get_running_loop().time()
+        if self._stall_mark is None or self._stall_mark[0] != self._num_sends:
+            self._stall_mark = (self._num_sends, now)
+        elif now - self._stall_mark[1] >= STALLED_CLIENT_GRACE_S:
+            self._is_stalled = True
+            self._task.cancel()
+
     async def _send(self, send: Send, message: dict) -> None:
         self._is_sending = True
+        self._num_sends += 1
         await send(message)
         self._is_sending = False
 

@@ -244,3 +244,23 @@ async def test_held_requests_that_leave_behind_one_still_waiting_leave_nothing_b
     a.open()
     await asyncio.wait_for(anchor, 5)
     assert a.num_in_flight == 1 and a.num_held == 0 and a.held_bytes == 0
+
+
+async def test_an_aborting_drain_tells_the_requests_counted_how_to_cut_them_until_they_leave() -> None:
+    """A request whose only holder is its client (a stream not read) is cut by an aborting drain's round; one
+    released is no longer told, and a waiting drain tells none."""
+    a = make()
+    a.open()
+    stuck, gone = a.try_enter(), a.try_enter()
+    assert stuck is not None and gone is not None
+    told: list[str] = []
+    stuck.on_abort(lambda: (told.append("stuck"), stuck.release()))
+    gone.on_abort(lambda: told.append("gone"))
+    gone.release()
+    assert await a.drain(5.0, abort=lambda: asyncio.sleep(0)) is True
+    assert told == ["stuck"] and a.num_in_flight == 0
+    waiting = a.try_enter()
+    assert waiting is not None
+    waiting.on_abort(lambda: told.append("waiting"))
+    assert await a.drain(0.1) is False and told == ["stuck"]
+    waiting.release()

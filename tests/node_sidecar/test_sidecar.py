@@ -26,7 +26,10 @@ def stream_body(max_new_tokens: int) -> dict:
 
 @pytest.fixture(scope="module")
 def engine(proc_log_dir: Path):
+    # a pool of 32k tokens: the engine admits a request only if its whole length fits beside the others' (SGLang's
+    # reservation), and a test below keeps 8 streams of 3000 tokens running at once
     proc = ServerProcess("node_engine", ["--model-path", "builtin:tiny", "--enable-memory-saver",
+                                         "--max-total-tokens", "32768",
                                          "--weights-backup", "disk", "--backup-dir", str(proc_log_dir / "bk")],
                          log_dir=proc_log_dir, name="engine")
     proc.start()

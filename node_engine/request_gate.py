@@ -121,7 +121,9 @@ class RequestGate:
             raise MemoryReleased(f"memory is released ({', '.join(t.value for t in released)}); resume it first",
                                  retry_after=1, extra={"released": [t.value for t in released]})
         if not self._memory.weights_valid:
-            raise WeightsNotLoaded("weights were resumed without a backup; call /update_weights_from_disk first")
+            raise WeightsNotLoaded("the weights are not a checkpoint's (resumed without a backup, or reset by "
+                                   "/weights_checker); update them first (/update_weights_from_disk, a push or a "
+                                   "broadcast)")
 
     def check_rids_free(self, rids: list[str]) -> None:
         """400 if one of ``rids`` is a request still in flight (or planned)."""

@@ -3,8 +3,11 @@
 slime's abort (``server_control.abort_server_until_idle``) posts ``/abort_request {"abort_all": true}`` to every
 worker the router lists, then reads ``/v1/loads?include=core`` and aborts again until ``num_running_reqs`` +
 ``num_waiting_reqs`` is 0; without this route its read fails and it stops waiting at once. The node is one data
-parallel rank (``dp_rank`` 0): ``num_running_reqs`` is the generation in flight through this sidecar,
-``num_waiting_reqs`` the requests held while the node is released or paused. The other core fields are
+parallel rank (``dp_rank`` 0): ``num_running_reqs`` is the generation in flight through this sidecar (running
+or queued in the engine, which the sidecar does not tell apart), ``num_waiting_reqs`` 0. The requests held while
+the node is paused or released are in neither, as SGLang counts none of the requests waiting on its pause (its
+tokenizer manager holds them before the scheduler sees them, and ``abort_all`` does not reach them either): a
+loop aborting until the node is idle ends. The other core fields are
 SGLang's defaults (0, ``decode_moments`` null): the sidecar does not measure them. No section (``memory``,
 ``spec``, ...) is ever filled, so SGLang leaves each out, whatever ``include`` asks for.
 """
@@ -34,8 +37,7 @@ PROMETHEUS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
 def node_load(node: Node) -> dict[str, Any]:
-    return CORE_DEFAULTS | {"timestamp": time.time(), "num_running_reqs": node.admission.num_in_flight,
-                            "num_waiting_reqs": node.admission.num_held}
+    return CORE_DEFAULTS | {"timestamp": time.time(), "num_running_reqs": node.admission.num_in_flight}
 
 
 def _include(raw: str | None) -> None:

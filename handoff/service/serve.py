@@ -113,7 +113,9 @@ def reserve_socket(host: str, port: int) -> socket.socket:
 
 def bind_socket(host: str, port: int, reserved: socket.socket | None = None) -> socket.socket:
     """A listening socket on ``host:port`` (``reserved``: the one :func:`reserve_socket` bound there before); exits 2
-    with one line naming the address when it cannot be had."""
+    with one line naming the address when it cannot be had. It stays close-on-exec: a process the service starts
+    (torch's shared-memory manager, spawned by the engine's first tensor push, outlives it) must not hold the port
+    after the service is gone, or a restart on it finds it taken."""
     sock = reserve_socket(host, port) if reserved is None else reserved
     try:
         sock.listen(2048)
@@ -121,7 +123,6 @@ def bind_socket(host: str, port: int, reserved: socket.socket | None = None) -> 
         sock.close()
         log.error("cannot listen on %s:%d: %s", host, port, exc)
         raise SystemExit(2) from None
-    sock.set_inheritable(True)
     return sock
 
 

@@ -74,6 +74,7 @@ TEMPLATES: dict[str, dict[str, Any]] = {
                              "stream": False},
     "/nodes": {"url": "http://127.0.0.1:1", "role": "mixed", "bootstrap_port": None},
     "/workers": {"url": "http://127.0.0.1:1", "worker_type": "regular", "bootstrap_port": None},
+    "/weights_checker": {"action": "checksum", "skip_tensor_list": ["lm_head"]},  # read-only: changes nothing
 }
 
 # every route each process serves, with the method it documents (checked against /openapi.json)
@@ -90,7 +91,8 @@ LB_ROUTES = [("POST", "/release_memory_occupation"), ("POST", "/resume_memory_oc
              ("GET", "/list_workers"), ("POST", "/workers"), ("GET", "/workers"),
              ("DELETE", "/workers/{id_or_url}"), ("GET", "/model_info"), ("GET", "/get_model_info"),
              ("GET", "/v1/models"), ("GET", "/v1/models/{model}"), ("GET", "/get_server_info"),
-             ("GET", "/server_info"), ("GET", "/health_generate")]
+             ("GET", "/server_info"), ("GET", "/health_generate"), ("GET", "/weights_checker"),
+             ("POST", "/weights_checker"), ("GET", "/workers/{id_or_url}")]
 SIDECAR_ROUTES = [("POST", "/generate"), ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
                   ("GET", "/health_generate"), ("POST", "/release_memory_occupation"),
                   ("POST", "/resume_memory_occupation"), ("POST", "/update_weights_from_disk"),
@@ -102,7 +104,8 @@ SIDECAR_ROUTES = [("POST", "/generate"), ("POST", "/v1/completions"), ("POST", "
                   ("POST", "/destroy_weights_update_group"), ("POST", "/begin_weight_update"),
                   ("POST", "/end_weight_update"), ("POST", "/update_weight_version"), ("GET", "/get_weight_version"),
                   ("GET", "/get_model_info"), ("GET", "/model_info"),
-                  ("GET", "/v1/models/{model}"), ("GET", "/server_info")]
+                  ("GET", "/v1/models/{model}"), ("GET", "/server_info"), ("GET", "/weights_checker"),
+                  ("POST", "/weights_checker"), ("GET", "/v1/loads")]
 
 json_scalars = st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=False) | st.text(max_size=20)
 json_values = st.recursive(json_scalars, lambda inner: st.lists(inner, max_size=4)

@@ -350,10 +350,14 @@ def test_schema_rejects_bad_values_with_a_clear_message(values: Obj, message: st
                  "lb.pdb.minAvailable (2) must be below lb.replicas (2)", id="lb-pdb-blocks-drains"),
     # Raised alone, the weight calls' bound outlasted a stopping LB's: the LB cut a weight call the nodes still ran.
     pytest.param({"lb": {"weightSyncTimeout": 1800, "maxControlTimeout": 3600}},
-                 "lb.shutdownTimeout (600) must not be below lb.weightSyncTimeout (1800)",
+                 "lb.shutdownTimeout (690) must not be below the LB's --weight-sync-timeout (1890",
                  id="weight-call-outlasts-lb-stop"),
-    pytest.param({"lb": {"shutdownTimeout": 600, "terminationGracePeriodSeconds": 600}},
-                 "lb.terminationGracePeriodSeconds (600) must exceed lb.shutdownTimeout (600) plus the 5 s preStop",
+    # Found by review: the LB's own weight bound is lb.weightSyncTimeout + 90; at 600 the default shutdown cut it.
+    pytest.param({"lb": {"shutdownTimeout": 600, "terminationGracePeriodSeconds": 630}},
+                 "lb.shutdownTimeout (600) must not be below the LB's --weight-sync-timeout (690",
+                 id="lb-stop-under-its-weight-bound"),
+    pytest.param({"lb": {"shutdownTimeout": 700, "terminationGracePeriodSeconds": 700}},
+                 "lb.terminationGracePeriodSeconds (700) must exceed lb.shutdownTimeout (700) plus the 5 s preStop",
                  id="lb-grace-under-shutdown"),
     pytest.param({"lb": {"extraArgs": ["--admin-token", "s3cret"]}}, "lb.extraArgs must not set --admin-token",
                  id="lb-token-flag"),
@@ -609,7 +613,7 @@ def test_a_stopping_lb_lets_its_calls_finish(rendered: Rendered) -> None:
     lb_values = rendered.merged["lb"]
     lb = container(_lb(rendered), "lb")
     shutdown = float(flag_value(lb["args"], "--shutdown-timeout"))
-    assert shutdown == lb_values["shutdownTimeout"] >= lb_values["weightSyncTimeout"]
+    assert shutdown == lb_values["shutdownTimeout"] >= float(flag_value(lb["args"], "--weight-sync-timeout"))
     assert pod_spec(_lb(rendered))["terminationGracePeriodSeconds"] > shutdown + 5
     assert lb["lifecycle"]["preStop"]["exec"]["command"][0] == "python", "keep serving while the Service drops it"
 
@@ -631,8 +635,8 @@ def test_the_lb_waits_for_the_engines_own_weight_timeout(weight: int) -> None:
     bound too, so an update the engine ended cleanly at its bound (504 weight_sync_timeout, nothing loaded) raced
     the LB's per-node timeout, and the trainer could not tell whether it landed. The LB now waits past the
     sidecar's bound on its engine call, which waits past the engine's."""
-    r = render({"lb": {"weightSyncTimeout": weight, "shutdownTimeout": max(600, weight),
-                       "terminationGracePeriodSeconds": max(600, weight) + 30}})
+    r = render({"lb": {"weightSyncTimeout": weight, "shutdownTimeout": max(690, weight + 90),
+                       "terminationGracePeriodSeconds": max(690, weight + 90) + 30}})
     lb_weight = float(flag_value(container(_lb(r), "lb")["args"], "--weight-sync-timeout"))
     for sts in _node_sets(r).values():
         engine, sidecar = container(sts, "engine")["args"], container(sts, "sidecar")["args"]
@@ -640,11 +644,11 @@ def test_the_lb_waits_for_the_engines_own_weight_timeout(weight: int) -> None:
         assert float(flag_value(engine, "--weight-sync-timeout")) == weight
         assert lb_weight >= sidecar_bound + 30 and sidecar_bound >= weight + 60
     with pytest.raises(helm.HelmRenderError, match="must not exceed lb.maxControlTimeout"):
-        render({"lb": {"weightSyncTimeout": 3600, "shutdownTimeout": 3600, "terminationGracePeriodSeconds": 3630}})
+        render({"lb": {"weightSyncTimeout": 3600, "shutdownTimeout": 3690, "terminationGracePeriodSeconds": 3720}})
 
 
 def test_raised_weight_timeout_reaches_the_engine() -> None:
-    r = render({"lb": {"weightSyncTimeout": 1800, "shutdownTimeout": 1800, "terminationGracePeriodSeconds": 1830}})
+    r = render({"lb": {"weightSyncTimeout": 1800, "shutdownTimeout": 1890, "terminationGracePeriodSeconds": 1920}})
     for sts in _node_sets(r).values():
         engine, sidecar = container(sts, "engine")["args"], container(sts, "sidecar")["args"]
         assert flag_value(engine, "--weight-sync-timeout") == flag_value(engine, "--reload-timeout") == "1800"

@@ -251,8 +251,8 @@ or a release fan-out cut work short: checked here, with the value's name.
 {{- if le (float64 $node.terminationGracePeriodSeconds) (float64 $node.sidecar.drainTimeout) }}
 {{- fail (printf "handoff: node.terminationGracePeriodSeconds (%v) must exceed node.sidecar.drainTimeout (%v): a stopping node's requests get the drain timeout to finish" $node.terminationGracePeriodSeconds $node.sidecar.drainTimeout) }}
 {{- end }}
-{{- if lt (float64 $lb.shutdownTimeout) (float64 $lb.weightSyncTimeout) }}
-{{- fail (printf "handoff: lb.shutdownTimeout (%v) must not be below lb.weightSyncTimeout (%v): a stopping LB would cut a weight call the nodes still run; raise lb.shutdownTimeout and lb.terminationGracePeriodSeconds with it" $lb.shutdownTimeout $lb.weightSyncTimeout) }}
+{{- if lt (float64 $lb.shutdownTimeout) (float64 $lbWeight) }}
+{{- fail (printf "handoff: lb.shutdownTimeout (%v) must not be below the LB's --weight-sync-timeout (%v: lb.weightSyncTimeout %v plus the sidecar's and the LB's margins): a stopping LB would cut a weight call the nodes still run; raise lb.shutdownTimeout and lb.terminationGracePeriodSeconds with it" $lb.shutdownTimeout $lbWeight $lb.weightSyncTimeout) }}
 {{- end }}
 {{- if le (float64 $lb.terminationGracePeriodSeconds) (addf $lb.shutdownTimeout 5) }}
 {{- fail (printf "handoff: lb.terminationGracePeriodSeconds (%v) must exceed lb.shutdownTimeout (%v) plus the 5 s preStop pause: a stopping LB would be killed while its calls still run" $lb.terminationGracePeriodSeconds $lb.shutdownTimeout) }}

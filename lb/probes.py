@@ -1,7 +1,8 @@
 """What routers, SDKs and probes ask an SGLang server, answered by the LB for the whole cluster.
 
-- ``GET /v1/models``, ``/v1/models/{id}``: a node's answer, relayed (the OpenAI
-  SDK's ``models.list()``, ``models.retrieve()``); ``/model_info`` is
+- ``GET /v1/models``, ``/v1/models/{id}``: a node's answer, relayed once it is read as JSON (within bounds)
+  of the shape the path answers, a model list or a card (the OpenAI SDK's ``models.list()``,
+  ``models.retrieve()``); ``/model_info`` is
   ``lb/routes_weights.py``'s (it adds the cluster's weight version);
 - ``GET /get_server_info``, ``/server_info``: a node's answer without its
   secrets (a plain SGLang node's has its ``api_key``, which may be the
@@ -15,7 +16,8 @@ A node's role does not matter: any healthy node answers, serving nodes first
 (a released node still knows its model). Nodes are asked in turn, each within
 ``--health-timeout`` (a generation's time for ``/health_generate``) and with its answer bounded; the next
 node is asked once one failed or took ``--health-timeout`` (that one is still waited for beside it); a node
-that fails is skipped and named if none answers (502 ``upstream_error``).
+that fails, or answers what is not the path's answer (not JSON, too deep, another shape), is skipped and named
+if none answers (502 ``upstream_error``).
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ MAX_PROBE_ANSWER_BYTES = 1024 * 1024
 GENERATE_PROBE_TIMEOUT_S = 30.0
 RELAYED = ("/v1/models",)
 WITH_CLUSTER_VIEW = ("/get_server_info", "/server_info")
+# why a node's parsed answer (with its status) is not what the path answers, None when it is
+Shape = Callable[[int, Any], str | None]
 
 
 class Probes:
@@ -58,12 +62,13 @@ class Probes:
 
     async def ask(self, path: str, *, serving_only: bool = False, is_lookup: bool = False,
                   refusal_of: Callable[[bytes], str | None] | None = None,
-                  timeout_s: float | None = None) -> tuple[Node, int, bytes]:
+                  shape: Shape | None = None, timeout_s: float | None = None) -> tuple[Node, int, bytes]:
         """The first node's 2xx answer to ``GET path`` (``is_lookup``: a 404 too, the path names something
         unknown; otherwise a 404 means that node lacks the endpoint, a plain server of another kind) that
         ``refusal_of`` (if given) finds no reason to pass over; when every node was passed over for such a
-        reason, 503 ``no_available_node``. Each node is given ``timeout_s`` (``--health-timeout`` if None); the
-        next node is asked as soon as one failed, or beside it once it took ``--health-timeout``."""
+        reason, 503 ``no_available_node``. With ``shape``, an answer that is not JSON within bounds, or that
+        ``shape`` finds amiss, is that node's failure. Each node is given ``timeout_s`` (``--health-timeout``
+        if None); the next node is asked as soon as one failed, or beside it once it took ``--health-timeout``."""
         nodes = self.candidates(serving_only=serving_only)
         if not nodes:
             raise Unavailable("no node can answer now", type=E.NO_AVAILABLE_NODE.name,
@@ -76,7 +81,7 @@ class Probes:
             while nodes or asking:
                 if nodes:
                     node = nodes.pop(0)
-                    asking[asyncio.ensure_future(self._get(node, path, timeout_s))] = node
+                    asking[asyncio.ensure_future(self._get(node, path, timeout_s, is_lookup, shape))] = node
                 done, _ = await asyncio.wait(asking, timeout=next_after_s if nodes else None,
                                              return_when=asyncio.FIRST_COMPLETED)
                 for call in done:
@@ -101,21 +106,30 @@ class Probes:
         raise ServiceError(f"GET {path} failed on every node ({len(failures)})", kind=E.UPSTREAM_ERROR,
                            extra={"failures": failures})
 
-    async def _get(self, node: Node, path: str, timeout_s: float) -> tuple[int, bytes] | str:
-        """``node``'s status and answer to ``GET path`` (bounded in size and time), or why it gave none."""
+    async def _get(self, node: Node, path: str, timeout_s: float, is_lookup: bool,
+                   shape: Shape | None) -> tuple[int, bytes] | str:
+        """``node``'s status and answer to ``GET path`` (bounded in size and time), or why it gave none (or, with
+        ``shape``, gave an answer to be relayed that is not the path's)."""
         try:
             response = await self.cluster.client.request("GET", node.url + path, headers=self.cluster.node_headers,
                                                          timeout=timeout_s)
-            return response.status, await response.read_whole(MAX_PROBE_ANSWER_BYTES)
+            status, body = response.status, await response.read_whole(MAX_PROBE_ANSWER_BYTES)
         except UpstreamError as exc:
             return str(exc)
+        if shape is None or not (200 <= status < 300 or (is_lookup and status == 404)):
+            return status, body
+        try:  # parsed off the loop: up to MAX_PROBE_ANSWER_BYTES of a peer's JSON
+            problem = shape(status, await asyncio.to_thread(loads_bounded, body))
+        except PeerJSONError as exc:
+            problem = f"not JSON we can read ({exc})"
+        return (status, body) if problem is None else f"answered {status} with {problem}"
 
-    async def relayed(self, path: str, *, is_lookup: bool = False) -> Response:
-        _, status, body = await self.ask(path, is_lookup=is_lookup)
+    async def relayed(self, path: str, shape: Shape, *, is_lookup: bool = False) -> Response:
+        _, status, body = await self.ask(path, is_lookup=is_lookup, shape=shape)
         return Response(body, status_code=status, media_type="application/json")
 
     async def server_info(self, path: str) -> JSONResponse:
-        node, status, body = await self.ask(path)
+        node, status, body = await self.ask(path, shape=_object_shape)
         try:  # parsed and redacted off the loop: up to MAX_PROBE_ANSWER_BYTES of a peer's JSON
             info = await asyncio.to_thread(_redacted_object, body) if status == 200 else None
         except PeerJSONError as exc:
@@ -141,7 +155,7 @@ def install_probes(app: FastAPI, cluster: Cluster, api_key: BearerToken, admin: 
 
     def relay(path: str):
         async def relayed(_: Request) -> Response:
-            return await probes.relayed(path)
+            return await probes.relayed(path, _model_list_shape)
         return relayed
 
     def with_cluster(path: str):
@@ -156,7 +170,7 @@ def install_probes(app: FastAPI, cluster: Cluster, api_key: BearerToken, admin: 
 
     @app.get("/v1/models/{model:path}")
     async def model_card(model: str) -> Response:
-        return await probes.relayed("/v1/models/" + quote(model, safe=""), is_lookup=True)
+        return await probes.relayed("/v1/models/" + quote(model, safe=""), _model_card_shape, is_lookup=True)
 
     @app.get("/health_generate")
     async def health_generate(request: Request) -> JSONResponse:
@@ -179,3 +193,22 @@ def _answer_object(body: bytes) -> dict[str, Any]:
 
 def _stopped_serving(body: bytes) -> str | None:
     return "stopped serving" if _answer_object(body).get("serving") is False else None
+
+
+def _object_shape(_: int, answer: Any) -> str | None:
+    return None if isinstance(answer, dict) else "JSON that is not an object"
+
+
+def _model_list_shape(status: int, answer: Any) -> str | None:
+    """An OpenAI model list: an object whose ``data`` is a list of cards, each an object with a string ``id``."""
+    cards = answer.get("data") if isinstance(answer, dict) else None
+    if not isinstance(cards, list) or not all(_model_card_shape(status, card) is None for card in cards):
+        return "no model list (an object whose data is a list of cards with an id)"
+    return None
+
+
+def _model_card_shape(status: int, answer: Any) -> str | None:
+    """A model card (an object with a string ``id``), or for a 404, the node's error object."""
+    if status == 404:
+        return _object_shape(status, answer)
+    return None if isinstance(answer, dict) and isinstance(answer.get("id"), str) else "no model card with an id"

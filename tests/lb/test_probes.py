@@ -118,3 +118,59 @@ def test_health_generate_waits_for_a_generation_not_a_health_check(module_fakes,
         assert health.status_code == 200, health.text
         assert health.json()["node"] == busy.url
         assert time.monotonic() - started < 4  # the hung node does not cost a generation's bound first
+
+
+GARBAGE = {
+    "html": reply(200, b"<html>oops</html>", content_type="text/html"),
+    "truncated": reply(200, b'{"object": "list", "data": ['),
+    "not_an_object": reply(200, [1, 2]),
+    "no_card_list": reply(200, {"object": "list", "data": "m"}),
+    "too_deep": reply(200, b"[" * 5000 + b"]" * 5000),
+    "too_large": reply(200, b" " * (2 << 20) + b"{}"),
+    "empty_2xx": reply(204, b""),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(GARBAGE))
+def test_a_node_answering_no_model_list_is_passed_over_never_relayed(module_fakes, shared_lb, kind) -> None:
+    """Found by review: the LB relayed a node's 2xx answer to /v1/models and /v1/models/{id} as it came (HTML,
+    a truncated or too deep document, JSON of another shape), labelled application/json, with the node's status
+    (a 204 with no body); an OpenAI SDK's models.list() then failed on it; /get_server_info was a 502 on the
+    first such node while the next could answer. A node's answer is now read as JSON within bounds and as a
+    model list (a card, a server info object); a node that answers otherwise is passed over for the next, and
+    when none answers a 502 upstream_error names it."""
+    bad, good = module_fakes.start(2)
+    for path in ("/v1/models", "/v1/models/m", "/get_server_info", "/server_info"):
+        bad.handlers[path] = GARBAGE[kind]
+    good.handlers["/v1/models"] = reply(200, CARD)
+    good.handlers["/v1/models/m"] = reply(200, CARD["data"][0])
+    good.handlers["/server_info"] = good.handlers["/get_server_info"] = reply(200, {"model_path": "m"})
+    set_members(shared_lb, bad.url)
+    shared_lb.wait_routable([bad.url])
+    infos = ("/get_server_info", "/server_info") if kind != "no_card_list" else ()  # that one is an object
+    for path in ("/v1/models", "/v1/models/m", *infos):
+        failed = shared_lb.http.get(path)
+        assert failed.status_code == 502, (path, failed.status_code, failed.text[:200])
+        assert failed.json()["error"]["type"] == "upstream_error" and bad.url in failed.text
+    set_members(shared_lb, bad.url, good.url)
+    shared_lb.wait_routable([bad.url, good.url])
+    for _ in range(3):  # whichever node the LB asks first
+        assert shared_lb.http.get("/v1/models").json() == CARD
+        assert shared_lb.http.get("/v1/models/m").json() == CARD["data"][0]
+        if infos:
+            assert shared_lb.http.get("/server_info").json()["handoff_cluster"]["answered_by"] == good.url
+
+
+def test_a_404_for_an_unknown_model_is_relayed_only_as_json(module_fakes, shared_lb) -> None:
+    """A node's 404 to /v1/models/{id} is relayed only when it is JSON: one that answers HTML is passed over."""
+    html, node = module_fakes.start(2)
+    html.handlers["/v1/models/nope"] = reply(404, b"<html>Not Found</html>", content_type="text/html")
+    node.handlers["/v1/models/nope"] = reply(404, {"error": {"type": "invalid_request_error", "message": "no"}})
+    set_members(shared_lb, html.url)
+    shared_lb.wait_routable([html.url])
+    assert shared_lb.http.get("/v1/models/nope").status_code == 502
+    set_members(shared_lb, html.url, node.url)
+    shared_lb.wait_routable([html.url, node.url])
+    for _ in range(3):
+        missing = shared_lb.http.get("/v1/models/nope")
+        assert missing.status_code == 404 and missing.json()["error"]["message"] == "no"

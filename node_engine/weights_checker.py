@@ -11,7 +11,8 @@ As SGLang 0.5.23's ``utils/weight_checker.py`` does it for a single-rank engine 
   garbage until the next update, so the engine marks them invalid: generation answers 503
   ``weights_not_loaded`` until an update writes every weight again (SGLang serves the garbage). It needs an idle
   engine (409 ``requests_in_flight``; the sidecar drains first), and drops the prefix cache.
-- ``compare``: exact comparison with the snapshot; mismatches are a 400 naming each tensor in SGLang's words
+- ``compare``: exact comparison with the snapshot, in float32 a chunk of :data:`CHUNK_NUMEL` elements at a time
+  (reset fills the same chunks; no whole-tensor float32 copy); mismatches are a 400 naming each tensor in SGLang's words
   (``check tensor equality failed:`` then ``name=... max_abs_err=...`` lines). A match drops the snapshot.
 - ``checksum``: each tensor's hash (the first 8 bytes of the sha256 of its bytes, in hex: SGLang's host-side
   ``tensor_hash``), ``per_gpu_checksum`` (sha256 over the sorted names and hashes) and the parallelism info of
@@ -44,6 +45,9 @@ log = logging.getLogger(__name__)
 
 SUCCESS = "Success."  # SGLang's scheduler answers every successful check with it
 HASH_CHUNK_BYTES = 64 * 1024 * 1024
+# Elements per step of compare and reset (SGLang's ``weight_checker_comparator.CHUNK_NUMEL``): a float32 copy of a
+# chunk, never of a whole tensor (an 8B model's embedding is 0.5 G elements, 2 GiB in float32).
+CHUNK_NUMEL = 64 * 1024 * 1024
 NON_PERSISTENT_BUFFER_PATTERNS = ("cos_sin_cache", "cos_cache", "sin_cache", "inv_freq", "freqs_cis",
                                   "expert_mask_gpu")
 
@@ -130,7 +134,7 @@ class WeightsChecker:
             with torch.no_grad():
                 for name, tensor in self._state():
                     if not _skipped(name, skip):
-                        tensor.copy_(_random_like(tensor))
+                        random_fill_(tensor)
         finally:
             engine.memory.mark_weights_invalid()  # garbage until an update writes every weight again
             engine.control.flush()
@@ -151,13 +155,10 @@ class WeightsChecker:
             elif expect.shape != actual.shape:
                 errors.append(f"name={name} expect={_raw(expect)} actual={_raw(actual)} (shapes differ)")
             else:
-                diff = (actual.detach().cpu().float() - expect.float()).abs()
-                if bool(torch.all(diff == 0)):
-                    continue
-                num_exceed = int((~(diff <= 0)).sum())
-                errors.append(f"name={name} max_abs_err={diff.max().item()} mean_abs_err="
-                              f"{diff.sum().item() / max(diff.numel(), 1)} num_exceed={num_exceed} "
-                              f"expect={_raw(expect)} actual={_raw(actual)} ")
+                equal, max_abs_err, mean_abs_err, num_exceed = compare_weights(expect, actual)
+                if not equal:
+                    errors.append(f"name={name} max_abs_err={max_abs_err} mean_abs_err={mean_abs_err} "
+                                  f"num_exceed={num_exceed} expect={_raw(expect)} actual={_raw(actual)} ")
         if errors:
             raise CheckFailed("check tensor equality failed:\n" + "\n".join(errors))
         self._snapshot = None
@@ -198,8 +199,36 @@ def _raw(tensor: torch.Tensor) -> str:
     return f"raw(shape={tuple(tensor.shape)} dtype={tensor.dtype})"
 
 
+def compare_weights(expect: torch.Tensor, actual: torch.Tensor) -> tuple[bool, float, float, int]:
+    """SGLang's ``compare_weights`` for a raw tensor: (equal, max_abs_err, mean_abs_err, num_exceed), compared
+    :data:`CHUNK_NUMEL` elements at a time over the flattened tensors, in float32, on ``actual``'s device (the
+    snapshot's chunk is moved there); the mean is the sum of each chunk's sum over the element count."""
+    expect_flat, actual_flat = expect.reshape(-1), actual.detach().reshape(-1)
+    equal, max_abs_err, sum_abs_err, num_exceed = True, torch.zeros((), dtype=torch.float32), 0.0, 0
+    for start in range(0, actual_flat.numel(), CHUNK_NUMEL):
+        actual_chunk = actual_flat[start:start + CHUNK_NUMEL]
+        expect_chunk = expect_flat[start:start + CHUNK_NUMEL].to(actual_chunk.device)
+        abs_diff = (actual_chunk.float() - expect_chunk.float()).abs()
+        if bool(torch.all(abs_diff == 0)):
+            continue
+        equal = False
+        max_abs_err = torch.maximum(max_abs_err, abs_diff.max().cpu())
+        sum_abs_err += abs_diff.sum().item()
+        num_exceed += int((~(abs_diff <= 0)).sum())  # NaN counts, as in SGLang
+    return equal, max_abs_err.item(), sum_abs_err / max(actual_flat.numel(), 1), num_exceed
+
+
+def random_fill_(tensor: torch.Tensor) -> None:
+    """SGLang's ``_random_like`` written into ``tensor`` :data:`CHUNK_NUMEL` elements at a time: uniform [0, 1)
+    (drawn in float32) for floats, random bits for booleans, the full range for integers."""
+    target = tensor if tensor.is_contiguous() else torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)
+    for chunk in target.view(-1).split(CHUNK_NUMEL):
+        chunk.copy_(_random_like(chunk))
+    if target is not tensor:
+        tensor.copy_(target)
+
+
 def _random_like(tensor: torch.Tensor) -> torch.Tensor:
-    """SGLang's ``_random_like``: uniform [0, 1) for floats, random bits for booleans, the full range for integers."""
     if tensor.dtype.is_floating_point:
         return torch.rand(tensor.shape, device=tensor.device, dtype=torch.float32).to(tensor.dtype)
     if tensor.dtype == torch.bool:

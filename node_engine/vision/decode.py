@@ -35,8 +35,8 @@ from handoff.protocol.image_source import (ImageInputError, ImageSource, SourceK
 from node_engine.vision.prescan import prescan
 
 ALLOWED_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
-# An 8192 x 4096 image. Decoding it and compositing its transparency (processor.to_rgb, as transformers does)
-# peaks at about 20 bytes a pixel: 640 MiB for an RGBA image (docs/memory.md).
+# An 8192 x 4096 image. Decoding it and converting it to RGB (processor.to_rgb) peaks at under 20 bytes a pixel,
+# 640 MiB (docs/memory.md).
 DEFAULT_MAX_IMAGE_PIXELS = 32 * 2**20
 DEFAULT_MAX_IMAGE_BYTES = 64 * 2**20   # encoded, per image (a file; base64 is bounded by the body limit first)
 _WHITESPACE = re.compile(rb"\s+")

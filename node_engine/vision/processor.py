@@ -1,9 +1,9 @@
 """The Qwen2-VL image processor: resize to a multiple of the merged patch, rescale, normalize, patch.
 
 The same arithmetic, in the same order, as transformers' PIL/numpy processor
-(``Qwen2VLImageProcessorPil``), which Qwen2.5-VL shares: RGB (transparency
-composited onto white), a bicubic PIL resize to the size :func:`smart_resize`
-picks, ``uint8 -> float64 x rescale -> float32``, ``(x - mean) / std`` in
+(``Qwen2VLImageProcessorPil``), which Qwen2.5-VL shares, fed as SGLang feeds it: RGB (Pillow's
+``convert("RGB")``: transparency dropped, as SGLang's loader does), a bicubic PIL resize to the size
+:func:`smart_resize` picks, ``uint8 -> float64 x rescale -> float32``, ``(x - mean) / std`` in
 float32, then patches ordered merge group by merge group. The parity tests
 compare the two pixel for pixel.
 
@@ -212,12 +212,10 @@ class ImageProcessor:
 
 
 def to_rgb(image: Image.Image) -> Image.Image:
-    """RGB, with any transparency composited onto white (as transformers' ``convert_to_rgb``)."""
-    if "A" in image.getbands() or image.info.get("transparency") is not None:
-        rgba = image.convert("RGBA")
-        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
-        return Image.alpha_composite(background, rgba).convert("RGB")
-    return image.convert("RGB")
+    """RGB as SGLang 0.5.23's loader makes it for a Qwen-VL model: Pillow's ``convert("RGB")`` of any image that is
+    not RGB (``_load_single_item``), so transparency is dropped, not composited (a transparent pixel shows the
+    colour it stores), and transformers' own ``convert_to_rgb`` then has nothing to do."""
+    return image if image.mode == "RGB" else image.convert("RGB")
 
 
 def patchify(image: np.ndarray, patch_size: int, merge_size: int, temporal_patch_size: int) -> np.ndarray:

@@ -17,10 +17,15 @@ torchvision 0.28, 108 random images), at most 2 of 255 levels (mean 0.01) where 
 way, up to 23 levels (mean 0.45) where one side is enlarged and the other shrunk (an image of 901 x 5: its
 separable passes round and clamp in another order). The grid and token counts do not depend on the filter.
 
-Transparency follows transformers (composited onto white), not SGLang 0.5.23, whose loader for Qwen-VL converts
-to RGB before the processor sees the image (``base_processor.py``, ``_load_single_item``), dropping the alpha: a
-known difference (``docs/api.md``). EXIF orientation is applied by none of the three (SGLang transposes only with
-``smart_rgb_conversion``, which GLM-4V's processor sets).
+Transparency is SGLang 0.5.23's: its loader for Qwen-VL converts any image that is not RGB with Pillow's
+``convert("RGB")`` before the processor sees it (``multimodal/processors/base_processor.py``,
+``_load_single_item``, ``discard_alpha_channel``), dropping the alpha (a transparent pixel shows the colour it
+stores). The transformers SGLang 0.5.23 pins (5.19.0) then leaves an RGB image as it is (its ``convert_to_rgb``
+converts only other modes), so a colour marked transparent (a palette's, kept by Pillow as the RGB image's
+``transparency``, or an RGB PNG's ``tRNS``) stays that colour; later transformers (5.24, installed here) composite
+such an image onto white. The reference here is fed the pixels SGLang's loader hands over, as an array. EXIF
+orientation is applied by none of the three (SGLang transposes only with ``smart_rgb_conversion``, which GLM-4V's
+processor sets).
 """
 
 from __future__ import annotations
@@ -115,11 +120,23 @@ def _image(height: int, width: int, mode: str, seed: int) -> Image.Image:
     return rgba.convert("RGB").convert(mode)
 
 
+def sglang_loaded(image: Image.Image) -> Image.Image:
+    """The image as SGLang 0.5.23's ``_load_single_item`` hands it to a Qwen-VL processor (``discard_alpha_channel``,
+    no ``smart_rgb_conversion``): converted to RGB unless it is RGB already."""
+    return image.convert("RGB") if image.mode != "RGB" else image
+
+
+def _sglang_input(image: Image.Image) -> np.ndarray:
+    """What the processor of SGLang's pinned transformers (5.19.0) works on: the RGB pixels as they are."""
+    return np.asarray(sglang_loaded(image))
+
+
 def _compare(processor: ImageProcessor, reference, image: Image.Image) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
-            theirs = reference(images=[image], return_tensors="pt")
+            theirs = reference(images=[_sglang_input(image)], return_tensors="pt",
+                               input_data_format="channels_last")
         except ValueError as exc:  # an aspect ratio past 200: refused by both
             with pytest.raises(ImageShapeError):
                 processor.resize(image)
@@ -181,6 +198,61 @@ def test_exif_orientation_is_not_applied() -> None:
 
     reference = Qwen2VLImageProcessorPil(min_pixels=3136, max_pixels=28 * 28 * 64)
     _compare(processor, reference, image)
+
+
+def _png(image: Image.Image) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, "PNG")
+    return buffer.getvalue()
+
+
+def _transparent_pngs() -> dict[str, bytes]:
+    """Seeded random PNGs with transparency, and 16-bit ones: each as a client would send it."""
+    rng = np.random.default_rng(20240607)
+    rgba = rng.integers(0, 256, (37, 53, 4), dtype=np.uint8)
+    rgba[..., 3] = rng.choice(np.array([0, 1, 128, 254, 255], dtype=np.uint8), (37, 53))
+    palette = Image.fromarray(rgba[..., :3], "RGB").convert("P", palette=Image.Palette.ADAPTIVE, colors=32)
+    palette.info["transparency"] = 3
+    la = Image.fromarray(rgba[..., [0, 3]], "LA")
+    gray16 = Image.fromarray(rng.integers(0, 65536, (37, 53), dtype=np.uint16))
+    rgb = Image.fromarray(rgba[..., :3] // 64 * 64, "RGB")  # few colours: the transparent one is frequent
+    rgb.info["transparency"] = (64, 128, 192)
+    return {"RGBA": _png(Image.fromarray(rgba, "RGBA")), "LA": _png(la), "P+transparency": _png(palette),
+            "RGB+tRNS": _png(rgb), "I;16": _png(gray16), "RGBA 16-bit": _rgba16_png(rng)}
+
+
+def _rgba16_png(rng: np.random.Generator) -> bytes:
+    """A 16-bit-per-channel RGBA PNG (Pillow cannot write one): written chunk by chunk."""
+    import struct
+    import zlib
+
+    height, width = 19, 23
+    values = rng.integers(0, 65536, (height, width, 4), dtype=np.uint16).astype(">u2")
+    raw = b"".join(b"\x00" + values[row].tobytes() for row in range(height))
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    header = struct.pack(">IIBBBBB", width, height, 16, 6, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(raw)) + chunk(b"IEND", b"")
+
+
+@pytest.mark.parametrize("kind", sorted(_transparent_pngs()))
+def test_transparency_is_dropped_as_sglang_drops_it(kind: str) -> None:
+    """A transparent or 16-bit PNG gives the pixels SGLang 0.5.23 gives: Pillow's ``convert("RGB")`` of the decoded
+    image (alpha dropped, a transparent pixel keeps the colour it stores), not a composite onto white."""
+    data = _transparent_pngs()[kind]
+    image = decode_image(data, ImagePolicy())
+    theirs = Image.open(io.BytesIO(data))
+    theirs.load()
+    config = ProcessorConfig(min_pixels=56 * 56, max_pixels=28 * 28 * 64)
+    processor = ImageProcessor(config)
+    resized = processor.resize(image)
+    expected = sglang_loaded(theirs).resize((resized.width, resized.height), resample=Image.Resampling.BICUBIC)
+    assert np.array_equal(resized.pixels, np.asarray(expected).transpose(2, 0, 1))
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    _compare(processor, Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=28 * 28 * 64), image)
 
 
 def _reference_positions(architecture: str, ids: list[int], grids: torch.Tensor) -> tuple[torch.Tensor, int]:

@@ -55,7 +55,8 @@ def _hf_inputs(ids: list[int], images) -> dict:
 @pytest.mark.parametrize("mode", ["RGB", "RGBA", "L", "P"])
 def test_processor_matches_transformers_pixel_for_pixel(mode: str) -> None:
     images = [random_image(h, w, seed=i, mode=mode) for i, (h, w) in enumerate(IMAGES + [(400, 2), (3, 3)])]
-    theirs = hf_processor()(images=images, return_tensors="pt")
+    # fed as SGLang's loader feeds it: convert("RGB") of anything not RGB (transparency dropped, not composited)
+    theirs = hf_processor()(images=[i if i.mode == "RGB" else i.convert("RGB") for i in images], return_tensors="pt")
     processor = ImageProcessor(PROCESSOR)
     resized = [processor.resize(image) for image in images]
     assert [list(processor.grid(r)) for r in resized] == theirs["image_grid_thw"].tolist()

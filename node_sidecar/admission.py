@@ -41,13 +41,15 @@ class AdmissionState(str, enum.Enum):
 
 
 class InFlight:
-    """One admitted request's place in the in-flight count; :meth:`release` gives it back (idempotent)."""
+    """One admitted request's place in the in-flight count, taken when it is made; :meth:`release` gives it back
+    (idempotent). The only owner of a count: whoever admits a request makes one, and its holder releases it."""
 
     __slots__ = ("_admission", "_is_released")
 
     def __init__(self, admission: Admission) -> None:
         self._admission = admission
         self._is_released = False
+        admission._count_in()
 
     def on_abort(self, cut: Callable[[], None]) -> None:
         """``cut`` runs at each round of an aborting drain while this request is counted (until released)."""
@@ -75,7 +77,7 @@ class HoldLimits:
 class _Held:
     """One waiting request: admitted or refused through ``future``; its timer refuses it at its deadline."""
 
-    future: asyncio.Future[None]
+    future: asyncio.Future[InFlight]  # its result: the place :meth:`Admission.open` took for it
     arrived: float
     num_bytes: int
     timer: asyncio.TimerHandle | None = None
@@ -134,7 +136,6 @@ class Admission:
         """Enter now if open (counted in flight until the lease is released); never waits."""
         if self.state is not AdmissionState.OPEN:
             return None
-        self._count_in()
         return InFlight(self)
 
     async def enter(self, *, may_hold: bool = True, num_bytes: int = 0) -> InFlight:
@@ -155,18 +156,17 @@ class Admission:
         # Awaited bare (no wait_for): a client leaving in the same loop tick as it is admitted or refused is
         # still seen leaving (wait_for before Python 3.12 swallows that cancellation).
         try:
-            await held.future
+            return await held.future
         except _HoldExpired:
             raise self._refuse() from None
         except asyncio.CancelledError:
             if _was_admitted(held.future):
-                self._count_out()  # admitted, but the client went away before running
+                held.future.result().release()  # admitted, but the client went away before running
             raise
         finally:
             if held.timer is not None:
                 held.timer.cancel()
             self._forget(held)
-        return InFlight(self)
 
     def reapply_limits(self) -> None:
         """The reason admission is closed changed (a pause ended on a released node, say): the held requests
@@ -196,8 +196,7 @@ class Admission:
         self.state = AdmissionState.OPEN
         for held in self._take_all():
             if not held.future.done():
-                self._count_in()
-                held.future.set_result(None)
+                held.future.set_result(InFlight(self))
 
     def refuse_held(self) -> None:
         """Refuse every held request now (the node cannot serve for a while)."""
@@ -268,11 +267,11 @@ class _HoldExpired(Exception):
     """A held request's hold timeout passed before admission opened."""
 
 
-def _expire(waiter: asyncio.Future[None]) -> None:
+def _expire(waiter: asyncio.Future[InFlight]) -> None:
     if not waiter.done():
         waiter.set_exception(_HoldExpired())
 
 
-def _was_admitted(waiter: asyncio.Future[None]) -> bool:
+def _was_admitted(waiter: asyncio.Future[InFlight]) -> bool:
     """Counted in by :meth:`Admission.open` (not refused, expired or cancelled); retrieves any exception."""
     return waiter.done() and not waiter.cancelled() and waiter.exception() is None

@@ -35,7 +35,7 @@ from handoff.service.disconnect import CLIENT_CLOSED, DisconnectWatch
 from handoff.service.errors import Unavailable
 from handoff.service.logs import rate_limit
 from handoff.service.peer_json import PeerJSONError, loads_bounded
-from handoff.service.relay import ChunkTransform, StreamRelay, relayed_headers, sse_error_event
+from handoff.service.relay import ChunkTransform, StreamRelay, WholeAnswer, relayed_headers, sse_error_event
 from handoff.service.upstream import (
     ConnectFailed,
     UpstreamClient,
@@ -72,10 +72,11 @@ def headers_to_node(scope_headers: Sequence[tuple[bytes, bytes]], node_headers: 
 
 
 def buffered_response(upstream: UpstreamResponse, body: bytes) -> Response:
-    """The node's answer, read whole, with its status and the headers the client gets."""
-    response = Response(body, status_code=upstream.status)
-    response.raw_headers = [*relayed_headers(upstream), (b"content-length", str(len(body)).encode())]
-    return response
+    """The node's answer, read whole, with its status and the headers the client gets; sent in pieces, so its
+    bytes stay in the request's answer share until the last went out (a client that stops reading is cut past the
+    exchange's deadline, as a stream is)."""
+    return WholeAnswer(body, status=upstream.status, deadline=upstream.deadline,
+                       headers=[*relayed_headers(upstream), (b"content-length", str(len(body)).encode())])
 
 
 def is_event_stream(upstream: UpstreamResponse) -> bool:

@@ -7,7 +7,10 @@ The body goes to the engine untouched (one that names media an engine not
 handoff's would fetch or read on its own is screened first:
 :mod:`node_sidecar.media`). A stream is relayed chunk by chunk with
 its SSE framing as the engine wrote it; a non-stream answer is read whole and
-passed on with the engine's status. A client that goes away closes the engine
+passed on with the engine's status, in pieces (:class:`WholeAnswer`): it stays
+counted, its bytes too, until its last piece went to the connection, and a
+client that stops reading is cut as a stream's is (an aborting drain, the
+generation deadline). A client that goes away closes the engine
 connection, which aborts the request in the engine. An engine that dies
 mid-stream ends the stream with an error event, never a silent cut.
 """
@@ -19,14 +22,13 @@ from typing import Any, Callable
 
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
-from starlette.types import Receive, Scope, Send
 
 from handoff.protocol import errors as E
 from handoff.protocol.errors import NotServingReason
 from handoff.protocol.weights import WEIGHT_VERSION_HEADER, pinned_version
 from handoff.service.disconnect import CLIENT_CLOSED, DisconnectWatch
 from handoff.service.errors import NotServing
-from handoff.service.relay import ChunkTransform, StreamRelay, relayed_headers, sse_error_event
+from handoff.service.relay import ChunkTransform, StreamRelay, WholeAnswer, relayed_headers, sse_error_event
 from handoff.service.upstream import UpstreamError, UpstreamResponse, UpstreamTimeout
 from node_sidecar.admission import InFlight
 from node_sidecar.engine_client import generation_overdue
@@ -47,21 +49,6 @@ def _answer(upstream: UpstreamResponse, content: bytes) -> Response:
 def _whole_answer_headers(upstream: UpstreamResponse, content: bytes) -> list[tuple[bytes, bytes]]:
     return [*relayed_headers(upstream, default_type=b"application/json"),
             (b"content-length", str(len(content)).encode())]
-
-
-class _CountedResponse(Response):
-    """The engine's answer, read whole, that runs ``on_done`` once it was sent (or failed to be)."""
-
-    def __init__(self, upstream: UpstreamResponse, content: bytes, on_done: Callable[[], None]) -> None:
-        super().__init__(content, status_code=upstream.status)
-        self.raw_headers = _whole_answer_headers(upstream, content)
-        self._on_done = on_done
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self._on_done()
 
 
 def _relayed_stream(node: Node, upstream: UpstreamResponse, release: Callable[[], None],
@@ -138,6 +125,9 @@ async def relay_generation(node: Node, request: Request, path: str) -> Response:
                                          count=held.take_answer)
         if call.answer is not None and 200 <= upstream.status < 300:
             content = call.answer(content)
+        answer = WholeAnswer(content, status=upstream.status, headers=_whole_answer_headers(upstream, content),
+                             on_close=release, deadline=upstream.deadline)
+        lease.on_abort(answer.cut_if_stalled)  # counted to its last byte: a client not reading holds it
     except asyncio.CancelledError:
         release()
         if not watch.is_disconnected:
@@ -149,7 +139,7 @@ async def relay_generation(node: Node, request: Request, path: str) -> Response:
         raise
     finally:
         watch.stop()
-    return _CountedResponse(upstream, content, release)
+    return answer
 
 
 def _releasing(lease: InFlight, held: BytesLease) -> Callable[[], None]:

@@ -17,7 +17,14 @@
   inside a half-sent one. A client that stops reading
   holds its stream (and the peer's in-flight count) until the exchange's
   deadline, a second more, then the stream is cut; an owner that ended the
-  request at the peer (an abort) cuts it sooner (:meth:`StreamRelay.cut_if_stalled`).
+  request at the peer (an abort) cuts it sooner (:meth:`StallCut.cut_if_stalled`).
+- :class:`WholeAnswer`: a buffered answer, sent in pieces of
+  :data:`ANSWER_PIECE_BYTES` so that each waits while the client does not read
+  (one write handed it all to the connection: its sender's count of it, a
+  request in flight and its bytes, ended there, while the bytes the client did
+  not take stayed in memory until it read them or left, uncounted and uncut).
+  It ends, and runs ``on_close``, after its last piece; a client that stops
+  reading is cut as a stream's is (the same :class:`StallCut`).
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ from handoff.service.upstream import ProtocolError, UpstreamError, UpstreamRespo
 log = logging.getLogger(__name__)
 
 STALLED_CLIENT_GRACE_S = 1.0  # past the exchange's deadline, a send still waiting on the client is given up
+ANSWER_PIECE_BYTES = 256 * 1024  # a buffered answer's bytes handed to the connection at a time
 RELAYED_RESPONSE_HEADERS = frozenset({b"content-type", b"content-encoding", b"cache-control", b"retry-after",
                                       b"x-request-id"})
 
@@ -70,7 +78,89 @@ class ChunkTransform:
         return b""
 
 
-class StreamRelay(Response):
+class StallCut(Response):
+    """A response whose sends a client that stops reading may hold: :meth:`cut_if_stalled` (an owner's abort) and
+    a timer past its deadline (:meth:`_arm_stall_timer`) cancel the task serving it while a send waits."""
+
+    _task: asyncio.Task[object] | None = None
+    _is_sending = False  # a send to the client is under way
+    _num_sends = 0  # sends begun: one waiting since an earlier look is the same number
+    _is_stalled = False  # ... and was given up past the deadline (or an abort)
+    _stall_mark: tuple[int, float] | None = None  # the send seen waiting, and since when
+
+    def cut_if_stalled(self) -> None:
+        """Cut the response if one send has waited on the client for :data:`STALLED_CLIENT_GRACE_S` since an
+        earlier call (called again and again by an owner that ended the request at the peer, an abort: the client,
+        not the peer, holds it, and the peer's in-flight count with it)."""
+        if not self._is_sending or self._task is None:
+            self._stall_mark = None
+            return
+        now = asyncio.get_running_loop().time()
+        if self._stall_mark is None or self._stall_mark[0] != self._num_sends:
+            self._stall_mark = (self._num_sends, now)
+        elif now - self._stall_mark[1] >= STALLED_CLIENT_GRACE_S:
+            self._is_stalled = True
+            self._task.cancel()
+
+    async def _send(self, send: Send, message: dict) -> None:
+        self._is_sending = True
+        self._num_sends += 1
+        await send(message)
+        self._is_sending = False
+
+    async def _send_body(self, send: Send, body: bytes, *, more_body: bool) -> None:
+        await self._send(send, {"type": "http.response.body", "body": body, "more_body": more_body})
+
+    def _arm_stall_timer(self, deadline: float | None) -> asyncio.TimerHandle | None:
+        """Past ``deadline`` (and a grace), a send still waiting on the client cancels this response: a client
+        that stops reading must not hold it, and the peer's in-flight count, for good."""
+        if deadline is None:
+            return None
+        task = asyncio.current_task()
+
+        def give_up() -> None:
+            if self._is_sending and task is not None:
+                self._is_stalled = True
+                task.cancel()
+
+        return asyncio.get_running_loop().call_at(deadline + STALLED_CLIENT_GRACE_S, give_up)
+
+
+class WholeAnswer(StallCut):
+    """``body``, read whole from a peer, sent with ``headers`` (``Content-Length`` among them) in pieces;
+    ``on_close`` runs once after the last piece went to the connection or the client left or was cut
+    (``deadline``: the exchange's, as a stream's)."""
+
+    def __init__(self, body: bytes, *, status: int, headers: list[tuple[bytes, bytes]],
+                 on_close: Callable[[], None] = lambda: None, deadline: float | None = None) -> None:
+        self.status_code = status
+        self.body = body
+        self.raw_headers = headers
+        self.background = None
+        self._on_close = on_close
+        self._deadline = deadline
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self._task = asyncio.current_task()
+        stall_timer = self._arm_stall_timer(self._deadline)
+        try:
+            await self._send(send, {"type": "http.response.start", "status": self.status_code,
+                                    "headers": self.raw_headers})
+            body = self.body
+            for start in range(0, max(len(body), 1), ANSWER_PIECE_BYTES):
+                end = start + ANSWER_PIECE_BYTES
+                await self._send_body(send, body[start:end], more_body=end < len(body))
+        except asyncio.CancelledError:
+            if not self._is_stalled:
+                raise
+            log.warning("a client stopped reading its answer; cut (past its deadline, or aborted)")
+        finally:
+            if stall_timer is not None:
+                stall_timer.cancel()
+            self._on_close()
+
+
+class StreamRelay(StallCut):
     """Streams ``upstream`` to the client as it arrives; owns the upstream (and ``watch``) from here on.
 
     ``on_failure(exc)`` turns a peer failing mid-stream into the final error
@@ -96,11 +186,6 @@ class StreamRelay(Response):
         self._transform = transform or ChunkTransform()
         self._is_events = any(name == b"content-type" and value.startswith(b"text/event-stream")
                               for name, value in self.raw_headers)
-        self._is_sending = False  # a send to the client is under way
-        self._num_sends = 0  # sends begun: one waiting since an earlier look is the same number
-        self._is_stalled = False  # ... and was given up past the deadline (or an abort)
-        self._task: asyncio.Task[object] | None = None
-        self._stall_mark: tuple[int, float] | None = None  # the send seen waiting, and since when
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         upstream, transform = self._upstream, self._transform
@@ -146,40 +231,3 @@ class StreamRelay(Response):
             watch.stop()
             upstream.close()  # a stream cut short closes the peer's connection: the peer aborts
             self._on_close(watch.is_disconnected or self._is_stalled)
-
-    def cut_if_stalled(self) -> None:
-        """Cut the stream if one send has waited on the client for :data:`STALLED_CLIENT_GRACE_S` since an earlier
-        call (called again and again by an owner that ended the request at the peer, an abort: the client, not
-        the peer, holds it, and the peer's in-flight count with it)."""
-        if not self._is_sending or self._task is None:
-            self._stall_mark = None
-            return
-        now = asyncio.get_running_loop().time()
-        if self._stall_mark is None or self._stall_mark[0] != self._num_sends:
-            self._stall_mark = (self._num_sends, now)
-        elif now - self._stall_mark[1] >= STALLED_CLIENT_GRACE_S:
-            self._is_stalled = True
-            self._task.cancel()
-
-    async def _send(self, send: Send, message: dict) -> None:
-        self._is_sending = True
-        self._num_sends += 1
-        await send(message)
-        self._is_sending = False
-
-    async def _send_body(self, send: Send, body: bytes, *, more_body: bool) -> None:
-        await self._send(send, {"type": "http.response.body", "body": body, "more_body": more_body})
-
-    def _arm_stall_timer(self, deadline: float | None) -> asyncio.TimerHandle | None:
-        """Past ``deadline`` (and a grace), a send still waiting on the client cancels this stream: a client
-        that stops reading must not hold it, and the peer's in-flight count, for good."""
-        if deadline is None:
-            return None
-        task = asyncio.current_task()
-
-        def give_up() -> None:
-            if self._is_sending and task is not None:
-                self._is_stalled = True
-                task.cancel()
-
-        return asyncio.get_running_loop().call_at(deadline + STALLED_CLIENT_GRACE_S, give_up)

@@ -149,7 +149,7 @@ def test_a_trainer_that_never_joins_is_a_bounded_timeout(cluster, lb) -> None:
         assert failure["reason"] == "timeout" or (failure.get("status") == 409
                                                   and "abandoned" in failure["detail"]), r.text
     assert "timeout" in {f["reason"] for f in r.json()["failures"]}, r.text
-    assert time.monotonic() - started < 10 and r.json()["rolled_back"]
+    assert time.monotonic() - started < 15 and r.json()["rolled_back"]  # the 3 s asked, not the engines' 20 s
     # nothing is left behind: the same group name joins at once with a trainer that does come
     trainer = Trainer(cluster.url, world_size=3)
     assert trainer.join().status_code == 200

@@ -6,15 +6,19 @@ cap, and the LB, the cluster's only URL, could be OOM-killed with every stream i
 
 from __future__ import annotations
 
+import json
+import socket
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import httpx
 import pytest
 
 from tests.lb.behaviours import Gate
 from tests.lb.fakes import Exchange, FakeCluster, FakeNode
+from tests.node_sidecar.test_stalled_reader import _send_queue, _stops_growing
 from tests.support.procs import wait_until
 
 pytestmark = pytest.mark.timeout(60)
@@ -22,6 +26,7 @@ pytestmark = pytest.mark.timeout(60)
 BIG_HEAD = 900_000  # what the held answer sends before it waits
 BIG_SIZE = 1_000_000
 MEDIUM = b'{"text": "' + b"m" * 700_000 + b'"}'
+HUGE = b'{"text": "' + b"h" * 5_000_000 + b'"}'  # more than the kernel's queues to a client that does not read
 
 
 def _by_size(gate: Gate):  # type: ignore[no-untyped-def]
@@ -41,6 +46,8 @@ def _by_size(gate: Gate):  # type: ignore[no-untyped-def]
             ex.write(b"b" * (BIG_SIZE - BIG_HEAD))
         elif payload["size"] == "medium":
             ex.respond(200, MEDIUM)
+        elif payload["size"] == "huge":
+            ex.respond(200, HUGE)
         else:
             ex.respond(200, {"text": "small"})
     return handler
@@ -88,3 +95,34 @@ def test_a_budget_below_one_answer_is_refused_at_start() -> None:
     done = subprocess.run([sys.executable, "-m", "lb", "--max-answer-bytes", "1000", "--max-buffered-answer-bytes",
                            "999"], capture_output=True, text=True, timeout=30)
     assert done.returncode == 2 and "--max-buffered-answer-bytes (999)" in done.stderr, done.stderr
+
+
+@pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads the kernel's send queue from /proc/net/tcp")
+def test_an_answer_its_client_does_not_read_stays_in_the_budget(fakes: FakeCluster, start_lb) -> None:
+    """A 5 MB answer whose client never reads: its bytes stay counted until the last went to the connection (they
+    were given back once handed to it in one write, and stayed in the LB's memory uncounted until the client read
+    or left), so a second one is 503 ``overloaded``; once the first client leaves, it passes (review, stop 46)."""
+    node = fakes.start_one()
+    node.handlers["/generate"] = _by_size(Gate(fakes))
+    lb = start_lb("--node", node.url, "--max-answer-bytes", str(6_000_000), "--max-buffered-answer-bytes",
+                  str(8_000_000))
+    host, port = lb.url[len("http://"):].rsplit(":", 1)
+    conn = socket.socket()
+    try:
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        conn.settimeout(30)
+        conn.connect((host, int(port)))
+        raw = json.dumps({"size": "huge"}).encode()
+        conn.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: "
+                     + str(len(raw)).encode() + b"\r\n\r\n" + raw)
+        lb_port, client_port = int(port), conn.getsockname()[1]
+        wait_until(_stops_growing(lambda: _send_queue(lb_port, client_port), still_s=1.0), timeout=30,
+                   what="the client's window closed")
+        second = lb.http.post("/generate", json={"size": "huge"})
+        assert second.status_code == 503 and second.json()["error"]["type"] == "overloaded", second.status_code
+    finally:
+        conn.close()
+
+    def passes() -> bool:
+        return lb.http.post("/generate", json={"size": "huge"}).status_code == 200
+    wait_until(passes, timeout=20, what="the budget given back once the client left")

@@ -393,6 +393,7 @@ def test_a_drain_longer_than_the_node_timeout_is_refused(module_fakes: FakeClust
     assert node.requests_to("/release_memory_occupation")[-1].body == huge
 
 
+@pytest.mark.timeout(60)  # an 11 s answer, beside the module's LB start on a loaded box: the module's 30 s is near
 def test_a_release_keeps_the_lbs_node_deadline_unless_asked(module_fakes: FakeCluster, shared_lb: LB) -> None:
     """Found by review: ``release(drain_timeout=0)`` through the client sent ``?timeout=10``, cutting each node's
     bound from the LB's 120 s (--control-timeout) to 10 s: a release staging large weights to host memory, 11 s

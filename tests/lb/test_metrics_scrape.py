@@ -62,5 +62,7 @@ def test_scrapes_with_many_members_do_not_hold_the_other_requests(start_lb) -> N
         alone.append(time.perf_counter() - started_at)
     latencies, answered = asyncio.run(_latencies_while_scraped(lb.url, num_scrapers=4, num_probes=20))
     assert answered >= 4
-    # a request waits for the loop's turns beside one rendering, never for whole renderings queued before it
-    assert statistics.median(latencies) < min(alone), (statistics.median(latencies), min(alone), max(latencies))
+    # a request waits for the loop's turns beside one rendering, never for whole renderings queued before it (a
+    # quarter of one rendering's time at the median; queued renderings made it six of them)
+    median = statistics.median(latencies)
+    assert median < 2 * min(alone), (median, min(alone), max(latencies))

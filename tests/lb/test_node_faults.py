@@ -355,4 +355,5 @@ def test_a_long_event_arriving_in_small_reads_costs_the_lb_linear_time(module_fa
     spent = _cpu_s(lb.proc.pid) - before
     assert answer.status_code == 200 and answer.content.endswith(b'"}\n\ndata: [DONE]\n\n')
     assert len(answer.content) == 48 * (1 << 20) + 300 + len(b'data: {"text": ""}\n\ndata: [DONE]\n\n')
-    assert spent < 1.5, f"the LB spent {spent:.1f} s of CPU relaying one 48 MB event"
+    # 0.36 s of CPU on a loaded 2-core box; searching everything held per read cost 3 s more (300 reads)
+    assert spent < 2.5, f"the LB spent {spent:.1f} s of CPU relaying one 48 MB event"

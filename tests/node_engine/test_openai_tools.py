@@ -240,4 +240,5 @@ def test_the_type_rewrite_deduplicates_in_linear_time_as_sglang_keeps_items() ->
     schema = {"type": [f"t{i}" for i in range(40_000)]}
     started = time.monotonic()
     normalize_json_schema_types(schema)
-    assert time.monotonic() - started < 2 and len(schema["type"]) == 40_000
+    # 0.3 s on a loaded 2-core box; quadratic, it took 20 s
+    assert time.monotonic() - started < 5 and len(schema["type"]) == 40_000

@@ -101,8 +101,18 @@ def test_a_push_waits_for_a_reload_under_way_until_its_own_deadline(client, chec
     thread.join(30)
     assert answer["r"].status_code == 504 and answer["r"].json()["error"]["type"] == "checkpoint_timeout"
     fired.unlink()
-    r = client.post("/update_weights_from_tensor", json=body)
-    assert r.status_code == 200, r.text
+
+    def pushed() -> bool:
+        """The slot is free again: a push is never refused as "one at a time" now. Its own 0.6 s (this engine's
+        first payload decode) a loaded box can miss (it did under CI-like load): that 504 is asked again."""
+        r = client.post("/update_weights_from_tensor", json=body)
+        assert "one at a time" not in r.text, r.text
+        if r.status_code == 504 and "the tensor payload: not done within" in r.json()["error"]["message"]:
+            return False
+        assert r.status_code == 200, r.text
+        return True
+
+    wait_until(pushed, timeout=30, interval=0.2, what="a push within its --weight-sync-timeout")
     assert client.get("/get_weight_version").json()["weight_version"] == "default"
 
 
@@ -144,7 +154,7 @@ def test_a_directory_where_a_shard_should_be_is_400(client, checkpoints, tmp_pat
 def test_a_stalled_read_is_504_after_the_timeout_and_the_node_keeps_serving(client, checkpoints,
                                                                             drill_file: Path) -> None:
     expected = greedy(client)
-    stall_s = RELOAD_TIMEOUT_S + 2
+    stall_s = RELOAD_TIMEOUT_S + 5  # a freeze of 6.5 s: far above what a loaded box's scheduling costs a call
     drill_file.write_text(json.dumps({"kind": "stall", "at": "read", "delay_s": stall_s}))  # a hung mount
     answer: dict[str, httpx.Response] = {}
     thread = threading.Thread(target=lambda: answer.update(r=client.post(
@@ -162,10 +172,10 @@ def test_a_stalled_read_is_504_after_the_timeout_and_the_node_keeps_serving(clie
     r = answer["r"]
     assert r.status_code == 504 and r.json()["error"]["type"] == "checkpoint_timeout", r.text
     assert RELOAD_TIMEOUT_S <= time.monotonic() - started < RELOAD_TIMEOUT_S + 5
-    # A read holding the GIL froze health for the whole stall (3.5 s: any call made in the first 1.2 s waited
-    # 2.3 s or more); a busy 2-core CI machine has answered one call in 0.69 s without any freeze (and held an
-    # event loop 2.1 s once under load), so the bound is 2 s, still below a freeze.
-    assert health_s and max(health_s) < 2.0, health_s
+    # A read holding the GIL froze health for the whole stall (6.5 s: any call made in the first 1.2 s waits
+    # 5.3 s or more). Without a freeze a call takes 0.01 s on a quiet machine; a busy 2-core CI machine has
+    # answered one in 0.69 s and held an event loop 2.1 s once under load: 4 s is room for that, below a freeze.
+    assert health_s and max(health_s) < 4.0, health_s
     # nothing half loaded: the old weights and version serve, also once the stalled read has gone on and ended
     time.sleep(max(0.0, stall_s - (time.monotonic() - started)) + 0.5)
     assert greedy(client) == expected

@@ -24,7 +24,7 @@ def test_a_wait_past_the_deadline_fails_and_holds_nothing() -> None:
             with pytest.raises(SlotTimeout, match="one at a time"):
                 async with slots.hold(deadline_after(0.2), SlotTimeout):
                     raise AssertionError("two updates held the slot at once")
-            assert 0.2 <= loop.time() - started < 2
+            assert 0.2 <= loop.time() - started < 4  # its own 0.2 s, not the holder's 5 s
             assert (slots.held, slots.waiting) == (1, 0)
         async with slots.hold(deadline_after(0.2), SlotTimeout):  # given back: the next one gets it at once
             assert slots.held == 1

@@ -183,7 +183,7 @@ async def test_an_aborting_drain_still_ends_at_its_deadline() -> None:
     loop = asyncio.get_running_loop()
     started = loop.time()
     assert await a.drain(0.3, abort=abort) is False
-    assert 0.29 <= loop.time() - started < 2.0 and num_aborts >= 2
+    assert 0.29 <= loop.time() - started < 4 and num_aborts >= 2
 
 
 async def test_held_bodies_are_bounded_in_bytes() -> None:
@@ -215,7 +215,7 @@ async def test_held_requests_follow_the_limits_of_now() -> None:
     for task in held[:2]:
         with pytest.raises(Unavailable):
             await asyncio.wait_for(task, 5)  # at the new timeout, counted from their arrival
-    assert loop.time() - started < 1 and a.num_held == 0
+    assert loop.time() - started < 3 and a.num_held == 0  # the new 0.2 s, not the pause's hour
     waiting = asyncio.create_task(a.enter())
     await until(lambda: a.num_held == 1)
     set_limits(a, None)

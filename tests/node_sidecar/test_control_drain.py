@@ -47,5 +47,5 @@ async def test_an_engine_slow_to_say_what_it_runs_does_not_stretch_the_drain() -
         started = loop.time()
         with pytest.raises(DrainTimeout) as error:
             await drainer(SlowEngine(3.0)).drain("wait", limit)
-        assert loop.time() - started < 1.5, loop.time() - started
+        assert loop.time() - started < 2.5, loop.time() - started  # 0.2-0.3 s; waiting the engine: 3 s
         assert error.value.status == 409

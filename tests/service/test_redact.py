@@ -77,13 +77,13 @@ def test_anything_deeper_than_the_bound_is_null() -> None:
     assert redact_secrets({"api_key": [[["x"]]]}, max_depth=1) == {"api_key": None}
 
 
-@pytest.mark.timeout(20)
+@pytest.mark.timeout(30)
 @pytest.mark.parametrize("text", ["a.-a" * 300_000, "a." * 500_000, "-a" + " " * 1_000_000 + "-", "x" * 1_000_000 + "=",
                                   "a://" * 250_000, "-token " * 150_000, '"a": ' * 200_000, "k=" * 500_000])
 def test_no_text_makes_the_redaction_quadratic(text: str) -> None:
     started = time.process_time()  # CPU time: a quadratic pass costs minutes of it, a loaded box none
     redact_text(text)
-    assert time.process_time() - started < 5
+    assert time.process_time() - started < 15  # up to 1.4 s on a dev box, twice that on a CI box
 
 
 @pytest.mark.parametrize("command,expected", [

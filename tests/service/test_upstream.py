@@ -135,7 +135,7 @@ async def test_hung_peer_costs_the_deadline(client: UpstreamClient) -> None:
         started = asyncio.get_running_loop().time()
         with pytest.raises(UpstreamTimeout):
             await client.request("GET", server.url, timeout=0.3)
-        assert asyncio.get_running_loop().time() - started < 2.0
+        assert asyncio.get_running_loop().time() - started < 5  # 0.3 s; a hung peer without it: forever
         assert client.num_connections == 0
 
 
@@ -151,7 +151,7 @@ async def test_headers_then_stall_times_out_on_the_body(client: UpstreamClient) 
         response = await client.request("GET", server.url, timeout=0.4)
         with pytest.raises(UpstreamTimeout):
             await response.read_whole(CAP)
-        assert 0.3 < loop.time() - started < 2.0
+        assert 0.3 < loop.time() - started < 5
 
 
 @pytest.mark.parametrize("when", ["before headers", "in body"])

@@ -26,6 +26,7 @@ from handoff.service.disconnect import DisconnectWatch
 from handoff.service.errors import InvalidRequest, ServiceError, parse_json_bytes
 from handoff.service.logs import rate_limit
 from handoff.service.peer_json import PeerJSONError
+from handoff.service.relay import WholeAnswer
 from handoff.service.upstream import UpstreamResponse
 from lb.config import Role
 from lb.errors import UpstreamFailed
@@ -210,7 +211,10 @@ class PDDispatcher:
         except PeerJSONError as exc:
             raise UpstreamFailed(f"cannot merge input logprobs of {prefill.url} and {decode.url}: {exc}",
                                  extra={"node": prefill.url}) from exc
-        return Response(merged, status_code=decode_up.status, media_type="application/json")
+        # in pieces, as every buffered answer: its bytes stay in the request's answer share until the last went out
+        return WholeAnswer(merged, status=decode_up.status, deadline=decode_up.deadline,
+                           headers=[(b"content-type", b"application/json"),
+                                    (b"content-length", str(len(merged)).encode())])
 
     async def _read_prefill(self, lease: RequestLease, upstream: UpstreamResponse, path: str) -> bytes:
         node = lease.node

@@ -142,7 +142,7 @@ class WholeAnswer(StallCut):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         self._task = asyncio.current_task()
-        stall_timer = self._arm_stall_timer(self._deadline)
+        stop_watch = self._arm_patient_cut(self._deadline)
         try:
             await self._send(send, {"type": "http.response.start", "status": self.status_code,
                                     "headers": self.raw_headers})
@@ -155,9 +155,24 @@ class WholeAnswer(StallCut):
                 raise
             log.warning("a client stopped reading its answer; cut (past its deadline, or aborted)")
         finally:
-            if stall_timer is not None:
-                stall_timer.cancel()
+            stop_watch()
             self._on_close()
+
+    def _arm_patient_cut(self, deadline: float | None) -> Callable[[], None]:
+        """Past ``deadline`` (and a grace), cut only a client that stopped reading: one send waiting a whole grace
+        (:meth:`cut_if_stalled`, asked every half grace), not a send that waits on a client reading slowly (an
+        answer read just before its deadline is still going out). Returns what stops the watch."""
+        if deadline is None:
+            return lambda: None
+        loop = asyncio.get_running_loop()
+        pending: list[asyncio.TimerHandle] = []
+
+        def look() -> None:
+            self.cut_if_stalled()
+            pending[0] = loop.call_later(STALLED_CLIENT_GRACE_S / 2, look)
+
+        pending.append(loop.call_at(deadline + STALLED_CLIENT_GRACE_S, look))
+        return lambda: pending[0].cancel()
 
 
 class StreamRelay(StallCut):

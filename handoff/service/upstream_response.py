@@ -15,7 +15,7 @@ class UpstreamResponse:
     unread closes the connection instead of returning it to the pool.
     """
 
-    __slots__ = ("url", "status", "headers", "is_truncated", "_conn", "_release", "_is_done", "_head")
+    __slots__ = ("url", "status", "headers", "is_truncated", "_conn", "_release", "_is_done", "_head", "_deadline")
 
     def __init__(self, url: str, conn: Connection, release: Callable[[Connection], None]) -> None:
         self.url = url
@@ -26,6 +26,8 @@ class UpstreamResponse:
         self._release = release
         self._is_done = False
         self._head = b""  # body bytes put back by :meth:`unread`, returned first
+        # this exchange's: the connection, back in the pool with the body's last byte, may take another's
+        self._deadline = conn.deadline
 
     def header(self, name: str) -> str | None:
         """The first value of header ``name`` (case-insensitive), decoded as latin-1."""
@@ -38,7 +40,7 @@ class UpstreamResponse:
     @property
     def deadline(self) -> float | None:
         """When the exchange must be over (the loop's clock), or None when no timeout bounds it."""
-        return self._conn.deadline
+        return self._deadline
 
     @property
     def content_type(self) -> str:

@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.lb.behaviours import Gate
+from tests.lb.behaviours import Gate, reply
 from tests.lb.fakes import Exchange, FakeCluster, FakeNode
 from tests.node_sidecar.test_stalled_reader import _send_queue, _stops_growing
 from tests.support.procs import wait_until
@@ -97,6 +97,27 @@ def test_a_budget_below_one_answer_is_refused_at_start() -> None:
     assert done.returncode == 2 and "--max-buffered-answer-bytes (999)" in done.stderr, done.stderr
 
 
+def _never_read(lb_url: str, body: dict[str, object]) -> socket.socket:
+    """``body`` sent to the LB's ``/generate`` on a connection whose client never reads, once the LB's kernel queue
+    to it is full (what it holds unsent no longer grows)."""
+    host, port = lb_url[len("http://"):].rsplit(":", 1)
+    conn = socket.socket()
+    try:
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        conn.settimeout(30)
+        conn.connect((host, int(port)))
+        raw = json.dumps(body).encode()
+        conn.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: "
+                     + str(len(raw)).encode() + b"\r\n\r\n" + raw)
+        lb_port, client_port = int(port), conn.getsockname()[1]
+        wait_until(_stops_growing(lambda: _send_queue(lb_port, client_port), still_s=1.0), timeout=30,
+                   what="the client's window closed")
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
 @pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads the kernel's send queue from /proc/net/tcp")
 def test_an_answer_its_client_does_not_read_stays_in_the_budget(fakes: FakeCluster, start_lb) -> None:
     """A 5 MB answer whose client never reads: its bytes stay counted until the last went to the connection (they
@@ -106,18 +127,8 @@ def test_an_answer_its_client_does_not_read_stays_in_the_budget(fakes: FakeClust
     node.handlers["/generate"] = _by_size(Gate(fakes))
     lb = start_lb("--node", node.url, "--max-answer-bytes", str(6_000_000), "--max-buffered-answer-bytes",
                   str(8_000_000))
-    host, port = lb.url[len("http://"):].rsplit(":", 1)
-    conn = socket.socket()
+    conn = _never_read(lb.url, {"size": "huge"})
     try:
-        conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        conn.settimeout(30)
-        conn.connect((host, int(port)))
-        raw = json.dumps({"size": "huge"}).encode()
-        conn.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: "
-                     + str(len(raw)).encode() + b"\r\n\r\n" + raw)
-        lb_port, client_port = int(port), conn.getsockname()[1]
-        wait_until(_stops_growing(lambda: _send_queue(lb_port, client_port), still_s=1.0), timeout=30,
-                   what="the client's window closed")
         second = lb.http.post("/generate", json={"size": "huge"})
         assert second.status_code == 503 and second.json()["error"]["type"] == "overloaded", second.status_code
     finally:
@@ -125,4 +136,38 @@ def test_an_answer_its_client_does_not_read_stays_in_the_budget(fakes: FakeClust
 
     def passes() -> bool:
         return lb.http.post("/generate", json={"size": "huge"}).status_code == 200
+    wait_until(passes, timeout=20, what="the budget given back once the client left")
+
+
+def _logprob_answer(prompt_tokens: int) -> bytes:
+    """A node's ``/generate`` answer with input logprobs of ``prompt_tokens`` tokens (about 90 bytes each)."""
+    entries = [[-0.5 - (i % 97) / 100, i, None] for i in range(prompt_tokens)]
+    tops = [[[-1.25 - k / 8, i + k, None] for k in range(3)] for i in range(prompt_tokens)]
+    return json.dumps({"text": "out", "meta_info": {"input_token_logprobs": entries, "input_top_logprobs": tops,
+                                                    "completion_tokens": 1}}).encode()
+
+
+@pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads the kernel's send queue from /proc/net/tcp")
+def test_a_merged_pd_answer_its_client_does_not_read_stays_in_the_budget(fakes: FakeCluster, start_lb) -> None:
+    """Found by review (stop 46): a PD pair's non-stream answer with ``return_logprob`` (the prefill's input
+    logprobs merged into the decode's answer, 5.5 MB here) was sent as one write, not in pieces as every other
+    buffered answer: its request's share of ``--max-buffered-answer-bytes`` was given back at once while the bytes
+    its client did not read stayed in the LB's memory, uncounted and never cut. A second such answer must be 503
+    ``overloaded`` while the first is unread, and pass once its client left."""
+    prefill, decode = fakes.start(2)
+    prefill.handlers["/generate"] = reply(200, _logprob_answer(30_000))
+    decode.handlers["/generate"] = reply(200, _logprob_answer(30_000))
+    lb = start_lb("--prefill", prefill.url, "--decode", decode.url, "--max-answer-bytes", str(3_000_000),
+                  "--max-buffered-answer-bytes", str(8_000_000))
+    body = {"text": "hi", "return_logprob": True}
+    conn = _never_read(lb.url, body)
+    try:
+        second = lb.http.post("/generate", json=body)
+        assert second.status_code == 503 and second.json()["error"]["type"] == "overloaded", second.status_code
+    finally:
+        conn.close()
+
+    def passes() -> bool:
+        answer = lb.http.post("/generate", json=body)
+        return answer.status_code == 200 and len(answer.json()["meta_info"]["input_token_logprobs"]) == 60_000
     wait_until(passes, timeout=20, what="the budget given back once the client left")

@@ -303,3 +303,22 @@ async def test_bytes_put_back_are_read_first_and_the_connection_still_pooled(cli
         again = await client.request("GET", server.url + "/q", timeout=5)
         assert await again.read_whole(CAP) == b"GET /q HTTP/1.1||"
         assert server.num_connections == 1
+
+
+async def test_a_responses_deadline_stays_its_own_once_its_connection_is_reused(client: UpstreamClient) -> None:
+    """Found by review (stop 46): a response's ``deadline`` was read off its connection, which goes back to the pool
+    with the body's last byte: a request that reused it meanwhile (a 1 s health check, a call with no timeout) made
+    it that request's, and a buffered answer relayed after an await (a PD merge on a thread) was cut a second after
+    a probe's deadline, or never."""
+    async with ScriptedServer(serve_ok) as server:
+        loop = asyncio.get_running_loop()
+        first = await client.request("POST", server.url + "/generate", timeout=3600)
+        assert await first.read_whole(CAP) == b"POST /generate HTTP/1.1||"
+        deadline = first.deadline
+        assert deadline is not None and deadline > loop.time() + 3000
+        probe = await client.request("GET", server.url + "/health", timeout=1)
+        await probe.read_whole(CAP)
+        untimed = await client.request("GET", server.url + "/health")
+        assert server.num_connections == 1  # each took the first one's connection from the pool
+        assert first.deadline == deadline and untimed.deadline is None
+        await untimed.read_whole(CAP)

@@ -18,8 +18,8 @@ import pytest
 
 from tests.lb.behaviours import Gate, reply
 from tests.lb.fakes import Exchange, FakeCluster, FakeNode
-from tests.node_sidecar.test_stalled_reader import _send_queue, _stops_growing
 from tests.support.procs import wait_until
+from tests.support.stalled_client import client_that_never_reads, wait_stalled
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -100,18 +100,9 @@ def test_a_budget_below_one_answer_is_refused_at_start() -> None:
 def _never_read(lb_url: str, body: dict[str, object]) -> socket.socket:
     """``body`` sent to the LB's ``/generate`` on a connection whose client never reads, once the LB's kernel queue
     to it is full (what it holds unsent no longer grows)."""
-    host, port = lb_url[len("http://"):].rsplit(":", 1)
-    conn = socket.socket()
+    conn = client_that_never_reads(lb_url, body)
     try:
-        conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        conn.settimeout(30)
-        conn.connect((host, int(port)))
-        raw = json.dumps(body).encode()
-        conn.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: "
-                     + str(len(raw)).encode() + b"\r\n\r\n" + raw)
-        lb_port, client_port = int(port), conn.getsockname()[1]
-        wait_until(_stops_growing(lambda: _send_queue(lb_port, client_port), still_s=1.0), timeout=30,
-                   what="the client's window closed")
+        wait_stalled(lb_url, conn, timeout=30)
     except BaseException:
         conn.close()
         raise

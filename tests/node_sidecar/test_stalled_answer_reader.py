@@ -9,16 +9,14 @@ deadline at all, so an abort-mode release answered 409 ``drain_timeout``.
 
 from __future__ import annotations
 
-import json
-import socket
 import time
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.node_sidecar.test_stalled_reader import _send_queue, _stops_growing
 from tests.support.procs import ServerProcess, wait_until
+from tests.support.stalled_client import client_that_never_reads, wait_stalled
 
 pytestmark = [pytest.mark.timeout(120),
               pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads /proc/net/tcp")]
@@ -27,23 +25,6 @@ pytestmark = [pytest.mark.timeout(120),
 LARGE = {"text": ["answer me"] * 8, "return_logprob": True, "top_logprobs_num": 20,
          "sampling_params": {"temperature": 0, "ignore_eos": True, "max_new_tokens": 1000}}
 SMALL = {"text": "a", "sampling_params": {"max_new_tokens": 2}}
-
-
-def _request(body: dict) -> bytes:
-    raw = json.dumps(body).encode()
-    return (b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: "
-            + str(len(raw)).encode() + b"\r\n\r\n" + raw)
-
-
-def _client_that_never_reads(url: str, *bodies: dict) -> socket.socket:
-    """``bodies`` sent one after another on one connection (pipelined) whose client never reads."""
-    host, port = url[len("http://"):].rsplit(":", 1)
-    conn = socket.socket()
-    conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    conn.settimeout(30)
-    conn.connect((host, int(port)))
-    conn.sendall(b"".join(_request(body) for body in bodies))
-    return conn
 
 
 def _start(log_dir: Path, name: str, *sidecar_args: str) -> tuple[ServerProcess, ServerProcess]:
@@ -55,19 +36,12 @@ def _start(log_dir: Path, name: str, *sidecar_args: str) -> tuple[ServerProcess,
     return engine, sidecar
 
 
-def _wait_stalled(sidecar: ServerProcess, conn: socket.socket) -> None:
-    """Until the sidecar's kernel queue to ``conn`` is full (what it holds unsent no longer grows)."""
-    sidecar_port, client_port = int(sidecar.url.rsplit(":", 1)[1]), conn.getsockname()[1]
-    wait_until(_stops_growing(lambda: _send_queue(sidecar_port, client_port), still_s=1.0), timeout=60,
-               what="the client's window closed")
-
-
 def test_an_abort_release_is_not_held_by_an_answer_pipelined_behind_one_never_read(proc_log_dir: Path) -> None:
     engine, sidecar = _start(proc_log_dir, "pipelined-answer")
     conn = None
     try:
-        conn = _client_that_never_reads(sidecar.url, LARGE, SMALL)
-        _wait_stalled(sidecar, conn)
+        conn = client_that_never_reads(sidecar.url, LARGE, SMALL)
+        wait_stalled(sidecar.url, conn)
         wait_until(lambda: httpx.get(sidecar.url + "/v1/loads").json()["loads"][0]["num_running_reqs"] == 1,
                    timeout=30, what="one answer waiting on its client")
         released = httpx.post(sidecar.url + "/release_memory_occupation", json={"mode": "abort", "drain_timeout": 4},
@@ -94,8 +68,8 @@ def test_an_answer_never_read_stays_counted_in_the_inflight_bytes(proc_log_dir: 
                              "--max-inflight-bytes", str(8 << 20))
     conn = None
     try:
-        conn = _client_that_never_reads(sidecar.url, LARGE)
-        _wait_stalled(sidecar, conn)
+        conn = client_that_never_reads(sidecar.url, LARGE)
+        wait_stalled(sidecar.url, conn)
         second = httpx.post(sidecar.url + "/generate", json=LARGE, timeout=60)
         assert second.status_code == 502, (second.status_code, len(second.content))
         assert "--max-inflight-bytes" in second.json()["error"]["message"]

@@ -50,7 +50,7 @@ from node_engine.vision.arch import QWEN2_5_VL, QWEN2_VL, VisionArch
 from node_engine.vision.decode import ImagePolicy, decode_image
 from node_engine.vision.placeholders import expand
 from node_engine.vision.processor import ImageProcessor, ImageShapeError, ProcessorConfig
-from tests.node_engine.vl_checkpoints import PLACEHOLDER, text_ids
+from tests.node_engine.vl_checkpoints import PLACEHOLDER, encoded, text_ids
 
 pytest.importorskip("transformers")
 
@@ -200,12 +200,6 @@ def test_exif_orientation_is_not_applied() -> None:
     _compare(processor, reference, image)
 
 
-def _png(image: Image.Image) -> bytes:
-    buffer = io.BytesIO()
-    image.save(buffer, "PNG")
-    return buffer.getvalue()
-
-
 def _transparent_pngs() -> dict[str, bytes]:
     """Seeded random PNGs with transparency, and 16-bit ones: each as a client would send it."""
     rng = np.random.default_rng(20240607)
@@ -217,8 +211,8 @@ def _transparent_pngs() -> dict[str, bytes]:
     gray16 = Image.fromarray(rng.integers(0, 65536, (37, 53), dtype=np.uint16))
     rgb = Image.fromarray(rgba[..., :3] // 64 * 64, "RGB")  # few colours: the transparent one is frequent
     rgb.info["transparency"] = (64, 128, 192)
-    return {"RGBA": _png(Image.fromarray(rgba, "RGBA")), "LA": _png(la), "P+transparency": _png(palette),
-            "RGB+tRNS": _png(rgb), "I;16": _png(gray16), "RGBA 16-bit": _rgba16_png(rng)}
+    return {"RGBA": encoded(Image.fromarray(rgba, "RGBA")), "LA": encoded(la), "P+transparency": encoded(palette),
+            "RGB+tRNS": encoded(rgb), "I;16": encoded(gray16), "RGBA 16-bit": _rgba16_png(rng)}
 
 
 def _rgba16_png(rng: np.random.Generator) -> bytes:

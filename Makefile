@@ -41,7 +41,7 @@ demo: $(STAMP)
 TEST_WORKERS ?= 2
 
 test: $(STAMP)
-	$(PYTHON) -m pytest -q -n $(TEST_WORKERS)
+	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) --durations=30
 
 # The engine-kind tests on a real vLLM server (CPU): see docs/engines.md.
 test-vllm: $(VLLM_STAMP)

@@ -200,6 +200,9 @@ async def _default_handler(node: FakeNode, ex: Exchange) -> None:
     elif path == "/resume_memory_occupation":
         node.set_released(False)
         ex.respond(200, {"success": True, "resumed": ["weights"], "node": node.url})
+    elif path == "/v1/models" or path.startswith("/v1/models/"):  # the LB relays only a model list or card
+        card = {"id": path.removeprefix("/v1/models/") if path != "/v1/models" else "fake", "object": "model"}
+        ex.respond(200, card if path != "/v1/models" else {"object": "list", "data": [card]})
     else:
         ex.respond(200, {"success": True, "path": path, "node": node.url})
 

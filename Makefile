@@ -36,12 +36,13 @@ venv-vllm: $(VLLM_STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/handoff demo $(if $(MODEL),--model $(MODEL))
 
-# Two workers: the suite's tests mostly wait on the processes they start, so on the 2-core CI box two at a time
-# take about half the wall time (17.5 -> 9 min). TEST_WORKERS=0 runs them one at a time.
+# Two workers: on the 2-core CI box two at a time take about half the wall time. TEST_WORKERS=0 runs them one at a
+# time. Work stealing: each worker starts on one half of the suite in its order (a module's tests stay together, its
+# module-scoped processes start once) and takes from the other's end when its own runs out (no tail on one worker).
 TEST_WORKERS ?= 2
 
 test: $(STAMP)
-	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) --durations=30
+	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist worksteal --durations=30
 
 # The engine-kind tests on a real vLLM server (CPU): see docs/engines.md.
 test-vllm: $(VLLM_STAMP)

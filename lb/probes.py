@@ -3,7 +3,7 @@
 - ``GET /v1/models``, ``/v1/models/{id}``: a node's answer, relayed once it is read as JSON (within bounds)
   of the shape the path answers, a model list or a card (the OpenAI SDK's ``models.list()``,
   ``models.retrieve()``); ``/model_info`` is
-  ``lb/routes_weights.py``'s (it adds the cluster's weight version);
+  ``lb/weight_versions.py``'s (asked here with :meth:`Probes.ask_object`, plus the cluster's weight version);
 - ``GET /get_server_info``, ``/server_info``: a node's answer without its
   secrets (a plain SGLang node's has its ``api_key``, which may be the
   LB's own token to it), plus ``handoff_cluster``, the cluster's view
@@ -128,15 +128,21 @@ class Probes:
         _, status, body = await self.ask(path, is_lookup=is_lookup, shape=shape)
         return Response(body, status_code=status, media_type="application/json")
 
-    async def server_info(self, path: str) -> JSONResponse:
+    async def ask_object(self, path: str, parse: Callable[[bytes], Any] = loads_bounded) -> tuple[Node, dict[str, Any]]:
+        """The first node's answer to ``GET path`` that is a JSON object (asked as :meth:`ask` asks: any healthy
+        node, serving nodes first), read by ``parse`` off the loop."""
         node, status, body = await self.ask(path, shape=_object_shape)
-        try:  # parsed and redacted off the loop: up to MAX_PROBE_ANSWER_BYTES of a peer's JSON
-            info = await asyncio.to_thread(_redacted_object, body) if status == 200 else None
+        try:  # parsed off the loop: up to MAX_PROBE_ANSWER_BYTES of a peer's JSON
+            info = await asyncio.to_thread(parse, body) if status == 200 else None
         except PeerJSONError as exc:
             raise ServiceError(f"{node.url}{path} answered JSON we cannot read: {exc}",
                                kind=E.UPSTREAM_ERROR) from exc
         if not isinstance(info, dict):
             raise ServiceError(f"{node.url}{path} did not answer an object", kind=E.UPSTREAM_ERROR)
+        return node, info
+
+    async def server_info(self, path: str) -> JSONResponse:
+        node, info = await self.ask_object(path, _redacted_object)  # parsed and redacted off the loop
         nodes = self.cluster.membership.nodes()
         return JSONResponse({**info, "handoff_cluster": {"answered_by": node.url, **cluster_occupation(nodes)}})
 

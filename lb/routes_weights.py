@@ -26,6 +26,7 @@ from lb.cluster import Cluster
 from lb.config import LBConfig
 from lb.openapi import CONTROL_PARAMETERS, NODE_PARAMETER
 from lb.params import FANOUT_QUERY, role_param
+from lb.probes import Probes
 from lb.routes_control import FanoutSend, fanned_out, fanout_endpoint
 from lb.weight_sync import WeightGroups, WeightSync
 from lb.weight_versions import WeightVersions
@@ -83,8 +84,7 @@ def weight_routes(cluster: Cluster, config: LBConfig, admin: BearerToken) -> API
         return await WeightVersions(cluster.membership, cluster.health).weight_versions()
 
     async def model_info() -> dict[str, Any]:
-        versions = WeightVersions(cluster.membership, cluster.health)
-        return await versions.model_info(cluster.client, cluster.node_headers, config.health_timeout_s)
+        return await WeightVersions(cluster.membership, cluster.health).model_info(Probes(cluster))
 
     for path in ("/model_info", "/get_model_info"):
         router.add_api_route(path, model_info, methods=["GET"], name=path.strip("/"))

@@ -1,18 +1,16 @@
 """The cluster's weight versions as the LB reports them: ``GET /get_weight_version`` (every node's version, checked
-now, and whether they agree) and SGLang's ``/model_info`` of one serving node with the cluster's version."""
+now, and whether they agree) and SGLang's ``/model_info`` of one node with the cluster's version (the node asked
+as :class:`lb.probes.Probes` asks every probe path)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from handoff.service.peer_json import PeerJSONError, loads_bounded
-from handoff.service.upstream import UpstreamClient, UpstreamError
-from lb.errors import NoAvailableNode, NoNodes
+from lb.errors import NoNodes
 from lb.health import HealthMonitor
 from lb.membership import Membership
 from lb.node import NodeHealth
-
-MAX_INFO_BYTES = 64 * 1024
+from lb.probes import Probes
 
 
 class WeightVersions:
@@ -36,24 +34,12 @@ class WeightVersions:
         return {"weight_version": next(iter(distinct)) if consistent else None, "consistent": consistent,
                 "nodes": versions}
 
-    async def model_info(self, client: UpstreamClient, headers: dict[str, str], timeout_s: float) -> dict[str, Any]:
-        """SGLang's ``/model_info`` of one serving node, with the cluster's ``weight_version`` (null when the
-        nodes disagree) and every node's in ``weight_versions``."""
-        versions = await self.weight_versions()
-        nodes = [n for n in self._membership.nodes() if n.is_routable] or list(self._membership.nodes())
-        if not nodes:
+    async def model_info(self, probes: Probes) -> dict[str, Any]:
+        """SGLang's ``/model_info`` of one node (asked as the other probes are: any healthy node, serving nodes
+        first; when none answers an object, 502 ``upstream_error`` naming each), with the cluster's
+        ``weight_version`` (null when the nodes disagree) and every node's in ``weight_versions``."""
+        if not self._membership.nodes():
             raise NoNodes("no nodes to send /model_info to")
-        last_error = "no node answered"
-        for node in nodes:
-            try:
-                response = await client.request("GET", node.url + "/model_info", headers=headers, timeout=timeout_s)
-                async with response:
-                    raw = await response.read_whole(MAX_INFO_BYTES)
-                info = loads_bounded(raw) if response.status == 200 else None
-            except (UpstreamError, PeerJSONError) as exc:
-                last_error = f"{node.url}: {exc}"
-                continue
-            if isinstance(info, dict):
-                return {**info, "weight_version": versions["weight_version"], "weight_versions": versions}
-            last_error = f"{node.url} answered {response.status}"
-        raise NoAvailableNode(f"no node could tell its model info ({last_error})", retry_after=1)
+        versions = await self.weight_versions()
+        _, info = await probes.ask_object("/model_info")
+        return {**info, "weight_version": versions["weight_version"], "weight_versions": versions}

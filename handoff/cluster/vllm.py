@@ -5,7 +5,9 @@ vLLM has no port file, so a free port is picked first; its dev endpoints
 nothing is fetched from a hub (``HF_HUB_OFFLINE=1``: the model must be a local
 folder). On CPU: ``VLLM_CPU_KVCACHE_SPACE`` GiB of KV cache, threads not
 pinned to cores (several engines share the machine), eager mode (no compile
-at start). The distribution is ``vllm-cpu``, whose ``vllm serve`` entry point
+at start). vLLM's engine sockets (``VLLM_RPC_BASE_PATH``) go in a folder of
+their own, removed when the process is stopped or killed (vLLM leaves them in
+the temporary folder when its group is signalled). The distribution is ``vllm-cpu``, whose ``vllm serve`` entry point
 does not start: the server module is run instead. handoff's worker extension
 is loaded (``--worker-extension-cls``, :data:`~handoff.protocol.engines.VLLM_WORKER_EXTENSION`): with it the
 sidecar serves SGLang's tensor and broadcast weight updates on this node
@@ -17,10 +19,12 @@ Start-up takes minutes on a small machine (1.5 to 4.5 on 2 cores).
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Sequence
 
@@ -71,9 +75,15 @@ class VllmProcess(ServerProcess):
         super().__init__(VLLM_MODULE, ["--model", model_path, *cpu_args, *extension, *args], log_dir=log_dir, name=name,
                          env={**vllm_env(device), **(env or {})}, host=host)
         self.python = python or vllm_python()
+        self.owns_rpc_dir = "VLLM_RPC_BASE_PATH" not in (env or {})  # else the caller's folder is used as is
+        self.rpc_dir: str | None = None  # the folder of this run's engine sockets, while it runs
 
     def launch(self, *, port: int | None = None) -> "VllmProcess":
         self.port = port or self.port or _free_port(self.host)  # no port file: the port is chosen here
+        if self.owns_rpc_dir:
+            self._remove_rpc_dir()
+            self.rpc_dir = tempfile.mkdtemp(prefix="handoff-vllm-")
+            self.env = {**(self.env or {}), "VLLM_RPC_BASE_PATH": self.rpc_dir}
         super().launch(port=self.port)
         return self
 
@@ -98,11 +108,19 @@ class VllmProcess(ServerProcess):
         self._signal_group(signal.SIGTERM)
         code = super().stop(timeout)
         self._signal_group(signal.SIGKILL)  # a child that outlived its parent
+        self._remove_rpc_dir()
         return code
 
     def kill(self, *, wait: bool = True) -> None:
         self._signal_group(signal.SIGKILL)
         super().kill(wait=wait)
+        if wait:
+            self._remove_rpc_dir()
+
+    def _remove_rpc_dir(self) -> None:
+        if self.rpc_dir is not None:
+            shutil.rmtree(self.rpc_dir, ignore_errors=True)  # sockets only: nothing in it is worth an error
+            self.rpc_dir = None
 
     def _signal_group(self, sig: signal.Signals) -> None:
         if self.proc is not None:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
 from tests.support.procs import assert_refused_at_start
+from tests.support.refusals import RefusalRunner, refusal_runner
 
 # (the flag the message must name, the arguments, the environment); {tmp} is a folder of the test's own
 CASES = [
@@ -59,8 +61,38 @@ CASES = [
 ]
 
 
+@pytest.fixture(scope="module")
+def lb_runner() -> Iterator[RefusalRunner]:
+    yield from refusal_runner("lb")
+
+
 @pytest.mark.parametrize(("flag", "args", "env"), CASES, ids=[" ".join(c[1]) or str(c[2]) for c in CASES])
 def test_a_bad_flag_value_stops_the_lb_naming_the_flag(flag: str, args: list[str], env: dict[str, str],
-                                                       tmp_path: Path) -> None:
+                                                       tmp_path: Path, lb_runner: RefusalRunner) -> None:
     argv = ["lb", "--port", "0", *(a.replace("{tmp}", str(tmp_path)) for a in args)]
-    assert_refused_at_start(argv, flag, env=env, timeout_s=20)
+    assert_refused_at_start(argv, flag, env=env, timeout_s=20, runner=lb_runner)
+
+
+def test_python_m_lb_itself_refuses_a_bad_flag_value() -> None:
+    """The table runs in forks of one process (tests/support/refusal_runner.py); the entry point itself, in a fresh
+    interpreter, refuses as they do."""
+    assert_refused_at_start(["lb", "--port", "0", "--max-nodes", "0"], "--max-nodes", timeout_s=20)
+    assert_refused_at_start(["lb", "--port", "0"], "--admin-token", env={"HANDOFF_ADMIN_TOKEN": " "}, timeout_s=20)
+
+
+def test_the_runner_reports_a_value_taken_as_started(lb_runner: RefusalRunner) -> None:
+    """A flag value the LB took (here: none is bad) shows as a start, the LB killed, and the runner serves on."""
+    with pytest.raises(AssertionError, match=r"started: still running after 2 s; its stderr ends:\n"):
+        assert_refused_at_start(["lb", "--port", "0", "--host", "127.0.0.1"], "--port", timeout_s=2, runner=lb_runner)
+    assert_refused_at_start(["lb", "--port", "0", "--max-nodes", "0"], "--max-nodes", timeout_s=20, runner=lb_runner)
+
+
+def test_the_runner_keeps_both_ends_of_a_long_stderr() -> None:
+    from tests.support.refusal_runner import STDERR_KEEP, _Tail
+
+    tail = _Tail()
+    tail.add(b"first\n" + b"x" * (3 * STDERR_KEEP))
+    tail.add(b"\nlast line\n")
+    text = tail.text()
+    assert text.startswith("first\n") and text.endswith("\nlast line\n") and len(text) < 2 * STDERR_KEEP + 100
+    assert f"[... {STDERR_KEEP + 6 + 11} bytes left out ...]" in text, text[STDERR_KEEP - 10:STDERR_KEEP + 60]

@@ -176,3 +176,41 @@ def test_a_404_for_an_unknown_model_is_relayed_only_as_json(module_fakes, shared
     for _ in range(3):
         missing = shared_lb.http.get("/v1/models/nope")
         assert missing.status_code == 404 and missing.json()["error"]["message"] == "no"
+
+
+def test_model_info_failing_on_every_node_names_each_node(module_fakes, shared_lb) -> None:
+    """Found by review: /model_info asked its nodes with a loop of its own, and when none answered it was a 503
+    no_available_node naming only the last node's error (the first node's failure was lost). It is now asked
+    as the other probes are (lb/probes.py): a 502 upstream_error with every node's failure in ``failures``."""
+    broken, odd = module_fakes.start(2)
+    broken.handlers["/model_info"] = reply(500, {"error": "boom"})
+    odd.handlers["/model_info"] = reply(200, [1, 2])  # JSON, but no object
+    set_members(shared_lb, broken.url, odd.url)
+    shared_lb.wait_routable([broken.url, odd.url])
+    for path in ("/model_info", "/get_model_info"):
+        failed = shared_lb.http.get(path)
+        assert failed.status_code == 502, (path, failed.status_code, failed.text)
+        error = failed.json()["error"]
+        assert error["type"] == "upstream_error", error
+        by_node = {failure["node"]: failure for failure in error["failures"]}
+        assert by_node[broken.url] == {"node": broken.url, "status": 500}, error
+        assert "not an object" in by_node[odd.url]["error"], error
+
+
+def test_model_info_skips_a_hung_node_for_a_healthy_one(module_fakes, shared_lb) -> None:
+    """A node that never answers /model_info costs --health-timeout (1 s here) at most, then the next node
+    answers (asked as every probe path is, lb/probes.py); its answer carries the cluster's weight version."""
+    hung, good = module_fakes.start(2)
+    hung.handlers["/model_info"] = hang()
+    good.handlers["/model_info"] = reply(200, {"model_path": "m", "node": good.url})
+    for node in (hung, good):
+        node.state["weight_version"] = "v5"
+    set_members(shared_lb, hung.url, good.url)
+    shared_lb.wait_routable([hung.url, good.url])
+    started = time.monotonic()
+    info = shared_lb.http.get("/model_info", timeout=20)
+    assert info.status_code == 200, info.text
+    body = info.json()
+    assert body["node"] == good.url and body["model_path"] == "m" and body["weight_version"] == "v5", body
+    assert body["weight_versions"]["consistent"] is True, body
+    assert time.monotonic() - started < 10  # 1 s for the hung node, then the good one: room for a loaded box

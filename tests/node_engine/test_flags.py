@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
 from tests.support.procs import assert_refused_at_start
+from tests.support.refusals import RefusalRunner, refusal_runner
 
 # (the flag the message must name, the arguments); {tmp} is a folder of the test's own, {file} a file in it
 CASES = [
@@ -67,13 +69,29 @@ CASES = [
 ]
 
 
+@pytest.fixture(scope="module")
+def engine_runner() -> Iterator[RefusalRunner]:
+    yield from refusal_runner("node_engine")
+
+
 @pytest.mark.parametrize(("flag", "args"), CASES, ids=[" ".join(c[1]) for c in CASES])
-def test_a_bad_flag_value_stops_the_engine_naming_the_flag(flag: str, args: list[str], tmp_path: Path) -> None:
+def test_a_bad_flag_value_stops_the_engine_naming_the_flag(flag: str, args: list[str], tmp_path: Path,
+                                                           engine_runner: RefusalRunner) -> None:
     file = tmp_path / "file"
     file.write_text("x")
     values = (a.replace("{tmp}", str(tmp_path)).replace("{file}", str(file)) for a in args)
-    stderr = assert_refused_at_start(["node_engine", "--model-path", "builtin:tiny", "--port", "0", *values], flag)
+    stderr = assert_refused_at_start(["node_engine", "--model-path", "builtin:tiny", "--port", "0", *values], flag,
+                                     runner=engine_runner)
     assert "loaded in" not in stderr, stderr  # refused before the model loads (minutes for a real one)
+
+
+def test_python_m_node_engine_itself_refuses_a_bad_flag_value(tmp_path: Path) -> None:
+    """The table runs in forks of one process (tests/support/refusal_runner.py); the entry point itself, in a fresh
+    interpreter, refuses as they do: in its flags, and past the model's build (torch imported)."""
+    for values, flag in ((["--max-body-bytes", "0"], "--max-body-bytes"),
+                         (["--max-total-tokens", "99999999999999"], "--max-total-tokens")):
+        stderr = assert_refused_at_start(["node_engine", "--model-path", "builtin:tiny", "--port", "0", *values], flag)
+        assert "loaded in" not in stderr, stderr
 
 
 def test_a_memory_budget_past_the_containers_limit_is_refused(tmp_path: Path, monkeypatch, capsys) -> None:

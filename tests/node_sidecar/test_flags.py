@@ -4,10 +4,12 @@ serves."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
 from tests.support.procs import assert_refused_at_start
+from tests.support.refusals import RefusalRunner, refusal_runner
 
 ENGINE_URL = "http://127.0.0.1:9"
 # (the flag the message must name, the arguments, the environment); {tmp} is a folder of the test's own
@@ -56,9 +58,22 @@ CASES = [
 ]
 
 
+@pytest.fixture(scope="module")
+def sidecar_runner() -> Iterator[RefusalRunner]:
+    yield from refusal_runner("node_sidecar")
+
+
 @pytest.mark.parametrize(("flag", "args", "env"), CASES, ids=[" ".join(c[1]) or str(c[2]) for c in CASES])
 def test_a_bad_flag_value_stops_the_sidecar_naming_the_flag(flag: str, args: list[str], env: dict[str, str],
-                                                            tmp_path: Path) -> None:
+                                                            tmp_path: Path, sidecar_runner: RefusalRunner) -> None:
     url = [] if "--engine-url" in args else ["--engine-url", ENGINE_URL]
     argv = ["node_sidecar", "--port", "0", *url, *(a.replace("{tmp}", str(tmp_path)) for a in args)]
-    assert_refused_at_start(argv, flag, env=env, timeout_s=20)
+    assert_refused_at_start(argv, flag, env=env, timeout_s=20, runner=sidecar_runner)
+
+
+def test_python_m_node_sidecar_itself_refuses_a_bad_flag_value() -> None:
+    """The table runs in forks of one process (tests/support/refusal_runner.py); the entry point itself, in a fresh
+    interpreter, refuses as they do."""
+    assert_refused_at_start(["node_sidecar", "--port", "0", "--engine-url", "http://"], "--engine-url", timeout_s=20)
+    assert_refused_at_start(["node_sidecar", "--port", "0", "--engine-url", ENGINE_URL], "--api-key",
+                            env={"HANDOFF_API_KEY": "t\u00f6k"}, timeout_s=20)

@@ -10,10 +10,13 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Iterator, Mapping
 
 from handoff.cluster import process
 from handoff.cluster.process import ProcessFailed, wait_until
+
+if TYPE_CHECKING:
+    from tests.support.refusals import RefusalRunner
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -86,18 +89,35 @@ def sigint_by_default() -> None:
 _TOKEN_VARS = ("HANDOFF_ADMIN_TOKEN", "HANDOFF_API_KEY")
 
 
+def token_free_environ() -> dict[str, str]:
+    """This process's environment without the tokens a service would take from it (a test's case sets them)."""
+    return {k: v for k, v in os.environ.items() if k not in _TOKEN_VARS}
+
+
 def assert_refused_at_start(argv: list[str], flag: str, *, env: Mapping[str, str] | None = None,
-                            timeout_s: float = 60.0) -> str:
+                            timeout_s: float = 60.0, runner: RefusalRunner | None = None) -> str:
     """``python -m *argv`` exits 2 with one last line on stderr naming ``flag`` and no traceback (its stderr is
-    returned). A process still running after ``timeout_s`` took the bad value and started (it is killed)."""
-    environ = {k: v for k, v in os.environ.items() if k not in _TOKEN_VARS}
+    returned). A process still running after ``timeout_s`` took the bad value and started (it is killed).
+
+    With ``runner`` (:mod:`tests.support.refusals`, for ``argv[0]``), the case runs in a fork of a process that
+    imported the component once, with the same environment and folder a fresh interpreter gets here."""
+    environ = token_free_environ()
     environ.update(env or {})
-    try:
-        done = subprocess.run([sys.executable, "-m", *argv], cwd=REPO_ROOT, env=environ, capture_output=True,
-                              text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        raise AssertionError(f"{argv} started: still running after {timeout_s:g} s") from None
-    lines = [line for line in done.stderr.splitlines() if line.strip()]
-    assert done.returncode == 2 and lines and flag in lines[-1] and "Traceback" not in done.stderr, \
-        (argv, done.returncode, done.stderr[-2000:])
-    return done.stderr
+    if runner is not None:
+        assert argv[0] == runner.component, (argv, runner.component)
+        done = runner.run(argv[1:], env=environ, cwd=REPO_ROOT, timeout_s=timeout_s)
+        returncode, stderr, timed_out = done.returncode, done.stderr, done.timed_out
+    else:
+        try:
+            ran = subprocess.run([sys.executable, "-m", *argv], cwd=REPO_ROOT, env=environ, capture_output=True,
+                                 text=True, timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"{argv} started: still running after {timeout_s:g} s") from None
+        returncode, stderr, timed_out = ran.returncode, ran.stderr, False
+    if timed_out:
+        raise AssertionError(f"{argv} started: still running after {timeout_s:g} s; its stderr ends:\n"
+                             f"{stderr[-2000:]}")
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert returncode == 2 and lines and flag in lines[-1] and "Traceback" not in stderr, \
+        (argv, returncode, stderr[-2000:])
+    return stderr

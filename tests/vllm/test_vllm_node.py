@@ -12,6 +12,9 @@ memory on sleep; the figures measured (process RSS) are reported as such.
 from __future__ import annotations
 
 import json
+import os
+import stat
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -92,7 +95,18 @@ def node(checkpoints: tuple[Path, Path], proc_log_dir: Path):
     yield node
     node.lb.close()
     node.sidecar.stop()
+    rpc_dir = vllm.rpc_dir
     vllm.stop()
+    assert rpc_dir is not None and not os.path.exists(rpc_dir), "vLLM's engine sockets were left behind"
+
+
+def test_vllm_keeps_its_engine_sockets_in_a_folder_of_its_own(node: VllmNode) -> None:
+    """vLLM's engine sockets go in a folder made for this process (removed when it stops: the module's fixture
+    checks), not loose in the temporary folder, where a stopped server's were left behind."""
+    rpc_dir = node.vllm.rpc_dir
+    assert rpc_dir is not None and os.path.dirname(rpc_dir) == tempfile.gettempdir()
+    entries = [os.path.join(rpc_dir, name) for name in os.listdir(rpc_dir)]
+    assert entries and all(stat.S_ISSOCK(os.stat(path).st_mode) for path in entries), entries
 
 
 @pytest.fixture

@@ -23,7 +23,7 @@ if none answers (502 ``upstream_error``).
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 from urllib.parse import quote
 
 from fastapi import FastAPI, Request
@@ -49,6 +49,15 @@ WITH_CLUSTER_VIEW = ("/get_server_info", "/server_info")
 Shape = Callable[[int, Any], str | None]
 
 
+class Answer(NamedTuple):
+    """The node that answered a probe, its status and body, and the body as read (with a shape; None without)."""
+
+    node: Node
+    status: int
+    body: bytes
+    parsed: Any = None
+
+
 class Probes:
     """Asks the cluster's nodes what a single SGLang server would answer."""
 
@@ -62,12 +71,12 @@ class Probes:
 
     async def ask(self, path: str, *, serving_only: bool = False, is_lookup: bool = False,
                   refusal_of: Callable[[bytes], str | None] | None = None,
-                  shape: Shape | None = None, timeout_s: float | None = None) -> tuple[Node, int, bytes]:
+                  shape: Shape | None = None, timeout_s: float | None = None) -> Answer:
         """The first node's 2xx answer to ``GET path`` (``is_lookup``: a 404 too, the path names something
         unknown; otherwise a 404 means that node lacks the endpoint, a plain server of another kind) that
         ``refusal_of`` (if given) finds no reason to pass over; when every node was passed over for such a
         reason, 503 ``no_available_node``. With ``shape``, an answer that is not JSON within bounds, or that
-        ``shape`` finds amiss, is that node's failure. Each node is given ``timeout_s`` (``--health-timeout``
+        ``shape`` finds amiss, is that node's failure (the answer read is kept in ``parsed``). Each node is given ``timeout_s`` (``--health-timeout``
         if None); the next node is asked as soon as one failed, or beside it once it took ``--health-timeout``."""
         nodes = self.candidates(serving_only=serving_only)
         if not nodes:
@@ -76,7 +85,7 @@ class Probes:
         next_after_s = self.cluster.config.health_timeout_s
         timeout_s = next_after_s if timeout_s is None else timeout_s
         failures: list[dict[str, Any]] = []
-        asking: dict[asyncio.Future[tuple[int, bytes] | str], Node] = {}
+        asking: dict[asyncio.Future[tuple[int, bytes, Any] | str], Node] = {}
         try:
             while nodes or asking:
                 if nodes:
@@ -89,11 +98,11 @@ class Probes:
                     if isinstance(outcome, str):
                         failures.append({"node": node.url, "error": outcome})
                         continue
-                    status, body = outcome
+                    status, body, parsed = outcome
                     if 200 <= status < 300 or (is_lookup and status == 404):
                         refusal = None if refusal_of is None else refusal_of(body)
                         if refusal is None:
-                            return node, status, body
+                            return Answer(node, status, body, parsed)
                         failures.append({"node": node.url, "refused": refusal})
                         continue
                     failures.append({"node": node.url, "status": status})
@@ -107,9 +116,9 @@ class Probes:
                            extra={"failures": failures})
 
     async def _get(self, node: Node, path: str, timeout_s: float, is_lookup: bool,
-                   shape: Shape | None) -> tuple[int, bytes] | str:
-        """``node``'s status and answer to ``GET path`` (bounded in size and time), or why it gave none (or, with
-        ``shape``, gave an answer to be relayed that is not the path's)."""
+                   shape: Shape | None) -> tuple[int, bytes, Any] | str:
+        """``node``'s status, answer to ``GET path`` (bounded in size and time) and, with ``shape``, that answer
+        read; or why it gave none (or, with ``shape``, gave an answer that is not the path's)."""
         try:
             response = await self.cluster.client.request("GET", node.url + path, headers=self.cluster.node_headers,
                                                          timeout=timeout_s)
@@ -117,39 +126,34 @@ class Probes:
         except UpstreamError as exc:
             return str(exc)
         if shape is None or not (200 <= status < 300 or (is_lookup and status == 404)):
-            return status, body
+            return status, body, None
         try:  # parsed off the loop: up to MAX_PROBE_ANSWER_BYTES of a peer's JSON
-            problem = shape(status, await asyncio.to_thread(loads_bounded, body))
+            parsed = await asyncio.to_thread(loads_bounded, body)
         except PeerJSONError as exc:
-            problem = f"not JSON we can read ({exc})"
-        return (status, body) if problem is None else f"answered {status} with {problem}"
+            return f"answered {status} with not JSON we can read ({exc})"
+        problem = shape(status, parsed)
+        return (status, body, parsed) if problem is None else f"answered {status} with {problem}"
 
     async def relayed(self, path: str, shape: Shape, *, is_lookup: bool = False) -> Response:
-        _, status, body = await self.ask(path, is_lookup=is_lookup, shape=shape)
-        return Response(body, status_code=status, media_type="application/json")
+        answer = await self.ask(path, is_lookup=is_lookup, shape=shape)
+        return Response(answer.body, status_code=answer.status, media_type="application/json")
 
-    async def ask_object(self, path: str, parse: Callable[[bytes], Any] = loads_bounded) -> tuple[Node, dict[str, Any]]:
-        """The first node's answer to ``GET path`` that is a JSON object (asked as :meth:`ask` asks: any healthy
-        node, serving nodes first), read by ``parse`` off the loop."""
-        node, status, body = await self.ask(path, shape=_object_shape)
-        try:  # parsed off the loop: up to MAX_PROBE_ANSWER_BYTES of a peer's JSON
-            info = await asyncio.to_thread(parse, body) if status == 200 else None
-        except PeerJSONError as exc:
-            raise ServiceError(f"{node.url}{path} answered JSON we cannot read: {exc}",
-                               kind=E.UPSTREAM_ERROR) from exc
-        if not isinstance(info, dict):
-            raise ServiceError(f"{node.url}{path} did not answer an object", kind=E.UPSTREAM_ERROR)
-        return node, info
+    async def ask_object(self, path: str) -> tuple[Node, dict[str, Any]]:
+        """The first node's 2xx answer to ``GET path`` that is a JSON object, as read (asked as :meth:`ask` asks: any
+        healthy node, serving nodes first; a node answering anything else is passed over and named)."""
+        answer = await self.ask(path, shape=_object_shape)
+        return answer.node, answer.parsed
 
     async def server_info(self, path: str) -> JSONResponse:
-        node, info = await self.ask_object(path, _redacted_object)  # parsed and redacted off the loop
+        node, info = await self.ask_object(path)
+        info = await asyncio.to_thread(redact_secrets, info)  # off the loop: up to MAX_PROBE_ANSWER_BYTES of JSON
         nodes = self.cluster.membership.nodes()
         return JSONResponse({**info, "handoff_cluster": {"answered_by": node.url, **cluster_occupation(nodes)}})
 
     async def health_generate(self) -> JSONResponse:
         """A token generated by one serving node (its ``/health_generate``), whatever its role; a node that
         answers that it stopped serving meanwhile is passed over for the next."""
-        node, _, body = await self.ask("/health_generate", serving_only=True, refusal_of=_stopped_serving,
+        node, _, body, _ = await self.ask("/health_generate", serving_only=True, refusal_of=_stopped_serving,
                                        timeout_s=max(GENERATE_PROBE_TIMEOUT_S, self.cluster.config.health_timeout_s))
         answer = _answer_object(body)
         return JSONResponse({"healthy": True, "node": node.url, "weight_version": answer.get("weight_version")})
@@ -182,11 +186,6 @@ def install_probes(app: FastAPI, cluster: Cluster, api_key: BearerToken, admin: 
     async def health_generate(request: Request) -> JSONResponse:
         api_key.check(request, also=admin)
         return await probes.health_generate()
-
-
-def _redacted_object(body: bytes) -> Any:
-    """A node's server info without its secrets (:func:`handoff.service.redact.redact_secrets`)."""
-    return redact_secrets(loads_bounded(body))
 
 
 def _answer_object(body: bytes) -> dict[str, Any]:
